@@ -1,0 +1,46 @@
+# fs3 — the two commands a newcomer needs are `make run` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.fs3-installed
+PROTO_SRC := $(wildcard proto/fs3/*.proto)
+PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
+SEEDS ?= 2000
+PYTEST_ARGS ?=
+
+.PHONY: run test proto lint typecheck sim bench clean install
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	./scripts/bootstrap.sh
+	@touch $(STAMP)
+
+install: $(STAMP) proto
+
+# Generated protobuf modules land next to the package (fs3/*_pb2.py) and are never edited by hand.
+proto: $(STAMP) $(PROTO_OUT)
+
+fs3/%_pb2.py: proto/fs3/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. $(PROTO_SRC)
+
+run: install
+	$(BIN)/fs3 local up --mount ./mnt
+
+test: install
+	$(BIN)/ruff check fs3 tests bench
+	$(BIN)/mypy fs3
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check fs3 tests bench
+	$(BIN)/mypy fs3
+
+# Long deterministic-simulation sweep: `make sim SEEDS=10000`.
+sim: install
+	$(PY) -m fs3.sim --seeds $(SEEDS)
+
+bench: install
+	$(PY) bench/chunk_bench.py
+
+clean:
+	rm -rf $(VENV) fs3/*_pb2.py fs3/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache

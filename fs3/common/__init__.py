@@ -1,0 +1,1 @@
+"""Shared foundations: config, errors, ids, checksums, clock, logging, metrics."""

@@ -1,0 +1,119 @@
+"""TOML configuration with environment overrides.
+
+Each service describes its settings as a dataclass with defaults (the embedded defaults that
+make ``fs3 local up`` work without a file). :func:`load_config` reads an optional TOML file,
+then applies environment overrides named ``<PREFIX>_<FIELD>`` (e.g. ``FS3_STORAGE_NODE_ID=3``),
+converting and validating every value. Unknown keys are an error, not silently ignored: a typo
+in a config file must not fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fs3.common.errors import InvalidArgument
+
+__all__ = ["load_config", "config_from_mapping"]
+
+T = TypeVar("T")
+
+
+def _convert(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (types.UnionType, typing.Union):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, non_none[0], where)
+    if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
+        if not isinstance(value, Mapping):
+            raise InvalidArgument(f"{where}: expected a table, got {type(value).__name__}")
+        return config_from_mapping(annotation, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise InvalidArgument(f"{where}: expected a list, got {type(value).__name__}")
+        return [_convert(item, args[0], f"{where}[{i}]") for i, item in enumerate(value)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise InvalidArgument(f"{where}: expected a boolean, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise InvalidArgument(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"{where}: expected an integer, got {value!r}") from None
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"{where}: expected a number, got {value!r}") from None
+    if annotation is str:
+        if not isinstance(value, str | int | float):
+            raise InvalidArgument(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def config_from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "config") -> T:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and ill-typed values."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise InvalidArgument(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    kwargs = {key: _convert(value, hints[key], f"{where}.{key}") for key, value in data.items()}
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj
+
+
+def load_config(
+    cls: type[T],
+    path: str | os.PathLike[str] | None = None,
+    env_prefix: str = "FS3",
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> T:
+    """Defaults < TOML file < ``overrides`` (e.g. CLI flags) < environment ``<env_prefix>_<FIELD>``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file_path = Path(path)
+        try:
+            with file_path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise InvalidArgument(f"config file {file_path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise InvalidArgument(f"config file {file_path}: {exc}") from None
+    if overrides:
+        data.update({k: v for k, v in overrides.items() if v is not None})
+    env = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = f"{env_prefix}_{field.name.upper()}"
+        if key in env:
+            annotation = hints[field.name]
+            if typing.get_origin(annotation) is list or dataclasses.is_dataclass(annotation):
+                try:
+                    data[field.name] = tomllib.loads(f"v = {env[key]}")["v"]
+                except tomllib.TOMLDecodeError as exc:
+                    raise InvalidArgument(f"environment {key}: not a TOML value: {exc}") from None
+            else:
+                data[field.name] = env[key]
+    return config_from_mapping(cls, data, where=str(path) if path else "config")

@@ -1,0 +1,1 @@
+"""mgmtd, the cluster manager: node registry, heartbeats, chain tables and routing information."""

@@ -1,0 +1,127 @@
+"""The mgmtd service: a thin shell that feeds RPCs and a periodic scan into :class:`MgmtdState`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from fs3 import common_pb2 as cpb
+from fs3 import mgmtd_pb2 as mpb
+from fs3.common.clock import Clock, LoopClock
+from fs3.common.errors import InvalidArgument
+from fs3.common.metrics import ServiceMetrics
+from fs3.kv.store import KVStore
+from fs3.mgmtd.state import MgmtdState
+from fs3.rpc.dispatch import Buffer
+
+__all__ = ["MgmtdConfig", "MgmtdServicer"]
+
+log = logging.getLogger(__name__)
+_NO_PAYLOAD = b""
+
+
+@dataclass
+class MgmtdConfig:
+    """Settings of one mgmtd process (TOML keys; env ``FS3_MGMTD_<KEY>``)."""
+
+    cluster_id: str = "fs3"
+    listen_host: str = "127.0.0.1"
+    framed_port: int = 9000
+    grpc_port: int = 9001
+    metrics_port: int = 9002          # -1: no /metrics endpoint
+    data_dir: str = ".fs3/mgmtd"
+    kv_engine: str = "rocksdb"
+    heartbeat_timeout_ms: int = 10_000
+    scan_interval_ms: int = 200
+    token: str = ""
+    log_level: str = "INFO"
+
+    def validate(self) -> None:
+        if self.heartbeat_timeout_ms < 100:
+            raise InvalidArgument("heartbeat_timeout_ms must be at least 100")
+        if not 10 <= self.scan_interval_ms <= self.heartbeat_timeout_ms:
+            raise InvalidArgument("scan_interval_ms must be within [10, heartbeat_timeout_ms]")
+        if self.kv_engine not in ("rocksdb", "mem"):
+            raise InvalidArgument(f"kv_engine {self.kv_engine!r}: expected rocksdb or mem")
+
+
+class MgmtdServicer:
+    """Implements ``fs3.Mgmtd``; all state lives in :class:`MgmtdState`."""
+
+    def __init__(self, kv: KVStore, config: MgmtdConfig, clock: Clock | None = None,
+                 metrics: ServiceMetrics | None = None) -> None:
+        self.config = config
+        self.clock = clock or LoopClock()
+        self.state = MgmtdState(kv, config.heartbeat_timeout_ms, config.cluster_id)
+        self._scan_task: asyncio.Task[None] | None = None
+        self._routing_changed = asyncio.Event()
+        if metrics is not None:
+            self._routing_gauge = metrics.gauge("fs3_mgmtd_routing_version", "Current routing info version")
+            self._alive_gauge = metrics.gauge("fs3_mgmtd_alive_nodes", "Nodes with a recent heartbeat")
+        else:
+            self._routing_gauge = self._alive_gauge = None
+
+    def start(self) -> None:
+        self.state.load(self.clock.now_ms())
+        self._scan_task = asyncio.create_task(self._scan_loop())
+
+    async def stop(self) -> None:
+        if self._scan_task is not None:
+            self._scan_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scan_task
+        self.state.kv.close()
+
+    async def _scan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.scan_interval_ms / 1000)
+            self.state.scan(self.clock.now_ms())
+            if self._routing_gauge is not None and self._alive_gauge is not None:
+                self._routing_gauge.set(self.state.routing_version)
+                self._alive_gauge.set(sum(1 for n in self.state.nodes.values() if n.alive))
+
+    # -- RPC handlers ------------------------------------------------------------------------
+
+    async def heartbeat(self, req: mpb.HeartbeatReq, payload: memoryview) -> tuple[mpb.HeartbeatRsp, Buffer]:
+        self.state.heartbeat(req, self.clock.now_ms())
+        return mpb.HeartbeatRsp(routing_version=self.state.routing_version,
+                                heartbeat_timeout_ms=self.config.heartbeat_timeout_ms), _NO_PAYLOAD
+
+    async def get_routing_info(self, req: mpb.GetRoutingInfoReq,
+                               payload: memoryview) -> tuple[mpb.GetRoutingInfoRsp, Buffer]:
+        if req.known_version and req.known_version == self.state.routing_version:
+            return mpb.GetRoutingInfoRsp(changed=False), _NO_PAYLOAD
+        return mpb.GetRoutingInfoRsp(changed=True, routing=self.state.routing_info()), _NO_PAYLOAD
+
+    async def list_nodes(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.ListNodesRsp, Buffer]:
+        rsp = mpb.ListNodesRsp()
+        for record in sorted(self.state.nodes.values(), key=lambda r: r.info.node_id):
+            node = rsp.nodes.add()
+            node.CopyFrom(record.info)
+            node.alive = record.alive
+            node.last_heartbeat_ms = record.last_heartbeat_ms
+        return rsp, _NO_PAYLOAD
+
+    async def list_targets(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.ListTargetsRsp, Buffer]:
+        rsp = mpb.ListTargetsRsp()
+        for tid in sorted(self.state.targets):
+            rsp.targets.add().CopyFrom(self.state.targets[tid].info)
+        return rsp, _NO_PAYLOAD
+
+    async def list_chains(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.ListChainsRsp, Buffer]:
+        routing = self.state.routing_info()
+        rsp = mpb.ListChainsRsp(chains=routing.chains, chain_tables=routing.chain_tables)
+        for tid in sorted(self.state.targets):
+            rsp.targets.add().CopyFrom(self.state.targets[tid].info)
+        return rsp, _NO_PAYLOAD
+
+    async def create_chain_table(self, req: mpb.CreateChainTableReq,
+                                 payload: memoryview) -> tuple[mpb.CreateChainTableRsp, Buffer]:
+        return self.state.create_chain_table(req), _NO_PAYLOAD
+
+    async def mark_target_offline(self, req: mpb.MarkTargetOfflineReq,
+                                  payload: memoryview) -> tuple[mpb.MarkTargetOfflineRsp, Buffer]:
+        self.state.mark_target_offline(req.target_id, self.clock.now_ms())
+        return mpb.MarkTargetOfflineRsp(routing_version=self.state.routing_version), _NO_PAYLOAD

@@ -1,0 +1,318 @@
+"""mgmtd's cluster state: nodes, targets, chains, chain tables and the routing version.
+
+A plain object over a :class:`~fs3.kv.KVStore`; callers pass the time in (``now_ms``), so the
+same code runs under the real clock, the simulator's virtual one and unit tests. Everything but
+local states and heartbeat times is persisted: restarting mgmtd loses no chain and changes no
+public state, and every node gets a full heartbeat timeout of grace after the restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fs3 import common_pb2 as cpb
+from fs3 import mgmtd_pb2 as mpb
+from fs3.common.errors import AlreadyExists, InvalidArgument, NotFound
+from fs3.common.invariant import ensure
+from fs3.kv.store import KVStore, WriteBatch, prefix_end
+from fs3.mgmtd.chain_state import LocalState, PublicState, update_chain
+
+__all__ = ["MgmtdState", "NodeRecord", "TargetRecord"]
+
+log = logging.getLogger(__name__)
+
+_NODE, _TARGET, _CHAIN, _TABLE = b"node/", b"target/", b"chain/", b"table/"
+_ROUTING_VERSION = b"meta/routing_version"
+
+_LOCAL_TO_PB = {
+    LocalState.UP_TO_DATE: cpb.UP_TO_DATE,
+    LocalState.ONLINE: cpb.ONLINE,
+    LocalState.OFFLINE: cpb.LOCAL_OFFLINE,
+}
+_LOCAL_FROM_PB = {v: k for k, v in _LOCAL_TO_PB.items()}
+
+
+def local_from_pb(value: int) -> LocalState:
+    try:
+        return _LOCAL_FROM_PB[value]
+    except KeyError:
+        raise InvalidArgument(f"unknown local state {value}") from None
+
+
+@dataclass
+class NodeRecord:
+    info: cpb.NodeInfo
+    last_heartbeat_ms: int
+    alive: bool = True
+
+
+@dataclass
+class TargetRecord:
+    info: cpb.TargetInfo
+    local_state: LocalState = LocalState.OFFLINE
+
+    @property
+    def public_state(self) -> PublicState:
+        return PublicState(self.info.public_state)
+
+
+@dataclass
+class MgmtdState:
+    kv: KVStore
+    heartbeat_timeout_ms: int
+    cluster_id: str = "fs3"
+    nodes: dict[int, NodeRecord] = field(default_factory=dict)
+    targets: dict[int, TargetRecord] = field(default_factory=dict)
+    chains: dict[int, cpb.ChainInfo] = field(default_factory=dict)
+    tables: dict[int, cpb.ChainTable] = field(default_factory=dict)
+    routing_version: int = 1
+    _routing_cache: cpb.RoutingInfo | None = None
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def load(self, now_ms: int) -> None:
+        """Read persisted state; every known node gets a heartbeat timeout of grace."""
+        for _, raw in self.kv.scan(_NODE, prefix_end(_NODE)):
+            info = cpb.NodeInfo.FromString(raw)
+            self.nodes[info.node_id] = NodeRecord(info, last_heartbeat_ms=now_ms)
+        for _, raw in self.kv.scan(_TARGET, prefix_end(_TARGET)):
+            tinfo = cpb.TargetInfo.FromString(raw)
+            # Pick the local state that keeps the public state where it is until the node speaks.
+            local = {
+                PublicState.SERVING: LocalState.UP_TO_DATE,
+                PublicState.SYNCING: LocalState.ONLINE,
+                PublicState.WAITING: LocalState.UP_TO_DATE,
+            }.get(PublicState(tinfo.public_state or PublicState.OFFLINE), LocalState.OFFLINE)
+            self.targets[tinfo.target_id] = TargetRecord(tinfo, local)
+        for _, raw in self.kv.scan(_CHAIN, prefix_end(_CHAIN)):
+            chain = cpb.ChainInfo.FromString(raw)
+            self.chains[chain.chain_id] = chain
+        for _, raw in self.kv.scan(_TABLE, prefix_end(_TABLE)):
+            table = cpb.ChainTable.FromString(raw)
+            self.tables[table.table_id] = table
+        raw_version = self.kv.get(_ROUTING_VERSION)
+        # A restart bumps the version so every cached routing is refreshed once.
+        self.routing_version = (int(raw_version) if raw_version else 0) + 1
+        self._persist(routing=True)
+        log.info("mgmtd state loaded: %d nodes, %d targets, %d chains, routing v%d",
+                 len(self.nodes), len(self.targets), len(self.chains), self.routing_version)
+
+    def _persist(self, nodes: Iterable[int] = (), targets: Iterable[int] = (), chains: Iterable[int] = (),
+                 tables: Iterable[int] = (), routing: bool = False) -> None:
+        batch = WriteBatch()
+        for node_id in nodes:
+            batch.put(_NODE + b"%08d" % node_id, self.nodes[node_id].info.SerializeToString())
+        for target_id in targets:
+            batch.put(_TARGET + b"%020d" % target_id, self.targets[target_id].info.SerializeToString())
+        for chain_id in chains:
+            batch.put(_CHAIN + b"%08d" % chain_id, self.chains[chain_id].SerializeToString())
+        for table_id in tables:
+            batch.put(_TABLE + b"%08d" % table_id, self.tables[table_id].SerializeToString())
+        if routing:
+            batch.put(_ROUTING_VERSION, str(self.routing_version).encode())
+        if len(batch):
+            self.kv.write(batch, sync=True)
+
+    def _bump_routing(self) -> None:
+        self.routing_version += 1
+        self._routing_cache = None
+
+    # -- heartbeats and scans ----------------------------------------------------------------
+
+    def heartbeat(self, req: mpb.HeartbeatReq, now_ms: int) -> bool:
+        """Record a heartbeat; returns whether the routing information changed."""
+        if req.node_id == 0:
+            raise InvalidArgument("heartbeat without a node id")
+        if req.node_type == cpb.NODE_TYPE_UNSPECIFIED:
+            raise InvalidArgument("heartbeat without a node type")
+        changed = False
+        record = self.nodes.get(req.node_id)
+        info = cpb.NodeInfo(
+            node_id=req.node_id, node_type=req.node_type, framed_address=req.framed_address,
+            grpc_address=req.grpc_address, hostname=req.hostname, pid=req.pid, alive=True,
+            metrics_address=req.metrics_address,
+        )
+        persisted = record.info if record else None
+        if persisted is None or _node_identity(persisted) != _node_identity(info):
+            changed = True
+        if record is None:
+            record = NodeRecord(info, now_ms)
+            self.nodes[req.node_id] = record
+        else:
+            if not record.alive:
+                changed = True
+            record.info = info
+            record.alive = True
+            record.last_heartbeat_ms = now_ms
+        touched_targets: list[int] = []
+        for th in req.targets:
+            if th.target_id == 0:
+                raise InvalidArgument("target id 0 is reserved")
+            target = self.targets.get(th.target_id)
+            if target is not None and target.info.node_id != req.node_id:
+                raise AlreadyExists(f"target {th.target_id} belongs to node {target.info.node_id}")
+            local = local_from_pb(th.local_state)
+            if target is None:
+                target = TargetRecord(cpb.TargetInfo(target_id=th.target_id, node_id=req.node_id), local)
+                self.targets[th.target_id] = target
+                touched_targets.append(th.target_id)
+                changed = True
+            if target.local_state is not local:
+                target.local_state = local
+                changed = True
+            if target.info.path != th.path:
+                touched_targets.append(th.target_id)
+            target.info.path = th.path
+            target.info.capacity_bytes = th.capacity_bytes
+            target.info.used_bytes = th.used_bytes
+            target.info.free_bytes = th.free_bytes
+            target.info.chunk_count = th.chunk_count
+            target.info.local_state = _LOCAL_TO_PB[local]
+        if changed:
+            self._bump_routing()
+            self._persist(nodes=[req.node_id], targets=touched_targets, routing=True)
+        return self.scan(now_ms) or changed
+
+    def scan(self, now_ms: int) -> bool:
+        """Expire silent nodes and run every chain through the state machine."""
+        expired = False
+        for record in self.nodes.values():
+            if record.alive and now_ms - record.last_heartbeat_ms > self.heartbeat_timeout_ms:
+                record.alive = False
+                expired = True
+                log.warning("node %d missed heartbeats for %d ms: marking its targets offline",
+                            record.info.node_id, now_ms - record.last_heartbeat_ms)
+                for target in self.targets.values():
+                    if target.info.node_id == record.info.node_id:
+                        target.local_state = LocalState.OFFLINE
+                        target.info.local_state = cpb.LOCAL_OFFLINE
+        changed_chains: list[int] = []
+        changed_targets: list[int] = []
+        for chain in self.chains.values():
+            ids = list(chain.target_ids)
+            result = update_chain(
+                ids,
+                {t: self.targets[t].public_state for t in ids},
+                {t: self.targets[t].local_state for t in ids},
+                chain.chain_version,
+            )
+            if not result.changed:
+                continue
+            log.info("chain %d v%d -> v%d: %s", chain.chain_id, chain.chain_version, result.chain_version,
+                     ", ".join(f"{t}:{result.states[t].name.lower()}" for t in result.target_ids))
+            del chain.target_ids[:]
+            chain.target_ids.extend(result.target_ids)
+            chain.chain_version = result.chain_version
+            for t in ids:
+                self.targets[t].info.public_state = int(result.states[t])
+            changed_chains.append(chain.chain_id)
+            changed_targets.extend(ids)
+        if changed_chains or expired:
+            self._bump_routing()
+            self._persist(targets=changed_targets, chains=changed_chains, routing=True)
+            return True
+        return False
+
+    # -- admin -------------------------------------------------------------------------------
+
+    def create_chain_table(self, req: mpb.CreateChainTableReq) -> mpb.CreateChainTableRsp:
+        table_id = req.table_id or 1
+        if table_id in self.tables:
+            raise AlreadyExists(f"chain table {table_id} exists")
+        specs = [(c.chain_id, list(c.target_ids)) for c in req.chains]
+        if not specs:
+            if req.replicas == 0:
+                raise InvalidArgument("give explicit chains or a replica count")
+            specs = self._plan_chains(req.replicas)
+        used = {t for c in self.chains.values() for t in c.target_ids}
+        seen: set[int] = set()
+        next_id = max(self.chains, default=0) + 1
+        chains: list[cpb.ChainInfo] = []
+        for chain_id, target_ids in specs:
+            if not target_ids:
+                raise InvalidArgument("a chain needs at least one target")
+            chain_id = chain_id or next_id
+            next_id = max(next_id, chain_id + 1)
+            if chain_id in self.chains or any(c.chain_id == chain_id for c in chains):
+                raise AlreadyExists(f"chain {chain_id} exists")
+            nodes = set()
+            for t in target_ids:
+                if t not in self.targets:
+                    raise NotFound(f"target {t} is not registered")
+                if t in used or t in seen:
+                    raise AlreadyExists(f"target {t} is already in a chain")
+                seen.add(t)
+                nodes.add(self.targets[t].info.node_id)
+            if len(nodes) != len(target_ids):
+                raise InvalidArgument(f"chain {chain_id} puts two replicas on one node")
+            chains.append(cpb.ChainInfo(chain_id=chain_id, chain_version=1, target_ids=target_ids, table_id=table_id))
+        table = cpb.ChainTable(table_id=table_id, table_version=1, chain_ids=[c.chain_id for c in chains])
+        for chain in chains:
+            self.chains[chain.chain_id] = chain
+            for t in chain.target_ids:
+                target = self.targets[t]
+                target.info.chain_id = chain.chain_id
+                alive = target.local_state is not LocalState.OFFLINE
+                target.info.public_state = int(PublicState.SERVING if alive else PublicState.OFFLINE)
+        self.tables[table_id] = table
+        self._bump_routing()
+        self._persist(targets=seen, chains=[c.chain_id for c in chains], tables=[table_id], routing=True)
+        return mpb.CreateChainTableRsp(table=table, chains=chains)
+
+    def _plan_chains(self, replicas: int) -> list[tuple[int, list[int]]]:
+        """Chains of ``replicas`` targets on distinct nodes from every unchained target, heads spread."""
+        used = {t for c in self.chains.values() for t in c.target_ids}
+        free: dict[int, list[int]] = {}
+        for tid in sorted(self.targets):
+            if tid not in used:
+                free.setdefault(self.targets[tid].info.node_id, []).append(tid)
+        if len(free) < replicas:
+            raise InvalidArgument(f"{replicas} replicas need {replicas} storage nodes with free targets, "
+                                  f"found {len(free)}")
+        specs: list[tuple[int, list[int]]] = []
+        while True:
+            candidates = sorted((n for n in free if free[n]), key=lambda n: (-len(free[n]), n))
+            if len(candidates) < replicas:
+                break
+            chosen = [free[n].pop(0) for n in candidates[:replicas]]
+            rotate = len(specs) % replicas
+            specs.append((0, chosen[rotate:] + chosen[:rotate]))
+        ensure(bool(specs), "chain planning produced no chain")
+        return specs
+
+    def mark_target_offline(self, target_id: int, now_ms: int) -> None:
+        target = self.targets.get(target_id)
+        if target is None:
+            raise NotFound(f"target {target_id} is not registered")
+        target.local_state = LocalState.OFFLINE
+        target.info.local_state = cpb.LOCAL_OFFLINE
+        self.scan(now_ms)
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def routing_info(self) -> cpb.RoutingInfo:
+        if self._routing_cache is None:
+            routing = cpb.RoutingInfo(
+                routing_version=self.routing_version,
+                heartbeat_timeout_ms=self.heartbeat_timeout_ms,
+                cluster_id=self.cluster_id,
+            )
+            for record in sorted(self.nodes.values(), key=lambda r: r.info.node_id):
+                node = routing.nodes.add()
+                node.CopyFrom(record.info)
+                node.alive = record.alive
+                node.last_heartbeat_ms = record.last_heartbeat_ms
+            for tid in sorted(self.targets):
+                routing.targets.add().CopyFrom(self.targets[tid].info)
+            for cid in sorted(self.chains):
+                routing.chains.add().CopyFrom(self.chains[cid])
+            for tab in sorted(self.tables):
+                routing.chain_tables.add().CopyFrom(self.tables[tab])
+            self._routing_cache = routing
+        return self._routing_cache
+
+
+def _node_identity(info: cpb.NodeInfo) -> tuple[int, str, str, str]:
+    return (info.node_type, info.framed_address, info.grpc_address, info.metrics_address)

@@ -1,0 +1,280 @@
+"""The framed transport: asyncio TCP (uvloop in services), many requests in flight per connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+from dataclasses import dataclass
+
+from google.protobuf.message import Message
+
+from fs3.common.errors import (
+    FS3Error,
+    FrameTooLarge,
+    ProtocolError,
+    StatusCode,
+    Timeout,
+    Unauthenticated,
+    Unavailable,
+    error_for,
+)
+from fs3.rpc.dispatch import Buffer, Dispatcher, token_matches
+from fs3.rpc.framing import HEADER, FrameKind, pack_header, unpack_header
+from fs3.rpc.methods import MethodSpec
+
+__all__ = ["FramedChannel", "FramedLimits", "FramedServer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FramedLimits:
+    """Bounds on what one frame and one connection may hold."""
+
+    msg_max_bytes: int = 16 * 1024 * 1024
+    payload_max_bytes: int = 72 * 1024 * 1024
+    inflight_requests_max: int = 256
+    hello_timeout_ms: int = 5_000
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class FramedServer:
+    """Serves a :class:`Dispatcher` over the framed protocol."""
+
+    def __init__(self, dispatcher: Dispatcher, limits: FramedLimits | None = None) -> None:
+        self.dispatcher = dispatcher
+        self.limits = limits or FramedLimits()
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._on_connection, host, port, limit=1 << 20)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._connections):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            self._server = None
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        _tune(writer)
+        try:
+            await self._serve(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        limits = self.limits
+        authenticated = self.dispatcher.token is None
+        inflight = asyncio.Semaphore(limits.inflight_requests_max)
+        tasks: set[asyncio.Task[None]] = set()
+        first = True
+        try:
+            while True:
+                if first and not authenticated:
+                    raw = await asyncio.wait_for(reader.readexactly(HEADER.size), limits.hello_timeout_ms / 1000)
+                else:
+                    raw = await reader.readexactly(HEADER.size)
+                try:
+                    header = unpack_header(raw, limits.msg_max_bytes, limits.payload_max_bytes)
+                except (ProtocolError, FrameTooLarge) as exc:
+                    # The stream cannot be re-synchronised after a bad header: answer, then hang up.
+                    writer.write(pack_header(FrameKind.RESPONSE, 0, exc.code, 0, len(exc.message), 0))
+                    writer.write(exc.message.encode())
+                    await writer.drain()
+                    return
+                message = await reader.readexactly(header.msg_len) if header.msg_len else b""
+                payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
+                if header.kind == FrameKind.HELLO:
+                    ok = token_matches(self.dispatcher.token, message)
+                    status = StatusCode.OK if ok else StatusCode.UNAUTHENTICATED
+                    writer.write(pack_header(FrameKind.HELLO_ACK, 0, status, header.request_id, 0, 0))
+                    await writer.drain()
+                    if not ok:
+                        return
+                    authenticated = True
+                    first = False
+                    continue
+                first = False
+                if header.kind != FrameKind.REQUEST:
+                    raise ProtocolError(f"unexpected frame kind {header.kind.name} from a client")
+                await inflight.acquire()
+                task = asyncio.create_task(
+                    self._handle(writer, header.method_id, header.request_id, message, payload, authenticated,
+                                 inflight)
+                )
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                if not authenticated:
+                    # The refusal is on its way; an unauthenticated connection gets nothing more.
+                    await task
+                    return
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _handle(self, writer: asyncio.StreamWriter, method_id: int, request_id: int, message: bytes,
+                      payload: bytes, authenticated: bool, inflight: asyncio.Semaphore) -> None:
+        try:
+            reply = await self.dispatcher.dispatch(method_id, message, payload, authenticated)
+            if writer.is_closing():
+                return
+            writer.write(pack_header(FrameKind.RESPONSE, method_id, reply.status, request_id, len(reply.message),
+                                     len(reply.payload)))
+            writer.write(reply.message)
+            if len(reply.payload):
+                writer.write(reply.payload)
+            await writer.drain()
+        except (ConnectionError, RuntimeError):
+            pass
+        finally:
+            inflight.release()
+
+
+class FramedChannel:
+    """A client connection to one framed server, multiplexing concurrent calls.
+
+    Connects lazily, authenticates with the cluster token, and reconnects on the next call
+    after a failure. A call that cannot be delivered raises :class:`Unavailable`; one that
+    gets no answer in time raises :class:`Timeout` (the request may still have executed).
+    """
+
+    def __init__(self, address: str, token: str | None = None, connect_timeout_ms: int = 3_000,
+                 limits: FramedLimits | None = None) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad address {address!r}, expected host:port")
+        self.address = address
+        self._host, self._port = host, int(port)
+        self._token = token
+        self._connect_timeout_ms = connect_timeout_ms
+        self._limits = limits or FramedLimits()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes, bytes]]] = {}
+        self._ids = itertools.count(1)
+        self._connect_lock = asyncio.Lock()
+        self._closed = False
+
+    async def _ensure_connected(self) -> asyncio.StreamWriter:
+        if self._writer is not None and not self._writer.is_closing():
+            return self._writer
+        async with self._connect_lock:
+            if self._writer is not None and not self._writer.is_closing():
+                return self._writer
+            if self._closed:
+                raise Unavailable(f"channel to {self.address} is closed")
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self._host, self._port, limit=1 << 20),
+                    self._connect_timeout_ms / 1000,
+                )
+            except (OSError, TimeoutError) as exc:
+                raise Unavailable(f"cannot connect to {self.address}: {exc}") from None
+            _tune(writer)
+            try:
+                token = (self._token or "").encode()
+                writer.write(pack_header(FrameKind.HELLO, 0, 0, 0, len(token), 0) + token)
+                await writer.drain()
+                raw = await asyncio.wait_for(reader.readexactly(HEADER.size), self._connect_timeout_ms / 1000)
+                header = unpack_header(raw, self._limits.msg_max_bytes, self._limits.payload_max_bytes)
+                if header.msg_len:
+                    await reader.readexactly(header.msg_len)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                writer.close()
+                raise Unavailable(f"handshake with {self.address} failed: {exc!r}") from None
+            if header.kind != FrameKind.HELLO_ACK or header.status != StatusCode.OK:
+                writer.close()
+                if header.status == StatusCode.UNAUTHENTICATED:
+                    raise Unauthenticated(f"{self.address} refused the cluster token")
+                raise error_for(header.status, f"handshake with {self.address} refused")
+            self._writer = writer
+            self._reader_task = asyncio.create_task(self._read_loop(reader, writer))
+            return writer
+
+    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        error: FS3Error = Unavailable(f"connection to {self.address} lost")
+        try:
+            while True:
+                raw = await reader.readexactly(HEADER.size)
+                header = unpack_header(raw, self._limits.msg_max_bytes, self._limits.payload_max_bytes)
+                message = await reader.readexactly(header.msg_len) if header.msg_len else b""
+                payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
+                if header.request_id == 0 and header.status != StatusCode.OK:
+                    error = error_for(header.status, message.decode("utf-8", "replace"))
+                    break
+                future = self._pending.pop(header.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result((header.status, message, payload))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except FS3Error as exc:
+            error = Unavailable(f"bad frame from {self.address}: {exc}")
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if self._writer is writer:
+                self._writer = None
+            writer.close()
+            pending, self._pending = self._pending, {}
+            for future in pending.values():
+                if not future.done():
+                    future.set_exception(type(error)(error.message))
+
+    async def call(self, method: MethodSpec, request: Message, payload: Buffer = b"",
+                   timeout_ms: int = 10_000) -> tuple[Message, bytes]:
+        writer = await self._ensure_connected()
+        request_id = next(self._ids)
+        message = request.SerializeToString()
+        future: asyncio.Future[tuple[int, bytes, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            writer.write(pack_header(FrameKind.REQUEST, method.method_id, 0, request_id, len(message), len(payload)))
+            writer.write(message)
+            if len(payload):
+                writer.write(payload)
+            await writer.drain()
+        except (ConnectionError, RuntimeError) as exc:
+            self._pending.pop(request_id, None)
+            raise Unavailable(f"send to {self.address} failed: {exc}") from None
+        try:
+            status, body, out_payload = await asyncio.wait_for(future, timeout_ms / 1000)
+        except TimeoutError:
+            self._pending.pop(request_id, None)
+            raise Timeout(f"{method.name} to {self.address} timed out after {timeout_ms} ms") from None
+        if status != StatusCode.OK:
+            raise error_for(status, body.decode("utf-8", "replace"))
+        return method.response_type.FromString(body), out_payload
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,1 @@
+"""Storage service: chunks on targets, replicated with CRAQ chain replication."""

@@ -1,0 +1,229 @@
+"""Per-target chunk metadata and data.
+
+Every chunk has a committed version and at most one pending version ``u = v + 1`` (the CRAQ
+write in flight). Metadata lives in a KV store (RocksDB on disk), data in a :class:`BlobStore`,
+one immutable blob per version. Commit is atomic: the new version's data is synced first, then
+one KV write batch switches the metadata (and records the client channel's result for
+exactly-once retries), then the old version's blob is deleted. A crash at any point leaves
+either the old or the new version committed, never a mix. A cache of all metadata is kept in
+memory, as 3FS does.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from fs3.common.errors import NoSpace
+from fs3.common.invariant import ensure
+from fs3.kv.store import KVStore, WriteBatch, prefix_end
+from fs3.storage.blobs import BlobStore
+
+__all__ = ["ChannelRecord", "ChunkEngine", "ChunkState"]
+
+_META = b"c/"
+_CHANNEL = b"h/"
+_STATE = struct.Struct("<QQQIIIIQB")
+_CHAN = struct.Struct("<QQII")
+FLAG_PENDING_REMOVE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkState:
+    """Metadata of one chunk replica. ``pending_version == 0`` means no write in flight."""
+
+    commit_version: int = 0
+    pending_version: int = 0
+    chain_version: int = 0
+    length: int = 0
+    checksum: int = 0
+    pending_length: int = 0
+    pending_checksum: int = 0
+    pending_chain_version: int = 0
+    flags: int = 0
+
+    @property
+    def pending_remove(self) -> bool:
+        return bool(self.flags & FLAG_PENDING_REMOVE)
+
+    def encode(self) -> bytes:
+        return _STATE.pack(self.commit_version, self.pending_version, self.chain_version, self.length,
+                           self.checksum, self.pending_length, self.pending_checksum, self.pending_chain_version,
+                           self.flags)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ChunkState:
+        return cls(*_STATE.unpack(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelRecord:
+    """The outcome of the last update on one client channel (for exactly-once retries)."""
+
+    seq: int
+    commit_version: int
+    length: int
+    checksum: int
+
+
+def _channel_key(client_id: bytes, channel_id: int) -> bytes:
+    return _CHANNEL + bytes([len(client_id)]) + client_id + struct.pack(">I", channel_id)
+
+
+class ChunkEngine:
+    """Chunk replicas of one storage target."""
+
+    def __init__(self, kv: KVStore, blobs: BlobStore, reserve_bytes: int = 0, sync_commits: bool = True) -> None:
+        self.kv = kv
+        self.blobs = blobs
+        self.reserve_bytes = reserve_bytes
+        self.sync_commits = sync_commits
+        self._states: dict[bytes, ChunkState] = {}
+        self._channels: dict[bytes, ChannelRecord] = {}
+        self.used_bytes = 0
+        for key, raw in kv.scan(_META, prefix_end(_META)):
+            state = ChunkState.decode(raw)
+            self._states[key[len(_META):]] = state
+            self.used_bytes += state.length
+        for key, raw in kv.scan(_CHANNEL, prefix_end(_CHANNEL)):
+            self._channels[key] = ChannelRecord(*_CHAN.unpack(raw))
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def get(self, chunk_id: bytes) -> ChunkState | None:
+        return self._states.get(chunk_id)
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self._states)
+
+    def iter_states(self, start_after: bytes = b"", limit: int = 1000) -> Iterator[tuple[bytes, ChunkState]]:
+        """Chunks in id order, after ``start_after``; from the KV store so the order is stable."""
+        start = _META + start_after + (b"\x00" if start_after else b"")
+        for key, _ in self.kv.scan(start, prefix_end(_META), limit=limit):
+            chunk_id = key[len(_META):]
+            state = self._states.get(chunk_id)
+            if state is not None:
+                yield chunk_id, state
+
+    def all_chunk_ids(self) -> list[bytes]:
+        return sorted(self._states)
+
+    def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
+        return self.blobs.read(chunk_id, version, offset, length)
+
+    def channel(self, client_id: bytes, channel_id: int) -> ChannelRecord | None:
+        return self._channels.get(_channel_key(client_id, channel_id))
+
+    # -- updates -----------------------------------------------------------------------------
+
+    def _check_space(self, needed_bytes: int) -> None:
+        if self.blobs.free_bytes() - needed_bytes < self.reserve_bytes:
+            raise NoSpace(f"target has {self.blobs.free_bytes()} bytes free, needs {needed_bytes} "
+                          f"+ reserve {self.reserve_bytes}")
+
+    def stage(self, chunk_id: bytes, version: int, content: bytes | memoryview | None, checksum: int,
+              chain_version: int) -> ChunkState:
+        """Store ``content`` as pending version ``version`` (None: a pending removal)."""
+        old = self._states.get(chunk_id, ChunkState())
+        ensure(version == old.commit_version + 1, f"pending v{version} on committed v{old.commit_version}")
+        if old.pending_version and not old.pending_remove and old.pending_version != old.commit_version:
+            self.blobs.delete(chunk_id, old.pending_version)
+        if content is not None:
+            self._check_space(len(content))
+            self.blobs.write(chunk_id, version, content)
+        state = replace(old, pending_version=version, pending_length=len(content) if content is not None else 0,
+                        pending_checksum=checksum, pending_chain_version=chain_version,
+                        flags=FLAG_PENDING_REMOVE if content is None else 0)
+        batch = WriteBatch()
+        batch.put(_META + chunk_id, state.encode())
+        self.kv.write(batch, sync=False)  # a lost pending is recovered by resync
+        self._states[chunk_id] = state
+        return state
+
+    def commit(self, chunk_id: bytes, version: int, chain_version: int,
+               channel: tuple[bytes, int, int] | None = None) -> ChunkState | None:
+        """Make pending ``version`` the committed one. Returns the new state (None: removed)."""
+        old = self._states.get(chunk_id)
+        ensure(old is not None and old.pending_version == version,
+               f"commit of v{version} without that pending version")
+        assert old is not None
+        batch = WriteBatch()
+        if old.pending_remove:
+            new: ChunkState | None = None
+            batch.delete(_META + chunk_id)
+        else:
+            self.blobs.sync(chunk_id, version)
+            new = ChunkState(commit_version=version, chain_version=chain_version, length=old.pending_length,
+                             checksum=old.pending_checksum)
+            batch.put(_META + chunk_id, new.encode())
+        self._record_channel(batch, channel, version, new)
+        self.kv.write(batch, sync=self.sync_commits)
+        self._install(chunk_id, old, new)
+        return new
+
+    def replace(self, chunk_id: bytes, version: int, chain_version: int, content: bytes | memoryview | None,
+                checksum: int, channel: tuple[bytes, int, int] | None = None) -> ChunkState | None:
+        """Full-chunk replace: commit ``content`` as ``version`` directly, abandoning any pending one."""
+        old = self._states.get(chunk_id)
+        batch = WriteBatch()
+        if content is None:
+            new: ChunkState | None = None
+            batch.delete(_META + chunk_id)
+        else:
+            if old is not None and version in (old.commit_version, old.pending_version):
+                # Never overwrite a blob that the current metadata still points at.
+                self._drop_blobs(chunk_id, old)
+                self._states.pop(chunk_id, None)
+                self.used_bytes -= old.length
+                drop = WriteBatch()
+                drop.delete(_META + chunk_id)
+                self.kv.write(drop, sync=self.sync_commits)
+                old = None
+            self._check_space(len(content))
+            self.blobs.write(chunk_id, version, content)
+            self.blobs.sync(chunk_id, version)
+            new = ChunkState(commit_version=version, chain_version=chain_version, length=len(content),
+                             checksum=checksum)
+            batch.put(_META + chunk_id, new.encode())
+        self._record_channel(batch, channel, version, new)
+        self.kv.write(batch, sync=self.sync_commits)
+        if old is not None:
+            self._install(chunk_id, old, new)
+        elif new is not None:
+            self._states[chunk_id] = new
+            self.used_bytes += new.length
+        return new
+
+    def _record_channel(self, batch: WriteBatch, channel: tuple[bytes, int, int] | None, version: int,
+                        new: ChunkState | None) -> None:
+        if channel is None or not channel[0]:
+            return
+        client_id, channel_id, seq = channel
+        record = ChannelRecord(seq, version, new.length if new else 0, new.checksum if new else 0)
+        key = _channel_key(client_id, channel_id)
+        batch.put(key, _CHAN.pack(record.seq, record.commit_version, record.length, record.checksum))
+        self._channels[key] = record
+
+    def _install(self, chunk_id: bytes, old: ChunkState, new: ChunkState | None) -> None:
+        self.used_bytes -= old.length
+        if new is None:
+            self._states.pop(chunk_id, None)
+            self._drop_blobs(chunk_id, old)
+            return
+        self.used_bytes += new.length
+        self._states[chunk_id] = new
+        if old.commit_version and old.commit_version != new.commit_version:
+            self.blobs.delete(chunk_id, old.commit_version)
+        if old.pending_version and old.pending_version != new.commit_version and not old.pending_remove:
+            self.blobs.delete(chunk_id, old.pending_version)
+
+    def _drop_blobs(self, chunk_id: bytes, state: ChunkState) -> None:
+        if state.commit_version:
+            self.blobs.delete(chunk_id, state.commit_version)
+        if state.pending_version and not state.pending_remove:
+            self.blobs.delete(chunk_id, state.pending_version)
+
+    def close(self) -> None:
+        self.kv.close()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what fs3 needs on a fresh Debian machine (as root) or a developer box:
+# system packages when absent, then a .venv with the project and its test extras.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+need_apt=()
+command -v "$PYTHON" >/dev/null 2>&1 || need_apt+=(python3 python3-venv python3-dev)
+if command -v "$PYTHON" >/dev/null 2>&1 && ! "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    need_apt+=(python3-venv)
+fi
+command -v gcc >/dev/null 2>&1 || need_apt+=(build-essential)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+
+if [ ${#need_apt[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "bootstrap: installing system packages: ${need_apt[*]}"
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+    else
+        echo "bootstrap: missing system packages: ${need_apt[*]} (install them, or run as root on Debian)" >&2
+        exit 1
+    fi
+fi
+
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"fs3 needs Python >= 3.11, found {sys.version.split()[0]}")
+PY
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "bootstrap: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+echo "bootstrap: installing fs3 with test extras into $VENV"
+"$VENV/bin/python" -m pip install -q -e '.[test]'
