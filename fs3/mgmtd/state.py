@@ -55,7 +55,7 @@ class TargetRecord:
 
     @property
     def public_state(self) -> PublicState:
-        return PublicState(self.info.public_state)
+        return PublicState(self.info.public_state or PublicState.OFFLINE)
 
 
 @dataclass

@@ -82,10 +82,25 @@ class ChunkEngine:
         self._states: dict[bytes, ChunkState] = {}
         self._channels: dict[bytes, ChannelRecord] = {}
         self.used_bytes = 0
+        abandoned = WriteBatch()
         for key, raw in kv.scan(_META, prefix_end(_META)):
             state = ChunkState.decode(raw)
-            self._states[key[len(_META):]] = state
+            chunk_id = key[len(_META):]
+            if state.pending_version:
+                # A pending version from before a restart is dropped: its data was never synced,
+                # and a restarted target resyncs from its predecessor before it serves again.
+                if not state.pending_remove:
+                    blobs.delete(chunk_id, state.pending_version)
+                state = ChunkState(commit_version=state.commit_version, chain_version=state.chain_version,
+                                   length=state.length, checksum=state.checksum)
+                if state.commit_version == 0:
+                    abandoned.delete(key)
+                    continue
+                abandoned.put(key, state.encode())
+            self._states[chunk_id] = state
             self.used_bytes += state.length
+        if len(abandoned):
+            kv.write(abandoned, sync=True)
         for key, raw in kv.scan(_CHANNEL, prefix_end(_CHANNEL)):
             self._channels[key] = ChannelRecord(*_CHAN.unpack(raw))
 
@@ -128,7 +143,7 @@ class ChunkEngine:
         """Store ``content`` as pending version ``version`` (None: a pending removal)."""
         old = self._states.get(chunk_id, ChunkState())
         ensure(version == old.commit_version + 1, f"pending v{version} on committed v{old.commit_version}")
-        if old.pending_version and not old.pending_remove and old.pending_version != old.commit_version:
+        if old.pending_version and not old.pending_remove:
             self.blobs.delete(chunk_id, old.pending_version)
         if content is not None:
             self._check_space(len(content))
@@ -141,6 +156,27 @@ class ChunkEngine:
         self.kv.write(batch, sync=False)  # a lost pending is recovered by resync
         self._states[chunk_id] = state
         return state
+
+    def abort(self, chunk_id: bytes, version: int) -> None:
+        """Drop pending ``version`` (the update was refused further down the chain)."""
+        old = self._states.get(chunk_id)
+        if old is None or old.pending_version != version:
+            return
+        if not old.pending_remove:
+            self.blobs.delete(chunk_id, version)
+        batch = WriteBatch()
+        if old.commit_version == 0:
+            batch.delete(_META + chunk_id)
+            del self._states[chunk_id]
+        else:
+            state = replace(old, pending_version=0, pending_length=0, pending_checksum=0, pending_chain_version=0,
+                            flags=0)
+            batch.put(_META + chunk_id, state.encode())
+            self._states[chunk_id] = state
+        self.kv.write(batch, sync=False)
+
+    def pending_chunks(self) -> list[bytes]:
+        return sorted(cid for cid, state in self._states.items() if state.pending_version)
 
     def commit(self, chunk_id: bytes, version: int, chain_version: int,
                channel: tuple[bytes, int, int] | None = None) -> ChunkState | None:

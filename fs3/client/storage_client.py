@@ -1,0 +1,161 @@
+"""Client for chunk storage: writes to chain heads, reads from any serving replica, with retries.
+
+Writes are exactly-once: each write takes one of the client's channels (bounded), increments
+its sequence number, and retries with the same ``(client_id, channel_id, seq)`` until the head
+answers or the retry budget is spent; a head that already committed it returns the cached
+result. Reads rotate across serving replicas and fall back to another replica on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fs3 import storage_pb2 as spb
+from fs3.common.checksum import crc32c
+from fs3.common.clock import Clock, LoopClock
+from fs3.common.errors import ChecksumMismatch, FS3Error, StatusCode, Unavailable
+from fs3.client.routing import RoutedTarget, RoutingCache
+from fs3.mgmtd.chain_state import PublicState
+from fs3.rpc.channel import ChannelFactory
+from fs3.rpc.methods import service_spec
+
+__all__ = ["StorageClient", "StorageClientConfig"]
+
+log = logging.getLogger(__name__)
+_STORAGE = service_spec("Storage")
+_UPDATE = _STORAGE.method("Update")
+_READ = _STORAGE.method("Read")
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class StorageClientConfig:
+    rpc_timeout_ms: int = 10_000
+    retry_total_ms: int = 60_000
+    retry_backoff_ms: int = 50
+    retry_backoff_max_ms: int = 1_000
+    channels_max: int = 64
+    dirty_policy: int = spb.DIRTY_READ_DEFAULT
+
+
+class StorageClient:
+    def __init__(self, routing: RoutingCache, channels: ChannelFactory, client_id: bytes,
+                 config: StorageClientConfig | None = None, clock: Clock | None = None,
+                 pick: Callable[[int], int] | None = None) -> None:
+        if not client_id or len(client_id) > 64:
+            raise ValueError("client_id must be 1..64 bytes")
+        self.routing = routing
+        self.channels = channels
+        self.client_id = client_id
+        self.config = config or StorageClientConfig()
+        self.clock = clock or LoopClock()
+        self._free_channels: asyncio.Queue[int] = asyncio.Queue()
+        for channel_id in range(1, self.config.channels_max + 1):
+            self._free_channels.put_nowait(channel_id)
+        self._seq: dict[int, int] = {}
+        self._rotation = 0
+        self._pick = pick
+
+    @contextlib.asynccontextmanager
+    async def _channel(self) -> AsyncIterator[tuple[int, int]]:
+        channel_id = await self._free_channels.get()
+        seq = self._seq.get(channel_id, 0) + 1
+        self._seq[channel_id] = seq
+        try:
+            yield channel_id, seq
+        finally:
+            self._free_channels.put_nowait(channel_id)
+
+    async def _backoff(self, attempt: int) -> None:
+        delay = min(self.config.retry_backoff_ms * (2 ** min(attempt, 10)), self.config.retry_backoff_max_ms)
+        await asyncio.sleep(delay / 1000)
+
+    async def update(self, chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
+                     chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
+        """One update through the chain head, retried until committed or the budget is spent."""
+        deadline_ms = self.clock.now_ms() + self.config.retry_total_ms
+        async with self._channel() as (channel_id, seq):
+            req = spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=update_type, offset=offset, length=length,
+                                chunk_size=chunk_size, checksum=crc32c(data) if update_type == spb.WRITE else 0,
+                                client_id=self.client_id, channel_id=channel_id, seq=seq)
+            attempt = 0
+            while True:
+                chain_version, members = await self.routing.chain(chain_id)
+                head = next((m for m in members if m.state.writable), None)
+                error: FS3Error
+                if head is None or head.state is not PublicState.SERVING:
+                    error = Unavailable(f"chain {chain_id} has no serving head")
+                else:
+                    req.chain_version = chain_version
+                    try:
+                        rsp, _ = await self.channels.get(head.address).call(_UPDATE, req, data,
+                                                                             self.config.rpc_timeout_ms)
+                        assert isinstance(rsp, spb.UpdateRsp)
+                        return rsp
+                    except FS3Error as exc:
+                        if not exc.retryable:
+                            raise
+                        error = exc
+                if self.clock.now_ms() >= deadline_ms:
+                    raise Unavailable(f"update of chunk {chunk_id.hex()} on chain {chain_id} gave up: {error}")
+                attempt += 1
+                if error.code != StatusCode.CHUNK_NOT_COMMITTED:
+                    with contextlib.suppress(FS3Error):
+                        await self.routing.refresh()
+                await self._backoff(attempt)
+
+    async def write(self, chain_id: int, chunk_id: bytes, offset: int, data: Buffer,
+                    chunk_size: int) -> spb.UpdateRsp:
+        return await self.update(chain_id, chunk_id, spb.WRITE, offset, len(data), chunk_size, data)
+
+    async def truncate(self, chain_id: int, chunk_id: bytes, length: int, chunk_size: int) -> spb.UpdateRsp:
+        return await self.update(chain_id, chunk_id, spb.TRUNCATE, 0, length, chunk_size)
+
+    async def remove(self, chain_id: int, chunk_id: bytes, chunk_size: int) -> spb.UpdateRsp:
+        return await self.update(chain_id, chunk_id, spb.REMOVE, 0, 0, chunk_size)
+
+    def _order(self, members: list[RoutedTarget]) -> list[RoutedTarget]:
+        serving = [m for m in members if m.state is PublicState.SERVING]
+        if not serving:
+            return []
+        if self._pick is not None:
+            start = self._pick(len(serving))
+        else:
+            self._rotation += 1
+            start = self._rotation % len(serving)
+        return serving[start:] + serving[:start]
+
+    async def read(self, chain_id: int, chunk_id: bytes, offset: int, length: int,
+                   verify_checksum: bool = False) -> tuple[bytes, spb.ReadRsp]:
+        """Read from a serving replica; ``b""`` past the end of the chunk or for a missing chunk."""
+        deadline_ms = self.clock.now_ms() + self.config.retry_total_ms
+        req = spb.ReadReq(chain_id=chain_id, chunk_id=chunk_id, offset=offset, length=length,
+                          dirty_policy=self.config.dirty_policy, verify_checksum=verify_checksum)
+        attempt = 0
+        while True:
+            _, members = await self.routing.chain(chain_id)
+            error: FS3Error = Unavailable(f"chain {chain_id} has no serving replica")
+            for member in self._order(members):
+                try:
+                    rsp, data = await self.channels.get(member.address).call(_READ, req, b"",
+                                                                             self.config.rpc_timeout_ms)
+                    assert isinstance(rsp, spb.ReadRsp)
+                    if crc32c(data) != rsp.checksum:
+                        raise ChecksumMismatch(f"read of chunk {chunk_id.hex()} corrupted in transit")
+                    return bytes(data), rsp
+                except FS3Error as exc:
+                    if not exc.retryable and exc.code != StatusCode.CHECKSUM_MISMATCH:
+                        raise
+                    error = exc
+            if self.clock.now_ms() >= deadline_ms:
+                raise Unavailable(f"read of chunk {chunk_id.hex()} on chain {chain_id} gave up: {error}")
+            attempt += 1
+            if error.code != StatusCode.CHUNK_NOT_COMMITTED:
+                with contextlib.suppress(FS3Error):
+                    await self.routing.refresh()
+            await self._backoff(attempt)

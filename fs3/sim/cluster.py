@@ -1,0 +1,218 @@
+"""A whole fs3 storage cluster inside the simulator: mgmtd, storage nodes, clients, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field
+
+from fs3 import mgmtd_pb2 as mpb
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.kv.store import MemKVStore
+from fs3.mgmtd.chain_state import PublicState
+from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
+from fs3.rpc.dispatch import Dispatcher
+from fs3.rpc.methods import service_spec
+from fs3.sim.loop import SimProcess
+from fs3.sim.network import NetworkFaults, SimChannelFactory, SimNetwork
+from fs3.storage.blobs import MemBlobStore
+from fs3.storage.chunk_engine import ChunkEngine
+from fs3.storage.node import StorageNode, StorageNodeConfig
+from fs3.storage.replica import DirtyReadPolicy, ReplicaConfig
+from fs3.storage.service import StorageServicer
+
+__all__ = ["ClusterShape", "SimCluster"]
+
+log = logging.getLogger(__name__)
+MGMTD = "mgmtd"
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """What a seed randomises besides the faults."""
+
+    storage_nodes: int = 3
+    targets_per_node: int = 1
+    replicas: int = 3
+    chunk_size: int = 4096
+    heartbeat_timeout_ms: int = 2_000
+    heartbeat_interval_ms: int = 200
+    dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
+    latency_max_ms: float = 2.0
+
+    @classmethod
+    def random(cls, rng: random.Random) -> ClusterShape:
+        replicas = rng.choice((2, 3, 3))
+        return cls(
+            storage_nodes=replicas + rng.randint(0, 2),
+            targets_per_node=rng.randint(1, 2),
+            replicas=replicas,
+            chunk_size=rng.choice((4096, 8192)),
+            heartbeat_timeout_ms=rng.choice((1_000, 2_000, 3_000)),
+            heartbeat_interval_ms=rng.choice((100, 200)),
+            dirty_read_policy=rng.choice((DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY)),
+            latency_max_ms=rng.choice((0.5, 2.0, 10.0)),
+        )
+
+
+@dataclass
+class _Disk:
+    kv: MemKVStore = field(default_factory=MemKVStore)
+    blobs: MemBlobStore = field(default_factory=MemBlobStore)
+
+
+@dataclass
+class _StorageSlot:
+    node_id: int
+    address: str
+    disks: dict[int, _Disk]
+    process: SimProcess | None = None
+    node: StorageNode | None = None
+
+
+class SimCluster:
+    def __init__(self, seed: int, shape: ClusterShape | None = None) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.shape = shape or ClusterShape.random(self.rng)
+        self.network = SimNetwork(self.rng, NetworkFaults(latency_max_ms=self.shape.latency_max_ms))
+        self.mgmtd_kv = MemKVStore()
+        self.mgmtd_process: SimProcess | None = None
+        self.mgmtd: MgmtdServicer | None = None
+        self.storage: dict[int, _StorageSlot] = {}
+        for node_id in range(1, self.shape.storage_nodes + 1):
+            disks = {node_id * 100 + j: _Disk() for j in range(1, self.shape.targets_per_node + 1)}
+            self.storage[node_id] = _StorageSlot(node_id, f"storage-{node_id}", disks)
+        self._client_count = 0
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def start_mgmtd(self) -> None:
+        process = SimProcess(MGMTD)
+        config = MgmtdConfig(heartbeat_timeout_ms=self.shape.heartbeat_timeout_ms, scan_interval_ms=50,
+                             kv_engine="mem")
+        servicer = MgmtdServicer(self.mgmtd_kv, config)
+        dispatcher = Dispatcher()
+        dispatcher.add_service(service_spec("Mgmtd"), servicer)
+        self.network.bind(MGMTD, process, dispatcher)
+
+        async def boot() -> None:
+            servicer.start()
+            await asyncio.Event().wait()
+
+        process.run(boot())
+        self.mgmtd_process, self.mgmtd = process, servicer
+
+    def kill_mgmtd(self) -> None:
+        assert self.mgmtd_process is not None
+        self.mgmtd_process.kill()
+        self.mgmtd_kv.crash()
+        self.network.unbind(MGMTD)
+        self.mgmtd_process = self.mgmtd = None
+
+    def start_storage(self, node_id: int) -> None:
+        slot = self.storage[node_id]
+        process = SimProcess(slot.address)
+        engines = {tid: ChunkEngine(disk.kv, disk.blobs) for tid, disk in slot.disks.items()}
+        config = StorageNodeConfig(
+            node_id=node_id, mgmtd_address=MGMTD, framed_address=slot.address, grpc_address=slot.address,
+            heartbeat_interval_ms=self.shape.heartbeat_interval_ms, rpc_timeout_ms=1_000,
+            replica=ReplicaConfig(forward_timeout_ms=500, forward_retry_total_ms=5_000, routing_wait_ms=50,
+                                  dirty_read_policy=self.shape.dirty_read_policy, query_timeout_ms=500),
+        )
+        node = StorageNode(config, engines, SimChannelFactory(self.network, slot.address))
+        dispatcher = Dispatcher()
+        dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
+        self.network.bind(slot.address, process, dispatcher)
+
+        async def boot() -> None:
+            await node.start()
+            await asyncio.Event().wait()
+
+        process.run(boot())
+        slot.process, slot.node = process, node
+
+    def kill_storage(self, node_id: int) -> None:
+        slot = self.storage[node_id]
+        assert slot.process is not None
+        slot.process.kill()
+        for disk in slot.disks.values():
+            disk.kv.crash()
+            disk.blobs.crash()
+        self.network.unbind(slot.address)
+        slot.process = slot.node = None
+
+    def storage_alive(self, node_id: int) -> bool:
+        return self.storage[node_id].process is not None
+
+    def new_client(self, pick_rng: random.Random | None = None) -> StorageClient:
+        self._client_count += 1
+        name = f"client-{self._client_count}"
+        channels = SimChannelFactory(self.network, name)
+        routing = RoutingCache([MGMTD], channels, rpc_timeout_ms=1_000)
+        rng = pick_rng or self.rng
+        return StorageClient(routing, channels, name.encode(),
+                             StorageClientConfig(rpc_timeout_ms=2_000, retry_total_ms=30_000, retry_backoff_ms=10,
+                                                 retry_backoff_max_ms=200, channels_max=4),
+                             pick=lambda n: rng.randrange(n))
+
+    # -- orchestration -----------------------------------------------------------------------
+
+    async def boot(self) -> list[int]:
+        """Start everything, create the chain table; returns the chain ids."""
+        self.start_mgmtd()
+        for node_id in self.storage:
+            self.start_storage(node_id)
+        assert self.mgmtd is not None
+        expected = sum(len(s.disks) for s in self.storage.values())
+        for _ in range(1000):
+            await asyncio.sleep(0.05)
+            if len(self.mgmtd.state.targets) == expected:
+                break
+        else:
+            raise AssertionError("storage targets never registered")
+        rsp = self.mgmtd.state.create_chain_table(mpb.CreateChainTableReq(table_id=1, replicas=self.shape.replicas))
+        chain_ids = [c.chain_id for c in rsp.chains]
+        await self.wait_all_serving(30_000)
+        return chain_ids
+
+    def public_states(self) -> dict[int, PublicState]:
+        assert self.mgmtd is not None
+        return {tid: t.public_state for tid, t in self.mgmtd.state.targets.items() if t.info.chain_id}
+
+    def unhealthy_nodes(self) -> set[int]:
+        """Nodes that are down, or have a target that is not serving."""
+        bad = {n for n in self.storage if not self.storage_alive(n)}
+        if self.mgmtd is None:
+            return bad
+        for target in self.mgmtd.state.targets.values():
+            if target.info.chain_id and target.public_state is not PublicState.SERVING:
+                bad.add(target.info.node_id)
+        return bad
+
+    async def wait_all_serving(self, timeout_ms: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        while loop.time() < deadline:
+            if self.mgmtd is not None and all(
+                t.public_state is PublicState.SERVING for t in self.mgmtd.state.targets.values() if t.info.chain_id
+            ) and all(self.storage_alive(n) for n in self.storage):
+                # Every node must also have seen it (its routing caught up).
+                versions = [s.node.routing_version for s in self.storage.values() if s.node is not None]
+                if versions and min(versions) >= self.mgmtd.state.routing_version:
+                    return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"cluster did not return to all-serving within {timeout_ms} ms: "
+                             f"{ {t: s.name for t, s in self.public_states().items()} if self.mgmtd else 'no mgmtd'}")
+
+    def chain_targets(self) -> dict[int, list[int]]:
+        assert self.mgmtd is not None
+        return {cid: list(c.target_ids) for cid, c in self.mgmtd.state.chains.items()}
+
+    def engine(self, target_id: int) -> ChunkEngine | None:
+        slot = self.storage[target_id // 100]
+        if slot.node is None:
+            return None
+        return slot.node.engines[target_id]

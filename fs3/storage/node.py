@@ -1,0 +1,330 @@
+"""The storage node: the shell around a node's target replicas.
+
+It owns what a replica must not: the routing information pulled from mgmtd, heartbeats and the
+lease they renew, the network to chain peers, the rule that a restarted node stays silent until
+mgmtd has marked its targets offline, and the resync of a syncing successor. The same class runs
+in a real process (:mod:`fs3.storage.server`) and in the simulator, which injects the clock's
+loop, the channels and in-memory chunk engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fs3 import common_pb2 as cpb
+from fs3 import mgmtd_pb2 as mpb
+from fs3 import storage_pb2 as spb
+from fs3.common.clock import Clock, LoopClock
+from fs3.common.errors import FS3Error, InvalidArgument, NotFound, TargetNotServing
+from fs3.mgmtd.chain_state import LocalState, PublicState
+from fs3.rpc.channel import ChannelFactory
+from fs3.rpc.dispatch import Buffer
+from fs3.rpc.methods import service_spec
+from fs3.storage.chain_view import ChainMember, ChainView
+from fs3.storage.chunk_engine import ChunkEngine
+from fs3.storage.replica import ReplicaConfig, TargetReplica
+from fs3.storage.resync import resync_successor
+
+__all__ = ["StorageNode", "StorageNodeConfig"]
+
+log = logging.getLogger(__name__)
+
+_MGMTD = service_spec("Mgmtd")
+_STORAGE = service_spec("Storage")
+_LOCAL_TO_PB = {LocalState.UP_TO_DATE: cpb.UP_TO_DATE, LocalState.ONLINE: cpb.ONLINE,
+                LocalState.OFFLINE: cpb.LOCAL_OFFLINE}
+
+
+@dataclass
+class StorageNodeConfig:
+    node_id: int
+    mgmtd_address: str
+    framed_address: str = ""
+    grpc_address: str = ""
+    metrics_address: str = ""
+    heartbeat_interval_ms: int = 1_000
+    rpc_timeout_ms: int = 5_000
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    sync_batch_chunks: int = 256
+
+
+class StorageNode:
+    """One storage node hosting several targets."""
+
+    def __init__(self, config: StorageNodeConfig, engines: dict[int, ChunkEngine], channels: ChannelFactory,
+                 clock: Clock | None = None) -> None:
+        if not engines:
+            raise InvalidArgument("a storage node needs at least one target")
+        self.config = config
+        self.channels = channels
+        self.clock = clock or LoopClock()
+        self.engines = engines
+        self.replicas = {tid: TargetReplica(tid, engine, self, config.replica) for tid, engine in engines.items()}
+        self.routing: cpb.RoutingInfo | None = None
+        self.local_states: dict[int, LocalState] = {}
+        self.failed_targets: set[int] = set()
+        self._silent_until_offline = True
+        self._lease_start_ms: int | None = None
+        self._routing_event = asyncio.Event()
+        self._refresh_requested = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sync_tasks: dict[tuple[int, int, int], asyncio.Task[None]] = {}
+        self._views: dict[tuple[int, int], ChainView] = {}
+        self._chain_of_target: dict[int, int] = {}
+        self._nodes: dict[int, cpb.NodeInfo] = {}
+        self.on_heartbeat: Callable[[], None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._routing_loop(), name=f"routing-{self.config.node_id}"))
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.config.node_id}"))
+
+    async def stop(self) -> None:
+        tasks = self._tasks + list(self._sync_tasks.values())
+        self._tasks, self._sync_tasks = [], {}
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    # -- routing -----------------------------------------------------------------------------
+
+    @property
+    def routing_version(self) -> int:
+        return self.routing.routing_version if self.routing else 0
+
+    async def _fetch_routing(self) -> None:
+        channel = self.channels.get(self.config.mgmtd_address)
+        rsp, _ = await channel.call(_MGMTD.method("GetRoutingInfo"),
+                                    mpb.GetRoutingInfoReq(known_version=self.routing_version),
+                                    timeout_ms=self.config.rpc_timeout_ms)
+        assert isinstance(rsp, mpb.GetRoutingInfoRsp)
+        if rsp.changed and rsp.routing.routing_version >= self.routing_version:
+            self._apply_routing(rsp.routing)
+
+    def _apply_routing(self, routing: cpb.RoutingInfo) -> None:
+        self.routing = routing
+        self._views.clear()
+        self._nodes = {n.node_id: n for n in routing.nodes}
+        self._chain_of_target = {t.target_id: t.chain_id for t in routing.targets if t.target_id in self.engines}
+        states = {t.target_id: PublicState(t.public_state or PublicState.OFFLINE) for t in routing.targets}
+        if self._silent_until_offline:
+            in_chain = [tid for tid in self.engines if self._chain_of_target.get(tid)]
+            if all(states.get(tid) in (PublicState.OFFLINE, PublicState.LASTSRV) for tid in in_chain):
+                self._silent_until_offline = False
+                for tid in self.engines:
+                    self.local_states[tid] = LocalState.ONLINE if self._chain_of_target.get(tid) \
+                        else LocalState.UP_TO_DATE
+                log.info("node %d: targets ready to report (%s)", self.config.node_id,
+                         ", ".join(f"{t}:{s.name.lower()}" for t, s in self.local_states.items()))
+        if not self._silent_until_offline:
+            for tid in self.engines:
+                public = states.get(tid)
+                local = self.local_states.get(tid, LocalState.ONLINE)
+                if tid in self.failed_targets:
+                    local = LocalState.OFFLINE
+                elif public is PublicState.SERVING:
+                    local = LocalState.UP_TO_DATE
+                elif public in (PublicState.OFFLINE, PublicState.LASTSRV, PublicState.WAITING) \
+                        and local is LocalState.UP_TO_DATE and self._chain_of_target.get(tid):
+                    log.warning("node %d: target %d is %s: it will resync before serving again",
+                                self.config.node_id, tid, public.name.lower())
+                    local = LocalState.ONLINE
+                self.local_states[tid] = local
+        self._schedule_resyncs()
+        if not self._silent_until_offline:
+            for tid, chain_id in self._chain_of_target.items():
+                if chain_id and tid not in self.failed_targets:
+                    self.replicas[tid].repair_abandoned(chain_id)
+        event, self._routing_event = self._routing_event, asyncio.Event()
+        event.set()
+
+    async def _routing_loop(self) -> None:
+        while True:
+            try:
+                await self._fetch_routing()
+            except FS3Error as exc:
+                log.debug("node %d: routing refresh failed: %s", self.config.node_id, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._refresh_requested.wait(), self.config.heartbeat_interval_ms / 1000)
+            self._refresh_requested.clear()
+
+    def request_routing_refresh(self) -> None:
+        self._refresh_requested.set()
+
+    async def wait_routing_change(self, known_routing_version: int, timeout_ms: int) -> None:
+        if self.routing_version > known_routing_version:
+            return
+        self.request_routing_refresh()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._routing_event.wait(), timeout_ms / 1000)
+
+    def view(self, chain_id: int, target_id: int) -> ChainView | None:
+        key = (chain_id, target_id)
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
+        if self.routing is None:
+            return None
+        chain = next((c for c in self.routing.chains if c.chain_id == chain_id), None)
+        if chain is None:
+            return None
+        targets = {t.target_id: t for t in self.routing.targets}
+        members = []
+        for tid in chain.target_ids:
+            info = targets.get(tid)
+            if info is None:
+                continue
+            node = self._nodes.get(info.node_id)
+            address = self.channels.node_address(node.framed_address, node.grpc_address) if node else ""
+            members.append(ChainMember(tid, info.node_id, PublicState(info.public_state or PublicState.OFFLINE),
+                                       address))
+        view = ChainView(chain_id, chain.chain_version, self.routing.routing_version, target_id, tuple(members))
+        if self._silent_until_offline or target_id in self.failed_targets:
+            # Until mgmtd has seen this node restart, its targets must not act on the old chain.
+            view = ChainView(chain_id, chain.chain_version, self.routing.routing_version, target_id,
+                             tuple(ChainMember(m.target_id, m.node_id, PublicState.OFFLINE, m.address)
+                                   if m.target_id == target_id else m for m in members))
+        self._views[key] = view
+        return view
+
+    # -- heartbeats and lease ----------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        return self.clock.now_ms()
+
+    def lease_valid(self) -> bool:
+        if self._lease_start_ms is None or self.routing is None:
+            return False
+        return self.now_ms() - self._lease_start_ms < self.routing.heartbeat_timeout_ms // 2
+
+    def _heartbeat_req(self) -> mpb.HeartbeatReq:
+        req = mpb.HeartbeatReq(
+            node_id=self.config.node_id, node_type=cpb.NODE_STORAGE, framed_address=self.config.framed_address,
+            grpc_address=self.config.grpc_address, hostname=socket.gethostname(), pid=os.getpid(),
+            metrics_address=self.config.metrics_address,
+        )
+        for tid, engine in self.engines.items():
+            local = LocalState.OFFLINE if tid in self.failed_targets else self.local_states.get(tid, LocalState.ONLINE)
+            try:
+                free = engine.blobs.free_bytes()
+                capacity = engine.blobs.capacity_bytes()
+            except OSError:
+                free = capacity = 0
+            req.targets.add(target_id=tid, local_state=_LOCAL_TO_PB[local], capacity_bytes=capacity,
+                            used_bytes=engine.used_bytes, free_bytes=free, chunk_count=engine.chunk_count,
+                            path=getattr(engine.blobs, "root", "") and str(getattr(engine.blobs, "root", "")))
+        return req
+
+    async def heartbeat_once(self) -> None:
+        sent_ms = self.now_ms()
+        channel = self.channels.get(self.config.mgmtd_address)
+        rsp, _ = await channel.call(_MGMTD.method("Heartbeat"), self._heartbeat_req(),
+                                    timeout_ms=self.config.rpc_timeout_ms)
+        assert isinstance(rsp, mpb.HeartbeatRsp)
+        self._lease_start_ms = sent_ms
+        if rsp.routing_version > self.routing_version:
+            self.request_routing_refresh()
+        if self.on_heartbeat is not None:
+            self.on_heartbeat()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            if not self._silent_until_offline:
+                try:
+                    await self.heartbeat_once()
+                except FS3Error as exc:
+                    log.debug("node %d: heartbeat failed: %s", self.config.node_id, exc)
+            await asyncio.sleep(self.config.heartbeat_interval_ms / 1000)
+
+    # -- peers -------------------------------------------------------------------------------
+
+    async def forward(self, member: ChainMember, req: spb.ForwardReq, payload: Buffer,
+                      timeout_ms: int) -> spb.UpdateRsp:
+        rsp, _ = await self.channels.get(member.address).call(_STORAGE.method("Forward"), req, payload, timeout_ms)
+        assert isinstance(rsp, spb.UpdateRsp)
+        return rsp
+
+    async def query_committed(self, member: ChainMember, req: spb.QueryCommittedReq,
+                              timeout_ms: int) -> spb.QueryCommittedRsp:
+        rsp, _ = await self.channels.get(member.address).call(_STORAGE.method("QueryCommitted"), req,
+                                                               timeout_ms=timeout_ms)
+        assert isinstance(rsp, spb.QueryCommittedRsp)
+        return rsp
+
+    # -- resync ------------------------------------------------------------------------------
+
+    def _schedule_resyncs(self) -> None:
+        wanted: set[tuple[int, int, int]] = set()
+        for tid, chain_id in self._chain_of_target.items():
+            view = self.view(chain_id, tid)
+            if view is None or view.my_state is not PublicState.SERVING:
+                continue
+            successor = view.successor()
+            if successor is not None and successor.state is PublicState.SYNCING:
+                wanted.add((chain_id, successor.target_id, view.chain_version))
+        for key in list(self._sync_tasks):
+            if key not in wanted:
+                self._sync_tasks.pop(key).cancel()
+        for key in wanted:
+            task = self._sync_tasks.get(key)
+            if task is None or task.done():
+                chain_id, successor_id, _ = key
+                my_target = next(t for t, c in self._chain_of_target.items() if c == chain_id)
+                self._sync_tasks[key] = asyncio.create_task(self._run_resync(chain_id, my_target, successor_id))
+
+    async def _run_resync(self, chain_id: int, target_id: int, successor_id: int) -> None:
+        backoff_ms = 100
+        while True:
+            try:
+                await resync_successor(self, self.replicas[target_id], chain_id, successor_id,
+                                       self.config.sync_batch_chunks, self.config.rpc_timeout_ms)
+                return
+            except FS3Error as exc:
+                log.warning("node %d: resync of target %d (chain %d) failed: %s; retrying", self.config.node_id,
+                            successor_id, chain_id, exc)
+            await asyncio.sleep(backoff_ms / 1000)
+            backoff_ms = min(backoff_ms * 2, 2_000)
+
+    # -- RPC handlers (Storage service) ------------------------------------------------------
+
+    def replica_for_chain(self, chain_id: int) -> TargetReplica:
+        for tid, cid in self._chain_of_target.items():
+            if cid == chain_id:
+                return self.replicas[tid]
+        if self.routing is not None and not any(c.chain_id == chain_id for c in self.routing.chains):
+            raise NotFound(f"unknown chain {chain_id}")
+        raise TargetNotServing(f"node {self.config.node_id} has no target in chain {chain_id}")
+
+    def replica_for_target(self, target_id: int, chain_id: int) -> TargetReplica:
+        if target_id:
+            replica = self.replicas.get(target_id)
+            if replica is None:
+                raise NotFound(f"target {target_id} is not on node {self.config.node_id}")
+            return replica
+        return self.replica_for_chain(chain_id)
+
+    def sync_done(self, req: spb.SyncDoneReq) -> None:
+        replica = self.replica_for_target(req.target_id, req.chain_id)
+        view = self.view(req.chain_id, replica.target_id)
+        if view is None or view.my_state is not PublicState.SYNCING:
+            raise TargetNotServing(f"target {replica.target_id} is not syncing")
+        if req.chain_version != view.chain_version:
+            from fs3.common.errors import ChainVersionMismatch
+
+            raise ChainVersionMismatch(f"sync done for chain v{req.chain_version}, target is at v{view.chain_version}")
+        log.info("node %d: target %d is up to date", self.config.node_id, replica.target_id)
+        self.local_states[replica.target_id] = LocalState.UP_TO_DATE
+        self._tasks.append(asyncio.create_task(self._heartbeat_soon()))
+
+    async def _heartbeat_soon(self) -> None:
+        with contextlib.suppress(FS3Error):
+            await self.heartbeat_once()

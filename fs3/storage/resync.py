@@ -1,0 +1,105 @@
+"""Resync: the serving predecessor brings a syncing successor up to date.
+
+From the 3FS design notes: normal writes are already forwarded to the syncing successor as
+full-chunk replacements (see :mod:`fs3.storage.replica`). In addition the predecessor dumps the
+successor's chunk metadata, compares it with its own, and sends a full-chunk replacement of
+every chunk that differs (and a removal of every chunk it does not have), each under the local
+chunk lock so that it cannot interleave with a write of the same chunk. Then it sends
+``SyncDone`` and the successor reports itself up to date to mgmtd, which makes it serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fs3 import storage_pb2 as spb
+from fs3.common.errors import TargetNotServing
+from fs3.mgmtd.chain_state import PublicState
+from fs3.rpc.methods import service_spec
+
+if TYPE_CHECKING:
+    from fs3.storage.chain_view import ChainMember, ChainView
+    from fs3.storage.node import StorageNode
+    from fs3.storage.replica import TargetReplica
+
+__all__ = ["resync_successor"]
+
+log = logging.getLogger(__name__)
+_STORAGE = service_spec("Storage")
+
+
+def _current(node: StorageNode, replica: TargetReplica, chain_id: int,
+             successor_id: int) -> tuple[ChainView, ChainMember]:
+    view = node.view(chain_id, replica.target_id)
+    if view is None or view.my_state is not PublicState.SERVING:
+        raise TargetNotServing(f"target {replica.target_id} stopped serving chain {chain_id}")
+    successor = view.successor()
+    if successor is None or successor.target_id != successor_id or successor.state is not PublicState.SYNCING:
+        raise TargetNotServing(f"target {successor_id} is no longer the syncing successor in chain {chain_id}")
+    return view, successor
+
+
+async def _remote_metadata(node: StorageNode, successor: ChainMember, chain_id: int, batch: int,
+                           timeout_ms: int) -> dict[bytes, spb.ChunkMeta]:
+    remote: dict[bytes, spb.ChunkMeta] = {}
+    start_after = b""
+    channel = node.channels.get(successor.address)
+    while True:
+        rsp, _ = await channel.call(_STORAGE.method("DumpChunkMeta"),
+                                    spb.DumpChunkMetaReq(chain_id=chain_id, target_id=successor.target_id,
+                                                         start_after=start_after, limit=batch),
+                                    timeout_ms=timeout_ms)
+        assert isinstance(rsp, spb.DumpChunkMetaRsp)
+        for meta in rsp.chunks:
+            remote[meta.chunk_id] = meta
+        if not rsp.more or not rsp.chunks:
+            return remote
+        start_after = rsp.chunks[-1].chunk_id
+
+
+async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int,
+                           batch: int, timeout_ms: int) -> None:
+    view, successor = _current(node, replica, chain_id, successor_id)
+    log.info("target %d: resyncing successor %d of chain %d (v%d)", replica.target_id, successor_id, chain_id,
+             view.chain_version)
+    remote = await _remote_metadata(node, successor, chain_id, batch, timeout_ms)
+    engine = replica.engine
+    sent = removed = 0
+    for chunk_id in sorted(set(engine.all_chunk_ids()) | set(remote)):
+        async with replica.locks.hold(chunk_id):
+            view, successor = _current(node, replica, chain_id, successor_id)
+            state = engine.get(chunk_id)
+            theirs = remote.get(chunk_id)
+            if state is None and theirs is None:
+                continue
+            if state is not None and theirs is not None and not theirs.pending_version \
+                    and theirs.commit_version == state.commit_version and theirs.checksum == state.checksum \
+                    and theirs.length == state.length:
+                continue
+            req = spb.ForwardReq(
+                update=spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=spb.WRITE),
+                chain_version=view.chain_version, from_target_id=replica.target_id, full_chunk_replace=True,
+                is_sync=True,
+            )
+            payload = b""
+            if state is None:
+                req.remove = True
+                req.update_version = theirs.commit_version if theirs else 0
+                removed += 1
+            else:
+                payload = engine.read(chunk_id, state.commit_version, 0, state.length)
+                req.update_version = state.commit_version
+                req.chunk_length = state.length
+                req.chunk_checksum = state.checksum
+                req.chunk_chain_version = state.chain_version
+                sent += 1
+            await node.forward(successor, req, payload, timeout_ms)
+    view, successor = _current(node, replica, chain_id, successor_id)
+    await node.channels.get(successor.address).call(
+        _STORAGE.method("SyncDone"),
+        spb.SyncDoneReq(chain_id=chain_id, chain_version=view.chain_version, target_id=successor_id),
+        timeout_ms=timeout_ms,
+    )
+    log.info("target %d: successor %d of chain %d synced (%d chunks sent, %d removed)", replica.target_id,
+             successor_id, chain_id, sent, removed)

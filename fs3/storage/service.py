@@ -1,0 +1,78 @@
+"""``fs3.Storage`` servicer: converts requests and calls the node's replicas. No logic of its own."""
+
+from __future__ import annotations
+
+from fs3 import storage_pb2 as spb
+from fs3.common.errors import InvalidArgument, IoError
+from fs3.rpc.dispatch import Buffer
+from fs3.storage.node import StorageNode
+
+__all__ = ["StorageServicer"]
+
+_NO_PAYLOAD = b""
+_DUMP_LIMIT_MAX = 10_000
+
+
+class StorageServicer:
+    def __init__(self, node: StorageNode) -> None:
+        self.node = node
+
+    def _target_failed(self, target_id: int, exc: IoError) -> None:
+        """A target whose disk fails I/O reports itself offline; mgmtd takes it out of its chain."""
+        self.node.failed_targets.add(target_id)
+        self.node.request_routing_refresh()
+
+    async def update(self, req: spb.UpdateReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
+        replica = self.node.replica_for_chain(req.chain_id)
+        try:
+            return await replica.update(req, payload), _NO_PAYLOAD
+        except IoError as exc:
+            self._target_failed(replica.target_id, exc)
+            raise
+
+    async def forward(self, req: spb.ForwardReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
+        replica = self.node.replica_for_chain(req.update.chain_id)
+        try:
+            return await replica.forward(req, payload), _NO_PAYLOAD
+        except IoError as exc:
+            self._target_failed(replica.target_id, exc)
+            raise
+
+    async def read(self, req: spb.ReadReq, payload: memoryview) -> tuple[spb.ReadRsp, Buffer]:
+        replica = self.node.replica_for_chain(req.chain_id)
+        return await replica.read(req)
+
+    async def query_committed(self, req: spb.QueryCommittedReq,
+                              payload: memoryview) -> tuple[spb.QueryCommittedRsp, Buffer]:
+        return await self.node.replica_for_chain(req.chain_id).query_committed(req), _NO_PAYLOAD
+
+    async def dump_chunk_meta(self, req: spb.DumpChunkMetaReq,
+                              payload: memoryview) -> tuple[spb.DumpChunkMetaRsp, Buffer]:
+        if req.limit > _DUMP_LIMIT_MAX:
+            raise InvalidArgument(f"limit {req.limit} exceeds {_DUMP_LIMIT_MAX}")
+        replica = self.node.replica_for_target(req.target_id, req.chain_id)
+        limit = req.limit or 1000
+        rsp = spb.DumpChunkMetaRsp(target_id=replica.target_id)
+        for chunk_id, state in replica.engine.iter_states(req.start_after, limit + 1):
+            if len(rsp.chunks) == limit:
+                rsp.more = True
+                break
+            rsp.chunks.add(chunk_id=chunk_id, commit_version=state.commit_version,
+                           pending_version=state.pending_version, chain_version=state.chain_version,
+                           length=state.length, checksum=state.checksum)
+        return rsp, _NO_PAYLOAD
+
+    async def sync_done(self, req: spb.SyncDoneReq, payload: memoryview) -> tuple[spb.SyncDoneRsp, Buffer]:
+        self.node.sync_done(req)
+        return spb.SyncDoneRsp(), _NO_PAYLOAD
+
+    async def target_stats(self, req: spb.TargetStatsReq, payload: memoryview) -> tuple[spb.TargetStatsRsp, Buffer]:
+        rsp = spb.TargetStatsRsp()
+        for tid, engine in sorted(self.node.engines.items()):
+            local = self.node.local_states.get(tid)
+            rsp.targets.add(target_id=tid, chain_id=self.node._chain_of_target.get(tid, 0),
+                            chunk_count=engine.chunk_count, used_bytes=engine.used_bytes,
+                            free_bytes=engine.blobs.free_bytes(),
+                            syncing=any(k[0] == self.node._chain_of_target.get(tid) for k in self.node._sync_tasks),
+                            local_state=local.name.lower() if local else "unknown")
+        return rsp, _NO_PAYLOAD
