@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
 
 from fs3.sim.run import run_seed
+
+
+def _virtual_time(record: logging.LogRecord) -> bool:
+    try:
+        record.vt = asyncio.get_running_loop().time()
+    except RuntimeError:
+        record.vt = 0.0
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if (args.verbose or args.seed is not None) else logging.CRITICAL,
-                        format="%(levelname).1s %(name)s: %(message)s")
+                        format="%(vt)9.4f %(levelname).1s %(name)s: %(message)s")
+    logging.getLogger().handlers[0].addFilter(_virtual_time)
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
     failed = 0
     started = time.monotonic()

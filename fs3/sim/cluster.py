@@ -196,7 +196,7 @@ class SimCluster:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         while loop.time() < deadline:
-            if self.mgmtd is not None and all(
+            if self.mgmtd is not None and self.mgmtd.state.chains and all(
                 t.public_state is PublicState.SERVING for t in self.mgmtd.state.targets.values() if t.info.chain_id
             ) and all(self.storage_alive(n) for n in self.storage):
                 # Every node must also have seen it (its routing caught up).

@@ -65,6 +65,15 @@ class ChannelRecord:
     commit_version: int
     length: int
     checksum: int
+    chunk_id: bytes = b""
+
+    def encode(self) -> bytes:
+        return _CHAN.pack(self.seq, self.commit_version, self.length, self.checksum) + self.chunk_id
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ChannelRecord:
+        seq, version, length, checksum = _CHAN.unpack_from(raw)
+        return cls(seq, version, length, checksum, raw[_CHAN.size:])
 
 
 def _channel_key(client_id: bytes, channel_id: int) -> bytes:
@@ -102,7 +111,7 @@ class ChunkEngine:
         if len(abandoned):
             kv.write(abandoned, sync=True)
         for key, raw in kv.scan(_CHANNEL, prefix_end(_CHANNEL)):
-            self._channels[key] = ChannelRecord(*_CHAN.unpack(raw))
+            self._channels[key] = ChannelRecord.decode(raw)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -129,7 +138,23 @@ class ChunkEngine:
         return self.blobs.read(chunk_id, version, offset, length)
 
     def channel(self, client_id: bytes, channel_id: int) -> ChannelRecord | None:
-        return self._channels.get(_channel_key(client_id, channel_id))
+        """The channel's last committed update, if the chunk still reflects it.
+
+        A resync may have replaced the chunk with an older copy since (its update was then
+        never acknowledged by this chain), so a record only counts while the chunk is at its
+        version with its checksum, or has moved past it.
+        """
+        record = self._channels.get(_channel_key(client_id, channel_id))
+        if record is None or not record.chunk_id:
+            return record
+        state = self._states.get(record.chunk_id)
+        if record.commit_version == 0 or state is None:
+            return record if state is None and record.length == 0 else None
+        if state.commit_version > record.commit_version:
+            return record
+        if state.commit_version == record.commit_version and state.checksum == record.checksum:
+            return record
+        return None
 
     # -- updates -----------------------------------------------------------------------------
 
@@ -194,7 +219,7 @@ class ChunkEngine:
             new = ChunkState(commit_version=version, chain_version=chain_version, length=old.pending_length,
                              checksum=old.pending_checksum)
             batch.put(_META + chunk_id, new.encode())
-        self._record_channel(batch, channel, version, new)
+        self._record_channel(batch, channel, version, new, chunk_id)
         self.kv.write(batch, sync=self.sync_commits)
         self._install(chunk_id, old, new)
         return new
@@ -223,7 +248,7 @@ class ChunkEngine:
             new = ChunkState(commit_version=version, chain_version=chain_version, length=len(content),
                              checksum=checksum)
             batch.put(_META + chunk_id, new.encode())
-        self._record_channel(batch, channel, version, new)
+        self._record_channel(batch, channel, version, new, chunk_id)
         self.kv.write(batch, sync=self.sync_commits)
         if old is not None:
             self._install(chunk_id, old, new)
@@ -233,13 +258,14 @@ class ChunkEngine:
         return new
 
     def _record_channel(self, batch: WriteBatch, channel: tuple[bytes, int, int] | None, version: int,
-                        new: ChunkState | None) -> None:
+                        new: ChunkState | None, chunk_id: bytes) -> None:
         if channel is None or not channel[0]:
             return
         client_id, channel_id, seq = channel
-        record = ChannelRecord(seq, version, new.length if new else 0, new.checksum if new else 0)
+        record = ChannelRecord(seq, version if new else 0, new.length if new else 0, new.checksum if new else 0,
+                               chunk_id)
         key = _channel_key(client_id, channel_id)
-        batch.put(key, _CHAN.pack(record.seq, record.commit_version, record.length, record.checksum))
+        batch.put(key, record.encode())
         self._channels[key] = record
 
     def _install(self, chunk_id: bytes, old: ChunkState, new: ChunkState | None) -> None:

@@ -227,8 +227,9 @@ class StorageNode:
     async def heartbeat_once(self) -> None:
         sent_ms = self.now_ms()
         channel = self.channels.get(self.config.mgmtd_address)
-        rsp, _ = await channel.call(_MGMTD.method("Heartbeat"), self._heartbeat_req(),
-                                    timeout_ms=self.config.rpc_timeout_ms)
+        # A lost heartbeat must not hold up the next one: wait at most two intervals for it.
+        timeout_ms = min(self.config.rpc_timeout_ms, 2 * self.config.heartbeat_interval_ms)
+        rsp, _ = await channel.call(_MGMTD.method("Heartbeat"), self._heartbeat_req(), timeout_ms=timeout_ms)
         assert isinstance(rsp, mpb.HeartbeatRsp)
         self._lease_start_ms = sent_ms
         if rsp.routing_version > self.routing_version:
