@@ -11,7 +11,7 @@ from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
 
-__all__ = ["RoutingCache", "RoutedTarget"]
+__all__ = ["RoutedTarget", "RoutingCache"]
 
 _MGMTD = service_spec("Mgmtd")
 

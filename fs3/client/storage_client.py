@@ -13,12 +13,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import cast
 
 from fs3 import storage_pb2 as spb
+from fs3.client.routing import RoutedTarget, RoutingCache
 from fs3.common.checksum import crc32c
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import ChecksumMismatch, FS3Error, StatusCode, Unavailable
-from fs3.client.routing import RoutedTarget, RoutingCache
 from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
@@ -80,7 +81,8 @@ class StorageClient:
         """One update through the chain head, retried until committed or the budget is spent."""
         deadline_ms = self.clock.now_ms() + self.config.retry_total_ms
         async with self._channel() as (channel_id, seq):
-            req = spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=update_type, offset=offset, length=length,
+            req = spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=cast(spb.UpdateType, update_type),
+                                offset=offset, length=length,
                                 chunk_size=chunk_size, checksum=crc32c(data) if update_type == spb.WRITE else 0,
                                 client_id=self.client_id, channel_id=channel_id, seq=seq)
             attempt = 0
@@ -135,7 +137,8 @@ class StorageClient:
         """Read from a serving replica; ``b""`` past the end of the chunk or for a missing chunk."""
         deadline_ms = self.clock.now_ms() + self.config.retry_total_ms
         req = spb.ReadReq(chain_id=chain_id, chunk_id=chunk_id, offset=offset, length=length,
-                          dirty_policy=self.config.dirty_policy, verify_checksum=verify_checksum)
+                          dirty_policy=cast(spb.DirtyReadPolicy, self.config.dirty_policy),
+                          verify_checksum=verify_checksum)
         attempt = 0
         while True:
             _, members = await self.routing.chain(chain_id)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from fs3.common.errors import InvalidArgument
 
-__all__ = ["load_config", "config_from_mapping"]
+__all__ = ["config_from_mapping", "load_config"]
 
 T = TypeVar("T")
 

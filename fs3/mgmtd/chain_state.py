@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from fs3.common.invariant import ensure
 
 __all__ = [
+    "TRANSITIONS",
     "ChainUpdate",
     "LocalState",
     "Predecessor",
     "PublicState",
-    "TRANSITIONS",
     "next_public_state",
     "transition_table_markdown",
     "update_chain",

@@ -7,6 +7,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+from prometheus_client import Gauge
+
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.clock import Clock, LoopClock
@@ -56,7 +58,8 @@ class MgmtdServicer:
         self.clock = clock or LoopClock()
         self.state = MgmtdState(kv, config.heartbeat_timeout_ms, config.cluster_id)
         self._scan_task: asyncio.Task[None] | None = None
-        self._routing_changed = asyncio.Event()
+        self._routing_gauge: Gauge | None
+        self._alive_gauge: Gauge | None
         if metrics is not None:
             self._routing_gauge = metrics.gauge("fs3_mgmtd_routing_version", "Current routing info version")
             self._alive_gauge = metrics.gauge("fs3_mgmtd_alive_nodes", "Nodes with a recent heartbeat")

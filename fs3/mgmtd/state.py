@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
@@ -31,7 +32,12 @@ _LOCAL_TO_PB = {
     LocalState.ONLINE: cpb.ONLINE,
     LocalState.OFFLINE: cpb.LOCAL_OFFLINE,
 }
-_LOCAL_FROM_PB = {v: k for k, v in _LOCAL_TO_PB.items()}
+_LOCAL_FROM_PB: dict[int, LocalState] = {int(v): k for k, v in _LOCAL_TO_PB.items()}
+
+
+def _pb_state(state: PublicState) -> cpb.PublicState:
+    """The proto enum value of a public state (the numbers are the same by construction)."""
+    return cast(cpb.PublicState, int(state))
 
 
 def local_from_pb(value: int) -> LocalState:
@@ -206,7 +212,7 @@ class MgmtdState:
             chain.target_ids.extend(result.target_ids)
             chain.chain_version = result.chain_version
             for t in ids:
-                self.targets[t].info.public_state = int(result.states[t])
+                self.targets[t].info.public_state = _pb_state(result.states[t])
             changed_chains.append(chain.chain_id)
             changed_targets.extend(ids)
         if changed_chains or expired:
@@ -255,7 +261,7 @@ class MgmtdState:
                 target = self.targets[t]
                 target.info.chain_id = chain.chain_id
                 alive = target.local_state is not LocalState.OFFLINE
-                target.info.public_state = int(PublicState.SERVING if alive else PublicState.OFFLINE)
+                target.info.public_state = _pb_state(PublicState.SERVING if alive else PublicState.OFFLINE)
         self.tables[table_id] = table
         self._bump_routing()
         self._persist(targets=seen, chains=[c.chain_id for c in chains], tables=[table_id], routing=True)

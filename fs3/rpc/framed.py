@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from google.protobuf.message import Message
 
 from fs3.common.errors import (
-    FS3Error,
     FrameTooLarge,
+    FS3Error,
     ProtocolError,
     StatusCode,
     Timeout,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from fs3.common.errors import FrameTooLarge, ProtocolError
 
-__all__ = ["FrameKind", "FrameHeader", "HEADER", "MAGIC", "VERSION", "pack_header", "unpack_header"]
+__all__ = ["HEADER", "MAGIC", "VERSION", "FrameHeader", "FrameKind", "pack_header", "unpack_header"]
 
 MAGIC = 0xF53F
 VERSION = 1

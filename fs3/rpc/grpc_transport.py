@@ -18,7 +18,7 @@ from fs3.common.errors import FS3Error, StatusCode, Timeout, Unavailable, error_
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
 
-__all__ = ["GrpcChannel", "GrpcServer", "TOKEN_METADATA_KEY"]
+__all__ = ["TOKEN_METADATA_KEY", "GrpcChannel", "GrpcServer"]
 
 TOKEN_METADATA_KEY = "x-fs3-token"
 CODE_METADATA_KEY = "x-fs3-code"

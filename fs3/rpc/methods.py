@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 
 from fs3 import mgmtd_pb2, storage_pb2
 
-__all__ = ["MethodSpec", "ServiceSpec", "method_by_id", "service_spec", "SERVICE_NUMBERS"]
+__all__ = ["SERVICE_NUMBERS", "MethodSpec", "ServiceSpec", "method_by_id", "service_spec"]
 
 # Stable numbers for the framed transport. Append only.
 SERVICE_NUMBERS: dict[str, int] = {"Mgmtd": 1, "Storage": 2, "Meta": 3}

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"--faults {args.faults}")
         elif args.seed is not None or args.verbose:
             print(result.summary())
-    total = len(seeds) if not isinstance(seeds, range) else len(seeds)
+    total = len(seeds)
     print(f"{total - failed} passed, {failed} failed ({time.monotonic() - started:.1f}s)")
     return 1 if failed else 0
 

@@ -76,8 +76,8 @@ current_process: contextvars.ContextVar[SimProcess | None] = contextvars.Context
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self._virtual_now = 0.0
-        super().__init__(_VirtualSelector(self))  # type: ignore[arg-type]
-        self.set_task_factory(self._make_task)  # type: ignore[arg-type]
+        super().__init__(_VirtualSelector(self))
+        self.set_task_factory(self._make_task)
         self.on_iteration: Callable[[], None] | None = None
 
     def time(self) -> float:
@@ -89,7 +89,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     @staticmethod
     def _make_task(loop: asyncio.AbstractEventLoop, coro: Generator[Any, None, Any] | Coroutine[Any, Any, Any],
                       **kwargs: Any) -> asyncio.Task[Any]:
-        task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop, **kwargs)  # type: ignore[arg-type]
+        task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop, **kwargs)
         context = kwargs.get("context")
         process = context.get(current_process) if context is not None else current_process.get()
         if process is not None:

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
 
-from fs3.common.errors import Timeout, Unavailable, error_for
-from fs3.common.errors import StatusCode
+from fs3.common.errors import StatusCode, Timeout, Unavailable, error_for
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.sim.loop import SimProcess, current_process
 

@@ -13,6 +13,7 @@ from fs3.mgmtd.chain_state import PublicState
 from fs3.sim.cluster import ClusterShape, SimCluster
 from fs3.sim.history import INF, History, Op, decode_slots, encode_slot
 from fs3.sim.loop import SimProcess, VirtualTimeLoop
+from fs3.storage.chunk_engine import ChunkState
 
 __all__ = ["SimResult", "run_seed"]
 
@@ -69,29 +70,27 @@ class _Invariants:
             serving = [t for t in target_ids
                        if cluster.mgmtd.state.targets[t].public_state is PublicState.SERVING
                        and self._serves(t, chain_id)]
-            engines = [(t, cluster.engine(t)) for t in serving]
+            engines = [(t, e) for t in serving if (e := cluster.engine(t)) is not None]
             ids: set[bytes] = set()
             for _, engine in engines:
-                assert engine is not None
                 ids.update(engine._states)
             for cid in ids:
-                versions = []
+                versions: list[tuple[int, int, ChunkState | None]] = []
                 for t, engine in engines:
-                    assert engine is not None
-                    state = engine._states.get(cid)
-                    versions.append((t, state.commit_version if state else 0, state))
+                    found = engine._states.get(cid)
+                    versions.append((t, found.commit_version if found else 0, found))
                 # A removal in flight: replicas behind it on the path may already have dropped the chunk.
-                removing = any(state is not None and state.pending_remove for _, _, state in versions)
-                committed = [v for _, v, state in versions if not (removing and state is None)]
+                removing = any(s is not None and s.pending_remove for _, _, s in versions)
+                committed = [v for _, v, s in versions if not (removing and s is None)]
                 if committed and max(committed) - min(committed) > 1:
                     self._fail(f"chain {chain_id} chunk {cid.hex()}: serving replicas committed "
                                f"{[(t, v) for t, v, _ in versions]}")
                 by_version: dict[int, tuple[int, int]] = {}
-                for t, v, state in versions:
-                    if state is None:
+                for t, v, found in versions:
+                    if found is None:
                         continue
-                    seen = by_version.setdefault(v, (state.checksum, state.length))
-                    if seen != (state.checksum, state.length):
+                    seen = by_version.setdefault(v, (found.checksum, found.length))
+                    if seen != (found.checksum, found.length):
                         self._fail(f"chain {chain_id} chunk {cid.hex()} v{v}: replicas differ (target {t})")
 
     def _serves(self, target_id: int, chain_id: int) -> bool:

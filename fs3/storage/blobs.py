@@ -7,6 +7,7 @@ simulator's :class:`MemBlobStore` loses unsynced versions on :meth:`~MemBlobStor
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -64,10 +65,8 @@ class FileBlobStore:
                 os.close(fd)
         except OSError as exc:
             # Never leave a partial version behind: it could be mistaken for data later.
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink()
-            except OSError:
-                pass
             _raise_os(exc, f"writing {path.name}")
 
     def sync(self, chunk_id: bytes, version: int) -> None:

@@ -1,0 +1,205 @@
+"""``fs3``: run services and administer a cluster.
+
+    fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
+    fs3 storage --config FILE [--ready-file FILE]
+    fs3 admin   --mgmtd HOST:PORT [--token T] [--json] nodes|targets|chains|create-chain-table|mark-offline|verify
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fs3 import common_pb2 as cpb
+from fs3.common.config import load_config
+from fs3.common.errors import FS3Error, InvalidArgument
+
+__all__ = ["main"]
+
+
+def _state_name(enum_type: Any, value: int) -> str:
+    try:
+        return str(enum_type.Name(value)).lower().replace("local_", "")
+    except ValueError:
+        return str(value)
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(n)
+
+
+def _parse_chain_spec(spec: str) -> tuple[int, list[int]]:
+    """``ID:T1,T2,T3`` (or ``T1,T2,T3`` to let mgmtd number it)."""
+    try:
+        if ":" in spec:
+            chain, targets = spec.split(":", 1)
+            return int(chain), [int(t) for t in targets.split(",") if t]
+        return 0, [int(t) for t in spec.split(",") if t]
+    except ValueError:
+        raise InvalidArgument(f"bad chain spec {spec!r}: expected CHAIN_ID:TARGET,TARGET,...") from None
+
+
+async def _admin(args: argparse.Namespace) -> int:
+    from fs3.client.admin import AdminClient
+    from fs3.rpc.channel import RealChannelFactory
+
+    channels = RealChannelFactory(args.token or os.environ.get("FS3_TOKEN") or None, args.transport)
+    admin = AdminClient(args.mgmtd, channels, timeout_ms=args.timeout_ms)
+    try:
+        return await _admin_command(admin, args)
+    finally:
+        await channels.close()
+
+
+async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    out_json = args.json
+    if args.command == "nodes":
+        nodes = await admin.nodes()
+        if out_json:
+            print(json.dumps([MessageToDict(n, preserving_proto_field_name=True) for n in nodes], indent=2))
+        else:
+            print(_table([[str(n.node_id), _state_name(cpb.NodeType, n.node_type).replace("node_", ""),
+                           "up" if n.alive else "DOWN", n.framed_address, n.grpc_address, n.hostname, str(n.pid)]
+                          for n in nodes], ["node", "type", "status", "framed", "grpc", "host", "pid"]))
+        return 0
+    if args.command == "targets":
+        targets = await admin.targets()
+        if out_json:
+            print(json.dumps([MessageToDict(t, preserving_proto_field_name=True) for t in targets], indent=2))
+        else:
+            print(_table([[str(t.target_id), str(t.node_id), str(t.chain_id or "-"),
+                           _state_name(cpb.PublicState, t.public_state), _state_name(cpb.LocalState, t.local_state),
+                           str(t.chunk_count), _human_bytes(t.used_bytes), _human_bytes(t.free_bytes), t.path]
+                          for t in targets],
+                         ["target", "node", "chain", "public", "local", "chunks", "used", "free", "path"]))
+        return 0
+    if args.command == "chains":
+        rsp = await admin.chains()
+        if out_json:
+            print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True), indent=2))
+        else:
+            states = {t.target_id: _state_name(cpb.PublicState, t.public_state) for t in rsp.targets}
+            print(_table([[str(c.chain_id), str(c.chain_version), str(c.table_id),
+                           " -> ".join(f"{t}({states.get(t, '?')})" for t in c.target_ids)] for c in rsp.chains],
+                         ["chain", "version", "table", "targets (head first)"]))
+        return 0
+    if args.command == "create-chain-table":
+        chains = [_parse_chain_spec(s) for s in args.chain or []]
+        if not chains and not args.replicas:
+            raise InvalidArgument("give --replicas N or one --chain per chain")
+        rsp = await admin.create_chain_table(args.table_id, args.replicas or 0, chains)
+        if out_json:
+            print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True), indent=2))
+        else:
+            print(f"chain table {rsp.table.table_id}: {len(rsp.chains)} chains")
+            for c in rsp.chains:
+                print(f"  chain {c.chain_id}: {' -> '.join(str(t) for t in c.target_ids)}")
+        return 0
+    if args.command == "mark-offline":
+        version = await admin.mark_target_offline(args.target_id)
+        print(json.dumps({"target_id": args.target_id, "routing_version": version}) if out_json
+              else f"target {args.target_id} marked offline (routing v{version})")
+        return 0
+    if args.command == "verify":
+        report = await admin.verify()
+        if out_json:
+            print(json.dumps(report.as_dict(), indent=2))
+        else:
+            print(f"checked {report.chains_checked} chains, {report.chunks_checked} chunks")
+            for line in report.not_serving:
+                print(f"  not serving: {line}")
+            for line in report.unreachable:
+                print(f"  UNREACHABLE: {line}")
+            for line in report.mismatches:
+                print(f"  MISMATCH: {line}")
+            print("all replicas identical" if report.ok else "replicas DIFFER")
+        return 0 if report.ok else 2
+    raise InvalidArgument(f"unknown admin command {args.command}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fs3", description="fs3: a Python implementation of 3FS.")
+    sub = parser.add_subparsers(dest="service", required=True)
+
+    mgmtd = sub.add_parser("mgmtd", help="run the cluster manager")
+    mgmtd.add_argument("--config", help="TOML config file")
+    mgmtd.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
+    mgmtd.add_argument("--data-dir")
+    mgmtd.add_argument("--listen-host")
+    mgmtd.add_argument("--framed-port", type=int)
+    mgmtd.add_argument("--grpc-port", type=int)
+    mgmtd.add_argument("--metrics-port", type=int)
+    mgmtd.add_argument("--heartbeat-timeout-ms", type=int)
+    mgmtd.add_argument("--token")
+
+    storage = sub.add_parser("storage", help="run a storage node")
+    storage.add_argument("--config", required=True, help="TOML config file")
+    storage.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
+
+    admin = sub.add_parser("admin", help="administer a cluster")
+    admin.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
+    admin.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
+    admin.add_argument("--transport", choices=("framed", "grpc"), default="framed")
+    admin.add_argument("--timeout-ms", type=int, default=10_000)
+    admin.add_argument("--json", action="store_true", help="machine-readable output")
+    admin_sub = admin.add_subparsers(dest="command", required=True)
+    admin_sub.add_parser("nodes", help="list nodes")
+    admin_sub.add_parser("targets", help="list storage targets")
+    admin_sub.add_parser("chains", help="list chains")
+    create = admin_sub.add_parser("create-chain-table", help="create a chain table")
+    create.add_argument("--table-id", type=int, default=1)
+    create.add_argument("--replicas", type=int, help="build chains of N replicas from every free target")
+    create.add_argument("--chain", action="append", help="CHAIN_ID:TARGET,TARGET,... (repeatable)")
+    offline = admin_sub.add_parser("mark-offline", help="take a target out of its chain (it resyncs)")
+    offline.add_argument("target_id", type=int)
+    admin_sub.add_parser("verify", help="compare replicas chunk by chunk (exit 2 when they differ)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.service == "mgmtd":
+            from fs3.mgmtd.server import run_mgmtd
+            from fs3.mgmtd.service import MgmtdConfig
+
+            overrides = {k: getattr(args, k) for k in ("data_dir", "listen_host", "framed_port", "grpc_port",
+                                                       "metrics_port", "heartbeat_timeout_ms", "token")}
+            config = load_config(MgmtdConfig, args.config, env_prefix="FS3_MGMTD", overrides=overrides)
+            run_mgmtd(config, args.ready_file)
+            return 0
+        if args.service == "storage":
+            from fs3.storage.server import StorageConfig, run_storage
+
+            run_storage(load_config(StorageConfig, args.config, env_prefix="FS3_STORAGE"), args.ready_file)
+            return 0
+        return asyncio.run(_admin(args))
+    except FS3Error as exc:
+        print(f"fs3: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

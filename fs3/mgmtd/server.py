@@ -1,0 +1,38 @@
+"""The mgmtd process: ``fs3 mgmtd --config mgmtd.toml``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from fs3.common.logging import setup_logging
+from fs3.common.metrics import ServiceMetrics
+from fs3.kv.store import open_kv
+from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
+from fs3.rpc.dispatch import Dispatcher
+from fs3.rpc.methods import service_spec
+from fs3.rpc.server import ServiceRuntime, install_uvloop
+
+__all__ = ["run_mgmtd"]
+
+log = logging.getLogger(__name__)
+
+
+async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:
+    kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
+    metrics = ServiceMetrics("mgmtd")
+    servicer = MgmtdServicer(kv, config, metrics=metrics)
+    dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
+    dispatcher.add_service(service_spec("Mgmtd"), servicer)
+    runtime = ServiceRuntime("mgmtd", dispatcher, metrics)
+    servicer.start()
+    await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
+    runtime.write_ready_file(ready_file)
+    await runtime.run_until_stopped(servicer.stop)
+
+
+def run_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:
+    setup_logging("mgmtd", config.log_level)
+    install_uvloop()
+    asyncio.run(serve_mgmtd(config, ready_file))

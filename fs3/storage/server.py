@@ -1,0 +1,121 @@
+"""The storage process: ``fs3 storage --config storage.toml``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fs3.common.errors import InvalidArgument
+from fs3.common.logging import setup_logging
+from fs3.common.metrics import ServiceMetrics
+from fs3.kv.store import open_kv
+from fs3.rpc.channel import RealChannelFactory
+from fs3.rpc.dispatch import Dispatcher
+from fs3.rpc.methods import service_spec
+from fs3.rpc.server import ServiceRuntime, install_uvloop
+from fs3.storage.blobs import FileBlobStore
+from fs3.storage.chunk_engine import ChunkEngine
+from fs3.storage.node import StorageNode, StorageNodeConfig
+from fs3.storage.replica import DirtyReadPolicy, ReplicaConfig
+from fs3.storage.service import StorageServicer
+
+__all__ = ["StorageConfig", "TargetConfig", "run_storage"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetConfig:
+    target_id: int
+    path: str
+
+
+@dataclass
+class StorageConfig:
+    """Settings of one storage process (TOML keys; env ``FS3_STORAGE_<KEY>``)."""
+
+    node_id: int = 1
+    mgmtd_address: str = "127.0.0.1:9000"
+    listen_host: str = "127.0.0.1"
+    advertise_host: str = ""
+    framed_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = -1
+    token: str = ""
+    transport: str = "framed"
+    targets: list[TargetConfig] = field(default_factory=list)
+    heartbeat_interval_ms: int = 1_000
+    rpc_timeout_ms: int = 5_000
+    forward_timeout_ms: int = 5_000
+    forward_retry_total_ms: int = 30_000
+    dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
+    fsync: bool = True
+    reserve_bytes: int = 0
+    kv_engine: str = "rocksdb"
+    log_level: str = "INFO"
+
+    def validate(self) -> None:
+        if self.node_id <= 0:
+            raise InvalidArgument("node_id must be positive")
+        if not self.targets:
+            raise InvalidArgument("a storage node needs at least one [[targets]] entry")
+        ids = [t.target_id for t in self.targets]
+        if len(set(ids)) != len(ids) or any(t <= 0 for t in ids):
+            raise InvalidArgument("target ids must be positive and unique")
+        if self.transport not in ("framed", "grpc"):
+            raise InvalidArgument(f"transport {self.transport!r}: expected framed or grpc")
+        if self.dirty_read_policy not in (DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY):
+            raise InvalidArgument(f"dirty_read_policy {self.dirty_read_policy!r}: expected ask_tail or retry")
+        if self.heartbeat_interval_ms < 10:
+            raise InvalidArgument("heartbeat_interval_ms must be at least 10")
+
+
+def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
+    engines = {}
+    for target in config.targets:
+        root = Path(target.path)
+        root.mkdir(parents=True, exist_ok=True)
+        kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None)
+        blobs = FileBlobStore(root / "chunks", fsync=config.fsync)
+        engines[target.target_id] = ChunkEngine(kv, blobs, reserve_bytes=config.reserve_bytes,
+                                                sync_commits=config.fsync)
+    return engines
+
+
+async def serve_storage(config: StorageConfig, ready_file: str | None = None) -> None:
+    engines = open_engines(config)
+    metrics = ServiceMetrics("storage")
+    channels = RealChannelFactory(config.token or None, config.transport)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
+    runtime = ServiceRuntime(f"storage-{config.node_id}", dispatcher, metrics)
+    node_config = StorageNodeConfig(
+        node_id=config.node_id, mgmtd_address=config.mgmtd_address,
+        heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
+        replica=ReplicaConfig(forward_timeout_ms=config.forward_timeout_ms,
+                              forward_retry_total_ms=config.forward_retry_total_ms,
+                              dirty_read_policy=config.dirty_read_policy),
+    )
+    node = StorageNode(node_config, engines, channels)
+    dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
+    bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port,
+                                config.advertise_host)
+    node_config.framed_address, node_config.grpc_address = bound.framed, bound.grpc
+    node_config.metrics_address = bound.metrics
+    await node.start()
+    runtime.write_ready_file(ready_file)
+
+    async def shutdown() -> None:
+        await node.stop()
+        await channels.close()
+        for engine in engines.values():
+            engine.close()
+
+    await runtime.run_until_stopped(shutdown)
+
+
+def run_storage(config: StorageConfig, ready_file: str | None = None) -> None:
+    setup_logging(f"storage-{config.node_id}", config.log_level)
+    install_uvloop()
+    asyncio.run(serve_storage(config, ready_file))
