@@ -231,9 +231,13 @@ class StorageNode:
         timeout_ms = min(self.config.rpc_timeout_ms, 2 * self.config.heartbeat_interval_ms)
         rsp, _ = await channel.call(_MGMTD.method("Heartbeat"), self._heartbeat_req(), timeout_ms=timeout_ms)
         assert isinstance(rsp, mpb.HeartbeatRsp)
-        self._lease_start_ms = sent_ms
         if rsp.routing_version > self.routing_version:
-            self.request_routing_refresh()
+            # The lease only renews on a current view of the chains: a node back from a partition
+            # must learn that it was taken out of its chains before it serves anything again.
+            await self._fetch_routing()
+            if rsp.routing_version > self.routing_version:
+                return
+        self._lease_start_ms = sent_ms
         if self.on_heartbeat is not None:
             self.on_heartbeat()
 
