@@ -1,0 +1,49 @@
+"""Shared fixtures: real-process clusters and a client factory over either transport."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.common import clock as clock_mod
+from fs3.rpc.channel import RealChannelFactory
+from tests.harness import ProcessCluster
+
+TRANSPORTS = ("framed", "grpc")
+
+
+@pytest.fixture
+def process_cluster(tmp_path: Path) -> Iterator[ProcessCluster]:
+    cluster = ProcessCluster(tmp_path / "cluster")
+    try:
+        cluster.start_all()
+        yield cluster
+    finally:
+        cluster.stop_all()
+
+
+def make_client(cluster: ProcessCluster, transport: str = "framed", name: bytes = b"test-client",
+                token: str | None = None) -> tuple[StorageClient, RealChannelFactory]:
+    channels = RealChannelFactory(cluster.token if token is None else token, transport)  # type: ignore[arg-type]
+    mgmtd = cluster.address("mgmtd", transport)
+    routing = RoutingCache([mgmtd], channels, rpc_timeout_ms=3_000)
+    client = StorageClient(routing, channels, name,
+                           StorageClientConfig(rpc_timeout_ms=3_000, retry_total_ms=45_000, retry_backoff_ms=50),
+                           clock=clock_mod.LoopClock())
+    return client, channels
+
+
+async def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.1, what: str = "condition"):  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        result = await predicate()
+        if result:
+            return result
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
