@@ -132,6 +132,11 @@ class FramedServer:
                     # The refusal is on its way; an unauthenticated connection gets nothing more.
                     await task
                     return
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial or not tasks:
+                raise
+            # The client closed its side after its last request: answer what it already sent.
+            await asyncio.wait(set(tasks), timeout=30)
         finally:
             for task in tasks:
                 task.cancel()

@@ -1,0 +1,136 @@
+"""KV stores and the chunk engine: atomic commits, crash semantics, space, exactly-once records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fs3.common.checksum import crc32c
+from fs3.common.errors import InvariantViolation, NoSpace
+from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch, open_kv, prefix_end
+from fs3.storage.blobs import FileBlobStore, MemBlobStore
+from fs3.storage.chunk_engine import ChunkEngine
+
+
+@pytest.fixture(params=["mem", "rocksdb"])
+def kv(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+    store = open_kv(request.param, tmp_path / "kv")
+    yield store
+    store.close()
+
+
+def test_kv_batches_and_scans(kv) -> None:  # type: ignore[no-untyped-def]
+    batch = WriteBatch()
+    for key in (b"a/2", b"a/1", b"b/1", b"a/3"):
+        batch.put(key, key.upper())
+    batch.delete(b"a/3")
+    kv.write(batch)
+    assert list(kv.scan(b"a/", prefix_end(b"a/"))) == [(b"a/1", b"A/1"), (b"a/2", b"A/2")]
+    assert list(kv.scan(b"", limit=1)) == [(b"a/1", b"A/1")]
+    assert kv.get(b"a/3") is None and kv.get(b"b/1") == b"B/1"
+
+
+def test_prefix_end() -> None:
+    assert prefix_end(b"ab") == b"ac"
+    assert prefix_end(b"a\xff") == b"b"
+    assert prefix_end(b"\xff\xff") is None
+
+
+def test_mem_kv_crash_loses_only_unsynced() -> None:
+    kv = MemKVStore()
+    durable, loose = WriteBatch(), WriteBatch()
+    durable.put(b"k1", b"v1")
+    kv.write(durable, sync=True)
+    loose.put(b"k2", b"v2")
+    kv.write(loose, sync=False)
+    kv.crash()
+    assert kv.get(b"k1") == b"v1" and kv.get(b"k2") is None
+
+
+def test_rocksdb_persists_across_reopen(tmp_path: Path) -> None:
+    kv = RocksKVStore(tmp_path / "db")
+    batch = WriteBatch()
+    batch.put(b"x", b"1")
+    kv.write(batch)
+    kv.close()
+    again = RocksKVStore(tmp_path / "db")
+    assert again.get(b"x") == b"1"
+    again.close()
+
+
+def _engine(tmp_path: Path | None = None, capacity: int = 1 << 30) -> ChunkEngine:
+    if tmp_path is None:
+        return ChunkEngine(MemKVStore(), MemBlobStore(capacity))
+    return ChunkEngine(RocksKVStore(tmp_path / "meta"), FileBlobStore(tmp_path / "chunks", fsync=False))
+
+
+def test_stage_commit_and_versions(tmp_path: Path) -> None:
+    engine = _engine(tmp_path)
+    cid = b"chunk-1"
+    engine.stage(cid, 1, b"hello", crc32c(b"hello"), 3)
+    state = engine.get(cid)
+    assert state is not None and state.commit_version == 0 and state.pending_version == 1
+    engine.commit(cid, 1, 3, channel=(b"client", 7, 1))
+    state = engine.get(cid)
+    assert state is not None and (state.commit_version, state.pending_version, state.length) == (1, 0, 5)
+    assert engine.read(cid, 1, 1, 3) == b"ell"
+    record = engine.channel(b"client", 7)
+    assert record is not None and record.seq == 1 and record.commit_version == 1
+    with pytest.raises(InvariantViolation):
+        engine.stage(cid, 5, b"x", 0, 3)  # pending must be committed + 1
+    with pytest.raises(InvariantViolation):
+        engine.commit(cid, 2, 3)  # nothing pending
+    engine.stage(cid, 2, None, 0, 3)
+    assert engine.commit(cid, 2, 3) is None
+    assert engine.get(cid) is None and engine.chunk_count == 0
+
+
+def test_restart_drops_pending_and_keeps_commits(tmp_path: Path) -> None:
+    engine = _engine(tmp_path)
+    engine.stage(b"c", 1, b"one", crc32c(b"one"), 1)
+    engine.commit(b"c", 1, 1)
+    engine.stage(b"c", 2, b"two", crc32c(b"two"), 1)
+    engine.stage(b"new", 1, b"n", crc32c(b"n"), 1)
+    engine.close()
+    reopened = _engine(tmp_path)
+    state = reopened.get(b"c")
+    assert state is not None and state.commit_version == 1 and state.pending_version == 0
+    assert reopened.read(b"c", 1, 0, 10) == b"one"
+    assert reopened.get(b"new") is None
+    reopened.close()
+
+
+def test_replace_and_abort() -> None:
+    engine = _engine()
+    engine.replace(b"c", 9, 4, b"full", crc32c(b"full"))
+    state = engine.get(b"c")
+    assert state is not None and state.commit_version == 9 and state.chain_version == 4
+    engine.stage(b"c", 10, b"next", crc32c(b"next"), 4)
+    engine.abort(b"c", 10)
+    state = engine.get(b"c")
+    assert state is not None and state.pending_version == 0 and engine.read(b"c", 9, 0, 4) == b"full"
+    engine.replace(b"c", 9, 5, b"other", crc32c(b"other"))  # same version, new content (resync)
+    assert engine.read(b"c", 9, 0, 5) == b"other"
+
+
+def test_full_target_is_a_clear_error_and_keeps_committed_data() -> None:
+    engine = _engine(capacity=100)
+    engine.stage(b"c", 1, b"x" * 60, crc32c(b"x" * 60), 1)
+    engine.commit(b"c", 1, 1)
+    with pytest.raises(NoSpace):
+        engine.stage(b"c", 2, b"y" * 60, crc32c(b"y" * 60), 1)
+    state = engine.get(b"c")
+    assert state is not None and state.commit_version == 1 and state.pending_version == 0
+    assert engine.read(b"c", 1, 0, 60) == b"x" * 60
+
+
+def test_channel_record_invalidated_by_older_replacement() -> None:
+    engine = _engine()
+    engine.stage(b"c", 1, b"a", crc32c(b"a"), 1)
+    engine.commit(b"c", 1, 1)
+    engine.stage(b"c", 2, b"b", crc32c(b"b"), 1)
+    engine.commit(b"c", 2, 1, channel=(b"cl", 1, 5))
+    assert engine.channel(b"cl", 1) is not None
+    engine.replace(b"c", 1, 2, b"a", crc32c(b"a"))  # resync rolled the chunk back
+    assert engine.channel(b"cl", 1) is None

@@ -1,0 +1,182 @@
+"""The storage service over both transports: reads, writes, dirty reads and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from fs3 import storage_pb2 as spb
+from fs3.common.checksum import crc32c
+from fs3.common.errors import (
+    ChainVersionMismatch,
+    ChecksumMismatch,
+    InvalidArgument,
+    NotFound,
+    NotHead,
+    StatusCode,
+    Unauthenticated,
+)
+from fs3.common.ids import chunk_id
+from fs3.rpc.channel import RealChannelFactory
+from fs3.rpc.methods import service_spec
+from tests.inproc import InProcessCluster
+
+STORAGE = service_spec("Storage")
+CHUNK = 64 * 1024
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("transport", ["framed", "grpc"])
+def test_write_read_truncate_remove(tmp_path: Path, transport: str) -> None:
+    async def body() -> None:
+        async with InProcessCluster(tmp_path, transport=transport) as cluster:
+            client = cluster.client()
+            chain = cluster.chain_ids[0]
+            cid = chunk_id(1, 0)
+            rsp = await client.write(chain, cid, 0, b"a" * 1000, CHUNK)
+            assert rsp.commit_version == 1 and rsp.chunk_length == 1000
+            await client.write(chain, cid, 4096, b"b" * 10, CHUNK)
+            data, read_rsp = await client.read(chain, cid, 0, CHUNK)
+            assert data == b"a" * 1000 + bytes(3096) + b"b" * 10 and read_rsp.version == 2
+            # Every replica answers the same (reads rotate over them).
+            for _ in range(6):
+                again, _ = await client.read(chain, cid, 990, 20, verify_checksum=True)
+                assert again == b"a" * 10 + bytes(10)
+            await client.truncate(chain, cid, 500, CHUNK)
+            data, _ = await client.read(chain, cid, 0, CHUNK)
+            assert data == b"a" * 500
+            await client.remove(chain, cid, CHUNK)
+            data, read_rsp = await client.read(chain, cid, 0, CHUNK)
+            assert data == b"" and read_rsp.version == 0
+            report = await cluster.admin().verify()
+            assert report.ok, report.as_dict()
+    run(body())
+
+
+def test_retry_is_exactly_once(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with InProcessCluster(tmp_path) as cluster:
+            chain = cluster.chain_ids[0]
+            routing = await cluster.admin().routing()
+            head_target = next(c for c in routing.chains if c.chain_id == chain).target_ids[0]
+            head = cluster.nodes[head_target // 100]
+            req = spb.UpdateReq(chain_id=chain, chain_version=head.view(chain, head_target).chain_version,  # type: ignore[union-attr]
+                                chunk_id=chunk_id(3, 0), type=spb.WRITE, offset=0, length=4, chunk_size=CHUNK,
+                                checksum=crc32c(b"abcd"), client_id=b"cl", channel_id=1, seq=1)
+            channel = cluster.channels.get(head.config.framed_address)
+            first, _ = await channel.call(STORAGE.method("Update"), req, b"abcd")
+            second, _ = await channel.call(STORAGE.method("Update"), req, b"abcd")
+            assert first == second  # the retry got the cached answer, no second version
+            assert head.engines[head_target].get(chunk_id(3, 0)).commit_version == 1  # type: ignore[union-attr]
+            req.seq = 0
+            with pytest.raises(Exception) as stale:
+                await channel.call(STORAGE.method("Update"), req, b"abcd")
+            assert getattr(stale.value, "code", None) is StatusCode.CHANNEL_SEQ_STALE
+    run(body())
+
+
+@pytest.mark.parametrize("transport", ["framed", "grpc"])
+def test_bad_updates_are_typed_errors_and_change_nothing(tmp_path: Path, transport: str) -> None:
+    async def body() -> None:
+        async with InProcessCluster(tmp_path, transport=transport) as cluster:
+            client = cluster.client()
+            chain = cluster.chain_ids[0]
+            cid = chunk_id(9, 0)
+            await client.write(chain, cid, 0, b"original", CHUNK)
+            routing = await cluster.admin().routing()
+            chain_info = next(c for c in routing.chains if c.chain_id == chain)
+            head_tid, tail_tid = chain_info.target_ids[0], chain_info.target_ids[-1]
+            nodes = {n.node_id: n for n in routing.nodes}
+            head_addr = cluster.channels.node_address(nodes[head_tid // 100].framed_address,
+                                                      nodes[head_tid // 100].grpc_address)
+            tail_addr = cluster.channels.node_address(nodes[tail_tid // 100].framed_address,
+                                                      nodes[tail_tid // 100].grpc_address)
+            version = chain_info.chain_version
+
+            def update(**changes: object) -> spb.UpdateReq:
+                req = spb.UpdateReq(chain_id=chain, chain_version=version, chunk_id=cid, type=spb.WRITE, offset=0,
+                                    length=3, chunk_size=CHUNK, checksum=crc32c(b"new"))
+                for key, value in changes.items():
+                    setattr(req, key, value)
+                return req
+
+            cases: list[tuple[spb.UpdateReq, bytes, type[Exception], str]] = [
+                (update(chain_id=999), b"new", NotFound, head_addr),
+                (update(chain_version=version + 5), b"new", ChainVersionMismatch, head_addr),
+                (update(chain_version=version - 1), b"new", ChainVersionMismatch, head_addr),
+                (update(offset=CHUNK - 1), b"new", InvalidArgument, head_addr),
+                (update(chunk_size=CHUNK + 1), b"new", InvalidArgument, head_addr),
+                (update(checksum=123), b"new", ChecksumMismatch, head_addr),
+                (update(length=2), b"new", InvalidArgument, head_addr),
+                (update(chunk_id=b""), b"new", InvalidArgument, head_addr),
+                (update(type=42), b"new", InvalidArgument, head_addr),
+                (update(), b"new", NotHead, tail_addr),
+            ]
+            for req, payload, error, address in cases:
+                with pytest.raises(error):
+                    await cluster.channels.get(address).call(STORAGE.method("Update"), req, payload)
+            for node in cluster.nodes.values():
+                for engine in node.engines.values():
+                    state = engine.get(cid)
+                    if state is not None:
+                        assert state.commit_version == 1 and state.pending_version == 0
+            data, _ = await client.read(chain, cid, 0, 100)
+            assert data == b"original"
+            with pytest.raises(InvalidArgument):
+                await cluster.channels.get(head_addr).call(
+                    STORAGE.method("Read"), spb.ReadReq(chain_id=chain, chunk_id=b"x" * 100, length=1))
+            with pytest.raises(InvalidArgument):
+                await cluster.channels.get(head_addr).call(STORAGE.method("DumpChunkMeta"),
+                                                           spb.DumpChunkMetaReq(chain_id=chain, limit=10**6))
+            # Without the cluster token nothing is answered at all.
+            anonymous = RealChannelFactory(None, transport)  # type: ignore[arg-type]
+            with pytest.raises(Unauthenticated):
+                await anonymous.get(head_addr).call(STORAGE.method("Update"), update(), b"new")
+            wrong = RealChannelFactory("wrong", transport)  # type: ignore[arg-type]
+            with pytest.raises(Unauthenticated):
+                await wrong.get(head_addr).call(STORAGE.method("Read"), spb.ReadReq(chain_id=chain, chunk_id=cid))
+            await anonymous.close()
+            await wrong.close()
+            assert (await cluster.admin().verify()).ok
+    run(body())
+
+
+@pytest.mark.parametrize("policy", [spb.DIRTY_READ_RETRY, spb.DIRTY_READ_ASK_TAIL])
+def test_dirty_reads_both_policies(tmp_path: Path, policy: int) -> None:
+    """A read racing a write answers the old or the new version, never a torn or uncommitted one."""
+
+    async def body() -> None:
+        async with InProcessCluster(tmp_path) as cluster:
+            writer = cluster.client(b"w")
+            reader = cluster.client(b"r", retry_backoff_ms=1)
+            reader.config = type(reader.config)(dirty_policy=policy, retry_backoff_ms=1)
+            chain = cluster.chain_ids[0]
+            cid = chunk_id(5, 0)
+            await writer.write(chain, cid, 0, bytes([0]) * 8192, CHUNK)
+            stop = asyncio.Event()
+            latest_acked = [0]
+
+            async def write_loop() -> None:
+                for value in range(1, 40):
+                    await writer.write(chain, cid, 0, bytes([value]) * 8192, CHUNK)
+                    latest_acked[0] = value
+                stop.set()
+
+            async def read_loop() -> int:
+                reads = 0
+                while not stop.is_set():
+                    floor = latest_acked[0]
+                    data, _ = await reader.read(chain, cid, 0, 8192)
+                    assert len(set(data)) == 1, "torn read"
+                    assert data[0] >= floor, "read older than an acknowledged write"
+                    reads += 1
+                return reads
+
+            results = await asyncio.gather(write_loop(), read_loop(), read_loop())
+            assert results[1] + results[2] > 10
+    run(body())
