@@ -102,7 +102,7 @@ async def _failover(cluster: ProcessCluster) -> None:
     # Every acknowledged write reads back byte-exact (or a later write whose outcome was unknown).
     for index in range(CHUNKS):
         data, _ = await client.read(chain_ids[index % 2], chunk_id(7, index), 0, CHUNK_SIZE)
-        allowed = [acked.get(index, b"")] + maybe.get(index, [])
+        allowed = [acked.get(index, b""), *maybe.get(index, [])]
         assert data in allowed or any(data.startswith(m) for m in allowed), f"chunk {index} lost data"
     report = await admin.verify()
     assert report.ok, report.as_dict()

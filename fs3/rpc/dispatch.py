@@ -63,6 +63,7 @@ class Dispatcher:
         self.metrics = metrics
         self._handlers: dict[int, tuple[MethodSpec, Handler]] = {}
         self._on_fatal: Callable[[BaseException], None] | None = None
+        self._metric_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     def add_service(self, spec: ServiceSpec, servicer: object) -> None:
         for method in spec.methods:
@@ -126,5 +127,16 @@ class Dispatcher:
             return Reply(code, f"internal error: {type(exc).__name__}: {exc}".encode("utf-8", "replace"), EMPTY)
         finally:
             if self.metrics is not None:
-                self.metrics.rpc_requests.labels(service, name, code.name).inc()
-                self.metrics.rpc_latency_seconds.labels(service, name).observe(time.perf_counter() - start)
+                counter, histogram = self._metric(service, name, code)
+                counter.inc()
+                histogram.observe(time.perf_counter() - start)
+
+    def _metric(self, service: str, name: str, code: StatusCode) -> tuple[Any, Any]:
+        key = (service, name, int(code))
+        children = self._metric_children.get(key)
+        if children is None:
+            assert self.metrics is not None
+            children = (self.metrics.rpc_requests.labels(service, name, code.name),
+                        self.metrics.rpc_latency_seconds.labels(service, name))
+            self._metric_children[key] = children
+        return children

@@ -265,11 +265,14 @@ class FramedChannel:
         except (ConnectionError, RuntimeError) as exc:
             self._pending.pop(request_id, None)
             raise Unavailable(f"send to {self.address} failed: {exc}") from None
+        timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, _expire, future)
         try:
-            status, body, out_payload = await asyncio.wait_for(future, timeout_ms / 1000)
+            status, body, out_payload = await future
         except TimeoutError:
             self._pending.pop(request_id, None)
             raise Timeout(f"{method.name} to {self.address} timed out after {timeout_ms} ms") from None
+        finally:
+            timer.cancel()
         if status != StatusCode.OK:
             raise error_for(status, body.decode("utf-8", "replace"))
         return method.response_type.FromString(body), out_payload
@@ -283,3 +286,8 @@ class FramedChannel:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _expire(future: asyncio.Future[tuple[int, bytes, bytes]]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())

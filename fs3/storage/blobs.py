@@ -46,6 +46,7 @@ class FileBlobStore:
         self.root = Path(root)
         self.fsync = fsync
         self.root.mkdir(parents=True, exist_ok=True)
+        self._dirs: set[Path] = set()
 
     def _path(self, chunk_id: bytes, version: int) -> Path:
         name = chunk_id.hex()
@@ -54,7 +55,9 @@ class FileBlobStore:
     def write(self, chunk_id: bytes, version: int, data: bytes | memoryview) -> None:
         path = self._path(chunk_id, version)
         try:
-            path.parent.mkdir(exist_ok=True)
+            if path.parent not in self._dirs:
+                path.parent.mkdir(exist_ok=True)
+                self._dirs.add(path.parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 view = memoryview(data)
@@ -85,9 +88,11 @@ class FileBlobStore:
     def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
         path = self._path(chunk_id, version)
         try:
-            with path.open("rb", buffering=0) as fh:
-                fh.seek(offset)
-                return fh.read(length)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return os.pread(fd, length, offset)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             raise IoError(f"chunk file {path.name} is missing") from None
         except OSError as exc:

@@ -106,6 +106,10 @@ def build_content(base: bytes | None, update: spb.UpdateReq, payload: Buffer) ->
             return current[: update.length]
         return current + bytes(update.length - len(current))
     end = update.offset + update.length
+    if update.offset == 0 and end >= len(current):
+        return bytes(payload)  # the write covers everything there was: no merge needed
+    if update.offset == len(current):
+        return current + bytes(payload)  # an append
     out = bytearray(max(len(current), end))
     out[: len(current)] = current
     out[update.offset : end] = payload
