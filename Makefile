@@ -24,7 +24,7 @@ fs3/%_pb2.py: proto/fs3/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. $(PROTO_SRC)
 
 run: install
-	$(BIN)/fs3 local up --mount ./mnt
+	$(BIN)/fs3 local up --dir .fs3
 
 test: install
 	$(BIN)/ruff check fs3 tests bench

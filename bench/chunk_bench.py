@@ -224,7 +224,8 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     record = {"kind": "chunk", "timestamp": stamp, "seconds": args.seconds, "inflight": args.inflight,
-              "fsync": args.fsync, "data_dir": args.data_dir or tempfile.gettempdir(), "cpus": os.cpu_count(), "baseline": baseline, "fs3": results,
+              "fsync": args.fsync, "data_dir": args.data_dir or tempfile.gettempdir(),
+              "cpus": os.cpu_count(), "baseline": baseline, "fs3": results,
               "ratios": {f"{t}/{k}": r for t, k, _, r in rows}}
     path = out_dir / f"chunk-{stamp}.json"
     path.write_text(json.dumps(record, indent=2))

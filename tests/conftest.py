@@ -19,7 +19,7 @@ TRANSPORTS = ("framed", "grpc")
 
 @pytest.fixture
 def process_cluster(tmp_path: Path) -> Iterator[ProcessCluster]:
-    cluster = ProcessCluster(tmp_path / "cluster")
+    cluster = ProcessCluster(tmp_path / "cluster", token="secret")
     try:
         cluster.start_all()
         yield cluster

@@ -3,6 +3,7 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage --config FILE [--ready-file FILE]
     fs3 admin   --mgmtd HOST:PORT [--token T] [--json] nodes|targets|chains|create-chain-table|mark-offline|verify
+    fs3 local   up|status|down|kill|start [--dir DIR]
 """
 
 from __future__ import annotations
@@ -156,6 +157,21 @@ def _parser() -> argparse.ArgumentParser:
     storage.add_argument("--config", required=True, help="TOML config file")
     storage.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
 
+    local = sub.add_parser("local", help="a whole cluster on this machine")
+    local_sub = local.add_subparsers(dest="action", required=True)
+    up = local_sub.add_parser("up", help="start (or restart) the local cluster")
+    up.add_argument("--storage-nodes", type=int, default=3)
+    up.add_argument("--targets-per-node", type=int, default=2)
+    up.add_argument("--replicas", type=int, default=3)
+    up.add_argument("--detach", action="store_true", help="return once healthy, leave it running")
+    for action in ("status", "down"):
+        local_sub.add_parser(action)
+    for action in ("kill", "start"):
+        drill = local_sub.add_parser(action, help=f"{action} one service (fault drills)")
+        drill.add_argument("name", help="mgmtd or storage-N")
+    for parser_ in local_sub.choices.values():
+        parser_.add_argument("--dir", default=".fs3", help="cluster directory (default .fs3)")
+
     admin = sub.add_parser("admin", help="administer a cluster")
     admin.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
     admin.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
@@ -193,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_storage(load_config(StorageConfig, args.config, env_prefix="FS3_STORAGE"), args.ready_file)
             return 0
+        if args.service == "local":
+            from fs3.cli.local import local_command
+
+            return local_command(args)
         return asyncio.run(_admin(args))
     except FS3Error as exc:
         print(f"fs3: {exc}", file=sys.stderr)

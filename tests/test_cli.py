@@ -1,0 +1,67 @@
+"""The fs3 command: local cluster lifecycle, admin listings, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def fs3(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fs3.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    up = fs3("local", "up", "--dir", str(root), "--storage-nodes", "3", "--targets-per-node", "1", "--detach")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        info = json.loads((root / "cluster.json").read_text())
+        assert set(info["processes"]) == {"mgmtd", "storage-1", "storage-2", "storage-3"}
+        base = ["admin", "--mgmtd", info["mgmtd"], "--token", info["token"]]
+        nodes = json.loads(fs3(*base, "--json", "nodes").stdout)
+        assert len(nodes) == 3 and all(n["alive"] for n in nodes)
+        chains = json.loads(fs3(*base, "--json", "chains").stdout)
+        assert len(chains["chains"]) == 1 and len(chains["chains"][0]["target_ids"]) == 3
+        table = fs3(*base, "targets")
+        assert table.returncode == 0 and "serving" in table.stdout and "up_to_date" in table.stdout
+        grpc_nodes = fs3("admin", "--mgmtd", info["processes"]["mgmtd"]["grpc"], "--transport", "grpc",
+                         "--token", info["token"], "--json", "nodes")
+        assert grpc_nodes.returncode == 0 and len(json.loads(grpc_nodes.stdout)) == 3
+        verify = fs3(*base, "verify")
+        assert verify.returncode == 0 and "all replicas identical" in verify.stdout
+        # Bad input: clear messages, non-zero exits, nothing changed.
+        bad_spec = fs3(*base, "create-chain-table", "--table-id", "2", "--chain", "x:1,2")
+        assert bad_spec.returncode == 1 and "bad chain spec" in bad_spec.stderr
+        taken = fs3(*base, "create-chain-table", "--table-id", "2", "--chain", "9:101")
+        assert taken.returncode == 1 and "already in a chain" in taken.stderr
+        unknown = fs3(*base, "mark-offline", "999")
+        assert unknown.returncode == 1 and "not registered" in unknown.stderr
+        wrong_token = fs3("admin", "--mgmtd", info["mgmtd"], "--token", "nope", "nodes")
+        assert wrong_token.returncode == 1 and "UNAUTHENTICATED" in wrong_token.stderr
+        assert len(json.loads(fs3(*base, "--json", "chains").stdout)["chains"]) == 1
+        status = fs3("local", "status", "--dir", str(root))
+        assert status.returncode == 0 and status.stdout.count("running") == 4
+        assert fs3("local", "kill", "storage-3", "--dir", str(root)).returncode == 0
+        assert fs3("local", "status", "--dir", str(root)).returncode == 3
+    finally:
+        down = fs3("local", "down", "--dir", str(root))
+    assert down.returncode == 0
+    assert fs3("local", "status", "--dir", str(root)).stdout.count("stopped") == 4
+
+
+def test_cli_errors_without_a_cluster(tmp_path: Path) -> None:
+    missing = fs3("local", "status", "--dir", str(tmp_path / "none"))
+    assert missing.returncode == 1 and "no local cluster" in missing.stderr
+    unreachable = fs3("admin", "--mgmtd", "127.0.0.1:1", "--timeout-ms", "500", "nodes")
+    assert unreachable.returncode == 1 and "UNAVAILABLE" in unreachable.stderr
+    bad_config = tmp_path / "s.toml"
+    bad_config.write_text("node_id = 1\nbogus = 2\n")
+    storage = fs3("storage", "--config", str(bad_config))
+    assert storage.returncode == 1 and "unknown key" in storage.stderr
