@@ -34,6 +34,10 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         grpc_nodes = fs3("admin", "--mgmtd", info["processes"]["mgmtd"]["grpc"], "--transport", "grpc",
                          "--token", info["token"], "--json", "nodes")
         assert grpc_nodes.returncode == 0 and len(json.loads(grpc_nodes.stdout)) == 3
+        import urllib.request
+
+        metrics = urllib.request.urlopen(f"http://{info['processes']['storage-1']['metrics']}/metrics", timeout=5)
+        assert b"fs3_rpc_requests" in metrics.read()
         verify = fs3(*base, "verify")
         assert verify.returncode == 0 and "all replicas identical" in verify.stdout
         # Bad input: clear messages, non-zero exits, nothing changed.

@@ -180,3 +180,33 @@ def test_dirty_reads_both_policies(tmp_path: Path, policy: int) -> None:
             results = await asyncio.gather(write_loop(), read_loop(), read_loop())
             assert results[1] + results[2] > 10
     run(body())
+
+
+def test_admin_mark_offline_resyncs_the_target(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with InProcessCluster(tmp_path) as cluster:
+            client = cluster.client()
+            chain = cluster.chain_ids[0]
+            for i in range(8):
+                await client.write(chain, chunk_id(11, i), 0, bytes([i]) * 5000, CHUNK)
+            routing = await cluster.admin().routing()
+            victim = next(c for c in routing.chains if c.chain_id == chain).target_ids[0]
+            await cluster.admin().mark_target_offline(victim)
+            # Writes go on while the target is out; it must catch up on them through resync.
+            for i in range(8, 12):
+                await client.write(chain, chunk_id(11, i), 0, bytes([i]) * 5000, CHUNK)
+            await client.remove(chain, chunk_id(11, 0), CHUNK)
+
+            async def back() -> bool:
+                rsp = await cluster.admin().chains()
+                states = {t.target_id: t.public_state for t in rsp.targets}
+                return bool(states[victim] == 1) and await cluster.all_serving()
+
+            from tests.conftest import wait_until
+
+            await wait_until(back, what="target back to serving")
+            engine = cluster.nodes[victim // 100].engines[victim]
+            assert engine.get(chunk_id(11, 0)) is None and engine.get(chunk_id(11, 11)) is not None
+            report = await cluster.admin().verify()
+            assert report.ok and report.chunks_checked == 11, report.as_dict()
+    run(body())
