@@ -254,7 +254,11 @@ def _print_endpoints(cluster: LocalCluster) -> None:
         print(f"  {name:<10} framed {info.get('framed', '-'):<22} grpc {info.get('grpc', '-'):<22} "
               f"metrics {info.get('metrics', '-')}  pid {info.get('pid', '-')}")
     print(f"  token: {cluster.token}")
-    print(f"  try:   fs3 admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} chains")
+    installed = Path(sys.executable).parent / "fs3"
+    command = str(installed) if installed.exists() else "fs3"
+    print(f"  try:   {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} chains")
+    print(f"         {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} verify")
+    print(f"         {command} local kill storage-2 --dir {cluster.root}   (a fault drill; 'local start' brings it back)")
 
 
 def local_command(args: Any) -> int:
