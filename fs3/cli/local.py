@@ -258,7 +258,7 @@ def _print_endpoints(cluster: LocalCluster) -> None:
     command = str(installed) if installed.exists() else "fs3"
     print(f"  try:   {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} chains")
     print(f"         {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} verify")
-    print(f"         {command} local kill storage-2 --dir {cluster.root}   (a fault drill; 'local start' brings it back)")
+    print(f"         {command} local kill storage-2 --dir {cluster.root}   (a drill; 'local start' undoes it)")
 
 
 def local_command(args: Any) -> int:
