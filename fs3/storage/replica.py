@@ -493,10 +493,14 @@ class TargetReplica:
             raise ChunkNotCommitted("chain has no serving target")
         tail = serving[-1]
         if tail.target_id == self.target_id:
-            return self._readable_version(state)
+            # The last serving target with a pending version cannot tell whether a tail that has
+            # since failed already committed (and served) it: wait for the write to settle.
+            raise ChunkNotCommitted(f"chunk {req.chunk_id.hex()} is being written at the tail")
         rsp = await self.host.query_committed(tail, spb.QueryCommittedReq(chain_id=req.chain_id,
                                                                           chunk_id=req.chunk_id),
                                               self.config.query_timeout_ms)
+        if rsp.undecided:
+            raise ChunkNotCommitted(f"chunk {req.chunk_id.hex()} is being written at the tail")
         current = self.engine.get(req.chunk_id)
         if current is None:
             return 0, 0, 0
@@ -520,4 +524,5 @@ class TargetReplica:
         state = self.engine.get(req.chunk_id)
         if state is None:
             return spb.QueryCommittedRsp(exists=False)
-        return spb.QueryCommittedRsp(commit_version=state.commit_version, exists=True)
+        return spb.QueryCommittedRsp(commit_version=state.commit_version, exists=True,
+                                     undecided=bool(state.pending_version))
