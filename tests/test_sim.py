@@ -55,3 +55,13 @@ def test_the_checks_catch_a_broken_replica(monkeypatch: pytest.MonkeyPatch) -> N
     shape = ClusterShape(storage_nodes=3, replicas=3)
     results = [run_seed(seed, clients=2, ops_per_client=30, fault_intensity=0, shape=shape) for seed in (1, 2)]
     assert any(not r.ok for r in results)
+
+
+# Seeds that once found a bug (see docs/reliability.md); replayed with the settings that found them.
+REGRESSION_SEEDS = [68, 93, 113, 239, 246, 297, 310, 317, 1092, 1302, 1378, 1422, 1539, 3040]
+
+
+@pytest.mark.parametrize("seed", REGRESSION_SEEDS)
+def test_regression_seeds(seed: int) -> None:
+    result = run_seed(seed, clients=3, ops_per_client=60)
+    assert result.ok, f"{result.summary()}\n" + "\n".join(result.violations[:5])
