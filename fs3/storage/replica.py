@@ -170,6 +170,14 @@ class TargetReplica:
             raise TargetNotServing(f"target {self.target_id} is not in chain {chain_id}")
         return view
 
+    def _check_chain_version(self, view: ChainView, version: int, what: str) -> None:
+        """Requests must carry this target's chain version; a newer one means our routing lags."""
+        if version != view.chain_version:
+            if version > view.chain_version:
+                self.host.request_routing_refresh()
+            raise ChainVersionMismatch(f"chain {view.chain_id} is at v{view.chain_version} on target "
+                                       f"{self.target_id}, {what} has v{version}")
+
     def _require_lease(self) -> None:
         if not self.host.lease_valid():
             raise LeaseExpired(f"target {self.target_id}: no contact with mgmtd within the lease")
@@ -219,11 +227,7 @@ class TargetReplica:
             raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
         if not view.is_head:
             raise NotHead(f"target {self.target_id} is not the head of chain {req.chain_id}")
-        if req.chain_version != view.chain_version:
-            if req.chain_version > view.chain_version:
-                self.host.request_routing_refresh()
-            raise ChainVersionMismatch(f"chain {req.chain_id} is at v{view.chain_version}, request has "
-                                       f"v{req.chain_version}")
+        self._check_chain_version(view, req.chain_version, "request")
         if not req.client_id:
             return await self._update_locked(req, payload, None)
         key = (req.client_id, req.channel_id)
@@ -381,11 +385,7 @@ class TargetReplica:
         view = self._view(update.chain_id)
         if not view.my_state.writable:
             raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
-        if req.chain_version != view.chain_version:
-            if req.chain_version > view.chain_version:
-                self.host.request_routing_refresh()
-            raise ChainVersionMismatch(f"chain {update.chain_id} is at v{view.chain_version} here, forward has "
-                                       f"v{req.chain_version}")
+        self._check_chain_version(view, req.chain_version, "forward")
         predecessor = view.predecessor()
         if predecessor is None or predecessor.target_id != req.from_target_id:
             raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
@@ -454,11 +454,8 @@ class TargetReplica:
         view = self._view(req.chain_id)
         if view.my_state is not PublicState.SERVING:
             raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
-        if req.chain_version and req.chain_version != view.chain_version:
-            if req.chain_version > view.chain_version:
-                self.host.request_routing_refresh()
-            raise ChainVersionMismatch(f"chain {req.chain_id} is at v{view.chain_version}, read has "
-                                       f"v{req.chain_version}")
+        if req.chain_version:
+            self._check_chain_version(view, req.chain_version, "read")
         state = self.engine.get(req.chunk_id)
         version, length, checksum = self._readable_version(state)
         if state is not None and state.pending_version:
