@@ -11,7 +11,7 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.kv.store import MemKVStore
-from fs3.mgmtd.chain_state import PublicState
+from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
@@ -185,6 +185,11 @@ class SimCluster:
     def unhealthy_nodes(self) -> set[int]:
         """Nodes that are down, or have a target that is not serving."""
         bad = {n for n in self.storage if not self.storage_alive(n)}
+        for node_id, slot in self.storage.items():
+            # A restarted node is down for the design until it has resynced, even before mgmtd noticed.
+            if slot.node is not None and (slot.node._silent_until_offline or any(
+                    state is not LocalState.UP_TO_DATE for state in slot.node.local_states.values())):
+                bad.add(node_id)
         if self.mgmtd is None:
             return bad
         for target in self.mgmtd.state.targets.values():
