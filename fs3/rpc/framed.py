@@ -40,6 +40,18 @@ class FramedLimits:
     hello_timeout_ms: int = 5_000
 
 
+_COALESCE_MAX_BYTES = 64 * 1024
+
+
+def _send_frame(writer: asyncio.StreamWriter, header: bytes, message: bytes, payload: Buffer) -> None:
+    """Queue one frame; small frames go out as one buffer (one send), large payloads are not copied."""
+    if len(payload) <= _COALESCE_MAX_BYTES:
+        writer.write(b"".join((header, message, payload)))
+    else:
+        writer.write(header + message)
+        writer.write(payload)
+
+
 def _tune(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None:
@@ -147,11 +159,9 @@ class FramedServer:
             reply = await self.dispatcher.dispatch(method_id, message, payload, authenticated)
             if writer.is_closing():
                 return
-            writer.write(pack_header(FrameKind.RESPONSE, method_id, reply.status, request_id, len(reply.message),
-                                     len(reply.payload)))
-            writer.write(reply.message)
-            if len(reply.payload):
-                writer.write(reply.payload)
+            header = pack_header(FrameKind.RESPONSE, method_id, reply.status, request_id, len(reply.message),
+                                 len(reply.payload))
+            _send_frame(writer, header, reply.message, reply.payload)
             await writer.drain()
         except (ConnectionError, RuntimeError):
             pass
@@ -257,10 +267,8 @@ class FramedChannel:
         future: asyncio.Future[tuple[int, bytes, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            writer.write(pack_header(FrameKind.REQUEST, method.method_id, 0, request_id, len(message), len(payload)))
-            writer.write(message)
-            if len(payload):
-                writer.write(payload)
+            header = pack_header(FrameKind.REQUEST, method.method_id, 0, request_id, len(message), len(payload))
+            _send_frame(writer, header, message, payload)
             await writer.drain()
         except (ConnectionError, RuntimeError) as exc:
             self._pending.pop(request_id, None)
