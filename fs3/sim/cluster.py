@@ -41,6 +41,7 @@ class ClusterShape:
     heartbeat_interval_ms: int = 200
     dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
     latency_max_ms: float = 2.0
+    offload_write_min_bytes: int = 0
 
     @classmethod
     def random(cls, rng: random.Random) -> ClusterShape:
@@ -54,6 +55,7 @@ class ClusterShape:
             heartbeat_interval_ms=rng.choice((100, 200)),
             dirty_read_policy=rng.choice((DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY)),
             latency_max_ms=rng.choice((0.5, 2.0, 10.0)),
+            offload_write_min_bytes=rng.choice((0, 1 << 30)),
         )
 
 
@@ -120,7 +122,8 @@ class SimCluster:
             node_id=node_id, mgmtd_address=MGMTD, framed_address=slot.address, grpc_address=slot.address,
             heartbeat_interval_ms=self.shape.heartbeat_interval_ms, rpc_timeout_ms=1_000,
             replica=ReplicaConfig(forward_timeout_ms=500, forward_retry_total_ms=5_000, routing_wait_ms=50,
-                                  dirty_read_policy=self.shape.dirty_read_policy, query_timeout_ms=500),
+                                  dirty_read_policy=self.shape.dirty_read_policy, query_timeout_ms=500,
+                                  offload_write_min_bytes=self.shape.offload_write_min_bytes),
         )
         node = StorageNode(config, engines, SimChannelFactory(self.network, slot.address))
         dispatcher = Dispatcher()

@@ -163,16 +163,30 @@ class ChunkEngine:
             raise NoSpace(f"target has {self.blobs.free_bytes()} bytes free, needs {needed_bytes} "
                           f"+ reserve {self.reserve_bytes}")
 
+    def drop_pending(self, chunk_id: bytes) -> None:
+        """Forget an abandoned pending version before a new one with the same number is written."""
+        old = self._states.get(chunk_id)
+        if old is not None and old.pending_version:
+            self.abort(chunk_id, old.pending_version)
+
+    def write_blob(self, chunk_id: bytes, version: int, content: bytes | memoryview) -> None:
+        """Write a pending version's data. Touches only the file system, so it may run off the loop."""
+        self._check_space(len(content))
+        self.blobs.write(chunk_id, version, content)
+
     def stage(self, chunk_id: bytes, version: int, content: bytes | memoryview | None, checksum: int,
-              chain_version: int) -> ChunkState:
-        """Store ``content`` as pending version ``version`` (None: a pending removal)."""
+              chain_version: int, blob_written: bool = False) -> ChunkState:
+        """Store ``content`` as pending version ``version`` (None: a pending removal).
+
+        ``blob_written``: the caller already wrote the data with :meth:`write_blob` (after
+        :meth:`drop_pending`), typically on an I/O thread.
+        """
         old = self._states.get(chunk_id, ChunkState())
         ensure(version == old.commit_version + 1, f"pending v{version} on committed v{old.commit_version}")
-        if old.pending_version and not old.pending_remove:
+        if old.pending_version and not old.pending_remove and not blob_written:
             self.blobs.delete(chunk_id, old.pending_version)
-        if content is not None:
-            self._check_space(len(content))
-            self.blobs.write(chunk_id, version, content)
+        if content is not None and not blob_written:
+            self.write_blob(chunk_id, version, content)
         state = replace(old, pending_version=version, pending_length=len(content) if content is not None else 0,
                         pending_checksum=checksum, pending_chain_version=chain_version,
                         flags=FLAG_PENDING_REMOVE if content is None else 0)

@@ -10,12 +10,14 @@ loop, the channels and in-memory chunk engines.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
@@ -35,6 +37,7 @@ __all__ = ["StorageNode", "StorageNodeConfig"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _MGMTD = service_spec("Mgmtd")
 _STORAGE = service_spec("Storage")
 _LOCAL_TO_PB = {LocalState.UP_TO_DATE: cpb.UP_TO_DATE, LocalState.ONLINE: cpb.ONLINE,
@@ -52,6 +55,7 @@ class StorageNodeConfig:
     rpc_timeout_ms: int = 5_000
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     sync_batch_chunks: int = 256
+    io_threads: int = 0  # 0: file I/O runs on the event loop (the simulator); services use a pool
 
 
 class StorageNode:
@@ -79,6 +83,8 @@ class StorageNode:
         self._chain_of_target: dict[int, int] = {}
         self._nodes: dict[int, cpb.NodeInfo] = {}
         self.on_heartbeat: Callable[[], None] | None = None
+        self._io_pool = (concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="fs3-io")
+                         if config.io_threads > 0 else None)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -94,6 +100,8 @@ class StorageNode:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=True)
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -249,6 +257,11 @@ class StorageNode:
                 except FS3Error as exc:
                     log.debug("node %d: heartbeat failed: %s", self.config.node_id, exc)
             await asyncio.sleep(self.config.heartbeat_interval_ms / 1000)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._io_pool is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._io_pool, fn, *args)
 
     # -- peers -------------------------------------------------------------------------------
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
@@ -60,6 +60,7 @@ __all__ = ["DirtyReadPolicy", "ReplicaConfig", "ReplicaHost", "TargetReplica", "
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 class DirtyReadPolicy:
@@ -74,6 +75,9 @@ class ReplicaConfig:
     routing_wait_ms: int = 200
     dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
     query_timeout_ms: int = 2_000
+    # Pending versions at least this large are written by the host's I/O pool, so the event loop
+    # keeps serving other requests meanwhile.
+    offload_write_min_bytes: int = 64 * 1024
 
 
 class ReplicaHost(Protocol):
@@ -91,6 +95,10 @@ class ReplicaHost(Protocol):
 
     async def forward(self, member: ChainMember, req: spb.ForwardReq, payload: Buffer,
                       timeout_ms: int) -> spb.UpdateRsp: ...
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking file I/O; a real node uses a thread pool, the simulator runs it inline."""
+        ...
 
     async def query_committed(self, member: ChainMember, req: spb.QueryCommittedReq,
                               timeout_ms: int) -> spb.QueryCommittedRsp: ...
@@ -271,7 +279,7 @@ class TargetReplica:
             content = build_content(self._base(req.chunk_id, state), req, payload)
             version = (state.commit_version if state else 0) + 1
             checksum = crc32c(content) if content is not None else 0
-            self.engine.stage(req.chunk_id, version, content, checksum, view.chain_version)
+            await self._stage(req.chunk_id, version, content, checksum, view.chain_version)
             fwd = spb.ForwardReq(update=req, update_version=version)
             try:
                 await self._propagate(req.chain_id, fwd, payload, content, checksum)
@@ -284,6 +292,16 @@ class TargetReplica:
                 raise
             new = self.engine.commit(req.chunk_id, version, self._view(req.chain_id).chain_version, channel)
             return self._rsp(new)
+
+    async def _stage(self, chunk_id: bytes, version: int, content: bytes | None, checksum: int,
+                     chain_version: int) -> None:
+        """Stage a pending version; large data is written off the event loop (under the chunk lock)."""
+        if content is not None and len(content) >= self.config.offload_write_min_bytes:
+            self.engine.drop_pending(chunk_id)
+            await self.host.run_blocking(self.engine.write_blob, chunk_id, version, content)
+            self.engine.stage(chunk_id, version, content, checksum, chain_version, blob_written=True)
+        else:
+            self.engine.stage(chunk_id, version, content, checksum, chain_version)
 
     def schedule_repair(self, chain_id: int, chunk_id: bytes) -> None:
         """Complete an abandoned pending version in the background while this target is the head."""
@@ -434,7 +452,7 @@ class TargetReplica:
             self.validate_update(update, payload)
             content = build_content(self._base(chunk_id, state), update, payload)
             checksum = crc32c(content) if content is not None else 0
-        self.engine.stage(chunk_id, version, content, checksum, view.chain_version)
+        await self._stage(chunk_id, version, content, checksum, view.chain_version)
         fwd = spb.ForwardReq(update=update, update_version=version)
         try:
             await self._propagate(update.chain_id, fwd, payload if not req.full_chunk_replace else b"", content,

@@ -54,6 +54,7 @@ class StorageConfig:
     fsync: bool = True
     reserve_bytes: int = 0
     kv_engine: str = "rocksdb"
+    io_threads: int = 4
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -68,6 +69,8 @@ class StorageConfig:
             raise InvalidArgument(f"transport {self.transport!r}: expected framed or grpc")
         if self.dirty_read_policy not in (DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY):
             raise InvalidArgument(f"dirty_read_policy {self.dirty_read_policy!r}: expected ask_tail or retry")
+        if not 0 <= self.io_threads <= 64:
+            raise InvalidArgument("io_threads must be within [0, 64]")
         if self.heartbeat_interval_ms < 10:
             raise InvalidArgument("heartbeat_interval_ms must be at least 10")
 
@@ -93,6 +96,7 @@ async def serve_storage(config: StorageConfig, ready_file: str | None = None) ->
     node_config = StorageNodeConfig(
         node_id=config.node_id, mgmtd_address=config.mgmtd_address,
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
+        io_threads=config.io_threads,
         replica=ReplicaConfig(forward_timeout_ms=config.forward_timeout_ms,
                               forward_retry_total_ms=config.forward_retry_total_ms,
                               dirty_read_policy=config.dirty_read_policy),
