@@ -181,23 +181,30 @@ def main() -> int:
 
     import uvloop
 
-    port = free_port()
-    raw = multiprocessing.get_context("spawn").Process(target=_raw_server, args=(port,), daemon=True)
-    raw.start()
-    time.sleep(0.5)
-    baseline: dict[str, float] = {}
+    def measure_baseline() -> dict[str, float]:
+        port = free_port()
+        raw = multiprocessing.get_context("spawn").Process(target=_raw_server, args=(port,), daemon=True)
+        raw.start()
+        time.sleep(0.5)
+        values: dict[str, float] = {}
 
-    async def run_baseline() -> None:
-        n, elapsed = await _raw_client(port, args.inflight, MIB, 0, args.seconds)
-        baseline["raw_send_1m_MiBps"] = n / elapsed
-        n, elapsed = await _raw_client(port, args.inflight, 0, MIB, args.seconds)
-        baseline["raw_recv_1m_MiBps"] = n / elapsed
-        n, elapsed = await _raw_client(port, args.inflight, 0, 4096, args.seconds)
-        baseline["raw_recv_4k_ops"] = n / elapsed
+        async def run() -> None:
+            n, elapsed = await _raw_client(port, args.inflight, MIB, 0, args.seconds)
+            values["raw_send_1m_MiBps"] = n / elapsed
+            n, elapsed = await _raw_client(port, args.inflight, 0, MIB, args.seconds)
+            values["raw_recv_1m_MiBps"] = n / elapsed
+            n, elapsed = await _raw_client(port, args.inflight, 0, 4096, args.seconds)
+            values["raw_recv_4k_ops"] = n / elapsed
 
-    uvloop.run(run_baseline())
-    raw.terminate()
+        try:
+            uvloop.run(run())
+        finally:
+            raw.terminate()
+            raw.join(5)
+        return values
 
+    # The baseline runs before and after fs3 and the two are averaged: this machine's speed drifts.
+    before = measure_baseline()
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="fs3-bench-", dir=args.data_dir) as tmp:
         cluster = ProcessCluster(Path(tmp), storage_nodes=3, targets_per_node=2, fsync=args.fsync)
@@ -210,6 +217,8 @@ def main() -> int:
         finally:
             cluster.stop_all()
 
+    after = measure_baseline()
+    baseline = {key: (before[key] + after[key]) / 2 for key in before}
     rows = []
     for transport, values in results.items():
         for key, value in values.items():
@@ -225,7 +234,8 @@ def main() -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     record = {"kind": "chunk", "timestamp": stamp, "seconds": args.seconds, "inflight": args.inflight,
               "fsync": args.fsync, "data_dir": args.data_dir or tempfile.gettempdir(),
-              "cpus": os.cpu_count(), "baseline": baseline, "fs3": results,
+              "cpus": os.cpu_count(), "baseline": baseline, "baseline_before": before, "baseline_after": after,
+              "fs3": results,
               "ratios": {f"{t}/{k}": r for t, k, _, r in rows}}
     path = out_dir / f"chunk-{stamp}.json"
     path.write_text(json.dumps(record, indent=2))
