@@ -55,6 +55,11 @@ def test_write_read_truncate_remove(tmp_path: Path, transport: str) -> None:
             assert data == b"" and read_rsp.version == 0
             report = await cluster.admin().verify()
             assert report.ok, report.as_dict()
+            node = cluster.nodes[1]
+            address = node.config.grpc_address if transport == "grpc" else node.config.framed_address
+            stats, _ = await cluster.channels.get(address).call(STORAGE.method("TargetStats"), spb.TargetStatsReq())
+            [target] = stats.targets  # type: ignore[attr-defined]
+            assert target.target_id == 101 and target.local_state == "up_to_date" and target.chain_id == chain
     run(body())
 
 

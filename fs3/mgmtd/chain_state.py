@@ -154,7 +154,7 @@ def update_chain(
             failed_serving.append(tid)
             new[tid] = next_public_state(local, current, P.SERVING)
         else:
-            new[tid] = next_public_state(local, current, None if current is not P.SERVING else P.SERVING)
+            new[tid] = next_public_state(local, current, None)  # every remaining row reads "(any)"
     if failed_serving and not any(s is P.SERVING for s in new.values()):
         last = failed_serving[-1]
         new[last] = next_public_state(L.OFFLINE, P.SERVING, None)

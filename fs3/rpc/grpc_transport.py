@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import Message
 
 from fs3.common.errors import FS3Error, StatusCode, Timeout, Unavailable, error_for
-from fs3.rpc.dispatch import Buffer, Dispatcher
+from fs3.rpc.dispatch import Buffer, Dispatcher, token_matches
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
 
 __all__ = ["TOKEN_METADATA_KEY", "GrpcChannel", "GrpcServer"]
@@ -64,8 +64,6 @@ class GrpcServer:
             for key, value in context.invocation_metadata() or ():
                 if key == TOKEN_METADATA_KEY:
                     presented = value
-            from fs3.rpc.dispatch import token_matches
-
             reply = await dispatcher.dispatch(method.method_id, raw, b"", token_matches(dispatcher.token, presented))
             if reply.status != StatusCode.OK:
                 context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(reply.status))),))

@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 
 from fs3.common.errors import StatusCode, Timeout, Unavailable, error_for
 from fs3.rpc.dispatch import Buffer, Dispatcher
-from fs3.sim.loop import SimProcess, current_process
+from fs3.sim.loop import SimProcess
 
 __all__ = ["NetworkFaults", "SimChannel", "SimChannelFactory", "SimNetwork"]
 
@@ -147,5 +147,3 @@ class SimChannelFactory:
     async def close(self) -> None:
         self._channels.clear()
 
-
-_ = current_process

@@ -314,6 +314,14 @@ class StorageNode:
 
     # -- RPC handlers (Storage service) ------------------------------------------------------
 
+    def chain_of(self, target_id: int) -> int:
+        """The chain a local target belongs to (0: none yet)."""
+        return self._chain_of_target.get(target_id, 0)
+
+    def resyncing(self, chain_id: int) -> bool:
+        """Whether this node is bringing a syncing successor in ``chain_id`` up to date."""
+        return any(key[0] == chain_id and not task.done() for key, task in self._sync_tasks.items())
+
     def replica_for_chain(self, chain_id: int) -> TargetReplica:
         for tid, cid in self._chain_of_target.items():
             if cid == chain_id:

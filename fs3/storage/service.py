@@ -70,9 +70,9 @@ class StorageServicer:
         rsp = spb.TargetStatsRsp()
         for tid, engine in sorted(self.node.engines.items()):
             local = self.node.local_states.get(tid)
-            rsp.targets.add(target_id=tid, chain_id=self.node._chain_of_target.get(tid, 0),
-                            chunk_count=engine.chunk_count, used_bytes=engine.used_bytes,
-                            free_bytes=engine.blobs.free_bytes(),
-                            syncing=any(k[0] == self.node._chain_of_target.get(tid) for k in self.node._sync_tasks),
+            chain_id = self.node.chain_of(tid)
+            rsp.targets.add(target_id=tid, chain_id=chain_id, chunk_count=engine.chunk_count,
+                            used_bytes=engine.used_bytes, free_bytes=engine.blobs.free_bytes(),
+                            syncing=self.node.resyncing(chain_id),
                             local_state=local.name.lower() if local else "unknown")
         return rsp, _NO_PAYLOAD
