@@ -39,13 +39,14 @@ async def _all_serving(admin: AdminClient) -> bool:
     return bool(rsp.chains) and all(states[t] == PublicState.SERVING for c in rsp.chains for t in c.target_ids)
 
 
-def test_failover_head_middle_tail(process_cluster: ProcessCluster) -> None:
-    asyncio.run(_failover(process_cluster))
+@pytest.mark.parametrize("transport", ["framed", "grpc"])
+def test_failover_head_middle_tail(process_cluster: ProcessCluster, transport: str) -> None:
+    asyncio.run(_failover(process_cluster, transport))
 
 
-async def _failover(cluster: ProcessCluster) -> None:
-    client, channels = make_client(cluster)
-    admin = AdminClient(cluster.mgmtd_address, channels)
+async def _failover(cluster: ProcessCluster, transport: str) -> None:
+    client, channels = make_client(cluster, transport)
+    admin = AdminClient(cluster.address("mgmtd", transport), channels)
     await wait_until(lambda: _registered(admin, 6), what="6 targets registered")
     table = await admin.create_chain_table(1, replicas=3)
     assert len(table.chains) == 2
@@ -110,8 +111,9 @@ async def _failover(cluster: ProcessCluster) -> None:
     await channels.close()
 
     # The same check through the command line, as an operator would run it.
-    out = subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address,
-                          "--token", cluster.token, "--json", "verify"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd",
+                          cluster.address("mgmtd", transport), "--transport", transport, "--token", cluster.token,
+                          "--json", "verify"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ok"] is True
 
