@@ -134,3 +134,32 @@ def test_channel_record_invalidated_by_older_replacement() -> None:
     assert engine.channel(b"cl", 1) is not None
     engine.replace(b"c", 1, 2, b"a", crc32c(b"a"))  # resync rolled the chunk back
     assert engine.channel(b"cl", 1) is None
+
+
+def test_real_full_disk_is_no_space_and_loses_nothing(tmp_path: Path) -> None:
+    """A target on a 1 MiB tmpfs: writes fail with NO_SPACE, earlier chunks stay readable, no debris."""
+    import os
+    import subprocess
+
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        engine = ChunkEngine(MemKVStore(), FileBlobStore(mount_point, fsync=True))
+        engine.stage(b"keep", 1, b"k" * 300_000, crc32c(b"k" * 300_000), 1)
+        engine.commit(b"keep", 1, 1)
+        with pytest.raises(NoSpace):
+            for i in range(10):
+                data = bytes([i]) * 300_000
+                engine.stage(b"c%d" % i, 1, data, crc32c(data), 1)
+                engine.commit(b"c%d" % i, 1, 1)
+        assert engine.read(b"keep", 1, 0, 300_000) == b"k" * 300_000
+        files = sorted(p.name for p in mount_point.rglob("*") if p.is_file())
+        committed = {cid.hex() for cid in engine.all_chunk_ids()}
+        assert {name.split(".")[0] for name in files} == committed, "a failed write left a partial file"
+        assert all(os.path.getsize(p) == 300_000 for p in mount_point.rglob("*") if p.is_file())
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -13,9 +13,9 @@ from fs3.common.errors import (
     ChainVersionMismatch,
     ChecksumMismatch,
     InvalidArgument,
-    NotFound,
     NotHead,
     StatusCode,
+    TargetNotServing,
     Unauthenticated,
 )
 from fs3.common.ids import chunk_id
@@ -111,7 +111,7 @@ def test_bad_updates_are_typed_errors_and_change_nothing(tmp_path: Path, transpo
                 return req
 
             cases: list[tuple[spb.UpdateReq, bytes, type[Exception], str]] = [
-                (update(chain_id=999), b"new", NotFound, head_addr),
+                (update(chain_id=999), b"new", TargetNotServing, head_addr),
                 (update(chain_version=version + 5), b"new", ChainVersionMismatch, head_addr),
                 (update(chain_version=version - 1), b"new", ChainVersionMismatch, head_addr),
                 (update(offset=CHUNK - 1), b"new", InvalidArgument, head_addr),

@@ -326,8 +326,11 @@ class StorageNode:
         for tid, cid in self._chain_of_target.items():
             if cid == chain_id:
                 return self.replicas[tid]
-        if self.routing is not None and not any(c.chain_id == chain_id for c in self.routing.chains):
-            raise NotFound(f"unknown chain {chain_id}")
+        if self.routing is None or not any(c.chain_id == chain_id for c in self.routing.chains):
+            # The client knows a chain this node does not (yet): our routing may lag behind.
+            self.request_routing_refresh()
+            raise TargetNotServing(f"chain {chain_id} is unknown on node {self.config.node_id} "
+                                   f"(routing v{self.routing_version})")
         raise TargetNotServing(f"node {self.config.node_id} has no target in chain {chain_id}")
 
     def replica_for_target(self, target_id: int, chain_id: int) -> TargetReplica:
