@@ -13,10 +13,12 @@ from fs3.common.errors import (
     ChainVersionMismatch,
     ChecksumMismatch,
     InvalidArgument,
+    LeaseExpired,
     NotHead,
     StatusCode,
     TargetNotServing,
     Unauthenticated,
+    Unavailable,
 )
 from fs3.common.ids import chunk_id
 from fs3.rpc.channel import RealChannelFactory
@@ -214,4 +216,37 @@ def test_admin_mark_offline_resyncs_the_target(tmp_path: Path) -> None:
             assert engine.get(chunk_id(11, 0)) is None and engine.get(chunk_id(11, 11)) is not None
             report = await cluster.admin().verify()
             assert report.ok and report.chunks_checked == 11, report.as_dict()
+    run(body())
+
+
+def test_node_without_mgmtd_contact_stops_serving_within_half_the_timeout(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with InProcessCluster(tmp_path) as cluster:
+            chain = cluster.chain_ids[0]
+            client = cluster.client()
+            await client.write(chain, chunk_id(12, 0), 0, b"x", CHUNK)
+            routing = await cluster.admin().routing()
+            head_tid = next(c for c in routing.chains if c.chain_id == chain).target_ids[0]
+            head = cluster.nodes[head_tid // 100]
+            view = head.view(chain, head_tid)
+            assert view is not None and head.lease_valid()
+
+            async def unreachable() -> None:
+                raise Unavailable("mgmtd unreachable (test)")
+
+            head.heartbeat_once = unreachable  # type: ignore[method-assign]
+            await asyncio.sleep(1.1)  # half of the 2 s heartbeat timeout, and a little more
+            assert not head.lease_valid()
+            req = spb.UpdateReq(chain_id=chain, chain_version=view.chain_version, chunk_id=chunk_id(12, 0),
+                                type=spb.WRITE, offset=0, length=1, chunk_size=CHUNK, checksum=crc32c(b"y"))
+            channel = cluster.channels.get(head.config.framed_address)
+            with pytest.raises(LeaseExpired):
+                await channel.call(STORAGE.method("Update"), req, b"y")
+            with pytest.raises(LeaseExpired):
+                await channel.call(STORAGE.method("Read"), spb.ReadReq(chain_id=chain, chunk_id=chunk_id(12, 0),
+                                                                       length=1))
+            # mgmtd then moves the silent node's targets out, and writes go on without it.
+            await client.write(chain, chunk_id(12, 0), 0, b"z", CHUNK)
+            data, _ = await client.read(chain, chunk_id(12, 0), 0, 1)
+            assert data == b"z"
     run(body())
