@@ -10,11 +10,11 @@ from fs3 import storage_pb2 as spb
 from fs3.common.errors import FS3Error
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
+from fs3.rpc.storage_calls import dump_chunk_meta
 
 __all__ = ["AdminClient", "VerifyReport"]
 
 _MGMTD = service_spec("Mgmtd")
-_STORAGE = service_spec("Storage")
 
 
 @dataclass
@@ -81,21 +81,6 @@ class AdminClient:
         assert isinstance(rsp, mpb.MarkTargetOfflineRsp)
         return rsp.routing_version
 
-    async def _dump(self, address: str, chain_id: int, target_id: int) -> dict[bytes, spb.ChunkMeta]:
-        out: dict[bytes, spb.ChunkMeta] = {}
-        start_after = b""
-        while True:
-            rsp, _ = await self.channels.get(address).call(
-                _STORAGE.method("DumpChunkMeta"),
-                spb.DumpChunkMetaReq(chain_id=chain_id, target_id=target_id, start_after=start_after, limit=1000),
-                timeout_ms=self.timeout_ms)
-            assert isinstance(rsp, spb.DumpChunkMetaRsp)
-            for meta in rsp.chunks:
-                out[meta.chunk_id] = meta
-            if not rsp.more or not rsp.chunks:
-                return out
-            start_after = rsp.chunks[-1].chunk_id
-
     async def verify(self) -> VerifyReport:
         """Compare every chunk's committed version, length and CRC32C across the replicas of its chain."""
         routing = await self.routing()
@@ -114,7 +99,8 @@ class AdminClient:
                 node = nodes.get(info.node_id)
                 address = self.channels.node_address(node.framed_address, node.grpc_address) if node else ""
                 try:
-                    replicas[tid] = await self._dump(address, chain.chain_id, tid)
+                    replicas[tid] = await dump_chunk_meta(self.channels.get(address), chain.chain_id, tid, 1000,
+                                                          self.timeout_ms)
                 except FS3Error as exc:
                     report.unreachable.append(f"chain {chain.chain_id}: target {tid}: {exc}")
             ids = sorted(set().union(*[set(r) for r in replicas.values()])) if replicas else []

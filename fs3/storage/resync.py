@@ -17,6 +17,7 @@ from fs3 import storage_pb2 as spb
 from fs3.common.errors import TargetNotServing
 from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.methods import service_spec
+from fs3.rpc.storage_calls import dump_chunk_meta
 
 if TYPE_CHECKING:
     from fs3.storage.chain_view import ChainMember, ChainView
@@ -40,30 +41,13 @@ def _current(node: StorageNode, replica: TargetReplica, chain_id: int,
     return view, successor
 
 
-async def _remote_metadata(node: StorageNode, successor: ChainMember, chain_id: int, batch: int,
-                           timeout_ms: int) -> dict[bytes, spb.ChunkMeta]:
-    remote: dict[bytes, spb.ChunkMeta] = {}
-    start_after = b""
-    channel = node.channels.get(successor.address)
-    while True:
-        rsp, _ = await channel.call(_STORAGE.method("DumpChunkMeta"),
-                                    spb.DumpChunkMetaReq(chain_id=chain_id, target_id=successor.target_id,
-                                                         start_after=start_after, limit=batch),
-                                    timeout_ms=timeout_ms)
-        assert isinstance(rsp, spb.DumpChunkMetaRsp)
-        for meta in rsp.chunks:
-            remote[meta.chunk_id] = meta
-        if not rsp.more or not rsp.chunks:
-            return remote
-        start_after = rsp.chunks[-1].chunk_id
-
-
 async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int,
                            batch: int, timeout_ms: int) -> None:
     view, successor = _current(node, replica, chain_id, successor_id)
     log.info("target %d: resyncing successor %d of chain %d (v%d)", replica.target_id, successor_id, chain_id,
              view.chain_version)
-    remote = await _remote_metadata(node, successor, chain_id, batch, timeout_ms)
+    remote = await dump_chunk_meta(node.channels.get(successor.address), chain_id, successor.target_id, batch,
+                                   timeout_ms)
     engine = replica.engine
     sent = removed = 0
     for chunk_id in sorted(set(engine.all_chunk_ids()) | set(remote)):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from fs3 import storage_pb2 as spb
 from fs3.common.errors import InvalidArgument, IoError
 from fs3.rpc.dispatch import Buffer
 from fs3.storage.node import StorageNode
+from fs3.storage.replica import TargetReplica
 
 __all__ = ["StorageServicer"]
 
@@ -24,16 +27,15 @@ class StorageServicer:
 
     async def update(self, req: spb.UpdateReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
         replica = self.node.replica_for_chain(req.chain_id)
-        try:
-            return await replica.update(req, payload), _NO_PAYLOAD
-        except IoError as exc:
-            self._target_failed(replica.target_id, exc)
-            raise
+        return await self._writing(replica, replica.update(req, payload)), _NO_PAYLOAD
 
     async def forward(self, req: spb.ForwardReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
         replica = self.node.replica_for_chain(req.update.chain_id)
+        return await self._writing(replica, replica.forward(req, payload)), _NO_PAYLOAD
+
+    async def _writing(self, replica: TargetReplica, call: Awaitable[spb.UpdateRsp]) -> spb.UpdateRsp:
         try:
-            return await replica.forward(req, payload), _NO_PAYLOAD
+            return await call
         except IoError as exc:
             self._target_failed(replica.target_id, exc)
             raise
