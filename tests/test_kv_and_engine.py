@@ -163,3 +163,17 @@ def test_real_full_disk_is_no_space_and_loses_nothing(tmp_path: Path) -> None:
         assert all(os.path.getsize(p) == 300_000 for p in mount_point.rglob("*") if p.is_file())
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_pending_chunks_are_tracked_without_a_scan() -> None:
+    engine = _engine()
+    engine.stage(b"a", 1, b"x", crc32c(b"x"), 1)
+    engine.stage(b"b", 1, b"y", crc32c(b"y"), 1)
+    assert engine.pending_chunks() == [b"a", b"b"]
+    engine.commit(b"a", 1, 1)
+    engine.abort(b"b", 1)
+    assert engine.pending_chunks() == [] and engine.get(b"b") is None
+    engine.stage(b"a", 2, None, 0, 1)
+    assert engine.pending_chunks() == [b"a"]
+    engine.commit(b"a", 2, 1)
+    assert engine.pending_chunks() == [] and engine.chunk_count == 0

@@ -89,6 +89,7 @@ class ChunkEngine:
         self.reserve_bytes = reserve_bytes
         self.sync_commits = sync_commits
         self._states: dict[bytes, ChunkState] = {}
+        self._pending: set[bytes] = set()  # chunks with a pending version (kept so no scan is needed)
         self._channels: dict[bytes, ChannelRecord] = {}
         self.used_bytes = 0
         abandoned = WriteBatch()
@@ -158,6 +159,18 @@ class ChunkEngine:
 
     # -- updates -----------------------------------------------------------------------------
 
+    def _set(self, chunk_id: bytes, state: ChunkState | None) -> None:
+        """The one place the metadata cache changes."""
+        if state is None:
+            self._states.pop(chunk_id, None)
+            self._pending.discard(chunk_id)
+            return
+        self._states[chunk_id] = state
+        if state.pending_version:
+            self._pending.add(chunk_id)
+        else:
+            self._pending.discard(chunk_id)
+
     def _check_space(self, needed_bytes: int) -> None:
         if self.blobs.free_bytes() - needed_bytes < self.reserve_bytes:
             raise NoSpace(f"target has {self.blobs.free_bytes()} bytes free, needs {needed_bytes} "
@@ -193,7 +206,7 @@ class ChunkEngine:
         batch = WriteBatch()
         batch.put(_META + chunk_id, state.encode())
         self.kv.write(batch, sync=False)  # a lost pending is recovered by resync
-        self._states[chunk_id] = state
+        self._set(chunk_id, state)
         return state
 
     def abort(self, chunk_id: bytes, version: int) -> None:
@@ -206,16 +219,16 @@ class ChunkEngine:
         batch = WriteBatch()
         if old.commit_version == 0:
             batch.delete(_META + chunk_id)
-            del self._states[chunk_id]
+            self._set(chunk_id, None)
         else:
             state = replace(old, pending_version=0, pending_length=0, pending_checksum=0, pending_chain_version=0,
                             flags=0)
             batch.put(_META + chunk_id, state.encode())
-            self._states[chunk_id] = state
+            self._set(chunk_id, state)
         self.kv.write(batch, sync=False)
 
     def pending_chunks(self) -> list[bytes]:
-        return sorted(cid for cid, state in self._states.items() if state.pending_version)
+        return sorted(self._pending)
 
     def commit(self, chunk_id: bytes, version: int, chain_version: int,
                channel: tuple[bytes, int, int] | None = None) -> ChunkState | None:
@@ -250,7 +263,7 @@ class ChunkEngine:
             if old is not None and version in (old.commit_version, old.pending_version):
                 # Never overwrite a blob that the current metadata still points at.
                 self._drop_blobs(chunk_id, old)
-                self._states.pop(chunk_id, None)
+                self._set(chunk_id, None)
                 self.used_bytes -= old.length
                 drop = WriteBatch()
                 drop.delete(_META + chunk_id)
@@ -267,7 +280,7 @@ class ChunkEngine:
         if old is not None:
             self._install(chunk_id, old, new)
         elif new is not None:
-            self._states[chunk_id] = new
+            self._set(chunk_id, new)
             self.used_bytes += new.length
         return new
 
@@ -285,11 +298,11 @@ class ChunkEngine:
     def _install(self, chunk_id: bytes, old: ChunkState, new: ChunkState | None) -> None:
         self.used_bytes -= old.length
         if new is None:
-            self._states.pop(chunk_id, None)
+            self._set(chunk_id, None)
             self._drop_blobs(chunk_id, old)
             return
         self.used_bytes += new.length
-        self._states[chunk_id] = new
+        self._set(chunk_id, new)
         if old.commit_version and old.commit_version != new.commit_version:
             self.blobs.delete(chunk_id, old.commit_version)
         if old.pending_version and old.pending_version != new.commit_version and not old.pending_remove:
