@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,13 +26,7 @@ from typing import Any
 
 from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
 
-__all__ = ["LocalCluster", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["LocalCluster"]
 
 
 @dataclass
@@ -58,17 +51,18 @@ class LocalCluster:
         saved = self._load_layout()
         self.token = saved.get("token") or token or secrets.token_hex(16)
         self.env = {**os.environ, "FS3_LOG_LEVEL": os.environ.get("FS3_LOG_LEVEL", "INFO")}
-        self.mgmtd_port = int(saved.get("mgmtd_port") or free_port())
-        self.mgmtd_address = f"127.0.0.1:{self.mgmtd_port}"
+        # Every service binds port 0 and reports what it got in its ready file, so ports never race
+        # with other programs. Only mgmtd's framed port is kept (layout.json) once known: storage
+        # nodes and clients find the cluster through it after restarts.
+        self.mgmtd_port = int(saved.get("mgmtd_port") or 0)
         self.procs: dict[str, _Proc] = {}
         mgmtd_dir = self.root / "mgmtd"
         mgmtd_dir.mkdir(exist_ok=True)
         mgmtd_config = mgmtd_dir / "mgmtd.toml"
         if not mgmtd_config.exists():
             mgmtd_config.write_text(
-                f'data_dir = "{mgmtd_dir}"\nframed_port = {self.mgmtd_port}\ngrpc_port = {free_port()}\n'
-                f'metrics_port = {free_port()}\nheartbeat_timeout_ms = {heartbeat_timeout_ms}\n'
-                f'token = "{self.token}"\n')
+                f'data_dir = "{mgmtd_dir}"\ngrpc_port = 0\nmetrics_port = 0\n'
+                f'heartbeat_timeout_ms = {heartbeat_timeout_ms}\ntoken = "{self.token}"\n')
         self._add("mgmtd", ["mgmtd", "--config", str(mgmtd_config)])
         nodes = int(saved.get("storage_nodes") or storage_nodes)
         for node_id in range(1, nodes + 1):
@@ -80,13 +74,19 @@ class LocalCluster:
                     f'[[targets]]\ntarget_id = {node_id * 100 + j}\npath = "{node_dir / f"target-{j}"}"\n'
                     for j in range(1, targets_per_node + 1))
                 config.write_text(
-                    f'node_id = {node_id}\nmgmtd_address = "{self.mgmtd_address}"\ntoken = "{self.token}"\n'
+                    f'node_id = {node_id}\ntoken = "{self.token}"\n'
                     f"heartbeat_interval_ms = {heartbeat_interval_ms}\nforward_timeout_ms = 2000\n"
                     f"rpc_timeout_ms = 2000\nfsync = {'true' if fsync else 'false'}\n"
-                    f"framed_port = {free_port()}\ngrpc_port = {free_port()}\nmetrics_port = {free_port()}\n"
-                    f"{targets}")
+                    f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\n{targets}")
             self._add(f"storage-{node_id}", ["storage", "--config", str(config)])
-        self._save_layout(nodes)
+        self._nodes = nodes
+        self._save_layout()
+
+    @property
+    def mgmtd_address(self) -> str:
+        if not self.mgmtd_port:
+            raise Unavailable("mgmtd has not been started yet")
+        return f"127.0.0.1:{self.mgmtd_port}"
 
     # -- layout and status file --------------------------------------------------------------
 
@@ -94,9 +94,9 @@ class LocalCluster:
         path = self.root / "layout.json"
         return json.loads(path.read_text()) if path.exists() else {}
 
-    def _save_layout(self, nodes: int) -> None:
+    def _save_layout(self) -> None:
         (self.root / "layout.json").write_text(json.dumps(
-            {"token": self.token, "mgmtd_port": self.mgmtd_port, "storage_nodes": nodes}))
+            {"token": self.token, "mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes}))
 
     def write_cluster_json(self) -> Path:
         data = {
@@ -119,12 +119,17 @@ class LocalCluster:
             raise InvalidArgument(f"no process {name!r}; known: {', '.join(self.procs)}")
         proc = self.procs[name]
         proc.ready_file.unlink(missing_ok=True)
+        args, env = list(proc.args), dict(self.env)
+        if name == "mgmtd":
+            args += ["--framed-port", str(self.mgmtd_port)]
+        else:
+            env["FS3_STORAGE_MGMTD_ADDRESS"] = self.mgmtd_address
         with proc.log_path.open("ab") as log:
             proc.popen = subprocess.Popen(
-                [sys.executable, "-m", "fs3.cli.main", *proc.args, "--ready-file", str(proc.ready_file)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                [sys.executable, "-m", "fs3.cli.main", *args, "--ready-file", str(proc.ready_file)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True)
-        if wait:
+        if wait or (name == "mgmtd" and not self.mgmtd_port):
             self.wait_ready(name)
 
     def wait_ready(self, name: str, timeout_s: float = 30) -> dict[str, Any]:
@@ -133,6 +138,9 @@ class LocalCluster:
         while time.monotonic() < deadline:
             if proc.ready_file.exists():
                 proc.info = json.loads(proc.ready_file.read_text())
+                if name == "mgmtd" and not self.mgmtd_port:
+                    self.mgmtd_port = int(str(proc.info["framed"]).rsplit(":", 1)[1])
+                    self._save_layout()
                 return proc.info
             if proc.popen is not None and proc.popen.poll() is not None:
                 raise Unavailable(f"{name} exited with {proc.popen.returncode}:\n{self.log_tail(name)}")
@@ -198,7 +206,7 @@ class LocalCluster:
         admin = AdminClient(self.mgmtd_address, channels)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        expected = sum(1 for _ in self.root.glob("storage-*/storage.toml"))
+        expected = self._nodes
         try:
             while True:
                 targets = await admin.targets()
