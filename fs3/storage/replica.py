@@ -115,7 +115,10 @@ def build_content(base: bytes | None, update: spb.UpdateReq, payload: Buffer) ->
         return current + bytes(update.length - len(current))
     end = update.offset + update.length
     if update.offset == 0 and end >= len(current):
-        return bytes(payload)  # the write covers everything there was: no merge needed
+        # The write covers everything there was: no merge, and no copy when the payload owns bytes.
+        if isinstance(payload, memoryview) and isinstance(payload.obj, bytes) and len(payload) == len(payload.obj):
+            return payload.obj
+        return bytes(payload)
     if update.offset == len(current):
         return current + bytes(payload)  # an append
     out = bytearray(max(len(current), end))
@@ -203,7 +206,16 @@ class TargetReplica:
         return self.engine.read(chunk_id, state.commit_version, 0, state.length)
 
     @staticmethod
-    def validate_update(req: spb.UpdateReq, payload: Buffer) -> None:
+    def _content_checksum(update: spb.UpdateReq, content: bytes | None) -> int:
+        """CRC32C of the new chunk content, reusing the payload's (verified) CRC for whole writes."""
+        if content is None:
+            return 0
+        if update.type == spb.WRITE and update.offset == 0 and len(content) == update.length:
+            return int(update.checksum)
+        return crc32c(content)
+
+    @staticmethod
+    def validate_update(req: spb.UpdateReq, payload: Buffer, check_crc: bool = True) -> None:
         validate_chunk_id(req.chunk_id)
         validate_chunk_size(req.chunk_size)
         if req.type == spb.WRITE:
@@ -212,7 +224,7 @@ class TargetReplica:
             if req.offset + req.length > req.chunk_size:
                 raise InvalidArgument(f"write [{req.offset}, {req.offset + req.length}) past chunk size "
                                       f"{req.chunk_size}")
-            if crc32c(payload) != req.checksum:
+            if check_crc and crc32c(payload) != req.checksum:
                 raise ChecksumMismatch("payload checksum does not match")
         elif req.type == spb.TRUNCATE:
             if req.length > req.chunk_size:
@@ -278,7 +290,7 @@ class TargetReplica:
             view = self._view(req.chain_id)
             content = build_content(self._base(req.chunk_id, state), req, payload)
             version = (state.commit_version if state else 0) + 1
-            checksum = crc32c(content) if content is not None else 0
+            checksum = self._content_checksum(req, content)
             await self._stage(req.chunk_id, version, content, checksum, view.chain_version)
             fwd = spb.ForwardReq(update=req, update_version=version)
             try:
@@ -449,9 +461,9 @@ class TargetReplica:
             content = None if req.remove else bytes(payload)
             checksum = req.chunk_checksum
         else:
-            self.validate_update(update, payload)
+            self.validate_update(update, payload, check_crc=False)  # forward() verified the CRC
             content = build_content(self._base(chunk_id, state), update, payload)
-            checksum = crc32c(content) if content is not None else 0
+            checksum = self._content_checksum(update, content)
         await self._stage(chunk_id, version, content, checksum, view.chain_version)
         fwd = spb.ForwardReq(update=update, update_version=version)
         try:
