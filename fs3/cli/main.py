@@ -24,6 +24,8 @@ __all__ = ["main"]
 
 
 def _state_name(enum_type: Any, value: int) -> str:
+    if value == 0:
+        return "-"  # e.g. the public state of a target that is in no chain yet
     try:
         return str(enum_type.Name(value)).lower().replace("local_", "")
     except ValueError:
