@@ -72,8 +72,3 @@ class ChainView:
         if i is None or i == 0:
             return None
         return path[i - 1]
-
-    def tail(self) -> ChainMember | None:
-        """The end of the write path: where an update commits first."""
-        path = self.write_path
-        return path[-1] if path else None

@@ -82,7 +82,6 @@ class StorageNode:
         self._views: dict[tuple[int, int], ChainView] = {}
         self._chain_of_target: dict[int, int] = {}
         self._nodes: dict[int, cpb.NodeInfo] = {}
-        self.on_heartbeat: Callable[[], None] | None = None
         self._io_pool = (concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="fs3-io")
                          if config.io_threads > 0 else None)
 
@@ -246,8 +245,6 @@ class StorageNode:
             if rsp.routing_version > self.routing_version:
                 return
         self._lease_start_ms = sent_ms
-        if self.on_heartbeat is not None:
-            self.on_heartbeat()
 
     async def _heartbeat_loop(self) -> None:
         while True:
