@@ -190,6 +190,8 @@ class FramedChannel:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[tuple[int, bytes, bytes]]] = {}
+        # A bound on requests in flight on this connection: callers beyond it wait their turn.
+        self._slots = asyncio.Semaphore(self._limits.inflight_requests_max)
         self._ids = itertools.count(1)
         self._connect_lock = asyncio.Lock()
         self._closed = False
@@ -261,29 +263,32 @@ class FramedChannel:
 
     async def call(self, method: MethodSpec, request: Message, payload: Buffer = b"",
                    timeout_ms: int = 10_000) -> tuple[Message, bytes]:
+        async with self._slots:
+            status, body, out_payload = await self._exchange(method, request, payload, timeout_ms)
+        if status != StatusCode.OK:
+            raise error_for(status, body.decode("utf-8", "replace"))
+        return method.response_type.FromString(body), out_payload
+
+    async def _exchange(self, method: MethodSpec, request: Message, payload: Buffer,
+                        timeout_ms: int) -> tuple[int, bytes, bytes]:
         writer = await self._ensure_connected()
         request_id = next(self._ids)
         message = request.SerializeToString()
         future: asyncio.Future[tuple[int, bytes, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
+        timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, _expire, future)
         try:
             header = pack_header(FrameKind.REQUEST, method.method_id, 0, request_id, len(message), len(payload))
             _send_frame(writer, header, message, payload)
             await writer.drain()
+            return await future
         except (ConnectionError, RuntimeError) as exc:
-            self._pending.pop(request_id, None)
             raise Unavailable(f"send to {self.address} failed: {exc}") from None
-        timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, _expire, future)
-        try:
-            status, body, out_payload = await future
         except TimeoutError:
-            self._pending.pop(request_id, None)
             raise Timeout(f"{method.name} to {self.address} timed out after {timeout_ms} ms") from None
         finally:
             timer.cancel()
-        if status != StatusCode.OK:
-            raise error_for(status, body.decode("utf-8", "replace"))
-        return method.response_type.FromString(body), out_payload
+            self._pending.pop(request_id, None)
 
     async def close(self) -> None:
         self._closed = True

@@ -23,7 +23,7 @@ from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.common.clock import Clock, LoopClock
-from fs3.common.errors import FS3Error, InvalidArgument, NotFound, TargetNotServing
+from fs3.common.errors import FS3Error, InvalidArgument, NotFound, StatusCode, TargetNotServing
 from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
@@ -304,8 +304,11 @@ class StorageNode:
                                        self.config.sync_batch_chunks, self.config.rpc_timeout_ms)
                 return
             except FS3Error as exc:
-                log.warning("node %d: resync of target %d (chain %d) failed: %s; retrying", self.config.node_id,
-                            successor_id, chain_id, exc)
+                # Routing views converge a moment apart; only unexpected failures deserve a warning.
+                expected = exc.code in (StatusCode.TARGET_NOT_SERVING, StatusCode.CHAIN_VERSION_MISMATCH)
+                log.log(logging.INFO if expected else logging.WARNING,
+                        "node %d: resync of target %d (chain %d) failed: %s; retrying", self.config.node_id,
+                        successor_id, chain_id, exc)
             await asyncio.sleep(backoff_ms / 1000)
             backoff_ms = min(backoff_ms * 2, 2_000)
 
