@@ -22,6 +22,7 @@ __all__ = [
     "InvariantViolation",
     "IoError",
     "LeaseExpired",
+    "MaybeCommitted",
     "NoSpace",
     "NotFound",
     "NotHead",
@@ -30,6 +31,7 @@ __all__ = [
     "StatusCode",
     "TargetNotServing",
     "Timeout",
+    "TxnConflict",
     "Unauthenticated",
     "Unavailable",
     "error_for",
@@ -62,6 +64,8 @@ class StatusCode(enum.IntEnum):
     CHANNEL_SEQ_STALE = 20
     IO_ERROR = 21
     INTERNAL = 22
+    TXN_CONFLICT = 23
+    MAYBE_COMMITTED = 24
 
 
 # Codes after which the same request may succeed if sent again (possibly after a routing refresh).
@@ -75,6 +79,7 @@ _RETRYABLE = frozenset(
         StatusCode.CHUNK_NOT_COMMITTED,
         StatusCode.LEASE_EXPIRED,
         StatusCode.RESOURCE_EXHAUSTED,
+        StatusCode.TXN_CONFLICT,
     }
 )
 
@@ -182,6 +187,14 @@ class IoError(FS3Error):
 
 class Internal(FS3Error):
     code = StatusCode.INTERNAL
+
+
+class TxnConflict(FS3Error):
+    code = StatusCode.TXN_CONFLICT
+
+
+class MaybeCommitted(FS3Error):
+    code = StatusCode.MAYBE_COMMITTED
 
 
 class InvariantViolation(Internal):

@@ -1,0 +1,204 @@
+"""Transactions over the ordered KV stores: optimistic, serializable, retried.
+
+The metadata service runs each POSIX operation as one transaction function
+``async def op(txn) -> result``. :func:`run_transaction` begins a transaction, runs the function,
+commits, and retries on a conflict or an unknown commit outcome; operations are written to be
+idempotent, so running one again after a commit that did succeed returns the same answer.
+
+The interface is async and assumes nothing about who else writes: a networked, replicated engine
+(several stateless meta servers over one store) can implement :class:`TxnEngine` later without
+any change above it.
+
+:class:`OptimisticTxnEngine` implements it over one embedded :class:`~fs3.kv.KVStore` (RocksDB or
+memory). Reads see the latest committed data and are recorded (keys and scanned ranges); writes are
+buffered. At commit the engine checks that no transaction committed since this one began wrote a
+key it read or a key inside a range it scanned, then applies the writes in one atomic batch. Faults
+can be injected (conflicts, and "maybe committed" commits that did apply) so that every retry and
+idempotency path runs in unit tests, the way the real store can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
+from fs3.kv.store import KVStore, WriteBatch
+
+__all__ = ["OptimisticTxnEngine", "Transaction", "TxnEngine", "TxnFaults", "run_transaction"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_DELETED = object()
+
+
+class Transaction(Protocol):
+    async def get(self, key: bytes) -> bytes | None: ...
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """Pairs with ``start <= key < end`` in key order, this transaction's own writes included."""
+        ...
+
+    def put(self, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, key: bytes) -> None: ...
+
+    async def commit(self) -> None: ...
+
+
+class TxnEngine(Protocol):
+    def begin(self) -> Transaction: ...
+
+
+@dataclass
+class TxnFaults:
+    """Faults a test can inject into commits: counts first, then probabilities."""
+
+    conflicts: int = 0
+    maybe_committed: int = 0
+    conflict_probability: float = 0.0
+    maybe_committed_probability: float = 0.0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+
+class _OptimisticTxn:
+    def __init__(self, engine: OptimisticTxnEngine, start_seq: int) -> None:
+        self._engine = engine
+        self.start_seq = start_seq
+        self.writes: dict[bytes, object] = {}
+        self.read_keys: set[bytes] = set()
+        self.read_ranges: list[tuple[bytes, bytes | None]] = []
+        self._done = False
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise InvalidArgument("transaction already committed or abandoned")
+
+    async def get(self, key: bytes) -> bytes | None:
+        self._check_open()
+        if key in self.writes:
+            value = self.writes[key]
+            return None if value is _DELETED else value  # type: ignore[return-value]
+        self.read_keys.add(key)
+        return self._engine.store.get(key)
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        self._check_open()
+        if limit is not None and limit <= 0:
+            raise InvalidArgument("scan limit must be positive")
+        merged: dict[bytes, bytes] = dict(self._engine.store.scan(start, end))
+        for key, value in self.writes.items():
+            if key >= start and (end is None or key < end):
+                if value is _DELETED:
+                    merged.pop(key, None)
+                else:
+                    merged[key] = value  # type: ignore[assignment]
+        keys = sorted(merged)
+        if limit is not None and len(keys) > limit:
+            keys = keys[:limit]
+            # Only the part of the range actually returned was depended upon.
+            self.read_ranges.append((start, keys[-1] + b"\x00"))
+        else:
+            self.read_ranges.append((start, end))
+        return [(k, merged[k]) for k in keys]
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._check_open()
+        self.writes[key] = value
+
+    def delete(self, key: bytes) -> None:
+        self._check_open()
+        self.writes[key] = _DELETED
+
+    async def commit(self) -> None:
+        self._check_open()
+        self._done = True
+        await self._engine.commit(self)
+
+
+class OptimisticTxnEngine:
+    """Serializable optimistic transactions over one embedded store (this process is its only user)."""
+
+    def __init__(self, store: KVStore, sync: bool = True, history_max: int = 10_000,
+                 faults: TxnFaults | None = None) -> None:
+        self.store = store
+        self.sync = sync
+        self.faults = faults or TxnFaults()
+        self._seq = 0
+        self._history: deque[tuple[int, list[bytes]]] = deque(maxlen=history_max)
+        self._lock = asyncio.Lock()
+        self.commits = 0
+        self.conflicts = 0
+
+    def begin(self) -> _OptimisticTxn:
+        return _OptimisticTxn(self, self._seq)
+
+    def _conflicts(self, txn: _OptimisticTxn) -> bool:
+        if self._history and self._history[0][0] > txn.start_seq + 1 and self._seq > txn.start_seq:
+            return True  # older than the history we keep: cannot prove it is safe
+        for seq, keys in reversed(self._history):
+            if seq <= txn.start_seq:
+                break
+            for key in keys:
+                if key in txn.read_keys:
+                    return True
+                for start, end in txn.read_ranges:
+                    if key >= start and (end is None or key < end):
+                        return True
+        return False
+
+    def _inject(self, kind: str) -> bool:
+        faults = self.faults
+        if kind == "conflict":
+            if faults.conflicts > 0:
+                faults.conflicts -= 1
+                return True
+            return faults.conflict_probability > 0 and faults.rng.random() < faults.conflict_probability
+        if faults.maybe_committed > 0:
+            faults.maybe_committed -= 1
+            return True
+        return faults.maybe_committed_probability > 0 and faults.rng.random() < faults.maybe_committed_probability
+
+    async def commit(self, txn: _OptimisticTxn) -> None:
+        async with self._lock:
+            if self._inject("conflict") or self._conflicts(txn):
+                self.conflicts += 1
+                raise TxnConflict("a key this transaction read was changed by another one")
+            if txn.writes:
+                batch = WriteBatch()
+                for key, value in sorted(txn.writes.items()):
+                    if value is _DELETED:
+                        batch.delete(key)
+                    else:
+                        batch.put(key, value)  # type: ignore[arg-type]
+                self.store.write(batch, sync=self.sync)
+                self._seq += 1
+                self._history.append((self._seq, sorted(txn.writes)))
+            self.commits += 1
+            if self._inject("maybe_committed"):
+                raise MaybeCommitted("the commit's outcome is unknown (injected)")
+
+
+async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]], retry_max: int = 20,
+                          backoff_ms: float = 1.0) -> T:
+    """Run ``fn`` in a transaction until it commits; ``fn`` must be idempotent (it may run again)."""
+    attempt = 0
+    while True:
+        txn = engine.begin()
+        try:
+            result = await fn(txn)
+            await txn.commit()
+            return result
+        except (TxnConflict, MaybeCommitted) as exc:
+            attempt += 1
+            if attempt > retry_max:
+                raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
+            log.debug("transaction retry %d: %s", attempt, exc)
+            await asyncio.sleep(backoff_ms * min(attempt, 20) / 1000)
+
+

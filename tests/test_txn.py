@@ -1,0 +1,158 @@
+"""Optimistic transactions: isolation, conflicts (phantoms included), injected faults, retries."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
+from fs3.kv.store import MemKVStore, RocksKVStore
+from fs3.kv.txn import OptimisticTxnEngine, Transaction, TxnFaults, run_transaction
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_reads_see_own_writes_and_scans_merge() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore())
+        setup = engine.begin()
+        for key in (b"d/a", b"d/b", b"d/c"):
+            setup.put(key, key.upper())
+        await setup.commit()
+        txn = engine.begin()
+        txn.put(b"d/bb", b"new")
+        txn.delete(b"d/c")
+        assert await txn.get(b"d/bb") == b"new" and await txn.get(b"d/c") is None
+        assert [k for k, _ in await txn.scan(b"d/", b"d0")] == [b"d/a", b"d/b", b"d/bb"]
+        assert [k for k, _ in await txn.scan(b"d/", b"d0", limit=2)] == [b"d/a", b"d/b"]
+        await txn.commit()
+        with pytest.raises(InvalidArgument):
+            await txn.get(b"d/a")
+        check = engine.begin()
+        assert [k for k, _ in await check.scan(b"d/", b"d0")] == [b"d/a", b"d/b", b"d/bb"]
+    run(body())
+
+
+def test_write_after_concurrent_change_of_a_read_key_conflicts() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore())
+        t1, t2 = engine.begin(), engine.begin()
+        assert await t1.get(b"counter") is None
+        t2.put(b"counter", b"1")
+        await t2.commit()
+        t1.put(b"counter", b"1")
+        with pytest.raises(TxnConflict):
+            await t1.commit()
+    run(body())
+
+
+def test_phantom_in_a_scanned_range_conflicts_but_disjoint_writes_do_not() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore())
+        t1, t2, t3 = engine.begin(), engine.begin(), engine.begin()
+        assert await t1.scan(b"dir1/", b"dir10") == []
+        t2.put(b"dir1/x", b"1")  # lands inside t1's scanned range
+        await t2.commit()
+        t1.put(b"dir1/y", b"1")
+        with pytest.raises(TxnConflict):
+            await t1.commit()
+        await t3.get(b"dir2/z")
+        t3.put(b"dir2/z", b"1")
+        await t3.commit()  # nothing it read changed
+    run(body())
+
+
+def test_limited_scan_depends_only_on_what_it_returned() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore())
+        setup = engine.begin()
+        for key in (b"k1", b"k2", b"k3"):
+            setup.put(key, b"v")
+        await setup.commit()
+        reader, writer = engine.begin(), engine.begin()
+        assert [k for k, _ in await reader.scan(b"k", limit=1)] == [b"k1"]
+        writer.put(b"k9", b"v")
+        await writer.commit()
+        reader.put(b"other", b"v")
+        await reader.commit()
+    run(body())
+
+
+def test_run_transaction_retries_conflicts_and_maybe_committed() -> None:
+    async def body() -> None:
+        faults = TxnFaults(conflicts=3, maybe_committed=2)
+        engine = OptimisticTxnEngine(MemKVStore(), faults=faults)
+        calls = 0
+
+        async def create_once(txn: Transaction) -> str:
+            # Idempotent: a retry after a commit that did apply finds the entry and answers the same.
+            nonlocal calls
+            calls += 1
+            existing = await txn.get(b"entry")
+            if existing is not None:
+                return existing.decode()
+            txn.put(b"entry", b"inode-7")
+            return "inode-7"
+
+        assert await run_transaction(engine, create_once) == "inode-7"
+        assert await run_transaction(engine, create_once) == "inode-7"
+        assert calls >= 6 and engine.conflicts == 3
+        check = engine.begin()
+        assert await check.scan(b"") == [(b"entry", b"inode-7")]
+    run(body())
+
+
+def test_retry_budget_is_bounded() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), faults=TxnFaults(conflict_probability=1.0))
+
+        async def op(txn: Transaction) -> None:
+            txn.put(b"k", b"v")
+
+        with pytest.raises(TxnConflict, match="gave up"):
+            await run_transaction(engine, op, retry_max=3, backoff_ms=0)
+    run(body())
+
+
+def test_concurrent_increments_are_serializable() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore())
+
+        async def increment(txn: Transaction) -> None:
+            value = int((await txn.get(b"n")) or b"0")
+            await asyncio.sleep(0)  # let the others interleave
+            txn.put(b"n", str(value + 1).encode())
+
+        await asyncio.gather(*(run_transaction(engine, increment, retry_max=100, backoff_ms=0) for _ in range(25)))
+        assert await engine.begin().get(b"n") == b"25"
+        assert engine.conflicts > 0
+    run(body())
+
+
+def test_maybe_committed_is_visible_to_callers_that_do_not_retry() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), faults=TxnFaults(maybe_committed=1))
+        txn = engine.begin()
+        txn.put(b"k", b"v")
+        with pytest.raises(MaybeCommitted):
+            await txn.commit()
+        assert await engine.begin().get(b"k") == b"v"  # it did apply
+    run(body())
+
+
+def test_rocksdb_engine_is_durable(tmp_path: Path) -> None:
+    async def body() -> None:
+        store = RocksKVStore(tmp_path / "db")
+        engine = OptimisticTxnEngine(store)
+        txn = engine.begin()
+        txn.put(b"inode/1", b"root")
+        await txn.commit()
+        store.close()
+        again = OptimisticTxnEngine(RocksKVStore(tmp_path / "db"))
+        assert await again.begin().get(b"inode/1") == b"root"
+        again.store.close()
+    run(body())
