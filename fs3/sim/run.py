@@ -60,7 +60,7 @@ class _Invariants:
             if slot.node is None:
                 continue
             for tid, engine in slot.node.engines.items():
-                for cid, state in engine._states.items():
+                for cid, state in engine.states().items():
                     if state.pending_version not in (0, state.commit_version + 1):
                         self._fail(f"target {tid} chunk {cid.hex()}: pending v{state.pending_version} on "
                                    f"committed v{state.commit_version}")
@@ -71,13 +71,14 @@ class _Invariants:
                        if cluster.mgmtd.state.targets[t].public_state is PublicState.SERVING
                        and self._serves(t, chain_id)]
             engines = [(t, e) for t in serving if (e := cluster.engine(t)) is not None]
+            snapshots = [(t, engine.states()) for t, engine in engines]
             ids: set[bytes] = set()
-            for _, engine in engines:
-                ids.update(engine._states)
+            for _, states in snapshots:
+                ids.update(states)
             for cid in ids:
                 versions: list[tuple[int, int, ChunkState | None]] = []
-                for t, engine in engines:
-                    found = engine._states.get(cid)
+                for t, states in snapshots:
+                    found = states.get(cid)
                     versions.append((t, found.commit_version if found else 0, found))
                 # A removal in flight: replicas behind it on the path may already have dropped the chunk.
                 removing = any(s is not None and s.pending_remove for _, _, s in versions)
@@ -252,7 +253,7 @@ def _verify_replicas(cluster: SimCluster, result: SimResult) -> None:
         for tid in target_ids:
             engine = cluster.engine(tid)
             assert engine is not None
-            mine = {cid: (s.commit_version, s.checksum, s.length) for cid, s in engine._states.items()}
+            mine = {cid: (s.commit_version, s.checksum, s.length) for cid, s in engine.states().items()}
             if reference is None:
                 reference = mine
             elif mine != reference:

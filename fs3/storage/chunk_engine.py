@@ -135,6 +135,10 @@ class ChunkEngine:
     def all_chunk_ids(self) -> list[bytes]:
         return sorted(self._states)
 
+    def states(self) -> dict[bytes, ChunkState]:
+        """A snapshot of every chunk's metadata (for checkers and tools; O(chunks))."""
+        return dict(self._states)
+
     def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
         return self.blobs.read(chunk_id, version, offset, length)
 
