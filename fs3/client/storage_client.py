@@ -17,6 +17,7 @@ from typing import cast
 
 from fs3 import storage_pb2 as spb
 from fs3.client.routing import RoutedTarget, RoutingCache
+from fs3.common.buffers import Buffer
 from fs3.common.checksum import crc32c
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import ChecksumMismatch, FS3Error, StatusCode, Unavailable
@@ -31,7 +32,6 @@ _STORAGE = service_spec("Storage")
 _UPDATE = _STORAGE.method("Update")
 _READ = _STORAGE.method("Read")
 
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,13 @@ class StorageClient:
         finally:
             self._free_channels.put_nowait(channel_id)
 
-    async def _backoff(self, attempt: int) -> None:
+    async def _before_retry(self, error: FS3Error, deadline_ms: int, attempt: int, what: str) -> None:
+        """Give up once the budget is spent; else refresh routing (unless the chunk is just busy) and back off."""
+        if self.clock.now_ms() >= deadline_ms:
+            raise Unavailable(f"{what} gave up: {error}")
+        if error.code != StatusCode.CHUNK_NOT_COMMITTED:
+            with contextlib.suppress(FS3Error):
+                await self.routing.refresh()
         delay = min(self.config.retry_backoff_ms * (2 ** min(attempt, 10)), self.config.retry_backoff_max_ms)
         await asyncio.sleep(delay / 1000)
 
@@ -103,13 +109,9 @@ class StorageClient:
                         if not exc.retryable:
                             raise
                         error = exc
-                if self.clock.now_ms() >= deadline_ms:
-                    raise Unavailable(f"update of chunk {chunk_id.hex()} on chain {chain_id} gave up: {error}")
                 attempt += 1
-                if error.code != StatusCode.CHUNK_NOT_COMMITTED:
-                    with contextlib.suppress(FS3Error):
-                        await self.routing.refresh()
-                await self._backoff(attempt)
+                await self._before_retry(error, deadline_ms, attempt,
+                                         f"update of chunk {chunk_id.hex()} on chain {chain_id}")
 
     async def write(self, chain_id: int, chunk_id: bytes, offset: int, data: Buffer,
                     chunk_size: int) -> spb.UpdateRsp:
@@ -155,10 +157,5 @@ class StorageClient:
                     if not exc.retryable and exc.code != StatusCode.CHECKSUM_MISMATCH:
                         raise
                     error = exc
-            if self.clock.now_ms() >= deadline_ms:
-                raise Unavailable(f"read of chunk {chunk_id.hex()} on chain {chain_id} gave up: {error}")
             attempt += 1
-            if error.code != StatusCode.CHUNK_NOT_COMMITTED:
-                with contextlib.suppress(FS3Error):
-                    await self.routing.refresh()
-            await self._backoff(attempt)
+            await self._before_retry(error, deadline_ms, attempt, f"read of chunk {chunk_id.hex()} on chain {chain_id}")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 
-__all__ = ["crc32c", "crc32c_extend"]
+from fs3.common.buffers import Buffer
 
-Buffer = bytes | bytearray | memoryview
+__all__ = ["crc32c", "crc32c_extend"]
 
 
 def crc32c(data: Buffer) -> int:

@@ -1,15 +1,15 @@
 """Injectable clocks.
 
-Cores never read the time themselves; services get a :class:`Clock`. Production uses the
-event loop's monotonic clock, the simulator a virtual one, unit tests a :class:`ManualClock`.
+Cores never read the time themselves; services get a :class:`Clock`. :class:`LoopClock` reads the
+running event loop's clock: monotonic in production, virtual in the simulator. Unit tests use a
+:class:`ManualClock`.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
-__all__ = ["Clock", "LoopClock", "ManualClock", "MonotonicClock"]
+__all__ = ["Clock", "LoopClock", "ManualClock"]
 
 
 class Clock(Protocol):
@@ -17,12 +17,6 @@ class Clock(Protocol):
         """Milliseconds on a monotonic clock (arbitrary origin)."""
         ...
 
-
-class MonotonicClock:
-    """The process's monotonic clock; the only place fs3 services read real time."""
-
-    def now_ms(self) -> int:
-        return time.monotonic_ns() // 1_000_000
 
 
 class ManualClock:

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-__all__ = ["get_logger", "setup_logging"]
+__all__ = ["setup_logging"]
 
 
 def setup_logging(service: str, level: str | None = None) -> None:
@@ -20,6 +20,3 @@ def setup_logging(service: str, level: str | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(chosen)
 
-
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(name)

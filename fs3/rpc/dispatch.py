@@ -16,6 +16,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
+from fs3.common.buffers import Buffer
 from fs3.common.errors import (
     FS3Error,
     InvalidArgument,
@@ -31,7 +32,6 @@ __all__ = ["Buffer", "Dispatcher", "Handler", "Reply", "token_matches"]
 
 log = logging.getLogger(__name__)
 
-Buffer = bytes | bytearray | memoryview
 Handler = Callable[[Any, memoryview], Awaitable[tuple[Message, Buffer]]]
 EMPTY = memoryview(b"")
 
@@ -75,9 +75,6 @@ class Dispatcher:
     def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
         """Called when a handler breaks an invariant: the service must stop, not keep serving."""
         self._on_fatal = callback
-
-    def lookup(self, method_id: int) -> tuple[MethodSpec, Handler] | None:
-        return self._handlers.get(method_id)
 
     def methods(self) -> list[MethodSpec]:
         return [spec for spec, _ in self._handlers.values()]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fs3 import storage_pb2 as spb
+from fs3.common.buffers import Buffer
 from fs3.common.checksum import crc32c
 from fs3.common.errors import (
     ChainVersionMismatch,
@@ -59,7 +60,6 @@ __all__ = ["DirtyReadPolicy", "ReplicaConfig", "ReplicaHost", "TargetReplica", "
 
 log = logging.getLogger(__name__)
 
-Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 
 
