@@ -40,7 +40,7 @@ class _Proc:
 
 
 class LocalCluster:
-    """mgmtd + N storage nodes (T targets each) under ``root``; each process can be killed and restarted."""
+    """mgmtd, N storage nodes (T targets each) and meta under ``root``; each can be killed and restarted."""
 
     def __init__(self, root: Path, storage_nodes: int = 3, targets_per_node: int = 2, token: str | None = None,
                  heartbeat_timeout_ms: int = 3_000, heartbeat_interval_ms: int = 200, fsync: bool = False) -> None:
@@ -80,6 +80,16 @@ class LocalCluster:
                     f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\n{targets}")
             self._add(f"storage-{node_id}", ["storage", "--config", str(config)])
         self._nodes = nodes
+        meta_dir = self.root / "meta"
+        meta_dir.mkdir(exist_ok=True)
+        meta_config = meta_dir / "meta.toml"
+        if not meta_config.exists():
+            meta_config.write_text(
+                f'node_id = 1001\ndata_dir = "{meta_dir}"\ntoken = "{self.token}"\n'
+                f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\nsync_commits = {'true' if fsync else 'false'}\n"
+                f"heartbeat_interval_ms = {heartbeat_interval_ms}\nrpc_timeout_ms = 2000\n"
+                f"prune_interval_ms = 1000\n")
+        self._add("meta", ["meta", "--config", str(meta_config)])
         self._save_layout()
 
     @property
@@ -124,6 +134,7 @@ class LocalCluster:
             args += ["--framed-port", str(self.mgmtd_port)]
         else:
             env["FS3_STORAGE_MGMTD_ADDRESS"] = self.mgmtd_address
+            env["FS3_META_MGMTD_ADDRESS"] = self.mgmtd_address
         with proc.log_path.open("ab") as log:
             proc.popen = subprocess.Popen(
                 [sys.executable, "-m", "fs3.cli.main", *args, "--ready-file", str(proc.ready_file)],

@@ -2,6 +2,7 @@
 
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage --config FILE [--ready-file FILE]
+    fs3 meta    [--config FILE] [--ready-file FILE]
     fs3 admin   --mgmtd HOST:PORT [--token T] [--json] nodes|targets|chains|create-chain-table|mark-offline|verify
     fs3 local   up|status|down|kill|start [--dir DIR]
 """
@@ -159,6 +160,10 @@ def _parser() -> argparse.ArgumentParser:
     storage.add_argument("--config", required=True, help="TOML config file")
     storage.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
 
+    meta = sub.add_parser("meta", help="run a metadata server")
+    meta.add_argument("--config", help="TOML config file")
+    meta.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
+
     local = sub.add_parser("local", help="a whole cluster on this machine")
     local_sub = local.add_subparsers(dest="action", required=True)
     up = local_sub.add_parser("up", help="start (or restart) the local cluster")
@@ -170,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
         local_sub.add_parser(action)
     for action in ("kill", "start"):
         drill = local_sub.add_parser(action, help=f"{action} one service (fault drills)")
-        drill.add_argument("name", help="mgmtd or storage-N")
+        drill.add_argument("name", help="mgmtd, meta or storage-N")
     for parser_ in local_sub.choices.values():
         parser_.add_argument("--dir", default=".fs3", help="cluster directory (default .fs3)")
 
@@ -210,6 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fs3.storage.server import StorageConfig, run_storage
 
             run_storage(load_config(StorageConfig, args.config, env_prefix="FS3_STORAGE"), args.ready_file)
+            return 0
+        if args.service == "meta":
+            from fs3.meta.server import MetaConfig, run_meta
+
+            run_meta(load_config(MetaConfig, args.config, env_prefix="FS3_META"), args.ready_file)
             return 0
         if args.service == "local":
             from fs3.cli.local import local_command

@@ -9,31 +9,48 @@ Transport-level failures are mapped to these codes in exactly one place (``fs3.r
 from __future__ import annotations
 
 import enum
+import errno as _errno
 from typing import ClassVar
 
 __all__ = [
+    "ERRNO_BY_CODE",
+    "AlreadyExists",
+    "BadHandle",
     "ChainVersionMismatch",
     "ChannelSeqStale",
     "ChecksumMismatch",
     "ChunkNotCommitted",
+    "DirectoryNotEmpty",
     "FS3Error",
+    "FileTooLarge",
     "FrameTooLarge",
+    "Internal",
     "InvalidArgument",
     "InvariantViolation",
     "IoError",
+    "IsADirectory",
     "LeaseExpired",
     "MaybeCommitted",
+    "NameTooLong",
     "NoSpace",
+    "NoXattr",
+    "NotADirectory",
     "NotFound",
     "NotHead",
+    "NotPermitted",
+    "NotSupported",
+    "PermissionDenied",
     "ProtocolError",
     "StaleUpdate",
     "StatusCode",
+    "SymlinkLoop",
     "TargetNotServing",
     "Timeout",
+    "TooManyLinks",
     "TxnConflict",
     "Unauthenticated",
     "Unavailable",
+    "XattrTooLarge",
     "error_for",
 ]
 
@@ -66,6 +83,18 @@ class StatusCode(enum.IntEnum):
     INTERNAL = 22
     TXN_CONFLICT = 23
     MAYBE_COMMITTED = 24
+    NOT_A_DIRECTORY = 25
+    IS_A_DIRECTORY = 26
+    DIRECTORY_NOT_EMPTY = 27
+    SYMLINK_LOOP = 28
+    NAME_TOO_LONG = 29
+    NOT_PERMITTED = 30
+    NO_XATTR = 31
+    NOT_SUPPORTED = 32
+    BAD_HANDLE = 33
+    TOO_MANY_LINKS = 34
+    FILE_TOO_LARGE = 35
+    XATTR_TOO_LARGE = 36
 
 
 # Codes after which the same request may succeed if sent again (possibly after a routing refresh).
@@ -96,6 +125,17 @@ class FS3Error(Exception):
     @property
     def retryable(self) -> bool:
         return self.code in _RETRYABLE
+
+    @property
+    def errno(self) -> int:
+        """The POSIX errno a file-system caller sees for this error."""
+        return ERRNO_BY_CODE.get(self.code, _errno.EIO)
+
+    def to_os_error(self, filename: object = None) -> OSError:
+        """The matching ``OSError`` subclass (``FileNotFoundError`` for ENOENT, and so on)."""
+        if filename is None:
+            return OSError(self.errno, self.message)
+        return OSError(self.errno, self.message, filename)
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -195,6 +235,80 @@ class TxnConflict(FS3Error):
 
 class MaybeCommitted(FS3Error):
     code = StatusCode.MAYBE_COMMITTED
+
+
+class NotADirectory(FS3Error):
+    code = StatusCode.NOT_A_DIRECTORY
+
+
+class IsADirectory(FS3Error):
+    code = StatusCode.IS_A_DIRECTORY
+
+
+class DirectoryNotEmpty(FS3Error):
+    code = StatusCode.DIRECTORY_NOT_EMPTY
+
+
+class SymlinkLoop(FS3Error):
+    code = StatusCode.SYMLINK_LOOP
+
+
+class NameTooLong(FS3Error):
+    code = StatusCode.NAME_TOO_LONG
+
+
+class NotPermitted(FS3Error):
+    code = StatusCode.NOT_PERMITTED
+
+
+class NoXattr(FS3Error):
+    code = StatusCode.NO_XATTR
+
+
+class NotSupported(FS3Error):
+    code = StatusCode.NOT_SUPPORTED
+
+
+class BadHandle(FS3Error):
+    code = StatusCode.BAD_HANDLE
+
+
+class TooManyLinks(FS3Error):
+    code = StatusCode.TOO_MANY_LINKS
+
+
+class FileTooLarge(FS3Error):
+    code = StatusCode.FILE_TOO_LARGE
+
+
+class XattrTooLarge(FS3Error):
+    code = StatusCode.XATTR_TOO_LARGE
+
+
+# What a POSIX caller sees. Codes not listed are EIO: the operation failed inside fs3.
+ERRNO_BY_CODE: dict[StatusCode, int] = {
+    StatusCode.INVALID_ARGUMENT: _errno.EINVAL,
+    StatusCode.NOT_FOUND: _errno.ENOENT,
+    StatusCode.ALREADY_EXISTS: _errno.EEXIST,
+    StatusCode.PERMISSION_DENIED: _errno.EACCES,
+    StatusCode.UNAUTHENTICATED: _errno.EACCES,
+    StatusCode.RESOURCE_EXHAUSTED: _errno.EAGAIN,
+    StatusCode.NO_SPACE: _errno.ENOSPC,
+    StatusCode.TIMEOUT: _errno.ETIMEDOUT,
+    StatusCode.UNAVAILABLE: _errno.EIO,
+    StatusCode.NOT_A_DIRECTORY: _errno.ENOTDIR,
+    StatusCode.IS_A_DIRECTORY: _errno.EISDIR,
+    StatusCode.DIRECTORY_NOT_EMPTY: _errno.ENOTEMPTY,
+    StatusCode.SYMLINK_LOOP: _errno.ELOOP,
+    StatusCode.NAME_TOO_LONG: _errno.ENAMETOOLONG,
+    StatusCode.NOT_PERMITTED: _errno.EPERM,
+    StatusCode.NO_XATTR: _errno.ENODATA,
+    StatusCode.NOT_SUPPORTED: _errno.EOPNOTSUPP,
+    StatusCode.BAD_HANDLE: _errno.EBADF,
+    StatusCode.TOO_MANY_LINKS: _errno.EMLINK,
+    StatusCode.FILE_TOO_LARGE: _errno.EFBIG,
+    StatusCode.XATTR_TOO_LARGE: _errno.E2BIG,
+}
 
 
 class InvariantViolation(Internal):

@@ -13,7 +13,7 @@ from functools import cache
 
 from google.protobuf.message import Message
 
-from fs3 import mgmtd_pb2, storage_pb2
+from fs3 import meta_pb2, mgmtd_pb2, storage_pb2
 
 __all__ = ["SERVICE_NUMBERS", "MethodSpec", "ServiceSpec", "method_by_id", "service_spec"]
 
@@ -21,7 +21,7 @@ __all__ = ["SERVICE_NUMBERS", "MethodSpec", "ServiceSpec", "method_by_id", "serv
 SERVICE_NUMBERS: dict[str, int] = {"Mgmtd": 1, "Storage": 2, "Meta": 3}
 PAYLOAD_FIELD = "payload"
 
-_MODULES = {"Mgmtd": mgmtd_pb2, "Storage": storage_pb2}
+_MODULES = {"Mgmtd": mgmtd_pb2, "Storage": storage_pb2, "Meta": meta_pb2}
 
 
 def _snake(name: str) -> str:

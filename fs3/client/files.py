@@ -1,0 +1,316 @@
+"""Open files of the asyncio client: chunked, parallel, buffered I/O straight to storage.
+
+A file's bytes live in chunks on chains (``fs3.meta.layout``); meta only knows the length. Writes
+are cut at chunk boundaries, gathered into one buffer per chunk piece, and sent to the chunk's
+chain head in the background with a bounded number in flight (so memory per open file is
+bounded); errors surface at the next write, ``flush``, ``fsync`` or ``close``. Reads fan out over
+the chunks they cover in parallel; sequential small reads grow a read-ahead window. Holes and
+short chunks read as zeros up to the file's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from fs3 import meta_pb2 as mpb
+from fs3.client.oserrors import os_errors
+from fs3.common.buffers import Buffer
+from fs3.common.errors import BadHandle, FS3Error, InvalidArgument
+from fs3.meta.layout import chunk_location
+
+if TYPE_CHECKING:
+    from fs3.client.fs import AsyncFileSystem
+
+__all__ = ["AsyncFile"]
+
+log = logging.getLogger(__name__)
+
+_READAHEAD_MIN_BYTES = 128 * 1024
+_READAHEAD_MAX_BYTES = 4 * 1024 * 1024
+_HINT_INTERVAL_S = 1.0
+
+
+class AsyncFile:
+    """A binary file open on fs3 (``await fs.open(path, "rb")``)."""
+
+    def __init__(self, fs: AsyncFileSystem, path: str, rsp: mpb.OpenRsp, readable: bool, writable: bool,
+                 append: bool, inflight_max: int = 8) -> None:
+        self.fs = fs
+        self.name = path
+        self.inode = rsp.inode
+        self.session_id = rsp.session_id
+        self.readable = readable
+        self.writable = writable
+        self.append = append
+        self.closed = False
+        self.layout = rsp.inode.layout
+        self.chunk_size = self.layout.chunk_size
+        self._pos = 0
+        self._length = rsp.inode.size
+        self._wrote = False
+        self._written_end = 0
+        self._buf_offset = 0
+        self._buf = bytearray()
+        self._slots = asyncio.Semaphore(inflight_max)
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._error: BaseException | None = None
+        self._last_hint = time.monotonic()
+        self._hint_task: asyncio.Task[None] | None = None
+        self._ra_offset = 0
+        self._ra_data = b""
+        self._ra_window = _READAHEAD_MIN_BYTES
+        self._last_read_end = -1
+
+    # -- position --------------------------------------------------------------------------------
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._check_open()
+        if whence == 0:
+            new = offset
+        elif whence == 1:
+            new = self._pos + offset
+        elif whence == 2:
+            new = self._length + offset
+        else:
+            raise InvalidArgument(f"invalid whence {whence}")
+        if new < 0:
+            raise InvalidArgument("negative seek position")
+        self._pos = new
+        return new
+
+    @property
+    def length(self) -> int:
+        """The file's length as this handle knows it (its own writes included)."""
+        return self._length
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise BadHandle("I/O on a closed file")
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    async def write(self, data: Buffer) -> int:
+        with os_errors(self.name):
+            return await self._write(data)
+
+    async def _write(self, data: Buffer) -> int:
+        self._check_open()
+        if not self.writable:
+            raise BadHandle("file not open for writing")
+        self._raise_background_error()
+        view = memoryview(data).cast("B")
+        total = len(view)
+        if self.append:
+            self._pos = self._length
+        pos = self._pos
+        offset = 0
+        chunk_size = self.chunk_size
+        while offset < total:
+            room = chunk_size - pos % chunk_size
+            piece = view[offset:offset + room]
+            if self._buf and pos == self._buf_offset + len(self._buf) and pos % chunk_size != 0:
+                self._buf += piece
+            else:
+                await self._send_buffer()
+                self._buf_offset = pos
+                self._buf = bytearray(piece)
+            pos += len(piece)
+            offset += len(piece)
+            if pos % chunk_size == 0:
+                await self._send_buffer()
+        self._pos = pos
+        if total:
+            self._wrote = True
+            self._invalidate_readahead()
+            self._written_end = max(self._written_end, pos)
+            self._length = max(self._length, pos)
+            self._maybe_hint()
+        return total
+
+    async def _send_buffer(self) -> None:
+        if not self._buf:
+            return
+        data, offset = bytes(self._buf), self._buf_offset
+        self._buf = bytearray()
+        await self._slots.acquire()
+        task = asyncio.create_task(self._write_piece(offset, data))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _write_piece(self, offset: int, data: bytes) -> None:
+        try:
+            index = offset // self.chunk_size
+            chain_id, cid = chunk_location(self.layout, self.inode.inode_id, index)
+            await self.fs.storage.write(chain_id, cid, offset % self.chunk_size, data, self.chunk_size)
+        except BaseException as exc:  # kept for the caller's next call
+            if self._error is None:
+                self._error = exc
+        finally:
+            self._slots.release()
+
+    def _maybe_hint(self) -> None:
+        now = time.monotonic()
+        if now - self._last_hint < _HINT_INTERVAL_S or (self._hint_task and not self._hint_task.done()):
+            return
+        self._last_hint = now
+        self._hint_task = asyncio.create_task(self._send_hint())
+
+    async def _send_hint(self) -> None:
+        try:
+            await self.fs.meta.call("Sync", mpb.SyncReq(inode_id=self.inode.inode_id, session_id=self.session_id,
+                                                        length_hint=self._written_end, wrote=True), mpb.InodeRsp)
+        except FS3Error as exc:
+            log.debug("length hint for %s failed: %s", self.name, exc)
+
+    async def flush(self) -> None:
+        with os_errors(self.name):
+            return await self._flush()
+
+    async def _flush(self) -> None:
+        """Send buffered bytes and wait until every write this handle made is acknowledged."""
+        await self._send_buffer()
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        self._raise_background_error()
+
+    async def fsync(self) -> None:
+        with os_errors(self.name):
+            return await self._fsync()
+
+    async def _fsync(self) -> None:
+        self._check_open()
+        await self._flush()
+        rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
+            inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
+            wrote=self._wrote, exact=True), mpb.InodeRsp)
+        self._length = max(self._length, rsp.inode.size) if self._wrote else rsp.inode.size
+
+    async def truncate(self, size: int | None = None) -> int:
+        with os_errors(self.name):
+            return await self._truncate(size)
+
+    async def _truncate(self, size: int | None = None) -> int:
+        self._check_open()
+        if not self.writable:
+            raise BadHandle("file not open for writing")
+        size = self._pos if size is None else size
+        if size < 0:
+            raise InvalidArgument("negative size")
+        await self._flush()
+        await self.fs.meta.call("SetAttr", mpb.SetAttrReq(
+            target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_SIZE, size=size,
+            session_id=self.session_id), mpb.InodeRsp)
+        self._length = size
+        self._written_end = min(self._written_end, size)
+        self._invalidate_readahead()
+        return size
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _invalidate_readahead(self) -> None:
+        self._ra_data = b""
+        self._last_read_end = -1
+
+    async def read(self, size: int = -1) -> bytes:
+        with os_errors(self.name):
+            return await self._read(size)
+
+    async def _read(self, size: int = -1) -> bytes:
+        self._check_open()
+        if not self.readable:
+            raise BadHandle("file not open for reading")
+        if self._buf or self._inflight:
+            await self._flush()
+        if size is None or size < 0:
+            size = max(0, self._length - self._pos)
+        end = min(self._pos + size, self._length)
+        if end <= self._pos:
+            return b""
+        start = self._pos
+        sequential = start == self._last_read_end
+        ra_end = self._ra_offset + len(self._ra_data)
+        if self._ra_offset <= start and end <= ra_end:
+            data = self._ra_data[start - self._ra_offset:end - self._ra_offset]
+        elif sequential and end - start < self._ra_window:
+            window_end = min(start + self._ra_window, self._length)
+            self._ra_data = await self._read_range(start, window_end - start)
+            self._ra_offset = start
+            self._ra_window = min(self._ra_window * 2, _READAHEAD_MAX_BYTES)
+            data = self._ra_data[:end - start]
+        else:
+            if not sequential:
+                self._ra_window = _READAHEAD_MIN_BYTES
+            data = await self._read_range(start, end - start)
+        self._pos = end
+        self._last_read_end = end
+        return data
+
+    async def readinto(self, buffer: Buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        data = await self.read(len(view))
+        view[:len(data)] = data
+        return len(data)
+
+    async def _read_range(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the file, chunks fetched in parallel; holes are zeros."""
+        out = bytearray(length)
+        chunk_size = self.chunk_size
+        pieces = []
+        pos = offset
+        while pos < offset + length:
+            piece = min(chunk_size - pos % chunk_size, offset + length - pos)
+            pieces.append((pos, piece))
+            pos += piece
+
+        async def fetch(pos: int, piece: int) -> None:
+            async with self._slots:
+                chain_id, cid = chunk_location(self.layout, self.inode.inode_id, pos // chunk_size)
+                data, _ = await self.fs.storage.read(chain_id, cid, pos % chunk_size, piece)
+            out[pos - offset:pos - offset + len(data)] = data
+
+        if len(pieces) == 1:
+            await fetch(*pieces[0])
+        else:
+            await asyncio.gather(*(fetch(p, n) for p, n in pieces))
+        return bytes(out)
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        with os_errors(self.name):
+            return await self._close()
+
+    async def _close(self) -> None:
+        if self.closed:
+            return
+        error: BaseException | None = None
+        try:
+            await self._flush()
+        except BaseException as exc:
+            error = exc
+        self.closed = True
+        if self._hint_task is not None and not self._hint_task.done():
+            self._hint_task.cancel()
+        if self.session_id:
+            await self.fs.meta.call("Close", mpb.CloseReq(
+                inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
+                wrote=self._wrote), mpb.InodeRsp)
+        if error is not None:
+            raise error
+
+    async def __aenter__(self) -> AsyncFile:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

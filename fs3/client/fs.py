@@ -1,0 +1,444 @@
+"""The asyncio file-system API: ``fs = await fs3.aio.connect("host:port", token=...)``.
+
+Methods mirror :mod:`os` (``stat``, ``listdir``, ``mkdir``, ``rename`` ...) and raise the same
+``OSError`` subclasses with the same errno as a local file system would. Paths are absolute in
+the fs3 namespace (a relative path is taken from the root). ``open`` returns an
+:class:`~fs3.client.files.AsyncFile`.
+"""
+
+from __future__ import annotations
+
+import os
+import stat as stat_mod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fs3 import meta_pb2 as mpb
+from fs3.client.files import AsyncFile
+from fs3.client.meta_client import MetaClient
+from fs3.client.oserrors import os_errors
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.common.errors import InvalidArgument
+from fs3.meta.ops import O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
+from fs3.rpc.channel import RealChannelFactory, Transport
+
+__all__ = ["AsyncFileSystem", "ClientConfig", "DirEntry", "connect", "open_flags", "stat_result"]
+
+PathLike = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+
+_TYPE_BITS = {
+    mpb.FILE: stat_mod.S_IFREG, mpb.DIRECTORY: stat_mod.S_IFDIR, mpb.SYMLINK: stat_mod.S_IFLNK,
+    mpb.FIFO: stat_mod.S_IFIFO, mpb.SOCKET: stat_mod.S_IFSOCK, mpb.CHAR_DEVICE: stat_mod.S_IFCHR,
+    mpb.BLOCK_DEVICE: stat_mod.S_IFBLK,
+}
+_KIND_OF_MODE = {
+    stat_mod.S_IFREG: mpb.FILE, stat_mod.S_IFIFO: mpb.FIFO, stat_mod.S_IFSOCK: mpb.SOCKET,
+    stat_mod.S_IFCHR: mpb.CHAR_DEVICE, stat_mod.S_IFBLK: mpb.BLOCK_DEVICE, 0: mpb.FILE,
+}
+ST_DEV = 0xF53
+
+
+@dataclass
+class ClientConfig:
+    transport: Transport = "framed"
+    rpc_timeout_ms: int = 10_000
+    retry_total_ms: int = 60_000
+    inflight_per_file: int = 8
+    uid: int | None = None           # identity sent to meta (default: this process's)
+    gid: int | None = None
+    groups: list[int] | None = None
+    umask: int | None = None         # applied to created files and directories (default: the process umask)
+    storage: StorageClientConfig = field(default_factory=StorageClientConfig)
+
+
+def stat_result(inode: mpb.Inode) -> os.stat_result:
+    """An ``os.stat_result`` for an inode (times in seconds and nanoseconds)."""
+    mode = _TYPE_BITS.get(inode.type, 0) | inode.mode
+    blksize = inode.layout.chunk_size if inode.type == mpb.FILE and inode.layout.chunk_size else 4096
+    return os.stat_result(
+        (mode, inode.inode_id, ST_DEV, inode.nlink, inode.uid, inode.gid, inode.size,
+         inode.atime_ns // 1_000_000_000, inode.mtime_ns // 1_000_000_000, inode.ctime_ns // 1_000_000_000),
+        {"st_atime": inode.atime_ns / 1e9, "st_mtime": inode.mtime_ns / 1e9, "st_ctime": inode.ctime_ns / 1e9,
+         "st_atime_ns": inode.atime_ns, "st_mtime_ns": inode.mtime_ns, "st_ctime_ns": inode.ctime_ns,
+         "st_blksize": blksize, "st_blocks": -(-inode.size // 512), "st_rdev": inode.rdev})
+
+
+def open_flags(mode: str) -> tuple[int, bool, bool, bool]:
+    """``(flags, readable, writable, append)`` for a Python ``open`` mode string."""
+    chars = set(mode)
+    if not chars <= set("rwaxbt+") or len(mode) != len(chars) or len(chars & set("rwax")) != 1 \
+            or {"b", "t"} <= chars:
+        raise ValueError(f"invalid mode: {mode!r}")
+    plus = "+" in chars
+    if "r" in chars:
+        flags = O_RDWR if plus else O_RDONLY
+    elif "w" in chars:
+        flags = (O_RDWR if plus else O_WRONLY) | O_CREAT | O_TRUNC
+    elif "a" in chars:
+        flags = (O_RDWR if plus else O_WRONLY) | O_CREAT | O_APPEND
+    else:
+        flags = (O_RDWR if plus else O_WRONLY) | O_CREAT | O_EXCL
+    readable = "r" in chars or plus
+    writable = "r" not in chars or plus
+    return flags, readable, writable, "a" in chars
+
+
+def _bytes_path(path: PathLike) -> bytes:
+    raw = os.fsencode(path)
+    if b"\x00" in raw:
+        raise ValueError("embedded null byte")
+    return raw if raw.startswith(b"/") else b"/" + raw
+
+
+@dataclass(frozen=True)
+class DirEntry:
+    """Like ``os.DirEntry``: name, path, inode and the attributes read with the listing."""
+
+    name: str
+    path: str
+    inode_id: int
+    attrs: mpb.Inode
+
+    def inode(self) -> int:
+        return self.inode_id
+
+    def is_dir(self, follow_symlinks: bool = True) -> bool:
+        return self.attrs.type == mpb.DIRECTORY
+
+    def is_file(self, follow_symlinks: bool = True) -> bool:
+        return self.attrs.type == mpb.FILE
+
+    def is_symlink(self) -> bool:
+        return self.attrs.type == mpb.SYMLINK
+
+    def stat(self, follow_symlinks: bool = True) -> os.stat_result:
+        return stat_result(self.attrs)
+
+
+class AsyncFileSystem:
+    """A connection to one fs3 cluster (routing, meta and storage clients) for asyncio code."""
+
+    def __init__(self, mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        addresses = [mgmtd] if isinstance(mgmtd, str) else list(mgmtd)
+        self.client_id = os.urandom(16)
+        self.channels = RealChannelFactory(token, self.config.transport)
+        self.routing = RoutingCache(addresses, self.channels, self.config.rpc_timeout_ms)
+        self.storage = StorageClient(self.routing, self.channels, self.client_id, self.config.storage)
+        self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,
+                               self.config.rpc_timeout_ms, self.config.retry_total_ms)
+        if self.config.umask is None:
+            current = os.umask(0)
+            os.umask(current)
+            self.umask = current
+        else:
+            self.umask = self.config.umask
+        self._closed = False
+
+    def _user(self) -> mpb.User:
+        config = self.config
+        uid = os.getuid() if config.uid is None else config.uid
+        gid = os.getgid() if config.gid is None else config.gid
+        groups = os.getgroups() if config.groups is None and config.uid is None else (config.groups or [])
+        return mpb.User(uid=uid, gid=gid, groups=groups)
+
+    async def start(self) -> AsyncFileSystem:
+        await self.routing.refresh()
+        await self.meta.renew()
+        self.meta.start_lease()
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.meta.stop()
+        await self.channels.close()
+
+    async def __aenter__(self) -> AsyncFileSystem:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- attributes ------------------------------------------------------------------------------
+
+    async def _inode(self, path: PathLike, follow: bool = True) -> mpb.Inode:
+        with os_errors(path):
+            rsp = await self.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(path=_bytes_path(path)),
+                                                               follow=follow), mpb.InodeRsp)
+        return rsp.inode
+
+    async def stat(self, path: PathLike, follow_symlinks: bool = True) -> os.stat_result:
+        return stat_result(await self._inode(path, follow_symlinks))
+
+    async def lstat(self, path: PathLike) -> os.stat_result:
+        return await self.stat(path, follow_symlinks=False)
+
+    async def exists(self, path: PathLike) -> bool:
+        try:
+            await self._inode(path)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    async def isdir(self, path: PathLike) -> bool:
+        try:
+            return (await self._inode(path)).type == mpb.DIRECTORY
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    async def isfile(self, path: PathLike) -> bool:
+        try:
+            return (await self._inode(path)).type == mpb.FILE
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    async def islink(self, path: PathLike) -> bool:
+        try:
+            return (await self._inode(path, follow=False)).type == mpb.SYMLINK
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    async def statvfs(self, path: PathLike = "/") -> os.statvfs_result:
+        rsp = await self.meta.call("StatFs", mpb.StatFsReq(), mpb.StatFsRsp)
+        block = 4096
+        return os.statvfs_result((block, block, rsp.capacity_bytes // block, rsp.free_bytes // block,
+                                  rsp.free_bytes // block, 1 << 40, (1 << 40) - rsp.inodes_allocated,
+                                  (1 << 40) - rsp.inodes_allocated, 0, rsp.name_max))
+
+    # -- directories -----------------------------------------------------------------------------
+
+    async def iter_entries(self, path: PathLike = "/", with_attrs: bool = True,
+                           page: int = 1000) -> AsyncIterator[mpb.DirEntry]:
+        """Every entry of a directory, fetched in pages (a consistent resume point per page)."""
+        raw = _bytes_path(path)
+        start_after = b""
+        while True:
+            with os_errors(path):
+                rsp = await self.meta.call("ReadDir", mpb.ReadDirReq(
+                    dir=mpb.PathRef(path=raw), start_after=start_after, limit=page, with_attrs=with_attrs),
+                    mpb.ReadDirRsp)
+            for entry in rsp.entries:
+                yield entry
+            if not rsp.more or not rsp.entries:
+                return
+            start_after = rsp.entries[-1].name
+
+    async def listdir(self, path: PathLike = "/") -> list[str]:
+        return [os.fsdecode(e.name) async for e in self.iter_entries(path, with_attrs=False)]
+
+    async def scandir(self, path: PathLike = "/") -> list[DirEntry]:
+        base = os.fsdecode(path).rstrip("/")
+        return [DirEntry(os.fsdecode(e.name), f"{base}/{os.fsdecode(e.name)}", e.inode_id, e.attrs)
+                async for e in self.iter_entries(path)]
+
+    async def walk(self, top: PathLike = "/", topdown: bool = True) -> AsyncIterator[tuple[str, list[str], list[str]]]:
+        top_s = os.fsdecode(top)
+        try:
+            entries = await self.scandir(top_s)
+        except OSError:
+            return
+        dirs = [e.name for e in entries if e.is_dir()]
+        files = [e.name for e in entries if not e.is_dir()]
+        if topdown:
+            yield top_s, dirs, files
+        for name in dirs:
+            async for item in self.walk(f"{top_s.rstrip('/')}/{name}", topdown):
+                yield item
+        if not topdown:
+            yield top_s, dirs, files
+
+    async def mkdir(self, path: PathLike, mode: int = 0o777) -> None:
+        with os_errors(path):
+            await self.meta.call("MakeNode", mpb.MakeNodeReq(target=mpb.PathRef(path=_bytes_path(path)),
+                                                             type=mpb.DIRECTORY, mode=mode & ~self.umask),
+                                 mpb.InodeRsp)
+
+    async def makedirs(self, path: PathLike, mode: int = 0o777, exist_ok: bool = False) -> None:
+        parts = [p for p in os.fsdecode(path).split("/") if p]
+        current = ""
+        for index, part in enumerate(parts):
+            current += "/" + part
+            try:
+                await self.mkdir(current, mode)
+            except FileExistsError:
+                if index == len(parts) - 1 and not exist_ok:
+                    raise
+                if not await self.isdir(current):
+                    raise
+
+    async def rmdir(self, path: PathLike) -> None:
+        with os_errors(path):
+            await self.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(path=_bytes_path(path)), directory=True),
+                                 mpb.RemoveRsp)
+
+    async def remove(self, path: PathLike) -> None:
+        with os_errors(path):
+            await self.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(path=_bytes_path(path))), mpb.RemoveRsp)
+
+    unlink = remove
+
+    async def rename(self, src: PathLike, dst: PathLike, flags: int = 0) -> None:
+        """POSIX rename (replaces ``dst``); ``flags``: ``RENAME_NOREPLACE`` / ``RENAME_EXCHANGE``."""
+        with os_errors(src, dst):
+            await self.meta.call("Rename", mpb.RenameReq(source=mpb.PathRef(path=_bytes_path(src)),
+                                                         destination=mpb.PathRef(path=_bytes_path(dst)), flags=flags),
+                                 mpb.RenameRsp)
+
+    async def replace(self, src: PathLike, dst: PathLike) -> None:
+        await self.rename(src, dst)
+
+    async def link(self, src: PathLike, dst: PathLike) -> None:
+        with os_errors(src, dst):
+            await self.meta.call("Link", mpb.LinkReq(source=mpb.PathRef(path=_bytes_path(src)),
+                                                     link=mpb.PathRef(path=_bytes_path(dst))), mpb.InodeRsp)
+
+    async def symlink(self, target: PathLike, path: PathLike) -> None:
+        with os_errors(path):
+            await self.meta.call("MakeNode", mpb.MakeNodeReq(target=mpb.PathRef(path=_bytes_path(path)),
+                                                             type=mpb.SYMLINK, symlink_target=os.fsencode(target)),
+                                 mpb.InodeRsp)
+
+    async def readlink(self, path: PathLike) -> str:
+        with os_errors(path):
+            rsp = await self.meta.call("ReadLink", mpb.ReadLinkReq(target=mpb.PathRef(path=_bytes_path(path))),
+                                       mpb.ReadLinkRsp)
+        return os.fsdecode(rsp.target)
+
+    async def mknod(self, path: PathLike, mode: int = 0o600, device: int = 0) -> None:
+        kind = _KIND_OF_MODE.get(stat_mod.S_IFMT(mode))
+        if kind is None:
+            raise OSError(22, "mknod: unsupported file type", os.fsdecode(path))
+        with os_errors(path):
+            await self.meta.call("MakeNode", mpb.MakeNodeReq(target=mpb.PathRef(path=_bytes_path(path)), type=kind,
+                                                             mode=stat_mod.S_IMODE(mode) & ~self.umask, rdev=device),
+                                 mpb.InodeRsp)
+
+    # -- attributes that change ------------------------------------------------------------------
+
+    async def _setattr(self, path: PathLike, follow: bool, **fields: Any) -> mpb.Inode:
+        with os_errors(path):
+            rsp = await self.meta.call("SetAttr", mpb.SetAttrReq(target=mpb.PathRef(path=_bytes_path(path)),
+                                                                 follow=follow, **fields), mpb.InodeRsp)
+        return rsp.inode
+
+    async def chmod(self, path: PathLike, mode: int, follow_symlinks: bool = True) -> None:
+        await self._setattr(path, follow_symlinks, mask=mpb.SET_MODE, mode=mode)
+
+    async def chown(self, path: PathLike, uid: int, gid: int, follow_symlinks: bool = True) -> None:
+        mask = (mpb.SET_UID if uid != -1 else 0) | (mpb.SET_GID if gid != -1 else 0)
+        if mask:
+            await self._setattr(path, follow_symlinks, mask=mask, uid=max(uid, 0), gid=max(gid, 0))
+
+    async def utime(self, path: PathLike, times: tuple[float, float] | None = None, *,
+                    ns: tuple[int, int] | None = None, follow_symlinks: bool = True) -> None:
+        if times is not None and ns is not None:
+            raise ValueError("utime: you may specify either 'times' or 'ns' but not both")
+        if times is None and ns is None:
+            await self._setattr(path, follow_symlinks, mask=mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW)
+            return
+        if times is not None:
+            ns = (int(times[0] * 1e9), int(times[1] * 1e9))
+        assert ns is not None
+        await self._setattr(path, follow_symlinks, mask=mpb.SET_ATIME | mpb.SET_MTIME, atime_ns=ns[0],
+                            mtime_ns=ns[1])
+
+    async def truncate(self, path: PathLike, length: int) -> None:
+        if length < 0:
+            raise OSError(22, "negative length", os.fsdecode(path))
+        await self._setattr(path, True, mask=mpb.SET_SIZE, size=length)
+
+    async def set_layout(self, path: PathLike, chunk_size: int | None = None, stripe: int | None = None,
+                         table_id: int | None = None) -> None:
+        """Set a directory's default layout for files created in it from now on."""
+        current = (await self._inode(path)).layout
+        layout = mpb.Layout(table_id=current.table_id if table_id is None else table_id,
+                            chunk_size=current.chunk_size if chunk_size is None else chunk_size,
+                            stripe=current.stripe if stripe is None else stripe)
+        with os_errors(path):
+            await self.meta.call("SetLayout", mpb.SetLayoutReq(dir=mpb.PathRef(path=_bytes_path(path)),
+                                                               layout=layout), mpb.InodeRsp)
+
+    async def layout(self, path: PathLike) -> mpb.Layout:
+        return (await self._inode(path)).layout
+
+    # -- xattrs ----------------------------------------------------------------------------------
+
+    async def getxattr(self, path: PathLike, attribute: str | bytes, *, follow_symlinks: bool = True) -> bytes:
+        with os_errors(path):
+            rsp = await self.meta.call("GetXattr", mpb.GetXattrReq(
+                target=mpb.PathRef(path=_bytes_path(path)), follow=follow_symlinks, name=os.fsencode(attribute)),
+                mpb.GetXattrRsp)
+        return rsp.value
+
+    async def setxattr(self, path: PathLike, attribute: str | bytes, value: bytes, flags: int = 0, *,
+                       follow_symlinks: bool = True) -> None:
+        with os_errors(path):
+            await self.meta.call("SetXattr", mpb.SetXattrReq(
+                target=mpb.PathRef(path=_bytes_path(path)), follow=follow_symlinks, name=os.fsencode(attribute),
+                value=bytes(value), flags=flags), mpb.InodeRsp)
+
+    async def listxattr(self, path: PathLike = "/", *, follow_symlinks: bool = True) -> list[str]:
+        with os_errors(path):
+            rsp = await self.meta.call("ListXattr", mpb.ListXattrReq(target=mpb.PathRef(path=_bytes_path(path)),
+                                                                     follow=follow_symlinks), mpb.ListXattrRsp)
+        return [os.fsdecode(n) for n in rsp.names]
+
+    async def removexattr(self, path: PathLike, attribute: str | bytes, *, follow_symlinks: bool = True) -> None:
+        with os_errors(path):
+            await self.meta.call("RemoveXattr", mpb.RemoveXattrReq(
+                target=mpb.PathRef(path=_bytes_path(path)), follow=follow_symlinks, name=os.fsencode(attribute)),
+                mpb.InodeRsp)
+
+    # -- files -----------------------------------------------------------------------------------
+
+    async def open(self, path: PathLike, mode: str = "rb", perms: int = 0o666) -> AsyncFile:
+        """Open a binary file (``"rb"``, ``"wb"``, ``"ab"``, ``"xb"``, ``"r+b"`` ...)."""
+        flags, readable, writable, append = open_flags(mode.replace("t", "") if "b" in mode else mode + "b")
+        with os_errors(path):
+            rsp = await self.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(path=_bytes_path(path)), flags=flags,
+                                                           mode=perms & ~self.umask), mpb.OpenRsp)
+        if rsp.inode.type == mpb.DIRECTORY:
+            raise IsADirectoryError(21, "Is a directory", os.fsdecode(path))
+        return AsyncFile(self, os.fsdecode(path), rsp, readable, writable, append, self.config.inflight_per_file)
+
+    async def read_bytes(self, path: PathLike) -> bytes:
+        f = await self.open(path, "rb")
+        try:
+            with os_errors(path):
+                return await f.read()
+        finally:
+            with os_errors(path):
+                await f.close()
+
+    async def write_bytes(self, path: PathLike, data: bytes) -> int:
+        f = await self.open(path, "wb")
+        try:
+            with os_errors(path):
+                return await f.write(data)
+        finally:
+            with os_errors(path):
+                await f.close()
+
+    async def fsck(self, check_chunks: bool = True) -> mpb.FsckRsp:
+        return await self.meta.call("Fsck", mpb.FsckReq(check_chunks=check_chunks), mpb.FsckRsp)
+
+
+async def connect(mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,
+                  **options: object) -> AsyncFileSystem:
+    """Connect to the cluster whose mgmtd listens at ``mgmtd`` (``HOST:PORT``)."""
+    if options:
+        fields = set(ClientConfig.__dataclass_fields__)
+        unknown = set(options) - fields
+        if unknown:
+            raise InvalidArgument(f"unknown client options: {', '.join(sorted(unknown))}")
+        config = ClientConfig(**options)  # type: ignore[arg-type]
+    fs = AsyncFileSystem(mgmtd, token, config)
+    try:
+        return await fs.start()
+    except BaseException:
+        await fs.close()
+        raise

@@ -1,0 +1,327 @@
+"""The blocking API: ``fs = fs3.connect("host:port", token=...)``, then ``fs.open``, ``fs.stat`` ...
+
+Wraps :class:`~fs3.client.fs.AsyncFileSystem`, which runs on a private event loop in a daemon
+thread; each call hands a coroutine to that loop and waits for its result. Files are real
+``io`` objects: ``open`` returns a buffered binary file (``io.BufferedReader`` /
+``BufferedWriter`` / ``BufferedRandom`` with an ``fsync`` method) over a raw fs3 file, or an
+``io.TextIOWrapper`` for text modes — exactly what the built-in ``open`` returns locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+from fs3 import meta_pb2 as mpb
+from fs3.client.files import AsyncFile
+from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, PathLike
+from fs3.common.errors import InvalidArgument
+
+__all__ = ["File", "FileSystem", "connect"]
+
+T = TypeVar("T")
+
+
+class _LoopThread:
+    """One event loop in a daemon thread, shared by a file system and its files."""
+
+    def __init__(self) -> None:
+        try:
+            import uvloop
+
+            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fs3-client-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError("blocking fs3 call made from the fs3 client's own event loop")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class RawFile(io.RawIOBase):
+    """Unbuffered binary access to one open fs3 file (the raw layer under the buffered objects)."""
+
+    def __init__(self, runner: _LoopThread, afile: AsyncFile) -> None:
+        super().__init__()
+        self._runner = runner
+        self.afile = afile
+        self.name = afile.name
+        self.mode = "rb"
+
+    def readable(self) -> bool:
+        return self.afile.readable
+
+    def writable(self) -> bool:
+        return self.afile.writable
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._checkClosed()
+        return self._runner.run(self.afile.readinto(buffer))
+
+    def readall(self) -> bytes:
+        self._checkClosed()
+        return self._runner.run(self.afile.read(-1))
+
+    def write(self, data: Any) -> int:
+        self._checkClosed()
+        return self._runner.run(self.afile.write(bytes(data) if not isinstance(data, bytes) else data))
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._checkClosed()
+        try:
+            return self.afile.seek(offset, whence)
+        except InvalidArgument as exc:
+            raise exc.to_os_error(self.name) from None
+
+    def tell(self) -> int:
+        self._checkClosed()
+        return self.afile.tell()
+
+    def truncate(self, size: int | None = None) -> int:
+        self._checkClosed()
+        return self._runner.run(self.afile.truncate(size))
+
+    def flush(self) -> None:
+        if not self.closed:
+            self._runner.run(self.afile.flush())
+
+    def fsync(self) -> None:
+        self._checkClosed()
+        self._runner.run(self.afile.fsync())
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._runner.run(self.afile.close())
+            finally:
+                super().close()
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fs3 files have no file descriptor (mount fs3 with FUSE for that)")
+
+
+class _Fsync:
+    """``fsync()`` for the buffered objects: push the buffer, then make the data durable."""
+
+    def fsync(self) -> None:
+        self.flush()  # type: ignore[attr-defined]
+        raw = self.raw  # type: ignore[attr-defined]
+        assert isinstance(raw, RawFile)
+        raw.fsync()
+
+
+class BufferedReader(_Fsync, io.BufferedReader):
+    pass
+
+
+class BufferedWriter(_Fsync, io.BufferedWriter):
+    pass
+
+
+class BufferedRandom(_Fsync, io.BufferedRandom):
+    pass
+
+
+File = BufferedReader | BufferedWriter | BufferedRandom
+
+
+class FileSystem:
+    """A blocking, ``os``-like view of one fs3 cluster. Thread-safe; close it (or use ``with``)."""
+
+    def __init__(self, afs: AsyncFileSystem, runner: _LoopThread) -> None:
+        self.afs = afs
+        self._runner = runner
+        self._closed = False
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise ValueError("the fs3 file system is closed")
+        return self._runner.run(coro)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._runner.run(self.afs.close())
+            self._closed = True
+            self._runner.stop()
+
+    def __enter__(self) -> FileSystem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def open(self, path: PathLike, mode: str = "r", buffering: int = -1, encoding: str | None = None,
+             errors: str | None = None, newline: str | None = None, perms: int = 0o666) -> Any:
+        """Like the built-in ``open``: binary modes give buffered binary files, others a text wrapper."""
+        binary = "b" in mode
+        afile = self._run(self.afs.open(path, mode if binary else mode.replace("t", "") + "b", perms))
+        raw = RawFile(self._runner, afile)
+        raw.mode = mode
+        if buffering == 0:
+            if not binary:
+                raw.close()
+                raise ValueError("can't have unbuffered text I/O")
+            return raw
+        size = buffering if buffering > 1 else min(afile.chunk_size, 1 << 20)
+        buffered: BufferedReader | BufferedWriter | BufferedRandom
+        if afile.readable and afile.writable:
+            buffered = BufferedRandom(raw, size)
+        elif afile.writable:
+            buffered = BufferedWriter(raw, size)
+        else:
+            buffered = BufferedReader(raw, size)
+        if binary:
+            return buffered
+        return io.TextIOWrapper(buffered, encoding=encoding or "utf-8", errors=errors, newline=newline)
+
+    def read_bytes(self, path: PathLike) -> bytes:
+        return self._run(self.afs.read_bytes(path))
+
+    def write_bytes(self, path: PathLike, data: bytes) -> int:
+        return self._run(self.afs.write_bytes(path, data))
+
+    # -- os-like ---------------------------------------------------------------------------------
+
+    def stat(self, path: PathLike, follow_symlinks: bool = True) -> os.stat_result:
+        return self._run(self.afs.stat(path, follow_symlinks))
+
+    def lstat(self, path: PathLike) -> os.stat_result:
+        return self._run(self.afs.lstat(path))
+
+    def exists(self, path: PathLike) -> bool:
+        return self._run(self.afs.exists(path))
+
+    def isdir(self, path: PathLike) -> bool:
+        return self._run(self.afs.isdir(path))
+
+    def isfile(self, path: PathLike) -> bool:
+        return self._run(self.afs.isfile(path))
+
+    def islink(self, path: PathLike) -> bool:
+        return self._run(self.afs.islink(path))
+
+    def statvfs(self, path: PathLike = "/") -> os.statvfs_result:
+        return self._run(self.afs.statvfs(path))
+
+    def listdir(self, path: PathLike = "/") -> list[str]:
+        return self._run(self.afs.listdir(path))
+
+    def scandir(self, path: PathLike = "/") -> Iterator[DirEntry]:
+        return iter(self._run(self.afs.scandir(path)))
+
+    def walk(self, top: PathLike = "/", topdown: bool = True) -> Iterator[tuple[str, list[str], list[str]]]:
+        top_s = os.fsdecode(top)
+        try:
+            entries = list(self.scandir(top_s))
+        except OSError:
+            return
+        dirs = [e.name for e in entries if e.is_dir()]
+        files = [e.name for e in entries if not e.is_dir()]
+        if topdown:
+            yield top_s, dirs, files
+        for name in dirs:
+            yield from self.walk(f"{top_s.rstrip('/')}/{name}", topdown)
+        if not topdown:
+            yield top_s, dirs, files
+
+    def mkdir(self, path: PathLike, mode: int = 0o777) -> None:
+        self._run(self.afs.mkdir(path, mode))
+
+    def makedirs(self, path: PathLike, mode: int = 0o777, exist_ok: bool = False) -> None:
+        self._run(self.afs.makedirs(path, mode, exist_ok))
+
+    def rmdir(self, path: PathLike) -> None:
+        self._run(self.afs.rmdir(path))
+
+    def remove(self, path: PathLike) -> None:
+        self._run(self.afs.remove(path))
+
+    unlink = remove
+
+    def rename(self, src: PathLike, dst: PathLike, flags: int = 0) -> None:
+        self._run(self.afs.rename(src, dst, flags))
+
+    def replace(self, src: PathLike, dst: PathLike) -> None:
+        self._run(self.afs.replace(src, dst))
+
+    def link(self, src: PathLike, dst: PathLike) -> None:
+        self._run(self.afs.link(src, dst))
+
+    def symlink(self, target: PathLike, path: PathLike) -> None:
+        self._run(self.afs.symlink(target, path))
+
+    def readlink(self, path: PathLike) -> str:
+        return self._run(self.afs.readlink(path))
+
+    def mknod(self, path: PathLike, mode: int = 0o600, device: int = 0) -> None:
+        self._run(self.afs.mknod(path, mode, device))
+
+    def chmod(self, path: PathLike, mode: int, follow_symlinks: bool = True) -> None:
+        self._run(self.afs.chmod(path, mode, follow_symlinks))
+
+    def chown(self, path: PathLike, uid: int, gid: int, follow_symlinks: bool = True) -> None:
+        self._run(self.afs.chown(path, uid, gid, follow_symlinks))
+
+    def utime(self, path: PathLike, times: tuple[float, float] | None = None, *, ns: tuple[int, int] | None = None,
+              follow_symlinks: bool = True) -> None:
+        self._run(self.afs.utime(path, times, ns=ns, follow_symlinks=follow_symlinks))
+
+    def truncate(self, path: PathLike, length: int) -> None:
+        self._run(self.afs.truncate(path, length))
+
+    def getxattr(self, path: PathLike, attribute: str | bytes, *, follow_symlinks: bool = True) -> bytes:
+        return self._run(self.afs.getxattr(path, attribute, follow_symlinks=follow_symlinks))
+
+    def setxattr(self, path: PathLike, attribute: str | bytes, value: bytes, flags: int = 0, *,
+                 follow_symlinks: bool = True) -> None:
+        self._run(self.afs.setxattr(path, attribute, value, flags, follow_symlinks=follow_symlinks))
+
+    def listxattr(self, path: PathLike = "/", *, follow_symlinks: bool = True) -> list[str]:
+        return self._run(self.afs.listxattr(path, follow_symlinks=follow_symlinks))
+
+    def removexattr(self, path: PathLike, attribute: str | bytes, *, follow_symlinks: bool = True) -> None:
+        self._run(self.afs.removexattr(path, attribute, follow_symlinks=follow_symlinks))
+
+    def set_layout(self, path: PathLike, chunk_size: int | None = None, stripe: int | None = None,
+                   table_id: int | None = None) -> None:
+        self._run(self.afs.set_layout(path, chunk_size, stripe, table_id))
+
+    def layout(self, path: PathLike) -> mpb.Layout:
+        return self._run(self.afs.layout(path))
+
+    def fsck(self, check_chunks: bool = True) -> mpb.FsckRsp:
+        return self._run(self.afs.fsck(check_chunks))
+
+
+def connect(mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,
+            **options: Any) -> FileSystem:
+    """Connect to an fs3 cluster: ``fs3.connect("127.0.0.1:9000", token="...")``."""
+    from fs3.client.fs import connect as aconnect
+
+    runner = _LoopThread()
+    try:
+        afs = runner.run(aconnect(mgmtd, token, config, **options))
+    except BaseException:
+        runner.stop()
+        raise
+    return FileSystem(afs, runner)

@@ -1,0 +1,824 @@
+"""POSIX namespace operations as transaction functions. Pure: no transport, clock or randomness.
+
+Each public method of :class:`Namespace` is the body of one transaction: it reads through the
+transaction, checks permissions, and buffers its writes; the service commits it, retries it on
+conflicts, and performs side effects (storage truncation, chunk removal) only after commit.
+Time comes in as ``now_ns`` and new inode ids as arguments, so the same inputs always give the
+same result — which is what makes a retried transaction safe.
+
+Semantics follow Linux: permission bits for owner, group (primary and supplementary) and others,
+root bypassing read/write/search checks, the sticky bit restricting unlink and rename, setgid
+directories passing their group (and, to subdirectories, the bit) on, ``nlink`` of a directory
+being 2 plus its subdirectories, and ``atime``/``mtime``/``ctime`` updated as the man pages say
+(``atime`` with relatime rules at open).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fs3 import meta_pb2 as mpb
+from fs3.common.errors import (
+    AlreadyExists,
+    BadHandle,
+    DirectoryNotEmpty,
+    FileTooLarge,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NotADirectory,
+    NotFound,
+    NotPermitted,
+    NotSupported,
+    NoXattr,
+    PermissionDenied,
+    SymlinkLoop,
+    TooManyLinks,
+    XattrTooLarge,
+)
+from fs3.kv.store import prefix_end
+from fs3.kv.txn import Transaction
+from fs3.meta import schema
+from fs3.meta.layout import file_layout, validate_dir_layout
+
+__all__ = [
+    "O_ACCMODE",
+    "O_APPEND",
+    "O_CREAT",
+    "O_DIRECTORY",
+    "O_EXCL",
+    "O_NOFOLLOW",
+    "O_RDONLY",
+    "O_RDWR",
+    "O_TRUNC",
+    "O_WRONLY",
+    "Caller",
+    "Namespace",
+    "OpEnv",
+]
+
+# Linux open(2) flags (fixed numbers: the wire carries them, whatever the client's platform).
+O_RDONLY = 0
+O_WRONLY = 1
+O_RDWR = 2
+O_ACCMODE = 3
+O_CREAT = 0o100
+O_EXCL = 0o200
+O_TRUNC = 0o1000
+O_APPEND = 0o2000
+O_DIRECTORY = 0o200000
+O_NOFOLLOW = 0o400000
+
+S_ISUID = 0o4000
+S_ISGID = 0o2000
+S_ISVTX = 0o1000
+S_IXGRP = 0o010
+PERM_MASK = 0o7777
+
+R_OK, W_OK, X_OK = 4, 2, 1
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4096
+SYMLINK_FOLLOW_MAX = 40
+LINK_MAX = 65_000
+XATTR_NAME_MAX_BYTES = 255
+XATTR_VALUE_MAX_BYTES = 64 * 1024
+FILE_SIZE_MAX_BYTES = 1 << 60
+READDIR_LIMIT_MAX = 10_000
+_RELATIME_NS = 24 * 3600 * 1_000_000_000
+
+DIRECTORY = mpb.DIRECTORY
+FILE = mpb.FILE
+SYMLINK = mpb.SYMLINK
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: uid, primary gid and supplementary groups."""
+
+    uid: int
+    gid: int
+    groups: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_pb(cls, user: mpb.User) -> Caller:
+        return cls(user.uid, user.gid, frozenset(user.groups))
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+    def in_group(self, gid: int) -> bool:
+        return gid == self.gid or gid in self.groups
+
+
+@dataclass(frozen=True)
+class OpEnv:
+    """What an operation needs from outside the transaction, fixed before it runs."""
+
+    now_ns: int
+    caller: Caller
+    chain_tables: dict[int, list[int]] = field(default_factory=dict)
+    stripe_default: int = 16
+
+
+@dataclass
+class CloseResult:
+    inode: mpb.Inode
+    gc_enqueued: bool
+
+
+def split_path(path: bytes) -> tuple[bool, list[bytes]]:
+    """``(absolute, components)``; ``.`` and empty components dropped. Validates lengths and NUL."""
+    if b"\x00" in path:
+        raise InvalidArgument("path contains a NUL byte")
+    if len(path) > PATH_MAX_BYTES:
+        raise NameTooLong(f"path of {len(path)} bytes exceeds {PATH_MAX_BYTES}")
+    parts = [p for p in path.split(b"/") if p and p != b"."]
+    for part in parts:
+        if len(part) > NAME_MAX_BYTES:
+            raise NameTooLong(f"name of {len(part)} bytes exceeds {NAME_MAX_BYTES}")
+    return path.startswith(b"/"), parts
+
+
+def check_new_name(name: bytes) -> None:
+    if not name:
+        raise InvalidArgument("empty name")
+    if name in (b".", b".."):
+        raise InvalidArgument(f"{name!r} cannot be created, removed or renamed")
+    if b"/" in name or b"\x00" in name:
+        raise InvalidArgument("a name cannot contain '/' or NUL")
+    if len(name) > NAME_MAX_BYTES:
+        raise NameTooLong(f"name of {len(name)} bytes exceeds {NAME_MAX_BYTES}")
+
+
+def may(inode: mpb.Inode, caller: Caller, want: int) -> bool:
+    """POSIX access check of ``want`` (R_OK|W_OK|X_OK bits) on ``inode`` for ``caller``."""
+    if caller.is_root:
+        # Root reads and writes anything; it may execute only what someone may execute.
+        return not (want & X_OK and inode.type != DIRECTORY and not inode.mode & 0o111)
+    if caller.uid == inode.uid:
+        bits = (inode.mode >> 6) & 7
+    elif caller.in_group(inode.gid):
+        bits = (inode.mode >> 3) & 7
+    else:
+        bits = inode.mode & 7
+    return bits & want == want
+
+
+class Namespace:
+    """One transaction's view of the namespace, with an inode cache so aliases stay one object."""
+
+    def __init__(self, txn: Transaction, env: OpEnv) -> None:
+        self.txn = txn
+        self.env = env
+        self.caller = env.caller
+        self.now = env.now_ns
+        self._inodes: dict[int, mpb.Inode | None] = {}
+        self._dirty: set[int] = set()
+
+    # -- storage of inodes and entries ---------------------------------------------------------
+
+    async def find_inode(self, inode_id: int) -> mpb.Inode | None:
+        if inode_id in self._inodes:
+            return self._inodes[inode_id]
+        raw = await self.txn.get(schema.inode_key(inode_id))
+        inode = None if raw is None else mpb.Inode.FromString(raw)
+        self._inodes[inode_id] = inode
+        return inode
+
+    async def inode(self, inode_id: int) -> mpb.Inode:
+        found = await self.find_inode(inode_id)
+        if found is None:
+            raise NotFound(f"inode {inode_id} does not exist")
+        return found
+
+    def touch(self, inode: mpb.Inode) -> None:
+        """Mark an inode changed; written once when the operation finishes."""
+        self._inodes[inode.inode_id] = inode
+        self._dirty.add(inode.inode_id)
+
+    def _drop_inode(self, inode_id: int) -> None:
+        self._inodes[inode_id] = None
+        self._dirty.discard(inode_id)
+        self.txn.delete(schema.inode_key(inode_id))
+
+    def flush(self) -> None:
+        for inode_id in sorted(self._dirty):
+            inode = self._inodes[inode_id]
+            if inode is not None:
+                self.txn.put(schema.inode_key(inode_id), inode.SerializeToString())
+        self._dirty.clear()
+
+    async def entry(self, parent: int, name: bytes) -> mpb.DirEntry | None:
+        raw = await self.txn.get(schema.dentry_key(parent, name))
+        return None if raw is None else mpb.DirEntry.FromString(raw)
+
+    def put_entry(self, parent: int, name: bytes, inode: mpb.Inode) -> None:
+        value = mpb.DirEntry(name=name, inode_id=inode.inode_id, type=inode.type)
+        self.txn.put(schema.dentry_key(parent, name), value.SerializeToString())
+
+    def _stamp(self, inode: mpb.Inode, mtime: bool = False) -> None:
+        inode.ctime_ns = self.now
+        if mtime:
+            inode.mtime_ns = self.now
+        self.touch(inode)
+
+    # -- path resolution -----------------------------------------------------------------------
+
+    async def _start(self, ref: mpb.PathRef, absolute: bool) -> mpb.Inode:
+        if absolute or ref.parent == 0:
+            return await self.inode(schema.ROOT_INODE)
+        return await self.inode(ref.parent)
+
+    async def _walk(self, start: mpb.Inode, parts: list[bytes], follow_last: bool) -> mpb.Inode:
+        current = start
+        pending = deque(parts)
+        followed = 0
+        while pending:
+            name = pending.popleft()
+            if current.type != DIRECTORY:
+                raise NotADirectory(f"a path component of inode {current.inode_id} is not a directory")
+            if not may(current, self.caller, X_OK):
+                raise PermissionDenied(f"no search permission on directory {current.inode_id}")
+            if name == b".":
+                continue
+            if name == b"..":
+                current = await self.inode(current.parent or schema.ROOT_INODE)
+                continue
+            entry = await self.entry(current.inode_id, name)
+            if entry is None:
+                raise NotFound(f"{name.decode(errors='replace')!r} does not exist")
+            child = await self.inode(entry.inode_id)
+            if child.type == SYMLINK and (pending or follow_last):
+                followed += 1
+                if followed > SYMLINK_FOLLOW_MAX:
+                    raise SymlinkLoop("too many levels of symbolic links")
+                absolute, target_parts = split_path(child.symlink_target)
+                if absolute:
+                    current = await self.inode(schema.ROOT_INODE)
+                pending.extendleft(reversed(target_parts))
+                continue
+            current = child
+        return current
+
+    async def resolve(self, ref: mpb.PathRef, follow: bool = True) -> mpb.Inode:
+        """The inode a reference names (following a final symlink when ``follow``)."""
+        if ref.inode_id:
+            return await self.inode(ref.inode_id)
+        if not ref.path:
+            raise NotFound("empty path")
+        absolute, parts = split_path(ref.path)
+        return await self._walk(await self._start(ref, absolute), parts, follow)
+
+    async def resolve_parent(self, ref: mpb.PathRef) -> tuple[mpb.Inode, bytes]:
+        """The directory that holds (or would hold) the last component, and that component."""
+        if ref.inode_id:
+            raise InvalidArgument("this operation needs a parent and a name, not an inode")
+        if not ref.path:
+            raise NotFound("empty path")
+        absolute, parts = split_path(ref.path)
+        if not parts:
+            raise InvalidArgument("the path names the root or '.'")
+        name = parts[-1]
+        check_new_name(name)
+        parent = await self._walk(await self._start(ref, absolute), parts[:-1], True)
+        if parent.type != DIRECTORY:
+            raise NotADirectory(f"inode {parent.inode_id} is not a directory")
+        return parent, name
+
+    # -- permission helpers --------------------------------------------------------------------
+
+    def _require(self, inode: mpb.Inode, want: int, what: str) -> None:
+        if not may(inode, self.caller, want):
+            raise PermissionDenied(f"{what}: permission denied on inode {inode.inode_id}")
+
+    def _require_owner(self, inode: mpb.Inode, what: str) -> None:
+        if not self.caller.is_root and self.caller.uid != inode.uid:
+            raise NotPermitted(f"{what}: only the owner or root may do this to inode {inode.inode_id}")
+
+    def _check_sticky(self, parent: mpb.Inode, child: mpb.Inode) -> None:
+        if parent.mode & S_ISVTX and self.caller.uid not in (0, parent.uid, child.uid):
+            raise NotPermitted(f"sticky directory {parent.inode_id}: only the owner may remove or rename")
+
+    async def _has_sessions(self, inode_id: int) -> bool:
+        prefix = schema.session_prefix(inode_id)
+        return bool(await self.txn.scan(prefix, prefix_end(prefix), limit=1))
+
+    async def _is_empty_dir(self, inode_id: int) -> bool:
+        prefix = schema.dentry_prefix(inode_id)
+        return not await self.txn.scan(prefix, prefix_end(prefix), limit=1)
+
+    # -- inode creation ------------------------------------------------------------------------
+
+    def _new_inode(self, parent: mpb.Inode, inode_id: int, kind: mpb.InodeType, mode: int) -> mpb.Inode:
+        gid = self.caller.gid
+        mode &= PERM_MASK
+        if parent.mode & S_ISGID:
+            gid = parent.gid
+            if kind == DIRECTORY:
+                mode |= S_ISGID
+        if kind != DIRECTORY and mode & S_ISGID and not self.caller.is_root and not self.caller.in_group(gid):
+            mode &= ~S_ISGID
+        return mpb.Inode(inode_id=inode_id, type=kind, mode=mode, uid=self.caller.uid, gid=gid, nlink=1,
+                         atime_ns=self.now, mtime_ns=self.now, ctime_ns=self.now)
+
+    def _assign_layout(self, inode: mpb.Inode, parent: mpb.Inode) -> None:
+        dir_layout = parent.layout
+        chains = self.env.chain_tables.get(dir_layout.table_id)
+        if not chains:
+            raise NotFound(f"chain table {dir_layout.table_id} of directory {parent.inode_id} has no chains")
+        inode.layout.CopyFrom(file_layout(dir_layout, chains, inode.inode_id, self.env.stripe_default))
+
+    async def _link_new(self, parent: mpb.Inode, name: bytes, inode: mpb.Inode) -> None:
+        self._require(parent, W_OK | X_OK, "create")
+        if await self.entry(parent.inode_id, name) is not None:
+            raise AlreadyExists(f"{name.decode(errors='replace')!r} exists")
+        if await self.find_inode(inode.inode_id) is not None:
+            raise AlreadyExists(f"inode id {inode.inode_id} already in use")
+        self.put_entry(parent.inode_id, name, inode)
+        self.touch(inode)
+        self._stamp(parent, mtime=True)
+
+    # -- operations ----------------------------------------------------------------------------
+
+    async def ensure_root(self, uid: int, gid: int, mode: int, layout: mpb.Layout) -> mpb.Inode:
+        root = await self.find_inode(schema.ROOT_INODE)
+        if root is None:
+            root = mpb.Inode(inode_id=schema.ROOT_INODE, type=DIRECTORY, mode=mode & PERM_MASK, uid=uid, gid=gid,
+                             nlink=2, atime_ns=self.now, mtime_ns=self.now, ctime_ns=self.now,
+                             parent=schema.ROOT_INODE, layout=layout)
+            self.touch(root)
+            self.flush()
+        return root
+
+    async def lookup(self, ref: mpb.PathRef, follow: bool) -> mpb.Inode:
+        return await self.resolve(ref, follow)
+
+    async def batch_stat(self, inode_ids: list[int]) -> list[mpb.Inode]:
+        out = []
+        for inode_id in inode_ids:
+            found = await self.find_inode(inode_id)
+            out.append(found if found is not None else mpb.Inode())
+        return out
+
+    async def open(self, ref: mpb.PathRef, flags: int, mode: int, new_inode_id: int,
+                   session_id: bytes, client_id: bytes, now_ms: int) -> mpb.OpenRsp:
+        access = flags & O_ACCMODE
+        if access == O_ACCMODE:
+            raise InvalidArgument("invalid access mode O_WRONLY|O_RDWR")
+        writing = access in (O_WRONLY, O_RDWR)
+        created = False
+        if flags & O_CREAT:
+            parent, name = await self.resolve_parent(ref)
+            entry = await self.entry(parent.inode_id, name)
+            if entry is None:
+                if not may(parent, self.caller, X_OK):
+                    raise PermissionDenied(f"no search permission on directory {parent.inode_id}")
+                inode = self._new_inode(parent, new_inode_id, FILE, mode)
+                self._assign_layout(inode, parent)
+                await self._link_new(parent, name, inode)
+                created = True
+            else:
+                if flags & O_EXCL:
+                    raise AlreadyExists(f"{name.decode(errors='replace')!r} exists")
+                inode = await self.inode(entry.inode_id)
+                if inode.type == SYMLINK:
+                    if flags & O_NOFOLLOW:
+                        raise SymlinkLoop("O_NOFOLLOW on a symbolic link")
+                    inode = await self._walk(parent, [name], True)
+        else:
+            inode = await self.resolve(ref, follow=not flags & O_NOFOLLOW)
+            if inode.type == SYMLINK:
+                raise SymlinkLoop("O_NOFOLLOW on a symbolic link")
+        if flags & O_DIRECTORY and inode.type != DIRECTORY:
+            raise NotADirectory(f"inode {inode.inode_id} is not a directory")
+        if inode.type == DIRECTORY:
+            if writing or flags & O_TRUNC:
+                raise IsADirectory(f"inode {inode.inode_id} is a directory")
+        elif inode.type != FILE:
+            raise NotSupported("fifos, sockets and device nodes have no data in fs3")
+        if not created:
+            want = (R_OK if access in (O_RDONLY, O_RDWR) else 0) | (W_OK if writing or flags & O_TRUNC else 0)
+            self._require(inode, want, "open")
+            if flags & O_TRUNC and inode.type == FILE:
+                await self._truncate(inode, 0, always_stamp=True)
+            if access != O_WRONLY and (inode.atime_ns <= inode.mtime_ns or inode.atime_ns <= inode.ctime_ns
+                                       or self.now - inode.atime_ns >= _RELATIME_NS):
+                inode.atime_ns = self.now
+                self.touch(inode)
+        if inode.type == FILE:
+            session = schema.Session(client_id, writing, now_ms)
+            self.txn.put(schema.session_key(inode.inode_id, session_id), session.encode())
+            self.txn.put(schema.client_session_key(client_id, inode.inode_id, session_id), b"")
+        else:
+            session_id = b""
+        self.flush()
+        return mpb.OpenRsp(inode=inode, session_id=session_id, created=created)
+
+    async def make_node(self, ref: mpb.PathRef, kind: mpb.InodeType, mode: int, rdev: int, symlink_target: bytes,
+                        new_inode_id: int) -> mpb.Inode:
+        if kind == mpb.INODE_TYPE_UNSPECIFIED or kind not in mpb.InodeType.values():
+            raise InvalidArgument(f"unknown inode type {kind}")
+        parent, name = await self.resolve_parent(ref)
+        if kind in (mpb.CHAR_DEVICE, mpb.BLOCK_DEVICE) and not self.caller.is_root:
+            raise NotPermitted("only root may create device nodes")
+        if kind == SYMLINK:
+            if not symlink_target:
+                raise NotFound("empty symlink target")
+            if len(symlink_target) > PATH_MAX_BYTES or b"\x00" in symlink_target:
+                raise NameTooLong("symlink target too long or contains NUL")
+            mode = 0o777
+        inode = self._new_inode(parent, new_inode_id, kind, mode)
+        if kind == DIRECTORY:
+            inode.nlink = 2
+            inode.parent = parent.inode_id
+            inode.layout.CopyFrom(mpb.Layout(table_id=parent.layout.table_id, chunk_size=parent.layout.chunk_size,
+                                             stripe=parent.layout.stripe))
+        elif kind == SYMLINK:
+            inode.symlink_target = symlink_target
+            inode.size = len(symlink_target)
+        elif kind == FILE:
+            self._assign_layout(inode, parent)
+        else:
+            inode.rdev = rdev
+        await self._link_new(parent, name, inode)
+        if kind == DIRECTORY:
+            if parent.nlink >= LINK_MAX:
+                raise TooManyLinks(f"directory {parent.inode_id} has too many subdirectories")
+            parent.nlink += 1
+        self.flush()
+        return inode
+
+    async def readlink(self, ref: mpb.PathRef) -> bytes:
+        inode = await self.resolve(ref, follow=False)
+        if inode.type != SYMLINK:
+            raise InvalidArgument(f"inode {inode.inode_id} is not a symbolic link")
+        return bytes(inode.symlink_target)
+
+    async def link(self, source: mpb.PathRef, link: mpb.PathRef) -> mpb.Inode:
+        inode = await self.resolve(source, follow=False)
+        if inode.type == DIRECTORY:
+            raise NotPermitted("hard links to directories are not allowed")
+        if inode.nlink == 0:
+            raise NotFound(f"inode {inode.inode_id} has been removed")
+        if inode.nlink >= LINK_MAX:
+            raise TooManyLinks(f"inode {inode.inode_id} has {inode.nlink} links")
+        parent, name = await self.resolve_parent(link)
+        self._require(parent, W_OK | X_OK, "link")
+        if await self.entry(parent.inode_id, name) is not None:
+            raise AlreadyExists(f"{name.decode(errors='replace')!r} exists")
+        inode.nlink += 1
+        self._stamp(inode)
+        self.put_entry(parent.inode_id, name, inode)
+        self._stamp(parent, mtime=True)
+        self.flush()
+        return inode
+
+    async def _drop_link(self, parent: mpb.Inode, inode: mpb.Inode) -> bool:
+        """One fewer name for ``inode`` (already unlinked from ``parent``); True when chunks go to GC."""
+        if inode.type == DIRECTORY:
+            parent.nlink -= 1
+            await self._delete_inode(inode)
+            return False
+        inode.nlink -= 1
+        self._stamp(inode)
+        if inode.nlink > 0 or await self._has_sessions(inode.inode_id):
+            return False
+        return await self._delete_inode(inode)
+
+    async def _delete_inode(self, inode: mpb.Inode) -> bool:
+        self._drop_inode(inode.inode_id)
+        prefix = schema.xattr_prefix(inode.inode_id)
+        for key, _ in await self.txn.scan(prefix, prefix_end(prefix)):
+            self.txn.delete(key)
+        self.txn.delete(schema.truncate_key(inode.inode_id))
+        if inode.type == FILE:
+            job = schema.GcJob(inode.layout, 0, inode.size)
+            self.txn.put(schema.gc_key(inode.inode_id), job.encode())
+            return True
+        return False
+
+    async def remove(self, ref: mpb.PathRef, directory: bool) -> int:
+        parent, name = await self.resolve_parent(ref)
+        entry = await self.entry(parent.inode_id, name)
+        if entry is None:
+            raise NotFound(f"{name.decode(errors='replace')!r} does not exist")
+        inode = await self.inode(entry.inode_id)
+        if directory:
+            if inode.type != DIRECTORY:
+                raise NotADirectory(f"{name.decode(errors='replace')!r} is not a directory")
+            if not await self._is_empty_dir(inode.inode_id):
+                raise DirectoryNotEmpty(f"{name.decode(errors='replace')!r} is not empty")
+        elif inode.type == DIRECTORY:
+            raise IsADirectory(f"{name.decode(errors='replace')!r} is a directory")
+        self._require(parent, W_OK | X_OK, "remove")
+        self._check_sticky(parent, inode)
+        self.txn.delete(schema.dentry_key(parent.inode_id, name))
+        self._stamp(parent, mtime=True)
+        await self._drop_link(parent, inode)
+        self.flush()
+        return inode.inode_id
+
+    async def _is_ancestor(self, ancestor_id: int, directory: mpb.Inode) -> bool:
+        """Whether ``ancestor_id`` is ``directory`` or above it (walks parent pointers to the root)."""
+        current = directory
+        for _ in range(PATH_MAX_BYTES):
+            if current.inode_id == ancestor_id:
+                return True
+            if current.inode_id == schema.ROOT_INODE:
+                return False
+            current = await self.inode(current.parent)
+        raise SymlinkLoop("directory tree deeper than the walk limit")
+
+    async def rename(self, source: mpb.PathRef, destination: mpb.PathRef, flags: int) -> mpb.Inode:
+        noreplace = bool(flags & mpb.RENAME_NOREPLACE)
+        exchange = bool(flags & mpb.RENAME_EXCHANGE)
+        if (noreplace and exchange) or flags & ~(mpb.RENAME_NOREPLACE | mpb.RENAME_EXCHANGE):
+            raise InvalidArgument(f"invalid rename flags {flags}")
+        src_parent, src_name = await self.resolve_parent(source)
+        dst_parent, dst_name = await self.resolve_parent(destination)
+        src_entry = await self.entry(src_parent.inode_id, src_name)
+        if src_entry is None:
+            raise NotFound(f"{src_name.decode(errors='replace')!r} does not exist")
+        inode = await self.inode(src_entry.inode_id)
+        dst_entry = await self.entry(dst_parent.inode_id, dst_name)
+        self._require(src_parent, W_OK | X_OK, "rename")
+        self._require(dst_parent, W_OK | X_OK, "rename")
+        if dst_entry is not None and noreplace:
+            raise AlreadyExists(f"{dst_name.decode(errors='replace')!r} exists")
+        if dst_entry is None and exchange:
+            raise NotFound(f"{dst_name.decode(errors='replace')!r} does not exist")
+        self._check_sticky(src_parent, inode)
+        target = await self.inode(dst_entry.inode_id) if dst_entry is not None else None
+        if target is not None:
+            self._check_sticky(dst_parent, target)
+        if target is not None and target.inode_id == inode.inode_id:
+            return inode  # both names are links to the same inode: POSIX says do nothing
+        moving_dirs = src_parent.inode_id != dst_parent.inode_id
+        if inode.type == DIRECTORY and moving_dirs:
+            if await self._is_ancestor(inode.inode_id, dst_parent):
+                raise InvalidArgument("cannot move a directory into itself")
+            self._require(inode, W_OK, "rename directory")
+        if exchange and target is not None:
+            if target.type == DIRECTORY and moving_dirs:
+                if await self._is_ancestor(target.inode_id, src_parent):
+                    raise InvalidArgument("cannot move a directory into itself")
+                self._require(target, W_OK, "rename directory")
+            self.put_entry(src_parent.inode_id, src_name, target)
+            self.put_entry(dst_parent.inode_id, dst_name, inode)
+            if moving_dirs:
+                self._reparent(inode, src_parent, dst_parent)
+                self._reparent(target, dst_parent, src_parent)
+            self._stamp(target)
+        else:
+            if target is not None:
+                if inode.type == DIRECTORY:
+                    if target.type != DIRECTORY:
+                        raise NotADirectory(f"{dst_name.decode(errors='replace')!r} is not a directory")
+                    if not await self._is_empty_dir(target.inode_id):
+                        raise DirectoryNotEmpty(f"{dst_name.decode(errors='replace')!r} is not empty")
+                elif target.type == DIRECTORY:
+                    raise IsADirectory(f"{dst_name.decode(errors='replace')!r} is a directory")
+                await self._drop_link(dst_parent, target)
+            self.txn.delete(schema.dentry_key(src_parent.inode_id, src_name))
+            self.put_entry(dst_parent.inode_id, dst_name, inode)
+            if moving_dirs:
+                self._reparent(inode, src_parent, dst_parent)
+        self._stamp(inode)
+        self._stamp(src_parent, mtime=True)
+        self._stamp(dst_parent, mtime=True)
+        self.flush()
+        return inode
+
+    def _reparent(self, inode: mpb.Inode, old: mpb.Inode, new: mpb.Inode) -> None:
+        if inode.type != DIRECTORY:
+            return
+        inode.parent = new.inode_id
+        old.nlink -= 1
+        new.nlink += 1
+        self.touch(old)
+        self.touch(new)
+
+    async def readdir(self, ref: mpb.PathRef, start_after: bytes, limit: int, with_attrs: bool) -> mpb.ReadDirRsp:
+        directory = await self.resolve(ref, follow=True)
+        if directory.type != DIRECTORY:
+            raise NotADirectory(f"inode {directory.inode_id} is not a directory")
+        self._require(directory, R_OK, "readdir")
+        limit = min(limit or 1000, READDIR_LIMIT_MAX)
+        prefix = schema.dentry_prefix(directory.inode_id)
+        start = schema.dentry_key(directory.inode_id, start_after + b"\x00") if start_after else prefix
+        rows = await self.txn.scan(start, prefix_end(prefix), limit=limit + 1)
+        rsp = mpb.ReadDirRsp(more=len(rows) > limit)
+        for _, raw in rows[:limit]:
+            entry = rsp.entries.add()
+            entry.MergeFromString(raw)
+            if with_attrs:
+                found = await self.find_inode(entry.inode_id)
+                if found is not None:
+                    entry.attrs.CopyFrom(found)
+        return rsp
+
+    async def _truncate(self, inode: mpb.Inode, size: int, always_stamp: bool = False) -> None:
+        """Set a file's length; a shrink records a truncate job that the service runs on storage."""
+        if size > FILE_SIZE_MAX_BYTES:
+            raise FileTooLarge(f"size {size} exceeds {FILE_SIZE_MAX_BYTES}")
+        old = inode.size
+        if size < old or (size == 0 and old == 0 and always_stamp):
+            chunk_size = inode.layout.chunk_size
+            first = -(-size // chunk_size)
+            keep = size % chunk_size
+            job = schema.GcJob(inode.layout, first, max(old, size), keep)
+            existing = await self.txn.get(schema.truncate_key(inode.inode_id))
+            if existing is not None:
+                # An unfinished earlier truncate: the new job must cover what that one did.
+                job = schema.GcJob(inode.layout, first, max(schema.GcJob.decode(existing).length, job.length), keep)
+            self.txn.put(schema.truncate_key(inode.inode_id), job.encode())
+        if size != old or always_stamp:
+            inode.size = size
+            self._stamp(inode, mtime=True)
+
+    async def setattr(self, req: mpb.SetAttrReq) -> mpb.Inode:
+        mask = req.mask
+        known = (mpb.SET_MODE | mpb.SET_UID | mpb.SET_GID | mpb.SET_SIZE | mpb.SET_ATIME | mpb.SET_MTIME
+                 | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW)
+        if mask & ~known:
+            raise InvalidArgument(f"unknown setattr bits {mask & ~known:#x}")
+        inode = await self.resolve(req.target, follow=req.follow)
+        caller = self.caller
+        if mask & mpb.SET_SIZE:
+            if inode.type == DIRECTORY:
+                raise IsADirectory(f"inode {inode.inode_id} is a directory")
+            if inode.type != FILE:
+                raise InvalidArgument(f"inode {inode.inode_id} is not a regular file")
+            writable_session = False
+            if req.session_id:
+                raw = await self.txn.get(schema.session_key(inode.inode_id, req.session_id))
+                if raw is None:
+                    raise BadHandle("unknown or closed file session")
+                writable_session = schema.Session.decode(raw).write
+                if not writable_session:
+                    raise BadHandle("the file was not opened for writing")
+            if not writable_session:
+                self._require(inode, W_OK, "truncate")
+            await self._truncate(inode, req.size)
+        if mask & (mpb.SET_UID | mpb.SET_GID):
+            new_uid = req.uid if mask & mpb.SET_UID else inode.uid
+            new_gid = req.gid if mask & mpb.SET_GID else inode.gid
+            if not caller.is_root:
+                if new_uid != inode.uid:
+                    raise NotPermitted("only root may change a file's owner")
+                if caller.uid != inode.uid or (new_gid != inode.gid and not caller.in_group(new_gid)):
+                    raise NotPermitted("only the owner may change the group, to one of its groups")
+            inode.uid, inode.gid = new_uid, new_gid
+            if inode.type != DIRECTORY:
+                inode.mode &= ~S_ISUID
+                if inode.mode & S_IXGRP:
+                    inode.mode &= ~S_ISGID
+            self._stamp(inode)
+        if mask & mpb.SET_MODE:
+            self._require_owner(inode, "chmod")
+            mode = req.mode & PERM_MASK
+            if not caller.is_root and not caller.in_group(inode.gid):
+                mode &= ~S_ISGID
+            inode.mode = mode
+            self._stamp(inode)
+        if mask & (mpb.SET_ATIME | mpb.SET_MTIME | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW):
+            explicit = mask & (mpb.SET_ATIME | mpb.SET_MTIME)
+            if explicit:
+                self._require_owner(inode, "utime")
+            elif not caller.is_root and caller.uid != inode.uid and not may(inode, caller, W_OK):
+                raise PermissionDenied(f"utime: permission denied on inode {inode.inode_id}")
+            if mask & mpb.SET_ATIME_NOW:
+                inode.atime_ns = self.now
+            elif mask & mpb.SET_ATIME:
+                inode.atime_ns = req.atime_ns
+            if mask & mpb.SET_MTIME_NOW:
+                inode.mtime_ns = self.now
+            elif mask & mpb.SET_MTIME:
+                inode.mtime_ns = req.mtime_ns
+            self._stamp(inode)
+        self.flush()
+        return inode
+
+    # -- xattrs --------------------------------------------------------------------------------
+
+    def _check_xattr(self, inode: mpb.Inode, name: bytes, writing: bool) -> None:
+        if not name:
+            raise InvalidArgument("empty xattr name")
+        if len(name) > XATTR_NAME_MAX_BYTES:
+            raise NameTooLong(f"xattr name of {len(name)} bytes exceeds {XATTR_NAME_MAX_BYTES}")
+        if b"\x00" in name:
+            raise InvalidArgument("xattr name contains NUL")
+        if name.startswith(b"user."):
+            if inode.type not in (FILE, DIRECTORY):
+                raise NotPermitted("user xattrs exist only on regular files and directories")
+            if writing and inode.type == DIRECTORY and inode.mode & S_ISVTX \
+                    and self.caller.uid not in (0, inode.uid):
+                raise NotPermitted("user xattrs of a sticky directory belong to its owner")
+            self._require(inode, W_OK if writing else R_OK, "xattr")
+        elif name.startswith((b"trusted.", b"security.")):
+            if writing and not self.caller.is_root and name.startswith(b"trusted."):
+                raise NotPermitted("trusted xattrs need root")
+            if writing and not self.caller.is_root and self.caller.uid != inode.uid:
+                raise NotPermitted("security xattrs belong to the owner")
+        else:
+            raise NotSupported(f"xattr namespace of {name.decode(errors='replace')!r} is not supported")
+
+    async def get_xattr(self, ref: mpb.PathRef, follow: bool, name: bytes) -> bytes:
+        inode = await self.resolve(ref, follow)
+        self._check_xattr(inode, name, writing=False)
+        if name.startswith(b"trusted.") and not self.caller.is_root:
+            raise NoXattr("no such attribute")
+        value = await self.txn.get(schema.xattr_key(inode.inode_id, name))
+        if value is None:
+            raise NoXattr(f"no attribute {name.decode(errors='replace')!r}")
+        return value
+
+    async def set_xattr(self, ref: mpb.PathRef, follow: bool, name: bytes, value: bytes, flags: int) -> mpb.Inode:
+        if flags & ~(mpb.XATTR_CREATE | mpb.XATTR_REPLACE) or flags == mpb.XATTR_CREATE | mpb.XATTR_REPLACE:
+            raise InvalidArgument(f"invalid xattr flags {flags}")
+        inode = await self.resolve(ref, follow)
+        self._check_xattr(inode, name, writing=True)
+        if len(value) > XATTR_VALUE_MAX_BYTES:
+            raise XattrTooLarge(f"xattr value of {len(value)} bytes exceeds {XATTR_VALUE_MAX_BYTES}")
+        key = schema.xattr_key(inode.inode_id, name)
+        exists = await self.txn.get(key) is not None
+        if flags & mpb.XATTR_CREATE and exists:
+            raise AlreadyExists(f"attribute {name.decode(errors='replace')!r} exists")
+        if flags & mpb.XATTR_REPLACE and not exists:
+            raise NoXattr(f"no attribute {name.decode(errors='replace')!r}")
+        self.txn.put(key, value)
+        self._stamp(inode)
+        self.flush()
+        return inode
+
+    async def list_xattr(self, ref: mpb.PathRef, follow: bool) -> list[bytes]:
+        inode = await self.resolve(ref, follow)
+        prefix = schema.xattr_prefix(inode.inode_id)
+        names = [key[len(prefix):] for key, _ in await self.txn.scan(prefix, prefix_end(prefix))]
+        if not self.caller.is_root:
+            names = [n for n in names if not n.startswith(b"trusted.")]
+        return names
+
+    async def remove_xattr(self, ref: mpb.PathRef, follow: bool, name: bytes) -> mpb.Inode:
+        inode = await self.resolve(ref, follow)
+        self._check_xattr(inode, name, writing=True)
+        key = schema.xattr_key(inode.inode_id, name)
+        if await self.txn.get(key) is None:
+            raise NoXattr(f"no attribute {name.decode(errors='replace')!r}")
+        self.txn.delete(key)
+        self._stamp(inode)
+        self.flush()
+        return inode
+
+    # -- sessions, length and layout -----------------------------------------------------------
+
+    async def _session(self, inode_id: int, session_id: bytes) -> schema.Session:
+        raw = await self.txn.get(schema.session_key(inode_id, session_id))
+        if raw is None:
+            raise BadHandle(f"no open session {session_id.hex()} on inode {inode_id}")
+        return schema.Session.decode(raw)
+
+    def _apply_length(self, inode: mpb.Inode, hint: int, exact: int | None, probed_from: int | None) -> None:
+        """A writer's length: exact when storage was asked (and nothing changed since), else a hint."""
+        new_size = exact if exact is not None and probed_from == inode.size else max(inode.size, hint)
+        if new_size > FILE_SIZE_MAX_BYTES:
+            raise FileTooLarge(f"size {new_size} exceeds {FILE_SIZE_MAX_BYTES}")
+        inode.size = new_size
+        self._stamp(inode, mtime=True)
+
+    async def close(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
+                    probed_from: int | None) -> CloseResult:
+        session = await self._session(inode_id, session_id)
+        inode = await self.inode(inode_id)
+        self.txn.delete(schema.session_key(inode_id, session_id))
+        self.txn.delete(schema.client_session_key(session.client_id, inode_id, session_id))
+        if wrote and session.write:
+            self._apply_length(inode, hint, exact, probed_from)
+        gc = False
+        if inode.nlink == 0 and not await self._has_sessions(inode_id):
+            gc = await self._delete_inode(inode)
+        self.flush()
+        return CloseResult(inode, gc)
+
+    async def sync(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
+                   probed_from: int | None) -> mpb.Inode:
+        session = await self._session(inode_id, session_id)
+        inode = await self.inode(inode_id)
+        if wrote and session.write:
+            self._apply_length(inode, hint, exact, probed_from)
+        self.flush()
+        return inode
+
+    async def set_layout(self, ref: mpb.PathRef, layout: mpb.Layout) -> mpb.Inode:
+        inode = await self.resolve(ref, follow=True)
+        if inode.type != DIRECTORY:
+            raise NotADirectory("a default layout belongs to a directory")
+        self._require_owner(inode, "set layout")
+        validate_dir_layout(layout, self.env.chain_tables)
+        inode.layout.CopyFrom(mpb.Layout(table_id=layout.table_id, chunk_size=layout.chunk_size,
+                                         stripe=layout.stripe))
+        self._stamp(inode)
+        self.flush()
+        return inode

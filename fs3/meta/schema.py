@@ -1,0 +1,277 @@
+"""Every key the metadata service stores, built in one place.
+
+Key table (all integers big-endian, so keys sort numerically; ``+`` is concatenation):
+
+=====================================================  ==========================================
+key                                                    value
+=====================================================  ==========================================
+``INOD`` + inode_id(8)                                 :class:`~fs3.meta_pb2.Inode`
+``DENT`` + parent_inode(8) + name                      :class:`~fs3.meta_pb2.DirEntry` (no attrs)
+``XATR`` + inode_id(8) + name                          the attribute's value (raw bytes)
+``SESS`` + inode_id(8) + session_id(24)                :class:`Session`: an open handle
+``CSES`` + client_id(16) + inode_id(8) + session_id    empty: the sessions of one client
+``CLNT`` + client_id(16)                               :class:`ClientLease`: last renewal
+``GCQ_`` + inode_id(8)                                 :class:`GcJob`: chunks to remove
+``TRNC`` + inode_id(8)                                 :class:`GcJob`: a truncate in progress
+``IDEM`` + client_id(16) + request_id(8)               :class:`IdemRecord`: a committed answer
+``CNTR`` + name                                        a counter (8 bytes)
+=====================================================  ==========================================
+
+A session id is the opening request's ``client_id + request_id``: unique and known to the
+client without another round trip. Directory entries sort by name within their parent, so a
+paged ``readdir`` is a range scan that resumes after the last name it returned.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from fs3 import meta_pb2 as mpb
+from fs3.common.errors import InvalidArgument
+
+__all__ = [
+    "CLIENT_ID_BYTES",
+    "ROOT_INODE",
+    "SESSION_ID_BYTES",
+    "ClientLease",
+    "GcJob",
+    "IdemRecord",
+    "Session",
+    "client_key",
+    "client_prefix",
+    "client_session_key",
+    "client_sessions_prefix",
+    "counter_key",
+    "dentry_key",
+    "dentry_prefix",
+    "gc_key",
+    "gc_prefix",
+    "idem_key",
+    "idem_prefix",
+    "inode_key",
+    "inode_prefix",
+    "parse_dentry_key",
+    "parse_inode_key",
+    "session_id_for",
+    "session_key",
+    "session_prefix",
+    "sessions_prefix",
+    "truncate_key",
+    "truncate_prefix",
+    "xattr_key",
+    "xattr_prefix",
+]
+
+ROOT_INODE = 1
+CLIENT_ID_BYTES = 16
+SESSION_ID_BYTES = CLIENT_ID_BYTES + 8
+
+_U64 = struct.Struct(">Q")
+
+INODE = b"INOD"
+DENTRY = b"DENT"
+XATTR = b"XATR"
+SESSION = b"SESS"
+CLIENT_SESSION = b"CSES"
+CLIENT = b"CLNT"
+GC = b"GCQ_"
+TRUNCATE = b"TRNC"
+IDEM = b"IDEM"
+COUNTER = b"CNTR"
+
+
+def _u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def inode_key(inode_id: int) -> bytes:
+    return INODE + _u64(inode_id)
+
+
+def inode_prefix() -> bytes:
+    return INODE
+
+
+def parse_inode_key(key: bytes) -> int:
+    return int(_U64.unpack_from(key, len(INODE))[0])
+
+
+def dentry_key(parent: int, name: bytes) -> bytes:
+    return DENTRY + _u64(parent) + name
+
+
+def dentry_prefix(parent: int | None = None) -> bytes:
+    return DENTRY if parent is None else DENTRY + _u64(parent)
+
+
+def parse_dentry_key(key: bytes) -> tuple[int, bytes]:
+    return int(_U64.unpack_from(key, len(DENTRY))[0]), key[len(DENTRY) + 8:]
+
+
+def xattr_key(inode_id: int, name: bytes) -> bytes:
+    return XATTR + _u64(inode_id) + name
+
+
+def xattr_prefix(inode_id: int) -> bytes:
+    return XATTR + _u64(inode_id)
+
+
+def _check_client(client_id: bytes) -> None:
+    if len(client_id) != CLIENT_ID_BYTES:
+        raise InvalidArgument(f"client id must be {CLIENT_ID_BYTES} bytes, got {len(client_id)}")
+
+
+def session_id_for(client_id: bytes, request_id: int) -> bytes:
+    _check_client(client_id)
+    return client_id + _u64(request_id)
+
+
+def session_key(inode_id: int, session_id: bytes) -> bytes:
+    if len(session_id) != SESSION_ID_BYTES:
+        raise InvalidArgument(f"session id must be {SESSION_ID_BYTES} bytes")
+    return SESSION + _u64(inode_id) + session_id
+
+
+def session_prefix(inode_id: int) -> bytes:
+    return SESSION + _u64(inode_id)
+
+
+def sessions_prefix() -> bytes:
+    return SESSION
+
+
+def client_session_key(client_id: bytes, inode_id: int, session_id: bytes) -> bytes:
+    _check_client(client_id)
+    return CLIENT_SESSION + client_id + _u64(inode_id) + session_id
+
+
+def client_sessions_prefix(client_id: bytes) -> bytes:
+    _check_client(client_id)
+    return CLIENT_SESSION + client_id
+
+
+def parse_client_session_key(key: bytes) -> tuple[bytes, int, bytes]:
+    base = len(CLIENT_SESSION)
+    client_id = key[base:base + CLIENT_ID_BYTES]
+    inode_id = int(_U64.unpack_from(key, base + CLIENT_ID_BYTES)[0])
+    return client_id, inode_id, key[base + CLIENT_ID_BYTES + 8:]
+
+
+def client_key(client_id: bytes) -> bytes:
+    _check_client(client_id)
+    return CLIENT + client_id
+
+
+def client_prefix() -> bytes:
+    return CLIENT
+
+
+def gc_key(inode_id: int) -> bytes:
+    return GC + _u64(inode_id)
+
+
+def gc_prefix() -> bytes:
+    return GC
+
+
+def truncate_key(inode_id: int) -> bytes:
+    return TRUNCATE + _u64(inode_id)
+
+
+def truncate_prefix() -> bytes:
+    return TRUNCATE
+
+
+def idem_key(client_id: bytes, request_id: int) -> bytes:
+    _check_client(client_id)
+    return IDEM + client_id + _u64(request_id)
+
+
+def idem_prefix() -> bytes:
+    return IDEM
+
+
+def counter_key(name: str) -> bytes:
+    return COUNTER + name.encode()
+
+
+def encode_u64(value: int) -> bytes:
+    return _u64(value)
+
+
+def decode_u64(raw: bytes | None) -> int:
+    return 0 if raw is None else int(_U64.unpack(raw)[0])
+
+
+@dataclass(frozen=True)
+class Session:
+    """An open handle: the client holding it and whether it may write."""
+
+    client_id: bytes
+    write: bool
+    opened_ms: int
+
+    _FMT = struct.Struct(">?Q")
+
+    def encode(self) -> bytes:
+        return self.client_id + self._FMT.pack(self.write, self.opened_ms)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Session:
+        write, opened_ms = cls._FMT.unpack_from(raw, CLIENT_ID_BYTES)
+        return cls(raw[:CLIENT_ID_BYTES], bool(write), int(opened_ms))
+
+
+@dataclass(frozen=True)
+class ClientLease:
+    renewed_ms: int
+    hostname: str
+    pid: int
+
+    def encode(self) -> bytes:
+        return _u64(self.renewed_ms) + struct.pack(">I", self.pid) + self.hostname.encode()[:255]
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ClientLease:
+        return cls(int(_U64.unpack_from(raw)[0]), raw[12:].decode(errors="replace"),
+                   int(struct.unpack_from(">I", raw, 8)[0]))
+
+
+@dataclass(frozen=True)
+class GcJob:
+    """Chunks of ``layout`` to remove from index ``first_chunk`` on (whole file: 0).
+
+    ``length`` is the largest file length meta knew of; the worker also removes any chunk it
+    finds beyond it (a writer may have written past the last length hint).
+    """
+
+    layout: mpb.Layout
+    first_chunk: int
+    length: int
+    keep_bytes: int = 0   # truncate: bytes to keep in chunk ``first_chunk - 1`` (0: none to trim)
+
+    _FMT = struct.Struct(">QQQ")
+
+    def encode(self) -> bytes:
+        return self._FMT.pack(self.first_chunk, self.length, self.keep_bytes) + self.layout.SerializeToString()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> GcJob:
+        first_chunk, length, keep = cls._FMT.unpack_from(raw)
+        return cls(mpb.Layout.FromString(raw[cls._FMT.size:]), int(first_chunk), int(length), int(keep))
+
+
+@dataclass(frozen=True)
+class IdemRecord:
+    """The serialized answer of a committed mutating request, and when it committed."""
+
+    committed_ms: int
+    response: bytes
+
+    def encode(self) -> bytes:
+        return _u64(self.committed_ms) + self.response
+
+    @classmethod
+    def decode(cls, raw: bytes) -> IdemRecord:
+        return cls(int(_U64.unpack_from(raw)[0]), raw[8:])

@@ -1,0 +1,543 @@
+"""The metadata service: runs namespace operations as idempotent transactions, then their side effects.
+
+:class:`MetaService` is the shell around :class:`~fs3.meta.ops.Namespace`. For each request it
+fixes the inputs (time, caller, chain tables, a fresh inode id), runs the operation in a
+transaction through :func:`~fs3.kv.txn.run_transaction`, and only after commit touches storage.
+
+Idempotency: a mutating request carries ``(client_id, request_id)``. Its transaction first looks
+for an answer committed under that pair and returns it; otherwise it runs the operation and
+commits the answer with it, atomically. So a retry after an ambiguous commit — the engine's
+"maybe committed", or a reply lost with a crashed meta server — returns the original answer.
+Records are dropped once the client reports the request complete (its lease renewal carries the
+lowest request id still in flight) or when its lease expires.
+
+Side effects, all crash-safe because they are driven by durable records:
+
+* truncation (``O_TRUNC``, ``truncate``): the transaction records a truncate job; the service
+  removes and trims chunks before answering, and again at start for jobs a crash interrupted;
+* deletion: the last unlink (or the last close of an unlinked file) queues the inode's chunks
+  for the GC loop, which removes them from storage in the background and survives restarts;
+* file length: ``close`` and ``fsync`` of a written file ask storage for the chunks at the
+  end of the file, so the length is exact even for writers that never sent a hint;
+* dead clients: a client that stops renewing its lease has its sessions closed by the pruner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+from fs3 import meta_pb2 as mpb
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient
+from fs3.common.buffers import Buffer
+from fs3.common.errors import FS3Error, InvalidArgument, NotFound
+from fs3.kv.store import prefix_end
+from fs3.kv.txn import Transaction, TxnEngine, run_transaction
+from fs3.meta import schema
+from fs3.meta.fsck import run_fsck
+from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, validate_dir_layout
+from fs3.meta.ops import O_CREAT, O_TRUNC, Caller, Namespace, OpEnv
+
+__all__ = ["MetaService", "MetaServiceConfig"]
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+T = TypeVar("T")
+_EMPTY = b""
+_REMOVE_PARALLEL = 16
+
+
+@dataclass
+class MetaServiceConfig:
+    chain_table_id: int = 1
+    chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES
+    stripe_default: int = 16
+    root_uid: int = 0
+    root_gid: int = 0
+    root_mode: int = 0o755
+    client_lease_ms: int = 30_000
+    prune_interval_ms: int = 5_000
+    gc_interval_ms: int = 2_000
+    inode_batch: int = 1024
+    txn_retry_max: int = 20
+
+
+class InodeAllocator:
+    """Hands out inode ids from batches reserved by a counter transaction (safe with several servers)."""
+
+    def __init__(self, engine: TxnEngine, batch: int) -> None:
+        self.engine = engine
+        self.batch = batch
+        self._next = 0
+        self._end = 0
+        self._lock = asyncio.Lock()
+
+    async def next(self) -> int:
+        if self._next >= self._end:
+            async with self._lock:
+                if self._next >= self._end:
+                    key = schema.counter_key("next_inode")
+
+                    async def reserve(txn: Transaction) -> int:
+                        start = max(schema.decode_u64(await txn.get(key)), schema.ROOT_INODE + 1)
+                        txn.put(key, schema.encode_u64(start + self.batch))
+                        return start
+
+                    start = await run_transaction(self.engine, reserve)
+                    self._next, self._end = start, start + self.batch
+        value = self._next
+        self._next += 1
+        return value
+
+    async def allocated(self) -> int:
+        txn = self.engine.begin()
+        return schema.decode_u64(await txn.get(schema.counter_key("next_inode")))
+
+
+class MetaService:
+    """Handlers for every ``fs3.Meta`` method plus the background loops (GC, pruning, routing)."""
+
+    def __init__(self, engine: TxnEngine, routing: RoutingCache, storage: StorageClient,
+                 config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns) -> None:
+        self.engine = engine
+        self.routing = routing
+        self.storage = storage
+        self.config = config or MetaServiceConfig()
+        self.wall_ns = wall_ns
+        self.allocator = InodeAllocator(engine, self.config.inode_batch)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._gc_wakeup = asyncio.Event()
+        self._truncate_locks: dict[int, asyncio.Lock] = {}
+        self._started_ms = 0
+        self.gc_removed_chunks = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _now_ms(self) -> int:
+        return self.wall_ns() // 1_000_000
+
+    async def start(self, background: bool = True) -> None:
+        self._started_ms = self._now_ms()
+        layout = mpb.Layout(table_id=self.config.chain_table_id, chunk_size=self.config.chunk_size_bytes)
+        validate_dir_layout(layout)
+
+        async def make_root(txn: Transaction) -> mpb.Inode:
+            return await Namespace(txn, self._env(mpb.User())).ensure_root(
+                self.config.root_uid, self.config.root_gid, self.config.root_mode, layout)
+
+        await run_transaction(self.engine, make_root)
+        if background:
+            self._tasks.append(asyncio.create_task(self._maintenance_loop(), name="meta-maintenance"))
+            self._tasks.append(asyncio.create_task(self._gc_loop(), name="meta-gc"))
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _chain_tables(self) -> dict[int, list[int]]:
+        routing = self.routing.routing
+        if routing is None:
+            return {}
+        return {t.table_id: list(t.chain_ids) for t in routing.chain_tables}
+
+    def _env(self, user: mpb.User) -> OpEnv:
+        return OpEnv(now_ns=self.wall_ns(), caller=Caller.from_pb(user), chain_tables=self._chain_tables(),
+                     stripe_default=self.config.stripe_default)
+
+    async def _read(self, ctx: mpb.ReqCtx, fn: Callable[[Namespace], Awaitable[T]]) -> T:
+        """A read-only operation: reads the latest committed state, commits nothing."""
+        return await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+
+    async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]]) -> M:
+        """One idempotent transaction: the answer is committed with the change, keyed by the request."""
+        if ctx.request_id == 0:
+            raise InvalidArgument("a mutating request needs a request id")
+        key = schema.idem_key(ctx.client_id, ctx.request_id)
+        env = self._env(ctx.user)
+
+        async def body(txn: Transaction) -> M:
+            raw = await txn.get(key)
+            if raw is not None:
+                return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
+            rsp = await fn(Namespace(txn, env))
+            txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
+            return rsp
+
+        return await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
+
+    async def _ensure_tables(self, user: mpb.User) -> None:
+        """Creating files needs the chain tables: fetch routing once if we have none yet."""
+        if not self._chain_tables():
+            with contextlib.suppress(FS3Error):
+                await self.routing.refresh()
+
+    # -- handlers (one per fs3.Meta method) ------------------------------------------------------
+
+    async def stat_fs(self, req: mpb.StatFsReq, payload: memoryview) -> tuple[mpb.StatFsRsp, Buffer]:
+        routing = self.routing.routing
+        rsp = mpb.StatFsRsp(chunk_size=self.config.chunk_size_bytes, name_max=255,
+                            inodes_allocated=await self.allocator.allocated())
+        if routing is not None:
+            chained = {t for c in routing.chains for t in c.target_ids}
+            replicas = max(1, max((len(c.target_ids) for c in routing.chains), default=1))
+            for target in routing.targets:
+                if target.target_id in chained:
+                    rsp.capacity_bytes += target.capacity_bytes
+                    rsp.used_bytes += target.used_bytes
+                    rsp.free_bytes += target.free_bytes
+            # Every byte is stored `replicas` times: report what a user can store.
+            rsp.capacity_bytes //= replicas
+            rsp.used_bytes //= replicas
+            rsp.free_bytes //= replicas
+        return rsp, _EMPTY
+
+    async def lookup(self, req: mpb.LookupReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        inode = await self._read(req.ctx, lambda ns: ns.lookup(req.target, req.follow))
+        return mpb.InodeRsp(inode=inode), _EMPTY
+
+    async def batch_stat(self, req: mpb.BatchStatReq, payload: memoryview) -> tuple[mpb.BatchStatRsp, Buffer]:
+        if len(req.inode_ids) > 10_000:
+            raise InvalidArgument("at most 10000 inodes per batch")
+        inodes = await self._read(req.ctx, lambda ns: ns.batch_stat(list(req.inode_ids)))
+        return mpb.BatchStatRsp(inodes=inodes), _EMPTY
+
+    async def open(self, req: mpb.OpenReq, payload: memoryview) -> tuple[mpb.OpenRsp, Buffer]:
+        session_id = schema.session_id_for(req.ctx.client_id, req.ctx.request_id)
+        new_id = 0
+        if req.flags & O_CREAT:
+            await self._ensure_tables(req.ctx.user)
+            new_id = await self.allocator.next()
+        now_ms = self._now_ms()
+        rsp = await self._mutate(req.ctx, mpb.OpenRsp, lambda ns: ns.open(
+            req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms))
+        if req.flags & O_TRUNC:
+            await self._finish_truncate(rsp.inode.inode_id)
+        return rsp, _EMPTY
+
+    async def make_node(self, req: mpb.MakeNodeReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        if req.type == mpb.FILE:
+            await self._ensure_tables(req.ctx.user)
+        new_id = await self.allocator.next()
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.make_node(
+            req.target, req.type, req.mode, req.rdev, req.symlink_target, new_id)))
+        return rsp, _EMPTY
+
+    async def read_link(self, req: mpb.ReadLinkReq, payload: memoryview) -> tuple[mpb.ReadLinkRsp, Buffer]:
+        target = await self._read(req.ctx, lambda ns: ns.readlink(req.target))
+        return mpb.ReadLinkRsp(target=target), _EMPTY
+
+    async def link(self, req: mpb.LinkReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.link(req.source, req.link)))
+        return rsp, _EMPTY
+
+    async def remove(self, req: mpb.RemoveReq, payload: memoryview) -> tuple[mpb.RemoveRsp, Buffer]:
+        async def op(ns: Namespace) -> mpb.RemoveRsp:
+            return mpb.RemoveRsp(inode_id=await ns.remove(req.target, req.directory))
+
+        rsp = await self._mutate(req.ctx, mpb.RemoveRsp, op)
+        self._gc_wakeup.set()
+        return rsp, _EMPTY
+
+    async def rename(self, req: mpb.RenameReq, payload: memoryview) -> tuple[mpb.RenameRsp, Buffer]:
+        async def op(ns: Namespace) -> mpb.RenameRsp:
+            return mpb.RenameRsp(inode=await ns.rename(req.source, req.destination, req.flags))
+
+        rsp = await self._mutate(req.ctx, mpb.RenameRsp, op)
+        self._gc_wakeup.set()
+        return rsp, _EMPTY
+
+    async def read_dir(self, req: mpb.ReadDirReq, payload: memoryview) -> tuple[mpb.ReadDirRsp, Buffer]:
+        rsp = await self._read(req.ctx, lambda ns: ns.readdir(req.dir, req.start_after, req.limit, req.with_attrs))
+        return rsp, _EMPTY
+
+    async def set_attr(self, req: mpb.SetAttrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req)))
+        if req.mask & mpb.SET_SIZE:
+            await self._finish_truncate(rsp.inode.inode_id)
+        return rsp, _EMPTY
+
+    async def get_xattr(self, req: mpb.GetXattrReq, payload: memoryview) -> tuple[mpb.GetXattrRsp, Buffer]:
+        value = await self._read(req.ctx, lambda ns: ns.get_xattr(req.target, req.follow, req.name))
+        return mpb.GetXattrRsp(value=value), _EMPTY
+
+    async def set_xattr(self, req: mpb.SetXattrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(
+            ns.set_xattr(req.target, req.follow, req.name, req.value, req.flags)))
+        return rsp, _EMPTY
+
+    async def list_xattr(self, req: mpb.ListXattrReq, payload: memoryview) -> tuple[mpb.ListXattrRsp, Buffer]:
+        names = await self._read(req.ctx, lambda ns: ns.list_xattr(req.target, req.follow))
+        return mpb.ListXattrRsp(names=names), _EMPTY
+
+    async def remove_xattr(self, req: mpb.RemoveXattrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(
+            ns.remove_xattr(req.target, req.follow, req.name)))
+        return rsp, _EMPTY
+
+    async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        exact, probed_from = await self._exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote)
+
+        async def op(ns: Namespace) -> mpb.InodeRsp:
+            result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from)
+            return mpb.InodeRsp(inode=result.inode)
+
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, op)
+        self._gc_wakeup.set()
+        return rsp, _EMPTY
+
+    async def sync(self, req: mpb.SyncReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        exact, probed_from = (await self._exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote)
+                              if req.exact else (None, None))
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.sync(
+            req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from)))
+        return rsp, _EMPTY
+
+    async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        await self._ensure_tables(req.ctx.user)
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.set_layout(req.dir, req.layout)))
+        return rsp, _EMPTY
+
+    async def renew_client(self, req: mpb.RenewClientReq, payload: memoryview) -> tuple[mpb.RenewClientRsp, Buffer]:
+        lease = schema.ClientLease(self._now_ms(), req.hostname, req.pid)
+        key = schema.client_key(req.client_id)
+
+        async def renew(txn: Transaction) -> None:
+            txn.put(key, lease.encode())
+            if req.completed_below > 1:
+                # Answers the client will never ask for again.
+                start = schema.idem_key(req.client_id, 0)
+                end = schema.idem_key(req.client_id, req.completed_below)
+                for done, _ in await txn.scan(start, end, limit=10_000):
+                    txn.delete(done)
+
+        await run_transaction(self.engine, renew)
+        return mpb.RenewClientRsp(lease_ms=self.config.client_lease_ms), _EMPTY
+
+    async def fsck(self, req: mpb.FsckReq, payload: memoryview) -> tuple[mpb.FsckRsp, Buffer]:
+        lister = self._list_chunks if req.check_chunks else None
+        return await run_fsck(self.engine.begin(), lister), _EMPTY
+
+    # -- storage side effects --------------------------------------------------------------------
+
+    async def _chunk_stat(self, layout: mpb.Layout, inode_id: int, index: int) -> tuple[bool, int]:
+        chain_id, cid = chunk_location(layout, inode_id, index)
+        _, rsp = await self.storage.read(chain_id, cid, 0, 0)
+        return rsp.version > 0, rsp.chunk_length
+
+    async def _exact_length(self, ctx: mpb.ReqCtx, inode_id: int, hint: int,
+                            wrote: bool) -> tuple[int | None, int | None]:
+        """The file's end as storage sees it, from the known length on (None when nothing was written)."""
+        if not wrote:
+            return None, None
+        txn = self.engine.begin()
+        raw = await txn.get(schema.inode_key(inode_id))
+        if raw is None:
+            return None, None
+        inode = mpb.Inode.FromString(raw)
+        if inode.type != mpb.FILE or not inode.layout.chains:
+            return None, None
+        chunk_size = inode.layout.chunk_size
+        known = max(inode.size, hint)
+        end = known
+        index = (known - 1) // chunk_size if known else 0
+        while True:
+            here, after = await asyncio.gather(self._chunk_stat(inode.layout, inode_id, index),
+                                               self._chunk_stat(inode.layout, inode_id, index + 1))
+            if here[0]:
+                end = max(end, index * chunk_size + here[1])
+            if not after[0]:
+                break
+            end = max(end, (index + 1) * chunk_size + after[1])
+            index += 2
+        return end, inode.size
+
+    async def _remove_chunks(self, inode_id: int, layout: mpb.Layout, first: int, length: int) -> int:
+        """Remove chunks ``first..`` of a file: every one below ``length``, then any found beyond."""
+        if not layout.chains:
+            return 0
+        chunk_size = layout.chunk_size
+        last = -(-length // chunk_size)
+        limiter = asyncio.Semaphore(_REMOVE_PARALLEL)
+
+        async def remove(index: int) -> None:
+            async with limiter:
+                chain_id, cid = chunk_location(layout, inode_id, index)
+                await self.storage.remove(chain_id, cid, chunk_size)
+
+        await asyncio.gather(*(remove(i) for i in range(first, last)))
+        removed = max(0, last - first)
+        index = max(first, last)
+        while (await self._chunk_stat(layout, inode_id, index))[0]:
+            await remove(index)
+            removed += 1
+            index += 1
+        return removed
+
+    async def _finish_truncate(self, inode_id: int) -> None:
+        """Carry out the inode's recorded truncate job (if any) and drop the record."""
+        lock = self._truncate_locks.setdefault(inode_id, asyncio.Lock())
+        async with lock:
+            key = schema.truncate_key(inode_id)
+            raw = await self.engine.begin().get(key)
+            if raw is not None:
+                job = schema.GcJob.decode(raw)
+                await self._remove_chunks(inode_id, job.layout, job.first_chunk, job.length)
+                if job.keep_bytes:
+                    chain_id, cid = chunk_location(job.layout, inode_id, job.first_chunk - 1)
+                    exists, length = await self._chunk_stat(job.layout, inode_id, job.first_chunk - 1)
+                    if exists and length > job.keep_bytes:
+                        await self.storage.truncate(chain_id, cid, job.keep_bytes, job.layout.chunk_size)
+
+                async def done(txn: Transaction) -> None:
+                    if await txn.get(key) == raw:
+                        txn.delete(key)
+
+                await run_transaction(self.engine, done)
+        if not lock.locked():
+            self._truncate_locks.pop(inode_id, None)
+
+    async def run_gc_once(self, limit: int = 100) -> int:
+        """Remove the chunks of up to ``limit`` deleted files; returns how many files were finished."""
+        prefix = schema.gc_prefix()
+        rows = await self.engine.begin().scan(prefix, prefix_end(prefix), limit=limit)
+        finished = 0
+        for key, raw in rows:
+            inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
+            job = schema.GcJob.decode(raw)
+            try:
+                self.gc_removed_chunks += await self._remove_chunks(inode_id, job.layout, job.first_chunk, job.length)
+            except FS3Error as exc:
+                log.warning("gc of inode %d postponed: %s", inode_id, exc)
+                continue
+
+            async def done(txn: Transaction, key: bytes = key) -> None:
+                txn.delete(key)
+
+            await run_transaction(self.engine, done)
+            finished += 1
+        return finished
+
+    async def run_truncates_once(self) -> None:
+        prefix = schema.truncate_prefix()
+        for key, _ in await self.engine.begin().scan(prefix, prefix_end(prefix), limit=100):
+            inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
+            try:
+                await self._finish_truncate(inode_id)
+            except FS3Error as exc:
+                log.warning("truncate of inode %d postponed: %s", inode_id, exc)
+
+    async def prune_clients_once(self) -> int:
+        """Close every session of clients whose lease expired; returns how many clients were pruned."""
+        now_ms = self._now_ms()
+        if now_ms - self._started_ms < self.config.client_lease_ms:
+            return 0  # after a restart, give every client one lease period to renew
+        prefix = schema.client_prefix()
+        pruned = 0
+        for key, raw in await self.engine.begin().scan(prefix, prefix_end(prefix), limit=1000):
+            lease = schema.ClientLease.decode(raw)
+            if now_ms - lease.renewed_ms <= self.config.client_lease_ms:
+                continue
+            client_id = key[len(prefix):]
+            try:
+                await self._expire_client(client_id, key)
+            except FS3Error as exc:
+                log.warning("pruning client %s postponed: %s", client_id.hex(), exc)
+                continue
+            pruned += 1
+        return pruned
+
+    async def _expire_client(self, client_id: bytes, lease_key: bytes) -> None:
+        sessions_prefix = schema.client_sessions_prefix(client_id)
+        for key, _ in await self.engine.begin().scan(sessions_prefix, prefix_end(sessions_prefix)):
+            _, inode_id, session_id = schema.parse_client_session_key(key)
+            raw = await self.engine.begin().get(schema.session_key(inode_id, session_id))
+            wrote = raw is not None and schema.Session.decode(raw).write
+            exact, probed_from = await self._exact_length(mpb.ReqCtx(), inode_id, 0, wrote)
+
+            async def expire(txn: Transaction, inode_id: int = inode_id, session_id: bytes = session_id,
+                             key: bytes = key, exact: int | None = exact, probed_from: int | None = probed_from,
+                             wrote: bool = wrote) -> None:
+                if await txn.get(schema.session_key(inode_id, session_id)) is None:
+                    txn.delete(key)
+                    return
+                ns = Namespace(txn, self._env(mpb.User()))
+                await ns.close(inode_id, session_id, 0, wrote, exact, probed_from)
+
+            await run_transaction(self.engine, expire)
+            log.info("closed session %s of inode %d: client %s stopped renewing", session_id.hex(), inode_id,
+                     client_id.hex())
+
+        async def forget(txn: Transaction) -> None:
+            txn.delete(lease_key)
+            start = schema.idem_key(client_id, 0)
+            for key, _ in await txn.scan(start, prefix_end(start[:-8]), limit=100_000):
+                txn.delete(key)
+
+        await run_transaction(self.engine, forget)
+        self._gc_wakeup.set()
+
+    async def _list_chunks(self) -> list[bytes]:
+        """Every chunk id stored on any chain (for fsck's orphan check)."""
+        from fs3.rpc.storage_calls import dump_chunk_meta
+
+        if self.routing.routing is None:
+            await self.routing.refresh()
+        routing = self.routing.routing
+        assert routing is not None
+        found: set[bytes] = set()
+        for chain_id in sorted({c.chain_id for c in routing.chains}):
+            _, members = await self.routing.chain(chain_id)
+            serving = [m for m in members if m.state.name == "SERVING"]
+            if not serving:
+                raise NotFound(f"chain {chain_id} has no serving target to list")
+            channel = self.storage.channels.get(serving[-1].address)
+            chunks = await dump_chunk_meta(channel, chain_id, serving[-1].target_id, 1000,
+                                           self.storage.config.rpc_timeout_ms)
+            found.update(bytes(cid) for cid in chunks)
+        return sorted(found)
+
+    # -- background loops ------------------------------------------------------------------------
+
+    async def _maintenance_loop(self) -> None:
+        while True:
+            try:
+                with contextlib.suppress(FS3Error):
+                    await self.routing.refresh()
+                await self.run_truncates_once()
+                await self.prune_clients_once()
+            except FS3Error as exc:
+                log.warning("meta maintenance: %s", exc)
+            except Exception:
+                log.exception("meta maintenance failed")
+            await asyncio.sleep(self.config.prune_interval_ms / 1000)
+
+    async def _gc_loop(self) -> None:
+        while True:
+            try:
+                while await self.run_gc_once() > 0:
+                    pass
+            except FS3Error as exc:
+                log.warning("meta gc: %s", exc)
+            except Exception:
+                log.exception("meta gc failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gc_wakeup.wait(), self.config.gc_interval_ms / 1000)
+            self._gc_wakeup.clear()
+
+
+async def _inode_rsp(inode: Awaitable[mpb.Inode]) -> mpb.InodeRsp:
+    return mpb.InodeRsp(inode=await inode)
