@@ -6,6 +6,9 @@ still crosses the real framed or gRPC transport.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +17,9 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.metrics import ServiceMetrics
 from fs3.kv.store import MemKVStore
+from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
+from fs3.meta.server import MetaConfig, _heartbeat_loop
+from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.mgmtd.chain_state import PublicState
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import RealChannelFactory
@@ -40,6 +46,13 @@ class InProcessCluster:
     mgmtd: MgmtdServicer | None = None
     mgmtd_runtime: ServiceRuntime | None = None
     chain_ids: list[int] = field(default_factory=list)
+    with_meta: bool = False
+    meta_faults: TxnFaults | None = None
+    meta_config: MetaServiceConfig = field(default_factory=lambda: MetaServiceConfig(
+        root_mode=0o777, client_lease_ms=30_000, prune_interval_ms=200, gc_interval_ms=100))
+    meta: MetaService | None = None
+    meta_kv: MemKVStore | None = None
+    _meta_tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def __aenter__(self) -> InProcessCluster:
         config = MgmtdConfig(heartbeat_timeout_ms=2_000, scan_interval_ms=50, kv_engine="mem", token=self.token)
@@ -76,7 +89,48 @@ class InProcessCluster:
         table = await admin.create_chain_table(1, replicas=self.replicas)
         self.chain_ids = [c.chain_id for c in table.chains]
         await wait_until(self.all_serving, what="chains serving")
+        if self.with_meta:
+            await self.start_meta()
         return self
+
+    async def start_meta(self) -> MetaService:
+        """A meta service on an in-memory store (kept across restarts of the service), registered with mgmtd."""
+        if self.meta_kv is None:
+            self.meta_kv = MemKVStore()
+        engine = OptimisticTxnEngine(self.meta_kv, faults=self.meta_faults)
+        channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
+        routing = RoutingCache([self.mgmtd_address], channels)
+        await routing.refresh()
+        storage = StorageClient(routing, channels, os.urandom(16), StorageClientConfig(rpc_timeout_ms=2_000))
+        self.meta = MetaService(engine, routing, storage, self.meta_config)
+        dispatcher = Dispatcher(token=self.token, metrics=ServiceMetrics("meta"))
+        dispatcher.add_service(service_spec("Meta"), self.meta)
+        runtime = ServiceRuntime("meta", dispatcher, dispatcher.metrics)  # type: ignore[arg-type]
+        bound = await runtime.start("127.0.0.1", 0, 0, -1)
+        await self.meta.start()
+        config = MetaConfig(node_id=1001, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)
+        self._meta_tasks = [asyncio.create_task(_heartbeat_loop(config, channels, (bound.framed, bound.grpc, "")))]
+        self._meta_runtime, self._meta_channels = runtime, channels
+        await wait_until(self._meta_registered, what="meta registered")
+        return self.meta
+
+    async def _meta_registered(self) -> bool:
+        from fs3 import common_pb2 as cpb
+
+        return any(n.node_type == cpb.NODE_META and n.alive for n in await self.admin().nodes())
+
+    async def stop_meta(self) -> None:
+        for task in self._meta_tasks:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        self._meta_tasks = []
+        if self.meta is not None:
+            await self.meta.stop()
+            self._meta_runtime.stopping.set()
+            await self._meta_runtime.run_until_stopped()
+            await self._meta_channels.close()
+            self.meta = None
 
     @property
     def mgmtd_address(self) -> str:
@@ -101,6 +155,7 @@ class InProcessCluster:
         return all(n.routing_version >= self.mgmtd.state.routing_version for n in self.nodes.values())
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.stop_meta()
         for node in self.nodes.values():
             await node.stop()
             await node.channels.close()

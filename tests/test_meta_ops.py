@@ -1,0 +1,516 @@
+"""Metadata operations over the in-memory engine: POSIX rules, permissions, layouts, idempotency, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from fs3 import common_pb2 as cpb
+from fs3 import meta_pb2 as mpb
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient
+from fs3.common.errors import (
+    AlreadyExists,
+    BadHandle,
+    DirectoryNotEmpty,
+    FS3Error,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NotADirectory,
+    NotFound,
+    NotPermitted,
+    NoXattr,
+    PermissionDenied,
+    SymlinkLoop,
+)
+from fs3.kv.store import MemKVStore
+from fs3.kv.txn import OptimisticTxnEngine, Transaction, TxnFaults, run_transaction
+from fs3.meta import schema
+from fs3.meta.fsck import run_fsck
+from fs3.meta.layout import SplitMix64, chunk_location, file_layout, seeded_shuffle
+from fs3.meta.ops import O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY, Caller, Namespace, OpEnv
+from fs3.meta.service import MetaService, MetaServiceConfig
+from fs3.rpc.channel import RealChannelFactory
+
+ROOT = Caller(0, 0)
+ALICE = Caller(1000, 1000, frozenset({1000, 50}))
+BOB = Caller(1001, 1001)
+CLIENT = b"c" * 16
+
+
+def ref(path: str) -> mpb.PathRef:
+    return mpb.PathRef(path=path.encode())
+
+
+class Meta:
+    """Namespace operations on one in-memory engine, one transaction per call."""
+
+    def __init__(self, faults: TxnFaults | None = None, root_mode: int = 0o755) -> None:
+        self.store = MemKVStore()
+        self.engine = OptimisticTxnEngine(self.store, faults=faults)
+        self.now_ns = 1_700_000_000_000_000_000
+        self.next_id = 100
+        self.request = 0
+        layout = mpb.Layout(table_id=1, chunk_size=65536)
+        self.run(lambda ns: ns.ensure_root(0, 0, root_mode, layout))
+
+    def run(self, fn: Callable[[Namespace], Awaitable[Any]], caller: Caller = ROOT) -> Any:
+        self.now_ns += 1_000
+
+        async def body(txn: Transaction) -> Any:
+            env = OpEnv(now_ns=self.now_ns, caller=caller, chain_tables={1: [11, 12, 13, 14]}, stripe_default=3)
+            return await fn(Namespace(txn, env))
+
+        return asyncio.run(run_transaction(self.engine, body))
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def mkdir(self, path: str, mode: int = 0o755, caller: Caller = ROOT) -> mpb.Inode:
+        new = self.new_id()
+        return self.run(lambda ns: ns.make_node(ref(path), mpb.DIRECTORY, mode, 0, b"", new), caller)
+
+    def create(self, path: str, mode: int = 0o644, caller: Caller = ROOT, flags: int = O_CREAT | O_WRONLY,
+               ) -> mpb.OpenRsp:
+        new = self.new_id()
+        self.request += 1
+        session = schema.session_id_for(CLIENT, self.request)
+        return self.run(lambda ns: ns.open(ref(path), flags, mode, new, session, CLIENT, 0), caller)
+
+    def touch(self, path: str, caller: Caller = ROOT, mode: int = 0o644) -> mpb.Inode:
+        rsp = self.create(path, mode, caller)
+        self.close(rsp)
+        return rsp.inode
+
+    def close(self, rsp: mpb.OpenRsp, hint: int = 0) -> Any:
+        return self.run(lambda ns: ns.close(rsp.inode.inode_id, rsp.session_id, hint, hint > 0, None, None))
+
+    def stat(self, path: str, follow: bool = True) -> mpb.Inode:
+        return self.run(lambda ns: ns.lookup(ref(path), follow))
+
+    def names(self, path: str) -> list[str]:
+        rsp = self.run(lambda ns: ns.readdir(ref(path), b"", 1000, False))
+        return [e.name.decode() for e in rsp.entries]
+
+    def fsck(self) -> list[str]:
+        return list(asyncio.run(run_fsck(self.engine.begin())).problems)
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+
+def test_splitmix64_matches_the_reference_sequence() -> None:
+    rng = SplitMix64(0)
+    assert [rng.next_u64() for _ in range(3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def test_seeded_shuffle_is_a_stable_permutation() -> None:
+    items = list(range(1, 11))
+    first = seeded_shuffle(items, 42)
+    assert sorted(first) == items and first != items
+    assert seeded_shuffle(items, 42) == first
+    # A golden value: file layouts depend on it, so it must never change across Python versions or releases.
+    assert first == [1, 10, 6, 9, 7, 5, 8, 3, 2, 4]
+    assert seeded_shuffle(items, 43) != first
+
+
+def test_file_layout_stripes_chunks_over_distinct_chains() -> None:
+    layout = file_layout(mpb.Layout(table_id=1, chunk_size=65536, stripe=3), [5, 6, 7, 8, 9], seed=7,
+                         stripe_default=16)
+    assert layout.stripe == 3 and len(set(layout.chains)) == 3 and set(layout.chains) <= {5, 6, 7, 8, 9}
+    chains = [chunk_location(layout, 7, i)[0] for i in range(6)]
+    assert chains[:3] == list(layout.chains) and chains[3:] == list(layout.chains)
+    assert chunk_location(layout, 7, 4)[1] == (7).to_bytes(8, "big") + (4).to_bytes(4, "big")
+
+
+def test_files_inherit_the_directory_layout() -> None:
+    meta = Meta()
+    meta.mkdir("/d")
+    meta.run(lambda ns: ns.set_layout(ref("/d"), mpb.Layout(table_id=1, chunk_size=1 << 20, stripe=2)))
+    inode = meta.touch("/d/f")
+    assert inode.layout.chunk_size == 1 << 20 and inode.layout.stripe == 2 and len(inode.layout.chains) == 2
+    assert meta.mkdir("/d/sub").layout.chunk_size == 1 << 20
+
+
+@pytest.mark.parametrize("layout", [
+    mpb.Layout(table_id=1, chunk_size=65536 + 1, stripe=1),
+    mpb.Layout(table_id=1, chunk_size=1024, stripe=1),
+    mpb.Layout(table_id=9, chunk_size=65536, stripe=1),
+    mpb.Layout(table_id=1, chunk_size=65536, stripe=5),
+])
+def test_bad_layouts_are_rejected_and_change_nothing(layout: mpb.Layout) -> None:
+    meta = Meta()
+    meta.mkdir("/d")
+    before = meta.stat("/d")
+    with pytest.raises(InvalidArgument):
+        meta.run(lambda ns: ns.set_layout(ref("/d"), layout))
+    assert meta.stat("/d") == before
+
+
+# -- namespace ------------------------------------------------------------------------------------
+
+
+def test_create_lookup_readdir_and_nlink() -> None:
+    meta = Meta()
+    meta.mkdir("/a")
+    meta.mkdir("/a/b")
+    meta.touch("/a/f")
+    assert meta.names("/a") == ["b", "f"]
+    assert meta.stat("/a").nlink == 3 and meta.stat("/").nlink == 3 and meta.stat("/a/f").nlink == 1
+    assert meta.stat("/a/b/..").inode_id == meta.stat("/a").inode_id
+    with pytest.raises(AlreadyExists):
+        meta.mkdir("/a/b")
+    with pytest.raises(AlreadyExists):
+        meta.create("/a/f", flags=O_CREAT | O_EXCL | O_WRONLY)
+    with pytest.raises(NotADirectory):
+        meta.stat("/a/f/x")
+    with pytest.raises(NotFound):
+        meta.stat("/nope")
+    assert meta.fsck() == []
+
+
+def test_readdir_pages_stay_correct_while_the_directory_changes() -> None:
+    meta = Meta()
+    meta.mkdir("/d")
+    for i in range(0, 50, 2):
+        meta.touch(f"/d/f{i:03d}")
+    seen: list[str] = []
+    start = b""
+    added = 1
+    while True:
+        rsp = meta.run(lambda ns, start=start: ns.readdir(ref("/d"), start, 7, True))
+        seen += [e.name.decode() for e in rsp.entries]
+        assert all(e.attrs.inode_id == e.inode_id for e in rsp.entries)
+        # Between pages: remove an entry already returned and add one ahead and one behind.
+        meta.run(lambda ns, name=seen[-1]: ns.remove(ref(f"/d/{name}"), False))
+        meta.touch(f"/d/f{added:03d}")  # odd names, some behind the cursor
+        added += 2
+        if not rsp.more:
+            break
+        start = rsp.entries[-1].name
+    assert seen == sorted(seen) and len(seen) == len(set(seen))
+    assert {f"f{i:03d}" for i in range(0, 50, 2)} <= set(seen)
+
+
+def test_symlinks_resolve_and_loops_are_detected() -> None:
+    meta = Meta()
+    meta.mkdir("/real")
+    meta.touch("/real/f")
+    meta.run(lambda ns: ns.make_node(ref("/link"), mpb.SYMLINK, 0, 0, b"real", meta.new_id()))
+    meta.run(lambda ns: ns.make_node(ref("/abs"), mpb.SYMLINK, 0, 0, b"/real/f", meta.new_id()))
+    assert meta.stat("/link/f").inode_id == meta.stat("/real/f").inode_id
+    assert meta.stat("/abs").type == mpb.FILE and meta.stat("/abs", follow=False).type == mpb.SYMLINK
+    assert meta.run(lambda ns: ns.readlink(ref("/abs"))) == b"/real/f"
+    meta.run(lambda ns: ns.make_node(ref("/l1"), mpb.SYMLINK, 0, 0, b"l2", meta.new_id()))
+    meta.run(lambda ns: ns.make_node(ref("/l2"), mpb.SYMLINK, 0, 0, b"l1", meta.new_id()))
+    with pytest.raises(SymlinkLoop):
+        meta.stat("/l1")
+    with pytest.raises(InvalidArgument):
+        meta.run(lambda ns: ns.readlink(ref("/real")))
+
+
+def test_rename_rules() -> None:
+    meta = Meta()
+    for d in ("/a", "/a/sub", "/b", "/empty", "/full"):
+        meta.mkdir(d)
+    meta.touch("/full/x")
+    meta.touch("/f")
+    meta.touch("/g")
+    rename = lambda s, d, flags=0: meta.run(lambda ns: ns.rename(ref(s), ref(d), flags))  # noqa: E731
+    with pytest.raises(InvalidArgument):
+        rename("/a", "/a/sub/inside")
+    with pytest.raises(IsADirectory):
+        rename("/f", "/empty")
+    with pytest.raises(NotADirectory):
+        rename("/a", "/g")
+    with pytest.raises(DirectoryNotEmpty):
+        rename("/a", "/full")
+    with pytest.raises(AlreadyExists):
+        rename("/f", "/g", mpb.RENAME_NOREPLACE)
+    with pytest.raises(NotFound):
+        rename("/f", "/none", mpb.RENAME_EXCHANGE)
+    with pytest.raises(InvalidArgument):
+        rename("/f", "/g", mpb.RENAME_EXCHANGE | mpb.RENAME_NOREPLACE)
+    g = meta.stat("/g").inode_id
+    rename("/f", "/g")  # replaces /g, whose inode goes to GC
+    assert "f" not in meta.names("/") and meta.stat("/g").inode_id != g
+    rename("/a/sub", "/b/moved")
+    assert meta.stat("/a").nlink == 2 and meta.stat("/b").nlink == 3
+    assert meta.stat("/b/moved/..").inode_id == meta.stat("/b").inode_id
+    rename("/a", "/empty")  # an empty directory may be replaced
+    assert "a" not in meta.names("/")
+    meta.touch("/h")
+    rename("/h", "/b", mpb.RENAME_EXCHANGE)
+    assert meta.stat("/b").type == mpb.FILE and meta.stat("/h").type == mpb.DIRECTORY
+    assert meta.stat("/h/moved/..").inode_id == meta.stat("/h").inode_id
+    assert meta.fsck() == []
+
+
+def test_hard_links_and_unlink_of_an_open_file() -> None:
+    meta = Meta()
+    meta.touch("/f")
+    meta.run(lambda ns: ns.link(ref("/f"), ref("/g")))
+    assert meta.stat("/f").nlink == 2
+    meta.mkdir("/d")
+    with pytest.raises(NotPermitted):
+        meta.run(lambda ns: ns.link(ref("/d"), ref("/d2")))
+    opened = meta.create("/f", flags=O_RDONLY)
+    meta.run(lambda ns: ns.remove(ref("/f"), False))
+    meta.run(lambda ns: ns.remove(ref("/g"), False))
+    inode_id = opened.inode.inode_id
+    # Unlinked but open: the inode lives (nlink 0) and nothing is queued for GC yet.
+    orphan = meta.run(lambda ns: ns.inode(inode_id))
+    assert orphan.nlink == 0 and meta.store.get(schema.gc_key(inode_id)) is None
+    assert meta.fsck() == []
+    meta.close(opened)
+    assert meta.run(lambda ns: ns.find_inode(inode_id)) is None
+    assert meta.store.get(schema.gc_key(inode_id)) is not None
+    with pytest.raises(BadHandle):
+        meta.close(opened)
+    assert meta.fsck() == []
+
+
+def test_rmdir_and_unlink_errors() -> None:
+    meta = Meta()
+    meta.mkdir("/d")
+    meta.touch("/d/f")
+    with pytest.raises(DirectoryNotEmpty):
+        meta.run(lambda ns: ns.remove(ref("/d"), True))
+    with pytest.raises(IsADirectory):
+        meta.run(lambda ns: ns.remove(ref("/d"), False))
+    with pytest.raises(NotADirectory):
+        meta.run(lambda ns: ns.remove(ref("/d/f"), True))
+    with pytest.raises(NotFound):
+        meta.run(lambda ns: ns.remove(ref("/d/none"), False))
+
+
+def test_truncate_records_a_job_for_storage() -> None:
+    meta = Meta()
+    rsp = meta.create("/f")
+    meta.close(rsp, hint=200_000)
+    assert meta.stat("/f").size == 200_000
+    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/f"), mask=mpb.SET_SIZE, size=70_000)))
+    job = schema.GcJob.decode(meta.store.get(schema.truncate_key(rsp.inode.inode_id)) or b"")
+    assert (job.first_chunk, job.keep_bytes, job.length) == (2, 70_000 - 65536, 200_000)
+    assert meta.stat("/f").size == 70_000
+    again = meta.create("/f", flags=O_WRONLY | O_TRUNC)
+    assert again.inode.size == 0
+    job = schema.GcJob.decode(meta.store.get(schema.truncate_key(rsp.inode.inode_id)) or b"")
+    assert (job.first_chunk, job.length) == (0, 200_000)  # still covers the unfinished earlier job
+
+
+# -- permissions and times --------------------------------------------------------------------------
+
+
+def test_permission_bits_owner_group_other_and_root() -> None:
+    meta = Meta(root_mode=0o755)
+    with pytest.raises(PermissionDenied):
+        meta.touch("/x", caller=ALICE)
+    meta.mkdir("/shared", 0o770)
+    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/shared"), mask=mpb.SET_GID, gid=50)))
+    meta.touch("/shared/by-alice", caller=ALICE)  # group member
+    with pytest.raises(PermissionDenied):  # no search permission on /shared for others
+        meta.run(lambda ns: ns.lookup(ref("/shared/by-alice"), True), caller=BOB)
+    secret = meta.create("/secret", mode=0o600)
+    meta.close(secret)
+    with pytest.raises(PermissionDenied):
+        meta.create("/secret", caller=ALICE, flags=O_RDONLY)
+    meta.create("/secret", caller=ROOT, flags=O_RDWR)  # root reads and writes anything
+    with pytest.raises(NotPermitted):
+        meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/secret"), mask=mpb.SET_MODE, mode=0o777)),
+                 caller=ALICE)
+    with pytest.raises(NotPermitted):
+        meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/shared/by-alice"), mask=mpb.SET_UID, uid=0)),
+                 caller=ALICE)
+    # The owner may give a file to one of its own groups, not to anyone else's.
+    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/shared/by-alice"), mask=mpb.SET_GID, gid=50)),
+             caller=ALICE)
+    with pytest.raises(NotPermitted):
+        meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/shared/by-alice"), mask=mpb.SET_GID,
+                                                      gid=1001)), caller=ALICE)
+
+
+def test_sticky_directory_protects_other_users_files() -> None:
+    meta = Meta()
+    meta.mkdir("/tmp", 0o1777)
+    meta.touch("/tmp/alice", caller=ALICE)
+    with pytest.raises(NotPermitted):
+        meta.run(lambda ns: ns.remove(ref("/tmp/alice"), False), caller=BOB)
+    with pytest.raises(NotPermitted):
+        meta.run(lambda ns: ns.rename(ref("/tmp/alice"), ref("/tmp/bob"), 0), caller=BOB)
+    meta.run(lambda ns: ns.remove(ref("/tmp/alice"), False), caller=ALICE)
+
+
+def test_setgid_directory_passes_its_group_on() -> None:
+    meta = Meta()
+    meta.mkdir("/proj", 0o2777)
+    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/proj"), mask=mpb.SET_GID, gid=77)))
+    f = meta.touch("/proj/f", caller=ALICE)
+    d = meta.mkdir("/proj/d", 0o755, caller=ALICE)
+    assert f.gid == 77 and d.gid == 77 and d.mode & 0o2000 and not f.mode & 0o2000
+
+
+def test_times_follow_posix() -> None:
+    meta = Meta()
+    meta.mkdir("/d")
+    before = meta.stat("/d")
+    f = meta.touch("/d/f")
+    after = meta.stat("/d")
+    assert after.mtime_ns > before.mtime_ns and after.ctime_ns > before.ctime_ns
+    assert f.atime_ns == f.mtime_ns == f.ctime_ns
+    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/d/f"), mask=mpb.SET_MODE, mode=0o600)))
+    chmodded = meta.stat("/d/f")
+    assert chmodded.ctime_ns > f.ctime_ns and chmodded.mtime_ns == f.mtime_ns
+    meta.run(lambda ns: ns.link(ref("/d/f"), ref("/d/g")))
+    assert meta.stat("/d/f").ctime_ns > chmodded.ctime_ns
+    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/d/f"), mask=mpb.SET_ATIME | mpb.SET_MTIME,
+                                                  atime_ns=5, mtime_ns=7)))
+    assert (meta.stat("/d/f").atime_ns, meta.stat("/d/f").mtime_ns) == (5, 7)
+    meta.create("/d/f", flags=O_RDONLY)  # relatime: atime older than mtime moves on open
+    assert meta.stat("/d/f").atime_ns > 7
+
+
+def test_xattrs() -> None:
+    meta = Meta()
+    meta.touch("/f")
+    setx = lambda name, value, flags=0, caller=ROOT: meta.run(  # noqa: E731
+        lambda ns: ns.set_xattr(ref("/f"), True, name, value, flags), caller)
+    setx(b"user.a", b"1")
+    with pytest.raises(AlreadyExists):
+        setx(b"user.a", b"2", mpb.XATTR_CREATE)
+    with pytest.raises(NoXattr):
+        setx(b"user.b", b"2", mpb.XATTR_REPLACE)
+    setx(b"user.a", b"3", mpb.XATTR_REPLACE)
+    assert meta.run(lambda ns: ns.get_xattr(ref("/f"), True, b"user.a")) == b"3"
+    assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True)) == [b"user.a"]
+    with pytest.raises(PermissionDenied):
+        setx(b"user.c", b"1", caller=ALICE)
+    with pytest.raises(NotPermitted):
+        setx(b"trusted.x", b"1", caller=ALICE)
+    meta.run(lambda ns: ns.remove_xattr(ref("/f"), True, b"user.a"))
+    with pytest.raises(NoXattr):
+        meta.run(lambda ns: ns.get_xattr(ref("/f"), True, b"user.a"))
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "error"), [
+    ("/a\x00b", InvalidArgument),
+    ("/" + "x" * 256, NameTooLong),
+    ("/" + "/".join(["d" * 200] * 21), NameTooLong),
+    ("", NotFound),
+    ("/", InvalidArgument),
+    ("/..", InvalidArgument),
+    ("/missing/f", NotFound),
+])
+def test_bad_names_get_typed_errors_and_change_nothing(path: str, error: type[FS3Error]) -> None:
+    meta = Meta()
+    before = sorted(meta.store.scan(b""))
+    with pytest.raises(error):
+        meta.mkdir(path)
+    with pytest.raises(error):
+        meta.create(path)
+    assert sorted(meta.store.scan(b"")) == before
+
+
+def test_unknown_inode_and_bad_flags() -> None:
+    meta = Meta()
+    with pytest.raises(NotFound):
+        meta.run(lambda ns: ns.lookup(mpb.PathRef(inode_id=999_999), True))
+    with pytest.raises(InvalidArgument):
+        meta.create("/f", flags=O_CREAT | 3)
+    with pytest.raises(InvalidArgument):
+        meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/"), mask=1 << 20)))
+    with pytest.raises(InvalidArgument):
+        meta.run(lambda ns: ns.make_node(ref("/x"), 99, 0, 0, b"", 5))  # type: ignore[arg-type]
+    with pytest.raises(BadHandle):
+        meta.run(lambda ns: ns.close(1, b"x" * 24, 0, False, None, None))
+
+
+# -- conflicts and ambiguous commits ----------------------------------------------------------------
+
+
+def _service(faults: TxnFaults | None = None) -> tuple[MetaService, MemKVStore]:
+    store = MemKVStore()
+    channels = RealChannelFactory()
+    routing = RoutingCache(["127.0.0.1:1"], channels)
+    routing._install(cpb.RoutingInfo(chain_tables=[cpb.ChainTable(table_id=1, chain_ids=[11, 12, 13])]))
+    service = MetaService(OptimisticTxnEngine(store, faults=faults), routing, StorageClient(routing, channels, CLIENT),
+                          MetaServiceConfig(root_mode=0o777))
+    asyncio.run(service.start(background=False))
+    return service, store
+
+
+class Calls:
+    """Meta handlers called the way the RPC layer calls them, with explicit request ids."""
+
+    def __init__(self, service: MetaService) -> None:
+        self.service = service
+        self.request_id = 0
+
+    def ctx(self, request_id: int | None = None) -> mpb.ReqCtx:
+        if request_id is None:
+            self.request_id += 1
+            request_id = self.request_id
+        return mpb.ReqCtx(user=mpb.User(uid=0, gid=0), client_id=CLIENT, request_id=request_id)
+
+    def __call__(self, name: str, req: Any) -> Any:
+        rsp, _ = asyncio.run(getattr(self.service, name)(req, memoryview(b"")))
+        return rsp
+
+
+def test_operations_are_exact_under_injected_conflicts_and_ambiguous_commits() -> None:
+    """Every commit may conflict or be "maybe committed"; each operation still happens exactly once."""
+    faults = TxnFaults(conflict_probability=0.3, maybe_committed_probability=0.3)
+    service, _ = _service(faults)
+    call = Calls(service)
+    call("make_node", mpb.MakeNodeReq(ctx=call.ctx(), target=ref("/d"), type=mpb.DIRECTORY, mode=0o755))
+    for i in range(20):
+        rsp = call("open", mpb.OpenReq(ctx=call.ctx(), target=ref(f"/d/f{i}"), flags=O_CREAT | O_EXCL | O_WRONLY,
+                                       mode=0o644))
+        assert rsp.created
+        call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=rsp.inode.inode_id, session_id=rsp.session_id))
+    for i in range(0, 20, 2):
+        call("rename", mpb.RenameReq(ctx=call.ctx(), source=ref(f"/d/f{i}"), destination=ref(f"/d/g{i}")))
+    for i in range(1, 20, 4):
+        call("remove", mpb.RemoveReq(ctx=call.ctx(), target=ref(f"/d/f{i}")))
+    engine = service.engine
+    assert isinstance(engine, OptimisticTxnEngine) and engine.conflicts > 0
+    listing = call("read_dir", mpb.ReadDirReq(ctx=call.ctx(), dir=ref("/d")))
+    expected = {f"g{i}" for i in range(0, 20, 2)} | {f"f{i}" for i in range(1, 20, 2) if (i - 1) % 4}
+    assert {e.name.decode() for e in listing.entries} == expected
+    assert not call("fsck", mpb.FsckReq()).problems
+
+
+def test_a_retried_request_returns_the_original_answer() -> None:
+    service, store = _service()
+    call = Calls(service)
+    create = mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_EXCL | O_WRONLY, mode=0o600)
+    first = call("open", create)
+    again = call("open", create)  # the reply was lost; the client sends the same request again
+    assert again == first and again.created
+    with pytest.raises(AlreadyExists):  # a new request is a new exclusive create
+        call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_EXCL | O_WRONLY))
+    remove = mpb.RemoveReq(ctx=call.ctx(), target=ref("/f"))
+    assert call("remove", remove) == call("remove", remove)
+    # Answers are forgotten once the client says it will not ask again.
+    idem = [k for k, _ in store.scan(schema.idem_prefix(), b"IDEN")]
+    assert idem
+    call("renew_client", mpb.RenewClientReq(client_id=CLIENT, completed_below=call.request_id + 1))
+    assert [k for k, _ in store.scan(schema.idem_prefix(), b"IDEN")] == []
+
+
+def test_mutations_without_identity_are_refused() -> None:
+    service, _ = _service()
+    call = Calls(service)
+    with pytest.raises(InvalidArgument):
+        call("make_node", mpb.MakeNodeReq(ctx=mpb.ReqCtx(client_id=CLIENT), target=ref("/d"), type=mpb.DIRECTORY))
+    with pytest.raises(InvalidArgument):
+        call("make_node", mpb.MakeNodeReq(ctx=mpb.ReqCtx(client_id=b"short", request_id=1), target=ref("/d"),
+                                          type=mpb.DIRECTORY))
