@@ -372,6 +372,16 @@ class Namespace:
         if flags & O_CREAT:
             parent, name = await self.resolve_parent(ref)
             entry = await self.entry(parent.inode_id, name)
+            followed = 0
+            while entry is not None and entry.type == SYMLINK and not flags & (O_NOFOLLOW | O_EXCL):
+                # O_CREAT through a symlink creates (or opens) what it points to, dangling or not.
+                followed += 1
+                if followed > SYMLINK_FOLLOW_MAX:
+                    raise SymlinkLoop("too many levels of symbolic links")
+                link = await self.inode(entry.inode_id)
+                parent, name = await self.resolve_parent(mpb.PathRef(parent=parent.inode_id,
+                                                                     path=link.symlink_target))
+                entry = await self.entry(parent.inode_id, name)
             if entry is None:
                 if not may(parent, self.caller, X_OK):
                     raise PermissionDenied(f"no search permission on directory {parent.inode_id}")
@@ -384,9 +394,7 @@ class Namespace:
                     raise AlreadyExists(f"{name.decode(errors='replace')!r} exists")
                 inode = await self.inode(entry.inode_id)
                 if inode.type == SYMLINK:
-                    if flags & O_NOFOLLOW:
-                        raise SymlinkLoop("O_NOFOLLOW on a symbolic link")
-                    inode = await self._walk(parent, [name], True)
+                    raise SymlinkLoop("O_NOFOLLOW on a symbolic link")
         else:
             inode = await self.resolve(ref, follow=not flags & O_NOFOLLOW)
             if inode.type == SYMLINK:
@@ -458,16 +466,16 @@ class Namespace:
 
     async def link(self, source: mpb.PathRef, link: mpb.PathRef) -> mpb.Inode:
         inode = await self.resolve(source, follow=False)
+        parent, name = await self.resolve_parent(link)
+        if await self.entry(parent.inode_id, name) is not None:
+            raise AlreadyExists(f"{name.decode(errors='replace')!r} exists")
         if inode.type == DIRECTORY:
             raise NotPermitted("hard links to directories are not allowed")
         if inode.nlink == 0:
             raise NotFound(f"inode {inode.inode_id} has been removed")
         if inode.nlink >= LINK_MAX:
             raise TooManyLinks(f"inode {inode.inode_id} has {inode.nlink} links")
-        parent, name = await self.resolve_parent(link)
         self._require(parent, W_OK | X_OK, "link")
-        if await self.entry(parent.inode_id, name) is not None:
-            raise AlreadyExists(f"{name.decode(errors='replace')!r} exists")
         inode.nlink += 1
         self._stamp(inode)
         self.put_entry(parent.inode_id, name, inode)
