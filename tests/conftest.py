@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,18 @@ from fs3.rpc.channel import RealChannelFactory
 from tests.harness import ProcessCluster
 
 TRANSPORTS = ("framed", "grpc")
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One in-process cluster with meta for the tests that only need a working file system."""
+    from tests.inproc import ClusterThread
+
+    runner = ClusterThread(tmp_path_factory.mktemp("shared-cluster"))
+    try:
+        yield runner
+    finally:
+        runner.close()
 
 
 @pytest.fixture

@@ -168,3 +168,21 @@ class InProcessCluster:
         if self.mgmtd_runtime is not None and self.mgmtd is not None:
             self.mgmtd_runtime.stopping.set()
             await self.mgmtd_runtime.run_until_stopped(self.mgmtd.stop)
+
+
+class ClusterThread:
+    """An in-process cluster (with meta) on its own event-loop thread, for blocking clients."""
+
+    def __init__(self, root: Path) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="cluster-loop")
+        self.thread.start()
+        self.cluster = InProcessCluster(root, targets_per_node=2, with_meta=True)
+        asyncio.run_coroutine_threadsafe(self.cluster.__aenter__(), self.loop).result(60)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.cluster.__aexit__(None, None, None), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -8,10 +8,8 @@ whole trees: types, sizes, contents, link counts, permission bits, symlink targe
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,37 +21,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import fs3
 from fs3.client.sync_api import FileSystem
-from tests.inproc import InProcessCluster
+from tests.inproc import ClusterThread
 
 NAMES = ["a", "b", "c"]
 PATHS = st.lists(st.sampled_from(NAMES), min_size=1, max_size=3).map("/".join)
 
 
-class ClusterThread:
-    """An in-process cluster running on its own event loop thread, for blocking clients."""
-
-    def __init__(self, root: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.cluster = InProcessCluster(root, targets_per_node=2, with_meta=True)
-        asyncio.run_coroutine_threadsafe(self.cluster.__aenter__(), self.loop).result(60)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.cluster.__aexit__(None, None, None), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
-def cluster_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileSystem]:
-    runner = ClusterThread(tmp_path_factory.mktemp("model-cluster"))
-    fs = fs3.connect(runner.cluster.mgmtd_address, token=runner.cluster.token)
+def cluster_fs(shared_cluster: ClusterThread) -> Iterator[FileSystem]:
+    fs = fs3.connect(shared_cluster.cluster.mgmtd_address, token=shared_cluster.cluster.token)
     try:
         yield fs
     finally:
         fs.close()
-        runner.close()
 
 
 def _xattrs_work(path: Path) -> bool:
