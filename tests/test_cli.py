@@ -23,21 +23,35 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         info = json.loads((root / "cluster.json").read_text())
-        assert set(info["processes"]) == {"mgmtd", "storage-1", "storage-2", "storage-3"}
+        assert set(info["processes"]) == {"mgmtd", "meta", "storage-1", "storage-2", "storage-3"}
         base = ["admin", "--mgmtd", info["mgmtd"], "--token", info["token"]]
         nodes = json.loads(fs3(*base, "--json", "nodes").stdout)
-        assert len(nodes) == 3 and all(n["alive"] for n in nodes)
+        assert len(nodes) == 4 and all(n["alive"] for n in nodes)
+        assert sorted(n["node_type"] for n in nodes) == ["NODE_META"] + ["NODE_STORAGE"] * 3
         chains = json.loads(fs3(*base, "--json", "chains").stdout)
         assert len(chains["chains"]) == 1 and len(chains["chains"][0]["target_ids"]) == 3
         table = fs3(*base, "targets")
         assert table.returncode == 0 and "serving" in table.stdout and "up_to_date" in table.stdout
         grpc_nodes = fs3("admin", "--mgmtd", info["processes"]["mgmtd"]["grpc"], "--transport", "grpc",
                          "--token", info["token"], "--json", "nodes")
-        assert grpc_nodes.returncode == 0 and len(json.loads(grpc_nodes.stdout)) == 3
+        assert grpc_nodes.returncode == 0 and len(json.loads(grpc_nodes.stdout)) == 4
         import urllib.request
 
         metrics = urllib.request.urlopen(f"http://{info['processes']['storage-1']['metrics']}/metrics", timeout=5)
         assert b"fs3_rpc_requests" in metrics.read()
+        import fs3 as fs3_lib
+
+        with fs3_lib.connect(info["mgmtd"], token=info["token"]) as fs:
+            fs.makedirs("/data/small")
+            fs.write_bytes("/data/a.bin", b"x" * 100_000)
+        layout = fs3(*base, "set-layout", "/data/small", "--chunk-size", "65536", "--stripe", "1")
+        assert layout.returncode == 0 and "65536 byte chunks" in layout.stdout, layout.stderr
+        not_pow2 = fs3(*base, "set-layout", "/data/small", "--chunk-size", "65537")
+        assert not_pow2.returncode == 1 and "power of two" in not_pow2.stderr
+        fsck = fs3(*base, "fsck")
+        assert fsck.returncode == 0 and "namespace clean" in fsck.stdout, fsck.stdout + fsck.stderr
+        report = json.loads(fs3(*base, "--json", "fsck").stdout)
+        assert report["problems"] == [] and int(report["inodes"]) == 4 and int(report["chunks"]) == 1
         verify = fs3(*base, "verify")
         assert verify.returncode == 0 and "all replicas identical" in verify.stdout
         # Bad input: clear messages, non-zero exits, nothing changed.
@@ -51,13 +65,13 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         assert wrong_token.returncode == 1 and "UNAUTHENTICATED" in wrong_token.stderr
         assert len(json.loads(fs3(*base, "--json", "chains").stdout)["chains"]) == 1
         status = fs3("local", "status", "--dir", str(root))
-        assert status.returncode == 0 and status.stdout.count("running") == 4
+        assert status.returncode == 0 and status.stdout.count("running") == 5
         assert fs3("local", "kill", "storage-3", "--dir", str(root)).returncode == 0
         assert fs3("local", "status", "--dir", str(root)).returncode == 3
     finally:
         down = fs3("local", "down", "--dir", str(root))
     assert down.returncode == 0
-    assert fs3("local", "status", "--dir", str(root)).stdout.count("stopped") == 4
+    assert fs3("local", "status", "--dir", str(root)).stdout.count("stopped") == 5
 
 
 def test_cli_errors_without_a_cluster(tmp_path: Path) -> None:

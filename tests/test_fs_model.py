@@ -154,7 +154,8 @@ def test_fs3_behaves_like_a_local_directory(cluster_fs: FileSystem, tmp_path: Pa
                 return
             assert _tree_local(self.local, xattrs) == _tree_remote(cluster_fs, self.remote, xattrs)
 
-    Model.TestCase.settings = settings(max_examples=int(os.environ.get("FS3_MODEL_EXAMPLES", "40")), stateful_step_count=30, deadline=None,
+    examples = int(os.environ.get("FS3_MODEL_EXAMPLES", "40"))
+    Model.TestCase.settings = settings(max_examples=examples, stateful_step_count=30, deadline=None,
                                        suppress_health_check=list(HealthCheck))
     Model.TestCase().runTest()
 

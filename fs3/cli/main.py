@@ -3,7 +3,7 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage --config FILE [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
-    fs3 admin   --mgmtd HOST:PORT [--token T] [--json] nodes|targets|chains|create-chain-table|mark-offline|verify
+    fs3 admin   --mgmtd HOST:PORT [--token T] [--json] nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
     fs3 local   up|status|down|kill|start [--dir DIR]
 """
 
@@ -138,7 +138,45 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
                 print(f"  MISMATCH: {line}")
             print("all replicas identical" if report.ok else "replicas DIFFER")
         return 0 if report.ok else 2
+    if args.command in ("fsck", "set-layout"):
+        return await _meta_admin(admin, args)
     raise InvalidArgument(f"unknown admin command {args.command}")
+
+
+async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
+    """Admin commands answered by the metadata service (found through mgmtd's routing)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from fs3 import meta_pb2
+    from fs3.client.meta_client import MetaClient
+    from fs3.client.routing import RoutingCache
+
+    routing = RoutingCache([admin.mgmtd_address], admin.channels, admin.timeout_ms)
+    meta = MetaClient(routing, admin.channels, os.urandom(16),
+                      lambda: meta_pb2.User(uid=os.getuid(), gid=os.getgid(), groups=os.getgroups()),
+                      rpc_timeout_ms=max(admin.timeout_ms, 60_000), retry_total_ms=admin.timeout_ms)
+    if args.command == "fsck":
+        print("fs3: checking the namespace" + (" and every chunk on storage" if args.chunks else "") + "...",
+              file=sys.stderr, flush=True)
+        rsp = await meta.call("Fsck", meta_pb2.FsckReq(check_chunks=args.chunks), meta_pb2.FsckRsp)
+        if args.json:
+            print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True,
+                                           always_print_fields_with_no_presence=True), indent=2))
+        else:
+            print(f"checked {rsp.inodes} inodes, {rsp.dentries} entries, {rsp.sessions} open sessions, "
+                  f"{rsp.chunks} chunks; {rsp.gc_pending} files awaiting chunk removal")
+            for problem in rsp.problems:
+                print(f"  PROBLEM: {problem}")
+            print("namespace clean" if not rsp.problems else f"{len(rsp.problems)} problems found")
+        return 0 if not rsp.problems else 2
+    layout = meta_pb2.Layout(table_id=args.table_id, chunk_size=args.chunk_size, stripe=args.stripe)
+    updated = await meta.call("SetLayout", meta_pb2.SetLayoutReq(
+        dir=meta_pb2.PathRef(path=os.fsencode(args.path)), layout=layout), meta_pb2.InodeRsp)
+    shown = updated.inode.layout
+    print(json.dumps(MessageToDict(shown, preserving_proto_field_name=True)) if args.json else
+          f"{args.path}: new files use chain table {shown.table_id}, {shown.chunk_size} byte chunks, "
+          f"stripe {shown.stripe or 'all chains'}")
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -196,6 +234,14 @@ def _parser() -> argparse.ArgumentParser:
     offline = admin_sub.add_parser("mark-offline", help="take a target out of its chain (it resyncs)")
     offline.add_argument("target_id", type=int)
     admin_sub.add_parser("verify", help="compare replicas chunk by chunk (exit 2 when they differ)")
+    fsck = admin_sub.add_parser("fsck", help="check the namespace invariants (exit 2 on problems)")
+    fsck.add_argument("--no-chunks", dest="chunks", action="store_false",
+                      help="skip listing every chunk on storage (orphan check)")
+    set_layout = admin_sub.add_parser("set-layout", help="set a directory's default layout for new files")
+    set_layout.add_argument("path", help="directory path in fs3, e.g. /datasets")
+    set_layout.add_argument("--chunk-size", type=int, default=4 * 1024 * 1024, help="bytes, a power of two")
+    set_layout.add_argument("--stripe", type=int, default=0, help="chains per file (0: the service default)")
+    set_layout.add_argument("--table-id", type=int, default=1)
     return parser
 
 

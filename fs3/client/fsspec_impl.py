@@ -173,11 +173,11 @@ class FS3FileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def created(self, path: str) -> datetime.datetime:
         return datetime.datetime.fromtimestamp(self.client.stat(self._strip_protocol(path)).st_ctime,
-                                               tz=datetime.timezone.utc)
+                                               tz=datetime.UTC)
 
     def modified(self, path: str) -> datetime.datetime:
         return datetime.datetime.fromtimestamp(self.client.stat(self._strip_protocol(path)).st_mtime,
-                                               tz=datetime.timezone.utc)
+                                               tz=datetime.UTC)
 
     def exists(self, path: str, **kwargs: Any) -> bool:
         return self.client.exists(self._strip_protocol(path))
