@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _READAHEAD_MIN_BYTES = 128 * 1024
 _READAHEAD_MAX_BYTES = 4 * 1024 * 1024
+_PREFETCH_MAX_BYTES = 64 * 1024 * 1024
 _HINT_INTERVAL_S = 1.0
 
 
@@ -63,6 +64,7 @@ class AsyncFile:
         self._ra_data = b""
         self._ra_window = _READAHEAD_MIN_BYTES
         self._last_read_end = -1
+        self._prefetch: tuple[int, int, asyncio.Task[bytes]] | None = None
 
     # -- position --------------------------------------------------------------------------------
 
@@ -81,6 +83,8 @@ class AsyncFile:
             raise InvalidArgument(f"invalid whence {whence}")
         if new < 0:
             raise InvalidArgument("negative seek position")
+        if new != self._pos:
+            self._cancel_prefetch()
         self._pos = new
         return new
 
@@ -221,6 +225,27 @@ class AsyncFile:
     def _invalidate_readahead(self) -> None:
         self._ra_data = b""
         self._last_read_end = -1
+        self._cancel_prefetch()
+
+    def _cancel_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch[2].cancel()
+            self._prefetch = None
+
+    async def _take_prefetch(self, start: int, end: int) -> bytes | None:
+        """The bytes a background read already fetched for ``[start, end)``, if it covers them."""
+        if self._prefetch is None:
+            return None
+        offset, length, task = self._prefetch
+        if offset != start or end - start > length:
+            self._cancel_prefetch()
+            return None
+        self._prefetch = None
+        try:
+            data = await task
+        except asyncio.CancelledError:
+            return None
+        return data[:end - start]
 
     async def read(self, size: int = -1) -> bytes:
         with os_errors(self.name):
@@ -238,9 +263,12 @@ class AsyncFile:
         if end <= self._pos:
             return b""
         start = self._pos
-        sequential = start == self._last_read_end
+        sequential = start == self._last_read_end or (start == 0 and self._last_read_end < 0)
         ra_end = self._ra_offset + len(self._ra_data)
-        if self._ra_offset <= start and end <= ra_end:
+        prefetched = await self._take_prefetch(start, end)
+        if prefetched is not None:
+            data = prefetched
+        elif self._ra_offset <= start and end <= ra_end:
             data = self._ra_data[start - self._ra_offset:end - self._ra_offset]
         elif sequential and end - start < self._ra_window:
             window_end = min(start + self._ra_window, self._length)
@@ -254,6 +282,12 @@ class AsyncFile:
             data = await self._read_range(start, end - start)
         self._pos = end
         self._last_read_end = end
+        size = end - start
+        if sequential and size >= _READAHEAD_MAX_BYTES and end < self._length:
+            # Large sequential reads: fetch the next piece of the same size while the caller
+            # works on this one, so storage is never idle between calls.
+            ahead = min(size, _PREFETCH_MAX_BYTES, self._length - end)
+            self._prefetch = (end, ahead, asyncio.create_task(self._read_range(end, ahead)))
         return data
 
     async def readinto(self, buffer: Buffer) -> int:
@@ -264,7 +298,6 @@ class AsyncFile:
 
     async def _read_range(self, offset: int, length: int) -> bytes:
         """Bytes ``[offset, offset + length)`` of the file, chunks fetched in parallel; holes are zeros."""
-        out = bytearray(length)
         chunk_size = self.chunk_size
         pieces = []
         pos = offset
@@ -273,17 +306,20 @@ class AsyncFile:
             pieces.append((pos, piece))
             pos += piece
 
-        async def fetch(pos: int, piece: int) -> None:
+        async def fetch(pos: int, piece: int) -> bytes:
             async with self._slots:
                 chain_id, cid = chunk_location(self.layout, self.inode.inode_id, pos // chunk_size)
                 data, _ = await self.fs.storage.read(chain_id, cid, pos % chunk_size, piece)
-            out[pos - offset:pos - offset + len(data)] = data
+            return data
+
+        async def padded(pos: int, piece: int) -> bytes:
+            data = await fetch(pos, piece)
+            return data if len(data) == piece else data + bytes(piece - len(data))
 
         if len(pieces) == 1:
-            await fetch(*pieces[0])
-        else:
-            await asyncio.gather(*(fetch(p, n) for p, n in pieces))
-        return bytes(out)
+            return await padded(offset, length)
+        # One copy into the result: each chunk's bytes are joined in place, holes as zeros.
+        return b"".join(await asyncio.gather(*(padded(p, n) for p, n in pieces)))
 
     # -- closing ---------------------------------------------------------------------------------
 
@@ -300,6 +336,7 @@ class AsyncFile:
         except BaseException as exc:
             error = exc
         self.closed = True
+        self._cancel_prefetch()
         if self._hint_task is not None and not self._hint_task.done():
             self._hint_task.cancel()
         if self.session_id:
