@@ -163,7 +163,7 @@ def main() -> int:
         print(f"  {name}: {value:.3f}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out_dir / f"file-{stamp}.json"
     path.write_text(json.dumps({"when": stamp, **result}, indent=2))
     print(f"wrote {path}")

@@ -180,7 +180,7 @@ def main() -> int:
           f"{listing['local_per_s']:.1f}/s, ratio {listing['fs3_per_s'] / listing['local_per_s']:.3f}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out_dir / f"meta-{stamp}.json"
     path.write_text(json.dumps({"when": stamp, **report}, indent=2))
     print(f"wrote {path}")

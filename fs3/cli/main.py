@@ -3,7 +3,8 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage --config FILE [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
-    fs3 admin   --mgmtd HOST:PORT [--token T] [--json] nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
+    fs3 admin   --mgmtd HOST:PORT [--token T] [--json]
+                nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
     fs3 local   up|status|down|kill|start [--dir DIR]
 """
 
