@@ -156,3 +156,30 @@ def test_rocksdb_engine_is_durable(tmp_path: Path) -> None:
         assert await again.begin().get(b"inode/1") == b"root"
         again.store.close()
     run(body())
+
+
+def test_group_commit_shares_wal_syncs_and_acknowledges_only_durable_commits(tmp_path: Path) -> None:
+    async def body() -> None:
+        store = RocksKVStore(tmp_path / "db")
+        engine = OptimisticTxnEngine(store, sync=True)
+
+        async def put(i: int) -> None:
+            async def fn(txn: Transaction) -> None:
+                txn.put(b"k%04d" % i, b"v")
+
+            await run_transaction(engine, fn)
+
+        await asyncio.gather(*(put(i) for i in range(200)))
+        assert engine.commits == 200 and 0 < engine.wal_syncs < 200
+        store.close()
+
+        mem = MemKVStore()
+        durable = OptimisticTxnEngine(mem, sync=True)
+
+        async def fn(txn: Transaction) -> None:
+            txn.put(b"acked", b"1")
+
+        await run_transaction(durable, fn)
+        mem.crash()  # everything acknowledged survives a crash
+        assert mem.get(b"acked") == b"1"
+    run(body())

@@ -38,6 +38,10 @@ class KVStore(Protocol):
 
     def write(self, batch: WriteBatch, sync: bool = True) -> None: ...
 
+    def sync_wal(self) -> None:
+        """Make every write so far durable (one fsync for many ``sync=False`` writes: group commit)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -99,6 +103,13 @@ class MemKVStore:
         else:
             self._unsynced = True
 
+    # Syncing copies a dict: cheap, and must not race with writes on the event-loop thread.
+    sync_in_thread = False
+
+    def sync_wal(self) -> None:
+        self._durable = dict(self._data)
+        self._unsynced = False
+
     def crash(self) -> None:
         """Lose every unsynced write."""
         self._data = dict(self._durable)
@@ -158,6 +169,15 @@ class RocksKVStore:
             self._db.write(rb, self._sync_opts if sync else self._nosync_opts)
         except Exception as exc:
             raise IoError(f"RocksDB write to {self._path} failed: {exc}") from None
+
+    # An fsync: run it off the event loop so commits keep flowing while it waits for the disk.
+    sync_in_thread = True
+
+    def sync_wal(self) -> None:
+        try:
+            self._db.flush_wal(True)
+        except Exception as exc:
+            raise IoError(f"RocksDB WAL sync of {self._path} failed: {exc}") from None
 
     def close(self) -> None:
         self._db.close()

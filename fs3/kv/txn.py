@@ -54,6 +54,10 @@ class Transaction(Protocol):
 class TxnEngine(Protocol):
     def begin(self) -> Transaction: ...
 
+    async def wait_durable(self) -> None:
+        """Return once every commit that readers may already have seen is durable."""
+        ...
+
 
 @dataclass
 class TxnFaults:
@@ -132,8 +136,11 @@ class OptimisticTxnEngine:
         self._seq = 0
         self._history: deque[tuple[int, list[bytes]]] = deque(maxlen=history_max)
         self._lock = asyncio.Lock()
+        self._durable_seq = 0
+        self._sync_task: asyncio.Future[None] | None = None
         self.commits = 0
         self.conflicts = 0
+        self.wal_syncs = 0
 
     def begin(self) -> _OptimisticTxn:
         return _OptimisticTxn(self, self._seq)
@@ -165,6 +172,13 @@ class OptimisticTxnEngine:
         return faults.maybe_committed_probability > 0 and faults.rng.random() < faults.maybe_committed_probability
 
     async def commit(self, txn: _OptimisticTxn) -> None:
+        """Validate and apply under the lock; with ``sync``, return only once the commit is durable.
+
+        Group commit: the write batch goes to the store at once (later transactions read it), and
+        durability comes from one WAL sync shared by every commit made while the previous sync
+        was running — so many clients share each fsync instead of queueing behind one fsync each.
+        """
+        seq = 0
         async with self._lock:
             if self._inject("conflict") or self._conflicts(txn):
                 self.conflicts += 1
@@ -176,12 +190,34 @@ class OptimisticTxnEngine:
                         batch.delete(key)
                     else:
                         batch.put(key, value)  # type: ignore[arg-type]
-                self.store.write(batch, sync=self.sync)
+                self.store.write(batch, sync=False)
                 self._seq += 1
+                seq = self._seq
                 self._history.append((self._seq, sorted(txn.writes)))
             self.commits += 1
-            if self._inject("maybe_committed"):
-                raise MaybeCommitted("the commit's outcome is unknown (injected)")
+        if seq and self.sync:
+            await self._wait_seq_durable(seq)
+        if self._inject("maybe_committed"):
+            raise MaybeCommitted("the commit's outcome is unknown (injected)")
+
+    async def wait_durable(self) -> None:
+        if self.sync:
+            await self._wait_seq_durable(self._seq)
+
+    async def _wait_seq_durable(self, seq: int) -> None:
+        while self._durable_seq < seq:
+            if self._sync_task is None or self._sync_task.done():
+                self._sync_task = asyncio.ensure_future(self._sync_wal())
+            await asyncio.shield(self._sync_task)
+
+    async def _sync_wal(self) -> None:
+        target = self._seq
+        if getattr(self.store, "sync_in_thread", False):
+            await asyncio.to_thread(self.store.sync_wal)
+        else:
+            self.store.sync_wal()
+        self.wal_syncs += 1
+        self._durable_seq = max(self._durable_seq, target)
 
 
 async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]], retry_max: int = 20,

@@ -159,8 +159,14 @@ class MetaService:
                      stripe_default=self.config.stripe_default)
 
     async def _read(self, ctx: mpb.ReqCtx, fn: Callable[[Namespace], Awaitable[T]]) -> T:
-        """A read-only operation: reads the latest committed state, commits nothing."""
-        return await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+        """A read-only operation: reads the latest committed state, commits nothing.
+
+        It answers only once what it read is durable, so no client ever sees a change that a
+        crash could still take back (commits become visible before their group fsync ends).
+        """
+        result = await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+        await self.engine.wait_durable()
+        return result
 
     async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]]) -> M:
         """One idempotent transaction: the answer is committed with the change, keyed by the request."""
