@@ -214,6 +214,36 @@ def test_errors_are_os_errors_with_the_right_errno(tmp_path: Path) -> None:
     with_cluster(tmp_path / "c", body)
 
 
+def test_bad_file_operations_fail_cleanly_and_change_nothing(tmp_path: Path) -> None:
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        await fs.write_bytes("/t/f", b"0123456789")
+        async with await fs.open("/t/f", "rb") as f:
+            with pytest.raises(OSError) as info:
+                f.seek(-1)
+            assert info.value.errno == errno.EINVAL
+            with pytest.raises(OSError) as info:
+                await f.write(b"x")
+            assert info.value.errno == errno.EBADF
+        async with await fs.open("/t/f", "r+b") as f:
+            with pytest.raises(OSError) as info:
+                await f.truncate(-5)
+            assert info.value.errno == errno.EINVAL
+        with pytest.raises(OSError):
+            await fs.truncate("/t/f", -1)
+        with pytest.raises(ValueError):
+            await fs.open("/t/f", "rw")
+        with pytest.raises(ValueError):
+            await fs.stat("/t/a\x00b")
+        closed = await fs.open("/t/f", "rb")
+        await closed.close()
+        with pytest.raises(OSError) as info:
+            await closed.read()
+        assert info.value.errno == errno.EBADF
+        assert await fs.read_bytes("/t/f") == b"0123456789"
+
+    with_cluster(tmp_path / "c", body)
+
+
 def test_fsck_reports_damage(tmp_path: Path) -> None:
     async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
         await fs.write_bytes("/t/a", b"a" * 100)

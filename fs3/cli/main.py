@@ -156,6 +156,7 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
     meta = MetaClient(routing, admin.channels, os.urandom(16),
                       lambda: meta_pb2.User(uid=os.getuid(), gid=os.getgid(), groups=os.getgroups()),
                       rpc_timeout_ms=max(admin.timeout_ms, 60_000), retry_total_ms=admin.timeout_ms)
+    await meta.renew()  # a lease, so meta forgets this short-lived client's request records when it expires
     if args.command == "fsck":
         print("fs3: checking the namespace" + (" and every chunk on storage" if args.chunks else "") + "...",
               file=sys.stderr, flush=True)

@@ -72,6 +72,10 @@ class AsyncFile:
         return self._pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
+        with os_errors(self.name):
+            return self._seek(offset, whence)
+
+    def _seek(self, offset: int, whence: int) -> int:
         self._check_open()
         if whence == 0:
             new = offset

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 from fs3 import meta_pb2 as mpb
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, PathLike
-from fs3.common.errors import InvalidArgument
 
 __all__ = ["File", "FileSystem", "connect"]
 
@@ -85,10 +84,7 @@ class RawFile(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
-        try:
-            return self.afile.seek(offset, whence)
-        except InvalidArgument as exc:
-            raise exc.to_os_error(self.name) from None
+        return self.afile.seek(offset, whence)
 
     def tell(self) -> int:
         self._checkClosed()
