@@ -9,7 +9,7 @@ PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
 SEEDS ?= 2000
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint typecheck sim bench clean install
+.PHONY: run test proto lint typecheck sim bench bench-meta bench-file clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -41,6 +41,13 @@ sim: install
 
 bench: install
 	$(PY) bench/chunk_bench.py
+
+# Metadata ops/s (1 and 16 clients) and 1 GiB file throughput, each next to a local directory.
+bench-meta: install
+	$(PY) bench/meta_bench.py
+
+bench-file: install
+	$(PY) bench/file_bench.py
 
 clean:
 	rm -rf $(VENV) fs3/*_pb2.py fs3/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache
