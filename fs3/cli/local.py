@@ -275,7 +275,10 @@ def _print_endpoints(cluster: LocalCluster) -> None:
     print(f"  token: {cluster.token}")
     installed = Path(sys.executable).parent / "fs3"
     command = str(installed) if installed.exists() else "fs3"
+    print(f"  python: import fs3; fs = fs3.connect({cluster.mgmtd_address!r}, token={cluster.token!r})")
+    print(f"  url:    fs3://{cluster.mgmtd_address}/path  (fsspec, pandas; storage_options={{'token': ...}})")
     print(f"  try:   {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} chains")
+    print(f"         {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} fsck")
     print(f"         {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} verify")
     print(f"         {command} local kill storage-2 --dir {cluster.root}   (a drill; 'local start' undoes it)")
 
