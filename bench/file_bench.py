@@ -6,8 +6,8 @@ In one run on this machine:
   (``fsync`` before the write is timed as done, page cache dropped before the read when root);
 * storage level: the chunk client alone (no metadata, no files) writing and reading the same
   bytes as 4 MiB chunks on the same 3-replica chains, with the same requests in flight;
-* fs3 file: the native client library (``fs3.aio``), ``open`` / ``write`` / ``close`` and
-  ``open`` / ``read``, 4 MiB chunks striped over the chains.
+* fs3 file: the native client library (``fs3.aio``), 4 MiB ``write`` calls then ``close``, and
+  4 MiB ``read`` calls; 4 MiB chunks striped over the chains.
 
 Usage: ``python bench/file_bench.py [--size-mib 1024] [--inflight 8]``.
 Writes ``bench/results/file-<timestamp>.json`` and prints the ratios.
@@ -98,7 +98,7 @@ async def _file_level(fs: Any, data: memoryview) -> tuple[float, float]:
     _drop_caches()
     start = time.perf_counter()
     async with await fs.open("/bench/big", "rb") as f:
-        while await f.read(PIECE * 8):
+        while await f.read(PIECE):
             pass
     return write_s, time.perf_counter() - start
 

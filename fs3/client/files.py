@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from fs3 import meta_pb2 as mpb
@@ -29,8 +30,6 @@ __all__ = ["AsyncFile"]
 log = logging.getLogger(__name__)
 
 _READAHEAD_MIN_BYTES = 128 * 1024
-_READAHEAD_MAX_BYTES = 4 * 1024 * 1024
-_PREFETCH_MAX_BYTES = 64 * 1024 * 1024
 _HINT_INTERVAL_S = 1.0
 
 
@@ -60,11 +59,11 @@ class AsyncFile:
         self._error: BaseException | None = None
         self._last_hint = time.monotonic()
         self._hint_task: asyncio.Task[None] | None = None
-        self._ra_offset = 0
-        self._ra_data = b""
         self._ra_window = _READAHEAD_MIN_BYTES
+        # Sequential reads keep up to one chunk per in-flight slot fetched ahead of the reader.
+        self._readahead_max = max(_READAHEAD_MIN_BYTES, inflight_max * self.chunk_size)
+        self._ahead: deque[tuple[int, int, asyncio.Task[bytes]]] = deque()
         self._last_read_end = -1
-        self._prefetch: tuple[int, int, asyncio.Task[bytes]] | None = None
 
     # -- position --------------------------------------------------------------------------------
 
@@ -88,7 +87,7 @@ class AsyncFile:
         if new < 0:
             raise InvalidArgument("negative seek position")
         if new != self._pos:
-            self._cancel_prefetch()
+            self._cancel_readahead()
         self._pos = new
         return new
 
@@ -227,29 +226,56 @@ class AsyncFile:
     # -- reading ---------------------------------------------------------------------------------
 
     def _invalidate_readahead(self) -> None:
-        self._ra_data = b""
         self._last_read_end = -1
-        self._cancel_prefetch()
+        self._cancel_readahead()
 
-    def _cancel_prefetch(self) -> None:
-        if self._prefetch is not None:
-            self._prefetch[2].cancel()
-            self._prefetch = None
+    def _cancel_readahead(self) -> None:
+        for _, _, task in self._ahead:
+            task.cancel()
+        self._ahead.clear()
+        self._ra_window = _READAHEAD_MIN_BYTES
 
-    async def _take_prefetch(self, start: int, end: int) -> bytes | None:
-        """The bytes a background read already fetched for ``[start, end)``, if it covers them."""
-        if self._prefetch is None:
-            return None
-        offset, length, task = self._prefetch
-        if offset != start or end - start > length:
-            self._cancel_prefetch()
-            return None
-        self._prefetch = None
-        try:
+    def _fetch_task(self, offset: int, length: int) -> asyncio.Task[bytes]:
+        return asyncio.create_task(self._fetch_piece(offset, length))
+
+    async def _fetch_piece(self, offset: int, length: int) -> bytes:
+        """One piece within one chunk, padded with zeros past the chunk's end (a hole)."""
+        chunk_size = self.chunk_size
+        async with self._slots:
+            chain_id, cid = chunk_location(self.layout, self.inode.inode_id, offset // chunk_size)
+            data, _ = await self.fs.storage.read(chain_id, cid, offset % chunk_size, length)
+        return data if len(data) == length else data + bytes(length - len(data))
+
+    def _top_up(self, start: int, want_end: int) -> None:
+        """Keep pieces in flight from ``start`` to the read-ahead window (and at least ``want_end``)."""
+        queued_end = self._ahead[-1][0] + self._ahead[-1][1] if self._ahead else start
+        target = min(self._length, max(want_end, start + self._ra_window))
+        while queued_end < target:
+            piece = min(self.chunk_size - queued_end % self.chunk_size, target - queued_end)
+            self._ahead.append((queued_end, piece, self._fetch_task(queued_end, piece)))
+            queued_end += piece
+
+    async def _read_sequential(self, start: int, end: int) -> bytes:
+        """Serve ``[start, end)`` from the read-ahead queue, keeping it full as it drains."""
+        if self._ahead and not self._ahead[0][0] <= start < self._ahead[0][0] + self._ahead[0][1]:
+            self._cancel_readahead()
+        self._top_up(start, end)
+        parts: list[bytes] = []
+        pos = start
+        while pos < end:
+            offset, length, task = self._ahead[0]
             data = await task
-        except asyncio.CancelledError:
-            return None
-        return data[:end - start]
+            take_end = min(end, offset + length)
+            whole = pos == offset and take_end == offset + length
+            parts.append(data if whole else data[pos - offset:take_end - offset])
+            pos = take_end
+            if pos == offset + length:
+                self._ahead.popleft()
+            # Grow the window while the reader keeps reading sequentially, and refill it.
+            self._top_up(pos, end)
+        self._ra_window = min(self._ra_window * 2, self._readahead_max)
+        self._top_up(end, end)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def read(self, size: int = -1) -> bytes:
         with os_errors(self.name):
@@ -268,30 +294,13 @@ class AsyncFile:
             return b""
         start = self._pos
         sequential = start == self._last_read_end or (start == 0 and self._last_read_end < 0)
-        ra_end = self._ra_offset + len(self._ra_data)
-        prefetched = await self._take_prefetch(start, end)
-        if prefetched is not None:
-            data = prefetched
-        elif self._ra_offset <= start and end <= ra_end:
-            data = self._ra_data[start - self._ra_offset:end - self._ra_offset]
-        elif sequential and end - start < self._ra_window:
-            window_end = min(start + self._ra_window, self._length)
-            self._ra_data = await self._read_range(start, window_end - start)
-            self._ra_offset = start
-            self._ra_window = min(self._ra_window * 2, _READAHEAD_MAX_BYTES)
-            data = self._ra_data[:end - start]
+        if sequential:
+            data = await self._read_sequential(start, end)
         else:
-            if not sequential:
-                self._ra_window = _READAHEAD_MIN_BYTES
+            self._cancel_readahead()
             data = await self._read_range(start, end - start)
         self._pos = end
         self._last_read_end = end
-        size = end - start
-        if sequential and size >= _READAHEAD_MAX_BYTES and end < self._length:
-            # Large sequential reads: fetch the next piece of the same size while the caller
-            # works on this one, so storage is never idle between calls.
-            ahead = min(size, _PREFETCH_MAX_BYTES, self._length - end)
-            self._prefetch = (end, ahead, asyncio.create_task(self._read_range(end, ahead)))
         return data
 
     async def readinto(self, buffer: Buffer) -> int:
@@ -309,21 +318,10 @@ class AsyncFile:
             piece = min(chunk_size - pos % chunk_size, offset + length - pos)
             pieces.append((pos, piece))
             pos += piece
-
-        async def fetch(pos: int, piece: int) -> bytes:
-            async with self._slots:
-                chain_id, cid = chunk_location(self.layout, self.inode.inode_id, pos // chunk_size)
-                data, _ = await self.fs.storage.read(chain_id, cid, pos % chunk_size, piece)
-            return data
-
-        async def padded(pos: int, piece: int) -> bytes:
-            data = await fetch(pos, piece)
-            return data if len(data) == piece else data + bytes(piece - len(data))
-
         if len(pieces) == 1:
-            return await padded(offset, length)
-        # One copy into the result: each chunk's bytes are joined in place, holes as zeros.
-        return b"".join(await asyncio.gather(*(padded(p, n) for p, n in pieces)))
+            return await self._fetch_piece(offset, length)
+        # One copy into the result: each chunk's bytes are joined in place.
+        return b"".join(await asyncio.gather(*(self._fetch_piece(p, n) for p, n in pieces)))
 
     # -- closing ---------------------------------------------------------------------------------
 
@@ -340,7 +338,7 @@ class AsyncFile:
         except BaseException as exc:
             error = exc
         self.closed = True
-        self._cancel_prefetch()
+        self._cancel_readahead()
         if self._hint_task is not None and not self._hint_task.done():
             self._hint_task.cancel()
         if self.session_id:

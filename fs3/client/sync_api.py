@@ -80,7 +80,8 @@ class RawFile(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         self._checkClosed()
-        return self._runner.run(self.afile.write(bytes(data) if not isinstance(data, bytes) else data))
+        # No copy: the caller's buffer is copied into the file's chunk buffers before write returns.
+        return self._runner.run(self.afile.write(data))
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
