@@ -159,6 +159,26 @@ async def _async(value: Any) -> Any:
     return value
 
 
+def test_chunk_gc_survives_a_meta_restart(tmp_path: Path) -> None:
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        await fs.write_bytes("/t/big", os.urandom(5 * CHUNK))
+        inode = (await fs.stat("/t/big")).st_ino
+        assert cluster.meta is not None
+        # Keep this meta's GC from running: the job must wait in the store for the next one.
+        cluster.meta.config.gc_interval_ms = 600_000
+        for task in cluster.meta._tasks:
+            task.cancel()
+        await fs.remove("/t/big")
+        assert chunks_of(cluster, inode) == 5
+        await cluster.stop_meta()
+        cluster.meta_config = MetaServiceConfig(root_mode=0o777, prune_interval_ms=100, gc_interval_ms=100)
+        await cluster.start_meta()
+        await wait_until(lambda: _async(chunks_of(cluster, inode) == 0), timeout_s=10, what="chunks collected")
+        assert (await fs.fsck()).gc_pending == 0
+
+    with_cluster(tmp_path / "c", body)
+
+
 def test_sessions_of_a_dead_client_are_pruned_and_its_length_made_exact(tmp_path: Path) -> None:
     async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
         dying = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)

@@ -143,7 +143,14 @@ class RocksKVStore:
         return None if value is None else bytes(value)
 
     def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
-        it = self._db.iter()
+        from rocksdict import ReadOptions
+
+        options = ReadOptions()
+        if end is not None:
+            # Without an upper bound the iterator skips every deleted key past `end` until it finds
+            # a live one (deleted sessions, jobs...): a short scan would cost O(tombstones).
+            options.set_iterate_upper_bound(end)
+        it = self._db.iter(options)
         it.seek(start)
         count = 0
         while it.valid():
