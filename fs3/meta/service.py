@@ -186,8 +186,8 @@ class MetaService:
         return await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
 
     async def _ensure_tables(self, user: mpb.User) -> None:
-        """Creating files needs the chain tables: fetch routing once if we have none yet."""
-        if not self._chain_tables():
+        """Creating files needs the chain tables: fetch routing if the default table is not known yet."""
+        if self.config.chain_table_id not in self._chain_tables():
             with contextlib.suppress(FS3Error):
                 await self.routing.refresh()
 
