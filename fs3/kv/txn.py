@@ -135,7 +135,6 @@ class OptimisticTxnEngine:
         self.faults = faults or TxnFaults()
         self._seq = 0
         self._history: deque[tuple[int, list[bytes]]] = deque(maxlen=history_max)
-        self._lock = asyncio.Lock()
         self._durable_seq = 0
         self._sync_task: asyncio.Future[None] | None = None
         self.commits = 0
@@ -172,29 +171,29 @@ class OptimisticTxnEngine:
         return faults.maybe_committed_probability > 0 and faults.rng.random() < faults.maybe_committed_probability
 
     async def commit(self, txn: _OptimisticTxn) -> None:
-        """Validate and apply under the lock; with ``sync``, return only once the commit is durable.
+        """Validate and apply; with ``sync``, return only once the commit is durable.
 
         Group commit: the write batch goes to the store at once (later transactions read it), and
         durability comes from one WAL sync shared by every commit made while the previous sync
         was running — so many clients share each fsync instead of queueing behind one fsync each.
         """
+        # Validation and apply contain no await: on one event loop they are atomic without a lock.
+        if self._inject("conflict") or self._conflicts(txn):
+            self.conflicts += 1
+            raise TxnConflict("a key this transaction read was changed by another one")
         seq = 0
-        async with self._lock:
-            if self._inject("conflict") or self._conflicts(txn):
-                self.conflicts += 1
-                raise TxnConflict("a key this transaction read was changed by another one")
-            if txn.writes:
-                batch = WriteBatch()
-                for key, value in sorted(txn.writes.items()):
-                    if value is _DELETED:
-                        batch.delete(key)
-                    else:
-                        batch.put(key, value)  # type: ignore[arg-type]
-                self.store.write(batch, sync=False)
-                self._seq += 1
-                seq = self._seq
-                self._history.append((self._seq, sorted(txn.writes)))
-            self.commits += 1
+        if txn.writes:
+            batch = WriteBatch()
+            for key, value in sorted(txn.writes.items()):
+                if value is _DELETED:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)  # type: ignore[arg-type]
+            self.store.write(batch, sync=False)
+            self._seq += 1
+            seq = self._seq
+            self._history.append((self._seq, sorted(txn.writes)))
+        self.commits += 1
         if seq and self.sync:
             await self._wait_seq_durable(seq)
         if self._inject("maybe_committed"):

@@ -117,6 +117,8 @@ class MetaService:
         self._gc_wakeup = asyncio.Event()
         self._truncate_locks: dict[int, asyncio.Lock] = {}
         self._started_ms = 0
+        self._tables: dict[int, list[int]] = {}
+        self._tables_version = -1
         self.gc_removed_chunks = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -152,7 +154,10 @@ class MetaService:
         routing = self.routing.routing
         if routing is None:
             return {}
-        return {t.table_id: list(t.chain_ids) for t in routing.chain_tables}
+        if self._tables_version != routing.routing_version:
+            self._tables = {t.table_id: list(t.chain_ids) for t in routing.chain_tables}
+            self._tables_version = routing.routing_version
+        return self._tables
 
     def _env(self, user: mpb.User) -> OpEnv:
         return OpEnv(now_ns=self.wall_ns(), caller=Caller.from_pb(user), chain_tables=self._chain_tables(),
@@ -230,7 +235,7 @@ class MetaService:
         now_ms = self._now_ms()
         rsp = await self._mutate(req.ctx, mpb.OpenRsp, lambda ns: ns.open(
             req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms))
-        if req.flags & O_TRUNC:
+        if req.flags & O_TRUNC and not rsp.created:
             await self._finish_truncate(rsp.inode.inode_id)
         return rsp, _EMPTY
 
