@@ -3,6 +3,8 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage --config FILE [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
+    fs3 mount   MGMTD MOUNTPOINT [--token T] [--foreground]
+    fs3 umount  MOUNTPOINT
     fs3 admin   --mgmtd HOST:PORT [--token T] [--json]
                 nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
     fs3 local   up|status|down|kill|start [--dir DIR]
@@ -204,6 +206,21 @@ def _parser() -> argparse.ArgumentParser:
     meta.add_argument("--config", help="TOML config file")
     meta.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
 
+    mount = sub.add_parser("mount", help="mount fs3 with FUSE")
+    mount.add_argument("mgmtd", help="mgmtd host:port")
+    mount.add_argument("mountpoint")
+    mount.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
+    mount.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    mount.add_argument("--transport", choices=("framed", "grpc"), default="framed")
+    mount.add_argument("--allow-other", dest="allow_other", action="store_true", default=None,
+                       help="let other users use the mount (default: when run as root)")
+    mount.add_argument("--no-allow-other", dest="allow_other", action="store_false")
+    mount.add_argument("--log", help="daemon log file (background mounts)")
+    mount.add_argument("--log-level", default="INFO")
+    mount.add_argument("--ready-file", help=argparse.SUPPRESS)
+    umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
+    umount.add_argument("mountpoint")
+
     local = sub.add_parser("local", help="a whole cluster on this machine")
     local_sub = local.add_subparsers(dest="action", required=True)
     up = local_sub.add_parser("up", help="start (or restart) the local cluster")
@@ -268,6 +285,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fs3.meta.server import MetaConfig, run_meta
 
             run_meta(load_config(MetaConfig, args.config, env_prefix="FS3_META"), args.ready_file)
+            return 0
+        if args.service in ("mount", "umount"):
+            from fs3.fuse.mount import MountOptions, mount_background, run_foreground, umount
+
+            if args.service == "umount":
+                umount(args.mountpoint)
+                print(f"fs3: {args.mountpoint} unmounted")
+                return 0
+            options = MountOptions(token=args.token or os.environ.get("FS3_TOKEN"), transport=args.transport,
+                                   allow_other=args.allow_other, log_level=args.log_level)
+            if args.foreground:
+                return run_foreground(args.mgmtd, args.mountpoint, options, args.ready_file)
+            pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)
+            print(f"fs3: mounted at {args.mountpoint} (daemon pid {pid}); unmount with: fs3 umount {args.mountpoint}")
             return 0
         if args.service == "local":
             from fs3.cli.local import local_command

@@ -96,6 +96,12 @@ class AsyncFile:
         """The file's length as this handle knows it (its own writes included)."""
         return self._length
 
+    def set_known_length(self, size: int) -> None:
+        """The file was truncated elsewhere (another handle, a path): forget the old end."""
+        self._length = size
+        self._written_end = min(self._written_end, size)
+        self._invalidate_readahead()
+
     def _check_open(self) -> None:
         if self.closed:
             raise BadHandle("I/O on a closed file")
@@ -111,16 +117,27 @@ class AsyncFile:
         with os_errors(self.name):
             return await self._write(data)
 
+    async def pwrite(self, offset: int, data: Buffer) -> int:
+        """Write at ``offset`` without moving the file position (FUSE writes)."""
+        with os_errors(self.name):
+            if offset < 0:
+                raise InvalidArgument("negative offset")
+            return await self._write_at(offset, data)
+
     async def _write(self, data: Buffer) -> int:
+        if self.append:
+            self._pos = self._length
+        written = await self._write_at(self._pos, data)
+        self._pos += written
+        return written
+
+    async def _write_at(self, pos: int, data: Buffer) -> int:
         self._check_open()
         if not self.writable:
             raise BadHandle("file not open for writing")
         self._raise_background_error()
         view = memoryview(data).cast("B")
         total = len(view)
-        if self.append:
-            self._pos = self._length
-        pos = self._pos
         offset = 0
         chunk_size = self.chunk_size
         while offset < total:
@@ -136,7 +153,6 @@ class AsyncFile:
             offset += len(piece)
             if pos % chunk_size == 0:
                 await self._send_buffer()
-        self._pos = pos
         if total:
             self._wrote = True
             self._invalidate_readahead()
@@ -281,25 +297,35 @@ class AsyncFile:
         with os_errors(self.name):
             return await self._read(size)
 
+    async def pread(self, offset: int, size: int) -> bytes:
+        """Read at ``offset`` without moving the file position (FUSE reads)."""
+        with os_errors(self.name):
+            if offset < 0:
+                raise InvalidArgument("negative offset")
+            return await self._read_at(offset, size)
+
     async def _read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = max(0, self._length - self._pos)
+        data = await self._read_at(self._pos, size)
+        self._pos += len(data)
+        return data
+
+    async def _read_at(self, start: int, size: int) -> bytes:
         self._check_open()
         if not self.readable:
             raise BadHandle("file not open for reading")
         if self._buf or self._inflight:
             await self._flush()
-        if size is None or size < 0:
-            size = max(0, self._length - self._pos)
-        end = min(self._pos + size, self._length)
-        if end <= self._pos:
+        end = min(start + size, self._length)
+        if end <= start:
             return b""
-        start = self._pos
         sequential = start == self._last_read_end or (start == 0 and self._last_read_end < 0)
         if sequential:
             data = await self._read_sequential(start, end)
         else:
             self._cancel_readahead()
             data = await self._read_range(start, end - start)
-        self._pos = end
         self._last_read_end = end
         return data
 

@@ -53,10 +53,10 @@ class MetaClient:
         self._lease_task: asyncio.Task[None] | None = None
         self.lease_ms = 30_000
 
-    def ctx(self) -> tuple[mpb.ReqCtx, int]:
+    def ctx(self, user: mpb.User | None = None) -> tuple[mpb.ReqCtx, int]:
         request_id = self._next_request
         self._next_request += 1
-        return mpb.ReqCtx(user=self.user(), client_id=self.client_id, request_id=request_id), request_id
+        return mpb.ReqCtx(user=user or self.user(), client_id=self.client_id, request_id=request_id), request_id
 
     def _meta_addresses(self) -> list[str]:
         routing = self.routing.routing
@@ -66,12 +66,15 @@ class MetaClient:
         nodes.sort(key=lambda n: (not n.alive, n.node_id))
         return [self.channels.node_address(n.framed_address, n.grpc_address) for n in nodes]
 
-    async def call(self, name: str, req: Message, rsp_type: type[M]) -> M:
-        """Call a Meta method; the request's ``ctx`` (if any) is filled in and kept across retries."""
+    async def call(self, name: str, req: Message, rsp_type: type[M], user: mpb.User | None = None) -> M:
+        """Call a Meta method; the request's ``ctx`` (if any) is filled in and kept across retries.
+
+        ``user`` overrides the client's identity for this call (the FUSE daemon acts for each caller).
+        """
         method = _META.method(name)
         request_id = 0
         if "ctx" in req.DESCRIPTOR.fields_by_name:
-            ctx, request_id = self.ctx()
+            ctx, request_id = self.ctx(user)
             req.ctx.CopyFrom(ctx)  # type: ignore[attr-defined]
             self._in_flight.add(request_id)
         deadline_ms = self.clock.now_ms() + self.retry_total_ms

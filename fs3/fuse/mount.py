@@ -1,0 +1,164 @@
+"""Mounting and unmounting: ``fs3 mount MGMTD MNT`` and ``fs3 umount MNT``.
+
+The daemon runs pyfuse3 in asyncio mode on the same event loop as the client library. In the
+foreground it unmounts on SIGINT/SIGTERM and on any exit; in the background (the default) the
+command starts the daemon as its own session, waits until the mount answers, and returns. A
+daemon that died (SIGKILL, crash) leaves a mount point that answers ENOTCONN: ``fs3 umount``
+detaches it (lazily if need be), and ``fs3 mount`` cleans such a leftover up before mounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fs3.common.errors import InvalidArgument, Unavailable
+
+__all__ = ["MountOptions", "is_mounted", "mount_background", "run_foreground", "umount"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MountOptions:
+    token: str | None = None
+    transport: str = "framed"
+    allow_other: bool | None = None     # None: when running as root (others need /etc/fuse.conf)
+    attr_timeout_s: float = 1.0
+    entry_timeout_s: float = 1.0
+    inflight_per_file: int = 8
+    log_level: str = "INFO"
+
+
+def _mount_entries() -> list[str]:
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    return [line.split()[4].encode().decode("unicode_escape") for line in lines if len(line.split()) > 4]
+
+
+def is_mounted(mountpoint: str | Path) -> bool:
+    return str(Path(mountpoint).resolve()) in _mount_entries() or os.path.ismount(mountpoint)
+
+
+def _is_dead_mount(mountpoint: str | Path) -> bool:
+    try:
+        os.stat(mountpoint)
+        return False
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+
+
+def umount(mountpoint: str | Path, lazy_if_busy: bool = True) -> None:
+    """Unmount a fs3 mount (a live one, or the remains of a daemon that died)."""
+    path = str(Path(mountpoint).absolute())
+    if not is_mounted(path) and not _is_dead_mount(path):
+        raise InvalidArgument(f"{path} is not mounted")
+    tool = "fusermount3" if _which("fusermount3") else "fusermount"
+    result = subprocess.run([tool, "-u", path], capture_output=True, text=True)
+    if result.returncode != 0 and lazy_if_busy:
+        result = subprocess.run([tool, "-uz", path], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise Unavailable(f"cannot unmount {path}: {result.stderr.strip()}")
+
+
+def _which(name: str) -> bool:
+    return any(os.access(os.path.join(d, name), os.X_OK) for d in os.environ.get("PATH", "").split(":"))
+
+
+def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_file: str | None = None) -> int:
+    """Mount and serve until unmounted or signalled; always unmounts on the way out."""
+    import pyfuse3
+    import pyfuse3.asyncio as pyfuse3_asyncio
+
+    from fs3.common.logging import setup_logging
+
+    setup_logging("mount", options.log_level)
+    # Resolved before mounting: once mounted, touching the mount point from this process would
+    # wait for this process to answer FUSE's first request — a deadlock.
+    target = Path(mountpoint).resolve()
+    if _is_dead_mount(target):
+        log.warning("cleaning up a dead fs3 mount at %s", target)
+        umount(target)
+    if not target.is_dir():
+        raise InvalidArgument(f"mount point {target} is not a directory")
+    pyfuse3_asyncio.enable()
+
+    async def main() -> None:
+        import fs3.aio
+        from fs3.fuse.ops import FS3Operations
+        from fs3.vfs import Vfs, VfsConfig
+
+        fs = await fs3.aio.connect(mgmtd, token=options.token, transport=options.transport)
+        vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
+                                inflight_per_file=options.inflight_per_file))
+        fuse_options = set(pyfuse3.default_options) | {"fsname=fs3", "subtype=fs3"}
+        allow_other = os.geteuid() == 0 if options.allow_other is None else options.allow_other
+        if allow_other:
+            fuse_options.add("allow_other")
+        pyfuse3.init(FS3Operations(vfs), str(target), fuse_options)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, pyfuse3.terminate)
+        if ready_file:
+            Path(ready_file).write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(target),
+                                                    "mgmtd": mgmtd}))
+        log.info("fs3 mounted at %s (mgmtd %s)", target, mgmtd)
+        try:
+            await pyfuse3.main()
+        finally:
+            with contextlib.suppress(Exception):
+                await vfs.close()
+            pyfuse3.close(unmount=True)
+            await fs.close()
+            log.info("fs3 unmounted from %s", target)
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_file: str | None = None,
+                     timeout_s: float = 30) -> int:
+    """Start the daemon in its own session and return once the mount answers; returns its pid."""
+    target = Path(mountpoint).resolve()
+    if is_mounted(target) and not _is_dead_mount(target):
+        raise InvalidArgument(f"{target} is already mounted")
+    log_path = Path(log_file) if log_file else Path(f"/tmp/fs3-mount-{abs(hash(str(target))) % 10**8}.log")
+    ready = log_path.with_suffix(".ready.json")
+    ready.unlink(missing_ok=True)
+    args = [sys.executable, "-m", "fs3.cli.main", "mount", mgmtd, str(target), "--foreground",
+            "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level]
+    if options.allow_other is not None:
+        args.append("--allow-other" if options.allow_other else "--no-allow-other")
+    env = dict(os.environ)
+    if options.token:
+        env["FS3_TOKEN"] = options.token
+    with log_path.open("ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise Unavailable(f"the mount daemon exited ({proc.returncode}):\n{tail}")
+        if ready.exists() and is_mounted(target):
+            return proc.pid
+        time.sleep(0.05)
+    proc.terminate()
+    raise Unavailable(f"{target} was not mounted within {timeout_s}s (log: {log_path})")

@@ -1,0 +1,256 @@
+"""pyfuse3 ``Operations`` for fs3: translates FUSE requests to :class:`~fs3.vfs.Vfs` calls and back.
+
+Nothing here decides semantics. Each handler builds the caller's identity from the request
+context (uid, gid and the supplementary groups of the calling process), calls the VFS, and turns
+inodes into ``EntryAttributes`` and fs3 errors into ``FUSEError(errno)``.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import stat as stat_mod
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import pyfuse3
+
+from fs3 import meta_pb2 as mpb
+from fs3.common.errors import FS3Error
+from fs3.vfs import Vfs
+
+__all__ = ["FS3Operations"]
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+_TYPE_BITS = {
+    mpb.FILE: stat_mod.S_IFREG, mpb.DIRECTORY: stat_mod.S_IFDIR, mpb.SYMLINK: stat_mod.S_IFLNK,
+    mpb.FIFO: stat_mod.S_IFIFO, mpb.SOCKET: stat_mod.S_IFSOCK, mpb.CHAR_DEVICE: stat_mod.S_IFCHR,
+    mpb.BLOCK_DEVICE: stat_mod.S_IFBLK,
+}
+_NOW_SLACK_NS = 1_000_000_000  # a time this close to now came from UTIME_NOW (pyfuse3 resolves it)
+
+
+def _errors(fn: F) -> F:
+    """fs3 errors become the errno FUSE answers; anything unexpected is logged and answered EIO."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except FS3Error as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return cast(F, wrapper)
+
+
+def _user(ctx: Any) -> mpb.User:
+    try:
+        groups = sorted(pyfuse3.get_sup_groups(ctx.pid))
+    except (OSError, ValueError, RuntimeError):
+        groups = []  # the calling process is gone; its primary group still applies
+    return mpb.User(uid=ctx.uid, gid=ctx.gid, groups=groups)
+
+
+class FS3Operations(pyfuse3.Operations):
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, vfs: Vfs) -> None:
+        super().__init__()
+        self.vfs = vfs
+
+    def attributes(self, inode: mpb.Inode) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode.inode_id
+        attr.generation = 0
+        attr.entry_timeout = self.vfs.config.entry_timeout_s
+        attr.attr_timeout = self.vfs.config.attr_timeout_s
+        attr.st_mode = _TYPE_BITS.get(inode.type, 0) | inode.mode
+        attr.st_nlink = inode.nlink
+        attr.st_uid = inode.uid
+        attr.st_gid = inode.gid
+        attr.st_rdev = inode.rdev
+        attr.st_size = inode.size
+        attr.st_blksize = 128 * 1024
+        attr.st_blocks = -(-inode.size // 512)
+        attr.st_atime_ns = inode.atime_ns
+        attr.st_mtime_ns = inode.mtime_ns
+        attr.st_ctime_ns = inode.ctime_ns
+        return attr
+
+    # -- names and attributes --------------------------------------------------------------------
+
+    @_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        return self.attributes(await self.vfs.lookup(parent_inode, name, _user(ctx)))
+
+    async def forget(self, inode_list: Any) -> None:
+        return None  # inodes live in meta; nothing is pinned by lookups here
+
+    @_errors
+    async def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        return self.attributes(await self.vfs.getattr(inode, _user(ctx)))
+
+    @_errors
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any) -> pyfuse3.EntryAttributes:
+        now = time.time_ns()
+        kwargs: dict[str, Any] = {}
+        if fields.update_mode:
+            kwargs["mode"] = attr.st_mode
+        if fields.update_uid:
+            kwargs["uid"] = attr.st_uid
+        if fields.update_gid:
+            kwargs["gid"] = attr.st_gid
+        if fields.update_size:
+            kwargs["size"] = attr.st_size
+        if fields.update_atime:
+            if abs(attr.st_atime_ns - now) < _NOW_SLACK_NS:
+                kwargs["atime_now"] = True
+            else:
+                kwargs["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            if abs(attr.st_mtime_ns - now) < _NOW_SLACK_NS:
+                kwargs["mtime_now"] = True
+            else:
+                kwargs["mtime_ns"] = attr.st_mtime_ns
+        return self.attributes(await self.vfs.setattr(inode, _user(ctx), fh=fh, **kwargs))
+
+    @_errors
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return await self.vfs.readlink(inode, _user(ctx))
+
+    @_errors
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        rsp = await self.vfs.statfs(_user(ctx))
+        data = pyfuse3.StatvfsData()
+        block = 4096
+        data.f_bsize = block
+        data.f_frsize = block
+        data.f_blocks = rsp.capacity_bytes // block
+        data.f_bfree = rsp.free_bytes // block
+        data.f_bavail = rsp.free_bytes // block
+        data.f_files = 1 << 40
+        data.f_ffree = (1 << 40) - rsp.inodes_allocated
+        data.f_favail = data.f_ffree
+        data.f_namemax = rsp.name_max or 255
+        return data
+
+    @_errors
+    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
+        return await self.vfs.access(inode, mode, _user(ctx))
+
+    # -- names -----------------------------------------------------------------------------------
+
+    @_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        return self.attributes(await self.vfs.mknod(parent_inode, name, mode, rdev, _user(ctx)))
+
+    @_errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        return self.attributes(await self.vfs.mkdir(parent_inode, name, mode, _user(ctx)))
+
+    @_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        await self.vfs.unlink(parent_inode, name, _user(ctx))
+
+    @_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        await self.vfs.rmdir(parent_inode, name, _user(ctx))
+
+    @_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        return self.attributes(await self.vfs.symlink(parent_inode, name, target, _user(ctx)))
+
+    @_errors
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: Any) -> None:
+        wire = (mpb.RENAME_NOREPLACE if flags & pyfuse3.RENAME_NOREPLACE else 0) | \
+            (mpb.RENAME_EXCHANGE if flags & pyfuse3.RENAME_EXCHANGE else 0)
+        await self.vfs.rename(parent_inode_old, name_old, parent_inode_new, name_new, wire, _user(ctx))
+
+    @_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        return self.attributes(await self.vfs.link(inode, new_parent_inode, new_name, _user(ctx)))
+
+    # -- files -----------------------------------------------------------------------------------
+
+    @_errors
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        fh, _ = await self.vfs.open(inode, flags, _user(ctx))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+
+    @_errors
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        fh, inode = await self.vfs.create(parent_inode, name, mode, flags, _user(ctx))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False), self.attributes(inode)
+
+    @_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.vfs.read(fh, off, size)
+
+    @_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.vfs.write(fh, off, buf)
+
+    @_errors
+    async def flush(self, fh: int) -> None:
+        await self.vfs.flush(fh)
+
+    @_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.vfs.fsync(fh)
+
+    @_errors
+    async def release(self, fh: int) -> None:
+        await self.vfs.release(fh)
+
+    # -- directories -----------------------------------------------------------------------------
+
+    @_errors
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        return await self.vfs.opendir(inode, _user(ctx))
+
+    @_errors
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        for next_id, entry in await self.vfs.readdir(fh, start_id):
+            if not entry.attrs.inode_id:
+                continue  # removed between the listing and the attribute read
+            if not pyfuse3.readdir_reply(token, bytes(entry.name), self.attributes(entry.attrs), next_id):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        self.vfs.releasedir(fh)
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        return None  # directory changes are durable when meta acknowledges them
+
+    # -- xattrs ----------------------------------------------------------------------------------
+
+    @_errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        await self.vfs.setxattr(inode, name, value, 0, _user(ctx))
+
+    @_errors
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        return await self.vfs.getxattr(inode, name, _user(ctx))
+
+    @_errors
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        return await self.vfs.listxattr(inode, _user(ctx))
+
+    @_errors
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        await self.vfs.removexattr(inode, name, _user(ctx))
+

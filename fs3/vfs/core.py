@@ -1,0 +1,329 @@
+"""The file system as the kernel sees it: inodes, names, handles. No FUSE types here.
+
+:class:`Vfs` turns inode-based requests (lookup a name in a directory inode, read from an open
+handle...) into metadata calls made for the calling user and into chunk I/O through
+:class:`~fs3.client.files.AsyncFile`, so the semantics are unit-tested without a mount and the
+FUSE adapter (:mod:`fs3.fuse.ops`) only translates types.
+
+* Every metadata call carries the caller's uid, gid and groups: meta enforces permissions.
+* Open handles are numbered; each has a lock, because the kernel may send several reads or
+  writes for one handle at once and a handle's buffers and read-ahead are sequential state.
+* ``getattr`` of a file this client is writing reports the larger of meta's length and the
+  length the open handles know (meta learns it at flush, fsync and close).
+* Directory listings are read in pages and remembered per open directory handle, so offsets
+  handed to the kernel stay valid while the directory changes.
+* Errors stay :class:`~fs3.common.errors.FS3Error`; ``errno`` tells the adapter what to answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import stat as stat_mod
+from dataclasses import dataclass, field
+
+from fs3 import meta_pb2 as mpb
+from fs3.client.files import AsyncFile
+from fs3.client.fs import AsyncFileSystem
+from fs3.common.errors import BadHandle, InvalidArgument
+from fs3.meta.ops import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_WRONLY
+
+__all__ = ["DirHandle", "Vfs", "VfsConfig"]
+
+_KIND_OF_MODE: dict[int, mpb.InodeType] = {
+    stat_mod.S_IFREG: mpb.FILE, stat_mod.S_IFIFO: mpb.FIFO, stat_mod.S_IFSOCK: mpb.SOCKET,
+    stat_mod.S_IFCHR: mpb.CHAR_DEVICE, stat_mod.S_IFBLK: mpb.BLOCK_DEVICE, 0: mpb.FILE,
+}
+_READDIR_PAGE = 1000
+
+
+@dataclass(frozen=True)
+class VfsConfig:
+    attr_timeout_s: float = 1.0     # how long the kernel may cache attributes
+    entry_timeout_s: float = 1.0    # how long the kernel may cache a name -> inode answer
+    inflight_per_file: int = 8      # chunk requests in flight per open file (bounds its memory)
+
+
+@dataclass
+class _Handle:
+    file: AsyncFile
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class DirHandle:
+    inode_id: int
+    user: mpb.User
+    entries: list[mpb.DirEntry] = field(default_factory=list)
+    more: bool = True
+
+
+class Vfs:
+    """Inode-based operations on one fs3 cluster, for one mount."""
+
+    def __init__(self, fs: AsyncFileSystem, config: VfsConfig | None = None) -> None:
+        self.fs = fs
+        self.config = config or VfsConfig()
+        self._handles: dict[int, _Handle] = {}
+        self._dirs: dict[int, DirHandle] = {}
+        self._ids = itertools.count(1)
+        self._writers: dict[int, set[AsyncFile]] = {}
+
+    def _with_local_length(self, inode: mpb.Inode) -> mpb.Inode:
+        writers = self._writers.get(inode.inode_id)
+        if writers:
+            longest = max(f.length for f in writers)
+            if longest > inode.size:
+                inode = mpb.Inode.FromString(inode.SerializeToString())
+                inode.size = longest
+        return inode
+
+    # -- names and attributes --------------------------------------------------------------------
+
+    async def lookup(self, parent: int, name: bytes, user: mpb.User) -> mpb.Inode:
+        rsp = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
+                                      mpb.InodeRsp, user)
+        return self._with_local_length(rsp.inode)
+
+    async def getattr(self, inode_id: int, user: mpb.User) -> mpb.Inode:
+        rsp = await self.fs.meta.call("BatchStat", mpb.BatchStatReq(inode_ids=[inode_id]), mpb.BatchStatRsp, user)
+        inode = rsp.inodes[0]
+        if inode.inode_id == 0:
+            from fs3.common.errors import NotFound
+
+            raise NotFound(f"inode {inode_id} does not exist")
+        return self._with_local_length(inode)
+
+    async def setattr(self, inode_id: int, user: mpb.User, *, mode: int | None = None, uid: int | None = None,
+                      gid: int | None = None, size: int | None = None, atime_ns: int | None = None,
+                      mtime_ns: int | None = None, atime_now: bool = False, mtime_now: bool = False,
+                      fh: int | None = None) -> mpb.Inode:
+        req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=inode_id))
+        if mode is not None:
+            req.mask |= mpb.SET_MODE
+            req.mode = stat_mod.S_IMODE(mode)
+        if uid is not None:
+            req.mask |= mpb.SET_UID
+            req.uid = uid
+        if gid is not None:
+            req.mask |= mpb.SET_GID
+            req.gid = gid
+        if atime_now:
+            req.mask |= mpb.SET_ATIME_NOW
+        elif atime_ns is not None:
+            req.mask |= mpb.SET_ATIME
+            req.atime_ns = atime_ns
+        if mtime_now:
+            req.mask |= mpb.SET_MTIME_NOW
+        elif mtime_ns is not None:
+            req.mask |= mpb.SET_MTIME
+            req.mtime_ns = mtime_ns
+        if size is not None:
+            if size < 0:
+                raise InvalidArgument("negative size")
+            handle = self._handles.get(fh) if fh is not None else None
+            if handle is not None and handle.file.writable:
+                async with handle.lock:
+                    await handle.file.truncate(size)
+            else:
+                # Handles this client has open for writing must not resurrect the old length.
+                for writer in list(self._writers.get(inode_id, ())):
+                    await writer.flush()
+                req.mask |= mpb.SET_SIZE
+                req.size = size
+            for writer in self._writers.get(inode_id, ()):
+                writer.set_known_length(size)
+        if not req.mask:
+            return await self.getattr(inode_id, user)
+        rsp = await self.fs.meta.call("SetAttr", req, mpb.InodeRsp, user)
+        return self._with_local_length(rsp.inode)
+
+    async def readlink(self, inode_id: int, user: mpb.User) -> bytes:
+        rsp = await self.fs.meta.call("ReadLink", mpb.ReadLinkReq(target=mpb.PathRef(inode_id=inode_id)),
+                                      mpb.ReadLinkRsp, user)
+        return bytes(rsp.target)
+
+    async def statfs(self, user: mpb.User) -> mpb.StatFsRsp:
+        return await self.fs.meta.call("StatFs", mpb.StatFsReq(), mpb.StatFsRsp, user)
+
+    async def access(self, inode_id: int, mode: int, user: mpb.User) -> bool:
+        """``access(2)``: whether ``user`` may read/write/execute (mode bits 4/2/1) the inode."""
+        from fs3.meta.ops import Caller, may
+
+        inode = await self.getattr(inode_id, user)
+        return may(inode, Caller.from_pb(user), mode & 7) if mode & 7 else True
+
+    # -- creating and removing names -------------------------------------------------------------
+
+    async def _make(self, parent: int, name: bytes, kind: mpb.InodeType, mode: int, user: mpb.User, rdev: int = 0,
+                    target: bytes = b"") -> mpb.Inode:
+        rsp = await self.fs.meta.call("MakeNode", mpb.MakeNodeReq(
+            target=mpb.PathRef(parent=parent, path=name), type=kind, mode=stat_mod.S_IMODE(mode), rdev=rdev,
+            symlink_target=target), mpb.InodeRsp, user)
+        return rsp.inode
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, user: mpb.User) -> mpb.Inode:
+        return await self._make(parent, name, mpb.DIRECTORY, mode, user)
+
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, user: mpb.User) -> mpb.Inode:
+        kind = _KIND_OF_MODE.get(stat_mod.S_IFMT(mode))
+        if kind is None:
+            raise InvalidArgument(f"mknod of file type {stat_mod.S_IFMT(mode):o}")
+        return await self._make(parent, name, kind, mode, user, rdev=rdev)
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, user: mpb.User) -> mpb.Inode:
+        return await self._make(parent, name, mpb.SYMLINK, 0o777, user, target=target)
+
+    async def link(self, inode_id: int, new_parent: int, new_name: bytes, user: mpb.User) -> mpb.Inode:
+        rsp = await self.fs.meta.call("Link", mpb.LinkReq(source=mpb.PathRef(inode_id=inode_id),
+                                                          link=mpb.PathRef(parent=new_parent, path=new_name)),
+                                      mpb.InodeRsp, user)
+        return self._with_local_length(rsp.inode)
+
+    async def unlink(self, parent: int, name: bytes, user: mpb.User) -> None:
+        await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name)),
+                                mpb.RemoveRsp, user)
+
+    async def rmdir(self, parent: int, name: bytes, user: mpb.User) -> None:
+        await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name),
+                                                        directory=True), mpb.RemoveRsp, user)
+
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int,
+                     user: mpb.User) -> None:
+        await self.fs.meta.call("Rename", mpb.RenameReq(source=mpb.PathRef(parent=old_parent, path=old_name),
+                                                        destination=mpb.PathRef(parent=new_parent, path=new_name),
+                                                        flags=flags), mpb.RenameRsp, user)
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str) -> int:
+        access = flags & O_ACCMODE
+        readable = access in (O_RDONLY, O_RDWR)
+        writable = access in (O_WRONLY, O_RDWR)
+        afile = AsyncFile(self.fs, path, rsp, readable, writable, bool(flags & O_APPEND),
+                          self.config.inflight_per_file)
+        fh = next(self._ids)
+        self._handles[fh] = _Handle(afile)
+        if writable:
+            self._writers.setdefault(rsp.inode.inode_id, set()).add(afile)
+        return fh
+
+    async def open(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
+        rsp = await self.fs.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id),
+                                                          flags=flags & ~O_CREAT), mpb.OpenRsp, user)
+        if rsp.inode.type == mpb.DIRECTORY:
+            from fs3.common.errors import IsADirectory
+
+            raise IsADirectory(f"inode {inode_id} is a directory")
+        return self._register(rsp, flags, f"inode:{inode_id}"), rsp.inode
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int,
+                     user: mpb.User) -> tuple[int, mpb.Inode]:
+        rsp = await self.fs.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(parent=parent, path=name),
+                                                          flags=flags | O_CREAT, mode=stat_mod.S_IMODE(mode)),
+                                      mpb.OpenRsp, user)
+        return self._register(rsp, flags, name.decode(errors="replace")), rsp.inode
+
+    def _handle(self, fh: int) -> _Handle:
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise BadHandle(f"no open file handle {fh}")
+        return handle
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        handle = self._handle(fh)
+        async with handle.lock:
+            return await handle.file.pread(offset, size)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self._handle(fh)
+        async with handle.lock:
+            if handle.file.append:
+                offset = handle.file.length
+            return await handle.file.pwrite(offset, data)
+
+    async def flush(self, fh: int) -> None:
+        handle = self._handle(fh)
+        async with handle.lock:
+            await handle.file.flush()
+
+    async def fsync(self, fh: int) -> None:
+        handle = self._handle(fh)
+        async with handle.lock:
+            await handle.file.fsync()
+
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is None:
+            return
+        async with handle.lock:
+            writers = self._writers.get(handle.file.inode.inode_id)
+            try:
+                await handle.file.close()
+            finally:
+                if writers is not None:
+                    writers.discard(handle.file)
+                    if not writers:
+                        self._writers.pop(handle.file.inode.inode_id, None)
+
+    # -- directories -----------------------------------------------------------------------------
+
+    async def opendir(self, inode_id: int, user: mpb.User) -> int:
+        inode = await self.getattr(inode_id, user)
+        if inode.type != mpb.DIRECTORY:
+            from fs3.common.errors import NotADirectory
+
+            raise NotADirectory(f"inode {inode_id} is not a directory")
+        dh = next(self._ids)
+        self._dirs[dh] = DirHandle(inode_id, user)
+        return dh
+
+    async def readdir(self, dh: int, index: int) -> list[tuple[int, mpb.DirEntry]]:
+        """Entries from position ``index`` on, each with the position that follows it."""
+        handle = self._dirs.get(dh)
+        if handle is None:
+            raise BadHandle(f"no open directory handle {dh}")
+        if index >= len(handle.entries) and handle.more:
+            start_after = handle.entries[-1].name if handle.entries else b""
+            rsp = await self.fs.meta.call("ReadDir", mpb.ReadDirReq(
+                dir=mpb.PathRef(inode_id=handle.inode_id), start_after=start_after, limit=_READDIR_PAGE,
+                with_attrs=True), mpb.ReadDirRsp, handle.user)
+            handle.entries.extend(rsp.entries)
+            handle.more = rsp.more and bool(rsp.entries)
+        for entry in handle.entries[index:]:
+            if entry.attrs.inode_id:
+                entry.attrs.CopyFrom(self._with_local_length(entry.attrs))
+        return [(i + 1, handle.entries[i]) for i in range(index, len(handle.entries))]
+
+    def releasedir(self, dh: int) -> None:
+        self._dirs.pop(dh, None)
+
+    # -- xattrs ----------------------------------------------------------------------------------
+
+    async def getxattr(self, inode_id: int, name: bytes, user: mpb.User) -> bytes:
+        rsp = await self.fs.meta.call("GetXattr", mpb.GetXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name),
+                                      mpb.GetXattrRsp, user)
+        return bytes(rsp.value)
+
+    async def setxattr(self, inode_id: int, name: bytes, value: bytes, flags: int, user: mpb.User) -> None:
+        await self.fs.meta.call("SetXattr", mpb.SetXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name,
+                                                            value=value, flags=flags), mpb.InodeRsp, user)
+
+    async def listxattr(self, inode_id: int, user: mpb.User) -> list[bytes]:
+        rsp = await self.fs.meta.call("ListXattr", mpb.ListXattrReq(target=mpb.PathRef(inode_id=inode_id)),
+                                      mpb.ListXattrRsp, user)
+        return [bytes(n) for n in rsp.names]
+
+    async def removexattr(self, inode_id: int, name: bytes, user: mpb.User) -> None:
+        await self.fs.meta.call("RemoveXattr", mpb.RemoveXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name),
+                                mpb.InodeRsp, user)
+
+    async def close(self) -> None:
+        """Release every handle (unmount)."""
+        for fh in list(self._handles):
+            try:
+                await self.release(fh)
+            except Exception:  # keep releasing the rest; meta prunes what is left with the lease
+                continue
+        self._dirs.clear()
+
