@@ -24,7 +24,8 @@ fs3/%_pb2.py: proto/fs3/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. $(PROTO_SRC)
 
 run: install
-	$(BIN)/fs3 local up --dir .fs3
+	@mkdir -p mnt
+	$(BIN)/fs3 local up --dir .fs3 --mount ./mnt
 
 test: install
 	$(BIN)/ruff check fs3 tests bench

@@ -15,6 +15,13 @@ if command -v "$PYTHON" >/dev/null 2>&1 && ! "$PYTHON" -c 'import venv, ensurepi
 fi
 command -v gcc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+# The FUSE mount: libfuse3 to build pyfuse3 against, fusermount3 to unmount; git and sqlite3
+# are programs the mount tests run on it.
+command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+[ -f /usr/include/fuse3/fuse_lowlevel.h ] || need_apt+=(libfuse3-dev)
+command -v git >/dev/null 2>&1 || need_apt+=(git)
+command -v sqlite3 >/dev/null 2>&1 || need_apt+=(sqlite3)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -38,5 +45,5 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-echo "bootstrap: installing fs3 with test extras into $VENV"
-"$VENV/bin/python" -m pip install -q -e '.[test]'
+echo "bootstrap: installing fs3 with the FUSE and test extras into $VENV"
+"$VENV/bin/python" -m pip install -q -e '.[fuse,test]'

@@ -90,6 +90,18 @@ class LocalCluster:
                 f"heartbeat_interval_ms = {heartbeat_interval_ms}\nrpc_timeout_ms = 2000\n"
                 f"prune_interval_ms = 1000\n")
         self._add("meta", ["meta", "--config", str(meta_config)])
+        self.mountpoint: str | None = saved.get("mountpoint")
+        if self.mountpoint:
+            self._add("mount", ["mount", "MGMTD", self.mountpoint, "--foreground"])
+        self._save_layout()
+
+    def set_mount(self, mountpoint: Path | None) -> None:
+        """Mount the cluster at ``mountpoint`` (a managed process, stopped first), or no longer."""
+        self.procs.pop("mount", None)
+        self.mountpoint = str(mountpoint.resolve()) if mountpoint else None
+        if self.mountpoint:
+            Path(self.mountpoint).mkdir(parents=True, exist_ok=True)
+            self._add("mount", ["mount", "MGMTD", self.mountpoint, "--foreground"])
         self._save_layout()
 
     @property
@@ -106,7 +118,8 @@ class LocalCluster:
 
     def _save_layout(self) -> None:
         (self.root / "layout.json").write_text(json.dumps(
-            {"token": self.token, "mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes}))
+            {"token": self.token, "mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes,
+             "mountpoint": getattr(self, "mountpoint", None)}))
 
     def write_cluster_json(self) -> Path:
         data = {
@@ -135,9 +148,11 @@ class LocalCluster:
         else:
             env["FS3_STORAGE_MGMTD_ADDRESS"] = self.mgmtd_address
             env["FS3_META_MGMTD_ADDRESS"] = self.mgmtd_address
+            env["FS3_TOKEN"] = self.token
+            args = [self.mgmtd_address if a == "MGMTD" else a for a in args]
         with proc.log_path.open("ab") as log:
             proc.popen = subprocess.Popen(
-                [sys.executable, "-m", "fs3.cli.main", *args, "--ready-file", str(proc.ready_file)],
+                [sys.executable, "-P", "-m", "fs3.cli.main", *args, "--ready-file", str(proc.ready_file)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True)
         if wait or (name == "mgmtd" and not self.mgmtd_port):
@@ -166,13 +181,13 @@ class LocalCluster:
         return str(self.procs[name].info[transport])
 
     def start_all(self) -> None:
+        """Start every service (the mount is started on its own, once the chains serve)."""
         self.start("mgmtd")
-        for name in self.procs:
-            if name != "mgmtd":
-                self.start(name, wait=False)
-        for name in self.procs:
-            if name != "mgmtd":
-                self.wait_ready(name)
+        services = [name for name in self.procs if name not in ("mgmtd", "mount")]
+        for name in services:
+            self.start(name, wait=False)
+        for name in services:
+            self.wait_ready(name)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
@@ -186,6 +201,17 @@ class LocalCluster:
         proc.ready_file.unlink(missing_ok=True)
 
     def stop_all(self) -> None:
+        mount = self.procs.get("mount")
+        if mount is not None:
+            # Unmount first, while meta can still take the last closes.
+            pid = mount.popen.pid if mount.popen is not None else _pid_from(mount.ready_file)
+            if pid and _alive(pid):
+                os.killpg(pid, signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while _alive(pid) and time.monotonic() < deadline:
+                    if mount.popen is not None and mount.popen.poll() is not None:
+                        break
+                    time.sleep(0.05)
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             pid = proc.popen.pid if proc.popen is not None else _pid_from(proc.ready_file)
@@ -270,11 +296,16 @@ def _print_endpoints(cluster: LocalCluster) -> None:
     print(f"fs3 local cluster in {cluster.root}")
     for name, proc in cluster.procs.items():
         info = proc.info
+        if name == "mount":
+            print(f"  {name:<10} {info.get('mountpoint', '-'):<73}  pid {info.get('pid', '-')}")
+            continue
         print(f"  {name:<10} framed {info.get('framed', '-'):<22} grpc {info.get('grpc', '-'):<22} "
               f"metrics {info.get('metrics', '-')}  pid {info.get('pid', '-')}")
     print(f"  token: {cluster.token}")
     installed = Path(sys.executable).parent / "fs3"
     command = str(installed) if installed.exists() else "fs3"
+    if cluster.mountpoint:
+        print(f"  mount:  {cluster.mountpoint}  (an ordinary directory: ls, cp, git, python... all work)")
     print(f"  python: import fs3; fs = fs3.connect({cluster.mgmtd_address!r}, token={cluster.token!r})")
     print(f"  url:    fs3://{cluster.mgmtd_address}/path  (fsspec, pandas; storage_options={{'token': ...}})")
     print(f"  try:   {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} chains")
@@ -293,6 +324,10 @@ def local_command(args: Any) -> int:
             started = True
             print(f"fs3: waiting for {args.replicas}-replica chains to be serving...", flush=True)
             asyncio.run(cluster.ensure_chains(args.replicas))
+            cluster.set_mount(Path(args.mount) if args.mount else None)
+            if cluster.mountpoint:
+                cluster.start("mount")
+                print(f"fs3: mounted at {cluster.mountpoint}", flush=True)
             cluster.write_cluster_json()
             _print_endpoints(cluster)
             if args.detach:

@@ -228,6 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--targets-per-node", type=int, default=2)
     up.add_argument("--replicas", type=int, default=3)
     up.add_argument("--detach", action="store_true", help="return once healthy, leave it running")
+    up.add_argument("--mount", metavar="MNT", help="also mount the cluster here with FUSE")
     for action in ("status", "down"):
         local_sub.add_parser(action)
     for action in ("kill", "start"):

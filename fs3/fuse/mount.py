@@ -142,7 +142,8 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
     log_path = Path(log_file) if log_file else Path(f"/tmp/fs3-mount-{abs(hash(str(target))) % 10**8}.log")
     ready = log_path.with_suffix(".ready.json")
     ready.unlink(missing_ok=True)
-    args = [sys.executable, "-m", "fs3.cli.main", "mount", mgmtd, str(target), "--foreground",
+    # -P: never import from the current directory (a stray ./fs3 there must not shadow the package).
+    args = [sys.executable, "-P", "-m", "fs3.cli.main", "mount", mgmtd, str(target), "--foreground",
             "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
