@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from fs3 import meta_pb2 as mpb
 from fs3.client.oserrors import os_errors
 from fs3.common.buffers import Buffer
-from fs3.common.errors import BadHandle, FS3Error, InvalidArgument
-from fs3.meta.layout import chunk_location
+from fs3.common.errors import BadHandle, FileTooLarge, FS3Error, InvalidArgument
+from fs3.meta.layout import chunk_location, max_file_size
 
 if TYPE_CHECKING:
     from fs3.client.fs import AsyncFileSystem
@@ -102,6 +102,24 @@ class AsyncFile:
         self._written_end = min(self._written_end, size)
         self._invalidate_readahead()
 
+    def extend_known_length(self, size: int) -> None:
+        """Another handle of this client wrote up to ``size``: reads may go that far."""
+        if size > self._length:
+            self._length = size
+
+    @property
+    def has_unflushed(self) -> bool:
+        return bool(self._buf or self._inflight)
+
+    async def publish_length(self) -> None:
+        """Tell meta how far this handle wrote (after ``flush``), so a new open sees it at once."""
+        with os_errors(self.name):
+            if self._wrote and self.session_id:
+                await self._flush()
+                await self.fs.meta.call("Sync", mpb.SyncReq(
+                    inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
+                    wrote=True), mpb.InodeRsp)
+
     def _check_open(self) -> None:
         if self.closed:
             raise BadHandle("I/O on a closed file")
@@ -138,6 +156,8 @@ class AsyncFile:
         self._raise_background_error()
         view = memoryview(data).cast("B")
         total = len(view)
+        if pos + total > max_file_size(self.layout):
+            raise FileTooLarge(f"writing past {max_file_size(self.layout)} bytes, the largest file this layout allows")
         offset = 0
         chunk_size = self.chunk_size
         while offset < total:

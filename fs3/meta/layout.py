@@ -18,10 +18,12 @@ from fs3.common.ids import chunk_id, validate_chunk_size
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE_BYTES",
+    "FILE_SIZE_MAX_BYTES",
     "STRIPE_MAX",
     "SplitMix64",
     "chunk_location",
     "file_layout",
+    "max_file_size",
     "seeded_shuffle",
     "validate_dir_layout",
 ]
@@ -88,6 +90,14 @@ def file_layout(dir_layout: mpb.Layout, table_chains: Sequence[int], seed: int, 
     chains = seeded_shuffle(sorted(table_chains), seed)[:stripe]
     return mpb.Layout(table_id=dir_layout.table_id, chunk_size=dir_layout.chunk_size, stripe=stripe,
                       chains=chains, seed=seed)
+
+
+FILE_SIZE_MAX_BYTES = 1 << 60
+
+
+def max_file_size(layout: mpb.Layout) -> int:
+    """The largest length a file with this layout can have (chunk indexes are 32-bit)."""
+    return min(FILE_SIZE_MAX_BYTES, layout.chunk_size << 32)
 
 
 def chunk_location(layout: mpb.Layout, inode_id: int, chunk_index: int) -> tuple[int, bytes]:

@@ -40,7 +40,7 @@ from fs3.common.errors import (
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction
 from fs3.meta import schema
-from fs3.meta.layout import file_layout, validate_dir_layout
+from fs3.meta.layout import file_layout, max_file_size, validate_dir_layout
 
 __all__ = [
     "O_ACCMODE",
@@ -83,7 +83,6 @@ SYMLINK_FOLLOW_MAX = 40
 LINK_MAX = 65_000
 XATTR_NAME_MAX_BYTES = 255
 XATTR_VALUE_MAX_BYTES = 64 * 1024
-FILE_SIZE_MAX_BYTES = 1 << 60
 READDIR_LIMIT_MAX = 10_000
 _RELATIME_NS = 24 * 3600 * 1_000_000_000
 
@@ -629,8 +628,8 @@ class Namespace:
 
     async def _truncate(self, inode: mpb.Inode, size: int, always_stamp: bool = False) -> None:
         """Set a file's length; a shrink records a truncate job that the service runs on storage."""
-        if size > FILE_SIZE_MAX_BYTES:
-            raise FileTooLarge(f"size {size} exceeds {FILE_SIZE_MAX_BYTES}")
+        if size > max_file_size(inode.layout):
+            raise FileTooLarge(f"size {size} exceeds {max_file_size(inode.layout)} for this file's chunk size")
         old = inode.size
         if size < old or (size == 0 and old == 0 and always_stamp):
             chunk_size = inode.layout.chunk_size
@@ -791,8 +790,8 @@ class Namespace:
     def _apply_length(self, inode: mpb.Inode, hint: int, exact: int | None, probed_from: int | None) -> None:
         """A writer's length: exact when storage was asked (and nothing changed since), else a hint."""
         new_size = exact if exact is not None and probed_from == inode.size else max(inode.size, hint)
-        if new_size > FILE_SIZE_MAX_BYTES:
-            raise FileTooLarge(f"size {new_size} exceeds {FILE_SIZE_MAX_BYTES}")
+        if new_size > max_file_size(inode.layout):
+            raise FileTooLarge(f"size {new_size} exceeds {max_file_size(inode.layout)}")
         inode.size = new_size
         self._stamp(inode, mtime=True)
 

@@ -232,6 +232,12 @@ class Vfs:
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
+        # Reads see what other handles of this mount wrote (POSIX, within one machine).
+        for writer in list(self._writers.get(handle.file.inode.inode_id, ())):
+            if writer is not handle.file:
+                if writer.has_unflushed:
+                    await writer.flush()
+                handle.file.extend_known_length(writer.length)
         async with handle.lock:
             return await handle.file.pread(offset, size)
 
@@ -243,9 +249,14 @@ class Vfs:
             return await handle.file.pwrite(offset, data)
 
     async def flush(self, fh: int) -> None:
+        """``close(2)`` of a descriptor: data to storage and the length to meta, before close returns.
+
+        (The kernel sends ``release`` later, without waiting; an ``open`` right after ``close``
+        must already see the new length: close-to-open consistency.)
+        """
         handle = self._handle(fh)
         async with handle.lock:
-            await handle.file.flush()
+            await handle.file.publish_length()
 
     async def fsync(self, fh: int) -> None:
         handle = self._handle(fh)

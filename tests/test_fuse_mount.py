@@ -1,0 +1,311 @@
+"""fs3 mounted with FUSE: POSIX behaviour, several users, real programs, a fault drill, bad input.
+
+One cluster of real processes (mgmtd, meta, three storage nodes, 3 replicas) and one mount
+(`fs3 local` with a mount process) serve the whole module; each test works in its own directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fs3.cli.local import LocalCluster
+
+pytestmark = [
+    pytest.mark.slow,
+    # Needs the FUSE device and pyfuse3 (both installed by `make test` on Debian as root).
+    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse on this machine"),
+]
+
+CHUNK = 64 * 1024
+NOBODY = 65534
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Path]]:
+    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    root = tmp_path_factory.mktemp("fuse")
+    cluster = LocalCluster(root / "cluster", storage_nodes=3, targets_per_node=1, token="t")
+    mnt = root / "mnt"
+    try:
+        cluster.start_all()
+        asyncio.run(cluster.ensure_chains(3))
+        cluster.set_mount(mnt)
+        cluster.start("mount")
+        subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address, "--token",
+                        "t", "set-layout", "/", "--chunk-size", str(CHUNK)], check=True, capture_output=True)
+        os.chmod(mnt, 0o777)
+        yield cluster, mnt
+    finally:
+        cluster.stop_all()
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+
+
+@pytest.fixture
+def work(mount: tuple[LocalCluster, Path], request: pytest.FixtureRequest) -> Path:
+    path = mount[1] / request.node.name.replace("[", "_").replace("]", "")
+    path.mkdir()
+    return path
+
+
+# The system interpreter: other users may not be able to reach the one running the tests (under /root).
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def as_user(uid: int, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run Python code as another user (and group) in a child process."""
+    return subprocess.run([SYSTEM_PYTHON, "-c", code], cwd=cwd, capture_output=True, text=True, user=uid,
+                          group=uid, extra_groups=[], timeout=60)
+
+
+def errno_of(fn: object, *args: object) -> int:
+    try:
+        fn(*args)  # type: ignore[operator]
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
+
+
+# -- files and directories ---------------------------------------------------------------------------
+
+
+def test_files_directories_links_and_nlink(work: Path) -> None:
+    (work / "d" / "e").mkdir(parents=True)
+    (work / "d" / "f").write_bytes(b"data")
+    assert sorted(os.listdir(work / "d")) == ["e", "f"]
+    assert os.stat(work / "d").st_nlink == 3
+    os.link(work / "d" / "f", work / "g")
+    assert os.stat(work / "g").st_nlink == 2 and os.stat(work / "g").st_ino == os.stat(work / "d" / "f").st_ino
+    os.symlink("d/f", work / "s")
+    assert os.readlink(work / "s") == "d/f" and (work / "s").read_bytes() == b"data"
+    assert os.lstat(work / "s").st_mode & stat.S_IFLNK == stat.S_IFLNK
+    os.unlink(work / "d" / "f")
+    assert os.stat(work / "g").st_nlink == 1 and (work / "g").read_bytes() == b"data"
+    assert errno_of(os.rmdir, work / "d") == errno.ENOTEMPTY
+    assert errno_of(os.unlink, work / "d") in (errno.EISDIR, errno.EPERM)
+    assert errno_of(os.mkdir, work / "d") == errno.EEXIST
+    os.rmdir(work / "d" / "e")
+    os.rmdir(work / "d")
+    assert errno_of(os.stat, work / "d") == errno.ENOENT
+
+
+def test_rename_edge_cases(work: Path) -> None:
+    (work / "a").mkdir()
+    (work / "a" / "x").write_bytes(b"x")
+    (work / "b").mkdir()
+    (work / "f").write_bytes(b"f")
+    (work / "g").write_bytes(b"g")
+    os.rename(work / "f", work / "g")  # replaces
+    assert (work / "g").read_bytes() == b"f" and not (work / "f").exists()
+    assert errno_of(os.rename, work / "a", work / "a" / "inside") == errno.EINVAL
+    assert errno_of(os.rename, work / "g", work / "b") == errno.EISDIR
+    assert errno_of(os.rename, work / "a", work / "g") == errno.ENOTDIR
+    os.rename(work / "a", work / "b")  # onto an empty directory
+    assert (work / "b" / "x").read_bytes() == b"x" and not (work / "a").exists()
+    os.rename(work / "g", work / "g")  # same name: nothing happens
+    assert (work / "g").read_bytes() == b"f"
+
+
+def test_append_exclusive_sparse_and_truncate_across_chunks(work: Path) -> None:
+    path = work / "f"
+    with open(path, "xb") as f:
+        f.write(b"a" * 100)
+    assert errno_of(os.open, path, os.O_CREAT | os.O_EXCL | os.O_WRONLY) == errno.EEXIST
+    with open(path, "ab") as f:
+        f.write(b"b" * 100)
+    assert path.read_bytes() == b"a" * 100 + b"b" * 100
+    sparse = work / "sparse"
+    with open(sparse, "wb") as f:
+        f.seek(3 * CHUNK + 10)
+        f.write(b"end")
+    data = sparse.read_bytes()
+    assert len(data) == 3 * CHUNK + 13 and data[:3 * CHUNK + 10] == bytes(3 * CHUNK + 10) and data.endswith(b"end")
+    big = os.urandom(5 * CHUNK + 123)
+    (work / "t").write_bytes(big)
+    os.truncate(work / "t", 2 * CHUNK + 7)
+    assert (work / "t").read_bytes() == big[:2 * CHUNK + 7]
+    os.truncate(work / "t", 4 * CHUNK)
+    assert (work / "t").read_bytes() == big[:2 * CHUNK + 7] + bytes(2 * CHUNK - 7)
+    with open(work / "t", "r+b") as f:
+        f.truncate(10)
+        f.seek(0)
+        assert f.read() == big[:10]
+
+
+def test_large_file_over_many_chunks_and_mmap(work: Path) -> None:
+    data = os.urandom(20 * CHUNK + 999)
+    (work / "big").write_bytes(data)
+    assert (work / "big").stat().st_size == len(data)
+    assert (work / "big").read_bytes() == data
+    with open(work / "big", "r+b") as f:
+        with mmap.mmap(f.fileno(), 0) as mapped:
+            assert mapped[CHUNK - 5:CHUNK + 5] == data[CHUNK - 5:CHUNK + 5]
+            mapped[0:4] = b"MMAP"
+            mapped.flush()
+    assert (work / "big").read_bytes()[:4] == b"MMAP"
+
+
+def test_unlinked_open_file_stays_readable(work: Path) -> None:
+    (work / "f").write_bytes(b"still here" * 1000)
+    with open(work / "f", "rb") as f:
+        os.unlink(work / "f")
+        assert not (work / "f").exists()
+        assert f.read() == b"still here" * 1000
+
+
+def test_xattrs_and_timestamps(work: Path) -> None:
+    path = work / "f"
+    path.write_bytes(b"x")
+    os.setxattr(path, "user.colour", b"blue")
+    assert os.getxattr(path, "user.colour") == b"blue" and "user.colour" in os.listxattr(path)
+    os.removexattr(path, "user.colour")
+    assert errno_of(os.getxattr, path, "user.colour") == errno.ENODATA
+    os.utime(path, ns=(1_000_000_000, 2_000_000_000))
+    assert os.stat(path).st_mtime_ns == 2_000_000_000 and os.stat(path).st_atime_ns == 1_000_000_000
+    before = os.stat(work).st_mtime_ns
+    time.sleep(0.01)
+    (work / "new").write_bytes(b"")
+    assert os.stat(work).st_mtime_ns > before
+
+
+def test_ten_thousand_entries_in_one_directory(work: Path) -> None:
+    for i in range(10_000):
+        os.close(os.open(work / f"e{i:05d}", os.O_CREAT | os.O_WRONLY, 0o644))
+    names = os.listdir(work)
+    assert len(names) == 10_000 and sorted(names) == [f"e{i:05d}" for i in range(10_000)]
+
+
+# -- several users -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON),
+                    reason="switching users needs root and a system python3")
+def test_permissions_for_other_users_and_the_sticky_bit(work: Path) -> None:
+    private = work / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret").write_bytes(b"s")
+    (work / "readonly").write_bytes(b"r")
+    os.chmod(work / "readonly", 0o644)
+    denied = as_user(NOBODY, "import os\ntry:\n open('private/secret')\nexcept PermissionError: print('EACCES')\n"
+                             "try:\n open('readonly', 'ab')\nexcept PermissionError: print('EACCES')\n"
+                             "try:\n os.chmod('readonly', 0o777)\nexcept PermissionError as e: print(e.errno)\n",
+                     work)
+    assert denied.stdout.split() == ["EACCES", "EACCES", str(errno.EPERM)], denied.stderr
+    assert (work / "readonly").read_bytes() == b"r" and stat.S_IMODE(os.stat(work / "readonly").st_mode) == 0o644
+    shared = work / "tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "roots").write_bytes(b"mine")
+    made = as_user(NOBODY, "open('tmp/nobodys', 'w').write('n')\nimport os\n"
+                           "try:\n os.unlink('tmp/roots')\nexcept PermissionError: print('EPERM')\n", work)
+    assert made.stdout.strip() == "EPERM", made.stderr
+    assert os.stat(shared / "nobodys").st_uid == NOBODY and (shared / "roots").exists()
+
+
+# -- real programs -----------------------------------------------------------------------------------
+
+
+def test_git_tar_sqlite_and_compileall(work: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@e"}
+    repo = work / "repo"
+    repo.mkdir()
+    for i in range(5):
+        (repo / f"f{i}.txt").write_text(f"file {i}\n" * 100)
+    run = lambda *cmd, cwd=repo: subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True,  # noqa: E731
+                                                text=True, timeout=120)
+    run("git", "init", "-q")
+    run("git", "add", ".")
+    run("git", "commit", "-qm", "first")
+    (repo / "f0.txt").write_text("changed\n")
+    run("git", "commit", "-qam", "second")
+    assert run("git", "log", "--oneline").stdout.count("\n") == 2
+    assert run("git", "fsck").returncode == 0
+    # tar a source tree, extract it on the mount, compare.
+    source = Path(__file__).resolve().parents[1] / "fs3"
+    archive = tmp_path / "src.tar"
+    run("tar", "-cf", str(archive), "-C", str(source.parent), "fs3", cwd=tmp_path)
+    run("tar", "-xf", str(archive), "-C", str(work), cwd=tmp_path)
+    diff = subprocess.run(["diff", "-r", "-x", "__pycache__", str(source), str(work / "fs3")], capture_output=True,
+                          text=True)
+    assert diff.returncode == 0, diff.stdout[:2000]
+    compiled = subprocess.run([sys.executable, "-m", "compileall", "-q", str(work / "fs3")], capture_output=True,
+                              text=True, timeout=300)
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    import sqlite3
+
+    db = sqlite3.connect(work / "db.sqlite")
+    db.execute("create table t (k integer primary key, v text)")
+    db.executemany("insert into t (v) values (?)", [(f"value {i}",) for i in range(2000)])
+    db.commit()
+    db.execute("update t set v = 'x' where k % 2 = 0")
+    db.commit()
+    assert db.execute("select count(*), sum(v = 'x') from t").fetchone() == (2000, 1000)
+    db.close()
+
+
+# -- faults and bad input ------------------------------------------------------------------------------
+
+
+def test_copy_survives_a_storage_node_kill(mount: tuple[LocalCluster, Path], work: Path, tmp_path: Path) -> None:
+    cluster, _ = mount
+    source = tmp_path / "tree"
+    for d in range(4):
+        (source / f"d{d}").mkdir(parents=True)
+        for f in range(6):
+            (source / f"d{d}" / f"f{f}").write_bytes(os.urandom(40_000 + d * 1000 + f))
+    copier = subprocess.Popen(["cp", "-r", str(source), str(work / "copy")])
+    time.sleep(0.2)
+    cluster.kill("storage-2")
+    try:
+        assert copier.wait(timeout=120) == 0
+        diff = subprocess.run(["diff", "-r", str(source), str(work / "copy")], capture_output=True, text=True)
+        assert diff.returncode == 0, diff.stdout[:2000]
+    finally:
+        cluster.start("storage-2")
+    verify = None
+    for _ in range(120):
+        verify = subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address,
+                                 "--token", "t", "verify"], capture_output=True, text=True)
+        if verify.returncode == 0 and "not serving" not in verify.stdout:
+            break
+        time.sleep(0.5)
+    assert verify is not None and verify.returncode == 0 and "all replicas identical" in verify.stdout, verify.stdout
+
+
+def test_bad_input_gets_errors_and_the_daemon_keeps_running(work: Path) -> None:
+    assert errno_of(os.mkdir, work / ("n" * 256)) == errno.ENAMETOOLONG
+    with open(work / "f", "wb") as f:
+        assert errno_of(os.pwrite, f.fileno(), b"x", (1 << 62)) in (errno.EFBIG, errno.EINVAL)
+    (work / "gone").mkdir()
+    fd = os.open(work / "gone", os.O_RDONLY)
+    os.rmdir(work / "gone")
+    assert errno_of(os.mkdir, work / "gone" / "child") == errno.ENOENT
+    os.close(fd)
+    (work / "ok").write_bytes(b"still serving")
+    assert (work / "ok").read_bytes() == b"still serving"
+
+
+def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path]) -> None:
+    cluster, mnt = mount
+    (mnt / "before-crash").write_bytes(b"kept")
+    cluster.kill("mount")
+    assert errno_of(os.listdir, mnt) == errno.ENOTCONN
+    done = subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(mnt)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not os.path.ismount(mnt) and os.listdir(mnt) == []
+    cluster.start("mount")
+    assert (mnt / "before-crash").read_bytes() == b"kept"
+    shutil.rmtree(mnt / "before-crash", ignore_errors=True)
