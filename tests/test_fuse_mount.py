@@ -149,11 +149,10 @@ def test_large_file_over_many_chunks_and_mmap(work: Path) -> None:
     (work / "big").write_bytes(data)
     assert (work / "big").stat().st_size == len(data)
     assert (work / "big").read_bytes() == data
-    with open(work / "big", "r+b") as f:
-        with mmap.mmap(f.fileno(), 0) as mapped:
-            assert mapped[CHUNK - 5:CHUNK + 5] == data[CHUNK - 5:CHUNK + 5]
-            mapped[0:4] = b"MMAP"
-            mapped.flush()
+    with open(work / "big", "r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
+        assert mapped[CHUNK - 5:CHUNK + 5] == data[CHUNK - 5:CHUNK + 5]
+        mapped[0:4] = b"MMAP"
+        mapped.flush()
     assert (work / "big").read_bytes()[:4] == b"MMAP"
 
 

@@ -1,7 +1,7 @@
 """``fs3``: run services and administer a cluster.
 
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
-    fs3 storage --config FILE [--ready-file FILE]
+    fs3 storage [--config FILE] [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
     fs3 mount   MGMTD MOUNTPOINT [--token T] [--foreground]
     fs3 umount  MOUNTPOINT
@@ -199,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     mgmtd.add_argument("--token")
 
     storage = sub.add_parser("storage", help="run a storage node")
-    storage.add_argument("--config", required=True, help="TOML config file")
+    storage.add_argument("--config", help="TOML config file (or only FS3_STORAGE_* environment variables)")
     storage.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
 
     meta = sub.add_parser("meta", help="run a metadata server")

@@ -1,0 +1,20 @@
+# fs3: one image for every service (mgmtd, meta, storage) and for FUSE clients.
+FROM python:3.11-slim-bookworm
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends fuse3 libfuse3-dev pkg-config gcc make util-linux \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/fs3
+COPY pyproject.toml README.md Makefile ./
+COPY proto ./proto
+COPY fs3 ./fs3
+# Generate the protobuf modules, then install fs3 with the FUSE extra.
+RUN pip install --no-cache-dir "grpcio-tools>=1.60" \
+ && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. proto/fs3/*.proto \
+ && pip install --no-cache-dir ".[fuse]" \
+ && pip uninstall -y grpcio-tools
+
+ENV FS3_LOG_LEVEL=INFO
+ENTRYPOINT ["fs3"]
+CMD ["--help"]

@@ -1,0 +1,171 @@
+"""docker-compose.yml: its structure, every setting it passes, and the same topology run as processes.
+
+No Docker engine runs here, so the compose file is checked the way compose would read it (YAML
+with anchors and merge keys, ``${VAR:-default}`` interpolation), each service's environment is
+loaded by the service's own config loader, and then the same services — same commands, same
+environment, hosts and ports mapped to loopback — run as processes, with the client service's
+FUSE mount on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+from fs3.common.config import load_config  # noqa: E402
+from fs3.meta.server import MetaConfig  # noqa: E402
+from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
+from fs3.storage.server import StorageConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"mgmtd": (MgmtdConfig, "FS3_MGMTD"), "meta": (MetaConfig, "FS3_META"),
+           "storage": (StorageConfig, "FS3_STORAGE")}
+SERVER_SERVICES = ["mgmtd", "meta", "storage1", "storage2", "storage3"]
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1), m.group(2)), value)
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    env = env or {}
+    for service in data["services"].values():
+        service["environment"] = {k: _interpolate(str(v), env) for k, v in (service.get("environment") or {}).items()}
+    return data
+
+
+def test_compose_file_structure() -> None:
+    compose = load_compose()
+    services = compose["services"]
+    assert set(services) == {"mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client"}
+    assert (ROOT / "Dockerfile").exists() and all(s.get("build") == "." for s in services.values())
+    for name in [*SERVER_SERVICES, "client"]:
+        assert "test" in services[name]["healthcheck"], name
+    for name in SERVER_SERVICES:
+        volume = services[name]["volumes"][0].split(":")[0]
+        assert volume in compose["volumes"], f"{name} keeps its data in a named volume"
+    assert services["meta"]["depends_on"]["mgmtd"]["condition"] == "service_healthy"
+    for n in (1, 2, 3):
+        assert services[f"storage{n}"]["depends_on"]["mgmtd"]["condition"] == "service_healthy"
+        assert services["setup"]["depends_on"][f"storage{n}"]["condition"] == "service_healthy"
+    client = services["client"]
+    assert client["depends_on"]["setup"]["condition"] == "service_completed_successfully"
+    assert client["depends_on"]["meta"]["condition"] == "service_healthy"
+    assert "/dev/fuse:/dev/fuse" in client["devices"] and "SYS_ADMIN" in client["cap_add"]
+    assert client["command"][:1] == ["mount"] and "--foreground" in client["command"]
+    tokens = {s["environment"].get(k) for s in services.values() for k in s["environment"] if k.endswith("TOKEN")}
+    assert tokens == {"fs3-compose-token"}, "every service shares one token"
+
+
+@pytest.mark.parametrize("name", SERVER_SERVICES)
+def test_every_setting_is_one_the_service_reads(name: str) -> None:
+    service = load_compose()["services"][name]
+    kind = service["command"][0]
+    cls, prefix = CONFIGS[kind]
+    fields = {f.name.upper() for f in dataclasses.fields(cls)}
+    unknown = [k for k in service["environment"] if k.startswith(prefix + "_") and k[len(prefix) + 1:] not in fields]
+    assert unknown == [], f"{name}: settings no service reads: {unknown}"
+    config = load_config(cls, None, env_prefix=prefix, environ=service["environment"])  # validates every value
+    assert config.token == "fs3-compose-token" and config.listen_host == "0.0.0.0"
+    if kind == "storage":
+        assert len(config.targets) == 2 and all(t.path.startswith("/data/") for t in config.targets)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="the client service mounts with FUSE")
+def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
+    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    compose = load_compose()
+    services = compose["services"]
+    # Each service's ports become free loopback ports; "host:port" addresses follow them.
+    ports: dict[str, dict[str, str]] = {}
+    addresses: dict[str, str] = {}
+    for name in SERVER_SERVICES:
+        env = services[name]["environment"]
+        mapping = {k: str(_free_port()) for k in env if k.endswith(("_FRAMED_PORT", "_GRPC_PORT", "_METRICS_PORT"))}
+        ports[name] = mapping
+        framed = next(v for k, v in env.items() if k.endswith("_FRAMED_PORT"))
+        addresses[f"{name}:{framed}"] = "127.0.0.1:" + next(v for k, v in mapping.items() if k.endswith("_FRAMED_PORT"))
+
+    def localize(name: str, value: str) -> str:
+        for address, local in addresses.items():
+            value = value.replace(address, local)
+        value = value.replace("/data", str(tmp_path / name))
+        return value
+
+    procs: list[subprocess.Popen[bytes]] = []
+    bin_dir = Path(sys.executable).parent
+    base_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        for name in SERVER_SERVICES:
+            env = {k: localize(name, v) for k, v in services[name]["environment"].items()}
+            env.update(ports[name])
+            for key in list(env):
+                if key.endswith(("_LISTEN_HOST", "_ADVERTISE_HOST")):
+                    env[key] = "127.0.0.1"
+            ready = tmp_path / f"{name}.ready"
+            log = (tmp_path / f"{name}.log").open("wb")
+            procs.append(subprocess.Popen([sys.executable, "-P", "-m", "fs3.cli.main", *services[name]["command"],
+                                           "--ready-file", str(ready)], env={**base_env, **env}, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                assert procs[-1].poll() is None, (tmp_path / f"{name}.log").read_text()
+                assert time.monotonic() < deadline, f"{name} not ready"
+                time.sleep(0.05)
+        setup = services["setup"]
+        command = localize("setup", setup["command"][0])
+        done = subprocess.run(["sh", "-c", command], env={**base_env, **setup["environment"]}, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        client = services["client"]
+        mount_cmd = [localize("client", c) for c in client["command"]]
+        mount_cmd[mount_cmd.index("/mnt/fs3")] = str(mnt)
+        ready = tmp_path / "client.ready"
+        procs.append(subprocess.Popen([sys.executable, "-P", "-m", "fs3.cli.main", *mount_cmd, "--ready-file",
+                                       str(ready)], env={**base_env, **client["environment"]},
+                                      stdout=(tmp_path / "client.log").open("wb"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and os.path.ismount(mnt)):
+            assert procs[-1].poll() is None, (tmp_path / "client.log").read_text()
+            assert time.monotonic() < deadline, "client not mounted"
+            time.sleep(0.05)
+        (mnt / "hello.txt").write_text("from the compose topology\n")
+        assert (mnt / "hello.txt").read_text() == "from the compose topology\n"
+        chains = subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd",
+                                 addresses["mgmtd:9000"], "--json", "chains"], env={**base_env, **setup["environment"]},
+                                capture_output=True, text=True)
+        assert chains.returncode == 0 and chains.stdout.count("target_ids") == 2, chains.stdout
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        if os.path.ismount(mnt):
+            subprocess.run([shutil.which("fusermount3") or "fusermount3", "-uz", str(mnt)], check=False)
