@@ -297,6 +297,27 @@ def test_bad_input_gets_errors_and_the_daemon_keeps_running(work: Path) -> None:
     assert (work / "ok").read_bytes() == b"still serving"
 
 
+def test_close_to_open_consistency_between_two_mounts(mount: tuple[LocalCluster, Path], work: Path,
+                                                      tmp_path: Path) -> None:
+    cluster, _ = mount
+    second = tmp_path / "second"
+    second.mkdir()
+    started = subprocess.run([sys.executable, "-m", "fs3.cli.main", "mount", cluster.mgmtd_address, str(second),
+                              "--token", "t", "--log", str(tmp_path / "second.log")], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    try:
+        there = second / work.name / "shared"
+        for round_ in range(3):
+            payload = os.urandom(CHUNK * (round_ + 1) + 17 * round_)
+            (work / "shared").write_bytes(payload)   # written and closed on the first mount
+            assert there.read_bytes() == payload     # opened afterwards on the second
+            assert there.stat().st_size == len(payload)
+        there.write_bytes(b"back")
+        assert (work / "shared").read_bytes() == b"back"
+    finally:
+        subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
+
+
 def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path]) -> None:
     cluster, mnt = mount
     (mnt / "before-crash").write_bytes(b"kept")

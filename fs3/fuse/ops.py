@@ -69,8 +69,10 @@ class FS3Operations(pyfuse3.Operations):
     def __init__(self, vfs: Vfs) -> None:
         super().__init__()
         self.vfs = vfs
+        self._told: dict[int, tuple[int, int]] = {}  # inode -> (size, mtime) last given to the kernel
 
     def attributes(self, inode: mpb.Inode) -> pyfuse3.EntryAttributes:
+        self._told[inode.inode_id] = (inode.size, inode.mtime_ns)
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = inode.inode_id
         attr.generation = 0
@@ -96,7 +98,9 @@ class FS3Operations(pyfuse3.Operations):
         return self.attributes(await self.vfs.lookup(parent_inode, name, _user(ctx)))
 
     async def forget(self, inode_list: Any) -> None:
-        return None  # inodes live in meta; nothing is pinned by lookups here
+        # Inodes live in meta; nothing is pinned by lookups here. Drop what we told the kernel.
+        for inode, _ in inode_list:
+            self._told.pop(inode, None)
 
     @_errors
     async def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
@@ -187,7 +191,16 @@ class FS3Operations(pyfuse3.Operations):
 
     @_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh, _ = await self.vfs.open(inode, flags, _user(ctx))
+        fh, fresh = await self.vfs.open(inode, flags, _user(ctx))
+        told = self._told.get(inode)
+        if told is not None and told != (fresh.size, fresh.mtime_ns):
+            # Close-to-open: another client changed the file since the kernel cached its
+            # attributes; make it ask again before it reads (no writeback cache: cannot block).
+            self._told.pop(inode, None)
+            try:
+                pyfuse3.invalidate_inode(inode, attr_only=True)
+            except OSError as exc:
+                log.debug("invalidating inode %d: %s", inode, exc)
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
     @_errors
