@@ -12,7 +12,8 @@ FUSE adapter (:mod:`fs3.fuse.ops`) only translates types.
   length the open handles know (meta learns it at flush, fsync and close).
 * Directory listings are read in pages and remembered per open directory handle, so offsets
   handed to the kernel stay valid while the directory changes.
-* Errors stay :class:`~fs3.common.errors.FS3Error`; ``errno`` tells the adapter what to answer.
+* Errors are :class:`~fs3.common.errors.FS3Error` (metadata) or ``OSError`` (file I/O, from the
+  client library); both carry the errno the adapter answers with.
 """
 
 from __future__ import annotations
