@@ -9,7 +9,7 @@ PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
 SEEDS ?= 2000
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint typecheck sim bench bench-meta bench-file clean install
+.PHONY: run test proto lint typecheck sim bench bench-meta bench-file bench-fuse clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -49,6 +49,10 @@ bench-meta: install
 
 bench-file: install
 	$(PY) bench/file_bench.py
+
+# fio on the FUSE mount next to a local directory.
+bench-fuse: install
+	$(PY) bench/fuse_bench.py
 
 clean:
 	rm -rf $(VENV) fs3/*_pb2.py fs3/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache
