@@ -22,7 +22,8 @@ command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 [ -f /usr/include/fuse3/fuse_lowlevel.h ] || need_apt+=(libfuse3-dev)
 command -v git >/dev/null 2>&1 || need_apt+=(git)
 command -v sqlite3 >/dev/null 2>&1 || need_apt+=(sqlite3)
-command -v fio >/dev/null 2>&1 || need_apt+=(fio)   # bench/fuse_bench.py and the mount's verify test
+command -v fio >/dev/null 2>&1 || need_apt+=(fio)         # bench/fuse_bench.py, mount tests
+command -v dbench >/dev/null 2>&1 || need_apt+=(dbench)   # mount tests
 
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

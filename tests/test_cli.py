@@ -48,6 +48,8 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         assert layout.returncode == 0 and "65536 byte chunks" in layout.stdout, layout.stderr
         not_pow2 = fs3(*base, "set-layout", "/data/small", "--chunk-size", "65537")
         assert not_pow2.returncode == 1 and "power of two" in not_pow2.stderr
+        by_dir = fs3("admin", "--dir", str(root), "--json", "chains")
+        assert by_dir.returncode == 0 and len(json.loads(by_dir.stdout)["chains"]) == 1, by_dir.stderr
         fsck = fs3(*base, "fsck")
         assert fsck.returncode == 0 and "namespace clean" in fsck.stdout, fsck.stdout + fsck.stderr
         report = json.loads(fs3(*base, "--json", "fsck").stdout)

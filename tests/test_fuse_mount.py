@@ -255,6 +255,22 @@ def test_git_tar_sqlite_and_compileall(work: Path, tmp_path: Path) -> None:
     db.close()
 
 
+@pytest.mark.skipif(not shutil.which("fio") or not shutil.which("dbench"), reason="fio/dbench not installed")
+def test_fio_verify_and_dbench(work: Path) -> None:
+    fio = subprocess.run(["fio", "--name=verify", f"--directory={work}", "--rw=randwrite", "--bs=4k", "--size=4m",
+                          "--numjobs=2", "--ioengine=psync", "--verify=crc32c", "--do_verify=1",
+                          "--output-format=json"], capture_output=True, text=True, timeout=300)
+    assert fio.returncode == 0, fio.stdout[-2000:] + fio.stderr[-2000:]
+    import json
+
+    jobs = json.loads(fio.stdout)["jobs"]
+    assert all(job["error"] == 0 for job in jobs) and sum(job["write"]["io_bytes"] for job in jobs) == 8 << 20
+    loadfile = "/usr/share/dbench/client.txt"
+    dbench = subprocess.run(["dbench", "-t", "5", "-D", str(work), "-c", loadfile, "2"], capture_output=True,
+                            text=True, timeout=120)
+    assert dbench.returncode == 0 and "Throughput" in dbench.stdout, dbench.stdout[-2000:] + dbench.stderr[-2000:]
+
+
 # -- faults and bad input ------------------------------------------------------------------------------
 
 

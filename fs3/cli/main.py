@@ -5,7 +5,7 @@
     fs3 meta    [--config FILE] [--ready-file FILE]
     fs3 mount   MGMTD MOUNTPOINT [--token T] [--foreground]
     fs3 umount  MOUNTPOINT
-    fs3 admin   --mgmtd HOST:PORT [--token T] [--json]
+    fs3 admin   (--mgmtd HOST:PORT [--token T] | --dir DIR) [--json]
                 nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
     fs3 local   up|status|down|kill|start [--dir DIR]
 """
@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fs3 import common_pb2 as cpb
@@ -68,6 +69,14 @@ async def _admin(args: argparse.Namespace) -> int:
     from fs3.client.admin import AdminClient
     from fs3.rpc.channel import RealChannelFactory
 
+    if args.dir:
+        # A local cluster: its address and token are in DIR/cluster.json.
+        info_path = Path(args.dir) / "cluster.json"
+        if not info_path.exists():
+            raise InvalidArgument(f"no {info_path}: start one with fs3 local up --dir {args.dir}")
+        info = json.loads(info_path.read_text())
+        args.mgmtd = info["processes"]["mgmtd"][args.transport] if args.transport == "grpc" else info["mgmtd"]
+        args.token = args.token or info["token"]
     channels = RealChannelFactory(args.token or os.environ.get("FS3_TOKEN") or None, args.transport)
     admin = AdminClient(args.mgmtd, channels, timeout_ms=args.timeout_ms)
     try:
@@ -239,6 +248,7 @@ def _parser() -> argparse.ArgumentParser:
 
     admin = sub.add_parser("admin", help="administer a cluster")
     admin.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
+    admin.add_argument("--dir", help="a local cluster's directory (fs3 local): its mgmtd and token")
     admin.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
     admin.add_argument("--transport", choices=("framed", "grpc"), default="framed")
     admin.add_argument("--timeout-ms", type=int, default=10_000)
