@@ -281,15 +281,21 @@ def test_copy_survives_a_storage_node_kill(mount: tuple[LocalCluster, Path], wor
         (source / f"d{d}").mkdir(parents=True)
         for f in range(6):
             (source / f"d{d}" / f"f{f}").write_bytes(os.urandom(40_000 + d * 1000 + f))
+    local = [sys.executable, "-m", "fs3.cli.main", "local"]
     copier = subprocess.Popen(["cp", "-r", str(source), str(work / "copy")])
     time.sleep(0.2)
-    cluster.kill("storage-2")
+    # The drill through the CLI, as an operator would run it.
+    killed = subprocess.run([*local, "kill", "storage-2", "--dir", str(cluster.root)], capture_output=True)
+    assert killed.returncode == 0, killed.stderr
+    cluster.procs["storage-2"].popen = None  # the CLI owns it now; stop_all finds it by its ready file
     try:
         assert copier.wait(timeout=120) == 0
         diff = subprocess.run(["diff", "-r", str(source), str(work / "copy")], capture_output=True, text=True)
         assert diff.returncode == 0, diff.stdout[:2000]
     finally:
-        cluster.start("storage-2")
+        started = subprocess.run([*local, "start", "storage-2", "--dir", str(cluster.root)], capture_output=True,
+                                 text=True)
+        assert started.returncode == 0, started.stdout + started.stderr
     verify = None
     for _ in range(120):
         verify = subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address,

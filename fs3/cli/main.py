@@ -137,7 +137,13 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
               else f"target {args.target_id} marked offline (routing v{version})")
         return 0
     if args.command == "verify":
-        report = await admin.verify()
+        def progress(done: int, total: int) -> None:
+            if sys.stderr.isatty():
+                print(f"\rverifying chain {done + 1}/{total}...", end="", file=sys.stderr, flush=True)
+
+        report = await admin.verify(progress)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
         if out_json:
             print(json.dumps(report.as_dict(), indent=2))
         else:

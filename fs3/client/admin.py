@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fs3 import common_pb2 as cpb
@@ -81,13 +82,18 @@ class AdminClient:
         assert isinstance(rsp, mpb.MarkTargetOfflineRsp)
         return rsp.routing_version
 
-    async def verify(self) -> VerifyReport:
-        """Compare every chunk's committed version, length and CRC32C across the replicas of its chain."""
+    async def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """Compare every chunk's committed version, length and CRC32C across the replicas of its chain.
+
+        ``progress(done, total)`` is called after each chain (long on big clusters).
+        """
         routing = await self.routing()
         nodes = {n.node_id: n for n in routing.nodes}
         targets = {t.target_id: t for t in routing.targets}
         report = VerifyReport()
-        for chain in routing.chains:
+        for index, chain in enumerate(routing.chains):
+            if progress is not None:
+                progress(index, len(routing.chains))
             report.chains_checked += 1
             replicas: dict[int, dict[bytes, spb.ChunkMeta]] = {}
             for tid in chain.target_ids:
