@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import signal
 import socket
@@ -19,7 +18,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,23 +27,10 @@ from fs3.common.config import load_config  # noqa: E402
 from fs3.meta.server import MetaConfig  # noqa: E402
 from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
 from fs3.storage.server import StorageConfig  # noqa: E402
+from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"mgmtd": (MgmtdConfig, "FS3_MGMTD"), "meta": (MetaConfig, "FS3_META"),
            "storage": (StorageConfig, "FS3_STORAGE")}
-SERVER_SERVICES = ["mgmtd", "meta", "storage1", "storage2", "storage3"]
-
-
-def _interpolate(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1), m.group(2)), value)
-
-
-def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    data = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    env = env or {}
-    for service in data["services"].values():
-        service["environment"] = {k: _interpolate(str(v), env) for k, v in (service.get("environment") or {}).items()}
-    return data
 
 
 def test_compose_file_structure() -> None:

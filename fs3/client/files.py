@@ -317,11 +317,19 @@ class AsyncFile:
         with os_errors(self.name):
             return await self._read(size)
 
-    async def pread(self, offset: int, size: int) -> bytes:
-        """Read at ``offset`` without moving the file position (FUSE reads)."""
+    async def pread(self, offset: int, size: int, readahead: bool = True) -> bytes:
+        """Read at ``offset`` without moving the file position (FUSE reads).
+
+        ``readahead=False`` always asks storage (nothing served from earlier fetches): a read
+        that must observe the latest committed data, as consistency checkers need.
+        """
         with os_errors(self.name):
             if offset < 0:
                 raise InvalidArgument("negative offset")
+            if not readahead:
+                self._check_open()
+                end = min(offset + size, self._length)
+                return await self._read_range(offset, end - offset) if end > offset else b""
             return await self._read_at(offset, size)
 
     async def _read(self, size: int = -1) -> bytes:

@@ -1,0 +1,1 @@
+"""Multi-host reliability: clusters in network namespaces, fault injection, history checks."""

@@ -1,0 +1,144 @@
+"""The docker-compose topology on network-namespace hosts, with faults and the after-run checks.
+
+Each compose service is a host (its own namespace and address); services get the environment the
+compose file gives them, with service names replaced by host addresses and data directories by
+ones under the run's root. Admin commands and client workloads run on the ``client`` host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fs3.sim.history import History, Op
+from tests.chaos.netns import NetnsLab
+from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose, service_address
+
+__all__ = ["LabCluster", "check_history"]
+
+
+class LabCluster:
+    def __init__(self, lab: NetnsLab, root: Path, overrides: dict[str, str] | None = None) -> None:
+        self.lab = lab
+        self.root = root
+        self.compose = load_compose()
+        self.token = self.compose["services"]["mgmtd"]["environment"]["FS3_MGMTD_TOKEN"]
+        self.overrides = overrides or {}
+        addresses = lab.create([*SERVER_SERVICES, "client"])
+        self.addresses: dict[str, str] = {}
+        for name in SERVER_SERVICES:
+            compose_address = service_address(self.compose, name)
+            self.addresses[compose_address] = f"{addresses[name]}:{compose_address.split(':')[1]}"
+        self.mgmtd = self.addresses[service_address(self.compose, "mgmtd")]
+        self.procs: dict[str, subprocess.Popen[Any]] = {}
+        self.base_env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:"
+                         f"{os.environ['PATH']}"}
+
+    def _localize(self, name: str, value: str) -> str:
+        for address, local in self.addresses.items():
+            value = value.replace(address, local)
+        return value.replace("/data", str(self.root / name))
+
+    def env_for(self, name: str) -> dict[str, str]:
+        env = {k: self._localize(name, v) for k, v in self.compose["services"][name]["environment"].items()}
+        for key in env:
+            if key.endswith("_ADVERTISE_HOST"):
+                env[key] = self.lab.address(name)
+        prefix = next((k.rsplit("_", 2)[0] for k in env if k.endswith("_FRAMED_PORT")), "")
+        env.update({k: v for k, v in self.overrides.items() if k.startswith(prefix + "_")})
+        return env
+
+    def start(self, name: str, timeout_s: float = 60) -> None:
+        ready = self.root / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        command = self.compose["services"][name]["command"]
+        self.procs[name] = self.lab.spawn(name, [sys.executable, "-P", "-m", "fs3.cli.main", *command, "--ready-file",
+                                                 str(ready)], {**self.base_env, **self.env_for(name)},
+                                          self.root / f"{name}.log")
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{(self.root / f'{name}.log').read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready")
+            time.sleep(0.05)
+
+    def start_all(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name in SERVER_SERVICES:
+            self.start(name)
+        setup = self.compose["services"]["setup"]
+        done = self.client_run(["sh", "-c", self._localize("setup", setup["command"][0])], timeout_s=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"setup failed: {done.stdout}{done.stderr}")
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.procs[name]
+        os.killpg(proc.pid, sig)
+        if sig == signal.SIGKILL:
+            proc.wait(timeout=10)
+
+    def client_run(self, args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        env = {**self.base_env, "FS3_TOKEN": self.token}
+        return subprocess.run(["ip", "netns", "exec", self.lab.namespace("client"), *args], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def client_spawn(self, args: list[str], log: Path) -> subprocess.Popen[Any]:
+        return self.lab.spawn("client", args, {**self.base_env, "FS3_TOKEN": self.token}, log)
+
+    def admin(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.client_run([sys.executable, "-P", "-m", "fs3.cli.main", "admin", "--mgmtd", self.mgmtd, *args])
+
+    def wait_all_serving(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = self.admin("--json", "chains")
+            if out.returncode == 0:
+                data = json.loads(out.stdout)
+                states = {t["target_id"]: t.get("public_state") for t in data.get("targets", [])}
+                if data.get("chains") and all(states.get(t) == "SERVING" for c in data["chains"]
+                                              for t in c["target_ids"]):
+                    return
+            time.sleep(0.5)
+        raise RuntimeError("chains did not all return to serving")
+
+
+def check_history(result: dict[str, Any]) -> dict[str, Any]:
+    """Linearizability per slot, the ledger of acknowledged writes, and the longest client outage."""
+    history = History()
+    for raw in result["ops"]:
+        complete = raw["complete"] if raw["ok"] else math.inf
+        op = Op(raw["kind"], raw["file"], (raw["slot"],), raw["invoke"], complete, raw.get("value", 0),
+                ok=raw["ok"])
+        if raw["kind"] == "read" and raw["ok"]:
+            op.observed = {raw["slot"]: raw["observed"]}
+        history.add(op)
+    violations = history.check()
+    # Ledger: each slot ends with its last acknowledged write, or with a write that was in flight
+    # (unacknowledged) or started after it.
+    lost: list[str] = []
+    writes: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for raw in result["ops"]:
+        if raw["kind"] == "write":
+            writes.setdefault((raw["file"], raw["slot"]), []).append(raw)
+    for (file, slot), ops in writes.items():
+        acked = [w for w in ops if w["ok"]]
+        final = result["final"][str(file)][slot]
+        if not acked:
+            continue
+        last = max(acked, key=lambda w: w["complete"])
+        allowed = {last["value"]} | {w["value"] for w in ops if not w["ok"] or w["invoke"] > last["invoke"]}
+        if final not in allowed:
+            lost.append(f"file {file} slot {slot}: ends with {final}, last acknowledged write was {last['value']}")
+    done = sorted(raw["complete"] for raw in result["ops"] if raw["ok"])
+    start = min(raw["invoke"] for raw in result["ops"])
+    gaps = [b - a for a, b in zip([start, *done], done, strict=False)]
+    return {"operations": len(result["ops"]), "acknowledged": len(done), "violations": violations,
+            "lost": lost, "worst_gap_s": max(gaps, default=0.0)}

@@ -1,0 +1,128 @@
+"""Hosts as Linux network namespaces on one private bridge — all created, and removed, by this harness.
+
+A `switch` namespace holds the bridge; every host namespace gets one veth (``eth0``) with its own
+address on a /24 the harness picks among unused private ranges. Nothing is added to the machine's
+own interfaces or namespaces, every name carries this run's id, and :meth:`NetnsLab.destroy` (also
+run at exit and on SIGTERM) kills the processes it started and deletes its namespaces.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+__all__ = ["NetnsLab"]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def _used_subnets() -> set[str]:
+    out = _ip("-4", "route", "show", "table", "all", check=False).stdout
+    return {line.split()[0] for line in out.splitlines() if line and line[0].isdigit()}
+
+
+class NetnsLab:
+    def __init__(self) -> None:
+        self.run_id = secrets.token_hex(3)
+        used = _used_subnets()
+        third = next(n for n in range(180, 250) if f"10.213.{n}.0/24" not in used)
+        self.subnet = f"10.213.{third}"
+        self.switch = f"fs3sw-{self.run_id}"
+        self.hosts: dict[str, tuple[str, str]] = {}  # host -> (namespace, address)
+        self.procs: list[subprocess.Popen[Any]] = []
+        self._blackholes: set[tuple[str, str]] = set()
+        self._created = False
+        atexit.register(self.destroy)
+
+    # -- topology --------------------------------------------------------------------------------
+
+    def create(self, hosts: list[str]) -> dict[str, str]:
+        _ip("netns", "add", self.switch)
+        self._created = True
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for index, host in enumerate(hosts):
+            namespace = f"fs3-{self.run_id}-{host}"
+            address = f"{self.subnet}.{10 + index}"
+            _ip("netns", "add", namespace)
+            self.hosts[host] = (namespace, address)
+            _ip("-n", namespace, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{index}", "netns",
+                self.switch)
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", namespace, "link", "set", "eth0", "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            _ip("-n", self.switch, "link", "set", f"p{index}", "master", "br0")
+            _ip("-n", self.switch, "link", "set", f"p{index}", "up")
+        return {host: address for host, (_, address) in self.hosts.items()}
+
+    def address(self, host: str) -> str:
+        return self.hosts[host][1]
+
+    def namespace(self, host: str) -> str:
+        return self.hosts[host][0]
+
+    # -- processes -------------------------------------------------------------------------------
+
+    def spawn(self, host: str, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[Any]:
+        with log.open("ab") as out:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *args], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def partition(self, a: str, b: str) -> None:
+        """Cut traffic between two hosts both ways (their other links keep working)."""
+        for src, dst in ((a, b), (b, a)):
+            _ip("-n", self.namespace(src), "route", "add", "blackhole", f"{self.address(dst)}/32")
+            self._blackholes.add((src, dst))
+
+    def heal(self, a: str, b: str) -> None:
+        for src, dst in ((a, b), (b, a)):
+            if (src, dst) in self._blackholes:
+                _ip("-n", self.namespace(src), "route", "del", "blackhole", f"{self.address(dst)}/32", check=False)
+                self._blackholes.discard((src, dst))
+
+    def netem(self, host: str, spec: list[str] | None) -> None:
+        """Delay/loss on a host's link (``["delay", "50ms", "loss", "5%"]``); ``None`` clears it."""
+        namespace = self.namespace(host)
+        _ip("netns", "exec", namespace, "true")  # namespace must exist
+        subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                       capture_output=True)
+        if spec:
+            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "eth0", "root", "netem",
+                            *spec], check=True, capture_output=True)
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGCONT)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+        self.procs.clear()
+        if not self._created:
+            return
+        for namespace, _ in self.hosts.values():
+            _ip("netns", "del", namespace, check=False)
+        _ip("netns", "del", self.switch, check=False)
+        self.hosts.clear()
+        self._created = False
+
+    def __enter__(self) -> NetnsLab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
