@@ -9,7 +9,7 @@ PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
 SEEDS ?= 2000
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint typecheck sim bench bench-meta bench-file bench-fuse clean install
+.PHONY: run test proto lint typecheck sim bench bench-meta bench-file bench-fuse chaos clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -49,6 +49,10 @@ bench-meta: install
 
 bench-file: install
 	$(PY) bench/file_bench.py
+
+# Fault scenarios on a cluster of network-namespace hosts (root); report in bench/results/chaos-*.{md,json,png}.
+chaos: install
+	$(PY) -m tests.chaos.run
 
 # fio on the FUSE mount next to a local directory.
 bench-fuse: install

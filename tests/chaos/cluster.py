@@ -140,5 +140,7 @@ def check_history(result: dict[str, Any]) -> dict[str, Any]:
     done = sorted(raw["complete"] for raw in result["ops"] if raw["ok"])
     start = min(raw["invoke"] for raw in result["ops"])
     gaps = [b - a for a, b in zip([start, *done], done, strict=False)]
+    stalls = [raw["complete"] - raw["invoke"] for raw in result["ops"] if raw["ok"]]
     return {"operations": len(result["ops"]), "acknowledged": len(done), "violations": violations,
-            "lost": lost, "worst_gap_s": max(gaps, default=0.0)}
+            "lost": lost, "worst_gap_s": max(gaps, default=0.0), "worst_stall_s": max(stalls, default=0.0),
+            "failed": sum(1 for raw in result["ops"] if not raw["ok"])}

@@ -1,0 +1,77 @@
+"""Fault scenarios: each a timeline of faults applied to a LabCluster while a workload runs."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tests.chaos.cluster import LabCluster
+
+__all__ = ["SCENARIOS", "Scenario"]
+
+
+@dataclass
+class Scenario:
+    name: str
+    seconds: float
+    # (at seconds into the run, description, action)
+    steps: list[tuple[float, str, Callable[[LabCluster], None]]] = field(default_factory=list)
+
+    def run_faults(self, cluster: LabCluster, started: float, log: list[dict[str, object]]) -> None:
+        for at, what, action in sorted(self.steps, key=lambda s: s[0]):
+            delay = started + at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            action(cluster)
+            log.append({"at": round(time.monotonic() - started, 3), "fault": what})
+
+
+def _kill(name: str) -> Callable[[LabCluster], None]:
+    return lambda c: c.signal(name, signal.SIGKILL)
+
+
+def _start(name: str) -> Callable[[LabCluster], None]:
+    return lambda c: c.start(name)
+
+
+def _stop(name: str) -> Callable[[LabCluster], None]:
+    return lambda c: c.signal(name, signal.SIGSTOP)
+
+
+def _cont(name: str) -> Callable[[LabCluster], None]:
+    return lambda c: c.signal(name, signal.SIGCONT)
+
+
+def _cut(a: str, b: str) -> Callable[[LabCluster], None]:
+    return lambda c: c.lab.partition(a, b)
+
+
+def _heal(a: str, b: str) -> Callable[[LabCluster], None]:
+    return lambda c: c.lab.heal(a, b)
+
+
+SCENARIOS = {
+    "storage-kill-restart": Scenario("storage-kill-restart", 14, [
+        (2, "SIGKILL storage2", _kill("storage2")), (7, "restart storage2", _start("storage2"))]),
+    "storage-freeze": Scenario("storage-freeze", 12, [
+        (2, "SIGSTOP storage3", _stop("storage3")), (7, "SIGCONT storage3", _cont("storage3"))]),
+    "meta-kill-restart": Scenario("meta-kill-restart", 12, [
+        (2, "SIGKILL meta", _kill("meta")), (4, "restart meta", _start("meta"))]),
+    "mgmtd-kill-restart": Scenario("mgmtd-kill-restart", 12, [
+        (2, "SIGKILL mgmtd", _kill("mgmtd")), (5, "restart mgmtd", _start("mgmtd"))]),
+    "partition-from-mgmtd": Scenario("partition-from-mgmtd", 14, [
+        (2, "partition storage1 | mgmtd", _cut("storage1", "mgmtd")),
+        (8, "heal storage1 | mgmtd", _heal("storage1", "mgmtd"))]),
+    "partition-from-chain": Scenario("partition-from-chain", 14, [
+        (2, "partition storage2 | storage1, storage3", lambda c: (c.lab.partition("storage2", "storage1"),
+                                                                 c.lab.partition("storage2", "storage3"))),
+        (8, "heal storage2", lambda c: (c.lab.heal("storage2", "storage1"), c.lab.heal("storage2", "storage3")))]),
+    "partition-from-clients": Scenario("partition-from-clients", 12, [
+        (2, "partition storage3 | client", _cut("storage3", "client")),
+        (7, "heal storage3 | client", _heal("storage3", "client"))]),
+    "two-faults": Scenario("two-faults", 16, [
+        (2, "SIGKILL meta", _kill("meta")), (2.5, "SIGSTOP storage1", _stop("storage1")),
+        (5, "restart meta", _start("meta")), (9, "SIGCONT storage1", _cont("storage1"))]),
+}
