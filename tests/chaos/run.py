@@ -57,7 +57,8 @@ def _timeline(result: dict[str, Any], started: float) -> list[tuple[float, int, 
         at = (op["complete"] if op["ok"] else op["invoke"]) - started
         bucket = buckets.setdefault(int(at * 2), [0, 0])
         bucket[0 if op["ok"] else 1] += 1
-    return [(k / 2, v[0], v[1]) for k, v in sorted(buckets.items())]
+    last = max(buckets, default=0)
+    return [(k / 2, *buckets.get(k, [0, 0])) for k in range(last + 1)]  # empty half-seconds are zeros
 
 
 def _png(reports: list[dict[str, Any]], path: Path) -> bool:
