@@ -62,15 +62,15 @@ SCENARIOS = {
     "mgmtd-kill-restart": Scenario("mgmtd-kill-restart", 12, [
         (2, "SIGKILL mgmtd", _kill("mgmtd")), (5, "restart mgmtd", _start("mgmtd"))]),
     "partition-from-mgmtd": Scenario("partition-from-mgmtd", 14, [
-        (2, "partition storage1 | mgmtd", _cut("storage1", "mgmtd")),
-        (8, "heal storage1 | mgmtd", _heal("storage1", "mgmtd"))]),
+        (2, "partition storage1 from mgmtd", _cut("storage1", "mgmtd")),
+        (8, "heal storage1 from mgmtd", _heal("storage1", "mgmtd"))]),
     "partition-from-chain": Scenario("partition-from-chain", 14, [
-        (2, "partition storage2 | storage1, storage3", lambda c: (c.lab.partition("storage2", "storage1"),
+        (2, "partition storage2 from storage1, storage3", lambda c: (c.lab.partition("storage2", "storage1"),
                                                                  c.lab.partition("storage2", "storage3"))),
         (8, "heal storage2", lambda c: (c.lab.heal("storage2", "storage1"), c.lab.heal("storage2", "storage3")))]),
     "partition-from-clients": Scenario("partition-from-clients", 12, [
-        (2, "partition storage3 | client", _cut("storage3", "client")),
-        (7, "heal storage3 | client", _heal("storage3", "client"))]),
+        (2, "partition storage3 from client", _cut("storage3", "client")),
+        (7, "heal storage3 and client", _heal("storage3", "client"))]),
     "two-faults": Scenario("two-faults", 16, [
         (2, "SIGKILL meta", _kill("meta")), (2.5, "SIGSTOP storage1", _stop("storage1")),
         (5, "restart meta", _start("meta")), (9, "SIGCONT storage1", _cont("storage1"))]),
