@@ -63,7 +63,7 @@ SCENARIOS = {
         (2, "SIGKILL mgmtd", _kill("mgmtd")), (5, "restart mgmtd", _start("mgmtd"))]),
     "partition-from-mgmtd": Scenario("partition-from-mgmtd", 14, [
         (2, "partition storage1 from mgmtd", _cut("storage1", "mgmtd")),
-        (8, "heal storage1 from mgmtd", _heal("storage1", "mgmtd"))]),
+        (8, "heal storage1 and mgmtd", _heal("storage1", "mgmtd"))]),
     "partition-from-chain": Scenario("partition-from-chain", 14, [
         (2, "partition storage2 from storage1, storage3", lambda c: (c.lab.partition("storage2", "storage1"),
                                                                  c.lab.partition("storage2", "storage3"))),
