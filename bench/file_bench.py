@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
 import sys
 import tempfile
@@ -29,6 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import save_result  # noqa: E402
 from tests.harness import ProcessCluster  # noqa: E402
 
 MIB = 1024 * 1024
@@ -161,11 +160,7 @@ def main() -> int:
     result["ratios"] = ratios
     for name, value in ratios.items():
         print(f"  {name}: {value:.3f}")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"file-{stamp}.json"
-    path.write_text(json.dumps({"when": stamp, **result}, indent=2))
+    path = save_result("file", result)
     print(f"wrote {path}")
     return 0
 

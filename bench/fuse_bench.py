@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import save_result  # noqa: E402
 from fs3.cli.local import LocalCluster  # noqa: E402
 
 
@@ -94,11 +94,7 @@ def main() -> int:
         rows[job] = {"fs3": values, "local": local[job], "ratio": ratio}
         unit = "IOPS" if key == "iops" else "MiB/s"
         print(f"{job:<22} {values[key]:>8.1f} {unit:<5} {local[job][key]:>8.1f} {unit:<5} {ratio:>7.3f}")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"fuse-{stamp}.json"
-    path.write_text(json.dumps({"when": stamp, "size_mib": args.size_mib, "jobs": rows}, indent=2))
+    path = save_result("fuse", {"size_mib": args.size_mib, "jobs": rows})
     print(f"wrote {path}")
     return 0
 

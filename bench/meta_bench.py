@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import multiprocessing
 import os
 import sys
@@ -28,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import save_result  # noqa: E402
 from tests.harness import ProcessCluster  # noqa: E402
 
 PROCESSES = 2
@@ -182,11 +181,7 @@ def main() -> int:
     listing = report["listdir"]
     print(f"listdir of {listing['entries']} entries: fs3 {listing['fs3_per_s']:.1f}/s, local "
           f"{listing['local_per_s']:.1f}/s, ratio {listing['fs3_per_s'] / listing['local_per_s']:.3f}")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"meta-{stamp}.json"
-    path.write_text(json.dumps({"when": stamp, **report}, indent=2))
+    path = save_result("meta", report)
     print(f"wrote {path}")
     return 0
 
