@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,8 +26,12 @@ __all__ = ["LabCluster", "check_history"]
 
 
 class LabCluster:
-    def __init__(self, lab: NetnsLab, root: Path, overrides: dict[str, str] | None = None) -> None:
+    def __init__(self, lab: NetnsLab, root: Path, overrides: dict[str, str] | None = None,
+                 small_disks: dict[str, int] | None = None) -> None:
         self.lab = lab
+        # service -> bytes: its targets live on tmpfs mounts of this size (disk-full drills).
+        self.small_disks = small_disks or {}
+        self.mounts: list[Path] = []
         self.root = root
         self.compose = load_compose()
         self.token = self.compose["services"]["mgmtd"]["environment"]["FS3_MGMTD_TOKEN"]
@@ -55,7 +60,28 @@ class LabCluster:
         env.update({k: v for k, v in self.overrides.items() if k.startswith(prefix + "_")})
         return env
 
+    def _mount_small_disks(self, name: str) -> None:
+        size = self.small_disks.get(name)
+        if not size:
+            return
+        for key, value in self.env_for(name).items():
+            if key.endswith("_TARGETS"):
+                for path in re.findall(r'path = "([^"]+)"', value):
+                    target = Path(path)
+                    if target in self.mounts:
+                        continue
+                    target.mkdir(parents=True, exist_ok=True)
+                    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "fs3-chaos", str(target)],
+                                   check=True)
+                    self.mounts.append(target)
+
+    def close(self) -> None:
+        for target in reversed(self.mounts):
+            subprocess.run(["umount", "-l", str(target)], check=False)
+        self.mounts.clear()
+
     def start(self, name: str, timeout_s: float = 60) -> None:
+        self._mount_small_disks(name)
         ready = self.root / f"{name}.ready"
         ready.unlink(missing_ok=True)
         command = self.compose["services"][name]["command"]

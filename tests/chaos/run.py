@@ -27,27 +27,37 @@ FAST = {"FS3_MGMTD_HEARTBEAT_TIMEOUT_MS": "3000", "FS3_STORAGE_HEARTBEAT_INTERVA
 def run_scenario(scenario: Scenario, root: Path) -> dict[str, Any]:
     faults: list[dict[str, object]] = []
     with NetnsLab() as lab:
-        cluster = LabCluster(lab, root, FAST)
-        cluster.start_all()
-        out = root / "workload.json"
-        started = time.monotonic()
-        workload = cluster.client_spawn([sys.executable, "-P", "-m", "tests.chaos.workload", cluster.mgmtd,
-                                         cluster.token, str(scenario.seconds), str(out)], root / "workload.log")
-        scenario.run_faults(cluster, started, faults)
-        if workload.wait(timeout=scenario.seconds + 300) != 0:
-            raise RuntimeError(f"workload failed:\n{(root / 'workload.log').read_text()[-3000:]}")
-        result = json.loads(out.read_text())
-        checks = check_history(result)
-        cluster.wait_all_serving()
-        verify = cluster.admin("verify")
-        fsck = cluster.admin("fsck")
-        report = {"scenario": scenario.name, "faults": faults, **checks,
-                  "replicas_identical": verify.returncode == 0, "fsck_clean": fsck.returncode == 0,
-                  "verify": verify.stdout.strip().splitlines()[-1:], "fsck": fsck.stdout.strip().splitlines()[-1:],
-                  "started": started, "timeline": _timeline(result, started)}
-        report["ok"] = (not checks["violations"] and not checks["lost"] and report["replicas_identical"]
-                        and report["fsck_clean"])
-        return report
+        cluster = LabCluster(lab, root, FAST, scenario.small_disks)
+        try:
+            return _run(scenario, cluster, root, faults)
+        finally:
+            cluster.close()
+
+
+def _run(scenario: Scenario, cluster: LabCluster, root: Path, faults: list[dict[str, object]]) -> dict[str, Any]:
+    cluster.start_all()
+    out = root / "workload.json"
+    started = time.monotonic()
+    workload = cluster.client_spawn([sys.executable, "-P", "-m", "tests.chaos.workload", cluster.mgmtd,
+                                     cluster.token, str(scenario.seconds), str(out)], root / "workload.log")
+    scenario.run_faults(cluster, started, faults)
+    if workload.wait(timeout=scenario.seconds + 300) != 0:
+        raise RuntimeError(f"workload failed:\n{(root / 'workload.log').read_text()[-3000:]}")
+    result = json.loads(out.read_text())
+    checks = check_history(result)
+    cluster.wait_all_serving()
+    verify = cluster.admin("verify")
+    fsck = cluster.admin("fsck")
+    report = {"scenario": scenario.name, "faults": faults, **checks,
+              "replicas_identical": verify.returncode == 0, "fsck_clean": fsck.returncode == 0,
+              "verify": verify.stdout.strip().splitlines()[-1:], "fsck": fsck.stdout.strip().splitlines()[-1:],
+              "started": started, "timeline": _timeline(result, started)}
+    filler = root / "filler.log"
+    if filler.exists():
+        report["filler"] = filler.read_text()[-500:]
+    report["ok"] = (not checks["violations"] and not checks["lost"] and report["replicas_identical"]
+                    and report["fsck_clean"])
+    return report
 
 
 def _timeline(result: dict[str, Any], started: float) -> list[tuple[float, int, int]]:
@@ -80,7 +90,7 @@ def _png(reports: list[dict[str, Any]], path: Path) -> bool:
         ax.set_title(report["scenario"], fontsize=9)
         ax.set_xlabel("seconds")
     axes[0, 0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.subplots_adjust(hspace=0.9)
     fig.savefig(path, dpi=90)
     return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ class Scenario:
     seconds: float
     # (at seconds into the run, description, action)
     steps: list[tuple[float, str, Callable[[LabCluster], None]]] = field(default_factory=list)
+    small_disks: dict[str, int] = field(default_factory=dict)  # service -> bytes of tmpfs per target
 
     def run_faults(self, cluster: LabCluster, started: float, log: list[dict[str, object]]) -> None:
         for at, what, action in sorted(self.steps, key=lambda s: s[0]):
@@ -52,6 +54,18 @@ def _heal(a: str, b: str) -> Callable[[LabCluster], None]:
     return lambda c: c.lab.heal(a, b)
 
 
+def _fill(c: LabCluster) -> None:
+    done = c.client_run([sys.executable, "-P", "-m", "tests.chaos.filler", c.mgmtd, c.token, "fill", "64"],
+                        timeout_s=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"filler failed: {done.stdout}{done.stderr}")
+    (c.root / "filler.log").write_text(done.stdout + done.stderr)
+
+
+def _unfill(c: LabCluster) -> None:
+    c.client_run([sys.executable, "-P", "-m", "tests.chaos.filler", c.mgmtd, c.token, "remove"], timeout_s=120)
+
+
 SCENARIOS = {
     "storage-kill-restart": Scenario("storage-kill-restart", 14, [
         (2, "SIGKILL storage2", _kill("storage2")), (7, "restart storage2", _start("storage2"))]),
@@ -74,4 +88,7 @@ SCENARIOS = {
     "two-faults": Scenario("two-faults", 16, [
         (2, "SIGKILL meta", _kill("meta")), (2.5, "SIGSTOP storage1", _stop("storage1")),
         (5, "restart meta", _start("meta")), (9, "SIGCONT storage1", _cont("storage1"))]),
+    "disk-full": Scenario("disk-full", 16, [
+        (2, "fill the cluster until storage3's 24 MiB disks are full", _fill),
+        (8, "remove the filler file (GC frees the chunks)", _unfill)], small_disks={"storage3": 24 << 20}),
 }
