@@ -55,8 +55,18 @@ def _run(scenario: Scenario, cluster: LabCluster, root: Path, faults: list[dict[
     filler = root / "filler.log"
     if filler.exists():
         report["filler"] = filler.read_text()[-500:]
+    probe = root / "probe.json"
+    lease_s = int(FAST["FS3_MGMTD_HEARTBEAT_TIMEOUT_MS"]) / 2000
+    if probe.exists():
+        # Split brain: the node cut from mgmtd must refuse service within half the heartbeat timeout
+        # (plus one heartbeat interval of slack: the lease started at the last heartbeat it sent).
+        report["lease"] = json.loads(probe.read_text())
+        refused = report["lease"]["refused_after_s"]
+        report["lease"]["ok"] = refused is not None and refused <= lease_s + 0.5
+    else:
+        report["lease"] = None
     report["ok"] = (not checks["violations"] and not checks["lost"] and report["replicas_identical"]
-                    and report["fsck_clean"])
+                    and report["fsck_clean"] and (report["lease"] is None or report["lease"]["ok"]))
     return report
 
 
@@ -115,13 +125,14 @@ def main() -> int:
     (out / f"chaos-{stamp}.json").write_text(json.dumps(reports, indent=2))
     lines = [f"# fs3 chaos report {stamp}", "",
              "| scenario | faults | operations | linearizability violations | bytes lost | replicas identical | "
-             "fsck | longest client stall (s) | longest time with no op completing (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "fsck | longest client stall (s) | longest time with no op completing (s) | node cut from mgmtd refused "
+             "after (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         lines.append(f"| {r['scenario']} | {'; '.join(str(f['fault']) for f in r['faults'])} | {r['operations']} | "
                      f"{len(r['violations'])} | {4096 * len(r['lost'])} | {r['replicas_identical']} | "
                      f"{'clean' if r['fsck_clean'] else 'PROBLEMS'} | {r['worst_stall_s']:.2f} | "
-                     f"{r['worst_gap_s']:.2f} |")
+                     f"{r['worst_gap_s']:.2f} | "
+                     f"{'' if not r['lease'] else format(r['lease']['refused_after_s'] or -1, '.2f')} |")
     if _png(reports, out / f"chaos-{stamp}.png"):
         lines += ["", f"![timeline](chaos-{stamp}.png)"]
     (out / f"chaos-{stamp}.md").write_text("\n".join(lines) + "\n")

@@ -50,6 +50,18 @@ def _cut(a: str, b: str) -> Callable[[LabCluster], None]:
     return lambda c: c.lab.partition(a, b)
 
 
+def _cut_and_probe(node: str) -> Callable[[LabCluster], None]:
+    """Partition a storage node from mgmtd and start timing how long it keeps serving."""
+
+    def act(c: LabCluster) -> None:
+        c.lab.partition(node, "mgmtd")
+        address = f"{c.lab.address(node)}:{c.env_for(node)['FS3_STORAGE_FRAMED_PORT']}"
+        c.client_spawn([sys.executable, "-P", "-m", "tests.chaos.probe", address, c.token, "8",
+                        str(c.root / "probe.json")], c.root / "probe.log")
+
+    return act
+
+
 def _heal(a: str, b: str) -> Callable[[LabCluster], None]:
     return lambda c: c.lab.heal(a, b)
 
@@ -76,7 +88,7 @@ SCENARIOS = {
     "mgmtd-kill-restart": Scenario("mgmtd-kill-restart", 12, [
         (2, "SIGKILL mgmtd", _kill("mgmtd")), (5, "restart mgmtd", _start("mgmtd"))]),
     "partition-from-mgmtd": Scenario("partition-from-mgmtd", 14, [
-        (2, "partition storage1 from mgmtd", _cut("storage1", "mgmtd")),
+        (2, "partition storage1 from mgmtd", _cut_and_probe("storage1")),
         (8, "heal storage1 and mgmtd", _heal("storage1", "mgmtd"))]),
     "partition-from-chain": Scenario("partition-from-chain", 14, [
         (2, "partition storage2 from storage1, storage3", lambda c: (c.lab.partition("storage2", "storage1"),
