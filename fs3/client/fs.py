@@ -24,16 +24,18 @@ from fs3.common.errors import InvalidArgument
 from fs3.meta.ops import O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.rpc.channel import RealChannelFactory, Transport
 
-__all__ = ["AsyncFileSystem", "ClientConfig", "DirEntry", "connect", "open_flags", "stat_result"]
+__all__ = ["KIND_OF_MODE", "TYPE_BITS", "AsyncFileSystem", "ClientConfig", "DirEntry", "connect", "open_flags",
+           "stat_result"]
 
 PathLike = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
-_TYPE_BITS = {
+# Inode type <-> the S_IFMT bits of st_mode (used by the API, the VFS and the FUSE adapter).
+TYPE_BITS = {
     mpb.FILE: stat_mod.S_IFREG, mpb.DIRECTORY: stat_mod.S_IFDIR, mpb.SYMLINK: stat_mod.S_IFLNK,
     mpb.FIFO: stat_mod.S_IFIFO, mpb.SOCKET: stat_mod.S_IFSOCK, mpb.CHAR_DEVICE: stat_mod.S_IFCHR,
     mpb.BLOCK_DEVICE: stat_mod.S_IFBLK,
 }
-_KIND_OF_MODE = {
+KIND_OF_MODE: dict[int, mpb.InodeType] = {
     stat_mod.S_IFREG: mpb.FILE, stat_mod.S_IFIFO: mpb.FIFO, stat_mod.S_IFSOCK: mpb.SOCKET,
     stat_mod.S_IFCHR: mpb.CHAR_DEVICE, stat_mod.S_IFBLK: mpb.BLOCK_DEVICE, 0: mpb.FILE,
 }
@@ -55,7 +57,7 @@ class ClientConfig:
 
 def stat_result(inode: mpb.Inode) -> os.stat_result:
     """An ``os.stat_result`` for an inode (times in seconds and nanoseconds)."""
-    mode = _TYPE_BITS.get(inode.type, 0) | inode.mode
+    mode = TYPE_BITS.get(inode.type, 0) | inode.mode
     blksize = inode.layout.chunk_size if inode.type == mpb.FILE and inode.layout.chunk_size else 4096
     return os.stat_result(
         (mode, inode.inode_id, ST_DEV, inode.nlink, inode.uid, inode.gid, inode.size,
@@ -309,7 +311,7 @@ class AsyncFileSystem:
         return os.fsdecode(rsp.target)
 
     async def mknod(self, path: PathLike, mode: int = 0o600, device: int = 0) -> None:
-        kind = _KIND_OF_MODE.get(stat_mod.S_IFMT(mode))
+        kind = KIND_OF_MODE.get(stat_mod.S_IFMT(mode))
         if kind is None:
             raise OSError(22, "mknod: unsupported file type", os.fsdecode(path))
         with os_errors(path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import stat as stat_mod
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -18,6 +17,7 @@ from typing import Any, TypeVar, cast
 import pyfuse3
 
 from fs3 import meta_pb2 as mpb
+from fs3.client.fs import TYPE_BITS
 from fs3.common.errors import FS3Error
 from fs3.vfs import Vfs
 
@@ -26,11 +26,6 @@ __all__ = ["FS3Operations"]
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
-_TYPE_BITS = {
-    mpb.FILE: stat_mod.S_IFREG, mpb.DIRECTORY: stat_mod.S_IFDIR, mpb.SYMLINK: stat_mod.S_IFLNK,
-    mpb.FIFO: stat_mod.S_IFIFO, mpb.SOCKET: stat_mod.S_IFSOCK, mpb.CHAR_DEVICE: stat_mod.S_IFCHR,
-    mpb.BLOCK_DEVICE: stat_mod.S_IFBLK,
-}
 _NOW_SLACK_NS = 1_000_000_000  # a time this close to now came from UTIME_NOW (pyfuse3 resolves it)
 
 
@@ -78,7 +73,7 @@ class FS3Operations(pyfuse3.Operations):
         attr.generation = 0
         attr.entry_timeout = self.vfs.config.entry_timeout_s
         attr.attr_timeout = self.vfs.config.attr_timeout_s
-        attr.st_mode = _TYPE_BITS.get(inode.type, 0) | inode.mode
+        attr.st_mode = TYPE_BITS.get(inode.type, 0) | inode.mode
         attr.st_nlink = inode.nlink
         attr.st_uid = inode.uid
         attr.st_gid = inode.gid

@@ -190,7 +190,7 @@ class MetaService:
 
         return await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
 
-    async def _ensure_tables(self, user: mpb.User) -> None:
+    async def _ensure_tables(self) -> None:
         """Creating files needs the chain tables: fetch routing if the default table is not known yet."""
         if self.config.chain_table_id not in self._chain_tables():
             with contextlib.suppress(FS3Error):
@@ -230,7 +230,7 @@ class MetaService:
         session_id = schema.session_id_for(req.ctx.client_id, req.ctx.request_id)
         new_id = 0
         if req.flags & O_CREAT:
-            await self._ensure_tables(req.ctx.user)
+            await self._ensure_tables()
             new_id = await self.allocator.next()
         now_ms = self._now_ms()
         rsp = await self._mutate(req.ctx, mpb.OpenRsp, lambda ns: ns.open(
@@ -241,7 +241,7 @@ class MetaService:
 
     async def make_node(self, req: mpb.MakeNodeReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         if req.type == mpb.FILE:
-            await self._ensure_tables(req.ctx.user)
+            await self._ensure_tables()
         new_id = await self.allocator.next()
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.make_node(
             req.target, req.type, req.mode, req.rdev, req.symlink_target, new_id)))
@@ -300,7 +300,7 @@ class MetaService:
         return rsp, _EMPTY
 
     async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        exact, probed_from = await self._exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote)
+        exact, probed_from = await self._exact_length(req.inode_id, req.length_hint, req.wrote)
 
         async def op(ns: Namespace) -> mpb.InodeRsp:
             result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from)
@@ -311,14 +311,14 @@ class MetaService:
         return rsp, _EMPTY
 
     async def sync(self, req: mpb.SyncReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        exact, probed_from = (await self._exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote)
+        exact, probed_from = (await self._exact_length(req.inode_id, req.length_hint, req.wrote)
                               if req.exact else (None, None))
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.sync(
             req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from)))
         return rsp, _EMPTY
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        await self._ensure_tables(req.ctx.user)
+        await self._ensure_tables()
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.set_layout(req.dir, req.layout)))
         return rsp, _EMPTY
 
@@ -349,7 +349,7 @@ class MetaService:
         _, rsp = await self.storage.read(chain_id, cid, 0, 0)
         return rsp.version > 0, rsp.chunk_length
 
-    async def _exact_length(self, ctx: mpb.ReqCtx, inode_id: int, hint: int,
+    async def _exact_length(self, inode_id: int, hint: int,
                             wrote: bool) -> tuple[int | None, int | None]:
         """The file's end as storage sees it, from the known length on (None when nothing was written)."""
         if not wrote:
@@ -477,7 +477,7 @@ class MetaService:
             _, inode_id, session_id = schema.parse_client_session_key(key)
             raw = await self.engine.begin().get(schema.session_key(inode_id, session_id))
             wrote = raw is not None and schema.Session.decode(raw).write
-            exact, probed_from = await self._exact_length(mpb.ReqCtx(), inode_id, 0, wrote)
+            exact, probed_from = await self._exact_length(inode_id, 0, wrote)
 
             async def expire(txn: Transaction, inode_id: int = inode_id, session_id: bytes = session_id,
                              key: bytes = key, exact: int | None = exact, probed_from: int | None = probed_from,

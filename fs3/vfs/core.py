@@ -25,16 +25,12 @@ from dataclasses import dataclass, field
 
 from fs3 import meta_pb2 as mpb
 from fs3.client.files import AsyncFile
-from fs3.client.fs import AsyncFileSystem
-from fs3.common.errors import BadHandle, InvalidArgument
-from fs3.meta.ops import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_WRONLY
+from fs3.client.fs import KIND_OF_MODE, AsyncFileSystem
+from fs3.common.errors import BadHandle, InvalidArgument, IsADirectory, NotADirectory, NotFound
+from fs3.meta.ops import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_WRONLY, Caller, may
 
 __all__ = ["DirHandle", "Vfs", "VfsConfig"]
 
-_KIND_OF_MODE: dict[int, mpb.InodeType] = {
-    stat_mod.S_IFREG: mpb.FILE, stat_mod.S_IFIFO: mpb.FIFO, stat_mod.S_IFSOCK: mpb.SOCKET,
-    stat_mod.S_IFCHR: mpb.CHAR_DEVICE, stat_mod.S_IFBLK: mpb.BLOCK_DEVICE, 0: mpb.FILE,
-}
 _READDIR_PAGE = 1000
 
 
@@ -90,8 +86,6 @@ class Vfs:
         rsp = await self.fs.meta.call("BatchStat", mpb.BatchStatReq(inode_ids=[inode_id]), mpb.BatchStatRsp, user)
         inode = rsp.inodes[0]
         if inode.inode_id == 0:
-            from fs3.common.errors import NotFound
-
             raise NotFound(f"inode {inode_id} does not exist")
         return self._with_local_length(inode)
 
@@ -149,8 +143,6 @@ class Vfs:
 
     async def access(self, inode_id: int, mode: int, user: mpb.User) -> bool:
         """``access(2)``: whether ``user`` may read/write/execute (mode bits 4/2/1) the inode."""
-        from fs3.meta.ops import Caller, may
-
         inode = await self.getattr(inode_id, user)
         return may(inode, Caller.from_pb(user), mode & 7) if mode & 7 else True
 
@@ -167,7 +159,7 @@ class Vfs:
         return await self._make(parent, name, mpb.DIRECTORY, mode, user)
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, user: mpb.User) -> mpb.Inode:
-        kind = _KIND_OF_MODE.get(stat_mod.S_IFMT(mode))
+        kind = KIND_OF_MODE.get(stat_mod.S_IFMT(mode))
         if kind is None:
             raise InvalidArgument(f"mknod of file type {stat_mod.S_IFMT(mode):o}")
         return await self._make(parent, name, kind, mode, user, rdev=rdev)
@@ -213,8 +205,6 @@ class Vfs:
         rsp = await self.fs.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id),
                                                           flags=flags & ~O_CREAT), mpb.OpenRsp, user)
         if rsp.inode.type == mpb.DIRECTORY:
-            from fs3.common.errors import IsADirectory
-
             raise IsADirectory(f"inode {inode_id} is a directory")
         return self._register(rsp, flags, f"inode:{inode_id}"), rsp.inode
 
@@ -283,8 +273,6 @@ class Vfs:
     async def opendir(self, inode_id: int, user: mpb.User) -> int:
         inode = await self.getattr(inode_id, user)
         if inode.type != mpb.DIRECTORY:
-            from fs3.common.errors import NotADirectory
-
             raise NotADirectory(f"inode {inode_id} is not a directory")
         dh = next(self._ids)
         self._dirs[dh] = DirHandle(inode_id, user)
