@@ -24,6 +24,8 @@ command -v git >/dev/null 2>&1 || need_apt+=(git)
 command -v sqlite3 >/dev/null 2>&1 || need_apt+=(sqlite3)
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)         # bench/fuse_bench.py, mount tests
 command -v dbench >/dev/null 2>&1 || need_apt+=(dbench)   # mount tests
+command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # chaos suite: packet loss on a link
+command -v e2fsck >/dev/null 2>&1 || need_apt+=(e2fsprogs)  # chaos suite: a disk that turns read-only
 
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

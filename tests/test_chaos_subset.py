@@ -1,7 +1,8 @@
 """The deterministic subset of the chaos suite: a few scenarios on network-namespace hosts.
 
-`make chaos` runs every scenario and writes the report; here three short ones run with the same
-checks: no linearizability violation, no acknowledged write lost, replicas identical, fsck clean.
+`make chaos` runs every scenario and writes the report; here four short ones (one of them a disk
+the kernel turns read-only) run with the same checks: no linearizability violation, no
+acknowledged write lost, replicas identical, fsck clean.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ def _netns_usable() -> bool:
     return ok
 
 
-@pytest.mark.parametrize("name", ["storage-kill-restart", "partition-from-mgmtd", "two-faults"])
+@pytest.mark.parametrize("name", ["storage-kill-restart", "partition-from-mgmtd", "two-faults", "disk-read-only"])
 def test_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
     if not _netns_usable():
         pytest.skip("this machine does not allow creating network namespaces")
+    if name == "disk-read-only" and not (Path("/dev/loop-control").exists() and shutil.which("mkfs.ext4")):
+        pytest.skip("a read-only disk needs loop devices and mkfs.ext4")
     pytest.importorskip("yaml")
     from tests.chaos.run import run_scenario
     from tests.chaos.scenarios import SCENARIOS

@@ -250,3 +250,33 @@ def test_node_without_mgmtd_contact_stops_serving_within_half_the_timeout(tmp_pa
             data, _ = await client.read(chain, chunk_id(12, 0), 0, 1)
             assert data == b"z"
     run(body())
+
+
+def test_failed_disk_takes_out_only_its_own_target(tmp_path: Path) -> None:
+    """A target whose disk turns read-only leaves its chain; its neighbours, which only saw the
+    error through a forward, stay in; writes go on with the remaining replicas."""
+    from fs3.common.errors import IoError
+
+    async def body() -> None:
+        async with InProcessCluster(tmp_path) as cluster:
+            client = cluster.client()
+            chain = cluster.chain_ids[0]
+            await client.write(chain, chunk_id(21, 0), 0, b"x" * 5000, CHUNK)
+            routing = await cluster.admin().routing()
+            head, middle, tail = next(c for c in routing.chains if c.chain_id == chain).target_ids
+            engine = cluster.nodes[middle // 100].engines[middle]
+
+            def read_only(*_args: object, **_kwargs: object) -> None:
+                raise IoError("chunk write: Read-only file system")
+
+            engine.kv.write = read_only  # type: ignore[method-assign]
+            engine.blobs.write = read_only  # type: ignore[method-assign]
+            for i in range(1, 6):
+                await client.write(chain, chunk_id(21, i), 0, bytes([i]) * 5000, CHUNK)
+            states = {t.target_id: t.public_state for t in (await cluster.admin().chains()).targets}
+            assert states[middle] != 1, "the failed target must leave its chain"
+            assert states[head] == 1 and states[tail] == 1, f"healthy neighbours must stay serving: {states}"
+            for i in range(6):
+                data, _ = await client.read(chain, chunk_id(21, i), 0, CHUNK)
+                assert data == (bytes([i]) * 5000 if i else b"x" * 5000)
+    run(body())

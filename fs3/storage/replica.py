@@ -396,6 +396,10 @@ class TargetReplica:
                 return
             except _RETRY_FORWARD as exc:
                 last_error = exc
+            except IoError as exc:
+                # The successor's disk failed, not ours: it reports its target offline and mgmtd
+                # takes it out of the chain, after which the write goes on without it.
+                last_error = exc
             except FS3Error as exc:
                 if exc.code.name == "TIMEOUT":
                     last_error = exc

@@ -27,10 +27,13 @@ __all__ = ["LabCluster", "check_history"]
 
 class LabCluster:
     def __init__(self, lab: NetnsLab, root: Path, overrides: dict[str, str] | None = None,
-                 small_disks: dict[str, int] | None = None) -> None:
+                 small_disks: dict[str, int] | None = None, ext4_disks: dict[str, int] | None = None) -> None:
         self.lab = lab
-        # service -> bytes: its targets live on tmpfs mounts of this size (disk-full drills).
+        # service -> bytes per target: its targets live on tmpfs mounts of this size (disk-full
+        # drills) or on ext4 loop images (disks that turn read-only).
         self.small_disks = small_disks or {}
+        self.ext4_disks = ext4_disks or {}
+        self._root_shared = False
         self.mounts: list[Path] = []
         self.root = root
         self.compose = load_compose()
@@ -60,28 +63,76 @@ class LabCluster:
         env.update({k: v for k, v in self.overrides.items() if k.startswith(prefix + "_")})
         return env
 
-    def _mount_small_disks(self, name: str) -> None:
-        size = self.small_disks.get(name)
-        if not size:
+    def _target_paths(self, name: str) -> list[Path]:
+        return [Path(path) for key, value in self.env_for(name).items() if key.endswith("_TARGETS")
+                for path in re.findall(r'path = "([^"]+)"', value)]
+
+    def _mount_disks(self, name: str) -> None:
+        """Put a service's targets on their own small file systems before it starts.
+
+        ``small_disks``: tmpfs of a fixed size (disk-full drills). ``ext4_disks``: an ext4 image on a
+        loop device mounted ``errors=remount-ro``, so the kernel itself can turn it read-only.
+        """
+        tmpfs_bytes = self.small_disks.get(name)
+        ext4_bytes = self.ext4_disks.get(name)
+        if not tmpfs_bytes and not ext4_bytes:
             return
-        for key, value in self.env_for(name).items():
-            if key.endswith("_TARGETS"):
-                for path in re.findall(r'path = "([^"]+)"', value):
-                    target = Path(path)
-                    if target in self.mounts:
-                        continue
-                    target.mkdir(parents=True, exist_ok=True)
-                    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "fs3-chaos", str(target)],
-                                   check=True)
-                    self.mounts.append(target)
+        if not self._root_shared:
+            # Every `ip netns exec` copies the mount table. Under a shared mount those copies become
+            # slaves, so unmounting a disk here unmounts it in every host's copy too (else a stale
+            # copy would keep the old, read-only superblock alive across a repair).
+            subprocess.run(["mount", "--bind", str(self.root), str(self.root)], check=True)
+            subprocess.run(["mount", "--make-shared", str(self.root)], check=True)
+            self._root_shared = True
+        for target in self._target_paths(name):
+            if target in self.mounts:
+                continue
+            target.mkdir(parents=True, exist_ok=True)
+            if tmpfs_bytes:
+                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes}", "fs3-chaos", str(target)],
+                               check=True)
+            else:
+                image = self._image(target)
+                if not image.exists():
+                    with image.open("wb") as f:
+                        f.truncate(ext4_bytes or 0)
+                    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+                subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(target)], check=True)
+            self.mounts.append(target)
+
+    def _image(self, target: Path) -> Path:
+        return self.root / f"{target.parent.name}-{target.name}.ext4"
+
+    def fail_disks(self, name: str) -> None:
+        """The kernel's own error path: ext4 records an error and remounts itself read-only."""
+        for target in self._target_paths(name):
+            device = subprocess.run(["findmnt", "-no", "SOURCE", str(target)], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+            Path(f"/sys/fs/ext4/{Path(device).name}/trigger_fs_error").write_text("fs3 chaos: disk fault\n")
+
+    def repair_disks(self, name: str) -> None:
+        """What an operator does after a disk went read-only: unmount, e2fsck, mount again."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"stop {name} before repairing its disks")
+        for target in self._target_paths(name):
+            subprocess.run(["umount", str(target)], check=True)
+            self.mounts.remove(target)
+            checked = subprocess.run(["e2fsck", "-f", "-y", str(self._image(target))], capture_output=True,
+                                     text=True)
+            if checked.returncode >= 4:  # 1 and 2: errors corrected
+                raise RuntimeError(f"e2fsck failed on {target}: {checked.stdout}{checked.stderr}")
+        self._mount_disks(name)
 
     def close(self) -> None:
         for target in reversed(self.mounts):
             subprocess.run(["umount", "-l", str(target)], check=False)
         self.mounts.clear()
+        if self._root_shared:
+            subprocess.run(["umount", "-l", str(self.root)], check=False)
+            self._root_shared = False
 
     def start(self, name: str, timeout_s: float = 60) -> None:
-        self._mount_small_disks(name)
+        self._mount_disks(name)
         ready = self.root / f"{name}.ready"
         ready.unlink(missing_ok=True)
         command = self.compose["services"][name]["command"]

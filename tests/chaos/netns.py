@@ -92,15 +92,44 @@ class NetnsLab:
                 _ip("-n", self.namespace(src), "route", "del", "blackhole", f"{self.address(dst)}/32", check=False)
                 self._blackholes.discard((src, dst))
 
-    def netem(self, host: str, spec: list[str] | None) -> None:
-        """Delay/loss on a host's link (``["delay", "50ms", "loss", "5%"]``); ``None`` clears it."""
+    def lossy_link(self, a: str, b: str, loss_percent: int) -> None:
+        """Drop ``loss_percent`` of the packets between two hosts, both ways (nftables, in ``a``).
+
+        The kernel here has no netem qdisc; nftables' random number generator drops packets the
+        same way, and TCP's retransmission timeouts turn the loss into the delays netem would add.
+        """
+        namespace, peer = self.namespace(a), self.address(b)
+        self._nft(namespace, "add", "table", "inet", "fs3chaos")
+        for chain, hook, field in (("out", "output", "daddr"), ("in", "input", "saddr")):
+            self._nft(namespace, "add", "chain", "inet", "fs3chaos", chain,
+                      f"{{ type filter hook {hook} priority 0; }}")
+            self._nft(namespace, "add", "rule", "inet", "fs3chaos", chain, "ip", field, peer, "numgen", "random",
+                      "mod", "100", "<", str(loss_percent), "drop")
+
+    def slow_link(self, host: str, rate_mbit: int) -> None:
+        """Throttle a host's link both ways to ``rate_mbit`` (tbf on its veth and on the switch port)."""
         namespace = self.namespace(host)
-        _ip("netns", "exec", namespace, "true")  # namespace must exist
-        subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", "eth0", "root"],
+        port = f"p{list(self.hosts).index(host)}"
+        for ns, dev in ((namespace, "eth0"), (self.switch, port)):
+            _ip("-n", ns, "link", "show", dev)
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                            f"{rate_mbit}mbit", "burst", "64kb", "latency", "200ms"], check=True,
+                           capture_output=True, text=True)
+
+    def restore_link(self, host: str) -> None:
+        """Undo :meth:`lossy_link` (made from this host) and :meth:`slow_link` on this host."""
+        namespace = self.namespace(host)
+        subprocess.run(["ip", "netns", "exec", namespace, "nft", "delete", "table", "inet", "fs3chaos"],
                        capture_output=True)
-        if spec:
-            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "eth0", "root", "netem",
-                            *spec], check=True, capture_output=True)
+        port = f"p{list(self.hosts).index(host)}"
+        for ns, dev in ((namespace, "eth0"), (self.switch, port)):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+
+    @staticmethod
+    def _nft(namespace: str, *args: str) -> None:
+        done = subprocess.run(["ip", "netns", "exec", namespace, "nft", *args], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nft {' '.join(args)}: {done.stderr.strip()}")
 
     # -- teardown --------------------------------------------------------------------------------
 

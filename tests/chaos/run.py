@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -27,7 +28,7 @@ FAST = {"FS3_MGMTD_HEARTBEAT_TIMEOUT_MS": "3000", "FS3_STORAGE_HEARTBEAT_INTERVA
 def run_scenario(scenario: Scenario, root: Path) -> dict[str, Any]:
     faults: list[dict[str, object]] = []
     with NetnsLab() as lab:
-        cluster = LabCluster(lab, root, FAST, scenario.small_disks)
+        cluster = LabCluster(lab, root, FAST, scenario.small_disks, scenario.ext4_disks)
         try:
             return _run(scenario, cluster, root, faults)
         finally:
@@ -109,12 +110,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--keep", metavar="DIR", help="run each scenario under DIR/<scenario> and keep its logs")
     args = parser.parse_args()
     reports = []
     for name in args.scenarios.split(","):
         print(f"chaos: {name} ...", flush=True)
-        with tempfile.TemporaryDirectory(prefix=f"fs3-chaos-{name}-") as tmp:
-            report = run_scenario(SCENARIOS[name], Path(tmp))
+        if args.keep:
+            work = Path(args.keep) / name
+            shutil.rmtree(work, ignore_errors=True)
+            report = run_scenario(SCENARIOS[name], work)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"fs3-chaos-{name}-") as tmp:
+                report = run_scenario(SCENARIOS[name], Path(tmp))
         reports.append(report)
         print(f"  {'ok' if report['ok'] else 'FAILED'}: {report['operations']} ops, "
               f"{len(report['violations'])} linearizability violations, {len(report['lost'])} lost, "

@@ -20,6 +20,7 @@ class Scenario:
     # (at seconds into the run, description, action)
     steps: list[tuple[float, str, Callable[[LabCluster], None]]] = field(default_factory=list)
     small_disks: dict[str, int] = field(default_factory=dict)  # service -> bytes of tmpfs per target
+    ext4_disks: dict[str, int] = field(default_factory=dict)  # service -> bytes of ext4 image per target
 
     def run_faults(self, cluster: LabCluster, started: float, log: list[dict[str, object]]) -> None:
         for at, what, action in sorted(self.steps, key=lambda s: s[0]):
@@ -78,6 +79,15 @@ def _unfill(c: LabCluster) -> None:
     c.client_run([sys.executable, "-P", "-m", "tests.chaos.filler", c.mgmtd, c.token, "remove"], timeout_s=120)
 
 
+def _replace_disks(name: str) -> Callable[[LabCluster], None]:
+    def act(c: LabCluster) -> None:
+        c.signal(name, signal.SIGKILL)
+        c.repair_disks(name)
+        c.start(name)
+
+    return act
+
+
 SCENARIOS = {
     "storage-kill-restart": Scenario("storage-kill-restart", 14, [
         (2, "SIGKILL storage2", _kill("storage2")), (7, "restart storage2", _start("storage2"))]),
@@ -103,4 +113,13 @@ SCENARIOS = {
     "disk-full": Scenario("disk-full", 16, [
         (2, "fill the cluster until storage3's 24 MiB disks are full", _fill),
         (8, "remove the filler file (GC frees the chunks)", _unfill)], small_disks={"storage3": 24 << 20}),
+    "degraded-links": Scenario("degraded-links", 16, [
+        (2, "10% packet loss between storage1 and storage2; storage3's link throttled to 20 Mbit/s",
+         lambda c: (c.lab.lossy_link("storage1", "storage2", 10), c.lab.slow_link("storage3", 20))),
+        (10, "links restored", lambda c: (c.lab.restore_link("storage1"), c.lab.restore_link("storage3")))]),
+    "disk-read-only": Scenario("disk-read-only", 16, [
+        (2, "storage2's target disks turn read-only (ext4 error, errors=remount-ro)",
+         lambda c: c.fail_disks("storage2")),
+        (8, "stop storage2, e2fsck and remount its disks, restart it", _replace_disks("storage2"))],
+        ext4_disks={"storage2": 96 << 20}),
 }
