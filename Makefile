@@ -9,7 +9,7 @@ PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
 SEEDS ?= 2000
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint typecheck sim bench bench-meta bench-file bench-fuse chaos clean install
+.PHONY: run test proto lint typecheck sim bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -40,7 +40,16 @@ lint: install
 sim: install
 	$(PY) -m fs3.sim --seeds $(SEEDS)
 
+# fs3 against GlusterFS, MooseFS and the local directory (root; installs the peers with apt):
+# fio, small files, the juicefs-bench flow; table in bench/results/peers-*.{md,json,png}.
 bench: install
+	$(PY) bench/compare.py
+
+bench-quick: install
+	$(PY) bench/compare.py --quick
+
+# The replication path alone: chunk writes and reads against the storage service.
+bench-chunk: install
 	$(PY) bench/chunk_bench.py
 
 # Metadata ops/s (1 and 16 clients) and 1 GiB file throughput, each next to a local directory.

@@ -8,6 +8,7 @@
     fs3 admin   (--mgmtd HOST:PORT [--token T] | --dir DIR) [--json]
                 nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
     fs3 local   up|status|down|kill|start [--dir DIR]
+    fs3 bench   PATH | --native [--dir DIR | --mgmtd HOST:PORT] [--threads N] [--json]
 """
 
 from __future__ import annotations
@@ -65,18 +66,24 @@ def _parse_chain_spec(spec: str) -> tuple[int, list[int]]:
         raise InvalidArgument(f"bad chain spec {spec!r}: expected CHAIN_ID:TARGET,TARGET,...") from None
 
 
-async def _admin(args: argparse.Namespace) -> int:
-    from fs3.client.admin import AdminClient
-    from fs3.rpc.channel import RealChannelFactory
-
+def resolve_cluster(args: argparse.Namespace) -> tuple[str, str | None]:
+    """mgmtd address and token from ``--dir`` (a local cluster's cluster.json) or ``--mgmtd``/``--token``."""
+    transport = getattr(args, "transport", "framed")
     if args.dir:
-        # A local cluster: its address and token are in DIR/cluster.json.
         info_path = Path(args.dir) / "cluster.json"
         if not info_path.exists():
             raise InvalidArgument(f"no {info_path}: start one with fs3 local up --dir {args.dir}")
         info = json.loads(info_path.read_text())
-        args.mgmtd = info["processes"]["mgmtd"][args.transport] if args.transport == "grpc" else info["mgmtd"]
+        args.mgmtd = info["processes"]["mgmtd"][transport] if transport == "grpc" else info["mgmtd"]
         args.token = args.token or info["token"]
+    return args.mgmtd, args.token or os.environ.get("FS3_TOKEN") or None
+
+
+async def _admin(args: argparse.Namespace) -> int:
+    from fs3.client.admin import AdminClient
+    from fs3.rpc.channel import RealChannelFactory
+
+    resolve_cluster(args)
     channels = RealChannelFactory(args.token or os.environ.get("FS3_TOKEN") or None, args.transport)
     admin = AdminClient(args.mgmtd, channels, timeout_ms=args.timeout_ms)
     try:
@@ -252,6 +259,21 @@ def _parser() -> argparse.ArgumentParser:
     for parser_ in local_sub.choices.values():
         parser_.add_argument("--dir", default=".fs3", help="cluster directory (default .fs3)")
 
+    bench = sub.add_parser("bench", help="measure a mount (or the native client) with the juicefs-bench flow")
+    bench.add_argument("path", nargs="?", help="a directory to benchmark (any file system); with --native, a "
+                       "directory inside fs3 (default /)")
+    bench.add_argument("--native", action="store_true", help="use fs3's Python client instead of a mount")
+    bench.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd (--native)")
+    bench.add_argument("--dir", help="a local cluster's directory (--native): its mgmtd and token")
+    bench.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
+    bench.add_argument("--threads", "-p", type=int, default=1, help="parallel threads (default 1)")
+    bench.add_argument("--big-file-size", default="1G", help="size of each thread's big file (default 1G)")
+    bench.add_argument("--small-file-size", default="128K", help="size of each small file (default 128K)")
+    bench.add_argument("--small-file-count", type=int, default=100, help="small files per thread (default 100)")
+    bench.add_argument("--block-size", default="1M", help="I/O size for the big file (default 1M)")
+    bench.add_argument("--no-drop-caches", action="store_true", help="keep page caches between phases")
+    bench.add_argument("--json", action="store_true", help="machine-readable output")
+
     admin = sub.add_parser("admin", help="administer a cluster")
     admin.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
     admin.add_argument("--dir", help="a local cluster's directory (fs3 local): its mgmtd and token")
@@ -317,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)
             print(f"fs3: mounted at {args.mountpoint} (daemon pid {pid}); unmount with: fs3 umount {args.mountpoint}")
             return 0
+        if args.service == "bench":
+            from fs3.cli.bench import bench_command
+
+            return bench_command(args)
         if args.service == "local":
             from fs3.cli.local import local_command
 
