@@ -9,7 +9,7 @@ and removes network namespaces it made — also after a failed start.
 GlusterFS binds to loopback through a copy of ``glusterd.vol``; its CLI refuses 127.0.0.1 as a brick
 host but accepts this machine's host name (which resolves to loopback). MooseFS refuses 127.x
 between master and chunkservers, so its daemons run in a network namespace of their own with a
-private address on a dummy interface, and its FUSE client joins that namespace's network only
+private address on a veth pair inside it, and its FUSE client joins that namespace's network only
 (``nsenter --net``), so the mount is visible to the rest of the machine.
 """
 
@@ -154,20 +154,15 @@ class Fs3Mount(System):
         self.cluster.start("mount")
         return self.mnt
 
-    def connect(self) -> Any:
-        """A native client of the same cluster (``fs3.connect``)."""
-        import json
+    def native_address(self) -> tuple[str, str]:
+        """mgmtd address and token for fs3's native client of the same cluster."""
+        return self.cluster.mgmtd_address, self.cluster.token
 
+    def connect(self) -> Any:
         from fs3.client.sync_api import connect
 
-        info = json.loads((self.work / "cluster" / "cluster.json").read_text())
-        return connect(info["mgmtd"], token=info["token"])
-
-    def native_address(self) -> tuple[str, str]:
-        import json
-
-        info = json.loads((self.work / "cluster" / "cluster.json").read_text())
-        return info["mgmtd"], info["token"]
+        mgmtd, token = self.native_address()
+        return connect(mgmtd, token=token)
 
     def stop(self) -> None:
         if self.cluster is not None:
@@ -289,8 +284,9 @@ class MooseFS(System):
         self.address = self._pick_address()
         subprocess.run(["ip", "netns", "add", self.namespace], check=True)
         self.ns_created = True
-        for cmd in (["link", "set", "lo", "up"], ["link", "add", "mfs0", "type", "dummy"],
-                    ["addr", "add", f"{self.address}/24", "dev", "mfs0"], ["link", "set", "mfs0", "up"]):
+        for cmd in (["link", "set", "lo", "up"], ["link", "add", "mfs0", "type", "veth", "peer", "name", "mfs1"],
+                    ["addr", "add", f"{self.address}/24", "dev", "mfs0"], ["link", "set", "mfs0", "up"],
+                    ["link", "set", "mfs1", "up"]):
             subprocess.run(["ip", "-n", self.namespace, *cmd], check=True)
         master = self.work / "master"
         master.mkdir(exist_ok=True)
@@ -319,7 +315,9 @@ class MooseFS(System):
         subprocess.run(self._in_ns("mfsmount", str(self.mnt), "-H", self.address, "-o", "mfscachemode=AUTO"),
                        check=True, timeout=60, capture_output=True)
         _wait(lambda: _is_mount(self.mnt), 30, "the MooseFS mount")
-        subprocess.run(["mfssetgoal", "-r", "3", str(self.mnt)], check=True, capture_output=True)
+        done = subprocess.run(self._in_ns("mfssetgoal", "-r", "3", str(self.mnt)), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"mfssetgoal: {done.stdout}{done.stderr}")
         return self.mnt
 
     def _chunkservers_up(self) -> bool:
@@ -329,7 +327,7 @@ class MooseFS(System):
                 raise RuntimeError(f"a MooseFS daemon exited: {proc.args!r}\n{logs}")
         out = subprocess.run(self._in_ns("mfscli", "-H", self.address, "-SCS", "-s", "|"), capture_output=True,
                              text=True).stdout
-        return sum(1 for line in out.splitlines() if line.startswith("chunk servers|")) >= 3
+        return sum(1 for line in out.splitlines() if line.startswith("chunk servers")) >= 3
 
     def stop(self) -> None:
         _umount(self.mnt)

@@ -177,3 +177,38 @@ def test_pending_chunks_are_tracked_without_a_scan() -> None:
     assert engine.pending_chunks() == [b"a"]
     engine.commit(b"a", 2, 1)
     assert engine.pending_chunks() == [] and engine.chunk_count == 0
+
+
+def test_tiered_blobs_keep_small_versions_in_the_kv_store(tmp_path: Path) -> None:
+    """Small versions are KV records, large ones files; restart recovery and reuse of an
+    abandoned version number work across both."""
+    from fs3.storage.blobs import TieredBlobStore
+
+    def open_engine() -> tuple[ChunkEngine, FileBlobStore]:
+        kv = RocksKVStore(tmp_path / "meta")
+        files = FileBlobStore(tmp_path / "chunks", fsync=False)
+        return ChunkEngine(kv, TieredBlobStore(kv, files, inline_max_bytes=16, fsync=False)), files
+
+    def files_on_disk() -> list[str]:
+        return sorted(p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file())
+
+    engine, _ = open_engine()
+    engine.stage(b"c", 1, b"small", crc32c(b"small"), 1)
+    engine.commit(b"c", 1, 1)
+    assert files_on_disk() == [] and engine.read(b"c", 1, 0, 10) == b"small"
+    big = b"x" * 100
+    engine.stage(b"c", 2, big, crc32c(big), 1)
+    engine.commit(b"c", 2, 1)
+    assert files_on_disk() == [f"{b'c'.hex()}.2"] and engine.read(b"c", 2, 90, 20) == b"x" * 10
+    engine.stage(b"c", 3, b"lost", crc32c(b"lost"), 1)  # pending at the "crash"
+    engine.close()
+    engine, _ = open_engine()
+    state = engine.get(b"c")
+    assert state is not None and (state.commit_version, state.pending_version) == (2, 0)
+    engine.stage(b"c", 3, b"kept", crc32c(b"kept"), 1)
+    engine.commit(b"c", 3, 1)
+    assert engine.read(b"c", 3, 0, 10) == b"kept" and files_on_disk() == []
+    engine.stage(b"c", 4, None, 0, 1)
+    assert engine.commit(b"c", 4, 1) is None and engine.chunk_count == 0
+    assert list(engine.kv.scan(b"b/", prefix_end(b"b/"))) == []
+    engine.close()

@@ -141,3 +141,28 @@ def test_every_call_acts_for_its_caller(tmp_path: Path) -> None:
             await vfs.open(inode.inode_id, O_RDONLY, mpb.User(uid=2000, gid=2000))
 
     with_vfs(tmp_path / "c", body)
+
+
+def test_missing_capability_xattr_is_remembered_until_this_mount_changes_xattrs(tmp_path: Path) -> None:
+    from fs3.common.errors import NoXattr
+
+    async def body(vfs: Vfs) -> None:
+        f = await vfs.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, ME)
+        calls: list[str] = []
+        real_call = vfs.fs.meta.call
+
+        async def counting(method: str, *args: object, **kwargs: object) -> object:
+            calls.append(method)
+            return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
+
+        vfs.fs.meta.call = counting  # type: ignore[method-assign]
+        for _ in range(5):  # the kernel asks before every write
+            with pytest.raises(NoXattr):
+                await vfs.getxattr(f.inode_id, b"security.capability", ME)
+        assert calls == ["GetXattr"]
+        with pytest.raises(NoXattr):  # other names are never answered from memory
+            await vfs.getxattr(f.inode_id, b"user.x", ME)
+        assert calls == ["GetXattr", "GetXattr"]
+        await vfs.setxattr(f.inode_id, b"security.capability", b"\x01\x00\x00\x02" + bytes(16), 0, ME)
+        assert await vfs.getxattr(f.inode_id, b"security.capability", ME) == b"\x01\x00\x00\x02" + bytes(16)
+    with_vfs(tmp_path, body)

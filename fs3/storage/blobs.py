@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Protocol
 
 from fs3.common.errors import IoError, NoSpace
+from fs3.kv.store import KVStore, WriteBatch
 
-__all__ = ["BlobStore", "FileBlobStore", "MemBlobStore"]
+__all__ = ["BlobStore", "FileBlobStore", "MemBlobStore", "TieredBlobStore"]
 
 
 class BlobStore(Protocol):
@@ -112,6 +113,66 @@ class FileBlobStore:
 
     def capacity_bytes(self) -> int:
         return int(shutil.disk_usage(self.root).total)
+
+
+_INLINE = b"b/"
+
+
+class TieredBlobStore:
+    """Small chunk versions inline in the target's KV store, larger ones as files.
+
+    Creating, opening and unlinking a file per chunk version costs more than the data itself for
+    small chunks (most of a small-file create was spent there). A version of at most
+    ``inline_max_bytes`` is one KV put instead — an append to RocksDB's log — and reading it is a
+    lookup. The chunk engine's ordering is unchanged: a version's bytes are written (and synced, if
+    ``fsync``) before the metadata batch that commits it.
+    """
+
+    def __init__(self, kv: KVStore, files: FileBlobStore, inline_max_bytes: int, fsync: bool = True) -> None:
+        self.kv = kv
+        self.files = files
+        self.inline_max_bytes = inline_max_bytes
+        self.fsync = fsync
+        self.root = files.root
+
+    @staticmethod
+    def _key(chunk_id: bytes, version: int) -> bytes:
+        return _INLINE + chunk_id + version.to_bytes(8, "big")
+
+    def write(self, chunk_id: bytes, version: int, data: bytes | memoryview) -> None:
+        if len(data) > self.inline_max_bytes:
+            self.files.write(chunk_id, version, data)
+            return
+        batch = WriteBatch()
+        batch.put(self._key(chunk_id, version), bytes(data))
+        self.kv.write(batch, sync=self.fsync)
+
+    def sync(self, chunk_id: bytes, version: int) -> None:
+        if self.kv.get(self._key(chunk_id, version)) is None:
+            self.files.sync(chunk_id, version)
+
+    def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
+        raw = self.kv.get(self._key(chunk_id, version))
+        if raw is None:
+            return self.files.read(chunk_id, version, offset, length)
+        return raw[offset : offset + length]
+
+    def delete(self, chunk_id: bytes, version: int) -> None:
+        key = self._key(chunk_id, version)
+        if self.kv.get(key) is not None:
+            batch = WriteBatch()
+            batch.delete(key)
+            # Not synced by itself: the engine's next synced write (its metadata batch) makes it durable,
+            # and an abandoned version is deleted before its number is used again.
+            self.kv.write(batch, sync=False)
+        else:
+            self.files.delete(chunk_id, version)
+
+    def free_bytes(self) -> int:
+        return self.files.free_bytes()
+
+    def capacity_bytes(self) -> int:
+        return self.files.capacity_bytes()
 
 
 class MemBlobStore:

@@ -15,7 +15,7 @@ from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, install_uvloop
-from fs3.storage.blobs import FileBlobStore
+from fs3.storage.blobs import FileBlobStore, TieredBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import StorageNode, StorageNodeConfig
 from fs3.storage.replica import DirtyReadPolicy, ReplicaConfig
@@ -53,6 +53,8 @@ class StorageConfig:
     dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
     fsync: bool = True
     reserve_bytes: int = 0
+    # Chunk versions up to this size live in the target's RocksDB instead of files (0: never).
+    inline_max_bytes: int = 128 * 1024
     kv_engine: str = "rocksdb"
     io_threads: int = 4
     log_level: str = "INFO"
@@ -71,6 +73,8 @@ class StorageConfig:
             raise InvalidArgument(f"dirty_read_policy {self.dirty_read_policy!r}: expected ask_tail or retry")
         if not 0 <= self.io_threads <= 64:
             raise InvalidArgument("io_threads must be within [0, 64]")
+        if not 0 <= self.inline_max_bytes <= 1 << 20:
+            raise InvalidArgument("inline_max_bytes must be within [0, 1 MiB]")
         if self.heartbeat_interval_ms < 10:
             raise InvalidArgument("heartbeat_interval_ms must be at least 10")
 
@@ -81,7 +85,9 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
         root = Path(target.path)
         root.mkdir(parents=True, exist_ok=True)
         kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None)
-        blobs = FileBlobStore(root / "chunks", fsync=config.fsync)
+        files = FileBlobStore(root / "chunks", fsync=config.fsync)
+        blobs = TieredBlobStore(kv, files, config.inline_max_bytes, fsync=config.fsync) \
+            if config.inline_max_bytes else files
         engines[target.target_id] = ChunkEngine(kv, blobs, reserve_bytes=config.reserve_bytes,
                                                 sync_commits=config.fsync)
     return engines
