@@ -358,3 +358,19 @@ def test_client_options_are_checked() -> None:
         run(fs3.aio.connect("127.0.0.1:1", colour="blue"))
     assert ClientConfig().transport == "framed"
     assert mpb.RENAME_NOREPLACE == 1
+
+
+def test_a_close_after_a_truncate_does_not_bring_the_old_length_back(tmp_path: Path) -> None:
+    """FUSE releases files asynchronously: a writer's close may reach meta after a later truncate.
+    Its stale length hint must not undo the truncate (the chunks past it are gone)."""
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        data = os.urandom(5 * CHUNK + 123)
+        f = await fs.open("/t/f", "wb")
+        await f.write(data)
+        await f.flush()
+        await fs.truncate("/t/f", 2 * CHUNK + 7)
+        await f.close()
+        assert (await fs.stat("/t/f")).st_size == 2 * CHUNK + 7
+        async with await fs.open("/t/f", "rb") as g:
+            assert await g.read() == data[:2 * CHUNK + 7]
+    with_cluster(tmp_path / "c", body)

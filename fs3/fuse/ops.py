@@ -49,11 +49,27 @@ def _errors(fn: F) -> F:
     return cast(F, wrapper)
 
 
+# (pid, uid, gid) -> (monotonic deadline, supplementary groups). Reading /proc/PID/status for
+# every request was a tenth of the mount's time on small writes; a process's groups are read again
+# after a second, the same staleness the kernel's attribute cache allows.
+_GROUPS_TTL_S = 1.0
+_groups_cache: dict[tuple[int, int, int], tuple[float, list[int]]] = {}
+
+
 def _user(ctx: Any) -> mpb.User:
-    try:
-        groups = sorted(pyfuse3.get_sup_groups(ctx.pid))
-    except (OSError, ValueError, RuntimeError):
-        groups = []  # the calling process is gone; its primary group still applies
+    key = (ctx.pid, ctx.uid, ctx.gid)
+    now = time.monotonic()
+    cached = _groups_cache.get(key)
+    if cached is not None and cached[0] > now:
+        groups = cached[1]
+    else:
+        try:
+            groups = sorted(pyfuse3.get_sup_groups(ctx.pid))
+        except (OSError, ValueError, RuntimeError):
+            groups = []  # the calling process is gone; its primary group still applies
+        if len(_groups_cache) > 4096:
+            _groups_cache.clear()
+        _groups_cache[key] = (now + _GROUPS_TTL_S, groups)
     return mpb.User(uid=ctx.uid, gid=ctx.gid, groups=groups)
 
 

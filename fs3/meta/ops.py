@@ -165,6 +165,10 @@ def may(inode: mpb.Inode, caller: Caller, want: int) -> bool:
     return bits & want == want
 
 
+class LengthProbeStale(Exception):
+    """The file's size changed between meta's probe of storage and the transaction: probe again."""
+
+
 class Namespace:
     """One transaction's view of the namespace, with an inode cache so aliases stay one object."""
 
@@ -627,11 +631,15 @@ class Namespace:
         return rsp
 
     async def _truncate(self, inode: mpb.Inode, size: int, always_stamp: bool = False) -> None:
-        """Set a file's length; a shrink records a truncate job that the service runs on storage."""
+        """Set a file's length; a shrink records a truncate job that the service runs on storage.
+
+        So does any size change while the file is open: a writer's data past meta's size may be on
+        storage already (the length is published at flush, fsync and close), and it must go too.
+        """
         if size > max_file_size(inode.layout):
             raise FileTooLarge(f"size {size} exceeds {max_file_size(inode.layout)} for this file's chunk size")
         old = inode.size
-        if size < old or (size == 0 and old == 0 and always_stamp):
+        if size < old or (size == 0 and old == 0 and always_stamp) or await self._has_sessions(inode.inode_id):
             chunk_size = inode.layout.chunk_size
             first = -(-size // chunk_size)
             keep = size % chunk_size
@@ -788,8 +796,18 @@ class Namespace:
         return schema.Session.decode(raw)
 
     def _apply_length(self, inode: mpb.Inode, hint: int, exact: int | None, probed_from: int | None) -> None:
-        """A writer's length: exact when storage was asked (and nothing changed since), else a hint."""
-        new_size = exact if exact is not None and probed_from == inode.size else max(inode.size, hint)
+        """A writer's length: exact when storage was asked, else a hint.
+
+        An exact length probed from a size that has changed since (a truncate, another writer's
+        close) is refused with :class:`LengthProbeStale`: applying it, or the hint, could undo a
+        truncate that came after this writer's last write.
+        """
+        if exact is not None:
+            if probed_from != inode.size:
+                raise LengthProbeStale(f"inode {inode.inode_id}: size changed from {probed_from} to {inode.size}")
+            new_size = exact
+        else:
+            new_size = max(inode.size, hint)
         if new_size > max_file_size(inode.layout):
             raise FileTooLarge(f"size {new_size} exceeds {max_file_size(inode.layout)}")
         inode.size = new_size

@@ -44,7 +44,7 @@ from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, validate_dir_layout
-from fs3.meta.ops import O_CREAT, O_TRUNC, Caller, Namespace, OpEnv
+from fs3.meta.ops import O_CREAT, O_TRUNC, Caller, LengthProbeStale, Namespace, OpEnv
 
 __all__ = ["MetaService", "MetaServiceConfig"]
 
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 _EMPTY = b""
+_LENGTH_PROBE_ATTEMPTS = 5
 _REMOVE_PARALLEL = 16
 
 
@@ -299,22 +300,38 @@ class MetaService:
             ns.remove_xattr(req.target, req.follow, req.name)))
         return rsp, _EMPTY
 
-    async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        exact, probed_from = await self._exact_length(req.inode_id, req.length_hint, req.wrote)
+    async def _with_exact_length(self, ctx: mpb.ReqCtx, inode_id: int, hint: int, wrote: bool,
+                                 op: Callable[[Namespace, int | None, int | None], Awaitable[mpb.InodeRsp]]
+                                 ) -> mpb.InodeRsp:
+        """Probe storage for the file's end, then apply it in one transaction; probe again when the
+        size changed in between (the last attempt falls back to the writer's hint)."""
+        for attempt in range(_LENGTH_PROBE_ATTEMPTS):
+            last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
+            exact, probed_from = (None, None) if last else await self._exact_length(inode_id, hint, wrote)
+            try:
+                return await self._mutate(ctx, mpb.InodeRsp,
+                                          lambda ns, e=exact, p=probed_from: op(ns, e, p))  # type: ignore[misc]
+            except LengthProbeStale:
+                continue
+        raise AssertionError("unreachable: the last attempt does not probe")
 
-        async def op(ns: Namespace) -> mpb.InodeRsp:
+    async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        async def op(ns: Namespace, exact: int | None, probed_from: int | None) -> mpb.InodeRsp:
             result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from)
             return mpb.InodeRsp(inode=result.inode)
 
-        rsp = await self._mutate(req.ctx, mpb.InodeRsp, op)
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, op)
         self._gc_wakeup.set()
         return rsp, _EMPTY
 
     async def sync(self, req: mpb.SyncReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        exact, probed_from = (await self._exact_length(req.inode_id, req.length_hint, req.wrote)
-                              if req.exact else (None, None))
-        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.sync(
-            req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from)))
+        async def op(ns: Namespace, exact: int | None, probed_from: int | None) -> mpb.InodeRsp:
+            return await _inode_rsp(ns.sync(req.inode_id, req.session_id, req.length_hint, req.wrote, exact,
+                                            probed_from))
+
+        # Hints are probed too (the hint only says where to look): a hint sent before a truncate
+        # and received after it would otherwise bring back the length the truncate removed.
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, op)
         return rsp, _EMPTY
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
@@ -354,6 +371,8 @@ class MetaService:
         """The file's end as storage sees it, from the known length on (None when nothing was written)."""
         if not wrote:
             return None, None
+        # A truncate still removing chunks would let the probe see chunks past the new size.
+        await self._finish_truncate(inode_id)
         txn = self.engine.begin()
         raw = await txn.get(schema.inode_key(inode_id))
         if raw is None:
@@ -362,8 +381,11 @@ class MetaService:
         if inode.type != mpb.FILE or not inode.layout.chains:
             return None, None
         chunk_size = inode.layout.chunk_size
+        # Probing starts where the writer says its data ends, but the hint is not a floor: a
+        # truncate after the writer's last write (its close may reach meta after the truncate,
+        # FUSE releases files asynchronously) removed those chunks, and must stay in force.
         known = max(inode.size, hint)
-        end = known
+        end = inode.size
         index = (known - 1) // chunk_size if known else 0
         while True:
             here, after = await asyncio.gather(self._chunk_stat(inode.layout, inode_id, index),

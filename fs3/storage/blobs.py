@@ -29,6 +29,15 @@ class BlobStore(Protocol):
 
     def delete(self, chunk_id: bytes, version: int) -> None: ...
 
+    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
+        """Turn ``old_version`` into ``new_version`` by overwriting ``data`` at ``offset`` in place."""
+        ...
+
+    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
+        """Undo a patch that may have been interrupted anywhere: ``old_version`` exists afterwards,
+        with ``old_data`` at ``offset``, and ``new_version`` does not."""
+        ...
+
     def free_bytes(self) -> int: ...
 
     def capacity_bytes(self) -> int: ...
@@ -108,6 +117,38 @@ class FileBlobStore:
         except OSError as exc:
             _raise_os(exc, "deleting a chunk version")
 
+    @staticmethod
+    def _pwrite_all(path: Path, offset: int, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view = view[written:]
+                offset += written
+        finally:
+            os.close(fd)
+
+    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
+        source, target = self._path(chunk_id, old_version), self._path(chunk_id, new_version)
+        try:
+            self._pwrite_all(source, offset, data)
+            os.rename(source, target)
+        except OSError as exc:
+            _raise_os(exc, f"patching {source.name}")
+
+    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
+        source, target = self._path(chunk_id, old_version), self._path(chunk_id, new_version)
+        try:
+            if not os.path.exists(source) and os.path.exists(target):
+                os.rename(target, source)
+            self._pwrite_all(source, offset, old_data)
+            self.sync(chunk_id, old_version)
+        except FileNotFoundError:
+            raise IoError(f"chunk file {source.name} is missing") from None
+        except OSError as exc:
+            _raise_os(exc, f"restoring {source.name}")
+
     def free_bytes(self) -> int:
         return int(shutil.disk_usage(self.root).free)
 
@@ -168,6 +209,34 @@ class TieredBlobStore:
         else:
             self.files.delete(chunk_id, version)
 
+    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
+        old_key = self._key(chunk_id, old_version)
+        raw = self.kv.get(old_key)
+        if raw is None:
+            self.files.patch(chunk_id, old_version, new_version, offset, data)
+            return
+        content = bytearray(raw)
+        content[offset : offset + len(data)] = data
+        batch = WriteBatch()
+        batch.put(self._key(chunk_id, new_version), bytes(content))
+        batch.delete(old_key)
+        self.kv.write(batch, sync=self.fsync)
+
+    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
+        old_key, new_key = self._key(chunk_id, old_version), self._key(chunk_id, new_version)
+        raw = self.kv.get(old_key)
+        if raw is None:
+            raw = self.kv.get(new_key)
+        if raw is None:
+            self.files.unpatch(chunk_id, old_version, new_version, offset, old_data)
+            return
+        content = bytearray(raw)
+        content[offset : offset + len(old_data)] = old_data
+        batch = WriteBatch()
+        batch.put(old_key, bytes(content))
+        batch.delete(new_key)
+        self.kv.write(batch, sync=True)
+
     def free_bytes(self) -> int:
         return self.files.free_bytes()
 
@@ -181,6 +250,7 @@ class MemBlobStore:
     def __init__(self, capacity_bytes: int = 1 << 40) -> None:
         self._blobs: dict[tuple[bytes, int], bytes] = {}
         self._durable: set[tuple[bytes, int]] = set()
+        self._unsynced_patches: dict[tuple[bytes, int], tuple[int, bytes, bool]] = {}
         self._capacity = capacity_bytes
         self._used = 0
 
@@ -196,6 +266,7 @@ class MemBlobStore:
     def sync(self, chunk_id: bytes, version: int) -> None:
         if (chunk_id, version) in self._blobs:
             self._durable.add((chunk_id, version))
+            self._unsynced_patches.pop((chunk_id, version), None)
 
     def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
         blob = self._blobs.get((chunk_id, version))
@@ -204,13 +275,45 @@ class MemBlobStore:
         return blob[offset : offset + length]
 
     def delete(self, chunk_id: bytes, version: int) -> None:
+        self._unsynced_patches.pop((chunk_id, version), None)
         blob = self._blobs.pop((chunk_id, version), None)
         if blob is not None:
             self._used -= len(blob)
         self._durable.discard((chunk_id, version))
 
+    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
+        source = self._blobs.pop((chunk_id, old_version), None)
+        if source is None:
+            raise IoError(f"chunk {chunk_id.hex()} v{old_version} is missing")
+        was_durable = (chunk_id, old_version) in self._durable
+        self._durable.discard((chunk_id, old_version))
+        content = bytearray(source)
+        content[offset : offset + len(data)] = data
+        self._blobs[(chunk_id, new_version)] = bytes(content)
+        # Until synced, a crash may leave the disk as it was before the patch (renamed back).
+        self._unsynced_patches[(chunk_id, new_version)] = (old_version, source, was_durable)
+
+    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
+        if (chunk_id, old_version) not in self._blobs and (chunk_id, new_version) in self._blobs:
+            self._blobs[(chunk_id, old_version)] = self._blobs.pop((chunk_id, new_version))
+            self._durable.discard((chunk_id, new_version))
+            self._unsynced_patches.pop((chunk_id, new_version), None)
+        source = self._blobs.get((chunk_id, old_version))
+        if source is None:
+            raise IoError(f"chunk {chunk_id.hex()} v{old_version} is missing")
+        content = bytearray(source)
+        content[offset : offset + len(old_data)] = old_data
+        self._blobs[(chunk_id, old_version)] = bytes(content)
+        self._durable.add((chunk_id, old_version))
+
     def crash(self) -> None:
         """Drop every version that was never synced."""
+        for (chunk_id, new_version), (old_version, source, was_durable) in self._unsynced_patches.items():
+            if self._blobs.pop((chunk_id, new_version), None) is not None:
+                self._blobs[(chunk_id, old_version)] = source
+                if was_durable:
+                    self._durable.add((chunk_id, old_version))
+        self._unsynced_patches.clear()
         for key in [k for k in self._blobs if k not in self._durable]:
             self._used -= len(self._blobs.pop(key))
 

@@ -20,13 +20,16 @@ from fs3.common.invariant import ensure
 from fs3.kv.store import KVStore, WriteBatch, prefix_end
 from fs3.storage.blobs import BlobStore
 
-__all__ = ["ChannelRecord", "ChunkEngine", "ChunkState"]
+__all__ = ["ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
 
 _META = b"c/"
 _CHANNEL = b"h/"
+_PATCH = b"p/"  # chunk id -> the pending in-place patch: offset, size, new bytes, old bytes
+_PATCH_HEAD = struct.Struct("<QI")
 _STATE = struct.Struct("<QQQIIIIQB")
 _CHAN = struct.Struct("<QQII")
 FLAG_PENDING_REMOVE = 1
+FLAG_PENDING_PATCH = 2  # the pending version is the committed one with a few bytes overwritten
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,10 @@ class ChunkState:
     def pending_remove(self) -> bool:
         return bool(self.flags & FLAG_PENDING_REMOVE)
 
+    @property
+    def pending_patch(self) -> bool:
+        return bool(self.flags & FLAG_PENDING_PATCH)
+
     def encode(self) -> bytes:
         return _STATE.pack(self.commit_version, self.pending_version, self.chain_version, self.length,
                            self.checksum, self.pending_length, self.pending_checksum, self.pending_chain_version,
@@ -55,6 +62,24 @@ class ChunkState:
     @classmethod
     def decode(cls, raw: bytes) -> ChunkState:
         return cls(*_STATE.unpack(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """A pending version kept as an overwrite of the committed one (redo and undo data)."""
+
+    offset: int
+    new: bytes
+    old: bytes
+
+    def encode(self) -> bytes:
+        return _PATCH_HEAD.pack(self.offset, len(self.new)) + self.new + self.old
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Patch:
+        offset, size = _PATCH_HEAD.unpack_from(raw)
+        body = raw[_PATCH_HEAD.size:]
+        return cls(offset, body[:size], body[size : 2 * size])
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +116,7 @@ class ChunkEngine:
         self._states: dict[bytes, ChunkState] = {}
         self._pending: set[bytes] = set()  # chunks with a pending version (kept so no scan is needed)
         self._channels: dict[bytes, ChannelRecord] = {}
+        self._patches: dict[bytes, Patch] = {}  # chunk id -> its pending patch
         self.used_bytes = 0
         abandoned = WriteBatch()
         for key, raw in kv.scan(_META, prefix_end(_META)):
@@ -99,7 +125,15 @@ class ChunkEngine:
             if state.pending_version:
                 # A pending version from before a restart is dropped: its data was never synced,
                 # and a restarted target resyncs from its predecessor before it serves again.
-                if not state.pending_remove:
+                if state.pending_patch:
+                    # The commit may have been cut anywhere inside the patch: put the old bytes back.
+                    raw_patch = kv.get(_PATCH + chunk_id)
+                    if raw_patch is not None:
+                        patch = Patch.decode(raw_patch)
+                        blobs.unpatch(chunk_id, state.commit_version, state.pending_version, patch.offset,
+                                      patch.old)
+                    abandoned.delete(_PATCH + chunk_id)
+                elif not state.pending_remove:
                     blobs.delete(chunk_id, state.pending_version)
                 state = ChunkState(commit_version=state.commit_version, chain_version=state.chain_version,
                                    length=state.length, checksum=state.checksum)
@@ -140,7 +174,18 @@ class ChunkEngine:
         return dict(self._states)
 
     def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
-        return self.blobs.read(chunk_id, version, offset, length)
+        state = self._states.get(chunk_id)
+        if state is None or not state.pending_patch or version != state.pending_version:
+            return self.blobs.read(chunk_id, version, offset, length)
+        # The pending version of a patch: the committed bytes with the patch laid over them.
+        data = self.blobs.read(chunk_id, state.commit_version, offset, length)
+        patch = self._patches[chunk_id]
+        start, end = max(offset, patch.offset), min(offset + len(data), patch.offset + len(patch.new))
+        if start >= end:
+            return data
+        out = bytearray(data)
+        out[start - offset : end - offset] = patch.new[start - patch.offset : end - patch.offset]
+        return bytes(out)
 
     def channel(self, client_id: bytes, channel_id: int) -> ChannelRecord | None:
         """The channel's last committed update, if the chunk still reflects it.
@@ -200,7 +245,7 @@ class ChunkEngine:
         """
         old = self._states.get(chunk_id, ChunkState())
         ensure(version == old.commit_version + 1, f"pending v{version} on committed v{old.commit_version}")
-        if old.pending_version and not old.pending_remove and not blob_written:
+        if old.pending_version and not old.pending_remove and not old.pending_patch and not blob_written:
             self.blobs.delete(chunk_id, old.pending_version)
         if content is not None and not blob_written:
             self.write_blob(chunk_id, version, content)
@@ -208,19 +253,50 @@ class ChunkEngine:
                         pending_checksum=checksum, pending_chain_version=chain_version,
                         flags=FLAG_PENDING_REMOVE if content is None else 0)
         batch = WriteBatch()
+        self._forget_patch(batch, chunk_id, old)
         batch.put(_META + chunk_id, state.encode())
         self.kv.write(batch, sync=False)  # a lost pending is recovered by resync
         self._set(chunk_id, state)
         return state
+
+    def stage_patch(self, chunk_id: bytes, version: int, offset: int, data: bytes, old_data: bytes, checksum: int,
+                    chain_version: int) -> ChunkState:
+        """Stage pending ``version`` as the committed bytes with ``data`` overwritten at ``offset``.
+
+        Nothing on disk changes until :meth:`commit`, which patches the committed version's blob in
+        place. The record kept here holds the old bytes too, so a commit cut short by a crash is
+        undone at restart; it is synced (when commits are) before the blob is touched.
+        """
+        old = self._states.get(chunk_id)
+        ensure(old is not None and old.commit_version > 0 and version == old.commit_version + 1
+               and not old.pending_version, f"patch v{version} needs committed v{version - 1} and nothing pending")
+        assert old is not None
+        ensure(len(data) == len(old_data) and offset + len(data) <= old.length, "a patch stays inside the chunk")
+        patch = Patch(offset, data, old_data)
+        state = replace(old, pending_version=version, pending_length=old.length, pending_checksum=checksum,
+                        pending_chain_version=chain_version, flags=FLAG_PENDING_PATCH)
+        batch = WriteBatch()
+        batch.put(_PATCH + chunk_id, patch.encode())
+        batch.put(_META + chunk_id, state.encode())
+        self.kv.write(batch, sync=self.sync_commits)
+        self._patches[chunk_id] = patch
+        self._set(chunk_id, state)
+        return state
+
+    def _forget_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState | None) -> None:
+        if old is not None and old.pending_patch:
+            batch.delete(_PATCH + chunk_id)
+            self._patches.pop(chunk_id, None)
 
     def abort(self, chunk_id: bytes, version: int) -> None:
         """Drop pending ``version`` (the update was refused further down the chain)."""
         old = self._states.get(chunk_id)
         if old is None or old.pending_version != version:
             return
-        if not old.pending_remove:
+        if not old.pending_remove and not old.pending_patch:
             self.blobs.delete(chunk_id, version)
         batch = WriteBatch()
+        self._forget_patch(batch, chunk_id, old)
         if old.commit_version == 0:
             batch.delete(_META + chunk_id)
             self._set(chunk_id, None)
@@ -242,6 +318,10 @@ class ChunkEngine:
                f"commit of v{version} without that pending version")
         assert old is not None
         batch = WriteBatch()
+        if old.pending_patch:
+            patch = self._patches[chunk_id]
+            self.blobs.patch(chunk_id, old.commit_version, version, patch.offset, patch.new)
+            self._forget_patch(batch, chunk_id, old)
         if old.pending_remove:
             new: ChunkState | None = None
             batch.delete(_META + chunk_id)
@@ -260,6 +340,7 @@ class ChunkEngine:
         """Full-chunk replace: commit ``content`` as ``version`` directly, abandoning any pending one."""
         old = self._states.get(chunk_id)
         batch = WriteBatch()
+        self._forget_patch(batch, chunk_id, old)
         if content is None:
             new: ChunkState | None = None
             batch.delete(_META + chunk_id)
@@ -307,15 +388,17 @@ class ChunkEngine:
             return
         self.used_bytes += new.length
         self._set(chunk_id, new)
-        if old.commit_version and old.commit_version != new.commit_version:
-            self.blobs.delete(chunk_id, old.commit_version)
-        if old.pending_version and old.pending_version != new.commit_version and not old.pending_remove:
+        patched = old.pending_patch and old.pending_version == new.commit_version
+        if old.commit_version and old.commit_version != new.commit_version and not patched:
+            self.blobs.delete(chunk_id, old.commit_version)  # (a patch renamed it instead)
+        if old.pending_version and old.pending_version != new.commit_version and not old.pending_remove \
+                and not old.pending_patch:
             self.blobs.delete(chunk_id, old.pending_version)
 
     def _drop_blobs(self, chunk_id: bytes, state: ChunkState) -> None:
         if state.commit_version:
             self.blobs.delete(chunk_id, state.commit_version)
-        if state.pending_version and not state.pending_remove:
+        if state.pending_version and not state.pending_remove and not state.pending_patch:
             self.blobs.delete(chunk_id, state.pending_version)
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 
 from fs3 import storage_pb2 as spb
 from fs3.common.buffers import Buffer
-from fs3.common.checksum import crc32c
+from fs3.common.checksum import crc32c, crc32c_patch
 from fs3.common.errors import (
     ChainVersionMismatch,
     ChannelSeqStale,
@@ -78,6 +78,10 @@ class ReplicaConfig:
     # Pending versions at least this large are written by the host's I/O pool, so the event loop
     # keeps serving other requests meanwhile.
     offload_write_min_bytes: int = 64 * 1024
+    # A write of at most this many bytes that lands inside a chunk at least twice its size is
+    # staged as a patch of the committed version and applied in place at commit, instead of
+    # copying the whole chunk into a new version (0: always copy).
+    patch_max_bytes: int = 256 * 1024
 
 
 class ReplicaHost(Protocol):
@@ -126,6 +130,9 @@ def build_content(base: bytes | None, update: spb.UpdateReq, payload: Buffer) ->
     out[update.offset : end] = payload
     return bytes(out)
 
+
+# A new version's whole content, or how to produce it (a patch builds it only when needed).
+ContentSource = bytes | None | Callable[[], bytes | None]
 
 # Failures after which the same forward may succeed once the chain has been updated.
 _RETRY_FORWARD = (Unavailable, ChainVersionMismatch, TargetNotServing, LeaseExpired, NotHead)
@@ -214,6 +221,22 @@ class TargetReplica:
             return int(update.checksum)
         return crc32c(content)
 
+    def _patchable(self, state: ChunkState | None, update: spb.UpdateReq) -> bool:
+        """Whether ``update`` can be a patch: a small write inside a committed, larger chunk."""
+        return (update.type == spb.WRITE and state is not None and state.commit_version > 0
+                and not state.pending_version and 0 < update.length <= self.config.patch_max_bytes
+                and update.offset + update.length <= state.length and 2 * update.length <= state.length)
+
+    def _stage_patch(self, chunk_id: bytes, state: ChunkState, version: int, update: spb.UpdateReq, payload: Buffer,
+                     chain_version: int) -> tuple[Callable[[], bytes | None], int]:
+        """Stage the write as a patch; returns how to get the whole new content (only a successor
+        being synced needs it) and its checksum, derived from the old one without a reread."""
+        new = bytes(payload)
+        old = self.engine.read(chunk_id, state.commit_version, update.offset, len(new))
+        checksum = crc32c_patch(state.checksum, state.length, update.offset, old, new)
+        self.engine.stage_patch(chunk_id, version, update.offset, new, old, checksum, chain_version)
+        return (lambda: self.engine.read(chunk_id, version, 0, state.length)), checksum
+
     @staticmethod
     def validate_update(req: spb.UpdateReq, payload: Buffer, check_crc: bool = True) -> None:
         validate_chunk_id(req.chunk_id)
@@ -288,13 +311,18 @@ class TargetReplica:
             if req.type == spb.REMOVE and state is None:
                 return spb.UpdateRsp()
             view = self._view(req.chain_id)
-            content = build_content(self._base(req.chunk_id, state), req, payload)
             version = (state.commit_version if state else 0) + 1
-            checksum = self._content_checksum(req, content)
-            await self._stage(req.chunk_id, version, content, checksum, view.chain_version)
+            source: ContentSource
+            if state is not None and self._patchable(state, req):
+                source, checksum = self._stage_patch(req.chunk_id, state, version, req, payload, view.chain_version)
+            else:
+                whole = build_content(self._base(req.chunk_id, state), req, payload)
+                checksum = self._content_checksum(req, whole)
+                await self._stage(req.chunk_id, version, whole, checksum, view.chain_version)
+                source = whole
             fwd = spb.ForwardReq(update=req, update_version=version)
             try:
-                await self._propagate(req.chain_id, fwd, payload, content, checksum)
+                await self._propagate(req.chain_id, fwd, payload, source, checksum)
             except _DEFINITIVE:
                 self.engine.abort(req.chunk_id, version)
                 raise
@@ -366,7 +394,7 @@ class TargetReplica:
         await self._propagate(chain_id, fwd, b"", content, state.pending_checksum, force_full=True)
         return self.engine.commit(chunk_id, state.pending_version, self._view(chain_id).chain_version)
 
-    async def _propagate(self, chain_id: int, fwd: spb.ForwardReq, payload: Buffer, content: bytes | None,
+    async def _propagate(self, chain_id: int, fwd: spb.ForwardReq, payload: Buffer, content: ContentSource,
                          checksum: int, force_full: bool = False) -> None:
         """Forward an update to the successor until it is committed downstream (or give up)."""
         deadline_ms = self.host.now_ms() + self.config.forward_retry_total_ms
@@ -385,12 +413,13 @@ class TargetReplica:
             req.from_target_id = self.target_id
             body: Buffer = payload
             if force_full or successor.state is PublicState.SYNCING:
+                whole = content() if callable(content) else content
                 req.full_chunk_replace = True
-                req.remove = content is None
-                req.chunk_length = len(content) if content is not None else 0
+                req.remove = whole is None
+                req.chunk_length = len(whole) if whole is not None else 0
                 req.chunk_checksum = checksum
                 req.chunk_chain_version = view.chain_version
-                body = content or b""
+                body = whole or b""
             try:
                 await self.host.forward(successor, req, body, self.config.forward_timeout_ms)
                 return
@@ -461,17 +490,23 @@ class TargetReplica:
             return self._rsp(state)
         if committed != version - 1:
             raise StaleUpdate(f"chunk {chunk_id.hex()}: update v{version} on committed v{committed}")
+        source: ContentSource
         if req.full_chunk_replace:
-            content = None if req.remove else bytes(payload)
+            source = None if req.remove else bytes(payload)
             checksum = req.chunk_checksum
+            await self._stage(chunk_id, version, source, checksum, view.chain_version)
         else:
             self.validate_update(update, payload, check_crc=False)  # forward() verified the CRC
-            content = build_content(self._base(chunk_id, state), update, payload)
-            checksum = self._content_checksum(update, content)
-        await self._stage(chunk_id, version, content, checksum, view.chain_version)
+            if state is not None and self._patchable(state, update):
+                source, checksum = self._stage_patch(chunk_id, state, version, update, payload, view.chain_version)
+            else:
+                whole = build_content(self._base(chunk_id, state), update, payload)
+                checksum = self._content_checksum(update, whole)
+                await self._stage(chunk_id, version, whole, checksum, view.chain_version)
+                source = whole
         fwd = spb.ForwardReq(update=update, update_version=version)
         try:
-            await self._propagate(update.chain_id, fwd, payload if not req.full_chunk_replace else b"", content,
+            await self._propagate(update.chain_id, fwd, payload if not req.full_chunk_replace else b"", source,
                                   checksum, force_full=req.full_chunk_replace)
         except _DEFINITIVE:
             self.engine.abort(chunk_id, version)
