@@ -66,6 +66,15 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         wrong_token = fs3("admin", "--mgmtd", info["mgmtd"], "--token", "nope", "nodes")
         assert wrong_token.returncode == 1 and "UNAUTHENTICATED" in wrong_token.stderr
         assert len(json.loads(fs3(*base, "--json", "chains").stdout)["chains"]) == 1
+        bench = fs3("bench", "--native", "--dir", str(root), "--big-file-size", "3M", "--small-file-count", "5",
+                    "--threads", "2", "--json")
+        assert bench.returncode == 0, bench.stderr
+        phases = {p["name"]: p for p in json.loads(bench.stdout)["phases"]}
+        assert set(phases) == {"write big file", "read big file", "write small files", "read small files",
+                               "stat small files"}
+        assert phases["read big file"]["bytes_moved"] == 2 * 3 << 20 and phases["write small files"]["operations"] == 10
+        with fs3_lib.connect(info["mgmtd"], token=info["token"]) as fs:
+            assert fs.listdir("/") == ["data"]  # the benchmark removed its files
         status = fs3("local", "status", "--dir", str(root))
         assert status.returncode == 0 and status.stdout.count("running") == 5
         assert fs3("local", "kill", "storage-3", "--dir", str(root)).returncode == 0
@@ -85,3 +94,20 @@ def test_cli_errors_without_a_cluster(tmp_path: Path) -> None:
     bad_config.write_text("node_id = 1\nbogus = 2\n")
     storage = fs3("storage", "--config", str(bad_config))
     assert storage.returncode == 1 and "unknown key" in storage.stderr
+
+
+def test_bench_on_a_directory_and_bad_input(tmp_path: Path) -> None:
+    done = fs3("bench", str(tmp_path), "--big-file-size", "2M", "--block-size", "256K", "--small-file-count", "3",
+               "--small-file-size", "4K", "--no-drop-caches")
+    assert done.returncode == 0, done.stderr
+    for phase in ("write big file", "read big file", "write small files", "read small files", "stat small files"):
+        assert phase in done.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+    bad_size = fs3("bench", str(tmp_path), "--big-file-size", "12Q")
+    assert bad_size.returncode == 1 and "--big-file-size" in bad_size.stderr and "not a size" in bad_size.stderr
+    no_threads = fs3("bench", str(tmp_path), "--threads", "0")
+    assert no_threads.returncode == 1 and "threads" in no_threads.stderr
+    missing = fs3("bench", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "not a directory" in missing.stderr
+    no_target = fs3("bench")
+    assert no_target.returncode == 1 and "--native" in no_target.stderr

@@ -6,9 +6,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fs3 import common_pb2
-from fs3.common.checksum import crc32c, crc32c_extend
+from fs3.common.checksum import crc32c, crc32c_extend, crc32c_patch
 from fs3.common.clock import ManualClock
 from fs3.common.config import load_config
 from fs3.common.errors import (
@@ -69,6 +71,27 @@ def test_crc32c_known_value_and_extend() -> None:
     assert crc32c(b"123456789") == 0xE3069283
     assert crc32c_extend(crc32c(b"1234"), memoryview(b"56789")) == 0xE3069283
     assert crc32c(bytearray(b"abc")) == crc32c(b"abc")
+
+
+@given(st.binary(min_size=1, max_size=3000), st.data())
+def test_crc32c_patch_matches_a_full_recompute(message: bytes, data: st.DataObject) -> None:
+    offset = data.draw(st.integers(0, len(message)))
+    new = data.draw(st.binary(min_size=0, max_size=len(message) - offset))
+    patched = message[:offset] + new + message[offset + len(new):]
+    assert crc32c_patch(crc32c(message), len(message), offset, message[offset:offset + len(new)], new) \
+        == crc32c(patched)
+
+
+def test_crc32c_patch_of_a_large_chunk_and_bad_patches() -> None:
+    chunk = bytearray(range(256)) * 16384  # 4 MiB
+    before = crc32c(chunk)
+    old = bytes(chunk[4_000_000:4_004_096])
+    chunk[4_000_000:4_004_096] = b"\xab" * 4096
+    assert crc32c_patch(before, len(chunk), 4_000_000, old, b"\xab" * 4096) == crc32c(chunk)
+    with pytest.raises(ValueError):
+        crc32c_patch(before, 10, 8, b"abc", b"xyz")  # past the end
+    with pytest.raises(ValueError):
+        crc32c_patch(before, 10, 0, b"ab", b"xyz")  # lengths differ
 
 
 def test_manual_clock() -> None:

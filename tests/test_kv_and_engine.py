@@ -212,3 +212,46 @@ def test_tiered_blobs_keep_small_versions_in_the_kv_store(tmp_path: Path) -> Non
     assert engine.commit(b"c", 4, 1) is None and engine.chunk_count == 0
     assert list(engine.kv.scan(b"b/", prefix_end(b"b/"))) == []
     engine.close()
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_patches_commit_in_place_and_a_cut_commit_is_undone_at_restart(tmp_path: Path, inline: bool) -> None:
+    """A pending patch touches nothing until commit; a commit cut after the blob was patched (and
+    renamed) but before the metadata batch leaves the old version intact after a restart."""
+    from fs3.common.checksum import crc32c_patch
+    from fs3.storage.blobs import TieredBlobStore
+
+    def open_engine() -> ChunkEngine:
+        kv = RocksKVStore(tmp_path / "meta")
+        files = FileBlobStore(tmp_path / "chunks", fsync=False)
+        return ChunkEngine(kv, TieredBlobStore(kv, files, inline_max_bytes=1 << 20 if inline else 0, fsync=False))
+
+    base = bytes(range(256)) * 64  # 16 KiB
+    engine = open_engine()
+    engine.stage(b"c", 1, base, crc32c(base), 1)
+    engine.commit(b"c", 1, 1)
+    new = b"N" * 100
+    checksum = crc32c_patch(crc32c(base), len(base), 1000, base[1000:1100], new)
+    engine.stage_patch(b"c", 2, 1000, new, base[1000:1100], checksum, 1)
+    expected = base[:1000] + new + base[1100:]
+    assert engine.read(b"c", 1, 0, len(base)) == base  # the committed version is untouched
+    assert engine.read(b"c", 2, 990, 20) == expected[990:1010]  # the pending one is the overlay
+    state = engine.commit(b"c", 2, 1)
+    assert state is not None and state.checksum == crc32c(expected)
+    assert engine.read(b"c", 2, 0, len(base)) == expected
+    # Now a commit cut short: the blob is patched and renamed, the metadata still says pending.
+    newer = b"Z" * 50
+    engine.stage_patch(b"c", 3, 5000, newer, expected[5000:5050],
+                       crc32c_patch(crc32c(expected), len(expected), 5000, expected[5000:5050], newer), 1)
+    engine.blobs.patch(b"c", 2, 3, 5000, newer)
+    engine.close()
+    engine = open_engine()
+    state = engine.get(b"c")
+    assert state is not None and (state.commit_version, state.pending_version) == (2, 0)
+    assert engine.read(b"c", 2, 0, len(base)) == expected
+    assert list(engine.kv.scan(b"p/", prefix_end(b"p/"))) == []
+    # An aborted patch leaves nothing behind either.
+    engine.stage_patch(b"c", 3, 0, b"Q", expected[:1], 0, 1)
+    engine.abort(b"c", 3)
+    assert engine.read(b"c", 2, 0, 3) == expected[:3] and list(engine.kv.scan(b"p/", prefix_end(b"p/"))) == []
+    engine.close()

@@ -52,6 +52,10 @@ class AsyncFile:
         self._length = rsp.inode.size
         self._wrote = False
         self._written_end = 0
+        # Writes made, and how many of them meta has an exact length for (after a flush): a close
+        # with nothing new to publish spares meta a probe of storage.
+        self._writes = 0
+        self._published_writes = 0
         self._buf_offset = 0
         self._buf = bytearray()
         self._slots = asyncio.Semaphore(inflight_max)
@@ -114,11 +118,13 @@ class AsyncFile:
     async def publish_length(self) -> None:
         """Tell meta how far this handle wrote (after ``flush``), so a new open sees it at once."""
         with os_errors(self.name):
-            if self._wrote and self.session_id:
+            if self._wrote and self.session_id and self._writes != self._published_writes:
+                writes = self._writes
                 await self._flush()
                 await self.fs.meta.call("Sync", mpb.SyncReq(
                     inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-                    wrote=True), mpb.InodeRsp)
+                    wrote=True, exact=True), mpb.InodeRsp)
+                self._published_writes = writes
 
     def _check_open(self) -> None:
         if self.closed:
@@ -175,6 +181,7 @@ class AsyncFile:
                 await self._send_buffer()
         if total:
             self._wrote = True
+            self._writes += 1
             self._invalidate_readahead()
             self._written_end = max(self._written_end, pos)
             self._length = max(self._length, pos)
@@ -233,10 +240,12 @@ class AsyncFile:
 
     async def _fsync(self) -> None:
         self._check_open()
+        writes = self._writes
         await self._flush()
         rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
             inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
             wrote=self._wrote, exact=True), mpb.InodeRsp)
+        self._published_writes = writes
         self._length = max(self._length, rsp.inode.size) if self._wrote else rsp.inode.size
 
     async def truncate(self, size: int | None = None) -> int:
@@ -398,7 +407,7 @@ class AsyncFile:
         if self.session_id:
             await self.fs.meta.call("Close", mpb.CloseReq(
                 inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-                wrote=self._wrote), mpb.InodeRsp)
+                wrote=self._wrote and self._writes != self._published_writes), mpb.InodeRsp)
         if error is not None:
             raise error
 

@@ -567,6 +567,12 @@ class Namespace:
         if target is not None and target.inode_id == inode.inode_id:
             return inode  # both names are links to the same inode: POSIX says do nothing
         moving_dirs = src_parent.inode_id != dst_parent.inode_id
+        if target is not None and target.type == DIRECTORY and moving_dirs \
+                and await self._is_ancestor(target.inode_id, src_parent):
+            # The target is above the source: Linux refuses before looking at types.
+            if exchange:
+                raise InvalidArgument("cannot exchange a directory with something inside it")
+            raise DirectoryNotEmpty(f"{dst_name.decode(errors='replace')!r} is not empty")
         if inode.type == DIRECTORY and moving_dirs:
             if await self._is_ancestor(inode.inode_id, dst_parent):
                 raise InvalidArgument("cannot move a directory into itself")

@@ -307,7 +307,8 @@ class MetaService:
         size changed in between (the last attempt falls back to the writer's hint)."""
         for attempt in range(_LENGTH_PROBE_ATTEMPTS):
             last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
-            exact, probed_from = (None, None) if last else await self._exact_length(inode_id, hint, wrote)
+            exact, probed_from = (None, None) if last else await self._exact_length(inode_id, hint, wrote,
+                                                                                     within_size_is_exact=True)
             try:
                 return await self._mutate(ctx, mpb.InodeRsp,
                                           lambda ns, e=exact, p=probed_from: op(ns, e, p))  # type: ignore[misc]
@@ -366,9 +367,14 @@ class MetaService:
         _, rsp = await self.storage.read(chain_id, cid, 0, 0)
         return rsp.version > 0, rsp.chunk_length
 
-    async def _exact_length(self, inode_id: int, hint: int,
-                            wrote: bool) -> tuple[int | None, int | None]:
-        """The file's end as storage sees it, from the known length on (None when nothing was written)."""
+    async def _exact_length(self, inode_id: int, hint: int, wrote: bool,
+                            within_size_is_exact: bool = False) -> tuple[int | None, int | None]:
+        """The file's end as storage sees it, from the known length on (None when nothing was written).
+
+        ``within_size_is_exact``: the hint is a writer's own (the end of everything it wrote, now
+        on storage); when it is inside the known size the writer has nothing to add, and storage
+        is not asked. Other writers publish their own lengths; dead ones are probed with hint 0.
+        """
         if not wrote:
             return None, None
         # A truncate still removing chunks would let the probe see chunks past the new size.
@@ -380,6 +386,8 @@ class MetaService:
         inode = mpb.Inode.FromString(raw)
         if inode.type != mpb.FILE or not inode.layout.chains:
             return None, None
+        if within_size_is_exact and hint <= inode.size:
+            return inode.size, inode.size
         chunk_size = inode.layout.chunk_size
         # Probing starts where the writer says its data ends, but the hint is not a floor: a
         # truncate after the writer's last write (its close may reach meta after the truncate,

@@ -1,8 +1,12 @@
-"""Where chunk bytes live: one file per chunk version on a real disk, or memory in the simulator.
+"""Where chunk bytes live: one file per chunk version on a real disk (small versions in the
+target's KV store), or memory in the simulator.
 
-A chunk version is written once (copy-on-write) and never modified afterwards, so a committed
-version is never torn by a failed or concurrent write. ``sync`` makes a version durable; the
-simulator's :class:`MemBlobStore` loses unsynced versions on :meth:`~MemBlobStore.crash`.
+A chunk version is written once (copy-on-write), so a committed version is never torn by a failed
+or concurrent write. The one exception is :meth:`BlobStore.patch`, which turns a committed version
+into the next by overwriting a few bytes in place; the chunk engine calls it only at commit, under
+an undo/redo record, and :meth:`BlobStore.unpatch` undoes a patch cut short by a crash. ``sync``
+makes a version durable; the simulator's :class:`MemBlobStore` loses unsynced versions (and
+unsynced patches) on :meth:`~MemBlobStore.crash`.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ one KV write batch switches the metadata (and records the client channel's resul
 exactly-once retries), then the old version's blob is deleted. A crash at any point leaves
 either the old or the new version committed, never a mix. A cache of all metadata is kept in
 memory, as 3FS does.
+
+A small write inside a chunk may instead be staged as a *patch* (:meth:`ChunkEngine.stage_patch`):
+the pending version is the committed one with a few bytes overwritten, recorded with the old
+bytes. Commit patches the committed blob in place and renames it to the new version before the
+metadata batch; a restart with the patch still pending puts the old bytes back.
 """
 
 from __future__ import annotations
