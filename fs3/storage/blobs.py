@@ -219,12 +219,7 @@ class TieredBlobStore:
         if raw is None:
             self.files.patch(chunk_id, old_version, new_version, offset, data)
             return
-        content = bytearray(raw)
-        content[offset : offset + len(data)] = data
-        batch = WriteBatch()
-        batch.put(self._key(chunk_id, new_version), bytes(content))
-        batch.delete(old_key)
-        self.kv.write(batch, sync=self.fsync)
+        self._overlay_and_move(raw, offset, data, old_key, self._key(chunk_id, new_version), self.fsync)
 
     def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
         old_key, new_key = self._key(chunk_id, old_version), self._key(chunk_id, new_version)
@@ -234,12 +229,18 @@ class TieredBlobStore:
         if raw is None:
             self.files.unpatch(chunk_id, old_version, new_version, offset, old_data)
             return
+        self._overlay_and_move(raw, offset, old_data, new_key, old_key, True)
+
+    def _overlay_and_move(self, raw: bytes, offset: int, data: bytes, from_key: bytes, to_key: bytes,
+                          sync: bool) -> None:
+        """Store ``raw`` with ``data`` laid over it at ``offset`` under ``to_key``, dropping ``from_key``."""
         content = bytearray(raw)
-        content[offset : offset + len(old_data)] = old_data
+        content[offset : offset + len(data)] = data
         batch = WriteBatch()
-        batch.put(old_key, bytes(content))
-        batch.delete(new_key)
-        self.kv.write(batch, sync=True)
+        if from_key != to_key:
+            batch.delete(from_key)
+        batch.put(to_key, bytes(content))
+        self.kv.write(batch, sync=sync)
 
     def free_bytes(self) -> int:
         return self.files.free_bytes()
