@@ -92,7 +92,6 @@ class System:
     """A file system under test: ``start`` returns a mounted directory, ``stop`` undoes everything."""
 
     name = "system"
-    replicas = 1
 
     def __init__(self, work: Path) -> None:
         self.work = work / self.name
@@ -138,7 +137,6 @@ class Fs3Mount(System):
     """``fs3 local``: mgmtd, meta, 3 storage processes (2 targets each), chains of 3, FUSE mount."""
 
     name = "fs3"
-    replicas = 3
 
     def __init__(self, work: Path) -> None:
         super().__init__(work)
@@ -179,7 +177,6 @@ class GlusterFS(System):
     """glusterd on loopback, a replica-3 volume of three bricks on this host, the FUSE client."""
 
     name = "glusterfs"
-    replicas = 3
     volume = "fs3bench"
 
     def __init__(self, work: Path) -> None:
@@ -255,7 +252,6 @@ class MooseFS(System):
     """mfsmaster and three chunkservers in a private network namespace; goal 3; mfsmount."""
 
     name = "moosefs"
-    replicas = 3
 
     def __init__(self, work: Path) -> None:
         super().__init__(work)

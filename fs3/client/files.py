@@ -123,7 +123,7 @@ class AsyncFile:
                 await self._flush()
                 await self.fs.meta.call("Sync", mpb.SyncReq(
                     inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-                    wrote=True, exact=True), mpb.InodeRsp)
+                    wrote=True), mpb.InodeRsp)
                 self._published_writes = writes
 
     def _check_open(self) -> None:
@@ -244,7 +244,7 @@ class AsyncFile:
         await self._flush()
         rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
             inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-            wrote=self._wrote, exact=True), mpb.InodeRsp)
+            wrote=self._wrote), mpb.InodeRsp)
         self._published_writes = writes
         self._length = max(self._length, rsp.inode.size) if self._wrote else rsp.inode.size
 
