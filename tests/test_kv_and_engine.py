@@ -187,7 +187,7 @@ def test_tiered_blobs_keep_small_versions_in_the_kv_store(tmp_path: Path) -> Non
     def open_engine() -> tuple[ChunkEngine, FileBlobStore]:
         kv = RocksKVStore(tmp_path / "meta")
         files = FileBlobStore(tmp_path / "chunks", fsync=False)
-        return ChunkEngine(kv, TieredBlobStore(kv, files, inline_max_bytes=16, fsync=False)), files
+        return ChunkEngine(kv, TieredBlobStore(kv, files, inline_max_bytes=16)), files
 
     def files_on_disk() -> list[str]:
         return sorted(p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file())
@@ -224,7 +224,7 @@ def test_patches_commit_in_place_and_a_cut_commit_is_undone_at_restart(tmp_path:
     def open_engine() -> ChunkEngine:
         kv = RocksKVStore(tmp_path / "meta")
         files = FileBlobStore(tmp_path / "chunks", fsync=False)
-        return ChunkEngine(kv, TieredBlobStore(kv, files, inline_max_bytes=1 << 20 if inline else 0, fsync=False))
+        return ChunkEngine(kv, TieredBlobStore(kv, files, inline_max_bytes=1 << 20 if inline else 0))
 
     base = bytes(range(256)) * 64  # 16 KiB
     engine = open_engine()

@@ -32,7 +32,18 @@ from fs3.kv.txn import OptimisticTxnEngine, Transaction, TxnFaults, run_transact
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.layout import SplitMix64, chunk_location, file_layout, seeded_shuffle
-from fs3.meta.ops import O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY, Caller, Namespace, OpEnv
+from fs3.meta.ops import (
+    O_CREAT,
+    O_EXCL,
+    O_RDONLY,
+    O_RDWR,
+    O_TRUNC,
+    O_WRONLY,
+    Caller,
+    LengthProbeStale,
+    Namespace,
+    OpEnv,
+)
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
 
@@ -304,6 +315,37 @@ def test_truncate_records_a_job_for_storage() -> None:
     assert again.inode.size == 0
     job = schema.GcJob.decode(meta.store.get(schema.truncate_key(rsp.inode.inode_id)) or b"")
     assert (job.first_chunk, job.length) == (0, 200_000)  # still covers the unfinished earlier job
+
+
+
+def test_an_acknowledged_length_is_taken_unless_the_file_was_truncated_since_open() -> None:
+    """A handle's acknowledged length needs no storage probe, until a truncate may have removed
+    some of what it wrote; from then on its lengths must come from storage."""
+    meta = Meta()
+    first = meta.create("/f")
+    inode_id, session_id = first.inode.inode_id, first.session_id
+
+    def sync(hint: int, exact: int | None = None, probed_from: int | None = None) -> mpb.Inode:
+        return meta.run(lambda ns: ns.sync(inode_id, session_id, hint, True, exact, probed_from,
+                                           acked=True, final=False))
+
+    assert sync(100_000).size == 100_000
+    assert sync(50_000).size == 100_000  # a hint never shrinks a file
+    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/f"), mask=mpb.SET_SIZE, size=10)))
+    raw = meta.store.get(schema.session_key(inode_id, session_id))
+    assert raw is not None and schema.Session.decode(raw).truncated
+    with pytest.raises(LengthProbeStale):
+        sync(100_000)
+    assert meta.stat("/f").size == 10
+    with pytest.raises(LengthProbeStale):  # probed before a size change: refused as well
+        sync(100_000, exact=70_000, probed_from=0)
+    assert sync(100_000, exact=4_000, probed_from=10).size == 4_000
+    later = meta.create("/f", flags=O_WRONLY)  # opened after the truncate: its hints are believed
+    assert meta.run(lambda ns: ns.close(inode_id, later.session_id, 9_000, True, None, None, acked=True,
+                                        final=False)).inode.size == 9_000
+    assert meta.stat("/f").size == 9_000
+    meta.run(lambda ns: ns.close(inode_id, session_id, 100_000, True, None, None, acked=True, final=True))
+    assert meta.stat("/f").size == 100_000  # the last resort (no probe possible) keeps the hint
 
 
 # -- permissions and times --------------------------------------------------------------------------

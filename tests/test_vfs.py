@@ -165,4 +165,42 @@ def test_missing_capability_xattr_is_remembered_until_this_mount_changes_xattrs(
         assert calls == ["GetXattr", "GetXattr"]
         await vfs.setxattr(f.inode_id, b"security.capability", b"\x01\x00\x00\x02" + bytes(16), 0, ME)
         assert await vfs.getxattr(f.inode_id, b"security.capability", ME) == b"\x01\x00\x00\x02" + bytes(16)
+        calls.clear()
+        fh, created = await vfs.create(ROOT, b"new", stat.S_IFREG | 0o644, os.O_WRONLY, ME)
+        with pytest.raises(NoXattr):  # a file this mount just created has no attributes to ask for
+            await vfs.getxattr(created.inode_id, b"security.capability", ME)
+        assert calls == ["Open"]
+        await vfs.release(fh)
+    with_vfs(tmp_path, body)
+
+
+def test_attributes_are_answered_from_memory_until_this_mount_changes_them(tmp_path: Path) -> None:
+    """The kernel asks for attributes again after every read and write; what meta told this mount
+    within the attribute timeout answers that, and a change made through this mount is seen at once."""
+    async def body(vfs: Vfs) -> None:
+        fh, inode = await vfs.create(ROOT, b"f", stat.S_IFREG | 0o644, os.O_WRONLY, ME)
+        await vfs.write(fh, 0, b"x" * 5000)
+        await vfs.flush(fh)
+        await vfs.release(fh)
+        calls: list[str] = []
+        real_call = vfs.fs.meta.call
+
+        async def counting(method: str, *args: object, **kwargs: object) -> object:
+            calls.append(method)
+            return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
+
+        vfs.fs.meta.call = counting  # type: ignore[method-assign]
+        for _ in range(3):
+            assert (await vfs.getattr(inode.inode_id, ME)).size == 5000  # the published length
+        assert calls == []
+        await vfs.setattr(inode.inode_id, ME, mode=0o600)
+        assert stat.S_IMODE((await vfs.getattr(inode.inode_id, ME)).mode) == 0o600
+        await vfs.link(inode.inode_id, ROOT, b"g", ME)
+        assert (await vfs.getattr(inode.inode_id, ME)).nlink == 2
+        await vfs.unlink(ROOT, b"g", ME)
+        assert (await vfs.getattr(inode.inode_id, ME)).nlink == 1
+        calls.clear()
+        await asyncio.sleep(vfs.config.attr_timeout_s + 0.1)  # then meta is asked again
+        await vfs.getattr(inode.inode_id, ME)
+        assert calls == ["BatchStat"]
     with_vfs(tmp_path, body)

@@ -115,16 +115,27 @@ class AsyncFile:
     def has_unflushed(self) -> bool:
         return bool(self._buf or self._inflight)
 
-    async def publish_length(self) -> None:
-        """Tell meta how far this handle wrote (after ``flush``), so a new open sees it at once."""
+    @property
+    def has_unpublished_writes(self) -> bool:
+        """Whether this handle wrote since it last told meta its length (close will tell it)."""
+        return self._wrote and self._writes != self._published_writes
+
+    async def publish_length(self) -> mpb.Inode | None:
+        """Tell meta how far this handle wrote (after ``flush``), so a new open sees it at once.
+
+        Returns the inode as meta has it after the change (None when there was nothing to publish).
+        """
         with os_errors(self.name):
             if self._wrote and self.session_id and self._writes != self._published_writes:
-                writes = self._writes
+                # Taken before the flush: every write below it is acknowledged once the flush returns.
+                writes, end = self._writes, self._written_end
                 await self._flush()
-                await self.fs.meta.call("Sync", mpb.SyncReq(
-                    inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-                    wrote=True), mpb.InodeRsp)
+                rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
+                    inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=end,
+                    wrote=True, acked=True), mpb.InodeRsp)
                 self._published_writes = writes
+                return rsp.inode
+            return None
 
     def _check_open(self) -> None:
         if self.closed:
@@ -240,11 +251,11 @@ class AsyncFile:
 
     async def _fsync(self) -> None:
         self._check_open()
-        writes = self._writes
+        writes, end = self._writes, self._written_end
         await self._flush()
         rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
-            inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-            wrote=self._wrote), mpb.InodeRsp)
+            inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=end,
+            wrote=self._wrote, acked=True), mpb.InodeRsp)
         self._published_writes = writes
         self._length = max(self._length, rsp.inode.size) if self._wrote else rsp.inode.size
 
@@ -396,18 +407,21 @@ class AsyncFile:
         if self.closed:
             return
         error: BaseException | None = None
+        end = self._written_end
         try:
             await self._flush()
         except BaseException as exc:
             error = exc
         self.closed = True
+        # Acknowledged: the flush succeeded and no write slipped in while it ran.
+        acked = error is None and self._written_end == end
         self._cancel_readahead()
         if self._hint_task is not None and not self._hint_task.done():
             self._hint_task.cancel()
         if self.session_id:
             await self.fs.meta.call("Close", mpb.CloseReq(
                 inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-                wrote=self._wrote and self._writes != self._published_writes), mpb.InodeRsp)
+                wrote=self._wrote and self._writes != self._published_writes, acked=acked), mpb.InodeRsp)
         if error is not None:
             raise error
 

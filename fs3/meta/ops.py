@@ -16,7 +16,7 @@ being 2 plus its subdirectories, and ``atime``/``mtime``/``ctime`` updated as th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import (
@@ -307,6 +307,19 @@ class Namespace:
     async def _has_sessions(self, inode_id: int) -> bool:
         prefix = schema.session_prefix(inode_id)
         return bool(await self.txn.scan(prefix, prefix_end(prefix), limit=1))
+
+    async def _mark_writers_truncated(self, inode_id: int) -> bool:
+        """Flag every writing handle of a file whose size is changing; True when it has any handle.
+
+        A flagged handle's later lengths are checked against storage (see :class:`schema.Session`).
+        """
+        prefix = schema.session_prefix(inode_id)
+        sessions = await self.txn.scan(prefix, prefix_end(prefix))
+        for key, raw in sessions:
+            session = schema.Session.decode(raw)
+            if session.write and not session.truncated:
+                self.txn.put(key, replace(session, truncated=True).encode())
+        return bool(sessions)
 
     async def _is_empty_dir(self, inode_id: int) -> bool:
         prefix = schema.dentry_prefix(inode_id)
@@ -645,7 +658,8 @@ class Namespace:
         if size > max_file_size(inode.layout):
             raise FileTooLarge(f"size {size} exceeds {max_file_size(inode.layout)} for this file's chunk size")
         old = inode.size
-        if size < old or (size == 0 and old == 0 and always_stamp) or await self._has_sessions(inode.inode_id):
+        if await self._mark_writers_truncated(inode.inode_id) or size < old or (size == 0 and old == 0
+                                                                                and always_stamp):
             chunk_size = inode.layout.chunk_size
             first = -(-size // chunk_size)
             keep = size % chunk_size
@@ -801,32 +815,39 @@ class Namespace:
             raise BadHandle(f"no open session {session_id.hex()} on inode {inode_id}")
         return schema.Session.decode(raw)
 
-    def _apply_length(self, inode: mpb.Inode, hint: int, exact: int | None, probed_from: int | None) -> None:
-        """A writer's length: exact when storage was asked, else a hint.
+    def _apply_length(self, inode: mpb.Inode, session: schema.Session, hint: int, exact: int | None,
+                      probed_from: int | None, acked: bool, final: bool) -> None:
+        """A writer's length: exact when storage was asked, else its hint.
 
-        An exact length probed from a size that has changed since (a truncate, another writer's
-        close) is refused with :class:`LengthProbeStale`: applying it, or the hint, could undo a
+        The hint is taken as is when the writer says every write below it is acknowledged and the
+        file was not truncated since the handle opened (nothing it wrote can be gone), or when
+        ``final`` says no better answer is coming. Otherwise the caller must probe storage
+        (:class:`LengthProbeStale`). An exact length probed from a size that has changed since (a
+        truncate, another writer's close) is refused the same way: applying it could undo a
         truncate that came after this writer's last write.
         """
         if exact is not None:
             if probed_from != inode.size:
                 raise LengthProbeStale(f"inode {inode.inode_id}: size changed from {probed_from} to {inode.size}")
             new_size = exact
-        else:
+        elif (acked and not session.truncated) or final:
             new_size = max(inode.size, hint)
+        else:
+            raise LengthProbeStale(f"inode {inode.inode_id}: its size changed since this handle opened")
         if new_size > max_file_size(inode.layout):
             raise FileTooLarge(f"size {new_size} exceeds {max_file_size(inode.layout)}")
         inode.size = new_size
         self._stamp(inode, mtime=True)
 
     async def close(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                    probed_from: int | None) -> CloseResult:
+                    probed_from: int | None, acked: bool = False, final: bool = True) -> CloseResult:
+        """End a handle, applying its length (see :meth:`_apply_length` for ``acked`` and ``final``)."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
         self.txn.delete(schema.session_key(inode_id, session_id))
         self.txn.delete(schema.client_session_key(session.client_id, inode_id, session_id))
         if wrote and session.write:
-            self._apply_length(inode, hint, exact, probed_from)
+            self._apply_length(inode, session, hint, exact, probed_from, acked, final)
         gc = False
         if inode.nlink == 0 and not await self._has_sessions(inode_id):
             gc = await self._delete_inode(inode)
@@ -834,11 +855,12 @@ class Namespace:
         return CloseResult(inode, gc)
 
     async def sync(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                   probed_from: int | None) -> mpb.Inode:
+                   probed_from: int | None, acked: bool = False, final: bool = True) -> mpb.Inode:
+        """Publish a handle's length (fsync, flush, periodic hints) without closing it."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
         if wrote and session.write:
-            self._apply_length(inode, hint, exact, probed_from)
+            self._apply_length(inode, session, hint, exact, probed_from, acked, final)
         self.flush()
         return inode
 

@@ -206,21 +206,31 @@ def decode_u64(raw: bytes | None) -> int:
 
 @dataclass(frozen=True)
 class Session:
-    """An open handle: the client holding it and whether it may write."""
+    """An open handle: the client holding it, whether it may write, and whether the file's size
+    was changed since it opened.
+
+    ``truncated`` decides how the handle's length is believed: a handle whose file kept its size
+    since open reports a length that only covers its own acknowledged writes, and meta takes it as
+    is; after a truncate, the handle's earlier writes may be gone from storage, so every length it
+    reports is checked against storage instead.
+    """
 
     client_id: bytes
     write: bool
     opened_ms: int
+    truncated: bool = False
 
     _FMT = struct.Struct(">?Q")
 
     def encode(self) -> bytes:
-        return self.client_id + self._FMT.pack(self.write, self.opened_ms)
+        flag = b"\x01" if self.truncated else b""
+        return self.client_id + self._FMT.pack(self.write, self.opened_ms) + flag
 
     @classmethod
     def decode(cls, raw: bytes) -> Session:
         write, opened_ms = cls._FMT.unpack_from(raw, CLIENT_ID_BYTES)
-        return cls(raw[:CLIENT_ID_BYTES], bool(write), int(opened_ms))
+        truncated = len(raw) > CLIENT_ID_BYTES + cls._FMT.size and raw[CLIENT_ID_BYTES + cls._FMT.size] == 1
+        return cls(raw[:CLIENT_ID_BYTES], bool(write), int(opened_ms), truncated)
 
 
 @dataclass(frozen=True)

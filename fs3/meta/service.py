@@ -300,39 +300,50 @@ class MetaService:
             ns.remove_xattr(req.target, req.follow, req.name)))
         return rsp, _EMPTY
 
-    async def _with_exact_length(self, ctx: mpb.ReqCtx, inode_id: int, hint: int, wrote: bool,
-                                 op: Callable[[Namespace, int | None, int | None], Awaitable[mpb.InodeRsp]]
+    async def _with_exact_length(self, ctx: mpb.ReqCtx, inode_id: int, hint: int, wrote: bool, acked: bool,
+                                 op: Callable[[Namespace, int | None, int | None, bool], Awaitable[mpb.InodeRsp]]
                                  ) -> mpb.InodeRsp:
-        """Probe storage for the file's end, then apply it in one transaction; probe again when the
-        size changed in between (the last attempt falls back to the writer's hint)."""
+        """Apply a writer's length in one transaction.
+
+        An acknowledged hint from a handle whose file kept its size is taken as is (no storage
+        round trip: the common create-write-close path). Otherwise storage is probed for the
+        file's end, and probed again when the size changed in between; the last attempt falls
+        back to the writer's hint. ``op`` gets (namespace, exact, probed_from, final).
+        """
         for attempt in range(_LENGTH_PROBE_ATTEMPTS):
             last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
-            exact, probed_from = (None, None) if last else await self._exact_length(inode_id, hint, wrote,
-                                                                                     within_size_is_exact=True)
+            hint_first = attempt == 0 and acked
+            if last or hint_first:
+                exact, probed_from = None, None
+            else:
+                exact, probed_from = await self._exact_length(inode_id, hint, wrote, within_size_is_exact=True)
+            final = last or (not hint_first and exact is None)
             try:
                 return await self._mutate(ctx, mpb.InodeRsp,
-                                          lambda ns, e=exact, p=probed_from: op(ns, e, p))  # type: ignore[misc]
+                                          lambda ns, e=exact, p=probed_from, f=final: op(ns, e, p, f))  # type: ignore[misc]
             except LengthProbeStale:
                 continue
-        raise AssertionError("unreachable: the last attempt does not probe")
+        raise AssertionError("unreachable: the last attempt does not raise LengthProbeStale")
 
     async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_from: int | None) -> mpb.InodeRsp:
-            result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from)
+        async def op(ns: Namespace, exact: int | None, probed_from: int | None, final: bool) -> mpb.InodeRsp:
+            result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from,
+                                    acked=req.acked, final=final)
             return mpb.InodeRsp(inode=result.inode)
 
-        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, op)
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         self._gc_wakeup.set()
         return rsp, _EMPTY
 
     async def sync(self, req: mpb.SyncReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_from: int | None) -> mpb.InodeRsp:
+        async def op(ns: Namespace, exact: int | None, probed_from: int | None, final: bool) -> mpb.InodeRsp:
             return await _inode_rsp(ns.sync(req.inode_id, req.session_id, req.length_hint, req.wrote, exact,
-                                            probed_from))
+                                            probed_from, acked=req.acked, final=final))
 
-        # Hints are probed too (the hint only says where to look): a hint sent before a truncate
-        # and received after it would otherwise bring back the length the truncate removed.
-        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, op)
+        # A hint that is not acknowledged, or comes from a handle whose file was truncated since it
+        # opened, only says where to look: a hint sent before a truncate and received after it
+        # would otherwise bring back the length the truncate removed.
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         return rsp, _EMPTY
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:

@@ -86,7 +86,7 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
         root.mkdir(parents=True, exist_ok=True)
         kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None)
         files = FileBlobStore(root / "chunks", fsync=config.fsync)
-        blobs = TieredBlobStore(kv, files, config.inline_max_bytes, fsync=config.fsync) \
+        blobs = TieredBlobStore(kv, files, config.inline_max_bytes) \
             if config.inline_max_bytes else files
         engines[target.target_id] = ChunkEngine(kv, blobs, reserve_bytes=config.reserve_bytes,
                                                 sync_commits=config.fsync)

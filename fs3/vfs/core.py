@@ -69,6 +69,35 @@ class Vfs:
         self._writers: dict[int, set[AsyncFile]] = {}
         # inode -> loop time until which "no security.capability" may be answered from memory.
         self._no_capability_until: dict[int, float] = {}
+        # inode -> (loop time until which it may be answered from memory, attributes from meta).
+        self._attrs: dict[int, tuple[float, mpb.Inode]] = {}
+        self._attr_changes = 0  # counts forgets: an answer that raced with one is not kept
+
+    # -- the attribute cache ---------------------------------------------------------------------
+    #
+    # The kernel drops a FUSE inode's attributes after every read (atime) and write, and asks
+    # again at the next stat: a meta round trip per stat of a file just read. Attributes meta sent
+    # this mount (open, lookup, getattr, readdir, a published length) are kept for the attribute
+    # timeout — the staleness the kernel's own cache already allows other clients' changes — and
+    # dropped when this mount changes the inode, so this mount always sees its own changes.
+
+    def _remember(self, inode: mpb.Inode, asked_at: int) -> None:
+        """Keep ``inode`` unless this mount changed something since the request (``asked_at``)."""
+        if asked_at != self._attr_changes:
+            return
+        if len(self._attrs) > 100_000:
+            self._attrs.clear()
+        self._attrs[inode.inode_id] = (asyncio.get_running_loop().time() + self.config.attr_timeout_s, inode)
+
+    def _forget(self, *inode_ids: int) -> None:
+        self._attr_changes += 1
+        for inode_id in inode_ids:
+            self._attrs.pop(inode_id, None)
+
+    def _forget_all(self) -> None:
+        """After a change whose victims are unknown here (unlink, rename: the target's nlink)."""
+        self._attr_changes += 1
+        self._attrs.clear()
 
     def _with_local_length(self, inode: mpb.Inode) -> mpb.Inode:
         writers = self._writers.get(inode.inode_id)
@@ -82,21 +111,30 @@ class Vfs:
     # -- names and attributes --------------------------------------------------------------------
 
     async def lookup(self, parent: int, name: bytes, user: mpb.User) -> mpb.Inode:
+        asked_at = self._attr_changes
         rsp = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
                                       mpb.InodeRsp, user)
+        self._remember(rsp.inode, asked_at)
         return self._with_local_length(rsp.inode)
 
     async def getattr(self, inode_id: int, user: mpb.User) -> mpb.Inode:
+        cached = self._attrs.get(inode_id)
+        if cached is not None and cached[0] > asyncio.get_running_loop().time():
+            return self._with_local_length(cached[1])
+        asked_at = self._attr_changes
         rsp = await self.fs.meta.call("BatchStat", mpb.BatchStatReq(inode_ids=[inode_id]), mpb.BatchStatRsp, user)
         inode = rsp.inodes[0]
         if inode.inode_id == 0:
+            self._forget(inode_id)
             raise NotFound(f"inode {inode_id} does not exist")
+        self._remember(inode, asked_at)
         return self._with_local_length(inode)
 
     async def setattr(self, inode_id: int, user: mpb.User, *, mode: int | None = None, uid: int | None = None,
                       gid: int | None = None, size: int | None = None, atime_ns: int | None = None,
                       mtime_ns: int | None = None, atime_now: bool = False, mtime_now: bool = False,
                       fh: int | None = None) -> mpb.Inode:
+        self._forget(inode_id)
         req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=inode_id))
         if mode is not None:
             req.mask |= mpb.SET_MODE
@@ -134,7 +172,9 @@ class Vfs:
                 writer.set_known_length(size)
         if not req.mask:
             return await self.getattr(inode_id, user)
+        asked_at = self._attr_changes
         rsp = await self.fs.meta.call("SetAttr", req, mpb.InodeRsp, user)
+        self._remember(rsp.inode, asked_at)
         return self._with_local_length(rsp.inode)
 
     async def readlink(self, inode_id: int, user: mpb.User) -> bytes:
@@ -154,6 +194,7 @@ class Vfs:
 
     async def _make(self, parent: int, name: bytes, kind: mpb.InodeType, mode: int, user: mpb.User, rdev: int = 0,
                     target: bytes = b"") -> mpb.Inode:
+        self._forget(parent)
         rsp = await self.fs.meta.call("MakeNode", mpb.MakeNodeReq(
             target=mpb.PathRef(parent=parent, path=name), type=kind, mode=stat_mod.S_IMODE(mode), rdev=rdev,
             symlink_target=target), mpb.InodeRsp, user)
@@ -172,28 +213,32 @@ class Vfs:
         return await self._make(parent, name, mpb.SYMLINK, 0o777, user, target=target)
 
     async def link(self, inode_id: int, new_parent: int, new_name: bytes, user: mpb.User) -> mpb.Inode:
+        self._forget(inode_id, new_parent)
         rsp = await self.fs.meta.call("Link", mpb.LinkReq(source=mpb.PathRef(inode_id=inode_id),
                                                           link=mpb.PathRef(parent=new_parent, path=new_name)),
                                       mpb.InodeRsp, user)
         return self._with_local_length(rsp.inode)
 
     async def unlink(self, parent: int, name: bytes, user: mpb.User) -> None:
+        self._forget_all()
         await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name)),
                                 mpb.RemoveRsp, user)
 
     async def rmdir(self, parent: int, name: bytes, user: mpb.User) -> None:
+        self._forget_all()
         await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name),
                                                         directory=True), mpb.RemoveRsp, user)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int,
                      user: mpb.User) -> None:
+        self._forget_all()
         await self.fs.meta.call("Rename", mpb.RenameReq(source=mpb.PathRef(parent=old_parent, path=old_name),
                                                         destination=mpb.PathRef(parent=new_parent, path=new_name),
                                                         flags=flags), mpb.RenameRsp, user)
 
     # -- files -----------------------------------------------------------------------------------
 
-    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str) -> int:
+    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str, asked_at: int) -> int:
         access = flags & O_ACCMODE
         readable = access in (O_RDONLY, O_RDWR)
         writable = access in (O_WRONLY, O_RDWR)
@@ -201,23 +246,29 @@ class Vfs:
                           self.config.inflight_per_file)
         fh = next(self._ids)
         self._handles[fh] = _Handle(afile)
+        self._remember(rsp.inode, asked_at)
         if writable:
             self._writers.setdefault(rsp.inode.inode_id, set()).add(afile)
         return fh
 
     async def open(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
+        asked_at = self._attr_changes
         rsp = await self.fs.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id),
                                                           flags=flags & ~O_CREAT), mpb.OpenRsp, user)
         if rsp.inode.type == mpb.DIRECTORY:
             raise IsADirectory(f"inode {inode_id} is a directory")
-        return self._register(rsp, flags, f"inode:{inode_id}"), rsp.inode
+        return self._register(rsp, flags, f"inode:{inode_id}", asked_at), rsp.inode
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
                      user: mpb.User) -> tuple[int, mpb.Inode]:
+        self._forget(parent)
+        asked_at = self._attr_changes
         rsp = await self.fs.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(parent=parent, path=name),
                                                           flags=flags | O_CREAT, mode=stat_mod.S_IMODE(mode)),
                                       mpb.OpenRsp, user)
-        return self._register(rsp, flags, name.decode(errors="replace")), rsp.inode
+        if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
+            self._remember_no_capability(rsp.inode.inode_id)
+        return self._register(rsp, flags, name.decode(errors="replace"), asked_at), rsp.inode
 
     def _handle(self, fh: int) -> _Handle:
         handle = self._handles.get(fh)
@@ -238,6 +289,7 @@ class Vfs:
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self._handle(fh)
+        self._forget(handle.file.inode.inode_id)  # mtime and ctime change
         async with handle.lock:
             if handle.file.append:
                 offset = handle.file.length
@@ -251,10 +303,14 @@ class Vfs:
         """
         handle = self._handle(fh)
         async with handle.lock:
-            await handle.file.publish_length()
+            asked_at = self._attr_changes
+            published = await handle.file.publish_length()
+        if published is not None:
+            self._remember(published, asked_at)
 
     async def fsync(self, fh: int) -> None:
         handle = self._handle(fh)
+        self._forget(handle.file.inode.inode_id)
         async with handle.lock:
             await handle.file.fsync()
 
@@ -262,6 +318,8 @@ class Vfs:
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
+        if handle.file.has_unpublished_writes:
+            self._forget(handle.file.inode.inode_id)
         async with handle.lock:
             writers = self._writers.get(handle.file.inode.inode_id)
             try:
@@ -289,10 +347,14 @@ class Vfs:
             raise BadHandle(f"no open directory handle {dh}")
         if index >= len(handle.entries) and handle.more:
             start_after = handle.entries[-1].name if handle.entries else b""
+            asked_at = self._attr_changes
             rsp = await self.fs.meta.call("ReadDir", mpb.ReadDirReq(
                 dir=mpb.PathRef(inode_id=handle.inode_id), start_after=start_after, limit=_READDIR_PAGE,
                 with_attrs=True), mpb.ReadDirRsp, handle.user)
             handle.entries.extend(rsp.entries)
+            for entry in rsp.entries:
+                if entry.attrs.inode_id:
+                    self._remember(mpb.Inode.FromString(entry.attrs.SerializeToString()), asked_at)
             handle.more = rsp.more and bool(rsp.entries)
         for entry in handle.entries[index:]:
             if entry.attrs.inode_id:
@@ -320,14 +382,18 @@ class Vfs:
                                                                       name=name), mpb.GetXattrRsp, user)
         except NoXattr:
             if capability:
-                if len(self._no_capability_until) > 100_000:
-                    self._no_capability_until.clear()
-                self._no_capability_until[inode_id] = now + self.config.attr_timeout_s
+                self._remember_no_capability(inode_id)
             raise
         return bytes(rsp.value)
 
+    def _remember_no_capability(self, inode_id: int) -> None:
+        if len(self._no_capability_until) > 100_000:
+            self._no_capability_until.clear()
+        self._no_capability_until[inode_id] = asyncio.get_running_loop().time() + self.config.attr_timeout_s
+
     async def setxattr(self, inode_id: int, name: bytes, value: bytes, flags: int, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
+        self._forget(inode_id)
         await self.fs.meta.call("SetXattr", mpb.SetXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name,
                                                             value=value, flags=flags), mpb.InodeRsp, user)
 
@@ -338,6 +404,7 @@ class Vfs:
 
     async def removexattr(self, inode_id: int, name: bytes, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
+        self._forget(inode_id)
         await self.fs.meta.call("RemoveXattr", mpb.RemoveXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name),
                                 mpb.InodeRsp, user)
 
