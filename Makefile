@@ -9,7 +9,7 @@ PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
 SEEDS ?= 2000
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint typecheck sim bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos clean install
+.PHONY: run test proto lint typecheck sim bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -28,13 +28,13 @@ run: install
 	$(BIN)/fs3 local up --dir .fs3 --mount ./mnt
 
 test: install
-	$(BIN)/ruff check fs3 tests bench
-	$(BIN)/mypy fs3
+	$(BIN)/ruff check fs3 cluster_model tests bench
+	$(BIN)/mypy fs3 cluster_model
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check fs3 tests bench
-	$(BIN)/mypy fs3
+	$(BIN)/ruff check fs3 cluster_model tests bench
+	$(BIN)/mypy fs3 cluster_model
 
 # Long deterministic-simulation sweep: `make sim SEEDS=10000`.
 sim: install
@@ -66,6 +66,10 @@ chaos: install
 # fio on the FUSE mount next to a local directory.
 bench-fuse: install
 	$(PY) bench/fuse_bench.py
+
+# The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.
+model-report: install
+	$(PY) -m cluster_model report --out bench/results/cluster_model
 
 clean:
 	rm -rf $(VENV) fs3/*_pb2.py fs3/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache

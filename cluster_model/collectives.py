@@ -1,0 +1,166 @@
+"""Allreduce cost models: NCCL (ring, double binary tree) and HFReduce, on a given node design.
+
+Bandwidths are *algorithm bandwidth* — message bytes over allreduce time, GB/s — the quantity
+the paper plots as "inter-node bandwidth" for a fixed message (Fig. 7a: 186 MiB).
+
+NCCL moves gradients GPU to GPU. Across nodes every byte crosses the NIC by GPUDirect RDMA, so
+on the PCIe node it is held to the GPU↔NIC peer-to-peer ceiling (EPYC Rome has no chained write),
+with one NIC for eight GPUs. A ring sends ``2(n-1)/n`` bytes per byte through each node's NIC;
+a double binary tree two (each node is inside one tree and a leaf of the other).
+
+HFReduce moves gradients through host memory: each GPU copies to the host (D2H), the CPU sums
+the eight buffers, nodes allreduce the sum over a double binary tree with the host NIC (no
+peer-to-peer), and the result is copied back (H2D). The paper's bound is host memory traffic:
+24 bytes per byte (D2H 8 writes; reduce 8 reads + 1 write; network 2 reads + 2 writes + 1 read;
+H2D 2 reads) against 320 GB/s, 13.3 GB/s. This model assumes, in addition, that one chunk's
+D2H, CPU reduce and H2D run back to back (the GPU buffer is reused only after its result came
+back), while the inter-node tree overlaps them; the slowest GPU sets the copy rate, and GPU5 and
+GPU6 share one root port. With NVLink, bridged pairs first reduce over NVLink, so each GPU copies
+half a buffer each way and the CPU sums four buffers instead of eight.
+
+Pipelines fill once per tree level (reduce up, broadcast down), one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster_model.config import ConfigError
+from cluster_model.node import Node
+
+__all__ = ["HOST_MEMORY_OPS_PER_BYTE", "AllreduceResult", "Collective"]
+
+HOST_MEMORY_OPS_PER_BYTE = 24  # the paper's count for HFReduce on an 8-GPU PCIe node (with GDRCopy)
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class AllreduceResult:
+    """One allreduce: its time, and which resource set its steady-state rate."""
+
+    algorithm: str
+    gpus: int
+    message_bytes: int
+    time_s: float
+    bound: str                      # the resource that sets the steady-state rate
+
+    @property
+    def algbw_gbs(self) -> float:
+        return self.message_bytes / self.time_s / 1e9
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Allreduce on ``node``-type servers. ``cross_zone_gbs``: bandwidth between zones (None: one zone)."""
+
+    node: Node
+    pipeline_chunk_bytes: int = 1 * _MIB      # assumption: HFReduce and NCCL pipeline granularity
+    hop_latency_s: float = 5e-6               # assumption: one network hop, IB HDR switch + NIC
+
+    def _nodes(self, gpus: int) -> int:
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0:
+            raise ConfigError("gpus", f"must be a positive whole number, not {gpus!r}")
+        if gpus % self.node.gpus and gpus > self.node.gpus:
+            raise ConfigError("gpus", f"{gpus} GPUs is not a whole number of {self.node.gpus}-GPU nodes")
+        return max(1, gpus // self.node.gpus)
+
+    @staticmethod
+    def _check_message(message_bytes: int) -> None:
+        if message_bytes <= 0:
+            raise ConfigError("message_bytes", f"must be positive, not {message_bytes}")
+
+    def _tree_fill_s(self, nodes: int, seconds_per_byte: float) -> float:
+        levels = math.ceil(math.log2(nodes)) if nodes > 1 else 0
+        return 2 * levels * (self.pipeline_chunk_bytes * seconds_per_byte + self.hop_latency_s)
+
+    def _cross_zone_s_per_byte(self, cross_zone_gbs: float | None, per_node_bytes: float) -> float:
+        if cross_zone_gbs is None:
+            return 0.0
+        if cross_zone_gbs <= 0:
+            raise ConfigError("cross_zone_gbs", f"must be positive, not {cross_zone_gbs}")
+        # The cut between zones carries what one node boundary carries, once in each direction.
+        return per_node_bytes / (cross_zone_gbs * 1e9)
+
+    # -- NCCL --------------------------------------------------------------------------------------
+
+    def nccl_ring(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None) -> AllreduceResult:
+        nodes = self._nodes(gpus)
+        self._check_message(message_bytes)
+        factor = 2 * (gpus - 1) / gpus
+        candidates = {"intra-node": factor / self._intra_node_gbs() / 1e9}
+        if nodes > 1:
+            nic_gbs = self.node.compute_nics * self.node.gpu_nic_gbs
+            candidates["GPU-NIC path"] = factor / nic_gbs / 1e9
+            candidates["cross-zone links"] = self._cross_zone_s_per_byte(cross_zone_gbs, factor)
+        bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
+        steps = 2 * (gpus - 1)
+        time = message_bytes * per_byte + steps * self.hop_latency_s
+        return AllreduceResult("NCCL ring", gpus, message_bytes, time, bound)
+
+    def nccl_tree(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None) -> AllreduceResult:
+        nodes = self._nodes(gpus)
+        self._check_message(message_bytes)
+        if nodes == 1:
+            return self.nccl_ring(gpus, message_bytes)
+        candidates = {
+            # The chain inside a node carries each byte once each way (reduce up, broadcast down).
+            "intra-node": 1 / self._intra_node_gbs() / 1e9,
+            "GPU-NIC path": 2 / (self.node.compute_nics * self.node.gpu_nic_gbs) / 1e9,
+            "cross-zone links": self._cross_zone_s_per_byte(cross_zone_gbs, 1.0),
+        }
+        bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
+        time = message_bytes * per_byte + self._tree_fill_s(nodes, per_byte)
+        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound)
+
+    def nccl(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
+             algorithm: str = "double binary tree") -> AllreduceResult:
+        """NCCL with the algorithm the cluster runs (Fire-Flyer 2: double binary tree across nodes)."""
+        if algorithm == "ring":
+            return self.nccl_ring(gpus, message_bytes, cross_zone_gbs)
+        if algorithm == "double binary tree":
+            return self.nccl_tree(gpus, message_bytes, cross_zone_gbs)
+        raise ConfigError("network.collective_algorithm", f"must be ring or double binary tree, not {algorithm!r}")
+
+    def _intra_node_gbs(self) -> float:
+        """Per-GPU link bandwidth of the ring inside a node (each GPU sends and receives on it)."""
+        if self.node.nvswitch:
+            return self.node.nvlink_gbs / 2          # NVSwitch: per direction
+        # PCIe peer-to-peer between GPUs goes through the root complex like GPU<->NIC traffic.
+        p2p = self.node.gpu_nic_p2p_gbs or self.node.pcie_gpu_to_cpu_gbs
+        return min(p2p, self.node.slowest_d2h_gbs)
+
+    # -- HFReduce ----------------------------------------------------------------------------------
+
+    def hfreduce(self, gpus: int, message_bytes: int, nvlink: bool = False,
+                 cross_zone_gbs: float | None = None, gpus_per_node: int | None = None) -> AllreduceResult:
+        """``gpus_per_node``: how many of each node's GPUs take part (default: all of them)."""
+        node = self.node
+        local_gpus = min(gpus, node.gpus) if gpus_per_node is None else gpus_per_node
+        if not 0 < local_gpus <= node.gpus or gpus % local_gpus:
+            raise ConfigError("gpus_per_node", f"{local_gpus} GPUs per node cannot make {gpus} GPUs")
+        nodes = max(1, gpus // local_gpus)
+        self._check_message(message_bytes)
+        if nvlink and not node.has_nvlink:
+            raise ConfigError("nvlink", f"node {node.name} has no NVLink")
+        share = 0.5 if nvlink else 1.0                 # bytes each GPU copies per message byte
+        buffers = local_gpus * share                   # host buffers the CPU sums
+        d2h = share / node.slowest_d2h_gbs
+        reduce = (buffers + 1) / node.memory_bw_gbs
+        h2d = share / node.slowest_d2h_gbs
+        # Per host buffer: one D2H write and one reduce read; the rest does not depend on them.
+        memory_ops = HOST_MEMORY_OPS_PER_BYTE - (node.gpus - buffers) * 2
+        candidates = {
+            "intra-node copy and reduce": (d2h + reduce + h2d) / 1e9,
+            "host memory bandwidth": memory_ops / node.memory_bw_gbs / 1e9,
+        }
+        if nodes > 1:
+            candidates["NIC"] = 2 / (node.compute_nics * node.nic_gbs) / 1e9
+            candidates["cross-zone links"] = self._cross_zone_s_per_byte(cross_zone_gbs, 1.0)
+        bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
+        time = message_bytes * per_byte + self._tree_fill_s(nodes, per_byte)
+        return AllreduceResult("HFReduce with NVLink" if nvlink else "HFReduce", gpus, message_bytes, time, bound)
+
+    def hfreduce_bound_gbs(self) -> float:
+        """The paper's host-memory bound: practical memory bandwidth over 24 bytes per byte."""
+        return self.node.memory_bw_gbs / HOST_MEMORY_OPS_PER_BYTE
