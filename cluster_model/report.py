@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster_model.cluster import Cluster
+from cluster_model.cluster import Cluster, load_cluster
 from cluster_model.config import ConfigError
 from cluster_model.cost import ClusterCost
 from cluster_model.failures import measured_write_gbs
 from cluster_model.reproduce import _ADAM_BYTES_PER_PARAM, FIG7A_MESSAGE_BYTES, Row, calibrated_models, reproduce
-from cluster_model.topology import multi_plane, three_layer_fat_tree
+from cluster_model.topology import multi_plane, spread_placement, three_layer_fat_tree
 from cluster_model.training import TrainingJob, strong_scaling_efficiency, weak_scaling_efficiency
 
 __all__ = ["PlotData", "render_report", "summary", "write_report"]
@@ -119,7 +119,12 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
                      "cables", "oversubscription", "bisection Tbit/s"),
                     [(t.name, t.switches, t.leaf_switches, t.spine_switches, t.core_switches, t.endpoints,
                       t.endpoint_capacity, t.links, t.oversubscription, t.bisection_gbps / 1000) for t in designs])
-    lines += [""] + [f"- {note}" for t in designs for note in t.notes] + [""]
+    lines += ["", *[f"- {note}" for t in designs for note in t.notes]]
+    leaves_per_zone = cluster.network.leaf_switches // cluster.network.zones
+    placement = spread_placement(64, leaves_per_zone)
+    lines += [f"- Placement: a 64-node job dealt round-robin over a zone's {leaves_per_zone} leaves uses "
+              f"{len(set(placement))} leaves with at most {max(placement.count(x) for x in set(placement))} nodes "
+              "on one, so its traffic spreads over the spines instead of one leaf's uplinks.", ""]
 
     # -- collectives -----------------------------------------------------------------------
     collective = cluster.collective
@@ -223,22 +228,29 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
     for name in ("gpt2-medium", "llama-13b", "deepseekmoe-16b"):
         spec = models[name]
         state = spec.params * _ADAM_BYTES_PER_PARAM
-        row: list[object] = [name, state / 1e9, storage.checkpoint_s(state, 64, ckpt_gbs)]
+        row: list[object] = [name, state / 1e9, storage.checkpoint_s(state, 64, ckpt_gbs),
+                             storage.checkpoint_load_s(state, 64, cluster.node.nic_gbs * cluster.node.compute_nics)]
         if measured is not None:
             row.append(storage.checkpoint_s(state, 64, measured[0]))
         ckpt_rows.append(row)
-    header = ["model", "state GB", f"checkpoint s, 64 nodes at {ckpt_gbs:.1f} GB/s each"]
+    header = ["model", "state GB", f"save s, 64 nodes at {ckpt_gbs:.1f} GB/s each", "load s, 64 nodes"]
     if measured is not None:
-        header.append(f"at fs3's measured {measured[0]:.2f} GB/s per node ({measured[1]})")
+        header.append(f"save s at fs3's measured {measured[0]:.2f} GB/s per node ({measured[1]})")
     lines += [*_table(header, ckpt_rows), ""]
 
     # -- cost and energy --------------------------------------------------------------------
     ours = cluster.cost()
-    lines += ["## Cost and energy", ""]
+    designs_cost = [ours, dgx_cost]
+    next_gen = Path(__file__).resolve().parent / "examples" / "four_plane_400g.toml"
+    if next_gen.exists():
+        designs_cost.append(load_cluster(next_gen).cost())
+    lines += ["## Cost and energy", "",
+              "Fire-Flyer 2, the same GPUs as DGX-A100 servers on a three-layer tree, and the next generation's "
+              "four-plane 400 Gbps network (switch price and power assumed in `examples/four_plane_400g.toml`).", ""]
     lines += _table(("design", "GPUs", "servers", "network", "price", "power kW", "TF32 PFLOPS", "TFLOPS per price",
                      "TFLOPS per kW"),
                     [(c.name, c.gpus, c.server_price, c.network_price, c.price, c.power_kw, c.tflops / 1000,
-                      c.tflops_per_price, c.tflops_per_kw) for c in (ours, dgx_cost)])
+                      c.tflops_per_price, c.tflops_per_kw) for c in designs_cost])
     lines += ["", f"Price PCIe / DGX: {ours.price / dgx_cost.price:.2f}; cost-performance (TF32 per price) PCIe / DGX: "
               f"{ours.tflops_per_price / dgx_cost.tflops_per_price:.2f}; energy-performance: "
               f"{ours.tflops_per_kw / dgx_cost.tflops_per_kw:.2f}.", ""]

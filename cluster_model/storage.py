@@ -95,3 +95,13 @@ class StorageSystem:
             raise ConfigError("checkpoint", "state size must be non-negative, nodes and per-node rate positive")
         rate = min(job_nodes * per_node_write_gbs, self.write_gbs())
         return state_bytes / (rate * 1e9)
+
+    def checkpoint_load_s(self, state_bytes: float, job_nodes: int, node_nic_gbs: float) -> float:
+        """Time to read ``state_bytes`` back into ``job_nodes`` nodes, each receiving at ``node_nic_gbs``.
+
+        Every rank reads its own shard, so a load is bounded by the job's NICs and the cluster's reads.
+        """
+        if state_bytes < 0 or job_nodes <= 0 or node_nic_gbs <= 0:
+            raise ConfigError("checkpoint", "state size must be non-negative, nodes and NIC rate positive")
+        rate = min(job_nodes * node_nic_gbs, self.read_gbs())
+        return state_bytes / (rate * 1e9)
