@@ -41,6 +41,7 @@ class InProcessCluster:
     replicas: int = 3
     token: str = "tok"
     transport: str = "framed"
+    storage_fsync: bool = False  # real fsyncs on storage targets (slow; for durability-path tests)
     runtimes: list[ServiceRuntime] = field(default_factory=list)
     nodes: dict[int, StorageNode] = field(default_factory=dict)
     mgmtd: MgmtdServicer | None = None
@@ -65,7 +66,7 @@ class InProcessCluster:
         self.channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
         for node_id in range(1, self.storage_nodes + 1):
             storage_config = StorageConfig(
-                node_id=node_id, fsync=False,
+                node_id=node_id, fsync=self.storage_fsync,
                 targets=[TargetConfig(node_id * 100 + j, str(self.root / f"n{node_id}" / f"t{j}"))
                          for j in range(1, self.targets_per_node + 1)])
             engines = open_engines(storage_config)

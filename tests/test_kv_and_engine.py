@@ -255,3 +255,49 @@ def test_patches_commit_in_place_and_a_cut_commit_is_undone_at_restart(tmp_path:
     engine.abort(b"c", 3)
     assert engine.read(b"c", 2, 0, 3) == expected[:3] and list(engine.kv.scan(b"p/", prefix_end(b"p/"))) == []
     engine.close()
+
+
+def test_a_deferred_patch_is_synced_before_its_blob_changes_and_lost_whole_in_a_crash() -> None:
+    """Hot-path patches are staged and committed unsynced (the replica syncs the log for many at
+    once); the engine still never modifies a blob before the patch's undo record is durable, and
+    a crash before the caller's sync loses the write whole, never half of it."""
+    from fs3.common.checksum import crc32c_patch
+
+    kv, blobs = MemKVStore(), MemBlobStore()
+    syncs: list[int] = []
+    real_sync = kv.sync_wal
+
+    def counting_sync() -> None:
+        syncs.append(1)
+        real_sync()
+
+    kv.sync_wal = counting_sync  # type: ignore[method-assign]
+    engine = ChunkEngine(kv, blobs)
+    base = bytes(range(256)) * 64
+    engine.stage(b"c", 1, base, crc32c(base), 1)
+    engine.commit(b"c", 1, 1)
+
+    def patch(version: int, offset: int, data: bytes, on: bytes) -> bytes:
+        checksum = crc32c_patch(crc32c(on), len(on), offset, on[offset:offset + len(data)], data)
+        engine.stage_patch(b"c", version, offset, data, on[offset:offset + len(data)], checksum, 1, defer_sync=True)
+        return on[:offset] + data + on[offset + len(data):]
+
+    # Not told the undo record is durable: the commit syncs the log itself before patching.
+    expected = patch(2, 100, b"A" * 10, base)
+    engine.commit(b"c", 2, 1, defer_sync=True)
+    assert len(syncs) == 1
+    kv.sync_wal()  # the caller's group sync, before it acknowledges
+    # Told it is (the caller synced after staging): no sync of its own.
+    expected = patch(3, 200, b"B" * 10, expected)
+    kv.sync_wal()
+    engine.commit(b"c", 3, 1, defer_sync=True, patch_synced=True)
+    assert len(syncs) == 3
+    # A crash after a deferred commit but before the caller's sync: the write is gone whole.
+    patch(4, 300, b"C" * 10, expected)
+    engine.commit(b"c", 4, 1, defer_sync=True)  # syncs the undo record, not the commit
+    kv.crash()
+    blobs.crash()
+    engine = ChunkEngine(kv, blobs)
+    state = engine.get(b"c")
+    assert state is not None and state.commit_version == 3 and not state.pending_version
+    assert engine.read(b"c", 3, 0, len(base)) == expected

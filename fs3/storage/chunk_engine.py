@@ -122,6 +122,8 @@ class ChunkEngine:
         self._pending: set[bytes] = set()  # chunks with a pending version (kept so no scan is needed)
         self._channels: dict[bytes, ChannelRecord] = {}
         self._patches: dict[bytes, Patch] = {}  # chunk id -> its pending patch
+        # Patches staged with ``defer_sync`` whose record the caller has not yet made durable.
+        self._unsynced_patches: set[bytes] = set()
         self.used_bytes = 0
         abandoned = WriteBatch()
         for key, raw in kv.scan(_META, prefix_end(_META)):
@@ -265,12 +267,14 @@ class ChunkEngine:
         return state
 
     def stage_patch(self, chunk_id: bytes, version: int, offset: int, data: bytes, old_data: bytes, checksum: int,
-                    chain_version: int) -> ChunkState:
+                    chain_version: int, defer_sync: bool = False) -> ChunkState:
         """Stage pending ``version`` as the committed bytes with ``data`` overwritten at ``offset``.
 
         Nothing on disk changes until :meth:`commit`, which patches the committed version's blob in
         place. The record kept here holds the old bytes too, so a commit cut short by a crash is
-        undone at restart; it is synced (when commits are) before the blob is touched.
+        undone at restart; it is synced (when commits are) before the blob is touched. With
+        ``defer_sync`` the record is written unsynced and the caller syncs the log (one fsync for
+        many writes) and says so to :meth:`commit`; a commit that is not told syncs it itself.
         """
         old = self._states.get(chunk_id)
         ensure(old is not None and old.commit_version > 0 and version == old.commit_version + 1
@@ -283,7 +287,9 @@ class ChunkEngine:
         batch = WriteBatch()
         batch.put(_PATCH + chunk_id, patch.encode())
         batch.put(_META + chunk_id, state.encode())
-        self.kv.write(batch, sync=self.sync_commits)
+        self.kv.write(batch, sync=self.sync_commits and not defer_sync)
+        if defer_sync and self.sync_commits:
+            self._unsynced_patches.add(chunk_id)
         self._patches[chunk_id] = patch
         self._set(chunk_id, state)
         return state
@@ -292,6 +298,7 @@ class ChunkEngine:
         if old is not None and old.pending_patch:
             batch.delete(_PATCH + chunk_id)
             self._patches.pop(chunk_id, None)
+            self._unsynced_patches.discard(chunk_id)
 
     def abort(self, chunk_id: bytes, version: int) -> None:
         """Drop pending ``version`` (the update was refused further down the chain)."""
@@ -316,13 +323,23 @@ class ChunkEngine:
         return sorted(self._pending)
 
     def commit(self, chunk_id: bytes, version: int, chain_version: int,
-               channel: tuple[bytes, int, int] | None = None) -> ChunkState | None:
-        """Make pending ``version`` the committed one. Returns the new state (None: removed)."""
+               channel: tuple[bytes, int, int] | None = None, defer_sync: bool = False,
+               patch_synced: bool = False) -> ChunkState | None:
+        """Make pending ``version`` the committed one. Returns the new state (None: removed).
+
+        ``defer_sync``: the commit record is written unsynced; the caller must sync the log
+        (``kv.sync_wal``) before it acknowledges the write. ``patch_synced``: the caller synced
+        the log after staging a deferred patch, so its undo record is durable.
+        """
         old = self._states.get(chunk_id)
         ensure(old is not None and old.pending_version == version,
                f"commit of v{version} without that pending version")
         assert old is not None
         batch = WriteBatch()
+        if chunk_id in self._unsynced_patches:
+            self._unsynced_patches.discard(chunk_id)
+            if not patch_synced:
+                self.kv.sync_wal()  # the undo record must be durable before the blob changes
         if old.pending_patch:
             patch = self._patches[chunk_id]
             self.blobs.patch(chunk_id, old.commit_version, version, patch.offset, patch.new)
@@ -336,7 +353,7 @@ class ChunkEngine:
                              checksum=old.pending_checksum)
             batch.put(_META + chunk_id, new.encode())
         self._record_channel(batch, channel, version, new, chunk_id)
-        self.kv.write(batch, sync=self.sync_commits)
+        self.kv.write(batch, sync=self.sync_commits and not defer_sync)
         self._install(chunk_id, old, new)
         return new
 
