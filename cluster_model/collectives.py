@@ -6,7 +6,8 @@ the paper plots as "inter-node bandwidth" for a fixed message (Fig. 7a: 186 MiB)
 NCCL moves gradients GPU to GPU. Across nodes every byte crosses the NIC by GPUDirect RDMA, so
 on the PCIe node it is held to the GPU↔NIC peer-to-peer ceiling (EPYC Rome has no chained write),
 with one NIC for eight GPUs. A ring sends ``2(n-1)/n`` bytes per byte through each node's NIC;
-a double binary tree two (each node is inside one tree and a leaf of the other).
+a double binary tree two (each node is inside one tree and a leaf of the other), at the 92% of
+the link that NCCL's own tuning model allows a tree.
 
 HFReduce moves gradients through host memory: each GPU copies to the host (D2H), the CPU sums
 the eight buffers, nodes allreduce the sum over a double binary tree with the host NIC (no
@@ -29,9 +30,12 @@ from dataclasses import dataclass
 from cluster_model.config import ConfigError
 from cluster_model.node import Node
 
-__all__ = ["HOST_MEMORY_OPS_PER_BYTE", "AllreduceResult", "Collective"]
+__all__ = ["HOST_MEMORY_OPS_PER_BYTE", "NCCL_TREE_EFFICIENCY", "AllreduceResult", "Collective"]
 
 HOST_MEMORY_OPS_PER_BYTE = 24  # the paper's count for HFReduce on an 8-GPU PCIe node (with GDRCopy)
+#: NCCL's own performance model derates the tree's bus bandwidth to 92% (``busBw * .92`` for
+#: NCCL_ALGO_TREE in src/graph/tuning.cc): the cost of pipelining chunks up and down two trees.
+NCCL_TREE_EFFICIENCY = 0.92
 _MIB = 1 << 20
 
 
@@ -105,8 +109,8 @@ class Collective:
             return self.nccl_ring(gpus, message_bytes)
         candidates = {
             # The chain inside a node carries each byte once each way (reduce up, broadcast down).
-            "intra-node": 1 / self._intra_node_gbs() / 1e9,
-            "GPU-NIC path": 2 / (self.node.compute_nics * self.node.gpu_nic_gbs) / 1e9,
+            "intra-node": 1 / (self._intra_node_gbs() * NCCL_TREE_EFFICIENCY) / 1e9,
+            "GPU-NIC path": 2 / (self.node.compute_nics * self.node.gpu_nic_gbs * NCCL_TREE_EFFICIENCY) / 1e9,
             "cross-zone links": self._cross_zone_s_per_byte(cross_zone_gbs, 1.0),
         }
         bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])

@@ -13,7 +13,8 @@ How communication meets computation is the mechanism that separates the librarie
   memory bandwidth; on the PCIe node this model takes the overlap as lost (compute + allreduce).
 * **FSDP** gathers each layer's parameters before its forward and backward, and reduce-scatters
   its gradients after: three passes over the parameters per step, overlapped with compute layer
-  by layer (HaiScale's FSDP on HFReduce), exposing the first layer's gather.
+  by layer (HaiScale's FSDP on HFReduce), exposing the first layer's gather; torch FSDP on NCCL
+  is taken not to overlap, as for DDP.
 * **Pipeline** parallelism with ``stages`` and ``micro_batches`` idles ``(stages-1)/(micro+stages-1)``
   of the time (1F1B); each stage's data-parallel allreduce runs after its last backward. With the
   staggered placement, a node holds one GPU of each of eight stages, whose allreduces fall at
@@ -159,6 +160,8 @@ class TrainingJob:
         # allreduce's bytes, so together 1.5 allreduces of the parameters.
         shard_bytes = self.model.params * self.model.grad_bytes_per_param
         comm = 1.5 * self._allreduce_s(self.gpus, shard_bytes)
+        if self.library == "nccl":
+            return StepTime(compute, comm)  # as for DDP: NCCL's kernels do not overlap on this node
         first_layer = comm / max(1, self.model.layers) / 3
         return StepTime(compute, max(0.0, comm - compute) + first_layer)
 

@@ -28,14 +28,9 @@ from cluster_model.training import strong_scaling_efficiency, weak_scaling_effic
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cluster_model"
 
-# Figures the model misses, each for the reason given in cluster_model/README.md ("How close it
-# gets"): its NCCL is 10-19% faster than measured. A fix that brings one within tolerance must
-# take it off this list; a new miss fails the test.
-KNOWN_MISSES = {
-    "NCCL allreduce 186 MiB, 16 GPUs",
-    "VGG16 DDP step, nccl, 32 GPUs",
-    "VGG16 DDP step, nccl, 64 GPUs",
-}
+# Figures the model misses, each with its reason in cluster_model/README.md ("How close it gets").
+# A fix that brings one within tolerance must take it off this list; a new miss fails the test.
+KNOWN_MISSES: set[str] = set()
 
 
 @pytest.fixture(scope="module")
