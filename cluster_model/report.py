@@ -79,6 +79,7 @@ def summary(cluster: Cluster) -> dict[str, float]:
         "switches": cluster.network.switches,
         "leaf oversubscription": cluster.network.oversubscription,
         "bisection (Tbit/s)": cluster.network.bisection_gbps / 1000,
+        "bisection within a zone (Tbit/s)": cluster.network.zone_bisection_gbps / 1000,
         "price (relative)": cost.price,
         "power (kW)": cost.power_kw,
         "TF32 PFLOPS": cost.tflops / 1000,
@@ -116,9 +117,10 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
               "(every NIC on the fabric), a full three-layer tree, and the next generation's four planes of "
               "128-port 400 Gbps two-layer trees.", ""]
     lines += _table(("design", "switches", "leaf", "spine/aggregation", "core", "endpoints", "capacity",
-                     "cables", "oversubscription", "bisection Tbit/s"),
+                     "cables", "oversubscription", "bisection Tbit/s", "within a zone Tbit/s"),
                     [(t.name, t.switches, t.leaf_switches, t.spine_switches, t.core_switches, t.endpoints,
-                      t.endpoint_capacity, t.links, t.oversubscription, t.bisection_gbps / 1000) for t in designs])
+                      t.endpoint_capacity, t.links, t.oversubscription, t.bisection_gbps / 1000,
+                      t.zone_bisection_gbps / 1000) for t in designs])
     lines += ["", *[f"- {note}" for t in designs for note in t.notes]]
     leaves_per_zone = cluster.network.leaf_switches // cluster.network.zones
     placement = spread_placement(64, leaves_per_zone)

@@ -55,10 +55,18 @@ class Topology:
         return self.endpoints + self.switch_links
 
     @property
-    def bisection_gbps(self) -> float:
-        """Bandwidth across the worst cut in half of the endpoints, inside one zone/plane, summed."""
+    def zone_bisection_gbps(self) -> float:
+        """Bandwidth across the worst cut in half of one zone's endpoints, all planes together."""
         per_tree = self.endpoints / self.zones / self.planes / 2 * self.port_gbps / self.oversubscription
-        return per_tree * self.zones * self.planes
+        return per_tree * self.planes
+
+    @property
+    def bisection_gbps(self) -> float:
+        """Bandwidth across the worst cut of the whole network into halves: with several zones,
+        the cut between them (the cross-zone links), which is why jobs stay inside a zone."""
+        if self.zones > 1:
+            return min(self.cross_zone_gbps, self.zone_bisection_gbps)
+        return self.zone_bisection_gbps
 
     @property
     def cross_zone_gbps(self) -> float:

@@ -72,6 +72,8 @@ def test_fat_tree_counts_follow_from_the_radix() -> None:
     assert (planes.endpoints, planes.switches, planes.planes) == (4 * 8192, 4 * 192, 4)
     ff2 = two_zone(40, 200, 1250, 1, 180, 2, cross_zone_links=20)
     assert ff2.switches == 120 and ff2.zones == 2
+    assert ff2.bisection_gbps == 20 * 200  # the worst cut is between the zones
+    assert ff2.zone_bisection_gbps == pytest.approx(805 / 2 * 200 * 19 / 21)
     assert ff2.oversubscription == pytest.approx(21 / 19)  # 805 ports asked of 800 per zone
     assert ff2.links == 1250 + 360 + 2 * (35 * 20 + 5 * 19) + 20
     assert spread_placement(5, 3) == [0, 1, 2, 0, 1]
