@@ -143,19 +143,25 @@ def test_every_call_acts_for_its_caller(tmp_path: Path) -> None:
     with_vfs(tmp_path / "c", body)
 
 
+def count_meta_calls(vfs: Vfs) -> list[str]:
+    """The names of the meta methods ``vfs`` calls from now on (it still calls them)."""
+    calls: list[str] = []
+    real_call = vfs.fs.meta.call
+
+    async def counting(method: str, *args: object, **kwargs: object) -> object:
+        calls.append(method)
+        return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
+
+    vfs.fs.meta.call = counting  # type: ignore[method-assign]
+    return calls
+
+
 def test_missing_capability_xattr_is_remembered_until_this_mount_changes_xattrs(tmp_path: Path) -> None:
     from fs3.common.errors import NoXattr
 
     async def body(vfs: Vfs) -> None:
         f = await vfs.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, ME)
-        calls: list[str] = []
-        real_call = vfs.fs.meta.call
-
-        async def counting(method: str, *args: object, **kwargs: object) -> object:
-            calls.append(method)
-            return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
-
-        vfs.fs.meta.call = counting  # type: ignore[method-assign]
+        calls = count_meta_calls(vfs)
         for _ in range(5):  # the kernel asks before every write
             with pytest.raises(NoXattr):
                 await vfs.getxattr(f.inode_id, b"security.capability", ME)
@@ -182,14 +188,7 @@ def test_attributes_are_answered_from_memory_until_this_mount_changes_them(tmp_p
         await vfs.write(fh, 0, b"x" * 5000)
         await vfs.flush(fh)
         await vfs.release(fh)
-        calls: list[str] = []
-        real_call = vfs.fs.meta.call
-
-        async def counting(method: str, *args: object, **kwargs: object) -> object:
-            calls.append(method)
-            return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
-
-        vfs.fs.meta.call = counting  # type: ignore[method-assign]
+        calls = count_meta_calls(vfs)
         for _ in range(3):
             assert (await vfs.getattr(inode.inode_id, ME)).size == 5000  # the published length
         assert calls == []
