@@ -351,3 +351,16 @@ def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path
     cluster.start("mount")
     assert (mnt / "before-crash").read_bytes() == b"kept"
     shutil.rmtree(mnt / "before-crash", ignore_errors=True)
+
+
+def test_the_mount_reads_ahead_more_than_the_kernel_default(mount: tuple[LocalCluster, Path]) -> None:
+    """Set after the kernel's INIT reply (which would reset it); a sequential reader then keeps
+    several FUSE reads in flight."""
+    from fs3.fuse.mount import _mount_device
+
+    _, mountpoint = mount
+    device = _mount_device(mountpoint.resolve())
+    assert device is not None
+    if os.geteuid() != 0:
+        pytest.skip("only root may set a mount's read-ahead")  # the mount still works at the default
+    assert Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text().strip() == "4096"

@@ -205,6 +205,16 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fs3", description="fs3: a Python implementation of 3FS.")
     sub = parser.add_subparsers(dest="service", required=True)
@@ -239,6 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--no-allow-other", dest="allow_other", action="store_false")
     mount.add_argument("--log", help="daemon log file (background mounts)")
     mount.add_argument("--log-level", default="INFO")
+    mount.add_argument("--readahead-kb", type=_non_negative_int, default=4096,
+                       help="kernel read-ahead for the mount in KiB (root only; 0: the kernel's default)")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
     umount.add_argument("mountpoint")
@@ -333,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"fs3: {args.mountpoint} unmounted")
                 return 0
             options = MountOptions(token=args.token or os.environ.get("FS3_TOKEN"), transport=args.transport,
-                                   allow_other=args.allow_other, log_level=args.log_level)
+                                   allow_other=args.allow_other, log_level=args.log_level,
+                                   readahead_kb=args.readahead_kb)
             if args.foreground:
                 return run_foreground(args.mgmtd, args.mountpoint, options, args.ready_file)
             pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)

@@ -7,6 +7,7 @@ inodes into ``EntryAttributes`` and fs3 errors into ``FUSEError(errno)``.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import logging
@@ -77,10 +78,17 @@ class FS3Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, vfs: Vfs) -> None:
+    def __init__(self, vfs: Vfs, after_init: Callable[[], object] | None = None) -> None:
         super().__init__()
         self.vfs = vfs
         self._told: dict[int, tuple[int, int]] = {}  # inode -> (size, mtime) last given to the kernel
+        self._after_init = after_init
+
+    def init(self) -> None:
+        """The kernel's INIT request: what must follow its reply (the kernel sets the mount's
+        read-ahead from that reply) runs once the reply is sent."""
+        if self._after_init is not None:
+            asyncio.get_running_loop().call_soon(self._after_init)
 
     def attributes(self, inode: mpb.Inode) -> pyfuse3.EntryAttributes:
         self._told[inode.inode_id] = (inode.size, inode.mtime_ns)
