@@ -353,14 +353,21 @@ def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path
     shutil.rmtree(mnt / "before-crash", ignore_errors=True)
 
 
-def test_the_mount_reads_ahead_more_than_the_kernel_default(mount: tuple[LocalCluster, Path]) -> None:
-    """Set after the kernel's INIT reply (which would reset it); a sequential reader then keeps
-    several FUSE reads in flight."""
-    from fs3.fuse.mount import _mount_device
+def test_the_mount_read_ahead_can_be_set(mount: tuple[LocalCluster, Path]) -> None:
+    """``--readahead-kb`` sets the kernel's read-ahead for the mount (after the kernel's INIT reply,
+    which would reset it); the default leaves the kernel's own."""
+    from fs3.fuse.mount import _mount_device, set_readahead
 
     _, mountpoint = mount
     device = _mount_device(mountpoint.resolve())
     assert device is not None
+    knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
+    assert knob.read_text().strip() == "128"
+    assert not set_readahead(mountpoint.resolve(), 0)
     if os.geteuid() != 0:
-        pytest.skip("only root may set a mount's read-ahead")  # the mount still works at the default
-    assert Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text().strip() == "4096"
+        pytest.skip("only root may set a mount's read-ahead")  # the mount works at the default
+    try:
+        assert set_readahead(mountpoint.resolve(), 512)
+        assert knob.read_text().strip() == "512"
+    finally:
+        knob.write_text("128\n")

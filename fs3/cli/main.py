@@ -249,8 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--no-allow-other", dest="allow_other", action="store_false")
     mount.add_argument("--log", help="daemon log file (background mounts)")
     mount.add_argument("--log-level", default="INFO")
-    mount.add_argument("--readahead-kb", type=_non_negative_int, default=4096,
-                       help="kernel read-ahead for the mount in KiB (root only; 0: the kernel's default)")
+    mount.add_argument("--readahead-kb", type=_non_negative_int, default=0,
+                       help="kernel read-ahead for the mount in KiB (root only; default 0: the kernel's 128 KiB)")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
     umount.add_argument("mountpoint")
