@@ -58,6 +58,12 @@ class Cluster:
         return topology, self.cost_model.cluster("DGX-A100", dgx, nodes, topology)
 
     @property
+    def checkpoint_write_gbs_per_node(self) -> float:
+        """What one node writes to 3FS when checkpointing (Sec. VII-A: 10 GiB/s), in GB/s."""
+        table = self.config.get("checkpoint", {})
+        return require_number(table, "write_gibs_per_node", "checkpoint", default=10) * (1 << 30) / 1e9
+
+    @property
     def cross_zone_gbs(self) -> float:
         return self.network.cross_zone_gbps / 8
 

@@ -11,7 +11,8 @@ from cluster_model.cluster import Cluster, load_cluster
 from cluster_model.config import ConfigError
 from cluster_model.cost import ClusterCost
 from cluster_model.failures import measured_write_gbs
-from cluster_model.reproduce import _ADAM_BYTES_PER_PARAM, FIG7A_MESSAGE_BYTES, Row, calibrated_models, reproduce
+from cluster_model.reproduce import FIG7A_MESSAGE_BYTES, Row, calibrated_models, reproduce
+from cluster_model.storage import CHECKPOINT_BYTES_PER_PARAM
 from cluster_model.topology import multi_plane, spread_placement, three_layer_fat_tree
 from cluster_model.training import TrainingJob, strong_scaling_efficiency, weak_scaling_efficiency
 
@@ -71,9 +72,9 @@ def summary(cluster: Cluster) -> dict[str, float]:
     job_gpus = min(cluster.gpus, 512)
     models = calibrated_models(cluster)
     llama = models["llama-13b"]
-    ckpt_gbs = float(cluster.config.get("checkpoint", {}).get("write_gibs_per_node", 10)) * (1 << 30) / 1e9
-    ckpt_s = cluster.storage.checkpoint_s(llama.params * _ADAM_BYTES_PER_PARAM, max(1, job_gpus // cluster.node.gpus),
-                                          ckpt_gbs)
+    ckpt_gbs = cluster.checkpoint_write_gbs_per_node
+    ckpt_s = cluster.storage.checkpoint_s(llama.params * CHECKPOINT_BYTES_PER_PARAM,
+                                          max(1, job_gpus // cluster.node.gpus), ckpt_gbs)
     return {
         "GPUs": cluster.gpus,
         "switches": cluster.network.switches,
@@ -217,7 +218,7 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
 
     # -- storage ----------------------------------------------------------------------------
     storage = cluster.storage
-    ckpt_gbs = float(cluster.config.get("checkpoint", {}).get("write_gibs_per_node", 10)) * (1 << 30) / 1e9
+    ckpt_gbs = cluster.checkpoint_write_gbs_per_node
     lines += ["## Storage (3FS)", "",
               f"{storage.storage_nodes} nodes x {storage.ssds_per_node} SSDs x {storage.ssd_tb} TB, "
               f"{storage.nics_per_node} x {storage.nic_gbps:.0f} Gbps NICs, {storage.replicas} replicas: "
@@ -229,7 +230,7 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
     ckpt_rows = []
     for name in ("gpt2-medium", "llama-13b", "deepseekmoe-16b"):
         spec = models[name]
-        state = spec.params * _ADAM_BYTES_PER_PARAM
+        state = spec.params * CHECKPOINT_BYTES_PER_PARAM
         row: list[object] = [name, state / 1e9, storage.checkpoint_s(state, 64, ckpt_gbs),
                              storage.checkpoint_load_s(state, 64, cluster.node.nic_gbs * cluster.node.compute_nics)]
         if measured is not None:
@@ -265,7 +266,8 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
     llama = models["llama-13b"]
     fail_rows = []
     for gpus in (64, 256, 1024, 4096):
-        ckpt = storage.checkpoint_s(llama.params * _ADAM_BYTES_PER_PARAM, max(1, gpus // cluster.node.gpus), ckpt_gbs)
+        nodes = max(1, gpus // cluster.node.gpus)
+        ckpt = storage.checkpoint_s(llama.params * CHECKPOINT_BYTES_PER_PARAM, nodes, ckpt_gbs)
         interval = failures.optimal_interval_s(gpus, ckpt)
         fail_rows.append((gpus, failures.interruptions_per_day(gpus), failures.mtbi_s(gpus) / 3600, ckpt, interval,
                           failures.overhead(gpus, ckpt, interval)))

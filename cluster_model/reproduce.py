@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cluster_model.cluster import Cluster
+from cluster_model.storage import CHECKPOINT_BYTES_PER_PARAM
 from cluster_model.training import MODELS, ModelSpec, TrainingJob
 
 __all__ = ["FIG7A_MESSAGE_BYTES", "Row", "calibrated_models", "reproduce"]
 
 FIG7A_MESSAGE_BYTES = 186 * (1 << 20)
-_ADAM_BYTES_PER_PARAM = 14  # fp16 weights 2 + fp32 master 4 + Adam moments 4 + 4
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,8 @@ def reproduce(cluster: Cluster) -> list[Row]:
                     storage.read_gbs() / 1000, st_cfg.get("read_tbs_achieved"), "TB/s", 0.10))
     rows.append(Row("Storage", "Table IV", "raw capacity", storage.raw_capacity_pb, None, "PB", 0))
     rows.append(Row("Storage", "Sec. VI-B", "3FS write (3 replicas)", storage.write_gbs() / 1000, None, "TB/s", 0.10))
-    ckpt = cfg.get("checkpoint", {})
-    per_node_gbs = float(ckpt.get("write_gibs_per_node", 10)) * (1 << 30) / 1e9
-    llama = 13.0e9 * _ADAM_BYTES_PER_PARAM
+    per_node_gbs = cluster.checkpoint_write_gbs_per_node
+    llama = MODELS["llama-13b"].params * CHECKPOINT_BYTES_PER_PARAM
     rows.append(Row("Storage", "Sec. VII-A", "LLaMA-13B checkpoint (Adam state) from 32 nodes",
                     storage.checkpoint_s(llama, 32, per_node_gbs), None, "s", 0.10))
 

@@ -19,7 +19,10 @@ from typing import Any
 
 from cluster_model.config import ConfigError, require_int, require_number
 
-__all__ = ["StorageSystem"]
+__all__ = ["CHECKPOINT_BYTES_PER_PARAM", "StorageSystem"]
+
+#: A mixed-precision Adam checkpoint: fp16 weights 2 + fp32 master copy 4 + two Adam moments 4 + 4.
+CHECKPOINT_BYTES_PER_PARAM = 14
 
 
 @dataclass(frozen=True)

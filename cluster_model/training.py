@@ -24,7 +24,7 @@ How communication meets computation is the mechanism that separates the librarie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster_model.collectives import Collective
 from cluster_model.config import ConfigError
@@ -199,8 +199,6 @@ class TrainingJob:
 
 def weak_scaling_efficiency(job: TrainingJob, baseline_gpus: int) -> float:
     """Throughput per GPU at ``job.gpus`` over throughput per GPU at ``baseline_gpus`` (same per-GPU batch)."""
-    from dataclasses import replace
-
     base = replace(job, gpus=baseline_gpus)
     return (job.samples_per_s() / job.gpus) / (base.samples_per_s() / baseline_gpus)
 
@@ -211,8 +209,6 @@ def strong_scaling_efficiency(job: TrainingJob, baseline_gpus: int, global_batch
     Data parallel: each GPU's share of the batch shrinks, while the gradients to reduce do not.
     Pipeline: each pipeline's micro-batches shrink, so the fill-and-drain bubble weighs more.
     """
-    from dataclasses import replace
-
     def at(gpus: int) -> TrainingJob:
         if job.strategy == "pp":
             pipelines = gpus // job.stages

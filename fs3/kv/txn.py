@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
+from fs3.kv.group_sync import GroupSync
 from fs3.kv.store import KVStore, WriteBatch
 
 __all__ = ["OptimisticTxnEngine", "Transaction", "TxnEngine", "TxnFaults", "run_transaction"]
@@ -135,11 +136,14 @@ class OptimisticTxnEngine:
         self.faults = faults or TxnFaults()
         self._seq = 0
         self._history: deque[tuple[int, list[bytes]]] = deque(maxlen=history_max)
-        self._durable_seq = 0
-        self._sync_task: asyncio.Future[None] | None = None
+        self._log = GroupSync(self._sync_wal)
+        self._log_ticket = 0  # the group-sync ticket of the last commit with writes
         self.commits = 0
         self.conflicts = 0
-        self.wal_syncs = 0
+
+    @property
+    def wal_syncs(self) -> int:
+        return self._log.syncs
 
     def begin(self) -> _OptimisticTxn:
         return _OptimisticTxn(self, self._seq)
@@ -195,28 +199,20 @@ class OptimisticTxnEngine:
             self._history.append((self._seq, sorted(txn.writes)))
         self.commits += 1
         if seq and self.sync:
-            await self._wait_seq_durable(seq)
+            self._log_ticket = self._log.written()
+            await self._log.wait(self._log_ticket)
         if self._inject("maybe_committed"):
             raise MaybeCommitted("the commit's outcome is unknown (injected)")
 
     async def wait_durable(self) -> None:
         if self.sync:
-            await self._wait_seq_durable(self._seq)
-
-    async def _wait_seq_durable(self, seq: int) -> None:
-        while self._durable_seq < seq:
-            if self._sync_task is None or self._sync_task.done():
-                self._sync_task = asyncio.ensure_future(self._sync_wal())
-            await asyncio.shield(self._sync_task)
+            await self._log.wait(self._log_ticket)
 
     async def _sync_wal(self) -> None:
-        target = self._seq
         if getattr(self.store, "sync_in_thread", False):
             await asyncio.to_thread(self.store.sync_wal)
         else:
             self.store.sync_wal()
-        self.wal_syncs += 1
-        self._durable_seq = max(self._durable_seq, target)
 
 
 async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]], retry_max: int = 20,

@@ -52,6 +52,7 @@ from fs3.common.errors import (
 )
 from fs3.common.ids import validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
+from fs3.kv.group_sync import GroupSync
 from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
@@ -167,53 +168,6 @@ class _ChunkLocks:
                 self._locks[chunk_id] = (lock, users - 1)
 
 
-class _GroupSync:
-    """Group commit for a target's log: one fsync covers every write made before it started.
-
-    Writes on the hot path are made unsynced; :meth:`written` counts one and starts a sync if none
-    is running, and :meth:`wait` returns once a sync that began after that write has finished. A
-    sync runs off the event loop (``host.run_blocking``), so writes to other chunks go on meanwhile
-    and share the next one: sixteen random writes in flight cost a few fsyncs, not sixteen.
-    """
-
-    def __init__(self, engine: ChunkEngine, host: ReplicaHost) -> None:
-        self._engine = engine
-        self._host = host
-        self._written = 0
-        self._durable = 0
-        self._task: asyncio.Future[None] | None = None
-
-    @property
-    def needed(self) -> bool:
-        return self._engine.sync_commits
-
-    def written(self) -> int:
-        """Note one unsynced write that must become durable; returns its ticket for :meth:`wait`."""
-        if not self.needed:
-            return 0
-        self._written += 1
-        self._start()
-        return self._written
-
-    def _start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
-            # A failed sync reaches every waiter; nobody else needs to read its exception.
-            self._task.add_done_callback(lambda task: task.cancelled() or task.exception())
-
-    async def _run(self) -> None:
-        while self._durable < self._written:
-            target = self._written
-            await self._host.run_blocking(self._engine.kv.sync_wal)
-            self._durable = target
-
-    async def wait(self, ticket: int) -> None:
-        while self._durable < ticket:
-            self._start()
-            assert self._task is not None
-            await asyncio.shield(self._task)
-
-
 class TargetReplica:
     """The CRAQ logic of one storage target."""
 
@@ -226,7 +180,9 @@ class TargetReplica:
         self.locks = _ChunkLocks()
         self._inflight: dict[tuple[bytes, int], tuple[int, asyncio.Future[spb.UpdateRsp]]] = {}
         self._repairs: dict[bytes, asyncio.Task[None]] = {}
-        self._log_sync = _GroupSync(engine, host)
+        # Group commit of the target's log: writes on the hot path are made unsynced and share
+        # one fsync, off the event loop (a real node's I/O pool; inline in the simulator).
+        self._log_sync = GroupSync(lambda: host.run_blocking(engine.kv.sync_wal))
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -286,7 +242,7 @@ class TargetReplica:
         checksum = crc32c_patch(state.checksum, state.length, update.offset, old, new)
         self.engine.stage_patch(chunk_id, version, update.offset, new, old, checksum, chain_version,
                                 defer_sync=True)
-        return (lambda: self.engine.read(chunk_id, version, 0, state.length)), checksum, self._log_sync.written()
+        return (lambda: self.engine.read(chunk_id, version, 0, state.length)), checksum, self._log_written()
 
     async def _commit(self, chain_id: int, chunk_id: bytes, version: int, patch_ticket: int | None,
                       channel: tuple[bytes, int, int] | None) -> ChunkState | None:
@@ -297,8 +253,13 @@ class TargetReplica:
             await self._log_sync.wait(patch_ticket)
         new = self.engine.commit(chunk_id, version, chain_version, channel, defer_sync=True,
                                  patch_synced=patch_ticket is not None)
-        await self._log_sync.wait(self._log_sync.written())
+        await self._log_sync.wait(self._log_written())
         return new
+
+    def _log_written(self) -> int:
+        """A group-sync ticket for a write just made unsynced (0, nothing to wait for, when the
+        target does not sync commits at all)."""
+        return self._log_sync.written() if self.engine.sync_commits else 0
 
     @staticmethod
     def validate_update(req: spb.UpdateReq, payload: Buffer, check_crc: bool = True) -> None:
