@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Tests fork children (other users' processes on the FUSE mount). With gRPC's fork handlers on, a
+# child forked while gRPC threads run can report "epoll_wait error: Bad file descriptor" and lose
+# its output; the test process never uses gRPC across a fork, so it does not need them. Must be set
+# before grpc is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
