@@ -85,7 +85,8 @@ class StorageClient:
     async def update(self, chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
                      chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
         """One update through the chain head, retried until committed or the budget is spent."""
-        deadline_ms = self.clock.now_ms() + self.config.retry_total_ms
+        first_ms = self.clock.now_ms()
+        deadline_ms = first_ms + self.config.retry_total_ms
         async with self._channel() as (channel_id, seq):
             req = spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=cast(spb.UpdateType, update_type),
                                 offset=offset, length=length,
@@ -100,6 +101,7 @@ class StorageClient:
                     error = Unavailable(f"chain {chain_id} has no serving head")
                 else:
                     req.chain_version = chain_version
+                    req.retry_age_ms = min(self.clock.now_ms() - first_ms, 0xFFFFFFFF) if attempt else 0
                     try:
                         rsp, _ = await self.channels.get(head.address).call(_UPDATE, req, data,
                                                                              self.config.rpc_timeout_ms)
@@ -154,7 +156,9 @@ class StorageClient:
                         raise ChecksumMismatch(f"read of chunk {chunk_id.hex()} corrupted in transit")
                     return bytes(data), rsp
                 except FS3Error as exc:
-                    if not exc.retryable and exc.code != StatusCode.CHECKSUM_MISMATCH:
+                    # A replica whose copy is corrupt or whose disk fails has not the last word:
+                    # try the next one (the failing target takes itself out of its chain).
+                    if not exc.retryable and exc.code not in (StatusCode.CHECKSUM_MISMATCH, StatusCode.IO_ERROR):
                         raise
                     error = exc
             attempt += 1

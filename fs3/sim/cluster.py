@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fs3 import mgmtd_pb2 as mpb
 from fs3.client.routing import RoutingCache
@@ -19,7 +21,7 @@ from fs3.sim.loop import SimProcess
 from fs3.sim.network import NetworkFaults, SimChannelFactory, SimNetwork
 from fs3.storage.blobs import MemBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
-from fs3.storage.node import StorageNode, StorageNodeConfig
+from fs3.storage.node import IoSubmitter, StorageNode, StorageNodeConfig
 from fs3.storage.replica import DirtyReadPolicy, ReplicaConfig
 from fs3.storage.service import StorageServicer
 
@@ -42,11 +44,19 @@ class ClusterShape:
     dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
     latency_max_ms: float = 2.0
     offload_write_min_bytes: int = 0
+    # Versions up to this size are KV records, larger ones blobs (0: every version is a blob).
+    inline_max_bytes: int = 0
+    # The I/O thread pool: an offloaded write or sync finishes up to this long after it started
+    # (0: blocking I/O runs inline, as without a pool). It keeps running if its caller is cancelled.
+    io_delay_max_ms: float = 0.0
+    # Chance that a call which timed out also cancels its handler on the server (a deadline that
+    # reaches the server, a connection closed by the client).
+    cancel_probability: float = 0.0
 
     @classmethod
-    def random(cls, rng: random.Random) -> ClusterShape:
+    def random(cls, rng: random.Random, mix: str = "default") -> ClusterShape:
         replicas = rng.choice((2, 3, 3))
-        return cls(
+        shape = cls(
             storage_nodes=replicas + rng.randint(0, 2),
             targets_per_node=rng.randint(1, 2),
             replicas=replicas,
@@ -57,6 +67,11 @@ class ClusterShape:
             latency_max_ms=rng.choice((0.5, 2.0, 10.0)),
             offload_write_min_bytes=rng.choice((0, 1 << 30)),
         )
+        if mix == "legacy":
+            return shape  # the shapes of the first mix, drawn exactly as they were
+        return replace(shape, inline_max_bytes=rng.choice((0, 512, 2048, 1 << 20)),
+                       io_delay_max_ms=rng.choice((0.0, 1.0, 20.0)),
+                       cancel_probability=rng.choice((0.0, 0.5, 1.0)))
 
 
 @dataclass
@@ -75,11 +90,16 @@ class _StorageSlot:
 
 
 class SimCluster:
-    def __init__(self, seed: int, shape: ClusterShape | None = None) -> None:
+    def __init__(self, seed: int, shape: ClusterShape | None = None, mix: str = "default") -> None:
         self.seed = seed
         self.rng = random.Random(seed)
-        self.shape = shape or ClusterShape.random(self.rng)
-        self.network = SimNetwork(self.rng, NetworkFaults(latency_max_ms=self.shape.latency_max_ms))
+        self.shape = shape or ClusterShape.random(self.rng, mix)
+        self.network = SimNetwork(self.rng, NetworkFaults(latency_max_ms=self.shape.latency_max_ms,
+                                                          cancel_probability=self.shape.cancel_probability))
+        # The I/O pools' delays draw from their own generator, so that a seed's other choices do
+        # not depend on how many blocking calls the code happens to make.
+        self.io_rng = random.Random(seed ^ 0x10_5EED)
+        self.disk_stalls: dict[int, float] = {}  # node id -> virtual time its disks answer again
         self.mgmtd_kv = MemKVStore()
         self.mgmtd_process: SimProcess | None = None
         self.mgmtd: MgmtdServicer | None = None
@@ -117,7 +137,8 @@ class SimCluster:
     def start_storage(self, node_id: int) -> None:
         slot = self.storage[node_id]
         process = SimProcess(slot.address)
-        engines = {tid: ChunkEngine(disk.kv, disk.blobs) for tid, disk in slot.disks.items()}
+        engines = {tid: ChunkEngine(disk.kv, disk.blobs, inline_max_bytes=self.shape.inline_max_bytes)
+                   for tid, disk in slot.disks.items()}
         config = StorageNodeConfig(
             node_id=node_id, mgmtd_address=MGMTD, framed_address=slot.address, grpc_address=slot.address,
             heartbeat_interval_ms=self.shape.heartbeat_interval_ms, rpc_timeout_ms=1_000,
@@ -125,7 +146,8 @@ class SimCluster:
                                   dirty_read_policy=self.shape.dirty_read_policy, query_timeout_ms=500,
                                   offload_write_min_bytes=self.shape.offload_write_min_bytes),
         )
-        node = StorageNode(config, engines, SimChannelFactory(self.network, slot.address))
+        node = StorageNode(config, engines, SimChannelFactory(self.network, slot.address),
+                           io_submitter=self._io_pool(node_id) if self.shape.io_delay_max_ms > 0 else None)
         dispatcher = Dispatcher()
         dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
         self.network.bind(slot.address, process, dispatcher)
@@ -136,6 +158,30 @@ class SimCluster:
 
         process.run(boot())
         slot.process, slot.node = process, node
+
+    def _io_pool(self, node_id: int) -> IoSubmitter:
+        """A model of a node's I/O thread pool: the work runs at a random later time, as a task of
+        the node's process (a thread dies with its process) that nothing else cancels — like a
+        thread, it goes on when the request that started it is cancelled."""
+
+        def submit(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+            loop = asyncio.get_running_loop()
+            delay = self.io_rng.uniform(0, self.shape.io_delay_max_ms) / 1000
+            delay = max(delay, self.disk_stalls.get(node_id, 0.0) - loop.time())
+
+            async def work() -> Any:
+                await asyncio.sleep(delay)
+                return fn()
+
+            process = self.storage[node_id].process
+            assert process is not None
+            return process.run(work())
+
+        return submit
+
+    def stall_disks(self, node_id: int, seconds: float) -> None:
+        """The node's disks stop answering for a while (blocking I/O started meanwhile waits)."""
+        self.disk_stalls[node_id] = asyncio.get_running_loop().time() + seconds
 
     def kill_storage(self, node_id: int) -> None:
         slot = self.storage[node_id]

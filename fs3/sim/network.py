@@ -29,6 +29,7 @@ class NetworkFaults:
     latency_max_ms: float = 2.0
     drop_probability: float = 0.0
     partitioned: set[frozenset[str]] = field(default_factory=set)
+    cancel_probability: float = 0.0  # a call that times out cancels its handler on the server
 
 
 @dataclass
@@ -94,6 +95,8 @@ class SimNetwork:
         try:
             reply = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
+            if self.faults.cancel_probability and self.rng.random() < self.faults.cancel_probability:
+                task.cancel()  # the deadline reaches the server, or the client closed the connection
             raise Timeout(f"call to {dst} timed out") from None
         except asyncio.CancelledError:
             if task.cancelled() and not _self_cancelled():

@@ -1,12 +1,18 @@
-"""Where chunk bytes live: one file per chunk version on a real disk (small versions in the
-target's KV store), or memory in the simulator.
+"""Where chunk versions larger than the inline limit live: one file per blob on a real disk, or
+memory in the simulator.
 
-A chunk version is written once (copy-on-write), so a committed version is never torn by a failed
-or concurrent write. The one exception is :meth:`BlobStore.patch`, which turns a committed version
-into the next by overwriting a few bytes in place; the chunk engine calls it only at commit, under
-an undo/redo record, and :meth:`BlobStore.unpatch` undoes a patch cut short by a crash. ``sync``
-makes a version durable; the simulator's :class:`MemBlobStore` loses unsynced versions (and
-unsynced patches) on :meth:`~MemBlobStore.crash`.
+A *blob* is the bytes of one chunk version under a name the chunk engine chose: ``(chunk id, blob
+number)``. Blob numbers come from the target's version counter and are never reused, so a blob
+left behind by a crash can never be mistaken for a later version; the engine's metadata alone says
+which blob holds which version, and the engine deletes what no metadata names when it opens.
+
+A blob is written once (copy-on-write), so a committed version is never torn by a failed or
+concurrent write. The one exception is :meth:`BlobStore.patch`, which turns a committed blob into
+the next version's blob by overwriting a few bytes in place and renaming it; the chunk engine calls
+it only at commit, under an undo/redo record, and :meth:`BlobStore.unpatch` undoes a patch cut
+short by a crash. :meth:`BlobStore.sync` makes a blob durable — its bytes and its name (the
+directory entry). The simulator's :class:`MemBlobStore` loses what was never synced on
+:meth:`~MemBlobStore.crash`.
 """
 
 from __future__ import annotations
@@ -15,31 +21,37 @@ import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 from fs3.common.errors import IoError, NoSpace
-from fs3.kv.store import KVStore, WriteBatch
 
-__all__ = ["BlobStore", "FileBlobStore", "MemBlobStore", "TieredBlobStore"]
+__all__ = ["BlobStore", "FileBlobStore", "MemBlobStore"]
 
 
 class BlobStore(Protocol):
-    def write(self, chunk_id: bytes, version: int, data: bytes | memoryview) -> None: ...
+    def write(self, chunk_id: bytes, blob: int, data: bytes | memoryview) -> None: ...
 
-    def sync(self, chunk_id: bytes, version: int) -> None: ...
-
-    def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes: ...
-
-    def delete(self, chunk_id: bytes, version: int) -> None: ...
-
-    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
-        """Turn ``old_version`` into ``new_version`` by overwriting ``data`` at ``offset`` in place."""
+    def sync(self, chunk_id: bytes, blob: int) -> None:
+        """Make the blob durable: its bytes and its directory entry."""
         ...
 
-    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
-        """Undo a patch that may have been interrupted anywhere: ``old_version`` exists afterwards,
-        with ``old_data`` at ``offset``, and ``new_version`` does not."""
+    def read(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes: ...
+
+    def delete(self, chunk_id: bytes, blob: int) -> None: ...
+
+    def patch(self, chunk_id: bytes, old_blob: int, new_blob: int, offset: int, data: bytes) -> None:
+        """Turn ``old_blob`` into ``new_blob`` by overwriting ``data`` at ``offset`` in place."""
+        ...
+
+    def unpatch(self, chunk_id: bytes, old_blob: int, new_blob: int, offset: int, old_data: bytes) -> None:
+        """Undo a patch that may have been interrupted anywhere: ``old_blob`` exists afterwards,
+        with ``old_data`` at ``offset``, and ``new_blob`` does not."""
+        ...
+
+    def list(self) -> Iterator[tuple[bytes, int]]:
+        """Every blob present, as ``(chunk id, blob number)`` (for the clean-up at open)."""
         ...
 
     def free_bytes(self) -> int: ...
@@ -54,7 +66,7 @@ def _raise_os(exc: OSError, what: str) -> None:
 
 
 class FileBlobStore:
-    """Chunk versions as files ``<root>/<xx>/<chunk-id-hex>.<version>``."""
+    """Blobs as files ``<root>/<xx>/<chunk-id-hex>.<blob>``."""
 
     def __init__(self, root: str | Path, fsync: bool = True) -> None:
         self.root = Path(root)
@@ -62,12 +74,12 @@ class FileBlobStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._dirs: set[Path] = set()
 
-    def _path(self, chunk_id: bytes, version: int) -> Path:
+    def _path(self, chunk_id: bytes, blob: int) -> Path:
         name = chunk_id.hex()
-        return self.root / name[-2:] / f"{name}.{version}"
+        return self.root / name[-2:] / f"{name}.{blob}"
 
-    def write(self, chunk_id: bytes, version: int, data: bytes | memoryview) -> None:
-        path = self._path(chunk_id, version)
+    def write(self, chunk_id: bytes, blob: int, data: bytes | memoryview) -> None:
+        path = self._path(chunk_id, blob)
         try:
             if path.parent not in self._dirs:
                 path.parent.mkdir(exist_ok=True)
@@ -81,26 +93,32 @@ class FileBlobStore:
             finally:
                 os.close(fd)
         except OSError as exc:
-            # Never leave a partial version behind: it could be mistaken for data later.
+            # Never leave a partial blob behind: it would only take space until the next open.
             with contextlib.suppress(OSError):
                 path.unlink()
             _raise_os(exc, f"writing {path.name}")
 
-    def sync(self, chunk_id: bytes, version: int) -> None:
+    def sync(self, chunk_id: bytes, blob: int) -> None:
         if not self.fsync:
             return
-        path = self._path(chunk_id, version)
+        path = self._path(chunk_id, blob)
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
+            # The name too: metadata that names a blob must never outlive its directory entry.
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
             _raise_os(exc, f"syncing {path.name}")
 
-    def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
-        path = self._path(chunk_id, version)
+    def read(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes:
+        path = self._path(chunk_id, blob)
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -113,9 +131,9 @@ class FileBlobStore:
             _raise_os(exc, f"reading {path.name}")
             raise
 
-    def delete(self, chunk_id: bytes, version: int) -> None:
+    def delete(self, chunk_id: bytes, blob: int) -> None:
         try:
-            self._path(chunk_id, version).unlink()
+            self._path(chunk_id, blob).unlink()
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -133,126 +151,43 @@ class FileBlobStore:
         finally:
             os.close(fd)
 
-    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
-        source, target = self._path(chunk_id, old_version), self._path(chunk_id, new_version)
+    def patch(self, chunk_id: bytes, old_blob: int, new_blob: int, offset: int, data: bytes) -> None:
+        source, target = self._path(chunk_id, old_blob), self._path(chunk_id, new_blob)
         try:
             self._pwrite_all(source, offset, data)
             os.rename(source, target)
         except OSError as exc:
             _raise_os(exc, f"patching {source.name}")
 
-    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
-        source, target = self._path(chunk_id, old_version), self._path(chunk_id, new_version)
+    def unpatch(self, chunk_id: bytes, old_blob: int, new_blob: int, offset: int, old_data: bytes) -> None:
+        source, target = self._path(chunk_id, old_blob), self._path(chunk_id, new_blob)
         try:
             if not os.path.exists(source) and os.path.exists(target):
                 os.rename(target, source)
             self._pwrite_all(source, offset, old_data)
-            self.sync(chunk_id, old_version)
+            self.sync(chunk_id, old_blob)
         except FileNotFoundError:
             raise IoError(f"chunk file {source.name} is missing") from None
         except OSError as exc:
             _raise_os(exc, f"restoring {source.name}")
+
+    def list(self) -> Iterator[tuple[bytes, int]]:
+        for directory in sorted(self.root.iterdir()):
+            if not directory.is_dir():
+                continue
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    name, _, number = entry.name.partition(".")
+                    try:
+                        yield bytes.fromhex(name), int(number)
+                    except ValueError:
+                        continue  # not a blob (an operator's file): left alone
 
     def free_bytes(self) -> int:
         return int(shutil.disk_usage(self.root).free)
 
     def capacity_bytes(self) -> int:
         return int(shutil.disk_usage(self.root).total)
-
-
-_INLINE = b"b/"
-
-
-class TieredBlobStore:
-    """Small chunk versions inline in the target's KV store, larger ones as files.
-
-    Creating, opening and unlinking a file per chunk version costs more than the data itself for
-    small chunks (most of a small-file create was spent there). A version of at most
-    ``inline_max_bytes`` is one KV put instead — an append to RocksDB's log — and reading it is a
-    lookup.
-
-    The store shares the chunk engine's KV, and that is what makes an inline version durable: its
-    record is written unsynced, and the engine's commit batch — synced, and after it in the same
-    write-ahead log — makes both durable at once (a log keeps its order, so a surviving commit
-    implies a surviving version; a version without its commit is dropped or undone at restart).
-    One fsync per replica and write instead of two: with three replicas in a chain, the synced
-    blob write was half of a small write's latency. :meth:`sync` therefore only syncs file blobs.
-    """
-
-    def __init__(self, kv: KVStore, files: FileBlobStore, inline_max_bytes: int) -> None:
-        self.kv = kv
-        self.files = files
-        self.inline_max_bytes = inline_max_bytes
-        self.root = files.root
-
-    @staticmethod
-    def _key(chunk_id: bytes, version: int) -> bytes:
-        return _INLINE + chunk_id + version.to_bytes(8, "big")
-
-    def write(self, chunk_id: bytes, version: int, data: bytes | memoryview) -> None:
-        if len(data) > self.inline_max_bytes:
-            self.files.write(chunk_id, version, data)
-            return
-        batch = WriteBatch()
-        batch.put(self._key(chunk_id, version), bytes(data))
-        self.kv.write(batch, sync=False)  # durable with the engine's commit batch (see the class doc)
-
-    def sync(self, chunk_id: bytes, version: int) -> None:
-        if self.kv.get(self._key(chunk_id, version)) is None:
-            self.files.sync(chunk_id, version)
-
-    def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
-        raw = self.kv.get(self._key(chunk_id, version))
-        if raw is None:
-            return self.files.read(chunk_id, version, offset, length)
-        return raw[offset : offset + length]
-
-    def delete(self, chunk_id: bytes, version: int) -> None:
-        key = self._key(chunk_id, version)
-        if self.kv.get(key) is not None:
-            batch = WriteBatch()
-            batch.delete(key)
-            # Not synced by itself: the engine's next synced write (its metadata batch) makes it durable,
-            # and an abandoned version is deleted before its number is used again.
-            self.kv.write(batch, sync=False)
-        else:
-            self.files.delete(chunk_id, version)
-
-    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
-        old_key = self._key(chunk_id, old_version)
-        raw = self.kv.get(old_key)
-        if raw is None:
-            self.files.patch(chunk_id, old_version, new_version, offset, data)
-            return
-        # Unsynced like a new version: the commit batch follows; a crash before it is undone by unpatch.
-        self._overlay_and_move(raw, offset, data, old_key, self._key(chunk_id, new_version), False)
-
-    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
-        old_key, new_key = self._key(chunk_id, old_version), self._key(chunk_id, new_version)
-        raw = self.kv.get(old_key)
-        if raw is None:
-            raw = self.kv.get(new_key)
-        if raw is None:
-            self.files.unpatch(chunk_id, old_version, new_version, offset, old_data)
-            return
-        self._overlay_and_move(raw, offset, old_data, new_key, old_key, True)
-
-    def _overlay_and_move(self, raw: bytes, offset: int, data: bytes, from_key: bytes, to_key: bytes,
-                          sync: bool) -> None:
-        """Store ``raw`` with ``data`` laid over it at ``offset`` under ``to_key``, dropping ``from_key``."""
-        content = bytearray(raw)
-        content[offset : offset + len(data)] = data
-        batch = WriteBatch()
-        if from_key != to_key:
-            batch.delete(from_key)
-        batch.put(to_key, bytes(content))
-        self.kv.write(batch, sync=sync)
-
-    def free_bytes(self) -> int:
-        return self.files.free_bytes()
-
-    def capacity_bytes(self) -> int:
-        return self.files.capacity_bytes()
 
 
 class MemBlobStore:
@@ -265,8 +200,8 @@ class MemBlobStore:
         self._capacity = capacity_bytes
         self._used = 0
 
-    def write(self, chunk_id: bytes, version: int, data: bytes | memoryview) -> None:
-        key = (chunk_id, version)
+    def write(self, chunk_id: bytes, blob: int, data: bytes | memoryview) -> None:
+        key = (chunk_id, blob)
         old = self._blobs.get(key)
         if self._used - (len(old) if old else 0) + len(data) > self._capacity:
             raise NoSpace("no space left on the target")
@@ -274,59 +209,68 @@ class MemBlobStore:
         self._blobs[key] = bytes(data)
         self._durable.discard(key)
 
-    def sync(self, chunk_id: bytes, version: int) -> None:
-        if (chunk_id, version) in self._blobs:
-            self._durable.add((chunk_id, version))
-            self._unsynced_patches.pop((chunk_id, version), None)
+    def sync(self, chunk_id: bytes, blob: int) -> None:
+        if (chunk_id, blob) in self._blobs:
+            self._durable.add((chunk_id, blob))
+            self._unsynced_patches.pop((chunk_id, blob), None)
 
-    def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
-        blob = self._blobs.get((chunk_id, version))
-        if blob is None:
-            raise IoError(f"chunk {chunk_id.hex()} v{version} is missing")
-        return blob[offset : offset + length]
+    def read(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes:
+        data = self._blobs.get((chunk_id, blob))
+        if data is None:
+            raise IoError(f"chunk {chunk_id.hex()} blob {blob} is missing")
+        return data[offset : offset + length]
 
-    def delete(self, chunk_id: bytes, version: int) -> None:
-        self._unsynced_patches.pop((chunk_id, version), None)
-        blob = self._blobs.pop((chunk_id, version), None)
-        if blob is not None:
-            self._used -= len(blob)
-        self._durable.discard((chunk_id, version))
+    def delete(self, chunk_id: bytes, blob: int) -> None:
+        self._unsynced_patches.pop((chunk_id, blob), None)
+        data = self._blobs.pop((chunk_id, blob), None)
+        if data is not None:
+            self._used -= len(data)
+        self._durable.discard((chunk_id, blob))
 
-    def patch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, data: bytes) -> None:
-        source = self._blobs.pop((chunk_id, old_version), None)
+    def patch(self, chunk_id: bytes, old_blob: int, new_blob: int, offset: int, data: bytes) -> None:
+        source = self._blobs.pop((chunk_id, old_blob), None)
         if source is None:
-            raise IoError(f"chunk {chunk_id.hex()} v{old_version} is missing")
-        was_durable = (chunk_id, old_version) in self._durable
-        self._durable.discard((chunk_id, old_version))
+            raise IoError(f"chunk {chunk_id.hex()} blob {old_blob} is missing")
+        was_durable = (chunk_id, old_blob) in self._durable
+        self._durable.discard((chunk_id, old_blob))
         content = bytearray(source)
         content[offset : offset + len(data)] = data
-        self._blobs[(chunk_id, new_version)] = bytes(content)
+        self._blobs[(chunk_id, new_blob)] = bytes(content)
         # Until synced, a crash may leave the disk as it was before the patch (renamed back).
-        self._unsynced_patches[(chunk_id, new_version)] = (old_version, source, was_durable)
+        self._unsynced_patches[(chunk_id, new_blob)] = (old_blob, source, was_durable)
 
-    def unpatch(self, chunk_id: bytes, old_version: int, new_version: int, offset: int, old_data: bytes) -> None:
-        if (chunk_id, old_version) not in self._blobs and (chunk_id, new_version) in self._blobs:
-            self._blobs[(chunk_id, old_version)] = self._blobs.pop((chunk_id, new_version))
-            self._durable.discard((chunk_id, new_version))
-            self._unsynced_patches.pop((chunk_id, new_version), None)
-        source = self._blobs.get((chunk_id, old_version))
+    def unpatch(self, chunk_id: bytes, old_blob: int, new_blob: int, offset: int, old_data: bytes) -> None:
+        if (chunk_id, old_blob) not in self._blobs and (chunk_id, new_blob) in self._blobs:
+            self._blobs[(chunk_id, old_blob)] = self._blobs.pop((chunk_id, new_blob))
+            self._durable.discard((chunk_id, new_blob))
+            self._unsynced_patches.pop((chunk_id, new_blob), None)
+        source = self._blobs.get((chunk_id, old_blob))
         if source is None:
-            raise IoError(f"chunk {chunk_id.hex()} v{old_version} is missing")
+            raise IoError(f"chunk {chunk_id.hex()} blob {old_blob} is missing")
         content = bytearray(source)
         content[offset : offset + len(old_data)] = old_data
-        self._blobs[(chunk_id, old_version)] = bytes(content)
-        self._durable.add((chunk_id, old_version))
+        self._blobs[(chunk_id, old_blob)] = bytes(content)
+        self._durable.add((chunk_id, old_blob))
+
+    def list(self) -> Iterator[tuple[bytes, int]]:
+        yield from sorted(self._blobs)
 
     def crash(self) -> None:
-        """Drop every version that was never synced."""
-        for (chunk_id, new_version), (old_version, source, was_durable) in self._unsynced_patches.items():
-            if self._blobs.pop((chunk_id, new_version), None) is not None:
-                self._blobs[(chunk_id, old_version)] = source
+        """Drop every blob (and blob name) that was never synced."""
+        for (chunk_id, new_blob), (old_blob, source, was_durable) in self._unsynced_patches.items():
+            if self._blobs.pop((chunk_id, new_blob), None) is not None:
+                self._blobs[(chunk_id, old_blob)] = source
                 if was_durable:
-                    self._durable.add((chunk_id, old_version))
+                    self._durable.add((chunk_id, old_blob))
         self._unsynced_patches.clear()
         for key in [k for k in self._blobs if k not in self._durable]:
             self._used -= len(self._blobs.pop(key))
+
+    def corrupt(self, chunk_id: bytes, blob: int, offset: int) -> None:
+        """Flip one byte behind the engine's back (for checker tests)."""
+        data = bytearray(self._blobs[(chunk_id, blob)])
+        data[offset] ^= 0xFF
+        self._blobs[(chunk_id, blob)] = bytes(data)
 
     def free_bytes(self) -> int:
         return self._capacity - self._used

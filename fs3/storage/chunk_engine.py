@@ -1,55 +1,114 @@
-"""Per-target chunk metadata and data.
+"""Per-target chunk metadata and data: versions, atomic commits and exactly-once records.
 
-Every chunk has a committed version and at most one pending version ``u = v + 1`` (the CRAQ
-write in flight). Metadata lives in a KV store (RocksDB on disk), data in a :class:`BlobStore`,
-one immutable blob per version. Commit is atomic: the new version's data is synced first, then
-one KV write batch switches the metadata (and records the client channel's result for
-exactly-once retries), then the old version's blob is deleted. A crash at any point leaves
-either the old or the new version committed, never a mix. A cache of all metadata is kept in
-memory, as 3FS does.
+Every chunk has a committed version and at most one pending version (the CRAQ write in flight).
+Metadata lives in a KV store (RocksDB on disk), with an in-memory copy of all of it, as 3FS keeps.
 
-A small write inside a chunk may instead be staged as a *patch* (:meth:`ChunkEngine.stage_patch`):
-the pending version is the committed one with a few bytes overwritten, recorded with the old
-bytes. Commit patches the committed blob in place and renames it to the new version before the
-metadata batch; a restart with the patch still pending puts the old bytes back.
+**Version numbers are never reused on a target.** New versions (chosen by a chain head) come from
+one counter per target, reserved on disk a block at a time and raised past every version the
+target receives from its chain. So along a chunk's history versions only grow — across
+a removal and a new write of the same chunk id too — and ``(chunk, version)`` names one content:
+a delayed message about an older life of a chunk can never pass for a newer one. A pending version
+is always greater than the committed one, not necessarily by one.
+
+**The metadata says where every version's bytes are.** A version of at most ``inline_max_bytes``
+is a record in the target's KV store (``b/`` + chunk + blob number), written in the batch that
+stages it and deleted in the batch that commits its successor, so the store never holds a version
+no metadata names. A larger version is a blob of the :class:`~fs3.storage.blobs.BlobStore`. Blob
+numbers are fresh for every blob ever written on the target (a counter started above every blob
+found at open), and blobs a crash left behind are deleted when the engine opens. Nothing is
+found by looking: a read goes where the metadata points, and a full-chunk replace writes the new
+copy under a new name before one batch switches to it, so the committed copy stays whole until then.
+
+**Commit is atomic.** A file blob is synced first (bytes and directory entry), then one KV batch
+switches the metadata and records the client channel's result, then the old blob is deleted. A
+crash at any point leaves either the old or the new version committed, never a mix. A restart
+drops pending versions (a restarted target resyncs before it serves).
+
+A small write inside a chunk may be staged as a *patch* (:meth:`ChunkEngine.stage_patch`): the
+pending version is the committed one with a few bytes overwritten. An inline chunk's patch is
+applied by the commit batch itself; a file blob is patched in place and renamed at commit under an
+undo/redo record, which a restart with the patch still pending uses to put the old bytes back.
+
+**Exactly-once records** (client, channel → the last committed request's sequence number and
+answer) are written in the batch that commits the request, whatever happens to the chunk later:
+a retry is answered from its record even if another client has since removed or rewritten the
+chunk. The pending version carries its request's channel, so a version completed by a new head
+(after the old one failed mid-write) records it too. A record never replaces a newer one. Records
+are replicated state: a resync hands the predecessor's records to the target it brings up to date,
+which drops its own first (they may describe writes the chain rolled back). They expire once older
+than any retry can be (:meth:`ChunkEngine.expire_channels`).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
-from fs3.common.errors import NoSpace
+from fs3.common.errors import InvalidArgument, IoError, NoSpace
 from fs3.common.invariant import ensure
 from fs3.kv.store import KVStore, WriteBatch, prefix_end
 from fs3.storage.blobs import BlobStore
 
-__all__ = ["ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
+__all__ = ["Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
 
-_META = b"c/"
-_CHANNEL = b"h/"
-_PATCH = b"p/"  # chunk id -> the pending in-place patch: offset, size, new bytes, old bytes
+# A request's exactly-once identity: (client id, channel id, sequence number).
+Channel = tuple[bytes, int, int]
+
+_META = b"c/"  # chunk id -> ChunkState
+_CHANNEL = b"h/"  # client id + channel id -> ChannelRecord
+_PATCH = b"p/"  # chunk id -> the pending in-place patch of a file blob: offset, size, new bytes, old bytes
+_INLINE = b"b/"  # chunk id + blob number -> the bytes of a small version
+_FLOOR = b"v/floor"  # every version and blob number ever used on this target is at most this
+_FORMAT = b"v/format"
+_FORMAT_VERSION = 2
+_VERSION_BLOCK = 1024  # versions reserved per synced floor write
+
+_STATE = struct.Struct("<QQQIIQQIIQB")
+_CHANNEL_TAIL = struct.Struct("<IQ")
 _PATCH_HEAD = struct.Struct("<QI")
-_STATE = struct.Struct("<QQQIIIIQB")
 _CHAN = struct.Struct("<QQII")
+_U64 = struct.Struct(">Q")
+
 FLAG_PENDING_REMOVE = 1
 FLAG_PENDING_PATCH = 2  # the pending version is the committed one with a few bytes overwritten
+FLAG_COMMIT_INLINE = 4  # the committed version's bytes are a KV record, not a blob
+FLAG_PENDING_INLINE = 8  # likewise for the pending version
+
+
+def _encode_channel(channel: Channel | None) -> bytes:
+    if channel is None:
+        return b""
+    client_id, channel_id, seq = channel
+    return bytes([len(client_id)]) + client_id + _CHANNEL_TAIL.pack(channel_id, seq)
+
+
+def _decode_channel(raw: bytes) -> Channel | None:
+    if not raw:
+        return None
+    size = raw[0]
+    channel_id, seq = _CHANNEL_TAIL.unpack_from(raw, 1 + size)
+    return raw[1 : 1 + size], int(channel_id), int(seq)
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkState:
-    """Metadata of one chunk replica. ``pending_version == 0`` means no write in flight."""
+    """Metadata of one chunk replica. ``commit_version == 0``: the chunk does not exist (yet);
+    ``pending_version == 0``: no write in flight."""
 
     commit_version: int = 0
-    pending_version: int = 0
+    commit_blob: int = 0
     chain_version: int = 0
     length: int = 0
     checksum: int = 0
+    pending_version: int = 0
+    pending_blob: int = 0
     pending_length: int = 0
     pending_checksum: int = 0
     pending_chain_version: int = 0
     flags: int = 0
+    pending_channel: Channel | None = None
 
     @property
     def pending_remove(self) -> bool:
@@ -59,14 +118,31 @@ class ChunkState:
     def pending_patch(self) -> bool:
         return bool(self.flags & FLAG_PENDING_PATCH)
 
+    @property
+    def commit_inline(self) -> bool:
+        return bool(self.flags & FLAG_COMMIT_INLINE)
+
+    @property
+    def pending_inline(self) -> bool:
+        return bool(self.flags & FLAG_PENDING_INLINE)
+
+    def without_pending(self) -> ChunkState:
+        return ChunkState(commit_version=self.commit_version, commit_blob=self.commit_blob,
+                          chain_version=self.chain_version, length=self.length, checksum=self.checksum,
+                          flags=self.flags & FLAG_COMMIT_INLINE)
+
     def encode(self) -> bytes:
-        return _STATE.pack(self.commit_version, self.pending_version, self.chain_version, self.length,
-                           self.checksum, self.pending_length, self.pending_checksum, self.pending_chain_version,
-                           self.flags)
+        return _STATE.pack(self.commit_version, self.commit_blob, self.chain_version, self.length, self.checksum,
+                           self.pending_version, self.pending_blob, self.pending_length, self.pending_checksum,
+                           self.pending_chain_version, self.flags) + _encode_channel(self.pending_channel)
 
     @classmethod
     def decode(cls, raw: bytes) -> ChunkState:
-        return cls(*_STATE.unpack(raw))
+        (commit_version, commit_blob, chain_version, length, checksum, pending_version, pending_blob, pending_length,
+         pending_checksum, pending_chain_version, flags) = _STATE.unpack_from(raw)
+        return cls(commit_version, commit_blob, chain_version, length, checksum, pending_version, pending_blob,
+                   pending_length, pending_checksum, pending_chain_version, flags,
+                   _decode_channel(raw[_STATE.size:]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +162,30 @@ class Patch:
         body = raw[_PATCH_HEAD.size:]
         return cls(offset, body[:size], body[size : 2 * size])
 
+    def overlay(self, data: bytes, offset: int) -> bytes:
+        """``data`` (read at ``offset`` of the committed version) with this patch laid over it."""
+        start, end = max(offset, self.offset), min(offset + len(data), self.offset + len(self.new))
+        if start >= end:
+            return data
+        out = bytearray(data)
+        out[start - offset : end - offset] = self.new[start - self.offset : end - self.offset]
+        return bytes(out)
+
 
 @dataclass(frozen=True, slots=True)
 class ChannelRecord:
-    """The outcome of the last update on one client channel (for exactly-once retries)."""
+    """The answer to the last committed request on one client channel (for exactly-once retries).
+
+    ``stamp_ms`` is this target's clock when the record was written (not persisted: a record
+    loaded at open has none until the first expiry pass gives it the time then — a restart only
+    makes records live longer)."""
 
     seq: int
     commit_version: int
     length: int
     checksum: int
     chunk_id: bytes = b""
+    stamp_ms: int | None = None
 
     def encode(self) -> bytes:
         return _CHAN.pack(self.seq, self.commit_version, self.length, self.checksum) + self.chunk_id
@@ -106,54 +196,154 @@ class ChannelRecord:
         return cls(seq, version, length, checksum, raw[_CHAN.size:])
 
 
-def _channel_key(client_id: bytes, channel_id: int) -> bytes:
+def channel_key(client_id: bytes, channel_id: int) -> bytes:
     return _CHANNEL + bytes([len(client_id)]) + client_id + struct.pack(">I", channel_id)
 
 
-class ChunkEngine:
-    """Chunk replicas of one storage target."""
+def parse_channel_key(key: bytes) -> tuple[bytes, int]:
+    size = key[len(_CHANNEL)]
+    start = len(_CHANNEL) + 1
+    return key[start : start + size], int(struct.unpack_from(">I", key, start + size)[0])
 
-    def __init__(self, kv: KVStore, blobs: BlobStore, reserve_bytes: int = 0, sync_commits: bool = True) -> None:
+
+def _inline_key(chunk_id: bytes, blob: int) -> bytes:
+    return _INLINE + chunk_id + _U64.pack(blob)
+
+
+class ChunkEngine:
+    """Chunk replicas of one storage target.
+
+    ``inline_max_bytes``: versions up to this size are KV records (0: every version is a blob).
+    ``reserve_bytes``: writes fail with NO_SPACE rather than leave less free space than this.
+    ``sync_commits``: commits are made durable (off only in tests that do not need it).
+    """
+
+    def __init__(self, kv: KVStore, files: BlobStore, *, inline_max_bytes: int = 0, reserve_bytes: int = 0,
+                 sync_commits: bool = True) -> None:
+        if inline_max_bytes < 0 or reserve_bytes < 0:
+            raise InvalidArgument("inline_max_bytes and reserve_bytes must not be negative")
         self.kv = kv
-        self.blobs = blobs
+        self.files = files
+        self.inline_max_bytes = inline_max_bytes
         self.reserve_bytes = reserve_bytes
         self.sync_commits = sync_commits
         self._states: dict[bytes, ChunkState] = {}
         self._pending: set[bytes] = set()  # chunks with a pending version (kept so no scan is needed)
-        self._channels: dict[bytes, ChannelRecord] = {}
+        self._channels: OrderedDict[bytes, ChannelRecord] = OrderedDict()  # oldest stamp first
         self._patches: dict[bytes, Patch] = {}  # chunk id -> its pending patch
-        # Patches staged with ``defer_sync`` whose record the caller has not yet made durable.
+        # File-blob patches staged with ``defer_sync`` whose undo record the caller has not yet synced.
         self._unsynced_patches: set[bytes] = set()
+        # Chunks whose pending blob was written (and synced) by :meth:`write_blob` on an I/O thread.
+        self._synced_pending: set[bytes] = set()
         self.used_bytes = 0
-        abandoned = WriteBatch()
+        self._floor = 0
+        self._reserved = 0
+        self._next_blob = 1
+        self._unstamped = False
+        self._open()
+
+    # -- opening -----------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        kv = self.kv
+        marker = kv.get(_FORMAT)
+        if marker is None:
+            if next(iter(kv.scan(_META, prefix_end(_META), limit=1)), None) is not None:
+                raise IoError("this target was written by an older fs3 whose chunk metadata cannot be read; "
+                              "empty its directory and let it resync from its chain")
+        elif _U64.unpack(marker)[0] != _FORMAT_VERSION:
+            raise IoError(f"target metadata format {_U64.unpack(marker)[0]} is not {_FORMAT_VERSION}")
+        raw_floor = kv.get(_FLOOR)
+        floor = _U64.unpack(raw_floor)[0] if raw_floor else 0
+        batch = WriteBatch()
+        batch.put(_FORMAT, _U64.pack(_FORMAT_VERSION))
         for key, raw in kv.scan(_META, prefix_end(_META)):
             state = ChunkState.decode(raw)
             chunk_id = key[len(_META):]
+            floor = max(floor, state.commit_version, state.pending_version)
+            self._next_blob = max(self._next_blob, state.commit_blob + 1, state.pending_blob + 1)
             if state.pending_version:
                 # A pending version from before a restart is dropped: its data was never synced,
                 # and a restarted target resyncs from its predecessor before it serves again.
-                if state.pending_patch:
-                    # The commit may have been cut anywhere inside the patch: put the old bytes back.
-                    raw_patch = kv.get(_PATCH + chunk_id)
-                    if raw_patch is not None:
-                        patch = Patch.decode(raw_patch)
-                        blobs.unpatch(chunk_id, state.commit_version, state.pending_version, patch.offset,
-                                      patch.old)
-                    abandoned.delete(_PATCH + chunk_id)
-                elif not state.pending_remove:
-                    blobs.delete(chunk_id, state.pending_version)
-                state = ChunkState(commit_version=state.commit_version, chain_version=state.chain_version,
-                                   length=state.length, checksum=state.checksum)
+                self._drop_pending_on_open(batch, chunk_id, state)
+                state = state.without_pending()
                 if state.commit_version == 0:
-                    abandoned.delete(key)
+                    batch.delete(key)
                     continue
-                abandoned.put(key, state.encode())
+                batch.put(key, state.encode())
             self._states[chunk_id] = state
             self.used_bytes += state.length
-        if len(abandoned):
-            kv.write(abandoned, sync=True)
+        self._next_blob = max(self._next_blob, self._delete_leftovers(batch) + 1)
+        kv.write(batch, sync=True)
+        self._floor = floor
+        self._reserve(floor + 1)
         for key, raw in kv.scan(_CHANNEL, prefix_end(_CHANNEL)):
-            self._channels[key] = ChannelRecord.decode(raw)
+            self._channels[key] = ChannelRecord.decode(raw)  # unstamped: aged from the first expiry pass
+        self._unstamped = bool(self._channels)
+
+    def _drop_pending_on_open(self, batch: WriteBatch, chunk_id: bytes, state: ChunkState) -> None:
+        if state.pending_patch and not state.commit_inline:
+            # The commit may have been cut anywhere inside the patch: put the old bytes back.
+            raw_patch = self.kv.get(_PATCH + chunk_id)
+            if raw_patch is not None:
+                patch = Patch.decode(raw_patch)
+                self.files.unpatch(chunk_id, state.commit_blob, state.pending_blob, patch.offset, patch.old)
+        elif state.pending_inline:
+            batch.delete(_inline_key(chunk_id, state.pending_blob))
+        elif not state.pending_remove and not state.pending_patch:
+            self.files.delete(chunk_id, state.pending_blob)
+
+    def _delete_leftovers(self, batch: WriteBatch) -> int:
+        """Delete inline records, patch records and blobs that no metadata names (left by a crash
+        between writing them and the batch that would have named them); the largest number seen."""
+        highest = 0
+        live_inline = {(cid, s.commit_blob) for cid, s in self._states.items() if s.commit_inline}
+        for key, _ in self.kv.scan(_INLINE, prefix_end(_INLINE)):
+            chunk_id, blob = key[len(_INLINE):-8], _U64.unpack(key[-8:])[0]
+            highest = max(highest, blob)
+            if (chunk_id, blob) not in live_inline:
+                batch.delete(key)
+        for key, _ in self.kv.scan(_PATCH, prefix_end(_PATCH)):
+            batch.delete(key)  # every pending version was dropped above
+        live_files = {(cid, s.commit_blob) for cid, s in self._states.items() if not s.commit_inline}
+        for chunk_id, blob in list(self.files.list()):
+            highest = max(highest, blob)
+            if (chunk_id, blob) not in live_files:
+                self.files.delete(chunk_id, blob)
+        return highest
+
+    # -- version numbers ---------------------------------------------------------------------
+
+    @property
+    def floor(self) -> int:
+        """The highest version used on this target."""
+        return self._floor
+
+    def new_version(self) -> int:
+        """A version number never used on this target before."""
+        self._floor += 1
+        self._reserve(self._floor)
+        return self._floor
+
+    def new_blob(self) -> int:
+        """A blob number never used on this target before (blobs found at open are all below it)."""
+        self._next_blob += 1
+        return self._next_blob - 1
+
+    def observe_version(self, version: int) -> None:
+        """A version arrived from the chain: numbers this target hands out later stay above it."""
+        if version > self._floor:
+            self._floor = version
+            self._reserve(version)
+
+    def _reserve(self, number: int) -> None:
+        if number <= self._reserved:
+            return
+        self._reserved = number + _VERSION_BLOCK
+        batch = WriteBatch()
+        batch.put(_FLOOR, _U64.pack(self._reserved))
+        # Synced: after a crash, numbers restart above everything that may have been handed out.
+        self.kv.write(batch, sync=self.sync_commits)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -180,38 +370,50 @@ class ChunkEngine:
         """A snapshot of every chunk's metadata (for checkers and tools; O(chunks))."""
         return dict(self._states)
 
+    def pending_chunks(self) -> list[bytes]:
+        return sorted(self._pending)
+
     def read(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes:
+        """Bytes of ``version`` (the chunk's committed or pending one), at most to its end."""
         state = self._states.get(chunk_id)
-        if state is None or not state.pending_patch or version != state.pending_version:
-            return self.blobs.read(chunk_id, version, offset, length)
-        # The pending version of a patch: the committed bytes with the patch laid over them.
-        data = self.blobs.read(chunk_id, state.commit_version, offset, length)
-        patch = self._patches[chunk_id]
-        start, end = max(offset, patch.offset), min(offset + len(data), patch.offset + len(patch.new))
-        if start >= end:
-            return data
-        out = bytearray(data)
-        out[start - offset : end - offset] = patch.new[start - patch.offset : end - patch.offset]
-        return bytes(out)
+        if state is None or version == 0 or version not in (state.commit_version, state.pending_version):
+            raise IoError(f"chunk {chunk_id.hex()} has no version {version} on this target")
+        if version == state.commit_version:
+            return self._read_blob(chunk_id, state.commit_blob, state.commit_inline, state.length, offset, length)
+        if state.pending_remove:
+            raise IoError(f"chunk {chunk_id.hex()} v{version} is a removal")
+        if state.pending_patch:
+            data = self._read_blob(chunk_id, state.commit_blob, state.commit_inline, state.length, offset, length)
+            return self._patches[chunk_id].overlay(data, offset)
+        return self._read_blob(chunk_id, state.pending_blob, state.pending_inline, state.pending_length, offset,
+                               length)
+
+    def _read_blob(self, chunk_id: bytes, blob: int, inline: bool, size: int, offset: int, length: int) -> bytes:
+        length = max(0, min(length, size - offset))
+        if not inline:
+            return self.files.read(chunk_id, blob, offset, length)
+        raw = self.kv.get(_inline_key(chunk_id, blob))
+        if raw is None:
+            raise IoError(f"chunk {chunk_id.hex()}: inline record of blob {blob} is missing")
+        return raw[offset : offset + length]
 
     def channel(self, client_id: bytes, channel_id: int) -> ChannelRecord | None:
-        """The channel's last committed update, if the chunk still reflects it.
+        """The answer to the channel's last committed request."""
+        return self._channels.get(channel_key(client_id, channel_id))
 
-        A resync may have replaced the chunk with an older copy since (its update was then
-        never acknowledged by this chain), so a record only counts while the chunk is at its
-        version with its checksum, or has moved past it.
-        """
-        record = self._channels.get(_channel_key(client_id, channel_id))
-        if record is None or not record.chunk_id:
-            return record
-        state = self._states.get(record.chunk_id)
-        if record.commit_version == 0 or state is None:
-            return record if state is None and record.length == 0 else None
-        if state.commit_version > record.commit_version:
-            return record
-        if state.commit_version == record.commit_version and state.checksum == record.checksum:
-            return record
-        return None
+    @property
+    def channel_count(self) -> int:
+        return len(self._channels)
+
+    def channel_page(self, start_after: bytes = b"", limit: int = 1000) -> list[tuple[bytes, ChannelRecord]]:
+        """Records in key order after ``start_after`` (a key), for handing them to a resynced target."""
+        start = start_after + b"\x00" if start_after else _CHANNEL
+        out = []
+        for key, _ in self.kv.scan(start, prefix_end(_CHANNEL), limit=limit):
+            record = self._channels.get(key)
+            if record is not None:
+                out.append((key, record))
+        return out
 
     # -- updates -----------------------------------------------------------------------------
 
@@ -220,114 +422,137 @@ class ChunkEngine:
         if state is None:
             self._states.pop(chunk_id, None)
             self._pending.discard(chunk_id)
+            self._synced_pending.discard(chunk_id)
             return
         self._states[chunk_id] = state
+        if not state.pending_version:
+            self._synced_pending.discard(chunk_id)
         if state.pending_version:
             self._pending.add(chunk_id)
         else:
             self._pending.discard(chunk_id)
 
     def _check_space(self, needed_bytes: int) -> None:
-        if self.blobs.free_bytes() - needed_bytes < self.reserve_bytes:
-            raise NoSpace(f"target has {self.blobs.free_bytes()} bytes free, needs {needed_bytes} "
-                          f"+ reserve {self.reserve_bytes}")
+        free = self.files.free_bytes()
+        if free - needed_bytes < self.reserve_bytes:
+            raise NoSpace(f"target has {free} bytes free, needs {needed_bytes} + reserve {self.reserve_bytes}")
 
-    def drop_pending(self, chunk_id: bytes) -> None:
-        """Forget an abandoned pending version before a new one with the same number is written."""
-        old = self._states.get(chunk_id)
-        if old is not None and old.pending_version:
-            self.abort(chunk_id, old.pending_version)
+    def stores_inline(self, length: int) -> bool:
+        """Whether a version of ``length`` bytes is kept as a KV record rather than a blob."""
+        return self.inline_max_bytes > 0 and length <= self.inline_max_bytes
 
-    def write_blob(self, chunk_id: bytes, version: int, content: bytes | memoryview) -> None:
-        """Write a pending version's data. Touches only the file system, so it may run off the loop."""
+    def write_blob(self, chunk_id: bytes, blob: int, content: bytes | memoryview) -> None:
+        """Write (and sync) a new blob under a number from :meth:`new_blob`. Touches only the
+        blob store, so it may run on an I/O thread while the caller holds the chunk lock."""
         self._check_space(len(content))
-        self.blobs.write(chunk_id, version, content)
+        self.files.write(chunk_id, blob, content)
+        self.files.sync(chunk_id, blob)
+
+    def _drop_pending(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState | None) -> None:
+        """Forget ``old``'s pending version: its inline record and patch go with ``batch``."""
+        if old is None or not old.pending_version:
+            return
+        if old.pending_patch:
+            if not old.commit_inline:
+                batch.delete(_PATCH + chunk_id)
+            self._patches.pop(chunk_id, None)
+            self._unsynced_patches.discard(chunk_id)
+        elif old.pending_inline:
+            batch.delete(_inline_key(chunk_id, old.pending_blob))
+        elif not old.pending_remove:
+            self.files.delete(chunk_id, old.pending_blob)
 
     def stage(self, chunk_id: bytes, version: int, content: bytes | memoryview | None, checksum: int,
-              chain_version: int, blob_written: bool = False) -> ChunkState:
-        """Store ``content`` as pending version ``version`` (None: a pending removal).
-
-        ``blob_written``: the caller already wrote the data with :meth:`write_blob` (after
-        :meth:`drop_pending`), typically on an I/O thread.
-        """
+              chain_version: int, channel: Channel | None = None, written_blob: int = 0) -> ChunkState:
+        """Store ``content`` as pending ``version`` (None: a pending removal), replacing any pending
+        version there was. ``written_blob``: the caller already wrote the blob with
+        :meth:`write_blob` (typically on an I/O thread)."""
         old = self._states.get(chunk_id, ChunkState())
-        ensure(version == old.commit_version + 1, f"pending v{version} on committed v{old.commit_version}")
-        if old.pending_version and not old.pending_remove and not old.pending_patch and not blob_written:
-            self.blobs.delete(chunk_id, old.pending_version)
-        if content is not None and not blob_written:
-            self.write_blob(chunk_id, version, content)
-        state = replace(old, pending_version=version, pending_length=len(content) if content is not None else 0,
-                        pending_checksum=checksum, pending_chain_version=chain_version,
-                        flags=FLAG_PENDING_REMOVE if content is None else 0)
+        ensure(version > old.commit_version, f"pending v{version} on committed v{old.commit_version}")
         batch = WriteBatch()
-        self._forget_patch(batch, chunk_id, old)
+        self._drop_pending(batch, chunk_id, old)
+        flags = old.flags & FLAG_COMMIT_INLINE
+        blob = 0
+        self._synced_pending.discard(chunk_id)
+        if content is None:
+            flags |= FLAG_PENDING_REMOVE
+        elif written_blob:
+            blob = written_blob
+            self._synced_pending.add(chunk_id)
+        elif self.stores_inline(len(content)):
+            self._check_space(len(content))
+            blob = self.new_blob()
+            batch.put(_inline_key(chunk_id, blob), bytes(content))
+            flags |= FLAG_PENDING_INLINE
+        else:
+            blob = self.new_blob()
+            self.files.write(chunk_id, blob, content)
+        self.observe_version(version)
+        state = replace(old, pending_version=version, pending_blob=blob,
+                        pending_length=len(content) if content is not None else 0, pending_checksum=checksum,
+                        pending_chain_version=chain_version, flags=flags, pending_channel=channel)
         batch.put(_META + chunk_id, state.encode())
-        self.kv.write(batch, sync=False)  # a lost pending is recovered by resync
+        self.kv.write(batch, sync=False)  # a lost pending version is recovered by resync
         self._set(chunk_id, state)
         return state
 
     def stage_patch(self, chunk_id: bytes, version: int, offset: int, data: bytes, old_data: bytes, checksum: int,
-                    chain_version: int, defer_sync: bool = False) -> ChunkState:
+                    chain_version: int, channel: Channel | None = None, defer_sync: bool = False) -> ChunkState:
         """Stage pending ``version`` as the committed bytes with ``data`` overwritten at ``offset``.
 
-        Nothing on disk changes until :meth:`commit`, which patches the committed version's blob in
-        place. The record kept here holds the old bytes too, so a commit cut short by a crash is
+        Nothing on disk changes until :meth:`commit`. For a file blob, which the commit patches in
+        place, the record kept here holds the old bytes too, so a commit cut short by a crash is
         undone at restart; it is synced (when commits are) before the blob is touched. With
-        ``defer_sync`` the record is written unsynced and the caller syncs the log (one fsync for
-        many writes) and says so to :meth:`commit`; a commit that is not told syncs it itself.
+        ``defer_sync`` it is written unsynced and the caller syncs the log (one fsync for many
+        writes) and says so to :meth:`commit`; a commit that is not told syncs it itself.
         """
         old = self._states.get(chunk_id)
-        ensure(old is not None and old.commit_version > 0 and version == old.commit_version + 1
-               and not old.pending_version, f"patch v{version} needs committed v{version - 1} and nothing pending")
+        ensure(old is not None and old.commit_version > 0 and version > old.commit_version
+               and not old.pending_version, f"patch v{version} needs a committed version and nothing pending")
         assert old is not None
         ensure(len(data) == len(old_data) and offset + len(data) <= old.length, "a patch stays inside the chunk")
         patch = Patch(offset, data, old_data)
-        state = replace(old, pending_version=version, pending_length=old.length, pending_checksum=checksum,
-                        pending_chain_version=chain_version, flags=FLAG_PENDING_PATCH)
+        inline = old.commit_inline
+        state = replace(old, pending_version=version, pending_blob=self.new_blob(), pending_length=old.length,
+                        pending_checksum=checksum, pending_chain_version=chain_version,
+                        flags=FLAG_PENDING_PATCH | (FLAG_COMMIT_INLINE | FLAG_PENDING_INLINE if inline else 0),
+                        pending_channel=channel)
+        self.observe_version(version)
         batch = WriteBatch()
-        batch.put(_PATCH + chunk_id, patch.encode())
         batch.put(_META + chunk_id, state.encode())
-        self.kv.write(batch, sync=self.sync_commits and not defer_sync)
-        if defer_sync and self.sync_commits:
-            self._unsynced_patches.add(chunk_id)
+        if inline:
+            self.kv.write(batch, sync=False)  # the commit batch applies it; nothing to undo before that
+        else:
+            batch.put(_PATCH + chunk_id, patch.encode())
+            self.kv.write(batch, sync=self.sync_commits and not defer_sync)
+            if defer_sync and self.sync_commits:
+                self._unsynced_patches.add(chunk_id)
         self._patches[chunk_id] = patch
         self._set(chunk_id, state)
         return state
-
-    def _forget_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState | None) -> None:
-        if old is not None and old.pending_patch:
-            batch.delete(_PATCH + chunk_id)
-            self._patches.pop(chunk_id, None)
-            self._unsynced_patches.discard(chunk_id)
 
     def abort(self, chunk_id: bytes, version: int) -> None:
         """Drop pending ``version`` (the update was refused further down the chain)."""
         old = self._states.get(chunk_id)
         if old is None or old.pending_version != version:
             return
-        if not old.pending_remove and not old.pending_patch:
-            self.blobs.delete(chunk_id, version)
         batch = WriteBatch()
-        self._forget_patch(batch, chunk_id, old)
+        self._drop_pending(batch, chunk_id, old)
         if old.commit_version == 0:
             batch.delete(_META + chunk_id)
             self._set(chunk_id, None)
         else:
-            state = replace(old, pending_version=0, pending_length=0, pending_checksum=0, pending_chain_version=0,
-                            flags=0)
+            state = old.without_pending()
             batch.put(_META + chunk_id, state.encode())
             self._set(chunk_id, state)
         self.kv.write(batch, sync=False)
 
-    def pending_chunks(self) -> list[bytes]:
-        return sorted(self._pending)
+    def commit(self, chunk_id: bytes, version: int, chain_version: int, *, now_ms: int = 0,
+               defer_sync: bool = False, patch_synced: bool = False) -> ChunkState | None:
+        """Make pending ``version`` the committed one and record its request's answer. Returns the
+        new state (None: removed).
 
-    def commit(self, chunk_id: bytes, version: int, chain_version: int,
-               channel: tuple[bytes, int, int] | None = None, defer_sync: bool = False,
-               patch_synced: bool = False) -> ChunkState | None:
-        """Make pending ``version`` the committed one. Returns the new state (None: removed).
-
-        ``defer_sync``: the commit record is written unsynced; the caller must sync the log
+        ``defer_sync``: the commit batch is written unsynced; the caller must sync the log
         (``kv.sync_wal``) before it acknowledges the write. ``patch_synced``: the caller synced
         the log after staging a deferred patch, so its undo record is durable.
         """
@@ -336,92 +561,151 @@ class ChunkEngine:
                f"commit of v{version} without that pending version")
         assert old is not None
         batch = WriteBatch()
+        new: ChunkState | None
+        if old.pending_remove:
+            new = None
+            batch.delete(_META + chunk_id)
+        else:
+            if old.pending_patch:
+                self._apply_patch(batch, chunk_id, old, patch_synced)
+            elif not old.pending_inline and chunk_id not in self._synced_pending:
+                self.files.sync(chunk_id, old.pending_blob)
+            new = ChunkState(commit_version=version, commit_blob=old.pending_blob, chain_version=chain_version,
+                             length=old.pending_length, checksum=old.pending_checksum,
+                             flags=FLAG_COMMIT_INLINE if old.pending_inline else 0)
+            batch.put(_META + chunk_id, new.encode())
+        if old.commit_version and old.commit_inline and not old.pending_patch:
+            batch.delete(_inline_key(chunk_id, old.commit_blob))
+        self._record_channel(batch, old.pending_channel, new, chunk_id, now_ms)
+        self.kv.write(batch, sync=self.sync_commits and not defer_sync)
+        self.used_bytes += (new.length if new else 0) - old.length
+        self._set(chunk_id, new)
+        if old.commit_version and not old.commit_inline and not old.pending_patch:
+            self.files.delete(chunk_id, old.commit_blob)  # (a patch renamed it instead)
+        return new
+
+    def _apply_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState, patch_synced: bool) -> None:
+        patch = self._patches.pop(chunk_id)
+        if old.commit_inline:
+            raw = self.kv.get(_inline_key(chunk_id, old.commit_blob))
+            if raw is None:
+                raise IoError(f"chunk {chunk_id.hex()}: inline record of blob {old.commit_blob} is missing")
+            batch.delete(_inline_key(chunk_id, old.commit_blob))
+            batch.put(_inline_key(chunk_id, old.pending_blob), patch.overlay(raw, 0))
+            return
         if chunk_id in self._unsynced_patches:
             self._unsynced_patches.discard(chunk_id)
             if not patch_synced:
                 self.kv.sync_wal()  # the undo record must be durable before the blob changes
-        if old.pending_patch:
-            patch = self._patches[chunk_id]
-            self.blobs.patch(chunk_id, old.commit_version, version, patch.offset, patch.new)
-            self._forget_patch(batch, chunk_id, old)
-        if old.pending_remove:
-            new: ChunkState | None = None
-            batch.delete(_META + chunk_id)
-        else:
-            self.blobs.sync(chunk_id, version)
-            new = ChunkState(commit_version=version, chain_version=chain_version, length=old.pending_length,
-                             checksum=old.pending_checksum)
-            batch.put(_META + chunk_id, new.encode())
-        self._record_channel(batch, channel, version, new, chunk_id)
-        self.kv.write(batch, sync=self.sync_commits and not defer_sync)
-        self._install(chunk_id, old, new)
-        return new
+        self.files.patch(chunk_id, old.commit_blob, old.pending_blob, patch.offset, patch.new)
+        self.files.sync(chunk_id, old.pending_blob)
+        batch.delete(_PATCH + chunk_id)
 
-    def replace(self, chunk_id: bytes, version: int, chain_version: int, content: bytes | memoryview | None,
-                checksum: int, channel: tuple[bytes, int, int] | None = None) -> ChunkState | None:
-        """Full-chunk replace: commit ``content`` as ``version`` directly, abandoning any pending one."""
+    def install(self, chunk_id: bytes, version: int, chain_version: int, content: bytes | memoryview | None,
+                checksum: int, *, channel: Channel | None = None, now_ms: int = 0,
+                written_blob: int = 0, defer_sync: bool = False) -> ChunkState | None:
+        """Full-chunk replace: commit ``content`` as ``version`` at once (None: remove the chunk),
+        dropping any pending version. The new copy is written under a new name before the batch
+        that switches to it, so a failure (a full disk) leaves the old copy committed and whole.
+        ``written_blob``: the caller wrote and synced the blob already (:meth:`write_blob`).
+        ``defer_sync``: as for :meth:`commit`."""
         old = self._states.get(chunk_id)
         batch = WriteBatch()
-        self._forget_patch(batch, chunk_id, old)
+        new: ChunkState | None = None
         if content is None:
-            new: ChunkState | None = None
             batch.delete(_META + chunk_id)
         else:
-            if old is not None and version in (old.commit_version, old.pending_version):
-                # Never overwrite a blob that the current metadata still points at.
-                self._drop_blobs(chunk_id, old)
-                self._set(chunk_id, None)
-                self.used_bytes -= old.length
-                drop = WriteBatch()
-                drop.delete(_META + chunk_id)
-                self.kv.write(drop, sync=self.sync_commits)
-                old = None
-            self._check_space(len(content))
-            self.blobs.write(chunk_id, version, content)
-            self.blobs.sync(chunk_id, version)
-            new = ChunkState(commit_version=version, chain_version=chain_version, length=len(content),
-                             checksum=checksum)
+            if written_blob:
+                blob, flags = written_blob, 0
+            elif self.stores_inline(len(content)):
+                self._check_space(len(content))
+                blob, flags = self.new_blob(), FLAG_COMMIT_INLINE
+                batch.put(_inline_key(chunk_id, blob), bytes(content))
+            else:
+                blob, flags = self.new_blob(), 0
+                self.write_blob(chunk_id, blob, content)
+            new = ChunkState(commit_version=version, commit_blob=blob, chain_version=chain_version,
+                             length=len(content), checksum=checksum, flags=flags)
             batch.put(_META + chunk_id, new.encode())
-        self._record_channel(batch, channel, version, new, chunk_id)
-        self.kv.write(batch, sync=self.sync_commits)
-        if old is not None:
-            self._install(chunk_id, old, new)
-        elif new is not None:
-            self._set(chunk_id, new)
-            self.used_bytes += new.length
+        self.observe_version(version)
+        self._drop_pending(batch, chunk_id, old)
+        if old is not None and old.commit_version and old.commit_inline:
+            batch.delete(_inline_key(chunk_id, old.commit_blob))
+        self._record_channel(batch, channel, new, chunk_id, now_ms)
+        self.kv.write(batch, sync=self.sync_commits and not defer_sync)
+        self.used_bytes += (new.length if new else 0) - (old.length if old else 0)
+        self._set(chunk_id, new)
+        if old is not None and old.commit_version and not old.commit_inline:
+            self.files.delete(chunk_id, old.commit_blob)
         return new
 
-    def _record_channel(self, batch: WriteBatch, channel: tuple[bytes, int, int] | None, version: int,
-                        new: ChunkState | None, chunk_id: bytes) -> None:
+    # -- exactly-once records ----------------------------------------------------------------
+
+    def _record_channel(self, batch: WriteBatch, channel: Channel | None, new: ChunkState | None, chunk_id: bytes,
+                        now_ms: int) -> None:
         if channel is None or not channel[0]:
             return
         client_id, channel_id, seq = channel
-        record = ChannelRecord(seq, version if new else 0, new.length if new else 0, new.checksum if new else 0,
-                               chunk_id)
-        key = _channel_key(client_id, channel_id)
+        key = channel_key(client_id, channel_id)
+        existing = self._channels.get(key)
+        if existing is not None and existing.seq >= seq:
+            return  # a late commit never replaces the answer to a newer request
+        record = ChannelRecord(seq, new.commit_version if new else 0, new.length if new else 0,
+                               new.checksum if new else 0, chunk_id, now_ms)
         batch.put(key, record.encode())
         self._channels[key] = record
+        self._channels.move_to_end(key)
 
-    def _install(self, chunk_id: bytes, old: ChunkState, new: ChunkState | None) -> None:
-        self.used_bytes -= old.length
-        if new is None:
-            self._set(chunk_id, None)
-            self._drop_blobs(chunk_id, old)
-            return
-        self.used_bytes += new.length
-        self._set(chunk_id, new)
-        patched = old.pending_patch and old.pending_version == new.commit_version
-        if old.commit_version and old.commit_version != new.commit_version and not patched:
-            self.blobs.delete(chunk_id, old.commit_version)  # (a patch renamed it instead)
-        if old.pending_version and old.pending_version != new.commit_version and not old.pending_remove \
-                and not old.pending_patch:
-            self.blobs.delete(chunk_id, old.pending_version)
+    def merge_channels(self, records: Iterable[tuple[bytes, int, ChannelRecord]], now_ms: int) -> int:
+        """Take a predecessor's records (client id, channel id, record), keeping whichever of two
+        records of one channel is newer. Returns how many changed."""
+        batch = WriteBatch()
+        changed = 0
+        for client_id, channel_id, record in records:
+            key = channel_key(client_id, channel_id)
+            existing = self._channels.get(key)
+            if existing is not None and existing.seq >= record.seq:
+                continue
+            record = replace(record, stamp_ms=now_ms)
+            batch.put(key, record.encode())
+            self._channels[key] = record
+            self._channels.move_to_end(key)
+            changed += 1
+        if len(batch):
+            self.kv.write(batch, sync=self.sync_commits)
+        return changed
 
-    def _drop_blobs(self, chunk_id: bytes, state: ChunkState) -> None:
-        if state.commit_version:
-            self.blobs.delete(chunk_id, state.commit_version)
-        if state.pending_version and not state.pending_remove and not state.pending_patch:
-            self.blobs.delete(chunk_id, state.pending_version)
+    def forget_channels(self, page: int = 1000) -> None:
+        """Drop every record: this target is about to be resynced, and records of writes its chain
+        may have rolled back must not answer a retry. The predecessor's records follow."""
+        while True:
+            keys = [key for key, _ in self.kv.scan(_CHANNEL, prefix_end(_CHANNEL), limit=page)]
+            if not keys:
+                break
+            batch = WriteBatch()
+            for key in keys:
+                batch.delete(key)
+            self.kv.write(batch, sync=self.sync_commits)
+        self._channels.clear()
+
+    def expire_channels(self, now_ms: int, ttl_ms: int, limit: int = 1000) -> int:
+        """Drop up to ``limit`` records written more than ``ttl_ms`` ago (oldest first). Clients
+        never retry a request that long (the head refuses older retries), so none is still needed."""
+        if self._unstamped:  # records loaded at open (they lead the order): their age counts from now
+            for key in [k for k, record in self._channels.items() if record.stamp_ms is None]:
+                self._channels[key] = replace(self._channels[key], stamp_ms=now_ms)
+                self._channels.move_to_end(key)
+            self._unstamped = False
+        batch = WriteBatch()
+        while self._channels and len(batch) < limit:
+            key, record = next(iter(self._channels.items()))
+            if record.stamp_ms is None or now_ms - record.stamp_ms <= ttl_ms:
+                break
+            del self._channels[key]
+            batch.delete(key)
+        if len(batch):
+            self.kv.write(batch, sync=False)  # a lost deletion only keeps a record a little longer
+        return len(batch)
 
     def close(self) -> None:
         self.kv.close()

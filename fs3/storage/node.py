@@ -56,13 +56,20 @@ class StorageNodeConfig:
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     sync_batch_chunks: int = 256
     io_threads: int = 0  # 0: file I/O runs on the event loop (the simulator); services use a pool
+    # How often expired exactly-once records are dropped (see ReplicaConfig.channel_record_ttl_ms).
+    channel_expiry_interval_ms: int = 60_000
+
+
+# Starts blocking I/O somewhere (a thread pool, or the simulator's model of one); the future
+# completes when it has finished.
+IoSubmitter = Callable[[Callable[[], Any]], "asyncio.Future[Any]"]
 
 
 class StorageNode:
     """One storage node hosting several targets."""
 
     def __init__(self, config: StorageNodeConfig, engines: dict[int, ChunkEngine], channels: ChannelFactory,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, io_submitter: IoSubmitter | None = None) -> None:
         if not engines:
             raise InvalidArgument("a storage node needs at least one target")
         self.config = config
@@ -84,14 +91,18 @@ class StorageNode:
         self._nodes: dict[int, cpb.NodeInfo] = {}
         self._io_pool = (concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="fs3-io")
                          if config.io_threads > 0 else None)
+        self._io_submitter = io_submitter
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._routing_loop(), name=f"routing-{self.config.node_id}"))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.config.node_id}"))
+        self._tasks.append(asyncio.create_task(self._expiry_loop(), name=f"channel-expiry-{self.config.node_id}"))
 
     async def stop(self) -> None:
+        for replica in self.replicas.values():
+            await replica.stop()
         tasks = self._tasks + list(self._sync_tasks.values())
         self._tasks, self._sync_tasks = [], {}
         for task in tasks:
@@ -118,6 +129,7 @@ class StorageNode:
             self._apply_routing(rsp.routing)
 
     def _apply_routing(self, routing: cpb.RoutingInfo) -> None:
+        before = {tid: self._my_public_state(tid) for tid in self.engines}
         self.routing = routing
         self._views.clear()
         self._nodes = {n.node_id: n for n in routing.nodes}
@@ -146,6 +158,7 @@ class StorageNode:
                                 self.config.node_id, tid, public.name.lower())
                     local = LocalState.ONLINE
                 self.local_states[tid] = local
+        self._forget_channels_before_resync(before)
         self._schedule_resyncs()
         if not self._silent_until_offline:
             for tid, chain_id in self._chain_of_target.items():
@@ -153,6 +166,28 @@ class StorageNode:
                     self.replicas[tid].repair_abandoned(chain_id)
         event, self._routing_event = self._routing_event, asyncio.Event()
         event.set()
+
+    def _my_public_state(self, target_id: int) -> PublicState | None:
+        """A local target's public state in the routing this node holds (None: not in a chain)."""
+        chain_id = self._chain_of_target.get(target_id)
+        if not chain_id or self.routing is None:
+            return None
+        view = self.view(chain_id, target_id)
+        return view.my_state if view is not None else None
+
+    def _forget_channels_before_resync(self, before: dict[int, PublicState | None]) -> None:
+        """A target about to be resynced drops its exactly-once records first: they may describe
+        writes its chain rolled back while it was away, and must not answer a retry once it is
+        head. Its predecessor hands over the chain's records as the resync starts (and every write
+        from then on reaches it), so nothing it needs is lost. A lastsrv target coming back serves
+        again without a resync and keeps its records."""
+        for tid in self.engines:
+            now = self._my_public_state(tid)
+            if now in (PublicState.WAITING, PublicState.SYNCING) and before.get(tid) not in (PublicState.WAITING,
+                                                                                             PublicState.SYNCING):
+                log.info("node %d: target %d will be resynced; dropping its exactly-once records",
+                         self.config.node_id, tid)
+                self.replicas[tid].forget_channels()
 
     async def _routing_loop(self) -> None:
         while True:
@@ -222,13 +257,13 @@ class StorageNode:
         for tid, engine in self.engines.items():
             local = LocalState.OFFLINE if tid in self.failed_targets else self.local_states.get(tid, LocalState.ONLINE)
             try:
-                free = engine.blobs.free_bytes()
-                capacity = engine.blobs.capacity_bytes()
+                free = engine.files.free_bytes()
+                capacity = engine.files.capacity_bytes()
             except OSError:
                 free = capacity = 0
             req.targets.add(target_id=tid, local_state=_LOCAL_TO_PB[local], capacity_bytes=capacity,
                             used_bytes=engine.used_bytes, free_bytes=free, chunk_count=engine.chunk_count,
-                            path=getattr(engine.blobs, "root", "") and str(getattr(engine.blobs, "root", "")))
+                            path=getattr(engine.files, "root", "") and str(getattr(engine.files, "root", "")))
         return req
 
     async def heartbeat_once(self) -> None:
@@ -256,9 +291,34 @@ class StorageNode:
             await asyncio.sleep(self.config.heartbeat_interval_ms / 1000)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._io_pool is None:
+        """Run blocking file I/O on the pool. Never returns before ``fn`` has finished, even if the
+        caller is cancelled meanwhile: the caller holds a chunk lock over the I/O, and releasing it
+        while a thread still writes would let the next writer interleave with it."""
+        if self._io_submitter is not None:
+            future: asyncio.Future[T] = self._io_submitter(lambda: fn(*args))
+        elif self._io_pool is not None:
+            future = asyncio.get_running_loop().run_in_executor(self._io_pool, fn, *args)
+        else:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._io_pool, fn, *args)
+        cancelled = False
+        while not future.done():
+            try:
+                await asyncio.wait([future])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            if not future.cancelled():
+                future.exception()  # read, so that an I/O error nobody waits for is not reported as lost
+            raise asyncio.CancelledError
+        return future.result()
+
+    async def _expiry_loop(self) -> None:
+        """Drop exactly-once records older than any retry can be (bounded work per pass)."""
+        while True:
+            await asyncio.sleep(self.config.channel_expiry_interval_ms / 1000)
+            for replica in self.replicas.values():
+                while replica.expire_channels() > 0:
+                    await asyncio.sleep(0)
 
     # -- peers -------------------------------------------------------------------------------
 
@@ -353,6 +413,9 @@ class StorageNode:
         log.info("node %d: target %d is up to date", self.config.node_id, replica.target_id)
         self.local_states[replica.target_id] = LocalState.UP_TO_DATE
         self._tasks.append(asyncio.create_task(self._heartbeat_soon()))
+
+    def sync_channels(self, req: spb.SyncChannelsReq) -> int:
+        return self.replica_for_target(req.target_id, req.chain_id).sync_channels(req)
 
     async def _heartbeat_soon(self) -> None:
         with contextlib.suppress(FS3Error):

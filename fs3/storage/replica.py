@@ -1,33 +1,39 @@
-"""CRAQ chain replication for one storage target.
+"""CRAQ chain replication for one storage target: the async shell around the update machine.
 
 The protocol, as in the 3FS design notes:
 
 * Clients write only to the chain head. Every target checks the request's chain version, takes
-  the chunk lock, stores the update as pending version ``u = v + 1``, forwards it to its
-  successor and commits once the successor answered; the tail commits first, the commit
-  travels back as the RPC answers, and the client hears of success only after the whole chain
-  committed.
+  the chunk lock, stores the update as a pending version, forwards it to its successor and commits
+  once the successor answered; the tail commits first, the commit travels back as the RPC
+  answers, and the client hears of success only after the whole chain committed.
 * A successor that is syncing receives full-chunk replacements instead of the update itself.
 * When forwarding fails the target waits for a new chain (mgmtd moves failed targets to the
   end and bumps the version) and forwards again to the new successor, within a retry budget.
 * A head that finds an abandoned pending version (left by a write that was in flight when the
-  previous head failed) first pushes it down the chain as a full-chunk replacement: some
-  successor may already have committed it, so it must not be overwritten by another update
-  carrying the same version number.
+  previous head failed) first pushes it down the chain as a full-chunk replacement and commits it,
+  with its request's exactly-once record: some successor may already have committed it.
 * Reads go to any serving replica. A dirty chunk (pending version present) is answered either
   with ``CHUNK_NOT_COMMITTED`` (3FS: the client retries) or, CRAQ's way, by asking the tail
   which version is committed and serving that one.
 
-This module does no I/O of its own: the chunk engine, the chain view, the lease and the
-network to other targets come from the :class:`ReplicaHost` the storage node provides (the
-simulator provides another one). It reads no clock and draws no random numbers.
+What to do with an update is decided by :class:`fs3.storage.craq.UpdateMachine` (pure, shared by
+the head and its successors); this module carries out its effects — the chunk engine, the chain
+view, the lease and the network to other targets come from the :class:`ReplicaHost` the storage
+node provides (the simulator provides another one). It reads no clock and draws no random numbers.
+
+**An update runs to completion.** Its body runs as a task of its own that the request only waits
+for: a request cancelled by a deadline or a closed connection never releases the chunk lock while
+the update's I/O (a blob written on the I/O pool, a forward in flight) is still running, and never
+leaves a pending version half staged. A retry of the same request waits for the same task.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -42,10 +48,9 @@ from fs3.common.errors import (
     ChunkNotCommitted,
     FS3Error,
     InvalidArgument,
-    IoError,
     LeaseExpired,
-    NoSpace,
     NotHead,
+    ResourceExhausted,
     StaleUpdate,
     TargetNotServing,
     Unavailable,
@@ -55,7 +60,27 @@ from fs3.common.invariant import ensure
 from fs3.kv.group_sync import GroupSync
 from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.chain_view import ChainMember, ChainView
-from fs3.storage.chunk_engine import ChunkEngine, ChunkState
+from fs3.storage.chunk_engine import Channel, ChannelRecord, ChunkEngine, ChunkState
+from fs3.storage.craq import (
+    Abort,
+    AwaitRouting,
+    ChunkFacts,
+    Commit,
+    CompletePending,
+    Effect,
+    Fail,
+    Forward,
+    Install,
+    Kind,
+    Outcome,
+    PathFacts,
+    Reply,
+    Source,
+    Stage,
+    UpdateMachine,
+    UpdateRequest,
+    classify,
+)
 
 __all__ = ["DirtyReadPolicy", "ReplicaConfig", "ReplicaHost", "TargetReplica", "build_content"]
 
@@ -83,6 +108,12 @@ class ReplicaConfig:
     # staged as a patch of the committed version and applied in place at commit, instead of
     # copying the whole chunk into a new version (0: always copy).
     patch_max_bytes: int = 256 * 1024
+    # Updates (client writes, forwards, repairs) running on this target at once; more are refused
+    # with RESOURCE_EXHAUSTED (the client backs off and retries).
+    updates_inflight_max: int = 4096
+    # Exactly-once records live this long after their request committed. The head refuses a retry
+    # sent more than half of it after the request's first attempt, so no retry outlives its record.
+    channel_record_ttl_ms: int = 600_000
 
 
 class ReplicaHost(Protocol):
@@ -102,7 +133,8 @@ class ReplicaHost(Protocol):
                       timeout_ms: int) -> spb.UpdateRsp: ...
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking file I/O; a real node uses a thread pool, the simulator runs it inline."""
+        """Run blocking file I/O (a real node: a thread pool). Must not return — not even when the
+        caller is cancelled — before ``fn`` has finished: callers hold chunk locks over it."""
         ...
 
     async def query_committed(self, member: ChainMember, req: spb.QueryCommittedReq,
@@ -135,10 +167,27 @@ def build_content(base: bytes | None, update: spb.UpdateReq, payload: Buffer) ->
 # A new version's whole content, or how to produce it (a patch builds it only when needed).
 ContentSource = bytes | None | Callable[[], bytes | None]
 
-# Failures after which the same forward may succeed once the chain has been updated.
-_RETRY_FORWARD = (Unavailable, ChainVersionMismatch, TargetNotServing, LeaseExpired, NotHead)
-# Refusals that prove the successor did not apply the update: the pending version can be dropped.
-_DEFINITIVE = (NoSpace, IoError, ChecksumMismatch, InvalidArgument)
+_KIND = {spb.WRITE: Kind.WRITE, spb.TRUNCATE: Kind.TRUNCATE, spb.REMOVE: Kind.REMOVE}
+
+
+@dataclass
+class _Op:
+    """One update being carried out on this target: what the machine's effects act on."""
+
+    chain_id: int
+    chunk_id: bytes
+    source: Source
+    update: spb.UpdateReq  # what is forwarded (a client's request carries its exactly-once channel)
+    payload: Buffer  # the update's bytes, or the whole chunk for a full replace
+    channel: Channel | None = None
+    content: ContentSource = None  # the new version's whole content, once staged
+    checksum: int = 0  # CRC32C of the new content
+    remove: bool = False  # a full replace of a chunk that no longer exists
+    chunk_chain_version: int = 0  # a full replace: the chain version stored with the chunk
+    patch_ticket: int | None = None  # the log sync that makes a staged patch's undo record durable
+
+    def whole(self) -> bytes | None:
+        return self.content() if callable(self.content) else self.content
 
 
 class _ChunkLocks:
@@ -168,6 +217,13 @@ class _ChunkLocks:
                 self._locks[chunk_id] = (lock, users - 1)
 
 
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Nobody may be left waiting for a finished update (its request was cancelled): read its
+    exception so that asyncio does not report it as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
 class TargetReplica:
     """The CRAQ logic of one storage target."""
 
@@ -180,9 +236,19 @@ class TargetReplica:
         self.locks = _ChunkLocks()
         self._inflight: dict[tuple[bytes, int], tuple[int, asyncio.Future[spb.UpdateRsp]]] = {}
         self._repairs: dict[bytes, asyncio.Task[None]] = {}
+        self._updates: set[asyncio.Task[Any]] = set()
         # Group commit of the target's log: writes on the hot path are made unsynced and share
         # one fsync, off the event loop (a real node's I/O pool; inline in the simulator).
         self._log_sync = GroupSync(lambda: host.run_blocking(engine.kv.sync_wal))
+
+    async def stop(self) -> None:
+        """Cancel running updates and repairs (each still waits for I/O it started)."""
+        tasks = [*self._updates, *self._repairs.values()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -206,15 +272,42 @@ class TargetReplica:
 
     @staticmethod
     def _rsp(state: ChunkState | None) -> spb.UpdateRsp:
-        if state is None:
+        if state is None or not state.commit_version:
             return spb.UpdateRsp()
         return spb.UpdateRsp(commit_version=state.commit_version, chunk_length=state.length,
                              chunk_checksum=state.checksum)
 
-    def _base(self, chunk_id: bytes, state: ChunkState | None) -> bytes | None:
+    @staticmethod
+    def _record_rsp(record: ChannelRecord) -> spb.UpdateRsp:
+        return spb.UpdateRsp(commit_version=record.commit_version, chunk_length=record.length,
+                             chunk_checksum=record.checksum)
+
+    def _chunk_facts(self, chunk_id: bytes) -> ChunkFacts:
+        state = self.engine.get(chunk_id)
+        if state is None:
+            return ChunkFacts()
+        return ChunkFacts(state.commit_version, state.pending_version, state.length)
+
+    def _path(self, chain_id: int) -> PathFacts:
+        view = self.host.view(chain_id, self.target_id)
+        if view is None or view.me is None:
+            return PathFacts(writable=False, lease_valid=self.host.lease_valid())
+        successor = view.successor()
+        return PathFacts(writable=view.my_state.writable, lease_valid=self.host.lease_valid(),
+                         successor=successor.target_id if successor else 0,
+                         successor_syncing=successor is not None and successor.state is PublicState.SYNCING,
+                         routing_version=view.routing_version)
+
+    def _machine(self, request: UpdateRequest) -> UpdateMachine:
+        return UpdateMachine(request, patch_max_bytes=self.config.patch_max_bytes,
+                             retry_total_ms=self.config.forward_retry_total_ms)
+
+    async def _base(self, chunk_id: bytes, state: ChunkState | None) -> bytes | None:
         if state is None or state.commit_version == 0:
             return None
-        return self.engine.read(chunk_id, state.commit_version, 0, state.length)
+        if state.commit_inline or state.length < self.config.offload_write_min_bytes:
+            return self.engine.read(chunk_id, state.commit_version, 0, state.length)
+        return await self.host.run_blocking(self.engine.read, chunk_id, state.commit_version, 0, state.length)
 
     @staticmethod
     def _content_checksum(update: spb.UpdateReq, content: bytes | None) -> int:
@@ -225,41 +318,26 @@ class TargetReplica:
             return int(update.checksum)
         return crc32c(content)
 
-    def _patchable(self, state: ChunkState | None, update: spb.UpdateReq) -> bool:
-        """Whether ``update`` can be a patch: a small write inside a committed, larger chunk."""
-        return (update.type == spb.WRITE and state is not None and state.commit_version > 0
-                and not state.pending_version and 0 < update.length <= self.config.patch_max_bytes
-                and update.offset + update.length <= state.length and 2 * update.length <= state.length)
-
-    def _stage_patch(self, chunk_id: bytes, state: ChunkState, version: int, update: spb.UpdateReq, payload: Buffer,
-                     chain_version: int) -> tuple[Callable[[], bytes | None], int, int]:
-        """Stage the write as a patch; returns how to get the whole new content (only a successor
-        being synced needs it), its checksum (derived from the old one without a reread), and the
-        ticket of the log sync that makes the patch's undo record durable (started at once, so
-        it overlaps the forward to the successor)."""
-        new = bytes(payload)
-        old = self.engine.read(chunk_id, state.commit_version, update.offset, len(new))
-        checksum = crc32c_patch(state.checksum, state.length, update.offset, old, new)
-        self.engine.stage_patch(chunk_id, version, update.offset, new, old, checksum, chain_version,
-                                defer_sync=True)
-        return (lambda: self.engine.read(chunk_id, version, 0, state.length)), checksum, self._log_written()
-
-    async def _commit(self, chain_id: int, chunk_id: bytes, version: int, patch_ticket: int | None,
-                      channel: tuple[bytes, int, int] | None) -> ChunkState | None:
-        """Commit and make it durable before the caller acknowledges: the log is synced with
-        whatever else was written meanwhile (group commit), off the event loop."""
-        chain_version = self._view(chain_id).chain_version  # as of the successor's answer
-        if patch_ticket is not None:
-            await self._log_sync.wait(patch_ticket)
-        new = self.engine.commit(chunk_id, version, chain_version, channel, defer_sync=True,
-                                 patch_synced=patch_ticket is not None)
-        await self._log_sync.wait(self._log_written())
-        return new
-
     def _log_written(self) -> int:
         """A group-sync ticket for a write just made unsynced (0, nothing to wait for, when the
         target does not sync commits at all)."""
         return self._log_sync.written() if self.engine.sync_commits else 0
+
+    async def _durable(self) -> None:
+        """Wait until everything written so far is durable."""
+        if self.engine.sync_commits:
+            await self._log_sync.wait(self._log_sync.last_ticket)
+
+    def _start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run an update body as a task of its own (see the module docstring), within the bound."""
+        if len(self._updates) >= self.config.updates_inflight_max:
+            coro.close()
+            raise ResourceExhausted(f"target {self.target_id} has {len(self._updates)} updates in flight")
+        task = asyncio.get_running_loop().create_task(coro)
+        self._updates.add(task)
+        task.add_done_callback(self._updates.discard)
+        task.add_done_callback(_retrieve)
+        return task
 
     @staticmethod
     def validate_update(req: spb.UpdateReq, payload: Buffer, check_crc: bool = True) -> None:
@@ -296,78 +374,245 @@ class TargetReplica:
             raise NotHead(f"target {self.target_id} is not the head of chain {req.chain_id}")
         self._check_chain_version(view, req.chain_version, "request")
         if not req.client_id:
-            return await self._update_locked(req, payload, None)
+            return await asyncio.shield(self._start(self._client_update(req, payload, None)))
+        if req.retry_age_ms > self.config.channel_record_ttl_ms // 2:
+            raise ChannelSeqStale(f"a retry {req.retry_age_ms} ms after its first attempt is older than this "
+                                  f"target keeps exactly-once records for")
         key = (req.client_id, req.channel_id)
+        inflight = self._inflight.get(key)
+        if inflight is not None:
+            seq, pending = inflight
+            if seq == req.seq:
+                return await asyncio.shield(pending)
+            if seq > req.seq:
+                raise ChannelSeqStale(f"channel {req.channel_id} is at seq {seq}, request has {req.seq}")
         record = self.engine.channel(req.client_id, req.channel_id)
         if record is not None:
             if record.seq == req.seq:
-                return spb.UpdateRsp(commit_version=record.commit_version, chunk_length=record.length,
-                                     chunk_checksum=record.checksum)
+                await self._durable()  # never acknowledge what a crash could still take back
+                return self._record_rsp(record)
             if record.seq > req.seq:
                 raise ChannelSeqStale(f"channel {req.channel_id} is at seq {record.seq}, request has {req.seq}")
-        inflight = self._inflight.get(key)
-        if inflight is not None:
-            seq, future = inflight
-            if seq == req.seq:
-                return await asyncio.shield(future)
-            if seq > req.seq:
-                raise ChannelSeqStale(f"channel {req.channel_id} is at seq {seq}, request has {req.seq}")
-        future = asyncio.get_running_loop().create_future()
+        task = self._start(self._client_update(req, payload, (req.client_id, req.channel_id, req.seq)))
+        future: asyncio.Future[spb.UpdateRsp] = asyncio.get_running_loop().create_future()
         self._inflight[key] = (req.seq, future)
-        try:
-            rsp = await self._update_locked(req, payload, (req.client_id, req.channel_id, req.seq))
-            future.set_result(rsp)
-            return rsp
-        except BaseException as exc:
-            future.set_exception(exc if isinstance(exc, Exception) else Unavailable("cancelled"))
-            future.exception()  # mark retrieved
-            raise
-        finally:
+
+        def settle(done: asyncio.Task[spb.UpdateRsp]) -> None:
             if self._inflight.get(key, (None, None))[1] is future:
                 del self._inflight[key]
-
-    async def _update_locked(self, req: spb.UpdateReq, payload: Buffer,
-                             channel: tuple[bytes, int, int] | None) -> spb.UpdateRsp:
-        async with self.locks.hold(req.chunk_id):
-            state = self.engine.get(req.chunk_id)
-            if state is not None and state.pending_version:
-                state = await self._repair_pending(req.chain_id, req.chunk_id, state)
-            if req.type == spb.REMOVE and state is None:
-                return spb.UpdateRsp()
-            view = self._view(req.chain_id)
-            version = (state.commit_version if state else 0) + 1
-            source: ContentSource
-            patch_ticket: int | None = None
-            if state is not None and self._patchable(state, req):
-                source, checksum, patch_ticket = self._stage_patch(req.chunk_id, state, version, req, payload,
-                                                                   view.chain_version)
+            if done.cancelled():
+                future.set_exception(Unavailable(f"update of chunk {req.chunk_id.hex()} was cancelled"))
+            elif done.exception() is not None:
+                future.set_exception(done.exception())  # type: ignore[arg-type]
             else:
-                whole = build_content(self._base(req.chunk_id, state), req, payload)
-                checksum = self._content_checksum(req, whole)
-                await self._stage(req.chunk_id, version, whole, checksum, view.chain_version)
-                source = whole
-            fwd = spb.ForwardReq(update=req, update_version=version)
-            try:
-                await self._propagate(req.chain_id, fwd, payload, source, checksum)
-            except _DEFINITIVE:
-                self.engine.abort(req.chunk_id, version)
-                raise
-            except FS3Error:
-                # Some successor may have committed it: finish it later, never drop it.
-                self.schedule_repair(req.chain_id, req.chunk_id)
-                raise
-            new = await self._commit(req.chain_id, req.chunk_id, version, patch_ticket, channel)
-            return self._rsp(new)
+                future.set_result(done.result())
+            future.exception()  # marks it retrieved: a request that gave up waiting need not read it
 
-    async def _stage(self, chunk_id: bytes, version: int, content: bytes | None, checksum: int,
-                     chain_version: int) -> None:
-        """Stage a pending version; large data is written off the event loop (under the chunk lock)."""
-        if content is not None and len(content) >= self.config.offload_write_min_bytes:
-            self.engine.drop_pending(chunk_id)
-            await self.host.run_blocking(self.engine.write_blob, chunk_id, version, content)
-            self.engine.stage(chunk_id, version, content, checksum, chain_version, blob_written=True)
+        task.add_done_callback(settle)
+        return await asyncio.shield(future)
+
+    async def _client_update(self, req: spb.UpdateReq, payload: Buffer, channel: Channel | None) -> spb.UpdateRsp:
+        async with self.locks.hold(req.chunk_id):
+            while True:
+                machine = self._machine(UpdateRequest(Source.CLIENT, _KIND[req.type], req.offset, req.length))
+                effects = machine.start(self._chunk_facts(req.chunk_id), self._path(req.chain_id),
+                                        self.host.now_ms(), self.engine.new_version)
+                first = effects[0]
+                if isinstance(first, CompletePending):
+                    await self._repair_locked(req.chain_id, req.chunk_id)
+                    continue  # the chunk is clean now: decide again
+                op = _Op(req.chain_id, req.chunk_id, Source.CLIENT, req, payload, channel)
+                return await self._drive(machine, effects, op)
+
+    # -- chain forwards (non-head) -----------------------------------------------------------
+
+    async def forward(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
+        update = req.update
+        validate_chunk_id(update.chunk_id)
+        self._require_lease()
+        view = self._view(update.chain_id)
+        if not view.my_state.writable:
+            raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
+        self._check_chain_version(view, req.chain_version, "forward")
+        predecessor = view.predecessor()
+        if predecessor is None or predecessor.target_id != req.from_target_id:
+            raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
+        if req.full_chunk_replace:
+            if req.remove:
+                if len(payload):
+                    raise InvalidArgument("a removal carries no payload")
+            elif len(payload) != req.chunk_length or crc32c(payload) != req.chunk_checksum:
+                raise ChecksumMismatch("full-chunk replacement does not match its length or checksum")
         else:
-            self.engine.stage(chunk_id, version, content, checksum, chain_version)
+            if update.type == spb.WRITE and crc32c(payload) != update.checksum:
+                raise ChecksumMismatch("forwarded payload checksum does not match")
+            self.validate_update(update, payload, check_crc=False)
+        if req.update_version <= req.base_version and not req.full_chunk_replace:
+            raise InvalidArgument(f"update v{req.update_version} is not above its base v{req.base_version}")
+        return await asyncio.shield(self._start(self._forward_update(req, payload)))
+
+    async def _forward_update(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
+        update = req.update
+        channel = (update.client_id, update.channel_id, update.seq) if update.client_id else None
+        kind = Kind.REPLACE if req.full_chunk_replace else _KIND[update.type]
+        request = UpdateRequest(Source.SYNC if req.is_sync else Source.FORWARD, kind, update.offset, update.length,
+                                req.update_version, req.base_version, remove=req.remove)
+        op = _Op(update.chain_id, update.chunk_id, request.source, update, payload, channel,
+                 checksum=req.chunk_checksum if req.full_chunk_replace else 0, remove=req.remove,
+                 chunk_chain_version=req.chunk_chain_version)
+        async with self.locks.hold(update.chunk_id):
+            machine = self._machine(request)
+            effects = machine.start(self._chunk_facts(update.chunk_id), self._path(update.chain_id),
+                                    self.host.now_ms())
+            return await self._drive(machine, effects, op)
+
+    # -- the effect loop ---------------------------------------------------------------------
+
+    async def _drive(self, machine: UpdateMachine, effects: list[Effect], op: _Op) -> spb.UpdateRsp:
+        """Carry out the machine's effects, feeding it what happened, until it answers or fails."""
+        queue: deque[Effect] = deque(effects)
+        while queue:
+            effect = queue.popleft()
+            if isinstance(effect, Stage):
+                await self._do_stage(op, effect)
+                queue.extend(machine.staged(self._path(op.chain_id)))
+            elif isinstance(effect, Forward):
+                outcome, error = await self._do_forward(op, effect)
+                queue.extend(machine.forwarded(outcome, error, self._path(op.chain_id), self.host.now_ms()))
+            elif isinstance(effect, AwaitRouting):
+                await self.host.wait_routing_change(effect.routing_version, self.config.routing_wait_ms)
+                queue.extend(machine.routing_changed(self._path(op.chain_id), self.host.now_ms()))
+            elif isinstance(effect, Commit):
+                await self._do_commit(op, effect.version)
+                queue.extend(machine.committed())
+            elif isinstance(effect, Install):
+                await self._do_install(op, effect.version)
+            elif isinstance(effect, Abort):
+                self.engine.abort(op.chunk_id, effect.version)
+            elif isinstance(effect, Reply):
+                return self._rsp(self.engine.get(op.chunk_id))
+            elif isinstance(effect, Fail):
+                if effect.pending_kept and op.source is Source.CLIENT:
+                    # Some successor may have committed it: finish it later, never drop it.
+                    self.schedule_repair(op.chain_id, op.chunk_id)
+                raise effect.error
+            else:
+                ensure(not isinstance(effect, CompletePending), "a pending version to complete mid-update")
+        ensure(False, "the update machine stopped without an answer")
+        raise AssertionError  # unreachable
+
+    async def _do_stage(self, op: _Op, effect: Stage) -> None:
+        chunk_id, version = op.chunk_id, effect.version
+        chain_version = self._view(op.chain_id).chain_version
+        state = self.engine.get(chunk_id)
+        if effect.how == "remove":
+            self.engine.stage(chunk_id, version, None, 0, chain_version, op.channel)
+            op.content, op.checksum = None, 0
+        elif effect.how == "patch":
+            assert state is not None
+            self._stage_patch(op, state, version, chain_version)
+        elif effect.how == "replace":
+            content = bytes(op.payload)
+            await self._stage_bytes(chunk_id, version, content, op.checksum, chain_version, op.channel)
+            op.content = content
+        else:
+            whole = build_content(await self._base(chunk_id, state), op.update, op.payload)
+            op.checksum = self._content_checksum(op.update, whole)
+            await self._stage_bytes(chunk_id, version, whole, op.checksum, chain_version, op.channel)
+            op.content = whole
+
+    def _stage_patch(self, op: _Op, state: ChunkState, version: int, chain_version: int) -> None:
+        """Stage the write as a patch. The whole new content is built only if a successor being
+        synced needs it; the checksum is derived from the old one without a reread; the log sync
+        that makes the patch's undo record durable starts at once, so it overlaps the forward."""
+        chunk_id, update = op.chunk_id, op.update
+        new = bytes(op.payload)
+        old = self.engine.read(chunk_id, state.commit_version, update.offset, len(new))
+        op.checksum = crc32c_patch(state.checksum, state.length, update.offset, old, new)
+        self.engine.stage_patch(chunk_id, version, update.offset, new, old, op.checksum, chain_version, op.channel,
+                                defer_sync=True)
+        op.content = lambda: self.engine.read(chunk_id, version, 0, state.length)
+        op.patch_ticket = self._log_written()
+
+    async def _stage_bytes(self, chunk_id: bytes, version: int, content: bytes | None, checksum: int,
+                           chain_version: int, channel: Channel | None) -> None:
+        """Stage a pending version; a large blob is written by the I/O pool (under the chunk lock,
+        which the pool call never gives up before the write is done)."""
+        if content is not None and not self.engine.stores_inline(len(content)) \
+                and len(content) >= self.config.offload_write_min_bytes:
+            blob = self.engine.new_blob()
+            await self.host.run_blocking(self.engine.write_blob, chunk_id, blob, content)
+            self.engine.stage(chunk_id, version, content, checksum, chain_version, channel, written_blob=blob)
+        else:
+            self.engine.stage(chunk_id, version, content, checksum, chain_version, channel)
+
+    async def _do_forward(self, op: _Op, effect: Forward) -> tuple[Outcome, FS3Error | None]:
+        view = self._view(op.chain_id)
+        successor = view.successor()
+        if successor is None or successor.target_id != effect.successor:
+            return Outcome.RETRY, Unavailable(f"target {effect.successor} is no longer the successor")
+        req = spb.ForwardReq(update=op.update, update_version=effect.version, base_version=effect.base,
+                             chain_version=view.chain_version, from_target_id=self.target_id)
+        body: Buffer = op.payload
+        if effect.full:
+            whole = op.whole()
+            req.full_chunk_replace = True
+            req.remove = whole is None
+            req.chunk_length = len(whole) if whole is not None else 0
+            req.chunk_checksum = op.checksum
+            req.chunk_chain_version = view.chain_version
+            body = whole or b""
+        try:
+            await self.host.forward(successor, req, body, self.config.forward_timeout_ms)
+        except FS3Error as exc:
+            return classify(exc), exc
+        return Outcome.OK, None
+
+    async def _do_commit(self, op: _Op, version: int) -> None:
+        """Commit and make it durable before anyone is answered: the log is synced with whatever
+        else was written meanwhile (group commit), off the event loop."""
+        chain_version = self._view(op.chain_id).chain_version  # as of the successor's answer
+        if op.patch_ticket is not None:
+            await self._log_sync.wait(op.patch_ticket)
+        self.engine.commit(op.chunk_id, version, chain_version, now_ms=self.host.now_ms(), defer_sync=True,
+                           patch_synced=op.patch_ticket is not None)
+        await self._log_sync.wait(self._log_written())
+
+    async def _do_install(self, op: _Op, version: int) -> None:
+        """Commit a full copy directly (a syncing target, or the tail during a repair)."""
+        content = None if op.remove else bytes(op.payload)
+        chain_version = op.chunk_chain_version or self._view(op.chain_id).chain_version
+        written = 0
+        if content is not None and not self.engine.stores_inline(len(content)) \
+                and len(content) >= self.config.offload_write_min_bytes:
+            written = self.engine.new_blob()
+            await self.host.run_blocking(self.engine.write_blob, op.chunk_id, written, content)
+        self.engine.install(op.chunk_id, version, chain_version, content, op.checksum, channel=op.channel,
+                            now_ms=self.host.now_ms(), written_blob=written, defer_sync=True)
+        await self._log_sync.wait(self._log_written())
+
+    # -- abandoned pending versions ----------------------------------------------------------
+
+    async def _repair_locked(self, chain_id: int, chunk_id: bytes) -> None:
+        """Push the chunk's abandoned pending version down the chain, then commit it here with its
+        request's exactly-once record (the caller holds the chunk lock)."""
+        state = self.engine.get(chunk_id)
+        if state is None or not state.pending_version:
+            return
+        log.info("target %d: completing abandoned pending v%d of chunk %s", self.target_id,
+                 state.pending_version, chunk_id.hex())
+        channel = state.pending_channel
+        update = spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=spb.WRITE)
+        if channel is not None:
+            update.client_id, update.channel_id, update.seq = channel
+        pending, length = state.pending_version, state.pending_length
+        op = _Op(chain_id, chunk_id, Source.REPAIR, update, b"", channel, checksum=state.pending_checksum,
+                 remove=state.pending_remove)
+        op.content = None if state.pending_remove else (lambda: self.engine.read(chunk_id, pending, 0, length))
+        machine = self._machine(UpdateRequest(Source.REPAIR, Kind.REPLACE, version=pending,
+                                              remove=state.pending_remove))
+        effects = machine.start(self._chunk_facts(chunk_id), self._path(chain_id), self.host.now_ms())
+        await self._drive(machine, effects, op)
 
     def schedule_repair(self, chain_id: int, chunk_id: bytes) -> None:
         """Complete an abandoned pending version in the background while this target is the head."""
@@ -395,153 +640,12 @@ class TargetReplica:
                 return
             try:
                 async with self.locks.hold(chunk_id):
-                    state = self.engine.get(chunk_id)
-                    if state is None or not state.pending_version:
-                        return
-                    self._require_lease()
-                    await self._repair_pending(chain_id, chunk_id, state)
+                    await self._repair_locked(chain_id, chunk_id)
                     return
-            except _DEFINITIVE as exc:
-                log.error("target %d: cannot complete pending version of chunk %s: %s", self.target_id,
-                          chunk_id.hex(), exc)
-                return
-            except FS3Error:
-                delay_ms = min(delay_ms * 2, 5_000)
-
-    async def _repair_pending(self, chain_id: int, chunk_id: bytes, state: ChunkState) -> ChunkState | None:
-        """Push an abandoned pending version down the chain, then commit it here."""
-        log.info("target %d: completing abandoned pending v%d of chunk %s", self.target_id,
-                 state.pending_version, chunk_id.hex())
-        content = None
-        if not state.pending_remove:
-            content = self.engine.read(chunk_id, state.pending_version, 0, state.pending_length)
-        fwd = spb.ForwardReq(update=spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=spb.WRITE),
-                             update_version=state.pending_version, full_chunk_replace=True)
-        await self._propagate(chain_id, fwd, b"", content, state.pending_checksum, force_full=True)
-        return self.engine.commit(chunk_id, state.pending_version, self._view(chain_id).chain_version)
-
-    async def _propagate(self, chain_id: int, fwd: spb.ForwardReq, payload: Buffer, content: ContentSource,
-                         checksum: int, force_full: bool = False) -> None:
-        """Forward an update to the successor until it is committed downstream (or give up)."""
-        deadline_ms = self.host.now_ms() + self.config.forward_retry_total_ms
-        last_error: FS3Error | None = None
-        while True:
-            self._require_lease()
-            view = self._view(chain_id)
-            if not view.my_state.writable:
-                raise TargetNotServing(f"target {self.target_id} left the write path of chain {chain_id}")
-            successor = view.successor()
-            if successor is None:
-                return
-            req = spb.ForwardReq()
-            req.CopyFrom(fwd)
-            req.chain_version = view.chain_version
-            req.from_target_id = self.target_id
-            body: Buffer = payload
-            if force_full or successor.state is PublicState.SYNCING:
-                whole = content() if callable(content) else content
-                req.full_chunk_replace = True
-                req.remove = whole is None
-                req.chunk_length = len(whole) if whole is not None else 0
-                req.chunk_checksum = checksum
-                req.chunk_chain_version = view.chain_version
-                body = whole or b""
-            try:
-                await self.host.forward(successor, req, body, self.config.forward_timeout_ms)
-                return
-            except _RETRY_FORWARD as exc:
-                last_error = exc
-            except IoError as exc:
-                # The successor's disk failed, not ours: it reports its target offline and mgmtd
-                # takes it out of the chain, after which the write goes on without it.
-                last_error = exc
             except FS3Error as exc:
-                if exc.code.name == "TIMEOUT":
-                    last_error = exc
-                else:
-                    raise
-            if self.host.now_ms() >= deadline_ms:
-                raise Unavailable(f"chain {chain_id}: forwarding to successor failed for "
-                                  f"{self.config.forward_retry_total_ms} ms: {last_error}")
-            await self.host.wait_routing_change(view.routing_version, self.config.routing_wait_ms)
-
-    # -- chain forwards (non-head) -----------------------------------------------------------
-
-    async def forward(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
-        update = req.update
-        validate_chunk_id(update.chunk_id)
-        self._require_lease()
-        view = self._view(update.chain_id)
-        if not view.my_state.writable:
-            raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
-        self._check_chain_version(view, req.chain_version, "forward")
-        predecessor = view.predecessor()
-        if predecessor is None or predecessor.target_id != req.from_target_id:
-            raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
-        if req.full_chunk_replace:
-            if req.remove:
-                if len(payload):
-                    raise InvalidArgument("a removal carries no payload")
-            elif len(payload) != req.chunk_length or crc32c(payload) != req.chunk_checksum:
-                raise ChecksumMismatch("full-chunk replacement does not match its length or checksum")
-        else:
-            if update.type == spb.WRITE and crc32c(payload) != update.checksum:
-                raise ChecksumMismatch("forwarded payload checksum does not match")
-        async with self.locks.hold(update.chunk_id):
-            return await self._apply_forward(req, payload)
-
-    async def _apply_forward(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
-        update, version = req.update, req.update_version
-        chunk_id = update.chunk_id
-        state = self.engine.get(chunk_id)
-        committed = state.commit_version if state else 0
-        view = self._view(update.chain_id)
-        successor = view.successor()
-        if req.full_chunk_replace and (req.is_sync or successor is None):
-            # End of the write path (a syncing target, or the tail during a repair): install directly.
-            content = None if req.remove else bytes(payload)
-            if state is not None and content is not None and state.commit_version == version \
-                    and not state.pending_version and state.checksum == req.chunk_checksum \
-                    and state.length == req.chunk_length:
-                return self._rsp(state)
-            new = self.engine.replace(chunk_id, version, req.chunk_chain_version or view.chain_version, content,
-                                      req.chunk_checksum)
-            return self._rsp(new)
-        removal = req.remove if req.full_chunk_replace else update.type == spb.REMOVE
-        if removal and state is None:
-            # Removed here already (or never existed), hence downstream too: a re-forward.
-            return spb.UpdateRsp()
-        if committed == version:
-            # Already committed here, hence downstream too (commits travel tail first): a re-forward.
-            return self._rsp(state)
-        if committed != version - 1:
-            raise StaleUpdate(f"chunk {chunk_id.hex()}: update v{version} on committed v{committed}")
-        source: ContentSource
-        patch_ticket: int | None = None
-        if req.full_chunk_replace:
-            source = None if req.remove else bytes(payload)
-            checksum = req.chunk_checksum
-            await self._stage(chunk_id, version, source, checksum, view.chain_version)
-        else:
-            self.validate_update(update, payload, check_crc=False)  # forward() verified the CRC
-            if state is not None and self._patchable(state, update):
-                source, checksum, patch_ticket = self._stage_patch(chunk_id, state, version, update, payload,
-                                                                   view.chain_version)
-            else:
-                whole = build_content(self._base(chunk_id, state), update, payload)
-                checksum = self._content_checksum(update, whole)
-                await self._stage(chunk_id, version, whole, checksum, view.chain_version)
-                source = whole
-        fwd = spb.ForwardReq(update=update, update_version=version)
-        try:
-            await self._propagate(update.chain_id, fwd, payload if not req.full_chunk_replace else b"", source,
-                                  checksum, force_full=req.full_chunk_replace)
-        except _DEFINITIVE:
-            self.engine.abort(chunk_id, version)
-            raise
-        channel = (update.client_id, update.channel_id, update.seq) if update.client_id else None
-        new = await self._commit(update.chain_id, chunk_id, version, patch_ticket, channel)
-        return self._rsp(new)
+                log.info("target %d: pending version of chunk %s not completed yet: %s", self.target_id,
+                         chunk_id.hex(), exc)
+                delay_ms = min(delay_ms * 2, 5_000)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -618,5 +722,32 @@ class TargetReplica:
         state = self.engine.get(req.chunk_id)
         if state is None:
             return spb.QueryCommittedRsp(exists=False)
-        return spb.QueryCommittedRsp(commit_version=state.commit_version, exists=True,
+        return spb.QueryCommittedRsp(commit_version=state.commit_version, exists=state.commit_version > 0,
                                      undecided=bool(state.pending_version))
+
+    # -- resync: exactly-once records --------------------------------------------------------
+
+    def sync_channels(self, req: spb.SyncChannelsReq) -> int:
+        """Take the predecessor's exactly-once records while this target is being resynced."""
+        view = self._view(req.chain_id)
+        if view.my_state is not PublicState.SYNCING:
+            raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}, not syncing")
+        self._check_chain_version(view, req.chain_version, "record transfer")
+        predecessor = view.predecessor()
+        if predecessor is None or predecessor.target_id != req.from_target_id:
+            raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
+        self.engine.observe_version(req.version_floor)
+        records = [(r.client_id, r.channel_id,
+                    ChannelRecord(r.seq, r.commit_version, r.chunk_length, r.chunk_checksum, r.chunk_id))
+                   for r in req.records]
+        for client_id, _, _ in records:
+            if not client_id or len(client_id) > 255:
+                raise InvalidArgument("a channel record needs a client id of 1..255 bytes")
+        return self.engine.merge_channels(records, self.host.now_ms())
+
+    def forget_channels(self) -> None:
+        """This target left its chain's write path and will be resynced: drop its records."""
+        self.engine.forget_channels()
+
+    def expire_channels(self) -> int:
+        return self.engine.expire_channels(self.host.now_ms(), self.config.channel_record_ttl_ms)

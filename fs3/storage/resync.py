@@ -1,11 +1,17 @@
 """Resync: the serving predecessor brings a syncing successor up to date.
 
 From the 3FS design notes: normal writes are already forwarded to the syncing successor as
-full-chunk replacements (see :mod:`fs3.storage.replica`). In addition the predecessor dumps the
-successor's chunk metadata, compares it with its own, and sends a full-chunk replacement of
-every chunk that differs (and a removal of every chunk it does not have), each under the local
-chunk lock so that it cannot interleave with a write of the same chunk. Then it sends
-``SyncDone`` and the successor reports itself up to date to mgmtd, which makes it serving.
+full-chunk replacements (see :mod:`fs3.storage.replica`). In addition the predecessor hands over
+its exactly-once records and version counter (the successor dropped its own records when it left
+the write path), dumps the successor's chunk metadata, compares it with its own, and sends a
+full-chunk replacement of every chunk that differs (and a removal of every chunk it does not
+have), each under the local chunk lock so that it cannot interleave with a write of the same
+chunk. Then it sends ``SyncDone`` and the successor reports itself up to date to mgmtd, which
+makes it serving.
+
+The records can be taken from a snapshot while writes go on: from the moment the predecessor
+sees the successor syncing, every write it commits has gone through the successor first, records
+included, and the successor keeps the newer of two records of one channel.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from fs3.common.errors import TargetNotServing
 from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import dump_chunk_meta
+from fs3.storage.chunk_engine import parse_channel_key
 
 if TYPE_CHECKING:
     from fs3.storage.chain_view import ChainMember, ChainView
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
     from fs3.storage.replica import TargetReplica
 
 __all__ = ["resync_successor"]
+_SYNC_CHANNELS = service_spec("Storage").method("SyncChannels")
 
 log = logging.getLogger(__name__)
 _STORAGE = service_spec("Storage")
@@ -46,6 +54,7 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
     view, successor = _current(node, replica, chain_id, successor_id)
     log.info("target %d: resyncing successor %d of chain %d (v%d)", replica.target_id, successor_id, chain_id,
              view.chain_version)
+    records = await _send_channels(node, replica, chain_id, successor_id, batch, timeout_ms)
     remote = await dump_chunk_meta(node.channels.get(successor.address), chain_id, successor.target_id, batch,
                                    timeout_ms)
     engine = replica.engine
@@ -54,8 +63,10 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
         async with replica.locks.hold(chunk_id):
             view, successor = _current(node, replica, chain_id, successor_id)
             state = engine.get(chunk_id)
+            if state is not None and not state.commit_version:
+                state = None  # only a first version in flight: the write itself brings it over
             theirs = remote.get(chunk_id)
-            if state is None and theirs is None:
+            if state is None and (theirs is None or (not theirs.commit_version and not theirs.pending_version)):
                 continue
             if state is not None and theirs is not None and not theirs.pending_version \
                     and theirs.commit_version == state.commit_version and theirs.checksum == state.checksum \
@@ -72,7 +83,7 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
                 req.update_version = theirs.commit_version if theirs else 0
                 removed += 1
             else:
-                payload = engine.read(chunk_id, state.commit_version, 0, state.length)
+                payload = await node.run_blocking(engine.read, chunk_id, state.commit_version, 0, state.length)
                 req.update_version = state.commit_version
                 req.chunk_length = state.length
                 req.chunk_checksum = state.checksum
@@ -85,5 +96,29 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
         spb.SyncDoneReq(chain_id=chain_id, chain_version=view.chain_version, target_id=successor_id),
         timeout_ms=timeout_ms,
     )
-    log.info("target %d: successor %d of chain %d synced (%d chunks sent, %d removed)", replica.target_id,
-             successor_id, chain_id, sent, removed)
+    log.info("target %d: successor %d of chain %d synced (%d records, %d chunks sent, %d removed)",
+             replica.target_id, successor_id, chain_id, records, sent, removed)
+
+
+async def _send_channels(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int, batch: int,
+                         timeout_ms: int) -> int:
+    """Hand every exactly-once record (and the version counter) to the syncing successor, in pages."""
+    engine = replica.engine
+    start_after = b""
+    sent = 0
+    while True:
+        view, successor = _current(node, replica, chain_id, successor_id)
+        page = engine.channel_page(start_after, batch)
+        req = spb.SyncChannelsReq(chain_id=chain_id, chain_version=view.chain_version,
+                                  from_target_id=replica.target_id, target_id=successor_id,
+                                  version_floor=engine.floor)
+        for key, record in page:
+            client_id, channel_id = parse_channel_key(key)
+            req.records.add(client_id=client_id, channel_id=channel_id, seq=record.seq,
+                            commit_version=record.commit_version, chunk_length=record.length,
+                            chunk_checksum=record.checksum, chunk_id=record.chunk_id)
+        await node.channels.get(successor.address).call(_SYNC_CHANNELS, req, timeout_ms=timeout_ms)
+        sent += len(page)
+        if len(page) < batch:
+            return sent
+        start_after = page[-1][0]

@@ -15,7 +15,7 @@ from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, install_uvloop
-from fs3.storage.blobs import FileBlobStore, TieredBlobStore
+from fs3.storage.blobs import FileBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import StorageNode, StorageNodeConfig
 from fs3.storage.replica import DirtyReadPolicy, ReplicaConfig
@@ -86,10 +86,8 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
         root.mkdir(parents=True, exist_ok=True)
         kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None)
         files = FileBlobStore(root / "chunks", fsync=config.fsync)
-        blobs = TieredBlobStore(kv, files, config.inline_max_bytes) \
-            if config.inline_max_bytes else files
-        engines[target.target_id] = ChunkEngine(kv, blobs, reserve_bytes=config.reserve_bytes,
-                                                sync_commits=config.fsync)
+        engines[target.target_id] = ChunkEngine(kv, files, inline_max_bytes=config.inline_max_bytes,
+                                                reserve_bytes=config.reserve_bytes, sync_commits=config.fsync)
     return engines
 
 

@@ -14,6 +14,7 @@ __all__ = ["StorageServicer"]
 
 _NO_PAYLOAD = b""
 _DUMP_LIMIT_MAX = 10_000
+_SYNC_RECORDS_MAX = 10_000
 
 
 class StorageServicer:
@@ -42,7 +43,12 @@ class StorageServicer:
 
     async def read(self, req: spb.ReadReq, payload: memoryview) -> tuple[spb.ReadRsp, Buffer]:
         replica = self.node.replica_for_chain(req.chain_id)
-        return await replica.read(req)
+        try:
+            return await replica.read(req)
+        except IoError as exc:
+            # A disk that fails a read fails its target too (the client reads another replica).
+            self._target_failed(replica.target_id, exc)
+            raise
 
     async def query_committed(self, req: spb.QueryCommittedReq,
                               payload: memoryview) -> tuple[spb.QueryCommittedRsp, Buffer]:
@@ -68,13 +74,19 @@ class StorageServicer:
         self.node.sync_done(req)
         return spb.SyncDoneRsp(), _NO_PAYLOAD
 
+    async def sync_channels(self, req: spb.SyncChannelsReq,
+                            payload: memoryview) -> tuple[spb.SyncChannelsRsp, Buffer]:
+        if len(req.records) > _SYNC_RECORDS_MAX:
+            raise InvalidArgument(f"{len(req.records)} records exceed {_SYNC_RECORDS_MAX} per call")
+        return spb.SyncChannelsRsp(merged=self.node.sync_channels(req)), _NO_PAYLOAD
+
     async def target_stats(self, req: spb.TargetStatsReq, payload: memoryview) -> tuple[spb.TargetStatsRsp, Buffer]:
         rsp = spb.TargetStatsRsp()
         for tid, engine in sorted(self.node.engines.items()):
             local = self.node.local_states.get(tid)
             chain_id = self.node.chain_of(tid)
             rsp.targets.add(target_id=tid, chain_id=chain_id, chunk_count=engine.chunk_count,
-                            used_bytes=engine.used_bytes, free_bytes=engine.blobs.free_bytes(),
+                            used_bytes=engine.used_bytes, free_bytes=engine.files.free_bytes(),
                             syncing=self.node.resyncing(chain_id),
                             local_state=local.name.lower() if local else "unknown")
         return rsp, _NO_PAYLOAD
