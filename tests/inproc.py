@@ -42,6 +42,10 @@ class InProcessCluster:
     token: str = "tok"
     transport: str = "framed"
     storage_fsync: bool = False  # real fsyncs on storage targets (slow; for durability-path tests)
+    io_threads: int = 0  # storage nodes' I/O pools (0: blocking I/O on the event loop)
+    channel_expiry_interval_ms: int = 60_000
+    replica_config: ReplicaConfig = field(default_factory=lambda: ReplicaConfig(forward_timeout_ms=1_000,
+                                                                                forward_retry_total_ms=5_000))
     runtimes: list[ServiceRuntime] = field(default_factory=list)
     nodes: dict[int, StorageNode] = field(default_factory=dict)
     mgmtd: MgmtdServicer | None = None
@@ -54,6 +58,7 @@ class InProcessCluster:
     meta: MetaService | None = None
     meta_kv: MemKVStore | None = None
     _meta_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _storage_configs: dict[int, StorageConfig] = field(default_factory=dict)
 
     async def __aenter__(self) -> InProcessCluster:
         config = MgmtdConfig(heartbeat_timeout_ms=2_000, scan_interval_ms=50, kv_engine="mem", token=self.token)
@@ -70,11 +75,12 @@ class InProcessCluster:
                 targets=[TargetConfig(node_id * 100 + j, str(self.root / f"n{node_id}" / f"t{j}"))
                          for j in range(1, self.targets_per_node + 1)])
             engines = open_engines(storage_config)
+            self._storage_configs[node_id] = storage_config
             node_channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
             node = StorageNode(
                 StorageNodeConfig(node_id=node_id, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100,
-                                  rpc_timeout_ms=2_000, replica=ReplicaConfig(forward_timeout_ms=1_000,
-                                                                              forward_retry_total_ms=5_000)),
+                                  rpc_timeout_ms=2_000, replica=self.replica_config, io_threads=self.io_threads,
+                                  channel_expiry_interval_ms=self.channel_expiry_interval_ms),
                 engines, node_channels)
             node_dispatcher = Dispatcher(token=self.token, metrics=ServiceMetrics("storage"))
             node_dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
@@ -147,6 +153,22 @@ class InProcessCluster:
 
     async def _registered(self, admin: AdminClient, expected: int) -> bool:
         return len(await admin.targets()) >= expected
+
+    def replace_disk(self, target_id: int) -> None:
+        """The target's disk is swapped for an empty one (its data is gone), as an operator does
+        after a disk failure; the node goes on with the new, empty target."""
+        import shutil
+
+        from fs3.storage.replica import TargetReplica
+
+        node = self.nodes[target_id // 100]
+        config = self._storage_configs[target_id // 100]
+        target = next(t for t in config.targets if t.target_id == target_id)
+        node.engines[target_id].close()
+        shutil.rmtree(target.path)
+        engine = open_engines(StorageConfig(node_id=config.node_id, fsync=config.fsync, targets=[target]))[target_id]
+        node.engines[target_id] = engine
+        node.replicas[target_id] = TargetReplica(target_id, engine, node, node.config.replica)
 
     async def all_serving(self) -> bool:
         assert self.mgmtd is not None
