@@ -226,24 +226,28 @@ def _seen(version: int, data_crc: int = 7, crc: int = 7) -> _Seen:
 
 
 def test_rechecks_tell_busy_from_mismatched() -> None:
-    """Settles → clean; the same disagreement twice → mismatch; changing every time → busy."""
-    settles, rotten, busy = b"s" * 16, b"r" * 16, b"b" * 16
+    """Settles → clean; the same disagreement twice → mismatch; changing every time, or held by a
+    write in flight, → busy; a first write in flight on one replica and none on another → clean."""
+    settles, rotten, busy, stuck, first = b"s" * 16, b"r" * 16, b"b" * 16, b"k" * 16, b"f" * 16
 
     def look(n: int) -> dict[bytes, _Observation]:
         return {
             settles: {101: _seen(2), 201: _seen(2), 301: _seen(1 if n == 0 else 2)},
             rotten: {101: _seen(1), 201: _seen(1, data_crc=8), 301: _seen(1)},
             busy: {101: _seen(n + 2), 201: _seen(n + 1), 301: _seen(n + 1)},
+            stuck: {101: _Seen(4, 100, 7, 7, pending=True), 201: _seen(5), 301: _seen(5)},
+            first: {101: _Seen(0, 0, 0, None, pending=True), 201: None, 301: None},
         }
 
     admin = _Scripted([look(n) for n in range(4)])
     report = run(admin.verify(recheck_delay_s=0, rechecks=3))
-    assert report.chunks_checked == 3 and report.rechecked == 3 and report.ok is False
+    assert report.chunks_checked == 5 and report.rechecked == 4 and report.ok is False
     assert [d["chunk_id"] for d in report.mismatch_details] == [rotten.hex()]
     assert report.mismatch_details[0]["targets"] == [201]
-    assert len(report.busy) == 1 and busy.hex() in report.busy[0]
+    assert len(report.busy) == 2 and busy.hex() in report.busy[0] and stuck.hex() in report.busy[1]
+    assert "write in flight" in report.busy[1]
     assert not admin.looks  # three re-checks after the first look
 
     immediate = run(_Scripted([look(0)]).verify(rechecks=0))  # no second look: every difference counts
     assert {d["chunk_id"]: d["targets"] for d in immediate.mismatch_details} == {
-        settles.hex(): [301], rotten.hex(): [201], busy.hex(): [101]}
+        settles.hex(): [301], rotten.hex(): [201], busy.hex(): [101], stuck.hex(): [101]}

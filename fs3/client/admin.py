@@ -52,7 +52,7 @@ class VerifyReport:
 
 @dataclass(frozen=True)
 class _Seen:
-    """One replica's answer for one committed chunk version."""
+    """One replica's answer for one chunk: its committed version (0: none yet) and how it read back."""
 
     version: int
     length: int
@@ -60,20 +60,18 @@ class _Seen:
     data_checksum: int | None  # of the bytes read back (None: not read)
     error: str = ""  # the bytes could not be read
     unsettled: bool = False  # a commit replaced the version while it was being read
+    pending: bool = False  # a write of the chunk is in flight on this replica
 
     @classmethod
     def of(cls, meta: spb.ChunkMeta | None, data: bool) -> _Seen | None:
-        if meta is None or meta.commit_version == 0:
-            return None  # absent, or only a first write in flight: no committed bytes
-        if not data:
-            return cls(meta.commit_version, meta.length, meta.checksum, None)
+        if meta is None:
+            return None
+        pending = meta.pending_version != 0
+        if not data or meta.commit_version == 0:
+            return cls(meta.commit_version, meta.length, meta.checksum, None, pending=pending)
         return cls(meta.commit_version, meta.length, meta.checksum,
                    meta.data_checksum if meta.data_checked else None, meta.data_error,
-                   not meta.data_checked and not meta.data_error)
-
-    @property
-    def key(self) -> tuple[int, int, int, int | None]:
-        return self.version, self.length, self.checksum, self.data_checksum
+                   not meta.data_checked and not meta.data_error, pending)
 
     def rotten(self) -> str:
         """Why this replica is wrong on its own, whatever the others hold ('' when it is not)."""
@@ -84,11 +82,13 @@ class _Seen:
         return ""
 
     def describe(self) -> str:
-        text = f"v{self.version} len {self.length} crc {self.checksum:08x}"
+        text = f"v{self.version} len {self.length} crc {self.checksum:08x}" if self.version else "no committed version"
         if self.data_checksum is not None:
             text += f" bytes crc {self.data_checksum:08x}"
         if self.unsettled:
             text += " (changed while read)"
+        if self.pending:
+            text += " (write in flight)"
         if self.rotten():
             text += f" ({self.rotten()})"
         return text
@@ -97,15 +97,28 @@ class _Seen:
 _Observation = dict[int, "_Seen | None"]  # target id -> what it holds of one chunk
 
 
+def _key(seen: _Seen | None) -> tuple[int, int, int, int | None] | None:
+    """What must be equal across replicas: the committed version's metadata and bytes. A replica
+    without the chunk and one with only a first write in flight hold the same: no committed bytes."""
+    if seen is None or seen.version == 0:
+        return None
+    return seen.version, seen.length, seen.checksum, seen.data_checksum
+
+
+def _describe(seen: _Observation) -> str:
+    return ", ".join(f"{t}: {v.describe() if v else 'missing'}" for t, v in seen.items())
+
+
 def _clean(seen: _Observation) -> bool:
     values = list(seen.values())
     if any(v is not None and (v.unsettled or v.rotten()) for v in values):
         return False
-    return len({v.key if v is not None else None for v in values}) <= 1
+    return len({_key(v) for v in values}) <= 1
 
 
 def _settled(seen: _Observation) -> bool:
-    return not any(v is not None and v.unsettled for v in seen.values())
+    """No write in flight and no read overtaken by one: a disagreement now is not a moment of a write."""
+    return not any(v is not None and (v.unsettled or v.pending) for v in seen.values())
 
 
 def _odd_targets(seen: _Observation) -> list[int]:
@@ -113,7 +126,7 @@ def _odd_targets(seen: _Observation) -> list[int]:
     largest (ties go to the group with no rotten member). With no such group, every replica is named."""
     groups: dict[object, list[int]] = {}
     for tid, v in seen.items():
-        groups.setdefault(v.key if v is not None else None, []).append(tid)
+        groups.setdefault(_key(v), []).append(tid)
 
     def score(members: list[int]) -> tuple[int, bool]:
         return len(members), not any((v := seen[t]) is not None and v.rotten() for t in members)
@@ -208,6 +221,7 @@ class AdminClient:
             report.chunks_checked += len(observed)
             suspects = {cid: seen for cid, seen in observed.items() if not _clean(seen)}
             report.rechecked += len(suspects)
+            recheck_failed = False
             for attempt in range(rechecks):
                 if not suspects:
                     break
@@ -217,6 +231,7 @@ class AdminClient:
                 if failed:
                     for tid, error in failed.items():
                         report.unreachable.append(f"chain {chain.chain_id}: target {tid} (re-check): {error}")
+                    recheck_failed = True
                     break
                 still: dict[bytes, _Observation] = {}
                 for cid, before in suspects.items():
@@ -232,8 +247,9 @@ class AdminClient:
                 if rechecks == 0:
                     self._mismatch(report, chain.chain_id, cid, seen)
                 else:
-                    report.busy.append(f"chain {chain.chain_id} chunk {cid.hex()}: changed on every re-check; "
-                                       + ", ".join(f"{t}: {v.describe() if v else 'missing'}" for t, v in seen.items()))
+                    why = "not re-checked (a replica stopped answering)" if recheck_failed \
+                        else "changed or had a write in flight on every re-check"
+                    report.busy.append(f"chain {chain.chain_id} chunk {cid.hex()}: {why}; {_describe(seen)}")
         return report
 
     async def _observe(self, chain_id: int, addresses: dict[int, str], chunk_ids: list[bytes] | None, data: bool,
@@ -266,13 +282,12 @@ class AdminClient:
     @staticmethod
     def _mismatch(report: VerifyReport, chain_id: int, chunk_id: bytes, seen: _Observation) -> None:
         odd = _odd_targets(seen)
-        detail = ", ".join(f"{t}: {v.describe() if v else 'missing'}" for t, v in seen.items())
         report.mismatches.append(f"chain {chain_id} chunk {chunk_id.hex()}: target "
-                                 f"{', '.join(str(t) for t in odd) or '?'} differs; {detail}")
+                                 f"{', '.join(str(t) for t in odd) or '?'} differs; {_describe(seen)}")
         report.mismatch_details.append({
             "chain_id": chain_id, "chunk_id": chunk_id.hex(), "targets": odd,
             "replicas": {str(t): (None if v is None else {
                 "version": v.version, "length": v.length, "checksum": v.checksum,
-                "data_checksum": v.data_checksum, "error": v.error or None,
+                "data_checksum": v.data_checksum, "error": v.error or None, "pending": v.pending,
                 "problem": v.rotten() or None}) for t, v in seen.items()},
         })
