@@ -98,6 +98,15 @@ def test_sweep_runs_in_parallel_records_and_resumes(tmp_path: Path) -> None:
     assert all(line.startswith("{") and line.endswith("}") for line in results.read_text().splitlines())
     assert "seeds covered: 1-5" in (tmp_path / f"summary-{config.key()}.md").read_text()
 
+    from fs3.sim import sweep as sweep_mod
+
+    held = sweep_mod._ResultLog(results)  # another sweep of the same configuration is running
+    try:
+        with pytest.raises(sweep_mod.SweepBusy):
+            sweep(config, range(1, 3), jobs=1, results_dir=tmp_path, out=lines.append)
+    finally:
+        held.close()
+
 
 def test_sweep_lists_failing_seeds_with_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fs3.sim import sweep as sweep_mod

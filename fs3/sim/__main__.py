@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from fs3.sim.run import run_seed
-from fs3.sim.sweep import RESULTS_DIR, SweepConfig, print_outcome, sweep
+from fs3.sim.sweep import RESULTS_DIR, SweepBusy, SweepConfig, print_outcome, sweep
 
 
 def _virtual_time(record: logging.LogRecord) -> bool:
@@ -63,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         return _replay(args.seed, args)
     config = SweepConfig(clients=args.clients, ops=args.ops, faults=args.faults)
     seeds = list(range(args.first, args.first + args.seeds))
-    outcome = sweep(config, seeds, jobs=args.jobs, resume=args.resume, results_dir=args.results,
-                    record=args.record)
+    try:
+        outcome = sweep(config, seeds, jobs=args.jobs, resume=args.resume, results_dir=args.results,
+                        record=args.record)
+    except SweepBusy as exc:
+        print(f"python -m fs3.sim: {exc}", file=sys.stderr)
+        return 2
     print_outcome(outcome)
     if outcome.interrupted:
         return 130

@@ -13,12 +13,15 @@ covered, how many passed, and each failing seed with the command that replays it
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import time
 import traceback
@@ -29,10 +32,12 @@ from typing import Any
 
 from fs3.sim.run import run_seed
 
-__all__ = ["RESULTS_DIR", "SweepConfig", "SweepOutcome", "load_results", "run_one", "sweep", "write_summary"]
+__all__ = ["RESULTS_DIR", "SweepBusy", "SweepConfig", "SweepOutcome", "load_results", "print_outcome", "run_one",
+           "sweep", "write_summary"]
 
 RESULTS_DIR = Path("bench/results/sim")
 _MAX_LISTED = 50  # violations and faults kept per failing seed (the replay shows the rest)
+_PR_SET_PDEATHSIG = 1
 
 Record = dict[str, Any]
 
@@ -81,10 +86,16 @@ def _run_one_packed(job: tuple[SweepConfig, int]) -> Record:
     return run_one(*job)
 
 
-def _quiet_worker() -> None:
-    """Workers log nothing: a sweep reports per seed, and the replay command shows the details."""
+def _worker_init() -> None:
+    """Workers log nothing (a sweep reports per seed; the replay command shows the details), leave
+    Ctrl-C to the parent (which stops the pool), and die with the parent if it is killed instead of
+    finishing seeds nobody will record."""
     logging.basicConfig(level=logging.CRITICAL)
     logging.getLogger().setLevel(logging.CRITICAL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Linux; elsewhere orphans finish their seed
 
 
 # -- the results file ---------------------------------------------------------------------------
@@ -110,14 +121,24 @@ def load_results(path: Path) -> dict[int, Record]:
     return records
 
 
+class SweepBusy(RuntimeError):
+    """Another sweep of the same configuration is writing its results file."""
+
+
 class _ResultLog:
     """Appends whole lines, one ``write`` each, to an O_APPEND file descriptor: a kill leaves at
     most the last line cut short, and that tail is cut off before anything is appended after it
-    (so it cannot swallow the next line)."""
+    (so it cannot swallow the next line). Held under an exclusive lock: two sweeps of the same
+    configuration at once would run the same seeds twice."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise SweepBusy(f"another sweep is writing {path}; wait for it or use --results elsewhere") from None
         size = os.fstat(self._fd).st_size
         if size:
             with open(path, "rb") as f:
@@ -244,12 +265,12 @@ def sweep(config: SweepConfig, seeds: Sequence[int], *, jobs: int | None = None,
     printed as they arrive; progress lines every ``progress_interval_s`` (and every 5 %).
     """
     results_path = results_dir / f"{config.key()}.jsonl"
+    log = _ResultLog(results_path) if record else None  # locked before reading what is recorded
     known = load_results(results_path) if record else {}
     todo = [s for s in seeds if not (resume and s in known)]
     outcome = SweepOutcome(config, list(seeds), skipped=len(seeds) - len(todo))
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
     commit = _git_commit() if record else ""
-    log = _ResultLog(results_path) if record else None
     if outcome.skipped:
         out(f"resuming: {outcome.skipped} of {len(seeds)} seeds already recorded in {results_path}")
     if todo:
@@ -264,7 +285,7 @@ def sweep(config: SweepConfig, seeds: Sequence[int], *, jobs: int | None = None,
             results: Iterable[Record] = (run_one(config, seed) for seed in todo)
         else:
             # spawn: workers start clean (no inherited threads, loops or gRPC state from the parent).
-            pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_quiet_worker)
+            pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_worker_init)
             results = pool.imap_unordered(_run_one_packed, [(config, seed) for seed in todo])
         for result in results:
             if commit:
