@@ -7,6 +7,8 @@ STAMP := $(VENV)/.fs3-installed
 PROTO_SRC := $(wildcard proto/fs3/*.proto)
 PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
 SEEDS ?= 2000
+FIRST ?= 1
+JOBS ?=
 PYTEST_ARGS ?=
 
 .PHONY: run test proto lint typecheck sim bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
@@ -36,9 +38,10 @@ lint: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
 	$(BIN)/mypy fs3 cluster_model
 
-# Long deterministic-simulation sweep: `make sim SEEDS=10000`.
+# Long deterministic-simulation sweep on every core (JOBS=N to limit): `make sim SEEDS=10000`.
+# Resumes: seeds already in bench/results/sim/<config>.jsonl are skipped; summary-<config>.md is refreshed.
 sim: install
-	$(PY) -m fs3.sim --seeds $(SEEDS)
+	$(PY) -m fs3.sim --resume --first $(FIRST) --seeds $(SEEDS) $(if $(JOBS),--jobs $(JOBS))
 
 # fs3 against GlusterFS, MooseFS and the local directory (root; installs the peers with apt):
 # fio, small files, the juicefs-bench flow; table in bench/results/peers-*.{md,json,png}.

@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fs3.sim.cluster import ClusterShape
 from fs3.sim.run import run_seed
+from fs3.sim.sweep import SweepConfig, load_results, sweep
 from fs3.storage import replica as replica_mod
 
 SEEDS_PER_BATCH = 25
@@ -66,3 +69,64 @@ REGRESSION_SEEDS = [68, 93, 113, 239, 246, 297, 310, 317, 1092, 1302, 1378, 1422
 def test_regression_seeds(seed: int) -> None:
     result = run_seed(seed, clients=3, ops_per_client=60)
     assert result.ok, f"{result.summary()}\n" + "\n".join(result.violations[:5])
+
+
+def test_sweep_runs_in_parallel_records_and_resumes(tmp_path: Path) -> None:
+    """``make sim``'s runner: 4 seeds on 2 processes land in the results file; resuming runs none
+    again; a line cut short by a kill is skipped (that seed reruns) and cut off before appending."""
+    config = SweepConfig(clients=2, ops=8)
+    lines: list[str] = []
+    first = sweep(config, range(1, 5), jobs=2, resume=True, results_dir=tmp_path, out=lines.append)
+    assert sorted(first.ran) == [1, 2, 3, 4] and first.ok, lines
+    results = tmp_path / f"{config.key()}.jsonl"
+    records = load_results(results)
+    assert sorted(records) == [1, 2, 3, 4] and all(r["ok"] and r["elapsed"] > 0 for r in records.values())
+    assert records[3]["summary"] == run_seed(3, clients=2, ops_per_client=8).summary()  # same result as in-process
+    summary = (tmp_path / f"summary-{config.key()}.md").read_text()
+    assert "seeds covered: 1-4" in summary and "4 seeds: 4 passed, 0 failed" in summary
+
+    again = sweep(config, range(1, 5), jobs=2, resume=True, results_dir=tmp_path, out=lines.append)
+    assert again.ran == [] and again.skipped == 4 and again.ok
+
+    # Killed while writing seed 4's line again: half a line at the end, and seed 4 recorded only there.
+    text = results.read_text().splitlines(keepends=True)
+    results.write_text("".join(line for line in text if '"seed": 4,' not in line) + text[-1][:25])
+    assert sorted(load_results(results)) == [1, 2, 3]
+    resumed = sweep(config, range(1, 6), jobs=1, resume=True, results_dir=tmp_path, out=lines.append)
+    assert resumed.ran == [4, 5] and resumed.skipped == 3 and resumed.ok
+    assert sorted(load_results(results)) == [1, 2, 3, 4, 5]
+    assert all(line.startswith("{") and line.endswith("}") for line in results.read_text().splitlines())
+    assert "seeds covered: 1-5" in (tmp_path / f"summary-{config.key()}.md").read_text()
+
+    from fs3.sim import sweep as sweep_mod
+
+    held = sweep_mod._ResultLog(results)  # another sweep of the same configuration is running
+    try:
+        with pytest.raises(sweep_mod.SweepBusy):
+            sweep(config, range(1, 3), jobs=1, results_dir=tmp_path, out=lines.append)
+    finally:
+        held.close()
+
+
+def test_sweep_lists_failing_seeds_with_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fs3.sim import sweep as sweep_mod
+    from fs3.sim.run import SimResult
+
+    def fake(seed: int, **_: object) -> SimResult:
+        result = SimResult(seed, ClusterShape())
+        if seed == 2:
+            result.violations.append("linearizability: a read went back in time")
+        elif seed == 3:
+            raise RuntimeError("the simulator itself broke")
+        return result
+
+    monkeypatch.setattr(sweep_mod, "run_seed", fake)
+    config = SweepConfig(ops=5, faults=0.5)
+    lines: list[str] = []
+    outcome = sweep(config, [1, 2, 3], jobs=1, results_dir=tmp_path, out=lines.append)
+    sweep_mod.print_outcome(outcome, lines.append)
+    assert outcome.failing == [2, 3] and not outcome.ok
+    replay = "python -m fs3.sim --seed 2 --clients 3 --ops 5 --faults 0.5"
+    assert any(replay in line for line in lines) and any("RuntimeError" in line for line in lines)
+    summary = (tmp_path / f"summary-{config.key()}.md").read_text()
+    assert "3 seeds: 1 passed, 2 failed" in summary and f"`{replay}`" in summary and "| 3 | crash:" in summary

@@ -148,19 +148,23 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
             if sys.stderr.isatty():
                 print(f"\rverifying chain {done + 1}/{total}...", end="", file=sys.stderr, flush=True)
 
-        report = await admin.verify(progress)
+        report = await admin.verify(progress, data=not args.metadata_only, rechecks=args.rechecks)
         if sys.stderr.isatty():
             print(file=sys.stderr)
         if out_json:
             print(json.dumps(report.as_dict(), indent=2))
         else:
-            print(f"checked {report.chains_checked} chains, {report.chunks_checked} chunks")
+            what = (f"read {_human_bytes(report.bytes_read)} of chunk data" if report.data
+                    else "metadata only, no data read")
+            print(f"checked {report.chains_checked} chains, {report.chunks_checked} chunks ({what})")
             for line in report.not_serving:
                 print(f"  not serving: {line}")
             for line in report.unreachable:
                 print(f"  UNREACHABLE: {line}")
             for line in report.mismatches:
                 print(f"  MISMATCH: {line}")
+            for line in report.busy:
+                print(f"  busy (being written, not compared): {line}")
             print("all replicas identical" if report.ok else "replicas DIFFER")
         return 0 if report.ok else 2
     if args.command in ("fsck", "set-layout"):
@@ -303,7 +307,13 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--chain", action="append", help="CHAIN_ID:TARGET,TARGET,... (repeatable)")
     offline = admin_sub.add_parser("mark-offline", help="take a target out of its chain (it resyncs)")
     offline.add_argument("target_id", type=int)
-    admin_sub.add_parser("verify", help="compare replicas chunk by chunk (exit 2 when they differ)")
+    verify = admin_sub.add_parser("verify", help="compare replicas chunk by chunk, bytes included "
+                                                 "(exit 2 when they differ)")
+    verify.add_argument("--metadata-only", action="store_true",
+                        help="compare only the recorded version, length and CRC (fast; reads no chunk data)")
+    verify.add_argument("--rechecks", type=int, default=3,
+                        help="times a differing chunk is looked at again before it counts (chunks being "
+                             "written differ for a moment); 0: report at once")
     fsck = admin_sub.add_parser("fsck", help="check the namespace invariants (exit 2 on problems)")
     fsck.add_argument("--no-chunks", dest="chunks", action="store_false",
                       help="skip listing every chunk on storage (orphan check)")

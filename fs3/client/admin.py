@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from fs3 import storage_pb2 as spb
 from fs3.common.errors import FS3Error
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
-from fs3.rpc.storage_calls import dump_chunk_meta
+from fs3.rpc.storage_calls import ChunkDump, dump_chunks
 
 __all__ = ["AdminClient", "VerifyReport"]
 
@@ -20,11 +21,21 @@ _MGMTD = service_spec("Mgmtd")
 
 @dataclass
 class VerifyReport:
-    """What ``verify`` found: per chain, the chunks whose replicas disagree."""
+    """What ``verify`` found: per chain, the chunks whose replicas disagree.
 
+    ``mismatches`` are disagreements seen twice in a row (or a replica whose bytes do not match its
+    own recorded CRC, or cannot be read); ``busy`` are chunks that kept changing through every
+    re-check — being written, so not comparable now, and not counted against ``ok``.
+    """
+
+    data: bool = True  # the bytes were read and compared, not only the recorded metadata
     chains_checked: int = 0
     chunks_checked: int = 0
+    bytes_read: int = 0  # chunk bytes the storage targets read back, re-checks included
+    rechecked: int = 0  # chunks that looked different at first and were looked at again
     mismatches: list[str] = field(default_factory=list)
+    mismatch_details: list[dict[str, object]] = field(default_factory=list)
+    busy: list[str] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)
     not_serving: list[str] = field(default_factory=list)
 
@@ -33,8 +44,96 @@ class VerifyReport:
         return not self.mismatches and not self.unreachable
 
     def as_dict(self) -> dict[str, object]:
-        return {"ok": self.ok, "chains_checked": self.chains_checked, "chunks_checked": self.chunks_checked,
-                "mismatches": self.mismatches, "unreachable": self.unreachable, "not_serving": self.not_serving}
+        return {"ok": self.ok, "mode": "data" if self.data else "metadata", "chains_checked": self.chains_checked,
+                "chunks_checked": self.chunks_checked, "bytes_read": self.bytes_read, "rechecked": self.rechecked,
+                "mismatches": self.mismatches, "mismatch_details": self.mismatch_details, "busy": self.busy,
+                "unreachable": self.unreachable, "not_serving": self.not_serving}
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """One replica's answer for one chunk: its committed version (0: none yet) and how it read back."""
+
+    version: int
+    length: int
+    checksum: int  # recorded
+    data_checksum: int | None  # of the bytes read back (None: not read)
+    error: str = ""  # the bytes could not be read
+    unsettled: bool = False  # a commit replaced the version while it was being read
+    pending: bool = False  # a write of the chunk is in flight on this replica
+
+    @classmethod
+    def of(cls, meta: spb.ChunkMeta | None, data: bool) -> _Seen | None:
+        if meta is None:
+            return None
+        pending = meta.pending_version != 0
+        if not data or meta.commit_version == 0:
+            return cls(meta.commit_version, meta.length, meta.checksum, None, pending=pending)
+        return cls(meta.commit_version, meta.length, meta.checksum,
+                   meta.data_checksum if meta.data_checked else None, meta.data_error,
+                   not meta.data_checked and not meta.data_error, pending)
+
+    def rotten(self) -> str:
+        """Why this replica is wrong on its own, whatever the others hold ('' when it is not)."""
+        if self.error:
+            return f"unreadable: {self.error}"
+        if self.data_checksum is not None and self.data_checksum != self.checksum:
+            return "bytes do not match the recorded CRC"
+        return ""
+
+    def describe(self) -> str:
+        text = f"v{self.version} len {self.length} crc {self.checksum:08x}" if self.version else "no committed version"
+        if self.data_checksum is not None:
+            text += f" bytes crc {self.data_checksum:08x}"
+        if self.unsettled:
+            text += " (changed while read)"
+        if self.pending:
+            text += " (write in flight)"
+        if self.rotten():
+            text += f" ({self.rotten()})"
+        return text
+
+
+_Observation = dict[int, "_Seen | None"]  # target id -> what it holds of one chunk
+
+
+def _key(seen: _Seen | None) -> tuple[int, int, int, int | None] | None:
+    """What must be equal across replicas: the committed version's metadata and bytes. A replica
+    without the chunk and one with only a first write in flight hold the same: no committed bytes."""
+    if seen is None or seen.version == 0:
+        return None
+    return seen.version, seen.length, seen.checksum, seen.data_checksum
+
+
+def _describe(seen: _Observation) -> str:
+    return ", ".join(f"{t}: {v.describe() if v else 'missing'}" for t, v in seen.items())
+
+
+def _clean(seen: _Observation) -> bool:
+    values = list(seen.values())
+    if any(v is not None and (v.unsettled or v.rotten()) for v in values):
+        return False
+    return len({_key(v) for v in values}) <= 1
+
+
+def _settled(seen: _Observation) -> bool:
+    """No write in flight and no read overtaken by one: a disagreement now is not a moment of a write."""
+    return not any(v is not None and (v.unsettled or v.pending) for v in seen.values())
+
+
+def _odd_targets(seen: _Observation) -> list[int]:
+    """Replicas that are wrong: rotten on their own, or outside the group of equal answers that is
+    largest (ties go to the group with no rotten member). With no such group, every replica is named."""
+    groups: dict[object, list[int]] = {}
+    for tid, v in seen.items():
+        groups.setdefault(_key(v), []).append(tid)
+
+    def score(members: list[int]) -> tuple[int, bool]:
+        return len(members), not any((v := seen[t]) is not None and v.rotten() for t in members)
+
+    ranked = sorted(groups.values(), key=score, reverse=True)
+    good = set(ranked[0]) if len(ranked) == 1 or score(ranked[0]) != score(ranked[1]) else set()
+    return [tid for tid, v in seen.items() if tid not in good or (v is not None and v.rotten())]
 
 
 class AdminClient:
@@ -82,20 +181,30 @@ class AdminClient:
         assert isinstance(rsp, mpb.MarkTargetOfflineRsp)
         return rsp.routing_version
 
-    async def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-        """Compare every chunk's committed version, length and CRC32C across the replicas of its chain.
+    async def verify(self, progress: Callable[[int, int], None] | None = None, *, data: bool = True,
+                     rechecks: int = 3, recheck_delay_s: float = 0.2, batch: int = 1000,
+                     max_data_bytes: int = 0) -> VerifyReport:
+        """Compare every chunk across the serving replicas of its chain.
 
-        ``progress(done, total)`` is called after each chain (long on big clusters).
+        With ``data`` (the default) each target reads every committed version back from its disk
+        and returns the CRC32C of those bytes: a replica whose bytes rotted under an intact record
+        differs from the others, and from its own recorded CRC. Without it only the recorded
+        metadata (version, length, CRC) is compared — fast, but blind to what is on disk.
+
+        Chunks written during the check differ for a moment (CRAQ commits at the tail first): each
+        chunk that differs is looked at again, alone, up to ``rechecks`` times with growing pauses.
+        The same disagreement seen twice in a row is a mismatch; a chunk that changed every time is
+        reported as busy. ``progress(done, total)`` is called before each chain.
         """
         routing = await self.routing()
         nodes = {n.node_id: n for n in routing.nodes}
         targets = {t.target_id: t for t in routing.targets}
-        report = VerifyReport()
+        report = VerifyReport(data=data)
         for index, chain in enumerate(routing.chains):
             if progress is not None:
                 progress(index, len(routing.chains))
             report.chains_checked += 1
-            replicas: dict[int, dict[bytes, spb.ChunkMeta]] = {}
+            addresses: dict[int, str] = {}
             for tid in chain.target_ids:
                 info = targets[tid]
                 if info.public_state != cpb.SERVING:
@@ -103,21 +212,82 @@ class AdminClient:
                                               f"{cpb.PublicState.Name(info.public_state).lower()}")
                     continue
                 node = nodes.get(info.node_id)
-                address = self.channels.node_address(node.framed_address, node.grpc_address) if node else ""
-                try:
-                    replicas[tid] = await dump_chunk_meta(self.channels.get(address), chain.chain_id, tid, 1000,
-                                                          self.timeout_ms)
-                except FS3Error as exc:
-                    report.unreachable.append(f"chain {chain.chain_id}: target {tid}: {exc}")
-            ids = sorted(set().union(*[set(r) for r in replicas.values()])) if replicas else []
-            for chunk_id in ids:
-                report.chunks_checked += 1
-                seen = {}
-                for tid, metas in replicas.items():
-                    meta = metas.get(chunk_id)
-                    seen[tid] = (meta.commit_version, meta.length, meta.checksum) if meta else None
-                if len(set(seen.values())) > 1:
-                    detail = ", ".join(f"{t}: " + (f"v{v[0]} len {v[1]} crc {v[2]:08x}" if v else "missing")
-                                       for t, v in seen.items())
-                    report.mismatches.append(f"chain {chain.chain_id} chunk {chunk_id.hex()}: {detail}")
+                addresses[tid] = self.channels.node_address(node.framed_address, node.grpc_address) if node else ""
+            observed, failed = await self._observe(chain.chain_id, addresses, None, data, batch, max_data_bytes,
+                                                   report)
+            for tid, error in failed.items():
+                report.unreachable.append(f"chain {chain.chain_id}: target {tid}: {error}")
+                addresses.pop(tid)  # compare the replicas that answered
+            report.chunks_checked += len(observed)
+            suspects = {cid: seen for cid, seen in observed.items() if not _clean(seen)}
+            report.rechecked += len(suspects)
+            recheck_failed = False
+            for attempt in range(rechecks):
+                if not suspects:
+                    break
+                await asyncio.sleep(recheck_delay_s * (attempt + 1))
+                fresh, failed = await self._observe(chain.chain_id, addresses, list(suspects), data, batch,
+                                                    max_data_bytes, report)
+                if failed:
+                    for tid, error in failed.items():
+                        report.unreachable.append(f"chain {chain.chain_id}: target {tid} (re-check): {error}")
+                    recheck_failed = True
+                    break
+                still: dict[bytes, _Observation] = {}
+                for cid, before in suspects.items():
+                    now = fresh[cid]
+                    if _clean(now):
+                        continue
+                    if now == before and _settled(now):
+                        self._mismatch(report, chain.chain_id, cid, now)
+                    else:
+                        still[cid] = now
+                suspects = still
+            for cid, seen in sorted(suspects.items()):
+                if rechecks == 0:
+                    self._mismatch(report, chain.chain_id, cid, seen)
+                else:
+                    why = "not re-checked (a replica stopped answering)" if recheck_failed \
+                        else "changed or had a write in flight on every re-check"
+                    report.busy.append(f"chain {chain.chain_id} chunk {cid.hex()}: {why}; {_describe(seen)}")
         return report
+
+    async def _observe(self, chain_id: int, addresses: dict[int, str], chunk_ids: list[bytes] | None, data: bool,
+                       batch: int, max_data_bytes: int,
+                       report: VerifyReport) -> tuple[dict[bytes, _Observation], dict[int, str]]:
+        """Every replica's view of the chain's chunks (or of ``chunk_ids``), the replicas asked at once."""
+
+        async def one(tid: int) -> ChunkDump:
+            return await dump_chunks(self.channels.get(addresses[tid]), chain_id, tid, timeout_ms=self.timeout_ms,
+                                     batch=batch, data_checksums=data, chunk_ids=chunk_ids,
+                                     max_data_bytes=max_data_bytes)
+
+        tids = list(addresses)
+        answers = await asyncio.gather(*(one(tid) for tid in tids), return_exceptions=True)
+        dumps: dict[int, ChunkDump] = {}
+        failed: dict[int, str] = {}
+        for tid, answer in zip(tids, answers, strict=True):
+            if isinstance(answer, FS3Error):
+                failed[tid] = str(answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                dumps[tid] = answer
+                report.bytes_read += answer.data_bytes
+        ids = set(chunk_ids) if chunk_ids is not None else set().union(*(d.chunks for d in dumps.values()))
+        observed = {cid: {tid: _Seen.of(dump.chunks.get(cid), data) for tid, dump in dumps.items()}
+                    for cid in sorted(ids)}
+        return observed, failed
+
+    @staticmethod
+    def _mismatch(report: VerifyReport, chain_id: int, chunk_id: bytes, seen: _Observation) -> None:
+        odd = _odd_targets(seen)
+        report.mismatches.append(f"chain {chain_id} chunk {chunk_id.hex()}: target "
+                                 f"{', '.join(str(t) for t in odd) or '?'} differs; {_describe(seen)}")
+        report.mismatch_details.append({
+            "chain_id": chain_id, "chunk_id": chunk_id.hex(), "targets": odd,
+            "replicas": {str(t): (None if v is None else {
+                "version": v.version, "length": v.length, "checksum": v.checksum,
+                "data_checksum": v.data_checksum, "error": v.error or None, "pending": v.pending,
+                "problem": v.rotten() or None}) for t, v in seen.items()},
+        })

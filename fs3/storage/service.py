@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Awaitable
 
 from fs3 import storage_pb2 as spb
-from fs3.common.errors import InvalidArgument, IoError
+from fs3.common.checksum import crc32c
+from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.rpc.dispatch import Buffer
+from fs3.storage.chunk_engine import ChunkEngine, ChunkState
 from fs3.storage.node import StorageNode
 from fs3.storage.replica import TargetReplica
 
@@ -15,6 +17,39 @@ __all__ = ["StorageServicer"]
 _NO_PAYLOAD = b""
 _DUMP_LIMIT_MAX = 10_000
 _SYNC_RECORDS_MAX = 10_000
+# A DumpChunkMeta page with data checksums stops once this many bytes were read, so one call on a
+# target of big chunks holds neither an I/O thread nor the caller's deadline for long.
+_DUMP_DATA_BYTES_MAX = 64 << 20
+# Reads of a chunk that a commit replaced meanwhile are retried this often before giving up.
+_DATA_READ_TRIES = 3
+
+
+def _committed(state: ChunkState | None) -> tuple[int, int, int]:
+    """What identifies a committed version's bytes (pending writes do not touch them)."""
+    return (state.commit_version, state.length, state.checksum) if state is not None else (0, 0, 0)
+
+
+def _read_crc(engine: ChunkEngine, chunk_id: bytes, version: int, length: int) -> tuple[int, int]:
+    """CRC32C and size of a committed version's bytes as the disk returns them (on an I/O thread)."""
+    data = engine.read(chunk_id, version, 0, length)
+    return crc32c(data), len(data)
+
+
+def _listing(engine: ChunkEngine, req: spb.DumpChunkMetaReq, limit: int) -> list[tuple[bytes, ChunkState]]:
+    """Up to ``limit`` chunks after ``start_after``, in id order: all of them, or those in ``chunk_ids``.
+
+    Taken as a list before any data is read: the engine changes while the reads wait on I/O threads.
+    """
+    if not req.chunk_ids:
+        return list(engine.iter_states(req.start_after, limit))
+    out = []
+    for chunk_id in sorted({bytes(c) for c in req.chunk_ids if c > req.start_after}):
+        state = engine.get(chunk_id)
+        if state is not None:
+            out.append((chunk_id, state))
+            if len(out) == limit:
+                break
+    return out
 
 
 class StorageServicer:
@@ -56,19 +91,55 @@ class StorageServicer:
 
     async def dump_chunk_meta(self, req: spb.DumpChunkMetaReq,
                               payload: memoryview) -> tuple[spb.DumpChunkMetaRsp, Buffer]:
+        """Chunk metadata of one target, a page at a time; with ``data_checksums`` also the CRC32C of
+        each committed version's bytes read back from disk (what ``fs3 admin verify`` compares)."""
         if req.limit > _DUMP_LIMIT_MAX:
             raise InvalidArgument(f"limit {req.limit} exceeds {_DUMP_LIMIT_MAX}")
+        if len(req.chunk_ids) > _DUMP_LIMIT_MAX:
+            raise InvalidArgument(f"{len(req.chunk_ids)} chunk ids exceed {_DUMP_LIMIT_MAX}")
         replica = self.node.replica_for_target(req.target_id, req.chain_id)
         limit = req.limit or 1000
+        byte_budget = min(req.max_data_bytes or _DUMP_DATA_BYTES_MAX, _DUMP_DATA_BYTES_MAX)
         rsp = spb.DumpChunkMetaRsp(target_id=replica.target_id)
-        for chunk_id, state in replica.engine.iter_states(req.start_after, limit + 1):
-            if len(rsp.chunks) == limit:
+        for chunk_id, state in _listing(replica.engine, req, limit + 1):
+            if len(rsp.chunks) == limit or (req.data_checksums and rsp.data_bytes >= byte_budget):
                 rsp.more = True
                 break
-            rsp.chunks.add(chunk_id=chunk_id, commit_version=state.commit_version,
-                           pending_version=state.pending_version, chain_version=state.chain_version,
-                           length=state.length, checksum=state.checksum)
+            meta = rsp.chunks.add(chunk_id=chunk_id)
+            if req.data_checksums:
+                state = await self._check_data(replica.engine, chunk_id, state, meta, rsp)
+            meta.commit_version, meta.pending_version = state.commit_version, state.pending_version
+            meta.chain_version, meta.length, meta.checksum = state.chain_version, state.length, state.checksum
         return rsp, _NO_PAYLOAD
+
+    async def _check_data(self, engine: ChunkEngine, chunk_id: bytes, listed: ChunkState, meta: spb.ChunkMeta,
+                          rsp: spb.DumpChunkMetaRsp) -> ChunkState:
+        """Set ``meta``'s data fields from the committed bytes on disk; return the state they belong to.
+
+        The read runs on the node's I/O pool while commits go on, so it counts only if the chunk's
+        committed version is the same after the read as before (a commit may have replaced or
+        patched the file under it); otherwise it is retried, and finally left unchecked.
+        """
+        state = listed
+        for _ in range(_DATA_READ_TRIES):
+            current = engine.get(chunk_id)
+            state = current if current is not None else ChunkState()  # removed since the listing
+            if state.commit_version == 0 or state.length == 0:
+                meta.data_checksum, meta.data_checked = crc32c(b""), True
+                return state
+            error = ""
+            checksum = 0
+            try:
+                checksum, size = await self.node.run_blocking(_read_crc, engine, chunk_id, state.commit_version,
+                                                              state.length)
+                rsp.data_bytes += size
+            except FS3Error as exc:
+                error = str(exc) or type(exc).__name__
+            if _committed(engine.get(chunk_id)) == _committed(state):
+                meta.data_checksum, meta.data_error, meta.data_checked = checksum, error, not error
+                return state
+        meta.data_checked = False
+        return state
 
     async def sync_done(self, req: spb.SyncDoneReq, payload: memoryview) -> tuple[spb.SyncDoneRsp, Buffer]:
         self.node.sync_done(req)
