@@ -16,7 +16,7 @@ import pytest
 
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
-from fs3.common.errors import ChannelSeqStale
+from fs3.common.errors import ChannelSeqStale, ResourceExhausted
 from fs3.common.ids import chunk_id
 from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.rpc.methods import service_spec
@@ -313,4 +313,38 @@ def test_exactly_once_records_expire_and_stale_retries_are_refused(tmp_path: Pat
             with pytest.raises(ChannelSeqStale):
                 await _send(cluster, chain, chunk_id(9, 0), spb.WRITE, b"x", client=b"client-0", channel=1, seq=1,
                             retry_age_ms=400)
+    run(body())
+
+
+def test_updates_in_flight_are_bounded(tmp_path: Path) -> None:
+    """An update outlives a cancelled request, so a target bounds how many run at once (and the
+    bytes they hold): beyond that, requests are refused with RESOURCE_EXHAUSTED, which clients retry."""
+    async def body() -> None:
+        config = ReplicaConfig(forward_timeout_ms=1_000, forward_retry_total_ms=5_000, updates_inflight_max=1)
+        async with InProcessCluster(tmp_path, replica_config=config) as cluster:
+            chain = cluster.chain_ids[0]
+            version, targets, _ = await _chain(cluster, chain)
+            head, middle = _replica(cluster, targets[0]), _replica(cluster, targets[1])
+            arrived, release = asyncio.Event(), asyncio.Event()
+            real_forward = middle.forward
+
+            async def held_forward(req: spb.ForwardReq, payload: Any) -> spb.UpdateRsp:
+                arrived.set()
+                await release.wait()
+                return await real_forward(req, payload)
+
+            middle.forward = held_forward  # type: ignore[method-assign]
+
+            def request(index: int) -> spb.UpdateReq:
+                return spb.UpdateReq(chain_id=chain, chain_version=version, chunk_id=chunk_id(10, index),
+                                     type=spb.WRITE, length=1, chunk_size=CHUNK, checksum=crc32c(b"x"))
+
+            first = asyncio.create_task(head.update(request(0), memoryview(b"x")))
+            await arrived.wait()
+            with pytest.raises(ResourceExhausted):
+                await head.update(request(1), memoryview(b"x"))
+            release.set()
+            await first
+            middle.forward = real_forward  # type: ignore[method-assign]
+            await cluster.client(b"C").write(chain, chunk_id(10, 1), 0, b"x", CHUNK)
     run(body())

@@ -45,19 +45,53 @@ def test_faults_are_injected() -> None:
 
 
 def test_the_checks_catch_a_broken_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sabotage CRAQ (the tail stops forwarding commits upstream): the simulator must notice."""
+    """Sabotage CRAQ (a target reports its successor committed without forwarding): the simulator
+    must notice."""
+    from fs3.storage.craq import Outcome
 
-    original = replica_mod.TargetReplica._propagate
+    original = replica_mod.TargetReplica._do_forward
 
-    async def skip_forwarding(self, chain_id, fwd, payload, content, checksum, force_full=False):  # type: ignore[no-untyped-def]
-        if fwd.update.type == 1 and fwd.update_version % 3 == 0:
-            return  # pretend the successor committed it
-        await original(self, chain_id, fwd, payload, content, checksum, force_full)
+    async def skip_forwarding(self, op, effect):  # type: ignore[no-untyped-def]
+        if effect.version % 3 == 0:
+            return Outcome.OK, None  # pretend the successor committed it
+        return await original(self, op, effect)
 
-    monkeypatch.setattr(replica_mod.TargetReplica, "_propagate", skip_forwarding)
+    monkeypatch.setattr(replica_mod.TargetReplica, "_do_forward", skip_forwarding)
     shape = ClusterShape(storage_nodes=3, replicas=3)
     results = [run_seed(seed, clients=2, ops_per_client=30, fault_intensity=0, shape=shape) for seed in (1, 2)]
     assert any(not r.ok for r in results)
+
+
+def test_the_checks_catch_a_retry_applied_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage exactly-once (heads forget every saved answer): retried removes and writes run
+    again, and the history check must see values come back."""
+    from fs3.storage.chunk_engine import ChunkEngine
+
+    monkeypatch.setattr(ChunkEngine, "channel", lambda self, client_id, channel_id: None)
+    results = [run_seed(seed, clients=3, ops_per_client=60) for seed in range(1, 25)]
+    assert any(not r.ok for r in results), "no seed noticed retried requests applied twice"
+
+
+def test_the_checks_compare_bytes_not_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage the bytes of one replica behind its metadata at the end of a run: the final
+    replica check reads and compares the data, so it must notice."""
+    from fs3.sim import run as run_mod
+
+    original = run_mod._verify_replicas
+
+    def corrupt_then_verify(cluster, result):  # type: ignore[no-untyped-def]
+        for ids in cluster.chain_targets().values():
+            engine = cluster.engine(ids[-1])
+            for cid, state in engine.states().items():
+                if state.commit_version and state.length and not state.commit_inline:
+                    engine.files.corrupt(cid, state.commit_blob, 0)
+                    return original(cluster, result)
+        raise AssertionError("no file-backed chunk to corrupt")
+
+    monkeypatch.setattr(run_mod, "_verify_replicas", corrupt_then_verify)
+    shape = ClusterShape(storage_nodes=3, replicas=3)
+    result = run_seed(7, clients=2, ops_per_client=20, fault_intensity=0, shape=shape)
+    assert any("bytes do not match" in v for v in result.violations), result.violations
 
 
 # Seeds that once found a bug (see docs/reliability.md). The fault injector has been refined since,

@@ -108,9 +108,11 @@ class ReplicaConfig:
     # staged as a patch of the committed version and applied in place at commit, instead of
     # copying the whole chunk into a new version (0: always copy).
     patch_max_bytes: int = 256 * 1024
-    # Updates (client writes, forwards, repairs) running on this target at once; more are refused
-    # with RESOURCE_EXHAUSTED (the client backs off and retries).
+    # Updates (client writes, forwards) running on this target at once, and the payload bytes they
+    # hold; more are refused with RESOURCE_EXHAUSTED (the client backs off and retries). An update
+    # keeps running when its request is cancelled, so these bound what cancelled requests can pile up.
     updates_inflight_max: int = 4096
+    updates_inflight_bytes_max: int = 1 << 30
     # Exactly-once records live this long after their request committed. The head refuses a retry
     # sent more than half of it after the request's first attempt, so no retry outlives its record.
     channel_record_ttl_ms: int = 600_000
@@ -237,6 +239,7 @@ class TargetReplica:
         self._inflight: dict[tuple[bytes, int], tuple[int, asyncio.Future[spb.UpdateRsp]]] = {}
         self._repairs: dict[bytes, asyncio.Task[None]] = {}
         self._updates: set[asyncio.Task[Any]] = set()
+        self._updates_bytes = 0
         # Group commit of the target's log: writes on the hot path are made unsynced and share
         # one fsync, off the event loop (a real node's I/O pool; inline in the simulator).
         self._log_sync = GroupSync(lambda: host.run_blocking(engine.kv.sync_wal))
@@ -328,14 +331,22 @@ class TargetReplica:
         if self.engine.sync_commits:
             await self._log_sync.wait(self._log_sync.last_ticket)
 
-    def _start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Run an update body as a task of its own (see the module docstring), within the bound."""
-        if len(self._updates) >= self.config.updates_inflight_max:
+    def _start(self, coro: Coroutine[Any, Any, T], payload_bytes: int) -> asyncio.Task[T]:
+        """Run an update body as a task of its own (see the module docstring), within the bounds."""
+        if len(self._updates) >= self.config.updates_inflight_max \
+                or self._updates_bytes + payload_bytes > self.config.updates_inflight_bytes_max:
             coro.close()
-            raise ResourceExhausted(f"target {self.target_id} has {len(self._updates)} updates in flight")
+            raise ResourceExhausted(f"target {self.target_id} has {len(self._updates)} updates of "
+                                    f"{self._updates_bytes} bytes in flight")
         task = asyncio.get_running_loop().create_task(coro)
         self._updates.add(task)
-        task.add_done_callback(self._updates.discard)
+        self._updates_bytes += payload_bytes
+
+        def done(finished: asyncio.Task[T]) -> None:
+            self._updates.discard(finished)
+            self._updates_bytes -= payload_bytes
+
+        task.add_done_callback(done)
         task.add_done_callback(_retrieve)
         return task
 
@@ -374,7 +385,7 @@ class TargetReplica:
             raise NotHead(f"target {self.target_id} is not the head of chain {req.chain_id}")
         self._check_chain_version(view, req.chain_version, "request")
         if not req.client_id:
-            return await asyncio.shield(self._start(self._client_update(req, payload, None)))
+            return await asyncio.shield(self._start(self._client_update(req, payload, None), len(payload)))
         if req.retry_age_ms > self.config.channel_record_ttl_ms // 2:
             raise ChannelSeqStale(f"a retry {req.retry_age_ms} ms after its first attempt is older than this "
                                   f"target keeps exactly-once records for")
@@ -393,7 +404,7 @@ class TargetReplica:
                 return self._record_rsp(record)
             if record.seq > req.seq:
                 raise ChannelSeqStale(f"channel {req.channel_id} is at seq {record.seq}, request has {req.seq}")
-        task = self._start(self._client_update(req, payload, (req.client_id, req.channel_id, req.seq)))
+        task = self._start(self._client_update(req, payload, (req.client_id, req.channel_id, req.seq)), len(payload))
         future: asyncio.Future[spb.UpdateRsp] = asyncio.get_running_loop().create_future()
         self._inflight[key] = (req.seq, future)
 
@@ -449,7 +460,7 @@ class TargetReplica:
             self.validate_update(update, payload, check_crc=False)
         if req.update_version <= req.base_version and not req.full_chunk_replace:
             raise InvalidArgument(f"update v{req.update_version} is not above its base v{req.base_version}")
-        return await asyncio.shield(self._start(self._forward_update(req, payload)))
+        return await asyncio.shield(self._start(self._forward_update(req, payload), len(payload)))
 
     async def _forward_update(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
         update = req.update
