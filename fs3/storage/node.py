@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -73,6 +73,10 @@ class StorageNode:
         self.routing: cpb.RoutingInfo | None = None
         self.local_states: dict[int, LocalState] = {}
         self.failed_targets: set[int] = set()
+        # Targets mgmtd fenced (admin mark-offline): out of service here until mgmtd has taken
+        # them out of their chains; the value is the routing version the fence was learnt at.
+        self.fenced_targets: dict[int, int] = {}
+        self._writes: dict[int, int] = {}  # target -> updates and forwards in progress on it
         self._silent_until_offline = True
         self._lease_start_ms: int | None = None
         self._routing_event = asyncio.Event()
@@ -123,6 +127,8 @@ class StorageNode:
         self._nodes = {n.node_id: n for n in routing.nodes}
         self._chain_of_target = {t.target_id: t.chain_id for t in routing.targets if t.target_id in self.engines}
         states = {t.target_id: PublicState(t.public_state or PublicState.OFFLINE) for t in routing.targets}
+        self._fence([t.target_id for t in routing.targets if t.fenced], routing.routing_version)
+        self._lift_fences()
         if self._silent_until_offline:
             in_chain = [tid for tid in self.engines if self._chain_of_target.get(tid)]
             if all(states.get(tid) in (PublicState.OFFLINE, PublicState.LASTSRV) for tid in in_chain):
@@ -136,7 +142,7 @@ class StorageNode:
             for tid in self.engines:
                 public = states.get(tid)
                 local = self.local_states.get(tid, LocalState.ONLINE)
-                if tid in self.failed_targets:
+                if self._out_of_service(tid):
                     local = LocalState.OFFLINE
                 elif public is PublicState.SERVING:
                     local = LocalState.UP_TO_DATE
@@ -149,10 +155,77 @@ class StorageNode:
         self._schedule_resyncs()
         if not self._silent_until_offline:
             for tid, chain_id in self._chain_of_target.items():
-                if chain_id and tid not in self.failed_targets:
+                if chain_id and not self._out_of_service(tid):
                     self.replicas[tid].repair_abandoned(chain_id)
         event, self._routing_event = self._routing_event, asyncio.Event()
         event.set()
+
+    def _out_of_service(self, target_id: int) -> bool:
+        """A failed or fenced target: its own view shows it offline and it reports itself offline."""
+        return target_id in self.failed_targets or target_id in self.fenced_targets
+
+    def _fence(self, target_ids: list[int], routing_version: int) -> None:
+        """Stop serving ``target_ids`` now and tell mgmtd at once, so that it can change their chains.
+
+        From here on the target's own view shows it offline, so it refuses new reads, writes,
+        forwards and commit queries, and writes in progress fail at their next step; mgmtd
+        publishes a chain without it only after our next heartbeat says so. That order is what
+        keeps a removed target from serving a read older than a write the chain without it has
+        acknowledged.
+        """
+        new = [tid for tid in target_ids if tid in self.engines and tid not in self.fenced_targets]
+        if not new:
+            return
+        for tid in new:
+            self.fenced_targets[tid] = routing_version
+            self.local_states[tid] = LocalState.OFFLINE
+        log.warning("node %d: mgmtd fenced target(s) %s: no longer serving them", self.config.node_id,
+                    ", ".join(map(str, new)))
+        self._views.clear()
+        self._schedule_resyncs()  # a fenced target must not keep resyncing a successor either
+        if not self._silent_until_offline:  # a restarted node speaks only once mgmtd has seen it go
+            self._tasks.append(asyncio.create_task(self._heartbeat_soon()))
+
+    def _lift_fences(self) -> None:
+        """End the fences that are over, in the routing we hold.
+
+        A fence ends once mgmtd shows the target off the write path and no longer fenced, in a
+        routing newer than the one the fence was learnt with (an older one may predate it), and
+        once every update and forward the target admitted has finished: those fail while it is
+        fenced, whereas one still in flight when it re-enters its chain as syncing could commit
+        and answer as if it still held its old place. The target then comes back the way a
+        restarted one does: online, waiting, syncing, serving.
+        """
+        routing = self.routing
+        if routing is None or not self.fenced_targets:
+            return
+        infos = {t.target_id: t for t in routing.targets if t.target_id in self.fenced_targets}
+        lifted = []
+        for tid, since in list(self.fenced_targets.items()):
+            info = infos.get(tid)
+            state = PublicState(info.public_state or PublicState.OFFLINE) if info else PublicState.OFFLINE
+            if routing.routing_version > since and not state.writable and not (info and info.fenced) \
+                    and not self._writes.get(tid):
+                del self.fenced_targets[tid]
+                self.local_states[tid] = LocalState.ONLINE
+                lifted.append(tid)
+                log.info("node %d: target %d is %s in its chain: fence lifted, it resyncs before serving",
+                         self.config.node_id, tid, state.name.lower())
+        if lifted:
+            self._views.clear()
+
+    @contextlib.contextmanager
+    def writing(self, target_id: int) -> Iterator[None]:
+        """Count an update or forward in progress on a target (a fence outlasts them; see ``_lift_fences``)."""
+        self._writes[target_id] = self._writes.get(target_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._writes.pop(target_id) - 1
+            if left:
+                self._writes[target_id] = left
+            elif target_id in self.fenced_targets:
+                self._lift_fences()
 
     async def _routing_loop(self) -> None:
         while True:
@@ -195,7 +268,7 @@ class StorageNode:
             members.append(ChainMember(tid, info.node_id, PublicState(info.public_state or PublicState.OFFLINE),
                                        address))
         view = ChainView(chain_id, chain.chain_version, self.routing.routing_version, target_id, tuple(members))
-        if self._silent_until_offline or target_id in self.failed_targets:
+        if self._silent_until_offline or self._out_of_service(target_id):
             # Until mgmtd has seen this node restart, its targets must not act on the old chain.
             view = ChainView(chain_id, chain.chain_version, self.routing.routing_version, target_id,
                              tuple(ChainMember(m.target_id, m.node_id, PublicState.OFFLINE, m.address)
@@ -220,7 +293,7 @@ class StorageNode:
             metrics_address=self.config.metrics_address,
         )
         for tid, engine in self.engines.items():
-            local = LocalState.OFFLINE if tid in self.failed_targets else self.local_states.get(tid, LocalState.ONLINE)
+            local = LocalState.OFFLINE if self._out_of_service(tid) else self.local_states.get(tid, LocalState.ONLINE)
             try:
                 free = engine.blobs.free_bytes()
                 capacity = engine.blobs.capacity_bytes()
@@ -238,6 +311,9 @@ class StorageNode:
         timeout_ms = min(self.config.rpc_timeout_ms, 2 * self.config.heartbeat_interval_ms)
         rsp, _ = await channel.call(_MGMTD.method("Heartbeat"), self._heartbeat_req(), timeout_ms=timeout_ms)
         assert isinstance(rsp, mpb.HeartbeatRsp)
+        if rsp.fenced_target_ids and rsp.routing_version >= self.routing_version:
+            # An older response may predate the fence's end; the routing we hold then says more.
+            self._fence(list(rsp.fenced_target_ids), rsp.routing_version)
         if rsp.routing_version > self.routing_version:
             # The lease only renews on a current view of the chains: a node back from a partition
             # must learn that it was taken out of its chains before it serves anything again.

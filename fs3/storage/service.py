@@ -34,11 +34,13 @@ class StorageServicer:
         return await self._writing(replica, replica.forward(req, payload)), _NO_PAYLOAD
 
     async def _writing(self, replica: TargetReplica, call: Awaitable[spb.UpdateRsp]) -> spb.UpdateRsp:
-        try:
-            return await call
-        except IoError as exc:
-            self._target_failed(replica.target_id, exc)
-            raise
+        # The node counts writes in progress: a fenced target stays fenced until they are over.
+        with self.node.writing(replica.target_id):
+            try:
+                return await call
+            except IoError as exc:
+                self._target_failed(replica.target_id, exc)
+                raise
 
     async def read(self, req: spb.ReadReq, payload: memoryview) -> tuple[spb.ReadRsp, Buffer]:
         replica = self.node.replica_for_chain(req.chain_id)
