@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--ops", type=int, default=60, help="operations per client")
     parser.add_argument("--faults", type=float, default=1.0, help="fault intensity (0 disables faults)")
+    parser.add_argument("--mark-offline", action="store_true",
+                        help="add admin mark-offline of a serving target to the fault mix (changes seeds)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if (args.verbose or args.seed is not None) else logging.CRITICAL,
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     started = time.monotonic()
     for seed in seeds:
-        result = run_seed(seed, clients=args.clients, ops_per_client=args.ops, fault_intensity=args.faults)
+        result = run_seed(seed, clients=args.clients, ops_per_client=args.ops, fault_intensity=args.faults,
+                          mark_offline_faults=args.mark_offline)
         if not result.ok:
             failed += 1
             print(result.summary())
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             for fault in result.faults:
                 print("    fault:", fault)
             print(f"    replay: python -m fs3.sim --seed {seed} --clients {args.clients} --ops {args.ops} "
-                  f"--faults {args.faults}")
+                  f"--faults {args.faults}" + (" --mark-offline" if args.mark_offline else ""))
         elif args.seed is not None or args.verbose:
             print(result.summary())
     total = len(seeds)

@@ -148,7 +148,13 @@ async def _client_loop(cluster: SimCluster, history: History, rng: random.Random
 
 
 async def _faults(cluster: SimCluster, rng: random.Random, result: SimResult, duration_s: float,
-                  intensity: float) -> None:
+                  intensity: float, mark_offline_faults: bool = False) -> None:
+    """Inject faults until ``duration_s`` has passed.
+
+    ``mark_offline_faults`` adds "an admin marks a random serving target offline" as about one
+    fault in eleven, keeping the others' shares; off, the random sequence is the same as before
+    the option existed, so old seeds replay unchanged.
+    """
     loop = asyncio.get_running_loop()
     end = loop.time() + duration_s
     tolerance = cluster.shape.replicas - 1
@@ -157,6 +163,8 @@ async def _faults(cluster: SimCluster, rng: random.Random, result: SimResult, du
         if loop.time() >= end:
             break
         roll = rng.random()
+        if mark_offline_faults:
+            roll *= 1.1  # [1.0, 1.1): the new fault
         down = [n for n in cluster.storage if not cluster.storage_alive(n)]
         if down and roll < 0.4:
             node = rng.choice(down)
@@ -179,6 +187,8 @@ async def _faults(cluster: SimCluster, rng: random.Random, result: SimResult, du
                 await asyncio.sleep(rng.uniform(0.1, 1.0))
                 cluster.start_mgmtd()
                 result.faults.append(f"t={loop.time():.2f} restart mgmtd")
+        elif roll >= 1.0:
+            await _mark_offline(cluster, rng, result, tolerance)
         else:
             if cluster.mgmtd is None or len(cluster.unhealthy_nodes()) >= tolerance:
                 continue
@@ -195,8 +205,29 @@ async def _faults(cluster: SimCluster, rng: random.Random, result: SimResult, du
     cluster.network.heal()
 
 
+async def _mark_offline(cluster: SimCluster, rng: random.Random, result: SimResult, tolerance: int) -> None:
+    """``fs3 admin mark-offline`` on a random serving target of a live node, through the admin RPC.
+
+    The target is fenced, leaves its chain, resyncs and comes back; the histories check that it
+    never serves a read older than a write the chain acknowledged without it.
+    """
+    if cluster.mgmtd is None or len(cluster.unhealthy_nodes()) >= tolerance:
+        return
+    serving = sorted(tid for tid, state in cluster.public_states().items()
+                     if state is PublicState.SERVING and cluster.storage_alive(tid // 100))
+    if not serving:
+        return
+    target = rng.choice(serving)
+    loop = asyncio.get_running_loop()
+    result.faults.append(f"t={loop.time():.2f} admin marks target {target} offline")
+    try:
+        await cluster.admin().mark_target_offline(target)
+    except FS3Error as exc:  # lost messages, or mgmtd restarted meanwhile
+        result.faults.append(f"t={loop.time():.2f} mark-offline of target {target} failed: {exc.code.name}")
+
+
 async def _scenario(cluster: SimCluster, result: SimResult, clients: int, ops_per_client: int,
-                    fault_intensity: float) -> None:
+                    fault_intensity: float, mark_offline_faults: bool = False) -> None:
     rng = cluster.rng
     chains = await cluster.boot()
     history = History()
@@ -208,8 +239,8 @@ async def _scenario(cluster: SimCluster, result: SimResult, clients: int, ops_pe
     start = loop.time()
     client_tasks = [driver.run(_client_loop(cluster, history, random.Random(rng.random()), chains, chunks, slots,
                                             ops_per_client, next_id)) for _ in range(clients)]
-    fault_task = driver.run(_faults(cluster, random.Random(rng.random()), result, 1e9, fault_intensity)) \
-        if fault_intensity > 0 else None
+    fault_task = driver.run(_faults(cluster, random.Random(rng.random()), result, 1e9, fault_intensity,
+                                    mark_offline_faults)) if fault_intensity > 0 else None
     await asyncio.gather(*client_tasks)
     if fault_task is not None:
         fault_task.cancel()
@@ -262,15 +293,19 @@ def _verify_replicas(cluster: SimCluster, result: SimResult) -> None:
 
 
 def run_seed(seed: int, clients: int = 3, ops_per_client: int = 60, fault_intensity: float = 1.0,
-             shape: ClusterShape | None = None) -> SimResult:
-    """Run one seed to completion; deterministic for a given argument list."""
+             shape: ClusterShape | None = None, mark_offline_faults: bool = False) -> SimResult:
+    """Run one seed to completion; deterministic for a given argument list.
+
+    ``mark_offline_faults`` adds admin mark-offline to the fault mix (off: old seeds replay as before).
+    """
     cluster = SimCluster(seed, shape)
     result = SimResult(seed, cluster.shape)
     loop = VirtualTimeLoop()
     invariants = _Invariants(cluster, result)
     loop.on_iteration = invariants
     try:
-        loop.run_until_complete(_scenario(cluster, result, clients, ops_per_client, fault_intensity))
+        loop.run_until_complete(_scenario(cluster, result, clients, ops_per_client, fault_intensity,
+                                          mark_offline_faults))
     except AssertionError as exc:
         result.violations.append(f"liveness: {exc}")
     finally:
