@@ -63,6 +63,12 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         assert taken.returncode == 1 and "already in a chain" in taken.stderr
         unknown = fs3(*base, "mark-offline", "999")
         assert unknown.returncode == 1 and "not registered" in unknown.stderr
+        # mark-offline returns once the target is out of its chain; its live node stopped serving it first.
+        victim = chains["chains"][0]["target_ids"][-1]
+        marked = fs3(*base, "--json", "mark-offline", str(victim))
+        assert marked.returncode == 0, marked.stderr
+        out = json.loads(marked.stdout)
+        assert out["fenced"] and out["public_state"] in ("offline", "waiting", "syncing"), out
         wrong_token = fs3("admin", "--mgmtd", info["mgmtd"], "--token", "nope", "nodes")
         assert wrong_token.returncode == 1 and "UNAUTHENTICATED" in wrong_token.stderr
         assert len(json.loads(fs3(*base, "--json", "chains").stdout)["chains"]) == 1

@@ -10,8 +10,8 @@ command that makes the machine act, a line starting with ``=>`` lists the effect
     staged
     => forward v10 on v3 to 2 (update)
 
-Commands: ``chunk committed= pending= length=``; ``path writable= lease= successor= syncing=
-routing=`` (yes/no for flags); ``time MS``; starts — ``client KIND [offset=] [length=] new=N``,
+Commands: ``chunk committed= pending= length=``; ``path writable= head= lease= successor=
+syncing= routing=`` (yes/no for flags); ``time MS``; starts — ``client KIND [offset=] [length=] new=N``,
 ``forward KIND version= base= [offset=] [length=]``, ``copy version= [base=] [remove]`` (a full
 copy forwarded), ``sync version= [remove]``, ``repair``; events — ``staged``, ``forwarded
 ok|retry|refused|diverged``, ``routing``, ``committed``. Run with ``FS3_REWRITE=1`` to regenerate
@@ -109,7 +109,7 @@ def run_script(text: str) -> str:
             chunk = ChunkFacts(int(values.get("committed", 0)), int(values.get("pending", 0)),
                                int(values.get("length", 0)))
         elif command == "path":
-            path = PathFacts(writable=_flag(values.get("writable", "yes")),
+            path = PathFacts(writable=_flag(values.get("writable", "yes")), head=_flag(values.get("head", "yes")),
                              lease_valid=_flag(values.get("lease", "yes")),
                              successor=int(values.get("successor", 0)),
                              successor_syncing=_flag(values.get("syncing", "no")),

@@ -111,8 +111,9 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
             print(json.dumps([MessageToDict(t, preserving_proto_field_name=True) for t in targets], indent=2))
         else:
             print(_table([[str(t.target_id), str(t.node_id), str(t.chain_id or "-"),
-                           _state_name(cpb.PublicState, t.public_state), _state_name(cpb.LocalState, t.local_state),
-                           str(t.chunk_count), _human_bytes(t.used_bytes), _human_bytes(t.free_bytes), t.path]
+                           _state_name(cpb.PublicState, t.public_state) + (" (fenced)" if t.fenced else ""),
+                           _state_name(cpb.LocalState, t.local_state), str(t.chunk_count),
+                           _human_bytes(t.used_bytes), _human_bytes(t.free_bytes), t.path]
                           for t in targets],
                          ["target", "node", "chain", "public", "local", "chunks", "used", "free", "path"]))
         return 0
@@ -139,9 +140,16 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
                 print(f"  chain {c.chain_id}: {' -> '.join(str(t) for t in c.target_ids)}")
         return 0
     if args.command == "mark-offline":
-        version = await admin.mark_target_offline(args.target_id)
-        print(json.dumps({"target_id": args.target_id, "routing_version": version}) if out_json
-              else f"target {args.target_id} marked offline (routing v{version})")
+        # Returns once the target is out of its chain (a live node stops serving it first).
+        offline = await admin.mark_target_offline(args.target_id)
+        state = _state_name(cpb.PublicState, offline.public_state)
+        if out_json:
+            print(json.dumps({"target_id": args.target_id, "routing_version": offline.routing_version,
+                              "public_state": state, "fenced": offline.fenced}))
+        else:
+            how = "its node stopped serving it first; " if offline.fenced else ""
+            print(f"target {args.target_id} is out of its chain ({state}, routing v{offline.routing_version}); "
+                  f"{how}it resyncs and comes back serving")
         return 0
     if args.command == "verify":
         def progress(done: int, total: int) -> None:
@@ -305,7 +313,8 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--table-id", type=int, default=1)
     create.add_argument("--replicas", type=int, help="build chains of N replicas from every free target")
     create.add_argument("--chain", action="append", help="CHAIN_ID:TARGET,TARGET,... (repeatable)")
-    offline = admin_sub.add_parser("mark-offline", help="take a target out of its chain (it resyncs)")
+    offline = admin_sub.add_parser("mark-offline", help="take a target out of its chain, waiting until it is out "
+                                   "(its node stops serving it first); it then resyncs and comes back")
     offline.add_argument("target_id", type=int)
     verify = admin_sub.add_parser("verify", help="compare replicas chunk by chunk, bytes included "
                                                  "(exit 2 when they differ)")

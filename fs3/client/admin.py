@@ -142,9 +142,9 @@ class AdminClient:
         self.channels = channels
         self.timeout_ms = timeout_ms
 
-    async def _mgmtd(self, name: str, req: object) -> object:
+    async def _mgmtd(self, name: str, req: object, timeout_ms: int | None = None) -> object:
         rsp, _ = await self.channels.get(self.mgmtd_address).call(_MGMTD.method(name), req,  # type: ignore[arg-type]
-                                                                  timeout_ms=self.timeout_ms)
+                                                                  timeout_ms=timeout_ms or self.timeout_ms)
         return rsp
 
     async def nodes(self) -> list[cpb.NodeInfo]:
@@ -176,10 +176,19 @@ class AdminClient:
         assert isinstance(rsp, mpb.CreateChainTableRsp)
         return rsp
 
-    async def mark_target_offline(self, target_id: int) -> int:
-        rsp = await self._mgmtd("MarkTargetOffline", mpb.MarkTargetOfflineReq(target_id=target_id))
+    async def mark_target_offline(self, target_id: int) -> mpb.MarkTargetOfflineRsp:
+        """Take a target out of its chain; returns once it is out (it then resyncs and comes back).
+
+        mgmtd first fences a target whose node is alive and waits for the node to stop serving it
+        (about one heartbeat interval), or, if the node dies meanwhile, for the heartbeat timeout
+        (plus up to two scan intervals, each at most the timeout): the call waits that long too.
+        """
+        routing = await self.routing()
+        wait_ms = 3 * routing.heartbeat_timeout_ms
+        rsp = await self._mgmtd("MarkTargetOffline", mpb.MarkTargetOfflineReq(target_id=target_id),
+                                timeout_ms=self.timeout_ms + wait_ms)
         assert isinstance(rsp, mpb.MarkTargetOfflineRsp)
-        return rsp.routing_version
+        return rsp
 
     async def verify(self, progress: Callable[[int, int], None] | None = None, *, data: bool = True,
                      rechecks: int = 3, recheck_delay_s: float = 0.2, batch: int = 1000,

@@ -3,7 +3,8 @@
 Writes are exactly-once: each write takes one of the client's channels (bounded), increments
 its sequence number, and retries with the same ``(client_id, channel_id, seq)`` until the head
 answers or the retry budget is spent; a head that already committed it returns the cached
-result. Reads rotate across serving replicas and fall back to another replica on failure.
+result. Reads rotate across serving replicas and fall back to another replica on failure; they
+carry the client's chain version, and a replica on another version sends the client to refresh.
 """
 
 from __future__ import annotations
@@ -145,8 +146,12 @@ class StorageClient:
                           verify_checksum=verify_checksum)
         attempt = 0
         while True:
-            _, members = await self.routing.chain(chain_id)
+            chain_version, members = await self.routing.chain(chain_id)
+            # The replica refuses a read whose chain version differs from its own: one that has
+            # left the chain this client knows of cannot answer from its old view of it.
+            req.chain_version = chain_version
             error: FS3Error = Unavailable(f"chain {chain_id} has no serving replica")
+            moved = False
             for member in self._order(members):
                 try:
                     rsp, data = await self.channels.get(member.address).call(_READ, req, b"",
@@ -161,5 +166,22 @@ class StorageClient:
                     if not exc.retryable and exc.code not in (StatusCode.CHECKSUM_MISMATCH, StatusCode.IO_ERROR):
                         raise
                     error = exc
+                    if exc.code == StatusCode.CHAIN_VERSION_MISMATCH and await self._chain_moved(chain_id,
+                                                                                                 chain_version):
+                        moved = True  # ours was the stale view: start over on the new chain at once
+                        break
+            if moved and self.clock.now_ms() < deadline_ms:
+                continue
             attempt += 1
             await self._before_retry(error, deadline_ms, attempt, f"read of chunk {chunk_id.hex()} on chain {chain_id}")
+
+    async def _chain_moved(self, chain_id: int, chain_version: int) -> bool:
+        """Refresh routing after a chain version mismatch; whether the chain has a newer version now.
+
+        False means the replica was the one behind (it refreshes itself): try the next replica.
+        """
+        with contextlib.suppress(FS3Error):
+            await self.routing.refresh()
+        with contextlib.suppress(FS3Error):
+            return (await self.routing.chain(chain_id))[0] != chain_version
+        return False

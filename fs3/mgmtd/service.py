@@ -12,7 +12,7 @@ from prometheus_client import Gauge
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.clock import Clock, LoopClock
-from fs3.common.errors import InvalidArgument
+from fs3.common.errors import InvalidArgument, Timeout
 from fs3.common.metrics import ServiceMetrics
 from fs3.kv.store import KVStore
 from fs3.mgmtd.state import MgmtdState
@@ -58,6 +58,7 @@ class MgmtdServicer:
         self.clock = clock or LoopClock()
         self.state = MgmtdState(kv, config.heartbeat_timeout_ms, config.cluster_id)
         self._scan_task: asyncio.Task[None] | None = None
+        self._state_changed = asyncio.Event()
         self._routing_gauge: Gauge | None
         self._alive_gauge: Gauge | None
         if metrics is not None:
@@ -81,16 +82,25 @@ class MgmtdServicer:
         while True:
             await asyncio.sleep(self.config.scan_interval_ms / 1000)
             self.state.scan(self.clock.now_ms())
+            self._notify()
             if self._routing_gauge is not None and self._alive_gauge is not None:
                 self._routing_gauge.set(self.state.routing_version)
                 self._alive_gauge.set(sum(1 for n in self.state.nodes.values() if n.alive))
+
+    def _notify(self) -> None:
+        """Wake the calls waiting for the state to change (a pending fence)."""
+        event, self._state_changed = self._state_changed, asyncio.Event()
+        event.set()
 
     # -- RPC handlers ------------------------------------------------------------------------
 
     async def heartbeat(self, req: mpb.HeartbeatReq, payload: memoryview) -> tuple[mpb.HeartbeatRsp, Buffer]:
         self.state.heartbeat(req, self.clock.now_ms())
+        self._notify()
+        # Built after the heartbeat was applied: a fence cleared by this very heartbeat is not sent.
         return mpb.HeartbeatRsp(routing_version=self.state.routing_version,
-                                heartbeat_timeout_ms=self.config.heartbeat_timeout_ms), _NO_PAYLOAD
+                                heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+                                fenced_target_ids=self.state.fenced_targets(req.node_id)), _NO_PAYLOAD
 
     async def get_routing_info(self, req: mpb.GetRoutingInfoReq,
                                payload: memoryview) -> tuple[mpb.GetRoutingInfoRsp, Buffer]:
@@ -126,5 +136,29 @@ class MgmtdServicer:
 
     async def mark_target_offline(self, req: mpb.MarkTargetOfflineReq,
                                   payload: memoryview) -> tuple[mpb.MarkTargetOfflineRsp, Buffer]:
-        self.state.mark_target_offline(req.target_id, self.clock.now_ms())
-        return mpb.MarkTargetOfflineRsp(routing_version=self.state.routing_version), _NO_PAYLOAD
+        """Take a target out of its chain and return once it is out (see ``MgmtdState.mark_target_offline``).
+
+        A fenced target is out once its node has reported it offline, which takes about one
+        heartbeat interval; a node that dies meanwhile is expired within the heartbeat timeout and
+        a scan interval. A node that keeps heartbeating without confirming (it should not exist)
+        gets TIMEOUT: the fence stays pending and mgmtd never takes the target out behind its back.
+        """
+        done = self.state.mark_target_offline(req.target_id, self.clock.now_ms())
+        fenced = not done
+        if fenced:
+            self._notify()
+            wait_ms = self.config.heartbeat_timeout_ms + 2 * self.config.scan_interval_ms
+            deadline_ms = self.clock.now_ms() + wait_ms
+            while self.state.fence_pending(req.target_id):
+                remaining_ms = deadline_ms - self.clock.now_ms()
+                if remaining_ms <= 0:
+                    node_id = self.state.targets[req.target_id].info.node_id
+                    raise Timeout(f"target {req.target_id} is fenced but node {node_id} has not reported it "
+                                  f"offline within {wait_ms} ms; the fence stays: the target leaves its chain "
+                                  f"once the node reports it offline or misses heartbeats")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._state_changed.wait(), remaining_ms / 1000)
+        target = self.state.targets[req.target_id]
+        return mpb.MarkTargetOfflineRsp(routing_version=self.state.routing_version,
+                                        public_state=target.info.public_state or cpb.OFFLINE,
+                                        fenced=fenced), _NO_PAYLOAD

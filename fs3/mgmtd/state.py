@@ -215,9 +215,15 @@ class MgmtdState:
                 self.targets[t].info.public_state = _pb_state(result.states[t])
             changed_chains.append(chain.chain_id)
             changed_targets.extend(ids)
-        if changed_chains or expired:
+        for tid, target in self.targets.items():
+            # A fence ends once its target is off the write path: the chain no longer needs it.
+            if target.info.fenced and not target.public_state.writable:
+                log.info("target %d is %s: fence cleared", tid, target.public_state.name.lower())
+                target.info.fenced = False
+                changed_targets.append(tid)
+        if changed_chains or changed_targets or expired:
             self._bump_routing()
-            self._persist(targets=changed_targets, chains=changed_chains, routing=True)
+            self._persist(targets=set(changed_targets), chains=changed_chains, routing=True)
             return True
         return False
 
@@ -288,13 +294,43 @@ class MgmtdState:
         ensure(bool(specs), "chain planning produced no chain")
         return specs
 
-    def mark_target_offline(self, target_id: int, now_ms: int) -> None:
+    def mark_target_offline(self, target_id: int, now_ms: int) -> bool:
+        """Take a target out of its chain; returns True once it is out, False while a fence is pending.
+
+        A target on the write path of a live node is not taken out here: its node still holds a
+        valid lease and would keep serving reads from its old view of the chain while the chain
+        without it commits newer writes. It is fenced instead (``TargetInfo.fenced``, persisted):
+        its node learns it from the next heartbeat response, stops serving it and reports it
+        offline, and only that report lets :meth:`scan` publish the chain without it. A node that
+        never answers loses the target through the heartbeat timeout, after its lease has run out.
+        A target off the write path, or on a node mgmtd already considers dead, goes at once.
+        """
         target = self.targets.get(target_id)
         if target is None:
             raise NotFound(f"target {target_id} is not registered")
+        self.scan(now_ms)  # a node past its heartbeat timeout counts as dead, not as alive
+        node = self.nodes.get(target.info.node_id)
+        if target.info.chain_id and target.public_state.writable and node is not None and node.alive:
+            if not target.info.fenced:
+                log.warning("target %d (node %d): fenced; its chain changes once the node stops serving it",
+                            target_id, target.info.node_id)
+                target.info.fenced = True
+                self._bump_routing()
+                self._persist(targets=[target_id], routing=True)
+            return False
         target.local_state = LocalState.OFFLINE
         target.info.local_state = cpb.LOCAL_OFFLINE
         self.scan(now_ms)
+        return True
+
+    def fence_pending(self, target_id: int) -> bool:
+        """Whether ``target_id`` is fenced and still on its chain's write path."""
+        target = self.targets.get(target_id)
+        return target is not None and target.info.fenced
+
+    def fenced_targets(self, node_id: int) -> list[int]:
+        """The node's fenced targets, for its heartbeat response (sent again on every heartbeat)."""
+        return sorted(tid for tid, t in self.targets.items() if t.info.node_id == node_id and t.info.fenced)
 
     # -- routing -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fs3 import mgmtd_pb2 as mpb
+from fs3.client.admin import AdminClient
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.kv.store import MemKVStore
@@ -108,6 +109,7 @@ class SimCluster:
             disks = {node_id * 100 + j: _Disk() for j in range(1, self.shape.targets_per_node + 1)}
             self.storage[node_id] = _StorageSlot(node_id, f"storage-{node_id}", disks)
         self._client_count = 0
+        self._admin_count = 0
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -195,6 +197,11 @@ class SimCluster:
 
     def storage_alive(self, node_id: int) -> bool:
         return self.storage[node_id].process is not None
+
+    def admin(self) -> AdminClient:
+        """An admin client (``fs3 admin``) with its own address on the simulated network."""
+        self._admin_count += 1
+        return AdminClient(MGMTD, SimChannelFactory(self.network, f"admin-{self._admin_count}"), timeout_ms=2_000)
 
     def new_client(self, pick_rng: random.Random | None = None) -> StorageClient:
         self._client_count += 1

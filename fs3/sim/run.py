@@ -170,6 +170,8 @@ async def _faults(cluster: SimCluster, rng: random.Random, result: SimResult, du
         if loop.time() >= end:
             break
         roll = rng.random()
+        if mix != "legacy":
+            roll *= 1.1  # [1.0, 1.1): an admin marks a serving target offline
         down = [n for n in cluster.storage if not cluster.storage_alive(n)]
         if down and roll < 0.4:
             node = rng.choice(down)
@@ -197,6 +199,8 @@ async def _faults(cluster: SimCluster, rng: random.Random, result: SimResult, du
                 await asyncio.sleep(rng.uniform(0.1, 1.0))
                 cluster.start_mgmtd()
                 result.faults.append(f"t={loop.time():.2f} restart mgmtd")
+        elif roll >= 1.0:
+            await _mark_offline(cluster, rng, result, tolerance)
         else:
             if cluster.mgmtd is None or len(cluster.unhealthy_nodes()) >= tolerance:
                 continue
@@ -211,6 +215,27 @@ async def _faults(cluster: SimCluster, rng: random.Random, result: SimResult, du
             result.faults.append(f"t={loop.time():.2f} heal partition")
     cluster.network.faults.drop_probability = 0.0
     cluster.network.heal()
+
+
+async def _mark_offline(cluster: SimCluster, rng: random.Random, result: SimResult, tolerance: int) -> None:
+    """``fs3 admin mark-offline`` on a random serving target of a live node, through the admin RPC.
+
+    The target is fenced, leaves its chain, resyncs and comes back; the histories check that it
+    never serves a read older than a write the chain acknowledged without it.
+    """
+    if cluster.mgmtd is None or len(cluster.unhealthy_nodes()) >= tolerance:
+        return
+    serving = sorted(tid for tid, state in cluster.public_states().items()
+                     if state is PublicState.SERVING and cluster.storage_alive(tid // 100))
+    if not serving:
+        return
+    target = rng.choice(serving)
+    loop = asyncio.get_running_loop()
+    result.faults.append(f"t={loop.time():.2f} admin marks target {target} offline")
+    try:
+        await cluster.admin().mark_target_offline(target)
+    except FS3Error as exc:  # lost messages, or mgmtd restarted meanwhile
+        result.faults.append(f"t={loop.time():.2f} mark-offline of target {target} failed: {exc.code.name}")
 
 
 async def _scenario(cluster: SimCluster, result: SimResult, clients: int, ops_per_client: int,

@@ -15,6 +15,12 @@ every successor (a forwarded update) run the same machine; only the start differ
   version (some successor may have committed it) for the head to complete later;
 * **committed** — answer.
 
+A target acts on an update only while it still holds its place: a head's update (a client's, or a
+completion) only while the target is still the chain's serving head — one that left the chain and
+came back as a syncing tail must not commit and answer alone — and anyone's only while it is still
+on the write path with a lease. A successor's "committed" covers the successor it came from: if the
+chain has given this target another successor meanwhile, the update is forwarded to that one too.
+
 The machine never touches a disk, a socket, a clock or a random number: the shell
 (:class:`fs3.storage.replica.TargetReplica`) feeds it facts (the chunk's versions, the chain as this
 target sees it, the time) and carries out the effects it returns. ``tests/craq/*.txt`` drive it
@@ -109,6 +115,7 @@ class ChunkFacts:
 @dataclass(frozen=True)
 class PathFacts:
     writable: bool = True  # this target is on the chain's write path (serving or syncing)
+    head: bool = True  # this target is the serving head of the chain
     lease_valid: bool = True
     successor: int = 0  # target id of the next target on the write path (0: this is the end)
     successor_syncing: bool = False
@@ -210,6 +217,7 @@ class UpdateMachine:
         self.base = request.base
         self.full = request.kind is Kind.REPLACE or request.source is Source.REPAIR
         self._deadline_ms = 0
+        self._sent_to = 0  # the successor the last forward went to
 
     # -- events ------------------------------------------------------------------------------
 
@@ -219,10 +227,9 @@ class UpdateMachine:
         target (the chunk engine's counter, injected like the time)."""
         self._deadline_ms = now_ms + self.retry_total_ms
         request = self.request
-        if not path.lease_valid:
-            return [Fail(LeaseExpired("no contact with mgmtd within the lease"))]
-        if not path.writable:
-            return [Fail(TargetNotServing("this target left the chain's write path"))]
+        displaced = self._displaced(path)
+        if displaced is not None:
+            return [Fail(displaced)]
         if request.source is Source.CLIENT:
             if chunk.pending:
                 return [CompletePending(chunk.pending)]
@@ -232,7 +239,7 @@ class UpdateMachine:
             return [Stage(self.version, self.base, self._how(chunk))]
         if request.source is Source.REPAIR:
             self.version, self.base = chunk.pending, chunk.committed
-            return self.staged(path)
+            return self._next(path)
         if request.source is Source.SYNC or (self.full and not path.successor):
             # The end of the write path (a syncing target; the tail during a repair): install.
             if request.source is not Source.SYNC and chunk.committed == self.version:
@@ -254,12 +261,16 @@ class UpdateMachine:
         return [Stage(self.version, chunk.committed, self._how(chunk))]
 
     def staged(self, path: PathFacts) -> list[Effect]:
-        if not path.successor:
-            return [Commit(self.version)]
-        return [self._forward(path)]
+        return self._next(path)
 
     def forwarded(self, outcome: Outcome, error: FS3Error | None, path: PathFacts, now_ms: int) -> list[Effect]:
         if outcome is Outcome.OK:
+            if path.successor and path.successor != self._sent_to:
+                # The chain changed while the forward was out: the new successor needs it too.
+                return self._next(path)
+            displaced = self._displaced(path)
+            if displaced is not None:
+                return [Fail(displaced, pending_kept=True)]
             return [Commit(self.version)]
         assert error is not None
         if outcome is Outcome.REFUSED:
@@ -276,21 +287,32 @@ class UpdateMachine:
         return [AwaitRouting(path.routing_version)]
 
     def routing_changed(self, path: PathFacts, now_ms: int) -> list[Effect]:
-        if not path.lease_valid:
-            return [Fail(LeaseExpired("no contact with mgmtd within the lease"), pending_kept=True)]
-        if not path.writable:
-            return [Fail(TargetNotServing("this target left the chain's write path"), pending_kept=True)]
-        if not path.successor:
-            return [Commit(self.version)]  # this target is the tail now
-        return [self._forward(path)]
+        return self._next(path)
 
     def committed(self) -> list[Effect]:
         return [Reply()]
 
     # -- rules -------------------------------------------------------------------------------
 
-    def _forward(self, path: PathFacts) -> Forward:
-        return Forward(path.successor, self.version, self.base, self.full or path.successor_syncing)
+    def _displaced(self, path: PathFacts) -> FS3Error | None:
+        """Why this target may no longer act on the update (None: it still holds its place)."""
+        if not path.lease_valid:
+            return LeaseExpired("no contact with mgmtd within the lease")
+        if not path.writable:
+            return TargetNotServing("this target left the chain's write path")
+        if self.request.source in (Source.CLIENT, Source.REPAIR) and not path.head:
+            return TargetNotServing("this target is no longer the chain's serving head")
+        return None
+
+    def _next(self, path: PathFacts) -> list[Effect]:
+        """The update is staged here: forward it to the successor, or commit at the tail."""
+        displaced = self._displaced(path)
+        if displaced is not None:
+            return [Fail(displaced, pending_kept=True)]
+        if not path.successor:
+            return [Commit(self.version)]
+        self._sent_to = path.successor
+        return [Forward(path.successor, self.version, self.base, self.full or path.successor_syncing)]
 
     def _how(self, chunk: ChunkFacts) -> str:
         request = self.request

@@ -23,7 +23,7 @@ from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.common.clock import Clock, LoopClock
-from fs3.common.errors import FS3Error, InvalidArgument, NotFound, StatusCode, TargetNotServing
+from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
 from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
@@ -80,6 +80,9 @@ class StorageNode:
         self.routing: cpb.RoutingInfo | None = None
         self.local_states: dict[int, LocalState] = {}
         self.failed_targets: set[int] = set()
+        # Targets mgmtd fenced (admin mark-offline): out of service here until mgmtd has taken
+        # them out of their chains; the value is the routing version the fence was learnt at.
+        self.fenced_targets: dict[int, int] = {}
         self._silent_until_offline = True
         self._lease_start_ms: int | None = None
         self._routing_event = asyncio.Event()
@@ -135,6 +138,8 @@ class StorageNode:
         self._nodes = {n.node_id: n for n in routing.nodes}
         self._chain_of_target = {t.target_id: t.chain_id for t in routing.targets if t.target_id in self.engines}
         states = {t.target_id: PublicState(t.public_state or PublicState.OFFLINE) for t in routing.targets}
+        self._fence([t.target_id for t in routing.targets if t.fenced], routing.routing_version)
+        self._lift_fences()
         if self._silent_until_offline:
             in_chain = [tid for tid in self.engines if self._chain_of_target.get(tid)]
             if all(states.get(tid) in (PublicState.OFFLINE, PublicState.LASTSRV) for tid in in_chain):
@@ -148,7 +153,7 @@ class StorageNode:
             for tid in self.engines:
                 public = states.get(tid)
                 local = self.local_states.get(tid, LocalState.ONLINE)
-                if tid in self.failed_targets:
+                if self._out_of_service(tid):
                     local = LocalState.OFFLINE
                 elif public is PublicState.SERVING:
                     local = LocalState.UP_TO_DATE
@@ -162,7 +167,7 @@ class StorageNode:
         self._schedule_resyncs()
         if not self._silent_until_offline:
             for tid, chain_id in self._chain_of_target.items():
-                if chain_id and tid not in self.failed_targets:
+                if chain_id and not self._out_of_service(tid):
                     self.replicas[tid].repair_abandoned(chain_id)
         event, self._routing_event = self._routing_event, asyncio.Event()
         event.set()
@@ -188,6 +193,77 @@ class StorageNode:
                 log.info("node %d: target %d will be resynced; dropping its exactly-once records",
                          self.config.node_id, tid)
                 self.replicas[tid].forget_channels()
+
+    def fail_target(self, target_id: int, error: IoError) -> None:
+        """The target's disk failed an operation: it stops serving and reports itself offline, and
+        mgmtd takes it out of its chain."""
+        if target_id not in self.failed_targets:
+            log.error("node %d: target %d failed a disk operation: %s", self.config.node_id, target_id, error)
+        self.failed_targets.add(target_id)
+        self._views.clear()
+        self.request_routing_refresh()
+
+    def update_finished(self, target_id: int, error: BaseException | None) -> None:
+        """A replica's update or forward ended. A disk error fails the target: it reports itself
+        offline and mgmtd takes it out of its chain. The last one to end may lift a fence."""
+        if isinstance(error, IoError):
+            self.fail_target(target_id, error)
+        if target_id in self.fenced_targets and not self.replicas[target_id].updates_running:
+            self._lift_fences()
+
+    def _out_of_service(self, target_id: int) -> bool:
+        """A failed or fenced target: its own view shows it offline and it reports itself offline."""
+        return target_id in self.failed_targets or target_id in self.fenced_targets
+
+    def _fence(self, target_ids: list[int], routing_version: int) -> None:
+        """Stop serving ``target_ids`` now and tell mgmtd at once, so that it can change their chains.
+
+        From here on the target's own view shows it offline, so it refuses new reads, writes,
+        forwards and commit queries, and writes in progress fail at their next step; mgmtd
+        publishes a chain without it only after our next heartbeat says so. That order is what
+        keeps a removed target from serving a read older than a write the chain without it has
+        acknowledged.
+        """
+        new = [tid for tid in target_ids if tid in self.engines and tid not in self.fenced_targets]
+        if not new:
+            return
+        for tid in new:
+            self.fenced_targets[tid] = routing_version
+            self.local_states[tid] = LocalState.OFFLINE
+        log.warning("node %d: mgmtd fenced target(s) %s: no longer serving them", self.config.node_id,
+                    ", ".join(map(str, new)))
+        self._views.clear()
+        self._schedule_resyncs()  # a fenced target must not keep resyncing a successor either
+        if not self._silent_until_offline:  # a restarted node speaks only once mgmtd has seen it go
+            self._tasks.append(asyncio.create_task(self._heartbeat_soon()))
+
+    def _lift_fences(self) -> None:
+        """End the fences that are over, in the routing we hold.
+
+        A fence ends once mgmtd shows the target off the write path and no longer fenced, in a
+        routing newer than the one the fence was learnt with (an older one may predate it), and
+        once every update and forward the target admitted has finished: those fail while it is
+        fenced, whereas one still in flight when it re-enters its chain as syncing could commit
+        and answer as if it still held its old place. The target then comes back the way a
+        restarted one does: online, waiting, syncing, serving.
+        """
+        routing = self.routing
+        if routing is None or not self.fenced_targets:
+            return
+        infos = {t.target_id: t for t in routing.targets if t.target_id in self.fenced_targets}
+        lifted = []
+        for tid, since in list(self.fenced_targets.items()):
+            info = infos.get(tid)
+            state = PublicState(info.public_state or PublicState.OFFLINE) if info else PublicState.OFFLINE
+            if routing.routing_version > since and not state.writable and not (info and info.fenced) \
+                    and not self.replicas[tid].updates_running:
+                del self.fenced_targets[tid]
+                self.local_states[tid] = LocalState.ONLINE
+                lifted.append(tid)
+                log.info("node %d: target %d is %s in its chain: fence lifted, it resyncs before serving",
+                         self.config.node_id, tid, state.name.lower())
+        if lifted:
+            self._views.clear()
 
     async def _routing_loop(self) -> None:
         while True:
@@ -230,7 +306,7 @@ class StorageNode:
             members.append(ChainMember(tid, info.node_id, PublicState(info.public_state or PublicState.OFFLINE),
                                        address))
         view = ChainView(chain_id, chain.chain_version, self.routing.routing_version, target_id, tuple(members))
-        if self._silent_until_offline or target_id in self.failed_targets:
+        if self._silent_until_offline or self._out_of_service(target_id):
             # Until mgmtd has seen this node restart, its targets must not act on the old chain.
             view = ChainView(chain_id, chain.chain_version, self.routing.routing_version, target_id,
                              tuple(ChainMember(m.target_id, m.node_id, PublicState.OFFLINE, m.address)
@@ -255,7 +331,7 @@ class StorageNode:
             metrics_address=self.config.metrics_address,
         )
         for tid, engine in self.engines.items():
-            local = LocalState.OFFLINE if tid in self.failed_targets else self.local_states.get(tid, LocalState.ONLINE)
+            local = LocalState.OFFLINE if self._out_of_service(tid) else self.local_states.get(tid, LocalState.ONLINE)
             try:
                 free = engine.files.free_bytes()
                 capacity = engine.files.capacity_bytes()
@@ -273,6 +349,9 @@ class StorageNode:
         timeout_ms = min(self.config.rpc_timeout_ms, 2 * self.config.heartbeat_interval_ms)
         rsp, _ = await channel.call(_MGMTD.method("Heartbeat"), self._heartbeat_req(), timeout_ms=timeout_ms)
         assert isinstance(rsp, mpb.HeartbeatRsp)
+        if rsp.fenced_target_ids and rsp.routing_version >= self.routing_version:
+            # An older response may predate the fence's end; the routing we hold then says more.
+            self._fence(list(rsp.fenced_target_ids), rsp.routing_version)
         if rsp.routing_version > self.routing_version:
             # The lease only renews on a current view of the chains: a node back from a partition
             # must learn that it was taken out of its chains before it serves anything again.

@@ -142,6 +142,10 @@ class ReplicaHost(Protocol):
     async def query_committed(self, member: ChainMember, req: spb.QueryCommittedReq,
                               timeout_ms: int) -> spb.QueryCommittedRsp: ...
 
+    def update_finished(self, target_id: int, error: BaseException | None) -> None:
+        """An update or forward this target admitted has ended (``error``: how it failed)."""
+        ...
+
 
 def build_content(base: bytes | None, update: spb.UpdateReq, payload: Buffer) -> bytes | None:
     """The chunk's bytes after ``update`` (None: the chunk is removed). Pure."""
@@ -219,13 +223,6 @@ class _ChunkLocks:
                 self._locks[chunk_id] = (lock, users - 1)
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Nobody may be left waiting for a finished update (its request was cancelled): read its
-    exception so that asyncio does not report it as lost."""
-    if not task.cancelled():
-        task.exception()
-
-
 class TargetReplica:
     """The CRAQ logic of one storage target."""
 
@@ -296,7 +293,7 @@ class TargetReplica:
         if view is None or view.me is None:
             return PathFacts(writable=False, lease_valid=self.host.lease_valid())
         successor = view.successor()
-        return PathFacts(writable=view.my_state.writable, lease_valid=self.host.lease_valid(),
+        return PathFacts(writable=view.my_state.writable, head=view.is_head, lease_valid=self.host.lease_valid(),
                          successor=successor.target_id if successor else 0,
                          successor_syncing=successor is not None and successor.state is PublicState.SYNCING,
                          routing_version=view.routing_version)
@@ -345,10 +342,15 @@ class TargetReplica:
         def done(finished: asyncio.Task[T]) -> None:
             self._updates.discard(finished)
             self._updates_bytes -= payload_bytes
+            error = None if finished.cancelled() else finished.exception()
+            self.host.update_finished(self.target_id, error)
 
         task.add_done_callback(done)
-        task.add_done_callback(_retrieve)
         return task
+
+    @property
+    def updates_running(self) -> int:
+        return len(self._updates)
 
     @staticmethod
     def validate_update(req: spb.UpdateReq, payload: Buffer, check_crc: bool = True) -> None:

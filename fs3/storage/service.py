@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
 from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.rpc.dispatch import Buffer
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
 from fs3.storage.node import StorageNode
-from fs3.storage.replica import TargetReplica
 
 __all__ = ["StorageServicer"]
 
@@ -56,25 +53,13 @@ class StorageServicer:
     def __init__(self, node: StorageNode) -> None:
         self.node = node
 
-    def _target_failed(self, target_id: int, exc: IoError) -> None:
-        """A target whose disk fails I/O reports itself offline; mgmtd takes it out of its chain."""
-        self.node.failed_targets.add(target_id)
-        self.node.request_routing_refresh()
-
     async def update(self, req: spb.UpdateReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
-        replica = self.node.replica_for_chain(req.chain_id)
-        return await self._writing(replica, replica.update(req, payload)), _NO_PAYLOAD
+        # A disk error inside the update fails its target (the node hears of it from the replica,
+        # also when this request was cancelled meanwhile).
+        return await self.node.replica_for_chain(req.chain_id).update(req, payload), _NO_PAYLOAD
 
     async def forward(self, req: spb.ForwardReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
-        replica = self.node.replica_for_chain(req.update.chain_id)
-        return await self._writing(replica, replica.forward(req, payload)), _NO_PAYLOAD
-
-    async def _writing(self, replica: TargetReplica, call: Awaitable[spb.UpdateRsp]) -> spb.UpdateRsp:
-        try:
-            return await call
-        except IoError as exc:
-            self._target_failed(replica.target_id, exc)
-            raise
+        return await self.node.replica_for_chain(req.update.chain_id).forward(req, payload), _NO_PAYLOAD
 
     async def read(self, req: spb.ReadReq, payload: memoryview) -> tuple[spb.ReadRsp, Buffer]:
         replica = self.node.replica_for_chain(req.chain_id)
@@ -82,7 +67,7 @@ class StorageServicer:
             return await replica.read(req)
         except IoError as exc:
             # A disk that fails a read fails its target too (the client reads another replica).
-            self._target_failed(replica.target_id, exc)
+            self.node.fail_target(replica.target_id, exc)
             raise
 
     async def query_committed(self, req: spb.QueryCommittedReq,
