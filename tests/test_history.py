@@ -158,7 +158,21 @@ def test_remove_applied_twice_is_caught() -> None:
     assert result.status == "violation"
     assert result.blocked is ops[-1]
     assert result.possible == ((0, (2, 0, 0, 0)),)
+    assert [op.kind for op in result.prefix] == ["write", "remove", "read", "write", "read"]
     assert "remove/truncate taking effect again" in result.explanation
+
+
+def test_write_applied_twice_is_caught() -> None:
+    """A slow write (seen early) overwritten by an acknowledged one, then seen again: it landed twice."""
+    for end in (20, INF):
+        ops = (_write(1, 0, end), _read(1, 1, 2), _write(2, 3, 4), _read(2, 5, 6), _read(1, 7, 8))
+        result = check_chunk(ops, slots=1)
+        assert result.status == "violation", end
+        assert "longest linearizable prefix" in result.explanation and "stale" in result.explanation
+
+
+def test_unacknowledged_write_seen_before_it_began_is_caught() -> None:
+    assert _verdict(_read(5, 0, 1), _write(5, 2, INF)) == "violation"
 
 
 def test_remove_applied_twice_even_when_unacknowledged_is_caught() -> None:

@@ -16,8 +16,9 @@ of slots that no operation links.
 The search is the one Porcupine and Knossos use: a depth-first walk over sequences of operations
 where the next operation must be *minimal* (no unlinearized completed operation returned before it
 was invoked), with every explored ``(set of linearized operations, model state)`` remembered so that
-two orders reaching the same place are explored once. Three reductions keep it fast on simulator
-histories full of failed writes; each is sound (it never turns a violation into "ok"):
+two orders reaching the same place are explored once. A handful of reductions keep it fast on
+histories with many concurrent and failed operations; each only removes orders that cannot
+succeed, so none of them turns a violation into "ok":
 
 * a read that is minimal and matches the current state is linearized at once, without branching:
   if any linearization exists, one with that read moved to the current point exists too, because a
@@ -27,11 +28,20 @@ histories full of failed writes; each is sound (it never turns a violation into 
   invisible (if a read observes the length, it must also observe all of the write's slots, because a
   write can extend the length);
 * an unknown-outcome write whose (nonzero) value is unique and is observed by some completed read
-  must precede that read, so it is treated as completed when the first such read completed.
+  must precede that read, so it is treated as completed when the first such read completed;
+* a read that saw write w's unique value in slot s orders more than real time does: whatever changes
+  s and must precede the read must precede w, and whatever changes s and must follow w must follow the
+  read (see ``_prerequisites``);
+* a branch dies as soon as a read that could run next differs from the state in a way no op still
+  unplaced (and invoked early enough) could repair.
 
 What remains optional is the unknown-outcome removes and truncates (and writes whose value is not
-unique). Every search step is counted; a search that runs out of its budget answers "inconclusive",
-never "ok".
+unique); they are tried after the completed ops, since leaving them out is the likelier guess.
+
+Histories are not split at quiescent points: an unknown-outcome op stays in flight forever, so a
+point is quiescent only once every earlier optional op is known to be irrelevant, and the memo already
+explores each state reachable at such a point once. Every search step is counted; a search that runs
+out of its budget answers "inconclusive", never "ok".
 """
 
 from __future__ import annotations
@@ -588,15 +598,15 @@ class _Search:
             read, slot, write = self.reasons[(due, before)]
             seen = self.ops[write].value
             if due == write:
+                late = " (it began only after that write was due)" if self.invokes[before] > self.deadline[due] else ""
                 why = [f"  it saw {seen} in slot {slot}, written by: {self.ops[write].describe()}",
-                       f"  but this op, which changes slot {slot} and was due before the read began, had to come "
-                       f"between that write and the read and cannot: {self.ops[before].describe()}",
+                       f"  but this op changes slot {slot} and was due before the read began, so it must precede "
+                       f"that write, and cannot{late}: {self.ops[before].describe()}",
                        "  so the read saw a stale value (overwritten before it began)"]
             else:
                 why = [f"  it saw {seen} in slot {slot}, written by: {self.ops[write].describe()}",
                        f"  so this op, which changes slot {slot} and began after that write was due, must follow "
-                       f"the read, yet it was due first: {self.ops[due].describe()}",
-                       "  so the read saw a stale value (overwritten before it began)"]
+                       f"the read, yet it is due before the read can be placed: {self.ops[due].describe()}"]
             return read, why
         if self.kind[due] != _READ:
             reads = [i for i in _bits(window & self.read_mask) if not self.prereq[i] & ~bitmask]
