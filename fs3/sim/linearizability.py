@@ -57,7 +57,7 @@ __all__ = ["DEFAULT_BUDGET", "INF", "CheckResult", "Op", "Status", "check_chunk"
 INF = math.inf
 
 #: Search steps (distinct explored positions) allowed per chunk before answering "inconclusive".
-DEFAULT_BUDGET = 200_000
+DEFAULT_BUDGET = 100_000
 
 Status = Literal["ok", "violation", "inconclusive"]
 State = tuple[int, tuple[int, ...]]  # (length in bytes, 0 when not tracked; slot values)
