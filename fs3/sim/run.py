@@ -141,7 +141,7 @@ async def _client_loop(cluster: SimCluster, history: History, rng: random.Random
                 pass
         elif mix != "legacy" and roll < 0.6:
             length = rng.randint(0, slots) * slot_bytes
-            op = history.add(Op("truncate", chunk, tuple(range(slots)), loop.time(), value=length))
+            op = history.add(Op("truncate", chunk, tuple(range(slots)), loop.time(), length=length))
             try:
                 await client.truncate(chain_id, cid, length, cluster.shape.chunk_size)
                 op.complete, op.ok = loop.time(), True
@@ -154,7 +154,7 @@ async def _client_loop(cluster: SimCluster, history: History, rng: random.Random
                 op.complete, op.ok = loop.time(), True
                 op.observed = dict(enumerate(decode_slots(data, slots, slot_bytes)))
                 if mix != "legacy":
-                    op.observed_length = len(data)
+                    op.length = len(data)
             except FS3Error:
                 pass
         await asyncio.sleep(rng.uniform(0, 0.3))
@@ -242,8 +242,8 @@ async def _scenario(cluster: SimCluster, result: SimResult, clients: int, ops_pe
                     fault_intensity: float, mix: str) -> None:
     rng = cluster.rng
     chains = await cluster.boot()
-    history = History()
     slots = rng.choice((4, 8))
+    history = History(slots=slots, slot_bytes=cluster.shape.chunk_size // slots)
     chunks = rng.randint(2, 6)
     next_id = [0]
     driver = SimProcess("driver")
@@ -275,7 +275,7 @@ async def _scenario(cluster: SimCluster, result: SimResult, clients: int, ops_pe
         op.complete, op.ok = loop.time(), True
         op.observed = dict(enumerate(decode_slots(data, slots, slot_bytes)))
         if mix != "legacy":
-            op.observed_length = len(data)
+            op.length = len(data)
     # Abandoned pending versions are completed in the background by the heads; wait for that.
     for _ in range(600):
         if not any(cluster.engine(t) and cluster.engine(t).pending_chunks()  # type: ignore[union-attr]
