@@ -53,6 +53,8 @@ class ClusterShape:
     # Chance that a call which timed out also cancels its handler on the server (a deadline that
     # reaches the server, a connection closed by the client).
     cancel_probability: float = 0.0
+    # How long a client retries one operation before it gives up (its outcome is then unknown).
+    client_retry_ms: int = 30_000
 
     @classmethod
     def random(cls, rng: random.Random, mix: str = "default") -> ClusterShape:
@@ -72,7 +74,8 @@ class ClusterShape:
             return shape  # the shapes of the first mix, drawn exactly as they were
         return replace(shape, inline_max_bytes=rng.choice((0, 512, 2048, 1 << 20)),
                        io_delay_max_ms=rng.choice((0.0, 1.0, 20.0)),
-                       cancel_probability=rng.choice((0.0, 0.5, 1.0)))
+                       cancel_probability=rng.choice((0.0, 0.5, 1.0)),
+                       client_retry_ms=rng.choice((2_000, 30_000)))
 
 
 @dataclass
@@ -210,7 +213,8 @@ class SimCluster:
         routing = RoutingCache([MGMTD], channels, rpc_timeout_ms=1_000)
         rng = pick_rng or self.rng
         return StorageClient(routing, channels, name.encode(),
-                             StorageClientConfig(rpc_timeout_ms=2_000, retry_total_ms=30_000, retry_backoff_ms=10,
+                             StorageClientConfig(rpc_timeout_ms=2_000, retry_total_ms=self.shape.client_retry_ms,
+                                                 retry_backoff_ms=10,
                                                  retry_backoff_max_ms=200, channels_max=4),
                              pick=lambda n: rng.randrange(n))
 
