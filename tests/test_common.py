@@ -129,6 +129,9 @@ def test_config_file_env_overrides(tmp_path: Path) -> None:
         ("node_id = [\n", "config file"),
         ('node_id = 1\n[[targets]]\ntarget_id = 1\npath = "/x"\n[[targets]]\ntarget_id = 1\npath = "/y"\n',
          "unique"),
+        ('node_id = 1\nchannel_record_ttl_ms = 1000\n[[targets]]\ntarget_id = 1\npath = "/x"\n',
+         "channel_record_ttl_ms"),
+        ('node_id = 1\nupdates_inflight_max = 0\n[[targets]]\ntarget_id = 1\npath = "/x"\n', "updates_inflight"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:

@@ -57,6 +57,11 @@ class StorageConfig:
     inline_max_bytes: int = 128 * 1024
     kv_engine: str = "rocksdb"
     io_threads: int = 4
+    # Exactly-once records live this long; retries older than half of it are refused.
+    channel_record_ttl_ms: int = 600_000
+    # Updates running on one target at once (count, and the payload bytes they hold).
+    updates_inflight_max: int = 4096
+    updates_inflight_bytes_max: int = 1 << 30
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -77,6 +82,11 @@ class StorageConfig:
             raise InvalidArgument("inline_max_bytes must be within [0, 1 MiB]")
         if self.heartbeat_interval_ms < 10:
             raise InvalidArgument("heartbeat_interval_ms must be at least 10")
+        if self.channel_record_ttl_ms < 4 * self.forward_retry_total_ms:
+            raise InvalidArgument("channel_record_ttl_ms must be at least 4 x forward_retry_total_ms "
+                                  "(retries within half of it must still find their record)")
+        if self.updates_inflight_max < 1 or self.updates_inflight_bytes_max < 64 << 20:
+            raise InvalidArgument("updates_inflight_max must be >= 1 and updates_inflight_bytes_max >= 64 MiB")
 
 
 def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
@@ -103,7 +113,10 @@ async def serve_storage(config: StorageConfig, ready_file: str | None = None) ->
         io_threads=config.io_threads,
         replica=ReplicaConfig(forward_timeout_ms=config.forward_timeout_ms,
                               forward_retry_total_ms=config.forward_retry_total_ms,
-                              dirty_read_policy=config.dirty_read_policy),
+                              dirty_read_policy=config.dirty_read_policy,
+                              channel_record_ttl_ms=config.channel_record_ttl_ms,
+                              updates_inflight_max=config.updates_inflight_max,
+                              updates_inflight_bytes_max=config.updates_inflight_bytes_max),
     )
     node = StorageNode(node_config, engines, channels)
     dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
