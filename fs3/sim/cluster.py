@@ -261,9 +261,9 @@ class SimCluster:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         while loop.time() < deadline:
-            if self.mgmtd is not None and self.mgmtd.state.chains and all(
-                t.public_state is PublicState.SERVING for t in self.mgmtd.state.targets.values() if t.info.chain_id
-            ) and all(self.storage_alive(n) for n in self.storage):
+            # Every node up and serving in its own eyes too: a node restarted moments ago may still
+            # look serving to mgmtd (which has not missed its heartbeats yet) while it waits to resync.
+            if self.mgmtd is not None and self.mgmtd.state.chains and not self.unhealthy_nodes():
                 # Every node must also have seen it (its routing caught up).
                 versions = [s.node.routing_version for s in self.storage.values() if s.node is not None]
                 if versions and min(versions) >= self.mgmtd.state.routing_version:

@@ -399,13 +399,9 @@ class TargetReplica:
                 return await asyncio.shield(pending)
             if seq > req.seq:
                 raise ChannelSeqStale(f"channel {req.channel_id} is at seq {seq}, request has {req.seq}")
-        record = self.engine.channel(req.client_id, req.channel_id)
-        if record is not None:
-            if record.seq == req.seq:
-                await self._durable()  # never acknowledge what a crash could still take back
-                return self._record_rsp(record)
-            if record.seq > req.seq:
-                raise ChannelSeqStale(f"channel {req.channel_id} is at seq {record.seq}, request has {req.seq}")
+        done = await self._answered((req.client_id, req.channel_id, req.seq))
+        if done is not None:
+            return done
         task = self._start(self._client_update(req, payload, (req.client_id, req.channel_id, req.seq)), len(payload))
         future: asyncio.Future[spb.UpdateRsp] = asyncio.get_running_loop().create_future()
         self._inflight[key] = (req.seq, future)
@@ -427,15 +423,32 @@ class TargetReplica:
     async def _client_update(self, req: spb.UpdateReq, payload: Buffer, channel: Channel | None) -> spb.UpdateRsp:
         async with self.locks.hold(req.chunk_id):
             while True:
+                if channel is not None:
+                    # Looked up again under the lock: while this request waited for it, whoever
+                    # held it may have completed this very request (an earlier attempt's pending
+                    # version) — then it is done, and must not be applied a second time.
+                    done = await self._answered(channel)
+                    if done is not None:
+                        return done
                 machine = self._machine(UpdateRequest(Source.CLIENT, _KIND[req.type], req.offset, req.length))
                 effects = machine.start(self._chunk_facts(req.chunk_id), self._path(req.chain_id),
                                         self.host.now_ms(), self.engine.new_version)
-                first = effects[0]
-                if isinstance(first, CompletePending):
+                if isinstance(effects[0], CompletePending):
                     await self._repair_locked(req.chain_id, req.chunk_id)
                     continue  # the chunk is clean now: decide again
                 op = _Op(req.chain_id, req.chunk_id, Source.CLIENT, req, payload, channel)
                 return await self._drive(machine, effects, op)
+
+    async def _answered(self, channel: Channel) -> spb.UpdateRsp | None:
+        """The saved answer if the channel's request ``channel`` already committed (None: it did not)."""
+        client_id, channel_id, seq = channel
+        record = self.engine.channel(client_id, channel_id)
+        if record is None or record.seq < seq:
+            return None
+        if record.seq > seq:
+            raise ChannelSeqStale(f"channel {channel_id} is at seq {record.seq}, request has {seq}")
+        await self._durable()  # never acknowledge what a crash could still take back
+        return self._record_rsp(record)
 
     # -- chain forwards (non-head) -----------------------------------------------------------
 
