@@ -411,3 +411,46 @@ def test_real_full_disk_is_no_space_and_loses_nothing(tmp_path: Path) -> None:
         assert all(os.path.getsize(p) == 300_000 for p in mount_point.rglob("*") if p.is_file())
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_replaced_blob_outlives_its_unsynced_commit() -> None:
+    """A commit whose batch is not yet durable must not have deleted the blob it replaced: a power
+    loss brings that commit's old metadata back, naming the old blob (simulator seed 226)."""
+    kv, blobs = MemKVStore(), MemBlobStore()
+    engine = ChunkEngine(kv, blobs)
+    v1 = _write(engine, b"c", b"one" * 100)
+    v2 = engine.new_version()
+    engine.stage(b"c", v2, b"two" * 100, crc32c(b"two" * 100), 1)
+    engine.commit(b"c", v2, 1, defer_sync=True)
+    retired = engine.take_retired()
+    assert len(retired) == 1
+    kv.crash()
+    blobs.crash()
+    engine = ChunkEngine(kv, blobs)
+    assert engine.read(b"c", v1, 0, 300) == b"one" * 100
+    # Once the log is synced, the replaced blob goes.
+    v3 = engine.new_version()
+    engine.stage(b"c", v3, b"three", crc32c(b"three"), 1)
+    engine.commit(b"c", v3, 1, defer_sync=True)
+    retired = engine.take_retired()
+    kv.sync_wal()
+    engine.delete_retired(retired)
+    state = engine.get(b"c")
+    assert state is not None and sorted(blob for _, blob in blobs.list()) == [state.commit_blob]
+
+
+def test_a_lost_committed_copy_is_dropped_at_open_not_fatal() -> None:
+    """A pending patch whose blobs are both gone cannot be undone: the chunk is forgotten (the
+    resync of every restarted target brings it back) instead of the target failing to start."""
+    kv, blobs = MemKVStore(), MemBlobStore()
+    engine = ChunkEngine(kv, blobs)
+    base = b"b" * 4096
+    _write(engine, b"c", base)
+    _write(engine, b"d", b"kept")
+    v = engine.new_version()
+    engine.stage_patch(b"c", v, 0, b"X", b"b", crc32c_patch(crc32c(base), len(base), 0, b"b", b"X"), 1)
+    state = engine.get(b"c")
+    assert state is not None
+    blobs.delete(b"c", state.commit_blob)
+    engine = ChunkEngine(kv, blobs)
+    assert engine.get(b"c") is None and engine.get(b"d") is not None

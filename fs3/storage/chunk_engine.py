@@ -41,6 +41,7 @@ than any retry can be (:meth:`ChunkEngine.expire_channels`).
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -52,6 +53,8 @@ from fs3.kv.store import KVStore, WriteBatch, prefix_end
 from fs3.storage.blobs import BlobStore
 
 __all__ = ["Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
+
+log = logging.getLogger(__name__)
 
 # A request's exactly-once identity: (client id, channel id, sequence number).
 Channel = tuple[bytes, int, int]
@@ -235,6 +238,7 @@ class ChunkEngine:
         self._unsynced_patches: set[bytes] = set()
         # Chunks whose pending blob was written (and synced) by :meth:`write_blob` on an I/O thread.
         self._synced_pending: set[bytes] = set()
+        self._retired: list[tuple[bytes, int]] = []  # see take_retired
         self.used_bytes = 0
         self._floor = 0
         self._reserved = 0
@@ -265,7 +269,15 @@ class ChunkEngine:
             if state.pending_version:
                 # A pending version from before a restart is dropped: its data was never synced,
                 # and a restarted target resyncs from its predecessor before it serves again.
-                self._drop_pending_on_open(batch, chunk_id, state)
+                try:
+                    self._drop_pending_on_open(batch, chunk_id, state)
+                except IoError as exc:
+                    # The committed copy cannot be restored (its blob is gone): forget the chunk;
+                    # the resync every restarted target goes through brings it back.
+                    log.error("chunk %s: dropped at open, its committed copy is lost: %s", chunk_id.hex(), exc)
+                    batch.delete(key)
+                    batch.delete(_PATCH + chunk_id)
+                    continue
                 state = state.without_pending()
                 if state.commit_version == 0:
                     batch.delete(key)
@@ -581,7 +593,7 @@ class ChunkEngine:
         self.used_bytes += (new.length if new else 0) - old.length
         self._set(chunk_id, new)
         if old.commit_version and not old.commit_inline and not old.pending_patch:
-            self.files.delete(chunk_id, old.commit_blob)  # (a patch renamed it instead)
+            self._retire(chunk_id, old.commit_blob, defer_sync)  # (a patch renamed it instead)
         return new
 
     def _apply_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState, patch_synced: bool) -> None:
@@ -636,8 +648,26 @@ class ChunkEngine:
         self.used_bytes += (new.length if new else 0) - (old.length if old else 0)
         self._set(chunk_id, new)
         if old is not None and old.commit_version and not old.commit_inline:
-            self.files.delete(chunk_id, old.commit_blob)
+            self._retire(chunk_id, old.commit_blob, defer_sync)
         return new
+
+    def _retire(self, chunk_id: bytes, blob: int, defer_sync: bool) -> None:
+        """The committed blob a commit replaced. Deleted only once that commit is durable: a crash
+        before the caller's log sync brings the old metadata back, which still names this blob."""
+        if defer_sync and self.sync_commits:
+            self._retired.append((chunk_id, blob))
+        else:
+            self.files.delete(chunk_id, blob)
+
+    def take_retired(self) -> list[tuple[bytes, int]]:
+        """Blobs replaced by commits made with ``defer_sync`` so far. The caller deletes them with
+        :meth:`delete_retired` after a log sync that began after those commits has finished."""
+        retired, self._retired = self._retired, []
+        return retired
+
+    def delete_retired(self, retired: list[tuple[bytes, int]]) -> None:
+        for chunk_id, blob in retired:
+            self.files.delete(chunk_id, blob)
 
     # -- exactly-once records ----------------------------------------------------------------
 

@@ -323,6 +323,14 @@ class TargetReplica:
         target does not sync commits at all)."""
         return self._log_sync.written() if self.engine.sync_commits else 0
 
+    async def _made_durable(self) -> None:
+        """After an unsynced commit: wait for a log sync that covers it, then delete the blobs it
+        (and any commit before it) replaced — not before, or a crash could bring back metadata
+        naming a deleted blob."""
+        retired = self.engine.take_retired()
+        await self._log_sync.wait(self._log_written())
+        self.engine.delete_retired(retired)
+
     async def _durable(self) -> None:
         """Wait until everything written so far is durable."""
         if self.engine.sync_commits:
@@ -602,7 +610,7 @@ class TargetReplica:
             await self._log_sync.wait(op.patch_ticket)
         self.engine.commit(op.chunk_id, version, chain_version, now_ms=self.host.now_ms(), defer_sync=True,
                            patch_synced=op.patch_ticket is not None)
-        await self._log_sync.wait(self._log_written())
+        await self._made_durable()
 
     async def _do_install(self, op: _Op, version: int) -> None:
         """Commit a full copy directly (a syncing target, or the tail during a repair)."""
@@ -615,7 +623,7 @@ class TargetReplica:
             await self.host.run_blocking(self.engine.write_blob, op.chunk_id, written, content)
         self.engine.install(op.chunk_id, version, chain_version, content, op.checksum, channel=op.channel,
                             now_ms=self.host.now_ms(), written_blob=written, defer_sync=True)
-        await self._log_sync.wait(self._log_written())
+        await self._made_durable()
 
     # -- abandoned pending versions ----------------------------------------------------------
 
