@@ -22,9 +22,12 @@ class StorageServicer:
         self.node = node
 
     def _target_failed(self, target_id: int, exc: IoError) -> None:
-        """A target whose disk fails I/O reports itself offline; mgmtd takes it out of its chain."""
-        self.node.failed_targets.add(target_id)
-        self.node.request_routing_refresh()
+        """A target whose disk fails I/O reports itself offline; mgmtd takes it out of its chain.
+
+        A refusal for lack of space (:class:`NoSpace`) is not a failure: nothing was written, the
+        target keeps serving reads and takes writes again once there is room.
+        """
+        self.node.fail_target(target_id, exc)
 
     async def update(self, req: spb.UpdateReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
         replica = self.node.replica_for_chain(req.chain_id)
