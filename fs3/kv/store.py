@@ -251,9 +251,10 @@ class RocksKVStore:
         options.set_target_file_size_base(self.write_buffer_bytes)
         options.set_level_compaction_dynamic_level_bytes(False)
         options.set_max_bytes_for_level_base(4 * self.write_buffer_bytes)
-        # A table file that is at least half tombstones is compacted soon, without waiting for its
-        # level to fill: that is how deleted chunks give their space back.
-        options.add_compact_on_deletion_collector_factory(10_000, 10_000, 0.5)
+        # A table file with a run of tombstones (48 in any 128 keys) is compacted soon, without
+        # waiting for its level to fill, down to the level that holds what they delete: that is how
+        # deleted chunks give their space back.
+        options.add_compact_on_deletion_collector_factory(128, 48, 0.5)
         if read_only:
             return Rdict(self._path, options=options, access_type=AccessType.read_only())
         return Rdict(self._path, options=options)
@@ -358,7 +359,8 @@ class RocksKVStore:
         ``low_space_bytes`` (default: twice the headroom) and keys were deleted since the last
         time: flush the memtable, so that the tombstones reach a table file, which RocksDB then
         compacts with the values they delete (see :meth:`_open`) — without it a few deletes sit in
-        the memtable indefinitely and a full disk stays full. At most one flush a second.
+        the memtable indefinitely and a full disk stays full — and compact everything when even
+        rewriting every table file would fit. At most once a second.
         """
         if self.space_error is not None:
             self._reopen_if_room()
@@ -371,6 +373,12 @@ class RocksKVStore:
         with self._gate.shared():
             try:
                 self._db.flush(True)
+                # A compaction of everything writes at most every live table file anew before it
+                # deletes the old ones: when that fits, do it, rather than wait for RocksDB to pick
+                # the files with the tombstones.
+                if self.free_bytes() - self.headroom_bytes // 2 >= \
+                        self._db.property_int_value("rocksdb.live-sst-files-size"):
+                    self._db.compact_range(None, None)
             except Exception as exc:
                 log.warning("RocksDB at %s: flush to reclaim deleted space failed: %s", self._path, exc)
                 return

@@ -339,11 +339,13 @@ class ChunkEngine:
     def _reserve(self, number: int) -> None:
         if number <= self._reserved:
             return
-        self._reserved = number + _VERSION_BLOCK
+        reserved = number + _VERSION_BLOCK
         batch = WriteBatch()
-        batch.put(_FLOOR, _U64.pack(self._reserved))
+        batch.put(_FLOOR, _U64.pack(reserved))
         # Synced: after a crash, numbers restart above everything that may have been handed out.
+        # Counted as reserved only once written: a write refused (a full disk) reserves nothing.
         self.kv.write(batch, sync=self.sync_commits)
+        self._reserved = reserved
 
     # -- queries -----------------------------------------------------------------------------
 
