@@ -7,6 +7,7 @@ No namespaces here: the scenarios are replaced by stand-ins.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,8 @@ def test_runner_goes_on_after_a_failed_scenario_and_reports_it(tmp_path: Path,
     scenarios = {name: Scenario(name, 1) for name in ("first", "breaks", "differs", "last")}
     monkeypatch.setattr(chaos_run, "SCENARIOS", scenarios)
     monkeypatch.setattr(chaos_run, "run_scenario", fake_run)
-    status = chaos_run.main(["--scenarios", "first,breaks,differs,last", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["run", "--scenarios", "first,breaks,differs,last", "--out", str(tmp_path)])
+    status = chaos_run.main()
     assert status == 1
     assert ran == ["first", "breaks", "differs", "last"]  # the failures did not stop the run
     [md] = tmp_path.glob("chaos-*.md")
@@ -71,5 +73,6 @@ def test_runner_exits_zero_when_every_scenario_passes(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(chaos_run, "SCENARIOS", {"only": Scenario("only", 1)})
     monkeypatch.setattr(chaos_run, "run_scenario", fake_run)
-    assert chaos_run.main(["--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(sys, "argv", ["run", "--out", str(tmp_path)])
+    assert chaos_run.main() == 0
     assert "1 of 1 scenarios passed." in next(tmp_path.glob("chaos-*.md")).read_text()
