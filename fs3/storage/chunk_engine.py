@@ -351,11 +351,13 @@ class ChunkEngine:
     def _reserve(self, number: int) -> None:
         if number <= self._reserved:
             return
-        self._reserved = number + _VERSION_BLOCK
+        reserved = number + _VERSION_BLOCK
         batch = WriteBatch()
-        batch.put(_FLOOR, _U64.pack(self._reserved))
+        batch.put(_FLOOR, _U64.pack(reserved))
         # Synced: after a crash, numbers restart above everything that may have been handed out.
+        # Counted as reserved only once written: a write refused (a full disk) reserves nothing.
         self.kv.write(batch, sync=self.sync_commits)
+        self._reserved = reserved
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -523,8 +525,12 @@ class ChunkEngine:
                and not old.pending_version, f"patch v{version} needs a committed version and nothing pending")
         assert old is not None
         ensure(len(data) == len(old_data) and offset + len(data) <= old.length, "a patch stays inside the chunk")
-        patch = Patch(offset, data, old_data)
         inline = old.commit_inline
+        # Refused like a new version when short of space: the record holds both byte ranges, and
+        # an inline chunk's commit stores the whole chunk anew — which must not fail for lack of
+        # space once the successors have committed.
+        self._check_space(2 * len(data) + (old.length if inline else 0))
+        patch = Patch(offset, data, old_data)
         state = replace(old, pending_version=version, pending_blob=self.new_blob(), pending_length=old.length,
                         pending_checksum=checksum, pending_chain_version=chain_version,
                         flags=FLAG_PENDING_PATCH | (FLAG_COMMIT_INLINE | FLAG_PENDING_INLINE if inline else 0),

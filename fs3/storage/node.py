@@ -24,6 +24,7 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
+from fs3.kv.store import RocksKVStore
 from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
@@ -58,6 +59,8 @@ class StorageNodeConfig:
     io_threads: int = 0  # 0: file I/O runs on the event loop (the simulator); services use a pool
     # How often expired exactly-once records are dropped (see ReplicaConfig.channel_record_ttl_ms).
     channel_expiry_interval_ms: int = 60_000
+    # How often each target's RocksDB gets its upkeep (reclaiming space, reopening after ENOSPC).
+    maintenance_interval_ms: int = 1_000
 
 
 # Starts blocking I/O somewhere (a thread pool, or the simulator's model of one); the future
@@ -83,6 +86,8 @@ class StorageNode:
         # Targets mgmtd fenced (admin mark-offline): out of service here until mgmtd has taken
         # them out of their chains; the value is the routing version the fence was learnt at.
         self.fenced_targets: dict[int, int] = {}
+        # Failed targets whose store ran out of space: they come back (and resync) once it is back.
+        self.out_of_space_targets: set[int] = set()
         self._silent_until_offline = True
         self._lease_start_ms: int | None = None
         self._routing_event = asyncio.Event()
@@ -102,6 +107,9 @@ class StorageNode:
         self._tasks.append(asyncio.create_task(self._routing_loop(), name=f"routing-{self.config.node_id}"))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.config.node_id}"))
         self._tasks.append(asyncio.create_task(self._expiry_loop(), name=f"channel-expiry-{self.config.node_id}"))
+        if any(isinstance(engine.kv, RocksKVStore) for engine in self.engines.values()):
+            self._tasks.append(asyncio.create_task(self._maintenance_loop(),
+                                                   name=f"maintenance-{self.config.node_id}"))
 
     async def stop(self) -> None:
         for replica in self.replicas.values():
@@ -193,15 +201,6 @@ class StorageNode:
                 log.info("node %d: target %d will be resynced; dropping its exactly-once records",
                          self.config.node_id, tid)
                 self.replicas[tid].forget_channels()
-
-    def fail_target(self, target_id: int, error: IoError) -> None:
-        """The target's disk failed an operation: it stops serving and reports itself offline, and
-        mgmtd takes it out of its chain."""
-        if target_id not in self.failed_targets:
-            log.error("node %d: target %d failed a disk operation: %s", self.config.node_id, target_id, error)
-        self.failed_targets.add(target_id)
-        self._views.clear()
-        self.request_routing_refresh()
 
     def update_finished(self, target_id: int, error: BaseException | None) -> None:
         """A replica's update or forward ended. A disk error fails the target: it reports itself
@@ -398,6 +397,57 @@ class StorageNode:
             for replica in self.replicas.values():
                 while replica.expire_channels() > 0:
                     await asyncio.sleep(0)
+
+    # -- failed targets and disk upkeep ------------------------------------------------------
+
+    def fail_target(self, target_id: int, exc: FS3Error) -> None:
+        """A target whose disk failed an operation reports itself offline; mgmtd takes it out of its
+        chain. Out of space, the failure lasts until the space is back (:meth:`_maintenance_loop`
+        then brings it back through a resync); any other disk error lasts until the process restarts.
+        """
+        kv = self.engines[target_id].kv
+        if isinstance(kv, RocksKVStore) and kv.space_error is not None:
+            if target_id not in self.out_of_space_targets:
+                log.warning("node %d: target %d ran out of space with writes of uncertain outcome; it is "
+                            "offline until space is back: %s", self.config.node_id, target_id, exc)
+            self.out_of_space_targets.add(target_id)
+        elif target_id not in self.failed_targets or target_id in self.out_of_space_targets:
+            log.error("node %d: target %d: disk error, reporting the target offline: %s", self.config.node_id,
+                      target_id, exc)
+            self.out_of_space_targets.discard(target_id)
+        self.failed_targets.add(target_id)
+        self._views.clear()
+        self.request_routing_refresh()
+
+    async def _maintenance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.maintenance_interval_ms / 1000)
+            for tid, engine in self.engines.items():
+                kv = engine.kv
+                if not isinstance(kv, RocksKVStore):
+                    continue
+                try:
+                    await self.run_blocking(kv.maintain, 2 * engine.reserve_bytes)
+                except OSError as exc:  # the disk is gone (unmounted): its I/O errors tell the rest
+                    log.warning("node %d: upkeep of target %d failed: %s", self.config.node_id, tid, exc)
+                    continue
+                except Exception:
+                    log.exception("node %d: upkeep of target %d failed", self.config.node_id, tid)
+                    continue
+                if tid in self.out_of_space_targets and kv.space_error is None:
+                    self._space_back(tid)
+
+    def _space_back(self, target_id: int) -> None:
+        """An out-of-space target whose store accepts writes again rejoins its chain as a syncing
+        target: the predecessor's resync replaces whatever the failure left uncertain."""
+        log.info("node %d: target %d has space again; it rejoins its chain after a resync", self.config.node_id,
+                 target_id)
+        self.out_of_space_targets.discard(target_id)
+        self.failed_targets.discard(target_id)
+        self.local_states[target_id] = LocalState.ONLINE
+        self._views.clear()
+        self.request_routing_refresh()
+        self._tasks.append(asyncio.create_task(self._heartbeat_soon()))
 
     # -- peers -------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from fs3.common.errors import InvalidArgument
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
-from fs3.kv.store import open_kv
+from fs3.kv.store import RocksKVStore, open_kv
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
@@ -52,6 +52,8 @@ class StorageConfig:
     forward_retry_total_ms: int = 30_000
     dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
     fsync: bool = True
+    # Free space new chunk data never takes (writes get NO_SPACE); with RocksDB at least its
+    # headroom plus COMMIT_SLACK_BYTES whatever this says (see open_engines).
     reserve_bytes: int = 0
     # Chunk versions up to this size live in the target's RocksDB instead of files (0: never).
     inline_max_bytes: int = 128 * 1024
@@ -89,15 +91,30 @@ class StorageConfig:
             raise InvalidArgument("updates_inflight_max must be >= 1 and updates_inflight_bytes_max >= 64 MiB")
 
 
+# Free space beyond RocksDB's headroom for the commits of writes admitted just before the disk
+# filled: a commit may still write (an inline chunk patched at commit is stored anew), and it must
+# not fail once the successors have committed.
+COMMIT_SLACK_BYTES = 4 << 20
+
+
 def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
+    """Each target's chunk engine on its own KV store and blob store.
+
+    With RocksDB the target keeps free space in two tiers: new chunk data is refused (NO_SPACE)
+    below ``reserve_bytes`` — at least RocksDB's headroom plus :data:`COMMIT_SLACK_BYTES` —, and
+    the KV store refuses its own writes only below the headroom, which is what lets commits of
+    admitted writes and the deletes that free space through on a full target.
+    """
     engines = {}
     for target in config.targets:
         root = Path(target.path)
         root.mkdir(parents=True, exist_ok=True)
-        kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None)
+        headroom = RocksKVStore.default_headroom(root) if config.kv_engine == "rocksdb" else 0
+        kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None, headroom)
         files = FileBlobStore(root / "chunks", fsync=config.fsync)
+        reserve = max(config.reserve_bytes, headroom + COMMIT_SLACK_BYTES) if headroom else config.reserve_bytes
         engines[target.target_id] = ChunkEngine(kv, files, inline_max_bytes=config.inline_max_bytes,
-                                                reserve_bytes=config.reserve_bytes, sync_commits=config.fsync)
+                                                reserve_bytes=reserve, sync_commits=config.fsync)
     return engines
 
 

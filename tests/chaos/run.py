@@ -1,7 +1,10 @@
 """``make chaos``: every scenario on a fresh namespace cluster; a Markdown + JSON report and a PNG timeline.
 
 Usage: ``python -m tests.chaos.run [--scenarios a,b] [--out DIR]``. Needs root (network namespaces).
-Exit status 1 when any scenario loses data, breaks linearizability, or leaves replicas different.
+A scenario that cannot finish (a service that does not come back, a workload that dies) is recorded
+as failed, with its error and what it measured, and the next one runs; the report is always
+written. Exit status 1 when any scenario failed: it could not finish, lost data, broke
+linearizability, or left replicas different.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ import argparse
 import datetime as dt
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,37 +30,80 @@ FAST = {"FS3_MGMTD_HEARTBEAT_TIMEOUT_MS": "3000", "FS3_STORAGE_HEARTBEAT_INTERVA
         "FS3_META_HEARTBEAT_INTERVAL_MS": "200"}
 
 
-def run_scenario(scenario: Scenario, root: Path) -> dict[str, Any]:
-    faults: list[dict[str, object]] = []
+def run_scenario(scenario: Scenario, root: Path, report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one scenario on a fresh cluster and return its report; raises when it cannot finish.
+
+    ``report`` (optional) is filled in as the run goes, so that a caller that catches the error
+    still has whatever was measured before it (see :func:`run_recorded`).
+    """
+    report = {} if report is None else report
+    report.update({"scenario": scenario.name, "faults": []})
     with NetnsLab() as lab:
         cluster = LabCluster(lab, root, FAST, scenario.small_disks, scenario.ext4_disks)
         try:
-            return _run(scenario, cluster, root, faults)
+            return _run(scenario, cluster, root, report)
         finally:
             cluster.close()
 
 
-def _run(scenario: Scenario, cluster: LabCluster, root: Path, faults: list[dict[str, object]]) -> dict[str, Any]:
+def run_recorded(scenario: Scenario, root: Path) -> dict[str, Any]:
+    """Run one scenario and never raise: a scenario that could not finish is a report with
+    ``status: "failed"``, its error, and what it measured until then."""
+    report: dict[str, Any] = {}
+    try:
+        run_scenario(scenario, root, report)
+    except Exception as exc:
+        report.update({"scenario": scenario.name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()[-4000:]})
+        for name in ("filler.log", "workload.log"):
+            log = root / name
+            if log.exists() and name.split(".")[0] not in report:
+                report[name.split(".")[0]] = log.read_text(errors="replace")[-1000:]
+    report["status"] = "ok" if report.get("ok") else "failed"
+    if report["status"] == "failed" and "error" not in report:
+        report["error"] = "; ".join(_broken_promises(report))
+    return report
+
+
+def _broken_promises(report: dict[str, Any]) -> list[str]:
+    """Why a scenario that ran to the end failed, in words."""
+    broken = []
+    if report.get("violations"):
+        broken.append(f"{len(report['violations'])} linearizability violations")
+    if report.get("lost"):
+        broken.append(f"{len(report['lost'])} acknowledged writes lost")
+    if report.get("replicas_identical") is False:
+        broken.append("replicas differ")
+    if report.get("fsck_clean") is False:
+        broken.append("fsck found problems")
+    if report.get("lease") and not report["lease"].get("ok"):
+        broken.append("the node cut from mgmtd kept serving past its lease")
+    return broken or ["failed"]
+
+
+def _run(scenario: Scenario, cluster: LabCluster, root: Path, report: dict[str, Any]) -> dict[str, Any]:
     cluster.start_all()
     out = root / "workload.json"
     started = time.monotonic()
+    report["started"] = started
     workload = cluster.client_spawn([sys.executable, "-P", "-m", "tests.chaos.workload", cluster.mgmtd,
                                      cluster.token, str(scenario.seconds), str(out)], root / "workload.log")
-    scenario.run_faults(cluster, started, faults)
+    scenario.run_faults(cluster, started, report["faults"])
     if workload.wait(timeout=scenario.seconds + 300) != 0:
         raise RuntimeError(f"workload failed:\n{(root / 'workload.log').read_text()[-3000:]}")
     result = json.loads(out.read_text())
-    checks = check_history(result)
-    cluster.wait_all_serving()
-    verify = cluster.admin("verify")
-    fsck = cluster.admin("fsck")
-    report = {"scenario": scenario.name, "faults": faults, **checks,
-              "replicas_identical": verify.returncode == 0, "fsck_clean": fsck.returncode == 0,
-              "verify": verify.stdout.strip().splitlines()[-1:], "fsck": fsck.stdout.strip().splitlines()[-1:],
-              "started": started, "timeline": _timeline(result, started)}
+    report.update(check_history(result))
+    report["timeline"] = _timeline(result, started)
     filler = root / "filler.log"
     if filler.exists():
         report["filler"] = filler.read_text()[-500:]
+    cluster.wait_all_serving()
+    verify = _settled(cluster, "verify")
+    fsck = _settled(cluster, "fsck")
+    # The last line says it; when something is wrong, the lines before it say what.
+    report.update({"replicas_identical": verify.returncode == 0, "fsck_clean": fsck.returncode == 0,
+                   "verify": verify.stdout.strip().splitlines()[-1 if verify.returncode == 0 else -40:],
+                   "fsck": fsck.stdout.strip().splitlines()[-1 if fsck.returncode == 0 else -40:]})
     probe = root / "probe.json"
     lease_s = int(FAST["FS3_MGMTD_HEARTBEAT_TIMEOUT_MS"]) / 2000
     if probe.exists():
@@ -66,9 +114,22 @@ def _run(scenario: Scenario, cluster: LabCluster, root: Path, faults: list[dict[
         report["lease"]["ok"] = refused is not None and refused <= lease_s + 0.5
     else:
         report["lease"] = None
-    report["ok"] = (not checks["violations"] and not checks["lost"] and report["replicas_identical"]
+    report["ok"] = (not report["violations"] and not report["lost"] and report["replicas_identical"]
                     and report["fsck_clean"] and (report["lease"] is None or report["lease"]["ok"]))
     return report
+
+
+def _settled(cluster: LabCluster, command: str, attempts: int = 10) -> subprocess.CompletedProcess[str]:
+    """An after-run check, repeated (a second apart) while it fails: right after the run, removals
+    the meta service's GC still has in flight leave a chunk on some replicas of its chain for a
+    moment. A real difference stays through every attempt."""
+    done = cluster.admin(command)
+    for _ in range(attempts - 1):
+        if done.returncode == 0:
+            break
+        time.sleep(1)
+        done = cluster.admin(command)
+    return done
 
 
 def _timeline(result: dict[str, Any], started: float) -> list[tuple[float, int, int]]:
@@ -92,59 +153,108 @@ def _png(reports: list[dict[str, Any]], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(len(reports), 1, figsize=(10, 2.2 * len(reports)), squeeze=False)
     for ax, report in zip(axes[:, 0], reports, strict=True):
-        times = [t for t, _, _ in report["timeline"]]
-        ax.plot(times, [2 * ok for _, ok, _ in report["timeline"]], label="acknowledged ops/s")
-        ax.plot(times, [2 * bad for _, _, bad in report["timeline"]], label="failed ops/s", color="red")
-        for fault in report["faults"]:
-            ax.axvline(float(fault["at"]), color="gray", linestyle="--")  # type: ignore[arg-type]
-            ax.text(float(fault["at"]), ax.get_ylim()[1] * 0.8, str(fault["fault"]), fontsize=6, rotation=90)  # type: ignore[arg-type]
-        ax.set_title(report["scenario"], fontsize=9)
+        timeline = report.get("timeline") or []
+        times = [t for t, _, _ in timeline]
+        ax.plot(times, [2 * ok for _, ok, _ in timeline], label="acknowledged ops/s")
+        ax.plot(times, [2 * bad for _, _, bad in timeline], label="failed ops/s", color="red")
+        for fault in report.get("faults", []):
+            ax.axvline(float(fault["at"]), color="gray", linestyle="--")
+            ax.text(float(fault["at"]), ax.get_ylim()[1] * 0.8, str(fault["fault"]), fontsize=6, rotation=90)
+        title = report["scenario"]
+        if report.get("status") != "ok":
+            title += f" — FAILED: {str(report.get('error', ''))[:100]}"
+        ax.set_title(title, fontsize=9, color="black" if report.get("status") == "ok" else "red")
         ax.set_xlabel("seconds")
     axes[0, 0].legend(fontsize=7)
     fig.subplots_adjust(hspace=0.9)
     fig.savefig(path, dpi=90)
+    plt.close(fig)
     return True
 
 
-def main() -> int:
+def _cell(report: dict[str, Any], key: str, fmt: str = "{}") -> str:
+    value = report.get(key)
+    return "—" if value is None else fmt.format(value)
+
+
+def _markdown(reports: list[dict[str, Any]], stamp: str, png: bool) -> str:
+    failed = [r["scenario"] for r in reports if r["status"] != "ok"]
+    lines = [f"# fs3 chaos report {stamp}", "",
+             f"{len(reports) - len(failed)} of {len(reports)} scenarios passed"
+             + (f"; FAILED: {', '.join(failed)}" if failed else "") + ".", "",
+             "| scenario | status | faults | operations | linearizability violations | bytes lost | "
+             "replicas identical | fsck | longest client stall (s) | longest time with no op completing (s) | "
+             "node cut from mgmtd refused after (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        status = "ok" if r["status"] == "ok" else "**FAILED**"
+        fsck = "—" if r.get("fsck_clean") is None else ("clean" if r["fsck_clean"] else "PROBLEMS")
+        lease = r.get("lease")
+        lines.append(
+            f"| {r['scenario']} | {status} | {'; '.join(str(f['fault']) for f in r.get('faults', []))} | "
+            f"{_cell(r, 'operations')} | "
+            f"{'—' if r.get('violations') is None else len(r['violations'])} | "
+            f"{'—' if r.get('lost') is None else 4096 * len(r['lost'])} | {_cell(r, 'replicas_identical')} | "
+            f"{fsck} | {_cell(r, 'worst_stall_s', '{:.2f}')} | {_cell(r, 'worst_gap_s', '{:.2f}')} | "
+            f"{'' if not lease else format(lease['refused_after_s'] or -1, '.2f')} |")
+    if failed:
+        lines += ["", "## Failures", ""]
+        for r in reports:
+            if r["status"] != "ok":
+                error = str(r.get("error", "")).replace("\n", " ")
+                lines.append(f"- **{r['scenario']}**: {error[:1500]}")
+    if png:
+        lines += ["", f"![timeline](chaos-{stamp}.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(reports: list[dict[str, Any]], out: Path) -> Path:
+    """The Markdown, JSON and PNG report of the scenarios run so far; returns the Markdown's path."""
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"chaos-{stamp}.json").write_text(json.dumps(reports, indent=2, default=str))
+    try:
+        png = _png(reports, out / f"chaos-{stamp}.png")
+    except Exception as exc:  # a plot must not cost the report
+        print(f"chaos: no timeline plot: {exc}", flush=True)
+        png = False
+    md = out / f"chaos-{stamp}.md"
+    md.write_text(_markdown(reports, stamp, png))
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the scenarios one after the other; one that fails is recorded and the rest still run.
+    The report is always written. Exit status 1 when any scenario failed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--keep", metavar="DIR", help="run each scenario under DIR/<scenario> and keep its logs")
-    args = parser.parse_args()
-    reports = []
-    for name in args.scenarios.split(","):
-        print(f"chaos: {name} ...", flush=True)
-        if args.keep:
-            work = Path(args.keep) / name
-            shutil.rmtree(work, ignore_errors=True)
-            report = run_scenario(SCENARIOS[name], work)
-        else:
-            with tempfile.TemporaryDirectory(prefix=f"fs3-chaos-{name}-") as tmp:
-                report = run_scenario(SCENARIOS[name], Path(tmp))
-        reports.append(report)
-        print(f"  {'ok' if report['ok'] else 'FAILED'}: {report['operations']} ops, "
-              f"{len(report['violations'])} linearizability violations, {len(report['lost'])} lost, "
-              f"longest client stall {report['worst_stall_s']:.2f} s", flush=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"chaos-{stamp}.json").write_text(json.dumps(reports, indent=2))
-    lines = [f"# fs3 chaos report {stamp}", "",
-             "| scenario | faults | operations | linearizability violations | bytes lost | replicas identical | "
-             "fsck | longest client stall (s) | longest time with no op completing (s) | node cut from mgmtd refused "
-             "after (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in reports:
-        lines.append(f"| {r['scenario']} | {'; '.join(str(f['fault']) for f in r['faults'])} | {r['operations']} | "
-                     f"{len(r['violations'])} | {4096 * len(r['lost'])} | {r['replicas_identical']} | "
-                     f"{'clean' if r['fsck_clean'] else 'PROBLEMS'} | {r['worst_stall_s']:.2f} | "
-                     f"{r['worst_gap_s']:.2f} | "
-                     f"{'' if not r['lease'] else format(r['lease']['refused_after_s'] or -1, '.2f')} |")
-    if _png(reports, out / f"chaos-{stamp}.png"):
-        lines += ["", f"![timeline](chaos-{stamp}.png)"]
-    (out / f"chaos-{stamp}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / f'chaos-{stamp}.md'}")
-    return 0 if all(r["ok"] for r in reports) else 1
+    args = parser.parse_args(argv)
+    names = args.scenarios.split(",")
+    unknown = [name for name in names if name not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
+    reports: list[dict[str, Any]] = []
+    try:
+        for name in names:
+            print(f"chaos: {name} ...", flush=True)
+            if args.keep:
+                work = Path(args.keep) / name
+                shutil.rmtree(work, ignore_errors=True)
+                report = run_recorded(SCENARIOS[name], work)
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"fs3-chaos-{name}-") as tmp:
+                    report = run_recorded(SCENARIOS[name], Path(tmp))
+            reports.append(report)
+            if report["status"] == "ok":
+                print(f"  ok: {report['operations']} ops, {len(report['violations'])} linearizability violations, "
+                      f"{len(report['lost'])} lost, longest client stall {report['worst_stall_s']:.2f} s", flush=True)
+            else:
+                print(f"  FAILED: {report['error']}", flush=True)
+    finally:
+        md = write_report(reports, Path(args.out))
+        print(f"wrote {md}", flush=True)
+    return 0 if reports and all(r["status"] == "ok" for r in reports) else 1
 
 
 if __name__ == "__main__":
