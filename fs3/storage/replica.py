@@ -49,6 +49,7 @@ from fs3.common.errors import (
     FS3Error,
     InvalidArgument,
     LeaseExpired,
+    NoSpace,
     NotHead,
     ResourceExhausted,
     StaleUpdate,
@@ -517,10 +518,10 @@ class TargetReplica:
                 await self.host.wait_routing_change(effect.routing_version, self.config.routing_wait_ms)
                 queue.extend(machine.routing_changed(self._path(op.chain_id), self.host.now_ms()))
             elif isinstance(effect, Commit):
-                await self._do_commit(op, effect.version)
+                await self._after_successors(op, self._do_commit(op, effect.version))
                 queue.extend(machine.committed())
             elif isinstance(effect, Install):
-                await self._do_install(op, effect.version)
+                await self._after_successors(op, self._do_install(op, effect.version))
             elif isinstance(effect, Abort):
                 self.engine.abort(op.chunk_id, effect.version)
             elif isinstance(effect, Reply):
@@ -534,6 +535,17 @@ class TargetReplica:
                 ensure(not isinstance(effect, CompletePending), "a pending version to complete mid-update")
         ensure(False, "the update machine stopped without an answer")
         raise AssertionError  # unreachable
+
+    async def _after_successors(self, op: _Op, step: Coroutine[Any, Any, None]) -> None:
+        """A commit (or install) that runs out of space happens after every target behind this one
+        committed: it must not reach the predecessor as a refusal, which would make it drop a
+        version that others hold. Its outcome is unknown, and the head completes it later."""
+        try:
+            await step
+        except NoSpace as exc:
+            if op.source is Source.CLIENT:
+                self.schedule_repair(op.chain_id, op.chunk_id)
+            raise Unavailable(f"commit refused for lack of space after the successors committed: {exc}") from None
 
     async def _do_stage(self, op: _Op, effect: Stage) -> None:
         chunk_id, version = op.chunk_id, effect.version
