@@ -254,6 +254,44 @@ def test_power_loss_after_a_commit_leaves_no_stale_small_version() -> None:
     assert list(kv.scan(b"b/", prefix_end(b"b/"))) == []
 
 
+@pytest.mark.parametrize("how", ["commit", "commit_written", "install", "install_written", "remove"])
+def test_a_deferred_commit_keeps_the_replaced_blob_until_the_log_is_synced(how: str) -> None:
+    """A commit made with ``defer_sync`` (the replica's group commit) may still be lost in a crash
+    until the log is synced, and then the metadata names the old version's blob again: that blob
+    must not be deleted before the sync. (It once was, at once: a power loss in that window left a
+    committed, acknowledged version whose file was gone — IO_ERROR on read.)"""
+    kv, blobs = MemKVStore(), MemBlobStore()
+    engine = ChunkEngine(kv, blobs)
+    v1 = _write(engine, b"c", b"acknowledged" * 10)
+    v2 = engine.new_version()
+    data = b"in flight" * 10
+    blob = 0
+    if how.endswith("_written"):
+        blob = engine.new_blob()
+        engine.write_blob(b"c", blob, data)
+    if how.startswith("commit"):
+        engine.stage(b"c", v2, data, crc32c(data), 1, written_blob=blob)
+        engine.commit(b"c", v2, 1, defer_sync=True)
+    elif how == "remove":
+        engine.stage(b"c", v2, None, 0, 1)
+        engine.commit(b"c", v2, 1, defer_sync=True)
+    else:
+        engine.install(b"c", v2, 1, data, crc32c(data), written_blob=blob, defer_sync=True)
+    kv.crash()  # before the caller's log sync
+    blobs.crash()
+    engine = ChunkEngine(kv, blobs)
+    state = engine.get(b"c")
+    assert state is not None and state.commit_version == v1
+    assert engine.read(b"c", v1, 0, 1000) == b"acknowledged" * 10
+    # With the sync, the replaced blob goes (and only then).
+    v3 = engine.new_version()
+    engine.stage(b"c", v3, data, crc32c(data), 1)
+    engine.commit(b"c", v3, 1, defer_sync=True)
+    assert (b"c", state.commit_blob) in set(blobs.list())
+    engine.sync_log()
+    assert set(blobs.list()) == {(b"c", engine.get(b"c").commit_blob)}  # type: ignore[union-attr]
+
+
 def test_pending_chunks_are_tracked_without_a_scan() -> None:
     engine = _engine()
     va, vb = engine.new_version(), engine.new_version()

@@ -42,7 +42,7 @@ than any retry can be (:meth:`ChunkEngine.expire_channels`).
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
@@ -235,6 +235,10 @@ class ChunkEngine:
         self._unsynced_patches: set[bytes] = set()
         # Chunks whose pending blob was written (and synced) by :meth:`write_blob` on an I/O thread.
         self._synced_pending: set[bytes] = set()
+        # Blobs replaced by a commit made with ``defer_sync``: deleted only once the log sync that
+        # makes the commit durable has run (:meth:`sync_log`) — until then a crash brings back the
+        # metadata that names them. Appended on the event loop, drained by the syncing thread.
+        self._obsolete: deque[tuple[bytes, int]] = deque()
         self.used_bytes = 0
         self._floor = 0
         self._reserved = 0
@@ -553,7 +557,7 @@ class ChunkEngine:
         new state (None: removed).
 
         ``defer_sync``: the commit batch is written unsynced; the caller must sync the log
-        (``kv.sync_wal``) before it acknowledges the write. ``patch_synced``: the caller synced
+        (:meth:`sync_log`, which also deletes the replaced blob) before it acknowledges the write. ``patch_synced``: the caller synced
         the log after staging a deferred patch, so its undo record is durable.
         """
         old = self._states.get(chunk_id)
@@ -581,7 +585,7 @@ class ChunkEngine:
         self.used_bytes += (new.length if new else 0) - old.length
         self._set(chunk_id, new)
         if old.commit_version and not old.commit_inline and not old.pending_patch:
-            self.files.delete(chunk_id, old.commit_blob)  # (a patch renamed it instead)
+            self._delete_replaced(chunk_id, old.commit_blob, defer_sync)  # (a patch renamed it instead)
         return new
 
     def _apply_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState, patch_synced: bool) -> None:
@@ -636,8 +640,25 @@ class ChunkEngine:
         self.used_bytes += (new.length if new else 0) - (old.length if old else 0)
         self._set(chunk_id, new)
         if old is not None and old.commit_version and not old.commit_inline:
-            self.files.delete(chunk_id, old.commit_blob)
+            self._delete_replaced(chunk_id, old.commit_blob, defer_sync)
         return new
+
+    def _delete_replaced(self, chunk_id: bytes, blob: int, deferred: bool) -> None:
+        """Delete the blob of a version a commit replaced — after the commit is durable: a commit
+        batch written unsynced may still be lost, and the metadata it replaced names this blob."""
+        if deferred and self.sync_commits:
+            self._obsolete.append((chunk_id, blob))
+        else:
+            self.files.delete(chunk_id, blob)
+
+    def sync_log(self) -> None:
+        """Make every write so far durable (``kv.sync_wal``: the group sync of commits made with
+        ``defer_sync``), then delete the blobs those commits replaced. Safe on an I/O thread."""
+        count = len(self._obsolete)  # each was queued after its commit batch was written
+        self.kv.sync_wal()
+        for _ in range(count):
+            chunk_id, blob = self._obsolete.popleft()
+            self.files.delete(chunk_id, blob)
 
     # -- exactly-once records ----------------------------------------------------------------
 

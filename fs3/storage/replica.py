@@ -239,7 +239,7 @@ class TargetReplica:
         self._updates_bytes = 0
         # Group commit of the target's log: writes on the hot path are made unsynced and share
         # one fsync, off the event loop (a real node's I/O pool; inline in the simulator).
-        self._log_sync = GroupSync(lambda: host.run_blocking(engine.kv.sync_wal))
+        self._log_sync = GroupSync(lambda: host.run_blocking(engine.sync_log))
 
     async def stop(self) -> None:
         """Cancel running updates and repairs (each still waits for I/O it started)."""
