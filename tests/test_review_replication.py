@@ -115,3 +115,116 @@ def test_a_write_rolled_back_by_a_lastsrv_head_is_not_answered_from_a_syncing_ta
     shape = ClusterShape(storage_nodes=2, replicas=2, heartbeat_timeout_ms=1000, heartbeat_interval_ms=100)
     rsp, data = _run_sim(scenario, SimCluster(7, shape))
     assert data == b"TWO" * 10, f"the retry of W was acknowledged (v{rsp.commit_version}) but the chunk is {data!r}"
+
+
+# -- bad input to the new and changed RPC fields: a typed error, and nothing changes ---------------
+
+def test_sync_channels_checks_everything_before_it_changes_anything() -> None:
+    from fs3.common.errors import ChainVersionMismatch, InvalidArgument, StaleUpdate
+    from fs3.kv.store import MemKVStore
+    from fs3.storage.blobs import MemBlobStore
+    from fs3.storage.chain_view import ChainMember, ChainView
+    from fs3.storage.chunk_engine import ChunkEngine
+    from fs3.storage.replica import TargetReplica
+
+    class Host:
+        def view(self, chain_id: int, target_id: int) -> ChainView:
+            return ChainView(1, 5, 9, 2, (ChainMember(1, 1, PublicState.SERVING, "a"),
+                                          ChainMember(2, 2, PublicState.SYNCING, "b")))
+
+        def now_ms(self) -> int:
+            return 1000
+
+        def request_routing_refresh(self) -> None:
+            pass
+
+    engine = ChunkEngine(MemKVStore(), MemBlobStore())
+    replica = TargetReplica(2, engine, Host())  # type: ignore[arg-type]
+    floor = engine.floor
+    cid = make_chunk_id(1, 1)
+
+    def req(**fields: Any) -> spb.SyncChannelsReq:
+        out = spb.SyncChannelsReq(chain_id=1, chain_version=5, from_target_id=1, target_id=2, version_floor=50)
+        for name, value in fields.items():
+            setattr(out, name, value)
+        return out
+
+    good = dict(client_id=b"c", channel_id=1, seq=3, commit_version=7, chunk_id=cid)
+    cases: list[tuple[spb.SyncChannelsReq, type[Exception]]] = []
+    r = req(version_floor=2**64 - 1)
+    r.records.add(**good)
+    cases.append((r, InvalidArgument))
+    for bad in ({"client_id": b""}, {"client_id": b"x" * 256}, {"commit_version": 2**64 - 1}, {"chunk_id": b""}):
+        r = req()
+        r.records.add(**good)
+        r.records.add(**{**good, **bad})
+        cases.append((r, InvalidArgument))
+    r = req(chain_version=4)
+    r.records.add(**good)
+    cases.append((r, ChainVersionMismatch))
+    r = req(from_target_id=3)
+    r.records.add(**good)
+    cases.append((r, StaleUpdate))
+    for bad_req, error in cases:
+        with pytest.raises(error):
+            replica.sync_channels(bad_req)
+        assert engine.floor == floor and engine.channel_count == 0, bad_req
+    r = req()
+    r.records.add(**good)
+    assert replica.sync_channels(r) == 1 and engine.floor >= 50
+
+
+def test_forwards_with_bad_versions_or_unasked_sync_copies_are_refused_and_change_nothing(tmp_path: Any) -> None:
+    from fs3.common.errors import StatusCode
+    from tests.inproc import InProcessCluster
+    from tests.test_replication_faults import CHUNK, _chain, _replica_bytes, _send
+
+    storage = service_spec("Storage")
+
+    async def body() -> None:
+        async with InProcessCluster(tmp_path) as cluster:
+            chain = cluster.chain_ids[0]
+            cid = make_chunk_id(1, 7)
+            await _send(cluster, chain, cid, spb.WRITE, b"hello" * 10, client=b"c", channel=1, seq=1)
+            version, (head, middle, tail), _ = await _chain(cluster, chain)
+            before = await _replica_bytes(cluster, chain, cid)
+            floors = {t: cluster.nodes[t // 100].engines[t].floor for t in (head, middle, tail)}
+
+            async def call(target: int, method: str, req: Any, payload: bytes = b"") -> StatusCode:
+                address = cluster.nodes[target // 100].config.framed_address
+                try:
+                    await cluster.channels.get(address).call(storage.method(method), req, payload, timeout_ms=5000)
+                except FS3Error as exc:
+                    return exc.code
+                return StatusCode.OK
+
+            data = b"x" * 10
+            update = spb.UpdateReq(chain_id=chain, chunk_id=cid, type=spb.WRITE, offset=0, length=10,
+                                   chunk_size=CHUNK, checksum=crc32c(data))
+            long_client = spb.UpdateReq(chain_id=chain, chain_version=version, chunk_id=cid, type=spb.WRITE,
+                                        length=10, chunk_size=CHUNK, checksum=crc32c(data), client_id=b"A" * 300,
+                                        channel_id=1, seq=1)
+            assert await call(head, "Update", long_client, data) == StatusCode.INVALID_ARGUMENT
+            huge = spb.ForwardReq(update=update, update_version=2**64 - 1, base_version=1, chain_version=version,
+                                  from_target_id=head)
+            assert await call(middle, "Forward", huge, data) == StatusCode.INVALID_ARGUMENT
+            old = b"OLD!" * 3
+            sync_to_serving = spb.ForwardReq(update=spb.UpdateReq(chain_id=chain, chunk_id=cid, type=spb.WRITE),
+                                             update_version=1, chain_version=version, from_target_id=middle,
+                                             full_chunk_replace=True, is_sync=True, chunk_length=len(old),
+                                             chunk_checksum=crc32c(old))
+            assert await call(tail, "Forward", sync_to_serving, old) == StatusCode.TARGET_NOT_SERVING
+            other = make_chunk_id(1, 8)
+            version_zero = spb.ForwardReq(update=spb.UpdateReq(chain_id=chain, chunk_id=other, type=spb.WRITE),
+                                          update_version=0, chain_version=version, from_target_id=middle,
+                                          full_chunk_replace=True, chunk_length=len(old), chunk_checksum=crc32c(old))
+            assert await call(tail, "Forward", version_zero, old) == StatusCode.INVALID_ARGUMENT
+            assert await _replica_bytes(cluster, chain, cid) == before
+            assert cluster.nodes[tail // 100].engines[tail].get(other) is None
+            assert {t: cluster.nodes[t // 100].engines[t].floor for t in (head, middle, tail)} == floors
+            rsp = await _send(cluster, chain, cid, spb.WRITE, b"after", client=b"c", channel=1, seq=2)
+            assert rsp.commit_version > 1
+            after = await _replica_bytes(cluster, chain, cid)
+            assert len(set(after.values())) == 1, after
+
+    asyncio.run(body())

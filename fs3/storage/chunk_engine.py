@@ -51,7 +51,7 @@ from fs3.common.invariant import ensure
 from fs3.kv.store import KVStore, WriteBatch, prefix_end
 from fs3.storage.blobs import BlobStore
 
-__all__ = ["Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
+__all__ = ["CLIENT_ID_MAX_BYTES", "VERSION_MAX", "Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
 
 # A request's exactly-once identity: (client id, channel id, sequence number).
 Channel = tuple[bytes, int, int]
@@ -64,6 +64,10 @@ _FLOOR = b"v/floor"  # every version and blob number ever used on this target is
 _FORMAT = b"v/format"
 _FORMAT_VERSION = 2
 _VERSION_BLOCK = 1024  # versions reserved per synced floor write
+# The largest version a target accepts from its chain: far beyond any real count, and far enough
+# below 2**64 that the counter and its reservations always fit their u64 fields.
+VERSION_MAX = 1 << 62
+CLIENT_ID_MAX_BYTES = 255  # a client id is stored behind a one-byte length
 
 _STATE = struct.Struct("<QQQIIQQIIQB")
 _CHANNEL_TAIL = struct.Struct("<IQ")
@@ -336,6 +340,8 @@ class ChunkEngine:
 
     def observe_version(self, version: int) -> None:
         """A version arrived from the chain: numbers this target hands out later stay above it."""
+        if not 0 <= version <= VERSION_MAX:
+            raise InvalidArgument(f"version {version} outside [0, {VERSION_MAX}]")
         if version > self._floor:
             self._floor = version
             self._reserve(version)

@@ -55,12 +55,19 @@ from fs3.common.errors import (
     TargetNotServing,
     Unavailable,
 )
-from fs3.common.ids import validate_chunk_id, validate_chunk_size
+from fs3.common.ids import CHUNK_SIZE_MAX_BYTES, validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
 from fs3.kv.group_sync import GroupSync
 from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.chain_view import ChainMember, ChainView
-from fs3.storage.chunk_engine import Channel, ChannelRecord, ChunkEngine, ChunkState
+from fs3.storage.chunk_engine import (
+    CLIENT_ID_MAX_BYTES,
+    VERSION_MAX,
+    Channel,
+    ChannelRecord,
+    ChunkEngine,
+    ChunkState,
+)
 from fs3.storage.craq import (
     Abort,
     AwaitRouting,
@@ -356,6 +363,8 @@ class TargetReplica:
     def validate_update(req: spb.UpdateReq, payload: Buffer, check_crc: bool = True) -> None:
         validate_chunk_id(req.chunk_id)
         validate_chunk_size(req.chunk_size)
+        if len(req.client_id) > CLIENT_ID_MAX_BYTES:
+            raise InvalidArgument(f"client id of {len(req.client_id)} bytes exceeds {CLIENT_ID_MAX_BYTES}")
         if req.type == spb.WRITE:
             if req.length != len(payload):
                 raise InvalidArgument(f"length {req.length} but {len(payload)} payload bytes")
@@ -455,15 +464,26 @@ class TargetReplica:
     async def forward(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
         update = req.update
         validate_chunk_id(update.chunk_id)
+        if len(update.client_id) > CLIENT_ID_MAX_BYTES:
+            raise InvalidArgument(f"client id of {len(update.client_id)} bytes exceeds {CLIENT_ID_MAX_BYTES}")
+        if req.update_version > VERSION_MAX or req.base_version > VERSION_MAX:
+            raise InvalidArgument(f"version v{req.update_version} (base v{req.base_version}) exceeds {VERSION_MAX}")
+        if req.update_version == 0 and not (req.full_chunk_replace and req.remove):
+            raise InvalidArgument("an update needs a version (only a removal may carry none)")
         self._require_lease()
         view = self._view(update.chain_id)
         if not view.my_state.writable:
             raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
         self._check_chain_version(view, req.chain_version, "forward")
+        if req.is_sync and view.my_state is not PublicState.SYNCING:
+            # A resync copy replaces whatever is there, older or not: only a target being synced takes one.
+            raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}, not syncing")
         predecessor = view.predecessor()
         if predecessor is None or predecessor.target_id != req.from_target_id:
             raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
         if req.full_chunk_replace:
+            if len(payload) > CHUNK_SIZE_MAX_BYTES:
+                raise InvalidArgument(f"a full copy of {len(payload)} bytes exceeds the largest chunk")
             if req.remove:
                 if len(payload):
                     raise InvalidArgument("a removal carries no payload")
@@ -762,13 +782,19 @@ class TargetReplica:
         predecessor = view.predecessor()
         if predecessor is None or predecessor.target_id != req.from_target_id:
             raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
-        self.engine.observe_version(req.version_floor)
+        # Everything is checked before anything changes.
+        if req.version_floor > VERSION_MAX:
+            raise InvalidArgument(f"version floor {req.version_floor} exceeds {VERSION_MAX}")
         records = [(r.client_id, r.channel_id,
                     ChannelRecord(r.seq, r.commit_version, r.chunk_length, r.chunk_checksum, r.chunk_id))
                    for r in req.records]
-        for client_id, _, _ in records:
-            if not client_id or len(client_id) > 255:
-                raise InvalidArgument("a channel record needs a client id of 1..255 bytes")
+        for client_id, _, record in records:
+            if not client_id or len(client_id) > CLIENT_ID_MAX_BYTES:
+                raise InvalidArgument(f"a channel record needs a client id of 1..{CLIENT_ID_MAX_BYTES} bytes")
+            if record.commit_version > VERSION_MAX:
+                raise InvalidArgument(f"a channel record's version {record.commit_version} exceeds {VERSION_MAX}")
+            validate_chunk_id(record.chunk_id)
+        self.engine.observe_version(req.version_floor)
         return self.engine.merge_channels(records, self.host.now_ms())
 
     def forget_channels(self) -> None:
