@@ -228,3 +228,38 @@ def test_forwards_with_bad_versions_or_unasked_sync_copies_are_refused_and_chang
             assert len(set(after.values())) == 1, after
 
     asyncio.run(body())
+
+
+def test_a_power_loss_between_a_commit_and_its_log_sync_keeps_the_acknowledged_version() -> None:
+    """One-replica chain: v1 acknowledged, then v2 committed with its log sync still to come when
+    the power fails. The commit batch is lost, so the metadata names v1 again — whose blob the
+    commit must not have deleted yet (it once did: the chunk read IO_ERROR and v1 was gone)."""
+
+    async def scenario(cluster: SimCluster) -> bytes:
+        loop = asyncio.get_running_loop()
+        chain = (await cluster.boot())[0]
+        assert cluster.mgmtd is not None
+        (target,) = cluster.mgmtd.state.chains[chain].target_ids
+        cid = make_chunk_id(1, 0)
+        client = cluster.new_client()
+        await client.write(chain, cid, 0, b"ONE" * 1000, 4096)
+        engine = cluster.engine(target)
+        assert engine is not None
+        real_commit = engine.commit
+
+        def commit_then_power_loss(*args: Any, **kwargs: Any) -> Any:
+            out = real_commit(*args, **kwargs)
+            loop.call_soon(cluster.kill_storage, target // 100)
+            return out
+
+        engine.commit = commit_then_power_loss  # type: ignore[method-assign]
+        with pytest.raises((FS3Error, TimeoutError)):
+            await asyncio.wait_for(client.write(chain, cid, 0, b"TWO" * 1000, 4096), 5)
+        await asyncio.sleep(3)
+        cluster.start_storage(target // 100)
+        await cluster.wait_all_serving(60_000)
+        data, _ = await asyncio.wait_for(cluster.new_client().read(chain, cid, 0, 4096), 20)
+        return data
+
+    shape = ClusterShape(storage_nodes=1, replicas=1, inline_max_bytes=0)
+    assert _run_sim(scenario, SimCluster(3, shape)) == b"ONE" * 1000
