@@ -449,3 +449,14 @@ def test_real_full_disk_is_no_space_and_loses_nothing(tmp_path: Path) -> None:
         assert all(os.path.getsize(p) == 300_000 for p in mount_point.rglob("*") if p.is_file())
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.parametrize("inline", [0, 1 << 20])
+def test_every_staged_version_keeps_the_reserve_free(inline: int) -> None:
+    """``reserve_bytes`` holds for a small file version staged on the event loop too, not only for
+    the large ones written by the I/O pool and the inline ones."""
+    engine = ChunkEngine(MemKVStore(), MemBlobStore(10_000), inline_max_bytes=inline, reserve_bytes=9_000)
+    version = engine.new_version()
+    with pytest.raises(NoSpace):
+        engine.stage(b"c", version, b"x" * 2_000, crc32c(b"x" * 2_000), 1)
+    assert engine.get(b"c") is None

@@ -495,6 +495,7 @@ class ChunkEngine:
             batch.put(_inline_key(chunk_id, blob), bytes(content))
             flags |= FLAG_PENDING_INLINE
         else:
+            self._check_space(len(content))  # as for every other new version's bytes
             blob = self.new_blob()
             self.files.write(chunk_id, blob, content)
         self.observe_version(version)
