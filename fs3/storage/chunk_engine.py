@@ -564,8 +564,9 @@ class ChunkEngine:
         new state (None: removed).
 
         ``defer_sync``: the commit batch is written unsynced; the caller must sync the log
-        (:meth:`sync_log`, which also deletes the replaced blob) before it acknowledges the write. ``patch_synced``: the caller synced
-        the log after staging a deferred patch, so its undo record is durable.
+        (:meth:`sync_log`, which also deletes the replaced blob) before it acknowledges the write.
+        ``patch_synced``: the caller synced the log after staging a deferred patch, so its undo
+        record is durable.
         """
         old = self._states.get(chunk_id)
         ensure(old is not None and old.pending_version == version,
