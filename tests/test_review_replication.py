@@ -49,7 +49,7 @@ def test_a_write_rolled_back_by_a_lastsrv_head_is_not_answered_from_a_syncing_ta
     kept its record of W, the client's retry of W — reaching S once H has failed again and S is
     head — would be acknowledged although W is in no replica."""
     gate = asyncio.Event()
-    real_resync = getattr(node_mod, "resync_successor")
+    from fs3.storage.resync import resync_successor as real_resync
 
     async def gated_resync(*args: Any, **kwargs: Any) -> None:
         await gate.wait()
