@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
@@ -52,7 +52,7 @@ from fs3.common.invariant import ensure
 from fs3.kv.store import KVStore, WriteBatch, prefix_end
 from fs3.storage.blobs import BlobStore
 
-__all__ = ["Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
+__all__ = ["CLIENT_ID_MAX_BYTES", "VERSION_MAX", "Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ _FLOOR = b"v/floor"  # every version and blob number ever used on this target is
 _FORMAT = b"v/format"
 _FORMAT_VERSION = 2
 _VERSION_BLOCK = 1024  # versions reserved per synced floor write
+# The largest version a target accepts from its chain: far beyond any real count, and far enough
+# below 2**64 that the counter and its reservations always fit their u64 fields.
+VERSION_MAX = 1 << 62
+CLIENT_ID_MAX_BYTES = 255  # a client id is stored behind a one-byte length
 
 _STATE = struct.Struct("<QQQIIQQIIQB")
 _CHANNEL_TAIL = struct.Struct("<IQ")
@@ -238,7 +242,10 @@ class ChunkEngine:
         self._unsynced_patches: set[bytes] = set()
         # Chunks whose pending blob was written (and synced) by :meth:`write_blob` on an I/O thread.
         self._synced_pending: set[bytes] = set()
-        self._retired: list[tuple[bytes, int]] = []  # see take_retired
+        # Blobs replaced by a commit made with ``defer_sync``: deleted only once the log sync that
+        # makes the commit durable has run (:meth:`sync_log`) — until then a crash brings back the
+        # metadata that names them. Appended on the event loop, drained by the syncing thread.
+        self._obsolete: deque[tuple[bytes, int]] = deque()
         self.used_bytes = 0
         self._floor = 0
         self._reserved = 0
@@ -344,6 +351,8 @@ class ChunkEngine:
 
     def observe_version(self, version: int) -> None:
         """A version arrived from the chain: numbers this target hands out later stay above it."""
+        if not 0 <= version <= VERSION_MAX:
+            raise InvalidArgument(f"version {version} outside [0, {VERSION_MAX}]")
         if version > self._floor:
             self._floor = version
             self._reserve(version)
@@ -499,6 +508,7 @@ class ChunkEngine:
             batch.put(_inline_key(chunk_id, blob), bytes(content))
             flags |= FLAG_PENDING_INLINE
         else:
+            self._check_space(len(content))  # as for every other new version's bytes
             blob = self.new_blob()
             self.files.write(chunk_id, blob, content)
         self.observe_version(version)
@@ -571,8 +581,9 @@ class ChunkEngine:
         new state (None: removed).
 
         ``defer_sync``: the commit batch is written unsynced; the caller must sync the log
-        (``kv.sync_wal``) before it acknowledges the write. ``patch_synced``: the caller synced
-        the log after staging a deferred patch, so its undo record is durable.
+        (:meth:`sync_log`, which also deletes the replaced blob) before it acknowledges the write.
+        ``patch_synced``: the caller synced the log after staging a deferred patch, so its undo
+        record is durable.
         """
         old = self._states.get(chunk_id)
         ensure(old is not None and old.pending_version == version,
@@ -599,7 +610,7 @@ class ChunkEngine:
         self.used_bytes += (new.length if new else 0) - old.length
         self._set(chunk_id, new)
         if old.commit_version and not old.commit_inline and not old.pending_patch:
-            self._retire(chunk_id, old.commit_blob, defer_sync)  # (a patch renamed it instead)
+            self._delete_replaced(chunk_id, old.commit_blob, defer_sync)  # (a patch renamed it instead)
         return new
 
     def _apply_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState, patch_synced: bool) -> None:
@@ -654,25 +665,24 @@ class ChunkEngine:
         self.used_bytes += (new.length if new else 0) - (old.length if old else 0)
         self._set(chunk_id, new)
         if old is not None and old.commit_version and not old.commit_inline:
-            self._retire(chunk_id, old.commit_blob, defer_sync)
+            self._delete_replaced(chunk_id, old.commit_blob, defer_sync)
         return new
 
-    def _retire(self, chunk_id: bytes, blob: int, defer_sync: bool) -> None:
-        """The committed blob a commit replaced. Deleted only once that commit is durable: a crash
-        before the caller's log sync brings the old metadata back, which still names this blob."""
-        if defer_sync and self.sync_commits:
-            self._retired.append((chunk_id, blob))
+    def _delete_replaced(self, chunk_id: bytes, blob: int, deferred: bool) -> None:
+        """Delete the blob of a version a commit replaced — after the commit is durable: a commit
+        batch written unsynced may still be lost, and the metadata it replaced names this blob."""
+        if deferred and self.sync_commits:
+            self._obsolete.append((chunk_id, blob))
         else:
             self.files.delete(chunk_id, blob)
 
-    def take_retired(self) -> list[tuple[bytes, int]]:
-        """Blobs replaced by commits made with ``defer_sync`` so far. The caller deletes them with
-        :meth:`delete_retired` after a log sync that began after those commits has finished."""
-        retired, self._retired = self._retired, []
-        return retired
-
-    def delete_retired(self, retired: list[tuple[bytes, int]]) -> None:
-        for chunk_id, blob in retired:
+    def sync_log(self) -> None:
+        """Make every write so far durable (``kv.sync_wal``: the group sync of commits made with
+        ``defer_sync``), then delete the blobs those commits replaced. Safe on an I/O thread."""
+        count = len(self._obsolete)  # each was queued after its commit batch was written
+        self.kv.sync_wal()
+        for _ in range(count):
+            chunk_id, blob = self._obsolete.popleft()
             self.files.delete(chunk_id, blob)
 
     # -- exactly-once records ----------------------------------------------------------------

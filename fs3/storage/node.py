@@ -195,9 +195,13 @@ class StorageNode:
         from then on reaches it), so nothing it needs is lost. A lastsrv target coming back serves
         again without a resync and keeps its records."""
         for tid in self.engines:
-            now = self._my_public_state(tid)
-            if now in (PublicState.WAITING, PublicState.SYNCING) and before.get(tid) not in (PublicState.WAITING,
-                                                                                             PublicState.SYNCING):
+            now, was = self._my_public_state(tid), before.get(tid)
+            # A syncing target that falls back to waiting lost its sync source: every serving
+            # target failed, and the lastsrv one that serves again may lack writes this target
+            # already installed (and recorded) — they are rolled back by the next resync, and a
+            # record of one would answer its retry once this target is head.
+            if (now is PublicState.WAITING and was is not PublicState.WAITING) or \
+                    (now is PublicState.SYNCING and was not in (PublicState.WAITING, PublicState.SYNCING)):
                 log.info("node %d: target %d will be resynced; dropping its exactly-once records",
                          self.config.node_id, tid)
                 self.replicas[tid].forget_channels()

@@ -56,12 +56,19 @@ from fs3.common.errors import (
     TargetNotServing,
     Unavailable,
 )
-from fs3.common.ids import validate_chunk_id, validate_chunk_size
+from fs3.common.ids import CHUNK_SIZE_MAX_BYTES, validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
 from fs3.kv.group_sync import GroupSync
 from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.chain_view import ChainMember, ChainView
-from fs3.storage.chunk_engine import Channel, ChannelRecord, ChunkEngine, ChunkState
+from fs3.storage.chunk_engine import (
+    CLIENT_ID_MAX_BYTES,
+    VERSION_MAX,
+    Channel,
+    ChannelRecord,
+    ChunkEngine,
+    ChunkState,
+)
 from fs3.storage.craq import (
     Abort,
     AwaitRouting,
@@ -240,7 +247,7 @@ class TargetReplica:
         self._updates_bytes = 0
         # Group commit of the target's log: writes on the hot path are made unsynced and share
         # one fsync, off the event loop (a real node's I/O pool; inline in the simulator).
-        self._log_sync = GroupSync(lambda: host.run_blocking(engine.kv.sync_wal))
+        self._log_sync = GroupSync(lambda: host.run_blocking(engine.sync_log))
 
     async def stop(self) -> None:
         """Cancel running updates and repairs (each still waits for I/O it started)."""
@@ -324,14 +331,6 @@ class TargetReplica:
         target does not sync commits at all)."""
         return self._log_sync.written() if self.engine.sync_commits else 0
 
-    async def _made_durable(self) -> None:
-        """After an unsynced commit: wait for a log sync that covers it, then delete the blobs it
-        (and any commit before it) replaced — not before, or a crash could bring back metadata
-        naming a deleted blob."""
-        retired = self.engine.take_retired()
-        await self._log_sync.wait(self._log_written())
-        self.engine.delete_retired(retired)
-
     async def _durable(self) -> None:
         """Wait until everything written so far is durable."""
         if self.engine.sync_commits:
@@ -339,8 +338,8 @@ class TargetReplica:
 
     def _start(self, coro: Coroutine[Any, Any, T], payload_bytes: int) -> asyncio.Task[T]:
         """Run an update body as a task of its own (see the module docstring), within the bounds."""
-        if len(self._updates) >= self.config.updates_inflight_max \
-                or self._updates_bytes + payload_bytes > self.config.updates_inflight_bytes_max:
+        if len(self._updates) >= self.config.updates_inflight_max or (
+                self._updates and self._updates_bytes + payload_bytes > self.config.updates_inflight_bytes_max):
             coro.close()
             raise ResourceExhausted(f"target {self.target_id} has {len(self._updates)} updates of "
                                     f"{self._updates_bytes} bytes in flight")
@@ -357,6 +356,12 @@ class TargetReplica:
         task.add_done_callback(done)
         return task
 
+    @staticmethod
+    def _charge(update: spb.UpdateReq, payload: Buffer) -> int:
+        """Bytes an update may hold while it runs: its payload, plus — unless it is a removal — a
+        whole chunk, which a write that cannot be patched in place reads and builds anew."""
+        return len(payload) + (0 if update.type == spb.REMOVE else 2 * update.chunk_size)
+
     @property
     def updates_running(self) -> int:
         return len(self._updates)
@@ -365,6 +370,8 @@ class TargetReplica:
     def validate_update(req: spb.UpdateReq, payload: Buffer, check_crc: bool = True) -> None:
         validate_chunk_id(req.chunk_id)
         validate_chunk_size(req.chunk_size)
+        if len(req.client_id) > CLIENT_ID_MAX_BYTES:
+            raise InvalidArgument(f"client id of {len(req.client_id)} bytes exceeds {CLIENT_ID_MAX_BYTES}")
         if req.type == spb.WRITE:
             if req.length != len(payload):
                 raise InvalidArgument(f"length {req.length} but {len(payload)} payload bytes")
@@ -396,7 +403,8 @@ class TargetReplica:
             raise NotHead(f"target {self.target_id} is not the head of chain {req.chain_id}")
         self._check_chain_version(view, req.chain_version, "request")
         if not req.client_id:
-            return await asyncio.shield(self._start(self._client_update(req, payload, None), len(payload)))
+            task = self._start(self._client_update(req, payload, None), self._charge(req, payload))
+            return await asyncio.shield(task)
         if req.retry_age_ms > self.config.channel_record_ttl_ms // 2:
             raise ChannelSeqStale(f"a retry {req.retry_age_ms} ms after its first attempt is older than this "
                                   f"target keeps exactly-once records for")
@@ -411,7 +419,8 @@ class TargetReplica:
         done = await self._answered((req.client_id, req.channel_id, req.seq))
         if done is not None:
             return done
-        task = self._start(self._client_update(req, payload, (req.client_id, req.channel_id, req.seq)), len(payload))
+        task = self._start(self._client_update(req, payload, (req.client_id, req.channel_id, req.seq)),
+                           self._charge(req, payload))
         future: asyncio.Future[spb.UpdateRsp] = asyncio.get_running_loop().create_future()
         self._inflight[key] = (req.seq, future)
 
@@ -464,15 +473,26 @@ class TargetReplica:
     async def forward(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
         update = req.update
         validate_chunk_id(update.chunk_id)
+        if len(update.client_id) > CLIENT_ID_MAX_BYTES:
+            raise InvalidArgument(f"client id of {len(update.client_id)} bytes exceeds {CLIENT_ID_MAX_BYTES}")
+        if req.update_version > VERSION_MAX or req.base_version > VERSION_MAX:
+            raise InvalidArgument(f"version v{req.update_version} (base v{req.base_version}) exceeds {VERSION_MAX}")
+        if req.update_version == 0 and not (req.full_chunk_replace and req.remove):
+            raise InvalidArgument("an update needs a version (only a removal may carry none)")
         self._require_lease()
         view = self._view(update.chain_id)
         if not view.my_state.writable:
             raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
         self._check_chain_version(view, req.chain_version, "forward")
+        if req.is_sync and view.my_state is not PublicState.SYNCING:
+            # A resync copy replaces whatever is there, older or not: only a target being synced takes one.
+            raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}, not syncing")
         predecessor = view.predecessor()
         if predecessor is None or predecessor.target_id != req.from_target_id:
             raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
         if req.full_chunk_replace:
+            if len(payload) > CHUNK_SIZE_MAX_BYTES:
+                raise InvalidArgument(f"a full copy of {len(payload)} bytes exceeds the largest chunk")
             if req.remove:
                 if len(payload):
                     raise InvalidArgument("a removal carries no payload")
@@ -484,7 +504,8 @@ class TargetReplica:
             self.validate_update(update, payload, check_crc=False)
         if req.update_version <= req.base_version and not req.full_chunk_replace:
             raise InvalidArgument(f"update v{req.update_version} is not above its base v{req.base_version}")
-        return await asyncio.shield(self._start(self._forward_update(req, payload), len(payload)))
+        charge = len(payload) if req.full_chunk_replace else self._charge(req.update, payload)
+        return await asyncio.shield(self._start(self._forward_update(req, payload), charge))
 
     async def _forward_update(self, req: spb.ForwardReq, payload: Buffer) -> spb.UpdateRsp:
         update = req.update
@@ -622,7 +643,7 @@ class TargetReplica:
             await self._log_sync.wait(op.patch_ticket)
         self.engine.commit(op.chunk_id, version, chain_version, now_ms=self.host.now_ms(), defer_sync=True,
                            patch_synced=op.patch_ticket is not None)
-        await self._made_durable()
+        await self._log_sync.wait(self._log_written())
 
     async def _do_install(self, op: _Op, version: int) -> None:
         """Commit a full copy directly (a syncing target, or the tail during a repair)."""
@@ -635,7 +656,7 @@ class TargetReplica:
             await self.host.run_blocking(self.engine.write_blob, op.chunk_id, written, content)
         self.engine.install(op.chunk_id, version, chain_version, content, op.checksum, channel=op.channel,
                             now_ms=self.host.now_ms(), written_blob=written, defer_sync=True)
-        await self._made_durable()
+        await self._log_sync.wait(self._log_written())
 
     # -- abandoned pending versions ----------------------------------------------------------
 
@@ -782,13 +803,19 @@ class TargetReplica:
         predecessor = view.predecessor()
         if predecessor is None or predecessor.target_id != req.from_target_id:
             raise StaleUpdate(f"target {req.from_target_id} is not the predecessor of {self.target_id}")
-        self.engine.observe_version(req.version_floor)
+        # Everything is checked before anything changes.
+        if req.version_floor > VERSION_MAX:
+            raise InvalidArgument(f"version floor {req.version_floor} exceeds {VERSION_MAX}")
         records = [(r.client_id, r.channel_id,
                     ChannelRecord(r.seq, r.commit_version, r.chunk_length, r.chunk_checksum, r.chunk_id))
                    for r in req.records]
-        for client_id, _, _ in records:
-            if not client_id or len(client_id) > 255:
-                raise InvalidArgument("a channel record needs a client id of 1..255 bytes")
+        for client_id, _, record in records:
+            if not client_id or len(client_id) > CLIENT_ID_MAX_BYTES:
+                raise InvalidArgument(f"a channel record needs a client id of 1..{CLIENT_ID_MAX_BYTES} bytes")
+            if record.commit_version > VERSION_MAX:
+                raise InvalidArgument(f"a channel record's version {record.commit_version} exceeds {VERSION_MAX}")
+            validate_chunk_id(record.chunk_id)
+        self.engine.observe_version(req.version_floor)
         return self.engine.merge_channels(records, self.host.now_ms())
 
     def forget_channels(self) -> None:
