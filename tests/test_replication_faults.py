@@ -16,7 +16,7 @@ import pytest
 
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
-from fs3.common.errors import ChannelSeqStale, ResourceExhausted
+from fs3.common.errors import ChannelSeqStale, NoSpace, ResourceExhausted
 from fs3.common.ids import chunk_id
 from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.rpc.methods import service_spec
@@ -347,4 +347,32 @@ def test_updates_in_flight_are_bounded(tmp_path: Path) -> None:
             await first
             middle.forward = real_forward  # type: ignore[method-assign]
             await cluster.client(b"C").write(chain, chunk_id(10, 1), 0, b"x", CHUNK)
+    run(body())
+
+
+def test_a_commit_out_of_space_after_the_tail_committed_is_not_a_refusal(tmp_path: Path) -> None:
+    """The middle runs out of space at its commit, after the tail committed: its predecessor must not
+    drop the version as if nobody had applied it (the replicas would diverge); it forwards again."""
+    async def body() -> None:
+        async with InProcessCluster(tmp_path) as cluster:
+            chain, cid = cluster.chain_ids[0], chunk_id(11, 0)
+            await cluster.client(b"W").write(chain, cid, 0, b"base", CHUNK)
+            _, targets, _ = await _chain(cluster, chain)
+            middle = cluster.nodes[targets[1] // 100].engines[targets[1]]
+            real_commit = middle.commit
+            failures = [1]
+
+            def full_once(*args: Any, **kwargs: Any) -> Any:
+                if failures:
+                    failures.pop()
+                    raise NoSpace("disk full at commit")
+                return real_commit(*args, **kwargs)
+
+            middle.commit = full_once  # type: ignore[method-assign]
+            writer = cluster.client(b"W2")  # (one client object: a new one with an old id reuses its sequence numbers)
+            await writer.write(chain, cid, 0, b"next", CHUNK)
+            copies = await _replica_bytes(cluster, chain, cid)
+            assert set(copies.values()) == {b"next"}, copies
+            await writer.write(chain, cid, 0, b"more", CHUNK)
+            assert set((await _replica_bytes(cluster, chain, cid)).values()) == {b"more"}
     run(body())
