@@ -15,7 +15,7 @@ from fs3.sim.sweep import SweepConfig, load_results, sweep
 from fs3.storage import replica as replica_mod
 
 SEEDS_PER_BATCH = 25
-BATCHES = 10  # 250 seeds in make test
+BATCHES = 8  # 200 seeds in make test; `make sim` sweeps thousands
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))
@@ -68,8 +68,8 @@ def test_the_checks_catch_a_retry_applied_twice(monkeypatch: pytest.MonkeyPatch)
     from fs3.storage.chunk_engine import ChunkEngine
 
     monkeypatch.setattr(ChunkEngine, "channel", lambda self, client_id, channel_id: None)
-    results = [run_seed(seed, clients=3, ops_per_client=60) for seed in range(1, 25)]
-    assert any(not r.ok for r in results), "no seed noticed retried requests applied twice"
+    caught = next((seed for seed in range(19, 80) if not run_seed(seed, clients=3, ops_per_client=60).ok), None)
+    assert caught is not None, "no seed noticed retried requests applied twice"
 
 
 def test_the_checks_compare_bytes_not_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
