@@ -45,6 +45,20 @@ def _replica(cluster: InProcessCluster, target: int) -> TargetReplica:
     return cluster.nodes[target // 100].replicas[target]
 
 
+def _hold_forwards(replica: TargetReplica) -> tuple[asyncio.Event, asyncio.Event, Any]:
+    """Forwards reaching ``replica`` wait until released: (arrived, release, the real handler)."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+    real_forward = replica.forward
+
+    async def held_forward(req: spb.ForwardReq, payload: Any) -> spb.UpdateRsp:
+        arrived.set()
+        await release.wait()
+        return await real_forward(req, payload)
+
+    replica.forward = held_forward  # type: ignore[method-assign]
+    return arrived, release, real_forward
+
+
 async def _send(cluster: InProcessCluster, chain: int, cid: bytes, kind: int, data: bytes = b"", *,
                 client: bytes, channel: int, seq: int, offset: int = 0, retry_age_ms: int = 0) -> spb.UpdateRsp:
     """One Update request on the wire, with an explicit exactly-once identity."""
@@ -190,15 +204,7 @@ def test_a_head_cancelled_while_forwarding_completes_and_records_its_write(tmp_p
             chain, cid = cluster.chain_ids[0], chunk_id(5, 0)
             version, targets, _ = await _chain(cluster, chain)
             head, middle = _replica(cluster, targets[0]), _replica(cluster, targets[1])
-            arrived, release = asyncio.Event(), asyncio.Event()
-            real_forward = middle.forward
-
-            async def held_forward(req: spb.ForwardReq, payload: Any) -> spb.UpdateRsp:
-                arrived.set()
-                await release.wait()
-                return await real_forward(req, payload)
-
-            middle.forward = held_forward  # type: ignore[method-assign]
+            arrived, release, real_forward = _hold_forwards(middle)
             req = spb.UpdateReq(chain_id=chain, chain_version=version, chunk_id=cid, type=spb.WRITE, offset=0,
                                 length=1, chunk_size=CHUNK, checksum=crc32c(b"X"), client_id=b"A", channel_id=1,
                                 seq=1)
@@ -325,15 +331,7 @@ def test_updates_in_flight_are_bounded(tmp_path: Path) -> None:
             chain = cluster.chain_ids[0]
             version, targets, _ = await _chain(cluster, chain)
             head, middle = _replica(cluster, targets[0]), _replica(cluster, targets[1])
-            arrived, release = asyncio.Event(), asyncio.Event()
-            real_forward = middle.forward
-
-            async def held_forward(req: spb.ForwardReq, payload: Any) -> spb.UpdateRsp:
-                arrived.set()
-                await release.wait()
-                return await real_forward(req, payload)
-
-            middle.forward = held_forward  # type: ignore[method-assign]
+            arrived, release, real_forward = _hold_forwards(middle)
 
             def request(index: int) -> spb.UpdateReq:
                 return spb.UpdateReq(chain_id=chain, chain_version=version, chunk_id=chunk_id(10, index),
