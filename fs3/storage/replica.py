@@ -358,8 +358,8 @@ class TargetReplica:
 
     @staticmethod
     def _charge(update: spb.UpdateReq, payload: Buffer) -> int:
-        """Bytes an update may hold while it runs: its payload, plus — unless it is a removal — a
-        whole chunk, which a write that cannot be patched in place reads and builds anew."""
+        """Bytes an update may hold while it runs: its payload, plus — unless it is a removal — two
+        whole chunks: a write that cannot be patched in place reads the old one and builds a new one."""
         return len(payload) + (0 if update.type == spb.REMOVE else 2 * update.chunk_size)
 
     @property
