@@ -118,6 +118,19 @@ def test_seeds_that_applied_retries_twice(seed: int) -> None:
     assert result.ok, f"{result.summary()}\n" + "\n".join(result.violations[:5])
 
 
+# Seeds of the current mix that found a bug (docs/reliability.md), as (seed, operations per client):
+# 94/40 a retry applied again after another update completed its earlier attempt; 226/40 a replaced
+# blob deleted before its commit was durable; 94/60 a syncing target answering a retry of a write
+# that the resync had just rolled back.
+DEFAULT_MIX_SEEDS = [(94, 40), (226, 40), (94, 60)]
+
+
+@pytest.mark.parametrize(("seed", "ops"), DEFAULT_MIX_SEEDS)
+def test_seeds_of_the_current_mix_that_found_bugs(seed: int, ops: int) -> None:
+    result = run_seed(seed, clients=3, ops_per_client=ops)
+    assert result.ok, f"{result.summary()}\n" + "\n".join(result.violations[:5])
+
+
 def test_the_legacy_mix_draws_the_first_simulators_shapes() -> None:
     """Old seeds replay their cluster shapes and operations: nothing new is drawn in the legacy mix."""
     import random

@@ -815,7 +815,16 @@ class TargetReplica:
             if record.commit_version > VERSION_MAX:
                 raise InvalidArgument(f"a channel record's version {record.commit_version} exceeds {VERSION_MAX}")
             validate_chunk_id(record.chunk_id)
+        if req.begin and records:
+            raise InvalidArgument("the first call of a resync session carries no records")
         self.engine.observe_version(req.version_floor)
+        if req.begin:
+            # A new session: records held from before may describe writes the chain rolled back
+            # (a resync installs the predecessor's copies, older ones included). From here on every
+            # write reaches this target with its record, and the predecessor's records come after
+            # its chunk pass — which waits for every write in flight, so each is in them.
+            self.engine.forget_channels()
+            return 0
         return self.engine.merge_channels(records, self.host.now_ms())
 
     def forget_channels(self) -> None:

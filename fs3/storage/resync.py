@@ -1,17 +1,20 @@
 """Resync: the serving predecessor brings a syncing successor up to date.
 
 From the 3FS design notes: normal writes are already forwarded to the syncing successor as
-full-chunk replacements (see :mod:`fs3.storage.replica`). In addition the predecessor hands over
-its exactly-once records and version counter (the successor dropped its own records when it left
-the write path), dumps the successor's chunk metadata, compares it with its own, and sends a
+full-chunk replacements (see :mod:`fs3.storage.replica`). In addition the predecessor opens a
+session (the successor drops every exactly-once record it holds, and takes the predecessor's
+version counter), dumps the successor's chunk metadata, compares it with its own, and sends a
 full-chunk replacement of every chunk that differs (and a removal of every chunk it does not
 have), each under the local chunk lock so that it cannot interleave with a write of the same
-chunk. Then it sends ``SyncDone`` and the successor reports itself up to date to mgmtd, which
-makes it serving.
+chunk. Then it hands over its records and sends ``SyncDone``; the successor reports itself up to
+date to mgmtd, which makes it serving.
 
-The records can be taken from a snapshot while writes go on: from the moment the predecessor
-sees the successor syncing, every write it commits has gone through the successor first, records
-included, and the successor keeps the newer of two records of one channel.
+Why records go in that order: a resync may roll a chunk back (the predecessor's copy is older than
+one the successor committed in a write the chain lost), so records the successor held before the
+session may lie. After the session opens, every write reaches the successor with its record; a
+write already in flight when it opened holds its chunk's lock on the predecessor, so the chunk
+pass waits for it, and its record is in the snapshot taken after the pass. The successor keeps the
+newer of two records of one channel.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
     view, successor = _current(node, replica, chain_id, successor_id)
     log.info("target %d: resyncing successor %d of chain %d (v%d)", replica.target_id, successor_id, chain_id,
              view.chain_version)
-    records = await _send_channels(node, replica, chain_id, successor_id, batch, timeout_ms)
+    await _begin_session(node, replica, chain_id, successor_id, timeout_ms)
     remote = await dump_chunk_meta(node.channels.get(successor.address), chain_id, successor.target_id, batch,
                                    timeout_ms)
     engine = replica.engine
@@ -90,6 +93,7 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
                 req.chunk_chain_version = state.chain_version
                 sent += 1
             await node.forward(successor, req, payload, timeout_ms)
+    records = await _send_channels(node, replica, chain_id, successor_id, batch, timeout_ms)
     view, successor = _current(node, replica, chain_id, successor_id)
     await node.channels.get(successor.address).call(
         _STORAGE.method("SyncDone"),
@@ -98,6 +102,15 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
     )
     log.info("target %d: successor %d of chain %d synced (%d records, %d chunks sent, %d removed)",
              replica.target_id, successor_id, chain_id, records, sent, removed)
+
+
+async def _begin_session(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int,
+                         timeout_ms: int) -> None:
+    """Open a resync session: the successor drops its records (and takes our version counter)."""
+    view, successor = _current(node, replica, chain_id, successor_id)
+    req = spb.SyncChannelsReq(chain_id=chain_id, chain_version=view.chain_version, from_target_id=replica.target_id,
+                              target_id=successor_id, version_floor=replica.engine.floor, begin=True)
+    await node.channels.get(successor.address).call(_SYNC_CHANNELS, req, timeout_ms=timeout_ms)
 
 
 async def _send_channels(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int, batch: int,
