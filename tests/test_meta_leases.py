@@ -311,9 +311,19 @@ def test_a_renewal_racing_the_prune_keeps_the_lease() -> None:
     asyncio.run(main())
 
 
-def test_one_client_whose_clean_up_fails_does_not_stop_the_others() -> None:
-    """A's session is on a file whose length probe keeps going stale (then fails outright); C,
-    later in the round, must still be expired and cleaned up, and A once its probe works."""
+def _stub_probe(service: MetaService, answer: Callable[[], tuple[int | None, int | None]]) -> None:
+    """Storage's answer to the length probe of a written session, as the test says."""
+
+    async def probe(inode_id: int, hint: int, wrote: bool, *args: Any,
+                    **kwargs: Any) -> tuple[int | None, int | None]:
+        return answer() if wrote else (None, None)
+
+    service._exact_length = probe  # type: ignore[method-assign]
+
+
+def test_a_stale_length_probe_does_not_abort_the_prune_round() -> None:
+    """A dead writer's file changes size under every probe (LengthProbeStale); its session is
+    still closed, and C, later in the same round, is expired and cleaned up too."""
 
     async def main() -> None:
         clocks = Clocks()
@@ -324,25 +334,42 @@ def test_one_client_whose_clean_up_fails_does_not_stop_the_others() -> None:
         written = await a.open("/f", O_CREAT | O_RDWR)
         await c.create("/g")
         read = await c.open("/g", O_RDONLY)
-        failing = True
+        _stub_probe(service, lambda: (100, 1))  # probed from a size the file no longer has
+        await service.prune_clients_once()
+        clocks.advance(LEASE_MS + 1)
+        assert await service.prune_clients_once() == 2
+        assert not _keys(store, schema.session_prefix(read.inode.inode_id))
+        assert not _keys(store, schema.session_prefix(written.inode.inode_id))
+        assert not _keys(store, schema.client_sessions_prefix(CLIENT_A))
+        stat = await c.call("lookup", mpb.LookupReq(ctx=c.ctx(), target=ref("/f")))
+        assert stat.inode.size == 0  # no probe held: the size meta had stays
 
-        async def probe(inode_id: int, hint: int, wrote: bool, *args: Any,
-                        **kwargs: Any) -> tuple[int | None, int | None]:
-            if not wrote:
-                return None, None
-            if failing:
-                raise RuntimeError("storage answered nonsense")
-            return 100, 1  # probed from a size the file no longer has: LengthProbeStale
-        service._exact_length = probe  # type: ignore[method-assign]
+    asyncio.run(main())
+
+
+def test_one_client_whose_clean_up_fails_does_not_stop_the_others() -> None:
+    async def main() -> None:
+        clocks = Clocks()
+        service, store, _ = await _service(clocks)
+        a, c = Client(service, CLIENT_A), Client(service, CLIENT_C)
+        await a.renew()
+        await c.renew()
+        written = await a.open("/f", O_CREAT | O_RDWR)
+        await c.create("/g")
+        read = await c.open("/g", O_RDONLY)
+
+        def broken() -> tuple[int | None, int | None]:
+            raise RuntimeError("storage answered nonsense")
+
+        _stub_probe(service, broken)
         await service.prune_clients_once()
         clocks.advance(LEASE_MS + 1)
         await service.prune_clients_once()
         assert not _keys(store, schema.session_prefix(read.inode.inode_id))
-        assert _keys(store, schema.session_prefix(written.inode.inode_id))
-        failing = False
+        assert _keys(store, schema.session_prefix(written.inode.inode_id))  # A's clean-up waits
+        _stub_probe(service, lambda: (None, None))
         await service.prune_clients_once()
         assert not _keys(store, schema.session_prefix(written.inode.inode_id))
-        assert not _keys(store, schema.client_sessions_prefix(CLIENT_A))
 
     asyncio.run(main())
 
@@ -394,14 +421,21 @@ def test_a_retry_is_never_sent_past_the_retry_budget() -> None:
     """A client frozen between two attempts must not send the retry when it wakes up late."""
     clock = ManualClock()
 
-    def unavailable(name: str) -> Any:
+    def answer(name: str) -> Any:
+        if name == "RenewClient":
+            return mpb.RenewClientRsp(lease_ms=LEASE_MS, renewals=1)
         raise Unavailable("meta is down")
 
-    meta = _ScriptedMeta(clock, unavailable, on_refresh=lambda: clock.advance(10_000))
+    meta = _ScriptedMeta(clock, answer, on_refresh=lambda: clock.advance(10_000))
     client = _scripted_client(clock, meta, retry_total_ms=5_000)
-    with pytest.raises(Unavailable):
-        asyncio.run(client.call("MakeNode", mpb.MakeNodeReq(target=ref("/d"), type=mpb.DIRECTORY), mpb.InodeRsp))
-    assert meta.sends == ["MakeNode"]
+
+    async def main() -> None:
+        await client.renew()
+        with pytest.raises(Unavailable):
+            await client.call("MakeNode", mpb.MakeNodeReq(target=ref("/d"), type=mpb.DIRECTORY), mpb.InodeRsp)
+
+    asyncio.run(main())
+    assert meta.sends == ["RenewClient", "MakeNode"]
 
 
 def test_a_client_retries_no_longer_than_meta_remembers() -> None:
@@ -590,5 +624,30 @@ def test_a_mount_keeps_working_after_its_lease_lapsed(tmp_path: Path) -> None:
             assert await env.b.read_bytes("/t/v") == b"before"
         finally:
             await vfs.close()
+
+    with_lapsing(tmp_path, body)
+
+
+def test_a_client_frozen_past_meta_memory_of_it_registers_before_it_sends(tmp_path: Path) -> None:
+    """Meta has forgotten A's lapsed id (its refusal outlived every retry); A wakes up and opens a
+    file. It must learn first that its lease lapsed: a session under the forgotten id would have
+    no lease to expire it, ever."""
+
+    async def body(env: Lapsing) -> None:
+        old_id = env.a.meta.client_id
+        await env.lapse()
+        meta = env.cluster.meta
+        assert meta is not None and env.cluster.meta_kv is not None
+        await meta.prune_clients_once()
+        env.clocks.advance(meta.config.expired_client_ttl_ms + 1)
+        env.a_clock.advance(meta.config.expired_client_ttl_ms + 1)
+        await env.b.meta.renew()
+        await meta.prune_clients_once()
+        f = await env.a.open("/t/late", "wb")
+        assert f.session_id[:16] != old_id
+        await f.write(b"x")
+        await f.close()
+        assert not list(env.cluster.meta_kv.scan(schema.expired_client_prefix(),
+                                                 prefix_end(schema.expired_client_prefix())))
 
     with_lapsing(tmp_path, body)

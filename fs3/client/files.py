@@ -161,10 +161,11 @@ class AsyncFile:
     async def _fence(self) -> None:
         """Fail with ``StaleClient`` unless meta surely still holds this handle's session.
 
-        Called before I/O and after it returns: I/O that passes both ran while the session was
-        open, so a read cannot return chunks collected after the session closed, and a write is
-        covered by the length meta set when it closed the session. Free while the lease renews
-        on time; past that, a renewal answers it.
+        Called when a read or write starts (every call on a lapsed handle fails), before each
+        chunk write is sent and after it is acknowledged (a write acknowledged after the session
+        closed is not in the length meta set then), and after a chunk read that came back short
+        (zeros are the file's only while the session holds its chunks). Free while the lease
+        renews on time; past that, a renewal answers it (meta must be reachable).
         """
         meta = self.fs.meta
         if not meta.lease_current():
@@ -343,8 +344,12 @@ class AsyncFile:
         async with self._slots:
             chain_id, cid = chunk_location(self.layout, self.inode.inode_id, offset // chunk_size)
             data, _ = await self.fs.storage.read(chain_id, cid, offset % chunk_size, length)
-        await self._fence()  # read after the session closed: the chunk may be collected (zeros)
-        return data if len(data) == length else data + bytes(length - len(data))
+        if len(data) == length:
+            return data  # bytes of this file: valid whenever read (a collected chunk has none)
+        # A hole, or a chunk meta collected once this handle's session was closed: zeros are
+        # right only if the session was still open when storage answered.
+        await self._fence()
+        return data + bytes(length - len(data))
 
     def _top_up(self, start: int, want_end: int) -> None:
         """Keep pieces in flight from ``start`` to the read-ahead window (and at least ``want_end``)."""

@@ -104,6 +104,8 @@ class MetaClient:
         """
         method = _META.method(name)
         with_ctx = "ctx" in req.DESCRIPTOR.fields_by_name
+        if with_ctx:
+            await self._registered()
         # A request on an open file's session belongs to the id that opened it: never moved to a new id.
         on_session = bool(getattr(req, "session_id", b""))
         for resend in range(_RESENDS_MAX + 1):
@@ -123,7 +125,7 @@ class MetaClient:
                 if outcome_unknown[0] or on_session or resend == _RESENDS_MAX:
                     raise
                 log.info("meta %s: sent again under this client's new id", name)
-                await self.ensure_lease()
+                await self._registered()
             finally:
                 self._in_flight.discard(request_id)
         raise AssertionError("unreachable: the last resend raises")
@@ -169,6 +171,17 @@ class MetaClient:
     def lease_current(self) -> bool:
         """Whether meta surely still holds this client's lease (and so every session it opened)."""
         return self.clock.now_ms() < self._lease_valid_until_ms
+
+    async def _registered(self) -> None:
+        """Before a request: a client whose last renewal is too old renews first, so that a client
+        that was frozen past its lease learns that it lapsed (and registers a new id) before it
+        sends anything under the old id, which meta may have forgotten by then."""
+        if self.lease_current():
+            return
+        try:
+            await self.renew()
+        except StaleClient:
+            await self.renew()  # registers the new id
 
     async def ensure_lease(self) -> None:
         """Return once meta surely holds the lease, renewing now if the last renewal is too old to
