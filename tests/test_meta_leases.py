@@ -609,10 +609,16 @@ def test_a_mount_keeps_working_after_its_lease_lapsed(tmp_path: Path) -> None:
         vfs = Vfs(env.a)
         try:
             t = await vfs.lookup(1, b"t", ROOT_USER)
-            fh, _ = await vfs.create(t.inode_id, b"v", 0o644, O_RDWR, ROOT_USER)
+            fh, v = await vfs.create(t.inode_id, b"v", 0o644, O_RDWR, ROOT_USER)
             await vfs.write(fh, 0, b"before")
             await vfs.flush(fh)
+            await vfs.write(fh, 6, b" and unsent")  # buffered in the handle when the lease lapses
             await env.lapse()
+            # Another handle of the mount on the same file neither waits on the lapsed one nor sees its bytes.
+            reader, _ = await vfs.open(v.inode_id, O_RDONLY, ROOT_USER)
+            assert await vfs.read(reader, 0, 100) == b"before"
+            assert (await vfs.getattr(v.inode_id, ROOT_USER)).size == 6
+            await vfs.release(reader)
             for call in (vfs.read(fh, 0, 6), vfs.write(fh, 6, b"after"), vfs.flush(fh), vfs.release(fh)):
                 with pytest.raises(OSError) as err:
                     await call

@@ -123,6 +123,11 @@ class AsyncFile:
             self._length = size
 
     @property
+    def stale(self) -> bool:
+        """Whether the client's lease lapsed since this handle opened (every call on it fails)."""
+        return self._client_id != self.fs.meta.client_id
+
+    @property
     def has_unflushed(self) -> bool:
         return bool(self._buf or self._inflight)
 
@@ -155,7 +160,7 @@ class AsyncFile:
         self._check_stale()
 
     def _check_stale(self) -> None:
-        if self._client_id != self.fs.meta.client_id:
+        if self.stale:
             raise StaleClient(f"{self.name}: the client's lease lapsed while the file was open: its handle is gone")
 
     async def _fence(self) -> None:
@@ -469,7 +474,7 @@ class AsyncFile:
         self._cancel_readahead()
         if self._hint_task is not None and not self._hint_task.done():
             self._hint_task.cancel()
-        if self._client_id != self.fs.meta.client_id:
+        if self.stale:
             # Meta closed the session when the lease lapsed; writes since may not be in the length.
             error = error if isinstance(error, StaleClient) else StaleClient(
                 f"{self.name}: the client's lease lapsed while the file was open: its session was closed")
