@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fs3.client.admin import AdminClient
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.common.clock import Clock
 from fs3.common.metrics import ServiceMetrics
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
@@ -55,6 +57,9 @@ class InProcessCluster:
     meta_faults: TxnFaults | None = None
     meta_config: MetaServiceConfig = field(default_factory=lambda: MetaServiceConfig(
         root_mode=0o777, client_lease_ms=30_000, prune_interval_ms=200, gc_interval_ms=100))
+    # Meta's clocks (None: the real ones): a monotonic clock for leases, a wall clock for inode times.
+    meta_clock: Clock | None = None
+    meta_wall_ns: Callable[[], int] | None = None
     meta: MetaService | None = None
     meta_kv: MemKVStore | None = None
     _meta_tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -109,7 +114,8 @@ class InProcessCluster:
         routing = RoutingCache([self.mgmtd_address], channels)
         await routing.refresh()
         storage = StorageClient(routing, channels, os.urandom(16), StorageClientConfig(rpc_timeout_ms=2_000))
-        self.meta = MetaService(engine, routing, storage, self.meta_config)
+        self.meta = MetaService(engine, routing, storage, self.meta_config, clock=self.meta_clock,
+                                **({"wall_ns": self.meta_wall_ns} if self.meta_wall_ns else {}))
         dispatcher = Dispatcher(token=self.token, metrics=ServiceMetrics("meta"))
         dispatcher.add_service(service_spec("Meta"), self.meta)
         runtime = ServiceRuntime("meta", dispatcher, dispatcher.metrics)  # type: ignore[arg-type]

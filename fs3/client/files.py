@@ -6,11 +6,19 @@ chain head in the background with a bounded number in flight (so memory per open
 bounded); errors surface at the next write, ``flush``, ``fsync`` or ``close``. Reads fan out over
 the chunks they cover in parallel; sequential small reads grow a read-ahead window. Holes and
 short chunks read as zeros up to the file's length.
+
+A handle belongs to a session on meta, which lives as long as the client's lease. Once meta has
+expired the lease, it closes the session: an unlinked file's chunks may be collected (reads would
+see zeros) and the length is set without later writes. So every read and write must finish while
+the lease surely holds (:meth:`MetaClient.lease_current`, free while renewals are on time; past
+it the client renews first); a handle of a lapsed lease fails every call with ESTALE
+(:class:`~fs3.common.errors.StaleClient`) instead of returning zeros or dropping writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -19,8 +27,9 @@ from typing import TYPE_CHECKING
 from fs3 import meta_pb2 as mpb
 from fs3.client.oserrors import os_errors
 from fs3.common.buffers import Buffer
-from fs3.common.errors import BadHandle, FileTooLarge, FS3Error, InvalidArgument
+from fs3.common.errors import BadHandle, FileTooLarge, FS3Error, InvalidArgument, StaleClient
 from fs3.meta.layout import chunk_location, max_file_size
+from fs3.meta.schema import CLIENT_ID_BYTES
 
 if TYPE_CHECKING:
     from fs3.client.fs import AsyncFileSystem
@@ -42,6 +51,8 @@ class AsyncFile:
         self.name = path
         self.inode = rsp.inode
         self.session_id = rsp.session_id
+        # A session id starts with the id of the client that opened it (see fs3.meta.schema).
+        self._client_id = rsp.session_id[:CLIENT_ID_BYTES] if rsp.session_id else fs.meta.client_id
         self.readable = readable
         self.writable = writable
         self.append = append
@@ -112,6 +123,11 @@ class AsyncFile:
             self._length = size
 
     @property
+    def stale(self) -> bool:
+        """Whether the client's lease lapsed since this handle opened (every call on it fails)."""
+        return self._client_id != self.fs.meta.client_id
+
+    @property
     def has_unflushed(self) -> bool:
         return bool(self._buf or self._inflight)
 
@@ -126,13 +142,14 @@ class AsyncFile:
         Returns the inode as meta has it after the change (None when there was nothing to publish).
         """
         with os_errors(self.name):
+            await self._fence()
             if self._wrote and self.session_id and self._writes != self._published_writes:
                 # Taken before the flush: every write below it is acknowledged once the flush returns.
                 writes, end = self._writes, self._written_end
                 await self._flush()
-                rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
+                rsp = await self._call_meta("Sync", mpb.SyncReq(
                     inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=end,
-                    wrote=True, acked=True), mpb.InodeRsp)
+                    wrote=True, acked=True))
                 self._published_writes = writes
                 return rsp.inode
             return None
@@ -140,6 +157,35 @@ class AsyncFile:
     def _check_open(self) -> None:
         if self.closed:
             raise BadHandle("I/O on a closed file")
+        self._check_stale()
+
+    def _check_stale(self) -> None:
+        if self.stale:
+            raise StaleClient(f"{self.name}: the client's lease lapsed while the file was open: its handle is gone")
+
+    async def _fence(self) -> None:
+        """Fail with ``StaleClient`` unless meta surely still holds this handle's session.
+
+        Called when a read or write starts (every call on a lapsed handle fails), before each
+        chunk write is sent and after it is acknowledged (a write acknowledged after the session
+        closed is not in the length meta set then), and after a chunk read that came back short
+        (zeros are the file's only while the session holds its chunks). Free while the lease
+        renews on time; past that, a renewal answers it (meta must be reachable).
+        """
+        meta = self.fs.meta
+        if not meta.lease_current():
+            with contextlib.suppress(StaleClient):  # the client has a new id: the check below fails
+                await meta.ensure_lease()
+        self._check_stale()
+
+    async def _call_meta(self, name: str, req: mpb.SyncReq | mpb.SetAttrReq | mpb.CloseReq) -> mpb.InodeRsp:
+        """A meta call about this handle's session: a lapsed session answers ESTALE, not EBADF."""
+        self._check_stale()
+        try:
+            return await self.fs.meta.call(name, req, mpb.InodeRsp)
+        except (BadHandle, StaleClient):
+            self._check_stale()
+            raise
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
@@ -170,6 +216,7 @@ class AsyncFile:
         self._check_open()
         if not self.writable:
             raise BadHandle("file not open for writing")
+        await self._fence()
         self._raise_background_error()
         view = memoryview(data).cast("B")
         total = len(view)
@@ -213,7 +260,9 @@ class AsyncFile:
         try:
             index = offset // self.chunk_size
             chain_id, cid = chunk_location(self.layout, self.inode.inode_id, index)
+            await self._fence()
             await self.fs.storage.write(chain_id, cid, offset % self.chunk_size, data, self.chunk_size)
+            await self._fence()  # acknowledged after the session closed: not in the length meta set
         except BaseException as exc:  # kept for the caller's next call
             if self._error is None:
                 self._error = exc
@@ -253,9 +302,9 @@ class AsyncFile:
         self._check_open()
         writes, end = self._writes, self._written_end
         await self._flush()
-        rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
+        rsp = await self._call_meta("Sync", mpb.SyncReq(
             inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=end,
-            wrote=self._wrote, acked=True), mpb.InodeRsp)
+            wrote=self._wrote, acked=True))
         self._published_writes = writes
         self._length = max(self._length, rsp.inode.size) if self._wrote else rsp.inode.size
 
@@ -271,9 +320,9 @@ class AsyncFile:
         if size < 0:
             raise InvalidArgument("negative size")
         await self._flush()
-        await self.fs.meta.call("SetAttr", mpb.SetAttrReq(
+        await self._call_meta("SetAttr", mpb.SetAttrReq(
             target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_SIZE, size=size,
-            session_id=self.session_id), mpb.InodeRsp)
+            session_id=self.session_id))
         self._length = size
         self._written_end = min(self._written_end, size)
         self._invalidate_readahead()
@@ -300,7 +349,12 @@ class AsyncFile:
         async with self._slots:
             chain_id, cid = chunk_location(self.layout, self.inode.inode_id, offset // chunk_size)
             data, _ = await self.fs.storage.read(chain_id, cid, offset % chunk_size, length)
-        return data if len(data) == length else data + bytes(length - len(data))
+        if len(data) == length:
+            return data  # bytes of this file: valid whenever read (a collected chunk has none)
+        # A hole, or a chunk meta collected once this handle's session was closed: zeros are
+        # right only if the session was still open when storage answered.
+        await self._fence()
+        return data + bytes(length - len(data))
 
     def _top_up(self, start: int, want_end: int) -> None:
         """Keep pieces in flight from ``start`` to the read-ahead window (and at least ``want_end``)."""
@@ -348,6 +402,7 @@ class AsyncFile:
                 raise InvalidArgument("negative offset")
             if not readahead:
                 self._check_open()
+                await self._fence()
                 end = min(offset + size, self._length)
                 return await self._read_range(offset, end - offset) if end > offset else b""
             return await self._read_at(offset, size)
@@ -363,6 +418,7 @@ class AsyncFile:
         self._check_open()
         if not self.readable:
             raise BadHandle("file not open for reading")
+        await self._fence()
         if self._buf or self._inflight:
             await self._flush()
         end = min(start + size, self._length)
@@ -418,10 +474,14 @@ class AsyncFile:
         self._cancel_readahead()
         if self._hint_task is not None and not self._hint_task.done():
             self._hint_task.cancel()
-        if self.session_id:
-            await self.fs.meta.call("Close", mpb.CloseReq(
+        if self.stale:
+            # Meta closed the session when the lease lapsed; writes since may not be in the length.
+            error = error if isinstance(error, StaleClient) else StaleClient(
+                f"{self.name}: the client's lease lapsed while the file was open: its session was closed")
+        elif self.session_id:
+            await self._call_meta("Close", mpb.CloseReq(
                 inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
-                wrote=self._wrote and self._writes != self._published_writes, acked=acked), mpb.InodeRsp)
+                wrote=self._wrote and self._writes != self._published_writes, acked=acked))
         if error is not None:
             raise error
 

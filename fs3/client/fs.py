@@ -20,6 +20,7 @@ from fs3.client.meta_client import MetaClient
 from fs3.client.oserrors import os_errors
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.common.clock import Clock
 from fs3.common.errors import InvalidArgument
 from fs3.meta.ops import O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.rpc.channel import RealChannelFactory, Transport
@@ -122,7 +123,9 @@ class DirEntry:
 class AsyncFileSystem:
     """A connection to one fs3 cluster (routing, meta and storage clients) for asyncio code."""
 
-    def __init__(self, mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None) -> None:
+    def __init__(self, mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,
+                 clock: Clock | None = None) -> None:
+        """``clock`` (monotonic; the event loop's by default) times retries and the lease."""
         self.config = config or ClientConfig()
         addresses = [mgmtd] if isinstance(mgmtd, str) else list(mgmtd)
         self.client_id = os.urandom(16)
@@ -130,7 +133,7 @@ class AsyncFileSystem:
         self.routing = RoutingCache(addresses, self.channels, self.config.rpc_timeout_ms)
         self.storage = StorageClient(self.routing, self.channels, self.client_id, self.config.storage)
         self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,
-                               self.config.rpc_timeout_ms, self.config.retry_total_ms)
+                               self.config.rpc_timeout_ms, self.config.retry_total_ms, clock)
         if self.config.umask is None:
             current = os.umask(0)
             os.umask(current)

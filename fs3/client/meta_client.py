@@ -4,6 +4,13 @@ Every mutating request gets a fresh ``request_id`` and keeps it across retries, 
 a lost reply (or a meta server restart) returns the original answer instead of applying the
 operation twice. The lease renewal tells meta the lowest request id still in flight, below which
 it may forget answers.
+
+The lease: meta closes the sessions of a client that stops renewing and refuses its id from then
+on (``StaleClient``). The client then takes a new id and registers afresh, so new opens work after
+a long network blip; handles opened under the old id are stale (``fs3.client.files``). Between
+renewals the client knows how long meta cannot have expired it yet (:meth:`MetaClient.lease_current`):
+file I/O that finishes inside that window ran while its session was open. A retry is never sent
+later than meta remembers answers (meta's ``retry_limit_ms``).
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.common.clock import Clock, LoopClock
-from fs3.common.errors import FS3Error, StatusCode, Unavailable
+from fs3.common.errors import FS3Error, StaleClient, StatusCode, Unavailable
 from fs3.rpc.channel import ChannelFactory
-from fs3.rpc.methods import service_spec
+from fs3.rpc.methods import MethodSpec, service_spec
 
 __all__ = ["MetaClient"]
 
@@ -34,6 +41,14 @@ _META = service_spec("Meta")
 # Transport failures: the request may or may not have run; a retry with the same id is safe.
 _RETRY_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.TXN_CONFLICT,
                           StatusCode.RESOURCE_EXHAUSTED, StatusCode.MAYBE_COMMITTED})
+# The codes among them after which the request may have run (the others say it did not).
+_OUTCOME_UNKNOWN_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.MAYBE_COMMITTED})
+# Meta expires a lease no sooner than lease_ms after it received the renewal, timed on its own
+# monotonic clock; the client trusts it for less than that from when it sent the renewal, leaving
+# room for the two clocks' rates to differ.
+_LEASE_TRUSTED_FRACTION = 0.75
+# A request refused as from a lapsed client is sent under a new id this many times at most.
+_RESENDS_MAX = 2
 
 
 class MetaClient:
@@ -51,7 +66,12 @@ class MetaClient:
         self._in_flight: set[int] = set()
         self._preferred = 0
         self._lease_task: asyncio.Task[None] | None = None
+        self._renewing: asyncio.Future[None] | None = None
         self.lease_ms = 30_000
+        self.retry_limit_ms = 0          # meta's bound on one request's retries (0: not told yet)
+        self._renewals = 0               # the lease's renewal count as meta last answered (0: unregistered)
+        self._lease_valid_until_ms = 0   # on self.clock: until then meta cannot have expired the lease
+        self.registrations = 1           # client ids this client has used (a lapsed lease takes a new one)
 
     def ctx(self, user: mpb.User | None = None) -> tuple[mpb.ReqCtx, int]:
         request_id = self._next_request
@@ -66,56 +86,154 @@ class MetaClient:
         nodes.sort(key=lambda n: (not n.alive, n.node_id))
         return [self.channels.node_address(n.framed_address, n.grpc_address) for n in nodes]
 
+    def _retry_budget_ms(self) -> int:
+        """The client's own budget, cut to meta's limit: a retry must reach meta while it still
+        remembers the answer (or refuses the id), never after."""
+        if self.retry_limit_ms:
+            return min(self.retry_total_ms, self.retry_limit_ms)
+        return self.retry_total_ms
+
     async def call(self, name: str, req: Message, rsp_type: type[M], user: mpb.User | None = None) -> M:
         """Call a Meta method; the request's ``ctx`` (if any) is filled in and kept across retries.
 
         ``user`` overrides the client's identity for this call (the FUSE daemon acts for each caller).
+        A request that meta refused because this client's lease lapsed, and that cannot have run
+        (no earlier attempt of it went unanswered), is sent again under the client's new id; one
+        that may have run fails with ``StaleClient``: running it again could apply it twice. So
+        does one on an open file's session (the session died with the lease).
         """
         method = _META.method(name)
-        request_id = 0
-        if "ctx" in req.DESCRIPTOR.fields_by_name:
-            ctx, request_id = self.ctx(user)
-            req.ctx.CopyFrom(ctx)  # type: ignore[attr-defined]
-            self._in_flight.add(request_id)
-        deadline_ms = self.clock.now_ms() + self.retry_total_ms
+        with_ctx = "ctx" in req.DESCRIPTOR.fields_by_name
+        if with_ctx:
+            await self._registered()
+        # A request on an open file's session belongs to the id that opened it: never moved to a new id.
+        on_session = bool(getattr(req, "session_id", b""))
+        for resend in range(_RESENDS_MAX + 1):
+            request_id = 0
+            client_id = self.client_id
+            if with_ctx:
+                ctx, request_id = self.ctx(user)
+                req.ctx.CopyFrom(ctx)  # type: ignore[attr-defined]
+                self._in_flight.add(request_id)
+            outcome_unknown = [False]
+            try:
+                return await self._attempts(name, method, req, rsp_type, outcome_unknown)
+            except StaleClient:
+                if not with_ctx:
+                    raise
+                self._lapsed(client_id)
+                if outcome_unknown[0] or on_session or resend == _RESENDS_MAX:
+                    raise
+                log.info("meta %s: sent again under this client's new id", name)
+                await self._registered()
+            finally:
+                self._in_flight.discard(request_id)
+        raise AssertionError("unreachable: the last resend raises")
+
+    async def _attempts(self, name: str, method: MethodSpec, req: Message, rsp_type: type[M],
+                        outcome_unknown: list[bool]) -> M:
+        """Send ``req`` until it is answered or the retry budget is spent (checked before every
+        resend: a client that was frozen mid-retry must not send it late)."""
+        deadline_ms = self.clock.now_ms() + self._retry_budget_ms()
         attempt = 0
-        try:
-            while True:
-                addresses = self._meta_addresses()
-                if not addresses:
-                    with contextlib.suppress(FS3Error):
-                        await self.routing.refresh()
-                    addresses = self._meta_addresses()
-                error: FS3Error = Unavailable("no meta server in the routing information")
-                if addresses:
-                    address = addresses[self._preferred % len(addresses)]
-                    try:
-                        rsp, _ = await self.channels.get(address).call(method, req, timeout_ms=self.rpc_timeout_ms)
-                        assert isinstance(rsp, rsp_type)
-                        return rsp
-                    except FS3Error as exc:
-                        if exc.code not in _RETRY_CODES:
-                            raise
-                        error = exc
-                        self._preferred += 1
-                attempt += 1
-                if self.clock.now_ms() >= deadline_ms:
-                    raise Unavailable(f"meta {name} gave up: {error}")
-                log.debug("meta %s retry %d: %s", name, attempt, error)
+        error: FS3Error = Unavailable("no meta server in the routing information")
+        while True:
+            if attempt and self.clock.now_ms() >= deadline_ms:
+                raise Unavailable(f"meta {name} gave up: {error}")
+            addresses = self._meta_addresses()
+            if not addresses:
                 with contextlib.suppress(FS3Error):
                     await self.routing.refresh()
-                await asyncio.sleep(min(0.05 * attempt, 1.0))
-        finally:
-            self._in_flight.discard(request_id)
+                addresses = self._meta_addresses()
+            error = Unavailable("no meta server in the routing information")
+            if addresses:
+                address = addresses[self._preferred % len(addresses)]
+                try:
+                    rsp, _ = await self.channels.get(address).call(method, req, timeout_ms=self.rpc_timeout_ms)
+                    assert isinstance(rsp, rsp_type)
+                    return rsp
+                except FS3Error as exc:
+                    if exc.code not in _RETRY_CODES:
+                        raise
+                    error = exc
+                    outcome_unknown[0] = outcome_unknown[0] or exc.code in _OUTCOME_UNKNOWN_CODES
+                    self._preferred += 1
+            attempt += 1
+            if self.clock.now_ms() >= deadline_ms:
+                raise Unavailable(f"meta {name} gave up: {error}")
+            log.debug("meta %s retry %d: %s", name, attempt, error)
+            with contextlib.suppress(FS3Error):
+                await self.routing.refresh()
+            await asyncio.sleep(min(0.05 * attempt, 1.0))
 
     # -- lease -----------------------------------------------------------------------------------
 
+    def lease_current(self) -> bool:
+        """Whether meta surely still holds this client's lease (and so every session it opened)."""
+        return self.clock.now_ms() < self._lease_valid_until_ms
+
+    async def _registered(self) -> None:
+        """Before a request: a client whose last renewal is too old renews first, so that a client
+        that was frozen past its lease learns that it lapsed (and registers a new id) before it
+        sends anything under the old id, which meta may have forgotten by then."""
+        if self.lease_current():
+            return
+        try:
+            await self.renew()
+        except StaleClient:
+            await self.renew()  # registers the new id
+
+    async def ensure_lease(self) -> None:
+        """Return once meta surely holds the lease, renewing now if the last renewal is too old to
+        tell. Raises ``StaleClient`` if it lapsed: the client then has a new id, not yet registered."""
+        if not self.lease_current():
+            await self.renew()
+
     async def renew(self) -> None:
+        """Renew the lease (registering the client id if new); concurrent callers share one renewal."""
+        if self._renewing is None:
+            future = asyncio.ensure_future(self._renew_once())
+            self._renewing = future
+
+            def done(f: asyncio.Future[None]) -> None:
+                self._renewing = None
+                if not f.cancelled():
+                    f.exception()  # retrieved: a renewal nobody waits for any more must not warn
+
+            future.add_done_callback(done)
+        await asyncio.shield(self._renewing)
+
+    async def _renew_once(self) -> None:
+        client_id = self.client_id
+        sent_ms = self.clock.now_ms()
         completed_below = min(self._in_flight) if self._in_flight else self._next_request
-        rsp = await self.call("RenewClient", mpb.RenewClientReq(
-            client_id=self.client_id, hostname=socket.gethostname(), pid=os.getpid(),
-            completed_below=completed_below), mpb.RenewClientRsp)
+        try:
+            rsp = await self.call("RenewClient", mpb.RenewClientReq(
+                client_id=client_id, hostname=socket.gethostname(), pid=os.getpid(),
+                completed_below=completed_below, renewals=self._renewals), mpb.RenewClientRsp)
+        except StaleClient:
+            self._lapsed(client_id)
+            raise
+        if client_id != self.client_id:
+            return  # the id was replaced meanwhile: this renewal says nothing about the new one
         self.lease_ms = rsp.lease_ms or self.lease_ms
+        self.retry_limit_ms = rsp.retry_limit_ms or self.retry_limit_ms
+        self._renewals = rsp.renewals
+        self._lease_valid_until_ms = max(self._lease_valid_until_ms,
+                                         sent_ms + int(self.lease_ms * _LEASE_TRUSTED_FRACTION))
+
+    def _lapsed(self, client_id: bytes) -> None:
+        """Meta refused ``client_id``: its lease lapsed. Take a new id (registered by the next
+        renewal); sessions opened under the old one are gone, and their handles stale."""
+        if client_id != self.client_id:
+            return  # already replaced
+        log.warning("fs3 client %s: meta expired its lease; registering afresh", client_id.hex())
+        self.client_id = os.urandom(len(client_id))
+        self.registrations += 1
+        # Request ids keep counting, so an old request's id never names a new one.
+        self._in_flight = set()
+        self._renewals = 0
+        self._lease_valid_until_ms = 0
 
     def start_lease(self) -> None:
         if self._lease_task is None:
@@ -125,6 +243,9 @@ class MetaClient:
         while True:
             try:
                 await self.renew()
+            except StaleClient:
+                await asyncio.sleep(0.1)  # then register the new id
+                continue
             except FS3Error as exc:
                 log.warning("fs3 client lease renewal failed: %s", exc)
             await asyncio.sleep(max(self.lease_ms / 3, 100) / 1000)

@@ -41,6 +41,7 @@ __all__ = [
     "NotSupported",
     "PermissionDenied",
     "ProtocolError",
+    "StaleClient",
     "StaleUpdate",
     "StatusCode",
     "SymlinkLoop",
@@ -95,6 +96,7 @@ class StatusCode(enum.IntEnum):
     TOO_MANY_LINKS = 34
     FILE_TOO_LARGE = 35
     XATTR_TOO_LARGE = 36
+    STALE_CLIENT = 37
 
 
 # Codes after which the same request may succeed if sent again (possibly after a routing refresh).
@@ -285,6 +287,16 @@ class XattrTooLarge(FS3Error):
     code = StatusCode.XATTR_TOO_LARGE
 
 
+class StaleClient(FS3Error):
+    """The client's meta lease lapsed: meta closed its sessions and refuses its id from then on.
+
+    Never retried under the same id (a retry could run a request twice); the client registers
+    afresh, and handles opened under the old id fail with ESTALE.
+    """
+
+    code = StatusCode.STALE_CLIENT
+
+
 # What a POSIX caller sees. Codes not listed are EIO: the operation failed inside fs3.
 ERRNO_BY_CODE: dict[StatusCode, int] = {
     StatusCode.INVALID_ARGUMENT: _errno.EINVAL,
@@ -308,6 +320,7 @@ ERRNO_BY_CODE: dict[StatusCode, int] = {
     StatusCode.TOO_MANY_LINKS: _errno.EMLINK,
     StatusCode.FILE_TOO_LARGE: _errno.EFBIG,
     StatusCode.XATTR_TOO_LARGE: _errno.E2BIG,
+    StatusCode.STALE_CLIENT: _errno.ESTALE,
 }
 
 

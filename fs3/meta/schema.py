@@ -10,7 +10,8 @@ key                                                    value
 ``XATR`` + inode_id(8) + name                          the attribute's value (raw bytes)
 ``SESS`` + inode_id(8) + session_id(24)                :class:`Session`: an open handle
 ``CSES`` + client_id(16) + inode_id(8) + session_id    empty: the sessions of one client
-``CLNT`` + client_id(16)                               :class:`ClientLease`: last renewal
+``CLNT`` + client_id(16)                               :class:`ClientLease`: renewal count
+``CEXP`` + client_id(16)                               :class:`ExpiredClient`: a lapsed client id
 ``GCQ_`` + inode_id(8)                                 :class:`GcJob`: chunks to remove
 ``TRNC`` + inode_id(8)                                 :class:`GcJob`: a truncate in progress
 ``IDEM`` + client_id(16) + request_id(8)               :class:`IdemRecord`: a committed answer
@@ -35,6 +36,7 @@ __all__ = [
     "ROOT_INODE",
     "SESSION_ID_BYTES",
     "ClientLease",
+    "ExpiredClient",
     "GcJob",
     "IdemRecord",
     "Session",
@@ -45,6 +47,8 @@ __all__ = [
     "counter_key",
     "dentry_key",
     "dentry_prefix",
+    "expired_client_key",
+    "expired_client_prefix",
     "gc_key",
     "gc_prefix",
     "idem_key",
@@ -75,6 +79,7 @@ XATTR = b"XATR"
 SESSION = b"SESS"
 CLIENT_SESSION = b"CSES"
 CLIENT = b"CLNT"
+EXPIRED_CLIENT = b"CEXP"
 GC = b"GCQ_"
 TRUNCATE = b"TRNC"
 IDEM = b"IDEM"
@@ -167,6 +172,15 @@ def client_prefix() -> bytes:
     return CLIENT
 
 
+def expired_client_key(client_id: bytes) -> bytes:
+    _check_client(client_id)
+    return EXPIRED_CLIENT + client_id
+
+
+def expired_client_prefix() -> bytes:
+    return EXPIRED_CLIENT
+
+
 def gc_key(inode_id: int) -> bytes:
     return GC + _u64(inode_id)
 
@@ -235,17 +249,48 @@ class Session:
 
 @dataclass(frozen=True)
 class ClientLease:
-    renewed_ms: int
+    """A client's lease: how many times it was renewed, and who holds it (for operators).
+
+    No time is stored: each meta server times a lease on its own monotonic clock, from the moment
+    it saw ``renewals`` change (see ``MetaService.prune_clients_once``), so a wall-clock step
+    cannot expire it and servers need not agree on the time. (Records written when the first
+    field was a wall time decode as a count; only its changes matter.)
+    """
+
+    renewals: int
     hostname: str
     pid: int
 
     def encode(self) -> bytes:
-        return _u64(self.renewed_ms) + struct.pack(">I", self.pid) + self.hostname.encode()[:255]
+        return _u64(self.renewals) + struct.pack(">I", self.pid) + self.hostname.encode()[:255]
 
     @classmethod
     def decode(cls, raw: bytes) -> ClientLease:
         return cls(int(_U64.unpack_from(raw)[0]), raw[12:].decode(errors="replace"),
                    int(struct.unpack_from(">I", raw, 8)[0]))
+
+
+@dataclass(frozen=True)
+class ExpiredClient:
+    """A client whose lease lapsed: meta refuses its renewals and requests from then on.
+
+    ``cleaned`` once its sessions are closed and its saved answers dropped. The record outlives
+    every retry the client may still send (clients retry for at most half its time to live), so a
+    request that already ran can never run again once its answer is gone.
+    """
+
+    expired_wall_ms: int   # for operators only; nothing is timed by it
+    cleaned: bool = False
+
+    _FMT = struct.Struct(">Q?")
+
+    def encode(self) -> bytes:
+        return self._FMT.pack(self.expired_wall_ms, self.cleaned)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ExpiredClient:
+        wall_ms, cleaned = cls._FMT.unpack_from(raw)
+        return cls(int(wall_ms), bool(cleaned))
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class MetaConfig:
     root_gid: int = -1
     root_mode: int = 0o755
     client_lease_ms: int = 30_000
+    expired_client_ttl_ms: int = 600_000   # a lapsed client's id stays refused; clients retry for half of it
     prune_interval_ms: int = 5_000
     gc_interval_ms: int = 2_000
     log_level: str = "INFO"
@@ -75,6 +76,9 @@ class MetaConfig:
             raise InvalidArgument("stripe_default must be within [1, 256]")
         if self.client_lease_ms < 1_000:
             raise InvalidArgument("client_lease_ms must be at least 1000")
+        if self.expired_client_ttl_ms < 2 * self.client_lease_ms:
+            raise InvalidArgument("expired_client_ttl_ms must be at least twice client_lease_ms "
+                                  "(clients retry a request for up to half of it)")
         if not 0 <= self.root_mode <= 0o7777:
             raise InvalidArgument("root_mode must be a permission mode (0..0o7777)")
 
@@ -106,6 +110,7 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
         root_uid=os.getuid() if config.root_uid < 0 else config.root_uid,
         root_gid=os.getgid() if config.root_gid < 0 else config.root_gid,
         root_mode=config.root_mode, client_lease_ms=config.client_lease_ms,
+        expired_client_ttl_ms=config.expired_client_ttl_ms,
         prune_interval_ms=config.prune_interval_ms, gc_interval_ms=config.gc_interval_ms))
     dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
     dispatcher.add_service(service_spec("Meta"), service)

@@ -9,7 +9,9 @@ for an answer committed under that pair and returns it; otherwise it runs the op
 commits the answer with it, atomically. So a retry after an ambiguous commit — the engine's
 "maybe committed", or a reply lost with a crashed meta server — returns the original answer.
 Records are dropped once the client reports the request complete (its lease renewal carries the
-lowest request id still in flight) or when its lease expires.
+lowest request id still in flight) or when its lease expires; from then on meta refuses that
+client id (:class:`~fs3.common.errors.StaleClient`) for longer than any client retries, so a retry
+whose answer is gone is refused instead of run a second time.
 
 Side effects, all crash-safe because they are driven by durable records:
 
@@ -20,16 +22,20 @@ Side effects, all crash-safe because they are driven by durable records:
 * file length: ``close`` and ``fsync`` of a written file ask storage for the chunks at the
   end of the file, so the length is exact even for writers that never sent a hint;
 * dead clients: a client that stops renewing its lease has its sessions closed by the pruner.
+  Leases are timed on this server's monotonic clock from when it saw a lease's renewal count
+  change, never by comparing stored wall times: a clock step expires nobody, and several servers
+  sharing the leases each time them on their own clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -38,7 +44,8 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
-from fs3.common.errors import FS3Error, InvalidArgument, NotFound
+from fs3.common.clock import Clock, LoopClock
+from fs3.common.errors import FS3Error, InvalidArgument, NotFound, StaleClient
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
@@ -54,6 +61,7 @@ T = TypeVar("T")
 _EMPTY = b""
 _LENGTH_PROBE_ATTEMPTS = 5
 _REMOVE_PARALLEL = 16
+_PRUNE_PAGE = 1000   # leases, expired clients, sessions or saved answers read (or deleted) per transaction
 
 
 @dataclass
@@ -65,10 +73,27 @@ class MetaServiceConfig:
     root_gid: int = 0
     root_mode: int = 0o755
     client_lease_ms: int = 30_000
+    # How long meta refuses the id of a client whose lease lapsed. Clients retry one request for at
+    # most half of it (each renewal tells them), so no retry can arrive after the refusal ends.
+    expired_client_ttl_ms: int = 600_000
     prune_interval_ms: int = 5_000
     gc_interval_ms: int = 2_000
     inode_batch: int = 1024
     txn_retry_max: int = 20
+
+    def validate(self) -> None:
+        if self.client_lease_ms < 1:
+            raise InvalidArgument("client_lease_ms must be positive")
+        # A client must be able to retry at least as long as a lease lasts (a meta failover, a
+        # network blip); its retries are bounded by half the time an expired id stays refused.
+        if self.expired_client_ttl_ms < 2 * self.client_lease_ms:
+            raise InvalidArgument("expired_client_ttl_ms must be at least twice client_lease_ms")
+
+    @property
+    def client_retry_limit_ms(self) -> int:
+        """The longest a client may retry one request: meta forgets a lapsed client's answers, and
+        stops refusing its id, only after twice this."""
+        return self.expired_client_ttl_ms // 2
 
 
 class InodeAllocator:
@@ -107,17 +132,25 @@ class MetaService:
     """Handlers for every ``fs3.Meta`` method plus the background loops (GC, pruning, routing)."""
 
     def __init__(self, engine: TxnEngine, routing: RoutingCache, storage: StorageClient,
-                 config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns) -> None:
+                 config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
+                 clock: Clock | None = None) -> None:
+        """``wall_ns`` stamps inode times; ``clock`` (monotonic) times client leases."""
         self.engine = engine
         self.routing = routing
         self.storage = storage
         self.config = config or MetaServiceConfig()
+        self.config.validate()
         self.wall_ns = wall_ns
+        self.clock: Clock = clock or LoopClock()
+        # client id -> (renewal count, when this server first saw that count, on self.clock): a
+        # lease expires once its count has not changed for client_lease_ms of this server's time.
+        self._leases_seen: dict[bytes, tuple[int, int]] = {}
+        # expired client id -> when this server first saw it cleaned up (its refusal's time to live).
+        self._expired_seen: dict[bytes, int] = {}
         self.allocator = InodeAllocator(engine, self.config.inode_batch)
         self._tasks: list[asyncio.Task[None]] = []
         self._gc_wakeup = asyncio.Event()
         self._truncate_locks: dict[int, asyncio.Lock] = {}
-        self._started_ms = 0
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
         self.gc_removed_chunks = 0
@@ -128,7 +161,6 @@ class MetaService:
         return self.wall_ns() // 1_000_000
 
     async def start(self, background: bool = True) -> None:
-        self._started_ms = self._now_ms()
         layout = mpb.Layout(table_id=self.config.chain_table_id, chunk_size=self.config.chunk_size_bytes)
         validate_dir_layout(layout)
 
@@ -185,6 +217,7 @@ class MetaService:
             raw = await txn.get(key)
             if raw is not None:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
+            await _refuse_expired(txn, ctx.client_id)
             rsp = await fn(Namespace(txn, env))
             txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
             return rsp
@@ -352,20 +385,33 @@ class MetaService:
         return rsp, _EMPTY
 
     async def renew_client(self, req: mpb.RenewClientReq, payload: memoryview) -> tuple[mpb.RenewClientRsp, Buffer]:
-        lease = schema.ClientLease(self._now_ms(), req.hostname, req.pid)
+        """Count one more renewal of the client's lease (its first one registers the client).
+
+        A client whose lease lapsed is refused (:class:`StaleClient`), in the same transaction
+        that would renew it: the pruner's expiry re-reads the count it judged stale, so a renewal
+        and an expiry never both succeed. A client that says it renewed before (``renewals``)
+        but has no lease any more lapsed too, even once meta no longer remembers it.
+        """
         key = schema.client_key(req.client_id)
 
-        async def renew(txn: Transaction) -> None:
-            txn.put(key, lease.encode())
+        async def renew(txn: Transaction) -> int:
+            await _refuse_expired(txn, req.client_id)
+            raw = await txn.get(key)
+            if raw is None and req.renewals:
+                raise StaleClient("this client's lease lapsed: register afresh")
+            renewals = 1 if raw is None else schema.ClientLease.decode(raw).renewals + 1
+            txn.put(key, schema.ClientLease(renewals, req.hostname, req.pid).encode())
             if req.completed_below > 1:
                 # Answers the client will never ask for again.
                 start = schema.idem_key(req.client_id, 0)
                 end = schema.idem_key(req.client_id, req.completed_below)
                 for done, _ in await txn.scan(start, end, limit=10_000):
                     txn.delete(done)
+            return renewals
 
-        await run_transaction(self.engine, renew)
-        return mpb.RenewClientRsp(lease_ms=self.config.client_lease_ms), _EMPTY
+        renewals = await run_transaction(self.engine, renew)
+        return mpb.RenewClientRsp(lease_ms=self.config.client_lease_ms, renewals=renewals,
+                                  retry_limit_ms=self.config.client_retry_limit_ms), _EMPTY
 
     async def fsck(self, req: mpb.FsckReq, payload: memoryview) -> tuple[mpb.FsckRsp, Buffer]:
         lister = self._list_chunks if req.check_chunks else None
@@ -492,55 +538,153 @@ class MetaService:
             except FS3Error as exc:
                 log.warning("truncate of inode %d postponed: %s", inode_id, exc)
 
+    async def _pages(self, prefix: bytes) -> AsyncIterator[list[tuple[bytes, bytes]]]:
+        """Every key under ``prefix``, a bounded page per read (each page from a fresh snapshot)."""
+        start, end = prefix, prefix_end(prefix)
+        while True:
+            rows = await self.engine.begin().scan(start, end, limit=_PRUNE_PAGE)
+            if rows:
+                yield rows
+            if len(rows) < _PRUNE_PAGE:
+                return
+            start = rows[-1][0] + b"\x00"
+
     async def prune_clients_once(self) -> int:
-        """Close every session of clients whose lease expired; returns how many clients were pruned."""
-        now_ms = self._now_ms()
-        if now_ms - self._started_ms < self.config.client_lease_ms:
-            return 0  # after a restart, give every client one lease period to renew
+        """Expire the clients whose lease lapsed, then clean up after expired clients.
+
+        A lease lapses once its renewal count has stayed the same for ``client_lease_ms`` of this
+        server's monotonic clock, counted from when this server first saw that count (read after
+        the scan that returned it, so never before the renewal it reflects). A restarted server
+        sees every count anew, which gives every client a full lease to renew. Returns how many
+        clients were expired in this round.
+        """
         prefix = schema.client_prefix()
-        pruned = 0
-        for key, raw in await self.engine.begin().scan(prefix, prefix_end(prefix), limit=1000):
-            lease = schema.ClientLease.decode(raw)
-            if now_ms - lease.renewed_ms <= self.config.client_lease_ms:
-                continue
-            client_id = key[len(prefix):]
-            try:
-                await self._expire_client(client_id, key)
-            except FS3Error as exc:
-                log.warning("pruning client %s postponed: %s", client_id.hex(), exc)
-                continue
-            pruned += 1
-        return pruned
+        expired = 0
+        seen: set[bytes] = set()
+        async for page in self._pages(prefix):
+            now_ms = self.clock.now_ms()
+            for key, raw in page:
+                client_id = key[len(prefix):]
+                seen.add(client_id)
+                renewals = schema.ClientLease.decode(raw).renewals
+                observed = self._leases_seen.get(client_id)
+                if observed is None or observed[0] != renewals:
+                    self._leases_seen[client_id] = (renewals, now_ms)
+                    continue
+                if now_ms - observed[1] <= self.config.client_lease_ms:
+                    continue
+                try:
+                    if await self._expire_lease(client_id, renewals):
+                        expired += 1
+                except FS3Error as exc:
+                    log.warning("expiring client %s postponed: %s", client_id.hex(), exc)
+        for client_id in self._leases_seen.keys() - seen:
+            del self._leases_seen[client_id]
+        await self._clean_up_expired_clients()
+        return expired
 
-    async def _expire_client(self, client_id: bytes, lease_key: bytes) -> None:
+    async def _expire_lease(self, client_id: bytes, renewals: int) -> bool:
+        """Mark the client expired if its lease still holds the count judged stale (one transaction:
+        a renewal that slipped in since the scan keeps the lease). Returns whether it expired."""
+        key = schema.client_key(client_id)
+
+        async def expire(txn: Transaction) -> bool:
+            raw = await txn.get(key)
+            if raw is None or schema.ClientLease.decode(raw).renewals != renewals:
+                return False
+            txn.delete(key)
+            txn.put(schema.expired_client_key(client_id), schema.ExpiredClient(self._now_ms()).encode())
+            return True
+
+        if not await run_transaction(self.engine, expire):
+            return False
+        self._leases_seen.pop(client_id, None)
+        log.info("client %s stopped renewing its lease: expired", client_id.hex())
+        return True
+
+    async def _clean_up_expired_clients(self) -> None:
+        """Close the sessions and drop the saved answers of expired clients; forget a cleaned-up
+        client once its refusal outlived every retry it could send. One client's failure (a
+        storage error while probing a length) leaves the others' clean-up going."""
+        prefix = schema.expired_client_prefix()
+        ttl_ms = self.config.expired_client_ttl_ms
+        seen: set[bytes] = set()
+        async for page in self._pages(prefix):
+            now_ms = self.clock.now_ms()
+            for key, raw in page:
+                client_id = key[len(prefix):]
+                seen.add(client_id)
+                try:
+                    if not schema.ExpiredClient.decode(raw).cleaned:
+                        await self._expire_client(client_id, key)
+                        continue
+                    first_ms = self._expired_seen.setdefault(client_id, now_ms)
+                    if now_ms - first_ms > ttl_ms:
+                        await run_transaction(self.engine, functools.partial(_delete_if, key=key, value=raw))
+                        del self._expired_seen[client_id]
+                except Exception:  # not only FS3Error: nothing about one client may stop the others
+                    log.exception("cleaning up after expired client %s postponed", client_id.hex())
+        for client_id in self._expired_seen.keys() - seen:
+            del self._expired_seen[client_id]
+
+    async def _expire_client(self, client_id: bytes, expired_key: bytes) -> None:
+        """Close an expired client's sessions (lengths made exact), drop its answers, mark it cleaned."""
         sessions_prefix = schema.client_sessions_prefix(client_id)
-        for key, _ in await self.engine.begin().scan(sessions_prefix, prefix_end(sessions_prefix)):
-            _, inode_id, session_id = schema.parse_client_session_key(key)
-            raw = await self.engine.begin().get(schema.session_key(inode_id, session_id))
-            wrote = raw is not None and schema.Session.decode(raw).write
-            exact, probed_from = await self._exact_length(inode_id, 0, wrote)
+        async for page in self._pages(sessions_prefix):
+            for key, _ in page:
+                _, inode_id, session_id = schema.parse_client_session_key(key)
+                await self._close_expired_session(client_id, key, inode_id, session_id)
+        start = schema.idem_key(client_id, 0)
+        end = prefix_end(start[:-8])
 
-            async def expire(txn: Transaction, inode_id: int = inode_id, session_id: bytes = session_id,
-                             key: bytes = key, exact: int | None = exact, probed_from: int | None = probed_from,
-                             wrote: bool = wrote) -> None:
+        async def forget(txn: Transaction) -> int:
+            rows = await txn.scan(start, end, limit=_PRUNE_PAGE)
+            for key, _ in rows:
+                txn.delete(key)
+            return len(rows)
+
+        while await run_transaction(self.engine, forget) == _PRUNE_PAGE:
+            pass
+
+        async def cleaned(txn: Transaction) -> None:
+            raw = await txn.get(expired_key)
+            if raw is not None:
+                txn.put(expired_key, replace(schema.ExpiredClient.decode(raw), cleaned=True).encode())
+
+        await run_transaction(self.engine, cleaned)
+        self._gc_wakeup.set()
+
+    async def _close_expired_session(self, client_id: bytes, key: bytes, inode_id: int, session_id: bytes) -> None:
+        """Close one session of an expired client, its length probed from storage.
+
+        A size that changed under the probe (another writer's close, a truncate) is probed again;
+        the last attempt keeps the size meta has rather than fail, so one busy file cannot hold
+        up the clean-up (as for a live client's close).
+        """
+        raw = await self.engine.begin().get(schema.session_key(inode_id, session_id))
+        wrote = raw is not None and schema.Session.decode(raw).write
+        for attempt in range(_LENGTH_PROBE_ATTEMPTS):
+            last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
+            exact, probed_from = (None, None) if last else await self._exact_length(inode_id, 0, wrote)
+            final = last or exact is None
+
+            async def expire(txn: Transaction, exact: int | None = exact, probed_from: int | None = probed_from,
+                             final: bool = final) -> None:
                 if await txn.get(schema.session_key(inode_id, session_id)) is None:
                     txn.delete(key)
                     return
                 ns = Namespace(txn, self._env(mpb.User()))
-                await ns.close(inode_id, session_id, 0, wrote, exact, probed_from)
+                await ns.close(inode_id, session_id, 0, wrote, exact, probed_from, final=final)
 
-            await run_transaction(self.engine, expire)
+            try:
+                await run_transaction(self.engine, expire)
+            except LengthProbeStale:
+                if last:
+                    raise  # not closed: the client stays not cleaned up, and the next round tries again
+                continue
             log.info("closed session %s of inode %d: client %s stopped renewing", session_id.hex(), inode_id,
                      client_id.hex())
-
-        async def forget(txn: Transaction) -> None:
-            txn.delete(lease_key)
-            start = schema.idem_key(client_id, 0)
-            for key, _ in await txn.scan(start, prefix_end(start[:-8]), limit=100_000):
-                txn.delete(key)
-
-        await run_transaction(self.engine, forget)
-        self._gc_wakeup.set()
+            return
 
     async def _list_chunks(self) -> list[bytes]:
         """Every chunk id stored on any chain (for fsck's orphan check)."""
@@ -593,3 +737,15 @@ class MetaService:
 
 async def _inode_rsp(inode: Awaitable[mpb.Inode]) -> mpb.InodeRsp:
     return mpb.InodeRsp(inode=await inode)
+
+
+async def _refuse_expired(txn: Transaction, client_id: bytes) -> None:
+    """Refuse a client whose lease lapsed: its sessions are (being) closed and its saved answers
+    dropped, so a request of its could be a retry of one that already ran."""
+    if await txn.get(schema.expired_client_key(client_id)) is not None:
+        raise StaleClient("this client's lease lapsed (the request may or may not have run): register afresh")
+
+
+async def _delete_if(txn: Transaction, key: bytes, value: bytes) -> None:
+    if await txn.get(key) == value:
+        txn.delete(key)

@@ -99,8 +99,13 @@ class Vfs:
         self._attr_changes += 1
         self._attrs.clear()
 
+    def _live_writers(self, inode_id: int) -> list[AsyncFile]:
+        """This mount's writers of the inode, less those whose client lease lapsed: their unsent
+        bytes are lost (every call on them fails), so nobody else may wait on them or see them."""
+        return [w for w in self._writers.get(inode_id, ()) if not w.stale]
+
     def _with_local_length(self, inode: mpb.Inode) -> mpb.Inode:
-        writers = self._writers.get(inode.inode_id)
+        writers = self._live_writers(inode.inode_id)
         if writers:
             longest = max(f.length for f in writers)
             if longest > inode.size:
@@ -164,7 +169,7 @@ class Vfs:
                     await handle.file.truncate(size)
             else:
                 # Handles this client has open for writing must not resurrect the old length.
-                for writer in list(self._writers.get(inode_id, ())):
+                for writer in self._live_writers(inode_id):
                     await writer.flush()
                 req.mask |= mpb.SET_SIZE
                 req.size = size
@@ -279,7 +284,7 @@ class Vfs:
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
         # Reads see what other handles of this mount wrote (POSIX, within one machine).
-        for writer in list(self._writers.get(handle.file.inode.inode_id, ())):
+        for writer in self._live_writers(handle.file.inode.inode_id):
             if writer is not handle.file:
                 if writer.has_unflushed:
                     await writer.flush()
