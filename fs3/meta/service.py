@@ -168,9 +168,14 @@ class MetaService:
         """A read-only operation: reads the latest committed state, commits nothing.
 
         It answers only once what it read is durable, so no client ever sees a change that a
-        crash could still take back (commits become visible before their group fsync ends).
+        crash could still take back (commits become visible before their group fsync ends) —
+        errors included: "no such file" may come from a remove whose sync is still running.
         """
-        result = await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+        try:
+            result = await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+        except Exception:
+            await self.engine.wait_durable()
+            raise
         await self.engine.wait_durable()
         return result
 
