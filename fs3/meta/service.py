@@ -39,6 +39,7 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
 from fs3.common.errors import FS3Error, InvalidArgument, NotFound
+from fs3.common.faults import CrashPoint, sabotaged
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
@@ -121,6 +122,8 @@ class MetaService:
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
         self.gc_removed_chunks = 0
+        self._reuse_answers = not sabotaged("idempotency")  # off only to prove crash tests see it
+        self._answer_crash = CrashPoint("meta-answer")  # crash tests die here: committed, not answered
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -188,13 +191,15 @@ class MetaService:
 
         async def body(txn: Transaction) -> M:
             raw = await txn.get(key)
-            if raw is not None:
+            if raw is not None and self._reuse_answers:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
             rsp = await fn(Namespace(txn, env))
             txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
             return rsp
 
-        return await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
+        rsp = await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
+        self._answer_crash.passed()
+        return rsp
 
     async def _ensure_tables(self) -> None:
         """Creating files needs the chain tables: fetch routing if the default table is not known yet."""
