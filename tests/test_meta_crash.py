@@ -1,7 +1,10 @@
-"""Crash tests with real processes: SIGKILL meta during namespace changes, a storage node during a big write.
+"""Crash tests with real processes: meta killed during namespace changes, a storage node during a big write.
 
+Each kill is a power loss too: the killed service keeps its data on CrashFS (``fs3.testing.crashfs``),
+which drops everything not synced, because a SIGKILL alone loses nothing the kernel already holds.
 Every acknowledged operation must survive, the namespace must check clean with fsck, and a file
-written through a storage-node crash must read back byte-exact.
+written through a storage-node crash must read back byte-exact. Sabotage runs (``FS3_SABOTAGE``)
+prove the meta test fails when saved answers are not reused or the store's log is not synced.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ def _content(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest() * (1 + i % 5)
 
 
-def _run_on_cluster(tmp_path: Path, body: Callable[[ProcessCluster, AsyncFileSystem], Awaitable[None]]) -> None:
-    """A 3-node, 3-replica cluster of real processes and one client with a long retry budget."""
-    cluster = ProcessCluster(tmp_path / "c", storage_nodes=3, targets_per_node=1, token="t")
+def _run_on_cluster(tmp_path: Path, body: Callable[[ProcessCluster, AsyncFileSystem], Awaitable[None]],
+                    **options: Any) -> None:
+    """A 3-node, 3-replica cluster of real processes (``options`` for ProcessCluster) and one client
+    with a long retry budget."""
+    cluster = ProcessCluster(tmp_path / "c", storage_nodes=3, targets_per_node=1, token="t", **options)
 
     async def main() -> None:
         fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token, retry_total_ms=60_000)
@@ -217,21 +222,29 @@ def test_the_meta_crash_test_fails_when_a_safeguard_is_off(tmp_path: Path, crash
     assert run.violations, f"the crash test did not notice {sabotage} sabotage"
 
 
-def test_sigkill_storage_node_during_a_large_write(tmp_path: Path) -> None:
-    _run_on_cluster(tmp_path, _storage_crash)
+def test_sigkill_storage_node_during_a_large_write(tmp_path: Path, crash_disk: Any) -> None:
+    """storage-2 keeps its targets on the crash disk, syncing as it should: its kill is a power
+    loss too, and the resync must bring back whatever the disk did not keep."""
+
+    async def body(cluster: ProcessCluster, fs: AsyncFileSystem) -> None:
+        await _storage_crash(cluster, fs, crash_disk)
+
+    _run_on_cluster(tmp_path, body, fsync=True, storage_data_dirs={2: crash_disk.path / "storage-2"})
 
 
-async def _storage_crash(cluster: ProcessCluster, fs: AsyncFileSystem) -> None:
+async def _storage_crash(cluster: ProcessCluster, fs: AsyncFileSystem, disk: Any) -> None:
     await fs.mkdir("/big")
     await fs.set_layout("/big", chunk_size=1 << 20)
     data = os.urandom(48 << 20)
     piece = 1 << 20
+    loop = asyncio.get_running_loop()
     async with await fs.open("/big/file", "wb") as f:
         for offset in range(0, len(data), piece):
             if offset == 12 * piece:
                 cluster.kill("storage-2")
+                await loop.run_in_executor(None, disk.power_cut)
             if offset == 36 * piece:
-                await asyncio.get_running_loop().run_in_executor(None, cluster.start, "storage-2")
+                await loop.run_in_executor(None, cluster.start, "storage-2")
             await f.write(data[offset:offset + piece])
     assert (await fs.stat("/big/file")).st_size == len(data)
     assert await fs.read_bytes("/big/file") == data
