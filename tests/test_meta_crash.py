@@ -86,11 +86,13 @@ class _MetaSupervisor:
         while not self.stopped:
             await asyncio.sleep(0.02)
             proc = self.cluster.procs["meta"]
-            requested = self.kill_requested
-            if not requested and proc.popen is not None and proc.popen.poll() is None:
+            alive = proc.popen is not None and proc.popen.poll() is None
+            if alive and not self.kill_requested:
                 continue
+            requested = alive  # (dead already: its crash point; a kill asked for waits for the next run)
             await loop.run_in_executor(None, self.cluster.kill, "meta")  # reaps it: nothing of it in flight
-            self.kill_requested = False
+            if requested:
+                self.kill_requested = False
             self.run.deaths += 1
             if not requested:
                 self.run.crash_point_deaths += 1
