@@ -47,6 +47,25 @@ def process_cluster(tmp_path: Path) -> Iterator[ProcessCluster]:
         cluster.stop_all()
 
 
+@pytest.fixture(scope="session")
+def _crash_disk_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    from fs3.testing.crashfs import CrashDisk
+
+    with CrashDisk(tmp_path_factory.mktemp("crashfs")) as disk:
+        yield disk
+
+
+@pytest.fixture
+def crash_disk(_crash_disk_daemon: Any) -> Any:
+    """A CrashFS mount (``crash_disk.path``), empty, whose ``power_cut()`` drops everything never
+    synced (one daemon for the session, emptied for each test)."""
+    _crash_disk_daemon.reset()
+    return _crash_disk_daemon
+
+
 def make_client(cluster: ProcessCluster, transport: str = "framed", name: bytes = b"test-client",
                 token: str | None = None) -> tuple[StorageClient, RealChannelFactory]:
     channels = RealChannelFactory(cluster.token if token is None else token, transport)  # type: ignore[arg-type]

@@ -43,7 +43,14 @@ class LocalCluster:
     """mgmtd, N storage nodes (T targets each) and meta under ``root``; each can be killed and restarted."""
 
     def __init__(self, root: Path, storage_nodes: int = 3, targets_per_node: int = 2, token: str | None = None,
-                 heartbeat_timeout_ms: int = 3_000, heartbeat_interval_ms: int = 200, fsync: bool = False) -> None:
+                 heartbeat_timeout_ms: int = 3_000, heartbeat_interval_ms: int = 200, fsync: bool = False,
+                 meta_data_dir: Path | None = None, meta_sync_commits: bool | None = None,
+                 storage_data_dirs: dict[int, Path] | None = None) -> None:
+        """``fsync``: storage targets sync their writes and meta its commits (``meta_sync_commits``
+        decides for meta alone). ``meta_data_dir`` and ``storage_data_dirs`` (node id -> directory
+        of its targets) put data elsewhere than under ``root`` (crash tests: on a disk that loses
+        unsynced writes), configs and logs staying under ``root``. All three apply when a service's
+        config is first written."""
         if storage_nodes < 1 or targets_per_node < 1:
             raise InvalidArgument("a local cluster needs at least one storage node with one target")
         self.root = root.resolve()
@@ -68,10 +75,11 @@ class LocalCluster:
         for node_id in range(1, nodes + 1):
             node_dir = self.root / f"storage-{node_id}"
             node_dir.mkdir(exist_ok=True)
+            data_dir = (storage_data_dirs or {}).get(node_id, node_dir)
             config = node_dir / "storage.toml"
             if not config.exists():
                 targets = "\n".join(
-                    f'[[targets]]\ntarget_id = {node_id * 100 + j}\npath = "{node_dir / f"target-{j}"}"\n'
+                    f'[[targets]]\ntarget_id = {node_id * 100 + j}\npath = "{data_dir / f"target-{j}"}"\n'
                     for j in range(1, targets_per_node + 1))
                 config.write_text(
                     f'node_id = {node_id}\ntoken = "{self.token}"\n'
@@ -83,10 +91,11 @@ class LocalCluster:
         meta_dir = self.root / "meta"
         meta_dir.mkdir(exist_ok=True)
         meta_config = meta_dir / "meta.toml"
+        sync_commits = "true" if (fsync if meta_sync_commits is None else meta_sync_commits) else "false"
         if not meta_config.exists():
             meta_config.write_text(
-                f'node_id = 1001\ndata_dir = "{meta_dir}"\ntoken = "{self.token}"\n'
-                f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\nsync_commits = {'true' if fsync else 'false'}\n"
+                f'node_id = 1001\ndata_dir = "{meta_data_dir or meta_dir}"\ntoken = "{self.token}"\n'
+                f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\nsync_commits = {sync_commits}\n"
                 f"heartbeat_interval_ms = {heartbeat_interval_ms}\nrpc_timeout_ms = 2000\n"
                 f"prune_interval_ms = 1000\n")
         self._add("meta", ["meta", "--config", str(meta_config)])

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fs3.common.durable import make_dirs_durable
 from fs3.common.errors import IoError, NoSpace
+from fs3.common.faults import sabotaged
 
 __all__ = ["KVStore", "MemKVStore", "RocksKVStore", "WriteBatch", "open_kv"]
 
@@ -76,6 +78,7 @@ class MemKVStore:
         self._keys: list[bytes] = []
         self._durable: dict[bytes, bytes] = {}
         self._unsynced = False
+        self._syncs = not sabotaged("kv-sync")
 
     def get(self, key: bytes) -> bytes | None:
         return self._data.get(key)
@@ -105,7 +108,7 @@ class MemKVStore:
                 if key not in self._data:
                     bisect.insort(self._keys, key)
                 self._data[key] = value
-        if sync:
+        if sync and self._syncs:
             self._durable = dict(self._data)
             self._unsynced = False
         else:
@@ -115,8 +118,9 @@ class MemKVStore:
     sync_in_thread = False
 
     def sync_wal(self) -> None:
-        self._durable = dict(self._data)
-        self._unsynced = False
+        if self._syncs:
+            self._durable = dict(self._data)
+            self._unsynced = False
 
     def crash(self) -> None:
         """Lose every unsynced write."""
@@ -207,7 +211,9 @@ class RocksKVStore:
     def __init__(self, path: str | Path, headroom_bytes: int = 0) -> None:
         from rocksdict import WriteOptions
 
-        Path(path).mkdir(parents=True, exist_ok=True)
+        # RocksDB syncs its own directory, never the one holding it: a new store's directory is
+        # synced into its parent here, or a power loss could take the whole store back.
+        make_dirs_durable(path)
         self._path = str(path)
         capacity = int(shutil.disk_usage(self._path).total)
         self.write_buffer_bytes = self._write_buffer_for(capacity)
@@ -220,9 +226,10 @@ class RocksKVStore:
             self._db = self._open()
         except Exception as exc:  # rocksdict raises a bare Exception on lock/corruption errors
             raise IoError(f"cannot open RocksDB at {path}: {exc}") from None
-        self._sync_opts = WriteOptions()
-        self._sync_opts.sync = True
         self._nosync_opts = WriteOptions()
+        self._syncs = not sabotaged("kv-sync")
+        self._sync_opts = WriteOptions()
+        self._sync_opts.sync = self._syncs
 
     @staticmethod
     def _write_buffer_for(capacity: int) -> int:
@@ -234,7 +241,7 @@ class RocksKVStore:
         memtable and the table file a flush writes (2 memtables), a compaction of level 0 into
         level 1 (4 + 4 memtables: see :meth:`_open`), and 1 MiB of slack. About 16% of a small
         disk; 641 MiB on one of 4 GiB or more."""
-        Path(path).mkdir(parents=True, exist_ok=True)
+        make_dirs_durable(path)
         return 10 * cls._write_buffer_for(int(shutil.disk_usage(path).total)) + _MIB
 
     def _open(self, read_only: bool = False) -> Any:
@@ -338,6 +345,8 @@ class RocksKVStore:
     sync_in_thread = True
 
     def sync_wal(self) -> None:
+        if not self._syncs:
+            return
         with self._gate.shared():
             try:
                 self._db.flush_wal(True)

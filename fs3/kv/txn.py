@@ -49,7 +49,9 @@ class Transaction(Protocol):
 
     def delete(self, key: bytes) -> None: ...
 
-    async def commit(self) -> None: ...
+    async def commit(self) -> None:
+        """Commit; returns only once the writes, and everything the transaction read, are durable."""
+        ...
 
 
 class TxnEngine(Protocol):
@@ -180,6 +182,10 @@ class OptimisticTxnEngine:
         Group commit: the write batch goes to the store at once (later transactions read it), and
         durability comes from one WAL sync shared by every commit made while the previous sync
         was running — so many clients share each fsync instead of queueing behind one fsync each.
+
+        A transaction that writes nothing waits too, for every commit made before it: what it
+        read may be a batch whose sync is still running, and its caller is about to answer from
+        it (a saved answer, "already exists") — an answer a power loss must not take back.
         """
         # Validation and apply contain no await: on one event loop they are atomic without a lock.
         if self._inject("conflict") or self._conflicts(txn):
@@ -201,6 +207,8 @@ class OptimisticTxnEngine:
         if seq and self.sync:
             self._log_ticket = self._log.written()
             await self._log.wait(self._log_ticket)
+        elif self.sync:
+            await self._log.wait(self._log_ticket)
         if self._inject("maybe_committed"):
             raise MaybeCommitted("the commit's outcome is unknown (injected)")
 
@@ -217,12 +225,23 @@ class OptimisticTxnEngine:
 
 async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]], retry_max: int = 20,
                           backoff_ms: float = 1.0) -> T:
-    """Run ``fn`` in a transaction until it commits; ``fn`` must be idempotent (it may run again)."""
+    """Run ``fn`` in a transaction until it commits; ``fn`` must be idempotent (it may run again).
+
+    Whatever comes out — a result or an error ``fn`` raised — comes out only once everything it
+    was computed from is durable: an error is an answer too ("already exists" because of a create
+    whose sync is still running), and a power loss must not take back what a caller was told.
+    """
     attempt = 0
     while True:
         txn = engine.begin()
         try:
-            result = await fn(txn)
+            try:
+                result = await fn(txn)
+            except (TxnConflict, MaybeCommitted):
+                raise
+            except Exception:
+                await engine.wait_durable()
+                raise
             await txn.commit()
             return result
         except (TxnConflict, MaybeCommitted) as exc:

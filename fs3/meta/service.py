@@ -46,6 +46,7 @@ from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, NotFound, StaleClient
+from fs3.common.faults import CrashPoint, sabotaged
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
@@ -154,6 +155,8 @@ class MetaService:
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
         self.gc_removed_chunks = 0
+        self._reuse_answers = not sabotaged("idempotency")  # off only to prove crash tests see it
+        self._answer_crash = CrashPoint("meta-answer")  # crash tests die here: committed, not answered
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -200,9 +203,14 @@ class MetaService:
         """A read-only operation: reads the latest committed state, commits nothing.
 
         It answers only once what it read is durable, so no client ever sees a change that a
-        crash could still take back (commits become visible before their group fsync ends).
+        crash could still take back (commits become visible before their group fsync ends) —
+        errors included: "no such file" may come from a remove whose sync is still running.
         """
-        result = await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+        try:
+            result = await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+        except Exception:
+            await self.engine.wait_durable()
+            raise
         await self.engine.wait_durable()
         return result
 
@@ -215,14 +223,16 @@ class MetaService:
 
         async def body(txn: Transaction) -> M:
             raw = await txn.get(key)
-            if raw is not None:
+            if raw is not None and self._reuse_answers:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
             await _refuse_expired(txn, ctx.client_id)
             rsp = await fn(Namespace(txn, env))
             txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
             return rsp
 
-        return await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
+        rsp = await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
+        self._answer_crash.passed()
+        return rsp
 
     async def _ensure_tables(self) -> None:
         """Creating files needs the chain tables: fetch routing if the default table is not known yet."""

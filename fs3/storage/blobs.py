@@ -25,7 +25,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+from fs3.common.durable import make_dirs_durable, sync_dir
 from fs3.common.errors import IoError, NoSpace
+from fs3.common.faults import sabotaged
 
 __all__ = ["BlobStore", "FileBlobStore", "MemBlobStore"]
 
@@ -70,8 +72,9 @@ class FileBlobStore:
 
     def __init__(self, root: str | Path, fsync: bool = True) -> None:
         self.root = Path(root)
-        self.fsync = fsync
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync and not sabotaged("file-sync")
+        self._sync_dirs = self.fsync and not sabotaged("dir-sync")
+        make_dirs_durable(self.root)
         self._dirs: set[Path] = set()
 
     def _path(self, chunk_id: bytes, blob: int) -> Path:
@@ -82,7 +85,12 @@ class FileBlobStore:
         path = self._path(chunk_id, blob)
         try:
             if path.parent not in self._dirs:
-                path.parent.mkdir(exist_ok=True)
+                if not path.parent.is_dir():
+                    path.parent.mkdir(exist_ok=True)
+                    # The blob's own sync covers its entry in this directory, not this directory's
+                    # entry in the root: without this a power loss could take the directory back.
+                    if self._sync_dirs:
+                        sync_dir(self.root)
                 self._dirs.add(path.parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -109,11 +117,8 @@ class FileBlobStore:
             finally:
                 os.close(fd)
             # The name too: metadata that names a blob must never outlive its directory entry.
-            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            if self._sync_dirs:
+                sync_dir(path.parent)
         except OSError as exc:
             _raise_os(exc, f"syncing {path.name}")
 

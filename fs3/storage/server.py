@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fs3.common.durable import make_dirs_durable
 from fs3.common.errors import InvalidArgument
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
@@ -108,7 +109,7 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
     engines = {}
     for target in config.targets:
         root = Path(target.path)
-        root.mkdir(parents=True, exist_ok=True)
+        make_dirs_durable(root)
         headroom = RocksKVStore.default_headroom(root) if config.kv_engine == "rocksdb" else 0
         kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None, headroom)
         files = FileBlobStore(root / "chunks", fsync=config.fsync)

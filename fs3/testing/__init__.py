@@ -1,0 +1,1 @@
+"""Tools for tests that need more than the code under test: a disk that loses unsynced data."""
