@@ -340,6 +340,43 @@ def test_close_to_open_consistency_between_two_mounts(mount: tuple[LocalCluster,
         subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
 
 
+def test_a_file_replaced_by_rename_on_another_mount_opens_as_the_new_file(mount: tuple[LocalCluster, Path],
+                                                                          work: Path, tmp_path: Path) -> None:
+    """Write-temporary-then-rename (editors, git, checkpoint writers) on one mount; the other mount's
+    kernel still maps the name to the old file (its entry timeout is long here, so it surely does)
+    and must open the new file all the same: gone old file, or old file still held open."""
+    cluster, _ = mount
+    second = tmp_path / "second"
+    second.mkdir()
+    started = subprocess.run([sys.executable, "-m", "fs3.cli.main", "mount", cluster.mgmtd_address, str(second),
+                              "--token", "t", "--entry-timeout-s", "600", "--log", str(tmp_path / "second.log")],
+                             capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    try:
+        there = second / work.name
+        (work / "ckpt").write_bytes(b"old")
+        assert (there / "ckpt").read_bytes() == b"old"
+        for round_ in range(2):
+            (work / "ckpt.tmp").write_bytes(b"new %d" % round_)
+            os.rename(work / "ckpt.tmp", work / "ckpt")
+            assert (there / "ckpt").read_bytes() == b"new %d" % round_
+        with open(there / "ckpt", "rb") as held:  # the old file stays alive while held open
+            (work / "ckpt.tmp").write_bytes(b"newest")
+            os.rename(work / "ckpt.tmp", work / "ckpt")
+            assert (there / "ckpt").read_bytes() == b"newest"
+            with open(there / "ckpt", "r+b") as f:
+                f.write(b"N")
+            assert held.read() == b"new 1"  # untouched, and still readable by its holder
+            with open(f"/proc/self/fd/{held.fileno()}", "rb") as again:  # reopening it by descriptor works
+                assert again.read() == b"new 1"
+        assert (work / "ckpt").read_bytes() == b"Newest"
+        os.rename(work / "ckpt", work / "moved")
+        assert errno_of(os.open, there / "ckpt", os.O_RDONLY) == errno.ENOENT
+        assert (there / "moved").read_bytes() == b"Newest"
+    finally:
+        subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
+
+
 def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path]) -> None:
     cluster, mnt = mount
     (mnt / "before-crash").write_bytes(b"kept")

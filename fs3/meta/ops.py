@@ -266,8 +266,20 @@ class Namespace:
         return current
 
     async def resolve(self, ref: mpb.PathRef, follow: bool = True) -> mpb.Inode:
-        """The inode a reference names (following a final symlink when ``follow``)."""
+        """The inode a reference names (following a final symlink when ``follow``).
+
+        A reference with both an inode id and a path names that inode *as reached through that
+        path* (never following a final symlink): a client whose cached answer for the name may be
+        stale (a mount's kernel caches names and opens by inode) learns that the name now leads
+        elsewhere, or nowhere, from ``NotFound``, within the same transaction as the operation.
+        """
         if ref.inode_id:
+            if ref.path:
+                found = await self.resolve(mpb.PathRef(parent=ref.parent, path=ref.path), follow=False)
+                if found.inode_id != ref.inode_id:
+                    raise NotFound(f"{bytes(ref.path).decode(errors='replace')!r} no longer names inode "
+                                   f"{ref.inode_id}")
+                return found
             return await self.inode(ref.inode_id)
         if not ref.path:
             raise NotFound("empty path")
