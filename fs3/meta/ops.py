@@ -43,6 +43,7 @@ from fs3.meta import schema
 from fs3.meta.layout import file_layout, max_file_size, validate_dir_layout
 
 __all__ = [
+    "ANCESTOR_WALK_MAX",
     "O_ACCMODE",
     "O_APPEND",
     "O_CREAT",
@@ -53,6 +54,8 @@ __all__ = [
     "O_RDWR",
     "O_TRUNC",
     "O_WRONLY",
+    "Ancestry",
+    "AncestryUnknown",
     "Caller",
     "Namespace",
     "OpEnv",
@@ -84,6 +87,9 @@ LINK_MAX = 65_000
 XATTR_NAME_MAX_BYTES = 255
 XATTR_VALUE_MAX_BYTES = 64 * 1024
 READDIR_LIMIT_MAX = 10_000
+# Parent links one transaction follows. Linux has no depth limit for directory trees; a rename
+# that must look further above its destination has the service walk on (:class:`AncestryUnknown`).
+ANCESTOR_WALK_MAX = 1024
 _RELATIME_NS = 24 * 3600 * 1_000_000_000
 
 DIRECTORY = mpb.DIRECTORY
@@ -165,6 +171,32 @@ def may(inode: mpb.Inode, caller: Caller, want: int) -> bool:
     return bits & want == want
 
 
+class AncestryUnknown(Exception):
+    """Whether ``ancestor`` is above directory ``start`` is further up than one transaction looks.
+
+    The service follows the parent links from ``start`` in bounded read transactions and runs
+    the operation again with the answer (:class:`Ancestry`): the tree may be as deep as users
+    make it, while no transaction reads more than :data:`ANCESTOR_WALK_MAX` inodes for it.
+    """
+
+    def __init__(self, start: int, ancestor: int) -> None:
+        super().__init__(f"is {ancestor} above {start}? the directory chain is deeper than one transaction walks")
+        self.start = start
+        self.ancestor = ancestor
+
+
+@dataclass
+class Ancestry:
+    """Answers to :class:`AncestryUnknown`, true while no directory moved since they were read.
+
+    ``moves`` is the value of :func:`schema.directory_moves_key` the walks saw; ``above`` maps
+    ``(start, ancestor)`` to whether ``ancestor`` is ``start`` or above it.
+    """
+
+    moves: bytes
+    above: dict[tuple[int, int], bool] = field(default_factory=dict)
+
+
 class LengthProbeStale(Exception):
     """The file's size changed between meta's probe of storage and the transaction: probe again."""
 
@@ -172,9 +204,11 @@ class LengthProbeStale(Exception):
 class Namespace:
     """One transaction's view of the namespace, with an inode cache so aliases stay one object."""
 
-    def __init__(self, txn: Transaction, env: OpEnv) -> None:
+    def __init__(self, txn: Transaction, env: OpEnv, ancestry: Ancestry | None = None) -> None:
         self.txn = txn
         self.env = env
+        self.ancestry = ancestry
+        self._moved_directory = False
         self.caller = env.caller
         self.now = env.now_ns
         self._inodes: dict[int, mpb.Inode | None] = {}
@@ -557,15 +591,27 @@ class Namespace:
         return inode.inode_id
 
     async def _is_ancestor(self, ancestor_id: int, directory: mpb.Inode) -> bool:
-        """Whether ``ancestor_id`` is ``directory`` or above it (walks parent pointers to the root)."""
+        """Whether ``ancestor_id`` is ``directory`` or above it (walks parent pointers to the root).
+
+        At most :data:`ANCESTOR_WALK_MAX` links are followed here; above that, the answer must come
+        from the service's walk (:class:`Ancestry`), read while no directory moved — this
+        transaction reads the stamp of the last move, so one that commits meanwhile conflicts.
+        """
         current = directory
-        for _ in range(PATH_MAX_BYTES):
+        for _ in range(ANCESTOR_WALK_MAX):
             if current.inode_id == ancestor_id:
                 return True
             if current.inode_id == schema.ROOT_INODE:
                 return False
             current = await self.inode(current.parent)
-        raise SymlinkLoop("directory tree deeper than the walk limit")
+        if current.inode_id == ancestor_id:
+            return True
+        moves = await self.txn.get(schema.directory_moves_key()) or b""
+        if self.ancestry is not None and self.ancestry.moves == moves:
+            known = self.ancestry.above.get((current.inode_id, ancestor_id))
+            if known is not None:
+                return known
+        raise AncestryUnknown(current.inode_id, ancestor_id)
 
     async def rename(self, source: mpb.PathRef, destination: mpb.PathRef, flags: int) -> mpb.Inode:
         noreplace = bool(flags & mpb.RENAME_NOREPLACE)
@@ -627,6 +673,10 @@ class Namespace:
             self.put_entry(dst_parent.inode_id, dst_name, inode)
             if moving_dirs:
                 self._reparent(inode, src_parent, dst_parent)
+        if self._moved_directory:
+            # Parent links changed: walks spread over several transactions (Ancestry) must notice.
+            key = schema.directory_moves_key()
+            self.txn.put(key, schema.encode_u64(schema.decode_u64(await self.txn.get(key)) + 1))
         self._stamp(inode)
         self._stamp(src_parent, mtime=True)
         self._stamp(dst_parent, mtime=True)
@@ -636,6 +686,7 @@ class Namespace:
     def _reparent(self, inode: mpb.Inode, old: mpb.Inode, new: mpb.Inode) -> None:
         if inode.type != DIRECTORY:
             return
+        self._moved_directory = True
         inode.parent = new.inode_id
         old.nlink -= 1
         new.nlink += 1

@@ -38,13 +38,23 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
-from fs3.common.errors import FS3Error, InvalidArgument, NotFound
+from fs3.common.errors import FS3Error, Internal, InvalidArgument, NotFound, Unavailable
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, validate_dir_layout
-from fs3.meta.ops import O_CREAT, O_TRUNC, Caller, LengthProbeStale, Namespace, OpEnv
+from fs3.meta.ops import (
+    ANCESTOR_WALK_MAX,
+    O_CREAT,
+    O_TRUNC,
+    Ancestry,
+    AncestryUnknown,
+    Caller,
+    LengthProbeStale,
+    Namespace,
+    OpEnv,
+)
 
 __all__ = ["MetaService", "MetaServiceConfig"]
 
@@ -53,6 +63,9 @@ M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 _EMPTY = b""
 _LENGTH_PROBE_ATTEMPTS = 5
+# Runs of a rename whose destination is deeper than one transaction looks: each run may need
+# one more answer from a walk, and a directory moved meanwhile costs a walk again.
+_ANCESTRY_ATTEMPTS = 8
 _REMOVE_PARALLEL = 16
 
 
@@ -174,7 +187,8 @@ class MetaService:
         await self.engine.wait_durable()
         return result
 
-    async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]]) -> M:
+    async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]],
+                      ancestry: Ancestry | None = None) -> M:
         """One idempotent transaction: the answer is committed with the change, keyed by the request."""
         if ctx.request_id == 0:
             raise InvalidArgument("a mutating request needs a request id")
@@ -185,7 +199,7 @@ class MetaService:
             raw = await txn.get(key)
             if raw is not None:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
-            rsp = await fn(Namespace(txn, env))
+            rsp = await fn(Namespace(txn, env, ancestry))
             txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
             return rsp
 
@@ -268,9 +282,62 @@ class MetaService:
         async def op(ns: Namespace) -> mpb.RenameRsp:
             return mpb.RenameRsp(inode=await ns.rename(req.source, req.destination, req.flags))
 
-        rsp = await self._mutate(req.ctx, mpb.RenameRsp, op)
+        ancestry: Ancestry | None = None
+        for _ in range(_ANCESTRY_ATTEMPTS):
+            try:
+                rsp = await self._mutate(req.ctx, mpb.RenameRsp, op, ancestry)
+                break
+            except AncestryUnknown as deep:
+                found = await self._walk_ancestry(deep.start, deep.ancestor)
+                if found is not None:
+                    moves, above = found
+                    if ancestry is None or ancestry.moves != moves:
+                        ancestry = Ancestry(moves)
+                    ancestry.above[(deep.start, deep.ancestor)] = above
+        else:
+            raise Unavailable("directories kept moving while a rename looked above its destination; try again")
         self._gc_wakeup.set()
         return rsp, _EMPTY
+
+    async def _walk_ancestry(self, start: int, ancestor: int) -> tuple[bytes, bool] | None:
+        """Whether ``ancestor`` is directory ``start`` or above it, as ``(moves stamp, answer)``.
+
+        The parent links are followed in read transactions of at most ``ANCESTOR_WALK_MAX``
+        inodes each, so neither memory nor any transaction grows with the tree's depth. The
+        directory-move stamp is read before the first page and after each one: a rename that
+        reparents a directory changes it in the same commit as the link, so an unchanged stamp
+        means every link read belongs to one consistent tree. None when a directory moved (or
+        one on the way was removed) meanwhile: the caller runs the operation again.
+        """
+        stamp_key = schema.directory_moves_key()
+        stamp = await self.engine.begin().get(stamp_key) or b""
+        current = start
+        # Brent's cycle detection: parent links that loop (a damaged namespace) end the walk.
+        mark, power, steps = start, 1, 0
+        while True:
+            txn = self.engine.begin()
+            for _ in range(ANCESTOR_WALK_MAX):
+                if current == ancestor:
+                    answer: bool | None = True
+                    break
+                if current == schema.ROOT_INODE:
+                    answer = False
+                    break
+                raw = await txn.get(schema.inode_key(current))
+                if raw is None:
+                    return None
+                current = mpb.Inode.FromString(raw).parent
+                steps += 1
+                if current == mark:
+                    raise Internal(f"the parent links above directory {start} form a cycle")
+                if steps == power:
+                    mark, power, steps = current, power * 2, 0
+            else:
+                answer = None
+            if (await self.engine.begin().get(stamp_key) or b"") != stamp:
+                return None
+            if answer is not None:
+                return stamp, answer
 
     async def read_dir(self, req: mpb.ReadDirReq, payload: memoryview) -> tuple[mpb.ReadDirRsp, Buffer]:
         rsp = await self._read(req.ctx, lambda ns: ns.readdir(req.dir, req.start_after, req.limit, req.with_attrs))
