@@ -4,15 +4,18 @@ O_TRUNC opens, impossible lengths, the xattr list limit, and setuid/setgid on wr
 from __future__ import annotations
 
 import asyncio
+import errno
 from typing import Any
 
 import pytest
 
 from fs3 import meta_pb2 as mpb
-from fs3.common.errors import InvalidArgument, NotFound
+from fs3.common.errors import FileTooLarge, InvalidArgument, NotFound, Unavailable
+from fs3.kv.store import prefix_end
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta import ops, schema
-from fs3.meta.ops import O_RDONLY
+from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES
+from fs3.meta.ops import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY
 from fs3.meta.service import MetaService
 from tests.test_meta_ops import CLIENT, Meta, _service, ref
 
@@ -137,3 +140,79 @@ def test_a_directory_moved_during_the_walk_is_noticed(monkeypatch: pytest.Monkey
 
     asyncio.run(main())
     assert not asyncio.run(service.fsck(mpb.FsckReq(), EMPTY))[0].problems
+
+
+# -- an O_TRUNC open its caller sees fail ----------------------------------------------------------
+
+
+def test_an_o_trunc_open_that_fails_leaves_no_session_behind() -> None:
+    """The open commits, then storage cannot cut the file: the caller gets the error, so the
+    session must go (it would keep the file, even unlinked, as long as the client lives), and a
+    retry of the same request must open afresh rather than return the closed session."""
+    service, store = _service()
+    call = Requests(service)
+
+    async def main() -> None:
+        created = await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_WRONLY,
+                                                 mode=0o644))
+        assert isinstance(created, mpb.OpenRsp)
+        inode_id = created.inode.inode_id
+        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id))
+
+        async def storage_down(inode_id: int) -> None:
+            raise Unavailable("no chain can take the truncate")
+
+        async def storage_back(inode_id: int) -> None:
+            return None
+
+        def sessions() -> list[bytes]:
+            prefix = schema.session_prefix(inode_id)
+            return [k for k, _ in store.scan(prefix, prefix_end(prefix))]
+
+        service._finish_truncate = storage_down  # type: ignore[method-assign]
+        reopen = mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_WRONLY | O_TRUNC)
+        with pytest.raises(Unavailable):
+            await call("open", reopen)
+        assert sessions() == []
+        assert store.get(schema.truncate_key(inode_id)) is not None  # the cut is still to be done
+        service._finish_truncate = storage_back  # type: ignore[method-assign]
+        again = await call("open", reopen)  # the client's retry of the same request
+        assert isinstance(again, mpb.OpenRsp) and sessions() == [schema.session_key(inode_id, again.session_id)]
+        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=again.session_id))
+
+        service._finish_truncate = storage_down  # type: ignore[method-assign]
+        with pytest.raises(Unavailable):
+            await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_WRONLY | O_TRUNC))
+        await call("remove", mpb.RemoveReq(ctx=call.ctx(), target=ref("/f")))
+        assert store.get(schema.inode_key(inode_id)) is None  # no session keeps it: its chunks go to GC
+        assert store.get(schema.gc_key(inode_id)) is not None
+
+    asyncio.run(main())
+    assert not asyncio.run(service.fsck(mpb.FsckReq(), EMPTY))[0].problems
+
+
+# -- lengths no file can have ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["sync", "close"])
+@pytest.mark.parametrize("hint", [1 << 62, (DEFAULT_CHUNK_SIZE_BYTES << 32) + 1])
+def test_a_length_past_the_largest_file_is_efbig_and_changes_nothing(method: str, hint: int) -> None:
+    service, store = _service()  # 4 MiB chunks, 32-bit chunk indexes: files up to 2**54 bytes
+    call = Requests(service)
+
+    async def main() -> None:
+        rsp = await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_WRONLY,
+                                             mode=0o644))
+        assert isinstance(rsp, mpb.OpenRsp)
+        inode_id = rsp.inode.inode_id
+        before = store.get(schema.inode_key(inode_id))
+        req_type = mpb.SyncReq if method == "sync" else mpb.CloseReq
+        for acked in (False, True):
+            with pytest.raises(FileTooLarge) as info:
+                await call(method, req_type(ctx=call.ctx(), inode_id=inode_id, session_id=rsp.session_id,
+                                            length_hint=hint, wrote=True, acked=acked))
+            assert info.value.errno == errno.EFBIG
+        assert store.get(schema.inode_key(inode_id)) == before
+        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=rsp.session_id))
+
+    asyncio.run(main())

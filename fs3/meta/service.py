@@ -38,12 +38,13 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
-from fs3.common.errors import FS3Error, Internal, InvalidArgument, NotFound, Unavailable
+from fs3.common.errors import FileTooLarge, FS3Error, Internal, InvalidArgument, NotFound, Unavailable
+from fs3.common.ids import CHUNK_SIZE_MIN_BYTES
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
-from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, validate_dir_layout
+from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, max_file_size, validate_dir_layout
 from fs3.meta.ops import (
     ANCESTOR_WALK_MAX,
     O_CREAT,
@@ -66,6 +67,7 @@ _LENGTH_PROBE_ATTEMPTS = 5
 # Runs of a rename whose destination is deeper than one transaction looks: each run may need
 # one more answer from a walk, and a directory moved meanwhile costs a walk again.
 _ANCESTRY_ATTEMPTS = 8
+_LENGTH_EVERY_LAYOUT_ALLOWS = max_file_size(mpb.Layout(chunk_size=CHUNK_SIZE_MIN_BYTES))
 _REMOVE_PARALLEL = 16
 
 
@@ -251,8 +253,36 @@ class MetaService:
         rsp = await self._mutate(req.ctx, mpb.OpenRsp, lambda ns: ns.open(
             req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms))
         if req.flags & O_TRUNC and not rsp.created:
-            await self._finish_truncate(rsp.inode.inode_id)
+            try:
+                await self._finish_truncate(rsp.inode.inode_id)
+            except Exception:
+                await self._abandon_open(req.ctx, rsp)
+                raise
         return rsp, _EMPTY
+
+    async def _abandon_open(self, ctx: mpb.ReqCtx, rsp: mpb.OpenRsp) -> None:
+        """End the session of an open its caller is told failed, and forget the saved answer.
+
+        The open committed (session and truncate job) before storage was asked to cut the file;
+        when that fails the caller gets the error, so no handle exists to close the session, and
+        it would keep the file (unlinked or not) until the client's lease ends. The truncate stays
+        recorded and is finished later. With the answer gone, a retry of the request opens afresh
+        instead of getting back the session that was just closed.
+        """
+        inode_id, session_id = rsp.inode.inode_id, rsp.session_id
+        key = schema.idem_key(ctx.client_id, ctx.request_id)
+
+        async def undo(txn: Transaction) -> None:
+            if await txn.get(schema.session_key(inode_id, session_id)) is not None:
+                await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id, 0, False, None, None)
+            txn.delete(key)
+
+        try:
+            await run_transaction(self.engine, undo, retry_max=self.config.txn_retry_max)
+        except FS3Error as exc:
+            log.warning("session %s of inode %d stays until its client's lease ends: %s", session_id.hex(),
+                        inode_id, exc)
+        self._gc_wakeup.set()
 
     async def make_node(self, req: mpb.MakeNodeReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         if req.type == mpb.FILE:
@@ -398,6 +428,7 @@ class MetaService:
                                     acked=req.acked, final=final)
             return mpb.InodeRsp(inode=result.inode)
 
+        await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         self._gc_wakeup.set()
         return rsp, _EMPTY
@@ -410,8 +441,24 @@ class MetaService:
         # A hint that is not acknowledged, or comes from a handle whose file was truncated since it
         # opened, only says where to look: a hint sent before a truncate and received after it
         # would otherwise bring back the length the truncate removed.
+        await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         return rsp, _EMPTY
+
+    async def _refuse_impossible_length(self, inode_id: int, hint: int) -> None:
+        """A writer's length past the largest file its layout allows is ``EFBIG``, up front.
+
+        Storage would be probed at that length, and chunk indexes are 32-bit: the probe cannot
+        name such a chunk. Lengths every layout allows cost nothing here (no read).
+        """
+        if hint <= _LENGTH_EVERY_LAYOUT_ALLOWS:
+            return
+        raw = await self.engine.begin().get(schema.inode_key(inode_id))
+        if raw is None:
+            return  # the operation itself says the inode is missing
+        limit = max_file_size(mpb.Inode.FromString(raw).layout)
+        if hint > limit:
+            raise FileTooLarge(f"length {hint} exceeds {limit}, the largest file of inode {inode_id}'s layout")
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         await self._ensure_tables()
