@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from fs3 import meta_pb2 as mpb
-from fs3.common.errors import FileTooLarge, InvalidArgument, NotFound, Unavailable
+from fs3.common.errors import FileTooLarge, InvalidArgument, NotFound, Unavailable, XattrTooLarge
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta import ops, schema
@@ -216,3 +216,28 @@ def test_a_length_past_the_largest_file_is_efbig_and_changes_nothing(method: str
         await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=rsp.session_id))
 
     asyncio.run(main())
+
+
+# -- the xattr list limit --------------------------------------------------------------------------
+
+
+def test_listxattr_answers_at_most_64_kib_of_names_and_e2big_past_it() -> None:
+    meta = Meta()
+    meta.touch("/f", mode=0o666)
+    names = [b"user.%03d." % i + b"n" * 240 for i in range(262)]  # 249 bytes and a NUL each: 65,500 in all
+    for name in names:
+        meta.run(lambda ns, n=name: ns.set_xattr(ref("/f"), True, n, b"v", 0))
+    assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True)) == names  # several pages, in order
+    meta.run(lambda ns: ns.set_xattr(ref("/f"), True, b"trusted.hidden" + b"t" * 240, b"v", 0))
+    alice = ops.Caller(1000, 1000)
+    assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True), alice) == names  # trusted names are not hers
+    with pytest.raises(XattrTooLarge) as info:  # root sees it too: 65,755 bytes, past 65,536
+        meta.run(lambda ns: ns.list_xattr(ref("/f"), True))
+    assert info.value.errno == errno.E2BIG
+    more = b"user.more" + b"m" * 41  # 51 bytes with its NUL: 65,551
+    meta.run(lambda ns: ns.set_xattr(ref("/f"), True, more, b"v", 0))
+    with pytest.raises(XattrTooLarge):
+        meta.run(lambda ns: ns.list_xattr(ref("/f"), True), alice)
+    meta.run(lambda ns: ns.remove_xattr(ref("/f"), True, more))
+    assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True), alice) == names
+    assert meta.fsck() == []

@@ -86,6 +86,9 @@ SYMLINK_FOLLOW_MAX = 40
 LINK_MAX = 65_000
 XATTR_NAME_MAX_BYTES = 255
 XATTR_VALUE_MAX_BYTES = 64 * 1024
+# Linux's limit for one listxattr answer (names and their NULs): a longer list is E2BIG.
+XATTR_LIST_MAX_BYTES = 64 * 1024
+_XATTR_LIST_PAGE = 64  # attributes read at a time (values come with them: at most 4 MiB)
 READDIR_LIMIT_MAX = 10_000
 # Parent links one transaction follows. Linux has no depth limit for directory trees; a rename
 # that must look further above its destination has the service walk on (:class:`AncestryUnknown`).
@@ -852,12 +855,32 @@ class Namespace:
         return inode
 
     async def list_xattr(self, ref: mpb.PathRef, follow: bool) -> list[bytes]:
+        """The attribute names the caller may see; ``E2BIG`` past :data:`XATTR_LIST_MAX_BYTES`.
+
+        Read page by page, so neither memory nor the answer grows with how many attributes
+        someone set (Linux answers E2BIG the same way when a file system holds more names than
+        one list can carry).
+        """
         inode = await self.resolve(ref, follow)
         prefix = schema.xattr_prefix(inode.inode_id)
-        names = [key[len(prefix):] for key, _ in await self.txn.scan(prefix, prefix_end(prefix))]
-        if not self.caller.is_root:
-            names = [n for n in names if not n.startswith(b"trusted.")]
-        return names
+        end = prefix_end(prefix)
+        names: list[bytes] = []
+        listed_bytes = 0
+        start = prefix
+        while True:
+            rows = await self.txn.scan(start, end, limit=_XATTR_LIST_PAGE)
+            for key, _ in rows:
+                name = key[len(prefix):]
+                if name.startswith(b"trusted.") and not self.caller.is_root:
+                    continue
+                listed_bytes += len(name) + 1
+                if listed_bytes > XATTR_LIST_MAX_BYTES:
+                    raise XattrTooLarge(f"the attribute names of inode {inode.inode_id} exceed "
+                                        f"{XATTR_LIST_MAX_BYTES} bytes")
+                names.append(name)
+            if len(rows) < _XATTR_LIST_PAGE:
+                return names
+            start = rows[-1][0] + b"\x00"
 
     async def remove_xattr(self, ref: mpb.PathRef, follow: bool, name: bytes) -> mpb.Inode:
         inode = await self.resolve(ref, follow)
