@@ -213,6 +213,32 @@ def test_permissions_for_other_users_and_the_sticky_bit(work: Path) -> None:
     assert os.stat(shared / "nobodys").st_uid == NOBODY and (shared / "roots").exists()
 
 
+def test_writes_by_other_users_drop_setuid_and_setgid(work: Path) -> None:
+    """POSIX and Linux: a write or truncate by a process without CAP_FSETID clears setuid, and
+    setgid when the group may execute; root's writes keep them."""
+    tool = work / "tool"
+    tool.write_bytes(b"#!/bin/sh\n")
+    os.chmod(tool, 0o6777)
+    with open(tool, "ab") as f:  # root
+        f.write(b"true\n")
+    assert stat.S_IMODE(os.stat(tool).st_mode) == 0o6777
+    wrote = as_user(NOBODY, "import os\nfd = os.open('tool', os.O_WRONLY | os.O_APPEND)\n"
+                            "print(os.write(fd, b'exit 0\\n'))\nos.close(fd)\n", work)
+    assert wrote.stdout.split() == ["7"], wrote.stderr
+    assert stat.S_IMODE(os.stat(tool).st_mode) == 0o0777
+    assert tool.read_bytes() == b"#!/bin/sh\ntrue\nexit 0\n"
+    for mode, after in ((0o6777, 0o0777), (0o6767, 0o2767)):  # setgid without group execute is no privilege
+        os.chmod(tool, mode)
+        truncated = as_user(NOBODY, "import os\nos.close(os.open('tool', os.O_WRONLY | os.O_TRUNC))\n", work)
+        assert truncated.returncode == 0, truncated.stderr
+        assert stat.S_IMODE(os.stat(tool).st_mode) == after and os.stat(tool).st_size == 0
+    os.chmod(tool, 0o6777)
+    denied = as_user(NOBODY, "import os\ntry:\n os.chmod('tool', 0o0775)\n"
+                             "except PermissionError as e: print(e.errno)\n", work)
+    assert denied.stdout.split() == [str(errno.EPERM)], denied.stderr  # any other chmod stays the owner's
+    assert stat.S_IMODE(os.stat(tool).st_mode) == 0o6777
+
+
 # -- real programs -----------------------------------------------------------------------------------
 
 

@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 
 from fs3 import meta_pb2 as mpb
-from fs3.common.errors import FileTooLarge, InvalidArgument, NotFound, Unavailable, XattrTooLarge
+from fs3.common.errors import (
+    BadHandle,
+    FileTooLarge,
+    InvalidArgument,
+    NotFound,
+    NotPermitted,
+    PermissionDenied,
+    Unavailable,
+    XattrTooLarge,
+)
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta import ops, schema
@@ -18,6 +27,7 @@ from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES
 from fs3.meta.ops import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY
 from fs3.meta.service import MetaService
 from tests.test_meta_ops import CLIENT, Meta, _service, ref
+from tests.test_meta_ops import ROOT as ROOT_CALLER
 
 EMPTY = memoryview(b"")
 
@@ -241,3 +251,56 @@ def test_listxattr_answers_at_most_64_kib_of_names_and_e2big_past_it() -> None:
     meta.run(lambda ns: ns.remove_xattr(ref("/f"), True, more))
     assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True), alice) == names
     assert meta.fsck() == []
+
+
+# -- setuid and setgid on writes -------------------------------------------------------------------
+
+
+def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> None:
+    """Linux (without CAP_FSETID): setuid always goes, setgid when the group may execute; root
+    keeps both. Through a mount the kernel asks with a chmod that only clears those bits, which
+    a writer that does not own the file may send; any other chmod stays the owner's."""
+    meta = Meta()
+    bob = ops.Caller(1001, 1001)
+    meta.touch("/f", mode=0o666)
+
+    def setattr(caller: ops.Caller = bob, **fields: object) -> mpb.Inode:
+        req = mpb.SetAttrReq(target=ref("/f"), **fields)  # type: ignore[arg-type]
+        return meta.run(lambda ns: ns.setattr(req), caller)
+
+    def chmod(mode: int) -> None:
+        setattr(ROOT_CALLER, mask=mpb.SET_MODE, mode=mode)
+
+    def mode() -> int:
+        return meta.stat("/f").mode
+
+    for kept_by_root in (True, False):
+        chmod(0o6777)
+        setattr(ROOT_CALLER if kept_by_root else bob, mask=mpb.SET_DROP_PRIVILEGES)
+        assert mode() == (0o6777 if kept_by_root else 0o0777)
+    chmod(0o6767)  # setgid without group execute is not a privilege: it stays
+    setattr(mask=mpb.SET_DROP_PRIVILEGES)
+    assert mode() == 0o2767
+    chmod(0o6777)
+    setattr(mask=mpb.SET_SIZE, size=0)  # truncate
+    assert mode() == 0o0777
+    chmod(0o6777)
+    meta.run(lambda ns: ns.open(ref("/f"), O_WRONLY | O_TRUNC, 0, 0, b"b" * 24, CLIENT, 0), bob)
+    assert mode() == 0o0777
+    chmod(0o6777)
+    setattr(mask=mpb.SET_MODE, mode=0o0777)  # the kernel's request ahead of a write
+    assert mode() == 0o0777
+    chmod(0o6777)
+    with pytest.raises(NotPermitted):  # anything more is a chmod, and bob does not own the file
+        setattr(mask=mpb.SET_MODE, mode=0o0775)
+    chmod(0o6775)  # bob may not write it now
+    for fields in ({"mask": mpb.SET_MODE, "mode": 0o0775}, {"mask": mpb.SET_DROP_PRIVILEGES}):
+        with pytest.raises((NotPermitted, PermissionDenied)):
+            setattr(**fields)
+    session = meta.run(lambda ns: ns.open(ref("/f"), O_RDONLY, 0, 0, b"r" * 24, CLIENT, 0), bob).session_id
+    with pytest.raises(BadHandle):  # a read-only handle does not count
+        setattr(mask=mpb.SET_DROP_PRIVILEGES, session_id=session)
+    writer = meta.run(lambda ns: ns.open(ref("/f"), O_WRONLY, 0, 0, b"w" * 24, CLIENT, 0), ROOT_CALLER).session_id
+    setattr(mask=mpb.SET_DROP_PRIVILEGES, session_id=writer)  # opened for writing before the chmod
+    assert mode() == 0o0775
+    assert meta.stat("/f").uid == 0

@@ -352,3 +352,21 @@ def test_kernel_names_are_bounded_and_a_young_name_dropped_leaves_the_kernel_too
         assert names.of(7) == [(ROOT, b"h1")] and names.inode_at(ROOT, b"h2") == 0
 
     asyncio.run(main())
+
+
+def test_a_write_by_anyone_but_root_drops_setuid_and_setgid(tmp_path: Path) -> None:
+    """The client library asks meta before a handle's first write (the kernel does the same
+    through a mount); root's writes keep the bits, as CAP_FSETID does on Linux."""
+    async def body(vfs: Vfs) -> None:
+        fh, inode = await vfs.create(ROOT, b"tool", 0o755, O_WRONLY, ME)
+        await vfs.release(fh)
+        for writer, kept in ((ME, True), (ALICE, False)):
+            await vfs.setattr(inode.inode_id, ME, mode=0o6777)
+            fh, _ = await vfs.open(inode.inode_id, O_WRONLY, writer)
+            assert stat.S_IMODE((await vfs.getattr(inode.inode_id, ME)).mode) == 0o6777  # opening changes nothing
+            await vfs.write(fh, 0, b"x")
+            await vfs.write(fh, 1, b"y")
+            await vfs.release(fh)
+            assert stat.S_IMODE((await vfs.getattr(inode.inode_id, ME)).mode) == (0o6777 if kept else 0o0777)
+
+    with_vfs(tmp_path, body)

@@ -476,6 +476,7 @@ class Namespace:
             self._require(inode, want, "open")
             if flags & O_TRUNC and inode.type == FILE:
                 await self._truncate(inode, 0, always_stamp=True)
+                self._drop_privileges(inode)  # the kernel leaves this to an O_TRUNC open (atomic_o_trunc)
             if access != O_WRONLY and (inode.atime_ns <= inode.mtime_ns or inode.atime_ns <= inode.ctime_ns
                                        or self.now - inode.atime_ns >= _RELATIME_NS):
                 inode.atime_ns = self.now
@@ -739,30 +740,48 @@ class Namespace:
             inode.size = size
             self._stamp(inode, mtime=True)
 
+    def _drop_privileges(self, inode: mpb.Inode) -> None:
+        """What writing or truncating a regular file does to its mode when the caller is not root
+        (Linux: without CAP_FSETID): setuid goes, and setgid when the group may execute (without
+        group execute, setgid marks mandatory locking, not privilege)."""
+        if inode.type != FILE or self.caller.is_root:
+            return
+        mode = inode.mode & ~S_ISUID
+        if mode & S_IXGRP:
+            mode &= ~S_ISGID
+        if mode != inode.mode:
+            inode.mode = mode
+            self._stamp(inode)
+
     async def setattr(self, req: mpb.SetAttrReq) -> mpb.Inode:
         mask = req.mask
         known = (mpb.SET_MODE | mpb.SET_UID | mpb.SET_GID | mpb.SET_SIZE | mpb.SET_ATIME | mpb.SET_MTIME
-                 | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW)
+                 | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW | mpb.SET_DROP_PRIVILEGES)
         if mask & ~known:
             raise InvalidArgument(f"unknown setattr bits {mask & ~known:#x}")
         inode = await self.resolve(req.target, follow=req.follow)
         caller = self.caller
+        writable_session = False
+        if req.session_id and mask & (mpb.SET_SIZE | mpb.SET_DROP_PRIVILEGES):
+            raw = await self.txn.get(schema.session_key(inode.inode_id, req.session_id))
+            if raw is None:
+                raise BadHandle("unknown or closed file session")
+            writable_session = schema.Session.decode(raw).write
+            if not writable_session:
+                raise BadHandle("the file was not opened for writing")
         if mask & mpb.SET_SIZE:
             if inode.type == DIRECTORY:
                 raise IsADirectory(f"inode {inode.inode_id} is a directory")
             if inode.type != FILE:
                 raise InvalidArgument(f"inode {inode.inode_id} is not a regular file")
-            writable_session = False
-            if req.session_id:
-                raw = await self.txn.get(schema.session_key(inode.inode_id, req.session_id))
-                if raw is None:
-                    raise BadHandle("unknown or closed file session")
-                writable_session = schema.Session.decode(raw).write
-                if not writable_session:
-                    raise BadHandle("the file was not opened for writing")
             if not writable_session:
                 self._require(inode, W_OK, "truncate")
             await self._truncate(inode, req.size)
+            self._drop_privileges(inode)
+        if mask & mpb.SET_DROP_PRIVILEGES:
+            if not writable_session:
+                self._require(inode, W_OK, "write")
+            self._drop_privileges(inode)
         if mask & (mpb.SET_UID | mpb.SET_GID):
             new_uid = req.uid if mask & mpb.SET_UID else inode.uid
             new_gid = req.gid if mask & mpb.SET_GID else inode.gid
@@ -778,11 +797,18 @@ class Namespace:
                     inode.mode &= ~S_ISGID
             self._stamp(inode)
         if mask & mpb.SET_MODE:
-            self._require_owner(inode, "chmod")
             mode = req.mode & PERM_MASK
-            if not caller.is_root and not caller.in_group(inode.gid):
-                mode &= ~S_ISGID
-            inode.mode = mode
+            cleared = inode.mode & ~mode
+            if inode.type == FILE and cleared and not cleared & ~(S_ISUID | S_ISGID) and not mode & ~inode.mode \
+                    and (writable_session or may(inode, caller, W_OK)):
+                # Only setuid/setgid cleared, by someone who may write the file: what the kernel
+                # sends ahead of a write (FUSE without handle_killpriv), as the write itself does.
+                inode.mode = mode
+            else:
+                self._require_owner(inode, "chmod")
+                if not caller.is_root and not caller.in_group(inode.gid):
+                    mode &= ~S_ISGID
+                inode.mode = mode
             self._stamp(inode)
         if mask & (mpb.SET_ATIME | mpb.SET_MTIME | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW):
             explicit = mask & (mpb.SET_ATIME | mpb.SET_MTIME)

@@ -399,12 +399,12 @@ class Vfs:
 
     # -- files -----------------------------------------------------------------------------------
 
-    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str, asked_at: int) -> int:
+    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str, asked_at: int, user: mpb.User) -> int:
         access = flags & O_ACCMODE
         readable = access in (O_RDONLY, O_RDWR)
         writable = access in (O_WRONLY, O_RDWR)
         afile = AsyncFile(self.fs, path, rsp, readable, writable, bool(flags & O_APPEND),
-                          self.config.inflight_per_file)
+                          self.config.inflight_per_file, user)
         fh = next(self._ids)
         self._handles[fh] = _Handle(afile)
         self._remember(rsp.inode, asked_at)
@@ -452,7 +452,7 @@ class Vfs:
             raise _stale(f"inode {inode_id} is no longer where the kernel found it") from None
         if rsp.inode.type == mpb.DIRECTORY:
             raise IsADirectory(f"inode {inode_id} is a directory")
-        return self._register(rsp, flags, f"inode:{inode_id}", asked_at), rsp.inode
+        return self._register(rsp, flags, f"inode:{inode_id}", asked_at, user), rsp.inode
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
                      user: mpb.User) -> tuple[int, mpb.Inode]:
@@ -464,7 +464,7 @@ class Vfs:
         if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
             self._remember_no_capability(rsp.inode.inode_id)
         self.names.saw(parent, name, rsp.inode)
-        return self._register(rsp, flags, name.decode(errors="replace"), asked_at), rsp.inode
+        return self._register(rsp, flags, name.decode(errors="replace"), asked_at, user), rsp.inode
 
     def _handle(self, fh: int) -> _Handle:
         handle = self._handles.get(fh)
