@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -20,9 +21,11 @@ from fs3.common.errors import (
     Unavailable,
     XattrTooLarge,
 )
+from fs3.common.ids import chunk_id
 from fs3.kv.store import prefix_end
-from fs3.kv.txn import OptimisticTxnEngine
+from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
 from fs3.meta import ops, schema
+from fs3.meta.fsck import run_fsck
 from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES
 from fs3.meta.ops import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY
 from fs3.meta.service import MetaService
@@ -304,3 +307,86 @@ def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> Non
     setattr(mask=mpb.SET_DROP_PRIVILEGES, session_id=writer)  # opened for writing before the chmod
     assert mode() == 0o0775
     assert meta.stat("/f").uid == 0
+
+
+# -- fsck ------------------------------------------------------------------------------------------
+
+
+def fsck_with_chunks(meta: Meta, listing: Callable[[], Awaitable[list[tuple[int, bytes]]]],
+                     on_storage: set[bytes]) -> list[str]:
+    async def exists(chain_id: int, cid: bytes) -> bool:
+        return cid in on_storage
+
+    return list(asyncio.run(run_fsck(meta.engine.begin(), listing, meta.engine.begin, exists)).problems)
+
+
+def test_fsck_reports_no_orphan_for_a_file_created_while_it_runs() -> None:
+    """The namespace is read, then storage listed; a file created in between has chunks and no
+    inode in that first read. Real orphans (no inode, no GC job, still on storage) are reported."""
+    meta = Meta()
+    kept = meta.touch("/kept")
+    queued = meta.touch("/queued")
+    meta.run(lambda ns: ns.remove(ref("/queued"), False))  # its chunks wait for GC: not orphans
+    finished = meta.touch("/finished")
+    created: list[int] = []
+    on_storage = {chunk_id(kept.inode_id, 0), chunk_id(queued.inode_id, 0), chunk_id(finished.inode_id, 0),
+                  chunk_id(999_999, 3)}
+
+    async def listing_while_the_namespace_changes() -> list[tuple[int, bytes]]:
+        async def create(txn: Transaction) -> mpb.OpenRsp:
+            env = ops.OpEnv(now_ns=meta.now_ns, caller=ROOT_CALLER, chain_tables={1: [11, 12, 13, 14]})
+            return await ops.Namespace(txn, env).open(ref("/new"), O_CREAT | O_WRONLY, 0o644, 5000, b"n" * 24,
+                                                      CLIENT, 0)
+
+        async def remove_and_collect(txn: Transaction) -> None:
+            env = ops.OpEnv(now_ns=meta.now_ns, caller=ROOT_CALLER)
+            await ops.Namespace(txn, env).remove(ref("/finished"), False)
+            txn.delete(schema.gc_key(finished.inode_id))  # GC already removed its chunks
+
+        created.append((await run_transaction(meta.engine, create)).inode.inode_id)
+        on_storage.add(chunk_id(created[0], 0))
+        await run_transaction(meta.engine, remove_and_collect)
+        listed = sorted(on_storage)
+        on_storage.discard(chunk_id(finished.inode_id, 0))
+        return [(11, cid) for cid in listed]
+
+    problems = fsck_with_chunks(meta, listing_while_the_namespace_changes, on_storage)
+    assert problems == ["chunk 3 of inode 999999 has no live inode (orphan)"]
+    assert created == [5000]
+
+
+def test_fsck_finds_directories_detached_in_a_cycle() -> None:
+    """/a/b with a file inside, then damaged: a's entry moved from the root into b. Every count
+    still adds up (each directory has one name, nlink matches), but nothing is reachable."""
+    meta = Meta()
+    a = meta.mkdir("/a")
+    b = meta.mkdir("/a/b")
+    f = meta.touch("/a/b/f")
+    assert meta.fsck() == []
+
+    async def damage(txn: Transaction) -> None:
+        ns = ops.Namespace(txn, ops.OpEnv(now_ns=meta.now_ns, caller=ROOT_CALLER))
+        root, dir_a, dir_b = [await ns.inode(i) for i in (schema.ROOT_INODE, a.inode_id, b.inode_id)]
+        txn.delete(schema.dentry_key(schema.ROOT_INODE, b"a"))
+        ns.put_entry(b.inode_id, b"a", dir_a)
+        root.nlink -= 1
+        dir_b.nlink += 1
+        dir_a.parent = b.inode_id
+        for inode in (root, dir_a, dir_b):
+            ns.touch(inode)
+        ns.flush()
+
+    asyncio.run(run_transaction(meta.engine, damage))
+    assert meta.fsck() == [
+        f"directory {a.inode_id} is not reachable from the root (its names form a detached cycle)",
+        f"directory {b.inode_id} is not reachable from the root (its names form a detached cycle)",
+        f"inode {f.inode_id} is not reachable from the root: every directory naming it is detached",
+    ]
+
+
+def test_fsck_needs_a_way_to_confirm_orphans() -> None:
+    async def nothing() -> list[tuple[int, bytes]]:
+        return []
+
+    with pytest.raises(InvalidArgument):
+        asyncio.run(run_fsck(Meta().engine.begin(), nothing))

@@ -482,8 +482,9 @@ class MetaService:
         return mpb.RenewClientRsp(lease_ms=self.config.client_lease_ms), _EMPTY
 
     async def fsck(self, req: mpb.FsckReq, payload: memoryview) -> tuple[mpb.FsckRsp, Buffer]:
-        lister = self._list_chunks if req.check_chunks else None
-        return await run_fsck(self.engine.begin(), lister), _EMPTY
+        if not req.check_chunks:
+            return await run_fsck(self.engine.begin()), _EMPTY
+        return await run_fsck(self.engine.begin(), self._list_chunks, self.engine.begin, self._chunk_exists), _EMPTY
 
     # -- storage side effects --------------------------------------------------------------------
 
@@ -656,15 +657,19 @@ class MetaService:
         await run_transaction(self.engine, forget)
         self._gc_wakeup.set()
 
-    async def _list_chunks(self) -> list[bytes]:
-        """Every chunk id stored on any chain (for fsck's orphan check)."""
+    async def _chunk_exists(self, chain_id: int, cid: bytes) -> bool:
+        _, rsp = await self.storage.read(chain_id, cid, 0, 0)
+        return rsp.version > 0
+
+    async def _list_chunks(self) -> list[tuple[int, bytes]]:
+        """Every chunk stored on any chain, with its chain (for fsck's orphan check)."""
         from fs3.rpc.storage_calls import dump_chunk_meta
 
         if self.routing.routing is None:
             await self.routing.refresh()
         routing = self.routing.routing
         assert routing is not None
-        found: set[bytes] = set()
+        found: set[tuple[int, bytes]] = set()
         for chain_id in sorted({c.chain_id for c in routing.chains}):
             _, members = await self.routing.chain(chain_id)
             serving = [m for m in members if m.state.name == "SERVING"]
@@ -673,7 +678,7 @@ class MetaService:
             channel = self.storage.channels.get(serving[-1].address)
             chunks = await dump_chunk_meta(channel, chain_id, serving[-1].target_id, 1000,
                                            self.storage.config.rpc_timeout_ms)
-            found.update(bytes(cid) for cid in chunks)
+            found.update((chain_id, bytes(cid)) for cid in chunks)
         return sorted(found)
 
     # -- background loops ------------------------------------------------------------------------
