@@ -381,24 +381,23 @@ def test_a_file_replaced_by_rename_on_another_mount_opens_as_the_new_file(mount:
     try:
         there = second / work.name
         (work / "ckpt").write_bytes(b"old")
-        assert (there / "ckpt").read_bytes() == b"old"
-        for round_ in range(2):
-            (work / "ckpt.tmp").write_bytes(b"new %d" % round_)
-            os.rename(work / "ckpt.tmp", work / "ckpt")
-            assert (there / "ckpt").read_bytes() == b"new %d" % round_
         with open(there / "ckpt", "rb") as held:  # the old file stays alive while held open
-            (work / "ckpt.tmp").write_bytes(b"newest")
+            (work / "ckpt.tmp").write_bytes(b"new")
             os.rename(work / "ckpt.tmp", work / "ckpt")
-            assert (there / "ckpt").read_bytes() == b"newest"
+            assert (there / "ckpt").read_bytes() == b"new"
             with open(there / "ckpt", "r+b") as f:
                 f.write(b"N")
-            assert held.read() == b"new 1"  # untouched, and still readable by its holder
+            assert held.read() == b"old"  # untouched, and still readable by its holder
             with open(f"/proc/self/fd/{held.fileno()}", "rb") as again:  # reopening it by descriptor works
-                assert again.read() == b"new 1"
-        assert (work / "ckpt").read_bytes() == b"Newest"
+                assert again.read() == b"old"
+        assert (work / "ckpt").read_bytes() == b"New"
+        for round_ in range(2):  # the old file is gone
+            (work / "ckpt.tmp").write_bytes(b"newer %d" % round_)
+            os.rename(work / "ckpt.tmp", work / "ckpt")
+            assert (there / "ckpt").read_bytes() == b"newer %d" % round_
         os.rename(work / "ckpt", work / "moved")
         assert errno_of(os.open, there / "ckpt", os.O_RDONLY) == errno.ENOENT
-        assert (there / "moved").read_bytes() == b"Newest"
+        assert (there / "moved").read_bytes() == b"newer 1"
     finally:
         subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
 

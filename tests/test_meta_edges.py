@@ -70,11 +70,12 @@ class Requests:
 
 def test_a_reference_with_inode_and_name_must_still_match() -> None:
     meta = Meta()
-    f = meta.touch("/f")
+    f = meta.create("/f").inode  # and kept open: the inode outlives its name
     g = meta.touch("/g")
     both = mpb.PathRef(inode_id=f.inode_id, parent=schema.ROOT_INODE, path=b"f")
     assert meta.run(lambda ns: ns.lookup(both, True)).inode_id == f.inode_id
     meta.run(lambda ns: ns.rename(ref("/g"), ref("/f"), 0))  # /f is now g
+    assert meta.run(lambda ns: ns.lookup(mpb.PathRef(inode_id=f.inode_id), True)).nlink == 0
     for stale in (both, mpb.PathRef(inode_id=f.inode_id, parent=schema.ROOT_INODE, path=b"missing")):
         with pytest.raises(NotFound):
             meta.run(lambda ns, r=stale: ns.open(r, O_RDONLY, 0, 0, b"s" * 24, CLIENT, 0))
@@ -266,28 +267,17 @@ def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> Non
     meta = Meta()
     bob = ops.Caller(1001, 1001)
     meta.touch("/f", mode=0o666)
+    setattr, chmod, mode = _mode_helpers(meta, bob)
 
-    def setattr(caller: ops.Caller = bob, **fields: object) -> mpb.Inode:
-        req = mpb.SetAttrReq(target=ref("/f"), **fields)  # type: ignore[arg-type]
-        return meta.run(lambda ns: ns.setattr(req), caller)
-
-    def chmod(mode: int) -> None:
-        setattr(ROOT_CALLER, mask=mpb.SET_MODE, mode=mode)
-
-    def mode() -> int:
-        return meta.stat("/f").mode
-
-    for kept_by_root in (True, False):
-        chmod(0o6777)
-        setattr(ROOT_CALLER if kept_by_root else bob, mask=mpb.SET_DROP_PRIVILEGES)
-        assert mode() == (0o6777 if kept_by_root else 0o0777)
-    chmod(0o6767)  # setgid without group execute is not a privilege: it stays
-    setattr(mask=mpb.SET_DROP_PRIVILEGES)
-    assert mode() == 0o2767
     chmod(0o6777)
     setattr(mask=mpb.SET_SIZE, size=0)  # truncate
     assert mode() == 0o0777
+    chmod(0o6767)  # setgid without group execute is not a privilege: it stays
+    setattr(mask=mpb.SET_SIZE, size=0)
+    assert mode() == 0o2767
     chmod(0o6777)
+    setattr(ROOT_CALLER, mask=mpb.SET_SIZE, size=0)
+    assert mode() == 0o6777
     meta.run(lambda ns: ns.open(ref("/f"), O_WRONLY | O_TRUNC, 0, 0, b"b" * 24, CLIENT, 0), bob)
     assert mode() == 0o0777
     chmod(0o6777)
@@ -297,16 +287,49 @@ def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> Non
     with pytest.raises(NotPermitted):  # anything more is a chmod, and bob does not own the file
         setattr(mask=mpb.SET_MODE, mode=0o0775)
     chmod(0o6775)  # bob may not write it now
-    for fields in ({"mask": mpb.SET_MODE, "mode": 0o0775}, {"mask": mpb.SET_DROP_PRIVILEGES}):
-        with pytest.raises((NotPermitted, PermissionDenied)):
-            setattr(**fields)
+    with pytest.raises(NotPermitted):
+        setattr(mask=mpb.SET_MODE, mode=0o0775)
+    assert mode() == 0o6775 and meta.stat("/f").uid == 0
+
+
+def _mode_helpers(meta: Meta, caller: ops.Caller) -> tuple[Callable[..., mpb.Inode], Callable[[int], None],
+                                                           Callable[[], int]]:
+    def setattr(as_caller: ops.Caller = caller, **fields: Any) -> mpb.Inode:
+        req = mpb.SetAttrReq(target=ref("/f"), **fields)
+        return meta.run(lambda ns: ns.setattr(req), as_caller)
+
+    def chmod(mode: int) -> None:
+        setattr(ROOT_CALLER, mask=mpb.SET_MODE, mode=mode)
+
+    def mode() -> int:
+        return meta.stat("/f").mode
+
+    return setattr, chmod, mode
+
+
+def test_a_client_drops_setuid_and_setgid_before_its_first_write() -> None:
+    """SET_DROP_PRIVILEGES: what the client library sends before a handle's first write; it needs
+    write permission or a handle open for writing, and does nothing for root."""
+    meta = Meta()
+    bob = ops.Caller(1001, 1001)
+    meta.touch("/f", mode=0o666)
+    setattr, chmod, mode = _mode_helpers(meta, bob)
+    for kept_by_root in (True, False):
+        chmod(0o6777)
+        setattr(ROOT_CALLER if kept_by_root else bob, mask=mpb.SET_DROP_PRIVILEGES)
+        assert mode() == (0o6777 if kept_by_root else 0o0777)
+    chmod(0o6767)
+    setattr(mask=mpb.SET_DROP_PRIVILEGES)
+    assert mode() == 0o2767
+    chmod(0o6775)  # bob may not write it now
+    with pytest.raises(PermissionDenied):
+        setattr(mask=mpb.SET_DROP_PRIVILEGES)
     session = meta.run(lambda ns: ns.open(ref("/f"), O_RDONLY, 0, 0, b"r" * 24, CLIENT, 0), bob).session_id
     with pytest.raises(BadHandle):  # a read-only handle does not count
         setattr(mask=mpb.SET_DROP_PRIVILEGES, session_id=session)
     writer = meta.run(lambda ns: ns.open(ref("/f"), O_WRONLY, 0, 0, b"w" * 24, CLIENT, 0), ROOT_CALLER).session_id
-    setattr(mask=mpb.SET_DROP_PRIVILEGES, session_id=writer)  # opened for writing before the chmod
+    setattr(mask=mpb.SET_DROP_PRIVILEGES, session_id=writer)  # a handle opened for writing before the chmod
     assert mode() == 0o0775
-    assert meta.stat("/f").uid == 0
 
 
 # -- fsck ------------------------------------------------------------------------------------------
