@@ -331,6 +331,20 @@ def test_hard_links_and_this_mounts_own_renames_keep_opens_working(tmp_path: Pat
         await b.release(fh)
         b.forget([f.inode_id])
         assert b.names.of(f.inode_id) == []
+        # Every name of a file held open removed elsewhere: one ESTALE drops them all, so the
+        # kernel's one retry (here a reopen through /proc/self/fd, by no name) opens the file.
+        k = await write_file(a, ROOT, b"k", b"kept")
+        await a.link(k.inode_id, ROOT, b"k2", ME)
+        for name in (b"k", b"k2"):
+            await b.lookup(ROOT, name, ME)
+        held, _ = await b.open(k.inode_id, O_RDONLY, ME)
+        await a.unlink(ROOT, b"k", ME)
+        await a.unlink(ROOT, b"k2", ME)
+        with pytest.raises(OSError) as info:
+            await b.open(k.inode_id, O_RDONLY, ME)
+        assert stale(info)
+        assert await read_file(b, k.inode_id) == b"kept"
+        await b.release(held)
 
     with_two_mounts(tmp_path, body)
 

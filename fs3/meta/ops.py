@@ -599,7 +599,7 @@ class Namespace:
 
         At most :data:`ANCESTOR_WALK_MAX` links are followed here; above that, the answer must come
         from the service's walk (:class:`Ancestry`), read while no directory moved — this
-        transaction reads the stamp of the last move, so one that commits meanwhile conflicts.
+        transaction reads the directory-move counter, so a move that commits meanwhile conflicts.
         """
         current = directory
         for _ in range(ANCESTOR_WALK_MAX):
@@ -608,8 +608,8 @@ class Namespace:
             if current.inode_id == schema.ROOT_INODE:
                 return False
             current = await self.inode(current.parent)
-        if current.inode_id == ancestor_id:
-            return True
+        if current.inode_id in (ancestor_id, schema.ROOT_INODE):
+            return current.inode_id == ancestor_id
         moves = await self.txn.get(schema.directory_moves_key()) or b""
         if self.ancestry is not None and self.ancestry.moves == moves:
             known = self.ancestry.above.get((current.inode_id, ancestor_id))

@@ -15,8 +15,8 @@ key                                                    value
 ``TRNC`` + inode_id(8)                                 :class:`GcJob`: a truncate in progress
 ``IDEM`` + client_id(16) + request_id(8)               :class:`IdemRecord`: a committed answer
 ``CNTR`` + name                                        a counter (8 bytes)
-``CNTR`` + ``directory_moves``                         stamp of the last rename that gave a
-                                                       directory a new parent (16 bytes)
+``CNTR`` + ``directory_moves``                         renames that gave a directory a new
+                                                       parent (8 bytes)
 =====================================================  ==========================================
 
 A session id is the opening request's ``client_id + request_id``: unique and known to the
@@ -200,7 +200,7 @@ def counter_key(name: str) -> bytes:
 
 
 def directory_moves_key() -> bytes:
-    """Written by every rename that changes a directory's parent: a walk of parent links spread
+    """Counted up by every rename that changes a directory's parent: a walk of parent links spread
     over several transactions is still one consistent walk while this value stays the same."""
     return counter_key("directory_moves")
 

@@ -420,18 +420,14 @@ class Vfs:
         names of a hard-linked file are checked by lookups first. See :class:`KernelNames`.
         """
         names = self.names.of(inode_id)
-        for parent, name in names[1:]:
-            try:
-                found = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
-                                                mpb.InodeRsp, user)
-                current = found.inode.inode_id == inode_id
-            except PermissionDenied:
-                continue  # the caller cannot search that directory: it did not come by this name
-            except NotFound:
-                current = False
-            if not current:
-                self.names.stale(parent, name)
-                raise _stale(f"{name.decode(errors='replace')!r} no longer names inode {inode_id}")
+        if len(names) > 1:
+            stale = [n for n in names[1:] if not await self._still_names(*n, inode_id, user)]
+            if stale:
+                if not await self._still_names(*names[0], inode_id, user):
+                    stale.append(names[0])
+                for parent, name in stale:  # all of them: the kernel tries once more, by any name
+                    self.names.stale(parent, name)
+                raise _stale(f"{len(stale)} of the names of inode {inode_id} lead elsewhere now")
         asked_at = self._attr_changes
         req = mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id), flags=flags & ~O_CREAT)
         if names:
@@ -465,6 +461,18 @@ class Vfs:
             self._remember_no_capability(rsp.inode.inode_id)
         self.names.saw(parent, name, rsp.inode)
         return self._register(rsp, flags, name.decode(errors="replace"), asked_at, user), rsp.inode
+
+    async def _still_names(self, parent: int, name: bytes, inode_id: int, user: mpb.User) -> bool:
+        """Whether ``parent``/``name`` still leads to ``inode_id`` (True when the caller cannot
+        search ``parent``: then it did not come by that name)."""
+        try:
+            found = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
+                                            mpb.InodeRsp, user)
+        except PermissionDenied:
+            return True
+        except NotFound:
+            return False
+        return found.inode.inode_id == inode_id
 
     def _handle(self, fh: int) -> _Handle:
         handle = self._handles.get(fh)
