@@ -213,6 +213,32 @@ def test_permissions_for_other_users_and_the_sticky_bit(work: Path) -> None:
     assert os.stat(shared / "nobodys").st_uid == NOBODY and (shared / "roots").exists()
 
 
+def test_writes_by_other_users_drop_setuid_and_setgid(work: Path) -> None:
+    """POSIX and Linux: a write or truncate by a process without CAP_FSETID clears setuid, and
+    setgid when the group may execute; root's writes keep them."""
+    tool = work / "tool"
+    tool.write_bytes(b"#!/bin/sh\n")
+    os.chmod(tool, 0o6777)
+    with open(tool, "ab") as f:  # root
+        f.write(b"true\n")
+    assert stat.S_IMODE(os.stat(tool).st_mode) == 0o6777
+    wrote = as_user(NOBODY, "import os\nfd = os.open('tool', os.O_WRONLY | os.O_APPEND)\n"
+                            "print(os.write(fd, b'exit 0\\n'))\nos.close(fd)\n", work)
+    assert wrote.stdout.split() == ["7"], wrote.stderr
+    assert stat.S_IMODE(os.stat(tool).st_mode) == 0o0777
+    assert tool.read_bytes() == b"#!/bin/sh\ntrue\nexit 0\n"
+    for mode, after in ((0o6777, 0o0777), (0o6767, 0o2767)):  # setgid without group execute is no privilege
+        os.chmod(tool, mode)
+        truncated = as_user(NOBODY, "import os\nos.close(os.open('tool', os.O_WRONLY | os.O_TRUNC))\n", work)
+        assert truncated.returncode == 0, truncated.stderr
+        assert stat.S_IMODE(os.stat(tool).st_mode) == after and os.stat(tool).st_size == 0
+    os.chmod(tool, 0o6777)
+    denied = as_user(NOBODY, "import os\ntry:\n os.chmod('tool', 0o0775)\n"
+                             "except PermissionError as e: print(e.errno)\n", work)
+    assert denied.stdout.split() == [str(errno.EPERM)], denied.stderr  # any other chmod stays the owner's
+    assert stat.S_IMODE(os.stat(tool).st_mode) == 0o6777
+
+
 # -- real programs -----------------------------------------------------------------------------------
 
 
@@ -336,6 +362,42 @@ def test_close_to_open_consistency_between_two_mounts(mount: tuple[LocalCluster,
             assert there.stat().st_size == len(payload)
         there.write_bytes(b"back")
         assert (work / "shared").read_bytes() == b"back"
+    finally:
+        subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
+
+
+def test_a_file_replaced_by_rename_on_another_mount_opens_as_the_new_file(mount: tuple[LocalCluster, Path],
+                                                                          work: Path, tmp_path: Path) -> None:
+    """Write-temporary-then-rename (editors, git, checkpoint writers) on one mount; the other mount's
+    kernel still maps the name to the old file (its entry timeout is long here, so it surely does)
+    and must open the new file all the same: gone old file, or old file still held open."""
+    cluster, _ = mount
+    second = tmp_path / "second"
+    second.mkdir()
+    started = subprocess.run([sys.executable, "-m", "fs3.cli.main", "mount", cluster.mgmtd_address, str(second),
+                              "--token", "t", "--entry-timeout-s", "600", "--log", str(tmp_path / "second.log")],
+                             capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    try:
+        there = second / work.name
+        (work / "ckpt").write_bytes(b"old")
+        with open(there / "ckpt", "rb") as held:  # the old file stays alive while held open
+            (work / "ckpt.tmp").write_bytes(b"new")
+            os.rename(work / "ckpt.tmp", work / "ckpt")
+            assert (there / "ckpt").read_bytes() == b"new"
+            with open(there / "ckpt", "r+b") as f:
+                f.write(b"N")
+            assert held.read() == b"old"  # untouched, and still readable by its holder
+            with open(f"/proc/self/fd/{held.fileno()}", "rb") as again:  # reopening it by descriptor works
+                assert again.read() == b"old"
+        assert (work / "ckpt").read_bytes() == b"New"
+        for round_ in range(2):  # the old file is gone
+            (work / "ckpt.tmp").write_bytes(b"newer %d" % round_)
+            os.rename(work / "ckpt.tmp", work / "ckpt")
+            assert (there / "ckpt").read_bytes() == b"newer %d" % round_
+        os.rename(work / "ckpt", work / "moved")
+        assert errno_of(os.open, there / "ckpt", os.O_RDONLY) == errno.ENOENT
+        assert (there / "moved").read_bytes() == b"newer 1"
     finally:
         subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
 

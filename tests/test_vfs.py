@@ -203,3 +203,184 @@ def test_attributes_are_answered_from_memory_until_this_mount_changes_them(tmp_p
         await vfs.getattr(inode.inode_id, ME)
         assert calls == ["BatchStat"]
     with_vfs(tmp_path, body)
+
+
+def with_two_mounts(tmp_path: Path, body: Callable[[Vfs, Vfs], Awaitable[None]]) -> None:
+    """Two mounts (two clients) of one in-process cluster."""
+    async def main() -> None:
+        config = MetaServiceConfig(root_mode=0o777)
+        async with InProcessCluster(tmp_path, targets_per_node=2, with_meta=True, meta_config=config) as cluster:
+            fs_a = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            fs_b = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            await fs_a.set_layout("/", chunk_size=CHUNK)
+            dropped: list[tuple[int, bytes]] = []
+            a, b = Vfs(fs_a), Vfs(fs_b, drop_entry=lambda parent, name: dropped.append((parent, name)))
+            b.dropped = dropped  # type: ignore[attr-defined]
+            try:
+                await body(a, b)
+            finally:
+                await a.close()
+                await b.close()
+                await fs_a.close()
+                await fs_b.close()
+
+    asyncio.run(main())
+
+
+async def write_file(vfs: Vfs, parent: int, name: bytes, data: bytes) -> mpb.Inode:
+    fh, inode = await vfs.create(parent, name, 0o644, O_WRONLY, ME)
+    await vfs.write(fh, 0, data)
+    await vfs.flush(fh)
+    await vfs.release(fh)
+    return inode
+
+
+async def read_file(vfs: Vfs, inode_id: int) -> bytes:
+    fh, _ = await vfs.open(inode_id, O_RDONLY, ME)
+    try:
+        return await vfs.read(fh, 0, 1 << 20)
+    finally:
+        await vfs.release(fh)
+
+
+def stale(exc: pytest.ExceptionInfo[OSError]) -> bool:
+    return exc.value.errno == errno.ESTALE
+
+
+def test_an_open_through_a_name_another_mount_replaced_is_estale(tmp_path: Path) -> None:
+    """Write-temporary-then-rename on mount A; mount B's kernel still maps the name to the old inode
+    and opens that inode: B answers ESTALE (the kernel then looks the name up again), whether the
+    old inode is gone or still held open, and opens nothing through the stale name."""
+    async def body(a: Vfs, b: Vfs) -> None:
+        old = await write_file(a, ROOT, b"ckpt", b"old")
+        assert (await b.lookup(ROOT, b"ckpt", ME)).inode_id == old.inode_id  # B's kernel caches the name
+        assert await read_file(b, old.inode_id) == b"old"
+        new = await write_file(a, ROOT, b"ckpt.tmp", b"new")
+        await a.rename(ROOT, b"ckpt.tmp", ROOT, b"ckpt", 0, ME)
+        with pytest.raises(OSError) as info:  # the old inode is gone
+            await b.open(old.inode_id, O_RDONLY, ME)
+        assert stale(info)
+        assert b.dropped == [(ROOT, b"ckpt")]  # type: ignore[attr-defined]
+        # The kernel's second try looks the name up again and opens the new file.
+        assert (await b.lookup(ROOT, b"ckpt", ME)).inode_id == new.inode_id
+        assert await read_file(b, new.inode_id) == b"new"
+
+        # The old file still held open (here by B itself): it exists, but the name is not its own.
+        held, _ = await b.open(new.inode_id, O_RDONLY, ME)
+        newer = await write_file(a, ROOT, b"ckpt.tmp", b"newer")
+        await a.rename(ROOT, b"ckpt.tmp", ROOT, b"ckpt", 0, ME)
+        with pytest.raises(OSError) as info:
+            await b.open(new.inode_id, O_RDWR | os.O_TRUNC, ME)
+        assert stale(info)
+        assert await b.read(held, 0, 100) == b"new"  # neither truncated nor lost for its holder
+        # A file with no name the kernel could have used (reopened through /proc/self/fd) opens by inode.
+        reopened, _ = await b.open(new.inode_id, O_RDONLY, ME)
+        assert await b.read(reopened, 0, 100) == b"new"
+        await b.release(reopened)
+        await b.release(held)
+        assert (await b.lookup(ROOT, b"ckpt", ME)).inode_id == newer.inode_id
+        assert await read_file(b, newer.inode_id) == b"newer"
+
+        # Renamed away, or removed: ESTALE, then the kernel's lookup finds nothing (ENOENT).
+        await a.rename(ROOT, b"ckpt", ROOT, b"elsewhere", 0, ME)
+        with pytest.raises(OSError) as info:
+            await b.open(newer.inode_id, O_RDONLY, ME)
+        assert stale(info)
+        with pytest.raises(NotFound):
+            await b.lookup(ROOT, b"ckpt", ME)
+        # An inode that is gone is ESTALE for every inode-addressed call, never ENOENT.
+        await a.unlink(ROOT, b"elsewhere", ME)
+        gone = await write_file(a, ROOT, b"gone", b"")
+        await a.unlink(ROOT, b"gone", ME)
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: b.getattr(gone.inode_id, ME), lambda: b.setattr(newer.inode_id, ME, mode=0o600),
+            lambda: b.listxattr(newer.inode_id, ME), lambda: b.open(newer.inode_id, O_RDONLY, ME)]
+        for call in calls:
+            with pytest.raises(OSError) as info:
+                await call()
+            assert stale(info)
+
+    with_two_mounts(tmp_path, body)
+
+
+def test_hard_links_and_this_mounts_own_renames_keep_opens_working(tmp_path: Path) -> None:
+    async def body(a: Vfs, b: Vfs) -> None:
+        d = await a.mkdir(ROOT, b"d", 0o777, ME)
+        f = await write_file(a, ROOT, b"f", b"data")
+        await a.link(f.inode_id, d.inode_id, b"g", ME)
+        assert (await b.lookup(ROOT, b"f", ME)).inode_id == f.inode_id
+        assert (await b.lookup(d.inode_id, b"g", ME)).inode_id == f.inode_id
+        assert await read_file(b, f.inode_id) == b"data"  # both names checked, both good
+        await a.unlink(ROOT, b"f", ME)  # one name gone: the kernel may have come by it
+        with pytest.raises(OSError) as info:
+            await b.open(f.inode_id, O_RDONLY, ME)
+        assert stale(info)
+        assert await read_file(b, f.inode_id) == b"data"  # its retry comes by the other name
+        # This mount's own renames move its names as the kernel moves its entries.
+        await b.rename(d.inode_id, b"g", ROOT, b"h", 0, ME)
+        assert await read_file(b, f.inode_id) == b"data"
+        e = await write_file(b, ROOT, b"e", b"other")
+        await b.rename(ROOT, b"e", ROOT, b"h", mpb.RENAME_EXCHANGE, ME)
+        assert await read_file(b, f.inode_id) == b"data" and await read_file(b, e.inode_id) == b"other"
+        assert b.names.of(e.inode_id) == [(ROOT, b"h")] and b.names.of(f.inode_id) == [(ROOT, b"e")]
+        # A name the opener cannot search is not the one it came by.
+        private = await b.mkdir(ROOT, b"private", 0o700, ME)
+        await b.link(f.inode_id, private.inode_id, b"p", ME)
+        await b.setattr(f.inode_id, ME, mode=0o644)
+        fh, _ = await b.open(f.inode_id, O_RDONLY, ALICE)
+        await b.release(fh)
+        b.forget([f.inode_id])
+        assert b.names.of(f.inode_id) == []
+        # Every name of a file held open removed elsewhere: one ESTALE drops them all, so the
+        # kernel's one retry (here a reopen through /proc/self/fd, by no name) opens the file.
+        k = await write_file(a, ROOT, b"k", b"kept")
+        await a.link(k.inode_id, ROOT, b"k2", ME)
+        for name in (b"k", b"k2"):
+            await b.lookup(ROOT, name, ME)
+        held, _ = await b.open(k.inode_id, O_RDONLY, ME)
+        await a.unlink(ROOT, b"k", ME)
+        await a.unlink(ROOT, b"k2", ME)
+        with pytest.raises(OSError) as info:
+            await b.open(k.inode_id, O_RDONLY, ME)
+        assert stale(info)
+        assert await read_file(b, k.inode_id) == b"kept"
+        await b.release(held)
+
+    with_two_mounts(tmp_path, body)
+
+
+def test_kernel_names_are_bounded_and_a_young_name_dropped_leaves_the_kernel_too() -> None:
+    from fs3.vfs import KernelNames
+
+    async def main() -> None:
+        dropped: list[tuple[int, bytes]] = []
+        names = KernelNames(1.0, lambda parent, name: dropped.append((parent, name)), names_max=3,
+                            per_inode_max=2)
+        for i in range(5):
+            names.saw(ROOT, b"f%d" % i, mpb.Inode(inode_id=100 + i, type=mpb.FILE))
+        assert len(names) == 3 and dropped == [(ROOT, b"f0"), (ROOT, b"f1")]
+        for i in range(3):
+            names.saw(ROOT, b"h%d" % i, mpb.Inode(inode_id=7, type=mpb.FILE))
+        assert names.of(7) == [(ROOT, b"h2"), (ROOT, b"h1")] and (ROOT, b"h0") in dropped
+        names.saw(ROOT, b"h2", mpb.Inode(inode_id=8, type=mpb.DIRECTORY))  # now a directory: not kept
+        assert names.of(7) == [(ROOT, b"h1")] and names.inode_at(ROOT, b"h2") == 0
+
+    asyncio.run(main())
+
+
+def test_a_write_by_anyone_but_root_drops_setuid_and_setgid(tmp_path: Path) -> None:
+    """The client library asks meta before a handle's first write (the kernel does the same
+    through a mount); root's writes keep the bits, as CAP_FSETID does on Linux."""
+    async def body(vfs: Vfs) -> None:
+        fh, inode = await vfs.create(ROOT, b"tool", 0o755, O_WRONLY, ME)
+        await vfs.release(fh)
+        for writer, kept in ((ME, True), (ALICE, False)):
+            await vfs.setattr(inode.inode_id, ME, mode=0o6777)
+            fh, _ = await vfs.open(inode.inode_id, O_WRONLY, writer)
+            assert stat.S_IMODE((await vfs.getattr(inode.inode_id, ME)).mode) == 0o6777  # opening changes nothing
+            await vfs.write(fh, 0, b"x")
+            await vfs.write(fh, 1, b"y")
+            await vfs.release(fh)
+            assert stat.S_IMODE((await vfs.getattr(inode.inode_id, ME)).mode) == (0o6777 if kept else 0o0777)
+
+    with_vfs(tmp_path, body)

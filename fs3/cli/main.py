@@ -227,6 +227,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _cache_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds: {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fs3", description="fs3: a Python implementation of 3FS.")
     sub = parser.add_subparsers(dest="service", required=True)
@@ -263,6 +273,10 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--log-level", default="INFO")
     mount.add_argument("--readahead-kb", type=_non_negative_int, default=0,
                        help="kernel read-ahead for the mount in KiB (root only; default 0: the kernel's 128 KiB)")
+    mount.add_argument("--entry-timeout-s", type=_cache_seconds, default=1.0,
+                       help="how long the kernel may use a name -> file answer without asking (default 1)")
+    mount.add_argument("--attr-timeout-s", type=_cache_seconds, default=1.0,
+                       help="how long the kernel and the mount may keep a file's attributes (default 1)")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
     umount.add_argument("mountpoint")
@@ -365,7 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             options = MountOptions(token=args.token or os.environ.get("FS3_TOKEN"), transport=args.transport,
                                    allow_other=args.allow_other, log_level=args.log_level,
-                                   readahead_kb=args.readahead_kb)
+                                   readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
+                                   attr_timeout_s=args.attr_timeout_s)
             if args.foreground:
                 return run_foreground(args.mgmtd, args.mountpoint, options, args.ready_file)
             pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)

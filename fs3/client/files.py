@@ -39,6 +39,7 @@ __all__ = ["AsyncFile"]
 log = logging.getLogger(__name__)
 
 _READAHEAD_MIN_BYTES = 128 * 1024
+_S_ISUID, _S_ISGID, _S_IXGRP = 0o4000, 0o2000, 0o010
 _HINT_INTERVAL_S = 1.0
 
 
@@ -46,8 +47,10 @@ class AsyncFile:
     """A binary file open on fs3 (``await fs.open(path, "rb")``)."""
 
     def __init__(self, fs: AsyncFileSystem, path: str, rsp: mpb.OpenRsp, readable: bool, writable: bool,
-                 append: bool, inflight_max: int = 8) -> None:
+                 append: bool, inflight_max: int = 8, user: mpb.User | None = None) -> None:
+        """``user``: who opened the file (default: the client's identity)."""
         self.fs = fs
+        self.user = user if user is not None else fs.meta.user()
         self.name = path
         self.inode = rsp.inode
         self.session_id = rsp.session_id
@@ -62,6 +65,10 @@ class AsyncFile:
         self._pos = 0
         self._length = rsp.inode.size
         self._wrote = False
+        # A write by anyone but root drops setuid (and group-executable setgid) first, as on Linux.
+        mode = rsp.inode.mode
+        self._drop_privileges = writable and self.user.uid != 0 and rsp.inode.type == mpb.FILE and bool(
+            mode & _S_ISUID or (mode & _S_ISGID and mode & _S_IXGRP))
         self._written_end = 0
         # Writes made, and how many of them meta has an exact length for (after a flush): a close
         # with nothing new to publish spares meta a probe of storage.
@@ -222,6 +229,11 @@ class AsyncFile:
         total = len(view)
         if pos + total > max_file_size(self.layout):
             raise FileTooLarge(f"writing past {max_file_size(self.layout)} bytes, the largest file this layout allows")
+        if total and self._drop_privileges:
+            await self.fs.meta.call("SetAttr", mpb.SetAttrReq(
+                target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_DROP_PRIVILEGES,
+                session_id=self.session_id), mpb.InodeRsp, self.user)
+            self._drop_privileges = False
         offset = 0
         chunk_size = self.chunk_size
         while offset < total:

@@ -141,7 +141,9 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
 
         fs = await fs3.aio.connect(mgmtd, token=options.token, transport=options.transport)
         vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
-                                inflight_per_file=options.inflight_per_file))
+                                inflight_per_file=options.inflight_per_file),
+                  # From a worker thread: the kernel may hold the directory while a request runs.
+                  drop_entry=lambda parent, name: pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True))
         fuse_options = set(pyfuse3.default_options) | {"fsname=fs3", "subtype=fs3"}
         allow_other = os.geteuid() == 0 if options.allow_other is None else options.allow_other
         if allow_other:
@@ -185,7 +187,8 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
     # -P: never import from the current directory (a stray ./fs3 there must not shadow the package).
     args = [sys.executable, "-P", "-m", "fs3.cli.main", "mount", mgmtd, str(target), "--foreground",
             "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level,
-            "--readahead-kb", str(options.readahead_kb)]
+            "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
+            "--attr-timeout-s", str(options.attr_timeout_s)]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
     env = dict(os.environ)

@@ -117,9 +117,11 @@ class FS3Operations(pyfuse3.Operations):
         return self.attributes(await self.vfs.lookup(parent_inode, name, _user(ctx)))
 
     async def forget(self, inode_list: Any) -> None:
-        # Inodes live in meta; nothing is pinned by lookups here. Drop what we told the kernel.
+        # Inodes live in meta; nothing is pinned by lookups here. Drop what we told the kernel
+        # (attributes, and the names the Vfs checks opens against).
         for inode, _ in inode_list:
             self._told.pop(inode, None)
+        self.vfs.forget([inode for inode, _ in inode_list])
 
     @_errors
     async def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:

@@ -4,14 +4,20 @@ Reads the whole namespace through one transaction and checks the invariants ever
 keeps: each entry's parent is a directory and its inode exists with the entry's type; a file's
 ``nlink`` equals the entries naming it (0 only while sessions keep it open); a directory is
 named exactly once, knows its parent, and has ``nlink`` = 2 + its subdirectories; every inode
-but the root is reachable; sessions, xattrs and jobs belong to live inodes; and, when asked,
-no chunk on storage belongs to an inode that is neither live nor queued for GC.
+but the root is reachable from the root (following entries: directories whose names form a
+detached cycle are not); sessions, xattrs and jobs belong to live inodes; and, when asked, no
+chunk on storage belongs to an inode that is neither live nor queued for GC.
+
+The namespace is read before storage is listed, and the cluster keeps running: a file created
+in between has chunks but no inode in what was read. So a chunk is called an orphan only if,
+after the listing, a fresh read still finds neither its inode nor a GC job for it *and* the
+chunk is still on storage (GC removes chunks before it drops the job).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
@@ -23,13 +29,44 @@ from fs3.meta import schema
 __all__ = ["run_fsck"]
 
 _PROBLEMS_MAX = 1000
+# Chunks that look orphaned and are checked again (a fresh read, then storage); past this many
+# the rest are counted, not named (the report names at most _PROBLEMS_MAX problems anyway).
+_SUSPECTS_MAX = _PROBLEMS_MAX
+
+ChunkLister = Callable[[], Awaitable[list[tuple[int, bytes]]]]
+ChunkExists = Callable[[int, bytes], Awaitable[bool]]
 
 
 async def _scan_all(txn: Transaction, prefix: bytes) -> list[tuple[bytes, bytes]]:
     return await txn.scan(prefix, prefix_end(prefix))
 
 
-async def run_fsck(txn: Transaction, list_chunks: Callable[[], Awaitable[list[bytes]]] | None = None) -> mpb.FsckRsp:
+def _unreachable_directories(directories: Iterable[int], dir_parent: dict[int, int]) -> set[int]:
+    """Directories no chain of entries leads to from the root (named in a detached cycle, or
+    under one, or not named at all). Each directory is visited once: linear time and memory."""
+    reachable: dict[int, bool] = {schema.ROOT_INODE: True}
+    for start in directories:
+        path: list[int] = []
+        on_path: set[int] = set()
+        current: int | None = start
+        while current is not None and current not in reachable and current not in on_path:
+            path.append(current)
+            on_path.add(current)
+            current = dir_parent.get(current)
+        answer = current is not None and reachable.get(current, False)  # on_path: a cycle
+        for directory in path:
+            reachable[directory] = answer
+    return {d for d, ok in reachable.items() if not ok}
+
+
+async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
+                   begin: Callable[[], Transaction] | None = None,
+                   chunk_exists: ChunkExists | None = None) -> mpb.FsckRsp:
+    """Check the namespace read through ``txn``; with ``list_chunks`` ((chain, chunk id) pairs),
+    also look for orphaned chunks, confirmed through ``begin`` (a fresh transaction) and
+    ``chunk_exists`` (storage) so that a namespace changing meanwhile reports nothing false."""
+    if list_chunks is not None and (begin is None or chunk_exists is None):
+        raise InvalidArgument("checking chunks needs a fresh transaction and storage to confirm orphans")
     problems: list[str] = []
 
     def problem(text: str) -> None:
@@ -49,6 +86,7 @@ async def run_fsck(txn: Transaction, list_chunks: Callable[[], Awaitable[list[by
     names: Counter[int] = Counter()
     subdirs: Counter[int] = Counter()
     dir_parent: dict[int, int] = {}
+    file_parents: dict[int, list[int]] = {}
     dentries = 0
     for key, raw in await _scan_all(txn, schema.dentry_prefix()):
         dentries += 1
@@ -70,6 +108,8 @@ async def run_fsck(txn: Transaction, list_chunks: Callable[[], Awaitable[list[by
         if target.type == mpb.DIRECTORY:
             subdirs[parent_id] += 1
             dir_parent[entry.inode_id] = parent_id
+        else:
+            file_parents.setdefault(entry.inode_id, []).append(parent_id)
 
     sessions: Counter[int] = Counter()
     session_count = 0
@@ -98,6 +138,14 @@ async def run_fsck(txn: Transaction, list_chunks: Callable[[], Awaitable[list[by
             if names[inode_id] == 0 and not sessions[inode_id]:
                 problem(f"inode {inode_id} is unreachable and not open")
 
+    detached = _unreachable_directories((i for i, n in inodes.items() if n.type == mpb.DIRECTORY), dir_parent)
+    for inode_id in sorted(detached):
+        if names[inode_id]:  # a directory without a name is reported above
+            problem(f"directory {inode_id} is not reachable from the root (its names form a detached cycle)")
+    for inode_id, parents in sorted(file_parents.items()):
+        if all(p in detached for p in parents):
+            problem(f"inode {inode_id} is not reachable from the root: every directory naming it is detached")
+
     for prefix, what in ((schema.gc_prefix(), "gc"), (schema.truncate_prefix(), "truncate")):
         for key, _ in await _scan_all(txn, prefix):
             inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
@@ -115,7 +163,10 @@ async def run_fsck(txn: Transaction, list_chunks: Callable[[], Awaitable[list[by
 
     chunk_count = 0
     if list_chunks is not None:
-        for cid in await list_chunks():
+        assert begin is not None and chunk_exists is not None
+        suspects: list[tuple[int, bytes, int, int]] = []
+        unconfirmed = 0
+        for chain_id, cid in await list_chunks():
             chunk_count += 1
             try:
                 inode_id, index = parse_chunk_id(cid)
@@ -123,9 +174,22 @@ async def run_fsck(txn: Transaction, list_chunks: Callable[[], Awaitable[list[by
                 problem(f"chunk {cid.hex()} is not a file chunk id")
                 continue
             if inode_id not in inodes and inode_id not in gc_pending:
-                problem(f"chunk {index} of inode {inode_id} has no live inode (orphan)")
+                if len(suspects) < _SUSPECTS_MAX:
+                    suspects.append((chain_id, cid, inode_id, index))
+                else:
+                    unconfirmed += 1
             elif inode_id in inodes and inodes[inode_id].type != mpb.FILE:
                 problem(f"chunk {index} belongs to inode {inode_id}, which is not a file")
+        fresh = begin()
+        accounted: dict[int, bool] = {}
+        for chain_id, cid, inode_id, index in suspects:
+            if inode_id not in accounted:  # created, or deleted and queued, after the first read
+                accounted[inode_id] = (await fresh.get(schema.inode_key(inode_id)) is not None
+                                       or await fresh.get(schema.gc_key(inode_id)) is not None)
+            if not accounted[inode_id] and await chunk_exists(chain_id, cid):
+                problem(f"chunk {index} of inode {inode_id} has no live inode (orphan)")
+        if unconfirmed:
+            problem(f"{unconfirmed} more chunks without a live inode were not checked again")
 
     return mpb.FsckRsp(problems=problems, inodes=len(inodes), dentries=dentries, chunks=chunk_count,
                        sessions=session_count, gc_pending=len(gc_pending))

@@ -43,6 +43,7 @@ from fs3.meta import schema
 from fs3.meta.layout import file_layout, max_file_size, validate_dir_layout
 
 __all__ = [
+    "ANCESTOR_WALK_MAX",
     "O_ACCMODE",
     "O_APPEND",
     "O_CREAT",
@@ -53,6 +54,8 @@ __all__ = [
     "O_RDWR",
     "O_TRUNC",
     "O_WRONLY",
+    "Ancestry",
+    "AncestryUnknown",
     "Caller",
     "Namespace",
     "OpEnv",
@@ -83,7 +86,13 @@ SYMLINK_FOLLOW_MAX = 40
 LINK_MAX = 65_000
 XATTR_NAME_MAX_BYTES = 255
 XATTR_VALUE_MAX_BYTES = 64 * 1024
+# Linux's limit for one listxattr answer (names and their NULs): a longer list is E2BIG.
+XATTR_LIST_MAX_BYTES = 64 * 1024
+_XATTR_LIST_PAGE = 64  # attributes read at a time (values come with them: at most 4 MiB)
 READDIR_LIMIT_MAX = 10_000
+# Parent links one transaction follows. Linux has no depth limit for directory trees; a rename
+# that must look further above its destination has the service walk on (:class:`AncestryUnknown`).
+ANCESTOR_WALK_MAX = 1024
 _RELATIME_NS = 24 * 3600 * 1_000_000_000
 
 DIRECTORY = mpb.DIRECTORY
@@ -165,6 +174,32 @@ def may(inode: mpb.Inode, caller: Caller, want: int) -> bool:
     return bits & want == want
 
 
+class AncestryUnknown(Exception):
+    """Whether ``ancestor`` is above directory ``start`` is further up than one transaction looks.
+
+    The service follows the parent links from ``start`` in bounded read transactions and runs
+    the operation again with the answer (:class:`Ancestry`): the tree may be as deep as users
+    make it, while no transaction reads more than :data:`ANCESTOR_WALK_MAX` inodes for it.
+    """
+
+    def __init__(self, start: int, ancestor: int) -> None:
+        super().__init__(f"is {ancestor} above {start}? the directory chain is deeper than one transaction walks")
+        self.start = start
+        self.ancestor = ancestor
+
+
+@dataclass
+class Ancestry:
+    """Answers to :class:`AncestryUnknown`, true while no directory moved since they were read.
+
+    ``moves`` is the value of :func:`schema.directory_moves_key` the walks saw; ``above`` maps
+    ``(start, ancestor)`` to whether ``ancestor`` is ``start`` or above it.
+    """
+
+    moves: bytes
+    above: dict[tuple[int, int], bool] = field(default_factory=dict)
+
+
 class LengthProbeStale(Exception):
     """The file's size changed between meta's probe of storage and the transaction: probe again."""
 
@@ -172,9 +207,11 @@ class LengthProbeStale(Exception):
 class Namespace:
     """One transaction's view of the namespace, with an inode cache so aliases stay one object."""
 
-    def __init__(self, txn: Transaction, env: OpEnv) -> None:
+    def __init__(self, txn: Transaction, env: OpEnv, ancestry: Ancestry | None = None) -> None:
         self.txn = txn
         self.env = env
+        self.ancestry = ancestry
+        self._moved_directory = False
         self.caller = env.caller
         self.now = env.now_ns
         self._inodes: dict[int, mpb.Inode | None] = {}
@@ -266,8 +303,20 @@ class Namespace:
         return current
 
     async def resolve(self, ref: mpb.PathRef, follow: bool = True) -> mpb.Inode:
-        """The inode a reference names (following a final symlink when ``follow``)."""
+        """The inode a reference names (following a final symlink when ``follow``).
+
+        A reference with both an inode id and a path names that inode *as reached through that
+        path* (never following a final symlink): a client whose cached answer for the name may be
+        stale (a mount's kernel caches names and opens by inode) learns that the name now leads
+        elsewhere, or nowhere, from ``NotFound``, within the same transaction as the operation.
+        """
         if ref.inode_id:
+            if ref.path:
+                found = await self.resolve(mpb.PathRef(parent=ref.parent, path=ref.path), follow=False)
+                if found.inode_id != ref.inode_id:
+                    raise NotFound(f"{bytes(ref.path).decode(errors='replace')!r} no longer names inode "
+                                   f"{ref.inode_id}")
+                return found
             return await self.inode(ref.inode_id)
         if not ref.path:
             raise NotFound("empty path")
@@ -427,6 +476,7 @@ class Namespace:
             self._require(inode, want, "open")
             if flags & O_TRUNC and inode.type == FILE:
                 await self._truncate(inode, 0, always_stamp=True)
+                self._drop_privileges(inode)  # the kernel leaves this to an O_TRUNC open (atomic_o_trunc)
             if access != O_WRONLY and (inode.atime_ns <= inode.mtime_ns or inode.atime_ns <= inode.ctime_ns
                                        or self.now - inode.atime_ns >= _RELATIME_NS):
                 inode.atime_ns = self.now
@@ -545,15 +595,27 @@ class Namespace:
         return inode.inode_id
 
     async def _is_ancestor(self, ancestor_id: int, directory: mpb.Inode) -> bool:
-        """Whether ``ancestor_id`` is ``directory`` or above it (walks parent pointers to the root)."""
+        """Whether ``ancestor_id`` is ``directory`` or above it (walks parent pointers to the root).
+
+        At most :data:`ANCESTOR_WALK_MAX` links are followed here; above that, the answer must come
+        from the service's walk (:class:`Ancestry`), read while no directory moved — this
+        transaction reads the directory-move counter, so a move that commits meanwhile conflicts.
+        """
         current = directory
-        for _ in range(PATH_MAX_BYTES):
+        for _ in range(ANCESTOR_WALK_MAX):
             if current.inode_id == ancestor_id:
                 return True
             if current.inode_id == schema.ROOT_INODE:
                 return False
             current = await self.inode(current.parent)
-        raise SymlinkLoop("directory tree deeper than the walk limit")
+        if current.inode_id in (ancestor_id, schema.ROOT_INODE):
+            return current.inode_id == ancestor_id
+        moves = await self.txn.get(schema.directory_moves_key()) or b""
+        if self.ancestry is not None and self.ancestry.moves == moves:
+            known = self.ancestry.above.get((current.inode_id, ancestor_id))
+            if known is not None:
+                return known
+        raise AncestryUnknown(current.inode_id, ancestor_id)
 
     async def rename(self, source: mpb.PathRef, destination: mpb.PathRef, flags: int) -> mpb.Inode:
         noreplace = bool(flags & mpb.RENAME_NOREPLACE)
@@ -615,6 +677,10 @@ class Namespace:
             self.put_entry(dst_parent.inode_id, dst_name, inode)
             if moving_dirs:
                 self._reparent(inode, src_parent, dst_parent)
+        if self._moved_directory:
+            # Parent links changed: walks spread over several transactions (Ancestry) must notice.
+            key = schema.directory_moves_key()
+            self.txn.put(key, schema.encode_u64(schema.decode_u64(await self.txn.get(key)) + 1))
         self._stamp(inode)
         self._stamp(src_parent, mtime=True)
         self._stamp(dst_parent, mtime=True)
@@ -624,6 +690,7 @@ class Namespace:
     def _reparent(self, inode: mpb.Inode, old: mpb.Inode, new: mpb.Inode) -> None:
         if inode.type != DIRECTORY:
             return
+        self._moved_directory = True
         inode.parent = new.inode_id
         old.nlink -= 1
         new.nlink += 1
@@ -673,30 +740,48 @@ class Namespace:
             inode.size = size
             self._stamp(inode, mtime=True)
 
+    def _drop_privileges(self, inode: mpb.Inode) -> None:
+        """What writing or truncating a regular file does to its mode when the caller is not root
+        (Linux: without CAP_FSETID): setuid goes, and setgid when the group may execute (without
+        group execute, setgid marks mandatory locking, not privilege)."""
+        if inode.type != FILE or self.caller.is_root:
+            return
+        mode = inode.mode & ~S_ISUID
+        if mode & S_IXGRP:
+            mode &= ~S_ISGID
+        if mode != inode.mode:
+            inode.mode = mode
+            self._stamp(inode)
+
     async def setattr(self, req: mpb.SetAttrReq) -> mpb.Inode:
         mask = req.mask
         known = (mpb.SET_MODE | mpb.SET_UID | mpb.SET_GID | mpb.SET_SIZE | mpb.SET_ATIME | mpb.SET_MTIME
-                 | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW)
+                 | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW | mpb.SET_DROP_PRIVILEGES)
         if mask & ~known:
             raise InvalidArgument(f"unknown setattr bits {mask & ~known:#x}")
         inode = await self.resolve(req.target, follow=req.follow)
         caller = self.caller
+        writable_session = False
+        if req.session_id and mask & (mpb.SET_SIZE | mpb.SET_DROP_PRIVILEGES):
+            raw = await self.txn.get(schema.session_key(inode.inode_id, req.session_id))
+            if raw is None:
+                raise BadHandle("unknown or closed file session")
+            writable_session = schema.Session.decode(raw).write
+            if not writable_session:
+                raise BadHandle("the file was not opened for writing")
         if mask & mpb.SET_SIZE:
             if inode.type == DIRECTORY:
                 raise IsADirectory(f"inode {inode.inode_id} is a directory")
             if inode.type != FILE:
                 raise InvalidArgument(f"inode {inode.inode_id} is not a regular file")
-            writable_session = False
-            if req.session_id:
-                raw = await self.txn.get(schema.session_key(inode.inode_id, req.session_id))
-                if raw is None:
-                    raise BadHandle("unknown or closed file session")
-                writable_session = schema.Session.decode(raw).write
-                if not writable_session:
-                    raise BadHandle("the file was not opened for writing")
             if not writable_session:
                 self._require(inode, W_OK, "truncate")
             await self._truncate(inode, req.size)
+            self._drop_privileges(inode)
+        if mask & mpb.SET_DROP_PRIVILEGES:
+            if not writable_session:
+                self._require(inode, W_OK, "write")
+            self._drop_privileges(inode)
         if mask & (mpb.SET_UID | mpb.SET_GID):
             new_uid = req.uid if mask & mpb.SET_UID else inode.uid
             new_gid = req.gid if mask & mpb.SET_GID else inode.gid
@@ -712,11 +797,18 @@ class Namespace:
                     inode.mode &= ~S_ISGID
             self._stamp(inode)
         if mask & mpb.SET_MODE:
-            self._require_owner(inode, "chmod")
             mode = req.mode & PERM_MASK
-            if not caller.is_root and not caller.in_group(inode.gid):
-                mode &= ~S_ISGID
-            inode.mode = mode
+            cleared = inode.mode & ~mode
+            if inode.type == FILE and cleared and not cleared & ~(S_ISUID | S_ISGID) and not mode & ~inode.mode \
+                    and (writable_session or may(inode, caller, W_OK)):
+                # Only setuid/setgid cleared, by someone who may write the file: what the kernel
+                # sends ahead of a write (FUSE without handle_killpriv), as the write itself does.
+                inode.mode = mode
+            else:
+                self._require_owner(inode, "chmod")
+                if not caller.is_root and not caller.in_group(inode.gid):
+                    mode &= ~S_ISGID
+                inode.mode = mode
             self._stamp(inode)
         if mask & (mpb.SET_ATIME | mpb.SET_MTIME | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW):
             explicit = mask & (mpb.SET_ATIME | mpb.SET_MTIME)
@@ -789,12 +881,32 @@ class Namespace:
         return inode
 
     async def list_xattr(self, ref: mpb.PathRef, follow: bool) -> list[bytes]:
+        """The attribute names the caller may see; ``E2BIG`` past :data:`XATTR_LIST_MAX_BYTES`.
+
+        Read page by page, so neither memory nor the answer grows with how many attributes
+        someone set (Linux answers E2BIG the same way when a file system holds more names than
+        one list can carry).
+        """
         inode = await self.resolve(ref, follow)
         prefix = schema.xattr_prefix(inode.inode_id)
-        names = [key[len(prefix):] for key, _ in await self.txn.scan(prefix, prefix_end(prefix))]
-        if not self.caller.is_root:
-            names = [n for n in names if not n.startswith(b"trusted.")]
-        return names
+        end = prefix_end(prefix)
+        names: list[bytes] = []
+        listed_bytes = 0
+        start = prefix
+        while True:
+            rows = await self.txn.scan(start, end, limit=_XATTR_LIST_PAGE)
+            for key, _ in rows:
+                name = key[len(prefix):]
+                if name.startswith(b"trusted.") and not self.caller.is_root:
+                    continue
+                listed_bytes += len(name) + 1
+                if listed_bytes > XATTR_LIST_MAX_BYTES:
+                    raise XattrTooLarge(f"the attribute names of inode {inode.inode_id} exceed "
+                                        f"{XATTR_LIST_MAX_BYTES} bytes")
+                names.append(name)
+            if len(rows) < _XATTR_LIST_PAGE:
+                return names
+            start = rows[-1][0] + b"\x00"
 
     async def remove_xattr(self, ref: mpb.PathRef, follow: bool, name: bytes) -> mpb.Inode:
         inode = await self.resolve(ref, follow)

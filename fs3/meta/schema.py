@@ -16,6 +16,8 @@ key                                                    value
 ``TRNC`` + inode_id(8)                                 :class:`GcJob`: a truncate in progress
 ``IDEM`` + client_id(16) + request_id(8)               :class:`IdemRecord`: a committed answer
 ``CNTR`` + name                                        a counter (8 bytes)
+``CNTR`` + ``directory_moves``                         renames that gave a directory a new
+                                                       parent (8 bytes)
 =====================================================  ==========================================
 
 A session id is the opening request's ``client_id + request_id``: unique and known to the
@@ -47,6 +49,7 @@ __all__ = [
     "counter_key",
     "dentry_key",
     "dentry_prefix",
+    "directory_moves_key",
     "expired_client_key",
     "expired_client_prefix",
     "gc_key",
@@ -208,6 +211,12 @@ def idem_prefix() -> bytes:
 
 def counter_key(name: str) -> bytes:
     return COUNTER + name.encode()
+
+
+def directory_moves_key() -> bytes:
+    """Counted up by every rename that changes a directory's parent: a walk of parent links spread
+    over several transactions is still one consistent walk while this value stays the same."""
+    return counter_key("directory_moves")
 
 
 def encode_u64(value: int) -> bytes:

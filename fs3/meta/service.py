@@ -45,14 +45,25 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
 from fs3.common.clock import Clock, LoopClock
-from fs3.common.errors import FS3Error, InvalidArgument, NotFound, StaleClient
+from fs3.common.errors import FileTooLarge, FS3Error, Internal, InvalidArgument, NotFound, StaleClient, Unavailable
 from fs3.common.faults import CrashPoint, sabotaged
+from fs3.common.ids import CHUNK_SIZE_MIN_BYTES
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
-from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, validate_dir_layout
-from fs3.meta.ops import O_CREAT, O_TRUNC, Caller, LengthProbeStale, Namespace, OpEnv
+from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, max_file_size, validate_dir_layout
+from fs3.meta.ops import (
+    ANCESTOR_WALK_MAX,
+    O_CREAT,
+    O_TRUNC,
+    Ancestry,
+    AncestryUnknown,
+    Caller,
+    LengthProbeStale,
+    Namespace,
+    OpEnv,
+)
 
 __all__ = ["MetaService", "MetaServiceConfig"]
 
@@ -61,6 +72,10 @@ M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 _EMPTY = b""
 _LENGTH_PROBE_ATTEMPTS = 5
+# Runs of a rename whose destination is deeper than one transaction looks: each run may need
+# one more answer from a walk, and a directory moved meanwhile costs a walk again.
+_ANCESTRY_ATTEMPTS = 8
+_LENGTH_EVERY_LAYOUT_ALLOWS = max_file_size(mpb.Layout(chunk_size=CHUNK_SIZE_MIN_BYTES))
 _REMOVE_PARALLEL = 16
 _PRUNE_PAGE = 1000   # leases, expired clients, sessions or saved answers read (or deleted) per transaction
 
@@ -214,7 +229,8 @@ class MetaService:
         await self.engine.wait_durable()
         return result
 
-    async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]]) -> M:
+    async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]],
+                      ancestry: Ancestry | None = None) -> M:
         """One idempotent transaction: the answer is committed with the change, keyed by the request."""
         if ctx.request_id == 0:
             raise InvalidArgument("a mutating request needs a request id")
@@ -226,7 +242,7 @@ class MetaService:
             if raw is not None and self._reuse_answers:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
             await _refuse_expired(txn, ctx.client_id)
-            rsp = await fn(Namespace(txn, env))
+            rsp = await fn(Namespace(txn, env, ancestry))
             txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
             return rsp
 
@@ -280,8 +296,36 @@ class MetaService:
         rsp = await self._mutate(req.ctx, mpb.OpenRsp, lambda ns: ns.open(
             req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms))
         if req.flags & O_TRUNC and not rsp.created:
-            await self._finish_truncate(rsp.inode.inode_id)
+            try:
+                await self._finish_truncate(rsp.inode.inode_id)
+            except Exception:
+                await self._abandon_open(req.ctx, rsp)
+                raise
         return rsp, _EMPTY
+
+    async def _abandon_open(self, ctx: mpb.ReqCtx, rsp: mpb.OpenRsp) -> None:
+        """End the session of an open its caller is told failed, and forget the saved answer.
+
+        The open committed (session and truncate job) before storage was asked to cut the file;
+        when that fails the caller gets the error, so no handle exists to close the session, and
+        it would keep the file (unlinked or not) until the client's lease ends. The truncate stays
+        recorded and is finished later. With the answer gone, a retry of the request opens afresh
+        instead of getting back the session that was just closed.
+        """
+        inode_id, session_id = rsp.inode.inode_id, rsp.session_id
+        key = schema.idem_key(ctx.client_id, ctx.request_id)
+
+        async def undo(txn: Transaction) -> None:
+            if await txn.get(schema.session_key(inode_id, session_id)) is not None:
+                await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id, 0, False, None, None)
+            txn.delete(key)
+
+        try:
+            await run_transaction(self.engine, undo, retry_max=self.config.txn_retry_max)
+        except FS3Error as exc:
+            log.warning("session %s of inode %d stays until its client's lease ends: %s", session_id.hex(),
+                        inode_id, exc)
+        self._gc_wakeup.set()
 
     async def make_node(self, req: mpb.MakeNodeReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         if req.type == mpb.FILE:
@@ -311,9 +355,62 @@ class MetaService:
         async def op(ns: Namespace) -> mpb.RenameRsp:
             return mpb.RenameRsp(inode=await ns.rename(req.source, req.destination, req.flags))
 
-        rsp = await self._mutate(req.ctx, mpb.RenameRsp, op)
+        ancestry: Ancestry | None = None
+        for _ in range(_ANCESTRY_ATTEMPTS):
+            try:
+                rsp = await self._mutate(req.ctx, mpb.RenameRsp, op, ancestry)
+                break
+            except AncestryUnknown as deep:
+                found = await self._walk_ancestry(deep.start, deep.ancestor)
+                if found is not None:
+                    moves, above = found
+                    if ancestry is None or ancestry.moves != moves:
+                        ancestry = Ancestry(moves)
+                    ancestry.above[(deep.start, deep.ancestor)] = above
+        else:
+            raise Unavailable("directories kept moving while a rename looked above its destination; try again")
         self._gc_wakeup.set()
         return rsp, _EMPTY
+
+    async def _walk_ancestry(self, start: int, ancestor: int) -> tuple[bytes, bool] | None:
+        """Whether ``ancestor`` is directory ``start`` or above it, as ``(moves stamp, answer)``.
+
+        The parent links are followed in read transactions of at most ``ANCESTOR_WALK_MAX``
+        inodes each, so neither memory nor any transaction grows with the tree's depth. The
+        directory-move stamp is read before the first page and after each one: a rename that
+        reparents a directory changes it in the same commit as the link, so an unchanged stamp
+        means every link read belongs to one consistent tree. None when a directory moved (or
+        one on the way was removed) meanwhile: the caller runs the operation again.
+        """
+        stamp_key = schema.directory_moves_key()
+        stamp = await self.engine.begin().get(stamp_key) or b""
+        current = start
+        # Brent's cycle detection: parent links that loop (a damaged namespace) end the walk.
+        mark, power, steps = start, 1, 0
+        while True:
+            txn = self.engine.begin()
+            for _ in range(ANCESTOR_WALK_MAX):
+                if current == ancestor:
+                    answer: bool | None = True
+                    break
+                if current == schema.ROOT_INODE:
+                    answer = False
+                    break
+                raw = await txn.get(schema.inode_key(current))
+                if raw is None:
+                    return None
+                current = mpb.Inode.FromString(raw).parent
+                steps += 1
+                if current == mark:
+                    raise Internal(f"the parent links above directory {start} form a cycle")
+                if steps == power:
+                    mark, power, steps = current, power * 2, 0
+            else:
+                answer = None
+            if (await self.engine.begin().get(stamp_key) or b"") != stamp:
+                return None
+            if answer is not None:
+                return stamp, answer
 
     async def read_dir(self, req: mpb.ReadDirReq, payload: memoryview) -> tuple[mpb.ReadDirRsp, Buffer]:
         rsp = await self._read(req.ctx, lambda ns: ns.readdir(req.dir, req.start_after, req.limit, req.with_attrs))
@@ -374,6 +471,7 @@ class MetaService:
                                     acked=req.acked, final=final)
             return mpb.InodeRsp(inode=result.inode)
 
+        await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         self._gc_wakeup.set()
         return rsp, _EMPTY
@@ -386,8 +484,24 @@ class MetaService:
         # A hint that is not acknowledged, or comes from a handle whose file was truncated since it
         # opened, only says where to look: a hint sent before a truncate and received after it
         # would otherwise bring back the length the truncate removed.
+        await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         return rsp, _EMPTY
+
+    async def _refuse_impossible_length(self, inode_id: int, hint: int) -> None:
+        """A writer's length past the largest file its layout allows is ``EFBIG``, up front.
+
+        Storage would be probed at that length, and chunk indexes are 32-bit: the probe cannot
+        name such a chunk. Lengths every layout allows cost nothing here (no read).
+        """
+        if hint <= _LENGTH_EVERY_LAYOUT_ALLOWS:
+            return
+        raw = await self.engine.begin().get(schema.inode_key(inode_id))
+        if raw is None:
+            return  # the operation itself says the inode is missing
+        limit = max_file_size(mpb.Inode.FromString(raw).layout)
+        if hint > limit:
+            raise FileTooLarge(f"length {hint} exceeds {limit}, the largest file of inode {inode_id}'s layout")
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         await self._ensure_tables()
@@ -424,8 +538,9 @@ class MetaService:
                                   retry_limit_ms=self.config.client_retry_limit_ms), _EMPTY
 
     async def fsck(self, req: mpb.FsckReq, payload: memoryview) -> tuple[mpb.FsckRsp, Buffer]:
-        lister = self._list_chunks if req.check_chunks else None
-        return await run_fsck(self.engine.begin(), lister), _EMPTY
+        if not req.check_chunks:
+            return await run_fsck(self.engine.begin()), _EMPTY
+        return await run_fsck(self.engine.begin(), self._list_chunks, self.engine.begin, self._chunk_exists), _EMPTY
 
     # -- storage side effects --------------------------------------------------------------------
 
@@ -696,15 +811,19 @@ class MetaService:
                      client_id.hex())
             return
 
-    async def _list_chunks(self) -> list[bytes]:
-        """Every chunk id stored on any chain (for fsck's orphan check)."""
+    async def _chunk_exists(self, chain_id: int, cid: bytes) -> bool:
+        _, rsp = await self.storage.read(chain_id, cid, 0, 0)
+        return rsp.version > 0
+
+    async def _list_chunks(self) -> list[tuple[int, bytes]]:
+        """Every chunk stored on any chain, with its chain (for fsck's orphan check)."""
         from fs3.rpc.storage_calls import dump_chunk_meta
 
         if self.routing.routing is None:
             await self.routing.refresh()
         routing = self.routing.routing
         assert routing is not None
-        found: set[bytes] = set()
+        found: set[tuple[int, bytes]] = set()
         for chain_id in sorted({c.chain_id for c in routing.chains}):
             _, members = await self.routing.chain(chain_id)
             serving = [m for m in members if m.state.name == "SERVING"]
@@ -713,7 +832,7 @@ class MetaService:
             channel = self.storage.channels.get(serving[-1].address)
             chunks = await dump_chunk_meta(channel, chain_id, serving[-1].target_id, 1000,
                                            self.storage.config.rpc_timeout_ms)
-            found.update(bytes(cid) for cid in chunks)
+            found.update((chain_id, bytes(cid)) for cid in chunks)
         return sorted(found)
 
     # -- background loops ------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """FUSE-agnostic file-system semantics: inode-based operations, open handles, caches, errno."""
 
-from fs3.vfs.core import DirHandle, Vfs, VfsConfig
+from fs3.vfs.core import DirHandle, KernelNames, Vfs, VfsConfig
 
-__all__ = ["DirHandle", "Vfs", "VfsConfig"]
+__all__ = ["DirHandle", "KernelNames", "Vfs", "VfsConfig"]

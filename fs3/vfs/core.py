@@ -12,6 +12,11 @@ FUSE adapter (:mod:`fs3.fuse.ops`) only translates types.
   length the open handles know (meta learns it at flush, fsync and close).
 * Directory listings are read in pages and remembered per open directory handle, so offsets
   handed to the kernel stay valid while the directory changes.
+* The kernel caches name -> inode answers and opens files by inode. Every name this mount gave
+  the kernel for a file is remembered, and an open checks, in the same meta transaction, that
+  the name still leads to that inode: when another client replaced or removed it, the open is
+  answered ``ESTALE`` and the kernel looks the path up again (see :class:`KernelNames`). An
+  inode-addressed request for an inode that is gone is ``ESTALE`` too, never ``ENOENT``.
 * Errors are :class:`~fs3.common.errors.FS3Error` (metadata) or ``OSError`` (file I/O, from the
   client library); both carry the errno the adapter answers with.
 """
@@ -19,17 +24,32 @@ FUSE adapter (:mod:`fs3.fuse.ops`) only translates types.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import itertools
+import logging
 import stat as stat_mod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from fs3 import meta_pb2 as mpb
 from fs3.client.files import AsyncFile
 from fs3.client.fs import KIND_OF_MODE, AsyncFileSystem
-from fs3.common.errors import BadHandle, InvalidArgument, IsADirectory, NotADirectory, NotFound, NoXattr
+from fs3.common.errors import (
+    BadHandle,
+    InvalidArgument,
+    IsADirectory,
+    NotADirectory,
+    NotFound,
+    NoXattr,
+    PermissionDenied,
+)
 from fs3.meta.ops import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_WRONLY, Caller, may
 
-__all__ = ["DirHandle", "Vfs", "VfsConfig"]
+__all__ = ["DirHandle", "KernelNames", "Vfs", "VfsConfig"]
+
+log = logging.getLogger(__name__)
 
 _READDIR_PAGE = 1000
 # The kernel reads this before every write to a file (to drop file capabilities if set).
@@ -41,6 +61,121 @@ class VfsConfig:
     attr_timeout_s: float = 1.0     # how long the kernel may cache attributes
     entry_timeout_s: float = 1.0    # how long the kernel may cache a name -> inode answer
     inflight_per_file: int = 8      # chunk requests in flight per open file (bounds its memory)
+
+
+# A name the kernel learned this long ago (beyond its entry timeout) has been looked up again
+# before any use: the margin covers the time between our answer and the kernel receiving it.
+_ENTRY_MARGIN_S = 1.0
+_NAMES_MAX = 200_000        # names remembered in all (each about 200 bytes)
+_NAMES_PER_INODE_MAX = 4    # hard links of one file remembered (each costs an open a lookup)
+
+
+class KernelNames:
+    """Which names this mount gave the kernel for each regular file, so an open can check them.
+
+    The kernel keeps a name -> inode answer for the entry timeout and, within it, opens the file
+    by inode without asking. When another client replaces the name (write a temporary file, rename
+    it over: every editor, ``git`` and checkpoint writer), the kernel would open the old inode —
+    gone (``ENOENT``), or, if someone holds it open, with the old contents. So an open of a file
+    goes by one of its remembered names *and* its inode, and meta refuses when the name now leads
+    elsewhere; the open is then answered ``ESTALE``, on which the kernel redoes the path lookup
+    (``LOOKUP_REVAL``) and opens what the name names now. A file with no remembered name (one
+    opened through ``/proc/self/fd``, or whose names the kernel let go) is opened by inode.
+
+    Memory is bounded: at most ``names_max`` names in all and ``per_inode_max`` per file; a name
+    dropped while the kernel may still be using it (younger than the entry timeout) is dropped
+    from the kernel too (``drop_entry``), so it cannot be used unchecked.
+    """
+
+    def __init__(self, entry_timeout_s: float, drop_entry: Callable[[int, bytes], None] | None = None,
+                 names_max: int = _NAMES_MAX, per_inode_max: int = _NAMES_PER_INODE_MAX) -> None:
+        self.entry_timeout_s = entry_timeout_s
+        self.drop_entry = drop_entry
+        self.names_max = names_max
+        self.per_inode_max = per_inode_max
+        # (parent, name) -> (inode, loop time it was given to the kernel); oldest first.
+        self._by_name: OrderedDict[tuple[int, bytes], tuple[int, float]] = OrderedDict()
+        self._by_inode: dict[int, list[tuple[int, bytes]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def saw(self, parent: int, name: bytes, inode: mpb.Inode) -> None:
+        """The kernel was told that ``parent``/``name`` is ``inode`` (lookup, create, readdir...)."""
+        key = (parent, bytes(name))
+        self._unlink(key)
+        if inode.type != mpb.FILE or not inode.inode_id:
+            return  # only regular files are opened by inode through a name
+        names = self._by_inode.setdefault(inode.inode_id, [])
+        names.append(key)
+        self._by_name[key] = (inode.inode_id, self._now())
+        if len(names) > self.per_inode_max:
+            self._evict(names[0])
+        while len(self._by_name) > self.names_max:
+            self._evict(next(iter(self._by_name)))
+
+    def gone(self, parent: int, name: bytes) -> None:
+        """``parent``/``name`` no longer names what the kernel was told (this mount removed it)."""
+        self._unlink((parent, bytes(name)))
+
+    def stale(self, parent: int, name: bytes) -> None:
+        """Meta says ``parent``/``name`` leads elsewhere now: forget it here and in the kernel."""
+        self._unlink((parent, bytes(name)))
+        self._drop_from_kernel(parent, bytes(name))
+
+    def inode_at(self, parent: int, name: bytes) -> int:
+        found = self._by_name.get((parent, bytes(name)))
+        return found[0] if found is not None else 0
+
+    def of(self, inode_id: int) -> list[tuple[int, bytes]]:
+        """The names the kernel may use for ``inode_id``, newest first."""
+        return list(reversed(self._by_inode.get(inode_id, ())))
+
+    def forget(self, inode_id: int) -> None:
+        """The kernel forgot the inode, and with it every name it had for it."""
+        for key in self._by_inode.pop(inode_id, ()):
+            self._by_name.pop(key, None)
+
+    def _unlink(self, key: tuple[int, bytes]) -> None:
+        found = self._by_name.pop(key, None)
+        if found is None:
+            return
+        names = self._by_inode.get(found[0])
+        if names is not None:
+            with contextlib.suppress(ValueError):
+                names.remove(key)
+            if not names:
+                del self._by_inode[found[0]]
+
+    def _evict(self, key: tuple[int, bytes]) -> None:
+        found = self._by_name.get(key)
+        self._unlink(key)
+        if found is not None and self._now() - found[1] < self.entry_timeout_s + _ENTRY_MARGIN_S:
+            self._drop_from_kernel(*key)  # the kernel may still use it without asking
+
+    def _drop_from_kernel(self, parent: int, name: bytes) -> None:
+        if self.drop_entry is not None:
+            try:
+                self.drop_entry(parent, name)
+            except Exception as exc:  # best effort: the open's check still stands
+                log.debug("dropping kernel entry %d/%r: %s", parent, name, exc)
+
+
+def _stale(what: str) -> OSError:
+    return OSError(errno.ESTALE, what)
+
+
+@contextlib.contextmanager
+def _stale_if_gone(inode_id: int) -> Iterator[None]:
+    """An inode the kernel still knows but meta no longer has: ``ESTALE``, so that a path-based
+    call looks the path up again (``ENOENT`` would tell the caller the name does not exist)."""
+    try:
+        yield
+    except NotFound:
+        raise _stale(f"inode {inode_id} no longer exists") from None
 
 
 @dataclass
@@ -60,9 +195,12 @@ class DirHandle:
 class Vfs:
     """Inode-based operations on one fs3 cluster, for one mount."""
 
-    def __init__(self, fs: AsyncFileSystem, config: VfsConfig | None = None) -> None:
+    def __init__(self, fs: AsyncFileSystem, config: VfsConfig | None = None,
+                 drop_entry: Callable[[int, bytes], None] | None = None) -> None:
+        """``drop_entry(parent, name)`` makes the kernel forget a name (the FUSE adapter's)."""
         self.fs = fs
         self.config = config or VfsConfig()
+        self.names = KernelNames(self.config.entry_timeout_s, drop_entry)
         self._handles: dict[int, _Handle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._ids = itertools.count(1)
@@ -117,10 +255,20 @@ class Vfs:
 
     async def lookup(self, parent: int, name: bytes, user: mpb.User) -> mpb.Inode:
         asked_at = self._attr_changes
-        rsp = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
-                                      mpb.InodeRsp, user)
+        try:
+            rsp = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
+                                          mpb.InodeRsp, user)
+        except NotFound:
+            self.names.gone(parent, name)
+            raise
         self._remember(rsp.inode, asked_at)
+        self.names.saw(parent, name, rsp.inode)
         return self._with_local_length(rsp.inode)
+
+    def forget(self, inode_ids: list[int]) -> None:
+        """The kernel dropped these inodes (and every name it had for them)."""
+        for inode_id in inode_ids:
+            self.names.forget(inode_id)
 
     async def getattr(self, inode_id: int, user: mpb.User) -> mpb.Inode:
         cached = self._attrs.get(inode_id)
@@ -131,7 +279,7 @@ class Vfs:
         inode = rsp.inodes[0]
         if inode.inode_id == 0:
             self._forget(inode_id)
-            raise NotFound(f"inode {inode_id} does not exist")
+            raise _stale(f"inode {inode_id} no longer exists")
         self._remember(inode, asked_at)
         return self._with_local_length(inode)
 
@@ -178,13 +326,15 @@ class Vfs:
         if not req.mask:
             return await self.getattr(inode_id, user)
         asked_at = self._attr_changes
-        rsp = await self.fs.meta.call("SetAttr", req, mpb.InodeRsp, user)
+        with _stale_if_gone(inode_id):
+            rsp = await self.fs.meta.call("SetAttr", req, mpb.InodeRsp, user)
         self._remember(rsp.inode, asked_at)
         return self._with_local_length(rsp.inode)
 
     async def readlink(self, inode_id: int, user: mpb.User) -> bytes:
-        rsp = await self.fs.meta.call("ReadLink", mpb.ReadLinkReq(target=mpb.PathRef(inode_id=inode_id)),
-                                      mpb.ReadLinkRsp, user)
+        with _stale_if_gone(inode_id):
+            rsp = await self.fs.meta.call("ReadLink", mpb.ReadLinkReq(target=mpb.PathRef(inode_id=inode_id)),
+                                          mpb.ReadLinkRsp, user)
         return bytes(rsp.target)
 
     async def statfs(self, user: mpb.User) -> mpb.StatFsRsp:
@@ -203,6 +353,7 @@ class Vfs:
         rsp = await self.fs.meta.call("MakeNode", mpb.MakeNodeReq(
             target=mpb.PathRef(parent=parent, path=name), type=kind, mode=stat_mod.S_IMODE(mode), rdev=rdev,
             symlink_target=target), mpb.InodeRsp, user)
+        self.names.saw(parent, name, rsp.inode)
         return rsp.inode
 
     async def mkdir(self, parent: int, name: bytes, mode: int, user: mpb.User) -> mpb.Inode:
@@ -222,33 +373,43 @@ class Vfs:
         rsp = await self.fs.meta.call("Link", mpb.LinkReq(source=mpb.PathRef(inode_id=inode_id),
                                                           link=mpb.PathRef(parent=new_parent, path=new_name)),
                                       mpb.InodeRsp, user)
+        self.names.saw(new_parent, new_name, rsp.inode)
         return self._with_local_length(rsp.inode)
 
     async def unlink(self, parent: int, name: bytes, user: mpb.User) -> None:
         self._forget_all()
         await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name)),
                                 mpb.RemoveRsp, user)
+        self.names.gone(parent, name)
 
     async def rmdir(self, parent: int, name: bytes, user: mpb.User) -> None:
         self._forget_all()
         await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name),
                                                         directory=True), mpb.RemoveRsp, user)
+        self.names.gone(parent, name)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int,
                      user: mpb.User) -> None:
         self._forget_all()
-        await self.fs.meta.call("Rename", mpb.RenameReq(source=mpb.PathRef(parent=old_parent, path=old_name),
-                                                        destination=mpb.PathRef(parent=new_parent, path=new_name),
-                                                        flags=flags), mpb.RenameRsp, user)
+        replaced = self.names.inode_at(new_parent, new_name)
+        rsp = await self.fs.meta.call("Rename", mpb.RenameReq(source=mpb.PathRef(parent=old_parent, path=old_name),
+                                                              destination=mpb.PathRef(parent=new_parent,
+                                                                                      path=new_name),
+                                                              flags=flags), mpb.RenameRsp, user)
+        # The kernel moves its entries the same way.
+        self.names.gone(old_parent, old_name)
+        if flags & mpb.RENAME_EXCHANGE and replaced:
+            self.names.saw(old_parent, old_name, mpb.Inode(inode_id=replaced, type=mpb.FILE))
+        self.names.saw(new_parent, new_name, rsp.inode)
 
     # -- files -----------------------------------------------------------------------------------
 
-    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str, asked_at: int) -> int:
+    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str, asked_at: int, user: mpb.User) -> int:
         access = flags & O_ACCMODE
         readable = access in (O_RDONLY, O_RDWR)
         writable = access in (O_WRONLY, O_RDWR)
         afile = AsyncFile(self.fs, path, rsp, readable, writable, bool(flags & O_APPEND),
-                          self.config.inflight_per_file)
+                          self.config.inflight_per_file, user)
         fh = next(self._ids)
         self._handles[fh] = _Handle(afile)
         self._remember(rsp.inode, asked_at)
@@ -257,12 +418,42 @@ class Vfs:
         return fh
 
     async def open(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
+        """Open a file the kernel found by name; ``ESTALE`` when that name now leads elsewhere.
+
+        The open goes by the newest name this mount gave the kernel for the inode, checked by meta
+        in the open's own transaction (nothing is opened or truncated through a stale name); older
+        names of a hard-linked file are checked by lookups first. See :class:`KernelNames`.
+        """
+        names = self.names.of(inode_id)
+        if len(names) > 1:
+            stale = [n for n in names[1:] if not await self._still_names(*n, inode_id, user)]
+            if stale:
+                if not await self._still_names(*names[0], inode_id, user):
+                    stale.append(names[0])
+                for parent, name in stale:  # all of them: the kernel tries once more, by any name
+                    self.names.stale(parent, name)
+                raise _stale(f"{len(stale)} of the names of inode {inode_id} lead elsewhere now")
         asked_at = self._attr_changes
-        rsp = await self.fs.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id),
-                                                          flags=flags & ~O_CREAT), mpb.OpenRsp, user)
+        req = mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id), flags=flags & ~O_CREAT)
+        if names:
+            req.target.parent, req.target.path = names[0]
+        try:
+            try:
+                rsp = await self.fs.meta.call("Open", req, mpb.OpenRsp, user)
+            except PermissionDenied:
+                if not names:
+                    raise
+                # No search permission on that name's directory (then the caller came by another
+                # name), or no permission on the file (then opening by inode says so again).
+                req.target.CopyFrom(mpb.PathRef(inode_id=inode_id))
+                rsp = await self.fs.meta.call("Open", req, mpb.OpenRsp, user)
+        except NotFound:
+            if names and req.target.path:
+                self.names.stale(*names[0])
+            raise _stale(f"inode {inode_id} is no longer where the kernel found it") from None
         if rsp.inode.type == mpb.DIRECTORY:
             raise IsADirectory(f"inode {inode_id} is a directory")
-        return self._register(rsp, flags, f"inode:{inode_id}", asked_at), rsp.inode
+        return self._register(rsp, flags, f"inode:{inode_id}", asked_at, user), rsp.inode
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
                      user: mpb.User) -> tuple[int, mpb.Inode]:
@@ -273,7 +464,20 @@ class Vfs:
                                       mpb.OpenRsp, user)
         if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
             self._remember_no_capability(rsp.inode.inode_id)
-        return self._register(rsp, flags, name.decode(errors="replace"), asked_at), rsp.inode
+        self.names.saw(parent, name, rsp.inode)
+        return self._register(rsp, flags, name.decode(errors="replace"), asked_at, user), rsp.inode
+
+    async def _still_names(self, parent: int, name: bytes, inode_id: int, user: mpb.User) -> bool:
+        """Whether ``parent``/``name`` still leads to ``inode_id`` (True when the caller cannot
+        search ``parent``: then it did not come by that name)."""
+        try:
+            found = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
+                                            mpb.InodeRsp, user)
+        except PermissionDenied:
+            return True
+        except NotFound:
+            return False
+        return found.inode.inode_id == inode_id
 
     def _handle(self, fh: int) -> _Handle:
         handle = self._handles.get(fh)
@@ -360,6 +564,7 @@ class Vfs:
             for entry in rsp.entries:
                 if entry.attrs.inode_id:
                     self._remember(mpb.Inode.FromString(entry.attrs.SerializeToString()), asked_at)
+                    self.names.saw(handle.inode_id, entry.name, entry.attrs)  # the kernel reads entries "plus"
             handle.more = rsp.more and bool(rsp.entries)
         for entry in handle.entries[index:]:
             if entry.attrs.inode_id:
@@ -383,8 +588,9 @@ class Vfs:
         if capability and self._no_capability_until.get(inode_id, 0.0) > now:
             raise NoXattr("no such attribute")
         try:
-            rsp = await self.fs.meta.call("GetXattr", mpb.GetXattrReq(target=mpb.PathRef(inode_id=inode_id),
-                                                                      name=name), mpb.GetXattrRsp, user)
+            with _stale_if_gone(inode_id):
+                rsp = await self.fs.meta.call("GetXattr", mpb.GetXattrReq(target=mpb.PathRef(inode_id=inode_id),
+                                                                          name=name), mpb.GetXattrRsp, user)
         except NoXattr:
             if capability:
                 self._remember_no_capability(inode_id)
@@ -399,19 +605,22 @@ class Vfs:
     async def setxattr(self, inode_id: int, name: bytes, value: bytes, flags: int, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
-        await self.fs.meta.call("SetXattr", mpb.SetXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name,
-                                                            value=value, flags=flags), mpb.InodeRsp, user)
+        with _stale_if_gone(inode_id):
+            await self.fs.meta.call("SetXattr", mpb.SetXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name,
+                                                                value=value, flags=flags), mpb.InodeRsp, user)
 
     async def listxattr(self, inode_id: int, user: mpb.User) -> list[bytes]:
-        rsp = await self.fs.meta.call("ListXattr", mpb.ListXattrReq(target=mpb.PathRef(inode_id=inode_id)),
-                                      mpb.ListXattrRsp, user)
+        with _stale_if_gone(inode_id):
+            rsp = await self.fs.meta.call("ListXattr", mpb.ListXattrReq(target=mpb.PathRef(inode_id=inode_id)),
+                                          mpb.ListXattrRsp, user)
         return [bytes(n) for n in rsp.names]
 
     async def removexattr(self, inode_id: int, name: bytes, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
-        await self.fs.meta.call("RemoveXattr", mpb.RemoveXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name),
-                                mpb.InodeRsp, user)
+        with _stale_if_gone(inode_id):
+            await self.fs.meta.call("RemoveXattr", mpb.RemoveXattrReq(target=mpb.PathRef(inode_id=inode_id),
+                                                                      name=name), mpb.InodeRsp, user)
 
     async def close(self) -> None:
         """Release every handle (unmount)."""
