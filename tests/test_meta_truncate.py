@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import resource
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -21,11 +22,15 @@ import fs3.aio
 from fs3 import meta_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.client.fs import AsyncFileSystem
-from fs3.common.errors import IoError
-from fs3.common.ids import parse_chunk_id
-from fs3.kv.store import prefix_end
+from fs3.common.errors import InvalidArgument, IoError
+from fs3.common.ids import chunk_id, parse_chunk_id
+from fs3.kv.store import MemKVStore, prefix_end
+from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
 from fs3.meta import schema
+from fs3.meta.fsck import run_fsck
+from fs3.meta.ops import Caller, Namespace, OpEnv
 from fs3.meta.service import MetaService, MetaServiceConfig
+from fs3.rpc.storage_calls import list_chunk_range
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
 
@@ -422,14 +427,158 @@ def test_a_truncate_to_the_same_size_during_a_length_probe_is_noticed(tmp_path: 
         await f.close()
         second.fire_on = lambda call: False
         await w.close()
-        # Every attempt but the first (acknowledged hint, refused) probed and met a truncate; with
-        # ``every_probe`` the last attempt is the last resort.
-        assert second.request == (4 if every_probe else 1)
         st = await fs.stat("/t/f")
         data = await fs.read_bytes("/t/f")
         assert st.st_size == 0 and data == b"", f"the truncate was undone: {st.st_size} bytes"
+        # Every attempt but the first (acknowledged hint, refused) probed and met a truncate; with
+        # ``every_probe`` the last attempt is the last resort.
+        assert second.request == (4 if every_probe else 1)
 
     with_cluster(tmp_path / "c", body)
+
+
+# -- jobs in pages: interrupted and resumed, listing bounds --------------------------------------------
+
+
+class CountedRemovals:
+    """Counts the chunk removals meta sends; the ones after the first ``succeed`` fail while set."""
+
+    def __init__(self, meta: MetaService) -> None:
+        self.done = 0
+        self.succeed: int | None = None
+        original = meta.storage.update
+
+        async def update(chain_id: int, cid: bytes, update_type: int, *args: Any, **kwargs: Any) -> spb.UpdateRsp:
+            if update_type == spb.REMOVE:
+                if self.succeed is not None and self.done >= self.succeed:
+                    raise IoError("injected: storage went away")
+                self.done += 1
+            return await original(chain_id, cid, update_type, *args, **kwargs)
+
+        meta.storage.update = update  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("job", ["gc", "truncate"])
+def test_an_interrupted_job_resumes_where_storage_says_it_stopped(tmp_path: Path, job: str) -> None:
+    """40 chunks, listed 8 at a time per chain; storage fails after 20 removals. Run again, the
+    job removes the 20 that are left — not the whole range again — and nothing is left."""
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        meta = meta_of(cluster)
+        await meta.stop()  # no background GC or maintenance pass: the test runs the jobs itself
+        await fs.makedirs("/small")
+        await fs.set_layout("/small", chunk_size=4096, stripe=3)
+        inode = await write_file(fs, "/small/f", {i * 4096: b"c" for i in range(40)})
+        assert len(chunks_of(cluster, inode)) == 40
+        removals = CountedRemovals(meta)
+        removals.succeed = 20
+        if job == "gc":
+            await fs.remove("/small/f")
+            assert await meta.run_gc_once() == 0  # postponed
+        else:
+            a = await connect(cluster, retry_total_ms=300)
+            with pytest.raises(OSError, match="complete"):
+                await a.truncate("/small/f", 0)
+            await a.close()
+        assert len(chunks_of(cluster, inode)) == 20
+        removals.succeed, removals.done = None, 0
+        if job == "gc":
+            await gc_all(meta)
+        else:
+            await meta.run_truncates_once()
+            assert (await fs.stat("/small/f")).st_size == 0
+        assert removals.done == 20
+        assert chunks_of(cluster, inode) == set()
+
+    with_cluster(tmp_path / "c", body, chunk_page=8)
+
+
+def test_a_chunk_listing_stays_inside_its_range(tmp_path: Path) -> None:
+    """``DumpChunkMeta`` with ``end_before``: one file's chunks, paged, never its neighbour's; a
+    reversed or empty range lists nothing; an oversized page is refused."""
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        first = await write_file(fs, "/t/a", {i * CHUNK: b"a" for i in range(0, 12, 3)})  # all on one chain
+        second = await write_file(fs, "/t/b", {i * CHUNK: b"b" for i in range(0, 12, 3)})
+        layout = await fs.layout("/t/a")
+        chain_id = layout.chains[0]
+        _, members = await meta_of(cluster).routing.chain(chain_id)
+        channel = cluster.channels.get(members[0].address)
+        target = members[0].target_id
+        prefix = first.to_bytes(8, "big")
+        end = prefix_end(prefix) or b""
+
+        async def listing(start_after: bytes, end_before: bytes, limit: int) -> tuple[list[int], bool]:
+            page, more = await list_chunk_range(channel, chain_id, target, start_after, end_before, limit, 5_000)
+            assert all(parse_chunk_id(m.chunk_id)[0] == first for m in page)
+            return [parse_chunk_id(m.chunk_id)[1] for m in page], more
+
+        assert second > first
+        assert await listing(prefix, end, 100) == ([0, 3, 6, 9], False)
+        assert await listing(prefix, end, 2) == ([0, 3], True)
+        assert await listing(chunk_id(first, 3), end, 2) == ([6, 9], False)
+        assert await listing(chunk_id(first, 9), end, 2) == ([], False)
+        assert await listing(end, prefix, 10) == ([], False)  # reversed: nothing
+        with pytest.raises(InvalidArgument):
+            await listing(prefix, end, 10_001)
+
+    with_cluster(tmp_path / "c", body)
+
+
+# -- bounded reads of the metadata store ---------------------------------------------------------------
+
+
+class CountingStore(MemKVStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+
+    def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+        for pair in super().scan(start, end, limit):
+            self.read += 1
+            yield pair
+
+
+def test_a_limited_transaction_scan_reads_only_what_it_returns() -> None:
+    """Meta scans queues and sessions with small limits (GC and truncate jobs, "does this file have
+    a handle"); the transaction must not read the whole range from the store to answer."""
+    store = CountingStore()
+    engine = OptimisticTxnEngine(store)
+
+    async def main() -> None:
+        async def fill(txn: Transaction) -> None:
+            for i in range(5_000):
+                txn.put(b"Q" + i.to_bytes(4, "big"), b"job")
+
+        await run_transaction(engine, fill)
+        store.read = 0
+        txn = engine.begin()
+        assert [k for k, _ in await txn.scan(b"Q", b"R", limit=3)] == [b"Q" + i.to_bytes(4, "big") for i in range(3)]
+        assert store.read <= 3
+        # The transaction's own deletes and puts are still merged in.
+        txn.delete(b"Q" + (0).to_bytes(4, "big"))
+        txn.delete(b"Q" + (2).to_bytes(4, "big"))
+        txn.put(b"Q" + (1).to_bytes(4, "big") + b"x", b"new")
+        got = [k for k, _ in await txn.scan(b"Q", b"R", limit=3)]
+        key = [b"Q" + i.to_bytes(4, "big") for i in range(4)]
+        assert got == [key[1], key[1] + b"x", key[3]]
+        assert len(await txn.scan(b"Q", b"R")) == 5_000 - 2 + 1
+
+    run(main())
+
+
+def test_fsck_reports_a_truncate_job_or_size_generation_of_a_missing_inode() -> None:
+    engine = OptimisticTxnEngine(MemKVStore())
+    layout = mpb.Layout(table_id=1, chunk_size=65536)
+
+    async def main() -> list[str]:
+        async def setup(txn: Transaction) -> None:
+            await Namespace(txn, OpEnv(now_ns=1, caller=Caller(0, 0))).ensure_root(0, 0, 0o755, layout)
+            txn.put(schema.truncate_key(77), schema.TruncateJob(layout, 0, 0, 1).encode())
+            txn.put(schema.size_gen_key(78), schema.encode_u64(1))
+
+        await run_transaction(engine, setup)
+        return list((await run_fsck(engine.begin())).problems)
+
+    assert sorted(run(main())) == ["size generation of missing inode 78", "truncate of missing inode 77"]
 
 
 # -- a 1 PB sparse file -------------------------------------------------------------------------------
@@ -486,6 +635,10 @@ def test_a_1_pb_sparse_file_is_truncated_and_removed_in_bounded_memory(tmp_path:
         inode = (await fs.stat("/big/f")).st_ino
         assert (await fs.stat("/big/f")).st_size == PB
         assert len(chunks_of(cluster, inode)) == 4
+        with pytest.raises(OSError) as too_big:  # past the largest file of 4 MiB chunks: refused, nothing lost
+            await fs.truncate("/big/f", (4 * MIB << 32) + 1)
+        assert too_big.value.errno == errno.EFBIG
+        assert (await fs.stat("/big/f")).st_size == PB and len(chunks_of(cluster, inode)) == 4
         largest_txn = [0]
         original_commit = meta.engine.commit
 

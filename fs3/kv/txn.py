@@ -96,7 +96,14 @@ class _OptimisticTxn:
         self._check_open()
         if limit is not None and limit <= 0:
             raise InvalidArgument("scan limit must be positive")
-        merged: dict[bytes, bytes] = dict(self._engine.store.scan(start, end))
+        # Read only as many stored pairs as the answer can need: each of this transaction's own
+        # deletes in the range can hide one of them. (The whole range would cost memory that grows
+        # with what the range holds — every queued job, every handle of a file — for a few keys.)
+        fetch = None
+        if limit is not None:
+            fetch = limit + sum(1 for key, value in self.writes.items()
+                                if value is _DELETED and key >= start and (end is None or key < end))
+        merged: dict[bytes, bytes] = dict(self._engine.store.scan(start, end, limit=fetch))
         for key, value in self.writes.items():
             if key >= start and (end is None or key < end):
                 if value is _DELETED:

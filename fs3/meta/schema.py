@@ -60,6 +60,7 @@ __all__ = [
     "session_prefix",
     "sessions_prefix",
     "size_gen_key",
+    "size_gen_prefix",
     "truncate_key",
     "truncate_prefix",
     "xattr_key",
@@ -189,6 +190,10 @@ def truncate_prefix() -> bytes:
 
 def size_gen_key(inode_id: int) -> bytes:
     return SIZE_GEN + _u64(inode_id)
+
+
+def size_gen_prefix() -> bytes:
+    return SIZE_GEN
 
 
 def idem_key(client_id: bytes, request_id: int) -> bytes:

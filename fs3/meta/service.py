@@ -37,9 +37,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
@@ -520,7 +520,7 @@ class MetaService:
                     if not more:
                         return end
 
-        return max([size, *await asyncio.gather(*(chain_end(c) for c in sorted(set(layout.chains))))])
+        return max([size, *await _all_of([chain_end(c) for c in sorted(set(layout.chains))])])
 
     async def _probe_length_locked(self, inode_id: int, hint: int,
                                    within_size_is_exact: bool = False) -> tuple[int | None, int | None]:
@@ -572,13 +572,13 @@ class MetaService:
             while True:
                 async with limiter:
                     page, more = await self._list_inode_chunks(chain_id, inode_id, index, head_first=True)
-                await asyncio.gather(*(remove(chain_id, meta.chunk_id) for meta in page))
+                await _all_of([remove(chain_id, meta.chunk_id) for meta in page])
                 removed += len(page)
                 if not more:
                     return removed
                 index = parse_chunk_id(page[-1].chunk_id)[1] + 1
 
-        return sum(await asyncio.gather(*(clear(c) for c in sorted(set(layout.chains)))))
+        return sum(await _all_of([clear(c) for c in sorted(set(layout.chains))]))
 
     async def _run_truncate_locked(self, inode_id: int) -> None:
         """Carry out the inode's truncate job, if it has one: trim the chunk holding the new end,
@@ -754,3 +754,13 @@ async def _inode_rsp(inode: Awaitable[mpb.Inode]) -> mpb.InodeRsp:
 def _claiming(fn: Callable[[Namespace, int], Awaitable[M]], inode_id: int) -> Callable[[Namespace], Awaitable[M]]:
     """``fn`` run with the inode whose truncate the caller claimed (0: none)."""
     return lambda ns: fn(ns, inode_id)
+
+
+async def _all_of(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run every call to its end, then raise the first error: a failed removal never leaves its
+    siblings running on after the job that started them has given up."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
