@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import random
 import resource
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -561,6 +562,32 @@ def test_a_limited_transaction_scan_reads_only_what_it_returns() -> None:
         key = [b"Q" + i.to_bytes(4, "big") for i in range(4)]
         assert got == [key[1], key[1] + b"x", key[3]]
         assert len(await txn.scan(b"Q", b"R")) == 5_000 - 2 + 1
+
+    run(main())
+
+
+def test_a_limited_transaction_scan_answers_as_the_full_scan_does() -> None:
+    """Random stores and random own writes: a limited scan is the full scan's beginning."""
+    rng = random.Random(14)
+
+    async def main() -> None:
+        for _ in range(200):
+            engine = OptimisticTxnEngine(MemKVStore())
+            setup = engine.begin()
+            for _ in range(rng.randrange(0, 30)):
+                setup.put(bytes([rng.randrange(20)]), b"s")
+            await setup.commit()
+            txn = engine.begin()
+            for _ in range(rng.randrange(0, 15)):
+                key = bytes([rng.randrange(20)])
+                if rng.random() < 0.5:
+                    txn.delete(key)
+                else:
+                    txn.put(key, b"t")
+            start, end = bytes([rng.randrange(10)]), bytes([rng.randrange(10, 21)])
+            full = await txn.scan(start, end)
+            limit = rng.randrange(1, 12)
+            assert await txn.scan(start, end, limit=limit) == full[:limit]
 
     run(main())
 

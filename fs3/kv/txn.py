@@ -104,6 +104,7 @@ class _OptimisticTxn:
             fetch = limit + sum(1 for key, value in self.writes.items()
                                 if value is _DELETED and key >= start and (end is None or key < end))
         merged: dict[bytes, bytes] = dict(self._engine.store.scan(start, end, limit=fetch))
+        more_stored = fetch is not None and len(merged) == fetch  # the store may hold more past these
         for key, value in self.writes.items():
             if key >= start and (end is None or key < end):
                 if value is _DELETED:
@@ -111,7 +112,7 @@ class _OptimisticTxn:
                 else:
                     merged[key] = value  # type: ignore[assignment]
         keys = sorted(merged)
-        if limit is not None and len(keys) > limit:
+        if limit is not None and (len(keys) > limit or more_stored):
             keys = keys[:limit]
             # Only the part of the range actually returned was depended upon.
             self.read_ranges.append((start, keys[-1] + b"\x00"))
