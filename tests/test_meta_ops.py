@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from fs3.common.errors import (
     AlreadyExists,
     BadHandle,
     DirectoryNotEmpty,
+    FileTooLarge,
     FS3Error,
     InvalidArgument,
     IsADirectory,
@@ -43,6 +46,8 @@ from fs3.meta.ops import (
     LengthProbeStale,
     Namespace,
     OpEnv,
+    TruncatePending,
+    TruncateUnclaimed,
 )
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
@@ -302,50 +307,116 @@ def test_rmdir_and_unlink_errors() -> None:
         meta.run(lambda ns: ns.remove(ref("/d/none"), False))
 
 
-def test_truncate_records_a_job_for_storage() -> None:
+def test_truncate_records_a_job_and_applies_the_size_when_it_completes() -> None:
     meta = Meta()
     rsp = meta.create("/f")
     meta.close(rsp, hint=200_000)
-    assert meta.stat("/f").size == 200_000
-    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/f"), mask=mpb.SET_SIZE, size=70_000)))
-    job = schema.GcJob.decode(meta.store.get(schema.truncate_key(rsp.inode.inode_id)) or b"")
-    assert (job.first_chunk, job.keep_bytes, job.length) == (2, 70_000 - 65536, 200_000)
-    assert meta.stat("/f").size == 70_000
-    again = meta.create("/f", flags=O_WRONLY | O_TRUNC)
-    assert again.inode.size == 0
-    job = schema.GcJob.decode(meta.store.get(schema.truncate_key(rsp.inode.inode_id)) or b"")
-    assert (job.first_chunk, job.length) == (0, 200_000)  # still covers the unfinished earlier job
+    inode_id = rsp.inode.inode_id
 
+    def truncate(size: int, claimed: int = inode_id) -> mpb.Inode:
+        return meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/f"), mask=mpb.SET_SIZE, size=size),
+                                              claimed))
+
+    def job() -> schema.TruncateJob:
+        return schema.TruncateJob.decode(meta.store.get(schema.truncate_key(inode_id)) or b"")
+
+    with pytest.raises(TruncateUnclaimed):  # the service claims the inode, then runs it again
+        truncate(70_000, claimed=0)
+    with pytest.raises(FileTooLarge):  # bad input is refused before anything else, and changes nothing
+        truncate(1 << 61, claimed=0)
+    assert meta.store.get(schema.truncate_key(inode_id)) is None
+    assert truncate(70_000).size == 70_000  # the answer shows the new size...
+    assert meta.stat("/f").size == 200_000  # ...applied once storage holds nothing past it
+    assert (job().size, job().clear_from, job().first_chunk, job().size_gen) == (70_000, 70_000, 2, 1)
+    with pytest.raises(TruncatePending):  # no open while chunks are still to be removed
+        meta.create("/f", flags=O_RDONLY)
+    with pytest.raises(TruncatePending):  # nor another size change: it would narrow the job
+        truncate(0)
+    assert meta.run(lambda ns: ns.complete_truncate(inode_id, 1))
+    assert meta.stat("/f").size == 70_000 and meta.store.get(schema.truncate_key(inode_id)) is None
+    assert not meta.run(lambda ns: ns.complete_truncate(inode_id, 1))  # done once
+    # A closed file grows: storage is cleared from the old end (the extension reads as zeros).
+    truncate(300_000)
+    assert (job().size, job().clear_from, job().size_gen) == (300_000, 70_000, 2)
+    meta.run(lambda ns: ns.complete_truncate(inode_id, 2))
+    # An open file grows: only past the new end (a writer's unpublished bytes below it stay).
+    handle = meta.create("/f", flags=O_WRONLY)
+    truncate(400_000)
+    assert (job().clear_from, job().size_gen) == (400_000, 3)
+    meta.run(lambda ns: ns.complete_truncate(inode_id, 3))
+    meta.close(handle)
+    # O_TRUNC: the opener's own handle is not "truncated since open".
+    again = meta.run(lambda ns: ns.open(ref("/f"), O_WRONLY | O_TRUNC, 0, 0, schema.session_id_for(CLIENT, 999),
+                                        CLIENT, 0, inode_id))
+    assert again.inode.size == 0 and meta.stat("/f").size == 400_000
+    raw = meta.store.get(schema.session_key(inode_id, again.session_id))
+    assert raw is not None and schema.Session.decode(raw).size_gen == 4 == job().size_gen
+    # Unlinking drops the unfinished job: the GC job removes every chunk there is.
+    meta.run(lambda ns: ns.remove(ref("/f"), False))
+    meta.close(again)
+    assert meta.store.get(schema.truncate_key(inode_id)) is None
+    assert meta.store.get(schema.size_gen_key(inode_id)) is None
+    assert schema.GcJob.decode(meta.store.get(schema.gc_key(inode_id)) or b"").first_chunk == 0
+
+
+def test_job_records_of_an_older_release_are_read() -> None:
+    layout = mpb.Layout(table_id=1, chunk_size=65536, stripe=1, chains=[11])
+    old_truncate = struct.pack(">QQQ", 2, 200_000, 4_464) + layout.SerializeToString()
+    job = schema.TruncateJob.decode(old_truncate)
+    assert (job.size, job.clear_from, job.first_chunk) == (None, 70_000, 2)
+    assert schema.TruncateJob.decode(struct.pack(">QQQ", 3, 200_000, 0) + layout.SerializeToString()).clear_from \
+        == 3 * 65536
+    old_session = CLIENT + struct.pack(">?Q", True, 5)
+    assert schema.Session.decode(old_session + b"\x01").size_gen == schema.SIZE_GEN_UNKNOWN
+    assert schema.Session.decode(old_session).size_gen == 0
+    new = schema.TruncateJob(layout, 70_000, 70_000, 3)
+    assert schema.TruncateJob.decode(new.encode()) == new
+    assert schema.TruncateJob.decode(replace(new, size=None).encode()).size is None
 
 
 def test_an_acknowledged_length_is_taken_unless_the_file_was_truncated_since_open() -> None:
     """A handle's acknowledged length needs no storage probe, until a truncate may have removed
-    some of what it wrote; from then on its lengths must come from storage."""
+    some of what it wrote; from then on its lengths must come from storage, probed under the
+    inode's current size generation."""
     meta = Meta()
     first = meta.create("/f")
     inode_id, session_id = first.inode.inode_id, first.session_id
 
-    def sync(hint: int, exact: int | None = None, probed_from: int | None = None) -> mpb.Inode:
-        return meta.run(lambda ns: ns.sync(inode_id, session_id, hint, True, exact, probed_from,
-                                           acked=True, final=False))
+    def sync(hint: int, exact: int | None = None, probed_gen: int | None = None, session: bytes = session_id,
+             final: bool = False, acked: bool = True) -> mpb.Inode:
+        return meta.run(lambda ns: ns.sync(inode_id, session, hint, True, exact, probed_gen, acked=acked,
+                                           final=final))
+
+    def truncate(size: int) -> None:
+        meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/f"), mask=mpb.SET_SIZE, size=size), inode_id))
+        gen = schema.decode_u64(meta.store.get(schema.size_gen_key(inode_id)))
+        assert meta.run(lambda ns: ns.complete_truncate(inode_id, gen))
 
     assert sync(100_000).size == 100_000
     assert sync(50_000).size == 100_000  # a hint never shrinks a file
-    meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/f"), mask=mpb.SET_SIZE, size=10)))
-    raw = meta.store.get(schema.session_key(inode_id, session_id))
-    assert raw is not None and schema.Session.decode(raw).truncated
+    truncate(10)
     with pytest.raises(LengthProbeStale):
         sync(100_000)
     assert meta.stat("/f").size == 10
-    with pytest.raises(LengthProbeStale):  # probed before a size change: refused as well
-        sync(100_000, exact=70_000, probed_from=0)
-    assert sync(100_000, exact=4_000, probed_from=10).size == 4_000
+    with pytest.raises(LengthProbeStale):  # probed before the truncate: refused as well
+        sync(100_000, exact=70_000, probed_gen=0)
+    assert sync(100_000, exact=4_000, probed_gen=1).size == 4_000
     later = meta.create("/f", flags=O_WRONLY)  # opened after the truncate: its hints are believed
     assert meta.run(lambda ns: ns.close(inode_id, later.session_id, 9_000, True, None, None, acked=True,
                                         final=False)).inode.size == 9_000
-    assert meta.stat("/f").size == 9_000
+    # A truncate to the same size between a probe and its transaction: the size says nothing
+    # changed, the generation says the probe is stale.
+    truncate(9_000)
+    with pytest.raises(LengthProbeStale):
+        sync(100_000, exact=50_000, probed_gen=1)
+    # The last resort (no probe to be had) never takes a truncated handle's hint: it could cover
+    # what the truncate removed.
+    assert sync(100_000, exact=50_000, probed_gen=1, final=True).size == 9_000
     meta.run(lambda ns: ns.close(inode_id, session_id, 100_000, True, None, None, acked=True, final=True))
-    assert meta.stat("/f").size == 100_000  # the last resort (no probe possible) keeps the hint
+    assert meta.stat("/f").size == 9_000
+    # An untruncated handle's unacknowledged hint is the last resort's answer.
+    fresh = meta.create("/f", flags=O_WRONLY)
+    assert sync(12_000, session=fresh.session_id, acked=False, final=True).size == 12_000
 
 
 # -- permissions and times --------------------------------------------------------------------------

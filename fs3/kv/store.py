@@ -85,7 +85,8 @@ class MemKVStore:
 
     def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
         index = bisect.bisect_left(self._keys, start)
-        keys = list(self._keys[index:])
+        stop = len(self._keys) if end is None else bisect.bisect_left(self._keys, end)
+        keys = self._keys[index:stop]  # a copy of the range only, not of every key after it
         count = 0
         for key in keys:
             if end is not None and key >= end:

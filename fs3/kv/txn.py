@@ -98,7 +98,15 @@ class _OptimisticTxn:
         self._check_open()
         if limit is not None and limit <= 0:
             raise InvalidArgument("scan limit must be positive")
-        merged: dict[bytes, bytes] = dict(self._engine.store.scan(start, end))
+        # Read only as many stored pairs as the answer can need: each of this transaction's own
+        # deletes in the range can hide one of them. (The whole range would cost memory that grows
+        # with what the range holds — every queued job, every handle of a file — for a few keys.)
+        fetch = None
+        if limit is not None:
+            fetch = limit + sum(1 for key, value in self.writes.items()
+                                if value is _DELETED and key >= start and (end is None or key < end))
+        merged: dict[bytes, bytes] = dict(self._engine.store.scan(start, end, limit=fetch))
+        more_stored = fetch is not None and len(merged) == fetch  # the store may hold more past these
         for key, value in self.writes.items():
             if key >= start and (end is None or key < end):
                 if value is _DELETED:
@@ -106,7 +114,7 @@ class _OptimisticTxn:
                 else:
                     merged[key] = value  # type: ignore[assignment]
         keys = sorted(merged)
-        if limit is not None and len(keys) > limit:
+        if limit is not None and (len(keys) > limit or more_stored):
             keys = keys[:limit]
             # Only the part of the range actually returned was depended upon.
             self.read_ranges.append((start, keys[-1] + b"\x00"))

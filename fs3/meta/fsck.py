@@ -5,7 +5,7 @@ keeps: each entry's parent is a directory and its inode exists with the entry's 
 ``nlink`` equals the entries naming it (0 only while sessions keep it open); a directory is
 named exactly once, knows its parent, and has ``nlink`` = 2 + its subdirectories; every inode
 but the root is reachable from the root (following entries: directories whose names form a
-detached cycle are not); sessions, xattrs and jobs belong to live inodes; and, when asked, no
+detached cycle are not); sessions, xattrs, jobs and size generations belong to live inodes; and, when asked, no
 chunk on storage belongs to an inode that is neither live nor queued for GC.
 
 The namespace is read before storage is listed, and the cluster keeps running: a file created
@@ -146,13 +146,14 @@ async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
         if all(p in detached for p in parents):
             problem(f"inode {inode_id} is not reachable from the root: every directory naming it is detached")
 
-    for prefix, what in ((schema.gc_prefix(), "gc"), (schema.truncate_prefix(), "truncate")):
+    for prefix, what in ((schema.gc_prefix(), "gc"), (schema.truncate_prefix(), "truncate"),
+                         (schema.size_gen_prefix(), "size generation")):
         for key, _ in await _scan_all(txn, prefix):
             inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
             if what == "gc" and inode_id in inodes:
                 problem(f"inode {inode_id} is both live and queued for GC")
-            if what == "truncate" and inode_id not in inodes:
-                problem(f"truncate job for missing inode {inode_id}")
+            if what != "gc" and inode_id not in inodes:
+                problem(f"{what} of missing inode {inode_id}")
     gc_pending = {schema.parse_inode_key(schema.inode_prefix() + k[len(schema.gc_prefix()):])
                   for k, _ in await _scan_all(txn, schema.gc_prefix())}
 

@@ -16,7 +16,7 @@ being 2 plus its subdirectories, and ``atime``/``mtime``/``ctime`` updated as th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import (
@@ -59,6 +59,8 @@ __all__ = [
     "Caller",
     "Namespace",
     "OpEnv",
+    "TruncatePending",
+    "TruncateUnclaimed",
 ]
 
 # Linux open(2) flags (fixed numbers: the wire carries them, whatever the client's platform).
@@ -201,7 +203,32 @@ class Ancestry:
 
 
 class LengthProbeStale(Exception):
-    """The file's size changed between meta's probe of storage and the transaction: probe again."""
+    """The file was truncated between meta's probe of storage and the transaction: probe again."""
+
+
+class TruncatePending(Exception):
+    """The inode has a truncate whose chunk removal is not finished: finish it, then run again.
+
+    Until the removal is done the new size is not applied, and nothing that could let a client
+    write where the removal is still to come (an open, a length, another size change) goes ahead.
+    """
+
+    def __init__(self, inode_id: int) -> None:
+        super().__init__(f"inode {inode_id} has an unfinished truncate")
+        self.inode_id = inode_id
+
+
+class TruncateUnclaimed(Exception):
+    """The operation changes the size of an inode whose truncate the caller did not claim.
+
+    The service claims an inode (it then carries out the truncate's storage side before it
+    answers, and no other truncate or length probe of the inode runs meanwhile in that process),
+    and runs the operation again with ``truncating`` set to it.
+    """
+
+    def __init__(self, inode_id: int) -> None:
+        super().__init__(f"a truncate of inode {inode_id} must be claimed")
+        self.inode_id = inode_id
 
 
 class Namespace:
@@ -357,18 +384,13 @@ class Namespace:
         prefix = schema.session_prefix(inode_id)
         return bool(await self.txn.scan(prefix, prefix_end(prefix), limit=1))
 
-    async def _mark_writers_truncated(self, inode_id: int) -> bool:
-        """Flag every writing handle of a file whose size is changing; True when it has any handle.
+    async def _size_gen(self, inode_id: int) -> int:
+        """How many truncates the inode has had (see :class:`schema.Session`)."""
+        return schema.decode_u64(await self.txn.get(schema.size_gen_key(inode_id)))
 
-        A flagged handle's later lengths are checked against storage (see :class:`schema.Session`).
-        """
-        prefix = schema.session_prefix(inode_id)
-        sessions = await self.txn.scan(prefix, prefix_end(prefix))
-        for key, raw in sessions:
-            session = schema.Session.decode(raw)
-            if session.write and not session.truncated:
-                self.txn.put(key, replace(session, truncated=True).encode())
-        return bool(sessions)
+    async def _check_no_truncate_pending(self, inode_id: int) -> None:
+        if await self.txn.get(schema.truncate_key(inode_id)) is not None:
+            raise TruncatePending(inode_id)
 
     async def _is_empty_dir(self, inode_id: int) -> bool:
         prefix = schema.dentry_prefix(inode_id)
@@ -428,7 +450,13 @@ class Namespace:
         return out
 
     async def open(self, ref: mpb.PathRef, flags: int, mode: int, new_inode_id: int,
-                   session_id: bytes, client_id: bytes, now_ms: int) -> mpb.OpenRsp:
+                   session_id: bytes, client_id: bytes, now_ms: int, truncating: int = 0) -> mpb.OpenRsp:
+        """Open (or create) a file, holding a session; ``O_TRUNC`` of an existing file records a
+        truncate job for ``truncating`` (see :meth:`_truncate`); the answer shows the new size.
+
+        An inode with an unfinished truncate is not opened (:class:`TruncatePending`): a new
+        handle could write where the truncate is still to remove chunks.
+        """
         access = flags & O_ACCMODE
         if access == O_ACCMODE:
             raise InvalidArgument("invalid access mode O_WRONLY|O_RDWR")
@@ -471,24 +499,29 @@ class Namespace:
                 raise IsADirectory(f"inode {inode.inode_id} is a directory")
         elif inode.type != FILE:
             raise NotSupported("fifos, sockets and device nodes have no data in fs3")
+        truncated = False
         if not created:
             want = (R_OK if access in (O_RDONLY, O_RDWR) else 0) | (W_OK if writing or flags & O_TRUNC else 0)
             self._require(inode, want, "open")
+            if inode.type == FILE:
+                await self._check_no_truncate_pending(inode.inode_id)
             if flags & O_TRUNC and inode.type == FILE:
-                await self._truncate(inode, 0, always_stamp=True)
+                await self._truncate(inode, 0, truncating, always_stamp=True)
                 self._drop_privileges(inode)  # the kernel leaves this to an O_TRUNC open (atomic_o_trunc)
+                truncated = True
             if access != O_WRONLY and (inode.atime_ns <= inode.mtime_ns or inode.atime_ns <= inode.ctime_ns
                                        or self.now - inode.atime_ns >= _RELATIME_NS):
                 inode.atime_ns = self.now
                 self.touch(inode)
         if inode.type == FILE:
-            session = schema.Session(client_id, writing, now_ms)
+            session = schema.Session(client_id, writing, now_ms, await self._size_gen(inode.inode_id))
             self.txn.put(schema.session_key(inode.inode_id, session_id), session.encode())
             self.txn.put(schema.client_session_key(client_id, inode.inode_id, session_id), b"")
         else:
             session_id = b""
         self.flush()
-        return mpb.OpenRsp(inode=inode, session_id=session_id, created=created)
+        return mpb.OpenRsp(inode=_with_size(inode, 0) if truncated else inode, session_id=session_id,
+                           created=created)
 
     async def make_node(self, ref: mpb.PathRef, kind: mpb.InodeType, mode: int, rdev: int, symlink_target: bytes,
                         new_inode_id: int) -> mpb.Inode:
@@ -566,7 +599,9 @@ class Namespace:
         prefix = schema.xattr_prefix(inode.inode_id)
         for key, _ in await self.txn.scan(prefix, prefix_end(prefix)):
             self.txn.delete(key)
+        # An unfinished truncate is dropped: the GC job lists and removes every chunk there is.
         self.txn.delete(schema.truncate_key(inode.inode_id))
+        self.txn.delete(schema.size_gen_key(inode.inode_id))
         if inode.type == FILE:
             job = schema.GcJob(inode.layout, 0, inode.size)
             self.txn.put(schema.gc_key(inode.inode_id), job.encode())
@@ -716,28 +751,34 @@ class Namespace:
                     entry.attrs.CopyFrom(found)
         return rsp
 
-    async def _truncate(self, inode: mpb.Inode, size: int, always_stamp: bool = False) -> None:
-        """Set a file's length; a shrink records a truncate job that the service runs on storage.
+    async def _truncate(self, inode: mpb.Inode, size: int, truncating: int, always_stamp: bool = False) -> None:
+        """Record a size change as a truncate job; the size itself is applied by
+        :meth:`complete_truncate` once storage holds nothing past it.
 
-        So does any size change while the file is open: a writer's data past meta's size may be on
-        storage already (the length is published at flush, fsync and close), and it must go too.
+        Applying the size only after the chunk removal is what keeps a truncate from erasing
+        data written after it: until the job completes no client sees the new size, no handle
+        opens, no length is published and no other size change starts on the inode (each waits
+        for the job, :class:`TruncatePending`), so every write that can follow the truncate
+        follows the removal too. Writes racing the truncate from handles opened before it are
+        concurrent with it, and their lengths are checked against storage.
+
+        What storage must clear: everything from the new size on when the file shrinks or is
+        open (an open writer's bytes between the old and the new size may be on storage, not yet
+        published, and an extension keeps them); from the old size on when a closed file grows,
+        so that the extension reads as zeros whatever a lost writer left past the old end.
         """
         if size > max_file_size(inode.layout):
             raise FileTooLarge(f"size {size} exceeds {max_file_size(inode.layout)} for this file's chunk size")
+        if inode.inode_id != truncating:
+            raise TruncateUnclaimed(inode.inode_id)
+        await self._check_no_truncate_pending(inode.inode_id)
         old = inode.size
-        if await self._mark_writers_truncated(inode.inode_id) or size < old or (size == 0 and old == 0
-                                                                                and always_stamp):
-            chunk_size = inode.layout.chunk_size
-            first = -(-size // chunk_size)
-            keep = size % chunk_size
-            job = schema.GcJob(inode.layout, first, max(old, size), keep)
-            existing = await self.txn.get(schema.truncate_key(inode.inode_id))
-            if existing is not None:
-                # An unfinished earlier truncate: the new job must cover what that one did.
-                job = schema.GcJob(inode.layout, first, max(schema.GcJob.decode(existing).length, job.length), keep)
-            self.txn.put(schema.truncate_key(inode.inode_id), job.encode())
+        clear_from = size if size < old or await self._has_sessions(inode.inode_id) else old
+        size_gen = await self._size_gen(inode.inode_id) + 1
+        self.txn.put(schema.size_gen_key(inode.inode_id), schema.encode_u64(size_gen))
+        job = schema.TruncateJob(inode.layout, size, clear_from, size_gen)
+        self.txn.put(schema.truncate_key(inode.inode_id), job.encode())
         if size != old or always_stamp:
-            inode.size = size
             self._stamp(inode, mtime=True)
 
     def _drop_privileges(self, inode: mpb.Inode) -> None:
@@ -753,7 +794,26 @@ class Namespace:
             inode.mode = mode
             self._stamp(inode)
 
-    async def setattr(self, req: mpb.SetAttrReq) -> mpb.Inode:
+    async def complete_truncate(self, inode_id: int, size_gen: int) -> bool:
+        """The truncate job of generation ``size_gen`` has cleared storage: apply its size and drop
+        it. False when the job is gone (done already, or the inode was deleted)."""
+        raw = await self.txn.get(schema.truncate_key(inode_id))
+        if raw is None:
+            return False
+        job = schema.TruncateJob.decode(raw)
+        if job.size_gen != size_gen:
+            return False
+        self.txn.delete(schema.truncate_key(inode_id))
+        inode = await self.find_inode(inode_id)
+        if inode is not None and job.size is not None:
+            inode.size = job.size
+            self.touch(inode)
+        self.flush()
+        return True
+
+    async def setattr(self, req: mpb.SetAttrReq, truncating: int = 0) -> mpb.Inode:
+        """chmod, chown, utimes and truncate; a size change is a truncate job for ``truncating``
+        (see :meth:`_truncate`), and the answer shows the new size."""
         mask = req.mask
         known = (mpb.SET_MODE | mpb.SET_UID | mpb.SET_GID | mpb.SET_SIZE | mpb.SET_ATIME | mpb.SET_MTIME
                  | mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW | mpb.SET_DROP_PRIVILEGES)
@@ -776,7 +836,7 @@ class Namespace:
                 raise InvalidArgument(f"inode {inode.inode_id} is not a regular file")
             if not writable_session:
                 self._require(inode, W_OK, "truncate")
-            await self._truncate(inode, req.size)
+            await self._truncate(inode, req.size, truncating)
             self._drop_privileges(inode)
         if mask & mpb.SET_DROP_PRIVILEGES:
             if not writable_session:
@@ -826,7 +886,7 @@ class Namespace:
                 inode.mtime_ns = req.mtime_ns
             self._stamp(inode)
         self.flush()
-        return inode
+        return _with_size(inode, req.size) if mask & mpb.SET_SIZE else inode
 
     # -- xattrs --------------------------------------------------------------------------------
 
@@ -927,39 +987,47 @@ class Namespace:
             raise BadHandle(f"no open session {session_id.hex()} on inode {inode_id}")
         return schema.Session.decode(raw)
 
-    def _apply_length(self, inode: mpb.Inode, session: schema.Session, hint: int, exact: int | None,
-                      probed_from: int | None, acked: bool, final: bool) -> None:
+    async def _apply_length(self, inode: mpb.Inode, session: schema.Session, hint: int, exact: int | None,
+                            probed_gen: int | None, acked: bool, final: bool) -> None:
         """A writer's length: exact when storage was asked, else its hint.
 
-        The hint is taken as is when the writer says every write below it is acknowledged and the
-        file was not truncated since the handle opened (nothing it wrote can be gone), or when
-        ``final`` says no better answer is coming. Otherwise the caller must probe storage
-        (:class:`LengthProbeStale`). An exact length probed from a size that has changed since (a
-        truncate, another writer's close) is refused the same way: applying it could undo a
-        truncate that came after this writer's last write.
+        ``exact`` is the file's end on storage, probed under size generation ``probed_gen``; it
+        counts only if no truncate came since (same generation, no truncate unfinished) — one
+        that did may have removed what the probe saw, even one to the same size. The hint is
+        taken as is when the writer says every write below it is acknowledged and the file was
+        not truncated since the handle opened (nothing it wrote can be gone). Otherwise the
+        caller must probe storage again (:class:`LengthProbeStale`), unless ``final`` says no
+        better answer is coming: then an unacknowledged hint of an untruncated handle is taken,
+        and a truncated handle's length is left out — its hint may cover what a truncate removed,
+        so applying it could undo the truncate.
         """
-        if exact is not None:
-            if probed_from != inode.size:
-                raise LengthProbeStale(f"inode {inode.inode_id}: size changed from {probed_from} to {inode.size}")
-            new_size = exact
-        elif (acked and not session.truncated) or final:
+        size_gen = await self._size_gen(inode.inode_id)
+        pending = await self.txn.get(schema.truncate_key(inode.inode_id)) is not None
+        untruncated = session.size_gen == size_gen and not pending
+        if exact is not None and probed_gen == size_gen and not pending:
+            new_size = max(inode.size, exact)
+        elif acked and untruncated:
+            new_size = max(inode.size, hint)
+        elif not final:
+            raise LengthProbeStale(f"inode {inode.inode_id}: truncated since the probe or since this handle opened")
+        elif untruncated:
             new_size = max(inode.size, hint)
         else:
-            raise LengthProbeStale(f"inode {inode.inode_id}: its size changed since this handle opened")
+            new_size = inode.size
         if new_size > max_file_size(inode.layout):
             raise FileTooLarge(f"size {new_size} exceeds {max_file_size(inode.layout)}")
         inode.size = new_size
         self._stamp(inode, mtime=True)
 
     async def close(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                    probed_from: int | None, acked: bool = False, final: bool = True) -> CloseResult:
+                    probed_gen: int | None, acked: bool = False, final: bool = True) -> CloseResult:
         """End a handle, applying its length (see :meth:`_apply_length` for ``acked`` and ``final``)."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
         self.txn.delete(schema.session_key(inode_id, session_id))
         self.txn.delete(schema.client_session_key(session.client_id, inode_id, session_id))
         if wrote and session.write:
-            self._apply_length(inode, session, hint, exact, probed_from, acked, final)
+            await self._apply_length(inode, session, hint, exact, probed_gen, acked, final)
         gc = False
         if inode.nlink == 0 and not await self._has_sessions(inode_id):
             gc = await self._delete_inode(inode)
@@ -967,12 +1035,12 @@ class Namespace:
         return CloseResult(inode, gc)
 
     async def sync(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                   probed_from: int | None, acked: bool = False, final: bool = True) -> mpb.Inode:
+                   probed_gen: int | None, acked: bool = False, final: bool = True) -> mpb.Inode:
         """Publish a handle's length (fsync, flush, periodic hints) without closing it."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
         if wrote and session.write:
-            self._apply_length(inode, session, hint, exact, probed_from, acked, final)
+            await self._apply_length(inode, session, hint, exact, probed_gen, acked, final)
         self.flush()
         return inode
 
@@ -987,3 +1055,11 @@ class Namespace:
         self._stamp(inode)
         self.flush()
         return inode
+
+
+def _with_size(inode: mpb.Inode, size: int) -> mpb.Inode:
+    """A copy of ``inode`` showing ``size``: the answer to a truncate whose size is applied later."""
+    out = mpb.Inode()
+    out.CopyFrom(inode)
+    out.size = size
+    return out

@@ -13,7 +13,8 @@ key                                                    value
 ``CLNT`` + client_id(16)                               :class:`ClientLease`: renewal count
 ``CEXP`` + client_id(16)                               :class:`ExpiredClient`: a lapsed client id
 ``GCQ_`` + inode_id(8)                                 :class:`GcJob`: chunks to remove
-``TRNC`` + inode_id(8)                                 :class:`GcJob`: a truncate in progress
+``TRNC`` + inode_id(8)                                 :class:`TruncateJob`: a truncate in progress
+``SGEN`` + inode_id(8)                                 the inode's size generation (8 bytes)
 ``IDEM`` + client_id(16) + request_id(8)               :class:`IdemRecord`: a committed answer
 ``CNTR`` + name                                        a counter (8 bytes)
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
@@ -42,6 +43,7 @@ __all__ = [
     "GcJob",
     "IdemRecord",
     "Session",
+    "TruncateJob",
     "client_key",
     "client_prefix",
     "client_session_key",
@@ -64,6 +66,8 @@ __all__ = [
     "session_key",
     "session_prefix",
     "sessions_prefix",
+    "size_gen_key",
+    "size_gen_prefix",
     "truncate_key",
     "truncate_prefix",
     "xattr_key",
@@ -85,6 +89,7 @@ CLIENT = b"CLNT"
 EXPIRED_CLIENT = b"CEXP"
 GC = b"GCQ_"
 TRUNCATE = b"TRNC"
+SIZE_GEN = b"SGEN"
 IDEM = b"IDEM"
 COUNTER = b"CNTR"
 
@@ -200,6 +205,14 @@ def truncate_prefix() -> bytes:
     return TRUNCATE
 
 
+def size_gen_key(inode_id: int) -> bytes:
+    return SIZE_GEN + _u64(inode_id)
+
+
+def size_gen_prefix() -> bytes:
+    return SIZE_GEN
+
+
 def idem_key(client_id: bytes, request_id: int) -> bytes:
     _check_client(client_id)
     return IDEM + client_id + _u64(request_id)
@@ -227,33 +240,45 @@ def decode_u64(raw: bytes | None) -> int:
     return 0 if raw is None else int(_U64.unpack(raw)[0])
 
 
+# A session written by an older release with its "truncated" flag set: never equal to a generation.
+SIZE_GEN_UNKNOWN = (1 << 64) - 1
+
+
+def _session_size_gen(rest: bytes) -> int:
+    if len(rest) == 8:
+        return int(_U64.unpack(rest)[0])
+    return SIZE_GEN_UNKNOWN if rest[:1] == b"\x01" else 0  # an older record: a "truncated" flag, or none
+
+
 @dataclass(frozen=True)
 class Session:
-    """An open handle: the client holding it, whether it may write, and whether the file's size
-    was changed since it opened.
+    """An open handle: the client holding it, whether it may write, and the inode's size
+    generation when it opened.
 
-    ``truncated`` decides how the handle's length is believed: a handle whose file kept its size
-    since open reports a length that only covers its own acknowledged writes, and meta takes it as
-    is; after a truncate, the handle's earlier writes may be gone from storage, so every length it
-    reports is checked against storage instead.
+    The size generation (``SGEN``) counts the truncates of an inode. It decides how the handle's
+    length is believed: a handle whose file has not been truncated since it opened (same
+    generation) reports a length that only covers its own acknowledged writes, and meta takes it
+    as is; after a truncate, the handle's earlier writes may be gone from storage, so every length
+    it reports is checked against storage instead. Comparing generations, rather than flagging
+    every open handle in the truncate's transaction, keeps a truncate's transaction one inode's
+    size however many handles the file has.
     """
 
     client_id: bytes
     write: bool
     opened_ms: int
-    truncated: bool = False
+    size_gen: int = 0
 
     _FMT = struct.Struct(">?Q")
 
     def encode(self) -> bytes:
-        flag = b"\x01" if self.truncated else b""
-        return self.client_id + self._FMT.pack(self.write, self.opened_ms) + flag
+        return self.client_id + self._FMT.pack(self.write, self.opened_ms) + _u64(self.size_gen)
 
     @classmethod
     def decode(cls, raw: bytes) -> Session:
         write, opened_ms = cls._FMT.unpack_from(raw, CLIENT_ID_BYTES)
-        truncated = len(raw) > CLIENT_ID_BYTES + cls._FMT.size and raw[CLIENT_ID_BYTES + cls._FMT.size] == 1
-        return cls(raw[:CLIENT_ID_BYTES], bool(write), int(opened_ms), truncated)
+        rest = raw[CLIENT_ID_BYTES + cls._FMT.size:]
+        return cls(raw[:CLIENT_ID_BYTES], bool(write), int(opened_ms), _session_size_gen(rest))
 
 
 @dataclass(frozen=True)
@@ -304,16 +329,18 @@ class ExpiredClient:
 
 @dataclass(frozen=True)
 class GcJob:
-    """Chunks of ``layout`` to remove from index ``first_chunk`` on (whole file: 0).
+    """Every chunk of a deleted file from index ``first_chunk`` on (whole file: 0) is to be removed.
 
-    ``length`` is the largest file length meta knew of; the worker also removes any chunk it
-    finds beyond it (a writer may have written past the last length hint).
+    The worker lists the chunks that exist (a paged range listing per chain of ``layout``) and
+    removes them a page at a time, so it needs no length and holds one page whatever the file's
+    length was; ``length`` (the largest size meta knew) is kept for operators only. A removed chunk
+    is no longer listed: after a crash the job resumes where storage says it stopped.
     """
 
     layout: mpb.Layout
     first_chunk: int
     length: int
-    keep_bytes: int = 0   # truncate: bytes to keep in chunk ``first_chunk - 1`` (0: none to trim)
+    keep_bytes: int = 0   # unused (jobs of older releases used it for truncates)
 
     _FMT = struct.Struct(">QQQ")
 
@@ -324,6 +351,53 @@ class GcJob:
     def decode(cls, raw: bytes) -> GcJob:
         first_chunk, length, keep = cls._FMT.unpack_from(raw)
         return cls(mpb.Layout.FromString(raw[cls._FMT.size:]), int(first_chunk), int(length), int(keep))
+
+
+_TRUNCATE_FORMAT = b"\xf1"  # leads a current truncate record; an older one starts with a zero byte
+_NO_SIZE = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class TruncateJob:
+    """A size change waiting for storage: from byte ``clear_from`` on, storage must hold nothing
+    (chunks past it removed, the chunk holding it trimmed); then the inode's size becomes ``size``.
+
+    The size is applied only when the chunks are gone (see ``fs3.meta.ops``), so no client can
+    see the new size — and write beyond it — before the removal that could erase its bytes.
+    ``size_gen`` is the inode's size generation the truncate created. ``size`` None: a job
+    recorded by an older release, whose size is already set. Like :class:`GcJob`, the job keeps
+    no progress of its own: what it removed is no longer listed, the trim is simply done again.
+    """
+
+    layout: mpb.Layout
+    size: int | None
+    clear_from: int
+    size_gen: int
+
+    _FMT = struct.Struct(">QQQ")
+    _OLD = struct.Struct(">QQQ")
+
+    @property
+    def first_chunk(self) -> int:
+        """The first chunk to remove whole."""
+        return -(-self.clear_from // self.layout.chunk_size)
+
+    def encode(self) -> bytes:
+        size = _NO_SIZE if self.size is None else self.size
+        return (_TRUNCATE_FORMAT + self._FMT.pack(size, self.clear_from, self.size_gen)
+                + self.layout.SerializeToString())
+
+    @classmethod
+    def decode(cls, raw: bytes) -> TruncateJob:
+        if raw[:1] == _TRUNCATE_FORMAT:
+            size, clear_from, size_gen = cls._FMT.unpack_from(raw, 1)
+            layout = mpb.Layout.FromString(raw[1 + cls._FMT.size:])
+            return cls(layout, None if size == _NO_SIZE else int(size), int(clear_from), int(size_gen))
+        # An older record: remove chunks from ``first_chunk`` on, trim the one before to ``keep``.
+        first_chunk, _, keep = cls._OLD.unpack_from(raw)
+        layout = mpb.Layout.FromString(raw[cls._OLD.size:])
+        clear_from = (first_chunk - 1) * layout.chunk_size + keep if keep else first_chunk * layout.chunk_size
+        return cls(layout, None, int(clear_from), 0)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,20 @@ whose answer is gone is refused instead of run a second time.
 Side effects, all crash-safe because they are driven by durable records:
 
 * truncation (``O_TRUNC``, ``truncate``): the transaction records a truncate job; the service
-  removes and trims chunks before answering, and again at start for jobs a crash interrupted;
+  removes and trims chunks, then applies the new size, before answering — and the inode's next
+  open, length or size change, or the maintenance loop, finishes a job an error or a crash
+  interrupted (see :meth:`Namespace._truncate <fs3.meta.ops.Namespace._truncate>` for why the
+  size waits for the removal);
 * deletion: the last unlink (or the last close of an unlinked file) queues the inode's chunks
   for the GC loop, which removes them from storage in the background and survives restarts;
 * file length: ``close`` and ``fsync`` of a written file ask storage for the chunks at the
-  end of the file, so the length is exact even for writers that never sent a hint;
+  end of the file, so the length is exact even for writers that never sent a hint.
+
+Chunk removal and length probes never enumerate chunk indexes: they list the chunks of the file
+that exist, a page at a time per chain (``DumpChunkMeta`` over the file's id range), so memory
+and every transaction stay one page's worth whatever the file's length — a 1 PB sparse file
+costs what its few chunks cost. A removed chunk is no longer listed, so a job interrupted by an
+error or a crash resumes where storage says it stopped.
 * dead clients: a client that stops renewing its lease has its sessions closed by the pruner.
   Leases are timed on this server's monotonic clock from when it saw a lease's renewal count
   change, never by comparing stored wall times: a clock step expires nobody, and several servers
@@ -34,20 +43,30 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
 from fs3 import meta_pb2 as mpb
+from fs3 import storage_pb2 as spb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
 from fs3.common.clock import Clock, LoopClock
-from fs3.common.errors import FileTooLarge, FS3Error, Internal, InvalidArgument, NotFound, StaleClient, Unavailable
+from fs3.common.errors import (
+    FileTooLarge,
+    FS3Error,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    StaleClient,
+    StatusCode,
+    Unavailable,
+)
 from fs3.common.faults import CrashPoint, sabotaged
-from fs3.common.ids import CHUNK_SIZE_MIN_BYTES
+from fs3.common.ids import CHUNK_SIZE_MIN_BYTES, chunk_id, parse_chunk_id
 from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction, TxnEngine, run_transaction
 from fs3.meta import schema
@@ -63,7 +82,11 @@ from fs3.meta.ops import (
     LengthProbeStale,
     Namespace,
     OpEnv,
+    TruncatePending,
+    TruncateUnclaimed,
 )
+from fs3.mgmtd.chain_state import PublicState
+from fs3.rpc.storage_calls import list_chunk_range
 
 __all__ = ["MetaService", "MetaServiceConfig"]
 
@@ -76,7 +99,13 @@ _LENGTH_PROBE_ATTEMPTS = 5
 # one more answer from a walk, and a directory moved meanwhile costs a walk again.
 _ANCESTRY_ATTEMPTS = 8
 _LENGTH_EVERY_LAYOUT_ALLOWS = max_file_size(mpb.Layout(chunk_size=CHUNK_SIZE_MIN_BYTES))
+# A request that meets another truncate of its inode (or a rename moving the name it resolved)
+# runs again at most this often.
+_TRUNCATE_ATTEMPTS = 8
 _REMOVE_PARALLEL = 16
+_CHUNK_INDEX_END = 1 << 32  # chunk indexes are 32-bit
+_LIST_RETRY_BACKOFF_MS = 50
+_LIST_RETRY_BACKOFF_MAX_MS = 1_000
 _PRUNE_PAGE = 1000   # leases, expired clients, sessions or saved answers read (or deleted) per transaction
 
 
@@ -96,6 +125,8 @@ class MetaServiceConfig:
     gc_interval_ms: int = 2_000
     inode_batch: int = 1024
     txn_retry_max: int = 20
+    # Chunks listed (and then removed) per storage call of a GC or truncate job or a length probe.
+    chunk_page: int = 256
 
     def validate(self) -> None:
         if self.client_lease_ms < 1:
@@ -104,12 +135,20 @@ class MetaServiceConfig:
         # network blip); its retries are bounded by half the time an expired id stays refused.
         if self.expired_client_ttl_ms < 2 * self.client_lease_ms:
             raise InvalidArgument("expired_client_ttl_ms must be at least twice client_lease_ms")
+        if not 1 <= self.chunk_page <= 10_000:
+            raise InvalidArgument(f"chunk_page {self.chunk_page} outside [1, 10000]")
 
     @property
     def client_retry_limit_ms(self) -> int:
         """The longest a client may retry one request: meta forgets a lapsed client's answers, and
         stops refusing its id, only after twice this."""
         return self.expired_client_ttl_ms // 2
+
+
+@dataclass
+class _InodeLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
 
 
 class InodeAllocator:
@@ -166,7 +205,7 @@ class MetaService:
         self.allocator = InodeAllocator(engine, self.config.inode_batch)
         self._tasks: list[asyncio.Task[None]] = []
         self._gc_wakeup = asyncio.Event()
-        self._truncate_locks: dict[int, asyncio.Lock] = {}
+        self._truncate_locks: dict[int, _InodeLock] = {}
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
         self.gc_removed_chunks = 0
@@ -250,6 +289,35 @@ class MetaService:
         self._answer_crash.passed()
         return rsp
 
+    async def _mutate_truncating(self, ctx: mpb.ReqCtx, rsp_type: type[M],
+                                 fn: Callable[[Namespace, int], Awaitable[M]]) -> M:
+        """A mutation that may change a file's size (``fn(namespace, truncating)``).
+
+        The first run claims nothing; when it would truncate an inode, it runs again holding that
+        inode's lock, and the truncate's storage side (:meth:`_run_truncate_locked`) runs before
+        the answer. An inode whose earlier truncate is unfinished has it finished first.
+        """
+        truncating = 0
+        for _ in range(_TRUNCATE_ATTEMPTS):
+            try:
+                if not truncating:
+                    return await self._mutate(ctx, rsp_type, _claiming(fn, 0))
+                async with self._inode_lock(truncating):
+                    try:
+                        rsp = await self._mutate(ctx, rsp_type, _claiming(fn, truncating))
+                    except TruncatePending as exc:
+                        if exc.inode_id != truncating:
+                            raise
+                        await self._run_truncate_locked(truncating)
+                        continue
+                    await self._run_truncate_locked(truncating)
+                    return rsp
+            except TruncatePending as exc:
+                await self._finish_truncate(exc.inode_id)
+            except TruncateUnclaimed as exc:
+                truncating = exc.inode_id
+        raise Unavailable("the file kept changing under this request; try again")
+
     async def _ensure_tables(self) -> None:
         """Creating files needs the chain tables: fetch routing if the default table is not known yet."""
         if self.config.chain_table_id not in self._chain_tables():
@@ -293,39 +361,47 @@ class MetaService:
             await self._ensure_tables()
             new_id = await self.allocator.next()
         now_ms = self._now_ms()
-        rsp = await self._mutate(req.ctx, mpb.OpenRsp, lambda ns: ns.open(
-            req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms))
-        if req.flags & O_TRUNC and not rsp.created:
-            try:
-                await self._finish_truncate(rsp.inode.inode_id)
-            except Exception:
-                await self._abandon_open(req.ctx, rsp)
-                raise
+        try:
+            rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, lambda ns, truncating: ns.open(
+                req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms, truncating))
+            if req.flags & O_TRUNC and not rsp.created:
+                await self._finish_truncate(rsp.inode.inode_id)  # a retry answered from the saved answer
+        except Exception:
+            if req.flags & O_TRUNC:
+                await self._abandon_open(req.ctx)
+            raise
         return rsp, _EMPTY
 
-    async def _abandon_open(self, ctx: mpb.ReqCtx, rsp: mpb.OpenRsp) -> None:
-        """End the session of an open its caller is told failed, and forget the saved answer.
+    async def _abandon_open(self, ctx: mpb.ReqCtx) -> None:
+        """End the session of an ``O_TRUNC`` open its caller is told failed, and forget the saved answer.
 
-        The open committed (session and truncate job) before storage was asked to cut the file;
-        when that fails the caller gets the error, so no handle exists to close the session, and
-        it would keep the file (unlinked or not) until the client's lease ends. The truncate stays
-        recorded and is finished later. With the answer gone, a retry of the request opens afresh
-        instead of getting back the session that was just closed.
+        The open commits its session with its truncate job, and storage is cut after: when that
+        fails the caller gets the error, so no handle exists to close the session, and it would
+        keep the file (unlinked or not) until the client's lease ends. The truncate stays recorded
+        and is finished later (the old size shows until then). With the answer gone, a retry of
+        the request opens afresh instead of getting back the session that was just closed.
         """
-        inode_id, session_id = rsp.inode.inode_id, rsp.session_id
         key = schema.idem_key(ctx.client_id, ctx.request_id)
+        closed: list[tuple[int, bytes]] = []
 
         async def undo(txn: Transaction) -> None:
-            if await txn.get(schema.session_key(inode_id, session_id)) is not None:
+            closed.clear()
+            raw = await txn.get(key)
+            if raw is None:
+                return  # the open never committed
+            rsp = mpb.OpenRsp.FromString(schema.IdemRecord.decode(raw).response)
+            inode_id, session_id = rsp.inode.inode_id, rsp.session_id
+            if session_id and await txn.get(schema.session_key(inode_id, session_id)) is not None:
                 await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id, 0, False, None, None)
+                closed.append((inode_id, session_id))
             txn.delete(key)
 
         try:
             await run_transaction(self.engine, undo, retry_max=self.config.txn_retry_max)
         except FS3Error as exc:
-            log.warning("session %s of inode %d stays until its client's lease ends: %s", session_id.hex(),
-                        inode_id, exc)
-        self._gc_wakeup.set()
+            log.warning("the session of a failed open stays until its client's lease ends: %s", exc)
+        if closed:
+            self._gc_wakeup.set()
 
     async def make_node(self, req: mpb.MakeNodeReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         if req.type == mpb.FILE:
@@ -417,9 +493,11 @@ class MetaService:
         return rsp, _EMPTY
 
     async def set_attr(self, req: mpb.SetAttrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req)))
-        if req.mask & mpb.SET_SIZE:
-            await self._finish_truncate(rsp.inode.inode_id)
+        if not req.mask & mpb.SET_SIZE:
+            return await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req))), _EMPTY
+        rsp = await self._mutate_truncating(req.ctx, mpb.InodeRsp,
+                                            lambda ns, truncating: _inode_rsp(ns.setattr(req, truncating)))
+        await self._finish_truncate(rsp.inode.inode_id)  # a retry answered from the saved answer
         return rsp, _EMPTY
 
     async def get_xattr(self, req: mpb.GetXattrReq, payload: memoryview) -> tuple[mpb.GetXattrRsp, Buffer]:
@@ -445,29 +523,33 @@ class MetaService:
                                  ) -> mpb.InodeRsp:
         """Apply a writer's length in one transaction.
 
-        An acknowledged hint from a handle whose file kept its size is taken as is (no storage
-        round trip: the common create-write-close path). Otherwise storage is probed for the
-        file's end, and probed again when the size changed in between; the last attempt falls
-        back to the writer's hint. ``op`` gets (namespace, exact, probed_from, final).
+        An acknowledged hint from a handle whose file was not truncated since it opened is taken
+        as is (no storage round trip: the common create-write-close path). Otherwise storage is
+        probed for the file's end and the length applied, holding the inode's lock (so in this
+        process no truncate comes between); a probe made stale by a truncate anyway (another meta
+        server) is made again, and the last attempt gives up on it (``final``, see
+        :meth:`Namespace._apply_length`). ``op`` gets (namespace, exact, probed_gen, final).
         """
         for attempt in range(_LENGTH_PROBE_ATTEMPTS):
-            last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
-            hint_first = attempt == 0 and acked
-            if last or hint_first:
-                exact, probed_from = None, None
-            else:
-                exact, probed_from = await self._exact_length(inode_id, hint, wrote, within_size_is_exact=True)
-            final = last or (not hint_first and exact is None)
+            final = attempt == _LENGTH_PROBE_ATTEMPTS - 1
             try:
-                return await self._mutate(ctx, mpb.InodeRsp,
-                                          lambda ns, e=exact, p=probed_from, f=final: op(ns, e, p, f))  # type: ignore[misc]
+                if attempt == 0 and acked:
+                    return await self._mutate(ctx, mpb.InodeRsp, lambda ns: op(ns, None, None, False))
+                if not wrote:
+                    return await self._mutate(ctx, mpb.InodeRsp, lambda ns: op(ns, None, None, True))
+                async with self._inode_lock(inode_id):
+                    await self._run_truncate_locked(inode_id)
+                    exact, probed_gen = await self._probe_length_locked(inode_id, hint, within_size_is_exact=True)
+                    last = final or exact is None
+                    return await self._mutate(ctx, mpb.InodeRsp,
+                                              lambda ns, e=exact, g=probed_gen, f=last: op(ns, e, g, f))  # type: ignore[misc]
             except LengthProbeStale:
                 continue
         raise AssertionError("unreachable: the last attempt does not raise LengthProbeStale")
 
     async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_from: int | None, final: bool) -> mpb.InodeRsp:
-            result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_from,
+        async def op(ns: Namespace, exact: int | None, probed_gen: int | None, final: bool) -> mpb.InodeRsp:
+            result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_gen,
                                     acked=req.acked, final=final)
             return mpb.InodeRsp(inode=result.inode)
 
@@ -477,9 +559,9 @@ class MetaService:
         return rsp, _EMPTY
 
     async def sync(self, req: mpb.SyncReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_from: int | None, final: bool) -> mpb.InodeRsp:
+        async def op(ns: Namespace, exact: int | None, probed_gen: int | None, final: bool) -> mpb.InodeRsp:
             return await _inode_rsp(ns.sync(req.inode_id, req.session_id, req.length_hint, req.wrote, exact,
-                                            probed_from, acked=req.acked, final=final))
+                                            probed_gen, acked=req.acked, final=final))
 
         # A hint that is not acknowledged, or comes from a handle whose file was truncated since it
         # opened, only says where to look: a hint sent before a truncate and received after it
@@ -544,23 +626,91 @@ class MetaService:
 
     # -- storage side effects --------------------------------------------------------------------
 
-    async def _chunk_stat(self, layout: mpb.Layout, inode_id: int, index: int) -> tuple[bool, int]:
-        chain_id, cid = chunk_location(layout, inode_id, index)
-        _, rsp = await self.storage.read(chain_id, cid, 0, 0)
-        return rsp.version > 0, rsp.chunk_length
+    @contextlib.asynccontextmanager
+    async def _inode_lock(self, inode_id: int) -> AsyncIterator[None]:
+        """Serializes, within this process, an inode's truncates, their jobs and its length probes."""
+        entry = self._truncate_locks.get(inode_id)
+        if entry is None:
+            entry = self._truncate_locks[inode_id] = _InodeLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._truncate_locks[inode_id]
 
-    async def _exact_length(self, inode_id: int, hint: int, wrote: bool,
-                            within_size_is_exact: bool = False) -> tuple[int | None, int | None]:
-        """The file's end as storage sees it, from the known length on (None when nothing was written).
+    async def _list_inode_chunks(self, chain_id: int, inode_id: int, index: int,
+                                 head_first: bool) -> tuple[list[spb.ChunkMeta], bool]:
+        """One page of the inode's chunks on a chain from chunk ``index`` on, and whether more follow.
+
+        ``head_first``: ask the head (it also holds chunks whose first write is still in flight:
+        what a removal must find); else the tail (every acknowledged write is committed there:
+        what a length probe must find). Other serving members are asked when that one fails, and
+        the listing is retried like a storage read until the storage client's budget is spent.
+        """
+        if index >= _CHUNK_INDEX_END:
+            return [], False
+        prefix = schema.encode_u64(inode_id)
+        start_after = chunk_id(inode_id, index - 1) if index > 0 else prefix
+        end_before = prefix_end(prefix) or b""
+        clock, config = self.storage.clock, self.storage.config
+        deadline_ms = clock.now_ms() + config.retry_total_ms
+        attempt = 0
+        while True:
+            _, members = await self.routing.chain(chain_id)
+            serving = [m for m in members if m.state is PublicState.SERVING]
+            error: FS3Error = Unavailable(f"chain {chain_id} has no serving target to list")
+            for member in serving if head_first else reversed(serving):
+                try:
+                    return await list_chunk_range(self.storage.channels.get(member.address), chain_id,
+                                                  member.target_id, start_after, end_before, self.config.chunk_page,
+                                                  config.rpc_timeout_ms)
+                except FS3Error as exc:
+                    if not exc.retryable and exc.code != StatusCode.IO_ERROR:
+                        raise
+                    error = exc
+            attempt += 1
+            if clock.now_ms() >= deadline_ms:
+                raise Unavailable(f"listing inode {inode_id}'s chunks on chain {chain_id} gave up: {error}")
+            with contextlib.suppress(FS3Error):
+                await self.routing.refresh()
+            await asyncio.sleep(min(_LIST_RETRY_BACKOFF_MS * attempt, _LIST_RETRY_BACKOFF_MAX_MS) / 1000)
+
+    async def _storage_end(self, inode_id: int, layout: mpb.Layout, size: int) -> int:
+        """The end of the file's last committed byte on storage past ``size`` (``size`` if none).
+
+        Every chain of the layout is listed from the chunk holding ``size`` on, so a chunk past a
+        gap counts as much as one next to the end.
+        """
+        chunk_size = layout.chunk_size
+        limiter = asyncio.Semaphore(_REMOVE_PARALLEL)
+
+        async def chain_end(chain_id: int) -> int:
+            end, index = size, size // chunk_size
+            async with limiter:
+                while True:
+                    page, more = await self._list_inode_chunks(chain_id, inode_id, index, head_first=False)
+                    for meta in page:
+                        position = parse_chunk_id(meta.chunk_id)[1]
+                        if meta.commit_version:
+                            end = max(end, position * chunk_size + meta.length)
+                        index = position + 1
+                    if not more:
+                        return end
+
+        return max([size, *await _all_of([chain_end(c) for c in sorted(set(layout.chains))])])
+
+    async def _probe_length_locked(self, inode_id: int, hint: int,
+                                   within_size_is_exact: bool = False) -> tuple[int | None, int | None]:
+        """The file's end as storage sees it, and the size generation it was probed under (None,
+        None when the inode is gone or holds no chunks). The caller holds the inode's lock.
 
         ``within_size_is_exact``: the hint is a writer's own (the end of everything it wrote, now
         on storage); when it is inside the known size the writer has nothing to add, and storage
-        is not asked. Other writers publish their own lengths; dead ones are probed with hint 0.
+        is not asked. Otherwise the hint plays no part: storage is listed from the known size on.
         """
-        if not wrote:
-            return None, None
-        # A truncate still removing chunks would let the probe see chunks past the new size.
-        await self._finish_truncate(inode_id)
         txn = self.engine.begin()
         raw = await txn.get(schema.inode_key(inode_id))
         if raw is None:
@@ -568,70 +718,84 @@ class MetaService:
         inode = mpb.Inode.FromString(raw)
         if inode.type != mpb.FILE or not inode.layout.chains:
             return None, None
+        size_gen = schema.decode_u64(await txn.get(schema.size_gen_key(inode_id)))
         if within_size_is_exact and hint <= inode.size:
-            return inode.size, inode.size
-        chunk_size = inode.layout.chunk_size
-        # Probing starts where the writer says its data ends, but the hint is not a floor: a
-        # truncate after the writer's last write (its close may reach meta after the truncate,
-        # FUSE releases files asynchronously) removed those chunks, and must stay in force.
-        known = max(inode.size, hint)
-        end = inode.size
-        index = (known - 1) // chunk_size if known else 0
-        while True:
-            here, after = await asyncio.gather(self._chunk_stat(inode.layout, inode_id, index),
-                                               self._chunk_stat(inode.layout, inode_id, index + 1))
-            if here[0]:
-                end = max(end, index * chunk_size + here[1])
-            if not after[0]:
-                break
-            end = max(end, (index + 1) * chunk_size + after[1])
-            index += 2
-        return end, inode.size
+            return inode.size, size_gen
+        return await self._storage_end(inode_id, inode.layout, inode.size), size_gen
 
-    async def _remove_chunks(self, inode_id: int, layout: mpb.Layout, first: int, length: int) -> int:
-        """Remove chunks ``first..`` of a file: every one below ``length``, then any found beyond."""
-        if not layout.chains:
-            return 0
-        chunk_size = layout.chunk_size
-        last = -(-length // chunk_size)
+    async def _exact_length(self, inode_id: int, hint: int, wrote: bool,
+                            within_size_is_exact: bool = False) -> tuple[int | None, int | None]:
+        """:meth:`_probe_length_locked` after any unfinished truncate (nothing when not ``wrote``)."""
+        if not wrote:
+            return None, None
+        async with self._inode_lock(inode_id):
+            await self._run_truncate_locked(inode_id)
+            return await self._probe_length_locked(inode_id, hint, within_size_is_exact)
+
+    async def _clear_chunks(self, inode_id: int, layout: mpb.Layout, first: int) -> int:
+        """Remove every chunk of the inode from index ``first`` on; returns how many there were.
+
+        Each chain of the layout is listed from ``first`` a page at a time and the page removed
+        before the next is asked for (chains in parallel, a bounded number at once), so memory is
+        a few pages whatever the file's length. Nothing needs saving as it goes: a removed chunk
+        is no longer listed, so a job run again after a crash or an error starts where storage
+        says it stopped.
+        """
         limiter = asyncio.Semaphore(_REMOVE_PARALLEL)
 
-        async def remove(index: int) -> None:
+        async def remove(chain_id: int, cid: bytes) -> None:
             async with limiter:
-                chain_id, cid = chunk_location(layout, inode_id, index)
-                await self.storage.remove(chain_id, cid, chunk_size)
+                await self.storage.remove(chain_id, cid, layout.chunk_size)
 
-        await asyncio.gather(*(remove(i) for i in range(first, last)))
-        removed = max(0, last - first)
-        index = max(first, last)
-        while (await self._chunk_stat(layout, inode_id, index))[0]:
-            await remove(index)
-            removed += 1
-            index += 1
-        return removed
+        async def clear(chain_id: int) -> int:
+            removed, index = 0, first
+            while True:
+                async with limiter:
+                    page, more = await self._list_inode_chunks(chain_id, inode_id, index, head_first=True)
+                await _all_of([remove(chain_id, meta.chunk_id) for meta in page])
+                removed += len(page)
+                if not more:
+                    return removed
+                index = parse_chunk_id(page[-1].chunk_id)[1] + 1
+
+        return sum(await _all_of([clear(c) for c in sorted(set(layout.chains))]))
+
+    async def _run_truncate_locked(self, inode_id: int) -> None:
+        """Carry out the inode's truncate job, if it has one: trim the chunk holding the new end,
+        remove every chunk past it, then apply the size and drop the job (one transaction).
+        The caller holds the inode's lock.
+
+        A storage error leaves the job in place (the next open, length or size change of the
+        inode, or the maintenance loop, finishes it) and is answered as UNAVAILABLE, so that the
+        client retries the request, and says that the truncate is still to complete.
+        """
+        raw = await self.engine.begin().get(schema.truncate_key(inode_id))
+        if raw is None:
+            return
+        job = schema.TruncateJob.decode(raw)
+        layout = job.layout
+        try:
+            if layout.chains:
+                keep = job.clear_from % layout.chunk_size
+                if keep:
+                    chain_id, cid = chunk_location(layout, inode_id, job.clear_from // layout.chunk_size)
+                    _, rsp = await self.storage.read(chain_id, cid, 0, 0)
+                    if rsp.version > 0 and rsp.chunk_length > keep:
+                        await self.storage.truncate(chain_id, cid, keep, layout.chunk_size)
+                await self._clear_chunks(inode_id, layout, job.first_chunk)
+        except FS3Error as exc:
+            raise Unavailable(f"the truncate of inode {inode_id} is recorded and will complete once storage "
+                              f"answers: {exc}") from exc
+
+        async def complete(txn: Transaction) -> bool:
+            return await Namespace(txn, self._env(mpb.User())).complete_truncate(inode_id, job.size_gen)
+
+        await run_transaction(self.engine, complete)
 
     async def _finish_truncate(self, inode_id: int) -> None:
-        """Carry out the inode's recorded truncate job (if any) and drop the record."""
-        lock = self._truncate_locks.setdefault(inode_id, asyncio.Lock())
-        async with lock:
-            key = schema.truncate_key(inode_id)
-            raw = await self.engine.begin().get(key)
-            if raw is not None:
-                job = schema.GcJob.decode(raw)
-                await self._remove_chunks(inode_id, job.layout, job.first_chunk, job.length)
-                if job.keep_bytes:
-                    chain_id, cid = chunk_location(job.layout, inode_id, job.first_chunk - 1)
-                    exists, length = await self._chunk_stat(job.layout, inode_id, job.first_chunk - 1)
-                    if exists and length > job.keep_bytes:
-                        await self.storage.truncate(chain_id, cid, job.keep_bytes, job.layout.chunk_size)
-
-                async def done(txn: Transaction) -> None:
-                    if await txn.get(key) == raw:
-                        txn.delete(key)
-
-                await run_transaction(self.engine, done)
-        if not lock.locked():
-            self._truncate_locks.pop(inode_id, None)
+        """Carry out the inode's recorded truncate job (if any)."""
+        async with self._inode_lock(inode_id):
+            await self._run_truncate_locked(inode_id)
 
     async def run_gc_once(self, limit: int = 100) -> int:
         """Remove the chunks of up to ``limit`` deleted files; returns how many files were finished."""
@@ -642,7 +806,8 @@ class MetaService:
             inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
             job = schema.GcJob.decode(raw)
             try:
-                self.gc_removed_chunks += await self._remove_chunks(inode_id, job.layout, job.first_chunk, job.length)
+                if job.layout.chains:
+                    self.gc_removed_chunks += await self._clear_chunks(inode_id, job.layout, job.first_chunk)
             except FS3Error as exc:
                 log.warning("gc of inode %d postponed: %s", inode_id, exc)
                 continue
@@ -790,16 +955,16 @@ class MetaService:
         wrote = raw is not None and schema.Session.decode(raw).write
         for attempt in range(_LENGTH_PROBE_ATTEMPTS):
             last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
-            exact, probed_from = (None, None) if last else await self._exact_length(inode_id, 0, wrote)
+            exact, probed_gen = (None, None) if last else await self._exact_length(inode_id, 0, wrote)
             final = last or exact is None
 
-            async def expire(txn: Transaction, exact: int | None = exact, probed_from: int | None = probed_from,
+            async def expire(txn: Transaction, exact: int | None = exact, probed_gen: int | None = probed_gen,
                              final: bool = final) -> None:
                 if await txn.get(schema.session_key(inode_id, session_id)) is None:
                     txn.delete(key)
                     return
                 ns = Namespace(txn, self._env(mpb.User()))
-                await ns.close(inode_id, session_id, 0, wrote, exact, probed_from, final=final)
+                await ns.close(inode_id, session_id, 0, wrote, exact, probed_gen, final=final)
 
             try:
                 await run_transaction(self.engine, expire)
@@ -878,3 +1043,18 @@ async def _refuse_expired(txn: Transaction, client_id: bytes) -> None:
 async def _delete_if(txn: Transaction, key: bytes, value: bytes) -> None:
     if await txn.get(key) == value:
         txn.delete(key)
+
+
+def _claiming(fn: Callable[[Namespace, int], Awaitable[M]], inode_id: int) -> Callable[[Namespace], Awaitable[M]]:
+    """``fn`` run with the inode whose truncate the caller claimed (0: none)."""
+    return lambda ns: fn(ns, inode_id)
+
+
+async def _all_of(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run every call to its end, then raise the first error: a failed removal never leaves its
+    siblings running on after the job that started them has given up."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]

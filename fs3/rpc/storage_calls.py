@@ -9,7 +9,7 @@ from fs3 import storage_pb2 as spb
 from fs3.rpc.channel import Channel
 from fs3.rpc.methods import service_spec
 
-__all__ = ["ChunkDump", "dump_chunk_meta", "dump_chunks"]
+__all__ = ["ChunkDump", "dump_chunk_meta", "dump_chunks", "list_chunk_range"]
 
 _DUMP = service_spec("Storage").method("DumpChunkMeta")
 
@@ -61,3 +61,14 @@ async def dump_chunk_meta(channel: Channel, chain_id: int, target_id: int, batch
                           timeout_ms: int) -> dict[bytes, spb.ChunkMeta]:
     """Every chunk's metadata on one target, fetched in pages of ``batch``."""
     return (await dump_chunks(channel, chain_id, target_id, timeout_ms=timeout_ms, batch=batch)).chunks
+
+
+async def list_chunk_range(channel: Channel, chain_id: int, target_id: int, start_after: bytes, end_before: bytes,
+                           limit: int, timeout_ms: int) -> tuple[list[spb.ChunkMeta], bool]:
+    """One page of a target's chunks with ids in ``(start_after, end_before)``: the chunks, and
+    whether more follow. The caller pages on from the last id (memory is one page, whatever the range)."""
+    req = spb.DumpChunkMetaReq(chain_id=chain_id, target_id=target_id, start_after=start_after,
+                               end_before=end_before, limit=limit)
+    rsp, _ = await channel.call(_DUMP, req, timeout_ms=timeout_ms)
+    assert isinstance(rsp, spb.DumpChunkMetaRsp)
+    return list(rsp.chunks), rsp.more and bool(rsp.chunks)

@@ -377,10 +377,13 @@ class ChunkEngine:
     def chunk_count(self) -> int:
         return len(self._states)
 
-    def iter_states(self, start_after: bytes = b"", limit: int = 1000) -> Iterator[tuple[bytes, ChunkState]]:
-        """Chunks in id order, after ``start_after``; from the KV store so the order is stable."""
+    def iter_states(self, start_after: bytes = b"", limit: int = 1000,
+                    end_before: bytes = b"") -> Iterator[tuple[bytes, ChunkState]]:
+        """Chunks in id order, after ``start_after`` and (if given) before ``end_before``; from the
+        KV store so the order is stable."""
         start = _META + start_after + (b"\x00" if start_after else b"")
-        for key, _ in self.kv.scan(start, prefix_end(_META), limit=limit):
+        end = _META + end_before if end_before else prefix_end(_META)
+        for key, _ in self.kv.scan(start, end, limit=limit):
             chunk_id = key[len(_META):]
             state = self._states.get(chunk_id)
             if state is not None:

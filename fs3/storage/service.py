@@ -33,14 +33,16 @@ def _read_crc(engine: ChunkEngine, chunk_id: bytes, version: int, length: int) -
 
 
 def _listing(engine: ChunkEngine, req: spb.DumpChunkMetaReq, limit: int) -> list[tuple[bytes, ChunkState]]:
-    """Up to ``limit`` chunks after ``start_after``, in id order: all of them, or those in ``chunk_ids``.
+    """Up to ``limit`` chunks after ``start_after`` (and before ``end_before``, if set), in id order:
+    all of them, or those in ``chunk_ids``.
 
     Taken as a list before any data is read: the engine changes while the reads wait on I/O threads.
     """
     if not req.chunk_ids:
-        return list(engine.iter_states(req.start_after, limit))
+        return list(engine.iter_states(req.start_after, limit, req.end_before))
     out = []
-    for chunk_id in sorted({bytes(c) for c in req.chunk_ids if c > req.start_after}):
+    wanted = {bytes(c) for c in req.chunk_ids if c > req.start_after and (not req.end_before or c < req.end_before)}
+    for chunk_id in sorted(wanted):
         state = engine.get(chunk_id)
         if state is not None:
             out.append((chunk_id, state))
