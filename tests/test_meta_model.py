@@ -392,19 +392,20 @@ class MetaModelMachine(RuleBasedStateMachine):
         pending.identity.in_flight.discard(pending.req.ctx.request_id)
         observed = self._observed(call, rsp)
         slot = next((i for i, ident in enumerate(self.identities) if ident is pending.identity), None)
-        if pending.saved is None:  # nothing was committed: this run is the one that counts
+        # A client whose lease lapsed may be refused loudly: then nothing more happens.
+        fenced = pending.expired and isinstance(observed, tuple) and observed[0] == "err" \
+            and observed[1] not in NAMESPACE_ERRORS
+        if pending.volatile and not waited:
+            raise Mismatch(f"retry of {call.kind}{call.args} answered {observed!r} before its commit was durable")
+        if fenced:
+            pass
+        elif pending.saved is None:  # nothing was committed: this run is the one that counts
             self._apply(call, observed, waited)
-        else:
-            if pending.volatile and not waited:
-                raise Mismatch(f"retry of {call.kind}{call.args} answered {observed!r} before its commit was durable")
-            fenced = pending.expired and isinstance(observed, tuple) and observed[0] == "err" \
-                and observed[1] not in NAMESPACE_ERRORS
-            if observed != pending.saved and not fenced:
-                raise Mismatch(f"retry of {call.kind}{call.args} ({call.note}) answered {observed!r}, not the saved "
-                               f"{pending.saved!r}" + (" (the client's lease lapsed in between)"
-                                                       if pending.expired else ""))
-            if waited:
-                self._synced()
+        elif observed != pending.saved:
+            raise Mismatch(f"retry of {call.kind}{call.args} ({call.note}) answered {observed!r}, not the saved "
+                           f"{pending.saved!r}" + (" (the client's lease lapsed in between)" if pending.expired else ""))
+        if waited:
+            self._synced()
         if slot is not None:
             self._keep_handle(slot, call, rsp)
 

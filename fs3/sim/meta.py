@@ -56,8 +56,8 @@ from fs3.sim.namespace import ROOT, NamespaceModel, NsState, tag_mode, tags
 from fs3.sim.network import SimChannelFactory
 from fs3.sim.wgl import DEFAULT_BUDGET, INF, Call, Verdict, check_calls, shrink
 
-__all__ = ["META", "MetaShape", "SimMeta", "SimTxnEngine", "check_history", "expiry_calls", "lease_windows",
-           "run_meta_scenario"]
+__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "answer", "check_history",
+           "comparable", "expiry_calls", "lease_windows", "narrow", "request", "run_meta_scenario", "store_namespace"]
 
 log = logging.getLogger(__name__)
 META = "meta"
@@ -120,8 +120,7 @@ class SimTxnEngine(OptimisticTxnEngine):
         self.mem = store
         self.delay_rng = rng
         self.sync_delay_max_ms = sync_delay_max_ms
-
-        self.syncing = False
+        self.syncing = False  # a sync is under way: what it will make durable is only visible yet
 
     async def _sync_wal(self) -> None:
         if self.sync_delay_max_ms > 0:
@@ -373,7 +372,10 @@ def store_namespace(store: MemKVStore) -> NsState:
         inodes[schema.parse_inode_key(key)] = mpb.Inode.FromString(raw)
 
     def tag_of(inode_id: int) -> int:
-        return ROOT if inode_id == schema.ROOT_INODE else _tag(inodes[inode_id])
+        if inode_id == schema.ROOT_INODE:
+            return ROOT
+        found = inodes.get(inode_id)
+        return _tag(found) if found is not None else -inode_id  # an entry naming no inode: never a tag
 
     entries = []
     for key, raw in store.scan(schema.dentry_prefix(), prefix_end(schema.dentry_prefix())):
@@ -541,13 +543,13 @@ async def _cut(run: MetaRun, index: int, seconds: float, in_flight: bool, delay_
     ``in_flight``: the cut waits for the client's next request and comes ``delay_ms`` after it."""
     loop = asyncio.get_running_loop()
     pair = frozenset((run.addresses[index], META))
-    run.connected[index].clear()
     if in_flight:
         for _ in range(1_000):
             if run.busy[index]:
                 break
             await asyncio.sleep(0.002)
         await asyncio.sleep(delay_ms / 1000)
+    run.connected[index].clear()
     run.cluster.network.faults.partitioned.add(pair)
     run.faults.append(f"t={loop.time():.4f} cut client {index} off meta for {seconds:.1f}s"
                       + (" (a request in flight)" if in_flight and run.busy[index] else ""))
@@ -585,8 +587,9 @@ def lease_windows(renewals: list[tuple[float, float, bool]], lease_s: float) -> 
     return windows
 
 
-def expiry_calls(calls: list[Call], windows: dict[int, list[tuple[float, float]]]) -> list[Call]:
-    """An optional ``expire`` call for every session in every window in which meta may have closed it."""
+def expiry_calls(calls: list[Call], windows: dict[int, list[tuple[float, float]]], first_index: int = 0) -> list[Call]:
+    """An optional ``expire`` call for every session in every window in which meta may have closed it
+    (numbered from ``first_index`` on)."""
     extra: list[Call] = []
     for client, spans in windows.items():
         opens = [c for c in calls if c.client == client and c.kind in ("create", "open")
@@ -599,7 +602,7 @@ def expiry_calls(calls: list[Call], windows: dict[int, list[tuple[float, float]]
                 if hi <= opened.invoke or (closed is not None and closed.complete <= lo):
                     continue
                 extra.append(Call("expire", (label,), max(lo, opened.invoke), deadline=hi, client=client,
-                                  note="lease lapsed"))
+                                  index=first_index + len(extra), note="lease lapsed"))
     return extra
 
 
@@ -703,7 +706,11 @@ async def run_meta_scenario(cluster: SimCluster, shape: MetaShape, clients: int,
         await client.stop()
     lease_s = shape.client_lease_ms / 1000
     windows = {i: lease_windows(c.renewals, lease_s) for i, c in enumerate(run.clients[:clients])}
+    end = max((c.complete if c.completed else c.invoke for c in run.calls), default=0.0)
+    for index, spans in windows.items():
+        run.faults.extend(f"t={lo:.4f} client {index}'s lease may lapse (until {hi:.4f})"
+                          for lo, hi in spans if lo < end)
     calls = narrow(run.calls, run.requests, meta.windows)
-    calls += expiry_calls(calls, windows)
+    calls += expiry_calls(calls, windows, first_index=len(run.calls))
     _, problems = check_history(calls, budget)
     return run, problems

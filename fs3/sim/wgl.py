@@ -303,9 +303,10 @@ def shrink(calls: Sequence[Call], model: Model[S], budget: int = 5_000, total: i
 
     Only weakenings are tried, so every history it keeps is implied by the original: calls invoked
     after the blocked call was answered are cut off, then a completed call whose answer changed
-    nothing is dropped, and a completed call that changed something loses its answer (it may then
-    have taken effect or not) — latest first, each kept only if the search still finds a violation
-    within ``budget`` steps, until ``total`` steps are spent. Returned: the completed calls left,
+    nothing (a read, an error) is dropped, and a completed call that changed something loses its
+    answer (it may then have taken effect or not) — in halves, then quarters, down to single calls (delta debugging),
+    each step kept only if the search still finds a violation within ``budget`` steps, until
+    ``total`` steps are spent. Returned: the completed calls left,
     plus the unanswered calls ``related`` to one of them (by default: sharing an argument) whose
     time overlaps theirs, in history order.
     """
@@ -326,18 +327,26 @@ def shrink(calls: Sequence[Call], model: Model[S], budget: int = 5_000, total: i
         cut = [c for c in current if c.invoke <= end]
         if len(cut) < len(current) and fails(cut):
             current = cut
-    for inert_pass in (True, False):
-        for original in sorted((c for c in current if c.completed and model.inert(c) == inert_pass),
-                               key=lambda c: -c.invoke):
-            if spent >= total:
+    for inert in (True, False):
+        # Halves first, then quarters, down to single calls (delta debugging): most calls are noise.
+        targets = sorted((c for c in current if c.completed and model.inert(c) == inert), key=lambda c: -c.invoke)
+        size = max(1, len(targets) // 2)
+        while targets and spent < total:
+            kept: list[Call] = []
+            for start in range(0, len(targets), size):
+                if spent >= total:
+                    kept.extend(targets[start:])
+                    break
+                group = {id(c) for c in targets[start:start + size]}
+                weaker = [_weaken(c) if id(c) in group and not inert else c
+                          for c in current if not (id(c) in group and inert)]
+                if fails(weaker):
+                    current = weaker
+                else:
+                    kept.extend(targets[start:start + size])
+            if size == 1:
                 break
-            position = next(i for i, c in enumerate(current) if c is original)
-            weaker = [*current[:position], *current[position + 1:]] if inert_pass else \
-                [*current[:position], replace(original, result=None, deadline=original.complete,
-                                              note=f"{original.note} (answer dropped)".strip()),
-                 *current[position + 1:]]
-            if fails(weaker):
-                current = weaker
+            targets, size = kept, max(1, size // 2)
     answered = [c for c in current if c.completed]
     if not answered:
         return current
@@ -347,6 +356,11 @@ def shrink(calls: Sequence[Call], model: Model[S], budget: int = 5_000, total: i
     kept = [c for c in current if c.completed or (c.invoke <= last and c.deadline >= first
                                                   and any(related(c, a) for a in answered))]
     return sorted(kept, key=lambda c: (c.invoke, c.index))
+
+
+def _weaken(call: Call) -> Call:
+    """The call with its answer forgotten: it may have taken effect before its completion, or not."""
+    return replace(call, result=None, deadline=call.complete, note=f"{call.note} (answer dropped)".strip())
 
 
 def _share_arguments(a: Call, b: Call) -> bool:
