@@ -402,8 +402,9 @@ class MetaModelMachine(RuleBasedStateMachine):
         elif pending.saved is None:  # nothing was committed: this run is the one that counts
             self._apply(call, observed, waited)
         elif observed != pending.saved:
+            lapsed = " (the client's lease lapsed in between)" if pending.expired else ""
             raise Mismatch(f"retry of {call.kind}{call.args} ({call.note}) answered {observed!r}, not the saved "
-                           f"{pending.saved!r}" + (" (the client's lease lapsed in between)" if pending.expired else ""))
+                           f"{pending.saved!r}{lapsed}")
         if waited:
             self._synced()
         if slot is not None:

@@ -102,7 +102,9 @@ class MetaShape:
 
     @classmethod
     def handled(cls) -> MetaShape:
-        """Faults the service handles: retries that end within the lease, syncs that end at once."""
+        """The faults the service mostly handles: retries that end within the lease, syncs that end
+        at once (a client back from a cut that sends before its renewal lands still meets the lapse:
+        seed 33 of this shape)."""
         return cls(client_retry_ms=2_500, sync_delay_max_ms=0.0, conflict_probability=0.05,
                    maybe_committed_probability=0.05)
 
