@@ -8,10 +8,11 @@ PROTO_SRC := $(wildcard proto/fs3/*.proto)
 PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
 SEEDS ?= 2000
 FIRST ?= 1
+MODEL_EXAMPLES ?= 1000
 JOBS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test proto lint typecheck sim bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
+.PHONY: run test proto lint typecheck sim sim-meta bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -42,6 +43,16 @@ lint: install
 # Resumes: seeds already in bench/results/sim/<config>.jsonl are skipped; summary-<config>.md is refreshed.
 sim: install
 	$(PY) -m fs3.sim --resume --first $(FIRST) --seeds $(SEEDS) $(if $(JOBS),--jobs $(JOBS))
+
+# The metadata service in the simulator (several clients, lost replies, meta restarts, lease lapses,
+# histories checked against the namespace model), then the in-process model test with every fault:
+# `make sim-meta SEEDS=2000 MODEL_EXAMPLES=1000`. Fails while either finds a failure.
+sim-meta: install
+	@status=0; \
+	$(PY) -m fs3.sim --mix meta --resume --first $(FIRST) --seeds $(SEEDS) $(if $(JOBS),--jobs $(JOBS)) || status=1; \
+	FS3_META_MODEL_EXAMPLES=$(MODEL_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider tests/test_meta_model.py \
+		-k every_fault || status=1; \
+	exit $$status
 
 # fs3 against GlusterFS, MooseFS and the local directory (root; installs the peers with apt):
 # fio, small files, the juicefs-bench flow; table in bench/results/peers-*.{md,json,png}.

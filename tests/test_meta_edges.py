@@ -173,28 +173,27 @@ def test_an_o_trunc_open_that_fails_leaves_no_session_behind() -> None:
         inode_id = created.inode.inode_id
         await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id))
 
+        cut_file = service._run_truncate_locked
+
         async def storage_down(inode_id: int) -> None:
             raise Unavailable("no chain can take the truncate")
-
-        async def storage_back(inode_id: int) -> None:
-            return None
 
         def sessions() -> list[bytes]:
             prefix = schema.session_prefix(inode_id)
             return [k for k, _ in store.scan(prefix, prefix_end(prefix))]
 
-        service._finish_truncate = storage_down  # type: ignore[method-assign]
+        service._run_truncate_locked = storage_down  # type: ignore[method-assign]
         reopen = mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_WRONLY | O_TRUNC)
         with pytest.raises(Unavailable):
             await call("open", reopen)
         assert sessions() == []
         assert store.get(schema.truncate_key(inode_id)) is not None  # the cut is still to be done
-        service._finish_truncate = storage_back  # type: ignore[method-assign]
+        service._run_truncate_locked = cut_file  # type: ignore[method-assign]
         again = await call("open", reopen)  # the client's retry of the same request
         assert isinstance(again, mpb.OpenRsp) and sessions() == [schema.session_key(inode_id, again.session_id)]
         await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=again.session_id))
 
-        service._finish_truncate = storage_down  # type: ignore[method-assign]
+        service._run_truncate_locked = storage_down  # type: ignore[method-assign]
         with pytest.raises(Unavailable):
             await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_WRONLY | O_TRUNC))
         await call("remove", mpb.RemoveReq(ctx=call.ctx(), target=ref("/f")))

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=60, help="operations per client")
     parser.add_argument("--faults", type=float, default=1.0, help="fault intensity (0 disables faults)")
     parser.add_argument("--mix", default="default", choices=MIXES,
-                        help="operation, shape and fault mix (legacy: the first simulator's, to replay old seeds)")
+                        help="operation, shape and fault mix (legacy: the first simulator's, to replay old seeds; "
+                             "meta: the metadata service and several namespace clients)")
     parser.add_argument("--jobs", "-j", type=int, default=None, help="processes (default: every core)")
     parser.add_argument("--resume", action="store_true",
                         help="skip seeds already recorded for this configuration (make sim does)")

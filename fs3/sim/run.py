@@ -14,6 +14,7 @@ from fs3.mgmtd.chain_state import PublicState
 from fs3.sim.cluster import ClusterShape, SimCluster
 from fs3.sim.history import INF, History, Op, decode_slots, encode_slot
 from fs3.sim.loop import SimProcess, VirtualTimeLoop
+from fs3.sim.meta import MetaShape, run_meta_scenario
 from fs3.storage.chunk_engine import ChunkState
 
 __all__ = ["SimResult", "run_seed"]
@@ -32,6 +33,7 @@ class SimResult:
     faults: list[str] = field(default_factory=list)
     virtual_seconds: float = 0.0
     messages: int = 0
+    meta: MetaShape | None = None  # the meta mix's shape (None for the storage mixes)
 
     @property
     def ok(self) -> bool:
@@ -39,6 +41,10 @@ class SimResult:
 
     def summary(self) -> str:
         status = "ok" if self.ok else f"FAILED ({len(self.violations)} violations)"
+        if self.meta is not None:
+            return (f"seed {self.seed}: {status}; {self.ops} calls, {self.acked_writes} answered changes, "
+                    f"{self.failed_ops} unanswered, {len(self.faults)} faults, {self.messages} messages, "
+                    f"{self.virtual_seconds:.1f}s virtual; shape {self.shape}; meta {self.meta}")
         return (f"seed {self.seed}: {status}; {self.ops} ops, {self.acked_writes} acked writes, "
                 f"{self.failed_ops} failed, {len(self.faults)} faults, {self.messages} messages, "
                 f"{self.virtual_seconds:.1f}s virtual; shape {self.shape}")
@@ -325,27 +331,56 @@ def _describe(copy: tuple[int, bytes] | None) -> str:
     return f"v{copy[0]}, {len(copy[1])} bytes" if copy is not None else "missing"
 
 
-MIXES = ("default", "legacy")
+async def _meta_scenario(cluster: SimCluster, result: SimResult, clients: int, ops_per_client: int,
+                         fault_intensity: float) -> None:
+    """The meta mix (:mod:`fs3.sim.meta`): namespace calls of several clients, checked against the model."""
+    assert result.meta is not None
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    run, problems = await run_meta_scenario(cluster, result.meta, clients, ops_per_client, fault_intensity,
+                                            SimProcess("driver"))
+    result.violations.extend(problems)
+    result.faults.extend(run.faults)
+    result.ops = len(run.calls)
+    result.acked_writes = sum(1 for c in run.calls if c.completed and c.kind not in ("stat", "readdir")
+                              and isinstance(c.result, tuple) and c.result[0] == "ok")
+    result.failed_ops = sum(1 for c in run.calls if not c.completed)
+    result.virtual_seconds = loop.time() - start
+
+
+MIXES = ("default", "legacy", "meta")
 
 
 def run_seed(seed: int, clients: int = 3, ops_per_client: int = 60, fault_intensity: float = 1.0,
-             shape: ClusterShape | None = None, mix: str = "default") -> SimResult:
+             shape: ClusterShape | None = None, mix: str = "default",
+             meta_shape: MetaShape | None = None) -> SimResult:
     """Run one seed to completion; deterministic for a given argument list.
 
     ``mix``: ``default`` — writes, removes, truncates and reads (with the chunk length they saw);
     clusters with inline and file versions, an I/O pool whose work outlives cancelled requests,
     handlers cancelled by timeouts, stalled disks. ``legacy`` — the first simulator's operations,
     cluster shapes and faults, drawn in the same order, so that old seeds replay their schedules.
+    ``meta`` — the metadata service beside storage: several clients' namespace calls with lost
+    replies, meta restarts and lease lapses, checked for linearizability against the namespace
+    model (:mod:`fs3.sim.meta`); ``meta_shape`` fixes its lease, retry and sync settings (drawn
+    from the seed when omitted). The storage mixes draw exactly what they drew before it existed.
     """
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r} (known: {', '.join(MIXES)})")
     cluster = SimCluster(seed, shape, mix)
     result = SimResult(seed, cluster.shape)
+    if mix == "meta":
+        result.meta = meta_shape or MetaShape.random(cluster.rng)
+        scenario = _meta_scenario(cluster, result, clients, ops_per_client, fault_intensity)
+    else:
+        scenario = _scenario(cluster, result, clients, ops_per_client, fault_intensity, mix)
     loop = VirtualTimeLoop()
     invariants = _Invariants(cluster, result)
-    loop.on_iteration = invariants
+    # The replica invariants watch chunk data, which the meta mix never writes (and they would
+    # cost it more than the rest of the run).
+    loop.on_iteration = invariants if mix != "meta" else None
     try:
-        loop.run_until_complete(_scenario(cluster, result, clients, ops_per_client, fault_intensity, mix))
+        loop.run_until_complete(scenario)
     except AssertionError as exc:
         result.violations.append(f"liveness: {exc}")
     finally:

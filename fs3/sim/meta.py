@@ -1,0 +1,718 @@
+"""The metadata service in the simulator: meta beside mgmtd and storage, several clients, faults.
+
+``python -m fs3.sim --mix meta`` runs it. One meta process serves an in-memory transaction engine
+whose durable part is what the last group sync wrote (:class:`SimTxnEngine`: a sync takes a
+random while, and a crash keeps only what was synced). Several clients — the real
+:class:`~fs3.client.meta_client.MetaClient`, with its retries under one request id and its lease
+loop — work on a handful of names at once: ``mkdir``, creating opens (exclusive or truncating),
+read opens, closes that publish a length, renames (replacing files and empty directories),
+``unlink``, ``rmdir``, ``truncate``, ``stat`` and ``readdir``. Faults: lost messages (requests and
+replies alike), meta killed and restarted, clients cut off from meta for up to twice their lease
+(new operations wait meanwhile, the ones in flight keep retrying), storage nodes killed.
+
+Every call goes into a history (:class:`fs3.sim.wgl.Call`), which is checked for linearizability
+against :class:`fs3.sim.namespace.NamespaceModel`. Two things the server knows make the check
+sharper, and both are recorded by the simulator, not by the code under test:
+
+* when the handlers of each request ran (:class:`_HandlerLog`, wrapped around meta's dispatcher):
+  a request takes effect only inside one of them, so an unanswered request whose messages were
+  all lost is left out, and one that reached meta can act only until its last handler ended;
+* when each client's lease renewals were answered: meta may close a client's sessions only at a
+  time when no renewal it answered lies within the lease before it, so each session gets an
+  optional ``expire`` call over exactly those windows. A session closed at any other time is a
+  violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from google.protobuf.message import Message
+
+from fs3 import common_pb2 as cpb
+from fs3 import meta_pb2 as mpb
+from fs3 import mgmtd_pb2 as mgpb
+from fs3.client.meta_client import MetaClient
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.common.buffers import Buffer
+from fs3.common.clock import LoopClock
+from fs3.common.errors import FS3Error, StatusCode
+from fs3.kv.store import MemKVStore, prefix_end
+from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
+from fs3.meta import schema
+from fs3.meta.ops import O_CREAT, O_EXCL, O_RDONLY, O_TRUNC, O_WRONLY
+from fs3.meta.service import MetaService, MetaServiceConfig
+from fs3.rpc.dispatch import Dispatcher, Reply
+from fs3.rpc.methods import method_by_id, service_spec
+from fs3.sim.cluster import MGMTD, SimCluster
+from fs3.sim.loop import SimProcess
+from fs3.sim.namespace import ROOT, NamespaceModel, NsState, tag_mode, tags
+from fs3.sim.network import SimChannelFactory
+from fs3.sim.wgl import DEFAULT_BUDGET, INF, Call, Verdict, check_calls, shrink
+
+__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "answer", "check_history",
+           "comparable", "expiry_calls", "lease_windows", "narrow", "request", "run_meta_scenario", "store_namespace"]
+
+log = logging.getLogger(__name__)
+META = "meta"
+META_NODE_ID = 1001
+_EPOCH_NS = 1_700_000_000 * 10**9
+#: Outcomes that say nothing about whether the request took effect: try again, or (a fenced client
+#: told its lease lapsed) an earlier attempt may or may not have committed.
+_UNKNOWN = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.TXN_CONFLICT,
+                      StatusCode.MAYBE_COMMITTED, StatusCode.RESOURCE_EXHAUSTED, StatusCode.LEASE_EXPIRED})
+TOP_NAMES = ("a", "b", "c")
+PATHS = tuple([f"/{n}" for n in TOP_NAMES] + [f"/{n}/x" for n in TOP_NAMES])
+DIRS = ("/", *(f"/{n}" for n in TOP_NAMES))
+_OPEN_HANDLES_MAX = 2
+_CLOCK_SLACK_S = 0.002  # meta keeps leases in whole milliseconds
+
+
+@dataclass(frozen=True)
+class MetaShape:
+    """What a meta seed randomises besides the cluster and the faults."""
+
+    client_lease_ms: int = 5_000
+    # How long a client retries one request. Longer than the lease, a retry can reach meta after
+    # meta expired the client (and forgot its answers); shorter, it never can.
+    client_retry_ms: int = 2_500
+    client_rpc_timeout_ms: int = 500
+    # A group sync takes up to this long: commits are visible before they are durable (0: the sync
+    # runs as soon as the event loop gets to it).
+    sync_delay_max_ms: float = 0.0
+    conflict_probability: float = 0.0
+    maybe_committed_probability: float = 0.0
+    # The longest a client is cut off from meta, in leases.
+    cut_leases_max: float = 2.0
+
+    @classmethod
+    def random(cls, rng: random.Random) -> MetaShape:
+        lease = rng.choice((3_000, 5_000))
+        return cls(client_lease_ms=lease,
+                   client_retry_ms=rng.choice((lease // 2, lease * 3)),
+                   sync_delay_max_ms=rng.choice((0.0, 5.0, 30.0)),
+                   conflict_probability=rng.choice((0.0, 0.05)),
+                   maybe_committed_probability=rng.choice((0.0, 0.05)))
+
+    @classmethod
+    def handled(cls) -> MetaShape:
+        """The faults the service mostly handles: retries that end within the lease, syncs that end
+        at once (a client back from a cut that sends before its renewal lands still meets the lapse:
+        seed 33 of this shape)."""
+        return cls(client_retry_ms=2_500, sync_delay_max_ms=0.0, conflict_probability=0.05,
+                   maybe_committed_probability=0.05)
+
+
+class SimTxnEngine(OptimisticTxnEngine):
+    """The optimistic engine over a :class:`MemKVStore` whose WAL sync takes simulated time.
+
+    A commit is visible from the moment it is applied and durable once a sync that began after
+    it has ended; a crash in between (``MemKVStore.crash``) takes it back.
+    """
+
+    def __init__(self, store: MemKVStore, rng: random.Random, sync_delay_max_ms: float,
+                 faults: TxnFaults | None = None) -> None:
+        super().__init__(store, sync=True, faults=faults)
+        self.mem = store
+        self.delay_rng = rng
+        self.sync_delay_max_ms = sync_delay_max_ms
+        self.syncing = False  # a sync is under way: what it will make durable is only visible yet
+
+    async def _sync_wal(self) -> None:
+        if self.sync_delay_max_ms > 0:
+            self.syncing = True
+            try:
+                await asyncio.sleep(self.delay_rng.uniform(0, self.sync_delay_max_ms) / 1000)
+            finally:
+                self.syncing = False
+        self.mem.sync_wal()
+
+
+class _HandlerLog:
+    """Meta's dispatcher, noting when each request's handlers ran (keyed by client and request id)."""
+
+    def __init__(self, inner: Dispatcher, windows: dict[tuple[bytes, int], list[list[float]]]) -> None:
+        self.inner = inner
+        self.windows = windows
+
+    async def dispatch(self, method_id: int, message: Buffer, payload: Buffer, authenticated: bool) -> Reply:
+        key = None
+        method = method_by_id(method_id)
+        if method is not None and "ctx" in method.request_type.DESCRIPTOR.fields_by_name:
+            try:
+                ctx = method.request_type.FromString(bytes(message)).ctx  # type: ignore[attr-defined]
+                key = (bytes(ctx.client_id), int(ctx.request_id))
+            except Exception:  # undecodable: the dispatcher answers it
+                key = None
+        loop = asyncio.get_running_loop()
+        window = [loop.time(), INF]
+        if key is not None:
+            self.windows.setdefault(key, []).append(window)
+        try:
+            return await self.inner.dispatch(method_id, message, payload, authenticated)
+        finally:
+            window[1] = loop.time()
+
+
+class SimMeta:
+    """The meta process of a simulated cluster: started, killed (losing what was not synced), restarted."""
+
+    def __init__(self, cluster: SimCluster, shape: MetaShape, chains: int) -> None:
+        self.cluster = cluster
+        self.shape = shape
+        self.kv = MemKVStore()
+        self.windows: dict[tuple[bytes, int], list[list[float]]] = {}
+        self.process: SimProcess | None = None
+        self.service: MetaService | None = None
+        self.engine: SimTxnEngine | None = None
+        self.incarnation = 0
+        self.chains = chains
+        seed = cluster.seed
+        self.sync_rng = random.Random(seed ^ 0x5_1DE)
+        self.txn_rng = random.Random(seed ^ 0x7_7A7)
+        self.pick_rng = random.Random(seed ^ 0x3_A11)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None
+
+    def config(self) -> MetaServiceConfig:
+        lease = self.shape.client_lease_ms
+        return MetaServiceConfig(chain_table_id=1, chunk_size_bytes=self.cluster.shape.chunk_size,
+                                 stripe_default=self.chains, root_mode=0o777, client_lease_ms=lease,
+                                 prune_interval_ms=max(200, lease // 5), gc_interval_ms=500)
+
+    def start(self) -> None:
+        self.incarnation += 1
+        process = SimProcess(META)
+        network = self.cluster.network
+        faults = TxnFaults(conflict_probability=self.shape.conflict_probability,
+                           maybe_committed_probability=self.shape.maybe_committed_probability, rng=self.txn_rng)
+        engine = SimTxnEngine(self.kv, self.sync_rng, self.shape.sync_delay_max_ms, faults)
+        channels = SimChannelFactory(network, META)
+        routing = RoutingCache([MGMTD], channels, rpc_timeout_ms=500)
+        storage = StorageClient(routing, channels, f"meta-{self.incarnation}".encode(),
+                                StorageClientConfig(rpc_timeout_ms=1_000, retry_total_ms=3_000, retry_backoff_ms=10,
+                                                    retry_backoff_max_ms=200, channels_max=4),
+                                pick=lambda n: self.pick_rng.randrange(n))
+        loop = asyncio.get_running_loop()
+        service = MetaService(engine, routing, storage, self.config(),
+                              wall_ns=lambda: _EPOCH_NS + int(loop.time() * 1e9))
+        dispatcher = Dispatcher()
+        dispatcher.add_service(service_spec("Meta"), service)
+
+        async def boot() -> None:
+            # Serve once the chain tables are known: a create needs them.
+            while True:
+                try:
+                    info = await routing.refresh()
+                    if any(t.table_id == 1 and t.chain_ids for t in info.chain_tables):
+                        break
+                except FS3Error:
+                    pass
+                await asyncio.sleep(0.05)
+            await service.start()
+            network.bind(META, process, _HandlerLog(dispatcher, self.windows))  # type: ignore[arg-type]
+            heartbeat = service_spec("Mgmtd").method("Heartbeat")
+            req = mgpb.HeartbeatReq(node_id=META_NODE_ID, node_type=cpb.NODE_META, framed_address=META,
+                                    grpc_address=META, hostname=META, pid=self.incarnation)
+            while True:
+                with contextlib.suppress(FS3Error):
+                    await channels.get(MGMTD).call(heartbeat, req, timeout_ms=500)
+                await asyncio.sleep(0.2)
+
+        process.run(boot())
+        self.process, self.service, self.engine = process, service, engine
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.kv.crash()
+        self.cluster.network.unbind(META)
+        self.process = self.service = self.engine = None
+
+    async def wait_syncing(self, limit_s: float) -> bool:
+        """Wait (up to ``limit_s``) until a group sync is under way: commits visible, not yet durable."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + limit_s
+        while loop.time() < end:
+            if self.engine is not None and self.engine.syncing:
+                return True
+            await asyncio.sleep(0.002)
+        return False
+
+
+class _Client(MetaClient):
+    """A :class:`MetaClient` that tells the simulator its request ids and its lease renewals."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_request_id = 0
+        self.renewals: list[tuple[float, float, bool]] = []  # (invoke, complete, answered)
+
+    def ctx(self, user: mpb.User | None = None) -> tuple[mpb.ReqCtx, int]:
+        ctx, request_id = super().ctx(user)
+        self.last_request_id = request_id
+        return ctx, request_id
+
+    async def renew(self) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            await super().renew()
+        except FS3Error:
+            self.renewals.append((start, loop.time(), False))
+            raise
+        self.renewals.append((start, loop.time(), True))
+
+
+@dataclass
+class _Handle:
+    label: int
+    inode_id: int
+    session_id: bytes
+
+
+@dataclass
+class MetaRun:
+    """One meta scenario: its clients, history and fault state."""
+
+    cluster: SimCluster
+    shape: MetaShape
+    meta: SimMeta
+    calls: list[Call] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    clients: list[_Client] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+    connected: list[asyncio.Event] = field(default_factory=list)
+    handles: list[list[_Handle]] = field(default_factory=list)
+    requests: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # call index -> (client id, request id)
+    busy: list[bool] = field(default_factory=list)  # a client has a request in flight
+    next_tag: int = 0
+
+    def tag(self) -> int:
+        self.next_tag += 1
+        if self.next_tag not in tags():
+            raise ValueError("too many creates for the tags one run has: fewer clients or operations")
+        return tag_mode(self.next_tag)
+
+    def add_client(self, index: int, retry_ms: int | None = None) -> _Client:
+        name = f"mclient-{index}"
+        channels = SimChannelFactory(self.cluster.network, name)
+        routing = RoutingCache([MGMTD], channels, rpc_timeout_ms=500)
+        client = _Client(routing, channels, f"mc{index:02d}".encode().ljust(16, b"."), lambda: mpb.User(uid=0, gid=0),
+                         rpc_timeout_ms=self.shape.client_rpc_timeout_ms,
+                         retry_total_ms=self.shape.client_retry_ms if retry_ms is None else retry_ms,
+                         clock=LoopClock())
+        self.clients.append(client)
+        self.addresses.append(name)
+        event = asyncio.Event()
+        event.set()
+        self.connected.append(event)
+        self.handles.append([])
+        self.busy.append(False)
+        return client
+
+    async def perform(self, index: int, kind: str, args: tuple[Any, ...], method: str, req: Message,
+                      rsp_type: type[Message]) -> tuple[Call, Any]:
+        """Send one request and note the call: its answer, its error, or that its outcome is unknown.
+
+        Returns the call and the response (None without one)."""
+        client = self.clients[index]
+        loop = asyncio.get_running_loop()
+        call = Call(kind, args, loop.time(), client=index, index=len(self.calls))
+        self.calls.append(call)
+        rsp = None
+        self.busy[index] = True
+        try:
+            rsp = await client.call(method, req, rsp_type)
+            call.result = answer(kind, rsp)
+            call.complete = loop.time()
+        except FS3Error as exc:
+            if exc.code not in _UNKNOWN:
+                call.result = ("err", exc.code.name)
+                call.complete = loop.time()
+        finally:
+            self.busy[index] = False
+        call.note = f"request {client.client_id.rstrip(b'.').decode()}/{client.last_request_id}"
+        self.requests[call.index] = (client.client_id, client.last_request_id)
+        return call, rsp
+
+
+def answer(kind: str, rsp: Any) -> tuple[Any, ...]:
+    """A call's answer in the model's terms (see :mod:`fs3.sim.namespace`), from meta's response."""
+    if kind == "mkdir":
+        return ("ok", _tag(rsp.inode))
+    if kind == "create":
+        return ("ok", bool(rsp.created), _tag(rsp.inode), int(rsp.inode.size))
+    if kind in ("open", "stat"):
+        size = int(rsp.inode.size) if rsp.inode.type == mpb.FILE else 0
+        return ("ok", _kind(rsp.inode), _tag(rsp.inode), size)
+    if kind == "close":
+        return ("ok", int(rsp.inode.size))
+    if kind == "rename":
+        return ("ok", _tag(rsp.inode))
+    if kind == "readdir":
+        return ("ok", tuple(sorted((e.name.decode(), _tag(e.attrs)) for e in rsp.entries)))
+    return ("ok",)
+
+
+def store_namespace(store: MemKVStore) -> NsState:
+    """What meta's store holds, in the model's terms: entries, inodes and sessions by tag.
+
+    Sessions are labelled by their session id and carry the client id; reads the store directly,
+    committed or not yet durable alike.
+    """
+    inodes: dict[int, mpb.Inode] = {}
+    for key, raw in store.scan(schema.inode_prefix(), prefix_end(schema.inode_prefix())):
+        inodes[schema.parse_inode_key(key)] = mpb.Inode.FromString(raw)
+
+    def tag_of(inode_id: int) -> int:
+        if inode_id == schema.ROOT_INODE:
+            return ROOT
+        found = inodes.get(inode_id)
+        return _tag(found) if found is not None else -inode_id  # an entry naming no inode: never a tag
+
+    entries = []
+    for key, raw in store.scan(schema.dentry_prefix(), prefix_end(schema.dentry_prefix())):
+        parent, name = schema.parse_dentry_key(key)
+        entries.append((tag_of(parent), name.decode(), tag_of(mpb.DirEntry.FromString(raw).inode_id)))
+    nodes = [(ROOT, "d", 0, True)]
+    for inode_id, inode in inodes.items():
+        if inode_id != schema.ROOT_INODE:
+            size = int(inode.size) if inode.type == mpb.FILE else 0
+            nodes.append((_tag(inode), _kind(inode), size, inode.type == mpb.DIRECTORY or inode.nlink > 0))
+    sessions = []
+    prefix = schema.sessions_prefix()
+    for key, raw in store.scan(prefix, prefix_end(prefix)):
+        inode_id = int.from_bytes(key[len(prefix):len(prefix) + 8], "big")
+        session = schema.Session.decode(raw)
+        sessions.append((key[len(prefix) + 8:], tag_of(inode_id), session.client_id, session.write,
+                         session.truncated))
+    return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)))
+
+
+def comparable(state: NsState) -> tuple[Any, ...]:
+    """The parts of a state a client can observe: entries, inodes, and each session's file and mode."""
+    entries, inodes, sessions = state
+    return entries, inodes, tuple(sorted(((label, tag, writes) for label, tag, _, writes, _ in sessions), key=repr))
+
+
+def _kind(inode: mpb.Inode) -> str:
+    return "d" if inode.type == mpb.DIRECTORY else "f"
+
+
+def _tag(inode: mpb.Inode) -> int:
+    return int(inode.mode) & 0o7777
+
+
+async def _client_loop(run: MetaRun, index: int, rng: random.Random, ops: int) -> None:
+    chunk = run.cluster.shape.chunk_size
+    for _ in range(ops):
+        await run.connected[index].wait()
+        await _one_op(run, index, rng, chunk)
+        await asyncio.sleep(rng.uniform(0, 0.2))
+
+
+def request(kind: str, args: tuple[Any, ...], inode_id: int = 0, session_id: bytes = b"") -> tuple[str, Message,
+                                                                                             type[Message]]:
+    """The Meta method, request and response type of a model call (a close names its handle)."""
+    path = args[0] if args and isinstance(args[0], str) else ""
+    target = mpb.PathRef(path=path.encode())
+    if kind == "mkdir":
+        return "MakeNode", mpb.MakeNodeReq(target=target, type=mpb.DIRECTORY, mode=args[1]), mpb.InodeRsp
+    if kind == "create":
+        _, tag, excl, trunc, _ = args
+        flags = O_CREAT | O_WRONLY | (O_EXCL if excl else 0) | (O_TRUNC if trunc else 0)
+        return "Open", mpb.OpenReq(target=target, flags=flags, mode=tag), mpb.OpenRsp
+    if kind == "open":
+        return "Open", mpb.OpenReq(target=target, flags=O_RDONLY), mpb.OpenRsp
+    if kind == "close":
+        length = args[1]
+        return "Close", mpb.CloseReq(inode_id=inode_id, session_id=session_id, length_hint=length, wrote=length > 0,
+                                     acked=True), mpb.InodeRsp
+    if kind == "rename":
+        return "Rename", mpb.RenameReq(source=target, destination=mpb.PathRef(path=args[1].encode())), mpb.RenameRsp
+    if kind in ("unlink", "rmdir"):
+        return "Remove", mpb.RemoveReq(target=target, directory=kind == "rmdir"), mpb.RemoveRsp
+    if kind == "truncate":
+        return "SetAttr", mpb.SetAttrReq(target=target, follow=True, mask=mpb.SET_SIZE, size=args[1]), mpb.InodeRsp
+    if kind == "stat":
+        return "Lookup", mpb.LookupReq(target=target, follow=True), mpb.InodeRsp
+    if kind == "readdir":
+        return "ReadDir", mpb.ReadDirReq(dir=target, limit=1000, with_attrs=True), mpb.ReadDirRsp
+    raise ValueError(f"no request for {kind!r}")
+
+
+async def _issue(run: MetaRun, index: int, kind: str, args: tuple[Any, ...], handle: _Handle | None = None) -> Call:
+    method, req, rsp_type = request(kind, args, *((handle.inode_id, handle.session_id) if handle else ()))
+    call, rsp = await run.perform(index, kind, args, method, req, rsp_type)
+    if kind in ("create", "open") and rsp is not None and rsp.session_id:
+        run.handles[index].append(_Handle(args[-1], rsp.inode.inode_id, bytes(rsp.session_id)))
+    return call
+
+
+async def _one_op(run: MetaRun, index: int, rng: random.Random, chunk: int) -> None:
+    handles = run.handles[index]
+    roll = rng.random()
+    path = rng.choice(PATHS)
+    if roll < 0.30 and len(handles) >= _OPEN_HANDLES_MAX:
+        roll = 0.35  # close one first
+    if roll < 0.12:
+        await _issue(run, index, "mkdir", (path, run.tag()))
+    elif roll < 0.30:
+        await _issue(run, index, "create", (path, run.tag(), rng.random() < 0.25, rng.random() < 0.25,
+                                            len(run.calls)))
+    elif roll < 0.45:
+        if not handles:
+            await _issue(run, index, "stat", (path,))
+            return
+        handle = handles.pop(rng.randrange(len(handles)))
+        length = rng.randint(1, 3 * chunk) if rng.random() < 0.7 else 0
+        await _issue(run, index, "close", (handle.label, length), handle)
+    elif roll < 0.50:
+        await _issue(run, index, "open", (path, len(run.calls)))
+    elif roll < 0.64:
+        await _issue(run, index, "rename", (path, rng.choice(PATHS)))
+    elif roll < 0.71:
+        await _issue(run, index, "unlink", (path,))
+    elif roll < 0.76:
+        await _issue(run, index, "rmdir", (path,))
+    elif roll < 0.83:
+        await _issue(run, index, "truncate", (path, rng.randint(0, 3 * chunk)))
+    elif roll < 0.93:
+        await _issue(run, index, "stat", (path,))
+    else:
+        await _issue(run, index, "readdir", (rng.choice(DIRS),))
+
+
+async def _faults(run: MetaRun, rng: random.Random, intensity: float) -> None:
+    cluster = run.cluster
+    loop = asyncio.get_running_loop()
+    cuts: list[asyncio.Task[None]] = []
+    tolerance = cluster.shape.replicas - 1
+    try:
+        while True:
+            await asyncio.sleep(rng.uniform(0.3, 2.0) / max(intensity, 0.01))
+            roll = rng.random()
+            now = loop.time()
+            if roll < 0.25:
+                if run.meta.alive:
+                    # Half the time while a group sync is under way: commits visible, not durable.
+                    mid_sync = rng.random() < 0.5 and await run.meta.wait_syncing(2.0)
+                    run.meta.kill()
+                    run.faults.append(f"t={loop.time():.4f} kill meta{' during a sync' if mid_sync else ''}")
+                    await asyncio.sleep(rng.uniform(0.05, 1.0))
+                run.meta.start()
+                run.faults.append(f"t={loop.time():.4f} restart meta")
+            elif roll < 0.45:
+                cluster.network.faults.drop_probability = rng.choice((0.0, 0.01, 0.05, 0.1))
+                run.faults.append(f"t={now:.2f} drop probability {cluster.network.faults.drop_probability}")
+            elif roll < 0.65:
+                free = [i for i, event in enumerate(run.connected) if event.is_set()]
+                if free:
+                    index = rng.choice(free)
+                    seconds = rng.uniform(0.1, run.shape.cut_leases_max) * run.shape.client_lease_ms / 1000
+                    # Half the time while the client has a request in flight: its reply is lost.
+                    in_flight = rng.random() < 0.5
+                    delay_ms = rng.uniform(0, cluster.shape.latency_max_ms * 2)
+                    cuts.append(asyncio.create_task(_cut(run, index, seconds, in_flight, delay_ms)))
+            elif roll < 0.8:
+                down = [n for n in cluster.storage if not cluster.storage_alive(n)]
+                if down:
+                    node = rng.choice(down)
+                    cluster.start_storage(node)
+                    run.faults.append(f"t={now:.2f} restart storage-{node}")
+                elif cluster.mgmtd is not None and len(cluster.unhealthy_nodes()) < tolerance:
+                    node = rng.choice(list(cluster.storage))
+                    cluster.kill_storage(node)
+                    run.faults.append(f"t={now:.2f} kill storage-{node}")
+    finally:
+        for task in cuts:
+            task.cancel()
+        await asyncio.gather(*cuts, return_exceptions=True)
+
+
+async def _cut(run: MetaRun, index: int, seconds: float, in_flight: bool, delay_ms: float) -> None:
+    """Client ``index`` cannot reach meta for ``seconds``; it starts nothing new meanwhile.
+
+    ``in_flight``: the cut waits for the client's next request and comes ``delay_ms`` after it."""
+    loop = asyncio.get_running_loop()
+    pair = frozenset((run.addresses[index], META))
+    if in_flight:
+        for _ in range(1_000):
+            if run.busy[index]:
+                break
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(delay_ms / 1000)
+    run.connected[index].clear()
+    run.cluster.network.faults.partitioned.add(pair)
+    run.faults.append(f"t={loop.time():.4f} cut client {index} off meta for {seconds:.1f}s"
+                      + (" (a request in flight)" if in_flight and run.busy[index] else ""))
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        run.cluster.network.faults.partitioned.discard(pair)
+        run.connected[index].set()
+        run.faults.append(f"t={loop.time():.4f} client {index} reaches meta again")
+
+
+# -- checking ------------------------------------------------------------------------------------
+
+
+def lease_windows(renewals: list[tuple[float, float, bool]], lease_s: float) -> list[tuple[float, float]]:
+    """When meta may have found a client's lease expired, from the renewals the client saw.
+
+    A renewal answered at ``c`` and sent at ``i`` reached meta within ``[i, c]``, so meta cannot
+    have found the lease expired during ``[c, i + lease]``; before the first renewal was sent there
+    was no lease to expire. Everything else is a window (the last one open-ended).
+    """
+    if not renewals:
+        return []
+    start = min(i for i, _, _ in renewals) + lease_s - _CLOCK_SLACK_S
+    blocked = sorted((c, i + lease_s - _CLOCK_SLACK_S) for i, c, ok in renewals if ok and i + lease_s > c)
+    windows: list[tuple[float, float]] = []
+    cursor = start
+    for lo, hi in blocked:
+        if hi <= cursor:
+            continue
+        if lo > cursor:
+            windows.append((cursor, lo))
+        cursor = max(cursor, hi)
+    windows.append((cursor, INF))
+    return windows
+
+
+def expiry_calls(calls: list[Call], windows: dict[int, list[tuple[float, float]]], first_index: int = 0) -> list[Call]:
+    """An optional ``expire`` call for every session in every window in which meta may have closed it
+    (numbered from ``first_index`` on)."""
+    extra: list[Call] = []
+    for client, spans in windows.items():
+        opens = [c for c in calls if c.client == client and c.kind in ("create", "open")
+                 and not (c.completed and isinstance(c.result, tuple) and c.result[0] != "ok")]
+        closes = {c.args[0]: c for c in calls if c.client == client and c.kind == "close" and c.completed}
+        for opened in opens:
+            label = opened.args[-1]
+            closed = closes.get(label)
+            for lo, hi in spans:
+                if hi <= opened.invoke or (closed is not None and closed.complete <= lo):
+                    continue
+                extra.append(Call("expire", (label,), max(lo, opened.invoke), deadline=hi, client=client,
+                                  index=first_index + len(extra), note="lease lapsed"))
+    return extra
+
+
+def narrow(calls: list[Call], requests: dict[int, tuple[bytes, int]],
+           windows: dict[tuple[bytes, int], list[list[float]]]) -> list[Call]:
+    """Each call confined to the time its request's handlers ran (see the module docstring)."""
+    out: list[Call] = []
+    for call in calls:
+        runs = windows.get(requests.get(call.index, (b"", 0)), [])
+        if not runs:
+            if call.completed:
+                out.append(call)
+            continue  # never reached meta: it cannot have taken effect
+        start = max(call.invoke, min(r[0] for r in runs))
+        end = max(r[1] for r in runs)
+        if call.completed:
+            out.append(replace(call, invoke=min(start, call.complete), complete=min(call.complete, max(end, start))))
+        else:
+            out.append(replace(call, invoke=start, deadline=end))
+    return out
+
+
+def check_history(calls: list[Call], budget: int = DEFAULT_BUDGET) -> tuple[Verdict[Any], list[str]]:
+    """The verdict on a namespace history, and the lines that explain a failure (with a shrunk history)."""
+    model = NamespaceModel()
+    for i, call in enumerate(calls):
+        call.index = i if call.index < 0 else call.index
+    verdict = check_calls(calls, model, budget)
+    if verdict.status == "ok":
+        return verdict, []
+    lines = list(verdict.problems)
+    if verdict.status == "violation":
+        small = shrink(calls, model)
+        answered = sum(1 for c in small if c.completed)
+        lines.append(f"  a smaller history that still fails ({answered} answered calls, "
+                     f"{len(small) - answered} unanswered):")
+        lines.extend(f"    {c.describe()}" for c in small[:40])
+        if len(small) > 40:
+            lines.append(f"    ... and {len(small) - 40} more")
+    return verdict, ["\n".join(lines) if verdict.status == "violation" else f"inconclusive: {lines[0]}"]
+
+
+# -- the scenario --------------------------------------------------------------------------------
+
+
+async def _wait_meta_registered(cluster: SimCluster) -> None:
+    for _ in range(2_000):
+        if cluster.mgmtd is not None and META_NODE_ID in cluster.mgmtd.state.nodes:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("meta never registered with mgmtd")
+
+
+async def _final_reads(run: MetaRun) -> None:
+    """Pin the end state down: list every directory and look every name up, until answered."""
+    index = len(run.clients)
+    run.add_client(index, retry_ms=120_000)
+    for path in DIRS:
+        call = await _issue(run, index, "readdir", (path,))
+        if not call.completed:
+            raise AssertionError(f"the final readdir of {path} was never answered")
+    for path in PATHS:
+        call = await _issue(run, index, "stat", (path,))
+        if not call.completed:
+            raise AssertionError(f"the final stat of {path} was never answered")
+
+
+async def run_meta_scenario(cluster: SimCluster, shape: MetaShape, clients: int, ops_per_client: int,
+                            fault_intensity: float, driver: SimProcess,
+                            budget: int = DEFAULT_BUDGET) -> tuple[MetaRun, list[str]]:
+    """Boot the cluster and meta, run the clients and faults, heal, read the end state, check.
+
+    Returns the run and its violations (empty: linearizable).
+    """
+    rng = cluster.rng
+    chains = await cluster.boot()
+    meta = SimMeta(cluster, shape, len(chains))
+    run = MetaRun(cluster, shape, meta)
+    meta.start()
+    await _wait_meta_registered(cluster)
+    seeds = [rng.random() for _ in range(clients)]
+    fault_seed = rng.random()
+    for index in range(clients):
+        run.add_client(index).start_lease()
+    loops = [driver.run(_client_loop(run, i, random.Random(seeds[i]), ops_per_client)) for i in range(clients)]
+    fault_task = driver.run(_faults(run, random.Random(fault_seed), fault_intensity)) if fault_intensity > 0 else None
+    await asyncio.gather(*loops)
+    if fault_task is not None:
+        fault_task.cancel()
+        await asyncio.gather(fault_task, return_exceptions=True)
+    cluster.network.faults.drop_probability = 0.0
+    cluster.network.heal()
+    if not meta.alive:
+        meta.start()
+        run.faults.append(f"t={asyncio.get_running_loop().time():.2f} restart meta")
+    for node in cluster.storage:
+        if not cluster.storage_alive(node):
+            cluster.start_storage(node)
+    await _final_reads(run)
+    for client in run.clients:
+        await client.stop()
+    lease_s = shape.client_lease_ms / 1000
+    windows = {i: lease_windows(c.renewals, lease_s) for i, c in enumerate(run.clients[:clients])}
+    end = max((c.complete if c.completed else c.invoke for c in run.calls), default=0.0)
+    for index, spans in windows.items():
+        run.faults.extend(f"t={lo:.4f} client {index}'s lease may lapse (until {hi:.4f})"
+                          for lo, hi in spans if lo < end)
+    calls = narrow(run.calls, run.requests, meta.windows)
+    calls += expiry_calls(calls, windows, first_index=len(run.calls))
+    _, problems = check_history(calls, budget)
+    return run, problems
