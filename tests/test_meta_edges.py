@@ -27,7 +27,7 @@ from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
 from fs3.meta import ops, schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES
-from fs3.meta.ops import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY
+from fs3.meta.ops import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY, Namespace
 from fs3.meta.service import MetaService
 from tests.test_meta_ops import CLIENT, Meta, _service, ref
 from tests.test_meta_ops import ROOT as ROOT_CALLER
@@ -173,7 +173,15 @@ def test_an_o_trunc_open_that_fails_leaves_no_session_behind() -> None:
         inode_id = created.inode.inode_id
         await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id))
 
-        cut_file = service._run_truncate_locked
+        async def storage_back(inode_id: int) -> None:
+            """Storage holds nothing of this file: the job only has its size to apply."""
+            async def done(txn: Transaction) -> None:
+                raw = await txn.get(schema.truncate_key(inode_id))
+                if raw is not None:
+                    job = schema.TruncateJob.decode(raw)
+                    await Namespace(txn, service._env(mpb.User())).complete_truncate(inode_id, job.size_gen)
+
+            await run_transaction(service.engine, done)
 
         async def storage_down(inode_id: int) -> None:
             raise Unavailable("no chain can take the truncate")
@@ -188,7 +196,7 @@ def test_an_o_trunc_open_that_fails_leaves_no_session_behind() -> None:
             await call("open", reopen)
         assert sessions() == []
         assert store.get(schema.truncate_key(inode_id)) is not None  # the cut is still to be done
-        service._run_truncate_locked = cut_file  # type: ignore[method-assign]
+        service._run_truncate_locked = storage_back  # type: ignore[method-assign]
         again = await call("open", reopen)  # the client's retry of the same request
         assert isinstance(again, mpb.OpenRsp) and sessions() == [schema.session_key(inode_id, again.session_id)]
         await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=again.session_id))
@@ -277,7 +285,9 @@ def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> Non
     chmod(0o6777)
     setattr(ROOT_CALLER, mask=mpb.SET_SIZE, size=0)
     assert mode() == 0o6777
-    meta.run(lambda ns: ns.open(ref("/f"), O_WRONLY | O_TRUNC, 0, 0, b"b" * 24, CLIENT, 0), bob)
+    inode_id = meta.stat("/f").inode_id
+    meta.run(lambda ns: ns.open(ref("/f"), O_WRONLY | O_TRUNC, 0, 0, b"b" * 24, CLIENT, 0, inode_id), bob)
+    _complete_truncate(meta, inode_id)
     assert mode() == 0o0777
     chmod(0o6777)
     setattr(mask=mpb.SET_MODE, mode=0o0777)  # the kernel's request ahead of a write
@@ -291,11 +301,24 @@ def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> Non
     assert mode() == 0o6775 and meta.stat("/f").uid == 0
 
 
+def _complete_truncate(meta: Meta, inode_id: int) -> None:
+    """Apply a recorded truncate's size, as the service does once storage is cleared."""
+    async def done(ns: Namespace) -> None:
+        raw = await ns.txn.get(schema.truncate_key(inode_id))
+        if raw is not None:
+            await ns.complete_truncate(inode_id, schema.TruncateJob.decode(raw).size_gen)
+
+    meta.run(done)
+
+
 def _mode_helpers(meta: Meta, caller: ops.Caller) -> tuple[Callable[..., mpb.Inode], Callable[[int], None],
                                                            Callable[[], int]]:
     def setattr(as_caller: ops.Caller = caller, **fields: Any) -> mpb.Inode:
         req = mpb.SetAttrReq(target=ref("/f"), **fields)
-        return meta.run(lambda ns: ns.setattr(req), as_caller)
+        inode_id = meta.stat("/f").inode_id
+        inode: mpb.Inode = meta.run(lambda ns: ns.setattr(req, inode_id), as_caller)
+        _complete_truncate(meta, inode_id)  # storage holds nothing of the file
+        return inode
 
     def chmod(mode: int) -> None:
         setattr(ROOT_CALLER, mask=mpb.SET_MODE, mode=mode)
