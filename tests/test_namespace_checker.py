@@ -7,9 +7,11 @@ known-good ones are concurrent schedules the checker must not reject.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from fs3.sim.meta import expiry_calls, lease_windows, narrow
+from fs3.sim.meta import acts_late, expiry_calls, lease_windows, narrow
 from fs3.sim.namespace import STALE_CODES, NamespaceModel, Tree, tag_mode
 from fs3.sim.wgl import INF, Call, check_calls, shrink
 
@@ -221,10 +223,49 @@ def test_calls_are_confined_to_their_handlers_and_sessions_get_expiry_calls() ->
     answered = Call("create", ("/f", A, False, False, 0), 1.0, 5.0, ("ok", True, A, 0), index=0)
     lost = Call("mkdir", ("/a", B), 1.5, index=1)
     reached = Call("mkdir", ("/b", C), 2.0, index=2)
-    requests = {0: (b"c", 1), 1: (b"c", 2), 2: (b"c", 3)}
+    requests = {0: [(b"c", 1)], 1: [(b"c", 2)], 2: [(b"c", 3)]}
     windows = {(b"c", 1): [[1.2, 1.3], [4.0, 4.1]], (b"c", 3): [[2.5, 2.6]]}
     narrowed = narrow([answered, lost, reached], requests, windows)
     assert [(n.index, n.invoke) for n in narrowed] == [(0, 1.2), (2, 2.5)]
     assert narrowed[0].complete == pytest.approx(4.1) and narrowed[1].deadline == 2.6
     extra = expiry_calls(narrowed, {0: [(3.0, 6.0), (10.0, INF)]})
     assert [(e.args, e.invoke, e.deadline) for e in extra] == [((0,), 3.0, 6.0), ((0,), 10.0, INF)]
+
+
+def test_a_request_sent_again_under_a_new_id_spans_both_and_a_truncate_may_act_later() -> None:
+    """A request refused as from a lapsed lease is sent again under the client's new id: it may have
+    acted while either ran. A truncate's size is applied once storage is cleared, which a later
+    request or meta's maintenance may do: an unanswered one may act after its handlers ended."""
+    resent = Call("mkdir", ("/a", A), 1.0, index=0)
+    truncate = Call("truncate", ("/f", 0), 1.0, index=1)
+    o_trunc = Call("create", ("/f", B, False, True, 2), 1.0, index=2)
+    plain = Call("create", ("/g", C, False, False, 3), 1.0, index=3)
+    requests = {0: [(b"old", 1), (b"new", 2)], 1: [(b"c", 3)], 2: [(b"c", 4)], 3: [(b"c", 5)]}
+    windows = {(b"old", 1): [[1.5, 1.6]], (b"new", 2): [[3.0, 3.1]], (b"c", 3): [[2.0, 2.1]],
+               (b"c", 4): [[2.0, 2.1]], (b"c", 5): [[2.0, 2.1]]}
+    narrowed = {n.index: n for n in narrow([resent, truncate, o_trunc, plain], requests, windows)}
+    assert (narrowed[0].invoke, narrowed[0].deadline) == (1.5, 3.1)
+    assert acts_late(truncate) and acts_late(o_trunc) and not acts_late(plain)
+    assert (narrowed[1].invoke, narrowed[1].deadline) == (2.0, INF)
+    assert (narrowed[2].invoke, narrowed[2].deadline) == (2.0, INF)
+    assert narrowed[3].deadline == 2.1
+
+
+def test_sessions_expire_only_in_the_windows_of_the_id_that_opened_them() -> None:
+    """A client whose lease lapsed renews under a new id; that says nothing about the old id's
+    sessions, which meta may close whenever the old lease may have lapsed — and the new id's
+    sessions only in the new lease's windows."""
+    old = Call("open", ("/f", 0), 1.0, 1.5, ("ok", "f", A, 0), index=0)
+    new = Call("open", ("/f", 1), 20.0, 20.5, ("ok", "f", A, 0), index=1)
+    requests = {0: [(b"old", 1)], 1: [(b"new", 2)]}
+    windows = {b"old": [(5.0, INF)], b"new": [(30.0, 31.0)]}
+    extra = expiry_calls([old, new], windows, owners=lambda c: {k for k, _ in requests[c.index]})
+    assert [(e.args, e.invoke, e.deadline) for e in extra] == [((0,), 5.0, INF), ((1,), 30.0, 31.0)]
+    # A close answered as a stale handle needs the session's lease to have lapsed before it.
+    calls = history(Call("mkdir", ("/d", B), 0.0, 0.5, ("ok", B)),
+                    Call("create", ("/f", A, False, False, "s"), 1.0, 1.5, ("ok", True, A, 0)),
+                    Call("close", ("s", 10), 25.0, 25.5, ("err", "STALE_CLIENT")))
+    calls[1].client = 0
+    late = expiry_calls(calls, {0: [(5.0, INF)]})
+    assert check_calls(calls + [replace(e, index=len(calls) + i) for i, e in enumerate(late)], MODEL).ok
+    assert not check_calls(calls, MODEL).ok

@@ -17,10 +17,17 @@ sharper, and both are recorded by the simulator, not by the code under test:
 * when the handlers of each request ran (:class:`_HandlerLog`, wrapped around meta's dispatcher):
   a request takes effect only inside one of them, so an unanswered request whose messages were
   all lost is left out, and one that reached meta can act only until its last handler ended;
-* when each client's lease renewals were answered: meta may close a client's sessions only at a
-  time when no renewal it answered lies within the lease before it, so each session gets an
-  optional ``expire`` call over exactly those windows. A session closed at any other time is a
-  violation.
+* when each client id's lease renewals were answered: meta may close a session only at a time
+  when no renewal of the id that opened it lies answered within the lease before it, so each
+  session gets an optional ``expire`` call over exactly those windows. A session closed at any
+  other time is a violation.
+
+A client whose lease lapsed is refused (``StaleClient``) and registers under a new id; a request
+refused so is sent again under the new id unless it may have run already. The history records
+every id a call was sent under; a close refused so (it is never sent again) is answered as a
+stale handle, and any other refusal leaves the outcome unknown. A truncate takes effect when meta
+applies its size, after storage is cleared, which may come after the truncating request gave up
+(:func:`acts_late`).
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
@@ -42,29 +50,31 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.buffers import Buffer
 from fs3.common.clock import LoopClock
-from fs3.common.errors import FS3Error, StatusCode
+from fs3.common.errors import FS3Error, StaleClient, StatusCode
 from fs3.kv.store import MemKVStore, prefix_end
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
 from fs3.meta import schema
 from fs3.meta.ops import O_CREAT, O_EXCL, O_RDONLY, O_TRUNC, O_WRONLY
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.dispatch import Dispatcher, Reply
-from fs3.rpc.methods import method_by_id, service_spec
+from fs3.rpc.methods import MethodSpec, method_by_id, service_spec
 from fs3.sim.cluster import MGMTD, SimCluster
 from fs3.sim.loop import SimProcess
 from fs3.sim.namespace import ROOT, NamespaceModel, NsState, tag_mode, tags
 from fs3.sim.network import SimChannelFactory
 from fs3.sim.wgl import DEFAULT_BUDGET, INF, Call, Verdict, check_calls, shrink
 
-__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "answer", "check_history",
-           "comparable", "expiry_calls", "lease_windows", "narrow", "request", "run_meta_scenario", "store_namespace"]
+__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "acts_late", "answer",
+           "check_history", "comparable", "expiry_calls", "lease_windows", "narrow", "request", "run_meta_scenario",
+           "store_namespace"]
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
 META = "meta"
 META_NODE_ID = 1001
 _EPOCH_NS = 1_700_000_000 * 10**9
-#: Outcomes that say nothing about whether the request took effect: try again, or (a fenced client
-#: told its lease lapsed) an earlier attempt may or may not have committed.
+#: Outcomes that say nothing about whether the request took effect (``StaleClient`` is sorted out
+#: in :meth:`MetaRun.perform`).
 _UNKNOWN = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.TXN_CONFLICT,
                       StatusCode.MAYBE_COMMITTED, StatusCode.RESOURCE_EXHAUSTED, StatusCode.LEASE_EXPIRED})
 TOP_NAMES = ("a", "b", "c")
@@ -249,27 +259,53 @@ class SimMeta:
 
 
 class _Client(MetaClient):
-    """A :class:`MetaClient` that tells the simulator its request ids and its lease renewals."""
+    """A :class:`MetaClient` that tells the simulator its request ids, its lease renewals and
+    whether a refused request may have run; a client whose lease lapsed takes a new id that the
+    seed decides (the real client draws a random one), so that a run replays exactly."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, index: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.index = index
         self.last_request_id = 0
-        self.renewals: list[tuple[float, float, bool]] = []  # (invoke, complete, answered)
+        # (client id, invoke, complete, answered): renewals of each id this client has used.
+        self.renewals: list[tuple[bytes, float, float, bool]] = []
+        # The (client id, request id) pairs each perform's task sent, and whether its last
+        # request may have run before a refusal (see :meth:`MetaClient.call`).
+        self.sent: dict[asyncio.Task[Any], list[tuple[bytes, int]]] = {}
+        self.outcome_unknown: dict[asyncio.Task[Any], bool] = {}
 
     def ctx(self, user: mpb.User | None = None) -> tuple[mpb.ReqCtx, int]:
         ctx, request_id = super().ctx(user)
         self.last_request_id = request_id
+        task = asyncio.current_task()
+        if task is not None and task in self.sent:
+            self.sent[task].append((bytes(ctx.client_id), request_id))
         return ctx, request_id
 
-    async def renew(self) -> None:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+    async def _attempts(self, name: str, method: MethodSpec, req: Message, rsp_type: type[M],
+                        outcome_unknown: list[bool]) -> M:
         try:
-            await super().renew()
+            return await super()._attempts(name, method, req, rsp_type, outcome_unknown)
+        finally:
+            task = asyncio.current_task()
+            if task is not None and task in self.outcome_unknown:
+                self.outcome_unknown[task] = outcome_unknown[0]
+
+    async def _renew_once(self) -> None:
+        loop = asyncio.get_running_loop()
+        client_id, start = self.client_id, loop.time()
+        try:
+            await super()._renew_once()
         except FS3Error:
-            self.renewals.append((start, loop.time(), False))
+            self.renewals.append((client_id, start, loop.time(), False))
             raise
-        self.renewals.append((start, loop.time(), True))
+        self.renewals.append((client_id, start, loop.time(), True))
+
+    def _lapsed(self, client_id: bytes) -> None:
+        registrations = self.registrations
+        super()._lapsed(client_id)
+        if self.registrations != registrations:
+            self.client_id = f"mc{self.index:02d}r{self.registrations}".encode().ljust(len(client_id), b".")
 
 
 @dataclass
@@ -292,7 +328,9 @@ class MetaRun:
     addresses: list[str] = field(default_factory=list)
     connected: list[asyncio.Event] = field(default_factory=list)
     handles: list[list[_Handle]] = field(default_factory=list)
-    requests: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # call index -> (client id, request id)
+    # call index -> every (client id, request id) it was sent under (a refused request is sent again
+    # under the client's new id)
+    requests: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)
     busy: list[bool] = field(default_factory=list)  # a client has a request in flight
     next_tag: int = 0
 
@@ -306,7 +344,8 @@ class MetaRun:
         name = f"mclient-{index}"
         channels = SimChannelFactory(self.cluster.network, name)
         routing = RoutingCache([MGMTD], channels, rpc_timeout_ms=500)
-        client = _Client(routing, channels, f"mc{index:02d}".encode().ljust(16, b"."), lambda: mpb.User(uid=0, gid=0),
+        client = _Client(index, routing, channels, f"mc{index:02d}".encode().ljust(16, b"."),
+                         lambda: mpb.User(uid=0, gid=0),
                          rpc_timeout_ms=self.shape.client_rpc_timeout_ms,
                          retry_total_ms=self.shape.client_retry_ms if retry_ms is None else retry_ms,
                          clock=LoopClock())
@@ -330,18 +369,31 @@ class MetaRun:
         self.calls.append(call)
         rsp = None
         self.busy[index] = True
+        task = asyncio.current_task()
+        assert task is not None
+        client.sent[task], client.outcome_unknown[task] = [], False
         try:
             rsp = await client.call(method, req, rsp_type)
             call.result = answer(kind, rsp)
             call.complete = loop.time()
+        except StaleClient:
+            # Refused as from a lapsed lease. A request on a session is never sent again under a
+            # new id: refused without an earlier attempt that may have run, it did not run, and its
+            # session is gone with the lease. Anything else may have run (or was refused every
+            # time it was sent): its outcome is unknown.
+            if kind == "close" and not client.outcome_unknown[task]:
+                call.result = ("err", StatusCode.STALE_CLIENT.name)
+                call.complete = loop.time()
         except FS3Error as exc:
             if exc.code not in _UNKNOWN:
                 call.result = ("err", exc.code.name)
                 call.complete = loop.time()
         finally:
             self.busy[index] = False
-        call.note = f"request {client.client_id.rstrip(b'.').decode()}/{client.last_request_id}"
-        self.requests[call.index] = (client.client_id, client.last_request_id)
+            sent = client.sent.pop(task)
+            client.outcome_unknown.pop(task)
+        call.note = "request " + ", ".join(f"{c.rstrip(b'.').decode()}/{r}" for c, r in sent)
+        self.requests[call.index] = sent
         return call, rsp
 
 
@@ -388,13 +440,16 @@ def store_namespace(store: MemKVStore) -> NsState:
         if inode_id != schema.ROOT_INODE:
             size = int(inode.size) if inode.type == mpb.FILE else 0
             nodes.append((_tag(inode), _kind(inode), size, inode.type == mpb.DIRECTORY or inode.nlink > 0))
+    size_gens = {inode_id: schema.decode_u64(store.get(schema.size_gen_key(inode_id))) for inode_id in inodes}
+    pending = {inode_id for inode_id in inodes if store.get(schema.truncate_key(inode_id)) is not None}
     sessions = []
     prefix = schema.sessions_prefix()
     for key, raw in store.scan(prefix, prefix_end(prefix)):
         inode_id = int.from_bytes(key[len(prefix):len(prefix) + 8], "big")
         session = schema.Session.decode(raw)
-        sessions.append((key[len(prefix) + 8:], tag_of(inode_id), session.client_id, session.write,
-                         session.truncated))
+        # Truncated since it opened: a truncate came after (a newer size generation) or is unfinished.
+        truncated = session.size_gen != size_gens.get(inode_id, 0) or inode_id in pending
+        sessions.append((key[len(prefix) + 8:], tag_of(inode_id), session.client_id, session.write, truncated))
     return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)))
 
 
@@ -589,31 +644,56 @@ def lease_windows(renewals: list[tuple[float, float, bool]], lease_s: float) -> 
     return windows
 
 
-def expiry_calls(calls: list[Call], windows: dict[int, list[tuple[float, float]]], first_index: int = 0) -> list[Call]:
+def expiry_calls(calls: list[Call], windows: dict[Hashable, list[tuple[float, float]]], first_index: int = 0,
+                 owners: Callable[[Call], Iterable[Hashable]] | None = None) -> list[Call]:
     """An optional ``expire`` call for every session in every window in which meta may have closed it
-    (numbered from ``first_index`` on)."""
+    (numbered from ``first_index`` on).
+
+    ``windows`` are keyed by lease holder; ``owners(call)`` names the holders an open may have
+    made its session under (by default its client; the simulator's clients take a new id when
+    their lease lapses, and an open refused under the old id is sent again under the new one).
+    """
+    owners = owners or (lambda call: (call.client,))
+    closes = {c.args[0]: c for c in calls if c.kind == "close" and c.completed}
     extra: list[Call] = []
-    for client, spans in windows.items():
-        opens = [c for c in calls if c.client == client and c.kind in ("create", "open")
-                 and not (c.completed and isinstance(c.result, tuple) and c.result[0] != "ok")]
-        closes = {c.args[0]: c for c in calls if c.client == client and c.kind == "close" and c.completed}
-        for opened in opens:
-            label = opened.args[-1]
-            closed = closes.get(label)
-            for lo, hi in spans:
-                if hi <= opened.invoke or (closed is not None and closed.complete <= lo):
-                    continue
-                extra.append(Call("expire", (label,), max(lo, opened.invoke), deadline=hi, client=client,
-                                  index=first_index + len(extra), note="lease lapsed"))
+    for opened in calls:
+        if opened.kind not in ("create", "open") or (
+                opened.completed and isinstance(opened.result, tuple) and opened.result[0] != "ok"):
+            continue
+        label = opened.args[-1]
+        closed = closes.get(label)
+        for lo, hi in _merged([span for owner in owners(opened) for span in windows.get(owner, [])]):
+            if hi <= opened.invoke or (closed is not None and closed.complete <= lo):
+                continue
+            extra.append(Call("expire", (label,), max(lo, opened.invoke), deadline=hi, client=opened.client,
+                              index=first_index + len(extra), note="lease lapsed"))
     return extra
 
 
-def narrow(calls: list[Call], requests: dict[int, tuple[bytes, int]],
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def acts_late(call: Call) -> bool:
+    """Whether the call may take effect after its last handler ended: a truncate (``O_TRUNC`` too)
+    is recorded as a job, and its size is applied once storage is cleared — by the request, or,
+    when storage failed it, by the next request on the inode or meta's maintenance loop."""
+    return call.kind == "truncate" or (call.kind == "create" and bool(call.args[3]))
+
+
+def narrow(calls: list[Call], requests: dict[int, list[tuple[bytes, int]]],
            windows: dict[tuple[bytes, int], list[list[float]]]) -> list[Call]:
-    """Each call confined to the time its request's handlers ran (see the module docstring)."""
+    """Each call confined to the time its requests' handlers ran (see the module docstring); an
+    unanswered truncate (:func:`acts_late`) only starts there."""
     out: list[Call] = []
     for call in calls:
-        runs = windows.get(requests.get(call.index, (b"", 0)), [])
+        runs = [r for key in requests.get(call.index, []) for r in windows.get(key, [])]
         if not runs:
             if call.completed:
                 out.append(call)
@@ -623,7 +703,7 @@ def narrow(calls: list[Call], requests: dict[int, tuple[bytes, int]],
         if call.completed:
             out.append(replace(call, invoke=min(start, call.complete), complete=min(call.complete, max(end, start))))
         else:
-            out.append(replace(call, invoke=start, deadline=end))
+            out.append(replace(call, invoke=start, deadline=call.deadline if acts_late(call) else end))
     return out
 
 
@@ -707,12 +787,21 @@ async def run_meta_scenario(cluster: SimCluster, shape: MetaShape, clients: int,
     for client in run.clients:
         await client.stop()
     lease_s = shape.client_lease_ms / 1000
-    windows = {i: lease_windows(c.renewals, lease_s) for i, c in enumerate(run.clients[:clients])}
+    renewals: dict[bytes, list[tuple[float, float, bool]]] = {}
+    holder: dict[bytes, int] = {}
+    for index, client in enumerate(run.clients[:clients]):
+        for client_id, invoke, complete, ok in client.renewals:
+            renewals.setdefault(client_id, []).append((invoke, complete, ok))
+            holder[client_id] = index
+    windows: dict[Hashable, list[tuple[float, float]]] = {}
     end = max((c.complete if c.completed else c.invoke for c in run.calls), default=0.0)
-    for index, spans in windows.items():
-        run.faults.extend(f"t={lo:.4f} client {index}'s lease may lapse (until {hi:.4f})"
-                          for lo, hi in spans if lo < end)
+    for client_id, spans in renewals.items():
+        windows[client_id] = lease_windows(spans, lease_s)
+        name = f"client {holder[client_id]} ({client_id.rstrip(b'.').decode()})"
+        run.faults.extend(f"t={lo:.4f} {name}'s lease may lapse (until {hi:.4f})"
+                          for lo, hi in windows[client_id] if lo < end)
     calls = narrow(run.calls, run.requests, meta.windows)
-    calls += expiry_calls(calls, windows, first_index=len(run.calls))
+    calls += expiry_calls(calls, windows, first_index=len(run.calls),
+                          owners=lambda call: {c for c, _ in run.requests.get(call.index, [])})
     _, problems = check_history(calls, budget)
     return run, problems

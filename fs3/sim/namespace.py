@@ -16,7 +16,10 @@ subdirectories).
 Sizes: the simulated clients write no data, so a length a client publishes at close is believed
 as is unless the file's size was changed (``truncate``, ``O_TRUNC``) while its handle was open —
 then meta checks storage, which holds nothing, and the size stays as it is. That is the rule the
-service documents for handles whose file was truncated under them.
+service documents for handles whose file was truncated under them (meta compares the inode's size
+generation with the one the session opened under). A truncate takes effect when meta applies its
+size, after storage is cleared — by the request, or later by another request on the inode or
+meta's maintenance; the simulator lets an unanswered truncate act that late.
 
 State (hashable): ``(entries, inodes, sessions)`` with
 
@@ -62,7 +65,7 @@ ROOT = 0
 STALE = ("err", "STALE_HANDLE")
 #: What a client may be told about a handle meta no longer has: the handle is gone, its lease
 #: lapsed, or an I/O error — anything loud, never a success.
-STALE_CODES = frozenset({"BAD_HANDLE", "LEASE_EXPIRED", "IO_ERROR", "STALE_HANDLE"})
+STALE_CODES = frozenset({"BAD_HANDLE", "LEASE_EXPIRED", "STALE_CLIENT", "IO_ERROR", "STALE_HANDLE"})
 #: Errors that are answers about the namespace (as opposed to "try again" or "you are fenced").
 NAMESPACE_ERRORS = frozenset({"NOT_FOUND", "ALREADY_EXISTS", "NOT_A_DIRECTORY", "IS_A_DIRECTORY",
                               "DIRECTORY_NOT_EMPTY", "INVALID_ARGUMENT"})
