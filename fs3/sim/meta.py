@@ -100,15 +100,23 @@ class MetaShape:
     maybe_committed_probability: float = 0.0
     # The longest a client is cut off from meta, in leases.
     cut_leases_max: float = 2.0
+    # How long meta refuses a lapsed client's id (meta's own default, or the least it allows: twice
+    # the lease, which caps a client's retries at one lease — shorter than three leases of retries).
+    expired_client_ttl_ms: int = 600_000
 
     @classmethod
-    def random(cls, rng: random.Random) -> MetaShape:
+    def random(cls, rng: random.Random, more: random.Random | None = None) -> MetaShape:
+        """A shape drawn from ``rng``; ``more`` draws what later versions added, so that ``rng``
+        is drawn as before and old seeds keep their schedules."""
         lease = rng.choice((3_000, 5_000))
-        return cls(client_lease_ms=lease,
-                   client_retry_ms=rng.choice((lease // 2, lease * 3)),
-                   sync_delay_max_ms=rng.choice((0.0, 5.0, 30.0)),
-                   conflict_probability=rng.choice((0.0, 0.05)),
-                   maybe_committed_probability=rng.choice((0.0, 0.05)))
+        shape = cls(client_lease_ms=lease,
+                    client_retry_ms=rng.choice((lease // 2, lease * 3)),
+                    sync_delay_max_ms=rng.choice((0.0, 5.0, 30.0)),
+                    conflict_probability=rng.choice((0.0, 0.05)),
+                    maybe_committed_probability=rng.choice((0.0, 0.05)))
+        if more is None:
+            return shape
+        return replace(shape, expired_client_ttl_ms=more.choice((cls.expired_client_ttl_ms, 2 * lease)))
 
     @classmethod
     def handled(cls) -> MetaShape:
@@ -196,6 +204,7 @@ class SimMeta:
         lease = self.shape.client_lease_ms
         return MetaServiceConfig(chain_table_id=1, chunk_size_bytes=self.cluster.shape.chunk_size,
                                  stripe_default=self.chains, root_mode=0o777, client_lease_ms=lease,
+                                 expired_client_ttl_ms=self.shape.expired_client_ttl_ms,
                                  prune_interval_ms=max(200, lease // 5), gc_interval_ms=500)
 
     def start(self) -> None:
