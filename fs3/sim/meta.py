@@ -25,9 +25,9 @@ sharper, and both are recorded by the simulator, not by the code under test:
 A client whose lease lapsed is refused (``StaleClient``) and registers under a new id; a request
 refused so is sent again under the new id unless it may have run already. The history records
 every id a call was sent under; a close refused so (it is never sent again) is answered as a
-stale handle, and any other refusal leaves the outcome unknown. A truncate takes effect when meta
-applies its size, after storage is cleared, which may come after the truncating request gave up
-(:func:`acts_late`).
+stale handle, and any other refusal leaves the outcome unknown. A truncate is recorded while its
+request runs and its size applied once storage is cleared, which may come after the request gave
+up: each gets a ``resize`` call (:func:`resize_calls`, :mod:`fs3.sim.namespace`).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ from fs3.sim.namespace import ROOT, NamespaceModel, NsState, tag_mode, tags
 from fs3.sim.network import SimChannelFactory
 from fs3.sim.wgl import DEFAULT_BUDGET, INF, Call, Verdict, check_calls, shrink
 
-__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "acts_late", "answer",
-           "check_history", "comparable", "expiry_calls", "lease_windows", "narrow", "request", "run_meta_scenario",
-           "store_namespace"]
+__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "answer",
+           "check_history", "comparable", "expiry_calls", "lease_windows", "narrow", "request", "resize_calls",
+           "run_meta_scenario", "store_namespace"]
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -459,12 +459,13 @@ def store_namespace(store: MemKVStore) -> NsState:
         # Truncated since it opened: a truncate came after (a newer size generation) or is unfinished.
         truncated = session.size_gen != size_gens.get(inode_id, 0) or inode_id in pending
         sessions.append((key[len(prefix) + 8:], tag_of(inode_id), session.client_id, session.write, truncated))
-    return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)))
+    # Truncates not yet applied are left out: the store does not know the labels of their calls.
+    return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)), ())
 
 
 def comparable(state: NsState) -> tuple[Any, ...]:
     """The parts of a state a client can observe: entries, inodes, and each session's file and mode."""
-    entries, inodes, sessions = state
+    entries, inodes, sessions, _ = state
     return entries, inodes, tuple(sorted(((label, tag, writes) for label, tag, _, writes, _ in sessions), key=repr))
 
 
@@ -492,7 +493,7 @@ def request(kind: str, args: tuple[Any, ...], inode_id: int = 0, session_id: byt
     if kind == "mkdir":
         return "MakeNode", mpb.MakeNodeReq(target=target, type=mpb.DIRECTORY, mode=args[1]), mpb.InodeRsp
     if kind == "create":
-        _, tag, excl, trunc, _ = args
+        tag, excl, trunc = args[1:4]
         flags = O_CREAT | O_WRONLY | (O_EXCL if excl else 0) | (O_TRUNC if trunc else 0)
         return "Open", mpb.OpenReq(target=target, flags=flags, mode=tag), mpb.OpenRsp
     if kind == "open":
@@ -518,7 +519,7 @@ async def _issue(run: MetaRun, index: int, kind: str, args: tuple[Any, ...], han
     method, req, rsp_type = request(kind, args, *((handle.inode_id, handle.session_id) if handle else ()))
     call, rsp = await run.perform(index, kind, args, method, req, rsp_type)
     if kind in ("create", "open") and rsp is not None and rsp.session_id:
-        run.handles[index].append(_Handle(args[-1], rsp.inode.inode_id, bytes(rsp.session_id)))
+        run.handles[index].append(_Handle(_session_label(call), rsp.inode.inode_id, bytes(rsp.session_id)))
     return call
 
 
@@ -532,7 +533,7 @@ async def _one_op(run: MetaRun, index: int, rng: random.Random, chunk: int) -> N
         await _issue(run, index, "mkdir", (path, run.tag()))
     elif roll < 0.30:
         await _issue(run, index, "create", (path, run.tag(), rng.random() < 0.25, rng.random() < 0.25,
-                                            len(run.calls)))
+                                            len(run.calls), True))
     elif roll < 0.45:
         if not handles:
             await _issue(run, index, "stat", (path,))
@@ -549,7 +550,7 @@ async def _one_op(run: MetaRun, index: int, rng: random.Random, chunk: int) -> N
     elif roll < 0.76:
         await _issue(run, index, "rmdir", (path,))
     elif roll < 0.83:
-        await _issue(run, index, "truncate", (path, rng.randint(0, 3 * chunk)))
+        await _issue(run, index, "truncate", (path, rng.randint(0, 3 * chunk), len(run.calls)))
     elif roll < 0.93:
         await _issue(run, index, "stat", (path,))
     else:
@@ -669,7 +670,7 @@ def expiry_calls(calls: list[Call], windows: dict[Hashable, list[tuple[float, fl
         if opened.kind not in ("create", "open") or (
                 opened.completed and isinstance(opened.result, tuple) and opened.result[0] != "ok"):
             continue
-        label = opened.args[-1]
+        label = _session_label(opened)
         closed = closes.get(label)
         for lo, hi in _merged([span for owner in owners(opened) for span in windows.get(owner, [])]):
             if hi <= opened.invoke or (closed is not None and closed.complete <= lo):
@@ -689,17 +690,40 @@ def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def acts_late(call: Call) -> bool:
-    """Whether the call may take effect after its last handler ended: a truncate (``O_TRUNC`` too)
-    is recorded as a job, and its size is applied once storage is cleared — by the request, or,
-    when storage failed it, by the next request on the inode or meta's maintenance loop."""
-    return call.kind == "truncate" or (call.kind == "create" and bool(call.args[3]))
+def _session_label(call: Call) -> Any:
+    """The label of the session an ``open`` or ``create`` call makes."""
+    return call.args[4] if call.kind == "create" else call.args[1]
+
+
+def resize_calls(calls: list[Call], first_index: int = 0) -> list[Call]:
+    """A ``resize`` call for every truncate that records its size as pending (numbered from
+    ``first_index`` on): meta applies the size once storage is cleared.
+
+    An answered truncate applied it before it answered; an unanswered one may have had it applied
+    at any later time — by a later request on the file or by meta's maintenance — or never.
+    """
+    extra: list[Call] = []
+    for call in calls:
+        if call.kind == "truncate" and len(call.args) > 2:
+            label = call.args[2]
+        elif call.kind == "create" and call.args[3] and len(call.args) > 5 and call.args[5]:
+            label = call.args[4]
+        else:
+            continue
+        note = f"size of #{call.index} applied"
+        if not call.completed:
+            extra.append(Call("resize", (label,), call.invoke, client=call.client, index=first_index + len(extra),
+                              note=note))
+        elif isinstance(call.result, tuple) and call.result[0] == "ok" and not (call.kind == "create"
+                                                                                and call.result[1]):
+            extra.append(Call("resize", (label,), call.invoke, call.complete, ("ok",), client=call.client,
+                              index=first_index + len(extra), note=note))
+    return extra
 
 
 def narrow(calls: list[Call], requests: dict[int, list[tuple[bytes, int]]],
            windows: dict[tuple[bytes, int], list[list[float]]]) -> list[Call]:
-    """Each call confined to the time its requests' handlers ran (see the module docstring); an
-    unanswered truncate (:func:`acts_late`) only starts there."""
+    """Each call confined to the time its requests' handlers ran (see the module docstring)."""
     out: list[Call] = []
     for call in calls:
         runs = [r for key in requests.get(call.index, []) for r in windows.get(key, [])]
@@ -712,7 +736,7 @@ def narrow(calls: list[Call], requests: dict[int, list[tuple[bytes, int]]],
         if call.completed:
             out.append(replace(call, invoke=min(start, call.complete), complete=min(call.complete, max(end, start))))
         else:
-            out.append(replace(call, invoke=start, deadline=call.deadline if acts_late(call) else end))
+            out.append(replace(call, invoke=start, deadline=end))
     return out
 
 
@@ -810,7 +834,8 @@ async def run_meta_scenario(cluster: SimCluster, shape: MetaShape, clients: int,
         run.faults.extend(f"t={lo:.4f} {name}'s lease may lapse (until {hi:.4f})"
                           for lo, hi in windows[client_id] if lo < end)
     calls = narrow(run.calls, run.requests, meta.windows)
-    calls += expiry_calls(calls, windows, first_index=len(run.calls),
-                          owners=lambda call: {c for c, _ in run.requests.get(call.index, [])})
+    expiries = expiry_calls(calls, windows, first_index=len(run.calls),
+                            owners=lambda call: {c for c, _ in run.requests.get(call.index, [])})
+    calls += resize_calls(calls, first_index=len(run.calls) + len(expiries)) + expiries
     _, problems = check_history(calls, budget)
     return run, problems
