@@ -7,9 +7,11 @@ known-good ones are concurrent schedules the checker must not reject.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from fs3.sim.meta import expiry_calls, lease_windows, narrow
+from fs3.sim.meta import expiry_calls, lease_windows, narrow, resize_calls
 from fs3.sim.namespace import STALE_CODES, NamespaceModel, Tree, tag_mode
 from fs3.sim.wgl import INF, Call, check_calls, shrink
 
@@ -221,10 +223,94 @@ def test_calls_are_confined_to_their_handlers_and_sessions_get_expiry_calls() ->
     answered = Call("create", ("/f", A, False, False, 0), 1.0, 5.0, ("ok", True, A, 0), index=0)
     lost = Call("mkdir", ("/a", B), 1.5, index=1)
     reached = Call("mkdir", ("/b", C), 2.0, index=2)
-    requests = {0: (b"c", 1), 1: (b"c", 2), 2: (b"c", 3)}
+    requests = {0: [(b"c", 1)], 1: [(b"c", 2)], 2: [(b"c", 3)]}
     windows = {(b"c", 1): [[1.2, 1.3], [4.0, 4.1]], (b"c", 3): [[2.5, 2.6]]}
     narrowed = narrow([answered, lost, reached], requests, windows)
     assert [(n.index, n.invoke) for n in narrowed] == [(0, 1.2), (2, 2.5)]
     assert narrowed[0].complete == pytest.approx(4.1) and narrowed[1].deadline == 2.6
     extra = expiry_calls(narrowed, {0: [(3.0, 6.0), (10.0, INF)]})
     assert [(e.args, e.invoke, e.deadline) for e in extra] == [((0,), 3.0, 6.0), ((0,), 10.0, INF)]
+
+
+def test_a_request_sent_again_under_a_new_id_spans_both() -> None:
+    """A request refused as from a lapsed lease is sent again under the client's new id: it may have
+    acted while either ran."""
+    resent = Call("mkdir", ("/a", A), 1.0, index=0)
+    requests = {0: [(b"old", 1), (b"new", 2)]}
+    windows = {(b"old", 1): [[1.5, 1.6]], (b"new", 2): [[3.0, 3.1]]}
+    (narrowed,) = narrow([resent], requests, windows)
+    assert (narrowed.invoke, narrowed.deadline) == (1.5, 3.1)
+
+
+def test_a_truncate_with_a_label_gets_a_resize_within_its_answer_or_any_time_later() -> None:
+    answered = Call("truncate", ("/f", 5, 0), 1.0, 2.0, ("ok",), index=0)
+    lost = Call("truncate", ("/f", 5, 1), 3.0, deadline=3.5, index=1)
+    failed = Call("truncate", ("/f", 5, 2), 4.0, 4.5, ("err", "NOT_FOUND"), index=2)
+    o_trunc = Call("create", ("/f", B, False, True, 3, True), 5.0, 6.0, ("ok", False, A, 0), index=3)
+    created = Call("create", ("/g", C, False, True, 4, True), 5.0, 6.0, ("ok", True, C, 0), index=4)
+    atomic = Call("truncate", ("/f", 5), 1.0, 2.0, ("ok",), index=5)
+    extra = resize_calls([answered, lost, failed, o_trunc, created, atomic], first_index=10)
+    assert [(e.args, e.invoke, e.complete, e.result, e.index) for e in extra] == [
+        ((0,), 1.0, 2.0, ("ok",), 10), ((1,), 3.0, INF, None, 11), ((3,), 5.0, 6.0, ("ok",), 12)]
+    assert extra[1].deadline == INF
+
+
+def test_a_truncate_is_recorded_at_its_path_and_sized_later() -> None:
+    """Meta records a truncate where it resolved the path and applies the size once storage is
+    cleared: a rename and a lookup in between see the old size (seed 1623), as on Linux."""
+    calls = history(
+        Call("create", ("/a", A, False, False, "s"), 0.0, 0.1, ("ok", True, A, 0)),
+        Call("close", ("s", 9), 0.2, 0.3, ("ok", 9)),
+        Call("truncate", ("/a", 5, "t"), 1.0, 3.0, ("ok",)),
+        Call("rename", ("/a", "/b"), 1.5, 1.6, ("ok", A)),
+        Call("stat", ("/b",), 1.7, 1.8, ("ok", "f", A, 9)),
+        Call("stat", ("/b",), 3.5, 3.6, ("ok", "f", A, 5)))
+    assert not check_calls(calls, MODEL).ok  # one point for the truncate fits nowhere
+    assert check_calls(calls + resize_calls(calls, first_index=len(calls)), MODEL).ok
+    # Known bad: the size never applied by the answer.
+    never = history(*calls[:3], Call("stat", ("/a",), 3.5, 3.6, ("ok", "f", A, 9)))
+    assert not check_calls(never + resize_calls(never, first_index=len(never)), MODEL).ok
+
+
+def test_a_pending_truncate_is_applied_before_the_next_one() -> None:
+    """Meta finishes a file's pending truncate before another truncate, an open or a writer's length:
+    an unanswered truncate to 5 cannot land after an answered truncate to 7 (the narrowed job the
+    review found), though its own resize may come at any time after it."""
+    base = [Call("create", ("/f", A, False, False, "s"), 0.0, 0.1, ("ok", True, A, 0)),
+            Call("close", ("s", 9), 0.2, 0.3, ("ok", 9)),
+            Call("truncate", ("/f", 5, "t1"), 1.0, deadline=1.5),
+            Call("truncate", ("/f", 7, "t2"), 2.0, 3.0, ("ok",))]
+    for final, ok in ((7, True), (5, False)):
+        calls = history(*[replace(c) for c in base], Call("stat", ("/f",), 4.0, 4.1, ("ok", "f", A, final)))
+        assert check_calls(calls + resize_calls(calls, first_index=len(calls)), MODEL).ok is ok, final
+    # A writer's length waits for the pending truncate too: recorded before the rename, the truncate
+    # is applied before the close, which then answers the truncated size, not the old one.
+    calls = history(Call("create", ("/f", A, False, False, "s"), 0.0, 0.1, ("ok", True, A, 0)),
+                    Call("close", ("s", 9), 0.2, 0.3, ("ok", 9)),
+                    Call("create", ("/f", B, False, False, "w"), 0.4, 0.5, ("ok", False, A, 9)),
+                    Call("truncate", ("/f", 5, "t"), 1.0, 3.0, ("ok",)),
+                    Call("rename", ("/f", "/g"), 1.2, 1.3, ("ok", A)),
+                    Call("close", ("w", 12), 1.5, 1.6, ("ok", 9)))
+    assert not check_calls(calls + resize_calls(calls, first_index=len(calls)), MODEL).ok
+    calls[-1].result = ("ok", 5)
+    assert check_calls(calls + resize_calls(calls, first_index=len(calls)), MODEL).ok
+
+
+def test_sessions_expire_only_in_the_windows_of_the_id_that_opened_them() -> None:
+    """A client whose lease lapsed renews under a new id; that says nothing about the old id's
+    sessions, which meta may close whenever the old lease may have lapsed — and the new id's
+    sessions only in the new lease's windows."""
+    old = Call("open", ("/f", 0), 1.0, 1.5, ("ok", "f", A, 0), index=0)
+    new = Call("open", ("/f", 1), 20.0, 20.5, ("ok", "f", A, 0), index=1)
+    requests = {0: [(b"old", 1)], 1: [(b"new", 2)]}
+    windows = {b"old": [(5.0, INF)], b"new": [(30.0, 31.0)]}
+    extra = expiry_calls([old, new], windows, owners=lambda c: {k for k, _ in requests[c.index]})
+    assert [(e.args, e.invoke, e.deadline) for e in extra] == [((0,), 5.0, INF), ((1,), 30.0, 31.0)]
+    # A close answered as a stale handle needs the session's lease to have lapsed before it.
+    calls = history(Call("mkdir", ("/d", B), 0.0, 0.5, ("ok", B)),
+                    Call("create", ("/f", A, False, False, "s"), 1.0, 1.5, ("ok", True, A, 0)),
+                    Call("close", ("s", 10), 25.0, 25.5, ("err", "STALE_CLIENT")))
+    calls[1].client = 0
+    late = expiry_calls(calls, {0: [(5.0, INF)]})
+    assert check_calls(calls + [replace(e, index=len(calls) + i) for i, e in enumerate(late)], MODEL).ok
+    assert not check_calls(calls, MODEL).ok

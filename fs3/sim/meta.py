@@ -17,10 +17,17 @@ sharper, and both are recorded by the simulator, not by the code under test:
 * when the handlers of each request ran (:class:`_HandlerLog`, wrapped around meta's dispatcher):
   a request takes effect only inside one of them, so an unanswered request whose messages were
   all lost is left out, and one that reached meta can act only until its last handler ended;
-* when each client's lease renewals were answered: meta may close a client's sessions only at a
-  time when no renewal it answered lies within the lease before it, so each session gets an
-  optional ``expire`` call over exactly those windows. A session closed at any other time is a
-  violation.
+* when each client id's lease renewals were answered: meta may close a session only at a time
+  when no renewal of the id that opened it lies answered within the lease before it, so each
+  session gets an optional ``expire`` call over exactly those windows. A session closed at any
+  other time is a violation.
+
+A client whose lease lapsed is refused (``StaleClient``) and registers under a new id; a request
+refused so is sent again under the new id unless it may have run already. The history records
+every id a call was sent under; a close refused so (it is never sent again) is answered as a
+stale handle, and any other refusal leaves the outcome unknown. A truncate is recorded while its
+request runs and its size applied once storage is cleared, which may come after the request gave
+up: each gets a ``resize`` call (:func:`resize_calls`, :mod:`fs3.sim.namespace`).
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
@@ -42,29 +50,31 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.buffers import Buffer
 from fs3.common.clock import LoopClock
-from fs3.common.errors import FS3Error, StatusCode
+from fs3.common.errors import FS3Error, StaleClient, StatusCode
 from fs3.kv.store import MemKVStore, prefix_end
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
 from fs3.meta import schema
 from fs3.meta.ops import O_CREAT, O_EXCL, O_RDONLY, O_TRUNC, O_WRONLY
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.dispatch import Dispatcher, Reply
-from fs3.rpc.methods import method_by_id, service_spec
+from fs3.rpc.methods import MethodSpec, method_by_id, service_spec
 from fs3.sim.cluster import MGMTD, SimCluster
 from fs3.sim.loop import SimProcess
 from fs3.sim.namespace import ROOT, NamespaceModel, NsState, tag_mode, tags
 from fs3.sim.network import SimChannelFactory
 from fs3.sim.wgl import DEFAULT_BUDGET, INF, Call, Verdict, check_calls, shrink
 
-__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "answer", "check_history",
-           "comparable", "expiry_calls", "lease_windows", "narrow", "request", "run_meta_scenario", "store_namespace"]
+__all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEngine", "answer",
+           "check_history", "comparable", "expiry_calls", "lease_windows", "narrow", "request", "resize_calls",
+           "run_meta_scenario", "store_namespace"]
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
 META = "meta"
 META_NODE_ID = 1001
 _EPOCH_NS = 1_700_000_000 * 10**9
-#: Outcomes that say nothing about whether the request took effect: try again, or (a fenced client
-#: told its lease lapsed) an earlier attempt may or may not have committed.
+#: Outcomes that say nothing about whether the request took effect (``StaleClient`` is sorted out
+#: in :meth:`MetaRun.perform`).
 _UNKNOWN = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.TXN_CONFLICT,
                       StatusCode.MAYBE_COMMITTED, StatusCode.RESOURCE_EXHAUSTED, StatusCode.LEASE_EXPIRED})
 TOP_NAMES = ("a", "b", "c")
@@ -90,15 +100,23 @@ class MetaShape:
     maybe_committed_probability: float = 0.0
     # The longest a client is cut off from meta, in leases.
     cut_leases_max: float = 2.0
+    # How long meta refuses a lapsed client's id (meta's own default, or the least it allows: twice
+    # the lease, which caps a client's retries at one lease — shorter than three leases of retries).
+    expired_client_ttl_ms: int = 600_000
 
     @classmethod
-    def random(cls, rng: random.Random) -> MetaShape:
+    def random(cls, rng: random.Random, more: random.Random | None = None) -> MetaShape:
+        """A shape drawn from ``rng``; ``more`` draws what later versions added, so that ``rng``
+        is drawn as before and old seeds keep their schedules."""
         lease = rng.choice((3_000, 5_000))
-        return cls(client_lease_ms=lease,
-                   client_retry_ms=rng.choice((lease // 2, lease * 3)),
-                   sync_delay_max_ms=rng.choice((0.0, 5.0, 30.0)),
-                   conflict_probability=rng.choice((0.0, 0.05)),
-                   maybe_committed_probability=rng.choice((0.0, 0.05)))
+        shape = cls(client_lease_ms=lease,
+                    client_retry_ms=rng.choice((lease // 2, lease * 3)),
+                    sync_delay_max_ms=rng.choice((0.0, 5.0, 30.0)),
+                    conflict_probability=rng.choice((0.0, 0.05)),
+                    maybe_committed_probability=rng.choice((0.0, 0.05)))
+        if more is None:
+            return shape
+        return replace(shape, expired_client_ttl_ms=more.choice((cls.expired_client_ttl_ms, 2 * lease)))
 
     @classmethod
     def handled(cls) -> MetaShape:
@@ -186,6 +204,7 @@ class SimMeta:
         lease = self.shape.client_lease_ms
         return MetaServiceConfig(chain_table_id=1, chunk_size_bytes=self.cluster.shape.chunk_size,
                                  stripe_default=self.chains, root_mode=0o777, client_lease_ms=lease,
+                                 expired_client_ttl_ms=self.shape.expired_client_ttl_ms,
                                  prune_interval_ms=max(200, lease // 5), gc_interval_ms=500)
 
     def start(self) -> None:
@@ -249,27 +268,53 @@ class SimMeta:
 
 
 class _Client(MetaClient):
-    """A :class:`MetaClient` that tells the simulator its request ids and its lease renewals."""
+    """A :class:`MetaClient` that tells the simulator its request ids, its lease renewals and
+    whether a refused request may have run; a client whose lease lapsed takes a new id that the
+    seed decides (the real client draws a random one), so that a run replays exactly."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, index: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.index = index
         self.last_request_id = 0
-        self.renewals: list[tuple[float, float, bool]] = []  # (invoke, complete, answered)
+        # (client id, invoke, complete, answered): renewals of each id this client has used.
+        self.renewals: list[tuple[bytes, float, float, bool]] = []
+        # The (client id, request id) pairs each perform's task sent, and whether its last
+        # request may have run before a refusal (see :meth:`MetaClient.call`).
+        self.sent: dict[asyncio.Task[Any], list[tuple[bytes, int]]] = {}
+        self.outcome_unknown: dict[asyncio.Task[Any], bool] = {}
 
     def ctx(self, user: mpb.User | None = None) -> tuple[mpb.ReqCtx, int]:
         ctx, request_id = super().ctx(user)
         self.last_request_id = request_id
+        task = asyncio.current_task()
+        if task is not None and task in self.sent:
+            self.sent[task].append((bytes(ctx.client_id), request_id))
         return ctx, request_id
 
-    async def renew(self) -> None:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+    async def _attempts(self, name: str, method: MethodSpec, req: Message, rsp_type: type[M],
+                        outcome_unknown: list[bool]) -> M:
         try:
-            await super().renew()
+            return await super()._attempts(name, method, req, rsp_type, outcome_unknown)
+        finally:
+            task = asyncio.current_task()
+            if task is not None and task in self.outcome_unknown:
+                self.outcome_unknown[task] = outcome_unknown[0]
+
+    async def _renew_once(self) -> None:
+        loop = asyncio.get_running_loop()
+        client_id, start = self.client_id, loop.time()
+        try:
+            await super()._renew_once()
         except FS3Error:
-            self.renewals.append((start, loop.time(), False))
+            self.renewals.append((client_id, start, loop.time(), False))
             raise
-        self.renewals.append((start, loop.time(), True))
+        self.renewals.append((client_id, start, loop.time(), True))
+
+    def _lapsed(self, client_id: bytes) -> None:
+        registrations = self.registrations
+        super()._lapsed(client_id)
+        if self.registrations != registrations:
+            self.client_id = f"mc{self.index:02d}r{self.registrations}".encode().ljust(len(client_id), b".")
 
 
 @dataclass
@@ -292,7 +337,9 @@ class MetaRun:
     addresses: list[str] = field(default_factory=list)
     connected: list[asyncio.Event] = field(default_factory=list)
     handles: list[list[_Handle]] = field(default_factory=list)
-    requests: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # call index -> (client id, request id)
+    # call index -> every (client id, request id) it was sent under (a refused request is sent again
+    # under the client's new id)
+    requests: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)
     busy: list[bool] = field(default_factory=list)  # a client has a request in flight
     next_tag: int = 0
 
@@ -306,7 +353,8 @@ class MetaRun:
         name = f"mclient-{index}"
         channels = SimChannelFactory(self.cluster.network, name)
         routing = RoutingCache([MGMTD], channels, rpc_timeout_ms=500)
-        client = _Client(routing, channels, f"mc{index:02d}".encode().ljust(16, b"."), lambda: mpb.User(uid=0, gid=0),
+        client = _Client(index, routing, channels, f"mc{index:02d}".encode().ljust(16, b"."),
+                         lambda: mpb.User(uid=0, gid=0),
                          rpc_timeout_ms=self.shape.client_rpc_timeout_ms,
                          retry_total_ms=self.shape.client_retry_ms if retry_ms is None else retry_ms,
                          clock=LoopClock())
@@ -330,18 +378,31 @@ class MetaRun:
         self.calls.append(call)
         rsp = None
         self.busy[index] = True
+        task = asyncio.current_task()
+        assert task is not None
+        client.sent[task], client.outcome_unknown[task] = [], False
         try:
             rsp = await client.call(method, req, rsp_type)
             call.result = answer(kind, rsp)
             call.complete = loop.time()
+        except StaleClient:
+            # Refused as from a lapsed lease. A request on a session is never sent again under a
+            # new id: refused without an earlier attempt that may have run, it did not run, and its
+            # session is gone with the lease. Anything else may have run (or was refused every
+            # time it was sent): its outcome is unknown.
+            if kind == "close" and not client.outcome_unknown[task]:
+                call.result = ("err", StatusCode.STALE_CLIENT.name)
+                call.complete = loop.time()
         except FS3Error as exc:
             if exc.code not in _UNKNOWN:
                 call.result = ("err", exc.code.name)
                 call.complete = loop.time()
         finally:
             self.busy[index] = False
-        call.note = f"request {client.client_id.rstrip(b'.').decode()}/{client.last_request_id}"
-        self.requests[call.index] = (client.client_id, client.last_request_id)
+            sent = client.sent.pop(task)
+            client.outcome_unknown.pop(task)
+        call.note = "request " + ", ".join(f"{c.rstrip(b'.').decode()}/{r}" for c, r in sent)
+        self.requests[call.index] = sent
         return call, rsp
 
 
@@ -388,19 +449,23 @@ def store_namespace(store: MemKVStore) -> NsState:
         if inode_id != schema.ROOT_INODE:
             size = int(inode.size) if inode.type == mpb.FILE else 0
             nodes.append((_tag(inode), _kind(inode), size, inode.type == mpb.DIRECTORY or inode.nlink > 0))
+    size_gens = {inode_id: schema.decode_u64(store.get(schema.size_gen_key(inode_id))) for inode_id in inodes}
+    pending = {inode_id for inode_id in inodes if store.get(schema.truncate_key(inode_id)) is not None}
     sessions = []
     prefix = schema.sessions_prefix()
     for key, raw in store.scan(prefix, prefix_end(prefix)):
         inode_id = int.from_bytes(key[len(prefix):len(prefix) + 8], "big")
         session = schema.Session.decode(raw)
-        sessions.append((key[len(prefix) + 8:], tag_of(inode_id), session.client_id, session.write,
-                         session.truncated))
-    return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)))
+        # Truncated since it opened: a truncate came after (a newer size generation) or is unfinished.
+        truncated = session.size_gen != size_gens.get(inode_id, 0) or inode_id in pending
+        sessions.append((key[len(prefix) + 8:], tag_of(inode_id), session.client_id, session.write, truncated))
+    # Truncates not yet applied are left out: the store does not know the labels of their calls.
+    return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)), ())
 
 
 def comparable(state: NsState) -> tuple[Any, ...]:
     """The parts of a state a client can observe: entries, inodes, and each session's file and mode."""
-    entries, inodes, sessions = state
+    entries, inodes, sessions, _ = state
     return entries, inodes, tuple(sorted(((label, tag, writes) for label, tag, _, writes, _ in sessions), key=repr))
 
 
@@ -428,7 +493,7 @@ def request(kind: str, args: tuple[Any, ...], inode_id: int = 0, session_id: byt
     if kind == "mkdir":
         return "MakeNode", mpb.MakeNodeReq(target=target, type=mpb.DIRECTORY, mode=args[1]), mpb.InodeRsp
     if kind == "create":
-        _, tag, excl, trunc, _ = args
+        tag, excl, trunc = args[1:4]
         flags = O_CREAT | O_WRONLY | (O_EXCL if excl else 0) | (O_TRUNC if trunc else 0)
         return "Open", mpb.OpenReq(target=target, flags=flags, mode=tag), mpb.OpenRsp
     if kind == "open":
@@ -454,7 +519,7 @@ async def _issue(run: MetaRun, index: int, kind: str, args: tuple[Any, ...], han
     method, req, rsp_type = request(kind, args, *((handle.inode_id, handle.session_id) if handle else ()))
     call, rsp = await run.perform(index, kind, args, method, req, rsp_type)
     if kind in ("create", "open") and rsp is not None and rsp.session_id:
-        run.handles[index].append(_Handle(args[-1], rsp.inode.inode_id, bytes(rsp.session_id)))
+        run.handles[index].append(_Handle(_session_label(call), rsp.inode.inode_id, bytes(rsp.session_id)))
     return call
 
 
@@ -468,7 +533,7 @@ async def _one_op(run: MetaRun, index: int, rng: random.Random, chunk: int) -> N
         await _issue(run, index, "mkdir", (path, run.tag()))
     elif roll < 0.30:
         await _issue(run, index, "create", (path, run.tag(), rng.random() < 0.25, rng.random() < 0.25,
-                                            len(run.calls)))
+                                            len(run.calls), True))
     elif roll < 0.45:
         if not handles:
             await _issue(run, index, "stat", (path,))
@@ -485,7 +550,7 @@ async def _one_op(run: MetaRun, index: int, rng: random.Random, chunk: int) -> N
     elif roll < 0.76:
         await _issue(run, index, "rmdir", (path,))
     elif roll < 0.83:
-        await _issue(run, index, "truncate", (path, rng.randint(0, 3 * chunk)))
+        await _issue(run, index, "truncate", (path, rng.randint(0, 3 * chunk), len(run.calls)))
     elif roll < 0.93:
         await _issue(run, index, "stat", (path,))
     else:
@@ -589,31 +654,79 @@ def lease_windows(renewals: list[tuple[float, float, bool]], lease_s: float) -> 
     return windows
 
 
-def expiry_calls(calls: list[Call], windows: dict[int, list[tuple[float, float]]], first_index: int = 0) -> list[Call]:
+def expiry_calls(calls: list[Call], windows: dict[Hashable, list[tuple[float, float]]], first_index: int = 0,
+                 owners: Callable[[Call], Iterable[Hashable]] | None = None) -> list[Call]:
     """An optional ``expire`` call for every session in every window in which meta may have closed it
-    (numbered from ``first_index`` on)."""
+    (numbered from ``first_index`` on).
+
+    ``windows`` are keyed by lease holder; ``owners(call)`` names the holders an open may have
+    made its session under (by default its client; the simulator's clients take a new id when
+    their lease lapses, and an open refused under the old id is sent again under the new one).
+    """
+    owners = owners or (lambda call: (call.client,))
+    closes = {c.args[0]: c for c in calls if c.kind == "close" and c.completed}
     extra: list[Call] = []
-    for client, spans in windows.items():
-        opens = [c for c in calls if c.client == client and c.kind in ("create", "open")
-                 and not (c.completed and isinstance(c.result, tuple) and c.result[0] != "ok")]
-        closes = {c.args[0]: c for c in calls if c.client == client and c.kind == "close" and c.completed}
-        for opened in opens:
-            label = opened.args[-1]
-            closed = closes.get(label)
-            for lo, hi in spans:
-                if hi <= opened.invoke or (closed is not None and closed.complete <= lo):
-                    continue
-                extra.append(Call("expire", (label,), max(lo, opened.invoke), deadline=hi, client=client,
-                                  index=first_index + len(extra), note="lease lapsed"))
+    for opened in calls:
+        if opened.kind not in ("create", "open") or (
+                opened.completed and isinstance(opened.result, tuple) and opened.result[0] != "ok"):
+            continue
+        label = _session_label(opened)
+        closed = closes.get(label)
+        for lo, hi in _merged([span for owner in owners(opened) for span in windows.get(owner, [])]):
+            if hi <= opened.invoke or (closed is not None and closed.complete <= lo):
+                continue
+            extra.append(Call("expire", (label,), max(lo, opened.invoke), deadline=hi, client=opened.client,
+                              index=first_index + len(extra), note="lease lapsed"))
     return extra
 
 
-def narrow(calls: list[Call], requests: dict[int, tuple[bytes, int]],
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _session_label(call: Call) -> Any:
+    """The label of the session an ``open`` or ``create`` call makes."""
+    return call.args[4] if call.kind == "create" else call.args[1]
+
+
+def resize_calls(calls: list[Call], first_index: int = 0) -> list[Call]:
+    """A ``resize`` call for every truncate that records its size as pending (numbered from
+    ``first_index`` on): meta applies the size once storage is cleared.
+
+    An answered truncate applied it before it answered; an unanswered one may have had it applied
+    at any later time — by a later request on the file or by meta's maintenance — or never.
+    """
+    extra: list[Call] = []
+    for call in calls:
+        if call.kind == "truncate" and len(call.args) > 2:
+            label = call.args[2]
+        elif call.kind == "create" and call.args[3] and len(call.args) > 5 and call.args[5]:
+            label = call.args[4]
+        else:
+            continue
+        note = f"size of #{call.index} applied"
+        if not call.completed:
+            extra.append(Call("resize", (label,), call.invoke, client=call.client, index=first_index + len(extra),
+                              note=note))
+        elif isinstance(call.result, tuple) and call.result[0] == "ok" and not (call.kind == "create"
+                                                                                and call.result[1]):
+            extra.append(Call("resize", (label,), call.invoke, call.complete, ("ok",), client=call.client,
+                              index=first_index + len(extra), note=note))
+    return extra
+
+
+def narrow(calls: list[Call], requests: dict[int, list[tuple[bytes, int]]],
            windows: dict[tuple[bytes, int], list[list[float]]]) -> list[Call]:
-    """Each call confined to the time its request's handlers ran (see the module docstring)."""
+    """Each call confined to the time its requests' handlers ran (see the module docstring)."""
     out: list[Call] = []
     for call in calls:
-        runs = windows.get(requests.get(call.index, (b"", 0)), [])
+        runs = [r for key in requests.get(call.index, []) for r in windows.get(key, [])]
         if not runs:
             if call.completed:
                 out.append(call)
@@ -707,12 +820,22 @@ async def run_meta_scenario(cluster: SimCluster, shape: MetaShape, clients: int,
     for client in run.clients:
         await client.stop()
     lease_s = shape.client_lease_ms / 1000
-    windows = {i: lease_windows(c.renewals, lease_s) for i, c in enumerate(run.clients[:clients])}
+    renewals: dict[bytes, list[tuple[float, float, bool]]] = {}
+    holder: dict[bytes, int] = {}
+    for index, client in enumerate(run.clients[:clients]):
+        for client_id, invoke, complete, ok in client.renewals:
+            renewals.setdefault(client_id, []).append((invoke, complete, ok))
+            holder[client_id] = index
+    windows: dict[Hashable, list[tuple[float, float]]] = {}
     end = max((c.complete if c.completed else c.invoke for c in run.calls), default=0.0)
-    for index, spans in windows.items():
-        run.faults.extend(f"t={lo:.4f} client {index}'s lease may lapse (until {hi:.4f})"
-                          for lo, hi in spans if lo < end)
+    for client_id, spans in renewals.items():
+        windows[client_id] = lease_windows(spans, lease_s)
+        name = f"client {holder[client_id]} ({client_id.rstrip(b'.').decode()})"
+        run.faults.extend(f"t={lo:.4f} {name}'s lease may lapse (until {hi:.4f})"
+                          for lo, hi in windows[client_id] if lo < end)
     calls = narrow(run.calls, run.requests, meta.windows)
-    calls += expiry_calls(calls, windows, first_index=len(run.calls))
+    expiries = expiry_calls(calls, windows, first_index=len(run.calls),
+                            owners=lambda call: {c for c, _ in run.requests.get(call.index, [])})
+    calls += resize_calls(calls, first_index=len(run.calls) + len(expiries)) + expiries
     _, problems = check_history(calls, budget)
     return run, problems

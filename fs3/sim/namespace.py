@@ -16,7 +16,19 @@ subdirectories).
 Sizes: the simulated clients write no data, so a length a client publishes at close is believed
 as is unless the file's size was changed (``truncate``, ``O_TRUNC``) while its handle was open —
 then meta checks storage, which holds nothing, and the size stays as it is. That is the rule the
-service documents for handles whose file was truncated under them.
+service documents for handles whose file was truncated under them (meta compares the inode's size
+generation with the one the session opened under).
+
+Truncates in two steps: meta resolves the path and records the truncate (from then on the file's
+handles count as truncated), and applies the new size only once storage holds nothing past it —
+before it answers, or, when storage failed the request, later (another request on the file, or
+meta's maintenance). A rename or a lookup may come in between and see the old size, as on Linux,
+where ``truncate(path)`` resolves the path before it locks the file. A truncate that carries a
+label (``truncate`` with three arguments, a ``create`` whose ``deferred`` is set) records the new
+size as pending, and a ``resize`` call with that label applies it. Meanwhile the file takes no
+other truncate, open, or writer's length (meta finishes the pending truncate first): the model
+answers :data:`BLOCKED` to those, which no observed answer matches, so the search places the
+``resize`` first. Without a label the truncate is applied at once.
 
 State (hashable): ``(entries, inodes, sessions)`` with
 
@@ -24,7 +36,8 @@ State (hashable): ``(entries, inodes, sessions)`` with
 * ``inodes``: sorted ``(tag, kind, size, linked)``, ``kind`` ``"d"`` or ``"f"``; an unlinked file
   lives on while a session holds it;
 * ``sessions``: sorted ``(label, tag, client, writes, truncated)``; ``label`` names the open that
-  made the session (any hashable: a history index, a session id).
+  made the session (any hashable: a history index, a session id);
+* ``pending``: sorted ``(label, tag, size)``: truncates recorded, their size not yet applied.
 
 Calls (``Call.kind`` and ``args``) and their answers:
 
@@ -32,13 +45,15 @@ Calls (``Call.kind`` and ``args``) and their answers:
 kind             args                                 answer
 ===============  ===================================  ===============================================
 ``mkdir``        ``(path, tag)``                      ``("ok", tag)``
-``create``       ``(path, tag, excl, trunc, label)``  ``("ok", created, tag, size)``: opens to write
+``create``       ``(path, tag, excl, trunc, label,    ``("ok", created, tag, size)``: opens to write
+                 [deferred])``
 ``open``         ``(path, label)``                    ``("ok", kind, tag, size)``: opens to read
 ``close``        ``(label, length)``                  ``("ok", size)``
 ``rename``       ``(src, dst)``                       ``("ok", tag)``
 ``unlink``       ``(path,)``                          ``("ok",)``
 ``rmdir``        ``(path,)``                          ``("ok",)``
-``truncate``     ``(path, size)``                     ``("ok",)``
+``truncate``     ``(path, size[, label])``            ``("ok",)``
+``resize``       ``(label,)``                         ``("ok",)``: the pending truncate's size applied
 ``stat``         ``(path,)``                          ``("ok", kind, tag, size)``
 ``readdir``      ``(path,)``                          ``("ok", ((name, tag), ...))``
 ``expire``       ``(label,)``                         none: meta closing a lapsed client's session
@@ -55,14 +70,17 @@ from typing import Any
 
 from fs3.sim.wgl import Call
 
-__all__ = ["NAMESPACE_ERRORS", "ROOT", "STALE", "STALE_CODES", "NamespaceModel", "NsState", "Tree",
+__all__ = ["BLOCKED", "NAMESPACE_ERRORS", "ROOT", "STALE", "STALE_CODES", "NamespaceModel", "NsState", "Tree",
            "tag_mode", "tags"]
 
 ROOT = 0
 STALE = ("err", "STALE_HANDLE")
+#: The answer to an operation meta holds back until a pending truncate of its file is applied.
+BLOCKED = ("err", "TRUNCATE_PENDING")
+_NOT_PENDING = ("err", "NO_TRUNCATE_PENDING")
 #: What a client may be told about a handle meta no longer has: the handle is gone, its lease
 #: lapsed, or an I/O error — anything loud, never a success.
-STALE_CODES = frozenset({"BAD_HANDLE", "LEASE_EXPIRED", "IO_ERROR", "STALE_HANDLE"})
+STALE_CODES = frozenset({"BAD_HANDLE", "LEASE_EXPIRED", "STALE_CLIENT", "IO_ERROR", "STALE_HANDLE"})
 #: Errors that are answers about the namespace (as opposed to "try again" or "you are fenced").
 NAMESPACE_ERRORS = frozenset({"NOT_FOUND", "ALREADY_EXISTS", "NOT_A_DIRECTORY", "IS_A_DIRECTORY",
                               "DIRECTORY_NOT_EMPTY", "INVALID_ARGUMENT"})
@@ -71,7 +89,8 @@ _INERT_KINDS = frozenset({"stat", "readdir"})
 Entries = tuple[tuple[int, str, int], ...]
 Inodes = tuple[tuple[int, str, int, bool], ...]
 Sessions = tuple[tuple[Hashable, int, Hashable, bool, bool], ...]
-NsState = tuple[Entries, Inodes, Sessions]
+Pending = tuple[tuple[Hashable, int, int], ...]
+NsState = tuple[Entries, Inodes, Sessions, Pending]
 
 _TAG_MAX = 2047
 
@@ -98,15 +117,17 @@ class Tree:
     """A mutable copy of a state, for one step (and for tests that build states by hand)."""
 
     def __init__(self, state: NsState | None = None) -> None:
-        entries, inodes, sessions = state or ((), ((ROOT, "d", 0, True),), ())
+        entries, inodes, sessions, pending = state or ((), ((ROOT, "d", 0, True),), (), ())
         self.entries: dict[tuple[int, str], int] = {(p, n): c for p, n, c in entries}
         self.inodes: dict[int, list[Any]] = {t: [k, s, linked] for t, k, s, linked in inodes}
         self.sessions: dict[Hashable, list[Any]] = {label: [t, c, w, tr] for label, t, c, w, tr in sessions}
+        self.pending: dict[Hashable, tuple[int, int]] = {label: (t, size) for label, t, size in pending}
 
     def freeze(self) -> NsState:
         return (tuple(sorted((p, n, c) for (p, n), c in self.entries.items())),
                 tuple(sorted((t, v[0], v[1], v[2]) for t, v in self.inodes.items())),
-                tuple(sorted(((label, *v) for label, v in self.sessions.items()), key=repr)))
+                tuple(sorted(((label, *v) for label, v in self.sessions.items()), key=repr)),
+                tuple(sorted(((label, *v) for label, v in self.pending.items()), key=repr)))
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -155,6 +176,21 @@ class Tree:
     def has_sessions(self, tag: int) -> bool:
         return any(s[0] == tag for s in self.sessions.values())
 
+    def check_not_pending(self, tag: int) -> None:
+        """Meta finishes a file's pending truncate before it opens, truncates or sizes it again."""
+        if any(t == tag for t, _ in self.pending.values()):
+            raise _Fail(BLOCKED[1])
+
+    def truncate(self, tag: int, size: int, label: Hashable | None) -> None:
+        """Record a truncate (its handles count as truncated from now on); apply it at once
+        without a label, else when ``resize(label)`` comes."""
+        self.check_not_pending(tag)
+        self.mark_writers_truncated(tag)
+        if label is None:
+            self.inodes[tag][1] = size
+        else:
+            self.pending[label] = (tag, size)
+
     # -- changes ---------------------------------------------------------------------------------
 
     def mark_writers_truncated(self, tag: int) -> None:
@@ -171,7 +207,10 @@ class Tree:
             del self.inodes[tag]
 
     def end_session(self, label: Hashable, length: int) -> int:
-        tag, _, writes, truncated = self.sessions.pop(label)
+        tag, _, writes, truncated = self.sessions[label]
+        if length > 0 and writes:
+            self.check_not_pending(tag)
+        del self.sessions[label]
         inode = self.inodes[tag]
         if length > 0 and writes and not truncated:
             inode[1] = max(inode[1], length)
@@ -231,8 +270,10 @@ class NamespaceModel:
         unlinked = [f"#{t:o}({v[1]})" for t, v in sorted(tree.inodes.items()) if not v[2]]
         sessions = [f"{label}->#{v[0]:o}{'w' if v[2] else 'r'}{'T' if v[3] else ''}"
                     for label, v in sorted(tree.sessions.items(), key=lambda kv: repr(kv[0]))]
+        pending = [f"{label}->#{tag:o}({size})"
+                   for label, (tag, size) in sorted(tree.pending.items(), key=lambda kv: repr(kv[0]))]
         return ("{" + ", ".join(names) + "}" + (f" unlinked {unlinked}" if unlinked else "")
-                + (f" sessions {sessions}" if sessions else ""))
+                + (f" sessions {sessions}" if sessions else "") + (f" truncating {pending}" if pending else ""))
 
     # -- the operations --------------------------------------------------------------------------
 
@@ -252,7 +293,7 @@ class NamespaceModel:
         return ("ok", tag)
 
     def _create(self, tree: Tree, call: Call, path: str, tag: int, excl: bool, trunc: bool,
-                label: Hashable) -> Hashable:
+                label: Hashable, deferred: bool = False) -> Hashable:
         parent, name = tree.parent_of(path)
         found = tree.entries.get((parent, name))
         created = found is None
@@ -266,16 +307,17 @@ class NamespaceModel:
             target = found
             if tree.kind(target) == "d":
                 raise _Fail("IS_A_DIRECTORY")
+            tree.check_not_pending(target)
             if trunc:
-                tree.mark_writers_truncated(target)
-                tree.inodes[target][1] = 0
+                tree.truncate(target, 0, label if deferred else None)
         tree.sessions[label] = [target, call.client, True, False]
-        return ("ok", created, target, int(tree.inodes[target][1]))
+        return ("ok", created, target, 0 if trunc else int(tree.inodes[target][1]))
 
     def _open(self, tree: Tree, call: Call, path: str, label: Hashable) -> Hashable:
         target = tree.walk(_split(path))
         kind, size, _ = tree.inodes[target]
         if kind == "f":
+            tree.check_not_pending(target)
             tree.sessions[label] = [target, call.client, False, False]
         return ("ok", kind, target, int(size))
 
@@ -340,12 +382,19 @@ class NamespaceModel:
         tree.drop_link(inode)
         return ("ok",)
 
-    def _truncate(self, tree: Tree, call: Call, path: str, size: int) -> Hashable:
+    def _truncate(self, tree: Tree, call: Call, path: str, size: int, label: Hashable | None = None) -> Hashable:
         target = tree.walk(_split(path))
         if tree.kind(target) == "d":
             raise _Fail("IS_A_DIRECTORY")
-        tree.mark_writers_truncated(target)
-        tree.inodes[target][1] = size
+        tree.truncate(target, size, label)
+        return ("ok",)
+
+    def _resize(self, tree: Tree, call: Call, label: Hashable) -> Hashable:
+        if label not in tree.pending:
+            raise _Fail(_NOT_PENDING[1])
+        tag, size = tree.pending.pop(label)
+        if tag in tree.inodes:  # else the file is gone, and meta dropped the truncate with it
+            tree.inodes[tag][1] = size
         return ("ok",)
 
     def _stat(self, tree: Tree, call: Call, path: str) -> Hashable:

@@ -370,7 +370,7 @@ def run_seed(seed: int, clients: int = 3, ops_per_client: int = 60, fault_intens
     cluster = SimCluster(seed, shape, mix)
     result = SimResult(seed, cluster.shape)
     if mix == "meta":
-        result.meta = meta_shape or MetaShape.random(cluster.rng)
+        result.meta = meta_shape or MetaShape.random(cluster.rng, random.Random(seed ^ 0x7E5_7A1E))
         scenario = _meta_scenario(cluster, result, clients, ops_per_client, fault_intensity)
     else:
         scenario = _scenario(cluster, result, clients, ops_per_client, fault_intensity, mix)
