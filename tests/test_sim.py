@@ -15,7 +15,7 @@ from fs3.sim.sweep import SweepConfig, load_results, sweep
 from fs3.storage import replica as replica_mod
 
 SEEDS_PER_BATCH = 25
-BATCHES = 8  # 200 seeds in make test; `make sim` sweeps thousands
+BATCHES = 6  # 150 seeds in make test; `make sim` sweeps thousands
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))
