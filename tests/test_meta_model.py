@@ -330,8 +330,18 @@ class MetaModelMachine(RuleBasedStateMachine):
         if call.kind in ("create", "open") and not isinstance(rsp, tuple) and rsp.session_id:
             self.handles[slot].append(Handle(call.args[-1], rsp.inode.inode_id, bytes(rsp.session_id)))
 
+    def _follow_truncates(self) -> None:
+        """Apply the model's pending truncates whose job meta has finished (its store no longer
+        holds it): meta finishes a file's pending truncate before anything else that needs it."""
+        jobs = {(tag, size) for _, tag, size in store_namespace(self.meta.store)[3]}
+        tree = Tree(self.visible)
+        for label, (tag, size) in sorted(tree.pending.items(), key=lambda kv: repr(kv[0])):
+            if (tag, size) not in jobs or tag not in tree.inodes:
+                self.visible, _ = self.model.step(self.visible, Call("resize", (label,), 0.0, 1.0))
+
     def _apply(self, call: Call, observed: Any, waited: bool) -> None:
         """Check an answer the client got, and move the model on."""
+        self._follow_truncates()
         call.result = observed
         state, expected = self.model.step(self.visible, call)
         if not self.model.agrees(call, expected):
@@ -390,6 +400,11 @@ class MetaModelMachine(RuleBasedStateMachine):
             return
         _, _, rsp_type = request(call.kind, call.args)
         call.result = saved = answer(call.kind, rsp_type.FromString(schema.IdemRecord.decode(raw).response))
+        # Cancelled after the commit: a truncate is recorded, its size applied when meta finishes it.
+        if call.kind == "truncate":
+            call.args = (*call.args, (call.client, call.note))
+        elif call.kind == "create" and call.args[3]:
+            call.args = (*call.args, True)
         state, expected = self.model.step(self.visible, call)
         if not self.model.agrees(call, expected):
             raise Mismatch(f"{call.kind}{call.args} committed the answer {saved!r}; the model answers {expected!r} "
@@ -468,6 +483,7 @@ class MetaModelMachine(RuleBasedStateMachine):
 
     @invariant()
     def store_matches_model(self) -> None:
+        self._follow_truncates()
         real = comparable(store_namespace(self.meta.store))
         if real != comparable(self.visible):
             raise Mismatch(f"meta's store holds {real}, the model {comparable(self.visible)}")
