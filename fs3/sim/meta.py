@@ -463,8 +463,8 @@ def store_namespace(store: MemKVStore) -> NsState:
     # the calls that made them).
     truncating = []
     for inode_id in sorted(inodes):
-        raw = store.get(schema.truncate_key(inode_id))
-        job = schema.TruncateJob.decode(raw) if raw is not None else None
+        job_raw = store.get(schema.truncate_key(inode_id))
+        job = schema.TruncateJob.decode(job_raw) if job_raw is not None else None
         if job is not None and job.size is not None:
             truncating.append((inode_id, tag_of(inode_id), job.size))
     return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)), tuple(truncating))
