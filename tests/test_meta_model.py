@@ -294,7 +294,8 @@ class MetaModelMachine(RuleBasedStateMachine):
         return rsp
 
     def _synced(self) -> None:
-        """A group sync ran to the end: everything visible is durable."""
+        """A group sync ran to the end: everything visible is durable (truncates meta finished too)."""
+        self._follow_truncates()
         self.durable = self.visible
         for pending in self.pending:
             pending.volatile = False
@@ -604,6 +605,22 @@ def test_a_renewal_after_the_lease_lapsed_fails(machine: MetaModelMachine) -> No
     old = machine.identities[0]
     machine.expire_lease(0)
     assert machine._renew(old) == ("err", "STALE_CLIENT")
+
+
+def test_a_truncate_cancelled_after_its_commit_is_sized_when_meta_finishes_it(machine: MetaModelMachine) -> None:
+    """The truncate commits its job and its reply is lost before the sync: the size is not applied
+    yet (store and model hold it pending); meta finishes it when it expires the client (closing its
+    sessions needs the file's exact length), and that is durable."""
+    machine.act(0, ("create", "/a", False, False))
+    machine.lose_reply_before_durable(0, ("truncate", "/a", 100))
+    machine.store_matches_model()
+    assert Tree(machine.visible).pending and Tree(machine.visible).inodes[tag_mode(1)][1] == 0
+    machine.expire_lease(0)
+    machine.store_matches_model()
+    assert not Tree(machine.durable).pending and Tree(machine.durable).inodes[tag_mode(1)][1] == 100
+    machine.act(1, ("stat", "/a"))
+    machine.retry(0)
+    assert machine.last_retry == ("err", "STALE_CLIENT")
 
 
 def test_a_lapsed_lease_closes_the_clients_sessions(machine: MetaModelMachine) -> None:
