@@ -238,6 +238,13 @@ class Pending:
     expired: bool = False  # the client's lease lapsed since
 
 
+def _saves_answer(call: Call) -> bool:
+    """Whether meta committed the call's answer with it (a retry gets it back): every request that
+    may change something and succeeded — opening a directory too, which changes nothing. Errors
+    commit nothing, and lookups and listings are reads."""
+    return call.kind not in ("stat", "readdir") and isinstance(call.result, tuple) and call.result[0] == "ok"
+
+
 _PATH = st.sampled_from(["/a", "/b", "/a", "/b", "/a/x", "/b/x"])  # top-level names twice as often
 _CREATE = st.tuples(st.just("create"), _PATH, st.booleans(), st.booleans())
 _RENAME = st.tuples(st.just("rename"), _PATH, _PATH)
@@ -379,7 +386,7 @@ class MetaModelMachine(RuleBasedStateMachine):
         waited, rsp = self.meta.call(method, req)
         observed = self._observed(call, rsp)
         self._apply(call, observed, waited)
-        saved = None if self.model.inert(call) else observed
+        saved = observed if _saves_answer(call) else None
         self.pending.append(Pending(identity, call, method, req, saved))
 
     @precondition(lambda self: self.held_replies)
@@ -393,7 +400,7 @@ class MetaModelMachine(RuleBasedStateMachine):
         if rsp is not None:  # answered without waiting: an ordinary lost reply
             observed = self._observed(call, rsp)
             self._apply(call, observed, waited)
-            self.pending.append(Pending(identity, call, method, req, None if self.model.inert(call) else observed))
+            self.pending.append(Pending(identity, call, method, req, observed if _saves_answer(call) else None))
             return
         raw = self.meta.store.get(schema.idem_key(req.ctx.client_id, req.ctx.request_id))
         if raw is None:  # cancelled before its commit: nothing happened, the retry runs it afresh
@@ -621,6 +628,17 @@ def test_a_truncate_cancelled_after_its_commit_is_sized_when_meta_finishes_it(ma
     machine.act(1, ("stat", "/a"))
     machine.retry(0)
     assert machine.last_retry == ("err", "STALE_CLIENT")
+
+
+def test_a_retried_directory_open_gets_its_saved_answer(machine: MetaModelMachine) -> None:
+    """Opening a directory changes nothing, but meta saves its answer like any open's: a retry after
+    the directory was removed is answered as the open was, not run again."""
+    machine.act(0, ("mkdir", "/a"))
+    machine.lose_reply(0, ("open", "/a"))
+    machine.act(1, ("rmdir", "/a"))
+    machine.retry(0)
+    assert machine.last_retry == ("ok", "d", tag_mode(1), 0)
+    machine.store_matches_model()
 
 
 def test_a_lapsed_lease_closes_the_clients_sessions(machine: MetaModelMachine) -> None:
