@@ -238,6 +238,13 @@ class Pending:
     expired: bool = False  # the client's lease lapsed since
 
 
+def _saves_answer(call: Call) -> bool:
+    """Whether meta committed the call's answer with it (a retry gets it back): every request that
+    may change something and succeeded — opening a directory too, which changes nothing. Errors
+    commit nothing, and lookups and listings are reads."""
+    return call.kind not in ("stat", "readdir") and isinstance(call.result, tuple) and call.result[0] == "ok"
+
+
 _PATH = st.sampled_from(["/a", "/b", "/a", "/b", "/a/x", "/b/x"])  # top-level names twice as often
 _CREATE = st.tuples(st.just("create"), _PATH, st.booleans(), st.booleans())
 _RENAME = st.tuples(st.just("rename"), _PATH, _PATH)
@@ -294,7 +301,8 @@ class MetaModelMachine(RuleBasedStateMachine):
         return rsp
 
     def _synced(self) -> None:
-        """A group sync ran to the end: everything visible is durable."""
+        """A group sync ran to the end: everything visible is durable (truncates meta finished too)."""
+        self._follow_truncates()
         self.durable = self.visible
         for pending in self.pending:
             pending.volatile = False
@@ -330,8 +338,18 @@ class MetaModelMachine(RuleBasedStateMachine):
         if call.kind in ("create", "open") and not isinstance(rsp, tuple) and rsp.session_id:
             self.handles[slot].append(Handle(call.args[-1], rsp.inode.inode_id, bytes(rsp.session_id)))
 
+    def _follow_truncates(self) -> None:
+        """Apply the model's pending truncates whose job meta has finished (its store no longer
+        holds it): meta finishes a file's pending truncate before anything else that needs it."""
+        jobs = {(tag, size) for _, tag, size in store_namespace(self.meta.store)[3]}
+        tree = Tree(self.visible)
+        for label, (tag, size) in sorted(tree.pending.items(), key=lambda kv: repr(kv[0])):
+            if (tag, size) not in jobs or tag not in tree.inodes:
+                self.visible, _ = self.model.step(self.visible, Call("resize", (label,), 0.0, 1.0))
+
     def _apply(self, call: Call, observed: Any, waited: bool) -> None:
         """Check an answer the client got, and move the model on."""
+        self._follow_truncates()
         call.result = observed
         state, expected = self.model.step(self.visible, call)
         if not self.model.agrees(call, expected):
@@ -368,7 +386,7 @@ class MetaModelMachine(RuleBasedStateMachine):
         waited, rsp = self.meta.call(method, req)
         observed = self._observed(call, rsp)
         self._apply(call, observed, waited)
-        saved = None if self.model.inert(call) else observed
+        saved = observed if _saves_answer(call) else None
         self.pending.append(Pending(identity, call, method, req, saved))
 
     @precondition(lambda self: self.held_replies)
@@ -382,7 +400,7 @@ class MetaModelMachine(RuleBasedStateMachine):
         if rsp is not None:  # answered without waiting: an ordinary lost reply
             observed = self._observed(call, rsp)
             self._apply(call, observed, waited)
-            self.pending.append(Pending(identity, call, method, req, None if self.model.inert(call) else observed))
+            self.pending.append(Pending(identity, call, method, req, observed if _saves_answer(call) else None))
             return
         raw = self.meta.store.get(schema.idem_key(req.ctx.client_id, req.ctx.request_id))
         if raw is None:  # cancelled before its commit: nothing happened, the retry runs it afresh
@@ -390,6 +408,11 @@ class MetaModelMachine(RuleBasedStateMachine):
             return
         _, _, rsp_type = request(call.kind, call.args)
         call.result = saved = answer(call.kind, rsp_type.FromString(schema.IdemRecord.decode(raw).response))
+        # Cancelled after the commit: a truncate is recorded, its size applied when meta finishes it.
+        if call.kind == "truncate":
+            call.args = (*call.args, (call.client, call.note))
+        elif call.kind == "create" and call.args[3]:
+            call.args = (*call.args, True)
         state, expected = self.model.step(self.visible, call)
         if not self.model.agrees(call, expected):
             raise Mismatch(f"{call.kind}{call.args} committed the answer {saved!r}; the model answers {expected!r} "
@@ -468,6 +491,7 @@ class MetaModelMachine(RuleBasedStateMachine):
 
     @invariant()
     def store_matches_model(self) -> None:
+        self._follow_truncates()
         real = comparable(store_namespace(self.meta.store))
         if real != comparable(self.visible):
             raise Mismatch(f"meta's store holds {real}, the model {comparable(self.visible)}")
@@ -588,6 +612,33 @@ def test_a_renewal_after_the_lease_lapsed_fails(machine: MetaModelMachine) -> No
     old = machine.identities[0]
     machine.expire_lease(0)
     assert machine._renew(old) == ("err", "STALE_CLIENT")
+
+
+def test_a_truncate_cancelled_after_its_commit_is_sized_when_meta_finishes_it(machine: MetaModelMachine) -> None:
+    """The truncate commits its job and its reply is lost before the sync: the size is not applied
+    yet (store and model hold it pending); meta finishes it when it expires the client (closing its
+    sessions needs the file's exact length), and that is durable."""
+    machine.act(0, ("create", "/a", False, False))
+    machine.lose_reply_before_durable(0, ("truncate", "/a", 100))
+    machine.store_matches_model()
+    assert Tree(machine.visible).pending and Tree(machine.visible).inodes[tag_mode(1)][1] == 0
+    machine.expire_lease(0)
+    machine.store_matches_model()
+    assert not Tree(machine.durable).pending and Tree(machine.durable).inodes[tag_mode(1)][1] == 100
+    machine.act(1, ("stat", "/a"))
+    machine.retry(0)
+    assert machine.last_retry == ("err", "STALE_CLIENT")
+
+
+def test_a_retried_directory_open_gets_its_saved_answer(machine: MetaModelMachine) -> None:
+    """Opening a directory changes nothing, but meta saves its answer like any open's: a retry after
+    the directory was removed is answered as the open was, not run again."""
+    machine.act(0, ("mkdir", "/a"))
+    machine.lose_reply(0, ("open", "/a"))
+    machine.act(1, ("rmdir", "/a"))
+    machine.retry(0)
+    assert machine.last_retry == ("ok", "d", tag_mode(1), 0)
+    machine.store_matches_model()
 
 
 def test_a_lapsed_lease_closes_the_clients_sessions(machine: MetaModelMachine) -> None:

@@ -459,14 +459,24 @@ def store_namespace(store: MemKVStore) -> NsState:
         # Truncated since it opened: a truncate came after (a newer size generation) or is unfinished.
         truncated = session.size_gen != size_gens.get(inode_id, 0) or inode_id in pending
         sessions.append((key[len(prefix) + 8:], tag_of(inode_id), session.client_id, session.write, truncated))
-    # Truncates not yet applied are left out: the store does not know the labels of their calls.
-    return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)), ())
+    # Truncates recorded, their size not yet applied, labelled by inode id (the store does not know
+    # the calls that made them).
+    truncating = []
+    for inode_id in sorted(inodes):
+        job_raw = store.get(schema.truncate_key(inode_id))
+        job = schema.TruncateJob.decode(job_raw) if job_raw is not None else None
+        if job is not None and job.size is not None:
+            truncating.append((inode_id, tag_of(inode_id), job.size))
+    return (tuple(sorted(entries)), tuple(sorted(nodes)), tuple(sorted(sessions, key=repr)), tuple(truncating))
 
 
 def comparable(state: NsState) -> tuple[Any, ...]:
-    """The parts of a state a client can observe: entries, inodes, and each session's file and mode."""
-    entries, inodes, sessions, _ = state
-    return entries, inodes, tuple(sorted(((label, tag, writes) for label, tag, _, writes, _ in sessions), key=repr))
+    """The parts of a state a client can observe: entries, inodes, each session's file and mode, and
+    the sizes of the truncates not yet applied to files that still exist."""
+    entries, inodes, sessions, pending = state
+    live = {tag for tag, *_ in inodes}
+    return (entries, inodes, tuple(sorted(((label, tag, writes) for label, tag, _, writes, _ in sessions), key=repr)),
+            tuple(sorted((tag, size) for _, tag, size in pending if tag in live)))
 
 
 def _kind(inode: mpb.Inode) -> str:
