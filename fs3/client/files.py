@@ -6,6 +6,12 @@ chain head in the background with a bounded number in flight (so memory per open
 bounded); errors surface at the next write, ``flush``, ``fsync`` or ``close``. Reads fan out over
 the chunks they cover in parallel; sequential small reads grow a read-ahead window. Holes and
 short chunks read as zeros up to the file's length.
+
+Handles of one client on one file see each other as a local file system's descriptors do (the
+client keeps them in :meth:`AsyncFileSystem.open_files`): a read first sends the other handles'
+buffered bytes and learns how far they wrote, a write drops the other handles' read-ahead, an
+append goes to the end any of them knows, and a size change (truncate, ``O_TRUNC``) first makes
+every handle's writes land and their length known to meta, then tells every handle the new size.
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ class AsyncFile:
         self._buf_offset = 0
         self._buf = bytearray()
         self._slots = asyncio.Semaphore(inflight_max)
-        self._inflight: set[asyncio.Task[None]] = set()
+        # Chunk writes in flight and the file range each covers: a write never overtakes an
+        # earlier one (of any handle of this client) over the same bytes.
+        self._inflight: dict[asyncio.Task[None], tuple[int, int]] = {}
         self._error: BaseException | None = None
         self._last_hint = time.monotonic()
         self._hint_task: asyncio.Task[None] | None = None
@@ -68,6 +76,7 @@ class AsyncFile:
         self._readahead_max = max(_READAHEAD_MIN_BYTES, inflight_max * self.chunk_size)
         self._ahead: deque[tuple[int, int, asyncio.Task[bytes]]] = deque()
         self._last_read_end = -1
+        fs.track_file(self)
 
     # -- position --------------------------------------------------------------------------------
 
@@ -110,6 +119,30 @@ class AsyncFile:
         """Another handle of this client wrote up to ``size``: reads may go that far."""
         if size > self._length:
             self._length = size
+
+    def _siblings(self) -> list[AsyncFile]:
+        """This client's other open handles on the same file."""
+        return [f for f in self.fs.open_files(self.inode.inode_id) if f is not self]
+
+    def end_of_file(self) -> int:
+        """Where an append lands: the furthest end any of this client's handles on the file knows."""
+        return max([self._length] + [f.length for f in self._siblings()])
+
+    async def settle(self) -> None:
+        """Make this handle's writes count for a size change or a sync made through another handle.
+
+        Buffered bytes are sent and acknowledged, and meta learns the length they reach: a
+        truncate's chunk removal then covers them (bytes still buffered would land after the
+        truncate, past the new end), and meta's size is the file's before it changes. A write
+        that failed is not published and its error stays with this handle, for its own next call.
+        """
+        if self.closed:
+            return
+        await self._send_buffer()
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        if self._error is None:
+            await self.publish_length()
 
     @property
     def has_unflushed(self) -> bool:
@@ -161,7 +194,7 @@ class AsyncFile:
 
     async def _write(self, data: Buffer) -> int:
         if self.append:
-            self._pos = self._length
+            self._pos = self.end_of_file()
         written = await self._write_at(self._pos, data)
         self._pos += written
         return written
@@ -175,6 +208,11 @@ class AsyncFile:
         total = len(view)
         if pos + total > max_file_size(self.layout):
             raise FileTooLarge(f"writing past {max_file_size(self.layout)} bytes, the largest file this layout allows")
+        for sibling in self.fs.open_writers(self.inode.inode_id):
+            # Another handle's buffered bytes here are older than this write: they go first.
+            if sibling is not self and sibling._buf and sibling._buf_offset < pos + total \
+                    and pos < sibling._buf_offset + len(sibling._buf):
+                await sibling._send_buffer()
         offset = 0
         chunk_size = self.chunk_size
         while offset < total:
@@ -194,6 +232,8 @@ class AsyncFile:
             self._wrote = True
             self._writes += 1
             self._invalidate_readahead()
+            for sibling in self._siblings():
+                sibling._invalidate_readahead()  # what it fetched ahead may predate this write
             self._written_end = max(self._written_end, pos)
             self._length = max(self._length, pos)
             self._maybe_hint()
@@ -204,10 +244,19 @@ class AsyncFile:
             return
         data, offset = bytes(self._buf), self._buf_offset
         self._buf = bytearray()
+        end = offset + len(data)
+        # Two writes of the same bytes in flight at once may reach storage in either order.
+        earlier = [task for f in [*self.fs.open_writers(self.inode.inode_id), self]
+                   for task, (start, stop) in list(f._inflight.items()) if start < end and offset < stop]
+        if earlier:
+            await asyncio.gather(*earlier, return_exceptions=True)
         await self._slots.acquire()
         task = asyncio.create_task(self._write_piece(offset, data))
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        self._inflight[task] = (offset, end)
+        task.add_done_callback(self._write_done)
+
+    def _write_done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.pop(task, None)
 
     async def _write_piece(self, offset: int, data: bytes) -> None:
         try:
@@ -251,6 +300,9 @@ class AsyncFile:
 
     async def _fsync(self) -> None:
         self._check_open()
+        # fsync(2) covers the file, whichever descriptor wrote it.
+        for sibling in self._siblings():
+            await sibling.settle()
         writes, end = self._writes, self._written_end
         await self._flush()
         rsp = await self.fs.meta.call("Sync", mpb.SyncReq(
@@ -271,12 +323,11 @@ class AsyncFile:
         if size < 0:
             raise InvalidArgument("negative size")
         await self._flush()
+        await self.fs.settle_writers(self.inode.inode_id)
         await self.fs.meta.call("SetAttr", mpb.SetAttrReq(
             target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_SIZE, size=size,
             session_id=self.session_id), mpb.InodeRsp)
-        self._length = size
-        self._written_end = min(self._written_end, size)
-        self._invalidate_readahead()
+        self.fs.size_changed(self.inode.inode_id, size)
         return size
 
     # -- reading ---------------------------------------------------------------------------------
@@ -348,12 +399,15 @@ class AsyncFile:
                 raise InvalidArgument("negative offset")
             if not readahead:
                 self._check_open()
+                await self._see_siblings()
                 end = min(offset + size, self._length)
                 return await self._read_range(offset, end - offset) if end > offset else b""
             return await self._read_at(offset, size)
 
     async def _read(self, size: int = -1) -> bytes:
         if size is None or size < 0:
+            self._check_open()
+            await self._see_siblings()
             size = max(0, self._length - self._pos)
         data = await self._read_at(self._pos, size)
         self._pos += len(data)
@@ -365,6 +419,7 @@ class AsyncFile:
             raise BadHandle("file not open for reading")
         if self._buf or self._inflight:
             await self._flush()
+        await self._see_siblings()
         end = min(start + size, self._length)
         if end <= start:
             return b""
@@ -376,6 +431,18 @@ class AsyncFile:
             data = await self._read_range(start, end - start)
         self._last_read_end = end
         return data
+
+    async def _see_siblings(self) -> None:
+        """Reads see this client's other handles' writes: their buffered bytes go to storage
+        first (an error stays with the handle that wrote), and the length grows to theirs."""
+        for sibling in self.fs.open_writers(self.inode.inode_id):
+            if sibling is self:
+                continue
+            if sibling.has_unflushed:
+                await sibling._send_buffer()
+                while sibling._inflight:
+                    await asyncio.gather(*list(sibling._inflight), return_exceptions=True)
+            self.extend_known_length(sibling.length)
 
     async def readinto(self, buffer: Buffer) -> int:
         view = memoryview(buffer).cast("B")
@@ -413,6 +480,9 @@ class AsyncFile:
         except BaseException as exc:
             error = exc
         self.closed = True
+        self.fs.untrack_file(self)
+        for sibling in self._siblings():
+            sibling.extend_known_length(self._length)  # what this handle wrote stays readable
         # Acknowledged: the flush succeeded and no write slipped in while it ran.
         acked = error is None and self._written_end == end
         self._cancel_readahead()
