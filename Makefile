@@ -10,8 +10,11 @@ SEEDS ?= 2000
 FIRST ?= 1
 JOBS ?=
 PYTEST_ARGS ?=
+FSX_SEEDS ?= 300
+FSX_OPS ?= 100
+FSX_FIRST ?= 1
 
-.PHONY: run test proto lint typecheck sim bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
+.PHONY: run test proto lint typecheck sim fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -42,6 +45,12 @@ lint: install
 # Resumes: seeds already in bench/results/sim/<config>.jsonl are skipped; summary-<config>.md is refreshed.
 sim: install
 	$(PY) -m fs3.sim --resume --first $(FIRST) --seeds $(SEEDS) $(if $(JOBS),--jobs $(JOBS))
+
+# The randomized single-file exerciser, long, on the FUSE mount and the client library:
+# `make fsx FSX_SEEDS=1000 FSX_OPS=150` (FSX_FIRST=N to start elsewhere). A failure prints the seed and
+# a shrunk operation list; FS3_FSX_REPLAY='...' replays it.
+fsx: install
+	FS3_FSX_SEEDS=$(FSX_SEEDS) FS3_FSX_OPS=$(FSX_OPS) FS3_FSX_FIRST=$(FSX_FIRST) $(BIN)/pytest -q tests/test_fsx.py
 
 # fs3 against GlusterFS, MooseFS and the local directory (root; installs the peers with apt):
 # fio, small files, the juicefs-bench flow; table in bench/results/peers-*.{md,json,png}.

@@ -42,6 +42,7 @@ SEEDS = int(os.environ.get("FS3_FSX_SEEDS", "24"))
 FIRST = int(os.environ.get("FS3_FSX_FIRST", "1"))
 OPS = int(os.environ.get("FS3_FSX_OPS", "60"))
 REPLAY = parse_replay(os.environ["FS3_FSX_REPLAY"]) if os.environ.get("FS3_FSX_REPLAY") else None
+RUN_TIMEOUT_S = 900 + SEEDS * OPS // 10  # a safety net that grows with a long run
 
 
 def _check(reports: list[str]) -> None:
@@ -180,12 +181,13 @@ def _client_files(client_dirs: tuple[FileSystem, dict[int, str]], tag: str) -> A
     return lambda chunk: ClientFile(fs, f"{dirs[chunk]}/{tag}{next(names)}")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_client_library_matches_the_model(client_dirs: tuple[FileSystem, dict[int, str]]) -> None:
     _check(exercise("client", _client_files(client_dirs, "c"), range(FIRST, FIRST + SEEDS), OPS, CHUNK_SIZES,
                     with_mmap=False, replay=REPLAY))
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_client_library_with_a_length_hint_after_every_write(client_dirs: tuple[FileSystem, dict[int, str]],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Background length hints race with every truncate (normally they go once a second)."""
@@ -238,7 +240,7 @@ def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_fuse_mount_matches_the_model(fuse_dirs: dict[int, Path]) -> None:
     names = itertools.count()
     _check(exercise("fuse", lambda chunk: PosixFile(str(fuse_dirs[chunk] / f"f{next(names)}")),

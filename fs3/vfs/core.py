@@ -156,7 +156,7 @@ class Vfs:
                 raise InvalidArgument("negative size")
             handle = self._handles.get(fh) if fh is not None else None
             if handle is not None and handle.file.writable:
-                # ftruncate(2), and O_TRUNC (the kernel sends it as a truncate of the new handle).
+                # ftruncate(2) (and O_TRUNC, where the kernel sends it as a truncate of the new handle).
                 async with handle.lock:
                     await handle.file.truncate(size)
             else:
@@ -250,7 +250,7 @@ class Vfs:
 
     async def open(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
         if flags & O_TRUNC:
-            # Only with atomic O_TRUNC does the kernel send it with the open (else as a truncate).
+            # O_TRUNC comes with the open when the kernel does atomic O_TRUNC (libfuse's default).
             self._forget(inode_id)
             await self.fs.settle_writers(inode_id)
         asked_at = self._attr_changes
