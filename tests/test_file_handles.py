@@ -148,3 +148,30 @@ def test_read_ahead_does_not_serve_bytes_another_handle_overwrote(shared_cluster
         await reader.close()
 
     with_fs(shared_cluster, body)
+
+
+def test_a_read_in_progress_survives_another_handles_write_and_truncate(shared_cluster: Any) -> None:
+    """A write or a truncate through another handle drops this handle's read-ahead; a read that
+    is waiting for a piece fetched ahead must still get its bytes (the FUSE exerciser, seed 1223:
+    the read's request was never answered, and the kernel's page lock hung the writer)."""
+    async def body(fs: AsyncFileSystem, d: str, contents: Any) -> None:
+        await fs.write_bytes(f"{d}/f", b"o" * (8 * CHUNK))
+        reader = await fs.open(f"{d}/f", "rb")
+        writer = await fs.open(f"{d}/f", "r+b")
+        assert await reader.read(CHUNK) == b"o" * CHUNK  # sequential: the next pieces are fetched ahead
+        reading = asyncio.create_task(reader.read(4 * CHUNK))
+        await asyncio.sleep(0)  # the read now waits for a piece fetched ahead
+        await writer.pwrite(6 * CHUNK, b"n")  # past what the read asked for
+        assert await reading == b"o" * (4 * CHUNK)
+        assert await reader.read(2 * CHUNK) == b"o" * CHUNK + b"n" + b"o" * (CHUNK - 1)
+        reader.seek(0)
+        assert await reader.read(CHUNK) == b"o" * CHUNK
+        reading = asyncio.create_task(reader.read(4 * CHUNK))
+        await asyncio.sleep(0)
+        await writer.truncate(6 * CHUNK)
+        assert await reading == b"o" * (4 * CHUNK)
+        assert await reader.read() == b"o" * CHUNK
+        await writer.close()
+        await reader.close()
+
+    with_fs(shared_cluster, body)

@@ -76,6 +76,7 @@ class AsyncFile:
         self._readahead_max = max(_READAHEAD_MIN_BYTES, inflight_max * self.chunk_size)
         self._ahead: deque[tuple[int, int, asyncio.Task[bytes]]] = deque()
         self._last_read_end = -1
+        self._readahead_stale = False
         fs.track_file(self)
 
     # -- position --------------------------------------------------------------------------------
@@ -333,8 +334,19 @@ class AsyncFile:
     # -- reading ---------------------------------------------------------------------------------
 
     def _invalidate_readahead(self) -> None:
-        self._last_read_end = -1
-        self._cancel_readahead()
+        """What was fetched ahead may predate a write or a size change: the next read drops it.
+
+        Only marked here: another handle calls this at any time, and a read in progress may be
+        waiting for one of those pieces (cancelled under it, the read would fail, and on the mount
+        the kernel's request would go unanswered for good).
+        """
+        self._readahead_stale = True
+
+    def _drop_stale_readahead(self) -> None:
+        if self._readahead_stale:
+            self._readahead_stale = False
+            self._last_read_end = -1
+            self._cancel_readahead()
 
     def _cancel_readahead(self) -> None:
         for _, _, task in self._ahead:
@@ -420,6 +432,7 @@ class AsyncFile:
         if self._buf or self._inflight:
             await self._flush()
         await self._see_siblings()
+        self._drop_stale_readahead()
         end = min(start + size, self._length)
         if end <= start:
             return b""
