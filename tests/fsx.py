@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 if TYPE_CHECKING:
     from fs3.client.sync_api import FileSystem, RawFile
 
-__all__ = ["ClientFile", "Failure", "FileUnderTest", "MemoryFile", "Model", "Op", "PosixFile", "exercise",
-           "format_failure", "generate", "minimize", "parse_replay", "run_ops"]
+__all__ = ["ClientFile", "Failure", "FileUnderTest", "HangGuard", "MemoryFile", "Model", "Op", "PosixFile",
+           "exercise", "format_failure", "generate", "minimize", "parse_replay", "run_ops"]
 
 MODES = ("rw", "trunc", "append", "ro")
 SLOTS = 3
@@ -380,11 +381,12 @@ def chunk_size_for(seed: int, chunk_sizes: Sequence[int]) -> int:
 
 def exercise(name: str, make_file: Callable[[int], FileUnderTest], seeds: Sequence[int], count: int,
              chunk_sizes: Sequence[int], with_mmap: bool = True, replay: tuple[int, list[Op]] | None = None,
-             max_reports: int = 3) -> list[str]:
+             max_reports: int = 3, guard: HangGuard | None = None) -> list[str]:
     """Run every seed (or the replayed list); the reports of the failing ones (shrunk), in order.
 
     ``make_file(chunk_size)`` gives a fresh file whose layout has that chunk size; seed ``s`` uses
-    ``chunk_sizes[s % len(chunk_sizes)]``.
+    ``chunk_sizes[s % len(chunk_sizes)]``. With a ``guard`` (whose :meth:`HangGuard.wrap` the
+    files are made with), a run that hung ends the exercise: its report has the whole list.
     """
     reports: list[str] = []
     runs: list[tuple[int | None, int, list[Op]]] = [(None, replay[0], replay[1])] if replay is not None else [
@@ -392,6 +394,11 @@ def exercise(name: str, make_file: Callable[[int], FileUnderTest], seeds: Sequen
         for seed in seeds]
     for seed, chunk_size, ops in runs:
         failure = run_ops(make_file(chunk_size), ops)
+        if failure is not None and guard is not None and guard.hung:
+            reports.append(format_failure(name, seed, chunk_size, ops, Failure(
+                failure.index, failure.op, f"hung for {guard.limit_s:.0f} s, then {guard.action}: {failure.message}"),
+                ops))
+            break  # nothing more can run
         if failure is not None:
             shrunk = minimize(lambda c=chunk_size: make_file(c), ops)  # type: ignore[misc]
             again = run_ops(make_file(chunk_size), shrunk)
@@ -399,6 +406,55 @@ def exercise(name: str, make_file: Callable[[int], FileUnderTest], seeds: Sequen
             if len(reports) >= max_reports:
                 break  # enough to act on; each shrink replays the run many times
     return reports
+
+
+class HangGuard:
+    """Watches the calls into files it wrapped: one that takes longer than ``limit_s`` gets
+    ``on_hang`` called once (for a FUSE mount: kill the daemon, so the kernel fails the call —
+    a process waiting on a FUSE request cannot be interrupted otherwise, and a hung mount would
+    hang the whole test run)."""
+
+    def __init__(self, limit_s: float, on_hang: Callable[[], None], action: str) -> None:
+        self.limit_s = limit_s
+        self.action = action
+        self.hung = False
+        self._on_hang = on_hang
+        self._started: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="fsx-hang-guard", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.limit_s / 4)):
+            started = self._started
+            if started is not None and not self.hung and time.monotonic() - started > self.limit_s:
+                self.hung = True
+                self._on_hang()
+
+    def call(self, fn: Callable[..., object], *args: object, **kwargs: object) -> object:
+        self._started = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._started = None
+
+    def wrap(self, file: FileUnderTest) -> FileUnderTest:
+        return _Guarded(self, file)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _Guarded:
+    def __init__(self, guard: HangGuard, file: FileUnderTest) -> None:
+        self._guard = guard
+        self._file = file
+        self.supports_mmap = file.supports_mmap
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._file, name)
+        return lambda *args, **kwargs: self._guard.call(method, *args, **kwargs)
 
 
 # -- files under test -----------------------------------------------------------------------------

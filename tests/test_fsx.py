@@ -21,10 +21,12 @@ handle truncate is sabotaged.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,18 @@ import pytest
 import fs3
 from fs3.client.files import AsyncFile
 from fs3.client.sync_api import FileSystem
-from tests.fsx import ClientFile, MemoryFile, Model, Op, PosixFile, exercise, generate, parse_replay, run_ops
+from tests.fsx import (
+    ClientFile,
+    HangGuard,
+    MemoryFile,
+    Model,
+    Op,
+    PosixFile,
+    exercise,
+    generate,
+    parse_replay,
+    run_ops,
+)
 from tests.inproc import ClusterThread
 
 CHUNK_SIZES = (4096, 8192, 16384)
@@ -43,6 +56,7 @@ FIRST = int(os.environ.get("FS3_FSX_FIRST", "1"))
 OPS = int(os.environ.get("FS3_FSX_OPS", "60"))
 REPLAY = parse_replay(os.environ["FS3_FSX_REPLAY"]) if os.environ.get("FS3_FSX_REPLAY") else None
 RUN_TIMEOUT_S = 900 + SEEDS * OPS // 10  # a safety net that grows with a long run
+HANG_LIMIT_S = 60.0  # one call into the mount taking longer is a hang
 
 
 def _check(reports: list[str]) -> None:
@@ -150,6 +164,24 @@ def test_the_exerciser_catches_a_model_that_disagrees_with_the_file() -> None:
     assert failure is not None and ("read" in failure.message or "difference" in failure.message)
 
 
+def test_a_hung_call_is_reported_and_ends_the_exercise() -> None:
+    """A call that never returns (a FUSE request never answered) must not hang the test run."""
+    released = threading.Event()
+
+    class Hangs(MemoryFile):
+        def pwrite(self, slot: int, offset: int, data: bytes) -> None:
+            assert released.wait(30), "the guard never stepped in"
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    guard = HangGuard(0.5, released.set, "the file was let go")
+    try:
+        reports = exercise("hangs", lambda chunk: guard.wrap(Hangs()), range(1, 4), 40, CHUNK_SIZES, guard=guard)
+    finally:
+        guard.close()
+    assert len(reports) == 1 and "hung for 0 s, then the file was let go" in reports[0]
+    assert "seed 1," in reports[0] and "FS3_FSX_REPLAY=" in reports[0]
+
+
 def test_a_bad_replay_is_refused_with_a_clear_error() -> None:
     for text in ("[]", '{"ops": []}', '{"chunk_size": 4096, "ops": [["explode", 0, 0, 0, 0]]}',
                  '{"chunk_size": 4096, "ops": [["write", 0]]}'):
@@ -214,7 +246,7 @@ def test_a_client_that_drops_handle_truncates_is_caught(client_dirs: tuple[FileS
 
 
 @pytest.fixture(scope="module")
-def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Path]]:
+def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[int, Path], HangGuard]]:
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this machine")
     pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
@@ -232,7 +264,11 @@ def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Pa
             for chunk in CHUNK_SIZES:
                 fs.mkdir(f"/fsx-{chunk}")
                 fs.set_layout(f"/fsx-{chunk}", chunk_size=chunk)
-        yield {chunk: mnt / f"fsx-{chunk}" for chunk in CHUNK_SIZES}
+        guard = HangGuard(HANG_LIMIT_S, lambda: cluster.kill("mount"), "the mount daemon was killed")
+        try:
+            yield {chunk: mnt / f"fsx-{chunk}" for chunk in CHUNK_SIZES}, guard
+        finally:
+            guard.close()
     finally:
         cluster.stop_all()
         if os.path.ismount(mnt):
@@ -241,10 +277,11 @@ def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_fuse_mount_matches_the_model(fuse_dirs: dict[int, Path]) -> None:
+def test_fuse_mount_matches_the_model(fuse_dirs: tuple[dict[int, Path], HangGuard]) -> None:
+    dirs, guard = fuse_dirs
     names = itertools.count()
-    _check(exercise("fuse", lambda chunk: PosixFile(str(fuse_dirs[chunk] / f"f{next(names)}")),
-                    range(FIRST, FIRST + SEEDS), OPS, CHUNK_SIZES, replay=REPLAY))
+    _check(exercise("fuse", lambda chunk: guard.wrap(PosixFile(str(dirs[chunk] / f"f{next(names)}"))),
+                    range(FIRST, FIRST + SEEDS), OPS, CHUNK_SIZES, replay=REPLAY, guard=guard))
 
 
 if __name__ == "__main__":  # pragma: no cover
