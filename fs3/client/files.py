@@ -140,8 +140,9 @@ class AsyncFile:
         if self.closed:
             return
         await self._send_buffer()
-        while self._inflight:
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        landing = list(self._inflight)
+        if landing:
+            await asyncio.gather(*landing, return_exceptions=True)
         if self._error is None:
             await self.publish_length()
 
@@ -447,14 +448,19 @@ class AsyncFile:
 
     async def _see_siblings(self) -> None:
         """Reads see this client's other handles' writes: their buffered bytes go to storage
-        first (an error stays with the handle that wrote), and the length grows to theirs."""
+        first (an error stays with the handle that wrote), and the length grows to theirs.
+
+        Only the writes made before the read began are waited for: a handle written without a
+        pause must not hold up another handle's reads for as long as it keeps writing.
+        """
         for sibling in self.fs.open_writers(self.inode.inode_id):
             if sibling is self:
                 continue
             if sibling.has_unflushed:
                 await sibling._send_buffer()
-                while sibling._inflight:
-                    await asyncio.gather(*list(sibling._inflight), return_exceptions=True)
+                landing = list(sibling._inflight)
+                if landing:
+                    await asyncio.gather(*landing, return_exceptions=True)
             self.extend_known_length(sibling.length)
 
     async def readinto(self, buffer: Buffer) -> int:
