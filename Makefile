@@ -11,8 +11,11 @@ FIRST ?= 1
 MODEL_EXAMPLES ?= 1000
 JOBS ?=
 PYTEST_ARGS ?=
+FSX_SEEDS ?= 300
+FSX_OPS ?= 100
+FSX_FIRST ?= 1
 
-.PHONY: run test proto lint typecheck sim sim-meta bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
+.PHONY: run test proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -53,6 +56,12 @@ sim-meta: install
 	FS3_META_MODEL_EXAMPLES=$(MODEL_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider tests/test_meta_model.py \
 		-k every_fault || status=1; \
 	exit $$status
+
+# The randomized single-file exerciser, long, on the FUSE mount and the client library:
+# `make fsx FSX_SEEDS=1000 FSX_OPS=150` (FSX_FIRST=N to start elsewhere). A failure prints the seed and
+# a shrunk operation list; FS3_FSX_REPLAY='...' replays it.
+fsx: install
+	FS3_FSX_SEEDS=$(FSX_SEEDS) FS3_FSX_OPS=$(FSX_OPS) FS3_FSX_FIRST=$(FSX_FIRST) $(BIN)/pytest -q tests/test_fsx.py
 
 # fs3 against GlusterFS, MooseFS and the local directory (root; installs the peers with apt):
 # fio, small files, the juicefs-bench flow; table in bench/results/peers-*.{md,json,png}.

@@ -144,6 +144,65 @@ def test_append_exclusive_sparse_and_truncate_across_chunks(work: Path) -> None:
         assert f.read() == big[:10]
 
 
+def test_a_truncate_on_an_open_descriptor_stays_done(mount: tuple[LocalCluster, Path], work: Path) -> None:
+    """With 4 MiB chunks: write 1 byte at 10 MiB, ftruncate to 1 MiB, write 1 byte at 5 MiB, close.
+    The first byte's chunk lies past a hole and meta had not heard of it: the truncate left it and
+    the close brought its length back (10 MiB + 1 instead of 5 MiB + 1)."""
+    cluster, mnt = mount
+    subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address, "--token", "t",
+                    "set-layout", f"/{work.relative_to(mnt)}", "--chunk-size", str(4 << 20)], check=True,
+                   capture_output=True)
+    mib = 1 << 20
+    path = work / "f"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC)
+    try:
+        os.pwrite(fd, b"a", 10 * mib)
+        os.ftruncate(fd, 1 * mib)
+        os.pwrite(fd, b"b", 5 * mib)
+    finally:
+        os.close(fd)
+    assert os.stat(path).st_size == 5 * mib + 1
+    assert path.read_bytes() == bytes(5 * mib) + b"b"
+
+
+# Sequences the randomized exerciser (tests/test_fsx.py) found on the mount, shrunk.
+
+
+def test_a_read_only_descriptor_sees_a_truncate_up_and_a_closed_descriptors_writes(work: Path) -> None:
+    path = work / "f"
+    path.write_bytes(b"")
+    reader = os.open(path, os.O_RDONLY)
+    try:
+        os.truncate(path, 2209)
+        assert os.pread(reader, 10_000, 965) == bytes(2209 - 965)
+        writer = os.open(path, os.O_RDWR)
+        os.pwrite(writer, b"w" * 11, 4 * CHUNK + 1)
+        os.close(writer)
+        assert os.pread(reader, 100, 4 * CHUNK) == b"\0" + b"w" * 11
+    finally:
+        os.close(reader)
+
+
+def test_an_o_trunc_open_empties_what_another_descriptor_just_wrote(work: Path) -> None:
+    path = work / "f"
+    path.write_bytes(b"")
+    appender = os.open(path, os.O_RDWR | os.O_APPEND)
+    os.write(appender, b"z" * (3 * CHUNK // 2))
+    os.close(os.open(path, os.O_RDWR | os.O_TRUNC))
+    os.close(appender)
+    assert os.stat(path).st_size == 0 and path.read_bytes() == b""
+
+
+def test_where_two_descriptors_writes_overlap_the_later_one_wins(work: Path) -> None:
+    path = work / "f"
+    first, second = os.open(path, os.O_CREAT | os.O_RDWR), os.open(path, os.O_RDWR)
+    os.pwrite(first, b"1" * CHUNK, CHUNK // 2)  # its second chunk's half stays buffered
+    os.pwrite(second, b"2" * CHUNK, CHUNK + CHUNK // 4)
+    os.close(second)
+    os.close(first)
+    assert path.read_bytes() == bytes(CHUNK // 2) + b"1" * (CHUNK * 3 // 4) + b"2" * CHUNK
+
+
 def test_large_file_over_many_chunks_and_mmap(work: Path) -> None:
     data = os.urandom(20 * CHUNK + 999)
     (work / "big").write_bytes(data)

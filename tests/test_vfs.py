@@ -384,3 +384,29 @@ def test_a_write_by_anyone_but_root_drops_setuid_and_setgid(tmp_path: Path) -> N
             assert stat.S_IMODE((await vfs.getattr(inode.inode_id, ME)).mode) == (0o6777 if kept else 0o0777)
 
     with_vfs(tmp_path, body)
+
+
+def test_a_fuse_request_whose_handler_meets_a_cancelled_task_is_still_answered() -> None:
+    """Unanswered, a read request holds the kernel's page locks for good (every later write to
+    those pages hangs); a cancellation that is not the request's own is answered EIO."""
+    pyfuse3 = pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    from fs3.fuse.ops import _errors
+
+    @_errors
+    async def handler() -> None:
+        piece = asyncio.get_running_loop().create_future()
+        piece.cancel()
+        await piece
+
+    with pytest.raises(pyfuse3.FUSEError) as raised:
+        asyncio.run(handler())
+    assert raised.value.errno == errno.EIO
+
+    async def cancelled_request() -> None:
+        task = asyncio.create_task(_errors(asyncio.sleep)(10))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_request())

@@ -13,6 +13,12 @@ see zeros) and the length is set without later writes. So every read and write m
 the lease surely holds (:meth:`MetaClient.lease_current`, free while renewals are on time; past
 it the client renews first); a handle of a lapsed lease fails every call with ESTALE
 (:class:`~fs3.common.errors.StaleClient`) instead of returning zeros or dropping writes.
+
+Handles of one client on one file see each other as a local file system's descriptors do (the
+client keeps them in :meth:`AsyncFileSystem.open_files`): a read first sends the other handles'
+buffered bytes and learns how far they wrote, a write drops the other handles' read-ahead, an
+append goes to the end any of them knows, and a size change (truncate, ``O_TRUNC``) first makes
+every handle's writes land and their length known to meta, then tells every handle the new size.
 """
 
 from __future__ import annotations
@@ -77,7 +83,9 @@ class AsyncFile:
         self._buf_offset = 0
         self._buf = bytearray()
         self._slots = asyncio.Semaphore(inflight_max)
-        self._inflight: set[asyncio.Task[None]] = set()
+        # Chunk writes in flight and the file range each covers: a write never overtakes an
+        # earlier one (of any handle of this client) over the same bytes.
+        self._inflight: dict[asyncio.Task[None], tuple[int, int]] = {}
         self._error: BaseException | None = None
         self._last_hint = time.monotonic()
         self._hint_task: asyncio.Task[None] | None = None
@@ -86,6 +94,8 @@ class AsyncFile:
         self._readahead_max = max(_READAHEAD_MIN_BYTES, inflight_max * self.chunk_size)
         self._ahead: deque[tuple[int, int, asyncio.Task[bytes]]] = deque()
         self._last_read_end = -1
+        self._readahead_stale = False
+        fs.track_file(self)
 
     # -- position --------------------------------------------------------------------------------
 
@@ -128,6 +138,32 @@ class AsyncFile:
         """Another handle of this client wrote up to ``size``: reads may go that far."""
         if size > self._length:
             self._length = size
+
+    def _siblings(self) -> list[AsyncFile]:
+        """This client's other open handles on the same file."""
+        return [f for f in self.fs.open_files(self.inode.inode_id) if f is not self]
+
+    def end_of_file(self) -> int:
+        """Where an append lands: the furthest end any of this client's handles on the file knows."""
+        return max([self._length] + [f.length for f in self._siblings()])
+
+    async def settle(self) -> None:
+        """Make this handle's writes count for a size change or a sync made through another handle.
+
+        Buffered bytes are sent and acknowledged, and meta learns the length they reach: a
+        truncate's chunk removal then covers them (bytes still buffered would land after the
+        truncate, past the new end), and meta's size is the file's before it changes. A write
+        that failed is not published and its error stays with this handle, for its own next call.
+        A handle of a lapsed lease has nothing that can count: its own next call reports ESTALE.
+        """
+        if self.closed or self.stale:
+            return
+        await self._send_buffer()
+        landing = list(self._inflight)
+        if landing:
+            await asyncio.gather(*landing, return_exceptions=True)
+        if self._error is None:
+            await self.publish_length()
 
     @property
     def stale(self) -> bool:
@@ -214,7 +250,7 @@ class AsyncFile:
 
     async def _write(self, data: Buffer) -> int:
         if self.append:
-            self._pos = self._length
+            self._pos = self.end_of_file()
         written = await self._write_at(self._pos, data)
         self._pos += written
         return written
@@ -234,6 +270,11 @@ class AsyncFile:
                 target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_DROP_PRIVILEGES,
                 session_id=self.session_id), mpb.InodeRsp, self.user)
             self._drop_privileges = False
+        for sibling in self.fs.open_writers(self.inode.inode_id):
+            # Another handle's buffered bytes here are older than this write: they go first.
+            if sibling is not self and sibling._buf and sibling._buf_offset < pos + total \
+                    and pos < sibling._buf_offset + len(sibling._buf):
+                await sibling._send_buffer()
         offset = 0
         chunk_size = self.chunk_size
         while offset < total:
@@ -253,6 +294,8 @@ class AsyncFile:
             self._wrote = True
             self._writes += 1
             self._invalidate_readahead()
+            for sibling in self._siblings():
+                sibling._invalidate_readahead()  # what it fetched ahead may predate this write
             self._written_end = max(self._written_end, pos)
             self._length = max(self._length, pos)
             self._maybe_hint()
@@ -263,10 +306,19 @@ class AsyncFile:
             return
         data, offset = bytes(self._buf), self._buf_offset
         self._buf = bytearray()
+        end = offset + len(data)
+        # Two writes of the same bytes in flight at once may reach storage in either order.
+        earlier = [task for f in [*self.fs.open_files(self.inode.inode_id), self]
+                   for task, (start, stop) in list(f._inflight.items()) if start < end and offset < stop]
+        if earlier:
+            await asyncio.gather(*earlier, return_exceptions=True)
         await self._slots.acquire()
         task = asyncio.create_task(self._write_piece(offset, data))
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        self._inflight[task] = (offset, end)
+        task.add_done_callback(self._write_done)
+
+    def _write_done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.pop(task, None)
 
     async def _write_piece(self, offset: int, data: bytes) -> None:
         try:
@@ -312,6 +364,9 @@ class AsyncFile:
 
     async def _fsync(self) -> None:
         self._check_open()
+        # fsync(2) covers the file, whichever descriptor wrote it.
+        for sibling in self._siblings():
+            await sibling.settle()
         writes, end = self._writes, self._written_end
         await self._flush()
         rsp = await self._call_meta("Sync", mpb.SyncReq(
@@ -332,19 +387,29 @@ class AsyncFile:
         if size < 0:
             raise InvalidArgument("negative size")
         await self._flush()
+        await self.fs.settle_writers(self.inode.inode_id)
         await self._call_meta("SetAttr", mpb.SetAttrReq(
             target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_SIZE, size=size,
             session_id=self.session_id))
-        self._length = size
-        self._written_end = min(self._written_end, size)
-        self._invalidate_readahead()
+        self.fs.size_changed(self.inode.inode_id, size)
         return size
 
     # -- reading ---------------------------------------------------------------------------------
 
     def _invalidate_readahead(self) -> None:
-        self._last_read_end = -1
-        self._cancel_readahead()
+        """What was fetched ahead may predate a write or a size change: the next read drops it.
+
+        Only marked here: another handle calls this at any time, and a read in progress may be
+        waiting for one of those pieces (cancelled under it, the read would fail, and on the mount
+        the kernel's request would go unanswered for good).
+        """
+        self._readahead_stale = True
+
+    def _drop_stale_readahead(self) -> None:
+        if self._readahead_stale:
+            self._readahead_stale = False
+            self._last_read_end = -1
+            self._cancel_readahead()
 
     def _cancel_readahead(self) -> None:
         for _, _, task in self._ahead:
@@ -415,12 +480,15 @@ class AsyncFile:
             if not readahead:
                 self._check_open()
                 await self._fence()
+                await self._see_siblings()
                 end = min(offset + size, self._length)
                 return await self._read_range(offset, end - offset) if end > offset else b""
             return await self._read_at(offset, size)
 
     async def _read(self, size: int = -1) -> bytes:
         if size is None or size < 0:
+            self._check_open()
+            await self._see_siblings()
             size = max(0, self._length - self._pos)
         data = await self._read_at(self._pos, size)
         self._pos += len(data)
@@ -433,6 +501,8 @@ class AsyncFile:
         await self._fence()
         if self._buf or self._inflight:
             await self._flush()
+        await self._see_siblings()
+        self._drop_stale_readahead()
         end = min(start + size, self._length)
         if end <= start:
             return b""
@@ -444,6 +514,23 @@ class AsyncFile:
             data = await self._read_range(start, end - start)
         self._last_read_end = end
         return data
+
+    async def _see_siblings(self) -> None:
+        """Reads see this client's other handles' writes: their buffered bytes go to storage
+        first (an error stays with the handle that wrote), and the length grows to theirs.
+
+        Only the writes made before the read began are waited for: a handle written without a
+        pause must not hold up another handle's reads for as long as it keeps writing.
+        """
+        for sibling in self.fs.open_writers(self.inode.inode_id):
+            if sibling is self:
+                continue
+            if sibling.has_unflushed:
+                await sibling._send_buffer()
+                landing = list(sibling._inflight)
+                if landing:
+                    await asyncio.gather(*landing, return_exceptions=True)
+            self.extend_known_length(sibling.length)
 
     async def readinto(self, buffer: Buffer) -> int:
         view = memoryview(buffer).cast("B")
@@ -481,6 +568,9 @@ class AsyncFile:
         except BaseException as exc:
             error = exc
         self.closed = True
+        self.fs.untrack_file(self)
+        for sibling in self._siblings():
+            sibling.extend_known_length(self._length)  # what this handle wrote stays readable
         # Acknowledged: the flush succeeded and no write slipped in while it ran.
         acked = error is None and self._written_end == end
         self._cancel_readahead()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat as stat_mod
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,11 @@ class AsyncFileSystem:
         else:
             self.umask = self.config.umask
         self._closed = False
+        # inode -> this client's open handles on it (and the writable ones): handles of one file
+        # see each other's writes and size changes, as descriptors of a local file do. Weak: a
+        # handle dropped without close is not kept alive (nor its length counted) by this table.
+        self._open_files: dict[int, weakref.WeakSet[AsyncFile]] = {}
+        self._open_writers: dict[int, weakref.WeakSet[AsyncFile]] = {}
 
     def _user(self) -> mpb.User:
         config = self.config
@@ -168,6 +174,64 @@ class AsyncFileSystem:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    # -- this client's open files ----------------------------------------------------------------
+
+    def track_file(self, afile: AsyncFile) -> None:
+        """A handle was opened (called by :class:`AsyncFile` itself)."""
+        self._open_files.setdefault(afile.inode.inode_id, weakref.WeakSet()).add(afile)
+        if afile.writable:
+            self._open_writers.setdefault(afile.inode.inode_id, weakref.WeakSet()).add(afile)
+
+    def untrack_file(self, afile: AsyncFile) -> None:
+        """A handle was closed."""
+        for table in (self._open_files, self._open_writers):
+            handles = table.get(afile.inode.inode_id)
+            if handles is not None:
+                handles.discard(afile)
+                if not handles:
+                    del table[afile.inode.inode_id]
+
+    def open_files(self, inode_id: int) -> list[AsyncFile]:
+        """This client's open handles on an inode."""
+        return list(self._open_files.get(inode_id, ()))
+
+    def open_writers(self, inode_id: int) -> list[AsyncFile]:
+        """This client's handles open for writing on an inode, less those of a lapsed lease: their
+        unsent bytes are lost (every call on them fails), so nobody may wait on them or see them."""
+        return [f for f in self._open_writers.get(inode_id, ()) if not f.stale]
+
+    async def settle_writers(self, inode_id: int) -> None:
+        """Before the file's size changes: every write of this client's handles lands on storage
+        and meta learns how far they reach (see :meth:`AsyncFile.settle`)."""
+        for afile in self.open_writers(inode_id):
+            await afile.settle()
+
+    def size_changed(self, inode_id: int, size: int) -> None:
+        """The file's size was set (truncate, ``O_TRUNC``): every open handle forgets the old end."""
+        for afile in self.open_files(inode_id):
+            afile.set_known_length(size)
+
+    def with_local_length(self, inode: mpb.Inode) -> mpb.Inode:
+        """The inode with the size this client's writers know when it is larger than meta's
+        (meta learns a handle's length at flush, fsync and close)."""
+        writers = self.open_writers(inode.inode_id)
+        if writers:
+            longest = max(f.length for f in writers)
+            if longest > inode.size:
+                inode = mpb.Inode.FromString(inode.SerializeToString())
+                inode.size = longest
+        return inode
+
+    async def _settle_path(self, path: PathLike) -> None:
+        """Settle this client's writers of the file ``path`` names, if it has any open at all."""
+        if not self._open_writers:
+            return
+        try:
+            inode = await self._inode(path)
+        except OSError:
+            return  # the operation that follows reports it
+        await self.settle_writers(inode.inode_id)
+
     # -- attributes ------------------------------------------------------------------------------
 
     async def _inode(self, path: PathLike, follow: bool = True) -> mpb.Inode:
@@ -177,7 +241,7 @@ class AsyncFileSystem:
         return rsp.inode
 
     async def stat(self, path: PathLike, follow_symlinks: bool = True) -> os.stat_result:
-        return stat_result(await self._inode(path, follow_symlinks))
+        return stat_result(self.with_local_length(await self._inode(path, follow_symlinks)))
 
     async def lstat(self, path: PathLike) -> os.stat_result:
         return await self.stat(path, follow_symlinks=False)
@@ -354,7 +418,9 @@ class AsyncFileSystem:
     async def truncate(self, path: PathLike, length: int) -> None:
         if length < 0:
             raise OSError(22, "negative length", os.fsdecode(path))
-        await self._setattr(path, True, mask=mpb.SET_SIZE, size=length)
+        await self._settle_path(path)
+        inode = await self._setattr(path, True, mask=mpb.SET_SIZE, size=length)
+        self.size_changed(inode.inode_id, length)
 
     async def set_layout(self, path: PathLike, chunk_size: int | None = None, stripe: int | None = None,
                          table_id: int | None = None) -> None:
@@ -403,11 +469,15 @@ class AsyncFileSystem:
     async def open(self, path: PathLike, mode: str = "rb", perms: int = 0o666) -> AsyncFile:
         """Open a binary file (``"rb"``, ``"wb"``, ``"ab"``, ``"xb"``, ``"r+b"`` ...)."""
         flags, readable, writable, append = open_flags(mode.replace("t", "") if "b" in mode else mode + "b")
+        if flags & O_TRUNC:
+            await self._settle_path(path)
         with os_errors(path):
             rsp = await self.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(path=_bytes_path(path)), flags=flags,
                                                            mode=perms & ~self.umask), mpb.OpenRsp)
         if rsp.inode.type == mpb.DIRECTORY:
             raise IsADirectoryError(21, "Is a directory", os.fsdecode(path))
+        if flags & O_TRUNC and not rsp.created:
+            self.size_changed(rsp.inode.inode_id, 0)
         return AsyncFile(self, os.fsdecode(path), rsp, readable, writable, append, self.config.inflight_per_file)
 
     async def read_bytes(self, path: PathLike) -> bytes:

@@ -31,7 +31,11 @@ _NOW_SLACK_NS = 1_000_000_000  # a time this close to now came from UTIME_NOW (p
 
 
 def _errors(fn: F) -> F:
-    """fs3 errors become the errno FUSE answers; anything unexpected is logged and answered EIO."""
+    """fs3 errors become the errno FUSE answers; anything unexpected is logged and answered EIO.
+
+    Every request must be answered: the kernel waits for the answer, with the pages of a read
+    locked until it comes.
+    """
 
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -39,6 +43,14 @@ def _errors(fn: F) -> F:
             return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this request itself is cancelled: the mount is going away
+            # Something the handler awaited was cancelled under it. Unanswered, the request would
+            # hold the kernel's page locks for good; the caller gets EIO instead.
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         except FS3Error as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         except OSError as exc:

@@ -10,6 +10,9 @@ FUSE adapter (:mod:`fs3.fuse.ops`) only translates types.
   writes for one handle at once and a handle's buffers and read-ahead are sequential state.
 * ``getattr`` of a file this client is writing reports the larger of meta's length and the
   length the open handles know (meta learns it at flush, fsync and close).
+* Handles of one file see each other's writes and size changes, as descriptors of a local file
+  do (the client library keeps them together: :meth:`AsyncFileSystem.open_files`); a size change
+  (truncate, ``O_TRUNC``) first lands every handle's writes and publishes their length.
 * Directory listings are read in pages and remembered per open directory handle, so offsets
   handed to the kernel stay valid while the directory changes.
 * The kernel caches name -> inode answers and opens files by inode. Every name this mount gave
@@ -45,7 +48,7 @@ from fs3.common.errors import (
     NoXattr,
     PermissionDenied,
 )
-from fs3.meta.ops import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_WRONLY, Caller, may
+from fs3.meta.ops import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY, Caller, may
 
 __all__ = ["DirHandle", "KernelNames", "Vfs", "VfsConfig"]
 
@@ -204,7 +207,6 @@ class Vfs:
         self._handles: dict[int, _Handle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._ids = itertools.count(1)
-        self._writers: dict[int, set[AsyncFile]] = {}
         # inode -> loop time until which "no security.capability" may be answered from memory.
         self._no_capability_until: dict[int, float] = {}
         # inode -> (loop time until which it may be answered from memory, attributes from meta).
@@ -237,19 +239,8 @@ class Vfs:
         self._attr_changes += 1
         self._attrs.clear()
 
-    def _live_writers(self, inode_id: int) -> list[AsyncFile]:
-        """This mount's writers of the inode, less those whose client lease lapsed: their unsent
-        bytes are lost (every call on them fails), so nobody else may wait on them or see them."""
-        return [w for w in self._writers.get(inode_id, ()) if not w.stale]
-
     def _with_local_length(self, inode: mpb.Inode) -> mpb.Inode:
-        writers = self._live_writers(inode.inode_id)
-        if writers:
-            longest = max(f.length for f in writers)
-            if longest > inode.size:
-                inode = mpb.Inode.FromString(inode.SerializeToString())
-                inode.size = longest
-        return inode
+        return self.fs.with_local_length(inode)
 
     # -- names and attributes --------------------------------------------------------------------
 
@@ -313,21 +304,22 @@ class Vfs:
                 raise InvalidArgument("negative size")
             handle = self._handles.get(fh) if fh is not None else None
             if handle is not None and handle.file.writable:
+                # ftruncate(2) (and O_TRUNC, where the kernel sends it as a truncate of the new handle).
                 async with handle.lock:
                     await handle.file.truncate(size)
             else:
-                # Handles this client has open for writing must not resurrect the old length.
-                for writer in self._live_writers(inode_id):
-                    await writer.flush()
+                # Writes this mount's handles made must land, and be known to meta, before the
+                # truncate: bytes landing after it would bring the old length back.
+                await self.fs.settle_writers(inode_id)
                 req.mask |= mpb.SET_SIZE
                 req.size = size
-            for writer in self._writers.get(inode_id, ()):
-                writer.set_known_length(size)
         if not req.mask:
             return await self.getattr(inode_id, user)
         asked_at = self._attr_changes
         with _stale_if_gone(inode_id):
             rsp = await self.fs.meta.call("SetAttr", req, mpb.InodeRsp, user)
+        if req.mask & mpb.SET_SIZE:
+            self.fs.size_changed(inode_id, req.size)
         self._remember(rsp.inode, asked_at)
         return self._with_local_length(rsp.inode)
 
@@ -413,8 +405,8 @@ class Vfs:
         fh = next(self._ids)
         self._handles[fh] = _Handle(afile)
         self._remember(rsp.inode, asked_at)
-        if writable:
-            self._writers.setdefault(rsp.inode.inode_id, set()).add(afile)
+        if flags & O_TRUNC and not rsp.created:
+            self.fs.size_changed(rsp.inode.inode_id, 0)
         return fh
 
     async def open(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
@@ -433,6 +425,10 @@ class Vfs:
                 for parent, name in stale:  # all of them: the kernel tries once more, by any name
                     self.names.stale(parent, name)
                 raise _stale(f"{len(stale)} of the names of inode {inode_id} lead elsewhere now")
+        if flags & O_TRUNC:
+            # O_TRUNC comes with the open when the kernel does atomic O_TRUNC (libfuse's default).
+            self._forget(inode_id)
+            await self.fs.settle_writers(inode_id)
         asked_at = self._attr_changes
         req = mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id), flags=flags & ~O_CREAT)
         if names:
@@ -487,12 +483,7 @@ class Vfs:
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
-        # Reads see what other handles of this mount wrote (POSIX, within one machine).
-        for writer in self._live_writers(handle.file.inode.inode_id):
-            if writer is not handle.file:
-                if writer.has_unflushed:
-                    await writer.flush()
-                handle.file.extend_known_length(writer.length)
+        # Reads see what other handles of this mount wrote (the client library sees to it).
         async with handle.lock:
             return await handle.file.pread(offset, size)
 
@@ -501,7 +492,7 @@ class Vfs:
         self._forget(handle.file.inode.inode_id)  # mtime and ctime change
         async with handle.lock:
             if handle.file.append:
-                offset = handle.file.length
+                offset = handle.file.end_of_file()
             return await handle.file.pwrite(offset, data)
 
     async def flush(self, fh: int) -> None:
@@ -530,14 +521,7 @@ class Vfs:
         if handle.file.has_unpublished_writes:
             self._forget(handle.file.inode.inode_id)
         async with handle.lock:
-            writers = self._writers.get(handle.file.inode.inode_id)
-            try:
-                await handle.file.close()
-            finally:
-                if writers is not None:
-                    writers.discard(handle.file)
-                    if not writers:
-                        self._writers.pop(handle.file.inode.inode_id, None)
+            await handle.file.close()
 
     # -- directories -----------------------------------------------------------------------------
 
