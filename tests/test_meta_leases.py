@@ -25,7 +25,7 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.clock import ManualClock
 from fs3.common.config import config_from_mapping
-from fs3.common.errors import InvalidArgument, StaleClient, Timeout, Unavailable
+from fs3.common.errors import BadHandle, InvalidArgument, StaleClient, Timeout, Unavailable
 from fs3.common.ids import parse_chunk_id
 from fs3.kv.store import MemKVStore, prefix_end
 from fs3.kv.txn import OptimisticTxnEngine, Transaction
@@ -662,3 +662,59 @@ def test_a_client_frozen_past_meta_memory_of_it_registers_before_it_sends(tmp_pa
                                                  prefix_end(schema.expired_client_prefix())))
 
     with_lapsing(tmp_path, body)
+
+
+def test_a_session_answers_only_the_client_id_that_opened_it(tmp_path: Path) -> None:
+    """A handle opened before the lease lapsed, closed after the client registered again under a new
+    id: meta refuses the close (and sync, truncate) under the new id, before its clean-up of the
+    old id closed the session itself; the length is what the old id's writes reached then."""
+
+    async def body(env: Lapsing) -> None:
+        f = await env.a.open("/t/f", "wb")
+        await f.write(b"a" * 1000)
+        await f.flush()
+        await f.write(b"b" * 1000)  # buffered: not in the length
+        meta = env.cluster.meta
+        assert meta is not None
+        await env.a.meta.stop()
+        await meta.prune_clients_once()
+        env.clocks.advance(LEASE_MS + 1)
+        env.a_clock.advance(LEASE_MS + 1)
+        await env.b.meta.renew()
+        clean_up = meta._clean_up_expired_clients
+
+        async def later() -> None:
+            pass
+
+        meta._clean_up_expired_clients = later  # type: ignore[method-assign]
+        assert await meta.prune_clients_once() == 1  # the old id is refused; its sessions not yet closed
+        assert meta_sessions(env) == 1
+        await env.a.mkdir("/t/d")  # A registers again
+        inode_id, session_id = f.inode.inode_id, f.session_id
+        assert schema.session_owner(session_id) != env.a.meta.client_id
+        for name, req in [
+            ("Close", mpb.CloseReq(inode_id=inode_id, session_id=session_id, length_hint=2000, wrote=True,
+                                   acked=True)),
+            ("Sync", mpb.SyncReq(inode_id=inode_id, session_id=session_id, length_hint=2000, wrote=True,
+                                 acked=True)),
+            ("SetAttr", mpb.SetAttrReq(target=mpb.PathRef(inode_id=inode_id), mask=mpb.SET_SIZE, size=0,
+                                       session_id=session_id)),
+        ]:
+            with pytest.raises(BadHandle, match="another client id"):
+                await env.a.meta.call(name, req, mpb.InodeRsp)
+        with pytest.raises(OSError) as err:  # through the handle: the lease lapsed under it
+            await f.close()
+        assert err.value.errno == errno.ESTALE
+        assert meta_sessions(env) == 1
+        meta._clean_up_expired_clients = clean_up  # type: ignore[method-assign]
+        await meta.prune_clients_once()
+        assert meta_sessions(env) == 0
+        assert await env.b.read_bytes("/t/f") == b"a" * 1000
+
+    with_lapsing(tmp_path, body)
+
+
+def meta_sessions(env: Lapsing) -> int:
+    """How many file sessions meta holds (open handles of every client)."""
+    assert env.cluster.meta_kv is not None
+    return len(list(env.cluster.meta_kv.scan(schema.SESSION, prefix_end(schema.SESSION))))

@@ -140,6 +140,11 @@ def session_id_for(client_id: bytes, request_id: int) -> bytes:
     return client_id + _u64(request_id)
 
 
+def session_owner(session_id: bytes) -> bytes:
+    """The id of the client that opened the session (a session id starts with it)."""
+    return session_id[:CLIENT_ID_BYTES]
+
+
 def session_key(inode_id: int, session_id: bytes) -> bytes:
     if len(session_id) != SESSION_ID_BYTES:
         raise InvalidArgument(f"session id must be {SESSION_ID_BYTES} bytes")

@@ -56,6 +56,7 @@ from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import (
+    BadHandle,
     FileTooLarge,
     FS3Error,
     Internal,
@@ -493,6 +494,7 @@ class MetaService:
         return rsp, _EMPTY
 
     async def set_attr(self, req: mpb.SetAttrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        _check_session_owner(req.ctx, req.session_id)
         if not req.mask & mpb.SET_SIZE:
             return await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req))), _EMPTY
         rsp = await self._mutate_truncating(req.ctx, mpb.InodeRsp,
@@ -553,6 +555,7 @@ class MetaService:
                                     acked=req.acked, final=final)
             return mpb.InodeRsp(inode=result.inode)
 
+        _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         self._gc_wakeup.set()
@@ -566,6 +569,7 @@ class MetaService:
         # A hint that is not acknowledged, or comes from a handle whose file was truncated since it
         # opened, only says where to look: a hint sent before a truncate and received after it
         # would otherwise bring back the length the truncate removed.
+        _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
         return rsp, _EMPTY
@@ -1031,6 +1035,15 @@ class MetaService:
 
 async def _inode_rsp(inode: Awaitable[mpb.Inode]) -> mpb.InodeRsp:
     return mpb.InodeRsp(inode=await inode)
+
+
+def _check_session_owner(ctx: mpb.ReqCtx, session_id: bytes) -> None:
+    """A handle belongs to the client id that opened it. A client whose lease lapsed registers
+    again under a new id; a close, sync or truncate of a handle it opened before must not be
+    accepted under the new one: meta expired the old id's sessions (or is about to), and a length
+    taken from such a handle may cover writes made after its lease lapsed."""
+    if session_id and schema.session_owner(session_id) != ctx.client_id:
+        raise BadHandle("the file session belongs to another client id (opened before the client's lease lapsed)")
 
 
 async def _refuse_expired(txn: Transaction, client_id: bytes) -> None:
