@@ -35,20 +35,21 @@ from tests.test_meta_ops import ROOT as ROOT_CALLER
 EMPTY = memoryview(b"")
 
 
-def ctx(request_id: int, uid: int = 0) -> mpb.ReqCtx:
-    return mpb.ReqCtx(user=mpb.User(uid=uid, gid=uid), client_id=CLIENT, request_id=request_id)
+def ctx(request_id: int, uid: int = 0, client: bytes = CLIENT) -> mpb.ReqCtx:
+    return mpb.ReqCtx(user=mpb.User(uid=uid, gid=uid), client_id=client, request_id=request_id)
 
 
 class Requests:
-    """Handlers called as the RPC layer calls them, inside one event loop."""
+    """Handlers called as the RPC layer calls them, inside one event loop, for one client."""
 
-    def __init__(self, service: MetaService) -> None:
+    def __init__(self, service: MetaService, client: bytes = CLIENT) -> None:
         self.service = service
+        self.client = client
         self.request_id = 0
 
     def ctx(self, uid: int = 0) -> mpb.ReqCtx:
         self.request_id += 1
-        return ctx(self.request_id, uid)
+        return ctx(self.request_id, uid, self.client)
 
     async def __call__(self, name: str, req: object) -> object:
         rsp, _ = await getattr(self.service, name)(req, EMPTY)
@@ -159,10 +160,12 @@ def test_a_directory_moved_during_the_walk_is_noticed(monkeypatch: pytest.Monkey
 # -- an O_TRUNC open its caller sees fail ----------------------------------------------------------
 
 
-def test_an_o_trunc_open_that_fails_leaves_no_session_behind() -> None:
+def test_an_o_trunc_open_that_fails_leaves_no_session_behind_and_its_retry_truncates_nothing() -> None:
     """The open commits, then storage cannot cut the file: the caller gets the error, so the
-    session must go (it would keep the file, even unlinked, as long as the client lives), and a
-    retry of the same request must open afresh rather than return the closed session."""
+    session must go (it would keep the file, even unlinked, as long as the client lives). A retry
+    of the same request truncates nothing again — the file was written after the first truncate
+    finished — and opens the inode the first attempt truncated, though its name now leads
+    elsewhere; a further retry gets the same session."""
     service, store = _service()
     call = Requests(service)
 
@@ -171,7 +174,8 @@ def test_an_o_trunc_open_that_fails_leaves_no_session_behind() -> None:
                                                  mode=0o644))
         assert isinstance(created, mpb.OpenRsp)
         inode_id = created.inode.inode_id
-        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id))
+        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id,
+                                         length_hint=500, wrote=True, acked=True))
 
         async def storage_back(inode_id: int) -> None:
             """Storage holds nothing of this file: the job only has its size to apply."""
@@ -196,15 +200,33 @@ def test_an_o_trunc_open_that_fails_leaves_no_session_behind() -> None:
             await call("open", reopen)
         assert sessions() == []
         assert store.get(schema.truncate_key(inode_id)) is not None  # the cut is still to be done
+        with pytest.raises(Unavailable):  # a retry while storage is still down: the same
+            await call("open", reopen)
+        assert sessions() == []
         service._run_truncate_locked = storage_back  # type: ignore[method-assign]
+        await service._finish_truncate(inode_id)  # the maintenance loop finishes the job
+        assert store.get(schema.truncate_key(inode_id)) is None
+        # Another client writes the file after the truncate, and the name moves to another file.
+        other = Requests(service, client=b"o" * 16)
+        rsp = await other("open", mpb.OpenReq(ctx=other.ctx(), target=ref("/f"), flags=O_WRONLY))
+        assert isinstance(rsp, mpb.OpenRsp) and rsp.inode.size == 0
+        await other("close", mpb.CloseReq(ctx=other.ctx(), inode_id=inode_id, session_id=rsp.session_id,
+                                          length_hint=300, wrote=True, acked=True))
+        await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/g"), flags=O_CREAT | O_WRONLY, mode=0o644))
+        await call("rename", mpb.RenameReq(ctx=call.ctx(), source=ref("/f"), destination=ref("/h")))
+        await call("rename", mpb.RenameReq(ctx=call.ctx(), source=ref("/g"), destination=ref("/f")))
+
         again = await call("open", reopen)  # the client's retry of the same request
-        assert isinstance(again, mpb.OpenRsp) and sessions() == [schema.session_key(inode_id, again.session_id)]
+        assert isinstance(again, mpb.OpenRsp)
+        assert again.inode.inode_id == inode_id and again.inode.size == 300  # not truncated a second time
+        assert sessions() == [schema.session_key(inode_id, again.session_id)]
+        assert await call("open", reopen) == again  # answered from the saved answer now
         await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=again.session_id))
 
         service._run_truncate_locked = storage_down  # type: ignore[method-assign]
         with pytest.raises(Unavailable):
-            await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_WRONLY | O_TRUNC))
-        await call("remove", mpb.RemoveReq(ctx=call.ctx(), target=ref("/f")))
+            await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/h"), flags=O_WRONLY | O_TRUNC))
+        await call("remove", mpb.RemoveReq(ctx=call.ctx(), target=ref("/h")))
         assert store.get(schema.inode_key(inode_id)) is None  # no session keeps it: its chunks go to GC
         assert store.get(schema.gc_key(inode_id)) is not None
 

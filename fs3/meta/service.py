@@ -76,6 +76,7 @@ from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, max_file_s
 from fs3.meta.ops import (
     ANCESTOR_WALK_MAX,
     O_CREAT,
+    O_EXCL,
     O_TRUNC,
     Ancestry,
     AncestryUnknown,
@@ -365,7 +366,9 @@ class MetaService:
         try:
             rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, lambda ns, truncating: ns.open(
                 req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms, truncating))
-            if req.flags & O_TRUNC and not rsp.created:
+            if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and not rsp.session_id:
+                rsp = await self._reopen_abandoned(req, rsp, session_id, now_ms)
+            elif req.flags & O_TRUNC and not rsp.created:
                 await self._finish_truncate(rsp.inode.inode_id)  # a retry answered from the saved answer
         except Exception:
             if req.flags & O_TRUNC:
@@ -374,13 +377,16 @@ class MetaService:
         return rsp, _EMPTY
 
     async def _abandon_open(self, ctx: mpb.ReqCtx) -> None:
-        """End the session of an ``O_TRUNC`` open its caller is told failed, and forget the saved answer.
+        """End the session of an ``O_TRUNC`` open its caller is told failed; its saved answer stays,
+        without the session, to say the request truncated that inode already.
 
         The open commits its session with its truncate job, and storage is cut after: when that
         fails the caller gets the error, so no handle exists to close the session, and it would
         keep the file (unlinked or not) until the client's lease ends. The truncate stays recorded
-        and is finished later (the old size shows until then). With the answer gone, a retry of
-        the request opens afresh instead of getting back the session that was just closed.
+        and is finished later (the old size shows until then). A retry of the request must not
+        truncate again — the file may have been written since the first truncate finished — nor
+        open whatever the path names by then: it opens the inode the answer names, without
+        truncating (:meth:`_reopen_abandoned`).
         """
         key = schema.idem_key(ctx.client_id, ctx.request_id)
         closed: list[tuple[int, bytes]] = []
@@ -390,12 +396,16 @@ class MetaService:
             raw = await txn.get(key)
             if raw is None:
                 return  # the open never committed
-            rsp = mpb.OpenRsp.FromString(schema.IdemRecord.decode(raw).response)
+            record = schema.IdemRecord.decode(raw)
+            rsp = mpb.OpenRsp.FromString(record.response)
             inode_id, session_id = rsp.inode.inode_id, rsp.session_id
-            if session_id and await txn.get(schema.session_key(inode_id, session_id)) is not None:
+            if not session_id:
+                return  # abandoned already (or a directory: no session)
+            if await txn.get(schema.session_key(inode_id, session_id)) is not None:
                 await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id, 0, False, None, None)
                 closed.append((inode_id, session_id))
-            txn.delete(key)
+            rsp.session_id = b""
+            txn.put(key, schema.IdemRecord(record.committed_ms, rsp.SerializeToString()).encode())
 
         try:
             await run_transaction(self.engine, undo, retry_max=self.config.txn_retry_max)
@@ -403,6 +413,41 @@ class MetaService:
             log.warning("the session of a failed open stays until its client's lease ends: %s", exc)
         if closed:
             self._gc_wakeup.set()
+
+    async def _reopen_abandoned(self, req: mpb.OpenReq, abandoned: mpb.OpenRsp, session_id: bytes,
+                                now_ms: int) -> mpb.OpenRsp:
+        """The retry of an ``O_TRUNC`` open whose first attempt truncated and was abandoned (see
+        :meth:`_abandon_open`): the truncate that attempt recorded is finished, then the same inode
+        is opened again without truncating, and the answer replaces the saved one (so a further
+        retry gets this session). The inode may be gone by now: ``NotFound``, as for any open of
+        a removed file."""
+        key = schema.idem_key(req.ctx.client_id, req.ctx.request_id)
+        inode_id = abandoned.inode.inode_id
+        flags = req.flags & ~(O_TRUNC | O_CREAT | O_EXCL)
+        env = self._env(req.ctx.user)
+
+        async def reopen(txn: Transaction) -> mpb.OpenRsp:
+            raw = await txn.get(key)
+            if raw is None:
+                raise StaleClient("the saved answer of this open expired: its outcome is unknown")
+            record = schema.IdemRecord.decode(raw)
+            saved = mpb.OpenRsp.FromString(record.response)
+            if saved.session_id:
+                return saved  # another retry reopened it meanwhile
+            await _refuse_expired(txn, req.ctx.client_id)
+            rsp = await Namespace(txn, env).open(mpb.PathRef(inode_id=inode_id), flags, 0, 0, session_id,
+                                                 req.ctx.client_id, now_ms)
+            rsp.created = saved.created
+            txn.put(key, schema.IdemRecord(record.committed_ms, rsp.SerializeToString()).encode())
+            return rsp
+
+        for _ in range(_TRUNCATE_ATTEMPTS):
+            await self._finish_truncate(inode_id)
+            try:
+                return await run_transaction(self.engine, reopen, retry_max=self.config.txn_retry_max)
+            except TruncatePending:
+                continue  # truncated again since (another request): finish that too
+        raise Unavailable("the file kept changing under this request; try again")
 
     async def make_node(self, req: mpb.MakeNodeReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         if req.type == mpb.FILE:
