@@ -689,3 +689,65 @@ def test_a_1_pb_sparse_file_is_truncated_and_removed_in_bounded_memory(tmp_path:
         assert largest_txn[0] <= TXN_WRITES_BOUND
 
     with_cluster(tmp_path / "c", body)
+
+
+# -- a truncate whose request is cancelled ------------------------------------------------------------
+
+
+def test_a_cancelled_truncate_holds_the_inode_until_its_storage_calls_end(tmp_path: Path) -> None:
+    """A truncate's handler is cancelled (its client's connection dropped) while one of its chunk
+    removals is still on its way to storage. Meta must not let the inode go — another run of the
+    job, an open, a write — before that removal has ended: landing later, it would remove what
+    client B wrote after the truncate completed."""
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        meta = meta_of(cluster)
+        inode = await write_file(fs, "/t/f", {0: b"x" * (3 * CHUNK)})
+        started, release = asyncio.Event(), asyncio.Event()
+        delayed: list[int] = []
+        original = meta.storage.update
+
+        async def update(chain_id: int, cid: bytes, update_type: int, *args: Any, **kwargs: Any) -> spb.UpdateRsp:
+            if update_type != spb.REMOVE or delayed:
+                return await original(chain_id, cid, update_type, *args, **kwargs)
+            delayed.append(parse_chunk_id(cid)[1])
+
+            async def on_storage() -> spb.UpdateRsp:
+                await release.wait()  # the request is sent; storage acts on it later
+                return await original(chain_id, cid, update_type, *args, **kwargs)
+
+            call = asyncio.ensure_future(on_storage())
+            started.set()
+            return await asyncio.shield(call)  # a cancelled caller does not take it back
+
+        meta.storage.update = update  # type: ignore[method-assign]
+        ctx = mpb.ReqCtx(user=mpb.User(), client_id=b"cancelled-client", request_id=1)
+        a = asyncio.create_task(meta.set_attr(mpb.SetAttrReq(ctx=ctx, target=mpb.PathRef(path=b"/t/f"),
+                                                             mask=mpb.SET_SIZE, size=0), memoryview(b"")))
+        await started.wait()
+        a.cancel()
+        b = await connect(cluster)
+        offset = delayed[0] * CHUNK
+
+        async def writer_b() -> None:
+            async with await b.open("/t/f", "r+b") as g:
+                await g.pwrite(offset, b"B" * 50)
+
+        b_task = asyncio.create_task(writer_b())
+
+        async def b_done_or_waiting() -> bool:
+            entry = meta._truncate_locks.get(inode)
+            return b_task.done() or (entry is not None and entry.users >= 2)
+
+        await wait_until(b_done_or_waiting, interval_s=0.01, what="B done or waiting for the inode")
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await a
+        await b_task
+        await b.close()
+        await meta.run_truncates_once()
+        data = await fs.read_bytes("/t/f")
+        assert len(data) == offset + 50
+        assert data[offset:] == b"B" * 50, "a removal of the cancelled truncate landed after B's write"
+        assert data[:offset] == bytes(offset)
+
+    with_cluster(tmp_path / "c", body)

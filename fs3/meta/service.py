@@ -821,7 +821,12 @@ class MetaService:
         raw = await self.engine.begin().get(schema.truncate_key(inode_id))
         if raw is None:
             return
-        job = schema.TruncateJob.decode(raw)
+        # Storage calls already sent cannot be taken back: a cancelled caller keeps the lock until
+        # they have answered, or a removal landing late could remove what is written after the job.
+        await _to_the_end(self._run_truncate_job(inode_id, schema.TruncateJob.decode(raw)))
+
+    async def _run_truncate_job(self, inode_id: int, job: schema.TruncateJob) -> None:
+        """The storage side of :meth:`_run_truncate_locked`, then the size applied."""
         layout = job.layout
         try:
             if layout.chains:
@@ -1106,6 +1111,26 @@ async def _delete_if(txn: Transaction, key: bytes, value: bytes) -> None:
 def _claiming(fn: Callable[[Namespace, int], Awaitable[M]], inode_id: int) -> Callable[[Namespace], Awaitable[M]]:
     """``fn`` run with the inode whose truncate the caller claimed (0: none)."""
     return lambda ns: fn(ns, inode_id)
+
+
+async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end even when the caller is cancelled meanwhile; the caller then waits
+    for it and is cancelled after (its error, if any, is dropped). What runs under a lock that
+    the caller holds so finishes before the lock is released."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            cancelled = True
+            continue
+        break
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
+        raise asyncio.CancelledError
+    return task.result()
 
 
 async def _all_of(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
