@@ -286,6 +286,53 @@ def test_listxattr_answers_at_most_64_kib_of_names_and_e2big_past_it() -> None:
     assert meta.fsck() == []
 
 
+XATTR_TXN_WRITES_BOUND = 128  # two pages of attributes deleted, and the rest of the remove
+
+
+def test_removing_an_inode_with_many_xattrs_stays_a_bounded_transaction() -> None:
+    """Anyone who may write a file may set as many attributes on it as they like (each up to
+    64 KiB). Its last unlink (or rmdir) must still be a transaction of bounded size: what one
+    transaction cannot delete is left to the GC job, which deletes it a page at a time."""
+    service, _ = _service()
+    calls = Requests(service)
+    value = b"v" * 1024
+    count = 300
+
+    async def main() -> None:
+        inodes = {}
+        for name in (b"d", b"f"):
+            if name == b"d":
+                inodes[name] = await calls.mkdir(schema.ROOT_INODE, name)
+            else:
+                rsp = await calls("make_node", mpb.MakeNodeReq(ctx=calls.ctx(), target=ref("/f"), type=mpb.FILE,
+                                                               mode=0o644))
+                assert isinstance(rsp, mpb.InodeRsp)
+                inodes[name] = rsp.inode.inode_id
+            for i in range(count):
+                await calls("set_xattr", mpb.SetXattrReq(ctx=calls.ctx(), target=mpb.PathRef(parent=1, path=name),
+                                                         name=b"user.%04d" % i, value=value))
+        largest = [0]
+        original = service.engine.commit
+
+        async def commit(txn: Any) -> None:
+            largest[0] = max(largest[0], len(txn.writes))
+            await original(txn)
+
+        service.engine.commit = commit  # type: ignore[method-assign]
+        await calls("remove", mpb.RemoveReq(ctx=calls.ctx(), target=ref("/d"), directory=True))
+        await calls("remove", mpb.RemoveReq(ctx=calls.ctx(), target=ref("/f")))
+        assert largest[0] <= XATTR_TXN_WRITES_BOUND, f"a transaction of {largest[0]} writes"
+        assert (await run_fsck(service.engine.begin())).problems == []  # left to GC: no orphans
+        await service.run_gc_once()  # the directory's job (the file's waits for storage)
+        assert largest[0] <= XATTR_TXN_WRITES_BOUND
+        txn = service.engine.begin()
+        prefix = schema.xattr_prefix(inodes[b"d"])
+        assert await txn.scan(prefix, prefix_end(prefix), limit=1) == []
+        assert await txn.get(schema.gc_key(inodes[b"d"])) is None
+
+    asyncio.run(main())
+
+
 # -- setuid and setgid on writes -------------------------------------------------------------------
 
 

@@ -159,7 +159,7 @@ async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
 
     for key, _ in await _scan_all(txn, b"XATR"):
         inode_id = schema.parse_inode_key(schema.inode_prefix() + key[4:12])
-        if inode_id not in inodes:
+        if inode_id not in inodes and inode_id not in gc_pending:  # GC deletes what a removal left
             problem(f"xattr of missing inode {inode_id}")
 
     chunk_count = 0

@@ -54,6 +54,7 @@ __all__ = [
     "O_RDWR",
     "O_TRUNC",
     "O_WRONLY",
+    "XATTR_DELETE_PAGE",
     "Ancestry",
     "AncestryUnknown",
     "Caller",
@@ -91,6 +92,9 @@ XATTR_VALUE_MAX_BYTES = 64 * 1024
 # Linux's limit for one listxattr answer (names and their NULs): a longer list is E2BIG.
 XATTR_LIST_MAX_BYTES = 64 * 1024
 _XATTR_LIST_PAGE = 64  # attributes read at a time (values come with them: at most 4 MiB)
+# Attributes a removal deletes in its own transaction (at most 4 MiB of values read); the GC job
+# deletes the rest as many per transaction.
+XATTR_DELETE_PAGE = 64
 READDIR_LIMIT_MAX = 10_000
 # Parent links one transaction follows. Linux has no depth limit for directory trees; a rename
 # that must look further above its destination has the service walk on (:class:`AncestryUnknown`).
@@ -595,18 +599,29 @@ class Namespace:
         return await self._delete_inode(inode)
 
     async def _delete_inode(self, inode: mpb.Inode) -> bool:
+        """Delete the inode; True when a GC job is queued for what this transaction leaves behind.
+
+        Its attributes are deleted here up to :data:`XATTR_DELETE_PAGE` of them: anyone who may
+        write a file may set any number, and the transaction must not grow with them. The rest
+        go with the GC job (a file always has one, for its chunks; any other inode gets one
+        without chains), which deletes them a page per transaction.
+        """
         self._drop_inode(inode.inode_id)
         prefix = schema.xattr_prefix(inode.inode_id)
-        for key, _ in await self.txn.scan(prefix, prefix_end(prefix)):
+        rows = await self.txn.scan(prefix, prefix_end(prefix), limit=XATTR_DELETE_PAGE)
+        for key, _ in rows:
             self.txn.delete(key)
         # An unfinished truncate is dropped: the GC job lists and removes every chunk there is.
         self.txn.delete(schema.truncate_key(inode.inode_id))
         self.txn.delete(schema.size_gen_key(inode.inode_id))
         if inode.type == FILE:
             job = schema.GcJob(inode.layout, 0, inode.size)
-            self.txn.put(schema.gc_key(inode.inode_id), job.encode())
-            return True
-        return False
+        elif len(rows) == XATTR_DELETE_PAGE:
+            job = schema.GcJob(mpb.Layout(), 0, 0)  # attributes only
+        else:
+            return False
+        self.txn.put(schema.gc_key(inode.inode_id), job.encode())
+        return True
 
     async def remove(self, ref: mpb.PathRef, directory: bool) -> int:
         parent, name = await self.resolve_parent(ref)

@@ -78,6 +78,7 @@ from fs3.meta.ops import (
     O_CREAT,
     O_EXCL,
     O_TRUNC,
+    XATTR_DELETE_PAGE,
     Ancestry,
     AncestryUnknown,
     Caller,
@@ -865,6 +866,7 @@ class MetaService:
             except FS3Error as exc:
                 log.warning("gc of inode %d postponed: %s", inode_id, exc)
                 continue
+            await self._delete_xattrs(inode_id)
 
             async def done(txn: Transaction, key: bytes = key) -> None:
                 txn.delete(key)
@@ -872,6 +874,19 @@ class MetaService:
             await run_transaction(self.engine, done)
             finished += 1
         return finished
+
+    async def _delete_xattrs(self, inode_id: int) -> None:
+        """Delete the attributes a deleted inode's removal left (a page per transaction)."""
+        prefix = schema.xattr_prefix(inode_id)
+
+        async def delete_page(txn: Transaction) -> int:
+            rows = await txn.scan(prefix, prefix_end(prefix), limit=XATTR_DELETE_PAGE)
+            for key, _ in rows:
+                txn.delete(key)
+            return len(rows)
+
+        while await run_transaction(self.engine, delete_page) == XATTR_DELETE_PAGE:
+            pass
 
     async def run_truncates_once(self) -> None:
         prefix = schema.truncate_prefix()
