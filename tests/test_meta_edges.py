@@ -234,6 +234,61 @@ def test_an_o_trunc_open_that_fails_leaves_no_session_behind_and_its_retry_trunc
     assert not asyncio.run(service.fsck(mpb.FsckReq(), EMPTY))[0].problems
 
 
+def test_a_retry_of_an_o_trunc_open_never_answers_with_the_session_a_failing_attempt_closes() -> None:
+    """The client's open times out while meta's first attempt is still cutting the file, and it
+    sends the same request again: the retry finds the saved answer and waits for the cut. The
+    first attempt then fails and closes its session; the retry, which goes on once storage is
+    back, must not answer with that closed session (the client would hold a handle with no
+    session: writes dropped at close, an unlinked file collected under it)."""
+    service, store = _service()
+    call = Requests(service)
+
+    async def main() -> None:
+        created = await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_WRONLY,
+                                                 mode=0o644))
+        assert isinstance(created, mpb.OpenRsp)
+        inode_id = created.inode.inode_id
+        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id,
+                                         length_hint=500, wrote=True, acked=True))
+        first_in, first_fails = asyncio.Event(), asyncio.Event()
+        runs = [0]
+
+        async def storage(inode_id: int) -> None:
+            runs[0] += 1
+            if runs[0] == 1:
+                first_in.set()
+                await first_fails.wait()
+                raise Unavailable("storage stopped answering")
+
+            async def done(txn: Transaction) -> None:  # storage holds nothing: apply the size
+                raw = await txn.get(schema.truncate_key(inode_id))
+                if raw is not None:
+                    job = schema.TruncateJob.decode(raw)
+                    await Namespace(txn, service._env(mpb.User())).complete_truncate(inode_id, job.size_gen)
+
+            await run_transaction(service.engine, done)
+
+        service._run_truncate_locked = storage  # type: ignore[method-assign]
+        reopen = mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_WRONLY | O_TRUNC)
+        first = asyncio.create_task(call("open", reopen))
+        await first_in.wait()
+        retry = asyncio.create_task(call("open", reopen))
+        while (entry := service._truncate_locks.get(inode_id)) is None or entry.users < 2:
+            await asyncio.sleep(0)  # the retry waits for the first attempt's cut
+        first_fails.set()
+        with pytest.raises(Unavailable):
+            await first
+        rsp = await retry
+        assert isinstance(rsp, mpb.OpenRsp) and rsp.inode.inode_id == inode_id
+        prefix = schema.session_prefix(inode_id)
+        open_sessions = [k for k, _ in store.scan(prefix, prefix_end(prefix))]
+        assert open_sessions == [schema.session_key(inode_id, rsp.session_id)], "the answer's session is closed"
+        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=rsp.session_id))
+        assert store.get(schema.inode_key(inode_id)) is not None
+
+    asyncio.run(main())
+
+
 # -- lengths no file can have ----------------------------------------------------------------------
 
 

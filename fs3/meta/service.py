@@ -293,12 +293,15 @@ class MetaService:
         return rsp
 
     async def _mutate_truncating(self, ctx: mpb.ReqCtx, rsp_type: type[M],
-                                 fn: Callable[[Namespace, int], Awaitable[M]]) -> M:
+                                 fn: Callable[[Namespace, int], Awaitable[M]],
+                                 on_failed: Callable[[], Awaitable[None]] | None = None) -> M:
         """A mutation that may change a file's size (``fn(namespace, truncating)``).
 
         The first run claims nothing; when it would truncate an inode, it runs again holding that
         inode's lock, and the truncate's storage side (:meth:`_run_truncate_locked`) runs before
         the answer. An inode whose earlier truncate is unfinished has it finished first.
+        ``on_failed`` runs, still holding the lock, when the storage side fails after the commit:
+        a retry of the request waiting for the lock then sees what it changed.
         """
         truncating = 0
         for _ in range(_TRUNCATE_ATTEMPTS):
@@ -313,7 +316,12 @@ class MetaService:
                             raise
                         await self._run_truncate_locked(truncating)
                         continue
-                    await self._run_truncate_locked(truncating)
+                    try:
+                        await self._run_truncate_locked(truncating)
+                    except Exception:
+                        if on_failed is not None:
+                            await on_failed()
+                        raise
                     return rsp
             except TruncatePending as exc:
                 await self._finish_truncate(exc.inode_id)
@@ -364,18 +372,34 @@ class MetaService:
             await self._ensure_tables()
             new_id = await self.allocator.next()
         now_ms = self._now_ms()
-        try:
-            rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, lambda ns, truncating: ns.open(
-                req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms, truncating))
-            if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and not rsp.session_id:
-                rsp = await self._reopen_abandoned(req, rsp, session_id, now_ms)
-            elif req.flags & O_TRUNC and not rsp.created:
-                await self._finish_truncate(rsp.inode.inode_id)  # a retry answered from the saved answer
-        except Exception:
-            if req.flags & O_TRUNC:
-                await self._abandon_open(req.ctx)
-            raise
+
+        async def abandon() -> None:
+            await self._abandon_open(req.ctx)
+
+        rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, lambda ns, truncating: ns.open(
+            req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms, truncating),
+            abandon if req.flags & O_TRUNC else None)
+        if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and rsp.session_id and not rsp.created:
+            # A retry answered from the saved answer: the attempt that committed it may still be
+            # cutting the file, and closes the session if that fails. Both happen under the lock,
+            # so the saved answer read again after it says whether the session still stands.
+            async with self._inode_lock(rsp.inode.inode_id):
+                try:
+                    await self._run_truncate_locked(rsp.inode.inode_id)
+                except Exception:
+                    await self._abandon_open(req.ctx)
+                    raise
+                rsp = await self._saved_open(req.ctx)
+        if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and not rsp.session_id:
+            rsp = await self._reopen_abandoned(req, rsp, session_id, now_ms)
         return rsp, _EMPTY
+
+    async def _saved_open(self, ctx: mpb.ReqCtx) -> mpb.OpenRsp:
+        """The answer saved for an open request (its session, or none once abandoned)."""
+        raw = await self.engine.begin().get(schema.idem_key(ctx.client_id, ctx.request_id))
+        if raw is None:
+            raise StaleClient("the saved answer of this open expired: its outcome is unknown")
+        return mpb.OpenRsp.FromString(schema.IdemRecord.decode(raw).response)
 
     async def _abandon_open(self, ctx: mpb.ReqCtx) -> None:
         """End the session of an ``O_TRUNC`` open its caller is told failed; its saved answer stays,
