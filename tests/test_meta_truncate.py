@@ -751,3 +751,22 @@ def test_a_cancelled_truncate_holds_the_inode_until_its_storage_calls_end(tmp_pa
         assert data[:offset] == bytes(offset)
 
     with_cluster(tmp_path / "c", body)
+
+
+def test_a_size_past_64_bits_is_efbig_from_the_library_and_changes_nothing(tmp_path: Path) -> None:
+    """``truncate`` with a size no file can have is EFBIG (an ``OSError``), by path and by handle,
+    as a size that fits in 64 bits but not in the layout is; the file is untouched."""
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        await write_file(fs, "/t/f", {0: b"abc"})
+        for size in (1 << 64, 1 << 70):
+            with pytest.raises(OSError) as by_path:
+                await fs.truncate("/t/f", size)
+            assert by_path.value.errno == errno.EFBIG
+            async with await fs.open("/t/f", "r+b") as f:
+                await f.pwrite(3, b"d")
+                with pytest.raises(OSError) as by_handle:
+                    await f.truncate(size)
+                assert by_handle.value.errno == errno.EFBIG
+        assert await fs.read_bytes("/t/f") == b"abcd"
+
+    with_cluster(tmp_path / "c", body)

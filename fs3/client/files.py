@@ -386,6 +386,8 @@ class AsyncFile:
         size = self._pos if size is None else size
         if size < 0:
             raise InvalidArgument("negative size")
+        if size > max_file_size(self.layout):
+            raise FileTooLarge(f"size {size} exceeds {max_file_size(self.layout)}, the largest file this layout allows")
         await self._flush()
         await self.fs.settle_writers(self.inode.inode_id)
         await self._call_meta("SetAttr", mpb.SetAttrReq(

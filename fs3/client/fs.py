@@ -8,6 +8,7 @@ the fs3 namespace (a relative path is taken from the root). ``open`` returns an
 
 from __future__ import annotations
 
+import errno
 import os
 import stat as stat_mod
 import weakref
@@ -28,6 +29,10 @@ from fs3.rpc.channel import RealChannelFactory, Transport
 
 __all__ = ["KIND_OF_MODE", "TYPE_BITS", "AsyncFileSystem", "ClientConfig", "DirEntry", "connect", "open_flags",
            "stat_result"]
+
+# The largest size a truncate can ask for (a file's size is a signed 64-bit offset to the kernel and
+# POSIX); meta refuses any size past its file's layout with EFBIG.
+_SIZE_MAX = (1 << 63) - 1
 
 PathLike = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
@@ -418,6 +423,9 @@ class AsyncFileSystem:
     async def truncate(self, path: PathLike, length: int) -> None:
         if length < 0:
             raise OSError(22, "negative length", os.fsdecode(path))
+        if length > _SIZE_MAX:
+            raise OSError(errno.EFBIG, f"length {length} exceeds {_SIZE_MAX}, the largest any file may have",
+                          os.fsdecode(path))
         await self._settle_path(path)
         inode = await self._setattr(path, True, mask=mpb.SET_SIZE, size=length)
         self.size_changed(inode.inode_id, length)
