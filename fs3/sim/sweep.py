@@ -180,12 +180,14 @@ def write_summary(directory: Path, config: SweepConfig, records: dict[int, Recor
     commits: dict[str, int] = {}
     for record in records.values():
         commits[record.get("commit") or "unknown"] = commits.get(record.get("commit") or "unknown", 0) + 1
+    mix_flag = f" --mix {config.mix}" if config.mix != "default" else ""
+    make_target = "sim-meta" if config.mix == "meta" else "sim"
     lines = [
         f"# Simulator sweep: {config.describe()}",
         "",
         f"Results: `{config.key()}.jsonl` (not in git); rerun or extend with "
         f"`python -m fs3.sim --resume --first N --seeds M --clients {config.clients} --ops {config.ops} "
-        f"--faults {config.faults:g}` (or `make sim SEEDS=M`).",
+        f"--faults {config.faults:g}{mix_flag}` (or `make {make_target} SEEDS=M`).",
         "",
         f"- seeds covered: {_format_ranges(records)}",
         f"- {len(records)} seeds: {len(records) - len(failing)} passed, {len(failing)} failed",
