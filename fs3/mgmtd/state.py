@@ -17,8 +17,9 @@ from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import AlreadyExists, InvalidArgument, NotFound
 from fs3.common.invariant import ensure
+from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import KVStore, WriteBatch, prefix_end
-from fs3.mgmtd.chain_state import LocalState, PublicState, update_chain
+from fs3.mgmtd.chain_state import update_chain
 
 __all__ = ["MgmtdState", "NodeRecord", "TargetRecord"]
 

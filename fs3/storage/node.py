@@ -24,8 +24,8 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
+from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import RocksKVStore
-from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.methods import service_spec

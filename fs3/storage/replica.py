@@ -58,8 +58,8 @@ from fs3.common.errors import (
 )
 from fs3.common.ids import CHUNK_SIZE_MAX_BYTES, validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
+from fs3.common.target_state import PublicState
 from fs3.kv.group_sync import GroupSync
-from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import (
     CLIENT_ID_MAX_BYTES,

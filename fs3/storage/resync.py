@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from fs3 import storage_pb2 as spb
 from fs3.common.errors import TargetNotServing
-from fs3.mgmtd.chain_state import PublicState
+from fs3.common.target_state import PublicState
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import dump_chunk_meta
 from fs3.storage.chunk_engine import parse_channel_key
