@@ -24,8 +24,8 @@ from fs3.common.errors import (
 from fs3.common.ids import chunk_id
 from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES
 from fs3.common.posix import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY, Caller
-from fs3.kv.store import prefix_end
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
+from fs3.kv.api import Transaction, prefix_end
+from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import ops, schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.ops import Namespace

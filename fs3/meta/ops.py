@@ -66,8 +66,7 @@ from fs3.common.posix import (
     Caller,
     may,
 )
-from fs3.kv.store import prefix_end
-from fs3.kv.txn import Transaction
+from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
 
 __all__ = [
