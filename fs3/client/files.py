@@ -60,7 +60,7 @@ class AsyncFile:
         self.name = path
         self.inode = rsp.inode
         self.session_id = rsp.session_id
-        # A session id starts with the id of the client that opened it (see fs3.meta.schema).
+        # A session id starts with the id of the client that opened it (see fs3.common.ids).
         self._client_id = rsp.session_id[:CLIENT_ID_BYTES] if rsp.session_id else fs.meta.client_id
         self.readable = readable
         self.writable = writable
