@@ -36,11 +36,13 @@ run: install
 test: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
 	$(BIN)/mypy fs3 cluster_model
+	$(BIN)/lint-imports
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
 	$(BIN)/mypy fs3 cluster_model
+	$(BIN)/lint-imports
 
 # Long deterministic-simulation sweep on every core (JOBS=N to limit): `make sim SEEDS=10000`.
 # Resumes: seeds already in bench/results/sim/<config>.jsonl are skipped; summary-<config>.md is refreshed.

@@ -35,7 +35,7 @@ from fs3.client.admin import AdminClient  # noqa: E402
 from fs3.client.routing import RoutingCache  # noqa: E402
 from fs3.client.storage_client import StorageClient, StorageClientConfig  # noqa: E402
 from fs3.common.ids import chunk_id  # noqa: E402
-from fs3.mgmtd.chain_state import PublicState  # noqa: E402
+from fs3.common.target_state import PublicState  # noqa: E402
 from fs3.rpc.channel import RealChannelFactory  # noqa: E402
 from tests.harness import ProcessCluster, free_port  # noqa: E402
 

@@ -18,11 +18,11 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.clock import Clock
 from fs3.common.metrics import ServiceMetrics
+from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
 from fs3.meta.server import MetaConfig, _heartbeat_loop
 from fs3.meta.service import MetaService, MetaServiceConfig
-from fs3.mgmtd.chain_state import PublicState
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher

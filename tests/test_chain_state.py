@@ -7,10 +7,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fs3.common.target_state import LocalState, PublicState
 from fs3.mgmtd.chain_state import (
     TRANSITIONS,
-    LocalState,
-    PublicState,
     next_public_state,
     transition_table_markdown,
     update_chain,

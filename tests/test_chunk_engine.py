@@ -11,7 +11,8 @@ import pytest
 
 from fs3.common.checksum import crc32c, crc32c_patch
 from fs3.common.errors import InvariantViolation, IoError, NoSpace
-from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch, prefix_end
+from fs3.kv.api import prefix_end
+from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch
 from fs3.storage.blobs import FileBlobStore, MemBlobStore
 from fs3.storage.chunk_engine import ChannelRecord, ChunkEngine
 

@@ -21,8 +21,8 @@ import pytest
 
 from fs3.common.errors import FS3Error, IoError, NoSpace, StatusCode
 from fs3.common.ids import chunk_id
+from fs3.common.target_state import PublicState
 from fs3.kv.store import RocksKVStore, WriteBatch
-from fs3.mgmtd.chain_state import PublicState
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
 

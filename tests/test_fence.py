@@ -23,8 +23,8 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.errors import FS3Error, StatusCode, Timeout, Unavailable
 from fs3.common.ids import chunk_id
+from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import MemKVStore
-from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.mgmtd.state import MgmtdState
 from fs3.rpc.channel import Channel, ChannelFactory

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch, open_kv, prefix_end
+from fs3.kv.api import prefix_end
+from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch, open_kv
 
 
 @pytest.fixture(params=["mem", "rocksdb"])

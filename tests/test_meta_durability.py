@@ -20,8 +20,9 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.errors import AlreadyExists, NotFound
+from fs3.kv.api import Transaction
 from fs3.kv.store import MemKVStore
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
+from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
 

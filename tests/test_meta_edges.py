@@ -22,12 +22,13 @@ from fs3.common.errors import (
     XattrTooLarge,
 )
 from fs3.common.ids import chunk_id
-from fs3.kv.store import prefix_end
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
+from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES
+from fs3.common.posix import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY, Caller
+from fs3.kv.api import Transaction, prefix_end
+from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import ops, schema
 from fs3.meta.fsck import run_fsck
-from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES
-from fs3.meta.ops import O_CREAT, O_RDONLY, O_TRUNC, O_WRONLY, Namespace
+from fs3.meta.ops import Namespace
 from fs3.meta.service import MetaService
 from tests.test_meta_ops import CLIENT, Meta, _service, ref
 from tests.test_meta_ops import ROOT as ROOT_CALLER
@@ -327,7 +328,7 @@ def test_listxattr_answers_at_most_64_kib_of_names_and_e2big_past_it() -> None:
         meta.run(lambda ns, n=name: ns.set_xattr(ref("/f"), True, n, b"v", 0))
     assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True)) == names  # several pages, in order
     meta.run(lambda ns: ns.set_xattr(ref("/f"), True, b"trusted.hidden" + b"t" * 240, b"v", 0))
-    alice = ops.Caller(1000, 1000)
+    alice = Caller(1000, 1000)
     assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True), alice) == names  # trusted names are not hers
     with pytest.raises(XattrTooLarge) as info:  # root sees it too: 65,755 bytes, past 65,536
         meta.run(lambda ns: ns.list_xattr(ref("/f"), True))
@@ -396,7 +397,7 @@ def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> Non
     keeps both. Through a mount the kernel asks with a chmod that only clears those bits, which
     a writer that does not own the file may send; any other chmod stays the owner's."""
     meta = Meta()
-    bob = ops.Caller(1001, 1001)
+    bob = Caller(1001, 1001)
     meta.touch("/f", mode=0o666)
     setattr, chmod, mode = _mode_helpers(meta, bob)
 
@@ -435,9 +436,9 @@ def _complete_truncate(meta: Meta, inode_id: int) -> None:
     meta.run(done)
 
 
-def _mode_helpers(meta: Meta, caller: ops.Caller) -> tuple[Callable[..., mpb.Inode], Callable[[int], None],
+def _mode_helpers(meta: Meta, caller: Caller) -> tuple[Callable[..., mpb.Inode], Callable[[int], None],
                                                            Callable[[], int]]:
-    def setattr(as_caller: ops.Caller = caller, **fields: Any) -> mpb.Inode:
+    def setattr(as_caller: Caller = caller, **fields: Any) -> mpb.Inode:
         req = mpb.SetAttrReq(target=ref("/f"), **fields)
         inode_id = meta.stat("/f").inode_id
         inode: mpb.Inode = meta.run(lambda ns: ns.setattr(req, inode_id), as_caller)
@@ -457,7 +458,7 @@ def test_a_client_drops_setuid_and_setgid_before_its_first_write() -> None:
     """SET_DROP_PRIVILEGES: what the client library sends before a handle's first write; it needs
     write permission or a handle open for writing, and does nothing for root."""
     meta = Meta()
-    bob = ops.Caller(1001, 1001)
+    bob = Caller(1001, 1001)
     meta.touch("/f", mode=0o666)
     setattr, chmod, mode = _mode_helpers(meta, bob)
     for kept_by_root in (True, False):

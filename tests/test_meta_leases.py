@@ -27,10 +27,11 @@ from fs3.common.clock import ManualClock
 from fs3.common.config import config_from_mapping
 from fs3.common.errors import BadHandle, InvalidArgument, StaleClient, Timeout, Unavailable
 from fs3.common.ids import parse_chunk_id
-from fs3.kv.store import MemKVStore, prefix_end
-from fs3.kv.txn import OptimisticTxnEngine, Transaction
+from fs3.common.posix import O_CREAT, O_RDONLY, O_RDWR, O_WRONLY
+from fs3.kv.api import Transaction, prefix_end
+from fs3.kv.store import MemKVStore
+from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta import schema
-from fs3.meta.ops import O_CREAT, O_RDONLY, O_RDWR, O_WRONLY
 from fs3.meta.server import MetaConfig
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory

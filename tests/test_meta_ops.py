@@ -30,19 +30,14 @@ from fs3.common.errors import (
     PermissionDenied,
     SymlinkLoop,
 )
+from fs3.common.layout import SplitMix64, chunk_location, file_layout, seeded_shuffle
+from fs3.common.posix import O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY, Caller
+from fs3.kv.api import Transaction
 from fs3.kv.store import MemKVStore
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, TxnFaults, run_transaction
+from fs3.kv.txn import OptimisticTxnEngine, TxnFaults, run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
-from fs3.meta.layout import SplitMix64, chunk_location, file_layout, seeded_shuffle
 from fs3.meta.ops import (
-    O_CREAT,
-    O_EXCL,
-    O_RDONLY,
-    O_RDWR,
-    O_TRUNC,
-    O_WRONLY,
-    Caller,
     LengthProbeStale,
     Namespace,
     OpEnv,

@@ -25,11 +25,13 @@ from fs3 import storage_pb2 as spb
 from fs3.client.fs import AsyncFileSystem
 from fs3.common.errors import InvalidArgument, IoError
 from fs3.common.ids import chunk_id, parse_chunk_id
-from fs3.kv.store import MemKVStore, prefix_end
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
+from fs3.common.posix import Caller
+from fs3.kv.api import Transaction, prefix_end
+from fs3.kv.store import MemKVStore
+from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
-from fs3.meta.ops import Caller, Namespace, OpEnv
+from fs3.meta.ops import Namespace, OpEnv
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.storage_calls import list_chunk_range
 from tests.conftest import wait_until

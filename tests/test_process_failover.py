@@ -18,7 +18,7 @@ import pytest
 from fs3.client.admin import AdminClient
 from fs3.common.errors import FS3Error
 from fs3.common.ids import chunk_id
-from fs3.mgmtd.chain_state import PublicState
+from fs3.common.target_state import PublicState
 from tests.conftest import make_client, wait_until
 from tests.harness import ProcessCluster
 

@@ -18,7 +18,7 @@ from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
 from fs3.common.errors import ChannelSeqStale, NoSpace, ResourceExhausted
 from fs3.common.ids import chunk_id
-from fs3.mgmtd.chain_state import LocalState, PublicState
+from fs3.common.target_state import LocalState, PublicState
 from fs3.rpc.methods import service_spec
 from fs3.storage.replica import ReplicaConfig, TargetReplica
 from tests.conftest import wait_until

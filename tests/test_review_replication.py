@@ -13,7 +13,7 @@ from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
 from fs3.common.errors import FS3Error
 from fs3.common.ids import chunk_id as make_chunk_id
-from fs3.mgmtd.chain_state import PublicState
+from fs3.common.target_state import PublicState
 from fs3.rpc.methods import service_spec
 from fs3.sim.cluster import ClusterShape, SimCluster
 from fs3.sim.loop import VirtualTimeLoop

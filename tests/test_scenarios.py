@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fs3.mgmtd.chain_state import LocalState, PublicState, update_chain
+from fs3.common.target_state import LocalState, PublicState
+from fs3.mgmtd.chain_state import update_chain
 
 SCENARIOS = sorted((Path(__file__).parent / "scenarios").glob("*.txt"))
 _LOCAL = {"up-to-date": LocalState.UP_TO_DATE, "online": LocalState.ONLINE, "offline": LocalState.OFFLINE}

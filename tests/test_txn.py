@@ -13,8 +13,9 @@ import pytest
 
 from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
 from fs3.common.faults import SABOTAGE_ENV
+from fs3.kv.api import Transaction
 from fs3.kv.store import MemKVStore, RocksKVStore
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, TxnFaults, run_transaction
+from fs3.kv.txn import OptimisticTxnEngine, TxnFaults, run_transaction
 
 
 def run(coro):  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ import pytest
 import fs3.aio
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import BadHandle, NotFound, PermissionDenied
-from fs3.meta.ops import O_APPEND, O_RDONLY, O_RDWR, O_WRONLY
+from fs3.common.posix import O_APPEND, O_RDONLY, O_RDWR, O_WRONLY
 from fs3.meta.service import MetaServiceConfig
 from fs3.vfs import Vfs
 from tests.inproc import InProcessCluster

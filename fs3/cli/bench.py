@@ -396,7 +396,7 @@ def bench_command(args: Any) -> int:
     fs = None
     backend: Backend
     if args.native:
-        from fs3.cli.main import resolve_cluster
+        from fs3.cli.cluster import resolve_cluster
         from fs3.client.sync_api import connect
 
         mgmtd, token = resolve_cluster(args)

@@ -19,10 +19,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from fs3 import common_pb2 as cpb
+from fs3.cli.cluster import resolve_cluster
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 
@@ -64,19 +64,6 @@ def _parse_chain_spec(spec: str) -> tuple[int, list[int]]:
         return 0, [int(t) for t in spec.split(",") if t]
     except ValueError:
         raise InvalidArgument(f"bad chain spec {spec!r}: expected CHAIN_ID:TARGET,TARGET,...") from None
-
-
-def resolve_cluster(args: argparse.Namespace) -> tuple[str, str | None]:
-    """mgmtd address and token from ``--dir`` (a local cluster's cluster.json) or ``--mgmtd``/``--token``."""
-    transport = getattr(args, "transport", "framed")
-    if args.dir:
-        info_path = Path(args.dir) / "cluster.json"
-        if not info_path.exists():
-            raise InvalidArgument(f"no {info_path}: start one with fs3 local up --dir {args.dir}")
-        info = json.loads(info_path.read_text())
-        args.mgmtd = info["processes"]["mgmtd"][transport] if transport == "grpc" else info["mgmtd"]
-        args.token = args.token or info["token"]
-    return args.mgmtd, args.token or os.environ.get("FS3_TOKEN") or None
 
 
 async def _admin(args: argparse.Namespace) -> int:

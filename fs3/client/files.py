@@ -1,6 +1,6 @@
 """Open files of the asyncio client: chunked, parallel, buffered I/O straight to storage.
 
-A file's bytes live in chunks on chains (``fs3.meta.layout``); meta only knows the length. Writes
+A file's bytes live in chunks on chains (``fs3.common.layout``); meta only knows the length. Writes
 are cut at chunk boundaries, gathered into one buffer per chunk piece, and sent to the chunk's
 chain head in the background with a bounded number in flight (so memory per open file is
 bounded); errors surface at the next write, ``flush``, ``fsync`` or ``close``. Reads fan out over
@@ -34,8 +34,9 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.oserrors import os_errors
 from fs3.common.buffers import Buffer
 from fs3.common.errors import BadHandle, FileTooLarge, FS3Error, InvalidArgument, StaleClient
-from fs3.meta.layout import chunk_location, max_file_size
-from fs3.meta.schema import CLIENT_ID_BYTES
+from fs3.common.ids import CLIENT_ID_BYTES
+from fs3.common.layout import chunk_location, max_file_size
+from fs3.common.posix import S_ISGID, S_ISUID, S_IXGRP
 
 if TYPE_CHECKING:
     from fs3.client.fs import AsyncFileSystem
@@ -45,7 +46,6 @@ __all__ = ["AsyncFile"]
 log = logging.getLogger(__name__)
 
 _READAHEAD_MIN_BYTES = 128 * 1024
-_S_ISUID, _S_ISGID, _S_IXGRP = 0o4000, 0o2000, 0o010
 _HINT_INTERVAL_S = 1.0
 
 
@@ -60,7 +60,7 @@ class AsyncFile:
         self.name = path
         self.inode = rsp.inode
         self.session_id = rsp.session_id
-        # A session id starts with the id of the client that opened it (see fs3.meta.schema).
+        # A session id starts with the id of the client that opened it (see fs3.common.ids).
         self._client_id = rsp.session_id[:CLIENT_ID_BYTES] if rsp.session_id else fs.meta.client_id
         self.readable = readable
         self.writable = writable
@@ -74,7 +74,7 @@ class AsyncFile:
         # A write by anyone but root drops setuid (and group-executable setgid) first, as on Linux.
         mode = rsp.inode.mode
         self._drop_privileges = writable and self.user.uid != 0 and rsp.inode.type == mpb.FILE and bool(
-            mode & _S_ISUID or (mode & _S_ISGID and mode & _S_IXGRP))
+            mode & S_ISUID or (mode & S_ISGID and mode & S_IXGRP))
         self._written_end = 0
         # Writes made, and how many of them meta has an exact length for (after a flush): a close
         # with nothing new to publish spares meta a probe of storage.

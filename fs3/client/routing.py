@@ -7,7 +7,7 @@ import asyncio
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import FS3Error, Unavailable
-from fs3.mgmtd.chain_state import PublicState
+from fs3.common.target_state import PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
 

@@ -22,7 +22,7 @@ from fs3.common.buffers import Buffer
 from fs3.common.checksum import crc32c
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import ChecksumMismatch, FS3Error, StatusCode, Unavailable
-from fs3.mgmtd.chain_state import PublicState
+from fs3.common.target_state import PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
 

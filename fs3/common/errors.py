@@ -3,7 +3,9 @@
 Every failure inside fs3 is an :class:`FS3Error` carrying a :class:`StatusCode`. The numbers
 mirror ``StatusCode`` in ``proto/fs3/common.proto`` so that an error crosses either transport
 unchanged: the server encodes ``(code, message)``, the client raises the same class again.
-Transport-level failures are mapped to these codes in exactly one place (``fs3.rpc.errors``).
+Transport-level failures are mapped to these codes by each transport, in one place each: gRPC's
+status codes by ``_to_fs3_error`` in ``fs3.rpc.grpc_transport``, the framed transport's lost
+connections and timeouts by its channel in ``fs3.rpc.framed``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ __all__ = [
     "CHUNK_ID_MAX_BYTES",
     "CHUNK_SIZE_MAX_BYTES",
     "CHUNK_SIZE_MIN_BYTES",
+    "CLIENT_ID_BYTES",
     "chunk_id",
     "parse_chunk_id",
     "validate_chunk_id",
@@ -23,6 +24,9 @@ __all__ = [
 ]
 
 CHUNK_ID_MAX_BYTES = 64
+# A client's id (random, chosen at connect); a session id starts with the id of the client that
+# opened it, so a client tells its own sessions without asking meta.
+CLIENT_ID_BYTES = 16
 CHUNK_SIZE_MIN_BYTES = 4096
 CHUNK_SIZE_MAX_BYTES = 64 * 1024 * 1024
 

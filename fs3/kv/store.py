@@ -55,17 +55,6 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-def prefix_end(prefix: bytes) -> bytes | None:
-    """The smallest key greater than every key starting with ``prefix`` (None: no bound)."""
-    raw = bytearray(prefix)
-    while raw:
-        if raw[-1] < 0xFF:
-            raw[-1] += 1
-            return bytes(raw)
-        raw.pop()
-    return None
-
-
 class MemKVStore:
     """An in-memory ordered store. ``durable`` holds what survived the last ``sync`` write.
 

@@ -6,10 +6,10 @@ commits, and retries on a conflict or an unknown commit outcome; operations are 
 idempotent, so running one again after a commit that did succeed returns the same answer.
 
 The interface is async and assumes nothing about who else writes: a networked, replicated engine
-(several stateless meta servers over one store) can implement :class:`TxnEngine` later without
+(several stateless meta servers over one store) can implement :class:`~fs3.kv.api.TxnEngine` later without
 any change above it.
 
-:class:`OptimisticTxnEngine` implements it over one embedded :class:`~fs3.kv.KVStore` (RocksDB or
+:class:`OptimisticTxnEngine` implements it over one embedded :class:`~fs3.kv.store.KVStore` (RocksDB or
 memory). Reads see the latest committed data and are recorded (keys and scanned ranges); writes are
 buffered. At commit the engine checks that no transaction committed since this one began wrote a
 key it read or a key inside a range it scanned, then applies the writes in one atomic batch. Faults
@@ -25,41 +25,18 @@ import random
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
+from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.group_sync import GroupSync
 from fs3.kv.store import KVStore, WriteBatch
 
-__all__ = ["OptimisticTxnEngine", "Transaction", "TxnEngine", "TxnFaults", "run_transaction"]
+__all__ = ["OptimisticTxnEngine", "TxnFaults", "run_transaction"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _DELETED = object()
-
-
-class Transaction(Protocol):
-    async def get(self, key: bytes) -> bytes | None: ...
-
-    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
-        """Pairs with ``start <= key < end`` in key order, this transaction's own writes included."""
-        ...
-
-    def put(self, key: bytes, value: bytes) -> None: ...
-
-    def delete(self, key: bytes) -> None: ...
-
-    async def commit(self) -> None:
-        """Commit; returns only once the writes, and everything the transaction read, are durable."""
-        ...
-
-
-class TxnEngine(Protocol):
-    def begin(self) -> Transaction: ...
-
-    async def wait_durable(self) -> None:
-        """Return once every commit that readers may already have seen is durable."""
-        ...
 
 
 @dataclass

@@ -22,8 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
 from fs3.common.ids import parse_chunk_id
-from fs3.kv.store import prefix_end
-from fs3.kv.txn import Transaction
+from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
 
 __all__ = ["run_fsck"]

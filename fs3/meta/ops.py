@@ -37,60 +37,49 @@ from fs3.common.errors import (
     TooManyLinks,
     XattrTooLarge,
 )
-from fs3.kv.store import prefix_end
-from fs3.kv.txn import Transaction
+from fs3.common.layout import file_layout, max_file_size, validate_dir_layout
+from fs3.common.posix import (
+    LINK_MAX,
+    NAME_MAX_BYTES,
+    O_ACCMODE,
+    O_CREAT,
+    O_DIRECTORY,
+    O_EXCL,
+    O_NOFOLLOW,
+    O_RDONLY,
+    O_RDWR,
+    O_TRUNC,
+    O_WRONLY,
+    PATH_MAX_BYTES,
+    PERM_MASK,
+    R_OK,
+    S_ISGID,
+    S_ISUID,
+    S_ISVTX,
+    S_IXGRP,
+    SYMLINK_FOLLOW_MAX,
+    W_OK,
+    X_OK,
+    XATTR_LIST_MAX_BYTES,
+    XATTR_NAME_MAX_BYTES,
+    XATTR_VALUE_MAX_BYTES,
+    Caller,
+    may,
+)
+from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
-from fs3.meta.layout import file_layout, max_file_size, validate_dir_layout
 
 __all__ = [
     "ANCESTOR_WALK_MAX",
-    "O_ACCMODE",
-    "O_APPEND",
-    "O_CREAT",
-    "O_DIRECTORY",
-    "O_EXCL",
-    "O_NOFOLLOW",
-    "O_RDONLY",
-    "O_RDWR",
-    "O_TRUNC",
-    "O_WRONLY",
     "XATTR_DELETE_PAGE",
     "Ancestry",
     "AncestryUnknown",
-    "Caller",
     "Namespace",
     "OpEnv",
     "TruncatePending",
     "TruncateUnclaimed",
 ]
 
-# Linux open(2) flags (fixed numbers: the wire carries them, whatever the client's platform).
-O_RDONLY = 0
-O_WRONLY = 1
-O_RDWR = 2
-O_ACCMODE = 3
-O_CREAT = 0o100
-O_EXCL = 0o200
-O_TRUNC = 0o1000
-O_APPEND = 0o2000
-O_DIRECTORY = 0o200000
-O_NOFOLLOW = 0o400000
-
-S_ISUID = 0o4000
-S_ISGID = 0o2000
-S_ISVTX = 0o1000
-S_IXGRP = 0o010
-PERM_MASK = 0o7777
-
-R_OK, W_OK, X_OK = 4, 2, 1
-NAME_MAX_BYTES = 255
-PATH_MAX_BYTES = 4096
-SYMLINK_FOLLOW_MAX = 40
-LINK_MAX = 65_000
-XATTR_NAME_MAX_BYTES = 255
-XATTR_VALUE_MAX_BYTES = 64 * 1024
-# Linux's limit for one listxattr answer (names and their NULs): a longer list is E2BIG.
-XATTR_LIST_MAX_BYTES = 64 * 1024
 _XATTR_LIST_PAGE = 64  # attributes read at a time (values come with them: at most 4 MiB)
 # Attributes a removal deletes in its own transaction (at most 4 MiB of values read); the GC job
 # deletes the rest as many per transaction.
@@ -104,26 +93,6 @@ _RELATIME_NS = 24 * 3600 * 1_000_000_000
 DIRECTORY = mpb.DIRECTORY
 FILE = mpb.FILE
 SYMLINK = mpb.SYMLINK
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who is asking: uid, primary gid and supplementary groups."""
-
-    uid: int
-    gid: int
-    groups: frozenset[int] = frozenset()
-
-    @classmethod
-    def from_pb(cls, user: mpb.User) -> Caller:
-        return cls(user.uid, user.gid, frozenset(user.groups))
-
-    @property
-    def is_root(self) -> bool:
-        return self.uid == 0
-
-    def in_group(self, gid: int) -> bool:
-        return gid == self.gid or gid in self.groups
 
 
 @dataclass(frozen=True)
@@ -164,20 +133,6 @@ def check_new_name(name: bytes) -> None:
         raise InvalidArgument("a name cannot contain '/' or NUL")
     if len(name) > NAME_MAX_BYTES:
         raise NameTooLong(f"name of {len(name)} bytes exceeds {NAME_MAX_BYTES}")
-
-
-def may(inode: mpb.Inode, caller: Caller, want: int) -> bool:
-    """POSIX access check of ``want`` (R_OK|W_OK|X_OK bits) on ``inode`` for ``caller``."""
-    if caller.is_root:
-        # Root reads and writes anything; it may execute only what someone may execute.
-        return not (want & X_OK and inode.type != DIRECTORY and not inode.mode & 0o111)
-    if caller.uid == inode.uid:
-        bits = (inode.mode >> 6) & 7
-    elif caller.in_group(inode.gid):
-        bits = (inode.mode >> 3) & 7
-    else:
-        bits = inode.mode & 7
-    return bits & want == want
 
 
 class AncestryUnknown(Exception):

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
+from fs3.common.ids import CLIENT_ID_BYTES
 
 __all__ = [
-    "CLIENT_ID_BYTES",
     "ROOT_INODE",
     "SESSION_ID_BYTES",
     "ClientLease",
@@ -75,7 +75,6 @@ __all__ = [
 ]
 
 ROOT_INODE = 1
-CLIENT_ID_BYTES = 16
 SESSION_ID_BYTES = CLIENT_ID_BYTES + 8
 
 _U64 = struct.Struct(">Q")

@@ -68,27 +68,24 @@ from fs3.common.errors import (
 )
 from fs3.common.faults import CrashPoint, sabotaged
 from fs3.common.ids import CHUNK_SIZE_MIN_BYTES, chunk_id, parse_chunk_id
-from fs3.kv.store import prefix_end
-from fs3.kv.txn import Transaction, TxnEngine, run_transaction
+from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, max_file_size, validate_dir_layout
+from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC, Caller
+from fs3.common.target_state import PublicState
+from fs3.kv.api import Transaction, TxnEngine, prefix_end
+from fs3.kv.txn import run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
-from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, max_file_size, validate_dir_layout
 from fs3.meta.ops import (
     ANCESTOR_WALK_MAX,
-    O_CREAT,
-    O_EXCL,
-    O_TRUNC,
     XATTR_DELETE_PAGE,
     Ancestry,
     AncestryUnknown,
-    Caller,
     LengthProbeStale,
     Namespace,
     OpEnv,
     TruncatePending,
     TruncateUnclaimed,
 )
-from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.storage_calls import list_chunk_range
 
 __all__ = ["MetaService", "MetaServiceConfig"]

@@ -25,44 +25,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fs3.common.invariant import ensure
+from fs3.common.target_state import LocalState, PublicState
 
 __all__ = [
     "TRANSITIONS",
     "ChainUpdate",
-    "LocalState",
     "Predecessor",
-    "PublicState",
     "next_public_state",
     "transition_table_markdown",
     "update_chain",
 ]
-
-
-class PublicState(enum.IntEnum):
-    """Mirror of ``fs3.PublicState`` in common.proto."""
-
-    SERVING = 1
-    SYNCING = 2
-    WAITING = 3
-    LASTSRV = 4
-    OFFLINE = 5
-
-    @property
-    def readable(self) -> bool:
-        return self is PublicState.SERVING
-
-    @property
-    def writable(self) -> bool:
-        """Whether writes are forwarded to a target in this state."""
-        return self in (PublicState.SERVING, PublicState.SYNCING)
-
-
-class LocalState(enum.IntEnum):
-    """Mirror of ``fs3.LocalState`` in common.proto (``OFFLINE`` is ``LOCAL_OFFLINE`` there)."""
-
-    UP_TO_DATE = 1
-    ONLINE = 2
-    OFFLINE = 3
 
 
 class Predecessor(enum.Enum):

@@ -1,6 +1,6 @@
 """mgmtd's cluster state: nodes, targets, chains, chain tables and the routing version.
 
-A plain object over a :class:`~fs3.kv.KVStore`; callers pass the time in (``now_ms``), so the
+A plain object over a :class:`~fs3.kv.store.KVStore`; callers pass the time in (``now_ms``), so the
 same code runs under the real clock, the simulator's virtual one and unit tests. Everything but
 local states and heartbeat times is persisted: restarting mgmtd loses no chain and changes no
 public state, and every node gets a full heartbeat timeout of grace after the restart.
@@ -17,8 +17,10 @@ from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import AlreadyExists, InvalidArgument, NotFound
 from fs3.common.invariant import ensure
-from fs3.kv.store import KVStore, WriteBatch, prefix_end
-from fs3.mgmtd.chain_state import LocalState, PublicState, update_chain
+from fs3.common.target_state import LocalState, PublicState
+from fs3.kv.api import prefix_end
+from fs3.kv.store import KVStore, WriteBatch
+from fs3.mgmtd.chain_state import update_chain
 
 __all__ = ["MgmtdState", "NodeRecord", "TargetRecord"]
 

@@ -13,8 +13,8 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.client.admin import AdminClient
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import MemKVStore
-from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec

@@ -51,10 +51,11 @@ from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.buffers import Buffer
 from fs3.common.clock import LoopClock
 from fs3.common.errors import FS3Error, StaleClient, StatusCode
-from fs3.kv.store import MemKVStore, prefix_end
+from fs3.common.posix import O_CREAT, O_EXCL, O_RDONLY, O_TRUNC, O_WRONLY
+from fs3.kv.api import prefix_end
+from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
 from fs3.meta import schema
-from fs3.meta.ops import O_CREAT, O_EXCL, O_RDONLY, O_TRUNC, O_WRONLY
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.dispatch import Dispatcher, Reply
 from fs3.rpc.methods import MethodSpec, method_by_id, service_spec

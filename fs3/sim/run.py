@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fs3.common.checksum import crc32c
 from fs3.common.errors import FS3Error
 from fs3.common.ids import chunk_id as make_chunk_id
-from fs3.mgmtd.chain_state import PublicState
+from fs3.common.target_state import PublicState
 from fs3.sim.cluster import ClusterShape, SimCluster
 from fs3.sim.history import INF, History, Op, decode_slots, encode_slot
 from fs3.sim.loop import SimProcess, VirtualTimeLoop

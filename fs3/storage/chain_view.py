@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fs3.mgmtd.chain_state import PublicState
+from fs3.common.target_state import PublicState
 
 __all__ = ["ChainMember", "ChainView"]
 

@@ -49,7 +49,8 @@ from dataclasses import dataclass, replace
 
 from fs3.common.errors import InvalidArgument, IoError, NoSpace
 from fs3.common.invariant import ensure
-from fs3.kv.store import KVStore, WriteBatch, prefix_end
+from fs3.kv.api import prefix_end
+from fs3.kv.store import KVStore, WriteBatch
 from fs3.storage.blobs import BlobStore
 
 __all__ = ["CLIENT_ID_MAX_BYTES", "VERSION_MAX", "Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]

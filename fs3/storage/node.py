@@ -24,11 +24,12 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
+from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import RocksKVStore
-from fs3.mgmtd.chain_state import LocalState, PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.methods import service_spec
+from fs3.rpc.storage_calls import dump_chunk_meta
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.replica import ReplicaConfig, TargetReplica
@@ -467,6 +468,17 @@ class StorageNode:
                                                                timeout_ms=timeout_ms)
         assert isinstance(rsp, spb.QueryCommittedRsp)
         return rsp
+
+    async def dump_chunk_meta(self, member: ChainMember, chain_id: int, batch: int,
+                              timeout_ms: int) -> dict[bytes, spb.ChunkMeta]:
+        return await dump_chunk_meta(self.channels.get(member.address), chain_id, member.target_id, batch,
+                                     timeout_ms)
+
+    async def send_sync_channels(self, member: ChainMember, req: spb.SyncChannelsReq, timeout_ms: int) -> None:
+        await self.channels.get(member.address).call(_STORAGE.method("SyncChannels"), req, timeout_ms=timeout_ms)
+
+    async def send_sync_done(self, member: ChainMember, req: spb.SyncDoneReq, timeout_ms: int) -> None:
+        await self.channels.get(member.address).call(_STORAGE.method("SyncDone"), req, timeout_ms=timeout_ms)
 
     # -- resync ------------------------------------------------------------------------------
 

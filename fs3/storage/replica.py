@@ -34,7 +34,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -58,8 +58,8 @@ from fs3.common.errors import (
 )
 from fs3.common.ids import CHUNK_SIZE_MAX_BYTES, validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
+from fs3.common.target_state import PublicState
 from fs3.kv.group_sync import GroupSync
-from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import (
     CLIENT_ID_MAX_BYTES,
@@ -791,6 +791,33 @@ class TargetReplica:
             return spb.QueryCommittedRsp(exists=False)
         return spb.QueryCommittedRsp(commit_version=state.commit_version, exists=state.commit_version > 0,
                                      undecided=bool(state.pending_version))
+
+    # -- resync: what a serving predecessor copies from (fs3.storage.resync.ResyncSource) -----
+
+    @property
+    def version_floor(self) -> int:
+        """The target's version counter: a resynced successor numbers its versions above it."""
+        return self.engine.floor
+
+    def chunk_ids(self) -> list[bytes]:
+        """Every chunk this target holds, in id order."""
+        return self.engine.all_chunk_ids()
+
+    def chunk_state(self, chunk_id: bytes) -> ChunkState | None:
+        return self.engine.get(chunk_id)
+
+    def hold_chunk(self, chunk_id: bytes) -> AbstractAsyncContextManager[None]:
+        """The lock updates of ``chunk_id`` take: a resync copies a chunk under it, so its copy
+        never interleaves with a write of the same chunk."""
+        return self.locks.hold(chunk_id)
+
+    async def read_committed(self, chunk_id: bytes, state: ChunkState) -> bytes:
+        """The whole committed version ``state`` describes, read off the event loop."""
+        return await self.host.run_blocking(self.engine.read, chunk_id, state.commit_version, 0, state.length)
+
+    def channel_page(self, start_after: bytes, limit: int) -> list[tuple[bytes, ChannelRecord]]:
+        """Exactly-once records in key order after ``start_after``, to hand to a resynced successor."""
+        return self.engine.channel_page(start_after, limit)
 
     # -- resync: exactly-once records --------------------------------------------------------
 

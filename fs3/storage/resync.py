@@ -15,33 +15,71 @@ session may lie. After the session opens, every write reaches the successor with
 write already in flight when it opened holds its chunk's lock on the predecessor, so the chunk
 pass waits for it, and its record is in the snapshot taken after the pass. The successor keeps the
 newer of two records of one channel.
+
+The resync sees the node and the replica only through two small interfaces, :class:`ResyncHost`
+(chain views and the calls to the successor) and :class:`ResyncSource` (the replica's chunks,
+locks and records), so it runs against fakes in a unit test as the replica does.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Protocol
 
 from fs3 import storage_pb2 as spb
 from fs3.common.errors import TargetNotServing
-from fs3.mgmtd.chain_state import PublicState
-from fs3.rpc.methods import service_spec
-from fs3.rpc.storage_calls import dump_chunk_meta
+from fs3.common.target_state import PublicState
 from fs3.storage.chunk_engine import parse_channel_key
 
 if TYPE_CHECKING:
     from fs3.storage.chain_view import ChainMember, ChainView
-    from fs3.storage.node import StorageNode
-    from fs3.storage.replica import TargetReplica
+    from fs3.storage.chunk_engine import ChannelRecord, ChunkState
 
-__all__ = ["resync_successor"]
-_SYNC_CHANNELS = service_spec("Storage").method("SyncChannels")
+__all__ = ["ResyncHost", "ResyncSource", "resync_successor"]
 
 log = logging.getLogger(__name__)
-_STORAGE = service_spec("Storage")
 
 
-def _current(node: StorageNode, replica: TargetReplica, chain_id: int,
+class ResyncHost(Protocol):
+    """What a resync needs from the storage node around it: its chain views and calls to the successor."""
+
+    def view(self, chain_id: int, target_id: int) -> ChainView | None: ...
+
+    async def forward(self, member: ChainMember, req: spb.ForwardReq, payload: bytes,
+                      timeout_ms: int) -> spb.UpdateRsp: ...
+
+    async def dump_chunk_meta(self, member: ChainMember, chain_id: int, batch: int,
+                              timeout_ms: int) -> dict[bytes, spb.ChunkMeta]:
+        """Every chunk's metadata on ``member``, fetched in pages of ``batch``."""
+        ...
+
+    async def send_sync_channels(self, member: ChainMember, req: spb.SyncChannelsReq, timeout_ms: int) -> None: ...
+
+    async def send_sync_done(self, member: ChainMember, req: spb.SyncDoneReq, timeout_ms: int) -> None: ...
+
+
+class ResyncSource(Protocol):
+    """What a resync needs from the serving replica it copies from."""
+
+    @property
+    def target_id(self) -> int: ...
+
+    @property
+    def version_floor(self) -> int: ...
+
+    def chunk_ids(self) -> list[bytes]: ...
+
+    def chunk_state(self, chunk_id: bytes) -> ChunkState | None: ...
+
+    def hold_chunk(self, chunk_id: bytes) -> AbstractAsyncContextManager[None]: ...
+
+    async def read_committed(self, chunk_id: bytes, state: ChunkState) -> bytes: ...
+
+    def channel_page(self, start_after: bytes, limit: int) -> list[tuple[bytes, ChannelRecord]]: ...
+
+
+def _current(node: ResyncHost, replica: ResyncSource, chain_id: int,
              successor_id: int) -> tuple[ChainView, ChainMember]:
     view = node.view(chain_id, replica.target_id)
     if view is None or view.my_state is not PublicState.SERVING:
@@ -52,20 +90,18 @@ def _current(node: StorageNode, replica: TargetReplica, chain_id: int,
     return view, successor
 
 
-async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int,
+async def resync_successor(node: ResyncHost, replica: ResyncSource, chain_id: int, successor_id: int,
                            batch: int, timeout_ms: int) -> None:
     view, successor = _current(node, replica, chain_id, successor_id)
     log.info("target %d: resyncing successor %d of chain %d (v%d)", replica.target_id, successor_id, chain_id,
              view.chain_version)
     await _begin_session(node, replica, chain_id, successor_id, timeout_ms)
-    remote = await dump_chunk_meta(node.channels.get(successor.address), chain_id, successor.target_id, batch,
-                                   timeout_ms)
-    engine = replica.engine
+    remote = await node.dump_chunk_meta(successor, chain_id, batch, timeout_ms)
     sent = removed = 0
-    for chunk_id in sorted(set(engine.all_chunk_ids()) | set(remote)):
-        async with replica.locks.hold(chunk_id):
+    for chunk_id in sorted(set(replica.chunk_ids()) | set(remote)):
+        async with replica.hold_chunk(chunk_id):
             view, successor = _current(node, replica, chain_id, successor_id)
-            state = engine.get(chunk_id)
+            state = replica.chunk_state(chunk_id)
             if state is not None and not state.commit_version:
                 state = None  # only a first version in flight: the write itself brings it over
             theirs = remote.get(chunk_id)
@@ -86,7 +122,7 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
                 req.update_version = theirs.commit_version if theirs else 0
                 removed += 1
             else:
-                payload = await node.run_blocking(engine.read, chunk_id, state.commit_version, 0, state.length)
+                payload = await replica.read_committed(chunk_id, state)
                 req.update_version = state.commit_version
                 req.chunk_length = state.length
                 req.chunk_checksum = state.checksum
@@ -95,42 +131,40 @@ async def resync_successor(node: StorageNode, replica: TargetReplica, chain_id: 
             await node.forward(successor, req, payload, timeout_ms)
     records = await _send_channels(node, replica, chain_id, successor_id, batch, timeout_ms)
     view, successor = _current(node, replica, chain_id, successor_id)
-    await node.channels.get(successor.address).call(
-        _STORAGE.method("SyncDone"),
-        spb.SyncDoneReq(chain_id=chain_id, chain_version=view.chain_version, target_id=successor_id),
-        timeout_ms=timeout_ms,
+    await node.send_sync_done(
+        successor, spb.SyncDoneReq(chain_id=chain_id, chain_version=view.chain_version, target_id=successor_id),
+        timeout_ms,
     )
     log.info("target %d: successor %d of chain %d synced (%d records, %d chunks sent, %d removed)",
              replica.target_id, successor_id, chain_id, records, sent, removed)
 
 
-async def _begin_session(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int,
+async def _begin_session(node: ResyncHost, replica: ResyncSource, chain_id: int, successor_id: int,
                          timeout_ms: int) -> None:
     """Open a resync session: the successor drops its records (and takes our version counter)."""
     view, successor = _current(node, replica, chain_id, successor_id)
     req = spb.SyncChannelsReq(chain_id=chain_id, chain_version=view.chain_version, from_target_id=replica.target_id,
-                              target_id=successor_id, version_floor=replica.engine.floor, begin=True)
-    await node.channels.get(successor.address).call(_SYNC_CHANNELS, req, timeout_ms=timeout_ms)
+                              target_id=successor_id, version_floor=replica.version_floor, begin=True)
+    await node.send_sync_channels(successor, req, timeout_ms)
 
 
-async def _send_channels(node: StorageNode, replica: TargetReplica, chain_id: int, successor_id: int, batch: int,
+async def _send_channels(node: ResyncHost, replica: ResyncSource, chain_id: int, successor_id: int, batch: int,
                          timeout_ms: int) -> int:
     """Hand every exactly-once record (and the version counter) to the syncing successor, in pages."""
-    engine = replica.engine
     start_after = b""
     sent = 0
     while True:
         view, successor = _current(node, replica, chain_id, successor_id)
-        page = engine.channel_page(start_after, batch)
+        page = replica.channel_page(start_after, batch)
         req = spb.SyncChannelsReq(chain_id=chain_id, chain_version=view.chain_version,
                                   from_target_id=replica.target_id, target_id=successor_id,
-                                  version_floor=engine.floor)
+                                  version_floor=replica.version_floor)
         for key, record in page:
             client_id, channel_id = parse_channel_key(key)
             req.records.add(client_id=client_id, channel_id=channel_id, seq=record.seq,
                             commit_version=record.commit_version, chunk_length=record.length,
                             chunk_checksum=record.checksum, chunk_id=record.chunk_id)
-        await node.channels.get(successor.address).call(_SYNC_CHANNELS, req, timeout_ms=timeout_ms)
+        await node.send_sync_channels(successor, req, timeout_ms)
         sent += len(page)
         if len(page) < batch:
             return sent

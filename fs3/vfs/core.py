@@ -48,7 +48,7 @@ from fs3.common.errors import (
     NoXattr,
     PermissionDenied,
 )
-from fs3.meta.ops import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY, Caller, may
+from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY, Caller, may
 
 __all__ = ["DirHandle", "KernelNames", "Vfs", "VfsConfig"]
 

@@ -1,5 +1,8 @@
 """File layouts: which chain holds chunk *i* of a file. Pure: no I/O, no global randomness.
 
+Shared by the metadata engines, which choose a new file's layout, and the clients, which place
+its chunks: both must compute the same answer, so the arithmetic lives once, below both.
+
 A file's layout names ``stripe`` chains drawn from a chain table by a seeded permutation, so
 files spread over the whole table while each file's order is fixed forever. The permutation
 uses the project's own generator (SplitMix64) and Fisher-Yates shuffle, never ``random``:

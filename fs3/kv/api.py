@@ -1,0 +1,48 @@
+"""What code above the stores may depend on: the transaction interfaces and key arithmetic, no engine.
+
+The metadata operations (:mod:`fs3.meta.ops`) are written against :class:`Transaction` alone, so a
+second engine (networked, replicated) replaces :class:`~fs3.kv.txn.OptimisticTxnEngine` without
+any change to them. Keeping the interfaces here, apart from every implementation, lets the import
+contracts (``[tool.importlinter]`` in pyproject.toml) check that nothing pure reaches an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+__all__ = ["Transaction", "TxnEngine", "prefix_end"]
+
+
+class Transaction(Protocol):
+    async def get(self, key: bytes) -> bytes | None: ...
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """Pairs with ``start <= key < end`` in key order, this transaction's own writes included."""
+        ...
+
+    def put(self, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, key: bytes) -> None: ...
+
+    async def commit(self) -> None:
+        """Commit; returns only once the writes, and everything the transaction read, are durable."""
+        ...
+
+
+class TxnEngine(Protocol):
+    def begin(self) -> Transaction: ...
+
+    async def wait_durable(self) -> None:
+        """Return once every commit that readers may already have seen is durable."""
+        ...
+
+
+def prefix_end(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key starting with ``prefix`` (None: no bound)."""
+    raw = bytearray(prefix)
+    while raw:
+        if raw[-1] < 0xFF:
+            raw[-1] += 1
+            return bytes(raw)
+        raw.pop()
+    return None
