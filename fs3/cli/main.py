@@ -186,14 +186,8 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
 
     from fs3 import meta_pb2
     from fs3.client.meta import Meta, path_ref
-    from fs3.client.meta_client import MetaClient
-    from fs3.client.routing import RoutingCache
 
-    routing = RoutingCache([admin.mgmtd_address], admin.channels, admin.timeout_ms)
-    meta = Meta(MetaClient(routing, admin.channels, os.urandom(16),
-                           lambda: meta_pb2.User(uid=os.getuid(), gid=os.getgid(), groups=os.getgroups()),
-                           rpc_timeout_ms=max(admin.timeout_ms, 60_000), retry_total_ms=admin.timeout_ms))
-    await meta.renew()  # a lease, so meta forgets this short-lived client's request records when it expires
+    meta: Meta = await admin.metadata()
     if args.command == "fsck":
         print("fs3: checking the namespace" + (" and every chunk on storage" if args.chunks else "") + "...",
               file=sys.stderr, flush=True)
