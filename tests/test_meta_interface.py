@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import errno
 import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -20,8 +22,10 @@ from google.protobuf.message import Message
 
 import fs3
 from fs3 import meta_pb2 as mpb
+from fs3.client.fs import AsyncFileSystem
 from fs3.client.meta import DirPage, Meta, name_ref, path_ref
 from fs3.client.meta_client import MetaClient
+from fs3.common.errors import NotFound
 
 PACKAGE = Path(fs3.__file__).parent
 # Where raw metadata requests belong: the typed interface, the transport under it (which renews
@@ -217,5 +221,74 @@ def test_results_are_typed() -> None:
         assert [i.inode_id for i in await meta.batch_stat([5, 6])] == [5, 0]
         assert (await meta.lookup(path_ref(b"/x"))).inode_id == 7
         assert await meta.remove(path_ref(b"/x")) == 8
+
+    asyncio.run(body())
+
+
+# -- errors: FS3Error from Meta, OSError from the public API --------------------------------------
+
+class _Failing(_Recorder):
+    """A transport on which every metadata call fails the way meta answers a missing name."""
+
+    async def call(self, name: str, req: Message, rsp_type: type[Message], user: mpb.User | None = None) -> Message:
+        await super().call(name, req, rsp_type, user)
+        raise NotFound(f"{name}: no such file")
+
+    async def stop(self) -> None:
+        return None
+
+
+def test_meta_raises_fs3_errors() -> None:
+    meta = Meta(cast(MetaClient, _Failing()))
+    with pytest.raises(NotFound):
+        asyncio.run(meta.lookup(path_ref(b"/a")))
+
+
+PUBLIC_CALLS: dict[str, Callable[[AsyncFileSystem], Awaitable[object]]] = {
+    "stat": lambda fs: fs.stat("/a"),
+    "lstat": lambda fs: fs.lstat("/a"),
+    "statvfs": lambda fs: fs.statvfs("/"),
+    "listdir": lambda fs: fs.listdir("/d"),
+    "scandir": lambda fs: fs.scandir("/d"),
+    "mkdir": lambda fs: fs.mkdir("/d/e"),
+    "rmdir": lambda fs: fs.rmdir("/d"),
+    "remove": lambda fs: fs.remove("/a"),
+    "rename": lambda fs: fs.rename("/a", "/b"),
+    "link": lambda fs: fs.link("/a", "/b"),
+    "symlink": lambda fs: fs.symlink("t", "/d/l"),
+    "readlink": lambda fs: fs.readlink("/l"),
+    "mknod": lambda fs: fs.mknod("/d/n"),
+    "chmod": lambda fs: fs.chmod("/a", 0o600),
+    "chown": lambda fs: fs.chown("/a", 1, 1),
+    "utime": lambda fs: fs.utime("/a"),
+    "truncate": lambda fs: fs.truncate("/a", 0),
+    "set_layout": lambda fs: fs.set_layout("/d", chunk_size=1 << 20),
+    "layout": lambda fs: fs.layout("/d"),
+    "getxattr": lambda fs: fs.getxattr("/a", "user.x"),
+    "setxattr": lambda fs: fs.setxattr("/a", "user.x", b"v"),
+    "listxattr": lambda fs: fs.listxattr("/a"),
+    "removexattr": lambda fs: fs.removexattr("/a", "user.x"),
+    "open": lambda fs: fs.open("/a", "rb"),
+    "read_bytes": lambda fs: fs.read_bytes("/a"),
+    "write_bytes": lambda fs: fs.write_bytes("/d/a", b"x"),
+    "fsck": lambda fs: fs.fsck(),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(PUBLIC_CALLS))
+def test_the_os_like_api_raises_os_errors(operation: str) -> None:
+    """Every public method of the asyncio API turns a metadata FS3Error into the OSError a local
+    file system raises (here ENOENT: ``FileNotFoundError``)."""
+
+    async def body() -> None:
+        fs = AsyncFileSystem("127.0.0.1:1")  # never connected: every metadata call goes to the fake
+        failing = _Failing()
+        fs.metadata = Meta(cast(MetaClient, failing))
+        try:
+            with pytest.raises(FileNotFoundError) as info:
+                await PUBLIC_CALLS[operation](fs)
+            assert info.value.errno == errno.ENOENT and failing.sent
+        finally:
+            await fs.close()
 
     asyncio.run(body())
