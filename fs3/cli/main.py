@@ -172,18 +172,13 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from fs3 import meta_pb2
-    from fs3.client.meta_client import MetaClient
-    from fs3.client.routing import RoutingCache
+    from fs3.client.meta import Meta, path_ref
 
-    routing = RoutingCache([admin.mgmtd_address], admin.channels, admin.timeout_ms)
-    meta = MetaClient(routing, admin.channels, os.urandom(16),
-                      lambda: meta_pb2.User(uid=os.getuid(), gid=os.getgid(), groups=os.getgroups()),
-                      rpc_timeout_ms=max(admin.timeout_ms, 60_000), retry_total_ms=admin.timeout_ms)
-    await meta.renew()  # a lease, so meta forgets this short-lived client's request records when it expires
+    meta: Meta = await admin.metadata()
     if args.command == "fsck":
         print("fs3: checking the namespace" + (" and every chunk on storage" if args.chunks else "") + "...",
               file=sys.stderr, flush=True)
-        rsp = await meta.call("Fsck", meta_pb2.FsckReq(check_chunks=args.chunks), meta_pb2.FsckRsp)
+        rsp = await meta.fsck(args.chunks)
         if args.json:
             print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True,
                                            always_print_fields_with_no_presence=True), indent=2))
@@ -195,9 +190,8 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
             print("namespace clean" if not rsp.problems else f"{len(rsp.problems)} problems found")
         return 0 if not rsp.problems else 2
     layout = meta_pb2.Layout(table_id=args.table_id, chunk_size=args.chunk_size, stripe=args.stripe)
-    updated = await meta.call("SetLayout", meta_pb2.SetLayoutReq(
-        dir=meta_pb2.PathRef(path=os.fsencode(args.path)), layout=layout), meta_pb2.InodeRsp)
-    shown = updated.inode.layout
+    updated = await meta.set_layout(path_ref(os.fsencode(args.path)), layout)
+    shown = updated.layout
     print(json.dumps(MessageToDict(shown, preserving_proto_field_name=True)) if args.json else
           f"{args.path}: new files use chain table {shown.table_id}, {shown.chunk_size} byte chunks, "
           f"stripe {shown.stripe or 'all chains'}")

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fs3 import common_pb2 as cpb
+from fs3 import meta_pb2
 from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
+from fs3.client.meta import Meta
+from fs3.client.meta_client import MetaClient
+from fs3.client.routing import RoutingCache
 from fs3.common.errors import FS3Error
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
@@ -146,6 +151,19 @@ class AdminClient:
         rsp, _ = await self.channels.get(self.mgmtd_address).call(_MGMTD.method(name), req,  # type: ignore[arg-type]
                                                                   timeout_ms=timeout_ms or self.timeout_ms)
         return rsp
+
+    async def metadata(self) -> Meta:
+        """The metadata service (found through mgmtd's routing) for admin commands: fsck, layouts.
+
+        It registers a lease once and never renews it, so meta forgets this short-lived client's
+        request records when the lease expires. Calls are made as this process's user.
+        """
+        routing = RoutingCache([self.mgmtd_address], self.channels, self.timeout_ms)
+        meta = Meta(MetaClient(routing, self.channels, os.urandom(16),
+                               lambda: meta_pb2.User(uid=os.getuid(), gid=os.getgid(), groups=os.getgroups()),
+                               rpc_timeout_ms=max(self.timeout_ms, 60_000), retry_total_ms=self.timeout_ms))
+        await meta.renew()
+        return meta
 
     async def nodes(self) -> list[cpb.NodeInfo]:
         rsp = await self._mgmtd("ListNodes", cpb.Empty())

@@ -10,8 +10,8 @@ short chunks read as zeros up to the file's length.
 A handle belongs to a session on meta, which lives as long as the client's lease. Once meta has
 expired the lease, it closes the session: an unlinked file's chunks may be collected (reads would
 see zeros) and the length is set without later writes. So every read and write must finish while
-the lease surely holds (:meth:`MetaClient.lease_current`, free while renewals are on time; past
-it the client renews first); a handle of a lapsed lease fails every call with ESTALE
+the lease surely holds (:meth:`~fs3.client.meta.Meta.lease_current`, free while renewals are on
+time; past it the client renews first); a handle of a lapsed lease fails every call with ESTALE
 (:class:`~fs3.common.errors.StaleClient`) instead of returning zeros or dropping writes.
 
 Handles of one client on one file see each other as a local file system's descriptors do (the
@@ -28,7 +28,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from fs3 import meta_pb2 as mpb
 from fs3.client.oserrors import os_errors
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncFile"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _READAHEAD_MIN_BYTES = 128 * 1024
 _HINT_INTERVAL_S = 1.0
@@ -56,12 +58,12 @@ class AsyncFile:
                  append: bool, inflight_max: int = 8, user: mpb.User | None = None) -> None:
         """``user``: who opened the file (default: the client's identity)."""
         self.fs = fs
-        self.user = user if user is not None else fs.meta.user()
+        self.user = user if user is not None else fs.metadata.default_user()
         self.name = path
         self.inode = rsp.inode
         self.session_id = rsp.session_id
         # A session id starts with the id of the client that opened it (see fs3.common.ids).
-        self._client_id = rsp.session_id[:CLIENT_ID_BYTES] if rsp.session_id else fs.meta.client_id
+        self._client_id = rsp.session_id[:CLIENT_ID_BYTES] if rsp.session_id else fs.metadata.client_id
         self.readable = readable
         self.writable = writable
         self.append = append
@@ -168,7 +170,7 @@ class AsyncFile:
     @property
     def stale(self) -> bool:
         """Whether the client's lease lapsed since this handle opened (every call on it fails)."""
-        return self._client_id != self.fs.meta.client_id
+        return self._client_id != self.fs.metadata.client_id
 
     @property
     def has_unflushed(self) -> bool:
@@ -190,11 +192,10 @@ class AsyncFile:
                 # Taken before the flush: every write below it is acknowledged once the flush returns.
                 writes, end = self._writes, self._written_end
                 await self._flush()
-                rsp = await self._call_meta("Sync", mpb.SyncReq(
-                    inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=end,
-                    wrote=True, acked=True))
+                inode = await self._call_meta(lambda: self.fs.metadata.sync(
+                    self.inode.inode_id, self.session_id, length_hint=end, wrote=True, acked=True))
                 self._published_writes = writes
-                return rsp.inode
+                return inode
             return None
 
     def _check_open(self) -> None:
@@ -215,17 +216,17 @@ class AsyncFile:
         (zeros are the file's only while the session holds its chunks). Free while the lease
         renews on time; past that, a renewal answers it (meta must be reachable).
         """
-        meta = self.fs.meta
+        meta = self.fs.metadata
         if not meta.lease_current():
             with contextlib.suppress(StaleClient):  # the client has a new id: the check below fails
                 await meta.ensure_lease()
         self._check_stale()
 
-    async def _call_meta(self, name: str, req: mpb.SyncReq | mpb.SetAttrReq | mpb.CloseReq) -> mpb.InodeRsp:
+    async def _call_meta(self, call: Callable[[], Awaitable[T]]) -> T:
         """A meta call about this handle's session: a lapsed session answers ESTALE, not EBADF."""
         self._check_stale()
         try:
-            return await self.fs.meta.call(name, req, mpb.InodeRsp)
+            return await call()
         except (BadHandle, StaleClient):
             self._check_stale()
             raise
@@ -266,9 +267,8 @@ class AsyncFile:
         if pos + total > max_file_size(self.layout):
             raise FileTooLarge(f"writing past {max_file_size(self.layout)} bytes, the largest file this layout allows")
         if total and self._drop_privileges:
-            await self.fs.meta.call("SetAttr", mpb.SetAttrReq(
-                target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_DROP_PRIVILEGES,
-                session_id=self.session_id), mpb.InodeRsp, self.user)
+            await self.fs.metadata.set_attr(self.inode.inode_id, mpb.SET_DROP_PRIVILEGES, session_id=self.session_id,
+                                            user=self.user)
             self._drop_privileges = False
         for sibling in self.fs.open_writers(self.inode.inode_id):
             # Another handle's buffered bytes here are older than this write: they go first.
@@ -342,8 +342,8 @@ class AsyncFile:
 
     async def _send_hint(self) -> None:
         try:
-            await self.fs.meta.call("Sync", mpb.SyncReq(inode_id=self.inode.inode_id, session_id=self.session_id,
-                                                        length_hint=self._written_end, wrote=True), mpb.InodeRsp)
+            await self.fs.metadata.sync(self.inode.inode_id, self.session_id, length_hint=self._written_end,
+                                        wrote=True)
         except FS3Error as exc:
             log.debug("length hint for %s failed: %s", self.name, exc)
 
@@ -369,11 +369,10 @@ class AsyncFile:
             await sibling.settle()
         writes, end = self._writes, self._written_end
         await self._flush()
-        rsp = await self._call_meta("Sync", mpb.SyncReq(
-            inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=end,
-            wrote=self._wrote, acked=True))
+        inode = await self._call_meta(lambda: self.fs.metadata.sync(
+            self.inode.inode_id, self.session_id, length_hint=end, wrote=self._wrote, acked=True))
         self._published_writes = writes
-        self._length = max(self._length, rsp.inode.size) if self._wrote else rsp.inode.size
+        self._length = max(self._length, inode.size) if self._wrote else inode.size
 
     async def truncate(self, size: int | None = None) -> int:
         with os_errors(self.name):
@@ -390,9 +389,8 @@ class AsyncFile:
             raise FileTooLarge(f"size {size} exceeds {max_file_size(self.layout)}, the largest file this layout allows")
         await self._flush()
         await self.fs.settle_writers(self.inode.inode_id)
-        await self._call_meta("SetAttr", mpb.SetAttrReq(
-            target=mpb.PathRef(inode_id=self.inode.inode_id), mask=mpb.SET_SIZE, size=size,
-            session_id=self.session_id))
+        await self._call_meta(lambda: self.fs.metadata.set_attr(self.inode.inode_id, mpb.SET_SIZE, size=size,
+                                                                session_id=self.session_id))
         self.fs.size_changed(self.inode.inode_id, size)
         return size
 
@@ -583,8 +581,8 @@ class AsyncFile:
             error = error if isinstance(error, StaleClient) else StaleClient(
                 f"{self.name}: the client's lease lapsed while the file was open: its session was closed")
         elif self.session_id:
-            await self._call_meta("Close", mpb.CloseReq(
-                inode_id=self.inode.inode_id, session_id=self.session_id, length_hint=self._written_end,
+            await self._call_meta(lambda: self.fs.metadata.close(
+                self.inode.inode_id, self.session_id, length_hint=self._written_end,
                 wrote=self._wrote and self._writes != self._published_writes, acked=acked))
         if error is not None:
             raise error

@@ -14,10 +14,10 @@ import stat as stat_mod
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from fs3 import meta_pb2 as mpb
 from fs3.client.files import AsyncFile
+from fs3.client.meta import Meta, path_ref
 from fs3.client.meta_client import MetaClient
 from fs3.client.oserrors import os_errors
 from fs3.client.routing import RoutingCache
@@ -127,7 +127,12 @@ class DirEntry:
 
 
 class AsyncFileSystem:
-    """A connection to one fs3 cluster (routing, meta and storage clients) for asyncio code."""
+    """A connection to one fs3 cluster (routing, meta and storage clients) for asyncio code.
+
+    ``metadata`` (:class:`~fs3.client.meta.Meta`) is the one way to metadata, for this API, its
+    open files and the VFS; ``meta`` is the transport under it (request ids, retries, the lease).
+    Every public method turns ``FS3Error`` into the ``OSError`` a local file system would raise.
+    """
 
     def __init__(self, mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,
                  clock: Clock | None = None) -> None:
@@ -140,6 +145,7 @@ class AsyncFileSystem:
         self.storage = StorageClient(self.routing, self.channels, self.client_id, self.config.storage)
         self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,
                                self.config.rpc_timeout_ms, self.config.retry_total_ms, clock)
+        self.metadata = Meta(self.meta)
         if self.config.umask is None:
             current = os.umask(0)
             os.umask(current)
@@ -162,15 +168,15 @@ class AsyncFileSystem:
 
     async def start(self) -> AsyncFileSystem:
         await self.routing.refresh()
-        await self.meta.renew()
-        self.meta.start_lease()
+        await self.metadata.renew()
+        self.metadata.start_lease()
         return self
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        await self.meta.stop()
+        await self.metadata.stop()
         await self.channels.close()
 
     async def __aenter__(self) -> AsyncFileSystem:
@@ -241,9 +247,7 @@ class AsyncFileSystem:
 
     async def _inode(self, path: PathLike, follow: bool = True) -> mpb.Inode:
         with os_errors(path):
-            rsp = await self.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(path=_bytes_path(path)),
-                                                               follow=follow), mpb.InodeRsp)
-        return rsp.inode
+            return await self.metadata.lookup(path_ref(_bytes_path(path)), follow=follow)
 
     async def stat(self, path: PathLike, follow_symlinks: bool = True) -> os.stat_result:
         return stat_result(self.with_local_length(await self._inode(path, follow_symlinks)))
@@ -277,7 +281,8 @@ class AsyncFileSystem:
             return False
 
     async def statvfs(self, path: PathLike = "/") -> os.statvfs_result:
-        rsp = await self.meta.call("StatFs", mpb.StatFsReq(), mpb.StatFsRsp)
+        with os_errors(path):
+            rsp = await self.metadata.statfs()
         block = 4096
         return os.statvfs_result((block, block, rsp.capacity_bytes // block, rsp.free_bytes // block,
                                   rsp.free_bytes // block, 1 << 40, (1 << 40) - rsp.inodes_allocated,
@@ -292,14 +297,13 @@ class AsyncFileSystem:
         start_after = b""
         while True:
             with os_errors(path):
-                rsp = await self.meta.call("ReadDir", mpb.ReadDirReq(
-                    dir=mpb.PathRef(path=raw), start_after=start_after, limit=page, with_attrs=with_attrs),
-                    mpb.ReadDirRsp)
-            for entry in rsp.entries:
+                listed = await self.metadata.read_dir(path_ref(raw), start_after=start_after, limit=page,
+                                                      with_attrs=with_attrs)
+            for entry in listed.entries:
                 yield entry
-            if not rsp.more or not rsp.entries:
+            if not listed.more or not listed.entries:
                 return
-            start_after = rsp.entries[-1].name
+            start_after = listed.entries[-1].name
 
     async def listdir(self, path: PathLike = "/") -> list[str]:
         return [os.fsdecode(e.name) async for e in self.iter_entries(path, with_attrs=False)]
@@ -327,9 +331,7 @@ class AsyncFileSystem:
 
     async def mkdir(self, path: PathLike, mode: int = 0o777) -> None:
         with os_errors(path):
-            await self.meta.call("MakeNode", mpb.MakeNodeReq(target=mpb.PathRef(path=_bytes_path(path)),
-                                                             type=mpb.DIRECTORY, mode=mode & ~self.umask),
-                                 mpb.InodeRsp)
+            await self.metadata.make_node(path_ref(_bytes_path(path)), mpb.DIRECTORY, mode=mode & ~self.umask)
 
     async def makedirs(self, path: PathLike, mode: int = 0o777, exist_ok: bool = False) -> None:
         parts = [p for p in os.fsdecode(path).split("/") if p]
@@ -346,58 +348,49 @@ class AsyncFileSystem:
 
     async def rmdir(self, path: PathLike) -> None:
         with os_errors(path):
-            await self.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(path=_bytes_path(path)), directory=True),
-                                 mpb.RemoveRsp)
+            await self.metadata.remove(path_ref(_bytes_path(path)), directory=True)
 
     async def remove(self, path: PathLike) -> None:
         with os_errors(path):
-            await self.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(path=_bytes_path(path))), mpb.RemoveRsp)
+            await self.metadata.remove(path_ref(_bytes_path(path)))
 
     unlink = remove
 
     async def rename(self, src: PathLike, dst: PathLike, flags: int = 0) -> None:
         """POSIX rename (replaces ``dst``); ``flags``: ``RENAME_NOREPLACE`` / ``RENAME_EXCHANGE``."""
         with os_errors(src, dst):
-            await self.meta.call("Rename", mpb.RenameReq(source=mpb.PathRef(path=_bytes_path(src)),
-                                                         destination=mpb.PathRef(path=_bytes_path(dst)), flags=flags),
-                                 mpb.RenameRsp)
+            await self.metadata.rename(path_ref(_bytes_path(src)), path_ref(_bytes_path(dst)), flags=flags)
 
     async def replace(self, src: PathLike, dst: PathLike) -> None:
         await self.rename(src, dst)
 
     async def link(self, src: PathLike, dst: PathLike) -> None:
         with os_errors(src, dst):
-            await self.meta.call("Link", mpb.LinkReq(source=mpb.PathRef(path=_bytes_path(src)),
-                                                     link=mpb.PathRef(path=_bytes_path(dst))), mpb.InodeRsp)
+            await self.metadata.link(path_ref(_bytes_path(src)), path_ref(_bytes_path(dst)))
 
     async def symlink(self, target: PathLike, path: PathLike) -> None:
         with os_errors(path):
-            await self.meta.call("MakeNode", mpb.MakeNodeReq(target=mpb.PathRef(path=_bytes_path(path)),
-                                                             type=mpb.SYMLINK, symlink_target=os.fsencode(target)),
-                                 mpb.InodeRsp)
+            await self.metadata.make_node(path_ref(_bytes_path(path)), mpb.SYMLINK, symlink_target=os.fsencode(target))
 
     async def readlink(self, path: PathLike) -> str:
         with os_errors(path):
-            rsp = await self.meta.call("ReadLink", mpb.ReadLinkReq(target=mpb.PathRef(path=_bytes_path(path))),
-                                       mpb.ReadLinkRsp)
-        return os.fsdecode(rsp.target)
+            return os.fsdecode(await self.metadata.read_link(path_ref(_bytes_path(path))))
 
     async def mknod(self, path: PathLike, mode: int = 0o600, device: int = 0) -> None:
         kind = KIND_OF_MODE.get(stat_mod.S_IFMT(mode))
         if kind is None:
             raise OSError(22, "mknod: unsupported file type", os.fsdecode(path))
         with os_errors(path):
-            await self.meta.call("MakeNode", mpb.MakeNodeReq(target=mpb.PathRef(path=_bytes_path(path)), type=kind,
-                                                             mode=stat_mod.S_IMODE(mode) & ~self.umask, rdev=device),
-                                 mpb.InodeRsp)
+            await self.metadata.make_node(path_ref(_bytes_path(path)), kind, mode=stat_mod.S_IMODE(mode) & ~self.umask,
+                                          rdev=device)
 
     # -- attributes that change ------------------------------------------------------------------
 
-    async def _setattr(self, path: PathLike, follow: bool, **fields: Any) -> mpb.Inode:
+    async def _setattr(self, path: PathLike, follow: bool, mask: int, *, mode: int = 0, uid: int = 0, gid: int = 0,
+                       size: int = 0, atime_ns: int = 0, mtime_ns: int = 0) -> mpb.Inode:
         with os_errors(path):
-            rsp = await self.meta.call("SetAttr", mpb.SetAttrReq(target=mpb.PathRef(path=_bytes_path(path)),
-                                                                 follow=follow, **fields), mpb.InodeRsp)
-        return rsp.inode
+            return await self.metadata.set_attr(path_ref(_bytes_path(path)), mask, follow=follow, mode=mode, uid=uid,
+                                                gid=gid, size=size, atime_ns=atime_ns, mtime_ns=mtime_ns)
 
     async def chmod(self, path: PathLike, mode: int, follow_symlinks: bool = True) -> None:
         await self._setattr(path, follow_symlinks, mask=mpb.SET_MODE, mode=mode)
@@ -438,8 +431,7 @@ class AsyncFileSystem:
                             chunk_size=current.chunk_size if chunk_size is None else chunk_size,
                             stripe=current.stripe if stripe is None else stripe)
         with os_errors(path):
-            await self.meta.call("SetLayout", mpb.SetLayoutReq(dir=mpb.PathRef(path=_bytes_path(path)),
-                                                               layout=layout), mpb.InodeRsp)
+            await self.metadata.set_layout(path_ref(_bytes_path(path)), layout)
 
     async def layout(self, path: PathLike) -> mpb.Layout:
         return (await self._inode(path)).layout
@@ -448,29 +440,24 @@ class AsyncFileSystem:
 
     async def getxattr(self, path: PathLike, attribute: str | bytes, *, follow_symlinks: bool = True) -> bytes:
         with os_errors(path):
-            rsp = await self.meta.call("GetXattr", mpb.GetXattrReq(
-                target=mpb.PathRef(path=_bytes_path(path)), follow=follow_symlinks, name=os.fsencode(attribute)),
-                mpb.GetXattrRsp)
-        return rsp.value
+            return await self.metadata.get_xattr(path_ref(_bytes_path(path)), os.fsencode(attribute),
+                                                 follow=follow_symlinks)
 
     async def setxattr(self, path: PathLike, attribute: str | bytes, value: bytes, flags: int = 0, *,
                        follow_symlinks: bool = True) -> None:
         with os_errors(path):
-            await self.meta.call("SetXattr", mpb.SetXattrReq(
-                target=mpb.PathRef(path=_bytes_path(path)), follow=follow_symlinks, name=os.fsencode(attribute),
-                value=bytes(value), flags=flags), mpb.InodeRsp)
+            await self.metadata.set_xattr(path_ref(_bytes_path(path)), os.fsencode(attribute), bytes(value),
+                                          flags=flags, follow=follow_symlinks)
 
     async def listxattr(self, path: PathLike = "/", *, follow_symlinks: bool = True) -> list[str]:
         with os_errors(path):
-            rsp = await self.meta.call("ListXattr", mpb.ListXattrReq(target=mpb.PathRef(path=_bytes_path(path)),
-                                                                     follow=follow_symlinks), mpb.ListXattrRsp)
-        return [os.fsdecode(n) for n in rsp.names]
+            names = await self.metadata.list_xattr(path_ref(_bytes_path(path)), follow=follow_symlinks)
+        return [os.fsdecode(n) for n in names]
 
     async def removexattr(self, path: PathLike, attribute: str | bytes, *, follow_symlinks: bool = True) -> None:
         with os_errors(path):
-            await self.meta.call("RemoveXattr", mpb.RemoveXattrReq(
-                target=mpb.PathRef(path=_bytes_path(path)), follow=follow_symlinks, name=os.fsencode(attribute)),
-                mpb.InodeRsp)
+            await self.metadata.remove_xattr(path_ref(_bytes_path(path)), os.fsencode(attribute),
+                                             follow=follow_symlinks)
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -480,8 +467,7 @@ class AsyncFileSystem:
         if flags & O_TRUNC:
             await self._settle_path(path)
         with os_errors(path):
-            rsp = await self.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(path=_bytes_path(path)), flags=flags,
-                                                           mode=perms & ~self.umask), mpb.OpenRsp)
+            rsp = await self.metadata.open(path_ref(_bytes_path(path)), flags, mode=perms & ~self.umask)
         if rsp.inode.type == mpb.DIRECTORY:
             raise IsADirectoryError(21, "Is a directory", os.fsdecode(path))
         if flags & O_TRUNC and not rsp.created:
@@ -507,7 +493,8 @@ class AsyncFileSystem:
                 await f.close()
 
     async def fsck(self, check_chunks: bool = True) -> mpb.FsckRsp:
-        return await self.meta.call("Fsck", mpb.FsckReq(check_chunks=check_chunks), mpb.FsckRsp)
+        with os_errors():
+            return await self.metadata.fsck(check_chunks)
 
 
 async def connect(mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,

@@ -20,8 +20,11 @@ FUSE adapter (:mod:`fs3.fuse.ops`) only translates types.
   the name still leads to that inode: when another client replaced or removed it, the open is
   answered ``ESTALE`` and the kernel looks the path up again (see :class:`KernelNames`). An
   inode-addressed request for an inode that is gone is ``ESTALE`` too, never ``ENOENT``.
-* Errors are :class:`~fs3.common.errors.FS3Error` (metadata) or ``OSError`` (file I/O, from the
-  client library); both carry the errno the adapter answers with.
+* Metadata goes through the client's typed :class:`~fs3.client.meta.Meta` only (``self.meta``),
+  each call made for the calling user.
+* Errors are :class:`~fs3.common.errors.FS3Error` (metadata, from :class:`~fs3.client.meta.Meta`)
+  or ``OSError`` (file I/O through the client library's public file API, and ``ESTALE`` for an
+  inode the kernel knows but meta no longer has); both carry the errno the adapter answers with.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from fs3 import meta_pb2 as mpb
 from fs3.client.files import AsyncFile
 from fs3.client.fs import KIND_OF_MODE, AsyncFileSystem
+from fs3.client.meta import Meta, name_ref
 from fs3.common.errors import (
     BadHandle,
     InvalidArgument,
@@ -202,6 +206,7 @@ class Vfs:
                  drop_entry: Callable[[int, bytes], None] | None = None) -> None:
         """``drop_entry(parent, name)`` makes the kernel forget a name (the FUSE adapter's)."""
         self.fs = fs
+        self.meta: Meta = fs.metadata
         self.config = config or VfsConfig()
         self.names = KernelNames(self.config.entry_timeout_s, drop_entry)
         self._handles: dict[int, _Handle] = {}
@@ -247,14 +252,13 @@ class Vfs:
     async def lookup(self, parent: int, name: bytes, user: mpb.User) -> mpb.Inode:
         asked_at = self._attr_changes
         try:
-            rsp = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
-                                          mpb.InodeRsp, user)
+            inode = await self.meta.lookup(name_ref(parent, name), user=user)
         except NotFound:
             self.names.gone(parent, name)
             raise
-        self._remember(rsp.inode, asked_at)
-        self.names.saw(parent, name, rsp.inode)
-        return self._with_local_length(rsp.inode)
+        self._remember(inode, asked_at)
+        self.names.saw(parent, name, inode)
+        return self._with_local_length(inode)
 
     def forget(self, inode_ids: list[int]) -> None:
         """The kernel dropped these inodes (and every name it had for them)."""
@@ -266,8 +270,7 @@ class Vfs:
         if cached is not None and cached[0] > asyncio.get_running_loop().time():
             return self._with_local_length(cached[1])
         asked_at = self._attr_changes
-        rsp = await self.fs.meta.call("BatchStat", mpb.BatchStatReq(inode_ids=[inode_id]), mpb.BatchStatRsp, user)
-        inode = rsp.inodes[0]
+        inode = (await self.meta.batch_stat([inode_id], user))[0]
         if inode.inode_id == 0:
             self._forget(inode_id)
             raise _stale(f"inode {inode_id} no longer exists")
@@ -279,26 +282,22 @@ class Vfs:
                       mtime_ns: int | None = None, atime_now: bool = False, mtime_now: bool = False,
                       fh: int | None = None) -> mpb.Inode:
         self._forget(inode_id)
-        req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=inode_id))
+        mask = 0
         if mode is not None:
-            req.mask |= mpb.SET_MODE
-            req.mode = stat_mod.S_IMODE(mode)
+            mask |= mpb.SET_MODE
         if uid is not None:
-            req.mask |= mpb.SET_UID
-            req.uid = uid
+            mask |= mpb.SET_UID
         if gid is not None:
-            req.mask |= mpb.SET_GID
-            req.gid = gid
+            mask |= mpb.SET_GID
         if atime_now:
-            req.mask |= mpb.SET_ATIME_NOW
+            mask |= mpb.SET_ATIME_NOW
         elif atime_ns is not None:
-            req.mask |= mpb.SET_ATIME
-            req.atime_ns = atime_ns
+            mask |= mpb.SET_ATIME
         if mtime_now:
-            req.mask |= mpb.SET_MTIME_NOW
+            mask |= mpb.SET_MTIME_NOW
         elif mtime_ns is not None:
-            req.mask |= mpb.SET_MTIME
-            req.mtime_ns = mtime_ns
+            mask |= mpb.SET_MTIME
+        new_size = 0
         if size is not None:
             if size < 0:
                 raise InvalidArgument("negative size")
@@ -311,26 +310,28 @@ class Vfs:
                 # Writes this mount's handles made must land, and be known to meta, before the
                 # truncate: bytes landing after it would bring the old length back.
                 await self.fs.settle_writers(inode_id)
-                req.mask |= mpb.SET_SIZE
-                req.size = size
-        if not req.mask:
+                mask |= mpb.SET_SIZE
+                new_size = size
+        if not mask:
             return await self.getattr(inode_id, user)
         asked_at = self._attr_changes
         with _stale_if_gone(inode_id):
-            rsp = await self.fs.meta.call("SetAttr", req, mpb.InodeRsp, user)
-        if req.mask & mpb.SET_SIZE:
-            self.fs.size_changed(inode_id, req.size)
-        self._remember(rsp.inode, asked_at)
-        return self._with_local_length(rsp.inode)
+            inode = await self.meta.set_attr(
+                inode_id, mask, mode=stat_mod.S_IMODE(mode or 0), uid=uid or 0, gid=gid or 0, size=new_size,
+                atime_ns=atime_ns if mask & mpb.SET_ATIME and atime_ns is not None else 0,
+                mtime_ns=mtime_ns if mask & mpb.SET_MTIME and mtime_ns is not None else 0, user=user)
+        if mask & mpb.SET_SIZE:
+            self.fs.size_changed(inode_id, new_size)
+        self._remember(inode, asked_at)
+        return self._with_local_length(inode)
 
     async def readlink(self, inode_id: int, user: mpb.User) -> bytes:
         with _stale_if_gone(inode_id):
-            rsp = await self.fs.meta.call("ReadLink", mpb.ReadLinkReq(target=mpb.PathRef(inode_id=inode_id)),
-                                          mpb.ReadLinkRsp, user)
-        return bytes(rsp.target)
+            target = await self.meta.read_link(inode_id, user)
+        return bytes(target)
 
     async def statfs(self, user: mpb.User) -> mpb.StatFsRsp:
-        return await self.fs.meta.call("StatFs", mpb.StatFsReq(), mpb.StatFsRsp, user)
+        return await self.meta.statfs(user)
 
     async def access(self, inode_id: int, mode: int, user: mpb.User) -> bool:
         """``access(2)``: whether ``user`` may read/write/execute (mode bits 4/2/1) the inode."""
@@ -342,11 +343,10 @@ class Vfs:
     async def _make(self, parent: int, name: bytes, kind: mpb.InodeType, mode: int, user: mpb.User, rdev: int = 0,
                     target: bytes = b"") -> mpb.Inode:
         self._forget(parent)
-        rsp = await self.fs.meta.call("MakeNode", mpb.MakeNodeReq(
-            target=mpb.PathRef(parent=parent, path=name), type=kind, mode=stat_mod.S_IMODE(mode), rdev=rdev,
-            symlink_target=target), mpb.InodeRsp, user)
-        self.names.saw(parent, name, rsp.inode)
-        return rsp.inode
+        inode = await self.meta.make_node(name_ref(parent, name), kind, mode=stat_mod.S_IMODE(mode), rdev=rdev,
+                                          symlink_target=target, user=user)
+        self.names.saw(parent, name, inode)
+        return inode
 
     async def mkdir(self, parent: int, name: bytes, mode: int, user: mpb.User) -> mpb.Inode:
         return await self._make(parent, name, mpb.DIRECTORY, mode, user)
@@ -362,37 +362,31 @@ class Vfs:
 
     async def link(self, inode_id: int, new_parent: int, new_name: bytes, user: mpb.User) -> mpb.Inode:
         self._forget(inode_id, new_parent)
-        rsp = await self.fs.meta.call("Link", mpb.LinkReq(source=mpb.PathRef(inode_id=inode_id),
-                                                          link=mpb.PathRef(parent=new_parent, path=new_name)),
-                                      mpb.InodeRsp, user)
-        self.names.saw(new_parent, new_name, rsp.inode)
-        return self._with_local_length(rsp.inode)
+        inode = await self.meta.link(inode_id, name_ref(new_parent, new_name), user)
+        self.names.saw(new_parent, new_name, inode)
+        return self._with_local_length(inode)
 
     async def unlink(self, parent: int, name: bytes, user: mpb.User) -> None:
         self._forget_all()
-        await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name)),
-                                mpb.RemoveRsp, user)
+        await self.meta.remove(name_ref(parent, name), user=user)
         self.names.gone(parent, name)
 
     async def rmdir(self, parent: int, name: bytes, user: mpb.User) -> None:
         self._forget_all()
-        await self.fs.meta.call("Remove", mpb.RemoveReq(target=mpb.PathRef(parent=parent, path=name),
-                                                        directory=True), mpb.RemoveRsp, user)
+        await self.meta.remove(name_ref(parent, name), directory=True, user=user)
         self.names.gone(parent, name)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int,
                      user: mpb.User) -> None:
         self._forget_all()
         replaced = self.names.inode_at(new_parent, new_name)
-        rsp = await self.fs.meta.call("Rename", mpb.RenameReq(source=mpb.PathRef(parent=old_parent, path=old_name),
-                                                              destination=mpb.PathRef(parent=new_parent,
-                                                                                      path=new_name),
-                                                              flags=flags), mpb.RenameRsp, user)
+        moved = await self.meta.rename(name_ref(old_parent, old_name), name_ref(new_parent, new_name), flags=flags,
+                                       user=user)
         # The kernel moves its entries the same way.
         self.names.gone(old_parent, old_name)
         if flags & mpb.RENAME_EXCHANGE and replaced:
             self.names.saw(old_parent, old_name, mpb.Inode(inode_id=replaced, type=mpb.FILE))
-        self.names.saw(new_parent, new_name, rsp.inode)
+        self.names.saw(new_parent, new_name, moved)
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -430,21 +424,21 @@ class Vfs:
             self._forget(inode_id)
             await self.fs.settle_writers(inode_id)
         asked_at = self._attr_changes
-        req = mpb.OpenReq(target=mpb.PathRef(inode_id=inode_id), flags=flags & ~O_CREAT)
-        if names:
-            req.target.parent, req.target.path = names[0]
+        flags_sent = flags & ~O_CREAT
+        # By the newest name and the inode together: meta checks the name still leads to it.
+        by_name = mpb.PathRef(parent=names[0][0], path=names[0][1], inode_id=inode_id) if names else None
         try:
             try:
-                rsp = await self.fs.meta.call("Open", req, mpb.OpenRsp, user)
+                rsp = await self.meta.open(by_name if by_name is not None else inode_id, flags_sent, user=user)
             except PermissionDenied:
-                if not names:
+                if by_name is None:
                     raise
                 # No search permission on that name's directory (then the caller came by another
                 # name), or no permission on the file (then opening by inode says so again).
-                req.target.CopyFrom(mpb.PathRef(inode_id=inode_id))
-                rsp = await self.fs.meta.call("Open", req, mpb.OpenRsp, user)
+                by_name = None
+                rsp = await self.meta.open(inode_id, flags_sent, user=user)
         except NotFound:
-            if names and req.target.path:
+            if names and by_name is not None and by_name.path:
                 self.names.stale(*names[0])
             raise _stale(f"inode {inode_id} is no longer where the kernel found it") from None
         if rsp.inode.type == mpb.DIRECTORY:
@@ -455,9 +449,7 @@ class Vfs:
                      user: mpb.User) -> tuple[int, mpb.Inode]:
         self._forget(parent)
         asked_at = self._attr_changes
-        rsp = await self.fs.meta.call("Open", mpb.OpenReq(target=mpb.PathRef(parent=parent, path=name),
-                                                          flags=flags | O_CREAT, mode=stat_mod.S_IMODE(mode)),
-                                      mpb.OpenRsp, user)
+        rsp = await self.meta.open(name_ref(parent, name), flags | O_CREAT, mode=stat_mod.S_IMODE(mode), user=user)
         if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
             self._remember_no_capability(rsp.inode.inode_id)
         self.names.saw(parent, name, rsp.inode)
@@ -467,13 +459,12 @@ class Vfs:
         """Whether ``parent``/``name`` still leads to ``inode_id`` (True when the caller cannot
         search ``parent``: then it did not come by that name)."""
         try:
-            found = await self.fs.meta.call("Lookup", mpb.LookupReq(target=mpb.PathRef(parent=parent, path=name)),
-                                            mpb.InodeRsp, user)
+            found = await self.meta.lookup(name_ref(parent, name), user=user)
         except PermissionDenied:
             return True
         except NotFound:
             return False
-        return found.inode.inode_id == inode_id
+        return found.inode_id == inode_id
 
     def _handle(self, fh: int) -> _Handle:
         handle = self._handles.get(fh)
@@ -541,15 +532,14 @@ class Vfs:
         if index >= len(handle.entries) and handle.more:
             start_after = handle.entries[-1].name if handle.entries else b""
             asked_at = self._attr_changes
-            rsp = await self.fs.meta.call("ReadDir", mpb.ReadDirReq(
-                dir=mpb.PathRef(inode_id=handle.inode_id), start_after=start_after, limit=_READDIR_PAGE,
-                with_attrs=True), mpb.ReadDirRsp, handle.user)
-            handle.entries.extend(rsp.entries)
-            for entry in rsp.entries:
+            page = await self.meta.read_dir(handle.inode_id, start_after=start_after, limit=_READDIR_PAGE,
+                                            with_attrs=True, user=handle.user)
+            handle.entries.extend(page.entries)
+            for entry in page.entries:
                 if entry.attrs.inode_id:
                     self._remember(mpb.Inode.FromString(entry.attrs.SerializeToString()), asked_at)
                     self.names.saw(handle.inode_id, entry.name, entry.attrs)  # the kernel reads entries "plus"
-            handle.more = rsp.more and bool(rsp.entries)
+            handle.more = page.more and bool(page.entries)
         for entry in handle.entries[index:]:
             if entry.attrs.inode_id:
                 entry.attrs.CopyFrom(self._with_local_length(entry.attrs))
@@ -573,13 +563,12 @@ class Vfs:
             raise NoXattr("no such attribute")
         try:
             with _stale_if_gone(inode_id):
-                rsp = await self.fs.meta.call("GetXattr", mpb.GetXattrReq(target=mpb.PathRef(inode_id=inode_id),
-                                                                          name=name), mpb.GetXattrRsp, user)
+                value = await self.meta.get_xattr(inode_id, name, user=user)
         except NoXattr:
             if capability:
                 self._remember_no_capability(inode_id)
             raise
-        return bytes(rsp.value)
+        return bytes(value)
 
     def _remember_no_capability(self, inode_id: int) -> None:
         if len(self._no_capability_until) > 100_000:
@@ -590,21 +579,18 @@ class Vfs:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
         with _stale_if_gone(inode_id):
-            await self.fs.meta.call("SetXattr", mpb.SetXattrReq(target=mpb.PathRef(inode_id=inode_id), name=name,
-                                                                value=value, flags=flags), mpb.InodeRsp, user)
+            await self.meta.set_xattr(inode_id, name, value, flags=flags, user=user)
 
     async def listxattr(self, inode_id: int, user: mpb.User) -> list[bytes]:
         with _stale_if_gone(inode_id):
-            rsp = await self.fs.meta.call("ListXattr", mpb.ListXattrReq(target=mpb.PathRef(inode_id=inode_id)),
-                                          mpb.ListXattrRsp, user)
-        return [bytes(n) for n in rsp.names]
+            names = await self.meta.list_xattr(inode_id, user=user)
+        return [bytes(n) for n in names]
 
     async def removexattr(self, inode_id: int, name: bytes, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
         with _stale_if_gone(inode_id):
-            await self.fs.meta.call("RemoveXattr", mpb.RemoveXattrReq(target=mpb.PathRef(inode_id=inode_id),
-                                                                      name=name), mpb.InodeRsp, user)
+            await self.meta.remove_xattr(inode_id, name, user=user)
 
     async def close(self) -> None:
         """Release every handle (unmount)."""
