@@ -8,6 +8,7 @@ from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.rpc.dispatch import Buffer
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
 from fs3.storage.node import StorageNode
+from fs3.storage.replica import TargetReplica
 
 __all__ = ["StorageServicer"]
 
@@ -94,19 +95,21 @@ class StorageServicer:
                 break
             meta = rsp.chunks.add(chunk_id=chunk_id)
             if req.data_checksums:
-                state = await self._check_data(replica.engine, chunk_id, state, meta, rsp)
+                state = await self._check_data(replica, chunk_id, state, meta, rsp)
             meta.commit_version, meta.pending_version = state.commit_version, state.pending_version
             meta.chain_version, meta.length, meta.checksum = state.chain_version, state.length, state.checksum
         return rsp, _NO_PAYLOAD
 
-    async def _check_data(self, engine: ChunkEngine, chunk_id: bytes, listed: ChunkState, meta: spb.ChunkMeta,
+    async def _check_data(self, replica: TargetReplica, chunk_id: bytes, listed: ChunkState, meta: spb.ChunkMeta,
                           rsp: spb.DumpChunkMetaRsp) -> ChunkState:
         """Set ``meta``'s data fields from the committed bytes on disk; return the state they belong to.
 
         The read runs on the node's I/O pool while commits go on, so it counts only if the chunk's
         committed version is the same after the read as before (a commit may have replaced or
-        patched the file under it); otherwise it is retried, and finally left unchecked.
+        patched the file under it) and no commit was rewriting the file meanwhile (a patch applied on
+        the pool); otherwise it is retried, and finally left unchecked.
         """
+        engine = replica.engine
         state = listed
         for _ in range(_DATA_READ_TRIES):
             current = engine.get(chunk_id)
@@ -116,13 +119,15 @@ class StorageServicer:
                 return state
             error = ""
             checksum = 0
+            rewriting = replica.rewriting(chunk_id)
             try:
                 checksum, size = await self.node.run_blocking(_read_crc, engine, chunk_id, state.commit_version,
                                                               state.length)
                 rsp.data_bytes += size
             except FS3Error as exc:
                 error = str(exc) or type(exc).__name__
-            if _committed(engine.get(chunk_id)) == _committed(state):
+            if _committed(engine.get(chunk_id)) == _committed(state) and not rewriting \
+                    and not replica.rewriting(chunk_id):
                 meta.data_checksum, meta.data_error, meta.data_checked = checksum, error, not error
                 return state
         meta.data_checked = False
