@@ -51,6 +51,7 @@ from fs3.common.errors import InvalidArgument, IoError, NoSpace
 from fs3.common.invariant import ensure
 from fs3.kv.store import KVStore, WriteBatch, prefix_end
 from fs3.storage.blobs import BlobStore
+from fs3.storage.limits import CLIENT_ID_MAX_BYTES, VERSION_MAX
 
 __all__ = ["CLIENT_ID_MAX_BYTES", "VERSION_MAX", "Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
 
@@ -67,10 +68,6 @@ _FLOOR = b"v/floor"  # every version and blob number ever used on this target is
 _FORMAT = b"v/format"
 _FORMAT_VERSION = 2
 _VERSION_BLOCK = 1024  # versions reserved per synced floor write
-# The largest version a target accepts from its chain: far beyond any real count, and far enough
-# below 2**64 that the counter and its reservations always fit their u64 fields.
-VERSION_MAX = 1 << 62
-CLIENT_ID_MAX_BYTES = 255  # a client id is stored behind a one-byte length
 
 _STATE = struct.Struct("<QQQIIQQIIQB")
 _CHANNEL_TAIL = struct.Struct("<IQ")

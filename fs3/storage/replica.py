@@ -57,14 +57,12 @@ from fs3.common.errors import (
     TargetNotServing,
     Unavailable,
 )
-from fs3.common.ids import CHUNK_SIZE_MAX_BYTES, validate_chunk_id, validate_chunk_size
+from fs3.common.ids import validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
 from fs3.kv.group_sync import GroupSync
 from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import (
-    CLIENT_ID_MAX_BYTES,
-    VERSION_MAX,
     Channel,
     ChannelRecord,
     ChunkEngine,
@@ -90,6 +88,7 @@ from fs3.storage.craq import (
     UpdateRequest,
     classify,
 )
+from fs3.storage.limits import CHUNK_SIZE_MAX_BYTES, CLIENT_ID_MAX_BYTES, VERSION_MAX
 
 __all__ = ["DirtyReadPolicy", "ReplicaConfig", "ReplicaHost", "TargetReplica", "build_content"]
 

@@ -7,17 +7,13 @@ from fs3.common.checksum import crc32c
 from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.rpc.dispatch import Buffer
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
+from fs3.storage.limits import DUMP_CHUNKS_MAX, DUMP_DATA_BYTES_MAX, SYNC_RECORDS_MAX
 from fs3.storage.node import StorageNode
 from fs3.storage.replica import TargetReplica
 
 __all__ = ["StorageServicer"]
 
 _NO_PAYLOAD = b""
-_DUMP_LIMIT_MAX = 10_000
-_SYNC_RECORDS_MAX = 10_000
-# A DumpChunkMeta page with data checksums stops once this many bytes were read, so one call on a
-# target of big chunks holds neither an I/O thread nor the caller's deadline for long.
-_DUMP_DATA_BYTES_MAX = 64 << 20
 # Reads of a chunk that a commit replaced meanwhile are retried this often before giving up.
 _DATA_READ_TRIES = 3
 
@@ -81,13 +77,13 @@ class StorageServicer:
                               payload: memoryview) -> tuple[spb.DumpChunkMetaRsp, Buffer]:
         """Chunk metadata of one target, a page at a time; with ``data_checksums`` also the CRC32C of
         each committed version's bytes read back from disk (what ``fs3 admin verify`` compares)."""
-        if req.limit > _DUMP_LIMIT_MAX:
-            raise InvalidArgument(f"limit {req.limit} exceeds {_DUMP_LIMIT_MAX}")
-        if len(req.chunk_ids) > _DUMP_LIMIT_MAX:
-            raise InvalidArgument(f"{len(req.chunk_ids)} chunk ids exceed {_DUMP_LIMIT_MAX}")
+        if req.limit > DUMP_CHUNKS_MAX:
+            raise InvalidArgument(f"limit {req.limit} exceeds {DUMP_CHUNKS_MAX}")
+        if len(req.chunk_ids) > DUMP_CHUNKS_MAX:
+            raise InvalidArgument(f"{len(req.chunk_ids)} chunk ids exceed {DUMP_CHUNKS_MAX}")
         replica = self.node.replica_for_target(req.target_id, req.chain_id)
         limit = req.limit or 1000
-        byte_budget = min(req.max_data_bytes or _DUMP_DATA_BYTES_MAX, _DUMP_DATA_BYTES_MAX)
+        byte_budget = min(req.max_data_bytes or DUMP_DATA_BYTES_MAX, DUMP_DATA_BYTES_MAX)
         rsp = spb.DumpChunkMetaRsp(target_id=replica.target_id)
         for chunk_id, state in _listing(replica.engine, req, limit + 1):
             if len(rsp.chunks) == limit or (req.data_checksums and rsp.data_bytes >= byte_budget):
@@ -139,8 +135,8 @@ class StorageServicer:
 
     async def sync_channels(self, req: spb.SyncChannelsReq,
                             payload: memoryview) -> tuple[spb.SyncChannelsRsp, Buffer]:
-        if len(req.records) > _SYNC_RECORDS_MAX:
-            raise InvalidArgument(f"{len(req.records)} records exceed {_SYNC_RECORDS_MAX} per call")
+        if len(req.records) > SYNC_RECORDS_MAX:
+            raise InvalidArgument(f"{len(req.records)} records exceed {SYNC_RECORDS_MAX} per call")
         return spb.SyncChannelsRsp(merged=self.node.sync_channels(req)), _NO_PAYLOAD
 
     async def target_stats(self, req: spb.TargetStatsReq, payload: memoryview) -> tuple[spb.TargetStatsRsp, Buffer]:
