@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from fs3 import meta_pb2 as mpb
+from fs3.common.errors import InvariantViolation
 from fs3.kv.store import KVStore, MemKVStore, RocksKVStore, WriteBatch
 from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
 from fs3.meta.ops import Caller, Namespace, OpEnv
@@ -165,5 +166,33 @@ def test_a_limited_scan_merges_own_writes_before_it_cuts() -> None:
         assert store.rows_read <= 3 + 4  # the page, plus one row for each own delete it may hide
         rest = await txn.scan(key(10) + b"\x00", b"l", limit=1_000)
         assert rest[-1] == (key(1_000), b"own, past the page") and len(rest) == 44 + 1
+
+    asyncio.run(main())
+
+
+class _OverfullScans:
+    """Known bad: a transaction whose scans return more rows than their limit."""
+
+    def __init__(self, inner: Transaction) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        return await self.inner.scan(start, end)
+
+
+def test_readdir_refuses_an_engine_that_ignores_scan_limits() -> None:
+    engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+
+    async def main() -> None:
+        await _fill(engine, 20)
+
+        async def page(txn: Transaction) -> mpb.ReadDirRsp:
+            return await Namespace(_OverfullScans(txn), _env()).readdir(_ref("/d"), b"", 5, False)
+
+        with pytest.raises(InvariantViolation, match="limited to 6 rows returned 20"):
+            await run_transaction(engine, page)
 
     asyncio.run(main())

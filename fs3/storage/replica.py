@@ -361,6 +361,9 @@ class TargetReplica:
         def done(finished: asyncio.Task[T]) -> None:
             self._updates.discard(finished)
             self._updates_bytes -= payload_bytes
+            # Each update gives back exactly what it was charged: below zero, the admission bound
+            # (updates_inflight_bytes_max) would admit more than it says.
+            ensure(self._updates_bytes >= 0, f"target {self.target_id} holds {self._updates_bytes} update bytes")
             error = None if finished.cancelled() else finished.exception()
             self.host.update_finished(self.target_id, error)
 
@@ -629,6 +632,9 @@ class TargetReplica:
         successor = view.successor()
         if successor is None or successor.target_id != effect.successor:
             return Outcome.RETRY, Unavailable(f"target {effect.successor} is no longer the successor")
+        # mgmtd never lists a target twice in a chain, so a successor is always another target:
+        # forwarding to itself would commit a write on one replica and count it as two.
+        ensure(successor.target_id != self.target_id, f"target {self.target_id} is its own successor")
         req = spb.ForwardReq(update=op.update, update_version=effect.version, base_version=effect.base,
                              chain_version=view.chain_version, from_target_id=self.target_id)
         body: Buffer = op.payload
@@ -668,6 +674,8 @@ class TargetReplica:
         chunk wait meanwhile (a patch rewrites the committed file in place and renames it). A
         cancellation cannot split the two: ``run_blocking`` returns only once the blob work is
         done, and the metadata follows at once — the blob on disk is already the new version."""
+        # The chunk lock is held from staging to commit, so two commits of a chunk never overlap.
+        ensure(chunk_id not in self._rewriting, f"two commits rewrite chunk {chunk_id.hex()} at once")
         done = asyncio.Event()
         self._rewriting[chunk_id] = done
         cancelled = False
@@ -676,8 +684,11 @@ class TargetReplica:
                 await self.host.run_blocking(self.engine.prepare_commit, chunk_id, version, patch_synced)
             except asyncio.CancelledError:
                 cancelled = True
-            self.engine.commit(chunk_id, version, chain_version, now_ms=self.host.now_ms(), defer_sync=True,
-                               prepared=True)
+            committed = self.engine.commit(chunk_id, version, chain_version, now_ms=self.host.now_ms(),
+                                           defer_sync=True, prepared=True)
+            # Versions only grow: the commit made exactly the staged version current (a removal leaves none).
+            ensure(committed is None or committed.commit_version == version,
+                   f"commit of v{version} of chunk {chunk_id.hex()} left another version")
         finally:
             del self._rewriting[chunk_id]
             done.set()
