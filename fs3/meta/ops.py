@@ -37,6 +37,7 @@ from fs3.common.errors import (
     TooManyLinks,
     XattrTooLarge,
 )
+from fs3.common.invariant import ensure
 from fs3.common.layout import file_layout, max_file_size, validate_dir_layout
 from fs3.common.posix import (
     LINK_MAX,
@@ -545,8 +546,13 @@ class Namespace:
         """One fewer name for ``inode`` (already unlinked from ``parent``); True when chunks go to GC."""
         if inode.type == DIRECTORY:
             parent.nlink -= 1
+            # A directory counts "." and its entry in its parent, plus one ".." per subdirectory:
+            # losing one it had leaves at least the first two.
+            ensure(parent.nlink >= 2, f"directory {parent.inode_id} left with {parent.nlink} links")
             await self._delete_inode(inode)
             return False
+        # The caller just removed one of its names, so the inode had that link to lose.
+        ensure(inode.nlink > 0, f"inode {inode.inode_id} unlinked with no links left")
         inode.nlink -= 1
         self._stamp(inode)
         if inode.nlink > 0 or await self._has_sessions(inode.inode_id):
@@ -698,6 +704,8 @@ class Namespace:
         self._moved_directory = True
         inode.parent = new.inode_id
         old.nlink -= 1
+        # The moved directory's ".." was one of the old parent's links beyond its own two.
+        ensure(old.nlink >= 2, f"directory {old.inode_id} left with {old.nlink} links")
         new.nlink += 1
         self.touch(old)
         self.touch(new)
@@ -711,6 +719,8 @@ class Namespace:
         prefix = schema.dentry_prefix(directory.inode_id)
         start = schema.dentry_key(directory.inode_id, start_after + b"\x00") if start_after else prefix
         rows = await self.txn.scan(start, prefix_end(prefix), limit=limit + 1)
+        # Every engine honours scan limits (a listing in pages must cost O(entries), not O(n²)).
+        ensure(len(rows) <= limit + 1, f"a scan limited to {limit + 1} rows returned {len(rows)}")
         rsp = mpb.ReadDirRsp(more=len(rows) > limit)
         for _, raw in rows[:limit]:
             entry = rsp.entries.add()
@@ -776,6 +786,10 @@ class Namespace:
         self.txn.delete(schema.truncate_key(inode_id))
         inode = await self.find_inode(inode_id)
         if inode is not None and job.size is not None:
+            # The job's size was checked against the file's layout when the truncate was recorded
+            # (the layout of a file never changes): a stored size past it is a corrupt job.
+            ensure(0 <= job.size <= max_file_size(inode.layout),
+                   f"truncate job of inode {inode_id} has size {job.size} outside its layout")
             inode.size = job.size
             self.touch(inode)
         self.flush()
@@ -984,6 +998,9 @@ class Namespace:
             new_size = max(inode.size, hint)
         else:
             new_size = inode.size
+        # A writer's length only ever grows a file: shrinking is a truncate's job, and a length that
+        # took bytes away could undo a write another handle already published.
+        ensure(new_size >= inode.size, f"inode {inode.inode_id}: a writer's length {new_size} below {inode.size}")
         if new_size > max_file_size(inode.layout):
             raise FileTooLarge(f"size {new_size} exceeds {max_file_size(inode.layout)}")
         inode.size = new_size

@@ -21,6 +21,7 @@ from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.api import prefix_end
 from fs3.kv.store import KVStore, WriteBatch
 from fs3.mgmtd.chain_state import update_chain
+from fs3.mgmtd.limits import CHAIN_REPLICAS_MAX, CHAINS_PER_TABLE_MAX, TARGETS_PER_NODE_MAX
 
 __all__ = ["MgmtdState", "NodeRecord", "TargetRecord"]
 
@@ -135,6 +136,9 @@ class MgmtdState:
             raise InvalidArgument("heartbeat without a node id")
         if req.node_type == cpb.NODE_TYPE_UNSPECIFIED:
             raise InvalidArgument("heartbeat without a node type")
+        if len(req.targets) > TARGETS_PER_NODE_MAX:
+            raise InvalidArgument(f"heartbeat reports {len(req.targets)} targets, more than the "
+                                  f"{TARGETS_PER_NODE_MAX} a node may have")
         changed = False
         record = self.nodes.get(req.node_id)
         info = cpb.NodeInfo(
@@ -235,6 +239,10 @@ class MgmtdState:
         table_id = req.table_id or 1
         if table_id in self.tables:
             raise AlreadyExists(f"chain table {table_id} exists")
+        if req.replicas > CHAIN_REPLICAS_MAX:
+            raise InvalidArgument(f"{req.replicas} replicas exceed {CHAIN_REPLICAS_MAX} per chain")
+        if len(req.chains) > CHAINS_PER_TABLE_MAX:
+            raise InvalidArgument(f"{len(req.chains)} chains exceed {CHAINS_PER_TABLE_MAX} per table")
         specs = [(c.chain_id, list(c.target_ids)) for c in req.chains]
         if not specs:
             if req.replicas == 0:
@@ -244,13 +252,17 @@ class MgmtdState:
         seen: set[int] = set()
         next_id = max(self.chains, default=0) + 1
         chains: list[cpb.ChainInfo] = []
+        new_ids: set[int] = set()  # (a set: a table of many chains is checked in linear time)
         for chain_id, target_ids in specs:
             if not target_ids:
                 raise InvalidArgument("a chain needs at least one target")
+            if len(target_ids) > CHAIN_REPLICAS_MAX:
+                raise InvalidArgument(f"a chain of {len(target_ids)} targets exceeds {CHAIN_REPLICAS_MAX}")
             chain_id = chain_id or next_id
             next_id = max(next_id, chain_id + 1)
-            if chain_id in self.chains or any(c.chain_id == chain_id for c in chains):
+            if chain_id in self.chains or chain_id in new_ids:
                 raise AlreadyExists(f"chain {chain_id} exists")
+            new_ids.add(chain_id)
             nodes = set()
             for t in target_ids:
                 if t not in self.targets:

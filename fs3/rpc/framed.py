@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import logging
 import socket
-from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
@@ -23,21 +22,12 @@ from fs3.common.errors import (
 )
 from fs3.rpc.dispatch import Buffer, Dispatcher, token_matches
 from fs3.rpc.framing import HEADER, FrameKind, pack_header, unpack_header
+from fs3.rpc.limits import FramedLimits
 from fs3.rpc.methods import MethodSpec
 
 __all__ = ["FramedChannel", "FramedLimits", "FramedServer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FramedLimits:
-    """Bounds on what one frame and one connection may hold."""
-
-    msg_max_bytes: int = 16 * 1024 * 1024
-    payload_max_bytes: int = 72 * 1024 * 1024
-    inflight_requests_max: int = 256
-    hello_timeout_ms: int = 5_000
 
 
 _COALESCE_MAX_BYTES = 64 * 1024

@@ -16,16 +16,16 @@ from google.protobuf.message import Message
 
 from fs3.common.errors import FS3Error, StatusCode, Timeout, Unavailable, error_for
 from fs3.rpc.dispatch import Buffer, Dispatcher, token_matches
+from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
 
 __all__ = ["TOKEN_METADATA_KEY", "GrpcChannel", "GrpcServer"]
 
 TOKEN_METADATA_KEY = "x-fs3-token"
 CODE_METADATA_KEY = "x-fs3-code"
-_MAX_MESSAGE_BYTES = 80 * 1024 * 1024
 _OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", GRPC_MESSAGE_MAX_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MESSAGE_MAX_BYTES),
 ]
 
 _TO_GRPC: dict[StatusCode, grpc.StatusCode] = {

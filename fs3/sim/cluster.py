@@ -149,7 +149,8 @@ class SimCluster:
             heartbeat_interval_ms=self.shape.heartbeat_interval_ms, rpc_timeout_ms=1_000,
             replica=ReplicaConfig(forward_timeout_ms=500, forward_retry_total_ms=5_000, routing_wait_ms=50,
                                   dirty_read_policy=self.shape.dirty_read_policy, query_timeout_ms=500,
-                                  offload_write_min_bytes=self.shape.offload_write_min_bytes),
+                                  offload_write_min_bytes=self.shape.offload_write_min_bytes,
+                                  offload_read_min_bytes=self.shape.offload_write_min_bytes),
         )
         node = StorageNode(config, engines, SimChannelFactory(self.network, slot.address),
                            io_submitter=self._io_pool(node_id) if self.shape.io_delay_max_ms > 0 else None)

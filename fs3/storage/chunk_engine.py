@@ -52,6 +52,7 @@ from fs3.common.invariant import ensure
 from fs3.kv.api import prefix_end
 from fs3.kv.store import KVStore, WriteBatch
 from fs3.storage.blobs import BlobStore
+from fs3.storage.limits import CLIENT_ID_MAX_BYTES, VERSION_MAX
 
 __all__ = ["CLIENT_ID_MAX_BYTES", "VERSION_MAX", "Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
 
@@ -68,10 +69,6 @@ _FLOOR = b"v/floor"  # every version and blob number ever used on this target is
 _FORMAT = b"v/format"
 _FORMAT_VERSION = 2
 _VERSION_BLOCK = 1024  # versions reserved per synced floor write
-# The largest version a target accepts from its chain: far beyond any real count, and far enough
-# below 2**64 that the counter and its reservations always fit their u64 fields.
-VERSION_MAX = 1 << 62
-CLIENT_ID_MAX_BYTES = 255  # a client id is stored behind a one-byte length
 
 _STATE = struct.Struct("<QQQIIQQIIQB")
 _CHANNEL_TAIL = struct.Struct("<IQ")
@@ -579,15 +576,41 @@ class ChunkEngine:
             self._set(chunk_id, state)
         self.kv.write(batch, sync=False)
 
+    def commit_blob_io(self, chunk_id: bytes, version: int) -> bool:
+        """Whether committing pending ``version`` touches the disk beyond the metadata batch: a file
+        patch applied in place and synced, or a pending file not synced yet (:meth:`prepare_commit`)."""
+        old = self._states.get(chunk_id)
+        if old is None or old.pending_version != version or old.pending_remove or old.pending_inline:
+            return False
+        return old.pending_patch or chunk_id not in self._synced_pending
+
+    def prepare_commit(self, chunk_id: bytes, version: int, patch_synced: bool = False) -> None:
+        """The blob work of committing pending ``version`` (a file patch applied in place and
+        synced, or the pending file synced), before :meth:`commit` with ``prepared=True`` writes
+        the metadata. Touches only the blob store (and the log, for an undo record nobody synced),
+        so it may run on an I/O thread under the chunk lock — while nobody reads the committed
+        blob: a patch rewrites it in place and renames it (the caller keeps readers off it)."""
+        old = self._states.get(chunk_id)
+        ensure(old is not None and old.pending_version == version and not old.pending_remove
+               and not old.pending_inline, f"blob work for v{version} of a chunk that has none")
+        assert old is not None
+        if old.pending_patch:
+            patch = self._patches[chunk_id]
+            if chunk_id in self._unsynced_patches and not patch_synced:
+                self.kv.sync_wal()  # the undo record must be durable before the blob changes
+            self.files.patch(chunk_id, old.commit_blob, old.pending_blob, patch.offset, patch.new)
+        self.files.sync(chunk_id, old.pending_blob)
+
     def commit(self, chunk_id: bytes, version: int, chain_version: int, *, now_ms: int = 0,
-               defer_sync: bool = False, patch_synced: bool = False) -> ChunkState | None:
+               defer_sync: bool = False, patch_synced: bool = False, prepared: bool = False) -> ChunkState | None:
         """Make pending ``version`` the committed one and record its request's answer. Returns the
         new state (None: removed).
 
         ``defer_sync``: the commit batch is written unsynced; the caller must sync the log
         (:meth:`sync_log`, which also deletes the replaced blob) before it acknowledges the write.
         ``patch_synced``: the caller synced the log after staging a deferred patch, so its undo
-        record is durable.
+        record is durable. ``prepared``: the caller ran :meth:`prepare_commit` (the blob is patched
+        and synced).
         """
         old = self._states.get(chunk_id)
         ensure(old is not None and old.pending_version == version,
@@ -600,8 +623,8 @@ class ChunkEngine:
             batch.delete(_META + chunk_id)
         else:
             if old.pending_patch:
-                self._apply_patch(batch, chunk_id, old, patch_synced)
-            elif not old.pending_inline and chunk_id not in self._synced_pending:
+                self._apply_patch(batch, chunk_id, old, patch_synced or prepared, prepared)
+            elif not old.pending_inline and chunk_id not in self._synced_pending and not prepared:
                 self.files.sync(chunk_id, old.pending_blob)
             new = ChunkState(commit_version=version, commit_blob=old.pending_blob, chain_version=chain_version,
                              length=old.pending_length, checksum=old.pending_checksum,
@@ -617,7 +640,8 @@ class ChunkEngine:
             self._delete_replaced(chunk_id, old.commit_blob, defer_sync)  # (a patch renamed it instead)
         return new
 
-    def _apply_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState, patch_synced: bool) -> None:
+    def _apply_patch(self, batch: WriteBatch, chunk_id: bytes, old: ChunkState, patch_synced: bool,
+                     prepared: bool = False) -> None:
         patch = self._patches.pop(chunk_id)
         if old.commit_inline:
             raw = self.kv.get(_inline_key(chunk_id, old.commit_blob))
@@ -630,8 +654,9 @@ class ChunkEngine:
             self._unsynced_patches.discard(chunk_id)
             if not patch_synced:
                 self.kv.sync_wal()  # the undo record must be durable before the blob changes
-        self.files.patch(chunk_id, old.commit_blob, old.pending_blob, patch.offset, patch.new)
-        self.files.sync(chunk_id, old.pending_blob)
+        if not prepared:
+            self.files.patch(chunk_id, old.commit_blob, old.pending_blob, patch.offset, patch.new)
+            self.files.sync(chunk_id, old.pending_blob)
         batch.delete(_PATCH + chunk_id)
 
     def install(self, chunk_id: bytes, version: int, chain_version: int, content: bytes | memoryview | None,

@@ -48,6 +48,7 @@ from fs3.common.errors import (
     ChunkNotCommitted,
     FS3Error,
     InvalidArgument,
+    IoError,
     LeaseExpired,
     NoSpace,
     NotHead,
@@ -56,14 +57,12 @@ from fs3.common.errors import (
     TargetNotServing,
     Unavailable,
 )
-from fs3.common.ids import CHUNK_SIZE_MAX_BYTES, validate_chunk_id, validate_chunk_size
+from fs3.common.ids import validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
 from fs3.common.target_state import PublicState
 from fs3.kv.group_sync import GroupSync
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import (
-    CLIENT_ID_MAX_BYTES,
-    VERSION_MAX,
     Channel,
     ChannelRecord,
     ChunkEngine,
@@ -89,12 +88,17 @@ from fs3.storage.craq import (
     UpdateRequest,
     classify,
 )
+from fs3.storage.limits import CHUNK_SIZE_MAX_BYTES, CLIENT_ID_MAX_BYTES, VERSION_MAX
 
 __all__ = ["DirtyReadPolicy", "ReplicaConfig", "ReplicaHost", "TargetReplica", "build_content"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Reads of a chunk retried because a commit changed it under a read on the I/O pool; past them the
+# client is told to try again (CHUNK_NOT_COMMITTED), as for a chunk being written.
+_READ_TRIES = 3
 
 
 class DirtyReadPolicy:
@@ -109,9 +113,13 @@ class ReplicaConfig:
     routing_wait_ms: int = 200
     dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
     query_timeout_ms: int = 2_000
-    # Pending versions at least this large are written by the host's I/O pool, so the event loop
+    # Pending versions at least this large are written by the host's I/O pool, and their commit's
+    # blob work (a patch applied in place, the file's fdatasync) runs there too, so the event loop
     # keeps serving other requests meanwhile.
     offload_write_min_bytes: int = 64 * 1024
+    # Reads of file-held versions at least this large run on the host's I/O pool (see
+    # docs/decisions.md, "Chunk reads and commit syncs off the event loop", for the measurement).
+    offload_read_min_bytes: int = 64 * 1024
     # A write of at most this many bytes that lands inside a chunk at least twice its size is
     # staged as a patch of the committed version and applied in place at commit, instead of
     # copying the whole chunk into a new version (0: always copy).
@@ -245,6 +253,9 @@ class TargetReplica:
         self._repairs: dict[bytes, asyncio.Task[None]] = {}
         self._updates: set[asyncio.Task[Any]] = set()
         self._updates_bytes = 0
+        # Chunks whose committed blob a commit is rewriting on the I/O pool (a patch applied in
+        # place): readers wait for the event instead of reading a half-patched or renamed file.
+        self._rewriting: dict[bytes, asyncio.Event] = {}
         # Group commit of the target's log: writes on the hot path are made unsynced and share
         # one fsync, off the event loop (a real node's I/O pool; inline in the simulator).
         self._log_sync = GroupSync(lambda: host.run_blocking(engine.sync_log))
@@ -350,6 +361,9 @@ class TargetReplica:
         def done(finished: asyncio.Task[T]) -> None:
             self._updates.discard(finished)
             self._updates_bytes -= payload_bytes
+            # Each update gives back exactly what it was charged: below zero, the admission bound
+            # (updates_inflight_bytes_max) would admit more than it says.
+            ensure(self._updates_bytes >= 0, f"target {self.target_id} holds {self._updates_bytes} update bytes")
             error = None if finished.cancelled() else finished.exception()
             self.host.update_finished(self.target_id, error)
 
@@ -618,6 +632,9 @@ class TargetReplica:
         successor = view.successor()
         if successor is None or successor.target_id != effect.successor:
             return Outcome.RETRY, Unavailable(f"target {effect.successor} is no longer the successor")
+        # mgmtd never lists a target twice in a chain, so a successor is always another target:
+        # forwarding to itself would commit a write on one replica and count it as two.
+        ensure(successor.target_id != self.target_id, f"target {self.target_id} is its own successor")
         req = spb.ForwardReq(update=op.update, update_version=effect.version, base_version=effect.base,
                              chain_version=view.chain_version, from_target_id=self.target_id)
         body: Buffer = op.payload
@@ -637,13 +654,46 @@ class TargetReplica:
 
     async def _do_commit(self, op: _Op, version: int) -> None:
         """Commit and make it durable before anyone is answered: the log is synced with whatever
-        else was written meanwhile (group commit), off the event loop."""
+        else was written meanwhile (group commit), off the event loop, and so is a file's own
+        blob work (a patch applied in place, its fdatasync) when the chunk is large enough."""
         chain_version = self._view(op.chain_id).chain_version  # as of the successor's answer
         if op.patch_ticket is not None:
             await self._log_sync.wait(op.patch_ticket)
-        self.engine.commit(op.chunk_id, version, chain_version, now_ms=self.host.now_ms(), defer_sync=True,
-                           patch_synced=op.patch_ticket is not None)
+        patch_synced = op.patch_ticket is not None
+        state = self.engine.get(op.chunk_id)
+        if state is not None and self.engine.commit_blob_io(op.chunk_id, version) \
+                and state.pending_length >= self.config.offload_write_min_bytes:
+            await self._commit_prepared(op.chunk_id, version, chain_version, patch_synced)
+        else:
+            self.engine.commit(op.chunk_id, version, chain_version, now_ms=self.host.now_ms(), defer_sync=True,
+                               patch_synced=patch_synced)
         await self._log_sync.wait(self._log_written())
+
+    async def _commit_prepared(self, chunk_id: bytes, version: int, chain_version: int, patch_synced: bool) -> None:
+        """Run the commit's blob work on the I/O pool, then write its metadata. Readers of the
+        chunk wait meanwhile (a patch rewrites the committed file in place and renames it). A
+        cancellation cannot split the two: ``run_blocking`` returns only once the blob work is
+        done, and the metadata follows at once — the blob on disk is already the new version."""
+        # The chunk lock is held from staging to commit, so two commits of a chunk never overlap.
+        ensure(chunk_id not in self._rewriting, f"two commits rewrite chunk {chunk_id.hex()} at once")
+        done = asyncio.Event()
+        self._rewriting[chunk_id] = done
+        cancelled = False
+        try:
+            try:
+                await self.host.run_blocking(self.engine.prepare_commit, chunk_id, version, patch_synced)
+            except asyncio.CancelledError:
+                cancelled = True
+            committed = self.engine.commit(chunk_id, version, chain_version, now_ms=self.host.now_ms(),
+                                           defer_sync=True, prepared=True)
+            # Versions only grow: the commit made exactly the staged version current (a removal leaves none).
+            ensure(committed is None or committed.commit_version == version,
+                   f"commit of v{version} of chunk {chunk_id.hex()} left another version")
+        finally:
+            del self._rewriting[chunk_id]
+            done.set()
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _do_install(self, op: _Op, version: int) -> None:
         """Commit a full copy directly (a syncing target, or the tail during a repair)."""
@@ -724,19 +774,57 @@ class TargetReplica:
             raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
         if req.chain_version:
             self._check_chain_version(view, req.chain_version, "read")
-        state = self.engine.get(req.chunk_id)
-        version, length, checksum = self._readable_version(state)
-        if state is not None and state.pending_version:
-            version, length, checksum = await self._resolve_dirty(req, view, state)
-        if version == 0:
-            return spb.ReadRsp(length=0, version=0, checksum=crc32c(b""), chunk_length=0), b""
-        if req.verify_checksum:
-            whole = self.engine.read(req.chunk_id, version, 0, length)
-            if crc32c(whole) != checksum:
-                raise ChecksumMismatch(f"chunk {req.chunk_id.hex()} v{version} fails its checksum on target "
-                                       f"{self.target_id}")
-        data = self.engine.read(req.chunk_id, version, req.offset, min(req.length, max(0, length - req.offset)))
-        return spb.ReadRsp(length=len(data), version=version, checksum=crc32c(data), chunk_length=length), data
+        for _ in range(_READ_TRIES):
+            rewriting = self._rewriting.get(req.chunk_id)
+            if rewriting is not None:
+                await rewriting.wait()  # a commit is patching the committed file: read what it becomes
+            state = self.engine.get(req.chunk_id)
+            version, length, checksum = self._readable_version(state)
+            if state is not None and state.pending_version:
+                version, length, checksum = await self._resolve_dirty(req, view, state)
+            if version == 0:
+                return spb.ReadRsp(length=0, version=0, checksum=crc32c(b""), chunk_length=0), b""
+            if req.verify_checksum:
+                whole = await self._read_bytes(req.chunk_id, version, 0, length)
+                if whole is None:
+                    continue
+                if crc32c(whole) != checksum:
+                    raise ChecksumMismatch(f"chunk {req.chunk_id.hex()} v{version} fails its checksum on target "
+                                           f"{self.target_id}")
+            data = await self._read_bytes(req.chunk_id, version, req.offset,
+                                          min(req.length, max(0, length - req.offset)))
+            if data is None:
+                continue
+            return spb.ReadRsp(length=len(data), version=version, checksum=crc32c(data), chunk_length=length), data
+        raise ChunkNotCommitted(f"chunk {req.chunk_id.hex()} kept changing while it was read; try again")
+
+    def rewriting(self, chunk_id: bytes) -> bool:
+        """Whether a commit is rewriting the chunk's committed file on the I/O pool right now."""
+        return chunk_id in self._rewriting
+
+    async def _read_bytes(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes | None:
+        """Bytes of ``version``: on the event loop when small or held in RocksDB, else on the I/O
+        pool. A pool read runs while commits go on, so it counts only if the chunk's state is the
+        same object after it as before (every change replaces it; blob numbers are never reused)
+        and no commit started rewriting the file meanwhile; otherwise None, and the caller reads
+        again — a file a commit deleted or renamed under the read is not a disk error."""
+        if chunk_id in self._rewriting:
+            return None  # a commit began patching the file while the read waited for the tail
+        state = self.engine.get(chunk_id)
+        # Only a committed file goes to the pool (a dirty read of a pending version is rare, and a
+        # patched one is built from state a commit changes under it).
+        committed_file = state is not None and version == state.commit_version and not state.commit_inline
+        if not committed_file or length < self.config.offload_read_min_bytes:
+            return self.engine.read(chunk_id, version, offset, length)
+        try:
+            data = await self.host.run_blocking(self.engine.read, chunk_id, version, offset, length)
+        except IoError:
+            if self.engine.get(chunk_id) is state and chunk_id not in self._rewriting:
+                raise
+            return None
+        if self.engine.get(chunk_id) is not state or chunk_id in self._rewriting:
+            return None
+        return data
 
     @staticmethod
     def _readable_version(state: ChunkState | None) -> tuple[int, int, int]:

@@ -7,16 +7,13 @@ from fs3.common.checksum import crc32c
 from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.rpc.dispatch import Buffer
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
+from fs3.storage.limits import DUMP_CHUNKS_MAX, DUMP_DATA_BYTES_MAX, SYNC_RECORDS_MAX
 from fs3.storage.node import StorageNode
+from fs3.storage.replica import TargetReplica
 
 __all__ = ["StorageServicer"]
 
 _NO_PAYLOAD = b""
-_DUMP_LIMIT_MAX = 10_000
-_SYNC_RECORDS_MAX = 10_000
-# A DumpChunkMeta page with data checksums stops once this many bytes were read, so one call on a
-# target of big chunks holds neither an I/O thread nor the caller's deadline for long.
-_DUMP_DATA_BYTES_MAX = 64 << 20
 # Reads of a chunk that a commit replaced meanwhile are retried this often before giving up.
 _DATA_READ_TRIES = 3
 
@@ -80,13 +77,13 @@ class StorageServicer:
                               payload: memoryview) -> tuple[spb.DumpChunkMetaRsp, Buffer]:
         """Chunk metadata of one target, a page at a time; with ``data_checksums`` also the CRC32C of
         each committed version's bytes read back from disk (what ``fs3 admin verify`` compares)."""
-        if req.limit > _DUMP_LIMIT_MAX:
-            raise InvalidArgument(f"limit {req.limit} exceeds {_DUMP_LIMIT_MAX}")
-        if len(req.chunk_ids) > _DUMP_LIMIT_MAX:
-            raise InvalidArgument(f"{len(req.chunk_ids)} chunk ids exceed {_DUMP_LIMIT_MAX}")
+        if req.limit > DUMP_CHUNKS_MAX:
+            raise InvalidArgument(f"limit {req.limit} exceeds {DUMP_CHUNKS_MAX}")
+        if len(req.chunk_ids) > DUMP_CHUNKS_MAX:
+            raise InvalidArgument(f"{len(req.chunk_ids)} chunk ids exceed {DUMP_CHUNKS_MAX}")
         replica = self.node.replica_for_target(req.target_id, req.chain_id)
         limit = req.limit or 1000
-        byte_budget = min(req.max_data_bytes or _DUMP_DATA_BYTES_MAX, _DUMP_DATA_BYTES_MAX)
+        byte_budget = min(req.max_data_bytes or DUMP_DATA_BYTES_MAX, DUMP_DATA_BYTES_MAX)
         rsp = spb.DumpChunkMetaRsp(target_id=replica.target_id)
         for chunk_id, state in _listing(replica.engine, req, limit + 1):
             if len(rsp.chunks) == limit or (req.data_checksums and rsp.data_bytes >= byte_budget):
@@ -94,19 +91,21 @@ class StorageServicer:
                 break
             meta = rsp.chunks.add(chunk_id=chunk_id)
             if req.data_checksums:
-                state = await self._check_data(replica.engine, chunk_id, state, meta, rsp)
+                state = await self._check_data(replica, chunk_id, state, meta, rsp)
             meta.commit_version, meta.pending_version = state.commit_version, state.pending_version
             meta.chain_version, meta.length, meta.checksum = state.chain_version, state.length, state.checksum
         return rsp, _NO_PAYLOAD
 
-    async def _check_data(self, engine: ChunkEngine, chunk_id: bytes, listed: ChunkState, meta: spb.ChunkMeta,
+    async def _check_data(self, replica: TargetReplica, chunk_id: bytes, listed: ChunkState, meta: spb.ChunkMeta,
                           rsp: spb.DumpChunkMetaRsp) -> ChunkState:
         """Set ``meta``'s data fields from the committed bytes on disk; return the state they belong to.
 
         The read runs on the node's I/O pool while commits go on, so it counts only if the chunk's
         committed version is the same after the read as before (a commit may have replaced or
-        patched the file under it); otherwise it is retried, and finally left unchecked.
+        patched the file under it) and no commit was rewriting the file meanwhile (a patch applied on
+        the pool); otherwise it is retried, and finally left unchecked.
         """
+        engine = replica.engine
         state = listed
         for _ in range(_DATA_READ_TRIES):
             current = engine.get(chunk_id)
@@ -116,13 +115,15 @@ class StorageServicer:
                 return state
             error = ""
             checksum = 0
+            rewriting = replica.rewriting(chunk_id)
             try:
                 checksum, size = await self.node.run_blocking(_read_crc, engine, chunk_id, state.commit_version,
                                                               state.length)
                 rsp.data_bytes += size
             except FS3Error as exc:
                 error = str(exc) or type(exc).__name__
-            if _committed(engine.get(chunk_id)) == _committed(state):
+            if _committed(engine.get(chunk_id)) == _committed(state) and not rewriting \
+                    and not replica.rewriting(chunk_id):
                 meta.data_checksum, meta.data_error, meta.data_checked = checksum, error, not error
                 return state
         meta.data_checked = False
@@ -134,8 +135,8 @@ class StorageServicer:
 
     async def sync_channels(self, req: spb.SyncChannelsReq,
                             payload: memoryview) -> tuple[spb.SyncChannelsRsp, Buffer]:
-        if len(req.records) > _SYNC_RECORDS_MAX:
-            raise InvalidArgument(f"{len(req.records)} records exceed {_SYNC_RECORDS_MAX} per call")
+        if len(req.records) > SYNC_RECORDS_MAX:
+            raise InvalidArgument(f"{len(req.records)} records exceed {SYNC_RECORDS_MAX} per call")
         return spb.SyncChannelsRsp(merged=self.node.sync_channels(req)), _NO_PAYLOAD
 
     async def target_stats(self, req: spb.TargetStatsReq, payload: memoryview) -> tuple[spb.TargetStatsRsp, Buffer]:
