@@ -27,7 +27,7 @@ from fs3.common.errors import TargetNotServing
 from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import dump_chunk_meta
-from fs3.storage.chunk_engine import parse_channel_key
+from fs3.storage.schema import parse_channel_key
 
 if TYPE_CHECKING:
     from fs3.storage.chain_view import ChainMember, ChainView
