@@ -130,6 +130,17 @@ class ReplicaConfig:
     # sent more than half of it after the request's first attempt, so no retry outlives its record.
     channel_record_ttl_ms: int = 600_000
 
+    def validate(self) -> None:
+        if self.dirty_read_policy not in (DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY):
+            raise InvalidArgument(f"dirty_read_policy {self.dirty_read_policy!r}: expected ask_tail or retry")
+        if self.channel_record_ttl_ms < 4 * self.forward_retry_total_ms:
+            raise InvalidArgument("channel_record_ttl_ms must be at least 4 x forward_retry_total_ms "
+                                  "(retries within half of it must still find their record)")
+        if self.updates_inflight_max < 1 or self.updates_inflight_bytes_max < 64 << 20:
+            raise InvalidArgument("updates_inflight_max must be >= 1 and updates_inflight_bytes_max >= 64 MiB")
+        if self.routing_wait_ms < 1 or self.forward_timeout_ms < 1 or self.query_timeout_ms < 1:
+            raise InvalidArgument("routing_wait_ms, forward_timeout_ms and query_timeout_ms must be positive")
+
     @property
     def forward_retry(self) -> RetryPolicy:
         """A forward whose outcome is unknown is sent again once the routing changes (or after the
