@@ -67,6 +67,8 @@ def test_the_deadline_is_respected() -> None:
     cut = Attempts(RetryPolicy(backoff_base_ms=10, backoff_max_ms=10, deadline_ms=500), clock, budget_ms=100)
     clock.advance(100)
     assert cut.exhausted()  # a caller's budget overrides the policy's deadline
+    none_left = Attempts(RetryPolicy(backoff_base_ms=10, backoff_max_ms=10, deadline_ms=0), clock)
+    assert none_left.exhausted()  # a budget of zero allows no retry (it is not "no limit")
     with pytest.raises(ValueError, match="clock"):
         Attempts(RetryPolicy(backoff_base_ms=10, backoff_max_ms=10, deadline_ms=500))
 
@@ -132,6 +134,7 @@ def test_the_default_policies_are_the_former_loops() -> None:
     storage = StorageClientConfig().retry  # formerly min(50 x 2^n, 1000) ms, for 60 s
     assert [storage.backoff_ms(n) for n in range(1, 7)] == [100, 200, 400, 800, 1_000, 1_000]
     assert storage.deadline_ms == 60_000 and storage.attempts_max == 0
+    assert transaction_retry().deadline_ms is None
     replica = ReplicaConfig()
     assert replica.forward_retry.deadline_ms == replica.forward_retry_total_ms
     assert [replica.repair_retry.backoff_ms(n) for n in range(1, 7)] == [200, 400, 800, 1_600, 3_200, 5_000]

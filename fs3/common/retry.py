@@ -39,13 +39,13 @@ class RetryPolicy:
     backoff_max_ms: float
     backoff: Backoff = Backoff.EXPONENTIAL
     attempts_max: int = 0  # tries in all, the first included (0: no limit but the deadline)
-    deadline_ms: int = 0  # no try starts this long after the first (0: no limit but attempts_max)
+    deadline_ms: int | None = None  # no retry starts this long after the first try (None: no limit)
     jitter: float = 0.0  # the share of each wait drawn at random: wait x (1 - jitter x U[0, 1))
 
     def __post_init__(self) -> None:
         if not 0 <= self.backoff_base_ms <= self.backoff_max_ms:
             raise ValueError(f"backoff {self.backoff_base_ms} ms must be within [0, {self.backoff_max_ms}] ms")
-        if self.attempts_max < 0 or self.deadline_ms < 0:
+        if self.attempts_max < 0 or (self.deadline_ms is not None and self.deadline_ms < 0):
             raise ValueError("attempts_max and deadline_ms must not be negative")
         if not 0.0 <= self.jitter <= 1.0:
             raise ValueError(f"jitter {self.jitter} outside [0, 1]")
@@ -88,9 +88,11 @@ class Attempts:
         self.random = random
         self._sleep = sleep
         budget = policy.deadline_ms if budget_ms is None else budget_ms
-        if budget and clock is None:
-            raise ValueError("a retry deadline needs a clock")
-        self.deadline_ms = clock.now_ms() + budget if budget and clock is not None else None
+        self.deadline_ms: int | None = None
+        if budget is not None:
+            if clock is None:
+                raise ValueError("a retry deadline needs a clock")
+            self.deadline_ms = clock.now_ms() + budget
         self.retries = 0  # retries so far (tries made: at least this many plus one)
 
     def expired(self) -> bool:

@@ -337,7 +337,7 @@ class TargetReplica:
 
     def _machine(self, request: UpdateRequest) -> UpdateMachine:
         return UpdateMachine(request, patch_max_bytes=self.config.patch_max_bytes,
-                             retry_total_ms=self.config.forward_retry.deadline_ms)
+                             retry_total_ms=self.config.forward_retry_total_ms)
 
     async def _base(self, chunk_id: bytes, state: ChunkState | None) -> bytes | None:
         if state is None or state.commit_version == 0:
