@@ -381,7 +381,7 @@ def test_the_expiry_of_a_lapsed_client_id_must_outlast_client_retries() -> None:
     with pytest.raises(InvalidArgument):
         config_from_mapping(MetaConfig, {"client_lease_ms": 30_000, "expired_client_ttl_ms": 50_000})
     config = config_from_mapping(MetaConfig, {"client_lease_ms": 30_000, "expired_client_ttl_ms": 60_000})
-    assert config.expired_client_ttl_ms == 60_000
+    assert config.service.expired_client_ttl_ms == 60_000
     assert MetaServiceConfig(expired_client_ttl_ms=600_000).client_retry_limit_ms == 300_000
 
 

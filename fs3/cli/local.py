@@ -83,9 +83,10 @@ class LocalCluster:
                     for j in range(1, targets_per_node + 1))
                 config.write_text(
                     f'node_id = {node_id}\ntoken = "{self.token}"\n'
-                    f"heartbeat_interval_ms = {heartbeat_interval_ms}\nforward_timeout_ms = 2000\n"
+                    f"heartbeat_interval_ms = {heartbeat_interval_ms}\n"
                     f"rpc_timeout_ms = 2000\nfsync = {'true' if fsync else 'false'}\n"
-                    f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\n{targets}")
+                    f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\n"
+                    f"[replica]\nforward_timeout_ms = 2000\n{targets}")
             self._add(f"storage-{node_id}", ["storage", "--config", str(config)])
         self._nodes = nodes
         meta_dir = self.root / "meta"
@@ -97,7 +98,7 @@ class LocalCluster:
                 f'node_id = 1001\ndata_dir = "{meta_data_dir or meta_dir}"\ntoken = "{self.token}"\n'
                 f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\nsync_commits = {sync_commits}\n"
                 f"heartbeat_interval_ms = {heartbeat_interval_ms}\nrpc_timeout_ms = 2000\n"
-                f"prune_interval_ms = 1000\n")
+                f"[service]\nprune_interval_ms = 1000\n")
         self._add("meta", ["meta", "--config", str(meta_config)])
         self.mountpoint: str | None = saved.get("mountpoint")
         if self.mountpoint:

@@ -29,7 +29,8 @@ from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.common.clock import Clock, LoopClock
-from fs3.common.errors import FS3Error, StaleClient, StatusCode, Unavailable
+from fs3.common.errors import FS3Error, RetryCause, StaleClient, Unavailable, is_retryable, may_have_run
+from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import MethodSpec, service_spec
 
@@ -38,11 +39,13 @@ __all__ = ["MetaClient"]
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 _META = service_spec("Meta")
-# Transport failures: the request may or may not have run; a retry with the same id is safe.
-_RETRY_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.TXN_CONFLICT,
-                          StatusCode.RESOURCE_EXHAUSTED, StatusCode.MAYBE_COMMITTED})
-# The codes among them after which the request may have run (the others say it did not).
-_OUTCOME_UNKNOWN_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.MAYBE_COMMITTED})
+# What a retry to meta can cure: a lost server or reply, an overloaded server, a commit that
+# conflicted or whose outcome is unknown. A retry with the same request id is safe after each (meta
+# answers a repeated id with its first answer); storage's routing causes are meta's to handle.
+_RETRY_CAUSES = frozenset({RetryCause.TRANSPORT, RetryCause.OVERLOAD, RetryCause.COMMIT})
+# One request's retries: a linear backoff, within the client's budget (cut to meta's limit).
+_BACKOFF_BASE_MS = 50
+_BACKOFF_MAX_MS = 1_000
 # Meta expires a lease no sooner than lease_ms after it received the renewal, timed on its own
 # monotonic clock; the client trusts it for less than that from when it sent the renewal, leaving
 # room for the two clocks' rates to differ.
@@ -85,6 +88,12 @@ class MetaClient:
         nodes = [n for n in routing.nodes if n.node_type == cpb.NODE_META]
         nodes.sort(key=lambda n: (not n.alive, n.node_id))
         return [self.channels.node_address(n.framed_address, n.grpc_address) for n in nodes]
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """One request's retries: a linear backoff, for at most ``retry_total_ms``."""
+        return RetryPolicy(backoff_base_ms=_BACKOFF_BASE_MS, backoff_max_ms=_BACKOFF_MAX_MS, backoff=Backoff.LINEAR,
+                           deadline_ms=self.retry_total_ms)
 
     def _retry_budget_ms(self) -> int:
         """The client's own budget, cut to meta's limit: a retry must reach meta while it still
@@ -134,11 +143,10 @@ class MetaClient:
                         outcome_unknown: list[bool]) -> M:
         """Send ``req`` until it is answered or the retry budget is spent (checked before every
         resend: a client that was frozen mid-retry must not send it late)."""
-        deadline_ms = self.clock.now_ms() + self._retry_budget_ms()
-        attempt = 0
+        attempts = Attempts(self.retry, self.clock, budget_ms=self._retry_budget_ms())
         error: FS3Error = Unavailable("no meta server in the routing information")
         while True:
-            if attempt and self.clock.now_ms() >= deadline_ms:
+            if attempts.retries and attempts.exhausted():
                 raise Unavailable(f"meta {name} gave up: {error}")
             addresses = self._meta_addresses()
             if not addresses:
@@ -153,18 +161,17 @@ class MetaClient:
                     assert isinstance(rsp, rsp_type)
                     return rsp
                 except FS3Error as exc:
-                    if exc.code not in _RETRY_CODES:
+                    if not is_retryable(exc.code, _RETRY_CAUSES):
                         raise
                     error = exc
-                    outcome_unknown[0] = outcome_unknown[0] or exc.code in _OUTCOME_UNKNOWN_CODES
+                    outcome_unknown[0] = outcome_unknown[0] or may_have_run(exc.code)
                     self._preferred += 1
-            attempt += 1
-            if self.clock.now_ms() >= deadline_ms:
+            if attempts.exhausted():
                 raise Unavailable(f"meta {name} gave up: {error}")
-            log.debug("meta %s retry %d: %s", name, attempt, error)
+            log.debug("meta %s retry %d: %s", name, attempts.retries + 1, error)
             with contextlib.suppress(FS3Error):
                 await self.routing.refresh()
-            await asyncio.sleep(min(0.05 * attempt, 1.0))
+            await attempts.backoff()
 
     # -- lease -----------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from fs3.common.buffers import Buffer
 from fs3.common.checksum import crc32c
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import ChecksumMismatch, FS3Error, StatusCode, Unavailable
+from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 _STORAGE = service_spec("Storage")
 _UPDATE = _STORAGE.method("Update")
 _READ = _STORAGE.method("Read")
+# A read failing with these condemns the replica's copy, not the request: another replica may serve
+# it (the failing target takes itself out of its chain).
+_REPLICA_FAULTS = frozenset({StatusCode.CHECKSUM_MISMATCH, StatusCode.IO_ERROR})
 
 
 
@@ -39,10 +43,17 @@ _READ = _STORAGE.method("Read")
 class StorageClientConfig:
     rpc_timeout_ms: int = 10_000
     retry_total_ms: int = 60_000
-    retry_backoff_ms: int = 50
+    retry_backoff_ms: int = 50  # the backoff unit: the n-th retry waits 2^n units, at most the max
     retry_backoff_max_ms: int = 1_000
     channels_max: int = 64
     dirty_policy: int = spb.DIRTY_READ_DEFAULT
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """One update's or read's retries: no limit on tries, only the time budget."""
+        return RetryPolicy(backoff_base_ms=min(2 * self.retry_backoff_ms, self.retry_backoff_max_ms),
+                           backoff_max_ms=self.retry_backoff_max_ms, backoff=Backoff.EXPONENTIAL,
+                           deadline_ms=self.retry_total_ms)
 
 
 class StorageClient:
@@ -56,6 +67,7 @@ class StorageClient:
         self.client_id = client_id
         self.config = config or StorageClientConfig()
         self.clock = clock or LoopClock()
+        self._retry = self.config.retry
         self._free_channels: asyncio.Queue[int] = asyncio.Queue()
         for channel_id in range(1, self.config.channels_max + 1):
             self._free_channels.put_nowait(channel_id)
@@ -73,27 +85,25 @@ class StorageClient:
         finally:
             self._free_channels.put_nowait(channel_id)
 
-    async def _before_retry(self, error: FS3Error, deadline_ms: int, attempt: int, what: str) -> None:
+    async def _before_retry(self, error: FS3Error, attempts: Attempts, what: str) -> None:
         """Give up once the budget is spent; else refresh routing (unless the chunk is just busy) and back off."""
-        if self.clock.now_ms() >= deadline_ms:
+        if attempts.exhausted():
             raise Unavailable(f"{what} gave up: {error}")
         if error.code != StatusCode.CHUNK_NOT_COMMITTED:
             with contextlib.suppress(FS3Error):
                 await self.routing.refresh()
-        delay = min(self.config.retry_backoff_ms * (2 ** min(attempt, 10)), self.config.retry_backoff_max_ms)
-        await asyncio.sleep(delay / 1000)
+        await attempts.backoff()
 
     async def update(self, chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
                      chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
         """One update through the chain head, retried until committed or the budget is spent."""
         first_ms = self.clock.now_ms()
-        deadline_ms = first_ms + self.config.retry_total_ms
+        attempts = Attempts(self._retry, self.clock)
         async with self._channel() as (channel_id, seq):
             req = spb.UpdateReq(chain_id=chain_id, chunk_id=chunk_id, type=cast(spb.UpdateType, update_type),
                                 offset=offset, length=length,
                                 chunk_size=chunk_size, checksum=crc32c(data) if update_type == spb.WRITE else 0,
                                 client_id=self.client_id, channel_id=channel_id, seq=seq)
-            attempt = 0
             while True:
                 chain_version, members = await self.routing.chain(chain_id)
                 head = next((m for m in members if m.state.writable), None)
@@ -102,7 +112,7 @@ class StorageClient:
                     error = Unavailable(f"chain {chain_id} has no serving head")
                 else:
                     req.chain_version = chain_version
-                    req.retry_age_ms = min(self.clock.now_ms() - first_ms, 0xFFFFFFFF) if attempt else 0
+                    req.retry_age_ms = min(self.clock.now_ms() - first_ms, 0xFFFFFFFF) if attempts.retries else 0
                     try:
                         rsp, _ = await self.channels.get(head.address).call(_UPDATE, req, data,
                                                                              self.config.rpc_timeout_ms)
@@ -112,9 +122,7 @@ class StorageClient:
                         if not exc.retryable:
                             raise
                         error = exc
-                attempt += 1
-                await self._before_retry(error, deadline_ms, attempt,
-                                         f"update of chunk {chunk_id.hex()} on chain {chain_id}")
+                await self._before_retry(error, attempts, f"update of chunk {chunk_id.hex()} on chain {chain_id}")
 
     async def write(self, chain_id: int, chunk_id: bytes, offset: int, data: Buffer,
                     chunk_size: int) -> spb.UpdateRsp:
@@ -140,11 +148,10 @@ class StorageClient:
     async def read(self, chain_id: int, chunk_id: bytes, offset: int, length: int,
                    verify_checksum: bool = False) -> tuple[bytes, spb.ReadRsp]:
         """Read from a serving replica; ``b""`` past the end of the chunk or for a missing chunk."""
-        deadline_ms = self.clock.now_ms() + self.config.retry_total_ms
+        attempts = Attempts(self._retry, self.clock)
         req = spb.ReadReq(chain_id=chain_id, chunk_id=chunk_id, offset=offset, length=length,
                           dirty_policy=cast(spb.DirtyReadPolicy, self.config.dirty_policy),
                           verify_checksum=verify_checksum)
-        attempt = 0
         while True:
             chain_version, members = await self.routing.chain(chain_id)
             # The replica refuses a read whose chain version differs from its own: one that has
@@ -163,17 +170,16 @@ class StorageClient:
                 except FS3Error as exc:
                     # A replica whose copy is corrupt or whose disk fails has not the last word:
                     # try the next one (the failing target takes itself out of its chain).
-                    if not exc.retryable and exc.code not in (StatusCode.CHECKSUM_MISMATCH, StatusCode.IO_ERROR):
+                    if not exc.retryable and exc.code not in _REPLICA_FAULTS:
                         raise
                     error = exc
                     if exc.code == StatusCode.CHAIN_VERSION_MISMATCH and await self._chain_moved(chain_id,
                                                                                                  chain_version):
                         moved = True  # ours was the stale view: start over on the new chain at once
                         break
-            if moved and self.clock.now_ms() < deadline_ms:
+            if moved and not attempts.expired():
                 continue
-            attempt += 1
-            await self._before_retry(error, deadline_ms, attempt, f"read of chunk {chunk_id.hex()} on chain {chain_id}")
+            await self._before_retry(error, attempts, f"read of chunk {chunk_id.hex()} on chain {chain_id}")
 
     async def _chain_moved(self, chain_id: int, chain_version: int) -> bool:
         """Refresh routing after a chain version mismatch; whether the chain has a newer version now.

@@ -5,11 +5,19 @@ make ``fs3 local up`` work without a file). :func:`load_config` reads an optiona
 then applies environment overrides named ``<PREFIX>_<FIELD>`` (e.g. ``FS3_STORAGE_NODE_ID=3``),
 converting and validating every value. Unknown keys are an error, not silently ignored: a typo
 in a config file must not fall back to a default.
+
+A component's settings are a nested table of the process's (``[service]`` in meta's file,
+``[replica]`` in storage's), declared as a dataclass-typed field, so every knob of the component is
+settable and none is copied by hand. Environment overrides reach into it as
+``<PREFIX>_<TABLE>_<FIELD>`` (``FS3_META_SERVICE_ROOT_MODE=511``). A key that moved into a table
+(listed in the class's ``MOVED_KEYS``) is still accepted at the top level, with a warning naming its
+new place; given in both places, the table wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tomllib
 import types
@@ -22,6 +30,7 @@ from fs3.common.errors import InvalidArgument
 
 __all__ = ["config_from_mapping", "load_config"]
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -66,16 +75,56 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+def _moved_keys(cls: type[Any]) -> Mapping[str, str]:
+    """``cls``'s top-level keys that moved into a nested table: key -> the table's field name."""
+    moved: Mapping[str, str] = getattr(cls, "MOVED_KEYS", {})
+    return moved
+
+
+def _nest_moved(cls: type[Any], data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``data`` with each moved top-level key put into its table (a warning says where it belongs)."""
+    out = dict(data)
+    for key, table in _moved_keys(cls).items():
+        if key not in out:
+            continue
+        value = out.pop(key)
+        log.warning("%s: key %r is deprecated at the top level; set it in the [%s] table (%s.%s)",
+                    where, key, table, table, key)
+        nested = out.get(table, {})
+        if not isinstance(nested, Mapping):
+            raise InvalidArgument(f"{where}.{table}: expected a table, got {type(nested).__name__}")
+        out[table] = {key: value, **nested}
+    return out
+
+
 def config_from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "config") -> T:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and ill-typed values."""
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and ill-typed values.
+
+    A nested table starts from the field's default (a process may default a component's knob
+    differently from the component), and only the keys given replace it.
+    """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    data = _nest_moved(cls, data, where)
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise InvalidArgument(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    kwargs = {key: _convert(value, hints[key], f"{where}.{key}") for key, value in data.items()}
+        raise InvalidArgument(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for key, value in data.items():
+        annotation = hints[key]
+        default_factory = fields[key].default_factory
+        if dataclasses.is_dataclass(annotation) and isinstance(annotation, type) and isinstance(value, Mapping) \
+                and default_factory is not dataclasses.MISSING:
+            base = default_factory()
+            table = config_from_mapping(annotation, value, f"{where}.{key}")  # validates the keys given
+            kwargs[key] = dataclasses.replace(base, **{name: getattr(table, name) for name in value})
+            validate_table = getattr(kwargs[key], "validate", None)
+            if callable(validate_table):
+                validate_table()
+        else:
+            kwargs[key] = _convert(value, annotation, f"{where}.{key}")
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if callable(validate):
@@ -105,10 +154,14 @@ def load_config(
         data.update({k: v for k, v in overrides.items() if v is not None})
     env = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
+    for old in _moved_keys(cls):
+        key = f"{env_prefix}_{old.upper()}"
+        if key in env:
+            data[old] = env[key]
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         key = f"{env_prefix}_{field.name.upper()}"
+        annotation = hints[field.name]
         if key in env:
-            annotation = hints[field.name]
             if typing.get_origin(annotation) is list or dataclasses.is_dataclass(annotation):
                 try:
                     data[field.name] = tomllib.loads(f"v = {env[key]}")["v"]
@@ -116,4 +169,12 @@ def load_config(
                     raise InvalidArgument(f"environment {key}: not a TOML value: {exc}") from None
             else:
                 data[field.name] = env[key]
+        if dataclasses.is_dataclass(annotation):
+            for sub in dataclasses.fields(annotation):
+                sub_key = f"{key}_{sub.name.upper()}"
+                if sub_key in env:
+                    table = data.setdefault(field.name, {})
+                    if not isinstance(table, dict):
+                        raise InvalidArgument(f"environment {sub_key}: {field.name} is not a table")
+                    table[sub.name] = env[sub_key]
     return config_from_mapping(cls, data, where=str(path) if path else "config")

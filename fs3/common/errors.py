@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import enum
 import errno as _errno
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 __all__ = [
+    "ALL_RETRY_CAUSES",
     "ERRNO_BY_CODE",
+    "RETRYABLE",
     "AlreadyExists",
     "BadHandle",
     "ChainVersionMismatch",
@@ -43,6 +48,8 @@ __all__ = [
     "NotSupported",
     "PermissionDenied",
     "ProtocolError",
+    "RetryCause",
+    "Retryable",
     "StaleClient",
     "StaleUpdate",
     "StatusCode",
@@ -55,6 +62,8 @@ __all__ = [
     "Unavailable",
     "XattrTooLarge",
     "error_for",
+    "is_retryable",
+    "may_have_run",
 ]
 
 
@@ -101,20 +110,53 @@ class StatusCode(enum.IntEnum):
     STALE_CLIENT = 37
 
 
-# Codes after which the same request may succeed if sent again (possibly after a routing refresh).
-_RETRYABLE = frozenset(
-    {
-        StatusCode.TIMEOUT,
-        StatusCode.UNAVAILABLE,
-        StatusCode.CHAIN_VERSION_MISMATCH,
-        StatusCode.NOT_HEAD,
-        StatusCode.TARGET_NOT_SERVING,
-        StatusCode.CHUNK_NOT_COMMITTED,
-        StatusCode.LEASE_EXPIRED,
-        StatusCode.RESOURCE_EXHAUSTED,
-        StatusCode.TXN_CONFLICT,
-    }
-)
+class RetryCause(enum.Enum):
+    """Why a request that failed may succeed if sent again; callers retry only the causes they can cure."""
+
+    TRANSPORT = "transport"  # no answer came back: the server, or the way to it, failed
+    OVERLOAD = "overload"  # the server refused it for now (a limit was reached)
+    COMMIT = "commit"  # the metadata store's commit conflicted, or its outcome is unknown
+    ROUTING = "routing"  # the target's view of its chain differs from the caller's: refresh, resend
+    CHUNK_BUSY = "chunk busy"  # the chunk is mid-update: ask again shortly (routing is fine)
+
+
+@dataclass(frozen=True)
+class Retryable:
+    cause: RetryCause
+    # The request may have taken effect: only a request that is safe to apply twice, or that
+    # carries an id the server deduplicates by, may be sent again.
+    may_have_run: bool
+
+
+# The one table of codes after which the same request may succeed if sent again. Every retry loop
+# asks it (by code, never by class or name): ``FS3Error.retryable`` is "in the table", and a caller
+# that can cure only some causes filters by :class:`RetryCause`.
+RETRYABLE: Mapping[StatusCode, Retryable] = MappingProxyType({
+    StatusCode.TIMEOUT: Retryable(RetryCause.TRANSPORT, may_have_run=True),
+    StatusCode.UNAVAILABLE: Retryable(RetryCause.TRANSPORT, may_have_run=True),
+    StatusCode.RESOURCE_EXHAUSTED: Retryable(RetryCause.OVERLOAD, may_have_run=False),
+    StatusCode.TXN_CONFLICT: Retryable(RetryCause.COMMIT, may_have_run=False),
+    StatusCode.MAYBE_COMMITTED: Retryable(RetryCause.COMMIT, may_have_run=True),
+    StatusCode.CHAIN_VERSION_MISMATCH: Retryable(RetryCause.ROUTING, may_have_run=False),
+    StatusCode.NOT_HEAD: Retryable(RetryCause.ROUTING, may_have_run=False),
+    StatusCode.TARGET_NOT_SERVING: Retryable(RetryCause.ROUTING, may_have_run=False),
+    StatusCode.LEASE_EXPIRED: Retryable(RetryCause.ROUTING, may_have_run=False),
+    StatusCode.CHUNK_NOT_COMMITTED: Retryable(RetryCause.CHUNK_BUSY, may_have_run=False),
+})
+ALL_RETRY_CAUSES: frozenset[RetryCause] = frozenset(RetryCause)
+
+
+def is_retryable(code: StatusCode, causes: Collection[RetryCause] = ALL_RETRY_CAUSES) -> bool:
+    """Whether a request that failed with ``code`` may succeed if sent again, for a caller that
+    can cure ``causes`` (a metadata client cannot refresh a storage chain, say)."""
+    entry = RETRYABLE.get(code)
+    return entry is not None and entry.cause in causes
+
+
+def may_have_run(code: StatusCode) -> bool:
+    """Whether a request that failed with retryable ``code`` may nevertheless have taken effect."""
+    entry = RETRYABLE.get(code)
+    return entry is not None and entry.may_have_run
 
 
 class FS3Error(Exception):
@@ -128,7 +170,7 @@ class FS3Error(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.code in _RETRYABLE
+        return is_retryable(self.code)
 
     @property
     def errno(self) -> int:

@@ -27,14 +27,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
+from fs3.common.errors import FS3Error, InvalidArgument, MaybeCommitted, RetryCause, TxnConflict, is_retryable
+from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.group_sync import GroupSync
 from fs3.kv.store import KVStore, WriteBatch
 
-__all__ = ["OptimisticTxnEngine", "TxnFaults", "run_transaction"]
+__all__ = ["OptimisticTxnEngine", "TxnFaults", "run_transaction", "transaction_retry"]
 
 log = logging.getLogger(__name__)
+# What running a transaction again can cure: its commit conflicted, or its outcome is unknown.
+_COMMIT = frozenset({RetryCause.COMMIT})
 T = TypeVar("T")
 _DELETED = object()
 
@@ -208,32 +211,44 @@ class OptimisticTxnEngine:
             self.store.sync_wal()
 
 
+def transaction_retry(retry_max: int = 20, backoff_ms: float = 1.0) -> RetryPolicy:
+    """A transaction's retries: ``retry_max`` after the first try, waiting ``backoff_ms`` more each
+    time (at most 20 times that): conflicts clear in a few milliseconds, and more waiting only
+    delays the request."""
+    return RetryPolicy(backoff_base_ms=backoff_ms, backoff_max_ms=backoff_ms * 20, backoff=Backoff.LINEAR,
+                       attempts_max=retry_max + 1)
+
+
 async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]], retry_max: int = 20,
                           backoff_ms: float = 1.0) -> T:
     """Run ``fn`` in a transaction until it commits; ``fn`` must be idempotent (it may run again).
+
+    A commit that conflicted, or whose outcome is unknown, is retried (:func:`transaction_retry`);
+    every other error is the answer.
 
     Whatever comes out — a result or an error ``fn`` raised — comes out only once everything it
     was computed from is durable: an error is an answer too ("already exists" because of a create
     whose sync is still running), and a power loss must not take back what a caller was told.
     """
-    attempt = 0
+    attempts = Attempts(transaction_retry(retry_max, backoff_ms))
     while True:
         txn = engine.begin()
         try:
             try:
                 result = await fn(txn)
-            except (TxnConflict, MaybeCommitted):
+            except FS3Error as exc:
+                if not is_retryable(exc.code, _COMMIT):
+                    await engine.wait_durable()
                 raise
             except Exception:
                 await engine.wait_durable()
                 raise
             await txn.commit()
             return result
-        except (TxnConflict, MaybeCommitted) as exc:
-            attempt += 1
-            if attempt > retry_max:
+        except FS3Error as exc:
+            if not is_retryable(exc.code, _COMMIT):
+                raise
+            if attempts.exhausted():
                 raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
-            log.debug("transaction retry %d: %s", attempt, exc)
-            await asyncio.sleep(backoff_ms * min(attempt, 20) / 1000)
-
-
+            log.debug("transaction retry %d: %s", attempts.retries + 1, exc)
+            await attempts.backoff()

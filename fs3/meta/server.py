@@ -12,8 +12,10 @@ import contextlib
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mgpb
@@ -36,9 +38,21 @@ __all__ = ["MetaConfig", "run_meta"]
 log = logging.getLogger(__name__)
 
 
+def _service_defaults() -> MetaServiceConfig:
+    # -1: the uid (gid) running meta owns / when it is first created.
+    return MetaServiceConfig(root_uid=-1, root_gid=-1)
+
+
 @dataclass
 class MetaConfig:
-    """Settings of one meta process (TOML keys; env ``FS3_META_<KEY>``)."""
+    """Settings of one meta process (TOML keys; env ``FS3_META_<KEY>``); the metadata service's own
+    in the ``[service]`` table (env ``FS3_META_SERVICE_<KEY>``)."""
+
+    # Keys that were top-level before the service's settings became a table: still read, with a warning.
+    MOVED_KEYS: ClassVar[Mapping[str, str]] = {
+        key: "service" for key in ("chain_table_id", "chunk_size_bytes", "stripe_default", "root_uid", "root_gid",
+                                   "root_mode", "client_lease_ms", "expired_client_ttl_ms", "prune_interval_ms",
+                                   "gc_interval_ms")}
 
     node_id: int = 1001
     mgmtd_address: str = "127.0.0.1:9000"
@@ -54,16 +68,7 @@ class MetaConfig:
     sync_commits: bool = True
     heartbeat_interval_ms: int = 1_000
     rpc_timeout_ms: int = 5_000
-    chain_table_id: int = 1
-    chunk_size_bytes: int = 4 * 1024 * 1024
-    stripe_default: int = 16
-    root_uid: int = -1           # -1: the uid running meta
-    root_gid: int = -1
-    root_mode: int = 0o755
-    client_lease_ms: int = 30_000
-    expired_client_ttl_ms: int = 600_000   # a lapsed client's id stays refused; clients retry for half of it
-    prune_interval_ms: int = 5_000
-    gc_interval_ms: int = 2_000
+    service: MetaServiceConfig = field(default_factory=_service_defaults)
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -71,16 +76,23 @@ class MetaConfig:
             raise InvalidArgument("node_id must be positive")
         if self.transport not in ("framed", "grpc"):
             raise InvalidArgument(f"transport {self.transport!r}: expected framed or grpc")
-        validate_chunk_size(self.chunk_size_bytes)
-        if not 1 <= self.stripe_default <= 256:
-            raise InvalidArgument("stripe_default must be within [1, 256]")
-        if self.client_lease_ms < 1_000:
-            raise InvalidArgument("client_lease_ms must be at least 1000")
-        if self.expired_client_ttl_ms < 2 * self.client_lease_ms:
-            raise InvalidArgument("expired_client_ttl_ms must be at least twice client_lease_ms "
+        service = self.service
+        validate_chunk_size(service.chunk_size_bytes)
+        if not 1 <= service.stripe_default <= 256:
+            raise InvalidArgument("service.stripe_default must be within [1, 256]")
+        if service.client_lease_ms < 1_000:
+            raise InvalidArgument("service.client_lease_ms must be at least 1000")
+        if service.expired_client_ttl_ms < 2 * service.client_lease_ms:
+            raise InvalidArgument("service.expired_client_ttl_ms must be at least twice client_lease_ms "
                                   "(clients retry a request for up to half of it)")
-        if not 0 <= self.root_mode <= 0o7777:
-            raise InvalidArgument("root_mode must be a permission mode (0..0o7777)")
+        if not 0 <= service.root_mode <= 0o7777:
+            raise InvalidArgument("service.root_mode must be a permission mode (0..0o7777)")
+        service.validate()
+
+    def service_config(self) -> MetaServiceConfig:
+        """The service's settings with the process's defaults resolved (root owned by the user running meta)."""
+        return replace(self.service, root_uid=os.getuid() if self.service.root_uid < 0 else self.service.root_uid,
+                       root_gid=os.getgid() if self.service.root_gid < 0 else self.service.root_gid)
 
 
 async def _heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addresses: tuple[str, str, str]) -> None:
@@ -104,14 +116,7 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     routing = RoutingCache([config.mgmtd_address], channels, config.rpc_timeout_ms)
     storage = StorageClient(routing, channels, os.urandom(16),
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
-    service = MetaService(engine, routing, storage, MetaServiceConfig(
-        chain_table_id=config.chain_table_id, chunk_size_bytes=config.chunk_size_bytes,
-        stripe_default=config.stripe_default,
-        root_uid=os.getuid() if config.root_uid < 0 else config.root_uid,
-        root_gid=os.getgid() if config.root_gid < 0 else config.root_gid,
-        root_mode=config.root_mode, client_lease_ms=config.client_lease_ms,
-        expired_client_ttl_ms=config.expired_client_ttl_ms,
-        prune_interval_ms=config.prune_interval_ms, gc_interval_ms=config.gc_interval_ms))
+    service = MetaService(engine, routing, storage, config.service_config())
     dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
     dispatcher.add_service(service_spec("Meta"), service)
     runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics)

@@ -18,17 +18,14 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import AlreadyExists, InvalidArgument, NotFound
 from fs3.common.invariant import ensure
 from fs3.common.target_state import LocalState, PublicState
-from fs3.kv.api import prefix_end
 from fs3.kv.store import KVStore, WriteBatch
+from fs3.mgmtd import schema
 from fs3.mgmtd.chain_state import update_chain
 from fs3.mgmtd.limits import CHAIN_REPLICAS_MAX, CHAINS_PER_TABLE_MAX, TARGETS_PER_NODE_MAX
 
 __all__ = ["MgmtdState", "NodeRecord", "TargetRecord"]
 
 log = logging.getLogger(__name__)
-
-_NODE, _TARGET, _CHAIN, _TABLE = b"node/", b"target/", b"chain/", b"table/"
-_ROUTING_VERSION = b"meta/routing_version"
 
 _LOCAL_TO_PB = {
     LocalState.UP_TO_DATE: cpb.UP_TO_DATE,
@@ -83,10 +80,10 @@ class MgmtdState:
 
     def load(self, now_ms: int) -> None:
         """Read persisted state; every known node gets a heartbeat timeout of grace."""
-        for _, raw in self.kv.scan(_NODE, prefix_end(_NODE)):
+        for _, raw in self.kv.scan(*schema.prefix_range(schema.NODE)):
             info = cpb.NodeInfo.FromString(raw)
             self.nodes[info.node_id] = NodeRecord(info, last_heartbeat_ms=now_ms)
-        for _, raw in self.kv.scan(_TARGET, prefix_end(_TARGET)):
+        for _, raw in self.kv.scan(*schema.prefix_range(schema.TARGET)):
             tinfo = cpb.TargetInfo.FromString(raw)
             # Pick the local state that keeps the public state where it is until the node speaks.
             local = {
@@ -95,13 +92,13 @@ class MgmtdState:
                 PublicState.WAITING: LocalState.UP_TO_DATE,
             }.get(PublicState(tinfo.public_state or PublicState.OFFLINE), LocalState.OFFLINE)
             self.targets[tinfo.target_id] = TargetRecord(tinfo, local)
-        for _, raw in self.kv.scan(_CHAIN, prefix_end(_CHAIN)):
+        for _, raw in self.kv.scan(*schema.prefix_range(schema.CHAIN)):
             chain = cpb.ChainInfo.FromString(raw)
             self.chains[chain.chain_id] = chain
-        for _, raw in self.kv.scan(_TABLE, prefix_end(_TABLE)):
+        for _, raw in self.kv.scan(*schema.prefix_range(schema.TABLE)):
             table = cpb.ChainTable.FromString(raw)
             self.tables[table.table_id] = table
-        raw_version = self.kv.get(_ROUTING_VERSION)
+        raw_version = self.kv.get(schema.ROUTING_VERSION)
         # A restart bumps the version so every cached routing is refreshed once.
         self.routing_version = (int(raw_version) if raw_version else 0) + 1
         self._persist(routing=True)
@@ -112,15 +109,15 @@ class MgmtdState:
                  tables: Iterable[int] = (), routing: bool = False) -> None:
         batch = WriteBatch()
         for node_id in nodes:
-            batch.put(_NODE + b"%08d" % node_id, self.nodes[node_id].info.SerializeToString())
+            batch.put(schema.node_key(node_id), self.nodes[node_id].info.SerializeToString())
         for target_id in targets:
-            batch.put(_TARGET + b"%020d" % target_id, self.targets[target_id].info.SerializeToString())
+            batch.put(schema.target_key(target_id), self.targets[target_id].info.SerializeToString())
         for chain_id in chains:
-            batch.put(_CHAIN + b"%08d" % chain_id, self.chains[chain_id].SerializeToString())
+            batch.put(schema.chain_key(chain_id), self.chains[chain_id].SerializeToString())
         for table_id in tables:
-            batch.put(_TABLE + b"%08d" % table_id, self.tables[table_id].SerializeToString())
+            batch.put(schema.table_key(table_id), self.tables[table_id].SerializeToString())
         if routing:
-            batch.put(_ROUTING_VERSION, str(self.routing_version).encode())
+            batch.put(schema.ROUTING_VERSION, str(self.routing_version).encode())
         if len(batch):
             self.kv.write(batch, sync=True)
 

@@ -28,6 +28,7 @@ from typing import Protocol
 from fs3.common.durable import make_dirs_durable, sync_dir
 from fs3.common.errors import IoError, NoSpace
 from fs3.common.faults import sabotaged
+from fs3.storage import schema
 
 __all__ = ["BlobStore", "FileBlobStore", "MemBlobStore"]
 
@@ -68,7 +69,7 @@ def _raise_os(exc: OSError, what: str) -> None:
 
 
 class FileBlobStore:
-    """Blobs as files ``<root>/<xx>/<chunk-id-hex>.<blob>``."""
+    """Blobs as files ``<root>/<xx>/<chunk-id-hex>.<blob>`` (names: :mod:`fs3.storage.schema`)."""
 
     def __init__(self, root: str | Path, fsync: bool = True) -> None:
         self.root = Path(root)
@@ -78,8 +79,7 @@ class FileBlobStore:
         self._dirs: set[Path] = set()
 
     def _path(self, chunk_id: bytes, blob: int) -> Path:
-        name = chunk_id.hex()
-        return self.root / name[-2:] / f"{name}.{blob}"
+        return self.root / schema.blob_dir_name(chunk_id) / schema.blob_file_name(chunk_id, blob)
 
     def write(self, chunk_id: bytes, blob: int, data: bytes | memoryview) -> None:
         path = self._path(chunk_id, blob)
@@ -182,11 +182,9 @@ class FileBlobStore:
                 continue
             with os.scandir(directory) as entries:
                 for entry in entries:
-                    name, _, number = entry.name.partition(".")
-                    try:
-                        yield bytes.fromhex(name), int(number)
-                    except ValueError:
-                        continue  # not a blob (an operator's file): left alone
+                    blob = schema.parse_blob_file_name(entry.name)
+                    if blob is not None:  # else not a blob (an operator's file): left alone
+                        yield blob
 
     def free_bytes(self) -> int:
         return int(shutil.disk_usage(self.root).free)

@@ -51,6 +51,7 @@ from fs3.common.errors import InvalidArgument, IoError, NoSpace
 from fs3.common.invariant import ensure
 from fs3.kv.api import prefix_end
 from fs3.kv.store import KVStore, WriteBatch
+from fs3.storage import schema
 from fs3.storage.blobs import BlobStore
 from fs3.storage.limits import CLIENT_ID_MAX_BYTES, VERSION_MAX
 
@@ -61,20 +62,12 @@ log = logging.getLogger(__name__)
 # A request's exactly-once identity: (client id, channel id, sequence number).
 Channel = tuple[bytes, int, int]
 
-_META = b"c/"  # chunk id -> ChunkState
-_CHANNEL = b"h/"  # client id + channel id -> ChannelRecord
-_PATCH = b"p/"  # chunk id -> the pending in-place patch of a file blob: offset, size, new bytes, old bytes
-_INLINE = b"b/"  # chunk id + blob number -> the bytes of a small version
-_FLOOR = b"v/floor"  # every version and blob number ever used on this target is at most this
-_FORMAT = b"v/format"
-_FORMAT_VERSION = 2
 _VERSION_BLOCK = 1024  # versions reserved per synced floor write
 
 _STATE = struct.Struct("<QQQIIQQIIQB")
 _CHANNEL_TAIL = struct.Struct("<IQ")
 _PATCH_HEAD = struct.Struct("<QI")
 _CHAN = struct.Struct("<QQII")
-_U64 = struct.Struct(">Q")
 
 FLAG_PENDING_REMOVE = 1
 FLAG_PENDING_PATCH = 2  # the pending version is the committed one with a few bytes overwritten
@@ -201,20 +194,6 @@ class ChannelRecord:
         return cls(seq, version, length, checksum, raw[_CHAN.size:])
 
 
-def channel_key(client_id: bytes, channel_id: int) -> bytes:
-    return _CHANNEL + bytes([len(client_id)]) + client_id + struct.pack(">I", channel_id)
-
-
-def parse_channel_key(key: bytes) -> tuple[bytes, int]:
-    size = key[len(_CHANNEL)]
-    start = len(_CHANNEL) + 1
-    return key[start : start + size], int(struct.unpack_from(">I", key, start + size)[0])
-
-
-def _inline_key(chunk_id: bytes, blob: int) -> bytes:
-    return _INLINE + chunk_id + _U64.pack(blob)
-
-
 class ChunkEngine:
     """Chunk replicas of one storage target.
 
@@ -255,20 +234,20 @@ class ChunkEngine:
 
     def _open(self) -> None:
         kv = self.kv
-        marker = kv.get(_FORMAT)
+        marker = kv.get(schema.FORMAT)
         if marker is None:
-            if next(iter(kv.scan(_META, prefix_end(_META), limit=1)), None) is not None:
+            if next(iter(kv.scan(*schema.prefix_range(schema.CHUNK), limit=1)), None) is not None:
                 raise IoError("this target was written by an older fs3 whose chunk metadata cannot be read; "
                               "empty its directory and let it resync from its chain")
-        elif _U64.unpack(marker)[0] != _FORMAT_VERSION:
-            raise IoError(f"target metadata format {_U64.unpack(marker)[0]} is not {_FORMAT_VERSION}")
-        raw_floor = kv.get(_FLOOR)
-        floor = _U64.unpack(raw_floor)[0] if raw_floor else 0
+        elif schema.U64.unpack(marker)[0] != schema.FORMAT_VERSION:
+            raise IoError(f"target metadata format {schema.U64.unpack(marker)[0]} is not {schema.FORMAT_VERSION}")
+        raw_floor = kv.get(schema.FLOOR)
+        floor = schema.U64.unpack(raw_floor)[0] if raw_floor else 0
         batch = WriteBatch()
-        batch.put(_FORMAT, _U64.pack(_FORMAT_VERSION))
-        for key, raw in kv.scan(_META, prefix_end(_META)):
+        batch.put(schema.FORMAT, schema.U64.pack(schema.FORMAT_VERSION))
+        for key, raw in kv.scan(*schema.prefix_range(schema.CHUNK)):
             state = ChunkState.decode(raw)
-            chunk_id = key[len(_META):]
+            chunk_id = schema.parse_chunk_key(key)
             floor = max(floor, state.commit_version, state.pending_version)
             self._next_blob = max(self._next_blob, state.commit_blob + 1, state.pending_blob + 1)
             if state.pending_version:
@@ -281,7 +260,7 @@ class ChunkEngine:
                     # the resync every restarted target goes through brings it back.
                     log.error("chunk %s: dropped at open, its committed copy is lost: %s", chunk_id.hex(), exc)
                     batch.delete(key)
-                    batch.delete(_PATCH + chunk_id)
+                    batch.delete(schema.patch_key(chunk_id))
                     continue
                 state = state.without_pending()
                 if state.commit_version == 0:
@@ -294,19 +273,19 @@ class ChunkEngine:
         kv.write(batch, sync=True)
         self._floor = floor
         self._reserve(floor + 1)
-        for key, raw in kv.scan(_CHANNEL, prefix_end(_CHANNEL)):
+        for key, raw in kv.scan(*schema.prefix_range(schema.CHANNEL)):
             self._channels[key] = ChannelRecord.decode(raw)  # unstamped: aged from the first expiry pass
         self._unstamped = bool(self._channels)
 
     def _drop_pending_on_open(self, batch: WriteBatch, chunk_id: bytes, state: ChunkState) -> None:
         if state.pending_patch and not state.commit_inline:
             # The commit may have been cut anywhere inside the patch: put the old bytes back.
-            raw_patch = self.kv.get(_PATCH + chunk_id)
+            raw_patch = self.kv.get(schema.patch_key(chunk_id))
             if raw_patch is not None:
                 patch = Patch.decode(raw_patch)
                 self.files.unpatch(chunk_id, state.commit_blob, state.pending_blob, patch.offset, patch.old)
         elif state.pending_inline:
-            batch.delete(_inline_key(chunk_id, state.pending_blob))
+            batch.delete(schema.inline_key(chunk_id, state.pending_blob))
         elif not state.pending_remove and not state.pending_patch:
             self.files.delete(chunk_id, state.pending_blob)
 
@@ -315,12 +294,12 @@ class ChunkEngine:
         between writing them and the batch that would have named them); the largest number seen."""
         highest = 0
         live_inline = {(cid, s.commit_blob) for cid, s in self._states.items() if s.commit_inline}
-        for key, _ in self.kv.scan(_INLINE, prefix_end(_INLINE)):
-            chunk_id, blob = key[len(_INLINE):-8], _U64.unpack(key[-8:])[0]
+        for key, _ in self.kv.scan(*schema.prefix_range(schema.INLINE)):
+            chunk_id, blob = schema.parse_inline_key(key)
             highest = max(highest, blob)
             if (chunk_id, blob) not in live_inline:
                 batch.delete(key)
-        for key, _ in self.kv.scan(_PATCH, prefix_end(_PATCH)):
+        for key, _ in self.kv.scan(*schema.prefix_range(schema.PATCH)):
             batch.delete(key)  # every pending version was dropped above
         live_files = {(cid, s.commit_blob) for cid, s in self._states.items() if not s.commit_inline}
         for chunk_id, blob in list(self.files.list()):
@@ -360,7 +339,7 @@ class ChunkEngine:
             return
         reserved = number + _VERSION_BLOCK
         batch = WriteBatch()
-        batch.put(_FLOOR, _U64.pack(reserved))
+        batch.put(schema.FLOOR, schema.U64.pack(reserved))
         # Synced: after a crash, numbers restart above everything that may have been handed out.
         # Counted as reserved only once written: a write refused (a full disk) reserves nothing.
         self.kv.write(batch, sync=self.sync_commits)
@@ -379,10 +358,10 @@ class ChunkEngine:
                     end_before: bytes = b"") -> Iterator[tuple[bytes, ChunkState]]:
         """Chunks in id order, after ``start_after`` and (if given) before ``end_before``; from the
         KV store so the order is stable."""
-        start = _META + start_after + (b"\x00" if start_after else b"")
-        end = _META + end_before if end_before else prefix_end(_META)
+        start = schema.chunk_key(start_after) + (b"\x00" if start_after else b"")
+        end = schema.chunk_key(end_before) if end_before else prefix_end(schema.CHUNK)
         for key, _ in self.kv.scan(start, end, limit=limit):
-            chunk_id = key[len(_META):]
+            chunk_id = schema.parse_chunk_key(key)
             state = self._states.get(chunk_id)
             if state is not None:
                 yield chunk_id, state
@@ -416,14 +395,14 @@ class ChunkEngine:
         length = max(0, min(length, size - offset))
         if not inline:
             return self.files.read(chunk_id, blob, offset, length)
-        raw = self.kv.get(_inline_key(chunk_id, blob))
+        raw = self.kv.get(schema.inline_key(chunk_id, blob))
         if raw is None:
             raise IoError(f"chunk {chunk_id.hex()}: inline record of blob {blob} is missing")
         return raw[offset : offset + length]
 
     def channel(self, client_id: bytes, channel_id: int) -> ChannelRecord | None:
         """The answer to the channel's last committed request."""
-        return self._channels.get(channel_key(client_id, channel_id))
+        return self._channels.get(schema.channel_key(client_id, channel_id))
 
     @property
     def channel_count(self) -> int:
@@ -431,9 +410,9 @@ class ChunkEngine:
 
     def channel_page(self, start_after: bytes = b"", limit: int = 1000) -> list[tuple[bytes, ChannelRecord]]:
         """Records in key order after ``start_after`` (a key), for handing them to a resynced target."""
-        start = start_after + b"\x00" if start_after else _CHANNEL
+        start = start_after + b"\x00" if start_after else schema.CHANNEL
         out = []
-        for key, _ in self.kv.scan(start, prefix_end(_CHANNEL), limit=limit):
+        for key, _ in self.kv.scan(start, prefix_end(schema.CHANNEL), limit=limit):
             record = self._channels.get(key)
             if record is not None:
                 out.append((key, record))
@@ -478,11 +457,11 @@ class ChunkEngine:
             return
         if old.pending_patch:
             if not old.commit_inline:
-                batch.delete(_PATCH + chunk_id)
+                batch.delete(schema.patch_key(chunk_id))
             self._patches.pop(chunk_id, None)
             self._unsynced_patches.discard(chunk_id)
         elif old.pending_inline:
-            batch.delete(_inline_key(chunk_id, old.pending_blob))
+            batch.delete(schema.inline_key(chunk_id, old.pending_blob))
         elif not old.pending_remove:
             self.files.delete(chunk_id, old.pending_blob)
 
@@ -506,7 +485,7 @@ class ChunkEngine:
         elif self.stores_inline(len(content)):
             self._check_space(len(content))
             blob = self.new_blob()
-            batch.put(_inline_key(chunk_id, blob), bytes(content))
+            batch.put(schema.inline_key(chunk_id, blob), bytes(content))
             flags |= FLAG_PENDING_INLINE
         else:
             self._check_space(len(content))  # as for every other new version's bytes
@@ -516,7 +495,7 @@ class ChunkEngine:
         state = replace(old, pending_version=version, pending_blob=blob,
                         pending_length=len(content) if content is not None else 0, pending_checksum=checksum,
                         pending_chain_version=chain_version, flags=flags, pending_channel=channel)
-        batch.put(_META + chunk_id, state.encode())
+        batch.put(schema.chunk_key(chunk_id), state.encode())
         self.kv.write(batch, sync=False)  # a lost pending version is recovered by resync
         self._set(chunk_id, state)
         return state
@@ -548,11 +527,11 @@ class ChunkEngine:
                         pending_channel=channel)
         self.observe_version(version)
         batch = WriteBatch()
-        batch.put(_META + chunk_id, state.encode())
+        batch.put(schema.chunk_key(chunk_id), state.encode())
         if inline:
             self.kv.write(batch, sync=False)  # the commit batch applies it; nothing to undo before that
         else:
-            batch.put(_PATCH + chunk_id, patch.encode())
+            batch.put(schema.patch_key(chunk_id), patch.encode())
             self.kv.write(batch, sync=self.sync_commits and not defer_sync)
             if defer_sync and self.sync_commits:
                 self._unsynced_patches.add(chunk_id)
@@ -568,11 +547,11 @@ class ChunkEngine:
         batch = WriteBatch()
         self._drop_pending(batch, chunk_id, old)
         if old.commit_version == 0:
-            batch.delete(_META + chunk_id)
+            batch.delete(schema.chunk_key(chunk_id))
             self._set(chunk_id, None)
         else:
             state = old.without_pending()
-            batch.put(_META + chunk_id, state.encode())
+            batch.put(schema.chunk_key(chunk_id), state.encode())
             self._set(chunk_id, state)
         self.kv.write(batch, sync=False)
 
@@ -620,7 +599,7 @@ class ChunkEngine:
         new: ChunkState | None
         if old.pending_remove:
             new = None
-            batch.delete(_META + chunk_id)
+            batch.delete(schema.chunk_key(chunk_id))
         else:
             if old.pending_patch:
                 self._apply_patch(batch, chunk_id, old, patch_synced or prepared, prepared)
@@ -629,9 +608,9 @@ class ChunkEngine:
             new = ChunkState(commit_version=version, commit_blob=old.pending_blob, chain_version=chain_version,
                              length=old.pending_length, checksum=old.pending_checksum,
                              flags=FLAG_COMMIT_INLINE if old.pending_inline else 0)
-            batch.put(_META + chunk_id, new.encode())
+            batch.put(schema.chunk_key(chunk_id), new.encode())
         if old.commit_version and old.commit_inline and not old.pending_patch:
-            batch.delete(_inline_key(chunk_id, old.commit_blob))
+            batch.delete(schema.inline_key(chunk_id, old.commit_blob))
         self._record_channel(batch, old.pending_channel, new, chunk_id, now_ms)
         self.kv.write(batch, sync=self.sync_commits and not defer_sync)
         self.used_bytes += (new.length if new else 0) - old.length
@@ -644,11 +623,11 @@ class ChunkEngine:
                      prepared: bool = False) -> None:
         patch = self._patches.pop(chunk_id)
         if old.commit_inline:
-            raw = self.kv.get(_inline_key(chunk_id, old.commit_blob))
+            raw = self.kv.get(schema.inline_key(chunk_id, old.commit_blob))
             if raw is None:
                 raise IoError(f"chunk {chunk_id.hex()}: inline record of blob {old.commit_blob} is missing")
-            batch.delete(_inline_key(chunk_id, old.commit_blob))
-            batch.put(_inline_key(chunk_id, old.pending_blob), patch.overlay(raw, 0))
+            batch.delete(schema.inline_key(chunk_id, old.commit_blob))
+            batch.put(schema.inline_key(chunk_id, old.pending_blob), patch.overlay(raw, 0))
             return
         if chunk_id in self._unsynced_patches:
             self._unsynced_patches.discard(chunk_id)
@@ -657,7 +636,7 @@ class ChunkEngine:
         if not prepared:
             self.files.patch(chunk_id, old.commit_blob, old.pending_blob, patch.offset, patch.new)
             self.files.sync(chunk_id, old.pending_blob)
-        batch.delete(_PATCH + chunk_id)
+        batch.delete(schema.patch_key(chunk_id))
 
     def install(self, chunk_id: bytes, version: int, chain_version: int, content: bytes | memoryview | None,
                 checksum: int, *, channel: Channel | None = None, now_ms: int = 0,
@@ -671,24 +650,24 @@ class ChunkEngine:
         batch = WriteBatch()
         new: ChunkState | None = None
         if content is None:
-            batch.delete(_META + chunk_id)
+            batch.delete(schema.chunk_key(chunk_id))
         else:
             if written_blob:
                 blob, flags = written_blob, 0
             elif self.stores_inline(len(content)):
                 self._check_space(len(content))
                 blob, flags = self.new_blob(), FLAG_COMMIT_INLINE
-                batch.put(_inline_key(chunk_id, blob), bytes(content))
+                batch.put(schema.inline_key(chunk_id, blob), bytes(content))
             else:
                 blob, flags = self.new_blob(), 0
                 self.write_blob(chunk_id, blob, content)
             new = ChunkState(commit_version=version, commit_blob=blob, chain_version=chain_version,
                              length=len(content), checksum=checksum, flags=flags)
-            batch.put(_META + chunk_id, new.encode())
+            batch.put(schema.chunk_key(chunk_id), new.encode())
         self.observe_version(version)
         self._drop_pending(batch, chunk_id, old)
         if old is not None and old.commit_version and old.commit_inline:
-            batch.delete(_inline_key(chunk_id, old.commit_blob))
+            batch.delete(schema.inline_key(chunk_id, old.commit_blob))
         self._record_channel(batch, channel, new, chunk_id, now_ms)
         self.kv.write(batch, sync=self.sync_commits and not defer_sync)
         self.used_bytes += (new.length if new else 0) - (old.length if old else 0)
@@ -721,7 +700,7 @@ class ChunkEngine:
         if channel is None or not channel[0]:
             return
         client_id, channel_id, seq = channel
-        key = channel_key(client_id, channel_id)
+        key = schema.channel_key(client_id, channel_id)
         existing = self._channels.get(key)
         if existing is not None and existing.seq >= seq:
             return  # a late commit never replaces the answer to a newer request
@@ -737,7 +716,7 @@ class ChunkEngine:
         batch = WriteBatch()
         changed = 0
         for client_id, channel_id, record in records:
-            key = channel_key(client_id, channel_id)
+            key = schema.channel_key(client_id, channel_id)
             existing = self._channels.get(key)
             if existing is not None and existing.seq >= record.seq:
                 continue
@@ -754,7 +733,7 @@ class ChunkEngine:
         """Drop every record: this target is about to be resynced, and records of writes its chain
         may have rolled back must not answer a retry. The predecessor's records follow."""
         while True:
-            keys = [key for key, _ in self.kv.scan(_CHANNEL, prefix_end(_CHANNEL), limit=page)]
+            keys = [key for key, _ in self.kv.scan(*schema.prefix_range(schema.CHANNEL), limit=page)]
             if not keys:
                 break
             batch = WriteBatch()

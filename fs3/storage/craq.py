@@ -40,12 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fs3.common.errors import (
-    ChecksumMismatch,
     FS3Error,
-    InvalidArgument,
     LeaseExpired,
-    NoSpace,
     StaleUpdate,
+    StatusCode,
     TargetNotServing,
     Unavailable,
 )
@@ -188,7 +186,7 @@ class Fail:
 Effect = CompletePending | Stage | Install | Forward | AwaitRouting | Commit | Abort | Reply | Fail
 
 # Refusals that prove the successor did not apply the update: its pending version can be dropped.
-_REFUSED = (NoSpace, ChecksumMismatch, InvalidArgument)
+_REFUSED = frozenset({StatusCode.NO_SPACE, StatusCode.CHECKSUM_MISMATCH, StatusCode.INVALID_ARGUMENT})
 
 
 def classify(error: FS3Error) -> Outcome:
@@ -197,11 +195,13 @@ def classify(error: FS3Error) -> Outcome:
     Everything but a proof of refusal or divergence is "outcome unknown, forward again once the
     chain changed": a timeout, a chain that moved, a successor that left it — and an I/O error from
     the successor, which is its disk's, not ours (it takes itself out of the chain and the write goes
-    on without it).
+    on without it). So a forward retries more than the shared table of retryable codes
+    (``fs3.common.errors.RETRYABLE``): giving up on a forward whose outcome is unknown would leave a
+    pending version nobody completes. Its retries are bounded by time (``retry_total_ms``).
     """
-    if isinstance(error, StaleUpdate):
+    if error.code == StatusCode.STALE_UPDATE:
         return Outcome.DIVERGED
-    if isinstance(error, _REFUSED):
+    if error.code in _REFUSED:
         return Outcome.REFUSED
     return Outcome.RETRY
 

@@ -24,6 +24,7 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
+from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import RocksKVStore
 from fs3.rpc.channel import ChannelFactory
@@ -62,6 +63,18 @@ class StorageNodeConfig:
     channel_expiry_interval_ms: int = 60_000
     # How often each target's RocksDB gets its upkeep (reclaiming space, reopening after ENOSPC).
     maintenance_interval_ms: int = 1_000
+
+    @property
+    def heartbeat_retry(self) -> RetryPolicy:
+        """Heartbeats go out every interval, a failed one included: the next one is its retry, and
+        never waits longer (mgmtd's lease counts from the last heartbeat that arrived)."""
+        return RetryPolicy(backoff_base_ms=self.heartbeat_interval_ms, backoff_max_ms=self.heartbeat_interval_ms,
+                           backoff=Backoff.CONSTANT)
+
+
+# A failed resync of a successor is retried, forever while it is wanted, doubling its wait: the
+# chain's routing views converge within a few heartbeats.
+RESYNC_RETRY = RetryPolicy(backoff_base_ms=100, backoff_max_ms=2_000, backoff=Backoff.EXPONENTIAL)
 
 
 # Starts blocking I/O somewhere (a thread pool, or the simulator's model of one); the future
@@ -365,13 +378,14 @@ class StorageNode:
         self._lease_start_ms = sent_ms
 
     async def _heartbeat_loop(self) -> None:
+        beats = Attempts(self.config.heartbeat_retry)
         while True:
             if not self._silent_until_offline:
                 try:
                     await self.heartbeat_once()
                 except FS3Error as exc:
                     log.debug("node %d: heartbeat failed: %s", self.config.node_id, exc)
-            await asyncio.sleep(self.config.heartbeat_interval_ms / 1000)
+            await beats.backoff()
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking file I/O on the pool. Never returns before ``fn`` has finished, even if the
@@ -502,7 +516,7 @@ class StorageNode:
                 self._sync_tasks[key] = asyncio.create_task(self._run_resync(chain_id, my_target, successor_id))
 
     async def _run_resync(self, chain_id: int, target_id: int, successor_id: int) -> None:
-        backoff_ms = 100
+        attempts = Attempts(RESYNC_RETRY)
         while True:
             try:
                 await resync_successor(self, self.replicas[target_id], chain_id, successor_id,
@@ -514,8 +528,7 @@ class StorageNode:
                 log.log(logging.INFO if expected else logging.WARNING,
                         "node %d: resync of target %d (chain %d) failed: %s; retrying", self.config.node_id,
                         successor_id, chain_id, exc)
-            await asyncio.sleep(backoff_ms / 1000)
-            backoff_ms = min(backoff_ms * 2, 2_000)
+            await attempts.backoff()
 
     # -- RPC handlers (Storage service) ------------------------------------------------------
 

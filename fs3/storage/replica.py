@@ -59,6 +59,7 @@ from fs3.common.errors import (
 )
 from fs3.common.ids import validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
+from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import PublicState
 from fs3.kv.group_sync import GroupSync
 from fs3.storage.chain_view import ChainMember, ChainView
@@ -101,6 +102,10 @@ T = TypeVar("T")
 _READ_TRIES = 3
 
 
+# Retries of an abandoned pending version's completion back off up to this.
+_REPAIR_BACKOFF_MAX_MS = 5_000
+
+
 class DirtyReadPolicy:
     RETRY = "retry"
     ASK_TAIL = "ask_tail"
@@ -132,6 +137,30 @@ class ReplicaConfig:
     # Exactly-once records live this long after their request committed. The head refuses a retry
     # sent more than half of it after the request's first attempt, so no retry outlives its record.
     channel_record_ttl_ms: int = 600_000
+
+    def validate(self) -> None:
+        if self.dirty_read_policy not in (DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY):
+            raise InvalidArgument(f"dirty_read_policy {self.dirty_read_policy!r}: expected ask_tail or retry")
+        if self.channel_record_ttl_ms < 4 * self.forward_retry_total_ms:
+            raise InvalidArgument("channel_record_ttl_ms must be at least 4 x forward_retry_total_ms "
+                                  "(retries within half of it must still find their record)")
+        if self.updates_inflight_max < 1 or self.updates_inflight_bytes_max < 64 << 20:
+            raise InvalidArgument("updates_inflight_max must be >= 1 and updates_inflight_bytes_max >= 64 MiB")
+        if self.routing_wait_ms < 1 or self.forward_timeout_ms < 1 or self.query_timeout_ms < 1:
+            raise InvalidArgument("routing_wait_ms, forward_timeout_ms and query_timeout_ms must be positive")
+
+    @property
+    def forward_retry(self) -> RetryPolicy:
+        """A forward whose outcome is unknown is sent again once the routing changes (or after the
+        routing wait), for at most ``forward_retry_total_ms``."""
+        return RetryPolicy(backoff_base_ms=self.routing_wait_ms, backoff_max_ms=self.routing_wait_ms,
+                           backoff=Backoff.CONSTANT, deadline_ms=self.forward_retry_total_ms)
+
+    @property
+    def repair_retry(self) -> RetryPolicy:
+        """A head retries completing an abandoned pending version while it stays the head."""
+        return RetryPolicy(backoff_base_ms=self.routing_wait_ms,
+                           backoff_max_ms=max(_REPAIR_BACKOFF_MAX_MS, self.routing_wait_ms))
 
 
 class ReplicaHost(Protocol):
@@ -550,7 +579,8 @@ class TargetReplica:
                 outcome, error = await self._do_forward(op, effect)
                 queue.extend(machine.forwarded(outcome, error, self._path(op.chain_id), self.host.now_ms()))
             elif isinstance(effect, AwaitRouting):
-                await self.host.wait_routing_change(effect.routing_version, self.config.routing_wait_ms)
+                await self.host.wait_routing_change(effect.routing_version,
+                                                    int(self.config.forward_retry.backoff_ms(1)))
                 queue.extend(machine.routing_changed(self._path(op.chain_id), self.host.now_ms()))
             elif isinstance(effect, Commit):
                 await self._after_successors(op, self._do_commit(op, effect.version))
@@ -749,9 +779,9 @@ class TargetReplica:
                 self.schedule_repair(chain_id, chunk_id)
 
     async def _repair_loop(self, chain_id: int, chunk_id: bytes) -> None:
-        delay_ms = self.config.routing_wait_ms
+        attempts = Attempts(self.config.repair_retry)
         while True:
-            await asyncio.sleep(delay_ms / 1000)
+            await attempts.backoff()
             view = self.host.view(chain_id, self.target_id)
             if view is None or not view.is_head:
                 return
@@ -762,7 +792,6 @@ class TargetReplica:
             except FS3Error as exc:
                 log.info("target %d: pending version of chunk %s not completed yet: %s", self.target_id,
                          chunk_id.hex(), exc)
-                delay_ms = min(delay_ms * 2, 5_000)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 from fs3 import storage_pb2 as spb
 from fs3.common.errors import TargetNotServing
 from fs3.common.target_state import PublicState
-from fs3.storage.chunk_engine import parse_channel_key
+from fs3.storage.schema import parse_channel_key
 
 if TYPE_CHECKING:
     from fs3.storage.chain_view import ChainMember, ChainView

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from fs3.common.durable import make_dirs_durable
 from fs3.common.errors import InvalidArgument
@@ -19,7 +21,7 @@ from fs3.rpc.server import ServiceRuntime, install_uvloop
 from fs3.storage.blobs import FileBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import StorageNode, StorageNodeConfig
-from fs3.storage.replica import DirtyReadPolicy, ReplicaConfig
+from fs3.storage.replica import ReplicaConfig
 from fs3.storage.service import StorageServicer
 
 __all__ = ["StorageConfig", "TargetConfig", "run_storage"]
@@ -35,7 +37,13 @@ class TargetConfig:
 
 @dataclass
 class StorageConfig:
-    """Settings of one storage process (TOML keys; env ``FS3_STORAGE_<KEY>``)."""
+    """Settings of one storage process (TOML keys; env ``FS3_STORAGE_<KEY>``); every target's
+    replica's in the ``[replica]`` table (env ``FS3_STORAGE_REPLICA_<KEY>``)."""
+
+    # Keys that were top-level before the replica's settings became a table: still read, with a warning.
+    MOVED_KEYS: ClassVar[Mapping[str, str]] = {
+        key: "replica" for key in ("forward_timeout_ms", "forward_retry_total_ms", "dirty_read_policy",
+                                   "channel_record_ttl_ms", "updates_inflight_max", "updates_inflight_bytes_max")}
 
     node_id: int = 1
     mgmtd_address: str = "127.0.0.1:9000"
@@ -49,9 +57,7 @@ class StorageConfig:
     targets: list[TargetConfig] = field(default_factory=list)
     heartbeat_interval_ms: int = 1_000
     rpc_timeout_ms: int = 5_000
-    forward_timeout_ms: int = 5_000
-    forward_retry_total_ms: int = 30_000
-    dirty_read_policy: str = DirtyReadPolicy.ASK_TAIL
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     fsync: bool = True
     # Free space new chunk data never takes (writes get NO_SPACE); with RocksDB at least its
     # headroom plus COMMIT_SLACK_BYTES whatever this says (see open_engines).
@@ -60,11 +66,6 @@ class StorageConfig:
     inline_max_bytes: int = 128 * 1024
     kv_engine: str = "rocksdb"
     io_threads: int = 4
-    # Exactly-once records live this long; retries older than half of it are refused.
-    channel_record_ttl_ms: int = 600_000
-    # Updates running on one target at once (count, and the payload bytes they hold).
-    updates_inflight_max: int = 4096
-    updates_inflight_bytes_max: int = 1 << 30
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -77,19 +78,13 @@ class StorageConfig:
             raise InvalidArgument("target ids must be positive and unique")
         if self.transport not in ("framed", "grpc"):
             raise InvalidArgument(f"transport {self.transport!r}: expected framed or grpc")
-        if self.dirty_read_policy not in (DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY):
-            raise InvalidArgument(f"dirty_read_policy {self.dirty_read_policy!r}: expected ask_tail or retry")
         if not 0 <= self.io_threads <= 64:
             raise InvalidArgument("io_threads must be within [0, 64]")
         if not 0 <= self.inline_max_bytes <= 1 << 20:
             raise InvalidArgument("inline_max_bytes must be within [0, 1 MiB]")
         if self.heartbeat_interval_ms < 10:
             raise InvalidArgument("heartbeat_interval_ms must be at least 10")
-        if self.channel_record_ttl_ms < 4 * self.forward_retry_total_ms:
-            raise InvalidArgument("channel_record_ttl_ms must be at least 4 x forward_retry_total_ms "
-                                  "(retries within half of it must still find their record)")
-        if self.updates_inflight_max < 1 or self.updates_inflight_bytes_max < 64 << 20:
-            raise InvalidArgument("updates_inflight_max must be >= 1 and updates_inflight_bytes_max >= 64 MiB")
+        self.replica.validate()
 
 
 # Free space beyond RocksDB's headroom for the commits of writes admitted just before the disk
@@ -128,13 +123,7 @@ async def serve_storage(config: StorageConfig, ready_file: str | None = None) ->
     node_config = StorageNodeConfig(
         node_id=config.node_id, mgmtd_address=config.mgmtd_address,
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
-        io_threads=config.io_threads,
-        replica=ReplicaConfig(forward_timeout_ms=config.forward_timeout_ms,
-                              forward_retry_total_ms=config.forward_retry_total_ms,
-                              dirty_read_policy=config.dirty_read_policy,
-                              channel_record_ttl_ms=config.channel_record_ttl_ms,
-                              updates_inflight_max=config.updates_inflight_max,
-                              updates_inflight_bytes_max=config.updates_inflight_bytes_max),
+        io_threads=config.io_threads, replica=config.replica,
     )
     node = StorageNode(node_config, engines, channels)
     dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
