@@ -38,7 +38,7 @@ from bench.results_io import save_result  # noqa: E402
 from fs3 import storage_pb2 as spb  # noqa: E402
 from fs3.common.checksum import crc32c  # noqa: E402
 from fs3.common.ids import chunk_id  # noqa: E402
-from fs3.mgmtd.chain_state import PublicState  # noqa: E402
+from fs3.common.target_state import PublicState  # noqa: E402
 from fs3.storage.chain_view import ChainMember, ChainView  # noqa: E402
 from fs3.storage.replica import ReplicaConfig, TargetReplica  # noqa: E402
 from fs3.storage.server import StorageConfig, TargetConfig, open_engines  # noqa: E402

@@ -16,8 +16,9 @@ import pytest
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvariantViolation
+from fs3.kv.api import Transaction
 from fs3.kv.store import KVStore, MemKVStore, RocksKVStore, WriteBatch
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction
+from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta.ops import Caller, Namespace, OpEnv
 
 _PAGE = 64

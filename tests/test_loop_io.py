@@ -18,8 +18,8 @@ from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
 from fs3.common.errors import IoError
 from fs3.common.ids import chunk_id
+from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
-from fs3.mgmtd.chain_state import PublicState
 from fs3.storage.blobs import MemBlobStore
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine

@@ -19,8 +19,9 @@ from fs3.common.errors import (
     may_have_run,
 )
 from fs3.common.retry import Attempts, Backoff, RetryPolicy
+from fs3.kv.api import Transaction
 from fs3.kv.store import MemKVStore
-from fs3.kv.txn import OptimisticTxnEngine, Transaction, run_transaction, transaction_retry
+from fs3.kv.txn import OptimisticTxnEngine, run_transaction, transaction_retry
 from fs3.storage.replica import ReplicaConfig
 
 
