@@ -39,7 +39,7 @@ from fs3.meta import schema
 from fs3.meta.host import MetaHost
 from fs3.meta.layout import chunk_location
 from fs3.meta.lengths import _LENGTH_PROBE_ATTEMPTS, _REMOVE_PARALLEL, all_of
-from fs3.meta.ops import XATTR_DELETE_PAGE, LengthProbeStale, Namespace
+from fs3.meta.ops import XATTR_DELETE_PAGE, LengthProbeStale, LengthReport, Namespace
 
 __all__ = ["MetaJobs"]
 
@@ -302,7 +302,7 @@ class MetaJobs(MetaHost):
                     txn.delete(key)
                     return
                 ns = Namespace(txn, self._env(mpb.User()))
-                await ns.close(inode_id, session_id, 0, wrote, exact, probed_gen, final=final)
+                await ns.close(inode_id, session_id, LengthReport(wrote=wrote).probed(exact, probed_gen, final))
 
             try:
                 await run_transaction(self.engine, expire)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fs3 import meta_pb2 as mpb
@@ -25,7 +26,7 @@ from fs3.kv.store import prefix_end
 from fs3.meta import schema
 from fs3.meta.host import MetaHost
 from fs3.meta.layout import max_file_size
-from fs3.meta.ops import LengthProbeStale, Namespace
+from fs3.meta.ops import LengthProbeStale, LengthReport, Namespace
 from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.storage_calls import list_chunk_range
 
@@ -43,31 +44,34 @@ _LIST_RETRY_BACKOFF_MAX_MS = 1_000
 class FileLengths(MetaHost):
     """The service's file-length part (see the module's docstring)."""
 
-    async def _with_exact_length(self, ctx: mpb.ReqCtx, inode_id: int, hint: int, wrote: bool, acked: bool,
-                                 op: Callable[[Namespace, int | None, int | None, bool], Awaitable[mpb.InodeRsp]]
-                                 ) -> mpb.InodeRsp:
-        """Apply a writer's length in one transaction.
+    async def _with_exact_length(self, ctx: mpb.ReqCtx, inode_id: int, length: LengthReport,
+                                 op: Callable[[Namespace, LengthReport], Awaitable[mpb.InodeRsp]]) -> mpb.InodeRsp:
+        """Apply a writer's length (``length``, as the writer reports it) in one transaction.
 
         An acknowledged hint from a handle whose file was not truncated since it opened is taken
         as is (no storage round trip: the common create-write-close path). Otherwise storage is
         probed for the file's end and the length applied, holding the inode's lock (so in this
         process no truncate comes between); a probe made stale by a truncate anyway (another meta
         server) is made again, and the last attempt gives up on it (``final``, see
-        :meth:`Namespace._apply_length`). ``op`` gets (namespace, exact, probed_gen, final).
+        :meth:`Namespace._apply_length`). ``op`` gets the namespace and the report to apply.
+
+        A stale probe is an exception (:class:`LengthProbeStale`) rather than an answer: it must
+        abort the transaction it is found in — a close has already deleted its session there —
+        so that nothing of it commits and the next attempt starts afresh.
         """
         for attempt in range(_LENGTH_PROBE_ATTEMPTS):
             final = attempt == _LENGTH_PROBE_ATTEMPTS - 1
             try:
-                if attempt == 0 and acked:
-                    return await self._mutate(ctx, mpb.InodeRsp, lambda ns: op(ns, None, None, False))
-                if not wrote:
-                    return await self._mutate(ctx, mpb.InodeRsp, lambda ns: op(ns, None, None, True))
+                if attempt == 0 and length.acked:
+                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, replace(length, final=False)))
+                if not length.wrote:
+                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, length))
                 async with self._inode_lock(inode_id):
                     await self._run_truncate_locked(inode_id)
-                    exact, probed_gen = await self._probe_length_locked(inode_id, hint, within_size_is_exact=True)
-                    last = final or exact is None
-                    return await self._mutate(ctx, mpb.InodeRsp,
-                                              lambda ns, e=exact, g=probed_gen, f=last: op(ns, e, g, f))  # type: ignore[misc]
+                    exact, probed_gen = await self._probe_length_locked(inode_id, length.hint,
+                                                                        within_size_is_exact=True)
+                    probed = length.probed(exact, probed_gen, final or exact is None)
+                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, probed))
             except LengthProbeStale:
                 continue
         raise AssertionError("unreachable: the last attempt does not raise LengthProbeStale")
@@ -177,6 +181,12 @@ class FileLengths(MetaHost):
         async with self._inode_lock(inode_id):
             await self._run_truncate_locked(inode_id)
             return await self._probe_length_locked(inode_id, hint, within_size_is_exact)
+
+
+def _applying(op: Callable[[Namespace, LengthReport], Awaitable[mpb.InodeRsp]],
+              length: LengthReport) -> Callable[[Namespace], Awaitable[mpb.InodeRsp]]:
+    """``op`` run with the length report it is to apply."""
+    return lambda ns: op(ns, length)
 
 
 async def all_of(calls: list[Coroutine[Any, Any, T]]) -> list[T]:

@@ -16,7 +16,7 @@ being 2 plus its subdirectories, and ``atime``/``mtime``/``ctime`` updated as th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import (
@@ -58,6 +58,8 @@ __all__ = [
     "Ancestry",
     "AncestryUnknown",
     "Caller",
+    "LengthProbeStale",
+    "LengthReport",
     "Namespace",
     "OpEnv",
     "TruncatePending",
@@ -134,6 +136,29 @@ class OpEnv:
     caller: Caller
     chain_tables: dict[int, list[int]] = field(default_factory=dict)
     stripe_default: int = 16
+
+
+@dataclass(frozen=True)
+class LengthReport:
+    """What a writer says about a file's length at close or sync, and what meta found on storage.
+
+    ``hint`` is the end of everything the handle wrote (``wrote``); ``acked`` says every write
+    below it is acknowledged. ``exact`` is the file's end on storage, probed under size generation
+    ``probed_gen`` (None: not probed). ``final``: no better answer is coming (the service probed
+    as often as it will), so :meth:`Namespace._apply_length` decides rather than ask for a new
+    probe. The default is a handle that wrote nothing: nothing to apply.
+    """
+
+    hint: int = 0
+    wrote: bool = False
+    acked: bool = False
+    exact: int | None = None
+    probed_gen: int | None = None
+    final: bool = True
+
+    def probed(self, exact: int | None, probed_gen: int | None, final: bool) -> LengthReport:
+        """This report with storage's answer (the file's end, probed under ``probed_gen``)."""
+        return replace(self, exact=exact, probed_gen=probed_gen, final=final)
 
 
 @dataclass
@@ -1002,9 +1027,8 @@ class Namespace:
             raise BadHandle(f"no open session {session_id.hex()} on inode {inode_id}")
         return schema.Session.decode(raw)
 
-    async def _apply_length(self, inode: mpb.Inode, session: schema.Session, hint: int, exact: int | None,
-                            probed_gen: int | None, acked: bool, final: bool) -> None:
-        """A writer's length: exact when storage was asked, else its hint.
+    async def _apply_length(self, inode: mpb.Inode, session: schema.Session, length: LengthReport) -> None:
+        """A writer's length (``length``): exact when storage was asked, else its hint.
 
         ``exact`` is the file's end on storage, probed under size generation ``probed_gen``; it
         counts only if no truncate came since (same generation, no truncate unfinished) — one
@@ -1019,14 +1043,14 @@ class Namespace:
         size_gen = await self._size_gen(inode.inode_id)
         pending = await self.txn.get(schema.truncate_key(inode.inode_id)) is not None
         untruncated = session.size_gen == size_gen and not pending
-        if exact is not None and probed_gen == size_gen and not pending:
-            new_size = max(inode.size, exact)
-        elif acked and untruncated:
-            new_size = max(inode.size, hint)
-        elif not final:
+        if length.exact is not None and length.probed_gen == size_gen and not pending:
+            new_size = max(inode.size, length.exact)
+        elif length.acked and untruncated:
+            new_size = max(inode.size, length.hint)
+        elif not length.final:
             raise LengthProbeStale(f"inode {inode.inode_id}: truncated since the probe or since this handle opened")
         elif untruncated:
-            new_size = max(inode.size, hint)
+            new_size = max(inode.size, length.hint)
         else:
             new_size = inode.size
         if new_size > max_file_size(inode.layout):
@@ -1034,28 +1058,26 @@ class Namespace:
         inode.size = new_size
         self._stamp(inode, mtime=True)
 
-    async def close(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                    probed_gen: int | None, acked: bool = False, final: bool = True) -> CloseResult:
-        """End a handle, applying its length (see :meth:`_apply_length` for ``acked`` and ``final``)."""
+    async def close(self, inode_id: int, session_id: bytes, length: LengthReport = LengthReport()) -> CloseResult:
+        """End a handle, applying its length (see :meth:`_apply_length`)."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
         self.txn.delete(schema.session_key(inode_id, session_id))
         self.txn.delete(schema.client_session_key(session.client_id, inode_id, session_id))
-        if wrote and session.write:
-            await self._apply_length(inode, session, hint, exact, probed_gen, acked, final)
+        if length.wrote and session.write:
+            await self._apply_length(inode, session, length)
         gc = False
         if inode.nlink == 0 and not await self._has_sessions(inode_id):
             gc = await self._delete_inode(inode)
         self.flush()
         return CloseResult(inode, gc)
 
-    async def sync(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                   probed_gen: int | None, acked: bool = False, final: bool = True) -> mpb.Inode:
+    async def sync(self, inode_id: int, session_id: bytes, length: LengthReport) -> mpb.Inode:
         """Publish a handle's length (fsync, flush, periodic hints) without closing it."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
-        if wrote and session.write:
-            await self._apply_length(inode, session, hint, exact, probed_gen, acked, final)
+        if length.wrote and session.write:
+            await self._apply_length(inode, session, length)
         self.flush()
         return inode
 

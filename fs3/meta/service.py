@@ -62,6 +62,7 @@ from fs3.meta.ops import (
     Ancestry,
     AncestryUnknown,
     Caller,
+    LengthReport,
     Namespace,
     OpEnv,
     TruncatePending,
@@ -398,7 +399,7 @@ class MetaService(FileLengths, MetaJobs):
             if not session_id:
                 return  # abandoned already (or a directory: no session)
             if await txn.get(schema.session_key(inode_id, session_id)) is not None:
-                await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id, 0, False, None, None)
+                await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id)
                 closed.append((inode_id, session_id))
             rsp.session_id = b""
             txn.put(key, schema.IdemRecord(record.committed_ms, rsp.SerializeToString()).encode())
@@ -562,28 +563,23 @@ class MetaService(FileLengths, MetaJobs):
         return rsp, _EMPTY
 
     async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_gen: int | None, final: bool) -> mpb.InodeRsp:
-            result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_gen,
-                                    acked=req.acked, final=final)
-            return mpb.InodeRsp(inode=result.inode)
+        async def op(ns: Namespace, length: LengthReport) -> mpb.InodeRsp:
+            return mpb.InodeRsp(inode=(await ns.close(req.inode_id, req.session_id, length)).inode)
 
         _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
-        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), op)
         self._gc_wakeup.set()
         return rsp, _EMPTY
 
     async def sync(self, req: mpb.SyncReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_gen: int | None, final: bool) -> mpb.InodeRsp:
-            return await _inode_rsp(ns.sync(req.inode_id, req.session_id, req.length_hint, req.wrote, exact,
-                                            probed_gen, acked=req.acked, final=final))
-
         # A hint that is not acknowledged, or comes from a handle whose file was truncated since it
         # opened, only says where to look: a hint sent before a truncate and received after it
         # would otherwise bring back the length the truncate removed.
         _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
-        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), lambda ns, length: _inode_rsp(
+            ns.sync(req.inode_id, req.session_id, length)))
         return rsp, _EMPTY
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
@@ -645,6 +641,11 @@ class MetaService(FileLengths, MetaJobs):
 
 async def _inode_rsp(inode: Awaitable[mpb.Inode]) -> mpb.InodeRsp:
     return mpb.InodeRsp(inode=await inode)
+
+
+def _writer_length(req: mpb.CloseReq | mpb.SyncReq) -> LengthReport:
+    """The length a close or sync reports, before meta asks storage."""
+    return LengthReport(hint=req.length_hint, wrote=req.wrote, acked=req.acked)
 
 
 def _check_session_owner(ctx: mpb.ReqCtx, session_id: bytes) -> None:
