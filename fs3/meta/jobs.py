@@ -38,14 +38,21 @@ from fs3.kv.txn import Transaction, run_transaction
 from fs3.meta import schema
 from fs3.meta.host import MetaHost
 from fs3.meta.layout import chunk_location
-from fs3.meta.lengths import _LENGTH_PROBE_ATTEMPTS, _REMOVE_PARALLEL, all_of
-from fs3.meta.ops import XATTR_DELETE_PAGE, LengthProbeStale, LengthReport, Namespace
+from fs3.meta.lengths import all_of
+from fs3.meta.limits import (
+    ANSWER_DELETE_PAGE,
+    JOB_SCAN_PAGE,
+    LENGTH_PROBE_ATTEMPTS,
+    PRUNE_PAGE,
+    REMOVE_PARALLEL,
+    XATTR_DELETE_PAGE,
+)
+from fs3.meta.ops import LengthProbeStale, LengthReport, Namespace
 
 __all__ = ["MetaJobs"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_PRUNE_PAGE = 1000   # leases, expired clients, sessions or saved answers read (or deleted) per transaction
 
 
 class MetaJobs(MetaHost):
@@ -60,7 +67,7 @@ class MetaJobs(MetaHost):
         is no longer listed, so a job run again after a crash or an error starts where storage
         says it stopped.
         """
-        limiter = asyncio.Semaphore(_REMOVE_PARALLEL)
+        limiter = asyncio.Semaphore(REMOVE_PARALLEL)
 
         async def remove(chain_id: int, cid: bytes) -> None:
             async with limiter:
@@ -121,59 +128,81 @@ class MetaJobs(MetaHost):
         async with self._inode_lock(inode_id):
             await self._run_truncate_locked(inode_id)
 
-    async def run_gc_once(self, limit: int = 100) -> int:
-        """Remove the chunks of up to ``limit`` deleted files; returns how many files were finished."""
+    async def run_gc_once(self, limit: int = JOB_SCAN_PAGE) -> int:
+        """Remove the chunks of every deleted file queued for GC, reading the queue ``limit`` jobs
+        at a time; returns how many files were finished. A job storage cannot serve yet is
+        passed over, so it never holds up the jobs queued after it."""
         prefix = schema.gc_prefix()
-        rows = await self.engine.begin().scan(prefix, prefix_end(prefix), limit=limit)
         finished = 0
-        for key, raw in rows:
-            inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
-            job = schema.GcJob.decode(raw)
-            try:
-                if job.layout.chains:
-                    self.gc_removed_chunks += await self._clear_chunks(inode_id, job.layout, job.first_chunk)
-            except FS3Error as exc:
-                log.warning("gc of inode %d postponed: %s", inode_id, exc)
-                continue
-            await self._delete_xattrs(inode_id)
+        async for rows in self._pages(prefix, limit):
+            for key, raw in rows:
+                inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
+                job = schema.GcJob.decode(raw)
+                try:
+                    if job.layout.chains:
+                        self.gc_removed_chunks += await self._clear_chunks(inode_id, job.layout, job.first_chunk)
+                except FS3Error as exc:
+                    log.warning("gc of inode %d postponed: %s", inode_id, exc)
+                    continue
+                await self._delete_xattrs(inode_id)
 
-            async def done(txn: Transaction, key: bytes = key) -> None:
-                txn.delete(key)
+                async def done(txn: Transaction, key: bytes = key) -> None:
+                    txn.delete(key)
 
-            await run_transaction(self.engine, done)
-            finished += 1
+                await run_transaction(self.engine, done)
+                finished += 1
         return finished
 
     async def _delete_xattrs(self, inode_id: int) -> None:
         """Delete the attributes a deleted inode's removal left (a page per transaction)."""
         prefix = schema.xattr_prefix(inode_id)
+        await self._delete_range(prefix, prefix_end(prefix), XATTR_DELETE_PAGE)
 
+    async def _delete_range(self, start: bytes, end: bytes | None, page: int) -> int:
+        """Delete every key in ``[start, end)``, at most ``page`` keys per transaction; returns how
+        many were deleted. Each transaction is complete in itself: a crash between two leaves the
+        rest for the next call, which starts over from ``start`` and finds only what is left."""
         async def delete_page(txn: Transaction) -> int:
-            rows = await txn.scan(prefix, prefix_end(prefix), limit=XATTR_DELETE_PAGE)
+            rows = await txn.scan(start, end, limit=page)
             for key, _ in rows:
                 txn.delete(key)
             return len(rows)
 
-        while await run_transaction(self.engine, delete_page) == XATTR_DELETE_PAGE:
-            pass
+        deleted = 0
+        while True:
+            count = await run_transaction(self.engine, delete_page)
+            deleted += count
+            if count < page:
+                return deleted
+
+    async def _forget_answers(self, client_id: bytes, below: int | None = None) -> int:
+        """Delete the client's saved answers (those of requests below ``below``; None: all), a
+        bounded page per transaction (see :meth:`_delete_range`). Returns how many were deleted."""
+        start = schema.idem_key(client_id, 0)
+        end = prefix_end(start[:-8]) if below is None else schema.idem_key(client_id, below)
+        return await self._delete_range(start, end, ANSWER_DELETE_PAGE)
 
     async def run_truncates_once(self) -> None:
+        """Finish every recorded truncate job, reading the queue a page at a time; a job storage
+        cannot serve yet is passed over, so it never holds up the jobs queued after it."""
         prefix = schema.truncate_prefix()
-        for key, _ in await self.engine.begin().scan(prefix, prefix_end(prefix), limit=100):
-            inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
-            try:
-                await self._finish_truncate(inode_id)
-            except FS3Error as exc:
-                log.warning("truncate of inode %d postponed: %s", inode_id, exc)
+        async for rows in self._pages(prefix, JOB_SCAN_PAGE):
+            for key, _ in rows:
+                inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
+                try:
+                    await self._finish_truncate(inode_id)
+                except FS3Error as exc:
+                    log.warning("truncate of inode %d postponed: %s", inode_id, exc)
 
-    async def _pages(self, prefix: bytes) -> AsyncIterator[list[tuple[bytes, bytes]]]:
-        """Every key under ``prefix``, a bounded page per read (each page from a fresh snapshot)."""
+    async def _pages(self, prefix: bytes, page: int = PRUNE_PAGE) -> AsyncIterator[list[tuple[bytes, bytes]]]:
+        """Every key under ``prefix``, at most ``page`` per read (each page from a fresh snapshot,
+        the next starting after the last key of the one before)."""
         start, end = prefix, prefix_end(prefix)
         while True:
-            rows = await self.engine.begin().scan(start, end, limit=_PRUNE_PAGE)
+            rows = await self.engine.begin().scan(start, end, limit=page)
             if rows:
                 yield rows
-            if len(rows) < _PRUNE_PAGE:
+            if len(rows) < page:
                 return
             start = rows[-1][0] + b"\x00"
 
@@ -262,17 +291,7 @@ class MetaJobs(MetaHost):
             for key, _ in page:
                 _, inode_id, session_id = schema.parse_client_session_key(key)
                 await self._close_expired_session(client_id, key, inode_id, session_id)
-        start = schema.idem_key(client_id, 0)
-        end = prefix_end(start[:-8])
-
-        async def forget(txn: Transaction) -> int:
-            rows = await txn.scan(start, end, limit=_PRUNE_PAGE)
-            for key, _ in rows:
-                txn.delete(key)
-            return len(rows)
-
-        while await run_transaction(self.engine, forget) == _PRUNE_PAGE:
-            pass
+        await self._forget_answers(client_id)
 
         async def cleaned(txn: Transaction) -> None:
             raw = await txn.get(expired_key)
@@ -291,8 +310,8 @@ class MetaJobs(MetaHost):
         """
         raw = await self.engine.begin().get(schema.session_key(inode_id, session_id))
         wrote = raw is not None and schema.Session.decode(raw).write
-        for attempt in range(_LENGTH_PROBE_ATTEMPTS):
-            last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
+        for attempt in range(LENGTH_PROBE_ATTEMPTS):
+            last = attempt == LENGTH_PROBE_ATTEMPTS - 1
             exact, probed_gen = (None, None) if last else await self._exact_length(inode_id, 0, wrote)
             final = last or exact is None
 

@@ -26,6 +26,13 @@ from fs3.kv.store import prefix_end
 from fs3.meta import schema
 from fs3.meta.host import MetaHost
 from fs3.meta.layout import max_file_size
+from fs3.meta.limits import (
+    CHUNK_INDEX_END,
+    LENGTH_PROBE_ATTEMPTS,
+    LIST_RETRY_BACKOFF_MAX_MS,
+    LIST_RETRY_BACKOFF_MS,
+    REMOVE_PARALLEL,
+)
 from fs3.meta.ops import LengthProbeStale, LengthReport, Namespace
 from fs3.mgmtd.chain_state import PublicState
 from fs3.rpc.storage_calls import list_chunk_range
@@ -33,13 +40,7 @@ from fs3.rpc.storage_calls import list_chunk_range
 __all__ = ["FileLengths", "all_of"]
 
 T = TypeVar("T")
-_LENGTH_PROBE_ATTEMPTS = 5
 _LENGTH_EVERY_LAYOUT_ALLOWS = max_file_size(mpb.Layout(chunk_size=CHUNK_SIZE_MIN_BYTES))
-_REMOVE_PARALLEL = 16
-_CHUNK_INDEX_END = 1 << 32  # chunk indexes are 32-bit
-_LIST_RETRY_BACKOFF_MS = 50
-_LIST_RETRY_BACKOFF_MAX_MS = 1_000
-
 
 class FileLengths(MetaHost):
     """The service's file-length part (see the module's docstring)."""
@@ -59,8 +60,8 @@ class FileLengths(MetaHost):
         abort the transaction it is found in — a close has already deleted its session there —
         so that nothing of it commits and the next attempt starts afresh.
         """
-        for attempt in range(_LENGTH_PROBE_ATTEMPTS):
-            final = attempt == _LENGTH_PROBE_ATTEMPTS - 1
+        for attempt in range(LENGTH_PROBE_ATTEMPTS):
+            final = attempt == LENGTH_PROBE_ATTEMPTS - 1
             try:
                 if attempt == 0 and length.acked:
                     return await self._mutate(ctx, mpb.InodeRsp, _applying(op, replace(length, final=False)))
@@ -100,7 +101,7 @@ class FileLengths(MetaHost):
         what a length probe must find). Other serving members are asked when that one fails, and
         the listing is retried like a storage read until the storage client's budget is spent.
         """
-        if index >= _CHUNK_INDEX_END:
+        if index >= CHUNK_INDEX_END:
             return [], False
         prefix = schema.encode_u64(inode_id)
         start_after = chunk_id(inode_id, index - 1) if index > 0 else prefix
@@ -126,7 +127,7 @@ class FileLengths(MetaHost):
                 raise Unavailable(f"listing inode {inode_id}'s chunks on chain {chain_id} gave up: {error}")
             with contextlib.suppress(FS3Error):
                 await self.routing.refresh()
-            await asyncio.sleep(min(_LIST_RETRY_BACKOFF_MS * attempt, _LIST_RETRY_BACKOFF_MAX_MS) / 1000)
+            await asyncio.sleep(min(LIST_RETRY_BACKOFF_MS * attempt, LIST_RETRY_BACKOFF_MAX_MS) / 1000)
 
     async def _storage_end(self, inode_id: int, layout: mpb.Layout, size: int) -> int:
         """The end of the file's last committed byte on storage past ``size`` (``size`` if none).
@@ -135,7 +136,7 @@ class FileLengths(MetaHost):
         gap counts as much as one next to the end.
         """
         chunk_size = layout.chunk_size
-        limiter = asyncio.Semaphore(_REMOVE_PARALLEL)
+        limiter = asyncio.Semaphore(REMOVE_PARALLEL)
 
         async def chain_end(chain_id: int) -> int:
             end, index = size, size // chunk_size

@@ -41,6 +41,15 @@ from fs3.kv.store import prefix_end
 from fs3.kv.txn import Transaction
 from fs3.meta import schema
 from fs3.meta.layout import file_layout, max_file_size, validate_dir_layout
+from fs3.meta.limits import (
+    ANCESTOR_WALK_MAX,
+    READDIR_LIMIT_MAX,
+    XATTR_DELETE_PAGE,
+    XATTR_LIST_MAX_BYTES,
+    XATTR_LIST_PAGE,
+    XATTR_NAME_MAX_BYTES,
+    XATTR_VALUE_MAX_BYTES,
+)
 
 __all__ = [
     "ANCESTOR_WALK_MAX",
@@ -89,18 +98,6 @@ NAME_MAX_BYTES = 255
 PATH_MAX_BYTES = 4096
 SYMLINK_FOLLOW_MAX = 40
 LINK_MAX = 65_000
-XATTR_NAME_MAX_BYTES = 255
-XATTR_VALUE_MAX_BYTES = 64 * 1024
-# Linux's limit for one listxattr answer (names and their NULs): a longer list is E2BIG.
-XATTR_LIST_MAX_BYTES = 64 * 1024
-_XATTR_LIST_PAGE = 64  # attributes read at a time (values come with them: at most 4 MiB)
-# Attributes a removal deletes in its own transaction (at most 4 MiB of values read); the GC job
-# deletes the rest as many per transaction.
-XATTR_DELETE_PAGE = 64
-READDIR_LIMIT_MAX = 10_000
-# Parent links one transaction follows. Linux has no depth limit for directory trees; a rename
-# that must look further above its destination has the service walk on (:class:`AncestryUnknown`).
-ANCESTOR_WALK_MAX = 1024
 _RELATIME_NS = 24 * 3600 * 1_000_000_000
 
 DIRECTORY = mpb.DIRECTORY
@@ -994,7 +991,7 @@ class Namespace:
         listed_bytes = 0
         start = prefix
         while True:
-            rows = await self.txn.scan(start, end, limit=_XATTR_LIST_PAGE)
+            rows = await self.txn.scan(start, end, limit=XATTR_LIST_PAGE)
             for key, _ in rows:
                 name = key[len(prefix):]
                 if name.startswith(b"trusted.") and not self.caller.is_root:
@@ -1004,7 +1001,7 @@ class Namespace:
                     raise XattrTooLarge(f"the attribute names of inode {inode.inode_id} exceed "
                                         f"{XATTR_LIST_MAX_BYTES} bytes")
                 names.append(name)
-            if len(rows) < _XATTR_LIST_PAGE:
+            if len(rows) < XATTR_LIST_PAGE:
                 return names
             start = rows[-1][0] + b"\x00"
 

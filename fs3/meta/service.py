@@ -54,6 +54,7 @@ from fs3.meta.fsck import run_fsck
 from fs3.meta.jobs import MetaJobs
 from fs3.meta.layout import DEFAULT_CHUNK_SIZE_BYTES, validate_dir_layout
 from fs3.meta.lengths import FileLengths
+from fs3.meta.limits import ANCESTRY_ATTEMPTS, BATCH_STAT_MAX, CHUNK_PAGE_MAX, TRUNCATE_ATTEMPTS
 from fs3.meta.ops import (
     ANCESTOR_WALK_MAX,
     O_CREAT,
@@ -75,12 +76,6 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 _EMPTY = b""
-# Runs of a rename whose destination is deeper than one transaction looks: each run may need
-# one more answer from a walk, and a directory moved meanwhile costs a walk again.
-_ANCESTRY_ATTEMPTS = 8
-# A request that meets another truncate of its inode (or a rename moving the name it resolved)
-# runs again at most this often.
-_TRUNCATE_ATTEMPTS = 8
 
 
 @dataclass
@@ -109,8 +104,8 @@ class MetaServiceConfig:
         # network blip); its retries are bounded by half the time an expired id stays refused.
         if self.expired_client_ttl_ms < 2 * self.client_lease_ms:
             raise InvalidArgument("expired_client_ttl_ms must be at least twice client_lease_ms")
-        if not 1 <= self.chunk_page <= 10_000:
-            raise InvalidArgument(f"chunk_page {self.chunk_page} outside [1, 10000]")
+        if not 1 <= self.chunk_page <= CHUNK_PAGE_MAX:
+            raise InvalidArgument(f"chunk_page {self.chunk_page} outside [1, {CHUNK_PAGE_MAX}]")
 
     @property
     def client_retry_limit_ms(self) -> int:
@@ -276,7 +271,7 @@ class MetaService(FileLengths, MetaJobs):
         a retry of the request waiting for the lock then sees what it changed.
         """
         truncating = 0
-        for _ in range(_TRUNCATE_ATTEMPTS):
+        for _ in range(TRUNCATE_ATTEMPTS):
             try:
                 if not truncating:
                     return await self._mutate(ctx, rsp_type, _claiming(fn, 0))
@@ -332,8 +327,8 @@ class MetaService(FileLengths, MetaJobs):
         return mpb.InodeRsp(inode=inode), _EMPTY
 
     async def batch_stat(self, req: mpb.BatchStatReq, payload: memoryview) -> tuple[mpb.BatchStatRsp, Buffer]:
-        if len(req.inode_ids) > 10_000:
-            raise InvalidArgument("at most 10000 inodes per batch")
+        if len(req.inode_ids) > BATCH_STAT_MAX:
+            raise InvalidArgument(f"{len(req.inode_ids)} inodes in one batch: at most {BATCH_STAT_MAX}")
         inodes = await self._read(req.ctx, lambda ns: ns.batch_stat(list(req.inode_ids)))
         return mpb.BatchStatRsp(inodes=inodes), _EMPTY
 
@@ -438,7 +433,7 @@ class MetaService(FileLengths, MetaJobs):
             txn.put(key, schema.IdemRecord(record.committed_ms, rsp.SerializeToString()).encode())
             return rsp
 
-        for _ in range(_TRUNCATE_ATTEMPTS):
+        for _ in range(TRUNCATE_ATTEMPTS):
             await self._finish_truncate(inode_id)
             try:
                 return await run_transaction(self.engine, reopen, retry_max=self.config.txn_retry_max)
@@ -475,7 +470,7 @@ class MetaService(FileLengths, MetaJobs):
             return mpb.RenameRsp(inode=await ns.rename(req.source, req.destination, req.flags))
 
         ancestry: Ancestry | None = None
-        for _ in range(_ANCESTRY_ATTEMPTS):
+        for _ in range(ANCESTRY_ATTEMPTS):
             try:
                 rsp = await self._mutate(req.ctx, mpb.RenameRsp, op, ancestry)
                 break
@@ -604,15 +599,13 @@ class MetaService(FileLengths, MetaJobs):
                 raise StaleClient("this client's lease lapsed: register afresh")
             renewals = 1 if raw is None else schema.ClientLease.decode(raw).renewals + 1
             txn.put(key, schema.ClientLease(renewals, req.hostname, req.pid).encode())
-            if req.completed_below > 1:
-                # Answers the client will never ask for again.
-                start = schema.idem_key(req.client_id, 0)
-                end = schema.idem_key(req.client_id, req.completed_below)
-                for done, _ in await txn.scan(start, end, limit=10_000):
-                    txn.delete(done)
             return renewals
 
         renewals = await run_transaction(self.engine, renew)
+        if req.completed_below > 1:
+            # Answers the client will never ask for again, a bounded page per transaction (a
+            # crash between pages leaves the rest to the next renewal, which names them again).
+            await self._forget_answers(req.client_id, req.completed_below)
         return mpb.RenewClientRsp(lease_ms=self.config.client_lease_ms, renewals=renewals,
                                   retry_limit_ms=self.config.client_retry_limit_ms), _EMPTY
 
