@@ -39,6 +39,7 @@ from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.ops import (
     LengthProbeStale,
+    LengthReport,
     Namespace,
     OpEnv,
     TruncatePending,
@@ -99,7 +100,7 @@ class Meta:
         return rsp.inode
 
     def close(self, rsp: mpb.OpenRsp, hint: int = 0) -> Any:
-        return self.run(lambda ns: ns.close(rsp.inode.inode_id, rsp.session_id, hint, hint > 0, None, None))
+        return self.run(lambda ns: ns.close(rsp.inode.inode_id, rsp.session_id, LengthReport(hint, hint > 0)))
 
     def stat(self, path: str, follow: bool = True) -> mpb.Inode:
         return self.run(lambda ns: ns.lookup(ref(path), follow))
@@ -379,8 +380,8 @@ def test_an_acknowledged_length_is_taken_unless_the_file_was_truncated_since_ope
 
     def sync(hint: int, exact: int | None = None, probed_gen: int | None = None, session: bytes = session_id,
              final: bool = False, acked: bool = True) -> mpb.Inode:
-        return meta.run(lambda ns: ns.sync(inode_id, session, hint, True, exact, probed_gen, acked=acked,
-                                           final=final))
+        return meta.run(lambda ns: ns.sync(inode_id, session, LengthReport(hint, True, acked, exact, probed_gen,
+                                                                           final)))
 
     def truncate(size: int) -> None:
         meta.run(lambda ns: ns.setattr(mpb.SetAttrReq(target=ref("/f"), mask=mpb.SET_SIZE, size=size), inode_id))
@@ -397,8 +398,8 @@ def test_an_acknowledged_length_is_taken_unless_the_file_was_truncated_since_ope
         sync(100_000, exact=70_000, probed_gen=0)
     assert sync(100_000, exact=4_000, probed_gen=1).size == 4_000
     later = meta.create("/f", flags=O_WRONLY)  # opened after the truncate: its hints are believed
-    assert meta.run(lambda ns: ns.close(inode_id, later.session_id, 9_000, True, None, None, acked=True,
-                                        final=False)).inode.size == 9_000
+    assert meta.run(lambda ns: ns.close(inode_id, later.session_id, LengthReport(9_000, True, acked=True,
+                                                                                 final=False))).inode.size == 9_000
     # A truncate to the same size between a probe and its transaction: the size says nothing
     # changed, the generation says the probe is stale.
     truncate(9_000)
@@ -407,7 +408,7 @@ def test_an_acknowledged_length_is_taken_unless_the_file_was_truncated_since_ope
     # The last resort (no probe to be had) never takes a truncated handle's hint: it could cover
     # what the truncate removed.
     assert sync(100_000, exact=50_000, probed_gen=1, final=True).size == 9_000
-    meta.run(lambda ns: ns.close(inode_id, session_id, 100_000, True, None, None, acked=True, final=True))
+    meta.run(lambda ns: ns.close(inode_id, session_id, LengthReport(100_000, True, acked=True, final=True)))
     assert meta.stat("/f").size == 9_000
     # An untruncated handle's unacknowledged hint is the last resort's answer.
     fresh = meta.create("/f", flags=O_WRONLY)
@@ -540,7 +541,7 @@ def test_unknown_inode_and_bad_flags() -> None:
     with pytest.raises(InvalidArgument):
         meta.run(lambda ns: ns.make_node(ref("/x"), 99, 0, 0, b"", 5))  # type: ignore[arg-type]
     with pytest.raises(BadHandle):
-        meta.run(lambda ns: ns.close(1, b"x" * 24, 0, False, None, None))
+        meta.run(lambda ns: ns.close(1, b"x" * 24))
 
 
 # -- conflicts and ambiguous commits ----------------------------------------------------------------

@@ -16,7 +16,7 @@ being 2 plus its subdirectories, and ``atime``/``mtime``/``ctime`` updated as th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import (
@@ -69,26 +69,21 @@ from fs3.common.posix import (
 )
 from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
+from fs3.meta.limits import ANCESTOR_WALK_MAX, READDIR_LIMIT_MAX, XATTR_DELETE_PAGE, XATTR_LIST_PAGE
 
 __all__ = [
     "ANCESTOR_WALK_MAX",
     "XATTR_DELETE_PAGE",
     "Ancestry",
     "AncestryUnknown",
+    "LengthProbeStale",
+    "LengthReport",
     "Namespace",
     "OpEnv",
     "TruncatePending",
     "TruncateUnclaimed",
 ]
 
-_XATTR_LIST_PAGE = 64  # attributes read at a time (values come with them: at most 4 MiB)
-# Attributes a removal deletes in its own transaction (at most 4 MiB of values read); the GC job
-# deletes the rest as many per transaction.
-XATTR_DELETE_PAGE = 64
-READDIR_LIMIT_MAX = 10_000
-# Parent links one transaction follows. Linux has no depth limit for directory trees; a rename
-# that must look further above its destination has the service walk on (:class:`AncestryUnknown`).
-ANCESTOR_WALK_MAX = 1024
 _RELATIME_NS = 24 * 3600 * 1_000_000_000
 
 DIRECTORY = mpb.DIRECTORY
@@ -104,6 +99,29 @@ class OpEnv:
     caller: Caller
     chain_tables: dict[int, list[int]] = field(default_factory=dict)
     stripe_default: int = 16
+
+
+@dataclass(frozen=True)
+class LengthReport:
+    """What a writer says about a file's length at close or sync, and what meta found on storage.
+
+    ``hint`` is the end of everything the handle wrote (``wrote``); ``acked`` says every write
+    below it is acknowledged. ``exact`` is the file's end on storage, probed under size generation
+    ``probed_gen`` (None: not probed). ``final``: no better answer is coming (the service probed
+    as often as it will), so :meth:`Namespace._apply_length` decides rather than ask for a new
+    probe. The default is a handle that wrote nothing: nothing to apply.
+    """
+
+    hint: int = 0
+    wrote: bool = False
+    acked: bool = False
+    exact: int | None = None
+    probed_gen: int | None = None
+    final: bool = True
+
+    def probed(self, exact: int | None, probed_gen: int | None, final: bool) -> LengthReport:
+        """This report with storage's answer (the file's end, probed under ``probed_gen``)."""
+        return replace(self, exact=exact, probed_gen=probed_gen, final=final)
 
 
 @dataclass
@@ -938,7 +956,7 @@ class Namespace:
         listed_bytes = 0
         start = prefix
         while True:
-            rows = await self.txn.scan(start, end, limit=_XATTR_LIST_PAGE)
+            rows = await self.txn.scan(start, end, limit=XATTR_LIST_PAGE)
             for key, _ in rows:
                 name = key[len(prefix):]
                 if name.startswith(b"trusted.") and not self.caller.is_root:
@@ -948,7 +966,7 @@ class Namespace:
                     raise XattrTooLarge(f"the attribute names of inode {inode.inode_id} exceed "
                                         f"{XATTR_LIST_MAX_BYTES} bytes")
                 names.append(name)
-            if len(rows) < _XATTR_LIST_PAGE:
+            if len(rows) < XATTR_LIST_PAGE:
                 return names
             start = rows[-1][0] + b"\x00"
 
@@ -971,9 +989,8 @@ class Namespace:
             raise BadHandle(f"no open session {session_id.hex()} on inode {inode_id}")
         return schema.Session.decode(raw)
 
-    async def _apply_length(self, inode: mpb.Inode, session: schema.Session, hint: int, exact: int | None,
-                            probed_gen: int | None, acked: bool, final: bool) -> None:
-        """A writer's length: exact when storage was asked, else its hint.
+    async def _apply_length(self, inode: mpb.Inode, session: schema.Session, length: LengthReport) -> None:
+        """A writer's length (``length``): exact when storage was asked, else its hint.
 
         ``exact`` is the file's end on storage, probed under size generation ``probed_gen``; it
         counts only if no truncate came since (same generation, no truncate unfinished) — one
@@ -988,14 +1005,14 @@ class Namespace:
         size_gen = await self._size_gen(inode.inode_id)
         pending = await self.txn.get(schema.truncate_key(inode.inode_id)) is not None
         untruncated = session.size_gen == size_gen and not pending
-        if exact is not None and probed_gen == size_gen and not pending:
-            new_size = max(inode.size, exact)
-        elif acked and untruncated:
-            new_size = max(inode.size, hint)
-        elif not final:
+        if length.exact is not None and length.probed_gen == size_gen and not pending:
+            new_size = max(inode.size, length.exact)
+        elif length.acked and untruncated:
+            new_size = max(inode.size, length.hint)
+        elif not length.final:
             raise LengthProbeStale(f"inode {inode.inode_id}: truncated since the probe or since this handle opened")
         elif untruncated:
-            new_size = max(inode.size, hint)
+            new_size = max(inode.size, length.hint)
         else:
             new_size = inode.size
         # A writer's length only ever grows a file: shrinking is a truncate's job, and a length that
@@ -1006,28 +1023,26 @@ class Namespace:
         inode.size = new_size
         self._stamp(inode, mtime=True)
 
-    async def close(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                    probed_gen: int | None, acked: bool = False, final: bool = True) -> CloseResult:
-        """End a handle, applying its length (see :meth:`_apply_length` for ``acked`` and ``final``)."""
+    async def close(self, inode_id: int, session_id: bytes, length: LengthReport = LengthReport()) -> CloseResult:
+        """End a handle, applying its length (see :meth:`_apply_length`)."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
         self.txn.delete(schema.session_key(inode_id, session_id))
         self.txn.delete(schema.client_session_key(session.client_id, inode_id, session_id))
-        if wrote and session.write:
-            await self._apply_length(inode, session, hint, exact, probed_gen, acked, final)
+        if length.wrote and session.write:
+            await self._apply_length(inode, session, length)
         gc = False
         if inode.nlink == 0 and not await self._has_sessions(inode_id):
             gc = await self._delete_inode(inode)
         self.flush()
         return CloseResult(inode, gc)
 
-    async def sync(self, inode_id: int, session_id: bytes, hint: int, wrote: bool, exact: int | None,
-                   probed_gen: int | None, acked: bool = False, final: bool = True) -> mpb.Inode:
+    async def sync(self, inode_id: int, session_id: bytes, length: LengthReport) -> mpb.Inode:
         """Publish a handle's length (fsync, flush, periodic hints) without closing it."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
-        if wrote and session.write:
-            await self._apply_length(inode, session, hint, exact, probed_gen, acked, final)
+        if length.wrote and session.write:
+            await self._apply_length(inode, session, length)
         self.flush()
         return inode
 

@@ -13,80 +13,60 @@ lowest request id still in flight) or when its lease expires; from then on meta 
 client id (:class:`~fs3.common.errors.StaleClient`) for longer than any client retries, so a retry
 whose answer is gone is refused instead of run a second time.
 
-Side effects, all crash-safe because they are driven by durable records:
-
-* truncation (``O_TRUNC``, ``truncate``): the transaction records a truncate job; the service
-  removes and trims chunks, then applies the new size, before answering — and the inode's next
-  open, length or size change, or the maintenance loop, finishes a job an error or a crash
-  interrupted (see :meth:`Namespace._truncate <fs3.meta.ops.Namespace._truncate>` for why the
-  size waits for the removal);
-* deletion: the last unlink (or the last close of an unlinked file) queues the inode's chunks
-  for the GC loop, which removes them from storage in the background and survives restarts;
-* file length: ``close`` and ``fsync`` of a written file ask storage for the chunks at the
-  end of the file, so the length is exact even for writers that never sent a hint.
-
-Chunk removal and length probes never enumerate chunk indexes: they list the chunks of the file
-that exist, a page at a time per chain (``DumpChunkMeta`` over the file's id range), so memory
-and every transaction stay one page's worth whatever the file's length — a 1 PB sparse file
-costs what its few chunks cost. A removed chunk is no longer listed, so a job interrupted by an
-error or a crash resumes where storage says it stopped.
-* dead clients: a client that stops renewing its lease has its sessions closed by the pruner.
-  Leases are timed on this server's monotonic clock from when it saw a lease's renewal count
-  change, never by comparing stored wall times: a clock step expires nobody, and several servers
-  sharing the leases each time them on their own clock.
+The service is one object in three parts. This module holds the handlers, one thin shell per
+RPC, and the request plumbing; :mod:`fs3.meta.lengths` probes storage for a file's end and
+applies a writer's length (``close`` and ``fsync`` of a written file, so the length is exact even
+for writers that never sent a hint); :mod:`fs3.meta.jobs` carries out the side effects that
+durable records drive — truncate jobs, GC of deleted files' chunks, the expiry of clients that
+stopped renewing their lease — and lists chunks for fsck. :class:`~fs3.meta.host.MetaHost` names
+what the parts take from one another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from google.protobuf.message import Message
 
 from fs3 import meta_pb2 as mpb
-from fs3 import storage_pb2 as spb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import (
     BadHandle,
-    FileTooLarge,
     FS3Error,
     Internal,
     InvalidArgument,
-    NotFound,
     StaleClient,
-    StatusCode,
     Unavailable,
 )
 from fs3.common.faults import CrashPoint, sabotaged
-from fs3.common.ids import CHUNK_SIZE_MIN_BYTES, chunk_id, parse_chunk_id
-from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES, chunk_location, max_file_size, validate_dir_layout
+from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES, validate_dir_layout
 from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC, Caller
-from fs3.common.target_state import PublicState
-from fs3.kv.api import Transaction, TxnEngine, prefix_end
+from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
 from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
+from fs3.meta.jobs import MetaJobs
+from fs3.meta.lengths import FileLengths
+from fs3.meta.limits import ANCESTRY_ATTEMPTS, BATCH_STAT_MAX, CHUNK_PAGE_MAX, TRUNCATE_ATTEMPTS
 from fs3.meta.ops import (
     ANCESTOR_WALK_MAX,
-    XATTR_DELETE_PAGE,
     Ancestry,
     AncestryUnknown,
-    LengthProbeStale,
+    LengthReport,
     Namespace,
     OpEnv,
     TruncatePending,
     TruncateUnclaimed,
 )
-from fs3.rpc.storage_calls import list_chunk_range
 
 __all__ = ["MetaService", "MetaServiceConfig"]
 
@@ -94,19 +74,6 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 _EMPTY = b""
-_LENGTH_PROBE_ATTEMPTS = 5
-# Runs of a rename whose destination is deeper than one transaction looks: each run may need
-# one more answer from a walk, and a directory moved meanwhile costs a walk again.
-_ANCESTRY_ATTEMPTS = 8
-_LENGTH_EVERY_LAYOUT_ALLOWS = max_file_size(mpb.Layout(chunk_size=CHUNK_SIZE_MIN_BYTES))
-# A request that meets another truncate of its inode (or a rename moving the name it resolved)
-# runs again at most this often.
-_TRUNCATE_ATTEMPTS = 8
-_REMOVE_PARALLEL = 16
-_CHUNK_INDEX_END = 1 << 32  # chunk indexes are 32-bit
-_LIST_RETRY_BACKOFF_MS = 50
-_LIST_RETRY_BACKOFF_MAX_MS = 1_000
-_PRUNE_PAGE = 1000   # leases, expired clients, sessions or saved answers read (or deleted) per transaction
 
 
 @dataclass
@@ -135,8 +102,8 @@ class MetaServiceConfig:
         # network blip); its retries are bounded by half the time an expired id stays refused.
         if self.expired_client_ttl_ms < 2 * self.client_lease_ms:
             raise InvalidArgument("expired_client_ttl_ms must be at least twice client_lease_ms")
-        if not 1 <= self.chunk_page <= 10_000:
-            raise InvalidArgument(f"chunk_page {self.chunk_page} outside [1, 10000]")
+        if not 1 <= self.chunk_page <= CHUNK_PAGE_MAX:
+            raise InvalidArgument(f"chunk_page {self.chunk_page} outside [1, {CHUNK_PAGE_MAX}]")
 
     @property
     def client_retry_limit_ms(self) -> int:
@@ -183,8 +150,9 @@ class InodeAllocator:
         return schema.decode_u64(await txn.get(schema.counter_key("next_inode")))
 
 
-class MetaService:
-    """Handlers for every ``fs3.Meta`` method plus the background loops (GC, pruning, routing)."""
+class MetaService(FileLengths, MetaJobs):
+    """Handlers for every ``fs3.Meta`` method; the file-length logic (:class:`FileLengths`) and the
+    background jobs (:class:`MetaJobs`: truncate jobs, GC, pruning, routing) are its other parts."""
 
     def __init__(self, engine: TxnEngine, routing: RoutingCache, storage: StorageClient,
                  config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
@@ -301,7 +269,7 @@ class MetaService:
         a retry of the request waiting for the lock then sees what it changed.
         """
         truncating = 0
-        for _ in range(_TRUNCATE_ATTEMPTS):
+        for _ in range(TRUNCATE_ATTEMPTS):
             try:
                 if not truncating:
                     return await self._mutate(ctx, rsp_type, _claiming(fn, 0))
@@ -357,8 +325,8 @@ class MetaService:
         return mpb.InodeRsp(inode=inode), _EMPTY
 
     async def batch_stat(self, req: mpb.BatchStatReq, payload: memoryview) -> tuple[mpb.BatchStatRsp, Buffer]:
-        if len(req.inode_ids) > 10_000:
-            raise InvalidArgument("at most 10000 inodes per batch")
+        if len(req.inode_ids) > BATCH_STAT_MAX:
+            raise InvalidArgument(f"{len(req.inode_ids)} inodes in one batch: at most {BATCH_STAT_MAX}")
         inodes = await self._read(req.ctx, lambda ns: ns.batch_stat(list(req.inode_ids)))
         return mpb.BatchStatRsp(inodes=inodes), _EMPTY
 
@@ -424,7 +392,7 @@ class MetaService:
             if not session_id:
                 return  # abandoned already (or a directory: no session)
             if await txn.get(schema.session_key(inode_id, session_id)) is not None:
-                await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id, 0, False, None, None)
+                await Namespace(txn, self._env(ctx.user)).close(inode_id, session_id)
                 closed.append((inode_id, session_id))
             rsp.session_id = b""
             txn.put(key, schema.IdemRecord(record.committed_ms, rsp.SerializeToString()).encode())
@@ -463,7 +431,7 @@ class MetaService:
             txn.put(key, schema.IdemRecord(record.committed_ms, rsp.SerializeToString()).encode())
             return rsp
 
-        for _ in range(_TRUNCATE_ATTEMPTS):
+        for _ in range(TRUNCATE_ATTEMPTS):
             await self._finish_truncate(inode_id)
             try:
                 return await run_transaction(self.engine, reopen, retry_max=self.config.txn_retry_max)
@@ -500,7 +468,7 @@ class MetaService:
             return mpb.RenameRsp(inode=await ns.rename(req.source, req.destination, req.flags))
 
         ancestry: Ancestry | None = None
-        for _ in range(_ANCESTRY_ATTEMPTS):
+        for _ in range(ANCESTRY_ATTEMPTS):
             try:
                 rsp = await self._mutate(req.ctx, mpb.RenameRsp, op, ancestry)
                 break
@@ -587,74 +555,25 @@ class MetaService:
             ns.remove_xattr(req.target, req.follow, req.name)))
         return rsp, _EMPTY
 
-    async def _with_exact_length(self, ctx: mpb.ReqCtx, inode_id: int, hint: int, wrote: bool, acked: bool,
-                                 op: Callable[[Namespace, int | None, int | None, bool], Awaitable[mpb.InodeRsp]]
-                                 ) -> mpb.InodeRsp:
-        """Apply a writer's length in one transaction.
-
-        An acknowledged hint from a handle whose file was not truncated since it opened is taken
-        as is (no storage round trip: the common create-write-close path). Otherwise storage is
-        probed for the file's end and the length applied, holding the inode's lock (so in this
-        process no truncate comes between); a probe made stale by a truncate anyway (another meta
-        server) is made again, and the last attempt gives up on it (``final``, see
-        :meth:`Namespace._apply_length`). ``op`` gets (namespace, exact, probed_gen, final).
-        """
-        for attempt in range(_LENGTH_PROBE_ATTEMPTS):
-            final = attempt == _LENGTH_PROBE_ATTEMPTS - 1
-            try:
-                if attempt == 0 and acked:
-                    return await self._mutate(ctx, mpb.InodeRsp, lambda ns: op(ns, None, None, False))
-                if not wrote:
-                    return await self._mutate(ctx, mpb.InodeRsp, lambda ns: op(ns, None, None, True))
-                async with self._inode_lock(inode_id):
-                    await self._run_truncate_locked(inode_id)
-                    exact, probed_gen = await self._probe_length_locked(inode_id, hint, within_size_is_exact=True)
-                    last = final or exact is None
-                    return await self._mutate(ctx, mpb.InodeRsp,
-                                              lambda ns, e=exact, g=probed_gen, f=last: op(ns, e, g, f))  # type: ignore[misc]
-            except LengthProbeStale:
-                continue
-        raise AssertionError("unreachable: the last attempt does not raise LengthProbeStale")
-
     async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_gen: int | None, final: bool) -> mpb.InodeRsp:
-            result = await ns.close(req.inode_id, req.session_id, req.length_hint, req.wrote, exact, probed_gen,
-                                    acked=req.acked, final=final)
-            return mpb.InodeRsp(inode=result.inode)
+        async def op(ns: Namespace, length: LengthReport) -> mpb.InodeRsp:
+            return mpb.InodeRsp(inode=(await ns.close(req.inode_id, req.session_id, length)).inode)
 
         _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
-        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), op)
         self._gc_wakeup.set()
         return rsp, _EMPTY
 
     async def sync(self, req: mpb.SyncReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        async def op(ns: Namespace, exact: int | None, probed_gen: int | None, final: bool) -> mpb.InodeRsp:
-            return await _inode_rsp(ns.sync(req.inode_id, req.session_id, req.length_hint, req.wrote, exact,
-                                            probed_gen, acked=req.acked, final=final))
-
         # A hint that is not acknowledged, or comes from a handle whose file was truncated since it
         # opened, only says where to look: a hint sent before a truncate and received after it
         # would otherwise bring back the length the truncate removed.
         _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
-        rsp = await self._with_exact_length(req.ctx, req.inode_id, req.length_hint, req.wrote, req.acked, op)
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), lambda ns, length: _inode_rsp(
+            ns.sync(req.inode_id, req.session_id, length)))
         return rsp, _EMPTY
-
-    async def _refuse_impossible_length(self, inode_id: int, hint: int) -> None:
-        """A writer's length past the largest file its layout allows is ``EFBIG``, up front.
-
-        Storage would be probed at that length, and chunk indexes are 32-bit: the probe cannot
-        name such a chunk. Lengths every layout allows cost nothing here (no read).
-        """
-        if hint <= _LENGTH_EVERY_LAYOUT_ALLOWS:
-            return
-        raw = await self.engine.begin().get(schema.inode_key(inode_id))
-        if raw is None:
-            return  # the operation itself says the inode is missing
-        limit = max_file_size(mpb.Inode.FromString(raw).layout)
-        if hint > limit:
-            raise FileTooLarge(f"length {hint} exceeds {limit}, the largest file of inode {inode_id}'s layout")
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         await self._ensure_tables()
@@ -678,15 +597,13 @@ class MetaService:
                 raise StaleClient("this client's lease lapsed: register afresh")
             renewals = 1 if raw is None else schema.ClientLease.decode(raw).renewals + 1
             txn.put(key, schema.ClientLease(renewals, req.hostname, req.pid).encode())
-            if req.completed_below > 1:
-                # Answers the client will never ask for again.
-                start = schema.idem_key(req.client_id, 0)
-                end = schema.idem_key(req.client_id, req.completed_below)
-                for done, _ in await txn.scan(start, end, limit=10_000):
-                    txn.delete(done)
             return renewals
 
         renewals = await run_transaction(self.engine, renew)
+        if req.completed_below > 1:
+            # Answers the client will never ask for again, a bounded page per transaction (a
+            # crash between pages leaves the rest to the next renewal, which names them again).
+            await self._forget_answers(req.client_id, req.completed_below)
         return mpb.RenewClientRsp(lease_ms=self.config.client_lease_ms, renewals=renewals,
                                   retry_limit_ms=self.config.client_retry_limit_ms), _EMPTY
 
@@ -712,415 +629,14 @@ class MetaService:
             if entry.users == 0:
                 del self._truncate_locks[inode_id]
 
-    async def _list_inode_chunks(self, chain_id: int, inode_id: int, index: int,
-                                 head_first: bool) -> tuple[list[spb.ChunkMeta], bool]:
-        """One page of the inode's chunks on a chain from chunk ``index`` on, and whether more follow.
-
-        ``head_first``: ask the head (it also holds chunks whose first write is still in flight:
-        what a removal must find); else the tail (every acknowledged write is committed there:
-        what a length probe must find). Other serving members are asked when that one fails, and
-        the listing is retried like a storage read until the storage client's budget is spent.
-        """
-        if index >= _CHUNK_INDEX_END:
-            return [], False
-        prefix = schema.encode_u64(inode_id)
-        start_after = chunk_id(inode_id, index - 1) if index > 0 else prefix
-        end_before = prefix_end(prefix) or b""
-        clock, config = self.storage.clock, self.storage.config
-        deadline_ms = clock.now_ms() + config.retry_total_ms
-        attempt = 0
-        while True:
-            _, members = await self.routing.chain(chain_id)
-            serving = [m for m in members if m.state is PublicState.SERVING]
-            error: FS3Error = Unavailable(f"chain {chain_id} has no serving target to list")
-            for member in serving if head_first else reversed(serving):
-                try:
-                    return await list_chunk_range(self.storage.channels.get(member.address), chain_id,
-                                                  member.target_id, start_after, end_before, self.config.chunk_page,
-                                                  config.rpc_timeout_ms)
-                except FS3Error as exc:
-                    if not exc.retryable and exc.code != StatusCode.IO_ERROR:
-                        raise
-                    error = exc
-            attempt += 1
-            if clock.now_ms() >= deadline_ms:
-                raise Unavailable(f"listing inode {inode_id}'s chunks on chain {chain_id} gave up: {error}")
-            with contextlib.suppress(FS3Error):
-                await self.routing.refresh()
-            await asyncio.sleep(min(_LIST_RETRY_BACKOFF_MS * attempt, _LIST_RETRY_BACKOFF_MAX_MS) / 1000)
-
-    async def _storage_end(self, inode_id: int, layout: mpb.Layout, size: int) -> int:
-        """The end of the file's last committed byte on storage past ``size`` (``size`` if none).
-
-        Every chain of the layout is listed from the chunk holding ``size`` on, so a chunk past a
-        gap counts as much as one next to the end.
-        """
-        chunk_size = layout.chunk_size
-        limiter = asyncio.Semaphore(_REMOVE_PARALLEL)
-
-        async def chain_end(chain_id: int) -> int:
-            end, index = size, size // chunk_size
-            async with limiter:
-                while True:
-                    page, more = await self._list_inode_chunks(chain_id, inode_id, index, head_first=False)
-                    for meta in page:
-                        position = parse_chunk_id(meta.chunk_id)[1]
-                        if meta.commit_version:
-                            end = max(end, position * chunk_size + meta.length)
-                        index = position + 1
-                    if not more:
-                        return end
-
-        return max([size, *await _all_of([chain_end(c) for c in sorted(set(layout.chains))])])
-
-    async def _probe_length_locked(self, inode_id: int, hint: int,
-                                   within_size_is_exact: bool = False) -> tuple[int | None, int | None]:
-        """The file's end as storage sees it, and the size generation it was probed under (None,
-        None when the inode is gone or holds no chunks). The caller holds the inode's lock.
-
-        ``within_size_is_exact``: the hint is a writer's own (the end of everything it wrote, now
-        on storage); when it is inside the known size the writer has nothing to add, and storage
-        is not asked. Otherwise the hint plays no part: storage is listed from the known size on.
-        """
-        txn = self.engine.begin()
-        raw = await txn.get(schema.inode_key(inode_id))
-        if raw is None:
-            return None, None
-        inode = mpb.Inode.FromString(raw)
-        if inode.type != mpb.FILE or not inode.layout.chains:
-            return None, None
-        size_gen = schema.decode_u64(await txn.get(schema.size_gen_key(inode_id)))
-        if within_size_is_exact and hint <= inode.size:
-            return inode.size, size_gen
-        return await self._storage_end(inode_id, inode.layout, inode.size), size_gen
-
-    async def _exact_length(self, inode_id: int, hint: int, wrote: bool,
-                            within_size_is_exact: bool = False) -> tuple[int | None, int | None]:
-        """:meth:`_probe_length_locked` after any unfinished truncate (nothing when not ``wrote``)."""
-        if not wrote:
-            return None, None
-        async with self._inode_lock(inode_id):
-            await self._run_truncate_locked(inode_id)
-            return await self._probe_length_locked(inode_id, hint, within_size_is_exact)
-
-    async def _clear_chunks(self, inode_id: int, layout: mpb.Layout, first: int) -> int:
-        """Remove every chunk of the inode from index ``first`` on; returns how many there were.
-
-        Each chain of the layout is listed from ``first`` a page at a time and the page removed
-        before the next is asked for (chains in parallel, a bounded number at once), so memory is
-        a few pages whatever the file's length. Nothing needs saving as it goes: a removed chunk
-        is no longer listed, so a job run again after a crash or an error starts where storage
-        says it stopped.
-        """
-        limiter = asyncio.Semaphore(_REMOVE_PARALLEL)
-
-        async def remove(chain_id: int, cid: bytes) -> None:
-            async with limiter:
-                await self.storage.remove(chain_id, cid, layout.chunk_size)
-
-        async def clear(chain_id: int) -> int:
-            removed, index = 0, first
-            while True:
-                async with limiter:
-                    page, more = await self._list_inode_chunks(chain_id, inode_id, index, head_first=True)
-                await _all_of([remove(chain_id, meta.chunk_id) for meta in page])
-                removed += len(page)
-                if not more:
-                    return removed
-                index = parse_chunk_id(page[-1].chunk_id)[1] + 1
-
-        return sum(await _all_of([clear(c) for c in sorted(set(layout.chains))]))
-
-    async def _run_truncate_locked(self, inode_id: int) -> None:
-        """Carry out the inode's truncate job, if it has one: trim the chunk holding the new end,
-        remove every chunk past it, then apply the size and drop the job (one transaction).
-        The caller holds the inode's lock.
-
-        A storage error leaves the job in place (the next open, length or size change of the
-        inode, or the maintenance loop, finishes it) and is answered as UNAVAILABLE, so that the
-        client retries the request, and says that the truncate is still to complete.
-        """
-        raw = await self.engine.begin().get(schema.truncate_key(inode_id))
-        if raw is None:
-            return
-        # Storage calls already sent cannot be taken back: a cancelled caller keeps the lock until
-        # they have answered, or a removal landing late could remove what is written after the job.
-        await _to_the_end(self._run_truncate_job(inode_id, schema.TruncateJob.decode(raw)))
-
-    async def _run_truncate_job(self, inode_id: int, job: schema.TruncateJob) -> None:
-        """The storage side of :meth:`_run_truncate_locked`, then the size applied."""
-        layout = job.layout
-        try:
-            if layout.chains:
-                keep = job.clear_from % layout.chunk_size
-                if keep:
-                    chain_id, cid = chunk_location(layout, inode_id, job.clear_from // layout.chunk_size)
-                    _, rsp = await self.storage.read(chain_id, cid, 0, 0)
-                    if rsp.version > 0 and rsp.chunk_length > keep:
-                        await self.storage.truncate(chain_id, cid, keep, layout.chunk_size)
-                await self._clear_chunks(inode_id, layout, job.first_chunk)
-        except FS3Error as exc:
-            raise Unavailable(f"the truncate of inode {inode_id} is recorded and will complete once storage "
-                              f"answers: {exc}") from exc
-
-        async def complete(txn: Transaction) -> bool:
-            return await Namespace(txn, self._env(mpb.User())).complete_truncate(inode_id, job.size_gen)
-
-        await run_transaction(self.engine, complete)
-
-    async def _finish_truncate(self, inode_id: int) -> None:
-        """Carry out the inode's recorded truncate job (if any)."""
-        async with self._inode_lock(inode_id):
-            await self._run_truncate_locked(inode_id)
-
-    async def run_gc_once(self, limit: int = 100) -> int:
-        """Remove the chunks of up to ``limit`` deleted files; returns how many files were finished."""
-        prefix = schema.gc_prefix()
-        rows = await self.engine.begin().scan(prefix, prefix_end(prefix), limit=limit)
-        finished = 0
-        for key, raw in rows:
-            inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
-            job = schema.GcJob.decode(raw)
-            try:
-                if job.layout.chains:
-                    self.gc_removed_chunks += await self._clear_chunks(inode_id, job.layout, job.first_chunk)
-            except FS3Error as exc:
-                log.warning("gc of inode %d postponed: %s", inode_id, exc)
-                continue
-            await self._delete_xattrs(inode_id)
-
-            async def done(txn: Transaction, key: bytes = key) -> None:
-                txn.delete(key)
-
-            await run_transaction(self.engine, done)
-            finished += 1
-        return finished
-
-    async def _delete_xattrs(self, inode_id: int) -> None:
-        """Delete the attributes a deleted inode's removal left (a page per transaction)."""
-        prefix = schema.xattr_prefix(inode_id)
-
-        async def delete_page(txn: Transaction) -> int:
-            rows = await txn.scan(prefix, prefix_end(prefix), limit=XATTR_DELETE_PAGE)
-            for key, _ in rows:
-                txn.delete(key)
-            return len(rows)
-
-        while await run_transaction(self.engine, delete_page) == XATTR_DELETE_PAGE:
-            pass
-
-    async def run_truncates_once(self) -> None:
-        prefix = schema.truncate_prefix()
-        for key, _ in await self.engine.begin().scan(prefix, prefix_end(prefix), limit=100):
-            inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
-            try:
-                await self._finish_truncate(inode_id)
-            except FS3Error as exc:
-                log.warning("truncate of inode %d postponed: %s", inode_id, exc)
-
-    async def _pages(self, prefix: bytes) -> AsyncIterator[list[tuple[bytes, bytes]]]:
-        """Every key under ``prefix``, a bounded page per read (each page from a fresh snapshot)."""
-        start, end = prefix, prefix_end(prefix)
-        while True:
-            rows = await self.engine.begin().scan(start, end, limit=_PRUNE_PAGE)
-            if rows:
-                yield rows
-            if len(rows) < _PRUNE_PAGE:
-                return
-            start = rows[-1][0] + b"\x00"
-
-    async def prune_clients_once(self) -> int:
-        """Expire the clients whose lease lapsed, then clean up after expired clients.
-
-        A lease lapses once its renewal count has stayed the same for ``client_lease_ms`` of this
-        server's monotonic clock, counted from when this server first saw that count (read after
-        the scan that returned it, so never before the renewal it reflects). A restarted server
-        sees every count anew, which gives every client a full lease to renew. Returns how many
-        clients were expired in this round.
-        """
-        prefix = schema.client_prefix()
-        expired = 0
-        seen: set[bytes] = set()
-        async for page in self._pages(prefix):
-            now_ms = self.clock.now_ms()
-            for key, raw in page:
-                client_id = key[len(prefix):]
-                seen.add(client_id)
-                renewals = schema.ClientLease.decode(raw).renewals
-                observed = self._leases_seen.get(client_id)
-                if observed is None or observed[0] != renewals:
-                    self._leases_seen[client_id] = (renewals, now_ms)
-                    continue
-                if now_ms - observed[1] <= self.config.client_lease_ms:
-                    continue
-                try:
-                    if await self._expire_lease(client_id, renewals):
-                        expired += 1
-                except FS3Error as exc:
-                    log.warning("expiring client %s postponed: %s", client_id.hex(), exc)
-        for client_id in self._leases_seen.keys() - seen:
-            del self._leases_seen[client_id]
-        await self._clean_up_expired_clients()
-        return expired
-
-    async def _expire_lease(self, client_id: bytes, renewals: int) -> bool:
-        """Mark the client expired if its lease still holds the count judged stale (one transaction:
-        a renewal that slipped in since the scan keeps the lease). Returns whether it expired."""
-        key = schema.client_key(client_id)
-
-        async def expire(txn: Transaction) -> bool:
-            raw = await txn.get(key)
-            if raw is None or schema.ClientLease.decode(raw).renewals != renewals:
-                return False
-            txn.delete(key)
-            txn.put(schema.expired_client_key(client_id), schema.ExpiredClient(self._now_ms()).encode())
-            return True
-
-        if not await run_transaction(self.engine, expire):
-            return False
-        self._leases_seen.pop(client_id, None)
-        log.info("client %s stopped renewing its lease: expired", client_id.hex())
-        return True
-
-    async def _clean_up_expired_clients(self) -> None:
-        """Close the sessions and drop the saved answers of expired clients; forget a cleaned-up
-        client once its refusal outlived every retry it could send. One client's failure (a
-        storage error while probing a length) leaves the others' clean-up going."""
-        prefix = schema.expired_client_prefix()
-        ttl_ms = self.config.expired_client_ttl_ms
-        seen: set[bytes] = set()
-        async for page in self._pages(prefix):
-            now_ms = self.clock.now_ms()
-            for key, raw in page:
-                client_id = key[len(prefix):]
-                seen.add(client_id)
-                try:
-                    if not schema.ExpiredClient.decode(raw).cleaned:
-                        await self._expire_client(client_id, key)
-                        continue
-                    first_ms = self._expired_seen.setdefault(client_id, now_ms)
-                    if now_ms - first_ms > ttl_ms:
-                        await run_transaction(self.engine, functools.partial(_delete_if, key=key, value=raw))
-                        del self._expired_seen[client_id]
-                except Exception:  # not only FS3Error: nothing about one client may stop the others
-                    log.exception("cleaning up after expired client %s postponed", client_id.hex())
-        for client_id in self._expired_seen.keys() - seen:
-            del self._expired_seen[client_id]
-
-    async def _expire_client(self, client_id: bytes, expired_key: bytes) -> None:
-        """Close an expired client's sessions (lengths made exact), drop its answers, mark it cleaned."""
-        sessions_prefix = schema.client_sessions_prefix(client_id)
-        async for page in self._pages(sessions_prefix):
-            for key, _ in page:
-                _, inode_id, session_id = schema.parse_client_session_key(key)
-                await self._close_expired_session(client_id, key, inode_id, session_id)
-        start = schema.idem_key(client_id, 0)
-        end = prefix_end(start[:-8])
-
-        async def forget(txn: Transaction) -> int:
-            rows = await txn.scan(start, end, limit=_PRUNE_PAGE)
-            for key, _ in rows:
-                txn.delete(key)
-            return len(rows)
-
-        while await run_transaction(self.engine, forget) == _PRUNE_PAGE:
-            pass
-
-        async def cleaned(txn: Transaction) -> None:
-            raw = await txn.get(expired_key)
-            if raw is not None:
-                txn.put(expired_key, replace(schema.ExpiredClient.decode(raw), cleaned=True).encode())
-
-        await run_transaction(self.engine, cleaned)
-        self._gc_wakeup.set()
-
-    async def _close_expired_session(self, client_id: bytes, key: bytes, inode_id: int, session_id: bytes) -> None:
-        """Close one session of an expired client, its length probed from storage.
-
-        A size that changed under the probe (another writer's close, a truncate) is probed again;
-        the last attempt keeps the size meta has rather than fail, so one busy file cannot hold
-        up the clean-up (as for a live client's close).
-        """
-        raw = await self.engine.begin().get(schema.session_key(inode_id, session_id))
-        wrote = raw is not None and schema.Session.decode(raw).write
-        for attempt in range(_LENGTH_PROBE_ATTEMPTS):
-            last = attempt == _LENGTH_PROBE_ATTEMPTS - 1
-            exact, probed_gen = (None, None) if last else await self._exact_length(inode_id, 0, wrote)
-            final = last or exact is None
-
-            async def expire(txn: Transaction, exact: int | None = exact, probed_gen: int | None = probed_gen,
-                             final: bool = final) -> None:
-                if await txn.get(schema.session_key(inode_id, session_id)) is None:
-                    txn.delete(key)
-                    return
-                ns = Namespace(txn, self._env(mpb.User()))
-                await ns.close(inode_id, session_id, 0, wrote, exact, probed_gen, final=final)
-
-            try:
-                await run_transaction(self.engine, expire)
-            except LengthProbeStale:
-                if last:
-                    raise  # not closed: the client stays not cleaned up, and the next round tries again
-                continue
-            log.info("closed session %s of inode %d: client %s stopped renewing", session_id.hex(), inode_id,
-                     client_id.hex())
-            return
-
-    async def _chunk_exists(self, chain_id: int, cid: bytes) -> bool:
-        _, rsp = await self.storage.read(chain_id, cid, 0, 0)
-        return rsp.version > 0
-
-    async def _list_chunks(self) -> list[tuple[int, bytes]]:
-        """Every chunk stored on any chain, with its chain (for fsck's orphan check)."""
-        from fs3.rpc.storage_calls import dump_chunk_meta
-
-        if self.routing.routing is None:
-            await self.routing.refresh()
-        routing = self.routing.routing
-        assert routing is not None
-        found: set[tuple[int, bytes]] = set()
-        for chain_id in sorted({c.chain_id for c in routing.chains}):
-            _, members = await self.routing.chain(chain_id)
-            serving = [m for m in members if m.state.name == "SERVING"]
-            if not serving:
-                raise NotFound(f"chain {chain_id} has no serving target to list")
-            channel = self.storage.channels.get(serving[-1].address)
-            chunks = await dump_chunk_meta(channel, chain_id, serving[-1].target_id, 1000,
-                                           self.storage.config.rpc_timeout_ms)
-            found.update((chain_id, bytes(cid)) for cid in chunks)
-        return sorted(found)
-
-    # -- background loops ------------------------------------------------------------------------
-
-    async def _maintenance_loop(self) -> None:
-        while True:
-            try:
-                with contextlib.suppress(FS3Error):
-                    await self.routing.refresh()
-                await self.run_truncates_once()
-                await self.prune_clients_once()
-            except FS3Error as exc:
-                log.warning("meta maintenance: %s", exc)
-            except Exception:
-                log.exception("meta maintenance failed")
-            await asyncio.sleep(self.config.prune_interval_ms / 1000)
-
-    async def _gc_loop(self) -> None:
-        while True:
-            try:
-                while await self.run_gc_once() > 0:
-                    pass
-            except FS3Error as exc:
-                log.warning("meta gc: %s", exc)
-            except Exception:
-                log.exception("meta gc failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._gc_wakeup.wait(), self.config.gc_interval_ms / 1000)
-            self._gc_wakeup.clear()
-
 
 async def _inode_rsp(inode: Awaitable[mpb.Inode]) -> mpb.InodeRsp:
     return mpb.InodeRsp(inode=await inode)
+
+
+def _writer_length(req: mpb.CloseReq | mpb.SyncReq) -> LengthReport:
+    """The length a close or sync reports, before meta asks storage."""
+    return LengthReport(hint=req.length_hint, wrote=req.wrote, acked=req.acked)
 
 
 def _check_session_owner(ctx: mpb.ReqCtx, session_id: bytes) -> None:
@@ -1139,41 +655,6 @@ async def _refuse_expired(txn: Transaction, client_id: bytes) -> None:
         raise StaleClient("this client's lease lapsed (the request may or may not have run): register afresh")
 
 
-async def _delete_if(txn: Transaction, key: bytes, value: bytes) -> None:
-    if await txn.get(key) == value:
-        txn.delete(key)
-
-
 def _claiming(fn: Callable[[Namespace, int], Awaitable[M]], inode_id: int) -> Callable[[Namespace], Awaitable[M]]:
     """``fn`` run with the inode whose truncate the caller claimed (0: none)."""
     return lambda ns: fn(ns, inode_id)
-
-
-async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to its end even when the caller is cancelled meanwhile; the caller then waits
-    for it and is cancelled after (its error, if any, is dropped). What runs under a lock that
-    the caller holds so finishes before the lock is released."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while True:
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:
-            cancelled = True
-            continue
-        break
-    if cancelled:
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancellation is what the caller gets
-        raise asyncio.CancelledError
-    return task.result()
-
-
-async def _all_of(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run every call to its end, then raise the first error: a failed removal never leaves its
-    siblings running on after the job that started them has given up."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results  # type: ignore[return-value]
