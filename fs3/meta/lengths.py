@@ -23,6 +23,7 @@ from fs3 import storage_pb2 as spb
 from fs3.common.errors import FileTooLarge, FS3Error, StatusCode, Unavailable
 from fs3.common.ids import CHUNK_SIZE_MIN_BYTES, chunk_id, parse_chunk_id
 from fs3.common.layout import max_file_size
+from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import PublicState
 from fs3.kv.api import prefix_end
 from fs3.meta import schema
@@ -40,6 +41,10 @@ from fs3.rpc.storage_calls import list_chunk_range
 __all__ = ["FileLengths", "all_of"]
 
 T = TypeVar("T")
+# A chunk listing that failed on every member is tried again, the n-th time after n x 50 ms (at
+# most a second), until the storage client's retry budget is spent.
+_LIST_RETRY = RetryPolicy(backoff_base_ms=LIST_RETRY_BACKOFF_MS, backoff_max_ms=LIST_RETRY_BACKOFF_MAX_MS,
+                          backoff=Backoff.LINEAR)
 _LENGTH_EVERY_LAYOUT_ALLOWS = max_file_size(mpb.Layout(chunk_size=CHUNK_SIZE_MIN_BYTES))
 
 class FileLengths(MetaHost):
@@ -106,9 +111,8 @@ class FileLengths(MetaHost):
         prefix = schema.encode_u64(inode_id)
         start_after = chunk_id(inode_id, index - 1) if index > 0 else prefix
         end_before = prefix_end(prefix) or b""
-        clock, config = self.storage.clock, self.storage.config
-        deadline_ms = clock.now_ms() + config.retry_total_ms
-        attempt = 0
+        attempts = Attempts(_LIST_RETRY, self.storage.clock, budget_ms=self.storage.config.retry_total_ms)
+        config = self.storage.config
         while True:
             _, members = await self.routing.chain(chain_id)
             serving = [m for m in members if m.state is PublicState.SERVING]
@@ -119,15 +123,15 @@ class FileLengths(MetaHost):
                                                   member.target_id, start_after, end_before, self.config.chunk_page,
                                                   config.rpc_timeout_ms)
                 except FS3Error as exc:
+                    # One member's disk error is no verdict on the chain: the next member is asked.
                     if not exc.retryable and exc.code != StatusCode.IO_ERROR:
                         raise
                     error = exc
-            attempt += 1
-            if clock.now_ms() >= deadline_ms:
+            if attempts.expired():
                 raise Unavailable(f"listing inode {inode_id}'s chunks on chain {chain_id} gave up: {error}")
             with contextlib.suppress(FS3Error):
                 await self.routing.refresh()
-            await asyncio.sleep(min(LIST_RETRY_BACKOFF_MS * attempt, LIST_RETRY_BACKOFF_MAX_MS) / 1000)
+            await attempts.backoff()
 
     async def _storage_end(self, inode_id: int, layout: mpb.Layout, size: int) -> int:
         """The end of the file's last committed byte on storage past ``size`` (``size`` if none).
