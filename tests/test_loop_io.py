@@ -127,7 +127,7 @@ def test_a_pool_read_that_fails_on_an_unchanged_chunk_is_a_disk_error() -> None:
 
 def test_readers_wait_for_a_patch_on_the_pool_and_a_cancelled_commit_still_completes() -> None:
     async def main() -> None:
-        host = GatedHost("prepare_commit")
+        host = GatedHost("blob_work")  # the commit's blob work (engine.prepare_commit) on the pool
         replica, engine = _replica(host, offload_write_min_bytes=0, offload_read_min_bytes=1 << 30)
         base = bytes(CHUNK)
         await replica.update(_write(0, base), base)
@@ -152,5 +152,40 @@ def test_readers_wait_for_a_patch_on_the_pool_and_a_cancelled_commit_still_compl
         _, data = await reading
         assert data == expected and engine.read(CID, after.commit_version, 0, CHUNK) == expected
         assert not replica.locks.held(CID) and not replica.rewriting(CID)
+
+    asyncio.run(main())
+
+
+class DyingPoolHost(GatedHost):
+    """Its I/O pool dies before running the commit's blob work (the node's process is gone): the
+    call ends cancelled and the work never ran."""
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        if getattr(fn, "__name__", "") == self.gated:
+            raise asyncio.CancelledError
+        return fn(*args)
+
+
+def test_a_commit_whose_blob_work_never_ran_writes_no_metadata() -> None:
+    """Metadata naming a blob the disk never got would be a committed chunk with no bytes (found
+    by simulator seed 5137: a node killed while its commit waited for the pool)."""
+
+    async def main() -> None:
+        host = DyingPoolHost("blob_work")
+        replica, engine = _replica(host, offload_write_min_bytes=0, offload_read_min_bytes=1 << 30)
+        base = bytes(CHUNK)
+        host.gated = ""  # the first write commits normally
+        await replica.update(_write(0, base), base)
+        committed = engine.get(CID)
+        assert committed is not None
+        host.gated = "blob_work"
+        patch = b"p" * 4096
+        with pytest.raises(asyncio.CancelledError):
+            await replica.update(_write(4096, patch), patch)
+        after = engine.get(CID)
+        assert after is not None and after.commit_version == committed.commit_version
+        assert after.commit_blob == committed.commit_blob and after.pending_version  # still to be done
+        assert engine.read(CID, after.commit_version, 0, CHUNK) == base
+        assert not replica.rewriting(CID)
 
     asyncio.run(main())

@@ -703,17 +703,27 @@ class TargetReplica:
         """Run the commit's blob work on the I/O pool, then write its metadata. Readers of the
         chunk wait meanwhile (a patch rewrites the committed file in place and renames it). A
         cancellation cannot split the two: ``run_blocking`` returns only once the blob work is
-        done, and the metadata follows at once — the blob on disk is already the new version."""
+        done, and the metadata follows at once — the blob on disk is already the new version.
+        Blob work that never ran (its thread died with the process, or an error stopped it) is
+        not followed by the metadata: that would name a blob the disk does not hold."""
         # The chunk lock is held from staging to commit, so two commits of a chunk never overlap.
         ensure(chunk_id not in self._rewriting, f"two commits rewrite chunk {chunk_id.hex()} at once")
         done = asyncio.Event()
         self._rewriting[chunk_id] = done
         cancelled = False
+        blob_work_done: list[bool] = []
+
+        def blob_work() -> None:
+            self.engine.prepare_commit(chunk_id, version, patch_synced)
+            blob_work_done.append(True)
+
         try:
             try:
-                await self.host.run_blocking(self.engine.prepare_commit, chunk_id, version, patch_synced)
+                await self.host.run_blocking(blob_work)
             except asyncio.CancelledError:
                 cancelled = True
+                if not blob_work_done:
+                    raise
             committed = self.engine.commit(chunk_id, version, chain_version, now_ms=self.host.now_ms(),
                                            defer_sync=True, prepared=True)
             # Versions only grow: the commit made exactly the staged version current (a removal leaves none).
