@@ -178,6 +178,11 @@ class ServiceProcess:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     @property
+    def running(self) -> bool:
+        """Whether the child this object started has not exited."""
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
     def pid(self) -> int | None:
         """Its process id: of the child this object started, else the one its ready file names
         (a cluster started by an earlier ``fs3 local up --detach``)."""
