@@ -16,6 +16,8 @@ from pathlib import Path
 from fs3.client.admin import AdminClient
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.cluster.services import build_meta, build_mgmtd, build_storage_node
+from fs3.cluster.topology import META, META_NODE_ID, MGMTD, Topology
 from fs3.common.clock import Clock
 from fs3.common.metrics import ServiceMetrics
 from fs3.common.target_state import PublicState
@@ -25,18 +27,18 @@ from fs3.meta.server import MetaConfig, _heartbeat_loop
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import RealChannelFactory
-from fs3.rpc.dispatch import Dispatcher
-from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime
 from fs3.storage.node import StorageNode, StorageNodeConfig
 from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig, open_engines
-from fs3.storage.service import StorageServicer
 from tests.conftest import wait_until
 
 
 @dataclass
 class InProcessCluster:
+    """The cluster :attr:`topology` describes, each service wired by :mod:`fs3.cluster.services` and
+    served by a :class:`ServiceRuntime` on loopback ports in the running event loop."""
+
     root: Path
     storage_nodes: int = 3
     targets_per_node: int = 1
@@ -65,40 +67,46 @@ class InProcessCluster:
     _meta_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _storage_configs: dict[int, StorageConfig] = field(default_factory=dict)
 
+    @property
+    def topology(self) -> Topology:
+        return Topology(storage_nodes=self.storage_nodes, targets_per_node=self.targets_per_node,
+                        replicas=self.replicas, with_meta=self.with_meta)
+
     async def __aenter__(self) -> InProcessCluster:
+        topology = self.topology
         config = MgmtdConfig(heartbeat_timeout_ms=2_000, scan_interval_ms=50, kv_engine="mem", token=self.token)
-        self.mgmtd = MgmtdServicer(MemKVStore(), config)
-        dispatcher = Dispatcher(token=self.token, metrics=ServiceMetrics("mgmtd"))
-        dispatcher.add_service(service_spec("Mgmtd"), self.mgmtd)
-        self.mgmtd_runtime = ServiceRuntime("mgmtd", dispatcher, dispatcher.metrics)  # type: ignore[arg-type]
+        metrics = ServiceMetrics("mgmtd")
+        mgmtd = build_mgmtd(MemKVStore(), config, token=self.token, metrics=metrics)
+        self.mgmtd = mgmtd.servicer
+        self.mgmtd_runtime = ServiceRuntime(MGMTD, mgmtd.dispatcher, metrics)
         self.mgmtd.start()
         await self.mgmtd_runtime.start("127.0.0.1", 0, 0, -1)
         self.channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
-        for node_id in range(1, self.storage_nodes + 1):
+        for node_id in topology.node_ids:
             storage_config = StorageConfig(
                 node_id=node_id, fsync=self.storage_fsync,
-                targets=[TargetConfig(node_id * 100 + j, str(self.root / f"n{node_id}" / f"t{j}"))
-                         for j in range(1, self.targets_per_node + 1)])
+                targets=[TargetConfig(topology.target_id(node_id, j), str(self.root / f"n{node_id}" / f"t{j}"))
+                         for j in range(1, topology.targets_per_node + 1)])
             engines = open_engines(storage_config)
             self._storage_configs[node_id] = storage_config
             node_channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
-            node = StorageNode(
+            metrics = ServiceMetrics("storage")
+            parts = build_storage_node(
                 StorageNodeConfig(node_id=node_id, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100,
                                   rpc_timeout_ms=2_000, replica=self.replica_config, io_threads=self.io_threads,
                                   channel_expiry_interval_ms=self.channel_expiry_interval_ms),
-                engines, node_channels)
-            node_dispatcher = Dispatcher(token=self.token, metrics=ServiceMetrics("storage"))
-            node_dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
-            runtime = ServiceRuntime(f"storage-{node_id}", node_dispatcher, node_dispatcher.metrics)  # type: ignore[arg-type]
+                engines, node_channels, token=self.token, metrics=metrics)
+            node = parts.node
+            runtime = ServiceRuntime(topology.storage_name(node_id), parts.dispatcher, metrics)
             bound = await runtime.start("127.0.0.1", 0, 0, -1)
             node.config.framed_address, node.config.grpc_address = bound.framed, bound.grpc
             await node.start()
             self.runtimes.append(runtime)
             self.nodes[node_id] = node
         admin = self.admin()
-        expected = self.storage_nodes * self.targets_per_node
+        expected = topology.target_count
         await wait_until(lambda: self._registered(admin, expected), what="targets registered")
-        table = await admin.create_chain_table(1, replicas=self.replicas)
+        table = await admin.create_chain_table(topology.chain_table_id, replicas=topology.replicas)
         self.chain_ids = [c.chain_id for c in table.chains]
         await wait_until(self.all_serving, what="chains serving")
         if self.with_meta:
@@ -111,17 +119,16 @@ class InProcessCluster:
             self.meta_kv = MemKVStore()
         engine = OptimisticTxnEngine(self.meta_kv, faults=self.meta_faults)
         channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
-        routing = RoutingCache([self.mgmtd_address], channels)
-        await routing.refresh()
-        storage = StorageClient(routing, channels, os.urandom(16), StorageClientConfig(rpc_timeout_ms=2_000))
-        self.meta = MetaService(engine, routing, storage, self.meta_config, clock=self.meta_clock,
-                                **({"wall_ns": self.meta_wall_ns} if self.meta_wall_ns else {}))
-        dispatcher = Dispatcher(token=self.token, metrics=ServiceMetrics("meta"))
-        dispatcher.add_service(service_spec("Meta"), self.meta)
-        runtime = ServiceRuntime("meta", dispatcher, dispatcher.metrics)  # type: ignore[arg-type]
+        metrics = ServiceMetrics("meta")
+        parts = build_meta(engine, channels, self.mgmtd_address, os.urandom(16), self.meta_config,
+                           StorageClientConfig(rpc_timeout_ms=2_000), clock=self.meta_clock, wall_ns=self.meta_wall_ns,
+                           token=self.token, metrics=metrics)
+        await parts.routing.refresh()
+        self.meta = parts.service
+        runtime = ServiceRuntime(META, parts.dispatcher, metrics)
         bound = await runtime.start("127.0.0.1", 0, 0, -1)
         await self.meta.start()
-        config = MetaConfig(node_id=1001, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)
+        config = MetaConfig(node_id=META_NODE_ID, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)
         self._meta_tasks = [asyncio.create_task(_heartbeat_loop(config, channels, (bound.framed, bound.grpc, "")))]
         self._meta_runtime, self._meta_channels = runtime, channels
         await wait_until(self._meta_registered, what="meta registered")
@@ -167,8 +174,8 @@ class InProcessCluster:
 
         from fs3.storage.replica import TargetReplica
 
-        node = self.nodes[target_id // 100]
-        config = self._storage_configs[target_id // 100]
+        node_id = Topology.node_of(target_id)
+        node, config = self.nodes[node_id], self._storage_configs[node_id]
         target = next(t for t in config.targets if t.target_id == target_id)
         node.engines[target_id].close()
         shutil.rmtree(target.path)

@@ -12,7 +12,6 @@ endpoint, process id and the token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
@@ -20,23 +19,15 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fs3.cluster.processes import ProcessSettings, ServiceProcess, config_toml, pid_alive, process_configs
+from fs3.cluster.topology import META, MGMTD, Topology
 from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
 
 __all__ = ["LocalCluster"]
-
-
-@dataclass
-class _Proc:
-    name: str
-    args: list[str]
-    ready_file: Path
-    log_path: Path
-    popen: subprocess.Popen[bytes] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 class LocalCluster:
@@ -62,44 +53,31 @@ class LocalCluster:
         # with other programs. Only mgmtd's framed port is kept (layout.json) once known: storage
         # nodes and clients find the cluster through it after restarts.
         self.mgmtd_port = int(saved.get("mgmtd_port") or 0)
-        self.procs: dict[str, _Proc] = {}
-        mgmtd_dir = self.root / "mgmtd"
-        mgmtd_dir.mkdir(exist_ok=True)
-        mgmtd_config = mgmtd_dir / "mgmtd.toml"
-        if not mgmtd_config.exists():
-            mgmtd_config.write_text(
-                f'data_dir = "{mgmtd_dir}"\ngrpc_port = 0\nmetrics_port = 0\n'
-                f'heartbeat_timeout_ms = {heartbeat_timeout_ms}\ntoken = "{self.token}"\n')
-        self._add("mgmtd", ["mgmtd", "--config", str(mgmtd_config)])
-        nodes = int(saved.get("storage_nodes") or storage_nodes)
-        for node_id in range(1, nodes + 1):
-            node_dir = self.root / f"storage-{node_id}"
-            node_dir.mkdir(exist_ok=True)
-            data_dir = (storage_data_dirs or {}).get(node_id, node_dir)
-            config = node_dir / "storage.toml"
+        self.topology = Topology(storage_nodes=int(saved.get("storage_nodes") or storage_nodes),
+                                 targets_per_node=targets_per_node)
+        settings = ProcessSettings(self.token, heartbeat_timeout_ms=heartbeat_timeout_ms,
+                                   heartbeat_interval_ms=heartbeat_interval_ms, fsync=fsync,
+                                   meta_sync_commits=meta_sync_commits)
+        data_dirs = {MGMTD: None, META: meta_data_dir}
+
+        def data_dir(name: str) -> Path:
+            return data_dirs.get(name) or self.root / name
+
+        def target_dir(node_id: int, index: int) -> Path:
+            node_dir = (storage_data_dirs or {}).get(node_id, self.root / self.topology.storage_name(node_id))
+            return node_dir / f"target-{index}"
+
+        self.procs: dict[str, ServiceProcess] = {}
+        for service in process_configs(self.topology, settings, data_dir, target_dir):
+            # The first run writes each service's config; later runs reuse them, so a restarted
+            # cluster finds its data where it left it.
+            service_dir = self.root / service.name
+            service_dir.mkdir(exist_ok=True)
+            config = service_dir / f"{service.command}.toml"
             if not config.exists():
-                targets = "\n".join(
-                    f'[[targets]]\ntarget_id = {node_id * 100 + j}\npath = "{data_dir / f"target-{j}"}"\n'
-                    for j in range(1, targets_per_node + 1))
-                config.write_text(
-                    f'node_id = {node_id}\ntoken = "{self.token}"\n'
-                    f"heartbeat_interval_ms = {heartbeat_interval_ms}\n"
-                    f"rpc_timeout_ms = 2000\nfsync = {'true' if fsync else 'false'}\n"
-                    f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\n"
-                    f"[replica]\nforward_timeout_ms = 2000\n{targets}")
-            self._add(f"storage-{node_id}", ["storage", "--config", str(config)])
-        self._nodes = nodes
-        meta_dir = self.root / "meta"
-        meta_dir.mkdir(exist_ok=True)
-        meta_config = meta_dir / "meta.toml"
-        sync_commits = "true" if (fsync if meta_sync_commits is None else meta_sync_commits) else "false"
-        if not meta_config.exists():
-            meta_config.write_text(
-                f'node_id = 1001\ndata_dir = "{meta_data_dir or meta_dir}"\ntoken = "{self.token}"\n'
-                f"framed_port = 0\ngrpc_port = 0\nmetrics_port = 0\nsync_commits = {sync_commits}\n"
-                f"heartbeat_interval_ms = {heartbeat_interval_ms}\nrpc_timeout_ms = 2000\n"
-                f"[service]\nprune_interval_ms = 1000\n")
-        self._add("meta", ["meta", "--config", str(meta_config)])
+                config.write_text(config_toml(service.config))
+            self._add(service.name, [service.command, "--config", str(config)])
+        self._nodes = self.topology.storage_nodes
         self.mountpoint: str | None = saved.get("mountpoint")
         if self.mountpoint:
             self._add("mount", ["mount", "MGMTD", self.mountpoint, "--foreground"])
@@ -145,47 +123,33 @@ class LocalCluster:
     # -- processes ---------------------------------------------------------------------------
 
     def _add(self, name: str, args: list[str]) -> None:
-        self.procs[name] = _Proc(name, args, self.root / f"{name}.ready.json", self.root / f"{name}.log")
+        self.procs[name] = ServiceProcess(name, args, self.root / f"{name}.ready.json", self.root / f"{name}.log")
 
     def start(self, name: str, wait: bool = True) -> None:
         if name not in self.procs:
             raise InvalidArgument(f"no process {name!r}; known: {', '.join(self.procs)}")
         proc = self.procs[name]
-        proc.ready_file.unlink(missing_ok=True)
         args, env = list(proc.args), dict(self.env)
-        if name == "mgmtd":
+        if name == MGMTD:
             args += ["--framed-port", str(self.mgmtd_port)]
         else:
             env["FS3_STORAGE_MGMTD_ADDRESS"] = self.mgmtd_address
             env["FS3_META_MGMTD_ADDRESS"] = self.mgmtd_address
             env["FS3_TOKEN"] = self.token
             args = [self.mgmtd_address if a == "MGMTD" else a for a in args]
-        with proc.log_path.open("ab") as log:
-            proc.popen = subprocess.Popen(
-                [sys.executable, "-P", "-m", "fs3.cli.main", *args, "--ready-file", str(proc.ready_file)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True)
-        if wait or (name == "mgmtd" and not self.mgmtd_port):
+        proc.spawn(_spawn, env, args)
+        if wait or (name == MGMTD and not self.mgmtd_port):
             self.wait_ready(name)
 
     def wait_ready(self, name: str, timeout_s: float = 30) -> dict[str, Any]:
-        proc = self.procs[name]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.ready_file.exists():
-                proc.info = json.loads(proc.ready_file.read_text())
-                if name == "mgmtd" and not self.mgmtd_port:
-                    self.mgmtd_port = int(str(proc.info["framed"]).rsplit(":", 1)[1])
-                    self._save_layout()
-                return proc.info
-            if proc.popen is not None and proc.popen.poll() is not None:
-                raise Unavailable(f"{name} exited with {proc.popen.returncode}:\n{self.log_tail(name)}")
-            time.sleep(0.05)
-        raise Unavailable(f"{name} not ready after {timeout_s}s:\n{self.log_tail(name)}")
+        info = self.procs[name].wait_ready(timeout_s)
+        if name == MGMTD and not self.mgmtd_port:
+            self.mgmtd_port = int(str(info["framed"]).rsplit(":", 1)[1])
+            self._save_layout()
+        return info
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        path = self.procs[name].log_path
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        return self.procs[name].log_tail(lines)
 
     def address(self, name: str, transport: str = "framed") -> str:
         return str(self.procs[name].info[transport])
@@ -200,41 +164,33 @@ class LocalCluster:
             self.wait_ready(name)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[name]
-        pid = proc.popen.pid if proc.popen is not None else _pid_from(proc.ready_file)
-        if pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, sig)
-            if proc.popen is not None:
-                proc.popen.wait(timeout=10)
-        proc.popen = None
-        proc.ready_file.unlink(missing_ok=True)
+        self.procs[name].kill(sig)
 
     def stop_all(self) -> None:
         mount = self.procs.get("mount")
         if mount is not None:
             # Unmount first, while meta can still take the last closes.
-            pid = mount.popen.pid if mount.popen is not None else _pid_from(mount.ready_file)
-            if pid and _alive(pid):
+            pid = mount.pid
+            if pid and pid_alive(pid):
                 os.killpg(pid, signal.SIGTERM)
                 deadline = time.monotonic() + 10
-                while _alive(pid) and time.monotonic() < deadline:
+                while pid_alive(pid) and time.monotonic() < deadline:
                     if mount.popen is not None and mount.popen.poll() is not None:
                         break
                     time.sleep(0.05)
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
-            pid = proc.popen.pid if proc.popen is not None else _pid_from(proc.ready_file)
-            if pid and _alive(pid):
+            pid = proc.pid
+            if pid and pid_alive(pid):
                 os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for proc in self.procs.values():
-            pid = proc.popen.pid if proc.popen is not None else _pid_from(proc.ready_file)
-            while pid and _alive(pid) and time.monotonic() < deadline:
+            pid = proc.pid
+            while pid and pid_alive(pid) and time.monotonic() < deadline:
                 if proc.popen is not None and proc.popen.poll() is not None:
                     break
                 time.sleep(0.05)
-            if pid and _alive(pid) and (proc.popen is None or proc.popen.poll() is None):
+            if pid and pid_alive(pid) and (proc.popen is None or proc.popen.poll() is None):
                 os.killpg(pid, signal.SIGKILL)
             if proc.popen is not None:
                 proc.popen.wait(timeout=5)
@@ -280,26 +236,10 @@ class LocalCluster:
             await channels.close()
 
 
-def _pid_from(ready_file: Path) -> int | None:
-    try:
-        return int(json.loads(ready_file.read_text())["pid"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie left by a killed, unreaped child does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+def _spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env),
+                                start_new_session=True)
 
 
 def _print_endpoints(cluster: LocalCluster) -> None:
@@ -373,8 +313,8 @@ def local_command(args: Any) -> int:
     if args.action == "status":
         running = 0
         for name, proc in cluster.procs.items():
-            pid = _pid_from(proc.ready_file)
-            up = bool(pid and _alive(pid))
+            pid = proc.pid
+            up = bool(pid and pid_alive(pid))
             running += up
             print(f"  {name:<10} {'running' if up else 'stopped':<8} pid {pid or '-'}")
         return 0 if running == len(cluster.procs) else 3

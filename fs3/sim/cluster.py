@@ -13,23 +13,21 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.client.admin import AdminClient
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.cluster.services import build_mgmtd, build_storage_node
+from fs3.cluster.topology import MGMTD, Topology
 from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import MemKVStore
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
-from fs3.rpc.dispatch import Dispatcher
-from fs3.rpc.methods import service_spec
 from fs3.sim.loop import SimProcess
 from fs3.sim.network import NetworkFaults, SimChannelFactory, SimNetwork
 from fs3.storage.blobs import MemBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import IoSubmitter, StorageNode, StorageNodeConfig
 from fs3.storage.replica import DirtyReadPolicy, ReplicaConfig
-from fs3.storage.service import StorageServicer
 
-__all__ = ["ClusterShape", "SimCluster"]
+__all__ = ["MGMTD", "ClusterShape", "SimCluster"]
 
 log = logging.getLogger(__name__)
-MGMTD = "mgmtd"
 
 
 @dataclass(frozen=True)
@@ -94,10 +92,15 @@ class _StorageSlot:
 
 
 class SimCluster:
+    """The cluster a seed draws (:class:`ClusterShape`), its services wired as every cluster's are
+    (:mod:`fs3.cluster.services`) but run as simulated processes on the simulated network."""
+
     def __init__(self, seed: int, shape: ClusterShape | None = None, mix: str = "default") -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.shape = shape or ClusterShape.random(self.rng, mix)
+        self.topology = Topology(storage_nodes=self.shape.storage_nodes, targets_per_node=self.shape.targets_per_node,
+                                 replicas=self.shape.replicas, with_meta=mix == "meta")
         self.network = SimNetwork(self.rng, NetworkFaults(latency_max_ms=self.shape.latency_max_ms,
                                                           cancel_probability=self.shape.cancel_probability))
         # The I/O pools' delays draw from their own generator, so that a seed's other choices do
@@ -108,9 +111,9 @@ class SimCluster:
         self.mgmtd_process: SimProcess | None = None
         self.mgmtd: MgmtdServicer | None = None
         self.storage: dict[int, _StorageSlot] = {}
-        for node_id in range(1, self.shape.storage_nodes + 1):
-            disks = {node_id * 100 + j: _Disk() for j in range(1, self.shape.targets_per_node + 1)}
-            self.storage[node_id] = _StorageSlot(node_id, f"storage-{node_id}", disks)
+        for node_id in self.topology.node_ids:
+            disks = {target_id: _Disk() for target_id in self.topology.target_ids(node_id)}
+            self.storage[node_id] = _StorageSlot(node_id, self.topology.storage_name(node_id), disks)
         self._client_count = 0
         self._admin_count = 0
 
@@ -120,10 +123,9 @@ class SimCluster:
         process = SimProcess(MGMTD)
         config = MgmtdConfig(heartbeat_timeout_ms=self.shape.heartbeat_timeout_ms, scan_interval_ms=50,
                              kv_engine="mem")
-        servicer = MgmtdServicer(self.mgmtd_kv, config)
-        dispatcher = Dispatcher()
-        dispatcher.add_service(service_spec("Mgmtd"), servicer)
-        self.network.bind(MGMTD, process, dispatcher)
+        parts = build_mgmtd(self.mgmtd_kv, config)
+        servicer = parts.servicer
+        self.network.bind(MGMTD, process, parts.dispatcher)
 
         async def boot() -> None:
             servicer.start()
@@ -152,11 +154,10 @@ class SimCluster:
                                   offload_write_min_bytes=self.shape.offload_write_min_bytes,
                                   offload_read_min_bytes=self.shape.offload_write_min_bytes),
         )
-        node = StorageNode(config, engines, SimChannelFactory(self.network, slot.address),
-                           io_submitter=self._io_pool(node_id) if self.shape.io_delay_max_ms > 0 else None)
-        dispatcher = Dispatcher()
-        dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
-        self.network.bind(slot.address, process, dispatcher)
+        parts = build_storage_node(config, engines, SimChannelFactory(self.network, slot.address),
+                                   io_submitter=self._io_pool(node_id) if self.shape.io_delay_max_ms > 0 else None)
+        node = parts.node
+        self.network.bind(slot.address, process, parts.dispatcher)
 
         async def boot() -> None:
             await node.start()
@@ -227,14 +228,15 @@ class SimCluster:
         for node_id in self.storage:
             self.start_storage(node_id)
         assert self.mgmtd is not None
-        expected = sum(len(s.disks) for s in self.storage.values())
+        expected = self.topology.target_count
         for _ in range(1000):
             await asyncio.sleep(0.05)
             if len(self.mgmtd.state.targets) == expected:
                 break
         else:
             raise AssertionError("storage targets never registered")
-        rsp = self.mgmtd.state.create_chain_table(mpb.CreateChainTableReq(table_id=1, replicas=self.shape.replicas))
+        rsp = self.mgmtd.state.create_chain_table(mpb.CreateChainTableReq(table_id=self.topology.chain_table_id,
+                                                                          replicas=self.topology.replicas))
         chain_ids = [c.chain_id for c in rsp.chains]
         await self.wait_all_serving(30_000)
         return chain_ids
@@ -278,7 +280,7 @@ class SimCluster:
         return {cid: list(c.target_ids) for cid, c in self.mgmtd.state.chains.items()}
 
     def engine(self, target_id: int) -> ChunkEngine | None:
-        slot = self.storage[target_id // 100]
+        slot = self.storage[self.topology.node_of(target_id)]
         if slot.node is None:
             return None
         return slot.node.engines[target_id]

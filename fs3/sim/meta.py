@@ -47,7 +47,9 @@ from fs3 import meta_pb2 as mpb
 from fs3 import mgmtd_pb2 as mgpb
 from fs3.client.meta_client import MetaClient
 from fs3.client.routing import RoutingCache
-from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.client.storage_client import StorageClientConfig
+from fs3.cluster.services import build_meta
+from fs3.cluster.topology import META, META_NODE_ID
 from fs3.common.buffers import Buffer
 from fs3.common.clock import LoopClock
 from fs3.common.errors import FS3Error, StaleClient, StatusCode
@@ -71,8 +73,6 @@ __all__ = ["DIRS", "META", "PATHS", "MetaRun", "MetaShape", "SimMeta", "SimTxnEn
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
-META = "meta"
-META_NODE_ID = 1001
 _EPOCH_NS = 1_700_000_000 * 10**9
 #: Outcomes that say nothing about whether the request took effect (``StaleClient`` is sorted out
 #: in :meth:`MetaRun.perform`).
@@ -203,7 +203,8 @@ class SimMeta:
 
     def config(self) -> MetaServiceConfig:
         lease = self.shape.client_lease_ms
-        return MetaServiceConfig(chain_table_id=1, chunk_size_bytes=self.cluster.shape.chunk_size,
+        return MetaServiceConfig(chain_table_id=self.cluster.topology.chain_table_id,
+                                 chunk_size_bytes=self.cluster.shape.chunk_size,
                                  stripe_default=self.chains, root_mode=0o777, client_lease_ms=lease,
                                  expired_client_ttl_ms=self.shape.expired_client_ttl_ms,
                                  prune_interval_ms=max(200, lease // 5), gc_interval_ms=500)
@@ -216,23 +217,21 @@ class SimMeta:
                            maybe_committed_probability=self.shape.maybe_committed_probability, rng=self.txn_rng)
         engine = SimTxnEngine(self.kv, self.sync_rng, self.shape.sync_delay_max_ms, faults)
         channels = SimChannelFactory(network, META)
-        routing = RoutingCache([MGMTD], channels, rpc_timeout_ms=500)
-        storage = StorageClient(routing, channels, f"meta-{self.incarnation}".encode(),
-                                StorageClientConfig(rpc_timeout_ms=1_000, retry_total_ms=3_000, retry_backoff_ms=10,
-                                                    retry_backoff_max_ms=200, channels_max=4),
-                                pick=lambda n: self.pick_rng.randrange(n))
         loop = asyncio.get_running_loop()
-        service = MetaService(engine, routing, storage, self.config(),
-                              wall_ns=lambda: _EPOCH_NS + int(loop.time() * 1e9))
-        dispatcher = Dispatcher()
-        dispatcher.add_service(service_spec("Meta"), service)
+        parts = build_meta(engine, channels, MGMTD, f"meta-{self.incarnation}".encode(), self.config(),
+                           StorageClientConfig(rpc_timeout_ms=1_000, retry_total_ms=3_000, retry_backoff_ms=10,
+                                               retry_backoff_max_ms=200, channels_max=4),
+                           routing_timeout_ms=500, wall_ns=lambda: _EPOCH_NS + int(loop.time() * 1e9),
+                           pick=lambda n: self.pick_rng.randrange(n))
+        routing, service, dispatcher = parts.routing, parts.service, parts.dispatcher
 
         async def boot() -> None:
             # Serve once the chain tables are known: a create needs them.
             while True:
                 try:
                     info = await routing.refresh()
-                    if any(t.table_id == 1 and t.chain_ids for t in info.chain_tables):
+                    if any(t.table_id == self.cluster.topology.chain_table_id and t.chain_ids
+                           for t in info.chain_tables):
                         break
                 except FS3Error:
                     pass

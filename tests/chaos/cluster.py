@@ -11,13 +11,14 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from fs3.cluster.processes import ServiceProcess
+from fs3.common.errors import Unavailable
 from fs3.sim.history import History, Op
 from tests.chaos.netns import NetnsLab
 from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose, service_address
@@ -45,7 +46,7 @@ class LabCluster:
             compose_address = service_address(self.compose, name)
             self.addresses[compose_address] = f"{addresses[name]}:{compose_address.split(':')[1]}"
         self.mgmtd = self.addresses[service_address(self.compose, "mgmtd")]
-        self.procs: dict[str, subprocess.Popen[Any]] = {}
+        self.procs: dict[str, ServiceProcess] = {}
         self.base_env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:"
                          f"{os.environ['PATH']}"}
 
@@ -112,7 +113,7 @@ class LabCluster:
 
     def repair_disks(self, name: str) -> None:
         """What an operator does after a disk went read-only: unmount, e2fsck, mount again."""
-        if self.procs[name].poll() is None:
+        if self.procs[name].running:
             raise RuntimeError(f"stop {name} before repairing its disks")
         for target in self._target_paths(name):
             subprocess.run(["umount", str(target)], check=True)
@@ -133,19 +134,14 @@ class LabCluster:
 
     def start(self, name: str, timeout_s: float = 60) -> None:
         self._mount_disks(name)
-        ready = self.root / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        command = self.compose["services"][name]["command"]
-        self.procs[name] = self.lab.spawn(name, [sys.executable, "-P", "-m", "fs3.cli.main", *command, "--ready-file",
-                                                 str(ready)], {**self.base_env, **self.env_for(name)},
-                                          self.root / f"{name}.log")
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited:\n{(self.root / f'{name}.log').read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not ready")
-            time.sleep(0.05)
+        proc = self.procs.setdefault(name, ServiceProcess(name, list(self.compose["services"][name]["command"]),
+                                                          self.root / f"{name}.ready", self.root / f"{name}.log"))
+        proc.spawn(lambda argv, env, log: self.lab.spawn(name, argv, dict(env), log),
+                   {**self.base_env, **self.env_for(name)})
+        try:
+            proc.wait_ready(timeout_s)
+        except Unavailable as exc:
+            raise RuntimeError(str(exc)) from None
 
     def start_all(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -157,10 +153,7 @@ class LabCluster:
             raise RuntimeError(f"setup failed: {done.stdout}{done.stderr}")
 
     def signal(self, name: str, sig: int) -> None:
-        proc = self.procs[name]
-        os.killpg(proc.pid, sig)
-        if sig == signal.SIGKILL:
-            proc.wait(timeout=10)
+        self.procs[name].send_signal(sig)
 
     def client_run(self, args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
         env = {**self.base_env, "FS3_TOKEN": self.token}

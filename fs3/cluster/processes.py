@@ -1,0 +1,215 @@
+"""A cluster as operating-system processes: each service's config, and the process that runs it.
+
+:func:`process_configs` derives every server's typed config from a :class:`Topology` and the
+settings a launcher chooses; :func:`config_toml` writes one as the TOML file the service reads.
+:class:`ServiceProcess` starts ``fs3 <service>`` through a spawner the launcher injects (a plain
+child process for ``fs3 local``, one inside a network namespace for the chaos harness), waits
+for the ready file the service writes once it listens, and signals or stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fs3.cluster.topology import META, META_NODE_ID, MGMTD, Topology
+from fs3.common.errors import InvalidArgument, Unavailable
+from fs3.meta.server import MetaConfig
+from fs3.mgmtd.service import MgmtdConfig
+from fs3.storage.replica import ReplicaConfig
+from fs3.storage.server import StorageConfig, TargetConfig
+
+__all__ = ["ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner", "config_toml", "fs3_argv",
+           "pid_alive", "process_configs"]
+
+#: Starts ``argv`` with ``env``, its output appended to the log file; returns the child, leader of
+#: its own process group (so that a signal reaches whatever it started).
+Spawner = Callable[[list[str], Mapping[str, str], Path], "subprocess.Popen[Any]"]
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What a process launcher chooses for every service of its cluster."""
+
+    token: str
+    heartbeat_timeout_ms: int = 3_000
+    heartbeat_interval_ms: int = 200
+    rpc_timeout_ms: int = 2_000
+    forward_timeout_ms: int = 2_000
+    fsync: bool = False  # storage targets sync their writes
+    meta_sync_commits: bool | None = None  # None: as ``fsync``
+    meta_prune_interval_ms: int = 1_000
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """One server process: its name, the ``fs3`` subcommand that runs it and that command's config."""
+
+    name: str
+    command: str
+    config: MgmtdConfig | StorageConfig | MetaConfig
+
+
+def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Callable[[str], Path],
+                    target_dir: Callable[[int, int], Path]) -> list[ServiceConfig]:
+    """Every server's config, in start order. Services bind port 0 and report what they got in
+    their ready files, so ports never race with other programs; ``data_dir(name)`` is where a
+    service keeps its data and ``target_dir(node_id, index)`` a storage target's directory."""
+    configs = [ServiceConfig(MGMTD, "mgmtd", MgmtdConfig(
+        data_dir=str(data_dir(MGMTD)), grpc_port=0, metrics_port=0,
+        heartbeat_timeout_ms=settings.heartbeat_timeout_ms, token=settings.token))]
+    for node_id in topology.node_ids:
+        targets = [TargetConfig(topology.target_id(node_id, index), str(target_dir(node_id, index)))
+                   for index in range(1, topology.targets_per_node + 1)]
+        configs.append(ServiceConfig(topology.storage_name(node_id), "storage", StorageConfig(
+            node_id=node_id, token=settings.token, heartbeat_interval_ms=settings.heartbeat_interval_ms,
+            rpc_timeout_ms=settings.rpc_timeout_ms, fsync=settings.fsync, framed_port=0, grpc_port=0,
+            metrics_port=0, replica=ReplicaConfig(forward_timeout_ms=settings.forward_timeout_ms),
+            targets=targets)))
+    if topology.with_meta:
+        sync_commits = settings.fsync if settings.meta_sync_commits is None else settings.meta_sync_commits
+        meta = MetaConfig(node_id=META_NODE_ID, data_dir=str(data_dir(META)), token=settings.token, framed_port=0,
+                          grpc_port=0, metrics_port=0, sync_commits=sync_commits,
+                          heartbeat_interval_ms=settings.heartbeat_interval_ms, rpc_timeout_ms=settings.rpc_timeout_ms)
+        meta.service = dataclasses.replace(meta.service, prune_interval_ms=settings.meta_prune_interval_ms)
+        configs.append(ServiceConfig(META, "meta", meta))
+    return configs
+
+
+def _toml_value(value: object, where: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    raise InvalidArgument(f"{where}: cannot write {type(value).__name__} to TOML")
+
+
+def config_toml(config: object, always: tuple[str, ...] = ("node_id",)) -> str:
+    """``config`` (a service's config dataclass) as TOML: the keys that differ from the class's
+    defaults, and those named in ``always``, so a file says what this cluster chose and a later
+    release's defaults reach the rest. Nested tables and arrays of tables follow the scalars."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"{config!r} is not a dataclass instance")
+    default = type(config)()
+    lines: list[str] = []
+    tables: list[str] = []
+    for f in dataclasses.fields(config):
+        value, base = getattr(config, f.name), getattr(default, f.name)
+        if value == base and f.name not in always:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            keys = [g.name for g in dataclasses.fields(value) if getattr(value, g.name) != getattr(base, g.name)]
+            if keys:
+                tables.append(f"[{f.name}]")
+                tables += [f"{k} = {_toml_value(getattr(value, k), f'{f.name}.{k}')}" for k in keys]
+        elif isinstance(value, list) and all(dataclasses.is_dataclass(v) for v in value):
+            for item in value:
+                tables.append(f"[[{f.name}]]")
+                tables += [f"{g.name} = {_toml_value(getattr(item, g.name), f'{f.name}.{g.name}')}"
+                           for g in dataclasses.fields(item)]
+        else:
+            lines.append(f"{f.name} = {_toml_value(value, f.name)}")
+    return "\n".join([*lines, *tables]) + "\n"
+
+
+def fs3_argv(args: list[str], ready_file: Path) -> list[str]:
+    """The command line of ``fs3 ARGS`` run by this interpreter, writing its ready file."""
+    return [sys.executable, "-P", "-m", "fs3.cli.main", *args, "--ready-file", str(ready_file)]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left by a killed, unreaped child does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@dataclass
+class ServiceProcess:
+    """One service as a child process: ``args`` after ``fs3``, its ready file and its log."""
+
+    name: str
+    args: list[str]
+    ready_file: Path
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # the ready file: addresses, pid
+
+    def spawn(self, spawner: Spawner, env: Mapping[str, str], args: list[str] | None = None) -> None:
+        """Start it (``args`` instead of its own, with mgmtd's address filled in, say); a ready file
+        left by an earlier run is removed first, so :meth:`wait_ready` waits for this one's."""
+        self.ready_file.unlink(missing_ok=True)
+        self.popen = spawner(fs3_argv(self.args if args is None else args, self.ready_file), env, self.log_path)
+
+    def wait_ready(self, timeout_s: float = 30) -> dict[str, Any]:
+        """Its ready file once written; Unavailable, with its log's tail, if it exits or takes too long."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.info = json.loads(self.ready_file.read_text())
+                return self.info
+            if self.popen is not None and self.popen.poll() is not None:
+                raise Unavailable(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise Unavailable(f"{self.name} not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.log_path
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    @property
+    def running(self) -> bool:
+        """Whether the child this object started has not exited."""
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """Its process id: of the child this object started, else the one its ready file names
+        (a cluster started by an earlier ``fs3 local up --detach``)."""
+        if self.popen is not None:
+            return self.popen.pid
+        try:
+            return int(json.loads(self.ready_file.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to its process group (a SIGKILL is waited for, so the child is reaped)."""
+        pid = self.pid
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, sig)
+            if sig == signal.SIGKILL and self.popen is not None:
+                self.popen.wait(timeout=10)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """``sig`` (SIGKILL unless told), wait for the child this object started, and forget it:
+        the next :meth:`spawn` starts afresh."""
+        pid = self.pid
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, sig)
+            if self.popen is not None:
+                self.popen.wait(timeout=10)
+        self.popen = None
+        self.ready_file.unlink(missing_ok=True)
