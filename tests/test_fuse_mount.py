@@ -341,10 +341,12 @@ def test_git_tar_sqlite_and_compileall(work: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not shutil.which("fio") or not shutil.which("dbench"), reason="fio/dbench not installed")
-def test_fio_verify_and_dbench(work: Path) -> None:
+def test_fio_verify_and_dbench(work: Path, tmp_path: Path) -> None:
+    # fio saves its verify state (<name>-<job>-verify.state) in its working directory: a temporary one,
+    # so a test run leaves nothing in the checkout.
     fio = subprocess.run(["fio", "--name=verify", f"--directory={work}", "--rw=randwrite", "--bs=4k", "--size=4m",
                           "--numjobs=2", "--ioengine=psync", "--verify=crc32c", "--do_verify=1",
-                          "--output-format=json"], capture_output=True, text=True, timeout=300)
+                          "--output-format=json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert fio.returncode == 0, fio.stdout[-2000:] + fio.stderr[-2000:]
     import json
 
