@@ -479,10 +479,10 @@ def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path
 def test_the_mount_read_ahead_can_be_set(mount: tuple[LocalCluster, Path]) -> None:
     """``--readahead-kb`` sets the kernel's read-ahead for the mount (after the kernel's INIT reply,
     which would reset it); the default leaves the kernel's own."""
-    from fs3.fuse.mount import _mount_device, set_readahead
+    from fs3.fuse.mount import mount_device, set_readahead
 
     _, mountpoint = mount
-    device = _mount_device(mountpoint.resolve())
+    device = mount_device(mountpoint.resolve())
     assert device is not None
     knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
     assert knob.read_text().strip() == "128"

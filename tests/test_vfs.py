@@ -390,9 +390,9 @@ def test_a_fuse_request_whose_handler_meets_a_cancelled_task_is_still_answered()
     """Unanswered, a read request holds the kernel's page locks for good (every later write to
     those pages hangs); a cancellation that is not the request's own is answered EIO."""
     pyfuse3 = pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    from fs3.fuse.ops import _errors
+    from fs3.fuse.ops import answer_errors
 
-    @_errors
+    @answer_errors
     async def handler() -> None:
         piece = asyncio.get_running_loop().create_future()
         piece.cancel()
@@ -403,7 +403,7 @@ def test_a_fuse_request_whose_handler_meets_a_cancelled_task_is_still_answered()
     assert raised.value.errno == errno.EIO
 
     async def cancelled_request() -> None:
-        task = asyncio.create_task(_errors(asyncio.sleep)(10))
+        task = asyncio.create_task(answer_errors(asyncio.sleep)(10))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
