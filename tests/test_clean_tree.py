@@ -15,7 +15,10 @@ from tests.clean_tree import new_entries
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+pytestmark = [
+    pytest.mark.slow,  # pytest sessions in subprocesses
+    pytest.mark.skipif(shutil.which("git") is None, reason="git not installed"),
+]
 
 CONFTEST = 'pytest_plugins = ["tests.clean_tree"]\n'
 

@@ -55,7 +55,8 @@ def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClust
 
 @pytest.fixture
 def work(mount: tuple[LocalCluster, Path], request: pytest.FixtureRequest) -> Path:
-    path = mount[1] / request.node.name.replace("[", "_").replace("]", "")
+    name: str = request.node.name
+    path = mount[1] / name.replace("[", "_").replace("]", "")
     path.mkdir()
     return path
 
@@ -308,8 +309,10 @@ def test_git_tar_sqlite_and_compileall(work: Path, tmp_path: Path) -> None:
     repo.mkdir()
     for i in range(5):
         (repo / f"f{i}.txt").write_text(f"file {i}\n" * 100)
-    run = lambda *cmd, cwd=repo: subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True,  # noqa: E731
-                                                text=True, timeout=120)
+
+    def run(*cmd: str, cwd: Path = repo) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True, text=True, timeout=120)
+
     run("git", "init", "-q")
     run("git", "add", ".")
     run("git", "commit", "-qm", "first")
@@ -390,7 +393,8 @@ def test_copy_survives_a_storage_node_kill(mount: tuple[LocalCluster, Path], wor
         if verify.returncode == 0 and "not serving" not in verify.stdout:
             break
         time.sleep(0.5)
-    assert verify is not None and verify.returncode == 0 and "all replicas identical" in verify.stdout, verify.stdout
+    assert verify is not None
+    assert verify.returncode == 0 and "all replicas identical" in verify.stdout, verify.stdout
 
 
 def test_bad_input_gets_errors_and_the_daemon_keeps_running(work: Path) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -22,6 +24,8 @@ from fs3.kv.store import WriteBatch
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import dump_chunks
 from tests.inproc import InProcessCluster
+
+pytestmark = pytest.mark.slow  # in-process clusters
 
 STORAGE = service_spec("Storage")
 CHUNK_SIZE = 1 << 20
@@ -72,8 +76,10 @@ def lose_chunk_file(cluster: InProcessCluster, target_id: int, cid: bytes) -> No
     assert path is not None, "only a file-backed version can lose its file"
     os.unlink(path)
 
+T = TypeVar("T")
 
-def run(coro):  # type: ignore[no-untyped-def]
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 

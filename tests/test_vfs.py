@@ -8,8 +8,10 @@ import os
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from google.protobuf.message import Message
 
 import fs3.aio
 from fs3 import meta_pb2 as mpb
@@ -18,6 +20,10 @@ from fs3.common.posix import O_APPEND, O_RDONLY, O_RDWR, O_WRONLY
 from fs3.meta.service import MetaServiceConfig
 from fs3.vfs import Vfs
 from tests.inproc import InProcessCluster
+
+pytestmark = pytest.mark.slow  # in-process clusters
+
+M = TypeVar("M", bound=Message)
 
 ROOT = 1
 ME = mpb.User(uid=0, gid=0)
@@ -148,9 +154,9 @@ def count_meta_calls(vfs: Vfs) -> list[str]:
     calls: list[str] = []
     real_call = vfs.fs.meta.call
 
-    async def counting(method: str, *args: object, **kwargs: object) -> object:
-        calls.append(method)
-        return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
+    async def counting(name: str, req: Message, rsp_type: type[M], user: mpb.User | None = None) -> M:
+        calls.append(name)
+        return await real_call(name, req, rsp_type, user)
 
     vfs.fs.meta.call = counting  # type: ignore[method-assign]
     return calls
