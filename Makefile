@@ -1,4 +1,4 @@
-# fs3 — the two commands a newcomer needs are `make run` and `make test`.
+# fs3 — the two commands a newcomer needs are `make run` and `make test`; `make check` is the quick tier.
 SHELL := /bin/bash
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -15,7 +15,7 @@ FSX_SEEDS ?= 300
 FSX_OPS ?= 100
 FSX_FIRST ?= 1
 
-.PHONY: run test proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	./scripts/bootstrap.sh
@@ -35,13 +35,22 @@ run: install
 
 test: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
-	$(BIN)/mypy fs3 cluster_model
+	$(BIN)/mypy fs3 cluster_model tests
 	$(BIN)/lint-imports
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+# The edit loop's quick tier (about a minute): the same lint, types and import contracts, the tests not
+# marked slow (those start clusters, mounts, processes or simulator seeds) and 25 simulator seeds.
+check: install
+	$(BIN)/ruff check fs3 cluster_model tests bench
+	$(BIN)/mypy fs3 cluster_model tests
+	$(BIN)/lint-imports
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m fs3.sim --seeds 25 --no-record
+
 lint: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
-	$(BIN)/mypy fs3 cluster_model
+	$(BIN)/mypy fs3 cluster_model tests
 	$(BIN)/lint-imports
 
 # Long deterministic-simulation sweep on every core (JOBS=N to limit): `make sim SEEDS=10000`.

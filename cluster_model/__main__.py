@@ -1,4 +1,5 @@
-"""``python -m cluster_model report [--out DIR]`` and ``python -m cluster_model whatif --config FILE``."""
+"""``python -m cluster_model report [--out DIR] [--measured FILE]``, ``python -m cluster_model whatif --config FILE``
+and ``python -m cluster_model measured --from RESULT`` (refreshes the measured input from one benchmark run)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ from pathlib import Path
 
 from cluster_model.cluster import load_cluster
 from cluster_model.config import ConfigError
+from cluster_model.measured import DEFAULT_MEASURED, load_measured, measured_from_result, write_measured
 from cluster_model.report import _fmt, summary, write_report
 
 _ROOT = Path(__file__).resolve().parents[1]
+
+
+def _source_name(result: Path) -> str:
+    """A result's path as the input records it: relative to the repository when it lies inside it."""
+    try:
+        return str(result.resolve().relative_to(_ROOT))
+    except ValueError:
+        return str(result)
 
 
 def _whatif(config: Path, out: Path | None) -> str:
@@ -45,16 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="the model against the paper: Markdown and PNG plots")
     report.add_argument("--out", type=Path, default=Path("cluster_model_report"))
-    report.add_argument("--results", type=Path, default=_ROOT / "bench" / "results",
-                        help="fs3 benchmark results to read the measured write rate from")
+    report.add_argument("--measured", type=Path, default=DEFAULT_MEASURED,
+                        help="fs3's measured write rate (a measured-v1.json input; default: the packaged one)")
     whatif = sub.add_parser("whatif", help="evaluate another design from a TOML file")
     whatif.add_argument("--config", type=Path, required=True)
     whatif.add_argument("--out", type=Path, default=None)
+    measured = sub.add_parser("measured", help="refresh the measured input from one benchmark result")
+    measured.add_argument("--from", dest="result", type=Path, required=True,
+                          help="a benchmark result (bench/results/<kind>-<time>.json) holding fs3 write rates")
+    measured.add_argument("--out", type=Path, default=DEFAULT_MEASURED)
     args = parser.parse_args(argv)
     try:
         if args.command == "report":
-            path = write_report(load_cluster(), args.out, args.results if args.results.exists() else None)
+            path = write_report(load_cluster(), args.out, load_measured(args.measured))
             print(f"wrote {path}")
+        elif args.command == "measured":
+            rate = measured_from_result(args.result, _source_name(args.result))
+            path = write_measured(rate, args.out)
+            print(f"wrote {path}: {rate.write_gbs_per_node:.3f} GB/s ({rate.metric} in {rate.source})")
         else:
             print(_whatif(args.config, args.out), end="")
     except ConfigError as exc:

@@ -13,15 +13,12 @@ interruptions); the expected overhead is ``C/τ + τ/(2M)``.
 
 from __future__ import annotations
 
-import glob
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from cluster_model.config import ConfigError
 
-__all__ = ["NON_INTERRUPTING_XIDS", "FailureModel", "measured_write_gbs"]
+__all__ = ["NON_INTERRUPTING_XIDS", "FailureModel"]
 
 NON_INTERRUPTING_XIDS = frozenset({63})
 _SECONDS_PER_DAY = 86_400.0
@@ -96,37 +93,3 @@ class FailureModel:
             raise ConfigError("interval_s", f"must be positive, not {interval_s}")
         return checkpoint_s / interval_s + interval_s / (2 * self.mtbi_s(job_gpus))
 
-
-def measured_write_gbs(results_dir: str | Path) -> tuple[float, str] | None:
-    """fs3's best measured sequential write rate (GB/s) in ``bench/results``, with the file it came from.
-
-    Reads the peer comparison (``peers-*.json``: fs3's big-file writes) and the file benchmark
-    (``file-*.json``); None when there is no result.
-    """
-    best: tuple[float, str] | None = None
-    for path in sorted(glob.glob(str(Path(results_dir) / "*.json"))):
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            continue
-        for value in _write_rates(data):
-            if best is None or value > best[0]:
-                best = (value, Path(path).name)
-    return best
-
-
-def _write_rates(data: object) -> list[float]:
-    """MiB/s figures of fs3 writes anywhere in a result file, as GB/s."""
-    rates: list[float] = []
-
-    def walk(node: object, path: tuple[str, ...]) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, (*path, str(key)))
-        elif isinstance(node, (int, float)) and not isinstance(node, bool):
-            joined = "/".join(path).lower()
-            if "fs3" in joined and "write" in joined and ("mib" in joined or "mibps" in joined) and node > 0:
-                rates.append(float(node) * (1 << 20) / 1e9)
-
-    walk(data, ())
-    return rates

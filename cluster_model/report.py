@@ -10,7 +10,7 @@ from typing import Any
 from cluster_model.cluster import Cluster, load_cluster
 from cluster_model.config import ConfigError
 from cluster_model.cost import ClusterCost
-from cluster_model.failures import measured_write_gbs
+from cluster_model.measured import Measured
 from cluster_model.reproduce import FIG7A_MESSAGE_BYTES, Row, calibrated_models, reproduce
 from cluster_model.storage import CHECKPOINT_BYTES_PER_PARAM
 from cluster_model.topology import multi_plane, spread_placement, three_layer_fat_tree
@@ -96,8 +96,9 @@ def summary(cluster: Cluster) -> dict[str, float]:
     }
 
 
-def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[str, PlotData]:
-    """The report's Markdown, and the data its plots draw."""
+def render_report(cluster: Cluster, measured: Measured | None = None) -> tuple[str, PlotData]:
+    """The report's Markdown, and the data its plots draw; ``measured`` adds checkpoint times at fs3's
+    own write rate."""
     rows = reproduce(cluster)
     checked = [r for r in rows if r.ok is not None]
     within = sum(1 for r in checked if r.ok)
@@ -226,7 +227,6 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
               f"{storage.read_gbs() / 1000:.2f} TB/s of {storage.read_theoretical_gbs() / 1000:.2f} theoretical "
               f"(flow-control efficiency {storage.flow_control_efficiency:.3f}); write "
               f"{storage.write_gbs() / 1000:.2f} TB/s.", ""]
-    measured = measured_write_gbs(results_dir) if results_dir is not None else None
     ckpt_rows = []
     for name in ("gpt2-medium", "llama-13b", "deepseekmoe-16b"):
         spec = models[name]
@@ -234,11 +234,12 @@ def render_report(cluster: Cluster, results_dir: Path | None = None) -> tuple[st
         row: list[object] = [name, state / 1e9, storage.checkpoint_s(state, 64, ckpt_gbs),
                              storage.checkpoint_load_s(state, 64, cluster.node.nic_gbs * cluster.node.compute_nics)]
         if measured is not None:
-            row.append(storage.checkpoint_s(state, 64, measured[0]))
+            row.append(storage.checkpoint_s(state, 64, measured.write_gbs_per_node))
         ckpt_rows.append(row)
     header = ["model", "state GB", f"save s, 64 nodes at {ckpt_gbs:.1f} GB/s each", "load s, 64 nodes"]
     if measured is not None:
-        header.append(f"save s at fs3's measured {measured[0]:.2f} GB/s per node ({measured[1]})")
+        header.append(f"save s at fs3's measured {measured.write_gbs_per_node:.2f} GB/s per node "
+                      f"({Path(measured.source).name})")
     lines += [*_table(header, ckpt_rows), ""]
 
     # -- cost and energy --------------------------------------------------------------------
@@ -341,9 +342,9 @@ def _plots(plots: PlotData, out: Path) -> list[str]:
     return written
 
 
-def write_report(cluster: Cluster, out: Path, results_dir: Path | None = None) -> Path:
+def write_report(cluster: Cluster, out: Path, measured: Measured | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    text, plots = render_report(cluster, results_dir)
+    text, plots = render_report(cluster, measured)
     images = _plots(plots, out)
     if images:
         text += "\n## Plots\n\n" + "\n".join(f"![{Path(i).stem}]({i})" for i in images) + "\n"

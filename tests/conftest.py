@@ -22,6 +22,9 @@ from fs3.common import clock as clock_mod
 from fs3.rpc.channel import RealChannelFactory
 from tests.harness import ProcessCluster
 
+# A session that leaves new files in the git checkout fails (tests/clean_tree.py).
+pytest_plugins = ["tests.clean_tree"]
+
 TRANSPORTS = ("framed", "grpc")
 
 

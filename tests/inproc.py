@@ -23,7 +23,7 @@ from fs3.common.metrics import ServiceMetrics
 from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
-from fs3.meta.server import MetaConfig, _heartbeat_loop
+from fs3.meta.server import MetaConfig, heartbeat_loop
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import RealChannelFactory
@@ -129,7 +129,7 @@ class InProcessCluster:
         bound = await runtime.start("127.0.0.1", 0, 0, -1)
         await self.meta.start()
         config = MetaConfig(node_id=META_NODE_ID, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)
-        self._meta_tasks = [asyncio.create_task(_heartbeat_loop(config, channels, (bound.framed, bound.grpc, "")))]
+        self._meta_tasks = [asyncio.create_task(heartbeat_loop(config, channels, (bound.framed, bound.grpc, "")))]
         self._meta_runtime, self._meta_channels = runtime, channels
         await wait_until(self._meta_registered, what="meta registered")
         return self.meta

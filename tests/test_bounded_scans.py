@@ -16,10 +16,11 @@ import pytest
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvariantViolation
+from fs3.common.posix import Caller
 from fs3.kv.api import Transaction
 from fs3.kv.store import KVStore, MemKVStore, RocksKVStore, WriteBatch
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
-from fs3.meta.ops import Caller, Namespace, OpEnv
+from fs3.meta.ops import Namespace, OpEnv
 
 _PAGE = 64
 _ROWS_PER_ENTRY_MAX = 2  # each entry once, plus one look-ahead row per page (``more``) and slack

@@ -21,6 +21,8 @@ from fs3.meta.service import MetaServiceConfig
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
 
+pytestmark = pytest.mark.slow  # in-process clusters and meta restarts
+
 CHUNK = 65536
 
 

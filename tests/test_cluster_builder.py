@@ -35,7 +35,7 @@ def test_topology_names_and_ids() -> None:
 
 @pytest.mark.parametrize("bad", [dict(storage_nodes=0), dict(targets_per_node=0), dict(targets_per_node=100),
                                  dict(replicas=0)])
-def test_topology_rejects_shapes_it_cannot_name(bad: dict[str, int]) -> None:
+def test_topology_rejects_shapes_it_cannot_name(bad: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgument):
         Topology(**bad)
 

@@ -22,6 +22,8 @@ from cluster_model import (
 )
 from cluster_model.__main__ import main
 from cluster_model.config import load_toml, reference_path
+from cluster_model.measured import DEFAULT_MEASURED, SCHEMA_VERSION, Measured, load_measured, measured_from_result
+from cluster_model.report import render_report
 from cluster_model.reproduce import FIG7A_MESSAGE_BYTES, calibrated_models, reproduce
 from cluster_model.topology import spread_placement
 from cluster_model.training import strong_scaling_efficiency, weak_scaling_efficiency
@@ -192,10 +194,13 @@ def test_a_radix_the_network_cannot_be_built_from() -> None:
 
 
 def test_report_and_whatif_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "peers-x.json").write_text(json.dumps({"results": {"fs3": {"seq write (MiB/s)": 2048.0}}}))
-    assert main(["report", "--out", str(tmp_path / "out"), "--results", str(results)]) == 0
+    result = tmp_path / "peers-x.json"
+    result.write_text(json.dumps({"results": {"fs3": {"seq write (MiB/s)": 2048.0, "seq read (MiB/s)": 9000.0},
+                                              "local": {"seq write (MiB/s)": 4096.0}}}))
+    measured = tmp_path / "measured-v1.json"
+    assert main(["measured", "--from", str(result), "--out", str(measured)]) == 0
+    assert load_measured(measured) == Measured(2048 * (1 << 20) / 1e9, str(result), "results/fs3/seq write (MiB/s)")
+    assert main(["report", "--out", str(tmp_path / "out"), "--measured", str(measured)]) == 0
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| Collectives | Fig. 7a | HFReduce allreduce 186 MiB, 16 GPUs |" in text
     assert "fs3's measured 2.15 GB/s per node (peers-x.json)" in text
@@ -226,3 +231,48 @@ def test_assumptions_are_stated() -> None:
         obj = getattr(cluster_model, name)
         if callable(obj):
             assert obj.__doc__, name
+
+
+def test_the_report_reads_one_named_versioned_input() -> None:
+    # The packaged input is what `make model-report` uses; other result files in the tree change nothing.
+    packaged = load_measured()
+    assert DEFAULT_MEASURED.name == f"measured-v{SCHEMA_VERSION}.json" and packaged.write_gbs_per_node > 0
+    assert (PACKAGE.parent / packaged.source).exists(), packaged.source
+    assert measured_from_result(PACKAGE.parent / packaged.source, packaged.source) == packaged
+    text, _ = render_report(load_cluster(), packaged)
+    assert f"fs3's measured {packaged.write_gbs_per_node:.2f} GB/s per node ({Path(packaged.source).name})" in text
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    (None, "no such file"),
+    ("not json", "not a readable JSON file"),
+    ("[1]", "must hold a JSON object"),
+    ({"write_gbs_per_node": 1.0, "source": "r.json", "metric": "m"}, "schema_version"),
+    ({"schema_version": SCHEMA_VERSION + 1, "write_gbs_per_node": 1.0, "source": "r.json", "metric": "m"},
+     "schema_version"),
+    ({"schema_version": SCHEMA_VERSION, "write_gbs_per_node": 0, "source": "r.json", "metric": "m"},
+     "write_gbs_per_node"),
+    ({"schema_version": SCHEMA_VERSION, "write_gbs_per_node": True, "source": "r.json", "metric": "m"},
+     "write_gbs_per_node"),
+    ({"schema_version": SCHEMA_VERSION, "write_gbs_per_node": 1.0, "metric": "m"}, "source"),
+    ({"schema_version": SCHEMA_VERSION, "write_gbs_per_node": 1.0, "source": "r.json"}, "metric"),
+])
+def test_a_missing_or_wrong_measured_input_is_refused(tmp_path: Path, body: object, field: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "measured-v1.json"
+    if body is not None:
+        path.write_text(body if isinstance(body, str) else json.dumps(body))
+    with pytest.raises(ConfigError, match=field):
+        load_measured(path)
+    assert main(["report", "--out", str(tmp_path / "out"), "--measured", str(path)]) == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "out" / "report.md").exists()
+
+
+def test_a_result_without_an_fs3_write_rate_is_refused(tmp_path: Path) -> None:
+    result = tmp_path / "meta-x.json"
+    result.write_text(json.dumps({"fs3": {"create ops/s": 900.0}, "local": {"write (MiB/s)": 100.0}}))
+    with pytest.raises(ConfigError, match="no fs3 write rate"):
+        measured_from_result(result)
+    assert main(["measured", "--from", str(result), "--out", str(tmp_path / "m.json")]) == 2
+    assert not (tmp_path / "m.json").exists()

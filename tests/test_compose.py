@@ -29,8 +29,9 @@ from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
 from fs3.storage.server import StorageConfig  # noqa: E402
 from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose  # noqa: E402
 
-CONFIGS = {"mgmtd": (MgmtdConfig, "FS3_MGMTD"), "meta": (MetaConfig, "FS3_META"),
-           "storage": (StorageConfig, "FS3_STORAGE")}
+ServiceConfig = MgmtdConfig | MetaConfig | StorageConfig
+CONFIGS: dict[str, tuple[type[ServiceConfig], str]] = {
+    "mgmtd": (MgmtdConfig, "FS3_MGMTD"), "meta": (MetaConfig, "FS3_META"), "storage": (StorageConfig, "FS3_STORAGE")}
 
 
 def test_compose_file_structure() -> None:
@@ -64,9 +65,9 @@ def test_every_setting_is_one_the_service_reads(name: str) -> None:
     fields = {f.name.upper() for f in dataclasses.fields(cls)}
     unknown = [k for k in service["environment"] if k.startswith(prefix + "_") and k[len(prefix) + 1:] not in fields]
     assert unknown == [], f"{name}: settings no service reads: {unknown}"
-    config = load_config(cls, None, env_prefix=prefix, environ=service["environment"])  # validates every value
+    config: ServiceConfig = load_config(cls, None, env_prefix=prefix, environ=service["environment"])  # validates
     assert config.token == "fs3-compose-token" and config.listen_host == "0.0.0.0"
-    if kind == "storage":
+    if isinstance(config, StorageConfig):
         assert len(config.targets) == 2 and all(t.path.startswith("/data/") for t in config.targets)
 
 

@@ -26,6 +26,8 @@ from fs3.kv.store import RocksKVStore, WriteBatch
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
 
+pytestmark = pytest.mark.slow  # in-process clusters
+
 CHUNK = 64 * 1024
 
 
@@ -283,6 +285,7 @@ def test_rocksdb_enospc_is_no_space_not_a_failed_disk(tmp_path: Path) -> None:
             assert isinstance(kv, RocksKVStore)
             await client.write(chain, chunk_id(8, 0), 0, b"a" * CHUNK, CHUNK)
             real_db = kv._db
+            log_dir = kv._path
 
             class FullDisk:
                 def __getattr__(self, name: str) -> object:
@@ -290,7 +293,7 @@ def test_rocksdb_enospc_is_no_space_not_a_failed_disk(tmp_path: Path) -> None:
 
                 def write(self, *_args: object) -> None:
                     raise Exception(f"IO error: No space left on device: While appending to file: "
-                                    f"{kv._path}/000004.log: No space left on device")
+                                    f"{log_dir}/000004.log: No space left on device")
 
             kv._db = FullDisk()
             with pytest.raises(FS3Error) as refused:

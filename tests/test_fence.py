@@ -55,6 +55,12 @@ def _beat(state: MgmtdState, node_id: int, local: LocalState, now_ms: int) -> mp
     return mpb.HeartbeatRsp(routing_version=state.routing_version, fenced_target_ids=state.fenced_targets(node_id))
 
 
+def _public(state: MgmtdState, target_id: int) -> PublicState:
+    """A target's public state, read afresh (a helper, so the type checker does not carry one
+    assertion's narrowing past the heartbeat that changes the state)."""
+    return state.targets[target_id].public_state
+
+
 def _cluster(kv: MemKVStore | None = None) -> MgmtdState:
     """Three nodes, one chain 101 -> 201 -> 301, every target serving."""
     state = MgmtdState(kv or MemKVStore(), TIMEOUT_MS)
@@ -74,27 +80,27 @@ def test_target_on_a_live_node_is_fenced_and_its_chain_waits_for_the_node() -> N
     assert state.mark_target_offline(201, now_ms=10) is False
     # Nothing about the chain changes until the node has stopped serving the target.
     assert chain.chain_version == version and list(chain.target_ids) == [101, 201, 301]
-    assert state.targets[201].public_state is P.SERVING and state.targets[201].info.fenced
+    assert _public(state, 201) is P.SERVING and state.targets[201].info.fenced
     assert state.fence_pending(201) and state.fenced_targets(2) == [201] and state.fenced_targets(1) == []
     assert state.mark_target_offline(201, now_ms=20) is False  # asking again changes nothing
     # Its node has not seen the fence yet: it still reports the target up to date; scans wait.
     rsp = _beat(state, 2, L.UP_TO_DATE, 30)
     assert list(rsp.fenced_target_ids) == [201]
     state.scan(40)
-    assert chain.chain_version == version and state.targets[201].public_state is P.SERVING
+    assert chain.chain_version == version and _public(state, 201) is P.SERVING
     # The node reports it offline: now the chain goes on without it, and the fence is over.
     rsp = _beat(state, 2, L.OFFLINE, 50)
     assert chain.chain_version == version + 1 and list(chain.target_ids) == [101, 301, 201]
-    assert state.targets[201].public_state is P.OFFLINE
+    assert _public(state, 201) is P.OFFLINE
     assert not state.targets[201].info.fenced and not state.fence_pending(201)
     assert list(rsp.fenced_target_ids) == []
     # It comes back the normal way: online -> waiting -> syncing behind the serving ones -> serving.
     _beat(state, 2, L.ONLINE, 60)
-    assert state.targets[201].public_state is P.WAITING
+    assert _public(state, 201) is P.WAITING
     state.scan(65)
-    assert state.targets[201].public_state is P.SYNCING
+    assert _public(state, 201) is P.SYNCING
     _beat(state, 2, L.UP_TO_DATE, 70)
-    assert state.targets[201].public_state is P.SERVING
+    assert _public(state, 201) is P.SERVING
 
 
 def test_target_on_a_dead_node_goes_offline_at_once() -> None:
@@ -104,7 +110,7 @@ def test_target_on_a_dead_node_goes_offline_at_once() -> None:
         _beat(state, node_id, L.UP_TO_DATE, TIMEOUT_MS)
     # Node 3 has been silent for longer than the heartbeat timeout (no scan has noticed yet).
     assert state.mark_target_offline(301, now_ms=TIMEOUT_MS + 1) is True
-    assert state.targets[301].public_state is P.OFFLINE and not state.targets[301].info.fenced
+    assert _public(state, 301) is P.OFFLINE and not state.targets[301].info.fenced
     assert state.chains[1].chain_version == version + 1
     assert state.fenced_targets(3) == []
 
@@ -113,9 +119,9 @@ def test_target_off_the_write_path_goes_at_once() -> None:
     state = _cluster()
     _beat(state, 3, L.OFFLINE, 10)
     _beat(state, 3, L.UP_TO_DATE, 20)  # (a stale report: the target waits for the node to say online)
-    assert state.targets[301].public_state is P.WAITING  # serves nothing: no fence needed
+    assert _public(state, 301) is P.WAITING  # serves nothing: no fence needed
     assert state.mark_target_offline(301, now_ms=30) is True
-    assert state.targets[301].public_state is P.OFFLINE and not state.targets[301].info.fenced
+    assert _public(state, 301) is P.OFFLINE and not state.targets[301].info.fenced
 
 
 def test_fence_ends_when_the_node_misses_its_heartbeats() -> None:
@@ -125,9 +131,9 @@ def test_fence_ends_when_the_node_misses_its_heartbeats() -> None:
         _beat(state, 2, L.UP_TO_DATE, t)
         _beat(state, 3, L.UP_TO_DATE, t)
     state.scan(TIMEOUT_MS)
-    assert state.fence_pending(101) and state.targets[101].public_state is P.SERVING
+    assert state.fence_pending(101) and _public(state, 101) is P.SERVING
     state.scan(TIMEOUT_MS + 1)  # node 1 last spoke at 0: expired
-    assert state.targets[101].public_state is P.OFFLINE and not state.fence_pending(101)
+    assert _public(state, 101) is P.OFFLINE and not state.fence_pending(101)
     assert list(state.chains[1].target_ids) == [201, 301, 101]
 
 
@@ -135,10 +141,10 @@ def test_fence_of_the_last_serving_target_ends_at_lastsrv() -> None:
     state = _cluster()
     _beat(state, 1, L.OFFLINE, 10)
     _beat(state, 2, L.OFFLINE, 10)
-    assert state.targets[301].public_state is P.SERVING
+    assert _public(state, 301) is P.SERVING
     assert state.mark_target_offline(301, now_ms=20) is False
     _beat(state, 3, L.OFFLINE, 30)
-    assert state.targets[301].public_state is P.LASTSRV and not state.fence_pending(301)
+    assert _public(state, 301) is P.LASTSRV and not state.fence_pending(301)
 
 
 def test_a_pending_fence_survives_a_mgmtd_restart_and_its_end_is_persisted() -> None:
@@ -148,16 +154,16 @@ def test_a_pending_fence_survives_a_mgmtd_restart_and_its_end_is_persisted() -> 
     assert state.mark_target_offline(201, now_ms=10) is False
     restarted = MgmtdState(kv, TIMEOUT_MS)
     restarted.load(100)
-    assert restarted.fence_pending(201) and restarted.targets[201].public_state is P.SERVING
+    assert restarted.fence_pending(201) and _public(restarted, 201) is P.SERVING
     assert restarted.chains[1].chain_version == version
     rsp = _beat(restarted, 2, L.UP_TO_DATE, 110)
     assert list(rsp.fenced_target_ids) == [201]  # the node learns it from the restarted mgmtd
-    assert restarted.targets[201].public_state is P.SERVING
+    assert _public(restarted, 201) is P.SERVING
     _beat(restarted, 2, L.OFFLINE, 120)
-    assert restarted.targets[201].public_state is P.OFFLINE and not restarted.fence_pending(201)
+    assert _public(restarted, 201) is P.OFFLINE and not restarted.fence_pending(201)
     again = MgmtdState(kv, TIMEOUT_MS)
     again.load(200)
-    assert not again.fence_pending(201) and again.targets[201].public_state is P.OFFLINE
+    assert not again.fence_pending(201) and _public(again, 201) is P.OFFLINE
 
 
 # -- the MarkTargetOffline RPC ---------------------------------------------------------------
@@ -214,7 +220,7 @@ def test_mark_offline_rpc_times_out_and_keeps_the_fence_when_the_node_never_conf
             with pytest.raises(Timeout, match="fence stays"):
                 await servicer.mark_target_offline(mpb.MarkTargetOfflineReq(target_id=201), memoryview(b""))
             # The node still holds its lease: mgmtd must not take the target out behind its back.
-            assert servicer.state.fence_pending(201) and servicer.state.targets[201].public_state is P.SERVING
+            assert servicer.state.fence_pending(201) and _public(servicer.state, 201) is P.SERVING
         finally:
             for task in nodes:
                 task.cancel()
@@ -339,6 +345,7 @@ async def _caught_up(nodes: list[StorageNode], routing_version: int) -> bool:
     return all(n.routing_version >= routing_version for n in nodes)
 
 
+@pytest.mark.slow  # an in-process cluster
 def test_marked_target_never_serves_a_read_older_than_an_acknowledged_write(tmp_path: Path) -> None:
     async def body() -> None:
         async with InProcessCluster(tmp_path) as cluster:
@@ -410,6 +417,7 @@ def test_marked_target_never_serves_a_read_older_than_an_acknowledged_write(tmp_
 MARK_OFFLINE_SEEDS = [13, 34, 40, 48]
 
 
+@pytest.mark.slow  # simulator seeds
 @pytest.mark.parametrize("seed", MARK_OFFLINE_SEEDS)
 def test_simulated_runs_with_mark_offline_faults(seed: int) -> None:
     result = run_seed(seed, clients=3, ops_per_client=60, fault_intensity=3.0)

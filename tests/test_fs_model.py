@@ -23,6 +23,8 @@ import fs3
 from fs3.client.sync_api import FileSystem
 from tests.inproc import ClusterThread
 
+pytestmark = pytest.mark.slow  # an in-process cluster driven against a local directory
+
 NAMES = ["a", "b", "c"]
 PATHS = st.lists(st.sampled_from(NAMES), min_size=1, max_size=3).map("/".join)
 

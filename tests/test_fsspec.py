@@ -19,6 +19,8 @@ from fsspec.tests.abstract import (
 
 from fs3.client.fsspec_impl import FS3FileSystem
 
+pytestmark = pytest.mark.slow  # fsspec's own test suite against a running in-process cluster
+
 _dirs = itertools.count()
 
 

@@ -50,6 +50,8 @@ from tests.fsx import (
 )
 from tests.inproc import ClusterThread
 
+pytestmark = pytest.mark.slow  # in-process clusters (and the FUSE mount)
+
 CHUNK_SIZES = (4096, 8192, 16384)
 SEEDS = int(os.environ.get("FS3_FSX_SEEDS", "24"))
 FIRST = int(os.environ.get("FS3_FSX_FIRST", "1"))

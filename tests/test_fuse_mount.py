@@ -55,7 +55,8 @@ def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClust
 
 @pytest.fixture
 def work(mount: tuple[LocalCluster, Path], request: pytest.FixtureRequest) -> Path:
-    path = mount[1] / request.node.name.replace("[", "_").replace("]", "")
+    name: str = request.node.name
+    path = mount[1] / name.replace("[", "_").replace("]", "")
     path.mkdir()
     return path
 
@@ -308,8 +309,10 @@ def test_git_tar_sqlite_and_compileall(work: Path, tmp_path: Path) -> None:
     repo.mkdir()
     for i in range(5):
         (repo / f"f{i}.txt").write_text(f"file {i}\n" * 100)
-    run = lambda *cmd, cwd=repo: subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True,  # noqa: E731
-                                                text=True, timeout=120)
+
+    def run(*cmd: str, cwd: Path = repo) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True, text=True, timeout=120)
+
     run("git", "init", "-q")
     run("git", "add", ".")
     run("git", "commit", "-qm", "first")
@@ -341,10 +344,12 @@ def test_git_tar_sqlite_and_compileall(work: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not shutil.which("fio") or not shutil.which("dbench"), reason="fio/dbench not installed")
-def test_fio_verify_and_dbench(work: Path) -> None:
+def test_fio_verify_and_dbench(work: Path, tmp_path: Path) -> None:
+    # fio saves its verify state (<name>-<job>-verify.state) in its working directory: a temporary one,
+    # so a test run leaves nothing in the checkout.
     fio = subprocess.run(["fio", "--name=verify", f"--directory={work}", "--rw=randwrite", "--bs=4k", "--size=4m",
                           "--numjobs=2", "--ioengine=psync", "--verify=crc32c", "--do_verify=1",
-                          "--output-format=json"], capture_output=True, text=True, timeout=300)
+                          "--output-format=json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert fio.returncode == 0, fio.stdout[-2000:] + fio.stderr[-2000:]
     import json
 
@@ -388,7 +393,8 @@ def test_copy_survives_a_storage_node_kill(mount: tuple[LocalCluster, Path], wor
         if verify.returncode == 0 and "not serving" not in verify.stdout:
             break
         time.sleep(0.5)
-    assert verify is not None and verify.returncode == 0 and "all replicas identical" in verify.stdout, verify.stdout
+    assert verify is not None
+    assert verify.returncode == 0 and "all replicas identical" in verify.stdout, verify.stdout
 
 
 def test_bad_input_gets_errors_and_the_daemon_keeps_running(work: Path) -> None:
@@ -477,10 +483,10 @@ def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path
 def test_the_mount_read_ahead_can_be_set(mount: tuple[LocalCluster, Path]) -> None:
     """``--readahead-kb`` sets the kernel's read-ahead for the mount (after the kernel's INIT reply,
     which would reset it); the default leaves the kernel's own."""
-    from fs3.fuse.mount import _mount_device, set_readahead
+    from fs3.fuse.mount import mount_device, set_readahead
 
     _, mountpoint = mount
-    device = _mount_device(mountpoint.resolve())
+    device = mount_device(mountpoint.resolve())
     assert device is not None
     knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
     assert knob.read_text().strip() == "128"

@@ -19,7 +19,10 @@ import fs3.aio
 from fs3.common.errors import FS3Error, StatusCode, Unauthenticated
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.methods import MethodSpec, service_spec
+from fs3.rpc.server import BoundAddresses
 from tests.inproc import InProcessCluster
+
+pytestmark = pytest.mark.slow  # an in-process cluster
 
 SERVICES = ("Mgmtd", "Storage", "Meta")
 # Would legitimately take the cluster apart (they are admin operations that succeed on valid input).
@@ -40,7 +43,10 @@ def _random_message(method: MethodSpec, rng: random.Random) -> Message:
 def _addresses(cluster: InProcessCluster, transport: str) -> dict[str, str]:
     assert cluster.mgmtd_runtime is not None
     node = next(iter(cluster.nodes.values()))
-    pick = (lambda b: b.grpc) if transport == "grpc" else (lambda b: b.framed)
+
+    def pick(bound: BoundAddresses) -> str:
+        return bound.grpc if transport == "grpc" else bound.framed
+
     meta_bound = cluster._meta_runtime.bound
     storage_address = node.config.grpc_address if transport == "grpc" else node.config.framed_address
     return {"Mgmtd": pick(cluster.mgmtd_runtime.bound), "Storage": storage_address, "Meta": pick(meta_bound)}

@@ -181,8 +181,8 @@ def test_remove_applied_twice_even_when_unacknowledged_is_caught() -> None:
 
 
 def test_truncate_undone_is_caught() -> None:
-    ops = (_write(1, 0, 1, (0, 1, 2, 3)), _truncate(SB, 2, 3), _snap([1, 0, 0, 0], 4, 5, length=SB),
-           _snap([1, 1, 1, 1], 6, 7, length=4 * SB))
+    ops: tuple[Op, ...] = (_write(1, 0, 1, (0, 1, 2, 3)), _truncate(SB, 2, 3),
+                           _snap([1, 0, 0, 0], 4, 5, length=SB), _snap([1, 1, 1, 1], 6, 7, length=4 * SB))
     assert _verdict(*ops) == "violation"
     # Even without looking at the length the old bytes must not come back.
     ops = (_write(1, 0, 1, (0, 1, 2, 3)), _truncate(SB, 2, 3), _snap([1, 1, 1, 1], 6, 7))

@@ -199,12 +199,14 @@ def test_every_contract_has_a_planted_violation() -> None:
     assert sorted(ids) == sorted(_PLANTED)
 
 
+@pytest.mark.slow  # lint-imports in subprocesses (make check runs lint-imports itself)
 def test_the_contracts_hold_on_the_pristine_copy(fs3_copy: Path) -> None:
     result = _lint_imports(fs3_copy)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{len(_PLANTED)} kept, 0 broken" in result.stdout
 
 
+@pytest.mark.slow  # lint-imports in subprocesses (make check runs lint-imports itself)
 @pytest.mark.parametrize("contract", sorted(_PLANTED))
 def test_each_contract_catches_its_planted_violation(fs3_copy: Path, contract: str) -> None:
     planted, expected = _PLANTED[contract]

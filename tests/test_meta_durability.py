@@ -25,6 +25,7 @@ from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
+from fs3.rpc.dispatch import Buffer
 
 T = TypeVar("T")
 CLIENT_A = b"a" * 16
@@ -69,17 +70,19 @@ async def _service(store: MemKVStore) -> tuple[MetaService, HeldDisk]:
     return service, engine
 
 
-def _mkdir(service: MetaService, client: bytes, request_id: int, path: str) -> Coroutine[Any, Any, object]:
+def _mkdir(service: MetaService, client: bytes, request_id: int,
+           path: str) -> Coroutine[Any, Any, tuple[mpb.InodeRsp, Buffer]]:
     return service.make_node(mpb.MakeNodeReq(ctx=_ctx(client, request_id), target=_ref(path),
                                              type=mpb.DIRECTORY, mode=0o755), memoryview(b""))
 
 
-def _rmdir(service: MetaService, client: bytes, request_id: int, path: str) -> Coroutine[Any, Any, object]:
+def _rmdir(service: MetaService, client: bytes, request_id: int,
+           path: str) -> Coroutine[Any, Any, tuple[mpb.RemoveRsp, Buffer]]:
     return service.remove(mpb.RemoveReq(ctx=_ctx(client, request_id), target=_ref(path), directory=True),
                           memoryview(b""))
 
 
-def _lookup(service: MetaService, path: str) -> Coroutine[Any, Any, object]:
+def _lookup(service: MetaService, path: str) -> Coroutine[Any, Any, tuple[mpb.InodeRsp, Buffer]]:
     return service.lookup(mpb.LookupReq(ctx=_ctx(CLIENT_B, 0), target=_ref(path)), memoryview(b""))
 
 
@@ -110,8 +113,8 @@ def test_no_answer_before_the_commits_it_rests_on_are_durable() -> None:
         assert answered == [], f"answered before the commits they rest on were durable: {answered}"
         # The disk comes back: every answer follows.
         engine.disk.set()
-        rsp_first, _ = await first  # type: ignore[misc]
-        rsp_retry, _ = await answers["retry"]  # type: ignore[misc]
+        rsp_first, _ = await first
+        rsp_retry, _ = await answers["retry"]
         assert rsp_retry == rsp_first
         with pytest.raises(AlreadyExists):
             await answers["eexist"]

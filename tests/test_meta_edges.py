@@ -78,9 +78,13 @@ def test_a_reference_with_inode_and_name_must_still_match() -> None:
     assert meta.run(lambda ns: ns.lookup(both, True)).inode_id == f.inode_id
     meta.run(lambda ns: ns.rename(ref("/g"), ref("/f"), 0))  # /f is now g
     assert meta.run(lambda ns: ns.lookup(mpb.PathRef(inode_id=f.inode_id), True)).nlink == 0
+
+    def open_(r: mpb.PathRef) -> Callable[[Namespace], Awaitable[mpb.OpenRsp]]:
+        return lambda ns: ns.open(r, O_RDONLY, 0, 0, b"s" * 24, CLIENT, 0)
+
     for stale in (both, mpb.PathRef(inode_id=f.inode_id, parent=schema.ROOT_INODE, path=b"missing")):
         with pytest.raises(NotFound):
-            meta.run(lambda ns, r=stale: ns.open(r, O_RDONLY, 0, 0, b"s" * 24, CLIENT, 0))
+            meta.run(open_(stale))
     assert meta.run(lambda ns: ns.lookup(mpb.PathRef(inode_id=g.inode_id, parent=schema.ROOT_INODE, path=b"f"),
                                          True)).inode_id == g.inode_id
     assert meta.fsck() == []
@@ -324,8 +328,12 @@ def test_listxattr_answers_at_most_64_kib_of_names_and_e2big_past_it() -> None:
     meta = Meta()
     meta.touch("/f", mode=0o666)
     names = [b"user.%03d." % i + b"n" * 240 for i in range(262)]  # 249 bytes and a NUL each: 65,500 in all
+
+    def set_xattr(name: bytes) -> Callable[[Namespace], Awaitable[mpb.Inode]]:
+        return lambda ns: ns.set_xattr(ref("/f"), True, name, b"v", 0)
+
     for name in names:
-        meta.run(lambda ns, n=name: ns.set_xattr(ref("/f"), True, n, b"v", 0))
+        meta.run(set_xattr(name))
     assert meta.run(lambda ns: ns.list_xattr(ref("/f"), True)) == names  # several pages, in order
     meta.run(lambda ns: ns.set_xattr(ref("/f"), True, b"trusted.hidden" + b"t" * 240, b"v", 0))
     alice = Caller(1000, 1000)
@@ -368,13 +376,15 @@ def test_removing_an_inode_with_many_xattrs_stays_a_bounded_transaction() -> Non
                 await calls("set_xattr", mpb.SetXattrReq(ctx=calls.ctx(), target=mpb.PathRef(parent=1, path=name),
                                                          name=b"user.%04d" % i, value=value))
         largest = [0]
-        original = service.engine.commit
+        engine = service.engine
+        assert isinstance(engine, OptimisticTxnEngine)
+        original = engine.commit
 
         async def commit(txn: Any) -> None:
             largest[0] = max(largest[0], len(txn.writes))
             await original(txn)
 
-        service.engine.commit = commit  # type: ignore[method-assign]
+        engine.commit = commit  # type: ignore[method-assign]
         await calls("remove", mpb.RemoveReq(ctx=calls.ctx(), target=ref("/d"), directory=True))
         await calls("remove", mpb.RemoveReq(ctx=calls.ctx(), target=ref("/f")))
         assert largest[0] <= XATTR_TXN_WRITES_BOUND, f"a transaction of {largest[0]} writes"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf.message import Message
 
 from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
@@ -34,7 +35,9 @@ from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta import schema
 from fs3.meta.server import MetaConfig
 from fs3.meta.service import MetaService, MetaServiceConfig
-from fs3.rpc.channel import RealChannelFactory
+from fs3.rpc.channel import Channel, RealChannelFactory
+from fs3.rpc.dispatch import Buffer
+from fs3.rpc.methods import MethodSpec
 from fs3.vfs import Vfs
 from tests.inproc import InProcessCluster
 
@@ -134,7 +137,7 @@ async def _service(clocks: Clocks, store: MemKVStore | None = None,
     routing = RoutingCache(["127.0.0.1:1"], channels)
     routing._install(cpb.RoutingInfo(chain_tables=[cpb.ChainTable(table_id=1, chain_ids=[11, 12, 13])]))
     engine = _HookedEngine(OptimisticTxnEngine(store))
-    service = MetaService(engine, routing, StorageClient(routing, channels, CLIENT_A),  # type: ignore[arg-type]
+    service = MetaService(engine, routing, StorageClient(routing, channels, CLIENT_A),
                           MetaServiceConfig(root_mode=0o777, client_lease_ms=LEASE_MS, **config),
                           wall_ns=clocks.wall_ns, clock=clocks.mono)
     await service.start(background=False)
@@ -159,13 +162,15 @@ class Client:
         return rsp
 
     async def renew(self) -> mpb.RenewClientRsp:
-        rsp = await self.call("renew_client", mpb.RenewClientReq(
+        rsp: mpb.RenewClientRsp = await self.call("renew_client", mpb.RenewClientReq(
             client_id=self.client_id, completed_below=self.request_id + 1, renewals=self.renewals))
         self.renewals = rsp.renewals
         return rsp
 
     async def open(self, path: str, flags: int) -> mpb.OpenRsp:
-        return await self.call("open", mpb.OpenReq(ctx=self.ctx(), target=ref(path), flags=flags, mode=0o644))
+        rsp: mpb.OpenRsp = await self.call("open", mpb.OpenReq(ctx=self.ctx(), target=ref(path), flags=flags,
+                                                               mode=0o644))
+        return rsp
 
     async def create(self, path: str) -> int:
         rsp = await self.open(path, O_CREAT | O_WRONLY)
@@ -514,6 +519,7 @@ def with_lapsing(tmp_path: Path, body: Callable[[Lapsing], Awaitable[None]]) -> 
     asyncio.run(main())
 
 
+@pytest.mark.slow  # an in-process cluster
 def test_a_read_that_outlives_the_lease_fails_instead_of_returning_zeros(tmp_path: Path) -> None:
     """A holds an unlinked file open; its lease lapses while its read is at storage, and meta
     collects the file's chunks. The read must fail (ESTALE), not return zeros."""
@@ -549,6 +555,7 @@ def test_a_read_that_outlives_the_lease_fails_instead_of_returning_zeros(tmp_pat
     with_lapsing(tmp_path, body)
 
 
+@pytest.mark.slow  # an in-process cluster
 def test_writes_after_the_lease_lapsed_fail_loudly(tmp_path: Path) -> None:
     async def body(env: Lapsing) -> None:
         f = await env.a.open("/t/w", "wb")
@@ -570,6 +577,7 @@ def test_writes_after_the_lease_lapsed_fail_loudly(tmp_path: Path) -> None:
     with_lapsing(tmp_path, body)
 
 
+@pytest.mark.slow  # an in-process cluster
 def test_a_rename_whose_reply_was_lost_is_not_run_again_after_the_lease_lapsed(tmp_path: Path) -> None:
     async def body(env: Lapsing) -> None:
         await env.a.write_bytes("/t/x", b"A's")
@@ -578,13 +586,15 @@ def test_a_rename_whose_reply_was_lost_is_not_run_again_after_the_lease_lapsed(t
         lost: list[bool] = []
 
         class LosesRenameReply:
-            def __init__(self, channel: Any) -> None:
+            def __init__(self, channel: Channel) -> None:
                 self.channel = channel
+                self.address = channel.address
 
-            def __getattr__(self, name: str) -> Any:
-                return getattr(self.channel, name)
+            async def close(self) -> None:
+                await self.channel.close()
 
-            async def call(self, method: Any, req: Any, payload: bytes = b"", timeout_ms: int = 10_000) -> Any:
+            async def call(self, method: MethodSpec, req: Message, payload: Buffer = b"",
+                           timeout_ms: int = 10_000) -> tuple[Message, bytes]:
                 rsp = await self.channel.call(method, req, payload, timeout_ms=timeout_ms)
                 if method.name == "Rename" and not lost:
                     lost.append(True)
@@ -603,6 +613,7 @@ def test_a_rename_whose_reply_was_lost_is_not_run_again_after_the_lease_lapsed(t
     with_lapsing(tmp_path, body)
 
 
+@pytest.mark.slow  # an in-process cluster
 def test_a_mount_keeps_working_after_its_lease_lapsed(tmp_path: Path) -> None:
     """The VFS (what the FUSE mount runs): the lapsed handle fails with ESTALE, new opens work."""
 
@@ -640,6 +651,7 @@ def test_a_mount_keeps_working_after_its_lease_lapsed(tmp_path: Path) -> None:
     with_lapsing(tmp_path, body)
 
 
+@pytest.mark.slow  # an in-process cluster
 def test_a_client_frozen_past_meta_memory_of_it_registers_before_it_sends(tmp_path: Path) -> None:
     """Meta has forgotten A's lapsed id (its refusal outlived every retry); A wakes up and opens a
     file. It must learn first that its lease lapsed: a session under the forgotten id would have
@@ -665,6 +677,7 @@ def test_a_client_frozen_past_meta_memory_of_it_registers_before_it_sends(tmp_pa
     with_lapsing(tmp_path, body)
 
 
+@pytest.mark.slow  # an in-process cluster
 def test_a_session_answers_only_the_client_id_that_opened_it(tmp_path: Path) -> None:
     """A handle opened before the lease lapsed, closed after the client registered again under a new
     id: meta refuses the close (and sync, truncate) under the new id, before its clean-up of the

@@ -327,7 +327,7 @@ class MetaModelMachine(RuleBasedStateMachine):
         else:
             args = tuple(op[1:])
         method, req, _ = request(kind, args, *((handle.inode_id, handle.session_id) if handle else ()))
-        req.ctx.CopyFrom(ctx)
+        req.ctx.CopyFrom(ctx)  # type: ignore[attr-defined]  # every meta request has one; Message does not say so
         call = Call(kind, args, 0.0, 1.0, client=identity.number, note=f"request {ctx.request_id}")
         return call, method, req, handle
 

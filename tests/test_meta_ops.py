@@ -6,7 +6,7 @@ import asyncio
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -52,6 +52,7 @@ ROOT = Caller(0, 0)
 ALICE = Caller(1000, 1000, frozenset({1000, 50}))
 BOB = Caller(1001, 1001)
 CLIENT = b"c" * 16
+T = TypeVar("T")
 
 
 def ref(path: str) -> mpb.PathRef:
@@ -70,10 +71,10 @@ class Meta:
         layout = mpb.Layout(table_id=1, chunk_size=65536)
         self.run(lambda ns: ns.ensure_root(0, 0, root_mode, layout))
 
-    def run(self, fn: Callable[[Namespace], Awaitable[Any]], caller: Caller = ROOT) -> Any:
+    def run(self, fn: Callable[[Namespace], Awaitable[T]], caller: Caller = ROOT) -> T:
         self.now_ns += 1_000
 
-        async def body(txn: Transaction) -> Any:
+        async def body(txn: Transaction) -> T:
             env = OpEnv(now_ns=self.now_ns, caller=caller, chain_tables={1: [11, 12, 13, 14]}, stripe_default=3)
             return await fn(Namespace(txn, env))
 
@@ -194,12 +195,19 @@ def test_readdir_pages_stay_correct_while_the_directory_changes() -> None:
     seen: list[str] = []
     start = b""
     added = 1
+
+    def page(start: bytes) -> Callable[[Namespace], Awaitable[mpb.ReadDirRsp]]:
+        return lambda ns: ns.readdir(ref("/d"), start, 7, True)
+
+    def remove(name: str) -> Callable[[Namespace], Awaitable[int]]:
+        return lambda ns: ns.remove(ref(f"/d/{name}"), False)
+
     while True:
-        rsp = meta.run(lambda ns, start=start: ns.readdir(ref("/d"), start, 7, True))
+        rsp = meta.run(page(start))
         seen += [e.name.decode() for e in rsp.entries]
         assert all(e.attrs.inode_id == e.inode_id for e in rsp.entries)
         # Between pages: remove an entry already returned and add one ahead and one behind.
-        meta.run(lambda ns, name=seen[-1]: ns.remove(ref(f"/d/{name}"), False))
+        meta.run(remove(seen[-1]))
         meta.touch(f"/d/f{added:03d}")  # odd names, some behind the cursor
         added += 2
         if not rsp.more:
@@ -233,7 +241,10 @@ def test_rename_rules() -> None:
     meta.touch("/full/x")
     meta.touch("/f")
     meta.touch("/g")
-    rename = lambda s, d, flags=0: meta.run(lambda ns: ns.rename(ref(s), ref(d), flags))  # noqa: E731
+
+    def rename(s: str, d: str, flags: int = 0) -> None:
+        meta.run(lambda ns: ns.rename(ref(s), ref(d), flags))
+
     with pytest.raises(InvalidArgument):
         rename("/a", "/a/sub/inside")
     with pytest.raises(IsADirectory):
@@ -489,8 +500,10 @@ def test_times_follow_posix() -> None:
 def test_xattrs() -> None:
     meta = Meta()
     meta.touch("/f")
-    setx = lambda name, value, flags=0, caller=ROOT: meta.run(  # noqa: E731
-        lambda ns: ns.set_xattr(ref("/f"), True, name, value, flags), caller)
+
+    def setx(name: bytes, value: bytes, flags: int = 0, caller: Caller = ROOT) -> None:
+        meta.run(lambda ns: ns.set_xattr(ref("/f"), True, name, value, flags), caller)
+
     setx(b"user.a", b"1")
     with pytest.raises(AlreadyExists):
         setx(b"user.a", b"2", mpb.XATTR_CREATE)

@@ -13,6 +13,8 @@ from fs3.meta import service as service_mod
 from fs3.sim.meta import MetaShape
 from fs3.sim.run import run_seed
 
+pytestmark = pytest.mark.slow  # simulator seeds of the metadata service
+
 HANDLED = MetaShape.handled()
 
 

@@ -33,9 +33,12 @@ from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.ops import Namespace, OpEnv
 from fs3.meta.service import MetaService, MetaServiceConfig
+from fs3.rpc.dispatch import Buffer
 from fs3.rpc.storage_calls import list_chunk_range
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
+
+pytestmark = pytest.mark.slow  # in-process clusters
 
 CHUNK = 65536
 MIB = 1 << 20
@@ -451,12 +454,13 @@ class CountedRemovals:
         self.succeed: int | None = None
         original = meta.storage.update
 
-        async def update(chain_id: int, cid: bytes, update_type: int, *args: Any, **kwargs: Any) -> spb.UpdateRsp:
+        async def update(chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
+                         chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
             if update_type == spb.REMOVE:
                 if self.succeed is not None and self.done >= self.succeed:
                     raise IoError("injected: storage went away")
                 self.done += 1
-            return await original(chain_id, cid, update_type, *args, **kwargs)
+            return await original(chain_id, chunk_id, update_type, offset, length, chunk_size, data)
 
         meta.storage.update = update  # type: ignore[method-assign]
 
@@ -669,13 +673,15 @@ def test_a_1_pb_sparse_file_is_truncated_and_removed_in_bounded_memory(tmp_path:
         assert too_big.value.errno == errno.EFBIG
         assert (await fs.stat("/big/f")).st_size == PB and len(chunks_of(cluster, inode)) == 4
         largest_txn = [0]
-        original_commit = meta.engine.commit
+        engine = meta.engine
+        assert isinstance(engine, OptimisticTxnEngine)
+        original_commit = engine.commit
 
         async def commit(txn: Any) -> None:
             largest_txn[0] = max(largest_txn[0], len(txn.writes))
             await original_commit(txn)
 
-        meta.engine.commit = commit  # type: ignore[method-assign]
+        engine.commit = commit  # type: ignore[method-assign]
         with address_space_limit(2 << 30):
             async with traced() as peak:
                 await fs.truncate("/big/f", MIB)
@@ -708,14 +714,15 @@ def test_a_cancelled_truncate_holds_the_inode_until_its_storage_calls_end(tmp_pa
         delayed: list[int] = []
         original = meta.storage.update
 
-        async def update(chain_id: int, cid: bytes, update_type: int, *args: Any, **kwargs: Any) -> spb.UpdateRsp:
+        async def update(chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
+                         chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
             if update_type != spb.REMOVE or delayed:
-                return await original(chain_id, cid, update_type, *args, **kwargs)
-            delayed.append(parse_chunk_id(cid)[1])
+                return await original(chain_id, chunk_id, update_type, offset, length, chunk_size, data)
+            delayed.append(parse_chunk_id(chunk_id)[1])
 
             async def on_storage() -> spb.UpdateRsp:
                 await release.wait()  # the request is sent; storage acts on it later
-                return await original(chain_id, cid, update_type, *args, **kwargs)
+                return await original(chain_id, chunk_id, update_type, offset, length, chunk_size, data)
 
             call = asyncio.ensure_future(on_storage())
             started.set()

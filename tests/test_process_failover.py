@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
+from fs3 import common_pb2 as cpb
 from fs3.client.admin import AdminClient
 from fs3.common.errors import FS3Error
 from fs3.common.ids import chunk_id
-from fs3.common.target_state import PublicState
 from tests.conftest import make_client, wait_until
 from tests.harness import ProcessCluster
 
@@ -36,7 +36,7 @@ def _payload(seq: int) -> bytes:
 async def _all_serving(admin: AdminClient) -> bool:
     rsp = await admin.chains()
     states = {t.target_id: t.public_state for t in rsp.targets}
-    return bool(rsp.chains) and all(states[t] == PublicState.SERVING for c in rsp.chains for t in c.target_ids)
+    return bool(rsp.chains) and all(states[t] == cpb.SERVING for c in rsp.chains for t in c.target_ids)
 
 
 @pytest.mark.parametrize("transport", ["framed", "grpc"])
@@ -97,7 +97,7 @@ async def _failover(cluster: ProcessCluster, transport: str) -> None:
 
         async def victim_offline(victim_target: int = victim_target) -> bool:
             targets = {t.target_id: t for t in await admin.targets()}
-            return targets[victim_target].public_state in (PublicState.OFFLINE, PublicState.LASTSRV)
+            return targets[victim_target].public_state in (cpb.OFFLINE, cpb.LASTSRV)
 
         await wait_until(victim_offline, what=f"{role} {victim} marked offline")
         await wait_until(lambda before=before: _ge(counts, before + 20), what=f"writes after losing the {role}")

@@ -14,15 +14,18 @@ from typing import Any
 
 import pytest
 
+from fs3 import common_pb2 as cpb
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
 from fs3.common.errors import ChannelSeqStale, NoSpace, ResourceExhausted
 from fs3.common.ids import chunk_id
-from fs3.common.target_state import LocalState, PublicState
+from fs3.common.target_state import LocalState
 from fs3.rpc.methods import service_spec
 from fs3.storage.replica import ReplicaConfig, TargetReplica
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
+
+pytestmark = pytest.mark.slow  # in-process clusters
 
 CHUNK = 1 << 20
 _UPDATE = service_spec("Storage").method("Update")
@@ -143,7 +146,7 @@ async def _only_serving(cluster: InProcessCluster, chain: int, target: int) -> b
     _, targets, _ = await _chain(cluster, chain)
     states = {t.target_id: t.public_state for t in await cluster.admin().targets()}
     node = cluster.nodes[target // 100]
-    return targets[0] == target and [t for t in targets if states[t] == PublicState.SERVING] == [target] \
+    return targets[0] == target and [t for t in targets if states[t] == cpb.SERVING] == [target] \
         and node.routing_version >= (cluster.mgmtd.state.routing_version if cluster.mgmtd else 0)
 
 
@@ -154,7 +157,7 @@ async def _take_out_and_resync(cluster: InProcessCluster, target: int, replace_d
 
     async def out() -> bool:
         targets = {t.target_id: t for t in await cluster.admin().targets()}
-        return targets[target].public_state == PublicState.OFFLINE
+        return targets[target].public_state == cpb.OFFLINE
 
     await wait_until(out, what=f"target {target} out of its chain")
     if replace_disk:
@@ -236,12 +239,12 @@ def test_a_cancelled_large_write_never_mixes_with_the_next_one(tmp_path: Path) -
             real_write = files.write
             blocked = [True]
 
-            def slow_write(chunk: bytes, blob: int, data: Any) -> None:
+            def slow_write(chunk_id: bytes, blob: int, data: bytes | memoryview) -> None:
                 if blocked[0]:
                     blocked[0] = False
                     started.set()
                     release.wait(10)
-                real_write(chunk, blob, data)
+                real_write(chunk_id, blob, data)
 
             files.write = slow_write  # type: ignore[method-assign]
             a = b"A" * (256 * 1024)
@@ -281,7 +284,7 @@ def test_a_read_that_hits_an_io_error_reads_another_replica_and_fails_the_target
 
             async def out() -> bool:
                 info = {t.target_id: t for t in await cluster.admin().targets()}
-                return info[broken].public_state != PublicState.SERVING
+                return info[broken].public_state != cpb.SERVING
 
             await wait_until(out, what="the target that failed a read leaves its chain")
     run(body())

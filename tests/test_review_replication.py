@@ -19,6 +19,8 @@ from fs3.sim.cluster import ClusterShape, SimCluster
 from fs3.sim.loop import VirtualTimeLoop
 from fs3.sim.network import SimChannelFactory
 
+pytestmark = pytest.mark.slow  # in-process clusters
+
 _UPDATE = service_spec("Storage").method("Update")
 
 

@@ -18,6 +18,7 @@ SEEDS_PER_BATCH = 25
 BATCHES = 6  # 150 seeds in make test; `make sim` sweeps thousands
 
 
+@pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 @pytest.mark.parametrize("batch", range(BATCHES))
 def test_seeds(batch: int) -> None:
     failures = []
@@ -37,6 +38,7 @@ def test_a_run_replays_exactly() -> None:
     assert first.faults == second.faults and first.messages == second.messages
 
 
+@pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 def test_faults_are_injected() -> None:
     results = [run_seed(seed, clients=2, ops_per_client=40) for seed in range(900, 905)]
     assert sum(len(r.faults) for r in results) > 10
@@ -62,6 +64,7 @@ def test_the_checks_catch_a_broken_replica(monkeypatch: pytest.MonkeyPatch) -> N
     assert any(not r.ok for r in results)
 
 
+@pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 def test_the_checks_catch_a_retry_applied_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage exactly-once (heads forget every saved answer): retried removes and writes run
     again, and the history check must see values come back."""
@@ -99,6 +102,7 @@ def test_the_checks_compare_bytes_not_metadata(monkeypatch: pytest.MonkeyPatch) 
 REGRESSION_SEEDS = [68, 93, 113, 239, 246, 297, 310, 317, 1092, 1302, 1378, 1422, 1539, 3040]
 
 
+@pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 @pytest.mark.parametrize("seed", REGRESSION_SEEDS)
 def test_regression_seeds(seed: int) -> None:
     result = run_seed(seed, clients=3, ops_per_client=60)
@@ -112,6 +116,7 @@ def test_regression_seeds(seed: int) -> None:
 LEGACY_RETRY_SEEDS = [64, 92, 135, 140, 153, 189, 197, 206, 210, 211, 237, 245]
 
 
+@pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 @pytest.mark.parametrize("seed", LEGACY_RETRY_SEEDS)
 def test_seeds_that_applied_retries_twice(seed: int) -> None:
     result = run_seed(seed, clients=3, ops_per_client=60, mix="legacy")
@@ -126,6 +131,7 @@ def test_seeds_that_applied_retries_twice(seed: int) -> None:
 DEFAULT_MIX_SEEDS = [(94, 40), (226, 40), (94, 60), (5137, 60)]
 
 
+@pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 @pytest.mark.parametrize(("seed", "ops"), DEFAULT_MIX_SEEDS)
 def test_seeds_of_the_current_mix_that_found_bugs(seed: int, ops: int) -> None:
     result = run_seed(seed, clients=3, ops_per_client=ops)
@@ -142,6 +148,7 @@ def test_the_legacy_mix_draws_the_first_simulators_shapes() -> None:
     assert (legacy.inline_max_bytes, legacy.io_delay_max_ms, legacy.cancel_probability) == (0, 0.0, 0.0)
 
 
+@pytest.mark.slow  # a sweep in worker processes
 def test_sweep_runs_in_parallel_records_and_resumes(tmp_path: Path) -> None:
     """``make sim``'s runner: 4 seeds on 2 processes land in the results file; resuming runs none
     again; a line cut short by a kill is skipped (that seed reruns) and cut off before appending."""

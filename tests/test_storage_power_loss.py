@@ -157,8 +157,9 @@ def _power_loss_run(disk: Any, seed: int, kill_after_acks: int, sabotage: str = 
     try:
         last: dict[bytes, _Update] = {u.chunk: u for u in acknowledged}
         for chunk in {u.chunk for u in acknowledged + in_flight}:
-            allowed = {(last[chunk].version, last[chunk].sha) if last[chunk].sha else (0, None)} \
-                if chunk in last else {(0, None)}
+            allowed: set[tuple[int, str | None]] = {(0, None)}
+            if chunk in last:
+                allowed = {(last[chunk].version, last[chunk].sha) if last[chunk].sha else (0, None)}
             allowed |= {(u.version, u.sha) if u.sha else (0, None) for u in in_flight if u.chunk == chunk}
             try:
                 found = _state(engine, chunk)

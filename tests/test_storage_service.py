@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -25,11 +27,15 @@ from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.methods import service_spec
 from tests.inproc import InProcessCluster
 
+pytestmark = pytest.mark.slow  # in-process clusters
+
 STORAGE = service_spec("Storage")
 CHUNK = 64 * 1024
 
+T = TypeVar("T")
 
-def run(coro):  # type: ignore[no-untyped-def]
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 

@@ -6,8 +6,9 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -17,8 +18,10 @@ from fs3.kv.api import Transaction
 from fs3.kv.store import MemKVStore, RocksKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults, run_transaction
 
+T = TypeVar("T")
 
-def run(coro):  # type: ignore[no-untyped-def]
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 

@@ -10,18 +10,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from fs3 import common_pb2 as cpb
 from fs3 import storage_pb2 as spb
-from fs3.client.admin import AdminClient, VerifyReport, _Observation, _Seen
+from fs3.client.admin import AdminClient, Observation, Seen, VerifyReport
 from fs3.common.ids import chunk_id
 from fs3.kv.store import WriteBatch
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import dump_chunks
 from tests.inproc import InProcessCluster
+
+pytestmark = pytest.mark.slow  # in-process clusters
 
 STORAGE = service_spec("Storage")
 CHUNK_SIZE = 1 << 20
@@ -72,8 +76,10 @@ def lose_chunk_file(cluster: InProcessCluster, target_id: int, cid: bytes) -> No
     assert path is not None, "only a file-backed version can lose its file"
     os.unlink(path)
 
+T = TypeVar("T")
 
-def run(coro):  # type: ignore[no-untyped-def]
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
@@ -122,18 +128,18 @@ def test_verify_finds_a_flipped_byte_that_metadata_hides(tmp_path: Path, capsys:
             assert metadata.ok and metadata.bytes_read == 0 and metadata.chunks_checked == 5, metadata.as_dict()
 
             # The command line, in this process against the same cluster.
-            from fs3.cli.main import _admin, _parser
+            from fs3.cli.main import build_parser, run_admin
 
             base = ["admin", "--mgmtd", cluster.mgmtd_address, "--token", cluster.token, "--json", "verify"]
             capsys.readouterr()
-            assert await _admin(_parser().parse_args(base)) == 2
+            assert await run_admin(build_parser().parse_args(base)) == 2
             out = json.loads(capsys.readouterr().out)
             assert out["ok"] is False and out["mode"] == "data" and out["bytes_read"] > 0
             assert {d["chunk_id"] for d in out["mismatch_details"]} == set(by_chunk)
-            assert await _admin(_parser().parse_args([*base, "--metadata-only"])) == 0
+            assert await run_admin(build_parser().parse_args([*base, "--metadata-only"])) == 0
             out = json.loads(capsys.readouterr().out)
             assert out["ok"] is True and out["mode"] == "metadata" and out["bytes_read"] == 0
-            assert await _admin(_parser().parse_args([a for a in base if a != "--json"])) == 2
+            assert await run_admin(build_parser().parse_args([a for a in base if a != "--json"])) == 2
             text = capsys.readouterr().out
             assert "MISMATCH: chain" in text and "replicas DIFFER" in text and "of chunk data" in text
     run(body())
@@ -202,7 +208,7 @@ class _NoChannels:
 class _Scripted(AdminClient):
     """An admin client whose replicas answer from a script, one observation per look."""
 
-    def __init__(self, looks: list[dict[bytes, _Observation]]) -> None:
+    def __init__(self, looks: list[dict[bytes, Observation]]) -> None:
         super().__init__("unused", _NoChannels())  # type: ignore[arg-type]
         self.looks = looks
 
@@ -216,13 +222,13 @@ class _Scripted(AdminClient):
 
     async def _observe(self, chain_id: int, addresses: dict[int, str], chunk_ids: list[bytes] | None, data: bool,
                        batch: int, max_data_bytes: int,
-                       report: VerifyReport) -> tuple[dict[bytes, _Observation], dict[int, str]]:
+                       report: VerifyReport) -> tuple[dict[bytes, Observation], dict[int, str]]:
         look = self.looks.pop(0)
         return ({cid: seen for cid, seen in look.items() if chunk_ids is None or cid in chunk_ids}), {}
 
 
-def _seen(version: int, data_crc: int = 7, crc: int = 7) -> _Seen:
-    return _Seen(version, 100, crc, data_crc)
+def _seen(version: int, data_crc: int = 7, crc: int = 7) -> Seen:
+    return Seen(version, 100, crc, data_crc)
 
 
 def test_rechecks_tell_busy_from_mismatched() -> None:
@@ -230,13 +236,13 @@ def test_rechecks_tell_busy_from_mismatched() -> None:
     write in flight, → busy; a first write in flight on one replica and none on another → clean."""
     settles, rotten, busy, stuck, first = b"s" * 16, b"r" * 16, b"b" * 16, b"k" * 16, b"f" * 16
 
-    def look(n: int) -> dict[bytes, _Observation]:
+    def look(n: int) -> dict[bytes, Observation]:
         return {
             settles: {101: _seen(2), 201: _seen(2), 301: _seen(1 if n == 0 else 2)},
             rotten: {101: _seen(1), 201: _seen(1, data_crc=8), 301: _seen(1)},
             busy: {101: _seen(n + 2), 201: _seen(n + 1), 301: _seen(n + 1)},
-            stuck: {101: _Seen(4, 100, 7, 7, pending=True), 201: _seen(5), 301: _seen(5)},
-            first: {101: _Seen(0, 0, 0, None, pending=True), 201: None, 301: None},
+            stuck: {101: Seen(4, 100, 7, 7, pending=True), 201: _seen(5), 301: _seen(5)},
+            first: {101: Seen(0, 0, 0, None, pending=True), 201: None, 301: None},
         }
 
     admin = _Scripted([look(n) for n in range(4)])

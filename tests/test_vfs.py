@@ -8,8 +8,10 @@ import os
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from google.protobuf.message import Message
 
 import fs3.aio
 from fs3 import meta_pb2 as mpb
@@ -18,6 +20,10 @@ from fs3.common.posix import O_APPEND, O_RDONLY, O_RDWR, O_WRONLY
 from fs3.meta.service import MetaServiceConfig
 from fs3.vfs import Vfs
 from tests.inproc import InProcessCluster
+
+pytestmark = pytest.mark.slow  # in-process clusters
+
+M = TypeVar("M", bound=Message)
 
 ROOT = 1
 ME = mpb.User(uid=0, gid=0)
@@ -148,9 +154,9 @@ def count_meta_calls(vfs: Vfs) -> list[str]:
     calls: list[str] = []
     real_call = vfs.fs.meta.call
 
-    async def counting(method: str, *args: object, **kwargs: object) -> object:
-        calls.append(method)
-        return await real_call(method, *args, **kwargs)  # type: ignore[arg-type]
+    async def counting(name: str, req: Message, rsp_type: type[M], user: mpb.User | None = None) -> M:
+        calls.append(name)
+        return await real_call(name, req, rsp_type, user)
 
     vfs.fs.meta.call = counting  # type: ignore[method-assign]
     return calls
@@ -390,9 +396,9 @@ def test_a_fuse_request_whose_handler_meets_a_cancelled_task_is_still_answered()
     """Unanswered, a read request holds the kernel's page locks for good (every later write to
     those pages hangs); a cancellation that is not the request's own is answered EIO."""
     pyfuse3 = pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    from fs3.fuse.ops import _errors
+    from fs3.fuse.ops import answer_errors
 
-    @_errors
+    @answer_errors
     async def handler() -> None:
         piece = asyncio.get_running_loop().create_future()
         piece.cancel()
@@ -403,7 +409,7 @@ def test_a_fuse_request_whose_handler_meets_a_cancelled_task_is_still_answered()
     assert raised.value.errno == errno.EIO
 
     async def cancelled_request() -> None:
-        task = asyncio.create_task(_errors(asyncio.sleep)(10))
+        task = asyncio.create_task(answer_errors(asyncio.sleep)(10))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

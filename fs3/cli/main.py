@@ -26,7 +26,7 @@ from fs3.cli.cluster import resolve_cluster
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "run_admin"]
 
 
 def _state_name(enum_type: Any, value: int) -> str:
@@ -66,7 +66,9 @@ def _parse_chain_spec(spec: str) -> tuple[int, list[int]]:
         raise InvalidArgument(f"bad chain spec {spec!r}: expected CHAIN_ID:TARGET,TARGET,...") from None
 
 
-async def _admin(args: argparse.Namespace) -> int:
+async def run_admin(args: argparse.Namespace) -> int:
+    """``fs3 admin ...`` on the running event loop: its exit status (public so it can run beside a
+    cluster served by the same loop)."""
     from fs3.client.admin import AdminClient
     from fs3.rpc.channel import RealChannelFactory
 
@@ -218,7 +220,8 @@ def _cache_seconds(text: str) -> float:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, every subcommand and option (``main`` parses with it)."""
     parser = argparse.ArgumentParser(prog="fs3", description="fs3: a Python implementation of 3FS.")
     sub = parser.add_subparsers(dest="service", required=True)
 
@@ -330,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.service == "mgmtd":
             from fs3.mgmtd.server import run_mgmtd
@@ -375,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fs3.cli.local import local_command
 
             return local_command(args)
-        return asyncio.run(_admin(args))
+        return asyncio.run(run_admin(args))
     except FS3Error as exc:
         print(f"fs3: {exc}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import ChunkDump, dump_chunks
 
-__all__ = ["AdminClient", "VerifyReport"]
+__all__ = ["AdminClient", "Observation", "Seen", "VerifyReport"]
 
 _MGMTD = service_spec("Mgmtd")
 
@@ -56,7 +56,7 @@ class VerifyReport:
 
 
 @dataclass(frozen=True)
-class _Seen:
+class Seen:
     """One replica's answer for one chunk: its committed version (0: none yet) and how it read back."""
 
     version: int
@@ -68,7 +68,7 @@ class _Seen:
     pending: bool = False  # a write of the chunk is in flight on this replica
 
     @classmethod
-    def of(cls, meta: spb.ChunkMeta | None, data: bool) -> _Seen | None:
+    def of(cls, meta: spb.ChunkMeta | None, data: bool) -> Seen | None:
         if meta is None:
             return None
         pending = meta.pending_version != 0
@@ -99,10 +99,10 @@ class _Seen:
         return text
 
 
-_Observation = dict[int, "_Seen | None"]  # target id -> what it holds of one chunk
+Observation = dict[int, "Seen | None"]  # target id -> what it holds of one chunk
 
 
-def _key(seen: _Seen | None) -> tuple[int, int, int, int | None] | None:
+def _key(seen: Seen | None) -> tuple[int, int, int, int | None] | None:
     """What must be equal across replicas: the committed version's metadata and bytes. A replica
     without the chunk and one with only a first write in flight hold the same: no committed bytes."""
     if seen is None or seen.version == 0:
@@ -110,23 +110,23 @@ def _key(seen: _Seen | None) -> tuple[int, int, int, int | None] | None:
     return seen.version, seen.length, seen.checksum, seen.data_checksum
 
 
-def _describe(seen: _Observation) -> str:
+def _describe(seen: Observation) -> str:
     return ", ".join(f"{t}: {v.describe() if v else 'missing'}" for t, v in seen.items())
 
 
-def _clean(seen: _Observation) -> bool:
+def _clean(seen: Observation) -> bool:
     values = list(seen.values())
     if any(v is not None and (v.unsettled or v.rotten()) for v in values):
         return False
     return len({_key(v) for v in values}) <= 1
 
 
-def _settled(seen: _Observation) -> bool:
+def _settled(seen: Observation) -> bool:
     """No write in flight and no read overtaken by one: a disagreement now is not a moment of a write."""
     return not any(v is not None and (v.unsettled or v.pending) for v in seen.values())
 
 
-def _odd_targets(seen: _Observation) -> list[int]:
+def _odd_targets(seen: Observation) -> list[int]:
     """Replicas that are wrong: rotten on their own, or outside the group of equal answers that is
     largest (ties go to the group with no rotten member). With no such group, every replica is named."""
     groups: dict[object, list[int]] = {}
@@ -260,7 +260,7 @@ class AdminClient:
                         report.unreachable.append(f"chain {chain.chain_id}: target {tid} (re-check): {error}")
                     recheck_failed = True
                     break
-                still: dict[bytes, _Observation] = {}
+                still: dict[bytes, Observation] = {}
                 for cid, before in suspects.items():
                     now = fresh[cid]
                     if _clean(now):
@@ -281,7 +281,7 @@ class AdminClient:
 
     async def _observe(self, chain_id: int, addresses: dict[int, str], chunk_ids: list[bytes] | None, data: bool,
                        batch: int, max_data_bytes: int,
-                       report: VerifyReport) -> tuple[dict[bytes, _Observation], dict[int, str]]:
+                       report: VerifyReport) -> tuple[dict[bytes, Observation], dict[int, str]]:
         """Every replica's view of the chain's chunks (or of ``chunk_ids``), the replicas asked at once."""
 
         async def one(tid: int) -> ChunkDump:
@@ -302,12 +302,12 @@ class AdminClient:
                 dumps[tid] = answer
                 report.bytes_read += answer.data_bytes
         ids = set(chunk_ids) if chunk_ids is not None else set().union(*(d.chunks for d in dumps.values()))
-        observed = {cid: {tid: _Seen.of(dump.chunks.get(cid), data) for tid, dump in dumps.items()}
+        observed = {cid: {tid: Seen.of(dump.chunks.get(cid), data) for tid, dump in dumps.items()}
                     for cid in sorted(ids)}
         return observed, failed
 
     @staticmethod
-    def _mismatch(report: VerifyReport, chain_id: int, chunk_id: bytes, seen: _Observation) -> None:
+    def _mismatch(report: VerifyReport, chain_id: int, chunk_id: bytes, seen: Observation) -> None:
         odd = _odd_targets(seen)
         report.mismatches.append(f"chain {chain_id} chunk {chunk_id.hex()}: target "
                                  f"{', '.join(str(t) for t in odd) or '?'} differs; {_describe(seen)}")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from fs3.common.errors import InvalidArgument, Unavailable
 
-__all__ = ["MountOptions", "is_mounted", "mount_background", "run_foreground", "umount"]
+__all__ = ["MountOptions", "is_mounted", "mount_background", "mount_device", "run_foreground", "set_readahead",
+           "umount"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class MountOptions:
     readahead_kb: int = 0
 
 
-def _mount_device(mountpoint: Path) -> str | None:
+def mount_device(mountpoint: Path) -> str | None:
     """``major:minor`` of the file system mounted at ``mountpoint``, from /proc/self/mountinfo.
 
     (A stat of the mount point would be a FUSE request to this very daemon before it serves.)
@@ -66,7 +67,7 @@ def set_readahead(mountpoint: Path, readahead_kb: int) -> bool:
     """Set the kernel's read-ahead for the mount; False when it could not (not root, no sysfs)."""
     if readahead_kb <= 0:
         return False
-    device = _mount_device(mountpoint)
+    device = mount_device(mountpoint)
     if device is None:
         log.info("read-ahead of %s left at the kernel's default: not in /proc/self/mountinfo", mountpoint)
         return False

@@ -22,7 +22,7 @@ from fs3.client.fs import TYPE_BITS
 from fs3.common.errors import FS3Error
 from fs3.vfs import Vfs
 
-__all__ = ["FS3Operations"]
+__all__ = ["FS3Operations", "answer_errors"]
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -30,7 +30,7 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _NOW_SLACK_NS = 1_000_000_000  # a time this close to now came from UTIME_NOW (pyfuse3 resolves it)
 
 
-def _errors(fn: F) -> F:
+def answer_errors(fn: F) -> F:
     """fs3 errors become the errno FUSE answers; anything unexpected is logged and answered EIO.
 
     Every request must be answered: the kernel waits for the answer, with the pages of a read
@@ -124,7 +124,7 @@ class FS3Operations(pyfuse3.Operations):
 
     # -- names and attributes --------------------------------------------------------------------
 
-    @_errors
+    @answer_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
         return self.attributes(await self.vfs.lookup(parent_inode, name, _user(ctx)))
 
@@ -135,11 +135,11 @@ class FS3Operations(pyfuse3.Operations):
             self._told.pop(inode, None)
         self.vfs.forget([inode for inode, _ in inode_list])
 
-    @_errors
+    @answer_errors
     async def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         return self.attributes(await self.vfs.getattr(inode, _user(ctx)))
 
-    @_errors
+    @answer_errors
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any) -> pyfuse3.EntryAttributes:
         now = time.time_ns()
         kwargs: dict[str, Any] = {}
@@ -163,11 +163,11 @@ class FS3Operations(pyfuse3.Operations):
                 kwargs["mtime_ns"] = attr.st_mtime_ns
         return self.attributes(await self.vfs.setattr(inode, _user(ctx), fh=fh, **kwargs))
 
-    @_errors
+    @answer_errors
     async def readlink(self, inode: int, ctx: Any) -> bytes:
         return await self.vfs.readlink(inode, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
         rsp = await self.vfs.statfs(_user(ctx))
         data = pyfuse3.StatvfsData()
@@ -183,46 +183,46 @@ class FS3Operations(pyfuse3.Operations):
         data.f_namemax = rsp.name_max or 255
         return data
 
-    @_errors
+    @answer_errors
     async def access(self, inode: int, mode: int, ctx: Any) -> bool:
         return await self.vfs.access(inode, mode, _user(ctx))
 
     # -- names -----------------------------------------------------------------------------------
 
-    @_errors
+    @answer_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> pyfuse3.EntryAttributes:
         return self.attributes(await self.vfs.mknod(parent_inode, name, mode, rdev, _user(ctx)))
 
-    @_errors
+    @answer_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         return self.attributes(await self.vfs.mkdir(parent_inode, name, mode, _user(ctx)))
 
-    @_errors
+    @answer_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         await self.vfs.unlink(parent_inode, name, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         await self.vfs.rmdir(parent_inode, name, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
         return self.attributes(await self.vfs.symlink(parent_inode, name, target, _user(ctx)))
 
-    @_errors
+    @answer_errors
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
                      flags: int, ctx: Any) -> None:
         wire = (mpb.RENAME_NOREPLACE if flags & pyfuse3.RENAME_NOREPLACE else 0) | \
             (mpb.RENAME_EXCHANGE if flags & pyfuse3.RENAME_EXCHANGE else 0)
         await self.vfs.rename(parent_inode_old, name_old, parent_inode_new, name_new, wire, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
         return self.attributes(await self.vfs.link(inode, new_parent_inode, new_name, _user(ctx)))
 
     # -- files -----------------------------------------------------------------------------------
 
-    @_errors
+    @answer_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         fh, fresh = await self.vfs.open(inode, flags, _user(ctx))
         told = self._told.get(inode)
@@ -236,39 +236,39 @@ class FS3Operations(pyfuse3.Operations):
                 log.debug("invalidating inode %d: %s", inode, exc)
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
-    @_errors
+    @answer_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, inode = await self.vfs.create(parent_inode, name, mode, flags, _user(ctx))
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self.attributes(inode)
 
-    @_errors
+    @answer_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
         return await self.vfs.read(fh, off, size)
 
-    @_errors
+    @answer_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         return await self.vfs.write(fh, off, buf)
 
-    @_errors
+    @answer_errors
     async def flush(self, fh: int) -> None:
         await self.vfs.flush(fh)
 
-    @_errors
+    @answer_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.vfs.fsync(fh)
 
-    @_errors
+    @answer_errors
     async def release(self, fh: int) -> None:
         await self.vfs.release(fh)
 
     # -- directories -----------------------------------------------------------------------------
 
-    @_errors
+    @answer_errors
     async def opendir(self, inode: int, ctx: Any) -> int:
         return await self.vfs.opendir(inode, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         for next_id, entry in await self.vfs.readdir(fh, start_id):
             if not entry.attrs.inode_id:
@@ -284,19 +284,19 @@ class FS3Operations(pyfuse3.Operations):
 
     # -- xattrs ----------------------------------------------------------------------------------
 
-    @_errors
+    @answer_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         await self.vfs.setxattr(inode, name, value, 0, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         return await self.vfs.getxattr(inode, name, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         return await self.vfs.listxattr(inode, _user(ctx))
 
-    @_errors
+    @answer_errors
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         await self.vfs.removexattr(inode, name, _user(ctx))
 

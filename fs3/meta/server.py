@@ -33,7 +33,7 @@ from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, install_uvloop
 
-__all__ = ["MetaConfig", "run_meta"]
+__all__ = ["MetaConfig", "heartbeat_loop", "run_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,12 @@ class MetaConfig:
                        root_gid=os.getgid() if self.service.root_gid < 0 else self.service.root_gid)
 
 
-async def _heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addresses: tuple[str, str, str]) -> None:
+async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addresses: tuple[str, str, str]) -> None:
+    """Registers this meta server with mgmtd and keeps it registered, forever (cancel to stop).
+
+    Public because a meta service run inside another process (an in-process test cluster) registers
+    the same way ``serve_meta`` does.
+    """
     method = service_spec("Mgmtd").method("Heartbeat")
     req = mgpb.HeartbeatReq(node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0],
                             grpc_address=addresses[1], metrics_address=addresses[2], hostname=socket.gethostname(),
@@ -125,7 +130,7 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     await service.start()
     bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port,
                                 config.advertise_host)
-    heartbeat = asyncio.create_task(_heartbeat_loop(config, channels, (bound.framed, bound.grpc, bound.metrics)))
+    heartbeat = asyncio.create_task(heartbeat_loop(config, channels, (bound.framed, bound.grpc, bound.metrics)))
     runtime.write_ready_file(ready_file)
 
     async def shutdown() -> None:

@@ -140,7 +140,11 @@ def _timeline(result: dict[str, Any], started: float) -> list[tuple[float, int, 
         bucket = buckets.setdefault(int(at * 2), [0, 0])
         bucket[0 if op["ok"] else 1] += 1
     last = max(buckets, default=0)
-    return [(k / 2, *buckets.get(k, [0, 0])) for k in range(last + 1)]  # empty half-seconds are zeros
+    rows: list[tuple[float, int, int]] = []
+    for k in range(last + 1):
+        ok, failed = buckets.get(k, [0, 0])  # empty half-seconds are zeros
+        rows.append((k / 2, ok, failed))
+    return rows
 
 
 def _png(reports: list[dict[str, Any]], path: Path) -> bool:

@@ -67,6 +67,16 @@ def _heal(a: str, b: str) -> Callable[[LabCluster], None]:
     return lambda c: c.lab.heal(a, b)
 
 
+def _each(*actions: Callable[[LabCluster], None]) -> Callable[[LabCluster], None]:
+    """Several faults applied as one step, in order."""
+
+    def act(c: LabCluster) -> None:
+        for action in actions:
+            action(c)
+
+    return act
+
+
 def _fill(c: LabCluster) -> None:
     done = c.client_run([sys.executable, "-P", "-m", "tests.chaos.filler", c.mgmtd, c.token, "fill", "64"],
                         timeout_s=120)
@@ -101,9 +111,9 @@ SCENARIOS = {
         (2, "partition storage1 from mgmtd", _cut_and_probe("storage1")),
         (8, "heal storage1 and mgmtd", _heal("storage1", "mgmtd"))]),
     "partition-from-chain": Scenario("partition-from-chain", 14, [
-        (2, "partition storage2 from storage1, storage3", lambda c: (c.lab.partition("storage2", "storage1"),
-                                                                 c.lab.partition("storage2", "storage3"))),
-        (8, "heal storage2", lambda c: (c.lab.heal("storage2", "storage1"), c.lab.heal("storage2", "storage3")))]),
+        (2, "partition storage2 from storage1, storage3", _each(_cut("storage2", "storage1"),
+                                                                _cut("storage2", "storage3"))),
+        (8, "heal storage2", _each(_heal("storage2", "storage1"), _heal("storage2", "storage3")))]),
     "partition-from-clients": Scenario("partition-from-clients", 12, [
         (2, "partition storage3 from client", _cut("storage3", "client")),
         (7, "heal storage3 and client", _heal("storage3", "client"))]),
@@ -115,8 +125,9 @@ SCENARIOS = {
         (8, "remove the filler file (GC frees the chunks)", _unfill)], small_disks={"storage3": 24 << 20}),
     "degraded-links": Scenario("degraded-links", 16, [
         (2, "10% packet loss between storage1 and storage2; storage3's link throttled to 20 Mbit/s",
-         lambda c: (c.lab.lossy_link("storage1", "storage2", 10), c.lab.slow_link("storage3", 20))),
-        (10, "links restored", lambda c: (c.lab.restore_link("storage1"), c.lab.restore_link("storage3")))]),
+         _each(lambda c: c.lab.lossy_link("storage1", "storage2", 10), lambda c: c.lab.slow_link("storage3", 20))),
+        (10, "links restored", _each(lambda c: c.lab.restore_link("storage1"),
+                                     lambda c: c.lab.restore_link("storage3")))]),
     "disk-read-only": Scenario("disk-read-only", 16, [
         (2, "storage2's target disks turn read-only (ext4 error, errors=remount-ro)",
          lambda c: c.fail_disks("storage2")),

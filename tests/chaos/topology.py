@@ -18,7 +18,7 @@ def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     """docker-compose.yml with anchors merged and ``${VAR:-default}`` resolved in environments."""
     import yaml
 
-    data = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     env = env or {}
     for service in data["services"].values():
         service["environment"] = {k: _interpolate(str(v), env) for k, v in (service.get("environment") or {}).items()}
