@@ -54,6 +54,19 @@ def test_the_table_wins_over_a_moved_key(tmp_path: Path) -> None:
     assert load_config(MetaConfig, path, env_prefix="FS3_META", environ={}).service.prune_interval_ms == 300
 
 
+def test_the_environment_wins_over_the_file_under_a_moved_name(tmp_path: Path) -> None:
+    """The environment overrides the file, whichever name each uses: an operator's old-style
+    FS3_STORAGE_FORWARD_TIMEOUT_MS is not silently beaten by a [replica] table in the file."""
+    path = _write(tmp_path, f"node_id = 1\n{_TARGETS}[replica]\nforward_timeout_ms = 100\n")
+    config = load_config(StorageConfig, path, env_prefix="FS3_STORAGE",
+                         environ={"FS3_STORAGE_FORWARD_TIMEOUT_MS": "777"})
+    assert config.replica.forward_timeout_ms == 777
+    both = load_config(StorageConfig, path, env_prefix="FS3_STORAGE",
+                       environ={"FS3_STORAGE_FORWARD_TIMEOUT_MS": "777",
+                                "FS3_STORAGE_REPLICA_FORWARD_TIMEOUT_MS": "888"})
+    assert both.replica.forward_timeout_ms == 888  # in the environment too, the table's name wins
+
+
 def test_meta_root_owner_defaults_to_the_user_running_it_with_a_partial_table(tmp_path: Path) -> None:
     config = load_config(MetaConfig, _write(tmp_path, "[service]\nroot_mode = 0o700\n"), env_prefix="FS3_META",
                          environ={})

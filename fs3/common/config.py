@@ -154,10 +154,16 @@ def load_config(
         data.update({k: v for k, v in overrides.items() if v is not None})
     env = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
-    for old in _moved_keys(cls):
+    for old, table_name in _moved_keys(cls).items():
         key = f"{env_prefix}_{old.upper()}"
         if key in env:
-            data[old] = env[key]
+            # Into the table itself, so that the environment still overrides the file's table.
+            log.warning("environment %s is deprecated; use %s_%s_%s", key, env_prefix, table_name.upper(),
+                        old.upper())
+            moved = data.setdefault(table_name, {})
+            if not isinstance(moved, dict):
+                raise InvalidArgument(f"environment {key}: {table_name} is not a table")
+            moved[old] = env[key]
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         key = f"{env_prefix}_{field.name.upper()}"
         annotation = hints[field.name]
