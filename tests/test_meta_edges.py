@@ -175,12 +175,7 @@ def test_an_o_trunc_open_that_fails_leaves_no_session_behind_and_its_retry_trunc
     call = Requests(service)
 
     async def main() -> None:
-        created = await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_WRONLY,
-                                                 mode=0o644))
-        assert isinstance(created, mpb.OpenRsp)
-        inode_id = created.inode.inode_id
-        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id,
-                                         length_hint=500, wrote=True, acked=True))
+        inode_id = await _file_of_500_bytes(call)
 
         async def storage_back(inode_id: int) -> None:
             """Storage holds nothing of this file: the job only has its size to apply."""
@@ -249,12 +244,7 @@ def test_a_retry_of_an_o_trunc_open_never_answers_with_the_session_a_failing_att
     call = Requests(service)
 
     async def main() -> None:
-        created = await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_WRONLY,
-                                                 mode=0o644))
-        assert isinstance(created, mpb.OpenRsp)
-        inode_id = created.inode.inode_id
-        await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=inode_id, session_id=created.session_id,
-                                         length_hint=500, wrote=True, acked=True))
+        inode_id = await _file_of_500_bytes(call)
         first_in, first_fails = asyncio.Event(), asyncio.Event()
         runs = [0]
 
@@ -434,6 +424,16 @@ def test_writes_and_truncates_by_anyone_but_root_drop_setuid_and_setgid() -> Non
     with pytest.raises(NotPermitted):
         setattr(mask=mpb.SET_MODE, mode=0o0775)
     assert mode() == 0o6775 and meta.stat("/f").uid == 0
+
+
+async def _file_of_500_bytes(call: Requests) -> int:
+    """``/f``, created, written to 500 bytes and closed; its inode id."""
+    created = await call("open", mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_WRONLY,
+                                             mode=0o644))
+    assert isinstance(created, mpb.OpenRsp)
+    await call("close", mpb.CloseReq(ctx=call.ctx(), inode_id=created.inode.inode_id, session_id=created.session_id,
+                                     length_hint=500, wrote=True, acked=True))
+    return created.inode.inode_id
 
 
 def _complete_truncate(meta: Meta, inode_id: int) -> None:
