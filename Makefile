@@ -35,7 +35,7 @@ run: install
 
 test: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
-	$(BIN)/mypy fs3 cluster_model tests
+	$(BIN)/mypy fs3 cluster_model bench tests
 	$(BIN)/lint-imports
 	$(BIN)/pytest $(PYTEST_ARGS)
 
@@ -43,14 +43,14 @@ test: install
 # marked slow (those start clusters, mounts, processes or simulator seeds) and 25 simulator seeds.
 check: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
-	$(BIN)/mypy fs3 cluster_model tests
+	$(BIN)/mypy fs3 cluster_model bench tests
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
 	$(PY) -m fs3.sim --seeds 25 --no-record
 
 lint: install
 	$(BIN)/ruff check fs3 cluster_model tests bench
-	$(BIN)/mypy fs3 cluster_model tests
+	$(BIN)/mypy fs3 cluster_model bench tests
 	$(BIN)/lint-imports
 
 # Long deterministic-simulation sweep on every core (JOBS=N to limit): `make sim SEEDS=10000`.

@@ -162,7 +162,7 @@ async def _setup(cluster: ProcessCluster) -> dict[int, int]:
     await admin.create_chain_table(1, chains=[(1, [101, 201, 301]), (2, [102])])
     for _ in range(400):
         rsp = await admin.chains()
-        if rsp.chains and all(t.public_state == PublicState.SERVING for t in rsp.targets if t.chain_id):
+        if rsp.chains and all(t.public_state == int(PublicState.SERVING) for t in rsp.targets if t.chain_id):
             break
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)  # let every node see the final routing

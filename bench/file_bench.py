@@ -140,7 +140,10 @@ def main() -> int:
             storage, files = uvloop.run(measure())
         finally:
             cluster.stop_all()
-    mibps = lambda seconds: args.size_mib / seconds  # noqa: E731
+
+    def mibps(seconds: float) -> float:
+        return float(args.size_mib / seconds)
+
     result = {
         "size_mib": args.size_mib, "inflight": args.inflight,
         "local": {"write_MiBps": mibps(local_w), "read_MiBps": mibps(local_r)},

@@ -39,6 +39,7 @@ from fs3 import storage_pb2 as spb  # noqa: E402
 from fs3.common.checksum import crc32c  # noqa: E402
 from fs3.common.ids import chunk_id  # noqa: E402
 from fs3.common.target_state import PublicState  # noqa: E402
+from fs3.common.tasks import finish_despite_cancel  # noqa: E402
 from fs3.storage.chain_view import ChainMember, ChainView  # noqa: E402
 from fs3.storage.replica import ReplicaConfig, TargetReplica  # noqa: E402
 from fs3.storage.server import StorageConfig, TargetConfig, open_engines  # noqa: E402
@@ -78,16 +79,7 @@ class Host:
         raise AssertionError("a one-target chain forwards nothing")
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        future = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-        cancelled = False
-        while not future.done():
-            try:
-                await asyncio.wait([future])
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
-        return future.result()
+        return await finish_despite_cancel(asyncio.get_running_loop().run_in_executor(self.pool, fn, *args))
 
     async def query_committed(self, member: ChainMember, req: spb.QueryCommittedReq,
                               timeout_ms: int) -> spb.QueryCommittedRsp:

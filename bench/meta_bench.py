@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ def _fs3_worker(mgmtd: str, token: str, base: str, clients: int, files: int, wor
 def _local_worker(base: str, clients: int, files: int, worker: int, barrier: Any, out: Any) -> None:
     names = [f"{base}/w{worker}c{c}-{i}" for c in range(clients) for i in range(files)]
     timings: dict[str, float] = {}
-    ops = {
+    ops: dict[str, Callable[[str], object]] = {
         "create": lambda p: os.close(os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)),
         "stat": os.stat,
         "rename": lambda p: os.rename(p, p + ".r"),

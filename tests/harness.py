@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 from fs3.cli.local import LocalCluster as ProcessCluster
 
-__all__ = ["ProcessCluster", "free_port"]
+__all__ = ["ProcessCluster", "free_port", "mounted_cluster"]
 
 
 def free_port() -> int:
@@ -14,3 +20,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def mounted_cluster(root: Path, token: str = "t") -> Iterator[tuple[ProcessCluster, Path]]:
+    """mgmtd, meta, three storage nodes with one target each, chains of 3 replicas, and a FUSE
+    mount at ``root/mnt``; everything is stopped and the mount lazily unmounted on the way out,
+    even when the test failed halfway through starting it."""
+    cluster = ProcessCluster(root / "cluster", storage_nodes=3, targets_per_node=1, token=token)
+    mnt = root / "mnt"
+    try:
+        cluster.start_all()
+        asyncio.run(cluster.ensure_chains(3))
+        cluster.set_mount(mnt)
+        cluster.start("mount")
+        yield cluster, mnt
+    finally:
+        cluster.stop_all()
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from fs3.common.errors import (
 )
 from fs3.common.ids import chunk_id, parse_chunk_id, validate_chunk_id, validate_chunk_size
 from fs3.common.invariant import ensure
+from fs3.common.tasks import finish_despite_cancel
 from fs3.storage.server import StorageConfig
 
 
@@ -142,3 +144,33 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="does not exist"):
         load_config(StorageConfig, tmp_path / "nope.toml", environ={})
+
+
+def test_a_cancelled_caller_waits_for_the_work_it_started_then_is_cancelled() -> None:
+    """The rule behind every lock held over I/O: cancelling the waiter must not end the wait early."""
+    events: list[str] = []
+
+    async def work() -> int:
+        await asyncio.sleep(0.05)
+        events.append("work done")
+        raise OSError("the work's own error is dropped once the caller was cancelled")
+
+    async def caller() -> None:
+        try:
+            await finish_despite_cancel(work())
+        finally:
+            events.append("caller released")
+
+    async def main() -> None:
+        task = asyncio.create_task(caller())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert events == ["work done", "caller released"]
+        # Not cancelled: the work's result (or error) is the caller's.
+        assert await finish_despite_cancel(asyncio.sleep(0, result=7)) == 7
+        with pytest.raises(OSError):
+            await finish_despite_cancel(work())
+
+    asyncio.run(main())

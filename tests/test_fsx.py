@@ -20,7 +20,6 @@ handle truncate is sabotaged.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import itertools
 import os
@@ -48,6 +47,7 @@ from tests.fsx import (
     parse_replay,
     run_ops,
 )
+from tests.harness import mounted_cluster
 from tests.inproc import ClusterThread
 
 pytestmark = pytest.mark.slow  # in-process clusters (and the FUSE mount)
@@ -252,16 +252,7 @@ def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[i
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this machine")
     pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    from fs3.cli.local import LocalCluster
-
-    root = tmp_path_factory.mktemp("fsx")
-    cluster = LocalCluster(root / "cluster", storage_nodes=3, targets_per_node=1, token="t")
-    mnt = root / "mnt"
-    try:
-        cluster.start_all()
-        asyncio.run(cluster.ensure_chains(3))
-        cluster.set_mount(mnt)
-        cluster.start("mount")
+    with mounted_cluster(tmp_path_factory.mktemp("fsx")) as (cluster, mnt):
         with fs3.connect(cluster.mgmtd_address, token="t") as fs:
             for chunk in CHUNK_SIZES:
                 fs.mkdir(f"/fsx-{chunk}")
@@ -271,8 +262,6 @@ def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[i
             yield {chunk: mnt / f"fsx-{chunk}" for chunk in CHUNK_SIZES}, guard
         finally:
             guard.close()
-    finally:
-        cluster.stop_all()
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
 

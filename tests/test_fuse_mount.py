@@ -6,7 +6,6 @@ One cluster of real processes (mgmtd, meta, three storage nodes, 3 replicas) and
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import mmap
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from fs3.cli.local import LocalCluster
+from tests.harness import mounted_cluster
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,22 +35,11 @@ NOBODY = 65534
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Path]]:
     pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    root = tmp_path_factory.mktemp("fuse")
-    cluster = LocalCluster(root / "cluster", storage_nodes=3, targets_per_node=1, token="t")
-    mnt = root / "mnt"
-    try:
-        cluster.start_all()
-        asyncio.run(cluster.ensure_chains(3))
-        cluster.set_mount(mnt)
-        cluster.start("mount")
+    with mounted_cluster(tmp_path_factory.mktemp("fuse")) as (cluster, mnt):
         subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address, "--token",
                         "t", "set-layout", "/", "--chunk-size", str(CHUNK)], check=True, capture_output=True)
         os.chmod(mnt, 0o777)
         yield cluster, mnt
-    finally:
-        cluster.stop_all()
-        if os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
 
 
 @pytest.fixture

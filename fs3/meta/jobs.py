@@ -26,14 +26,15 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import FS3Error, NotFound, Unavailable
 from fs3.common.ids import parse_chunk_id
 from fs3.common.layout import chunk_location
+from fs3.common.tasks import finish_despite_cancel
 from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.txn import run_transaction
 from fs3.meta import schema
@@ -100,7 +101,7 @@ class MetaJobs(MetaHost):
             return
         # Storage calls already sent cannot be taken back: a cancelled caller keeps the lock until
         # they have answered, or a removal landing late could remove what is written after the job.
-        await _to_the_end(self._run_truncate_job(inode_id, schema.TruncateJob.decode(raw)))
+        await finish_despite_cancel(self._run_truncate_job(inode_id, schema.TruncateJob.decode(raw)))
 
     async def _run_truncate_job(self, inode_id: int, job: schema.TruncateJob) -> None:
         """The storage side of :meth:`_run_truncate_locked`, then the size applied."""
@@ -390,22 +391,3 @@ class MetaJobs(MetaHost):
 async def _delete_if(txn: Transaction, key: bytes, value: bytes) -> None:
     if await txn.get(key) == value:
         txn.delete(key)
-
-async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to its end even when the caller is cancelled meanwhile; the caller then waits
-    for it and is cancelled after (its error, if any, is dropped). What runs under a lock that
-    the caller holds so finishes before the lock is released."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while True:
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:
-            cancelled = True
-            continue
-        break
-    if cancelled:
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancellation is what the caller gets
-        raise asyncio.CancelledError
-    return task.result()

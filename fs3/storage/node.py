@@ -26,6 +26,7 @@ from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
 from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import LocalState, PublicState
+from fs3.common.tasks import finish_despite_cancel
 from fs3.kv.store import RocksKVStore
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
@@ -397,17 +398,7 @@ class StorageNode:
             future = asyncio.get_running_loop().run_in_executor(self._io_pool, fn, *args)
         else:
             return fn(*args)
-        cancelled = False
-        while not future.done():
-            try:
-                await asyncio.wait([future])
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            if not future.cancelled():
-                future.exception()  # read, so that an I/O error nobody waits for is not reported as lost
-            raise asyncio.CancelledError
-        return future.result()
+        return await finish_despite_cancel(future)
 
     async def _expiry_loop(self) -> None:
         """Drop exactly-once records older than any retry can be (bounded work per pass)."""
