@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError, Message
 
 import fs3.aio
 from fs3.common.errors import FS3Error, StatusCode, Unauthenticated
+from fs3.rpc.auth import SERVICE
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.methods import MethodSpec, service_spec
 from fs3.rpc.server import BoundAddresses
@@ -86,9 +87,9 @@ def test_fuzzed_requests_get_typed_errors_and_break_nothing(tmp_path: Path, tran
                         continue
                     for _ in range(25):
                         reply = await dispatcher.dispatch(method.method_id, rng.randbytes(rng.randrange(1, 80)),
-                                                          b"", True)
+                                                          b"", SERVICE)
                         assert reply.status != StatusCode.INTERNAL, f"{service}.{method.name}: {reply.message!r}"
-                reply = await dispatcher.dispatch(0xFFFF, b"", b"", True)
+                reply = await dispatcher.dispatch(0xFFFF, b"", b"", SERVICE)
                 assert reply.status == StatusCode.UNKNOWN_METHOD
             assert len(codes) > 3
             # Everything still answers, the namespace is intact, the data readable, replicas identical.

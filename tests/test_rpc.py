@@ -14,9 +14,17 @@ from hypothesis import strategies as st
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
-from fs3.common.errors import FrameTooLarge, InvalidArgument, StatusCode, Unauthenticated, UnknownMethod
+from fs3.common.errors import (
+    FrameTooLarge,
+    InvalidArgument,
+    PermissionDenied,
+    StatusCode,
+    Unauthenticated,
+    UnknownMethod,
+)
 from fs3.kv.store import MemKVStore
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
+from fs3.rpc.auth import SERVICE, TRUSTED, Authenticator, Role
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedChannel, FramedLimits, FramedServer
 from fs3.rpc.framing import HEADER, MAGIC, FrameKind, pack_header, unpack_header
@@ -68,6 +76,40 @@ def test_same_calls_on_both_transports(transport: str) -> None:
             assert len(results) == 58 and len(servicer.state.nodes) == 59
             await channel.close()
     asyncio.run(body())
+
+
+USER_TOKEN = "fs3u.0123456789abcdef." + "x" * 43
+
+
+@pytest.mark.parametrize("transport", ["framed", "grpc"])
+def test_a_client_that_is_not_a_service_reaches_client_methods_only(transport: str) -> None:
+    """A user token opens a connection, but chain and node administration need a cluster token
+    (the refusal is PERMISSION_DENIED and changes nothing)."""
+    async def body() -> None:
+        async with serving() as (framed_addr, grpc_addr, servicer):
+            channel = (FramedChannel(framed_addr, USER_TOKEN) if transport == "framed"
+                       else GrpcChannel(grpc_addr, USER_TOKEN))
+            rsp, _ = await channel.call(MGMTD.method("GetRoutingInfo"), mpb.GetRoutingInfoReq())
+            assert isinstance(rsp, mpb.GetRoutingInfoRsp)
+            with pytest.raises(PermissionDenied):
+                await channel.call(MGMTD.method("Heartbeat"), _heartbeat())
+            assert not servicer.state.nodes
+            await channel.close()
+    asyncio.run(body())
+
+
+def test_the_authenticator_maps_each_credential_to_its_role() -> None:
+    auth = Authenticator(["new-token", "old-token"], ["mount-token"])
+    assert auth.authenticate("new-token") == SERVICE and auth.authenticate(b"old-token") == SERVICE
+    assert auth.authenticate("mount-token") == TRUSTED
+    user = auth.authenticate(USER_TOKEN)
+    assert user is not None and user.role == Role.USER and user.token_id == "0123456789abcdef"
+    assert USER_TOKEN not in repr(user)
+    for bad in (None, "", "wrong", b"\xff\xfe", "fs3u.nothex.secret", USER_TOKEN + "!"):
+        assert auth.authenticate(bad) is None, bad
+    auth.set_tokens(["new-token"])
+    assert auth.authenticate("old-token") is None and auth.authenticate("mount-token") is None
+    assert Authenticator().authenticate(None) == SERVICE  # no token configured: an open cluster
 
 
 @pytest.mark.parametrize("transport", ["framed", "grpc"])
@@ -179,6 +221,6 @@ def test_fuzzed_requests_never_crash_the_dispatcher(method_index: int, message: 
         dispatcher = Dispatcher()
         dispatcher.add_service(MGMTD, servicer)
         method = MGMTD.methods[method_index]
-        reply = await dispatcher.dispatch(method.method_id, message, payload, True)
+        reply = await dispatcher.dispatch(method.method_id, message, payload, SERVICE)
         assert reply.status in {c.value for c in StatusCode}
     asyncio.run(body())

@@ -7,7 +7,6 @@ take a service down.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,14 +20,16 @@ from fs3.common.errors import (
     FS3Error,
     InvalidArgument,
     InvariantViolation,
+    PermissionDenied,
     StatusCode,
     Unauthenticated,
     UnknownMethod,
 )
 from fs3.common.metrics import ServiceMetrics
+from fs3.rpc.auth import Authenticator, Principal, principal_scope
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec, ServiceSpec, method_by_id
 
-__all__ = ["Buffer", "Dispatcher", "Handler", "Reply", "token_matches"]
+__all__ = ["Buffer", "Dispatcher", "Handler", "Reply"]
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +46,12 @@ class Reply:
     payload: Buffer
 
 
-def token_matches(expected: str | None, presented: bytes | str | None) -> bool:
-    """Constant-time token check; no token configured means the cluster is open."""
-    if not expected:
-        return True
-    if presented is None:
-        return False
-    raw = presented.encode() if isinstance(presented, str) else bytes(presented)
-    return hmac.compare_digest(raw, expected.encode())
-
-
 class Dispatcher:
     """Routes method ids to servicer coroutines."""
 
-    def __init__(self, token: str | None = None, metrics: ServiceMetrics | None = None) -> None:
-        self.token = token or None
+    def __init__(self, token: str | None = None, metrics: ServiceMetrics | None = None,
+                 auth: Authenticator | None = None) -> None:
+        self.auth = auth if auth is not None else Authenticator([token] if token else [])
         self.metrics = metrics
         self._handlers: dict[int, tuple[MethodSpec, Handler]] = {}
         self._on_fatal: Callable[[BaseException], None] | None = None
@@ -79,7 +71,8 @@ class Dispatcher:
     def methods(self) -> list[MethodSpec]:
         return [spec for spec, _ in self._handlers.values()]
 
-    async def dispatch(self, method_id: int, message: Buffer, payload: Buffer, authenticated: bool) -> Reply:
+    async def dispatch(self, method_id: int, message: Buffer, payload: Buffer, principal: Principal | None) -> Reply:
+        """Serve one call from ``principal`` (None: the connection did not authenticate)."""
         entry = self._handlers.get(method_id)
         method = method_by_id(method_id)
         name = method.name if method else str(method_id)
@@ -87,11 +80,14 @@ class Dispatcher:
         start = time.perf_counter()
         code = StatusCode.OK
         try:
-            if not authenticated:
-                raise Unauthenticated("missing or wrong cluster token")
+            if principal is None:
+                raise Unauthenticated("missing or wrong token")
             if entry is None:
                 raise UnknownMethod(f"no method with id {method_id}")
             spec, handler = entry
+            if not principal.may_call(spec.service, spec.name):
+                log.warning("refused %s.%s to %r: a service method", spec.service, spec.name, principal)
+                raise PermissionDenied(f"{spec.service}.{spec.name} needs a cluster token")
             try:
                 request = spec.request_type.FromString(bytes(message))
             except (DecodeError, RuntimeError, ValueError) as exc:
@@ -105,7 +101,8 @@ class Dispatcher:
             view = payload if isinstance(payload, memoryview) else memoryview(payload)
             if self.metrics is not None and len(view):
                 self.metrics.rpc_bytes_in.labels(service).inc(len(view))
-            response, out_payload = await handler(request, view)
+            with principal_scope(principal):
+                response, out_payload = await handler(request, view)
             if self.metrics is not None and len(out_payload):
                 self.metrics.rpc_bytes_out.labels(service).inc(len(out_payload))
             return Reply(StatusCode.OK, response.SerializeToString(), out_payload)

@@ -20,7 +20,8 @@ from fs3.common.errors import (
     Unavailable,
     error_for,
 )
-from fs3.rpc.dispatch import Buffer, Dispatcher, token_matches
+from fs3.rpc.auth import Principal
+from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.framing import HEADER, FrameKind, pack_header, unpack_header
 from fs3.rpc.limits import FramedLimits
 from fs3.rpc.methods import MethodSpec
@@ -90,7 +91,9 @@ class FramedServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         limits = self.limits
-        authenticated = self.dispatcher.token is None
+        auth = self.dispatcher.auth
+        principal: Principal | None = auth.authenticate(None) if auth.open else None
+        authenticated = principal is not None
         inflight = asyncio.Semaphore(limits.inflight_requests_max)
         tasks: set[asyncio.Task[None]] = set()
         first = True
@@ -111,7 +114,8 @@ class FramedServer:
                 message = await reader.readexactly(header.msg_len) if header.msg_len else b""
                 payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
                 if header.kind == FrameKind.HELLO:
-                    ok = token_matches(self.dispatcher.token, message)
+                    principal = auth.authenticate(message)
+                    ok = principal is not None
                     status = StatusCode.OK if ok else StatusCode.UNAUTHENTICATED
                     writer.write(pack_header(FrameKind.HELLO_ACK, 0, status, header.request_id, 0, 0))
                     await writer.drain()
@@ -125,7 +129,7 @@ class FramedServer:
                     raise ProtocolError(f"unexpected frame kind {header.kind.name} from a client")
                 await inflight.acquire()
                 task = asyncio.create_task(
-                    self._handle(writer, header.method_id, header.request_id, message, payload, authenticated,
+                    self._handle(writer, header.method_id, header.request_id, message, payload, principal,
                                  inflight)
                 )
                 tasks.add(task)
@@ -144,9 +148,9 @@ class FramedServer:
                 task.cancel()
 
     async def _handle(self, writer: asyncio.StreamWriter, method_id: int, request_id: int, message: bytes,
-                      payload: bytes, authenticated: bool, inflight: asyncio.Semaphore) -> None:
+                      payload: bytes, principal: Principal | None, inflight: asyncio.Semaphore) -> None:
         try:
-            reply = await self.dispatcher.dispatch(method_id, message, payload, authenticated)
+            reply = await self.dispatcher.dispatch(method_id, message, payload, principal)
             if writer.is_closing():
                 return
             header = pack_header(FrameKind.RESPONSE, method_id, reply.status, request_id, len(reply.message),

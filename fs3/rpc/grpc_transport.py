@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import Message
 
 from fs3.common.errors import FS3Error, StatusCode, Timeout, Unavailable, error_for
-from fs3.rpc.dispatch import Buffer, Dispatcher, token_matches
+from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
 
@@ -64,7 +64,7 @@ class GrpcServer:
             for key, value in context.invocation_metadata() or ():
                 if key == TOKEN_METADATA_KEY:
                     presented = value
-            reply = await dispatcher.dispatch(method.method_id, raw, b"", token_matches(dispatcher.token, presented))
+            reply = await dispatcher.dispatch(method.method_id, raw, b"", dispatcher.auth.authenticate(presented))
             if reply.status != StatusCode.OK:
                 context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(reply.status))),))
                 await context.abort(_grpc_code(reply.status), reply.message.decode("utf-8", "replace"))

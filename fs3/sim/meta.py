@@ -59,6 +59,7 @@ from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
 from fs3.meta import schema
 from fs3.meta.service import MetaService, MetaServiceConfig
+from fs3.rpc.auth import Principal
 from fs3.rpc.dispatch import Dispatcher, Reply
 from fs3.rpc.methods import MethodSpec, method_by_id, service_spec
 from fs3.sim.cluster import MGMTD, SimCluster
@@ -160,7 +161,7 @@ class _HandlerLog:
         self.inner = inner
         self.windows = windows
 
-    async def dispatch(self, method_id: int, message: Buffer, payload: Buffer, authenticated: bool) -> Reply:
+    async def dispatch(self, method_id: int, message: Buffer, payload: Buffer, principal: Principal | None) -> Reply:
         key = None
         method = method_by_id(method_id)
         if method is not None and "ctx" in method.request_type.DESCRIPTOR.fields_by_name:
@@ -174,7 +175,7 @@ class _HandlerLog:
         if key is not None:
             self.windows.setdefault(key, []).append(window)
         try:
-            return await self.inner.dispatch(method_id, message, payload, authenticated)
+            return await self.inner.dispatch(method_id, message, payload, principal)
         finally:
             window[1] = loop.time()
 

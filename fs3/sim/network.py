@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import Message
 
 from fs3.common.errors import StatusCode, Timeout, Unavailable, error_for
+from fs3.rpc.auth import SERVICE
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.sim.loop import SimProcess
 
@@ -91,7 +92,7 @@ class SimNetwork:
         if not host.process.alive or self._hosts.get(dst) is not host:
             raise Unavailable(f"connection to {dst} reset")
         payload_copy = bytes(payload)
-        task = host.process.run(host.dispatcher.dispatch(method_id, message, payload_copy, True))
+        task = host.process.run(host.dispatcher.dispatch(method_id, message, payload_copy, SERVICE))
         try:
             reply = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
