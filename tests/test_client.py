@@ -356,7 +356,7 @@ def test_statvfs_and_sync_api_basics(tmp_path: Path) -> None:
 
 
 def test_client_options_are_checked() -> None:
-    with pytest.raises(Exception, match="unknown client options"):
+    with pytest.raises(TypeError, match="unknown client options"):
         run(fs3.aio.connect("127.0.0.1:1", colour="blue"))
     assert ClientConfig().transport == "framed"
     assert mpb.RENAME_NOREPLACE == 1
@@ -376,3 +376,14 @@ def test_a_close_after_a_truncate_does_not_bring_the_old_length_back(tmp_path: P
         async with await fs.open("/t/f", "rb") as g:
             assert await g.read() == data[:2 * CHUNK + 7]
     with_cluster(tmp_path / "c", body)
+
+
+def test_a_cluster_that_cannot_be_reached_is_an_os_error_at_connect() -> None:
+    """``connect`` is a public edge like every other call of the API: what goes wrong reaches
+    the caller (and fsspec, which is built on it) as the ``OSError`` a local file system raises,
+    never as an fs3-internal error class."""
+    with pytest.raises(OSError) as by_aio:
+        run(fs3.aio.connect("127.0.0.1:1", rpc_timeout_ms=500, retry_total_ms=500))
+    assert by_aio.value.errno is not None
+    with pytest.raises(OSError):
+        fs3.connect("127.0.0.1:1", rpc_timeout_ms=500, retry_total_ms=500)

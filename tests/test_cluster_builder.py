@@ -110,3 +110,41 @@ def test_service_process_that_exits_is_reported_with_its_log(tmp_path: Path) -> 
     proc.spawn(_spawner("print('bad config'); raise SystemExit(2)"), {})
     with pytest.raises(Unavailable, match=r"exited with 2:\n.*bad config"):
         proc.wait_ready(10)
+
+
+def test_a_ready_file_still_being_written_is_waited_for_not_an_error(tmp_path: Path) -> None:
+    """A service writing its ready file in place (the mount does) can be read half-written: that
+    is "not ready yet", never a JSON error that leaves the child running unsupervised."""
+    torn = ("import json, os, sys, time; path = sys.argv[-1]; f = open(path, 'w'); f.write('{\"pid\": '); "
+            "f.flush(); time.sleep(0.5); f.write(json.dumps(os.getpid()) + '}'); f.close(); time.sleep(60)")
+    proc = ServiceProcess("mount", ["mount"], tmp_path / "m.ready.json", tmp_path / "m.log")
+    proc.spawn(_spawner(torn), {})
+    try:
+        assert proc.wait_ready(10)["pid"] == proc.pid
+    finally:
+        proc.kill()
+
+
+def test_stopping_a_local_cluster_signals_only_the_processes_it_started(tmp_path: Path) -> None:
+    """``fs3 local down`` (or ``status``) after the cluster's processes died finds ready files whose
+    process ids other programs have by now: one leading its own process group, one not. Neither
+    is signalled, and neither stops the rest of the shutdown."""
+    from fs3.cli.local import LocalCluster
+
+    root = tmp_path / "cluster"
+    cluster = LocalCluster(root, storage_nodes=1, targets_per_node=1)
+    leader = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    member = subprocess.Popen(["sleep", "60"])  # in this test's process group
+    try:
+        cluster.procs[META].ready_file.write_text(json.dumps({"pid": member.pid}))
+        cluster.procs["storage-1"].ready_file.write_text(json.dumps({"pid": leader.pid}))
+        cluster.procs[MGMTD].ready_file.write_text(json.dumps({"pid": leader.pid}))
+        again = LocalCluster(root)
+        assert all(proc.pid is None for proc in again.procs.values()), "a stranger's pid taken for a service's"
+        again.stop_all()
+        assert leader.poll() is None and member.poll() is None, "a process the cluster never started was signalled"
+        assert not any(proc.ready_file.exists() for proc in again.procs.values())
+    finally:
+        for stranger in (leader, member):
+            stranger.kill()
+            stranger.wait()

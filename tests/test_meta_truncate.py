@@ -779,3 +779,43 @@ def test_a_size_past_64_bits_is_efbig_from_the_library_and_changes_nothing(tmp_p
         assert await fs.read_bytes("/t/f") == b"abcd"
 
     with_cluster(tmp_path / "c", body)
+
+
+# -- a truncate's trim racing the file's removal ------------------------------------------------------
+
+
+def test_a_trim_racing_the_files_removal_leaves_no_orphan_chunk(tmp_path: Path) -> None:
+    """A truncate has read the chunk holding its new end and is about to trim it when the file
+    is unlinked and GC collects every chunk. A trim of a chunk that is gone creates it afresh
+    (storage extends with zeros), so landing after GC it would leave a chunk no inode and no GC
+    job accounts for: GC must wait for the truncate job that is running on the inode."""
+    async def body(cluster: InProcessCluster, fs: AsyncFileSystem) -> None:
+        meta = meta_of(cluster)
+        inode = await write_file(fs, "/t/f", {0: b"x" * (2 * CHUNK)})
+        other = await connect(cluster)
+        gc: list[asyncio.Task[None]] = []
+        original = meta.storage.update
+
+        async def update(chain_id: int, chunk_id: bytes, update_type: int, *args: Any, **kwargs: Any
+                         ) -> spb.UpdateRsp:
+            if update_type == spb.TRUNCATE and not gc:
+                await other.remove("/t/f")  # no handle keeps it: deleted, its chunks queued for GC
+                gc.append(asyncio.create_task(gc_all(meta)))
+
+                async def collected_or_waiting() -> bool:
+                    entry = meta._truncate_locks.get(inode)
+                    return gc[0].done() or (entry is not None and entry.users >= 2)
+
+                await wait_until(collected_or_waiting, interval_s=0.01, what="GC done or waiting for the inode")
+            return await original(chain_id, chunk_id, update_type, *args, **kwargs)
+
+        meta.storage.update = update  # type: ignore[method-assign]
+        await fs.truncate("/t/f", CHUNK // 2)
+        assert gc, "the truncate never trimmed a chunk"
+        await gc[0]
+        await gc_all(meta)
+        await other.close()
+        assert chunks_of(cluster, inode) == set(), "the trim recreated a chunk of a collected file"
+        assert not (await meta.fsck(mpb.FsckReq(check_chunks=True), memoryview(b"")))[0].problems
+
+    with_cluster(tmp_path / "c", body)

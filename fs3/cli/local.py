@@ -23,9 +23,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fs3.cluster.processes import ProcessSettings, ServiceProcess, config_toml, pid_alive, process_configs
+from fs3.cluster.processes import (
+    ProcessSettings,
+    ServiceProcess,
+    config_toml,
+    pid_alive,
+    process_configs,
+    signal_group,
+)
 from fs3.cluster.topology import META, MGMTD, Topology
-from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
+from fs3.common.errors import InvalidArgument, Unavailable
 
 __all__ = ["LocalCluster"]
 
@@ -171,8 +178,7 @@ class LocalCluster:
         if mount is not None:
             # Unmount first, while meta can still take the last closes.
             pid = mount.pid
-            if pid and pid_alive(pid):
-                os.killpg(pid, signal.SIGTERM)
+            if pid and pid_alive(pid) and signal_group(pid, signal.SIGTERM):
                 deadline = time.monotonic() + 10
                 while pid_alive(pid) and time.monotonic() < deadline:
                     if mount.popen is not None and mount.popen.poll() is not None:
@@ -182,7 +188,7 @@ class LocalCluster:
             proc = self.procs[name]
             pid = proc.pid
             if pid and pid_alive(pid):
-                os.killpg(pid, signal.SIGTERM)
+                signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for proc in self.procs.values():
             pid = proc.pid
@@ -191,7 +197,7 @@ class LocalCluster:
                     break
                 time.sleep(0.05)
             if pid and pid_alive(pid) and (proc.popen is None or proc.popen.poll() is None):
-                os.killpg(pid, signal.SIGKILL)
+                signal_group(pid, signal.SIGKILL)
             if proc.popen is not None:
                 proc.popen.wait(timeout=5)
                 proc.popen = None
@@ -296,7 +302,9 @@ def local_command(args: Any) -> int:
             print("\nfs3: stopping...", flush=True)
             cluster.stop_all()
             return 0
-        except (FS3Error, KeyboardInterrupt):
+        except BaseException:
+            # Whatever stopped the start (a service that never got ready, a spawn that failed,
+            # Ctrl-C), the services already started must not run on with nobody to stop them.
             if started or any(p.popen for p in cluster.procs.values()):
                 cluster.stop_all()
             raise

@@ -379,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return local_command(args)
         return asyncio.run(run_admin(args))
-    except FS3Error as exc:
+    except (FS3Error, OSError) as exc:  # OSError: the client API's errors (connect, a mount's start)
         print(f"fs3: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -23,7 +23,6 @@ from fs3.client.oserrors import os_errors
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.clock import Clock
-from fs3.common.errors import InvalidArgument
 from fs3.common.posix import O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.rpc.channel import RealChannelFactory, Transport
 
@@ -499,16 +498,22 @@ class AsyncFileSystem:
 
 async def connect(mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,
                   **options: object) -> AsyncFileSystem:
-    """Connect to the cluster whose mgmtd listens at ``mgmtd`` (``HOST:PORT``)."""
+    """Connect to the cluster whose mgmtd listens at ``mgmtd`` (``HOST:PORT``).
+
+    A public edge like every method of the API: a cluster that cannot be reached, or refuses the
+    token, is the ``OSError`` a local file system would raise; an option the client does not have
+    is a ``TypeError``, as for any unexpected keyword argument.
+    """
     if options:
         fields = set(ClientConfig.__dataclass_fields__)
         unknown = set(options) - fields
         if unknown:
-            raise InvalidArgument(f"unknown client options: {', '.join(sorted(unknown))}")
+            raise TypeError(f"unknown client options: {', '.join(sorted(unknown))}")
         config = ClientConfig(**options)  # type: ignore[arg-type]
     fs = AsyncFileSystem(mgmtd, token, config)
     try:
-        return await fs.start()
+        with os_errors(mgmtd if isinstance(mgmtd, str) else None):
+            return await fs.start()
     except BaseException:
         await fs.close()
         raise

@@ -30,7 +30,7 @@ from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig
 
 __all__ = ["ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner", "config_toml", "fs3_argv",
-           "pid_alive", "process_configs"]
+           "pid_alive", "process_configs", "signal_group"]
 
 #: Starts ``argv`` with ``env``, its output appended to the log file; returns the child, leader of
 #: its own process group (so that a signal reaches whatever it started).
@@ -144,6 +144,36 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def signal_group(pid: int, sig: int) -> bool:
+    """``sig`` to the process group ``pid`` leads; False when it is gone (it may exit between a
+    liveness check and the signal: that must not end a shutdown half way)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _read_ready_file(path: Path) -> dict[str, Any] | None:
+    """A ready file's contents; None while it is missing or not yet whole (a service that writes
+    it in place can be read half-written)."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _runs_with_argument(pid: int, argument: str) -> bool:
+    """Whether process ``pid`` was started with ``argument`` on its command line (a service's
+    ready file is: :func:`fs3_argv`). Unknown — no such process, no ``/proc`` — is no."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return os.fsencode(argument) in argv
+
+
 @dataclass
 class ServiceProcess:
     """One service as a child process: ``args`` after ``fs3``, its ready file and its log."""
@@ -165,8 +195,9 @@ class ServiceProcess:
         """Its ready file once written; Unavailable, with its log's tail, if it exits or takes too long."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                self.info = json.loads(self.ready_file.read_text())
+            info = _read_ready_file(self.ready_file)
+            if info is not None:
+                self.info = info
                 return self.info
             if self.popen is not None and self.popen.poll() is not None:
                 raise Unavailable(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
@@ -185,13 +216,17 @@ class ServiceProcess:
     @property
     def pid(self) -> int | None:
         """Its process id: of the child this object started, else the one its ready file names
-        (a cluster started by an earlier ``fs3 local up --detach``)."""
+        (a cluster started by an earlier ``fs3 local up --detach``) while that process is still
+        this service. A ready file outlives its process (a crash, a reboot), and the id it names
+        may belong to another program by now: signalling it would stop someone else's work."""
         if self.popen is not None:
             return self.popen.pid
+        info = _read_ready_file(self.ready_file)
         try:
-            return int(json.loads(self.ready_file.read_text())["pid"])
-        except (OSError, ValueError, KeyError):
+            pid = int(info["pid"]) if info is not None else 0
+        except (ValueError, KeyError, TypeError):
             return None
+        return pid if pid > 0 and _runs_with_argument(pid, str(self.ready_file)) else None
 
     def send_signal(self, sig: int) -> None:
         """``sig`` to its process group (a SIGKILL is waited for, so the child is reaped)."""

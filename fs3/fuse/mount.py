@@ -155,8 +155,10 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, pyfuse3.terminate)
         if ready_file:
-            Path(ready_file).write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(target),
-                                                    "mgmtd": mgmtd}))
+            # Atomically, as the servers do: a supervisor polling for the file never reads half of it.
+            tmp = Path(ready_file).with_suffix(".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(target), "mgmtd": mgmtd}))
+            tmp.replace(ready_file)
         log.info("fs3 mounted at %s (mgmtd %s)", target, mgmtd)
         try:
             await pyfuse3.main()

@@ -141,7 +141,13 @@ class MetaJobs(MetaHost):
                 job = schema.GcJob.decode(raw)
                 try:
                     if job.layout.chains:
-                        self.gc_removed_chunks += await self._clear_chunks(inode_id, job.layout, job.first_chunk)
+                        # A truncate job of the inode may still be running (it read its job before
+                        # the inode was deleted): its trim of a chunk already removed would create
+                        # the chunk afresh, with nothing left to collect it. Under the inode's lock
+                        # GC removes what that job leaves.
+                        async with self._inode_lock(inode_id):
+                            self.gc_removed_chunks += await self._clear_chunks(inode_id, job.layout,
+                                                                               job.first_chunk)
                 except FS3Error as exc:
                     log.warning("gc of inode %d postponed: %s", inode_id, exc)
                     continue
