@@ -32,8 +32,11 @@ from fs3.cli.main import main as cli_main
 from fs3.client.admin import AdminClient
 from fs3.client.fs import AsyncFileSystem, ClientConfig
 from fs3.client.meta import Meta
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.errors import (
     AlreadyExists,
+    Internal,
     InvalidArgument,
     NotFound,
     NotPermitted,
@@ -45,8 +48,10 @@ from fs3.kv.api import prefix_end
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import schema, users
+from fs3.meta.identity import MetaGate
 from fs3.meta.limits import USER_GROUPS_MAX, USER_NAME_MAX, USER_PAGE_MAX
-from fs3.rpc.auth import parse_user_token
+from fs3.meta.service import MetaService
+from fs3.rpc.auth import TRUSTED, Principal, Role, parse_user_token, principal_scope
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.methods import service_spec
 from tests.inproc import ClusterThread
@@ -550,3 +555,67 @@ def test_cli_user_add_list_rotate_remove(shared_cluster: ClusterThread, tmp_path
     assert "16 lowercase hex" in capsys.readouterr().err
     assert cli_main([*base, "user", "add", "bad\tname", "--uid", "1", "--gid", "1"]) == 1
     assert "printable" in capsys.readouterr().err
+
+
+# -- the gate on its own: an unstarted service over an in-memory store -----------------------------
+
+
+def _gate(ids: list[str]) -> MetaGate:
+    channels = RealChannelFactory(None, "framed")
+    routing = RoutingCache(["127.0.0.1:1"], channels)
+    service = MetaService(OptimisticTxnEngine(MemKVStore()), routing,
+                          StorageClient(routing, channels, b"m" * 16, StorageClientConfig()))
+    draws = iter(ids)
+    return MetaGate(service, token_id=lambda: next(draws), token_secret=lambda: "S" * 43)
+
+
+def test_the_gate_checks_every_user_request_and_keeps_the_table_to_services() -> None:
+    async def body() -> None:
+        gate = _gate(["00000000000000a1", "00000000000000a1", "00000000000000a2"])
+        add = mpb.AddUserReq(name="alice", uid=1000, gid=100, groups=[27])
+        first, _ = await gate.add_user(add, memoryview(b""))
+        assert first.token == "fs3u.00000000000000a1." + "S" * 43
+        second, _ = await gate.add_user(add, memoryview(b""))  # the first draw is taken: drawn again
+        assert second.user.token_id == "00000000000000a2"
+        alice = Principal(Role.USER, first.token)
+        for principal in (TRUSTED, alice):
+            with principal_scope(principal):
+                for call in (gate.add_user(add, memoryview(b"")), gate.list_users(mpb.ListUsersReq(), memoryview(b"")),
+                             gate.remove_user(mpb.UserIdReq(token_id="00000000000000a1"), memoryview(b"")),
+                             gate.rotate_user(mpb.UserIdReq(token_id="00000000000000a1"), memoryview(b""))):
+                    with pytest.raises(PermissionDenied):
+                        await call
+        with principal_scope(TRUSTED):
+            assert not (await gate.who_am_i(mpb.WhoAmIReq(), memoryview(b"")))[0].bound
+            forged = mpb.StatFsReq(ctx=mpb.ReqCtx(user=mpb.User(uid=0)))
+            await gate.stat_fs(forged, memoryview(b""))  # a trusted client names any identity
+        with principal_scope(alice):
+            who, _ = await gate.who_am_i(mpb.WhoAmIReq(), memoryview(b""))
+            assert who.bound and who.user == mpb.User(uid=1000, gid=100, groups=[27]) and who.name == "alice"
+            unnamed = mpb.StatFsReq(ctx=mpb.ReqCtx())
+            await gate.stat_fs(unnamed, memoryview(b""))
+            assert unnamed.ctx.user == who.user  # filled in with the token's identity
+            with pytest.raises(NotPermitted):
+                await gate.stat_fs(forged, memoryview(b""))
+            with pytest.raises(StaleClient):  # a client id this token never registered
+                await gate.stat_fs(mpb.StatFsReq(ctx=mpb.ReqCtx(client_id=b"c" * 16)), memoryview(b""))
+        with principal_scope(Principal(Role.USER, "fs3u.00000000000000a1." + "T" * 43)):
+            with pytest.raises(Unauthenticated):
+                await gate.who_am_i(mpb.WhoAmIReq(), memoryview(b""))
+            with pytest.raises(Unauthenticated):
+                await gate.stat_fs(mpb.StatFsReq(), memoryview(b""))
+
+    run(body())
+
+
+def test_a_random_source_that_keeps_colliding_is_an_error() -> None:
+    async def body() -> None:
+        gate = _gate(["00000000000000a1"] * 20)
+        add = mpb.AddUserReq(name="alice", uid=1000, gid=100)
+        await gate.add_user(add, memoryview(b""))
+        with pytest.raises(Internal, match="random source"):
+            await gate.add_user(add, memoryview(b""))
+        listed, _ = await gate.list_users(mpb.ListUsersReq(), memoryview(b""))
+        assert [u.token_id for u in listed.users] == ["00000000000000a1"]
+
+    run(body())
