@@ -163,7 +163,16 @@ CASES: dict[str, tuple[Any, Message]] = {
     "set_layout": (lambda m: m.set_layout(path_ref(b"/d"), mpb.Layout(chunk_size=1 << 20), ALICE),
                    mpb.SetLayoutReq(dir=mpb.PathRef(path=b"/d"), layout=mpb.Layout(chunk_size=1 << 20))),
     "fsck": (lambda m: m.fsck(False), mpb.FsckReq(check_chunks=False)),
+    "who_am_i": (lambda m: m.who_am_i(), mpb.WhoAmIReq()),
+    "add_user": (lambda m: m.add_user("alice", 1000, 100, [27], comment="c"),
+                 mpb.AddUserReq(name="alice", uid=1000, gid=100, groups=[27], comment="c")),
+    "list_users": (lambda m: m.list_users(start_after="00000000000000aa", limit=5),
+                   mpb.ListUsersReq(start_after="00000000000000aa", limit=5)),
+    "remove_user": (lambda m: m.remove_user("00000000000000aa"), mpb.UserIdReq(token_id="00000000000000aa")),
+    "rotate_user": (lambda m: m.rotate_user("00000000000000aa"), mpb.UserIdReq(token_id="00000000000000aa")),
 }
+# The calls made as the client itself, never for a caller: fsck, and identity and the user table.
+_OWN_CALLS = frozenset({"fsck", "who_am_i", "add_user", "list_users", "remove_user", "rotate_user"})
 
 
 def _operations() -> list[str]:
@@ -186,8 +195,8 @@ def test_each_typed_method_sends_the_rpc_the_service_declares(operation: str) ->
     method = _META_SERVICE.methods_by_name[sent.name]
     assert sent.req.DESCRIPTOR is method.input_type and sent.rsp_type.DESCRIPTOR is method.output_type
     assert sent.req == expected
-    # The FUSE daemon acts for each caller: the user goes with the call (fsck is the client's own).
-    assert sent.user == (None if operation == "fsck" else ALICE)
+    # The FUSE daemon acts for each caller: the user goes with the call (except the client's own calls).
+    assert sent.user == (None if operation in _OWN_CALLS else ALICE)
 
 
 def test_every_rpc_but_the_lease_renewal_has_a_typed_method() -> None:

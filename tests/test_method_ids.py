@@ -48,6 +48,11 @@ PINNED: dict[str, int] = {
     "Meta.SetLayout": 0x0311,
     "Meta.RenewClient": 0x0312,
     "Meta.Fsck": 0x0313,
+    "Meta.WhoAmI": 0x0314,
+    "Meta.AddUser": 0x0315,
+    "Meta.ListUsers": 0x0316,
+    "Meta.RemoveUser": 0x0317,
+    "Meta.RotateUser": 0x0318,
 }
 
 

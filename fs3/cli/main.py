@@ -7,6 +7,7 @@
     fs3 umount  MOUNTPOINT
     fs3 admin   (--mgmtd HOST:PORT [--token T] | --dir DIR) [--json]
                 nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
+                user add|list|remove|rotate
     fs3 local   up|status|down|kill|start [--dir DIR]
     fs3 bench   PATH | --native [--dir DIR | --mgmtd HOST:PORT] [--threads N] [--json]
 """
@@ -166,6 +167,8 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
         return 0 if report.ok else 2
     if args.command in ("fsck", "set-layout"):
         return await _meta_admin(admin, args)
+    if args.command == "user":
+        return await _user_admin(admin, args)
     raise InvalidArgument(f"unknown admin command {args.command}")
 
 
@@ -197,6 +200,79 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
     print(json.dumps(MessageToDict(shown, preserving_proto_field_name=True)) if args.json else
           f"{args.path}: new files use chain table {shown.table_id}, {shown.chunk_size} byte chunks, "
           f"stripe {shown.stripe or 'all chains'}")
+    return 0
+
+
+def _write_token_file(path: str, token: str) -> None:
+    """Write a token to ``path``, readable by its owner only (0600 whatever the umask), replacing
+    the file whole: a reader sees the old token or the new one, never part of either."""
+    target = os.path.abspath(path)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+
+
+def _groups(text: str) -> list[int]:
+    try:
+        return [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"groups are comma-separated numbers, not {text!r}") from None
+
+
+async def _user_admin(admin: Any, args: argparse.Namespace) -> int:
+    """``fs3 admin user ...``: meta's table of per-user tokens. A token is shown once, when made
+    (``add``, ``rotate``): on stdout, or only in ``--token-file`` (0600); never in ``--json``."""
+    from google.protobuf.json_format import MessageToDict
+
+    from fs3.client.meta import Meta
+
+    def as_dict(info: Any) -> dict[str, Any]:
+        return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    if args.user_command in ("add", "rotate") and args.json and not args.token_file:
+        raise InvalidArgument("--json never shows a token: give --token-file FILE to keep it")
+    meta: Meta = await admin.metadata()
+    if args.user_command == "list":
+        found: list[Any] = []
+        start_after, more = "", True
+        while more:
+            page, more = await meta.list_users(start_after=start_after)
+            found.extend(page)
+            start_after = page[-1].token_id if page else ""
+            more = more and bool(page)
+        if args.json:
+            print(json.dumps([as_dict(u) for u in found], indent=2))
+        else:
+            print(_table([[u.token_id, u.name, str(u.uid), str(u.gid), ",".join(map(str, u.groups)) or "-",
+                           u.comment] for u in found], ["id", "name", "uid", "gid", "groups", "comment"]))
+        return 0
+    if args.user_command == "remove":
+        info = await meta.remove_user(args.token_id)
+        print(json.dumps(as_dict(info)) if args.json else
+              f"removed user token {info.token_id} ({info.name}, uid {info.uid}): refused from now on")
+        return 0
+    if args.user_command == "add":
+        rsp = await meta.add_user(args.name, args.uid, args.gid, args.groups or [], args.comment)
+    else:
+        rsp = await meta.rotate_user(args.token_id)
+    info = rsp.user
+    if args.token_file:
+        _write_token_file(args.token_file, rsp.token)
+    if args.json:
+        print(json.dumps({**as_dict(info), "token_file": os.path.abspath(args.token_file)}))
+        return 0
+    done = "added" if args.user_command == "add" else "new secret for"
+    print(f"{done} user token {info.token_id} ({info.name}, uid {info.uid} gid {info.gid})")
+    if args.token_file:
+        print(f"token written to {os.path.abspath(args.token_file)} (mode 0600)")
+    else:
+        print(f"token (shown this once; meta keeps only its hash): {rsp.token}")
     return 0
 
 
@@ -329,6 +405,22 @@ def build_parser() -> argparse.ArgumentParser:
     set_layout.add_argument("--chunk-size", type=int, default=4 * 1024 * 1024, help="bytes, a power of two")
     set_layout.add_argument("--stripe", type=int, default=0, help="chains per file (0: the service default)")
     set_layout.add_argument("--table-id", type=int, default=1)
+    user = admin_sub.add_parser("user", help="per-user tokens: each binds its holder to one uid and its groups")
+    user_sub = user.add_subparsers(dest="user_command", required=True)
+    add = user_sub.add_parser("add", help="make a token for a user (shown once)")
+    add.add_argument("name", help="who holds it (for operators)")
+    add.add_argument("--uid", type=_non_negative_int, required=True)
+    add.add_argument("--gid", type=_non_negative_int, required=True)
+    add.add_argument("--groups", type=_groups, help="supplementary groups, comma-separated")
+    add.add_argument("--comment", default="")
+    user_list = user_sub.add_parser("list", help="the user table (never a secret)")
+    user_list.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    remove = user_sub.add_parser("remove", help="revoke a token, at once")
+    remove.add_argument("token_id", help="the token's id (fs3u.<id>.<secret>)")
+    rotate = user_sub.add_parser("rotate", help="a new secret for a token; the old one is refused at once")
+    rotate.add_argument("token_id")
+    for made in (add, rotate):
+        made.add_argument("--token-file", help="write the token here (mode 0600) instead of printing it")
     return parser
 
 

@@ -24,6 +24,7 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.clock import Clock
 from fs3.common.posix import O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
+from fs3.rpc.auth import parse_user_token
 from fs3.rpc.channel import RealChannelFactory, Transport
 
 __all__ = ["KIND_OF_MODE", "TYPE_BITS", "AsyncFileSystem", "ClientConfig", "DirEntry", "connect", "open_flags",
@@ -54,7 +55,9 @@ class ClientConfig:
     rpc_timeout_ms: int = 10_000
     retry_total_ms: int = 60_000
     inflight_per_file: int = 8
-    uid: int | None = None           # identity sent to meta (default: this process's)
+    # Identity sent to meta (default: a user token's, which meta tells; else this process's). With a
+    # user token meta refuses any identity but the token's (EPERM).
+    uid: int | None = None
     gid: int | None = None
     groups: list[int] | None = None
     umask: int | None = None         # applied to created files and directories (default: the process umask)
@@ -145,6 +148,9 @@ class AsyncFileSystem:
         self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,
                                self.config.rpc_timeout_ms, self.config.retry_total_ms, clock)
         self.metadata = Meta(self.meta)
+        self._user_token = bool(token and parse_user_token(token))
+        # The identity a user token binds (meta's answer to WhoAmI at start); None: not bound.
+        self.bound_user: mpb.User | None = None
         if self.config.umask is None:
             current = os.umask(0)
             os.umask(current)
@@ -160,6 +166,11 @@ class AsyncFileSystem:
 
     def _user(self) -> mpb.User:
         config = self.config
+        bound = self.bound_user
+        if bound is not None:  # a user token: what the config leaves out is the token's
+            return mpb.User(uid=bound.uid if config.uid is None else config.uid,
+                            gid=bound.gid if config.gid is None else config.gid,
+                            groups=bound.groups if config.groups is None else config.groups)
         uid = os.getuid() if config.uid is None else config.uid
         gid = os.getgid() if config.gid is None else config.gid
         groups = os.getgroups() if config.groups is None and config.uid is None else (config.groups or [])
@@ -167,6 +178,9 @@ class AsyncFileSystem:
 
     async def start(self) -> AsyncFileSystem:
         await self.routing.refresh()
+        if self._user_token:
+            who = await self.metadata.who_am_i()
+            self.bound_user = who.user if who.bound else None
         await self.metadata.renew()
         self.metadata.start_lease()
         return self

@@ -222,3 +222,30 @@ class Meta:
     async def fsck(self, check_chunks: bool = True) -> mpb.FsckRsp:
         """Check the namespace (and, with ``check_chunks``, every chunk on storage for orphans)."""
         return await self.client.call("Fsck", mpb.FsckReq(check_chunks=check_chunks), mpb.FsckRsp)
+
+    # -- identity and the user table -------------------------------------------------------------
+
+    async def who_am_i(self) -> mpb.WhoAmIRsp:
+        """The identity this connection's requests run as, when its token binds one (a user token)."""
+        return await self.client.call("WhoAmI", mpb.WhoAmIReq(), mpb.WhoAmIRsp)
+
+    async def add_user(self, name: str, uid: int, gid: int, groups: Sequence[int] = (),
+                       comment: str = "") -> mpb.UserTokenRsp:
+        """A new user token bound to ``uid``, ``gid`` and ``groups`` (a cluster token's call). The
+        answer holds the token; meta keeps only its hash, so it is never shown again."""
+        req = mpb.AddUserReq(name=name, uid=uid, gid=gid, groups=groups, comment=comment)
+        return await self.client.call("AddUser", req, mpb.UserTokenRsp)
+
+    async def list_users(self, *, start_after: str = "", limit: int = 0) -> tuple[list[mpb.UserInfo], bool]:
+        """One page of the user table in token id order (never a secret), and whether more follow."""
+        rsp = await self.client.call("ListUsers", mpb.ListUsersReq(start_after=start_after, limit=limit),
+                                     mpb.ListUsersRsp)
+        return list(rsp.users), rsp.more
+
+    async def remove_user(self, token_id: str) -> mpb.UserInfo:
+        """Revoke a user token: refused from now on, also on connections already open."""
+        return (await self.client.call("RemoveUser", mpb.UserIdReq(token_id=token_id), mpb.UserInfoRsp)).user
+
+    async def rotate_user(self, token_id: str) -> mpb.UserTokenRsp:
+        """A new secret for the token (same id and identity); the old secret is refused from now on."""
+        return await self.client.call("RotateUser", mpb.UserIdReq(token_id=token_id), mpb.UserTokenRsp)

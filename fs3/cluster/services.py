@@ -20,6 +20,7 @@ from fs3.common.clock import Clock
 from fs3.common.metrics import ServiceMetrics
 from fs3.kv.api import TxnEngine
 from fs3.kv.store import KVStore
+from fs3.meta.identity import MetaGate
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import ChannelFactory
@@ -90,5 +91,5 @@ def build_meta(engine: TxnEngine, channels: ChannelFactory, mgmtd_address: str, 
     service = MetaService(engine, routing, storage, config, clock=clock,
                           **({"wall_ns": wall_ns} if wall_ns is not None else {}))
     dispatcher = Dispatcher(token=token, metrics=metrics)
-    dispatcher.add_service(service_spec("Meta"), service)
+    dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     return MetaParts(service, routing, storage, dispatcher)

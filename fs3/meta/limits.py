@@ -28,6 +28,10 @@ __all__ = [
     "READDIR_LIMIT_MAX",
     "REMOVE_PARALLEL",
     "TRUNCATE_ATTEMPTS",
+    "USER_COMMENT_MAX",
+    "USER_GROUPS_MAX",
+    "USER_NAME_MAX",
+    "USER_PAGE_MAX",
     "XATTR_DELETE_PAGE",
     "XATTR_LIST_PAGE",
 ]
@@ -40,6 +44,14 @@ BATCH_STAT_MAX = 10_000
 # Entries one ReadDir page returns (a larger ``limit`` is clamped: paging is the caller's way on).
 # The same reasoning as a batch: one read transaction, an answer of a few MiB with attributes.
 READDIR_LIMIT_MAX = 10_000
+# A user token's record: its name and comment are for operators (a line in a listing), and its
+# supplementary groups are sent with every request it makes. Linux allows 65,536 groups; a token
+# is one person's or one job's identity, and 64 keeps a record (and each request) small.
+USER_NAME_MAX = 64
+USER_COMMENT_MAX = 256
+USER_GROUPS_MAX = 64
+# Records one ListUsers page returns (a larger ``limit`` is clamped), in one read transaction.
+USER_PAGE_MAX = 1000
 # Linux's xattr limits (XATTR_NAME_MAX, XATTR_SIZE_MAX, and one listxattr answer: a longer list is
 # E2BIG) are the POSIX vocabulary's: fs3/common/posix.py, shared with the client.
 

@@ -17,6 +17,7 @@ key                                                    value
 ``SGEN`` + inode_id(8)                                 the inode's size generation (8 bytes)
 ``IDEM`` + client_id(16) + request_id(8)               :class:`IdemRecord`: a committed answer
 ``CNTR`` + name                                        a counter (8 bytes)
+``USER`` + token_id(8)                                 :class:`UserRecord`: a per-user token
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
                                                        parent (8 bytes)
 =====================================================  ==========================================
@@ -44,6 +45,7 @@ __all__ = [
     "IdemRecord",
     "Session",
     "TruncateJob",
+    "UserRecord",
     "client_key",
     "client_prefix",
     "client_session_key",
@@ -70,6 +72,8 @@ __all__ = [
     "size_gen_prefix",
     "truncate_key",
     "truncate_prefix",
+    "user_key",
+    "user_prefix",
     "xattr_key",
     "xattr_prefix",
 ]
@@ -91,6 +95,7 @@ TRUNCATE = b"TRNC"
 SIZE_GEN = b"SGEN"
 IDEM = b"IDEM"
 COUNTER = b"CNTR"
+USER = b"USER"
 
 
 def _u64(value: int) -> bytes:
@@ -236,6 +241,25 @@ def directory_moves_key() -> bytes:
     return counter_key("directory_moves")
 
 
+def user_key(token_id: str) -> bytes:
+    """A user token's record, by its id (16 hex digits, so the table sorts as the ids do)."""
+    try:
+        raw = bytes.fromhex(token_id)
+    except ValueError:
+        raw = b""
+    if len(raw) != 8 or token_id != raw.hex():
+        raise InvalidArgument(f"a user token id is 16 lowercase hex digits, not {token_id!r}")
+    return USER + raw
+
+
+def user_prefix() -> bytes:
+    return USER
+
+
+def parse_user_key(key: bytes) -> str:
+    return key[len(USER):].hex()
+
+
 def encode_u64(value: int) -> bytes:
     return _u64(value)
 
@@ -285,9 +309,16 @@ class Session:
         return cls(raw[:CLIENT_ID_BYTES], bool(write), int(opened_ms), _session_size_gen(rest))
 
 
+_LEASE_OWNER = b"\x00"  # after the pid: an owner follows (a hostname never starts with a NUL)
+
+
 @dataclass(frozen=True)
 class ClientLease:
     """A client's lease: how many times it was renewed, and who holds it (for operators).
+
+    ``owner`` is the id of the user token that registered the client id ("" when a service or a
+    trusted client did): only that token may use the id afterwards, so a user can neither renew
+    another client's lease, nor drop its saved answers, nor act through its open files' sessions.
 
     No time is stored: each meta server times a lease on its own monotonic clock, from the moment
     it saw ``renewals`` change (see ``MetaService.prune_clients_once``), so a wall-clock step
@@ -298,14 +329,23 @@ class ClientLease:
     renewals: int
     hostname: str
     pid: int
+    owner: str = ""
 
     def encode(self) -> bytes:
-        return _u64(self.renewals) + struct.pack(">I", self.pid) + self.hostname.encode()[:255]
+        head = _u64(self.renewals) + struct.pack(">I", self.pid)
+        if self.owner:
+            owner = self.owner.encode()
+            head += _LEASE_OWNER + bytes([len(owner)]) + owner
+        return head + self.hostname.encode()[:255]
 
     @classmethod
     def decode(cls, raw: bytes) -> ClientLease:
-        return cls(int(_U64.unpack_from(raw)[0]), raw[12:].decode(errors="replace"),
-                   int(struct.unpack_from(">I", raw, 8)[0]))
+        renewals, pid = int(_U64.unpack_from(raw)[0]), int(struct.unpack_from(">I", raw, 8)[0])
+        rest, owner = raw[12:], ""
+        if rest[:1] == _LEASE_OWNER:  # a record without an owner (or of an older release) has none
+            size = rest[1]
+            owner, rest = rest[2:2 + size].decode(errors="replace"), rest[2 + size:]
+        return cls(renewals, rest.decode(errors="replace"), pid, owner)
 
 
 @dataclass(frozen=True)
@@ -417,3 +457,28 @@ class IdemRecord:
     @classmethod
     def decode(cls, raw: bytes) -> IdemRecord:
         return cls(int(_U64.unpack_from(raw)[0]), raw[8:])
+
+
+_USER_FORMAT = b"\x01"
+_SECRET_HASH_BYTES = 32
+
+
+@dataclass(frozen=True)
+class UserRecord:
+    """A per-user token: its public record, and a hash of its secret (the secret itself is never
+    stored: whoever reads the store learns nothing that authenticates)."""
+
+    info: mpb.UserInfo
+    secret_hash: bytes
+
+    def encode(self) -> bytes:
+        if len(self.secret_hash) != _SECRET_HASH_BYTES:
+            raise InvalidArgument("a user token's secret hash is 32 bytes")
+        return _USER_FORMAT + self.secret_hash + self.info.SerializeToString()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> UserRecord:
+        if raw[:1] != _USER_FORMAT:
+            raise InvalidArgument("not a user token record")
+        end = 1 + _SECRET_HASH_BYTES
+        return cls(mpb.UserInfo.FromString(raw[end:]), raw[1:end])

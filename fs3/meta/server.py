@@ -27,6 +27,7 @@ from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
 from fs3.kv.store import open_kv
 from fs3.kv.txn import OptimisticTxnEngine
+from fs3.meta.identity import MetaGate
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
@@ -123,7 +124,7 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
     service = MetaService(engine, routing, storage, config.service_config())
     dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
-    dispatcher.add_service(service_spec("Meta"), service)
+    dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics)
     with contextlib.suppress(FS3Error):
         await routing.refresh()

@@ -44,6 +44,7 @@ from fs3.common.errors import (
     FS3Error,
     Internal,
     InvalidArgument,
+    NotPermitted,
     StaleClient,
     Unavailable,
 )
@@ -67,6 +68,7 @@ from fs3.meta.ops import (
     TruncatePending,
     TruncateUnclaimed,
 )
+from fs3.rpc.auth import Role, current_principal
 
 __all__ = ["MetaService", "MetaServiceConfig"]
 
@@ -94,6 +96,9 @@ class MetaServiceConfig:
     txn_retry_max: int = 20
     # Chunks listed (and then removed) per storage call of a GC or truncate job or a length probe.
     chunk_page: int = 256
+    # A user token bound to uid 0 acts as nobody (65534): a stolen user token is then never root.
+    # Off: such a token is root on the file system (services and trusted clients are not affected).
+    root_squash: bool = True
 
     def validate(self) -> None:
         if self.client_lease_ms < 1:
@@ -587,16 +592,27 @@ class MetaService(FileLengths, MetaJobs):
         that would renew it: the pruner's expiry re-reads the count it judged stale, so a renewal
         and an expiry never both succeed. A client that says it renewed before (``renewals``)
         but has no lease any more lapsed too, even once meta no longer remembers it.
+
+        A client id registered with a user token belongs to that token (``ClientLease.owner``):
+        no other user token may renew it (nor, see :mod:`fs3.meta.identity`, use it at all).
         """
         key = schema.client_key(req.client_id)
+        principal = current_principal()
+        user_token = principal.token_id if principal.role == Role.USER else ""
 
         async def renew(txn: Transaction) -> int:
             await _refuse_expired(txn, req.client_id)
             raw = await txn.get(key)
             if raw is None and req.renewals:
                 raise StaleClient("this client's lease lapsed: register afresh")
-            renewals = 1 if raw is None else schema.ClientLease.decode(raw).renewals + 1
-            txn.put(key, schema.ClientLease(renewals, req.hostname, req.pid).encode())
+            lease = None if raw is None else schema.ClientLease.decode(raw)
+            if lease is not None and principal.role == Role.USER and lease.owner != user_token:
+                log.warning("refused user token %s the renewal of client %s, registered with another credential",
+                            user_token, req.client_id.hex())
+                raise NotPermitted("this client id was registered with another credential")
+            renewals = 1 if lease is None else lease.renewals + 1
+            owner = user_token if lease is None else lease.owner
+            txn.put(key, schema.ClientLease(renewals, req.hostname, req.pid, owner).encode())
             return renewals
 
         renewals = await run_transaction(self.engine, renew)

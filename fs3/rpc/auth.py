@@ -49,6 +49,7 @@ CLIENT_METHODS: frozenset[tuple[str, str]] = frozenset(
     + [("Meta", name) for name in (
         "StatFs", "Lookup", "BatchStat", "Open", "MakeNode", "ReadLink", "Link", "Remove", "Rename", "ReadDir",
         "SetAttr", "GetXattr", "SetXattr", "ListXattr", "RemoveXattr", "Close", "Sync", "SetLayout", "RenewClient",
+        "WhoAmI",
     )]
 )
 
