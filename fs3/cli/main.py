@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -350,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.service in ("mgmtd", "storage", "meta", "mount", "local"):
         set_private_umask()  # data, logs and ready files: for this user only
+    if args.service in ("mgmtd", "storage", "meta"):
+        # SIGHUP reloads the token file once the service serves; a rotation that signals it while
+        # it starts must not kill it (the default action), and it reads the file as it starts anyway.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         if args.service in ("mgmtd", "storage", "meta"):
             check_config_file(args.config)  # a config holding a token must be private
