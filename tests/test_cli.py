@@ -24,7 +24,9 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         assert up.returncode == 0, up.stdout + up.stderr
         info = json.loads((root / "cluster.json").read_text())
         assert set(info["processes"]) == {"mgmtd", "meta", "storage-1", "storage-2", "storage-3"}
-        base = ["admin", "--mgmtd", info["mgmtd"], "--token", info["token"]]
+        token = Path(info["token_file"]).read_text().splitlines()[0]
+        assert token not in up.stdout + up.stderr and info["token_file"] in up.stdout  # where it is, not what
+        base = ["admin", "--mgmtd", info["mgmtd"], "--token-file", info["token_file"]]
         nodes = json.loads(fs3(*base, "--json", "nodes").stdout)
         assert len(nodes) == 4 and all(n["alive"] for n in nodes)
         assert sorted(n["node_type"] for n in nodes) == ["NODE_META"] + ["NODE_STORAGE"] * 3
@@ -33,7 +35,7 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         table = fs3(*base, "targets")
         assert table.returncode == 0 and "serving" in table.stdout and "up_to_date" in table.stdout
         grpc_nodes = fs3("admin", "--mgmtd", info["processes"]["mgmtd"]["grpc"], "--transport", "grpc",
-                         "--token", info["token"], "--json", "nodes")
+                         "--token-file", info["token_file"], "--json", "nodes")
         assert grpc_nodes.returncode == 0 and len(json.loads(grpc_nodes.stdout)) == 4
         import urllib.request
 
@@ -41,7 +43,7 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         assert b"fs3_rpc_requests" in metrics.read()
         import fs3 as fs3_lib
 
-        with fs3_lib.connect(info["mgmtd"], token=info["token"]) as fs:
+        with fs3_lib.connect(info["mgmtd"], token=token) as fs:
             fs.makedirs("/data/small")
             fs.write_bytes("/data/a.bin", b"x" * 100_000)
         layout = fs3(*base, "set-layout", "/data/small", "--chunk-size", "65536", "--stripe", "1")
@@ -79,7 +81,7 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         assert set(phases) == {"write big file", "read big file", "write small files", "read small files",
                                "stat small files"}
         assert phases["read big file"]["bytes_moved"] == 2 * 3 << 20 and phases["write small files"]["operations"] == 10
-        with fs3_lib.connect(info["mgmtd"], token=info["token"]) as fs:
+        with fs3_lib.connect(info["mgmtd"], token=token) as fs:
             assert fs.listdir("/") == ["data"]  # the benchmark removed its files
         status = fs3("local", "status", "--dir", str(root))
         assert status.returncode == 0 and status.stdout.count("running") == 5

@@ -57,6 +57,18 @@ def test_compose_file_structure() -> None:
     assert tokens == {"fs3-compose-token"}, "every service shares one token"
 
 
+def test_no_secret_in_any_command_line() -> None:
+    """Arguments are visible to every user of a host (ps); tokens travel in the environment."""
+    services = load_compose()["services"]
+    tokens = {v for s in services.values() for k, v in s["environment"].items() if k.endswith("TOKEN")}
+    for name, service in services.items():
+        command = service.get("command", [])
+        words = [command] if isinstance(command, str) else list(command)
+        words += service.get("entrypoint", []) if isinstance(service.get("entrypoint"), list) else []
+        assert not any(t in w for t in tokens for w in words), f"{name}'s command line holds a token"
+        assert not any("--token" in w and "--token-file" not in w for w in words), name
+
+
 @pytest.mark.parametrize("name", SERVER_SERVICES)
 def test_every_setting_is_one_the_service_reads(name: str) -> None:
     service = load_compose()["services"][name]

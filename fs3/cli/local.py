@@ -3,10 +3,16 @@
     fs3 local up [--dir DIR] [--storage-nodes N] [--targets-per-node T] [--replicas R] [--detach]
     fs3 local status|down [--dir DIR]
     fs3 local kill NAME | start NAME      (fault drills: NAME is mgmtd or storage-N)
+    fs3 admin token rotate --dir DIR [--finish]
 
-The first ``up`` writes a config per service (fixed ports, a fresh cluster token) under DIR; later
-runs reuse them, so a restarted cluster finds its data. ``DIR/cluster.json`` describes every
-endpoint, process id and the token.
+The first ``up`` writes a config per service and a fresh cluster token under DIR; later runs
+reuse them, so a restarted cluster finds its data. ``DIR/cluster.json`` describes every endpoint
+and process id, and names the token file, ``DIR/token``.
+
+Everything under DIR is for the user running the cluster only: DIR is ``0700``, the token file,
+the configs, cluster.json and the logs are created ``0600``, and each service runs with umask
+``077`` (its data directories ``0700``, chunk and KV files ``0600``). No token is ever in a
+process's arguments: the services and the mount read the token file.
 """
 
 from __future__ import annotations
@@ -32,7 +38,15 @@ from fs3.cluster.processes import (
     signal_group,
 )
 from fs3.cluster.topology import META, MGMTD, Topology
-from fs3.common.errors import InvalidArgument, Unavailable
+from fs3.common.errors import FS3Error, InvalidArgument, Unauthenticated, Unavailable
+from fs3.common.secret_files import (
+    check_config_file,
+    make_private_dir,
+    read_secret_file,
+    read_token_file,
+    write_secret_file,
+    write_token_file,
+)
 
 __all__ = ["LocalCluster"]
 
@@ -52,9 +66,13 @@ class LocalCluster:
         if storage_nodes < 1 or targets_per_node < 1:
             raise InvalidArgument("a local cluster needs at least one storage node with one target")
         self.root = root.resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.root)
         saved = self._load_layout()
-        self.token = saved.get("token") or token or secrets.token_hex(16)
+        self.token_file = self.root / "token"
+        if not self.token_file.exists():
+            # An earlier release kept the token in layout.json: it moves to the token file.
+            write_token_file(self.token_file, [saved.get("token") or token or secrets.token_hex(16)])
+        read_token_file(self.token_file)  # private, and holds a token: else stop here, saying why
         self.env = {**os.environ, "FS3_LOG_LEVEL": os.environ.get("FS3_LOG_LEVEL", "INFO")}
         # Every service binds port 0 and reports what it got in its ready file, so ports never race
         # with other programs. Only mgmtd's framed port is kept (layout.json) once known: storage
@@ -62,7 +80,7 @@ class LocalCluster:
         self.mgmtd_port = int(saved.get("mgmtd_port") or 0)
         self.topology = Topology(storage_nodes=int(saved.get("storage_nodes") or storage_nodes),
                                  targets_per_node=targets_per_node)
-        settings = ProcessSettings(self.token, heartbeat_timeout_ms=heartbeat_timeout_ms,
+        settings = ProcessSettings("", token_file=str(self.token_file), heartbeat_timeout_ms=heartbeat_timeout_ms,
                                    heartbeat_interval_ms=heartbeat_interval_ms, fsync=fsync,
                                    meta_sync_commits=meta_sync_commits)
         data_dirs = {MGMTD: None, META: meta_data_dir}
@@ -79,16 +97,25 @@ class LocalCluster:
             # The first run writes each service's config; later runs reuse them, so a restarted
             # cluster finds its data where it left it.
             service_dir = self.root / service.name
-            service_dir.mkdir(exist_ok=True)
+            service_dir.mkdir(mode=0o700, exist_ok=True)
             config = service_dir / f"{service.command}.toml"
             if not config.exists():
-                config.write_text(config_toml(service.config))
+                write_secret_file(config, config_toml(service.config))
             self._add(service.name, [service.command, "--config", str(config)])
         self._nodes = self.topology.storage_nodes
         self.mountpoint: str | None = saved.get("mountpoint")
         if self.mountpoint:
-            self._add("mount", ["mount", "MGMTD", self.mountpoint, "--foreground"])
+            self._add("mount", self._mount_args())
         self._save_layout()
+
+    @property
+    def token(self) -> str:
+        """The token this cluster's processes present now (the token file's first line)."""
+        return read_token_file(self.token_file)[0]
+
+    def _mount_args(self) -> list[str]:
+        assert self.mountpoint
+        return ["mount", "MGMTD", self.mountpoint, "--foreground", "--token-file", str(self.token_file)]
 
     def set_mount(self, mountpoint: Path | None) -> None:
         """Mount the cluster at ``mountpoint`` (a managed process, stopped first), or no longer."""
@@ -96,7 +123,7 @@ class LocalCluster:
         self.mountpoint = str(mountpoint.resolve()) if mountpoint else None
         if self.mountpoint:
             Path(self.mountpoint).mkdir(parents=True, exist_ok=True)
-            self._add("mount", ["mount", "MGMTD", self.mountpoint, "--foreground"])
+            self._add("mount", self._mount_args())
         self._save_layout()
 
     @property
@@ -112,19 +139,20 @@ class LocalCluster:
         return json.loads(path.read_text()) if path.exists() else {}
 
     def _save_layout(self) -> None:
-        (self.root / "layout.json").write_text(json.dumps(
-            {"token": self.token, "mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes,
+        write_secret_file(self.root / "layout.json", json.dumps(
+            {"mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes,
              "mountpoint": getattr(self, "mountpoint", None)}))
 
     def write_cluster_json(self) -> Path:
+        """``DIR/cluster.json`` (``0600``): endpoints, process ids, logs and where the token is."""
         data = {
-            "dir": str(self.root), "token": self.token, "mgmtd": self.mgmtd_address,
+            "dir": str(self.root), "token_file": str(self.token_file), "mgmtd": self.mgmtd_address,
             "processes": {name: {"pid": p.popen.pid if p.popen else p.info.get("pid"), "framed": p.info.get("framed"),
                                  "grpc": p.info.get("grpc"), "metrics": p.info.get("metrics"),
                                  "log": str(p.log_path)} for name, p in self.procs.items()},
         }
         path = self.root / "cluster.json"
-        path.write_text(json.dumps(data, indent=2))
+        write_secret_file(path, json.dumps(data, indent=2))
         return path
 
     # -- processes ---------------------------------------------------------------------------
@@ -142,7 +170,6 @@ class LocalCluster:
         else:
             env["FS3_STORAGE_MGMTD_ADDRESS"] = self.mgmtd_address
             env["FS3_META_MGMTD_ADDRESS"] = self.mgmtd_address
-            env["FS3_TOKEN"] = self.token
             args = [self.mgmtd_address if a == "MGMTD" else a for a in args]
         proc.spawn(_spawn, env, args)
         if wait or (name == MGMTD and not self.mgmtd_port):
@@ -241,9 +268,120 @@ class LocalCluster:
         finally:
             await channels.close()
 
+    # -- token rotation ----------------------------------------------------------------------
+
+    def rotate_token(self, finish: bool = False, timeout_s: float = 10) -> list[str]:
+        """Rotate the cluster token without restarting anything; returns the processes signalled.
+
+        Without ``finish``: a new token, in two steps so that no call is refused in between —
+        first every service also accepts it (token file ``old, new``, SIGHUP, and each service
+        is asked until it does), then every process presents it (``new, old``, SIGHUP). Clients
+        with the old token still work. With ``finish``: the old token is dropped (``new``, SIGHUP,
+        and each service asked until it refuses the old one), also on connections already open.
+        A process that is not running reads the file when it starts."""
+        tokens = read_token_file(self.token_file)
+        self._check_reloadable()
+        if finish:
+            if len(tokens) < 2:
+                raise InvalidArgument(f"no rotation in progress in {self.token_file} (one token): nothing to finish")
+            write_token_file(self.token_file, tokens[:1])
+            signalled = self._signal_reload()
+            asyncio.run(self._wait_until_accepted(tokens[1:], False, timeout_s))
+            return signalled
+        if len(tokens) > 1:
+            raise InvalidArgument(f"a rotation is in progress ({len(tokens)} tokens in {self.token_file}): "
+                                  "finish it first with --finish")
+        old, new = tokens[0], secrets.token_hex(16)
+        write_token_file(self.token_file, [old, new])
+        self._signal_reload()
+        asyncio.run(self._wait_until_accepted([new], True, timeout_s))
+        write_token_file(self.token_file, [new, old])
+        return self._signal_reload()
+
+    def _check_reloadable(self) -> None:
+        for name, proc in self.procs.items():
+            if name == "mount":
+                continue
+            config = Path(proc.args[proc.args.index("--config") + 1])
+            check_config_file(config)
+            if '\ntoken = ' in "\n" + read_secret_file(config):
+                raise InvalidArgument(f"{config} holds its token inline (written by an earlier release), so a "
+                                      f"rotation cannot reach {name}: replace its token line with "
+                                      f"token_file = \"{self.token_file}\" and restart it")
+
+    def _running(self) -> dict[str, int]:
+        running = {}
+        for name, proc in self.procs.items():
+            pid = proc.pid
+            if pid and pid_alive(pid):
+                running[name] = pid
+        return running
+
+    def _signal_reload(self) -> list[str]:
+        """SIGHUP to every running process of the cluster: each reads the token file again."""
+        signalled = []
+        for name, pid in self._running().items():
+            if name == "mount" and "--token-file" not in _cmdline(pid):
+                # A mount started without a token file would take SIGHUP as "unmount".
+                print(f"fs3: warning: the mount (pid {pid}) reads no token file; remount it after --finish",
+                      file=sys.stderr)
+                continue
+            os.kill(pid, signal.SIGHUP)
+            signalled.append(name)
+        return signalled
+
+    async def _wait_until_accepted(self, tokens: list[str], accepted: bool, timeout_s: float) -> None:
+        """Ask every running service until each accepts (or refuses) each of ``tokens``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        running = self._running()
+        for name, proc in self.procs.items():
+            if name == "mount" or name not in running:
+                continue
+            if not proc.info and proc.ready_file.exists():
+                proc.info = json.loads(proc.ready_file.read_text())
+            address = str(proc.info.get("framed") or "")
+            for token in tokens:
+                while pid_alive(running[name]):  # one that died reads the file when it starts again
+                    if await _accepts(address, token) is accepted:
+                        break
+                    if loop.time() > deadline:
+                        raise Unavailable(f"{name} did not {'take' if accepted else 'drop'} the token within "
+                                          f"{timeout_s}s (its log: {proc.log_path})")
+                    await asyncio.sleep(0.05)
+
+
+async def _accepts(address: str, token: str) -> bool | None:
+    """Whether the service at ``address`` accepts ``token`` (None: it cannot be reached)."""
+    from fs3 import mgmtd_pb2
+    from fs3.rpc.channel import RealChannelFactory
+    from fs3.rpc.methods import service_spec
+
+    channels = RealChannelFactory(token)
+    try:
+        await channels.get(address).call(service_spec("Mgmtd").method("GetRoutingInfo"),
+                                         mgmtd_pb2.GetRoutingInfoReq(), timeout_ms=2_000)
+    except Unauthenticated:
+        return False
+    except Unavailable:
+        return None
+    except FS3Error:
+        return True  # accepted, then told this service serves no such method
+    finally:
+        await channels.close()
+    return True
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
 
 def _spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    with log_path.open("ab") as log:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "ab") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env),
                                 start_new_session=True)
 
@@ -257,16 +395,19 @@ def _print_endpoints(cluster: LocalCluster) -> None:
             continue
         print(f"  {name:<10} framed {info.get('framed', '-'):<22} grpc {info.get('grpc', '-'):<22} "
               f"metrics {info.get('metrics', '-')}  pid {info.get('pid', '-')}")
-    print(f"  token: {cluster.token}")
+    # Where the token is, never the token: this output ends up in terminals, logs and CI output.
+    print(f"  token:  in {cluster.token_file} (its first line; readable by you only)")
     installed = Path(sys.executable).parent / "fs3"
     command = str(installed) if installed.exists() else "fs3"
     if cluster.mountpoint:
         print(f"  mount:  {cluster.mountpoint}  (an ordinary directory: ls, cp, git, python... all work)")
-    print(f"  python: import fs3; fs = fs3.connect({cluster.mgmtd_address!r}, token={cluster.token!r})")
+    print(f"  python: import fs3; fs = fs3.connect({cluster.mgmtd_address!r}, "
+          f"token=open({str(cluster.token_file)!r}).readline().strip())")
     print(f"  url:    fs3://{cluster.mgmtd_address}/path  (fsspec, pandas; storage_options={{'token': ...}})")
-    print(f"  try:   {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} chains")
-    print(f"         {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} fsck")
-    print(f"         {command} admin --mgmtd {cluster.mgmtd_address} --token {cluster.token} verify")
+    print(f"  try:   {command} admin --dir {cluster.root} chains")
+    print(f"         {command} admin --dir {cluster.root} fsck")
+    print(f"         {command} admin --mgmtd {cluster.mgmtd_address} --token-file {cluster.token_file} verify")
+    print(f"         {command} admin token rotate --dir {cluster.root}   (a new token; --finish drops the old)")
     print(f"         {command} local kill storage-2 --dir {cluster.root}   (a drill; 'local start' undoes it)")
 
 
@@ -335,3 +476,26 @@ def local_command(args: Any) -> int:
         print(f"fs3: {args.name} started")
         return 0
     raise InvalidArgument(f"unknown action {args.action}")
+
+
+def rotate_command(args: Any) -> int:
+    """``fs3 admin token rotate --dir DIR [--finish]``: prints where the token is, never a token."""
+    directory = getattr(args, "rotate_dir", None) or args.dir
+    if not directory:
+        raise InvalidArgument("fs3 admin token rotate needs --dir DIR (a local cluster's directory)")
+    root = Path(directory)
+    if not (root / "layout.json").exists():
+        raise InvalidArgument(f"no local cluster in {root} (start one with: fs3 local up --dir {root})")
+    cluster = LocalCluster(root)
+    signalled = cluster.rotate_token(finish=args.finish)
+    state = "finished" if args.finish else "rotating"
+    if args.json:
+        print(json.dumps({"token_file": str(cluster.token_file), "state": state, "signalled": signalled}))
+    elif args.finish:
+        print(f"fs3: the old token is refused now; {cluster.token_file} holds the new one only "
+              f"(reloaded by {', '.join(signalled) or 'no running process'})")
+    else:
+        print(f"fs3: new token in {cluster.token_file} (its first line), presented by every process "
+              f"({', '.join(signalled) or 'none running'}); the old one is still accepted.\n"
+              f"     Move clients to the new token, then: fs3 admin token rotate --dir {root} --finish")
+    return 0

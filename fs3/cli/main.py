@@ -3,11 +3,12 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage [--config FILE] [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
-    fs3 mount   MGMTD MOUNTPOINT [--token T] [--foreground]
+    fs3 mount   MGMTD MOUNTPOINT [--token-file FILE] [--foreground]
     fs3 umount  MOUNTPOINT
-    fs3 admin   (--mgmtd HOST:PORT [--token T] | --dir DIR) [--json]
+    fs3 admin   (--mgmtd HOST:PORT [--token-file FILE] | --dir DIR) [--json]
                 nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
                 user add|list|remove|rotate
+    fs3 admin   token rotate --dir DIR [--finish]
     fs3 local   up|status|down|kill|start [--dir DIR]
     fs3 bench   PATH | --native [--dir DIR | --mgmtd HOST:PORT] [--threads N] [--json]
 """
@@ -18,14 +19,16 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from fs3 import common_pb2 as cpb
-from fs3.cli.cluster import resolve_cluster
+from fs3.cli.cluster import resolve_cluster, resolve_token, warn_token_in_argv
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
+from fs3.common.secret_files import check_config_file, set_private_umask
 
 __all__ = ["build_parser", "main", "run_admin"]
 
@@ -74,7 +77,7 @@ async def run_admin(args: argparse.Namespace) -> int:
     from fs3.rpc.channel import RealChannelFactory
 
     resolve_cluster(args)
-    channels = RealChannelFactory(args.token or os.environ.get("FS3_TOKEN") or None, args.transport)
+    channels = RealChannelFactory(args.token, args.transport)
     admin = AdminClient(args.mgmtd, channels, timeout_ms=args.timeout_ms)
     try:
         return await _admin_command(admin, args)
@@ -310,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     mgmtd.add_argument("--grpc-port", type=int)
     mgmtd.add_argument("--metrics-port", type=int)
     mgmtd.add_argument("--heartbeat-timeout-ms", type=int)
-    mgmtd.add_argument("--token")
+    mgmtd.add_argument("--token", help="cluster token (visible in ps: prefer token_file in the config, "
+                       "--token-file or $FS3_MGMTD_TOKEN)")
+    mgmtd.add_argument("--token-file", help="file of cluster tokens, one a line (read again on SIGHUP)")
 
     storage = sub.add_parser("storage", help="run a storage node")
     storage.add_argument("--config", help="TOML config file (or only FS3_STORAGE_* environment variables)")
@@ -323,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     mount = sub.add_parser("mount", help="mount fs3 with FUSE")
     mount.add_argument("mgmtd", help="mgmtd host:port")
     mount.add_argument("mountpoint")
-    mount.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
+    mount.add_argument("--token", default=None, help="token (visible in ps: prefer --token-file or $FS3_TOKEN)")
+    mount.add_argument("--token-file", help="file whose first line is the token (read again on SIGHUP, so a "
+                       "rotated token reaches the mount without unmounting)")
     mount.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
     mount.add_argument("--transport", choices=("framed", "grpc"), default="framed")
     mount.add_argument("--allow-other", dest="allow_other", action="store_true", default=None,
@@ -363,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--native", action="store_true", help="use fs3's Python client instead of a mount")
     bench.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd (--native)")
     bench.add_argument("--dir", help="a local cluster's directory (--native): its mgmtd and token")
-    bench.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
+    bench.add_argument("--token", default=None, help="token (visible in ps: prefer --token-file or $FS3_TOKEN)")
+    bench.add_argument("--token-file", help="file whose first line is the token")
     bench.add_argument("--threads", "-p", type=int, default=1, help="parallel threads (default 1)")
     bench.add_argument("--big-file-size", default="1G", help="size of each thread's big file (default 1G)")
     bench.add_argument("--small-file-size", default="128K", help="size of each small file (default 128K)")
@@ -375,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     admin = sub.add_parser("admin", help="administer a cluster")
     admin.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
     admin.add_argument("--dir", help="a local cluster's directory (fs3 local): its mgmtd and token")
-    admin.add_argument("--token", default=None, help="cluster token (default: $FS3_TOKEN)")
+    admin.add_argument("--token", default=None, help="token (visible in ps: prefer --token-file or $FS3_TOKEN)")
+    admin.add_argument("--token-file", help="file whose first line is the token")
     admin.add_argument("--transport", choices=("framed", "grpc"), default="framed")
     admin.add_argument("--timeout-ms", type=int, default=10_000)
     admin.add_argument("--json", action="store_true", help="machine-readable output")
@@ -421,18 +430,34 @@ def build_parser() -> argparse.ArgumentParser:
     rotate.add_argument("token_id")
     for made in (add, rotate):
         made.add_argument("--token-file", help="write the token here (mode 0600) instead of printing it")
+    token = admin_sub.add_parser("token", help="cluster tokens")
+    token_sub = token.add_subparsers(dest="token_action", required=True)
+    rotate = token_sub.add_parser("rotate", help="rotate a local cluster's token without a restart: a new token "
+                                  "is presented and the old one still accepted, until --finish drops it")
+    rotate.add_argument("--dir", dest="rotate_dir", help="the local cluster's directory (fs3 local)")
+    rotate.add_argument("--finish", action="store_true", help="drop the old token (once every client moved over)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.service in ("mgmtd", "storage", "meta", "mount", "local"):
+        set_private_umask()  # data, logs and ready files: for this user only
+    if args.service in ("mgmtd", "storage", "meta"):
+        # SIGHUP reloads the token file once the service serves; a rotation that signals it while
+        # it starts must not kill it (the default action), and it reads the file as it starts anyway.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
+        if args.service in ("mgmtd", "storage", "meta"):
+            check_config_file(args.config)  # a config holding a token must be private
         if args.service == "mgmtd":
             from fs3.mgmtd.server import run_mgmtd
             from fs3.mgmtd.service import MgmtdConfig
 
+            warn_token_in_argv(args)
             overrides = {k: getattr(args, k) for k in ("data_dir", "listen_host", "framed_port", "grpc_port",
-                                                       "metrics_port", "heartbeat_timeout_ms", "token")}
+                                                       "metrics_port", "heartbeat_timeout_ms", "token",
+                                                       "token_file")}
             config = load_config(MgmtdConfig, args.config, env_prefix="FS3_MGMTD", overrides=overrides)
             run_mgmtd(config, args.ready_file)
             return 0
@@ -453,7 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 umount(args.mountpoint)
                 print(f"fs3: {args.mountpoint} unmounted")
                 return 0
-            options = MountOptions(token=args.token or os.environ.get("FS3_TOKEN"), transport=args.transport,
+            options = MountOptions(token=None if args.token_file else resolve_token(args),
+                                   token_file=args.token_file, transport=args.transport,
                                    allow_other=args.allow_other, log_level=args.log_level,
                                    readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
                                    attr_timeout_s=args.attr_timeout_s)
@@ -470,6 +496,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fs3.cli.local import local_command
 
             return local_command(args)
+        if args.command == "token":
+            from fs3.cli.local import rotate_command
+
+            return rotate_command(args)
         return asyncio.run(run_admin(args))
     except (FS3Error, OSError) as exc:  # OSError: the client API's errors (connect, a mount's start)
         print(f"fs3: {exc}", file=sys.stderr)

@@ -41,7 +41,7 @@ Spawner = Callable[[list[str], Mapping[str, str], Path], "subprocess.Popen[Any]"
 class ProcessSettings:
     """What a process launcher chooses for every service of its cluster."""
 
-    token: str
+    token: str = field(repr=False)
     heartbeat_timeout_ms: int = 3_000
     heartbeat_interval_ms: int = 200
     rpc_timeout_ms: int = 2_000
@@ -49,6 +49,13 @@ class ProcessSettings:
     fsync: bool = False  # storage targets sync their writes
     meta_sync_commits: bool | None = None  # None: as ``fsync``
     meta_prune_interval_ms: int = 1_000
+    # A token file every service reads (and reads again on SIGHUP) instead of ``token`` inline.
+    token_file: str = ""
+
+    @property
+    def inline_token(self) -> str:
+        """The ``token`` key of a service's config: empty when the services read a token file."""
+        return "" if self.token_file else self.token
 
 
 @dataclass(frozen=True)
@@ -67,19 +74,22 @@ def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Cal
     service keeps its data and ``target_dir(node_id, index)`` a storage target's directory."""
     configs = [ServiceConfig(MGMTD, "mgmtd", MgmtdConfig(
         data_dir=str(data_dir(MGMTD)), grpc_port=0, metrics_port=0,
-        heartbeat_timeout_ms=settings.heartbeat_timeout_ms, token=settings.token))]
+        heartbeat_timeout_ms=settings.heartbeat_timeout_ms, token=settings.inline_token,
+        token_file=settings.token_file))]
     for node_id in topology.node_ids:
         targets = [TargetConfig(topology.target_id(node_id, index), str(target_dir(node_id, index)))
                    for index in range(1, topology.targets_per_node + 1)]
         configs.append(ServiceConfig(topology.storage_name(node_id), "storage", StorageConfig(
-            node_id=node_id, token=settings.token, heartbeat_interval_ms=settings.heartbeat_interval_ms,
+            node_id=node_id, token=settings.inline_token, token_file=settings.token_file,
+            heartbeat_interval_ms=settings.heartbeat_interval_ms,
             rpc_timeout_ms=settings.rpc_timeout_ms, fsync=settings.fsync, framed_port=0, grpc_port=0,
             metrics_port=0, replica=ReplicaConfig(forward_timeout_ms=settings.forward_timeout_ms),
             targets=targets)))
     if topology.with_meta:
         sync_commits = settings.fsync if settings.meta_sync_commits is None else settings.meta_sync_commits
-        meta = MetaConfig(node_id=META_NODE_ID, data_dir=str(data_dir(META)), token=settings.token, framed_port=0,
-                          grpc_port=0, metrics_port=0, sync_commits=sync_commits,
+        meta = MetaConfig(node_id=META_NODE_ID, data_dir=str(data_dir(META)), token=settings.inline_token,
+                          token_file=settings.token_file, framed_port=0, grpc_port=0, metrics_port=0,
+                          sync_commits=sync_commits,
                           heartbeat_interval_ms=settings.heartbeat_interval_ms, rpc_timeout_ms=settings.rpc_timeout_ms)
         meta.service = dataclasses.replace(meta.service, prune_interval_ms=settings.meta_prune_interval_ms)
         configs.append(ServiceConfig(META, "meta", meta))

@@ -25,7 +25,8 @@ def sync_dir(path: str | Path) -> None:
 
 
 def make_dirs_durable(path: str | Path) -> None:
-    """``mkdir -p path``, each directory it creates synced into its parent (raises IoError)."""
+    """``mkdir -p path``, each directory it creates synced into its parent (raises IoError). New
+    directories are ``0700``: they hold a service's data, for no other local user."""
     target = Path(path).absolute()
     missing: list[Path] = []
     cursor = target
@@ -36,7 +37,7 @@ def make_dirs_durable(path: str | Path) -> None:
         cursor = cursor.parent
     try:
         for directory in reversed(missing):
-            directory.mkdir(exist_ok=True)
+            directory.mkdir(mode=0o700, exist_ok=True)
             sync_dir(directory.parent)
     except OSError as exc:
         raise IoError(f"creating {target}: {exc.strerror or exc}") from None

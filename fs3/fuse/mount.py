@@ -19,10 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fs3.common.errors import InvalidArgument, Unavailable
+from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
+from fs3.common.secret_files import read_token_file
+from fs3.rpc.channel import RealChannelFactory
 
 __all__ = ["MountOptions", "is_mounted", "mount_background", "mount_device", "run_foreground", "set_readahead",
            "umount"]
@@ -32,7 +34,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MountOptions:
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
+    # A token file (its first line is presented): read again on SIGHUP, so that a rotated token
+    # reaches a running mount. Without one, SIGHUP unmounts like SIGTERM.
+    token_file: str | None = None
     transport: str = "framed"
     allow_other: bool | None = None     # None: when running as root (others need /etc/fuse.conf)
     attr_timeout_s: float = 1.0
@@ -140,7 +145,8 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         from fs3.fuse.ops import FS3Operations
         from fs3.vfs import Vfs, VfsConfig
 
-        fs = await fs3.aio.connect(mgmtd, token=options.token, transport=options.transport)
+        token = read_token_file(options.token_file)[0] if options.token_file else options.token
+        fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport)
         vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
                                 inflight_per_file=options.inflight_per_file),
                   # From a worker thread: the kernel may hold the directory while a request runs.
@@ -154,6 +160,8 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, pyfuse3.terminate)
+        if options.token_file:
+            loop.add_signal_handler(signal.SIGHUP, lambda: _reload_token(fs.channels, options.token_file or ""))
         if ready_file:
             # Atomically, as the servers do: a supervisor polling for the file never reads half of it.
             tmp = Path(ready_file).with_suffix(".tmp")
@@ -178,6 +186,16 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
     return 0
 
 
+def _reload_token(channels: RealChannelFactory, token_file: str) -> None:
+    """SIGHUP with a token file: present its first token from now on (a rotation)."""
+    try:
+        channels.set_token(read_token_file(token_file)[0])
+    except FS3Error as exc:
+        log.error("SIGHUP: keeping the current token: %s", exc)
+        return
+    log.info("SIGHUP: token reloaded from %s", token_file)
+
+
 def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_file: str | None = None,
                      timeout_s: float = 30) -> int:
     """Start the daemon in its own session and return once the mount answers; returns its pid."""
@@ -195,8 +213,10 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
     env = dict(os.environ)
-    if options.token:
-        env["FS3_TOKEN"] = options.token
+    if options.token_file:
+        args += ["--token-file", str(Path(options.token_file).resolve())]
+    elif options.token:
+        env["FS3_TOKEN"] = options.token  # never in the arguments: ps shows those to every user
     with log_path.open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)

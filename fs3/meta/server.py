@@ -25,6 +25,7 @@ from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.ids import validate_chunk_size
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
+from fs3.common.secret_files import TokenSource, make_private_dir
 from fs3.kv.store import open_kv
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta.identity import MetaGate
@@ -32,7 +33,7 @@ from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
-from fs3.rpc.server import ServiceRuntime, install_uvloop
+from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 
 __all__ = ["MetaConfig", "heartbeat_loop", "run_meta"]
 
@@ -62,7 +63,10 @@ class MetaConfig:
     framed_port: int = 9010
     grpc_port: int = 9011
     metrics_port: int = 9012
-    token: str = ""
+    # The cluster token inline (never printed: not in the repr), or a token file (one token a
+    # line, the first presented, all accepted; read again on SIGHUP, so tokens rotate live).
+    token: str = field(default="", repr=False)
+    token_file: str = ""
     transport: str = "framed"
     data_dir: str = ".fs3/meta"
     kv_engine: str = "rocksdb"
@@ -75,6 +79,8 @@ class MetaConfig:
     def validate(self) -> None:
         if self.node_id <= 0:
             raise InvalidArgument("node_id must be positive")
+        if self.token and self.token_file:
+            raise InvalidArgument("set token or token_file, not both")
         if self.transport not in ("framed", "grpc"):
             raise InvalidArgument(f"transport {self.transport!r}: expected framed or grpc")
         service = self.service
@@ -115,17 +121,20 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
 
 
 async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
+    tokens = TokenReloader(TokenSource(config.token, config.token_file))
+    channels = tokens.channel_factory(config.transport)  # type: ignore[arg-type]
+    if config.kv_engine == "rocksdb":
+        make_private_dir(config.data_dir)
     kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
     engine = OptimisticTxnEngine(kv, sync=config.sync_commits)
     metrics = ServiceMetrics("meta")
-    channels = RealChannelFactory(config.token or None, config.transport)  # type: ignore[arg-type]
     routing = RoutingCache([config.mgmtd_address], channels, config.rpc_timeout_ms)
     storage = StorageClient(routing, channels, os.urandom(16),
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
     service = MetaService(engine, routing, storage, config.service_config())
-    dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
+    dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
-    runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics)
+    runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tokens)
     with contextlib.suppress(FS3Error):
         await routing.refresh()
     await service.start()

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
+from fs3.common.secret_files import TokenSource, make_private_dir
 from fs3.kv.store import open_kv
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
-from fs3.rpc.server import ServiceRuntime, install_uvloop
+from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 
 __all__ = ["run_mgmtd"]
 
@@ -20,12 +21,15 @@ log = logging.getLogger(__name__)
 
 
 async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:
+    tokens = TokenReloader(TokenSource(config.token, config.token_file))
+    if config.kv_engine == "rocksdb":
+        make_private_dir(config.data_dir)
     kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
     metrics = ServiceMetrics("mgmtd")
     servicer = MgmtdServicer(kv, config, metrics=metrics)
-    dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
+    dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Mgmtd"), servicer)
-    runtime = ServiceRuntime("mgmtd", dispatcher, metrics)
+    runtime = ServiceRuntime("mgmtd", dispatcher, metrics, tokens)
     servicer.start()
     await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
     runtime.write_ready_file(ready_file)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
@@ -37,10 +37,15 @@ class MgmtdConfig:
     kv_engine: str = "rocksdb"
     heartbeat_timeout_ms: int = 10_000
     scan_interval_ms: int = 200
-    token: str = ""
+    # The cluster token inline (never printed: not in the repr), or a token file (one token a
+    # line, the first presented, all accepted; read again on SIGHUP, so tokens rotate live).
+    token: str = field(default="", repr=False)
+    token_file: str = ""
     log_level: str = "INFO"
 
     def validate(self) -> None:
+        if self.token and self.token_file:
+            raise InvalidArgument("set token or token_file, not both")
         if self.heartbeat_timeout_ms < 100:
             raise InvalidArgument("heartbeat_timeout_ms must be at least 100")
         if not 10 <= self.scan_interval_ms <= self.heartbeat_timeout_ms:

@@ -128,6 +128,9 @@ class Authenticator:
     def __init__(self, cluster_tokens: Iterable[str] = (), trusted_tokens: Iterable[str] = ()) -> None:
         self._cluster: tuple[str, ...] = ()
         self._trusted: tuple[str, ...] = ()
+        # Counts set_tokens calls: a connection that authenticated under an older generation
+        # checks its credential again before its next request (a dropped token is refused there).
+        self.generation = 0
         self.set_tokens(cluster_tokens, trusted_tokens)
 
     def set_tokens(self, cluster_tokens: Iterable[str], trusted_tokens: Iterable[str] = ()) -> None:
@@ -135,6 +138,12 @@ class Authenticator:
         until every client moved over, then the old one is dropped)."""
         self._cluster = tuple(t for t in cluster_tokens if t)
         self._trusted = tuple(t for t in trusted_tokens if t)
+        self.generation += 1
+
+    @property
+    def trusted_tokens(self) -> tuple[str, ...]:
+        """The trusted-client tokens (kept as they are when only the cluster tokens are reloaded)."""
+        return self._trusted
 
     @property
     def open(self) -> bool:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from google.protobuf.message import Message
 
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.methods import MethodSpec
+
+if TYPE_CHECKING:
+    from fs3.rpc.framed import FramedChannel
+    from fs3.rpc.grpc_transport import GrpcChannel
 
 __all__ = ["Channel", "ChannelFactory", "RealChannelFactory", "Transport"]
 
@@ -41,7 +45,17 @@ class RealChannelFactory:
     def __init__(self, token: str | None = None, transport: Transport = "framed") -> None:
         self.token = token
         self.transport: Transport = transport
-        self._channels: dict[str, Channel] = {}
+        self._channels: dict[str, FramedChannel | GrpcChannel] = {}
+
+    def __repr__(self) -> str:  # never print a secret
+        return f"RealChannelFactory({self.transport}, {len(self._channels)} channels)"
+
+    def set_token(self, token: str | None) -> None:
+        """Present ``token`` on every call from now on (a token rotation): new connections use it,
+        and each open connection is replaced once the calls in flight on it are answered."""
+        self.token = token
+        for channel in self._channels.values():
+            channel.set_token(token)
 
     def get(self, address: str) -> Channel:
         channel = self._channels.get(address)

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 
 _COALESCE_MAX_BYTES = 64 * 1024
+#: One connection's calls in flight: request id -> the future of its (status, message, payload).
+_Pending = dict[int, "asyncio.Future[tuple[int, bytes, bytes]]"]
 
 
 def _send_frame(writer: asyncio.StreamWriter, header: bytes, message: bytes, payload: Buffer) -> None:
@@ -94,6 +96,8 @@ class FramedServer:
         auth = self.dispatcher.auth
         principal: Principal | None = auth.authenticate(None) if auth.open else None
         authenticated = principal is not None
+        presented: bytes | None = None  # the credential of the HELLO, checked again after a token change
+        generation = auth.generation
         inflight = asyncio.Semaphore(limits.inflight_requests_max)
         tasks: set[asyncio.Task[None]] = set()
         first = True
@@ -114,6 +118,7 @@ class FramedServer:
                 message = await reader.readexactly(header.msg_len) if header.msg_len else b""
                 payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
                 if header.kind == FrameKind.HELLO:
+                    presented, generation = message, auth.generation
                     principal = auth.authenticate(message)
                     ok = principal is not None
                     status = StatusCode.OK if ok else StatusCode.UNAUTHENTICATED
@@ -127,6 +132,12 @@ class FramedServer:
                 first = False
                 if header.kind != FrameKind.REQUEST:
                     raise ProtocolError(f"unexpected frame kind {header.kind.name} from a client")
+                if authenticated and auth.generation != generation:
+                    # The valid tokens changed (a rotation finished): a connection opened with a
+                    # token that is no longer valid is refused from its next request on.
+                    generation = auth.generation
+                    principal = auth.authenticate(presented)
+                    authenticated = principal is not None
                 await inflight.acquire()
                 task = asyncio.create_task(
                     self._handle(writer, header.method_id, header.request_id, message, payload, principal,
@@ -182,20 +193,36 @@ class FramedChannel:
         self._connect_timeout_ms = connect_timeout_ms
         self._limits = limits or FramedLimits()
         self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes, bytes]]] = {}
+        # Every connection's reader: the current one's, and those of connections retired by a
+        # token change that still answer the calls sent on them.
+        self._readers: set[asyncio.Task[None]] = set()
+        # The calls in flight on the current connection (each connection has its own).
+        self._pending: _Pending = {}
         # A bound on requests in flight on this connection: callers beyond it wait their turn.
         self._slots = asyncio.Semaphore(self._limits.inflight_requests_max)
         self._ids = itertools.count(1)
         self._connect_lock = asyncio.Lock()
         self._closed = False
 
-    async def _ensure_connected(self) -> asyncio.StreamWriter:
+    def set_token(self, token: str | None) -> None:
+        """Present ``token`` from now on (a token rotation). The current connection, which
+        authenticated with the old token, takes no new calls: the next call opens a connection
+        with the new token, and the old one closes once the calls sent on it have their answers,
+        so a rotation fails no call in flight."""
+        if token == self._token:
+            return
+        self._token = token
+        writer, pending = self._writer, self._pending
+        self._writer, self._pending = None, {}
+        if writer is not None and not pending:
+            writer.close()  # its reader sees the end of the stream and stops
+
+    async def _ensure_connected(self) -> tuple[asyncio.StreamWriter, _Pending]:
         if self._writer is not None and not self._writer.is_closing():
-            return self._writer
+            return self._writer, self._pending
         async with self._connect_lock:
             if self._writer is not None and not self._writer.is_closing():
-                return self._writer
+                return self._writer, self._pending
             if self._closed:
                 raise Unavailable(f"channel to {self.address} is closed")
             try:
@@ -222,11 +249,13 @@ class FramedChannel:
                 if header.status == StatusCode.UNAUTHENTICATED:
                     raise Unauthenticated(f"{self.address} refused the cluster token")
                 raise error_for(header.status, f"handshake with {self.address} refused")
-            self._writer = writer
-            self._reader_task = asyncio.create_task(self._read_loop(reader, writer))
-            return writer
+            self._writer, self._pending = writer, {}
+            reader_task = asyncio.create_task(self._read_loop(reader, writer, self._pending))
+            self._readers.add(reader_task)
+            reader_task.add_done_callback(self._readers.discard)
+            return writer, self._pending
 
-    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pending: _Pending) -> None:
         error: FS3Error = Unavailable(f"connection to {self.address} lost")
         try:
             while True:
@@ -237,9 +266,11 @@ class FramedChannel:
                 if header.request_id == 0 and header.status != StatusCode.OK:
                     error = error_for(header.status, message.decode("utf-8", "replace"))
                     break
-                future = self._pending.pop(header.request_id, None)
+                future = pending.pop(header.request_id, None)
                 if future is not None and not future.done():
                     future.set_result((header.status, message, payload))
+                if self._writer is not writer and not pending:
+                    break  # retired by a token change, and its last call is answered
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         except FS3Error as exc:
@@ -248,10 +279,9 @@ class FramedChannel:
             pass
         finally:
             if self._writer is writer:
-                self._writer = None
+                self._writer, self._pending = None, {}
             writer.close()
-            pending, self._pending = self._pending, {}
-            for future in pending.values():
+            for future in list(pending.values()):
                 if not future.done():
                     future.set_exception(type(error)(error.message))
 
@@ -265,11 +295,11 @@ class FramedChannel:
 
     async def _exchange(self, method: MethodSpec, request: Message, payload: Buffer,
                         timeout_ms: int) -> tuple[int, bytes, bytes]:
-        writer = await self._ensure_connected()
+        writer, pending = await self._ensure_connected()
         request_id = next(self._ids)
         message = request.SerializeToString()
         future: asyncio.Future[tuple[int, bytes, bytes]] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
+        pending[request_id] = future
         timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, _expire, future)
         try:
             header = pack_header(FrameKind.REQUEST, method.method_id, 0, request_id, len(message), len(payload))
@@ -282,14 +312,16 @@ class FramedChannel:
             raise Timeout(f"{method.name} to {self.address} timed out after {timeout_ms} ms") from None
         finally:
             timer.cancel()
-            self._pending.pop(request_id, None)
+            pending.pop(request_id, None)
+            if not pending and pending is not self._pending:
+                writer.close()  # a retired connection's last call is over (answered or timed out)
 
     async def close(self) -> None:
         self._closed = True
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        for reader_task in list(self._readers):
+            reader_task.cancel()
             with contextlib.suppress(BaseException):
-                await self._reader_task
+                await reader_task
         if self._writer is not None:
             self._writer.close()
             self._writer = None

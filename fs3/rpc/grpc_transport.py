@@ -104,6 +104,10 @@ class GrpcChannel:
         self._channel: Any = None
         self._stubs: dict[str, Any] = {}
 
+    def set_token(self, token: str | None) -> None:
+        """Present ``token`` from the next call on (gRPC sends it with every call)."""
+        self._token = token
+
     def _stub(self, method: MethodSpec) -> Any:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)

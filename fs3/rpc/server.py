@@ -1,4 +1,4 @@
-"""Running one service process: both transports, /metrics, signals, and a readiness file."""
+"""Running one service process: both transports, /metrics, signals, its tokens, and a readiness file."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fs3.common.errors import FS3Error
 from fs3.common.metrics import ServiceMetrics, serve_metrics
+from fs3.common.secret_files import TokenSource
+from fs3.rpc.auth import Authenticator
+from fs3.rpc.channel import RealChannelFactory, Transport
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedServer
 from fs3.rpc.grpc_transport import GrpcServer
 
-__all__ = ["BoundAddresses", "ServiceRuntime", "install_uvloop"]
+__all__ = ["BoundAddresses", "ServiceRuntime", "TokenReloader", "install_uvloop"]
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +43,54 @@ class BoundAddresses:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+class TokenReloader:
+    """A service's cluster tokens, read again from their token file on SIGHUP: the dispatcher
+    accepts every token of the file on incoming calls, and the service's channels present the
+    first on outgoing ones (new connections at once; open ones once their calls are answered).
+
+    A file that cannot be read or is not private leaves the tokens as they were (an error is
+    logged, naming the file, never a token): a typo in a rotation loses nothing."""
+
+    def __init__(self, source: TokenSource) -> None:
+        """Reads the tokens once: a token file that cannot be used stops the start, with its error."""
+        self.source = source
+        self._tokens = source.load()
+        self.auth = Authenticator(self._tokens)
+        self.channels: RealChannelFactory | None = None
+
+    def channel_factory(self, transport: Transport) -> RealChannelFactory:
+        """The service's outgoing channels, presenting the first token (and the new one after a reload)."""
+        self.channels = RealChannelFactory(self._tokens[0] if self._tokens else None, transport)
+        return self.channels
+
+    def reload(self) -> bool:
+        """Read the token file again and switch to its tokens; False (and the old tokens kept) if it
+        cannot be used."""
+        if not self.source.reloadable:
+            log.warning("SIGHUP: no token_file is configured, nothing to reload")
+            return False
+        try:
+            tokens = self.source.load()
+        except FS3Error as exc:
+            log.error("SIGHUP: keeping the current tokens: %s", exc)
+            return False
+        self._tokens = tokens
+        self.auth.set_tokens(tokens, self.auth.trusted_tokens)
+        if self.channels is not None:
+            self.channels.set_token(tokens[0])
+        log.info("SIGHUP: %d cluster token(s) loaded from %s", len(tokens), self.source.token_file)
+        return True
+
+
 class ServiceRuntime:
     """Serves a dispatcher on the framed and gRPC transports until told to stop."""
 
-    def __init__(self, name: str, dispatcher: Dispatcher, metrics: ServiceMetrics) -> None:
+    def __init__(self, name: str, dispatcher: Dispatcher, metrics: ServiceMetrics,
+                 tokens: TokenReloader | None = None) -> None:
+        """``tokens``: reloaded on SIGHUP (without, SIGHUP is logged and ignored: it never stops
+        a service)."""
         self.name = name
+        self.tokens = tokens
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.framed = FramedServer(dispatcher)
@@ -70,9 +117,17 @@ class ServiceRuntime:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stopping.set)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         log.info("%s serving: framed %s, grpc %s, metrics %s", self.name, self.bound.framed, self.bound.grpc,
                  self.bound.metrics or "off")
         return self.bound
+
+    def _on_sighup(self) -> None:
+        if self.tokens is None:
+            log.warning("%s: SIGHUP ignored (no token file)", self.name)
+            return
+        self.tokens.reload()
 
     def write_ready_file(self, path: str | None) -> None:
         """Tell a supervisor (fs3 local, tests) where this process listens, atomically."""

@@ -86,13 +86,14 @@ class FileBlobStore:
         try:
             if path.parent not in self._dirs:
                 if not path.parent.is_dir():
-                    path.parent.mkdir(exist_ok=True)
+                    path.parent.mkdir(mode=0o700, exist_ok=True)
                     # The blob's own sync covers its entry in this directory, not this directory's
                     # entry in the root: without this a power loss could take the directory back.
                     if self._sync_dirs:
                         sync_dir(self.root)
                 self._dirs.add(path.parent)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # 0600: chunk data is for the storage service only, whatever the process umask.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(data)
                 while view:

@@ -9,15 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from fs3.common.durable import make_dirs_durable
 from fs3.common.errors import InvalidArgument
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
+from fs3.common.secret_files import TokenSource, make_private_dir
 from fs3.kv.store import RocksKVStore, open_kv
-from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
-from fs3.rpc.server import ServiceRuntime, install_uvloop
+from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 from fs3.storage.blobs import FileBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import StorageNode, StorageNodeConfig
@@ -52,7 +51,10 @@ class StorageConfig:
     framed_port: int = 0
     grpc_port: int = 0
     metrics_port: int = -1
-    token: str = ""
+    # The cluster token inline (never printed: not in the repr), or a token file (one token a
+    # line, the first presented, all accepted; read again on SIGHUP, so tokens rotate live).
+    token: str = field(default="", repr=False)
+    token_file: str = ""
     transport: str = "framed"
     targets: list[TargetConfig] = field(default_factory=list)
     heartbeat_interval_ms: int = 1_000
@@ -73,6 +75,8 @@ class StorageConfig:
             raise InvalidArgument("node_id must be positive")
         if not self.targets:
             raise InvalidArgument("a storage node needs at least one [[targets]] entry")
+        if self.token and self.token_file:
+            raise InvalidArgument("set token or token_file, not both")
         ids = [t.target_id for t in self.targets]
         if len(set(ids)) != len(ids) or any(t <= 0 for t in ids):
             raise InvalidArgument("target ids must be positive and unique")
@@ -104,7 +108,7 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
     engines = {}
     for target in config.targets:
         root = Path(target.path)
-        make_dirs_durable(root)
+        make_private_dir(root)  # 0700: its chunk files are for this service only
         headroom = RocksKVStore.default_headroom(root) if config.kv_engine == "rocksdb" else 0
         kv = open_kv(config.kv_engine, root / "meta" if config.kv_engine == "rocksdb" else None, headroom)
         files = FileBlobStore(root / "chunks", fsync=config.fsync)
@@ -115,11 +119,12 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
 
 
 async def serve_storage(config: StorageConfig, ready_file: str | None = None) -> None:
+    tokens = TokenReloader(TokenSource(config.token, config.token_file))
+    channels = tokens.channel_factory(config.transport)  # type: ignore[arg-type]
     engines = open_engines(config)
     metrics = ServiceMetrics("storage")
-    channels = RealChannelFactory(config.token or None, config.transport)  # type: ignore[arg-type]
-    dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
-    runtime = ServiceRuntime(f"storage-{config.node_id}", dispatcher, metrics)
+    dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
+    runtime = ServiceRuntime(f"storage-{config.node_id}", dispatcher, metrics, tokens)
     node_config = StorageNodeConfig(
         node_id=config.node_id, mgmtd_address=config.mgmtd_address,
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
