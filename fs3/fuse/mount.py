@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fs3.common.errors import InvalidArgument, Unavailable
+from fs3.rpc.tls import TlsConfig
 
 __all__ = ["MountOptions", "is_mounted", "mount_background", "mount_device", "run_foreground", "set_readahead",
            "umount"]
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 class MountOptions:
     token: str | None = None
     transport: str = "framed"
+    tls: TlsConfig | None = None        # mutual TLS to the cluster (CA, this daemon's certificate and key)
     allow_other: bool | None = None     # None: when running as root (others need /etc/fuse.conf)
     attr_timeout_s: float = 1.0
     entry_timeout_s: float = 1.0
@@ -140,7 +142,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         from fs3.fuse.ops import FS3Operations
         from fs3.vfs import Vfs, VfsConfig
 
-        fs = await fs3.aio.connect(mgmtd, token=options.token, transport=options.transport)
+        fs = await fs3.aio.connect(mgmtd, token=options.token, transport=options.transport, tls=options.tls)
         vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
                                 inflight_per_file=options.inflight_per_file),
                   # From a worker thread: the kernel may hold the directory while a request runs.
@@ -192,6 +194,10 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--attr-timeout-s", str(options.attr_timeout_s)]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
+    if options.tls is not None:  # file names only: the key stays in its file
+        for key in ("ca_file", "cert_file", "key_file", "server_name"):
+            if getattr(options.tls, key):
+                args += [f"--tls-{key.replace('_', '-')}", getattr(options.tls, key)]
     env = dict(os.environ)
     if options.token:
         env["FS3_TOKEN"] = options.token

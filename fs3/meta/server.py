@@ -32,6 +32,7 @@ from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, install_uvloop
+from fs3.rpc.tls import Tls, TlsConfig
 
 __all__ = ["MetaConfig", "heartbeat_loop", "run_meta"]
 
@@ -69,6 +70,8 @@ class MetaConfig:
     heartbeat_interval_ms: int = 1_000
     rpc_timeout_ms: int = 5_000
     service: MetaServiceConfig = field(default_factory=_service_defaults)
+    # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
+    tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -114,17 +117,18 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
 
 
 async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
+    tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
     engine = OptimisticTxnEngine(kv, sync=config.sync_commits)
     metrics = ServiceMetrics("meta")
-    channels = RealChannelFactory(config.token or None, config.transport)  # type: ignore[arg-type]
+    channels = RealChannelFactory(config.token or None, config.transport, tls)  # type: ignore[arg-type]
     routing = RoutingCache([config.mgmtd_address], channels, config.rpc_timeout_ms)
     storage = StorageClient(routing, channels, os.urandom(16),
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
     service = MetaService(engine, routing, storage, config.service_config())
     dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
     dispatcher.add_service(service_spec("Meta"), service)
-    runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics)
+    runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tls)
     with contextlib.suppress(FS3Error):
         await routing.refresh()
     await service.start()

@@ -13,6 +13,7 @@ from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, install_uvloop
+from fs3.rpc.tls import Tls
 
 __all__ = ["run_mgmtd"]
 
@@ -20,12 +21,13 @@ log = logging.getLogger(__name__)
 
 
 async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:
+    tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
     metrics = ServiceMetrics("mgmtd")
     servicer = MgmtdServicer(kv, config, metrics=metrics)
     dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
     dispatcher.add_service(service_spec("Mgmtd"), servicer)
-    runtime = ServiceRuntime("mgmtd", dispatcher, metrics)
+    runtime = ServiceRuntime("mgmtd", dispatcher, metrics, tls)
     servicer.start()
     await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
     runtime.write_ready_file(ready_file)

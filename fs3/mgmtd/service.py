@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
@@ -17,6 +17,7 @@ from fs3.common.metrics import ServiceMetrics
 from fs3.kv.store import KVStore
 from fs3.mgmtd.state import MgmtdState
 from fs3.rpc.dispatch import Buffer
+from fs3.rpc.tls import TlsConfig
 
 __all__ = ["MgmtdConfig", "MgmtdServicer"]
 
@@ -38,6 +39,8 @@ class MgmtdConfig:
     heartbeat_timeout_ms: int = 10_000
     scan_interval_ms: int = 200
     token: str = ""
+    # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
+    tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"
 
     def validate(self) -> None:

@@ -16,6 +16,7 @@ from fs3.common.metrics import ServiceMetrics, serve_metrics
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedServer
 from fs3.rpc.grpc_transport import GrpcServer
+from fs3.rpc.tls import Tls
 
 __all__ = ["BoundAddresses", "ServiceRuntime", "install_uvloop"]
 
@@ -40,14 +41,19 @@ class BoundAddresses:
 
 
 class ServiceRuntime:
-    """Serves a dispatcher on the framed and gRPC transports until told to stop."""
+    """Serves a dispatcher on the framed and gRPC transports until told to stop.
 
-    def __init__(self, name: str, dispatcher: Dispatcher, metrics: ServiceMetrics) -> None:
+    With ``tls`` both transports accept only mutual-TLS connections from peers whose certificate
+    the cluster's CA signed (the /metrics endpoint stays plain HTTP: it carries no secrets).
+    """
+
+    def __init__(self, name: str, dispatcher: Dispatcher, metrics: ServiceMetrics, tls: Tls | None = None) -> None:
         self.name = name
         self.dispatcher = dispatcher
         self.metrics = metrics
-        self.framed = FramedServer(dispatcher)
-        self.grpc = GrpcServer(dispatcher)
+        self.tls = tls
+        self.framed = FramedServer(dispatcher, ssl_context=tls.server_context() if tls is not None else None)
+        self.grpc = GrpcServer(dispatcher, tls.grpc_server_credentials() if tls is not None else None)
         self.stopping = asyncio.Event()
         self.bound = BoundAddresses()
         dispatcher.on_fatal(self._fatal)
@@ -70,8 +76,8 @@ class ServiceRuntime:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stopping.set)
-        log.info("%s serving: framed %s, grpc %s, metrics %s", self.name, self.bound.framed, self.bound.grpc,
-                 self.bound.metrics or "off")
+        log.info("%s serving: framed %s, grpc %s (%s), metrics %s", self.name, self.bound.framed, self.bound.grpc,
+                 "mutual TLS" if self.tls is not None else "clear", self.bound.metrics or "off")
         return self.bound
 
     def write_ready_file(self, path: str | None) -> None:

@@ -18,6 +18,7 @@ from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, install_uvloop
+from fs3.rpc.tls import Tls, TlsConfig
 from fs3.storage.blobs import FileBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import StorageNode, StorageNodeConfig
@@ -66,6 +67,8 @@ class StorageConfig:
     inline_max_bytes: int = 128 * 1024
     kv_engine: str = "rocksdb"
     io_threads: int = 4
+    # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
+    tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -115,11 +118,12 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
 
 
 async def serve_storage(config: StorageConfig, ready_file: str | None = None) -> None:
+    tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     engines = open_engines(config)
     metrics = ServiceMetrics("storage")
-    channels = RealChannelFactory(config.token or None, config.transport)  # type: ignore[arg-type]
+    channels = RealChannelFactory(config.token or None, config.transport, tls)  # type: ignore[arg-type]
     dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
-    runtime = ServiceRuntime(f"storage-{config.node_id}", dispatcher, metrics)
+    runtime = ServiceRuntime(f"storage-{config.node_id}", dispatcher, metrics, tls)
     node_config = StorageNodeConfig(
         node_id=config.node_id, mgmtd_address=config.mgmtd_address,
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
