@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import ssl
 import stat
@@ -148,8 +149,10 @@ def test_a_client_refuses_a_server_whose_certificate_names_another_host(pki: Pat
     asyncio.run(body())
 
 
-def test_a_storage_node_with_a_certificate_of_another_ca_cannot_join(tmp_path: Path, pki: Path,
-                                                                      other_pki: Path) -> None:
+def test_a_storage_node_with_a_certificate_of_another_ca_cannot_join(tmp_path: Path, pki: Path, other_pki: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="fs3.storage.node")
+
     async def body() -> None:
         async with InProcessCluster(tmp_path, storage_nodes=1, replicas=1, token=TOKEN, tls_dir=pki) as cluster:
             assert cluster.mgmtd is not None and 1 in cluster.mgmtd.state.nodes  # a node of this CA joined
@@ -168,6 +171,11 @@ def test_a_storage_node_with_a_certificate_of_another_ca_cannot_join(tmp_path: P
                 await asyncio.sleep(0.6)  # a dozen heartbeats
                 assert 9 not in cluster.mgmtd.state.nodes
                 assert 901 not in cluster.mgmtd.state.targets
+                # The node says why in its log, once: it will not heal by itself.
+                refusals = [r for r in caplog.records if r.getMessage().startswith("node 9: routing refresh failed")]
+                assert [r.levelname for r in refusals][:1] == ["WARNING"] and len(refusals) > 3
+                assert "not trusted" in refusals[0].getMessage()
+                assert sum(r.levelname == "WARNING" for r in refusals) == 1
                 with pytest.raises(Unauthenticated, match="not trusted"):
                     await parts.node.heartbeat_once()
             finally:
