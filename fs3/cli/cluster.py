@@ -16,7 +16,7 @@ from fs3.common.config import load_config
 from fs3.common.errors import InvalidArgument
 from fs3.rpc.tls import TlsConfig
 
-__all__ = ["add_tls_arguments", "client_tls", "resolve_cluster"]
+__all__ = ["add_tls_arguments", "client_tls", "resolve_cluster", "tls_from_env"]
 
 _TLS_KEYS = ("ca_file", "cert_file", "key_file", "server_name")
 
@@ -44,6 +44,12 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key-file", help="this client's private key, mode 0600 (default: $FS3_TLS_KEY_FILE)")
     parser.add_argument("--tls-server-name", help="the name servers' certificates carry, if not their host "
                                                   "(default: $FS3_TLS_SERVER_NAME)")
+
+
+def tls_from_env() -> TlsConfig | None:
+    """A client's ``[tls]`` settings from ``FS3_TLS_<KEY>`` (``FS3_TLS_CA_FILE``...); None when TLS is off."""
+    config = load_config(TlsConfig, None, env_prefix="FS3_TLS")
+    return config if config.enabled else None
 
 
 def client_tls(args: argparse.Namespace) -> TlsConfig | None:
