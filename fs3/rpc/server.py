@@ -76,8 +76,9 @@ class ServiceRuntime:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stopping.set)
-        log.info("%s serving: framed %s, grpc %s (%s), metrics %s", self.name, self.bound.framed, self.bound.grpc,
-                 "mutual TLS" if self.tls is not None else "clear", self.bound.metrics or "off")
+        log.info("%s serving (%s): framed %s, grpc %s, metrics %s", self.name,
+                 "mutual TLS" if self.tls is not None else "clear", self.bound.framed, self.bound.grpc,
+                 self.bound.metrics or "off")
         return self.bound
 
     def write_ready_file(self, path: str | None) -> None:
