@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import random
+import socket
 import struct
 import sys
 import tempfile
@@ -95,6 +96,20 @@ async def _raw_client(port: int, inflight: int, send: int, want: int, seconds: f
     start = time.perf_counter()
     await asyncio.gather(*(conn() for _ in range(inflight)))
     return count, time.perf_counter() - start
+
+
+def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
+    """Until the baseline server accepts connections (its process may take a while to start on a
+    loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 # -- fs3 -------------------------------------------------------------------------------------
@@ -189,7 +204,7 @@ def main() -> int:
         port = free_port()
         raw = multiprocessing.get_context("spawn").Process(target=_raw_server, args=(port,), daemon=True)
         raw.start()
-        time.sleep(0.5)
+        _wait_listening(port)
         values: dict[str, float] = {}
 
         async def run() -> None:
