@@ -1,6 +1,6 @@
 """``fs3 local``: a whole cluster on this machine, as child processes with their data under one directory.
 
-    fs3 local up [--dir DIR] [--storage-nodes N] [--targets-per-node T] [--replicas R] [--detach]
+    fs3 local up [--dir DIR] [--storage-nodes N] [--targets-per-node T] [--replicas R] [--detach] [--tls]
     fs3 local status|down [--dir DIR]
     fs3 local kill NAME | start NAME      (fault drills: NAME is mgmtd or storage-N)
 
