@@ -7,8 +7,11 @@ Everything is measured in one run on this machine, and reported as ratios to the
   back (the read shape), with the same number of requests in flight as the fs3 runs.
 * fs3: mgmtd + 3 storage processes (`fs3 storage`), one 3-replica chain and one 1-replica chain,
   the Python client with the same concurrency, over the framed transport and over gRPC.
+* the cost of mutual TLS: a second, identical cluster with TLS on every connection (client to
+  storage and storage forwarding along the chain), measured right after the clear one for each
+  transport; reported as the TLS/clear ratio (``--no-tls`` skips it).
 
-Usage: ``python bench/chunk_bench.py [--seconds 3] [--inflight 8] [--fsync]``.
+Usage: ``python bench/chunk_bench.py [--seconds 3] [--inflight 8] [--fsync] [--no-tls]``.
 Writes ``bench/results/chunk-<timestamp>.json`` and prints a table.
 """
 
@@ -21,6 +24,7 @@ import json
 import multiprocessing
 import os
 import random
+import socket
 import struct
 import sys
 import tempfile
@@ -94,6 +98,20 @@ async def _raw_client(port: int, inflight: int, send: int, want: int, seconds: f
     return count, time.perf_counter() - start
 
 
+def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
+    """Until the baseline server accepts connections (its process may take a while to start on a
+    loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 # -- fs3 -------------------------------------------------------------------------------------
 
 async def _run_for(seconds: float, inflight: int, op: Callable[[int], Awaitable[None]]) -> tuple[int, float]:
@@ -115,7 +133,7 @@ async def _run_for(seconds: float, inflight: int, op: Callable[[int], Awaitable[
 
 async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inflight: int,
                     chains: dict[int, int]) -> dict[str, float]:
-    channels = RealChannelFactory(cluster.token, transport)  # type: ignore[arg-type]
+    channels = RealChannelFactory(cluster.token, transport, cluster.client_tls)  # type: ignore[arg-type]
     routing = RoutingCache([cluster.address("mgmtd", transport)], channels)
     client = StorageClient(routing, channels, f"bench-{transport}".encode(),
                            StorageClientConfig(channels_max=max(64, inflight * 2)))
@@ -153,7 +171,7 @@ async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inf
 
 
 async def _setup(cluster: ProcessCluster) -> dict[int, int]:
-    channels = RealChannelFactory(cluster.token, "framed")
+    channels = RealChannelFactory(cluster.token, "framed", cluster.client_tls)
     admin = AdminClient(cluster.mgmtd_address, channels)
     for _ in range(200):
         if len(await admin.targets()) >= 6:
@@ -175,6 +193,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--inflight", type=int, default=8)
     parser.add_argument("--fsync", action="store_true", help="fsync chunk data and metadata on commit")
+    parser.add_argument("--no-tls", action="store_true", help="skip the run with mutual TLS")
     parser.add_argument("--data-dir", help="where the storage targets live (default: a temporary directory; "
                                            "/dev/shm isolates protocol cost from the disk)")
     args = parser.parse_args()
@@ -185,7 +204,7 @@ def main() -> int:
         port = free_port()
         raw = multiprocessing.get_context("spawn").Process(target=_raw_server, args=(port,), daemon=True)
         raw.start()
-        time.sleep(0.5)
+        _wait_listening(port)
         values: dict[str, float] = {}
 
         async def run() -> None:
@@ -207,15 +226,25 @@ def main() -> int:
     before = measure_baseline()
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="fs3-bench-", dir=args.data_dir) as tmp:
-        cluster = ProcessCluster(Path(tmp), storage_nodes=3, targets_per_node=2, fsync=args.fsync)
-        cluster.env["FS3_LOG_LEVEL"] = "WARNING"
+        # The clear and the TLS cluster run side by side; each transport is measured on one right
+        # after the other, so that the ratio of the two sees the same machine.
+        clusters = {"": ProcessCluster(Path(tmp) / "clear", storage_nodes=3, targets_per_node=2, fsync=args.fsync)}
+        if not args.no_tls:
+            clusters["+tls"] = ProcessCluster(Path(tmp) / "tls", storage_nodes=3, targets_per_node=2,
+                                              fsync=args.fsync, tls=True)
         try:
-            cluster.start_all()
-            chains = uvloop.run(_setup(cluster))
+            chains = {}
+            for suffix, cluster in clusters.items():
+                cluster.env["FS3_LOG_LEVEL"] = "WARNING"
+                cluster.start_all()
+                chains[suffix] = uvloop.run(_setup(cluster))
             for transport in ("framed", "grpc"):
-                results[transport] = uvloop.run(_fs3_runs(cluster, transport, args.seconds, args.inflight, chains))
+                for suffix, cluster in clusters.items():
+                    results[transport + suffix] = uvloop.run(
+                        _fs3_runs(cluster, transport, args.seconds, args.inflight, chains[suffix]))
         finally:
-            cluster.stop_all()
+            for cluster in clusters.values():
+                cluster.stop_all()
 
     after = measure_baseline()
     baseline = {key: (before[key] + after[key]) / 2 for key in before}
@@ -226,9 +255,13 @@ def main() -> int:
                         "raw_recv_1m_MiBps" if key.startswith("read_1m") else "raw_recv_4k_ops")
             rows.append((transport, key, value, value / baseline[base_key]))
     print(f"raw baseline ({args.inflight} in flight): " + ", ".join(f"{k} {v:,.0f}" for k, v in baseline.items()))
-    print(f"{'transport':<9} {'workload':<22} {'value':>12} {'ratio to raw':>13}")
+    tls_vs_clear = {f"{transport}/{key}": value / results[transport.removesuffix("+tls")][key]
+                    for transport, key, value, _ in rows if transport.endswith("+tls")}
+    print(f"{'transport':<12} {'workload':<22} {'value':>12} {'ratio to raw':>13} {'TLS/clear':>10}")
     for transport, key, value, ratio in rows:
-        print(f"{transport:<9} {key:<22} {value:>12,.1f} {ratio:>12.1%}")
+        versus = tls_vs_clear.get(f"{transport}/{key}")
+        print(f"{transport:<12} {key:<22} {value:>12,.1f} {ratio:>12.1%} "
+              f"{f'{versus:.1%}' if versus is not None else '':>10}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -236,7 +269,7 @@ def main() -> int:
               "fsync": args.fsync, "data_dir": args.data_dir or tempfile.gettempdir(),
               "cpus": os.cpu_count(), "baseline": baseline, "baseline_before": before, "baseline_after": after,
               "fs3": results,
-              "ratios": {f"{t}/{k}": r for t, k, _, r in rows}}
+              "ratios": {f"{t}/{k}": r for t, k, _, r in rows}, "tls_vs_clear": tls_vs_clear}
     path = out_dir / f"chunk-{stamp}.json"
     path.write_text(json.dumps(record, indent=2))
     print(f"wrote {path.relative_to(ROOT)}")

@@ -2,5 +2,6 @@
 
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, connect
+from fs3.rpc.tls import TlsConfig
 
-__all__ = ["AsyncFile", "AsyncFileSystem", "ClientConfig", "DirEntry", "connect"]
+__all__ = ["AsyncFile", "AsyncFileSystem", "ClientConfig", "DirEntry", "TlsConfig", "connect"]

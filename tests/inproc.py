@@ -16,6 +16,7 @@ from pathlib import Path
 from fs3.client.admin import AdminClient
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.cluster.certs import CLIENT, tls_config
 from fs3.cluster.services import build_meta, build_mgmtd, build_storage_node
 from fs3.cluster.topology import META, META_NODE_ID, MGMTD, Topology
 from fs3.common.clock import Clock
@@ -28,6 +29,7 @@ from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.server import ServiceRuntime
+from fs3.rpc.tls import Tls
 from fs3.storage.node import StorageNode, StorageNodeConfig
 from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig, open_engines
@@ -66,6 +68,12 @@ class InProcessCluster:
     meta_kv: MemKVStore | None = None
     _meta_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _storage_configs: dict[int, StorageConfig] = field(default_factory=dict)
+    # Certificates made by fs3.cluster.certs for every service by name and for "client": mutual TLS.
+    tls_dir: Path | None = None
+
+    def tls(self, name: str) -> Tls | None:
+        """The TLS material of service (or ``client``) ``name``; None when the cluster runs in clear."""
+        return Tls.load(tls_config(self.tls_dir, name)) if self.tls_dir is not None else None
 
     @property
     def topology(self) -> Topology:
@@ -78,10 +86,10 @@ class InProcessCluster:
         metrics = ServiceMetrics("mgmtd")
         mgmtd = build_mgmtd(MemKVStore(), config, token=self.token, metrics=metrics)
         self.mgmtd = mgmtd.servicer
-        self.mgmtd_runtime = ServiceRuntime(MGMTD, mgmtd.dispatcher, metrics)
+        self.mgmtd_runtime = ServiceRuntime(MGMTD, mgmtd.dispatcher, metrics, tls=self.tls(MGMTD))
         self.mgmtd.start()
         await self.mgmtd_runtime.start("127.0.0.1", 0, 0, -1)
-        self.channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
+        self.channels = RealChannelFactory(self.token, self.transport, self.tls(CLIENT))  # type: ignore[arg-type]
         for node_id in topology.node_ids:
             storage_config = StorageConfig(
                 node_id=node_id, fsync=self.storage_fsync,
@@ -89,7 +97,8 @@ class InProcessCluster:
                          for j in range(1, topology.targets_per_node + 1)])
             engines = open_engines(storage_config)
             self._storage_configs[node_id] = storage_config
-            node_channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
+            node_tls = self.tls(topology.storage_name(node_id))
+            node_channels = RealChannelFactory(self.token, self.transport, node_tls)  # type: ignore[arg-type]
             metrics = ServiceMetrics("storage")
             parts = build_storage_node(
                 StorageNodeConfig(node_id=node_id, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100,
@@ -97,7 +106,7 @@ class InProcessCluster:
                                   channel_expiry_interval_ms=self.channel_expiry_interval_ms),
                 engines, node_channels, token=self.token, metrics=metrics)
             node = parts.node
-            runtime = ServiceRuntime(topology.storage_name(node_id), parts.dispatcher, metrics)
+            runtime = ServiceRuntime(topology.storage_name(node_id), parts.dispatcher, metrics, tls=node_tls)
             bound = await runtime.start("127.0.0.1", 0, 0, -1)
             node.config.framed_address, node.config.grpc_address = bound.framed, bound.grpc
             await node.start()
@@ -118,14 +127,14 @@ class InProcessCluster:
         if self.meta_kv is None:
             self.meta_kv = MemKVStore()
         engine = OptimisticTxnEngine(self.meta_kv, faults=self.meta_faults)
-        channels = RealChannelFactory(self.token, self.transport)  # type: ignore[arg-type]
+        channels = RealChannelFactory(self.token, self.transport, self.tls(META))  # type: ignore[arg-type]
         metrics = ServiceMetrics("meta")
         parts = build_meta(engine, channels, self.mgmtd_address, os.urandom(16), self.meta_config,
                            StorageClientConfig(rpc_timeout_ms=2_000), clock=self.meta_clock, wall_ns=self.meta_wall_ns,
                            token=self.token, metrics=metrics)
         await parts.routing.refresh()
         self.meta = parts.service
-        runtime = ServiceRuntime(META, parts.dispatcher, metrics)
+        runtime = ServiceRuntime(META, parts.dispatcher, metrics, tls=channels.tls)
         bound = await runtime.start("127.0.0.1", 0, 0, -1)
         await self.meta.start()
         config = MetaConfig(node_id=META_NODE_ID, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)

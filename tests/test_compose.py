@@ -37,7 +37,7 @@ CONFIGS: dict[str, tuple[type[ServiceConfig], str]] = {
 def test_compose_file_structure() -> None:
     compose = load_compose()
     services = compose["services"]
-    assert set(services) == {"mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client"}
+    assert set(services) == {"certs", "mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client"}
     assert (ROOT / "Dockerfile").exists() and all(s.get("build") == "." for s in services.values())
     for name in [*SERVER_SERVICES, "client"]:
         assert "test" in services[name]["healthcheck"], name
@@ -55,6 +55,14 @@ def test_compose_file_structure() -> None:
     assert client["command"][:1] == ["mount"] and "--foreground" in client["command"]
     tokens = {s["environment"].get(k) for s in services.values() for k in s["environment"] if k.endswith("TOKEN")}
     assert tokens == {"fs3-compose-token"}, "every service shares one token"
+    # Mutual TLS by default: certificates made first, mounted read-only wherever they are used.
+    assert services["mgmtd"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    assert "certs:/certs" in services["certs"]["volumes"] and "certs" in compose["volumes"]
+    for name in [*SERVER_SERVICES, "setup", "client"]:
+        assert "certs:/certs:ro" in services[name]["volumes"], name
+    for name in ("setup", "client"):
+        env = services[name]["environment"]
+        assert (env["FS3_TLS_CA_FILE"], env["FS3_TLS_CERT_FILE"]) == ("/certs/ca.pem", "/certs/client.pem"), name
 
 
 def test_no_secret_in_any_command_line() -> None:
@@ -79,8 +87,36 @@ def test_every_setting_is_one_the_service_reads(name: str) -> None:
     assert unknown == [], f"{name}: settings no service reads: {unknown}"
     config: ServiceConfig = load_config(cls, None, env_prefix=prefix, environ=service["environment"])  # validates
     assert config.token == "fs3-compose-token" and config.listen_host == "0.0.0.0"
+    assert (config.tls.ca_file, config.tls.cert_file, config.tls.key_file) == (
+        "/certs/ca.pem", f"/certs/{name}.pem", f"/certs/{name}.key"), "each service has its own certificate"
     if isinstance(config, StorageConfig):
         assert len(config.targets) == 2 and all(t.path.startswith("/data/") for t in config.targets)
+
+
+def test_the_certs_service_makes_every_file_the_services_name(tmp_path: Path) -> None:
+    """The certs service's command, run as its container runs it, leaves each service and client the
+    files its TLS settings name, each node's certificate naming the host the others dial it by."""
+    from cryptography import x509
+
+    from fs3.cli.main import main as fs3_main
+    from fs3.rpc.tls import Tls, TlsConfig
+
+    services = load_compose()["services"]
+    command = [arg.replace("/certs", str(tmp_path)) for arg in services["certs"]["command"]]
+    assert fs3_main(command) == 0
+    for name in SERVER_SERVICES:
+        kind = services[name]["command"][0]
+        cls, prefix = CONFIGS[kind]
+        env = {k: v.replace("/certs", str(tmp_path)) for k, v in services[name]["environment"].items()}
+        config = load_config(cls, None, env_prefix=prefix, environ=env)
+        assert Tls.load(config.tls, server=True) is not None, name  # readable, key matches, key private
+        cert = x509.load_pem_x509_certificate(Path(config.tls.cert_file).read_bytes())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert name in sans.get_values_for_type(x509.DNSName), name
+    env = services["client"]["environment"]
+    client = TlsConfig(*(env[f"FS3_TLS_{k}"].replace("/certs", str(tmp_path)) for k in ("CA_FILE", "CERT_FILE",
+                                                                                        "KEY_FILE")))
+    assert Tls.load(client) is not None
 
 
 def _free_port() -> int:
@@ -109,7 +145,7 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
         for address, local in addresses.items():
             value = value.replace(address, local)
         value = value.replace("/data", str(tmp_path / name))
-        return value
+        return value.replace("/certs", str(tmp_path / "certs"))
 
     procs: list[subprocess.Popen[bytes]] = []
     bin_dir = Path(sys.executable).parent
@@ -117,6 +153,12 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     try:
+        # The certs service, with loopback added to each node's certificate: here every host is 127.0.0.1.
+        certs = [localize("certs", arg) for arg in services["certs"]["command"]]
+        certs += [arg for name in SERVER_SERVICES for arg in ("--node", f"{name}=127.0.0.1")]
+        done = subprocess.run([sys.executable, "-P", "-m", "fs3.cli.main", *certs], env=base_env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
         for name in SERVER_SERVICES:
             env = {k: localize(name, v) for k, v in services[name]["environment"].items()}
             env.update(ports[name])
@@ -135,7 +177,8 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
                 time.sleep(0.05)
         setup = services["setup"]
         command = localize("setup", setup["command"][0])
-        done = subprocess.run(["sh", "-c", command], env={**base_env, **setup["environment"]}, capture_output=True,
+        client_env = {k: localize("client", v) for k, v in setup["environment"].items()}
+        done = subprocess.run(["sh", "-c", command], env={**base_env, **client_env}, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         client = services["client"]
@@ -143,7 +186,7 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
         mount_cmd[mount_cmd.index("/mnt/fs3")] = str(mnt)
         ready = tmp_path / "client.ready"
         procs.append(subprocess.Popen([sys.executable, "-P", "-m", "fs3.cli.main", *mount_cmd, "--ready-file",
-                                       str(ready)], env={**base_env, **client["environment"]},
+                                       str(ready)], env={**base_env, **client_env},
                                       stdout=(tmp_path / "client.log").open("wb"), stderr=subprocess.STDOUT,
                                       start_new_session=True))
         deadline = time.monotonic() + 60
@@ -154,7 +197,7 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
         (mnt / "hello.txt").write_text("from the compose topology\n")
         assert (mnt / "hello.txt").read_text() == "from the compose topology\n"
         chains = subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd",
-                                 addresses["mgmtd:9000"], "--json", "chains"], env={**base_env, **setup["environment"]},
+                                 addresses["mgmtd:9000"], "--json", "chains"], env={**base_env, **client_env},
                                 capture_output=True, text=True)
         assert chains.returncode == 0 and chains.stdout.count("target_ids") == 2, chains.stdout
     finally:

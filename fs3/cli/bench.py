@@ -396,11 +396,11 @@ def bench_command(args: Any) -> int:
     fs = None
     backend: Backend
     if args.native:
-        from fs3.cli.cluster import resolve_cluster
+        from fs3.cli.cluster import client_tls, resolve_cluster
         from fs3.client.sync_api import connect
 
         mgmtd, token = resolve_cluster(args)
-        fs = connect(mgmtd, token=token)
+        fs = connect(mgmtd, token=token, tls=client_tls(args))
         backend = NativeBackend(fs, args.path or "/")
         where = f"fs3 native client, {mgmtd}:{args.path or '/'}"
     else:

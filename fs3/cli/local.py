@@ -1,6 +1,6 @@
 """``fs3 local``: a whole cluster on this machine, as child processes with their data under one directory.
 
-    fs3 local up [--dir DIR] [--storage-nodes N] [--targets-per-node T] [--replicas R] [--detach]
+    fs3 local up [--dir DIR] [--storage-nodes N] [--targets-per-node T] [--replicas R] [--detach] [--tls]
     fs3 local status|down [--dir DIR]
     fs3 local kill NAME | start NAME      (fault drills: NAME is mgmtd or storage-N)
     fs3 admin token rotate --dir DIR [--finish]
@@ -18,6 +18,7 @@ process's arguments: the services and the mount read the token file.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fs3.cluster.certs import CLIENT, init_certs, tls_config
 from fs3.cluster.processes import (
     ProcessSettings,
     ServiceProcess,
@@ -47,6 +49,7 @@ from fs3.common.secret_files import (
     write_secret_file,
     write_token_file,
 )
+from fs3.rpc.tls import TlsConfig
 
 __all__ = ["LocalCluster"]
 
@@ -57,12 +60,13 @@ class LocalCluster:
     def __init__(self, root: Path, storage_nodes: int = 3, targets_per_node: int = 2, token: str | None = None,
                  heartbeat_timeout_ms: int = 3_000, heartbeat_interval_ms: int = 200, fsync: bool = False,
                  meta_data_dir: Path | None = None, meta_sync_commits: bool | None = None,
-                 storage_data_dirs: dict[int, Path] | None = None) -> None:
+                 storage_data_dirs: dict[int, Path] | None = None, tls: bool | None = None) -> None:
         """``fsync``: storage targets sync their writes and meta its commits (``meta_sync_commits``
         decides for meta alone). ``meta_data_dir`` and ``storage_data_dirs`` (node id -> directory
         of its targets) put data elsewhere than under ``root`` (crash tests: on a disk that loses
         unsynced writes), configs and logs staying under ``root``. All three apply when a service's
-        config is first written."""
+        config is first written. ``tls``: certificates under ``root/certs`` and mutual TLS for every
+        service, the mount and this launcher's own calls (None: as the cluster was first made)."""
         if storage_nodes < 1 or targets_per_node < 1:
             raise InvalidArgument("a local cluster needs at least one storage node with one target")
         self.root = root.resolve()
@@ -80,9 +84,16 @@ class LocalCluster:
         self.mgmtd_port = int(saved.get("mgmtd_port") or 0)
         self.topology = Topology(storage_nodes=int(saved.get("storage_nodes") or storage_nodes),
                                  targets_per_node=targets_per_node)
+        if tls and saved and not saved.get("tls"):
+            raise InvalidArgument(f"the cluster in {self.root} was made without TLS; make a new one for --tls")
+        self.tls = bool(saved.get("tls")) if saved and tls is None else bool(tls)
+        tls_dir = self.root / "certs"
+        if self.tls:
+            names = [MGMTD, META, *(self.topology.storage_name(n) for n in self.topology.node_ids)]
+            init_certs(tls_dir, {name: ["127.0.0.1", "localhost"] for name in names})
         settings = ProcessSettings("", token_file=str(self.token_file), heartbeat_timeout_ms=heartbeat_timeout_ms,
                                    heartbeat_interval_ms=heartbeat_interval_ms, fsync=fsync,
-                                   meta_sync_commits=meta_sync_commits)
+                                   meta_sync_commits=meta_sync_commits, tls_dir=str(tls_dir) if self.tls else "")
         data_dirs = {MGMTD: None, META: meta_data_dir}
 
         def data_dir(name: str) -> Path:
@@ -115,7 +126,19 @@ class LocalCluster:
 
     def _mount_args(self) -> list[str]:
         assert self.mountpoint
-        return ["mount", "MGMTD", self.mountpoint, "--foreground", "--token-file", str(self.token_file)]
+        return ["mount", "MGMTD", self.mountpoint, "--foreground", "--token-file", str(self.token_file),
+                *self._client_tls_args()]
+
+    @property
+    def client_tls(self) -> TlsConfig | None:
+        """The client side of this cluster's TLS (the ``client`` certificate), or None without TLS."""
+        return tls_config(self.root / "certs", CLIENT) if self.tls else None
+
+    def _client_tls_args(self) -> list[str]:
+        tls = self.client_tls
+        if tls is None:
+            return []
+        return ["--tls-ca-file", tls.ca_file, "--tls-cert-file", tls.cert_file, "--tls-key-file", tls.key_file]
 
     def set_mount(self, mountpoint: Path | None) -> None:
         """Mount the cluster at ``mountpoint`` (a managed process, stopped first), or no longer."""
@@ -141,12 +164,14 @@ class LocalCluster:
     def _save_layout(self) -> None:
         write_secret_file(self.root / "layout.json", json.dumps(
             {"mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes,
-             "mountpoint": getattr(self, "mountpoint", None)}))
+             "mountpoint": getattr(self, "mountpoint", None), "tls": self.tls}))
 
     def write_cluster_json(self) -> Path:
         """``DIR/cluster.json`` (``0600``): endpoints, process ids, logs and where the token is."""
         data = {
             "dir": str(self.root), "token_file": str(self.token_file), "mgmtd": self.mgmtd_address,
+            # File names, for clients (fs3 admin --dir): the key itself stays in its 0600 file.
+            "tls": dataclasses.asdict(self.client_tls) if self.client_tls is not None else None,
             "processes": {name: {"pid": p.popen.pid if p.popen else p.info.get("pid"), "framed": p.info.get("framed"),
                                  "grpc": p.info.get("grpc"), "metrics": p.info.get("metrics"),
                                  "log": str(p.log_path)} for name, p in self.procs.items()},
@@ -238,7 +263,7 @@ class LocalCluster:
         from fs3.client.admin import AdminClient
         from fs3.rpc.channel import RealChannelFactory
 
-        channels = RealChannelFactory(self.token)
+        channels = RealChannelFactory(self.token, tls=self.client_tls)
         admin = AdminClient(self.mgmtd_address, channels)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -397,6 +422,9 @@ def _print_endpoints(cluster: LocalCluster) -> None:
               f"metrics {info.get('metrics', '-')}  pid {info.get('pid', '-')}")
     # Where the token is, never the token: this output ends up in terminals, logs and CI output.
     print(f"  token:  in {cluster.token_file} (its first line; readable by you only)")
+    if cluster.tls:
+        print(f"  tls:    mutual TLS on both transports; certificates in {cluster.root / 'certs'} "
+              f"(clients use client.pem and client.key; fs3 admin --dir finds them)")
     installed = Path(sys.executable).parent / "fs3"
     command = str(installed) if installed.exists() else "fs3"
     if cluster.mountpoint:
@@ -414,7 +442,8 @@ def _print_endpoints(cluster: LocalCluster) -> None:
 def local_command(args: Any) -> int:
     root = Path(args.dir)
     if args.action == "up":
-        cluster = LocalCluster(root, storage_nodes=args.storage_nodes, targets_per_node=args.targets_per_node)
+        cluster = LocalCluster(root, storage_nodes=args.storage_nodes, targets_per_node=args.targets_per_node,
+                               tls=args.tls)
         started = False
         try:
             cluster.start_all()

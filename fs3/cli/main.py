@@ -9,6 +9,7 @@
                 nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
                 user add|list|remove|rotate
     fs3 admin   token rotate --dir DIR [--finish]
+    fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
     fs3 local   up|status|down|kill|start [--dir DIR]
     fs3 bench   PATH | --native [--dir DIR | --mgmtd HOST:PORT] [--threads N] [--json]
 """
@@ -22,10 +23,11 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fs3 import common_pb2 as cpb
-from fs3.cli.cluster import resolve_cluster, resolve_token, warn_token_in_argv
+from fs3.cli.cluster import add_tls_arguments, client_tls, resolve_cluster, resolve_token, warn_token_in_argv
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask
@@ -77,7 +79,7 @@ async def run_admin(args: argparse.Namespace) -> int:
     from fs3.rpc.channel import RealChannelFactory
 
     resolve_cluster(args)
-    channels = RealChannelFactory(args.token, args.transport)
+    channels = RealChannelFactory(args.token, args.transport, client_tls(args))
     admin = AdminClient(args.mgmtd, channels, timeout_ms=args.timeout_ms)
     try:
         return await _admin_command(admin, args)
@@ -279,6 +281,23 @@ async def _user_admin(admin: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def certs_command(args: argparse.Namespace) -> int:
+    """``fs3 admin certs init``: a CA and a certificate per node and for clients (files, no cluster)."""
+    from fs3.cluster.certs import init_certs, parse_node_specs
+
+    nodes = parse_node_specs(args.hosts, args.node or [])
+    made = init_certs(Path(args.certs_dir), nodes, days=args.days)
+    if args.json:
+        print(json.dumps([{"name": c.name, "cert": str(c.cert), "key": str(c.key), "created": c.created}
+                          for c in made], indent=2))
+    else:
+        for c in made:
+            print(f"  {c.name:<12} {'made' if c.created else 'kept'}  {c.cert}  (key {c.key})")
+        print(f"services: [tls] ca_file = {made[0].cert}, cert_file/key_file = their NAME.pem/NAME.key; "
+              f"clients: --tls-ca-file/--tls-cert-file/--tls-key-file with client.pem/client.key")
+    return 0
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -345,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--attr-timeout-s", type=_cache_seconds, default=1.0,
                        help="how long the kernel and the mount may keep a file's attributes (default 1)")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
+    add_tls_arguments(mount)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
     umount.add_argument("mountpoint")
 
@@ -356,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--replicas", type=int, default=3)
     up.add_argument("--detach", action="store_true", help="return once healthy, leave it running")
     up.add_argument("--mount", metavar="MNT", help="also mount the cluster here with FUSE")
+    up.add_argument("--tls", action="store_true", default=None,
+                    help="make certificates under DIR/certs and run every service and the mount with mutual TLS "
+                         "(first start only; later starts keep what the cluster was made with)")
     for action in ("status", "down"):
         local_sub.add_parser(action)
     for action in ("kill", "start"):
@@ -379,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--block-size", default="1M", help="I/O size for the big file (default 1M)")
     bench.add_argument("--no-drop-caches", action="store_true", help="keep page caches between phases")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
+    add_tls_arguments(bench)
 
     admin = sub.add_parser("admin", help="administer a cluster")
     admin.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
@@ -388,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin.add_argument("--transport", choices=("framed", "grpc"), default="framed")
     admin.add_argument("--timeout-ms", type=int, default=10_000)
     admin.add_argument("--json", action="store_true", help="machine-readable output")
+    add_tls_arguments(admin)
     admin_sub = admin.add_subparsers(dest="command", required=True)
     admin_sub.add_parser("nodes", help="list nodes")
     admin_sub.add_parser("targets", help="list storage targets")
@@ -436,6 +461,15 @@ def build_parser() -> argparse.ArgumentParser:
                                   "is presented and the old one still accepted, until --finish drops it")
     rotate.add_argument("--dir", dest="rotate_dir", help="the local cluster's directory (fs3 local)")
     rotate.add_argument("--finish", action="store_true", help="drop the old token (once every client moved over)")
+    certs = admin_sub.add_parser("certs", help="certificates for mutual TLS (needs no running cluster)")
+    certs_sub = certs.add_subparsers(dest="certs_action", required=True)
+    init = certs_sub.add_parser("init", help="make a CA (or reuse DIR's) and a certificate and key per node and "
+                                             "one for clients; files that exist are kept")
+    init.add_argument("--dir", dest="certs_dir", required=True, help="where the certificates go (made 0700)")
+    init.add_argument("--hosts", help="H1,H2,...: one node per host name or IP, named after it")
+    init.add_argument("--node", action="append", metavar="NAME=HOST,...",
+                      help="a node NAME whose certificate names these hosts/IPs (repeatable)")
+    init.add_argument("--days", type=int, default=825, help="lifetime of the node and client certificates")
     return parser
 
 
@@ -480,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             options = MountOptions(token=None if args.token_file else resolve_token(args),
                                    token_file=args.token_file, transport=args.transport,
+                                   tls=client_tls(args),
                                    allow_other=args.allow_other, log_level=args.log_level,
                                    readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
                                    attr_timeout_s=args.attr_timeout_s)
@@ -500,6 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fs3.cli.local import rotate_command
 
             return rotate_command(args)
+        if args.command == "certs":
+            return certs_command(args)
         return asyncio.run(run_admin(args))
     except (FS3Error, OSError) as exc:  # OSError: the client API's errors (connect, a mount's start)
         print(f"fs3: {exc}", file=sys.stderr)

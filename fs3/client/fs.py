@@ -26,6 +26,7 @@ from fs3.common.clock import Clock
 from fs3.common.posix import O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.rpc.auth import parse_user_token
 from fs3.rpc.channel import RealChannelFactory, Transport
+from fs3.rpc.tls import TlsConfig
 
 __all__ = ["KIND_OF_MODE", "TYPE_BITS", "AsyncFileSystem", "ClientConfig", "DirEntry", "connect", "open_flags",
            "stat_result"]
@@ -62,6 +63,7 @@ class ClientConfig:
     groups: list[int] | None = None
     umask: int | None = None         # applied to created files and directories (default: the process umask)
     storage: StorageClientConfig = field(default_factory=StorageClientConfig)
+    tls: TlsConfig | None = None     # mutual TLS to every service: the CA and this client's certificate
 
 
 def stat_result(inode: mpb.Inode) -> os.stat_result:
@@ -142,7 +144,7 @@ class AsyncFileSystem:
         self.config = config or ClientConfig()
         addresses = [mgmtd] if isinstance(mgmtd, str) else list(mgmtd)
         self.client_id = os.urandom(16)
-        self.channels = RealChannelFactory(token, self.config.transport)
+        self.channels = RealChannelFactory(token, self.config.transport, self.config.tls)
         self.routing = RoutingCache(addresses, self.channels, self.config.rpc_timeout_ms)
         self.storage = StorageClient(self.routing, self.channels, self.client_id, self.config.storage)
         self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,

@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fs3.cluster.certs import tls_config
 from fs3.cluster.topology import META, META_NODE_ID, MGMTD, Topology
 from fs3.common.errors import InvalidArgument, Unavailable
 from fs3.meta.server import MetaConfig
 from fs3.mgmtd.service import MgmtdConfig
+from fs3.rpc.tls import TlsConfig
 from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig
 
@@ -56,6 +58,8 @@ class ProcessSettings:
     def inline_token(self) -> str:
         """The ``token`` key of a service's config: empty when the services read a token file."""
         return "" if self.token_file else self.token
+    # Certificates made by fs3.cluster.certs for every service by name: mutual TLS everywhere ("" = off).
+    tls_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,10 +76,13 @@ def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Cal
     """Every server's config, in start order. Services bind port 0 and report what they got in
     their ready files, so ports never race with other programs; ``data_dir(name)`` is where a
     service keeps its data and ``target_dir(node_id, index)`` a storage target's directory."""
+    def tls(name: str) -> TlsConfig:
+        return tls_config(Path(settings.tls_dir), name) if settings.tls_dir else TlsConfig()
+
     configs = [ServiceConfig(MGMTD, "mgmtd", MgmtdConfig(
         data_dir=str(data_dir(MGMTD)), grpc_port=0, metrics_port=0,
         heartbeat_timeout_ms=settings.heartbeat_timeout_ms, token=settings.inline_token,
-        token_file=settings.token_file))]
+        token_file=settings.token_file, tls=tls(MGMTD)))]
     for node_id in topology.node_ids:
         targets = [TargetConfig(topology.target_id(node_id, index), str(target_dir(node_id, index)))
                    for index in range(1, topology.targets_per_node + 1)]
@@ -84,13 +91,14 @@ def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Cal
             heartbeat_interval_ms=settings.heartbeat_interval_ms,
             rpc_timeout_ms=settings.rpc_timeout_ms, fsync=settings.fsync, framed_port=0, grpc_port=0,
             metrics_port=0, replica=ReplicaConfig(forward_timeout_ms=settings.forward_timeout_ms),
-            targets=targets)))
+            targets=targets, tls=tls(topology.storage_name(node_id)))))
     if topology.with_meta:
         sync_commits = settings.fsync if settings.meta_sync_commits is None else settings.meta_sync_commits
         meta = MetaConfig(node_id=META_NODE_ID, data_dir=str(data_dir(META)), token=settings.inline_token,
                           token_file=settings.token_file, framed_port=0, grpc_port=0, metrics_port=0,
                           sync_commits=sync_commits,
-                          heartbeat_interval_ms=settings.heartbeat_interval_ms, rpc_timeout_ms=settings.rpc_timeout_ms)
+                          heartbeat_interval_ms=settings.heartbeat_interval_ms, rpc_timeout_ms=settings.rpc_timeout_ms,
+                          tls=tls(META))
         meta.service = dataclasses.replace(meta.service, prune_interval_ms=settings.meta_prune_interval_ms)
         configs.append(ServiceConfig(META, "meta", meta))
     return configs

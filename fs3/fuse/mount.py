@@ -25,6 +25,7 @@ from pathlib import Path
 from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
 from fs3.common.secret_files import read_token_file
 from fs3.rpc.channel import RealChannelFactory
+from fs3.rpc.tls import TlsConfig
 
 __all__ = ["MountOptions", "is_mounted", "mount_background", "mount_device", "run_foreground", "set_readahead",
            "umount"]
@@ -39,6 +40,7 @@ class MountOptions:
     # reaches a running mount. Without one, SIGHUP unmounts like SIGTERM.
     token_file: str | None = None
     transport: str = "framed"
+    tls: TlsConfig | None = None        # mutual TLS to the cluster (CA, this daemon's certificate and key)
     allow_other: bool | None = None     # None: when running as root (others need /etc/fuse.conf)
     attr_timeout_s: float = 1.0
     entry_timeout_s: float = 1.0
@@ -146,7 +148,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         from fs3.vfs import Vfs, VfsConfig
 
         token = read_token_file(options.token_file)[0] if options.token_file else options.token
-        fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport)
+        fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport, tls=options.tls)
         vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
                                 inflight_per_file=options.inflight_per_file),
                   # From a worker thread: the kernel may hold the directory while a request runs.
@@ -212,6 +214,10 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--attr-timeout-s", str(options.attr_timeout_s)]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
+    if options.tls is not None:  # file names only: the key stays in its file
+        for key in ("ca_file", "cert_file", "key_file", "server_name"):
+            if getattr(options.tls, key):
+                args += [f"--tls-{key.replace('_', '-')}", getattr(options.tls, key)]
     env = dict(os.environ)
     if options.token_file:
         args += ["--token-file", str(Path(options.token_file).resolve())]

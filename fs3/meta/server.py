@@ -34,6 +34,7 @@ from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
+from fs3.rpc.tls import Tls, TlsConfig
 
 __all__ = ["MetaConfig", "heartbeat_loop", "run_meta"]
 
@@ -74,6 +75,8 @@ class MetaConfig:
     heartbeat_interval_ms: int = 1_000
     rpc_timeout_ms: int = 5_000
     service: MetaServiceConfig = field(default_factory=_service_defaults)
+    # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
+    tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -121,8 +124,9 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
 
 
 async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
+    tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     tokens = TokenReloader(TokenSource(config.token, config.token_file))
-    channels = tokens.channel_factory(config.transport)  # type: ignore[arg-type]
+    channels = tokens.channel_factory(config.transport, tls)  # type: ignore[arg-type]
     if config.kv_engine == "rocksdb":
         make_private_dir(config.data_dir)
     kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
@@ -134,7 +138,7 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     service = MetaService(engine, routing, storage, config.service_config())
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
-    runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tokens)
+    runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tokens=tokens, tls=tls)
     with contextlib.suppress(FS3Error):
         await routing.refresh()
     await service.start()

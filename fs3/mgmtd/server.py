@@ -14,6 +14,7 @@ from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
+from fs3.rpc.tls import Tls
 
 __all__ = ["run_mgmtd"]
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 
 async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:
+    tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     tokens = TokenReloader(TokenSource(config.token, config.token_file))
     if config.kv_engine == "rocksdb":
         make_private_dir(config.data_dir)
@@ -29,7 +31,7 @@ async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> Non
     servicer = MgmtdServicer(kv, config, metrics=metrics)
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Mgmtd"), servicer)
-    runtime = ServiceRuntime("mgmtd", dispatcher, metrics, tokens)
+    runtime = ServiceRuntime("mgmtd", dispatcher, metrics, tokens=tokens, tls=tls)
     servicer.start()
     await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
     runtime.write_ready_file(ready_file)

@@ -17,6 +17,7 @@ from fs3.common.metrics import ServiceMetrics
 from fs3.kv.store import KVStore
 from fs3.mgmtd.state import MgmtdState
 from fs3.rpc.dispatch import Buffer
+from fs3.rpc.tls import TlsConfig
 
 __all__ = ["MgmtdConfig", "MgmtdServicer"]
 
@@ -41,6 +42,8 @@ class MgmtdConfig:
     # line, the first presented, all accepted; read again on SIGHUP, so tokens rotate live).
     token: str = field(default="", repr=False)
     token_file: str = ""
+    # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
+    tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"
 
     def validate(self) -> None:

@@ -8,6 +8,7 @@ from google.protobuf.message import Message
 
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.methods import MethodSpec
+from fs3.rpc.tls import Tls, TlsConfig
 
 if TYPE_CHECKING:
     from fs3.rpc.framed import FramedChannel
@@ -40,11 +41,19 @@ class ChannelFactory(Protocol):
 
 
 class RealChannelFactory:
-    """Channels over real sockets, one cached per address."""
+    """Channels over real sockets, one cached per address.
 
-    def __init__(self, token: str | None = None, transport: Transport = "framed") -> None:
+    ``tls`` (loaded material, or a ``[tls]`` table to load): every channel speaks mutual TLS,
+    presenting this process's certificate; a service passes the same material its servers use, so
+    its outgoing calls (forwarding, heartbeats, meta to storage) are as protected as its incoming.
+    """
+
+    def __init__(self, token: str | None = None, transport: Transport = "framed",
+                 tls: Tls | TlsConfig | None = None) -> None:
         self.token = token
         self.transport: Transport = transport
+        self.tls = tls if isinstance(tls, Tls) or tls is None else Tls.load(tls)
+        self._grpc_credentials: object = None
         self._channels: dict[str, FramedChannel | GrpcChannel] = {}
 
     def __repr__(self) -> str:  # never print a secret
@@ -60,14 +69,19 @@ class RealChannelFactory:
     def get(self, address: str) -> Channel:
         channel = self._channels.get(address)
         if channel is None:
+            tls = self.tls
             if self.transport == "grpc":
                 from fs3.rpc.grpc_transport import GrpcChannel
 
-                channel = GrpcChannel(address, self.token)
+                if tls is not None and self._grpc_credentials is None:
+                    self._grpc_credentials = tls.grpc_channel_credentials()
+                channel = GrpcChannel(address, self.token, self._grpc_credentials,
+                                      tls.server_name if tls is not None else "")
             else:
                 from fs3.rpc.framed import FramedChannel
 
-                channel = FramedChannel(address, self.token)
+                channel = FramedChannel(address, self.token, ssl_context=tls.client_context if tls else None,
+                                        server_name=tls.server_name if tls is not None else "")
             self._channels[address] = channel
         return channel
 

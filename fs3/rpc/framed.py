@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import socket
+import ssl
 
 from google.protobuf.message import Message
 
@@ -25,6 +26,7 @@ from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.framing import HEADER, FrameKind, pack_header, unpack_header
 from fs3.rpc.limits import FramedLimits
 from fs3.rpc.methods import MethodSpec
+from fs3.rpc.tls import tls_error
 
 __all__ = ["FramedChannel", "FramedLimits", "FramedServer"]
 
@@ -34,6 +36,11 @@ log = logging.getLogger(__name__)
 _COALESCE_MAX_BYTES = 64 * 1024
 #: One connection's calls in flight: request id -> the future of its (status, message, payload).
 _Pending = dict[int, "asyncio.Future[tuple[int, bytes, bytes]]"]
+
+
+def _tls_eof(exc: ssl.SSLError) -> bool:
+    """Whether OpenSSL reports the peer closing the connection without a TLS alert or close_notify."""
+    return isinstance(exc, ssl.SSLEOFError) or exc.reason == "UNEXPECTED_EOF_WHILE_READING"
 
 
 def _send_frame(writer: asyncio.StreamWriter, header: bytes, message: bytes, payload: Buffer) -> None:
@@ -53,16 +60,24 @@ def _tune(writer: asyncio.StreamWriter) -> None:
 
 
 class FramedServer:
-    """Serves a :class:`Dispatcher` over the framed protocol."""
+    """Serves a :class:`Dispatcher` over the framed protocol.
 
-    def __init__(self, dispatcher: Dispatcher, limits: FramedLimits | None = None) -> None:
+    With ``ssl_context`` (a server context that requires a client certificate) every connection
+    first completes a TLS handshake; a peer that fails it is dropped before any frame is read.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, limits: FramedLimits | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.dispatcher = dispatcher
         self.limits = limits or FramedLimits()
+        self._ssl = ssl_context
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._on_connection, host, port, limit=1 << 20)
+        self._server = await asyncio.start_server(
+            self._on_connection, host, port, limit=1 << 20, ssl=self._ssl,
+            ssl_handshake_timeout=self.limits.hello_timeout_ms / 1000 if self._ssl is not None else None)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -183,13 +198,19 @@ class FramedChannel:
     """
 
     def __init__(self, address: str, token: str | None = None, connect_timeout_ms: int = 3_000,
-                 limits: FramedLimits | None = None) -> None:
+                 limits: FramedLimits | None = None, ssl_context: ssl.SSLContext | None = None,
+                 server_name: str = "") -> None:
+        """``ssl_context``: speak TLS, verifying the server's certificate names ``server_name``
+        (default: the host part of ``address``)."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"bad address {address!r}, expected host:port")
         self.address = address
         self._host, self._port = host, int(port)
         self._token = token
+        self._ssl = ssl_context
+        self._server_name = server_name or host.strip("[]")
+        self._tls_refusals = 0  # connections in a row the server closed right after the TLS handshake
         self._connect_timeout_ms = connect_timeout_ms
         self._limits = limits or FramedLimits()
         self._writer: asyncio.StreamWriter | None = None
@@ -227,9 +248,14 @@ class FramedChannel:
                 raise Unavailable(f"channel to {self.address} is closed")
             try:
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(self._host, self._port, limit=1 << 20),
+                    asyncio.open_connection(self._host, self._port, limit=1 << 20, ssl=self._ssl,
+                                            server_hostname=self._server_name if self._ssl else None),
                     self._connect_timeout_ms / 1000,
                 )
+            except ssl.SSLError as exc:
+                if _tls_eof(exc):
+                    raise self._closed_after_tls() from None
+                raise tls_error(exc, self.address) from None
             except (OSError, TimeoutError) as exc:
                 raise Unavailable(f"cannot connect to {self.address}: {exc}") from None
             _tune(writer)
@@ -241,9 +267,19 @@ class FramedChannel:
                 header = unpack_header(raw, self._limits.msg_max_bytes, self._limits.payload_max_bytes)
                 if header.msg_len:
                     await reader.readexactly(header.msg_len)
+            except ssl.SSLError as exc:
+                writer.close()
+                if _tls_eof(exc):
+                    raise self._closed_after_tls() from None
+                raise tls_error(exc, self.address) from None
             except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
                 writer.close()
-                raise Unavailable(f"handshake with {self.address} failed: {exc!r}") from None
+                if self._ssl is not None and isinstance(exc, asyncio.IncompleteReadError | ConnectionResetError):
+                    raise self._closed_after_tls() from None
+                hint = "" if self._ssl or not isinstance(exc, asyncio.IncompleteReadError) else \
+                    " (closed unanswered: does the server require TLS?)"
+                raise Unavailable(f"handshake with {self.address} failed: {exc!r}{hint}") from None
+            self._tls_refusals = 0
             if header.kind != FrameKind.HELLO_ACK or header.status != StatusCode.OK:
                 writer.close()
                 if header.status == StatusCode.UNAUTHENTICATED:
@@ -254,6 +290,23 @@ class FramedChannel:
             self._readers.add(reader_task)
             reader_task.add_done_callback(self._readers.discard)
             return writer, self._pending
+
+    def _closed_after_tls(self) -> FS3Error:
+        """The server hung up between the TLS handshake and its answer to our HELLO.
+
+        With TLS 1.3 a server judges the client's certificate after the client's side of the
+        handshake is done, and asyncio servers close without sending the alert: this is how a
+        refused certificate looks from here. A server stopping at that very moment looks the same
+        once, but not twice in a row (a stopped server refuses the next connection outright), so
+        the first time is retryable and the second is the refusal it almost surely is.
+        """
+        self._tls_refusals += 1
+        if self._tls_refusals >= 2:
+            return Unauthenticated(f"TLS: {self.address} closes every connection right after the handshake: it "
+                                   f"refuses this client's certificate (none, expired, or not signed by the "
+                                   f"cluster's CA)")
+        return Unavailable(f"TLS: {self.address} closed the connection right after the handshake (stopping, or "
+                           f"refusing this client's certificate)")
 
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pending: _Pending) -> None:
         error: FS3Error = Unavailable(f"connection to {self.address} lost")

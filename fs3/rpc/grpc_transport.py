@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from fs3.common.errors import FS3Error, StatusCode, Timeout, Unavailable, error_for
+from fs3.common.errors import FS3Error, StatusCode, Timeout, Unauthenticated, Unavailable, error_for
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
@@ -50,10 +50,12 @@ def _grpc_code(code: int) -> grpc.StatusCode:
 
 
 class GrpcServer:
-    """Serves a :class:`Dispatcher` over gRPC (grpc.aio)."""
+    """Serves a :class:`Dispatcher` over gRPC (grpc.aio); with ``credentials`` (server credentials
+    that require a client certificate) over TLS only."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, credentials: Any = None) -> None:
         self.dispatcher = dispatcher
+        self._credentials = credentials
         self._server: Any = None
 
     def _make_handler(self, method: MethodSpec) -> Any:
@@ -83,7 +85,10 @@ class GrpcServer:
             by_service.setdefault(method.service, {})[method.name] = self._make_handler(method)
         for service, handlers in by_service.items():
             self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(f"fs3.{service}", handlers),))
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if self._credentials is not None:
+            bound = self._server.add_secure_port(f"{host}:{port}", self._credentials)
+        else:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot bind gRPC to {host}:{port}")
         await self._server.start()
@@ -96,11 +101,18 @@ class GrpcServer:
 
 
 class GrpcChannel:
-    """A client for one gRPC server, with the same ``call`` signature as the framed channel."""
+    """A client for one gRPC server, with the same ``call`` signature as the framed channel.
 
-    def __init__(self, address: str, token: str | None = None) -> None:
+    ``credentials``: channel credentials (TLS, with this client's certificate); the server's
+    certificate must name ``server_name`` (default: the host part of the address).
+    """
+
+    def __init__(self, address: str, token: str | None = None, credentials: Any = None,
+                 server_name: str = "") -> None:
         self.address = address
         self._token = token
+        self._credentials = credentials
+        self._server_name = server_name
         self._channel: Any = None
         self._stubs: dict[str, Any] = {}
 
@@ -110,7 +122,12 @@ class GrpcChannel:
 
     def _stub(self, method: MethodSpec) -> Any:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+            if self._credentials is not None:
+                options = [*_OPTIONS, *([("grpc.ssl_target_name_override", self._server_name)]
+                                        if self._server_name else [])]
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
         stub = self._stubs.get(method.grpc_path)
         if stub is None:
             stub = self._channel.unary_unary(method.grpc_path)
@@ -128,7 +145,7 @@ class GrpcChannel:
         try:
             raw = await self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
-            raise _to_fs3_error(exc, self.address, method) from None
+            raise _to_fs3_error(exc, self.address, method, self._credentials is not None) from None
         except asyncio.CancelledError:
             raise
         response = method.response_type.FromString(raw)
@@ -145,7 +162,11 @@ class GrpcChannel:
             self._channel = None
 
 
-def _to_fs3_error(exc: Any, address: str, method: MethodSpec) -> FS3Error:
+# What gRPC reports when this side refused the server's certificate: no retry can change that.
+_TLS_REFUSED_BY_US = ("Tls handshake failed", "CERTIFICATE_VERIFY_FAILED", "Verification Check failed")
+
+
+def _to_fs3_error(exc: Any, address: str, method: MethodSpec, tls: bool = False) -> FS3Error:
     """The one place gRPC failures become fs3 errors."""
     for key, value in exc.trailing_metadata() or ():
         if key == CODE_METADATA_KEY:
@@ -154,5 +175,15 @@ def _to_fs3_error(exc: Any, address: str, method: MethodSpec) -> FS3Error:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Timeout(f"{method.name} to {address} timed out")
     if code == grpc.StatusCode.UNAVAILABLE:
-        return Unavailable(f"{address} unavailable: {exc.details()}")
+        details = exc.details() or ""
+        if tls and any(marker in details for marker in _TLS_REFUSED_BY_US):
+            return Unauthenticated(f"TLS: the certificate of {address} is not trusted: {details}")
+        if tls and "Socket closed" in details:
+            # A server that refuses our certificate just closes the connection (TLS 1.3); so does
+            # one that is stopping, hence still retryable.
+            return Unavailable(f"{address} unavailable: {details} (stopping, or refusing this client's "
+                               f"certificate)")
+        if "Socket closed" in details:
+            return Unavailable(f"{address} unavailable: {details} (stopping, or serving TLS only)")
+        return Unavailable(f"{address} unavailable: {details}")
     return error_for(StatusCode.INTERNAL, f"{method.name} to {address}: {code.name}: {exc.details()}")

@@ -20,6 +20,7 @@ from fs3.rpc.channel import RealChannelFactory, Transport
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedServer
 from fs3.rpc.grpc_transport import GrpcServer
+from fs3.rpc.tls import Tls
 
 __all__ = ["BoundAddresses", "ServiceRuntime", "TokenReloader", "install_uvloop"]
 
@@ -58,9 +59,9 @@ class TokenReloader:
         self.auth = Authenticator(self._tokens)
         self.channels: RealChannelFactory | None = None
 
-    def channel_factory(self, transport: Transport) -> RealChannelFactory:
+    def channel_factory(self, transport: Transport, tls: Tls | None = None) -> RealChannelFactory:
         """The service's outgoing channels, presenting the first token (and the new one after a reload)."""
-        self.channels = RealChannelFactory(self._tokens[0] if self._tokens else None, transport)
+        self.channels = RealChannelFactory(self._tokens[0] if self._tokens else None, transport, tls)
         return self.channels
 
     def reload(self) -> bool:
@@ -83,18 +84,23 @@ class TokenReloader:
 
 
 class ServiceRuntime:
-    """Serves a dispatcher on the framed and gRPC transports until told to stop."""
+    """Serves a dispatcher on the framed and gRPC transports until told to stop.
+
+    With ``tls`` both transports accept only mutual-TLS connections from peers whose certificate
+    the cluster's CA signed (the /metrics endpoint stays plain HTTP: it carries no secrets).
+    """
 
     def __init__(self, name: str, dispatcher: Dispatcher, metrics: ServiceMetrics,
-                 tokens: TokenReloader | None = None) -> None:
+                 *, tokens: TokenReloader | None = None, tls: Tls | None = None) -> None:
         """``tokens``: reloaded on SIGHUP (without, SIGHUP is logged and ignored: it never stops
         a service)."""
         self.name = name
         self.tokens = tokens
         self.dispatcher = dispatcher
         self.metrics = metrics
-        self.framed = FramedServer(dispatcher)
-        self.grpc = GrpcServer(dispatcher)
+        self.tls = tls
+        self.framed = FramedServer(dispatcher, ssl_context=tls.server_context() if tls is not None else None)
+        self.grpc = GrpcServer(dispatcher, tls.grpc_server_credentials() if tls is not None else None)
         self.stopping = asyncio.Event()
         self.bound = BoundAddresses()
         dispatcher.on_fatal(self._fatal)
@@ -119,7 +125,8 @@ class ServiceRuntime:
                 loop.add_signal_handler(sig, self.stopping.set)
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
-        log.info("%s serving: framed %s, grpc %s, metrics %s", self.name, self.bound.framed, self.bound.grpc,
+        log.info("%s serving (%s): framed %s, grpc %s, metrics %s", self.name,
+                 "mutual TLS" if self.tls is not None else "clear", self.bound.framed, self.bound.grpc,
                  self.bound.metrics or "off")
         return self.bound
 

@@ -283,12 +283,23 @@ class StorageNode:
         if lifted:
             self._views.clear()
 
+    def _log_mgmtd_failure(self, what: str, exc: FS3Error, refused: bool) -> bool:
+        """Log a failed call to mgmtd; a refused credential (token, certificate) will not heal by
+        itself, so the first refusal in a row is a warning and the rest debug. Returns whether
+        the calls are being refused."""
+        unauthenticated = exc.code == StatusCode.UNAUTHENTICATED
+        log.log(logging.WARNING if unauthenticated and not refused else logging.DEBUG, "node %d: %s failed: %s",
+                self.config.node_id, what, exc)
+        return unauthenticated
+
     async def _routing_loop(self) -> None:
+        refused = False
         while True:
             try:
                 await self._fetch_routing()
+                refused = False
             except FS3Error as exc:
-                log.debug("node %d: routing refresh failed: %s", self.config.node_id, exc)
+                refused = self._log_mgmtd_failure("routing refresh", exc, refused)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._refresh_requested.wait(), self.config.heartbeat_interval_ms / 1000)
             self._refresh_requested.clear()
@@ -380,12 +391,14 @@ class StorageNode:
 
     async def _heartbeat_loop(self) -> None:
         beats = Attempts(self.config.heartbeat_retry)
+        refused = False
         while True:
             if not self._silent_until_offline:
                 try:
                     await self.heartbeat_once()
+                    refused = False
                 except FS3Error as exc:
-                    log.debug("node %d: heartbeat failed: %s", self.config.node_id, exc)
+                    refused = self._log_mgmtd_failure("heartbeat", exc, refused)
             await beats.backoff()
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:

@@ -17,6 +17,7 @@ from fs3.kv.store import RocksKVStore, open_kv
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
+from fs3.rpc.tls import Tls, TlsConfig
 from fs3.storage.blobs import FileBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import StorageNode, StorageNodeConfig
@@ -68,6 +69,8 @@ class StorageConfig:
     inline_max_bytes: int = 128 * 1024
     kv_engine: str = "rocksdb"
     io_threads: int = 4
+    # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
+    tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -119,12 +122,13 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
 
 
 async def serve_storage(config: StorageConfig, ready_file: str | None = None) -> None:
+    tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     tokens = TokenReloader(TokenSource(config.token, config.token_file))
-    channels = tokens.channel_factory(config.transport)  # type: ignore[arg-type]
+    channels = tokens.channel_factory(config.transport, tls)  # type: ignore[arg-type]
     engines = open_engines(config)
     metrics = ServiceMetrics("storage")
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
-    runtime = ServiceRuntime(f"storage-{config.node_id}", dispatcher, metrics, tokens)
+    runtime = ServiceRuntime(f"storage-{config.node_id}", dispatcher, metrics, tokens=tokens, tls=tls)
     node_config = StorageNodeConfig(
         node_id=config.node_id, mgmtd_address=config.mgmtd_address,
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,

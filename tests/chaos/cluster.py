@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fs3.cli.main import main as fs3_main
 from fs3.cluster.processes import ServiceProcess
 from fs3.common.errors import Unavailable
 from fs3.sim.history import History, Op
@@ -53,7 +54,22 @@ class LabCluster:
     def _localize(self, name: str, value: str) -> str:
         for address, local in self.addresses.items():
             value = value.replace(address, local)
-        return value.replace("/data", str(self.root / name))
+        return value.replace("/data", str(self.root / name)).replace("/certs", str(self.root / "certs"))
+
+    def make_certs(self) -> None:
+        """What the compose file's certs service does, by the same command, each node's certificate
+        also naming its host's address (hosts here dial each other by address, not by name)."""
+        command = [self._localize("certs", arg) for arg in self.compose["services"]["certs"]["command"]]
+        command += [arg for name in SERVER_SERVICES for arg in ("--node", f"{name}={self.lab.address(name)}")]
+        if fs3_main(command) != 0:
+            raise RuntimeError(f"making the certificates failed: fs3 {' '.join(command)}")
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a client host's programs get: the token and the compose client's TLS settings."""
+        env = self.compose["services"]["client"]["environment"]
+        return {"FS3_TOKEN": self.token,
+                **{k: self._localize("client", v) for k, v in env.items() if k.startswith("FS3_TLS_")}}
 
     def env_for(self, name: str) -> dict[str, str]:
         env = {k: self._localize(name, v) for k, v in self.compose["services"][name]["environment"].items()}
@@ -145,6 +161,7 @@ class LabCluster:
 
     def start_all(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        self.make_certs()
         for name in SERVER_SERVICES:
             self.start(name)
         setup = self.compose["services"]["setup"]
@@ -156,12 +173,12 @@ class LabCluster:
         self.procs[name].send_signal(sig)
 
     def client_run(self, args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-        env = {**self.base_env, "FS3_TOKEN": self.token}
+        env = {**self.base_env, **self.client_env}
         return subprocess.run(["ip", "netns", "exec", self.lab.namespace("client"), *args], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
 
     def client_spawn(self, args: list[str], log: Path) -> subprocess.Popen[Any]:
-        return self.lab.spawn("client", args, {**self.base_env, "FS3_TOKEN": self.token}, log)
+        return self.lab.spawn("client", args, {**self.base_env, **self.client_env}, log)
 
     def admin(self, *args: str) -> subprocess.CompletedProcess[str]:
         return self.client_run([sys.executable, "-P", "-m", "fs3.cli.main", "admin", "--mgmtd", self.mgmtd, *args])

@@ -11,6 +11,7 @@ import os
 import sys
 
 import fs3.aio
+from fs3.cli.cluster import tls_from_env
 
 PATH = "/chaos-fill/big"
 _REFUSALS = 5
@@ -18,7 +19,7 @@ _REFUSAL_PAUSE_S = 0.2
 
 
 async def main(mgmtd: str, token: str, action: str, mib: int) -> None:
-    fs = await fs3.aio.connect(mgmtd, token=token, retry_total_ms=10_000)
+    fs = await fs3.aio.connect(mgmtd, token=token, retry_total_ms=10_000, tls=tls_from_env())
     try:
         if action == "remove":
             await fs.remove(PATH)

@@ -13,6 +13,7 @@ import sys
 import time
 
 from fs3 import storage_pb2 as spb
+from fs3.cli.cluster import tls_from_env
 from fs3.common.errors import FS3Error, StatusCode
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.methods import service_spec
@@ -21,7 +22,7 @@ _READ = service_spec("Storage").method("Read")
 
 
 async def main(address: str, token: str, seconds: float, out: str) -> None:
-    channels = RealChannelFactory(token)
+    channels = RealChannelFactory(token, tls=tls_from_env())
     start = time.monotonic()
     refused_at: float | None = None
     last_ok: float | None = None

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import fs3.aio
+from fs3.cli.cluster import tls_from_env
 from fs3.sim.history import decode_slots, encode_slot
 
 SLOT = 4096
@@ -28,7 +29,7 @@ READERS = 2
 
 
 async def run(mgmtd: str, token: str, seconds: float, out: str) -> None:
-    fs = await fs3.aio.connect(mgmtd, token=token, retry_total_ms=120_000)
+    fs = await fs3.aio.connect(mgmtd, token=token, retry_total_ms=120_000, tls=tls_from_env())
     await fs.makedirs("/chaos", exist_ok=True)
     await fs.set_layout("/chaos", chunk_size=65536)
     for i in range(FILES):
