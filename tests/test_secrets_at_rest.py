@@ -38,7 +38,7 @@ from fs3.common.secret_files import (
 )
 from fs3.kv.store import MemKVStore
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
-from fs3.rpc.auth import Authenticator
+from fs3.rpc.auth import SERVICE, TRUSTED, Authenticator
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedChannel, FramedServer
@@ -200,6 +200,27 @@ def test_a_reload_keeps_the_tokens_when_the_file_is_bad(tmp_path: Path) -> None:
     assert tokens.auth.authenticate("new") is not None and tokens.auth.authenticate("old") is not None
     assert channels.token == "new"
     assert not TokenReloader(TokenSource(token="inline")).reload()  # nothing to read again
+
+
+def test_trusted_client_tokens_come_from_their_own_file_and_reload_too(tmp_path: Path) -> None:
+    """A mount daemon's token: client methods only, acting for its callers; revoked by editing the
+    file and a SIGHUP, like the cluster tokens (and refused when the file is not private)."""
+    cluster, trusted = tmp_path / "token", tmp_path / "trusted"
+    write_token_file(cluster, ["cluster-token"])
+    write_token_file(trusted, ["mount-a", "mount-b"])
+    tokens = TokenReloader(TokenSource(token_file=str(cluster), trusted_token_file=str(trusted)))
+    assert tokens.auth.authenticate("cluster-token") == SERVICE
+    assert tokens.auth.authenticate("mount-a") == TRUSTED and tokens.auth.authenticate("mount-b") == TRUSTED
+    mount = tokens.auth.authenticate("mount-a")
+    assert mount is not None and not mount.may_call("Mgmtd", "Heartbeat") and mount.may_call("Meta", "Open")
+    write_token_file(trusted, ["mount-b"])
+    assert tokens.reload()
+    assert tokens.auth.authenticate("mount-a") is None and tokens.auth.authenticate("mount-b") == TRUSTED
+    assert tokens.auth.authenticate("cluster-token") == SERVICE
+    trusted.chmod(0o644)
+    assert not tokens.reload() and tokens.auth.authenticate("mount-b") == TRUSTED
+    with pytest.raises(InvalidArgument, match="chmod 600"):
+        TokenReloader(TokenSource(token_file=str(cluster), trusted_token_file=str(trusted)))
 
 
 def test_a_rotation_on_the_framed_transport_fails_no_call(tmp_path: Path) -> None:

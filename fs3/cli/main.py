@@ -30,7 +30,7 @@ from fs3 import common_pb2 as cpb
 from fs3.cli.cluster import add_tls_arguments, client_tls, resolve_cluster, resolve_token, warn_token_in_argv
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
-from fs3.common.secret_files import check_config_file, set_private_umask
+from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
 
 __all__ = ["build_parser", "main", "run_admin"]
 
@@ -208,21 +208,6 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_token_file(path: str, token: str) -> None:
-    """Write a token to ``path``, readable by its owner only (0600 whatever the umask), replacing
-    the file whole: a reader sees the old token or the new one, never part of either."""
-    target = os.path.abspath(path)
-    tmp = f"{target}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (token + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, target)
-
-
 def _groups(text: str) -> list[int]:
     try:
         return [int(g) for g in text.split(",") if g.strip()]
@@ -268,7 +253,7 @@ async def _user_admin(admin: Any, args: argparse.Namespace) -> int:
         rsp = await meta.rotate_user(args.token_id)
     info = rsp.user
     if args.token_file:
-        _write_token_file(args.token_file, rsp.token)
+        write_token_file(args.token_file, [rsp.token])
     if args.json:
         print(json.dumps({**as_dict(info), "token_file": os.path.abspath(args.token_file)}))
         return 0

@@ -177,10 +177,13 @@ def make_private_dir(path: str | os.PathLike[str]) -> None:
 @dataclass(frozen=True)
 class TokenSource:
     """Where a service finds its cluster tokens: inline in its config (``token``), or in a token
-    file (``token_file``) that it reads again on SIGHUP, so that tokens rotate without a restart."""
+    file (``token_file``) that it reads again on SIGHUP, so that tokens rotate without a restart.
+    ``trusted_token_file`` lists trusted-client tokens (mount daemons that act for their callers:
+    client methods only), read again on SIGHUP too."""
 
     token: str = ""
     token_file: str = ""
+    trusted_token_file: str = ""
 
     def __post_init__(self) -> None:
         if self.token and self.token_file:
@@ -191,7 +194,7 @@ class TokenSource:
 
     @property
     def reloadable(self) -> bool:
-        return bool(self.token_file)
+        return bool(self.token_file or self.trusted_token_file)
 
     def load(self) -> list[str]:
         """Every valid token, first the one to present; ``[]`` when none is configured (an open
@@ -199,3 +202,7 @@ class TokenSource:
         if self.token_file:
             return read_token_file(self.token_file)
         return [self.token] if self.token else []
+
+    def load_trusted(self) -> list[str]:
+        """The trusted-client tokens; ``[]`` when no file is configured."""
+        return read_token_file(self.trusted_token_file) if self.trusted_token_file else []

@@ -68,6 +68,8 @@ class MetaConfig:
     # line, the first presented, all accepted; read again on SIGHUP, so tokens rotate live).
     token: str = field(default="", repr=False)
     token_file: str = ""
+    # Trusted-client tokens (mount daemons acting for their callers), one a line; reloaded on SIGHUP.
+    trusted_token_file: str = ""
     transport: str = "framed"
     data_dir: str = ".fs3/meta"
     kv_engine: str = "rocksdb"
@@ -125,7 +127,7 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
 
 async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
-    tokens = TokenReloader(TokenSource(config.token, config.token_file))
+    tokens = TokenReloader(TokenSource(config.token, config.token_file, config.trusted_token_file))
     channels = tokens.channel_factory(config.transport, tls)  # type: ignore[arg-type]
     if config.kv_engine == "rocksdb":
         make_private_dir(config.data_dir)

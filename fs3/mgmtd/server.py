@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:
     tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
-    tokens = TokenReloader(TokenSource(config.token, config.token_file))
+    tokens = TokenReloader(TokenSource(config.token, config.token_file, config.trusted_token_file))
     if config.kv_engine == "rocksdb":
         make_private_dir(config.data_dir)
     kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)

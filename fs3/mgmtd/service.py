@@ -42,6 +42,8 @@ class MgmtdConfig:
     # line, the first presented, all accepted; read again on SIGHUP, so tokens rotate live).
     token: str = field(default="", repr=False)
     token_file: str = ""
+    # Trusted-client tokens (mount daemons acting for their callers), one a line; reloaded on SIGHUP.
+    trusted_token_file: str = ""
     # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
     tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"

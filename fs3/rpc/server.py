@@ -56,7 +56,7 @@ class TokenReloader:
         """Reads the tokens once: a token file that cannot be used stops the start, with its error."""
         self.source = source
         self._tokens = source.load()
-        self.auth = Authenticator(self._tokens)
+        self.auth = Authenticator(self._tokens, source.load_trusted())
         self.channels: RealChannelFactory | None = None
 
     def channel_factory(self, transport: Transport, tls: Tls | None = None) -> RealChannelFactory:
@@ -72,14 +72,15 @@ class TokenReloader:
             return False
         try:
             tokens = self.source.load()
+            trusted = self.source.load_trusted()
         except FS3Error as exc:
             log.error("SIGHUP: keeping the current tokens: %s", exc)
             return False
         self._tokens = tokens
-        self.auth.set_tokens(tokens, self.auth.trusted_tokens)
-        if self.channels is not None:
+        self.auth.set_tokens(tokens, trusted)
+        if self.channels is not None and tokens:
             self.channels.set_token(tokens[0])
-        log.info("SIGHUP: %d cluster token(s) loaded from %s", len(tokens), self.source.token_file)
+        log.info("SIGHUP: %d cluster and %d trusted-client token(s) loaded", len(tokens), len(trusted))
         return True
 
 

@@ -56,6 +56,8 @@ class StorageConfig:
     # line, the first presented, all accepted; read again on SIGHUP, so tokens rotate live).
     token: str = field(default="", repr=False)
     token_file: str = ""
+    # Trusted-client tokens (mount daemons acting for their callers), one a line; reloaded on SIGHUP.
+    trusted_token_file: str = ""
     transport: str = "framed"
     targets: list[TargetConfig] = field(default_factory=list)
     heartbeat_interval_ms: int = 1_000
@@ -123,7 +125,7 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
 
 async def serve_storage(config: StorageConfig, ready_file: str | None = None) -> None:
     tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
-    tokens = TokenReloader(TokenSource(config.token, config.token_file))
+    tokens = TokenReloader(TokenSource(config.token, config.token_file, config.trusted_token_file))
     channels = tokens.channel_factory(config.transport, tls)  # type: ignore[arg-type]
     engines = open_engines(config)
     metrics = ServiceMetrics("storage")
