@@ -365,8 +365,10 @@ class MetaService(FileLengths, MetaJobs):
         return rsp, _EMPTY
 
     async def _saved_open(self, ctx: mpb.ReqCtx) -> mpb.OpenRsp:
-        """The answer saved for an open request (its session, or none once abandoned)."""
+        """The answer saved for an open request (its session, or none once abandoned), answered
+        only once what it read is durable, like every read (``_read``)."""
         raw = await self.engine.begin().get(schema.idem_key(ctx.client_id, ctx.request_id))
+        await self.engine.wait_durable()
         if raw is None:
             raise StaleClient("the saved answer of this open expired: its outcome is unknown")
         return mpb.OpenRsp.FromString(schema.IdemRecord.decode(raw).response)
