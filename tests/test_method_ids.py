@@ -48,6 +48,7 @@ PINNED: dict[str, int] = {
     "Meta.SetLayout": 0x0311,
     "Meta.RenewClient": 0x0312,
     "Meta.Fsck": 0x0313,
+    "Meta.GrantCapability": 0x0320,
 }
 
 

@@ -28,6 +28,7 @@ from fs3.common.metrics import ServiceMetrics
 from fs3.kv.store import open_kv
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta.service import MetaService, MetaServiceConfig
+from fs3.rpc.auth import Authenticator
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
@@ -121,8 +122,9 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     routing = RoutingCache([config.mgmtd_address], channels, config.rpc_timeout_ms)
     storage = StorageClient(routing, channels, os.urandom(16),
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
-    service = MetaService(engine, routing, storage, config.service_config())
-    dispatcher = Dispatcher(token=config.token or None, metrics=metrics)
+    auth = Authenticator([config.token] if config.token else [])
+    service = MetaService(engine, routing, storage, config.service_config(), auth=auth)
+    dispatcher = Dispatcher(metrics=metrics, auth=auth)
     dispatcher.add_service(service_spec("Meta"), service)
     runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics)
     with contextlib.suppress(FS3Error):

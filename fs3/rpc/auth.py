@@ -26,6 +26,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fs3.common.capability import derive_key
+
 __all__ = [
     "CLIENT_METHODS",
     "SERVICE",
@@ -49,6 +51,7 @@ CLIENT_METHODS: frozenset[tuple[str, str]] = frozenset(
     + [("Meta", name) for name in (
         "StatFs", "Lookup", "BatchStat", "Open", "MakeNode", "ReadLink", "Link", "Remove", "Rename", "ReadDir",
         "SetAttr", "GetXattr", "SetXattr", "ListXattr", "RemoveXattr", "Close", "Sync", "SetLayout", "RenewClient",
+        "GrantCapability",
     )]
 )
 
@@ -127,6 +130,7 @@ class Authenticator:
     def __init__(self, cluster_tokens: Iterable[str] = (), trusted_tokens: Iterable[str] = ()) -> None:
         self._cluster: tuple[str, ...] = ()
         self._trusted: tuple[str, ...] = ()
+        self._capability_keys: tuple[bytes, ...] = ()
         self.set_tokens(cluster_tokens, trusted_tokens)
 
     def set_tokens(self, cluster_tokens: Iterable[str], trusted_tokens: Iterable[str] = ()) -> None:
@@ -134,6 +138,14 @@ class Authenticator:
         until every client moved over, then the old one is dropped)."""
         self._cluster = tuple(t for t in cluster_tokens if t)
         self._trusted = tuple(t for t in trusted_tokens if t)
+        self._capability_keys = tuple(derive_key(t) for t in self._cluster)
+
+    @property
+    def capability_keys(self) -> tuple[bytes, ...]:
+        """The data-path capability keys of the valid cluster tokens (see
+        :mod:`fs3.common.capability`): meta signs with the first, storage accepts any. Empty
+        for an open cluster, where every caller is a service and no capability is needed."""
+        return self._capability_keys
 
     @property
     def open(self) -> bool:
