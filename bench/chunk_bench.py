@@ -7,11 +7,11 @@ Everything is measured in one run on this machine, and reported as ratios to the
   back (the read shape), with the same number of requests in flight as the fs3 runs.
 * fs3: mgmtd + 3 storage processes (`fs3 storage`), one 3-replica chain and one 1-replica chain,
   the Python client with the same concurrency, over the framed transport and over gRPC.
-* ``framed+cap``: the framed runs again as a client that is not a service (a user token), so
-  storage checks a data-path capability (HMAC-SHA256) on every request. The cost of data-path
-  authorization is measured A/B: rounds of the framed workloads as a service (a cluster token: no
-  check) and as a user, alternating, each ratio the median over the rounds (this machine's speed
-  drifts within a run far more than the check costs).
+* data-path capabilities: the framed workloads run by two clients side by side, each with half the
+  requests in flight: one as a service (a cluster token: storage checks nothing) and one as a user
+  (a user token: storage checks a capability, one HMAC-SHA256, on every request). Side by side,
+  both see the same machine, whose speed drifts within a run by far more than the check costs; the
+  ratio of their rates, the median over ``--cap-rounds`` rounds, is the cost of the check.
 
 Usage: ``python bench/chunk_bench.py [--seconds 3] [--inflight 8] [--fsync]``.
 Writes ``bench/results/chunk-<timestamp>.json`` and prints a table.
@@ -105,21 +105,24 @@ async def _raw_client(port: int, inflight: int, send: int, want: int, seconds: f
 
 # -- fs3 -------------------------------------------------------------------------------------
 
-async def _run_for(seconds: float, inflight: int, op: Callable[[int], Awaitable[None]]) -> tuple[int, float]:
-    count = 0
+async def _run_for(seconds: float, inflight: int, op: Callable[[int, int], Awaitable[None]],
+                   streams: int = 1) -> tuple[list[int], float]:
+    """``inflight`` workers calling ``op(stream, i)`` for ``seconds``, worker ``w`` in stream
+    ``w % streams``; the calls each stream completed, and the time taken."""
+    counts = [0] * streams
     stop_at = time.perf_counter() + seconds
 
     async def worker(wid: int) -> None:
-        nonlocal count
+        stream = wid % streams
         i = wid
         while time.perf_counter() < stop_at:
-            await op(i)
-            count += 1
+            await op(stream, i)
+            counts[stream] += 1
             i += inflight
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(inflight)))
-    return count, time.perf_counter() - start
+    return counts, time.perf_counter() - start
 
 
 class _HeldCapability:
@@ -142,47 +145,58 @@ def _capability(cluster: ProcessCluster, inode_id: int, chain: int) -> _HeldCapa
 
 
 async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inflight: int,
-                    chains: dict[int, int], capabilities: bool = False) -> dict[str, float]:
-    """The workloads over ``transport``; ``capabilities``: as a user (storage checks a capability
-    on every request) instead of as a service."""
-    channels = RealChannelFactory(_USER_TOKEN if capabilities else cluster.token, transport)  # type: ignore[arg-type]
-    routing = RoutingCache([cluster.address("mgmtd", transport)], channels)
-    client = StorageClient(routing, channels, f"bench-{transport}{'-cap' if capabilities else ''}".encode(),
-                           StorageClientConfig(channels_max=max(64, inflight * 2)))
-    results: dict[str, float] = {}
+                    chains: dict[int, int], as_user: tuple[bool, ...] = (False,)) -> list[dict[str, float]]:
+    """The workloads over ``transport``, one result per stream of ``as_user``: a stream as a user
+    (a user token; storage checks a capability on every request) or as a service (a cluster token:
+    no check). Streams run side by side, sharing the requests in flight, so they see the same
+    machine: their ratio is what the check costs, however this machine's speed drifts."""
+    factories = [RealChannelFactory(_USER_TOKEN if user else cluster.token, transport)  # type: ignore[arg-type]
+                 for user in as_user]
+    # A new client id per run: a storage node remembers each id's exactly-once sequence numbers.
+    clients = [StorageClient(RoutingCache([cluster.address("mgmtd", transport)], channels), channels,
+                             f"bench-{transport}-{os.urandom(6).hex()}".encode(),
+                             StorageClientConfig(channels_max=max(64, inflight * 2))) for channels in factories]
+    results: list[dict[str, float]] = [{} for _ in as_user]
     big = os.urandom(MIB)
     rng = random.Random(7)
+    streams = len(as_user)
     for replicas, chain in sorted(chains.items()):
-        prefix = 1000 + replicas * 10 + (1 if transport == "grpc" else 0) + (2 if capabilities else 0)
-        held = _capability(cluster, prefix, chain) if capabilities else None
-        written: list[int] = []
+        prefixes = [1000 + replicas * 10 + (1 if transport == "grpc" else 0) + 2 * s + (4 if user else 0)
+                    for s, user in enumerate(as_user)]
+        held = [_capability(cluster, prefix, chain) if user else None
+                for prefix, user in zip(prefixes, as_user, strict=True)]
+        written: list[list[int]] = [[] for _ in as_user]
 
-        async def write(i: int, chain: int = chain, prefix: int = prefix, written: list[int] = written,
-                        held: _HeldCapability | None = held) -> None:
-            await client.write(chain, chunk_id(prefix, i), 0, big, MIB, capability=held)
-            written.append(i)
+        def record(key: str, counts: list[int], elapsed: float) -> None:
+            for stream, count in enumerate(counts):
+                results[stream][key] = count / elapsed
 
-        n, elapsed = await _run_for(seconds, inflight, write)
-        results[f"write_1m_r{replicas}_MiBps"] = n / elapsed
-        ids = sorted(written)
+        async def write(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
+                        held: list[_HeldCapability | None] = held, written: list[list[int]] = written) -> None:
+            await clients[s].write(chain, chunk_id(prefixes[s], i), 0, big, MIB, capability=held[s])
+            written[s].append(i)
 
-        async def read(i: int, chain: int = chain, prefix: int = prefix, ids: list[int] = ids,
-                       held: _HeldCapability | None = held) -> None:
-            data, _ = await client.read(chain, chunk_id(prefix, ids[i % len(ids)]), 0, MIB, capability=held)
+        record(f"write_1m_r{replicas}_MiBps", *await _run_for(seconds, inflight, write, streams))
+        ids = [sorted(w) for w in written]
+
+        async def read(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
+                       held: list[_HeldCapability | None] = held, ids: list[list[int]] = ids) -> None:
+            data, _ = await clients[s].read(chain, chunk_id(prefixes[s], ids[s][i % len(ids[s])]), 0, MIB,
+                                            capability=held[s])
             assert len(data) == MIB
 
-        n, elapsed = await _run_for(seconds, inflight, read)
-        results[f"read_1m_r{replicas}_MiBps"] = n / elapsed
+        record(f"read_1m_r{replicas}_MiBps", *await _run_for(seconds, inflight, read, streams))
 
-        async def read_small(i: int, chain: int = chain, prefix: int = prefix, ids: list[int] = ids,
-                             held: _HeldCapability | None = held) -> None:
+        async def read_small(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
+                             held: list[_HeldCapability | None] = held, ids: list[list[int]] = ids) -> None:
             offset = rng.randrange(0, MIB // 4096) * 4096
-            data, _ = await client.read(chain, chunk_id(prefix, ids[i % len(ids)]), offset, 4096, capability=held)
+            data, _ = await clients[s].read(chain, chunk_id(prefixes[s], ids[s][i % len(ids[s])]), offset, 4096,
+                                            capability=held[s])
             assert len(data) == 4096
 
-        n, elapsed = await _run_for(seconds, inflight, read_small)
-        results[f"read_4k_r{replicas}_ops"] = n / elapsed
-    await channels.close()
+        record(f"read_4k_r{replicas}_ops", *await _run_for(seconds, inflight, read_small, streams))
+    for channels in factories:
+        await channels.close()
     return results
 
 
@@ -221,7 +235,7 @@ def main() -> int:
     parser.add_argument("--inflight", type=int, default=8)
     parser.add_argument("--fsync", action="store_true", help="fsync chunk data and metadata on commit")
     parser.add_argument("--cap-rounds", type=int, default=3,
-                        help="A/B rounds of framed runs without and with capability checks")
+                        help="rounds of the framed workloads with and without capability checks side by side")
     parser.add_argument("--data-dir", help="where the storage targets live (default: a temporary directory; "
                                            "/dev/shm isolates protocol cost from the disk)")
     args = parser.parse_args()
@@ -266,15 +280,13 @@ def main() -> int:
         try:
             cluster.start_all()
             chains = uvloop.run(_setup(cluster))
-            for label, transport, capabilities in (("framed", "framed", False), ("framed+cap", "framed", True),
-                                                   ("grpc", "grpc", False)):
-                results[label] = uvloop.run(_fs3_runs(cluster, transport, args.seconds, args.inflight, chains,
-                                                      capabilities))
-            ab_seconds = max(1.0, args.seconds / 2)
+            for transport in ("framed", "grpc"):
+                results[transport] = uvloop.run(_fs3_runs(cluster, transport, args.seconds, args.inflight,
+                                                          chains))[0]
             for _ in range(args.cap_rounds):
-                plain = uvloop.run(_fs3_runs(cluster, "framed", ab_seconds, args.inflight, chains))
-                checked = uvloop.run(_fs3_runs(cluster, "framed", ab_seconds, args.inflight, chains, True))
-                ab_rounds.append({"service": plain, "user": checked})
+                as_service, as_user = uvloop.run(_fs3_runs(cluster, "framed", args.seconds, args.inflight, chains,
+                                                     (False, True)))
+                ab_rounds.append({"service": as_service, "user": as_user})
         finally:
             cluster.stop_all()
 
@@ -290,12 +302,17 @@ def main() -> int:
     print(f"{'transport':<10} {'workload':<22} {'value':>12} {'ratio to raw':>13}")
     for transport, key, value, ratio in rows:
         print(f"{transport:<10} {key:<22} {value:>12,.1f} {ratio:>12.1%}")
-    # Data-path authorization: the same framed workloads as a user (capability checked) over as a service.
+    # Data-path authorization: a user's rate (every request's capability checked) over a service's.
     capability_ratios = {key: statistics.median(r["user"][key] / r["service"][key] for r in ab_rounds)
                          for key in results["framed"]} if ab_rounds else {}
     check_us = _check_cost_us()
-    print(f"capability check: {check_us:.1f} us each; with / without checks (framed, median of "
-          f"{len(ab_rounds)} A/B rounds): " + ", ".join(f"{k} {v:.1%}" for k, v in capability_ratios.items()))
+    print(f"data-path capabilities (framed; a user's and a service's requests side by side, each half of "
+          f"the {args.inflight} in flight; median of {len(ab_rounds)} rounds); one check takes {check_us:.1f} us")
+    print(f"{'workload':<22} {'service':>10} {'user':>10} {'user/service':>13}")
+    for key, ratio in capability_ratios.items():
+        service = statistics.median(r["service"][key] for r in ab_rounds)
+        user = statistics.median(r["user"][key] for r in ab_rounds)
+        print(f"{key:<22} {service:>10,.1f} {user:>10,.1f} {ratio:>12.1%}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -30,9 +30,12 @@ CHAINS = (101, 102, 103)
 RW = Access.READ | Access.WRITE
 
 
+SESSION = b"s" * 24
+
+
 def _cap(inode_id: int = 42, access: Access = RW, expires_ms: int = NOW_MS + 60_000,
-         chains: tuple[int, ...] = CHAINS) -> Capability:
-    return Capability(inode_id, access, chains, expires_ms)
+         chains: tuple[int, ...] = CHAINS, session_id: bytes = SESSION) -> Capability:
+    return Capability(inode_id, access, chains, expires_ms, session_id)
 
 
 def _check(raw: bytes, *, keys: tuple[bytes, ...] = (KEY,), need: Access = Access.READ, inode_id: int = 42,
@@ -82,7 +85,8 @@ def test_every_field_is_covered_by_the_signature() -> None:
             _denied(bytes(tampered), "capability")
     # Rebuilt with another inode, more access, a later expiry or other chains, under the old tag.
     tag = raw[-32:]
-    for changed in (_cap(inode_id=43), _cap(access=RW, expires_ms=NOW_MS + 10**9), _cap(chains=(101, 102, 104))):
+    for changed in (_cap(inode_id=43), _cap(access=RW, expires_ms=NOW_MS + 10**9), _cap(chains=(101, 102, 104)),
+                    _cap(session_id=b"t" * 24)):
         _denied(changed.body() + tag, "not signed")
 
 
@@ -97,8 +101,11 @@ def test_wrong_key_truncated_and_malformed_bytes_are_refused() -> None:
     # Well signed but inconsistent inside: a chain count that disagrees with the length, a
     # version this code does not know, access bits that mean nothing.
     body = bytearray(_cap().body())
-    body[-13] ^= 1  # the chain count's low byte (3 chains of 4 bytes follow it)
-    _denied(sign_body(bytes(body)), "does not match its length")
+    body[20] ^= 1  # the chain count's low byte (the header's last)
+    _denied(sign_body(bytes(body)), "do not match its length")
+    body = bytearray(_cap().body())
+    body[18] = 25  # the session's length
+    _denied(sign_body(bytes(body)), "do not match its length")
     body = bytearray(_cap().body())
     body[0] = 2
     _denied(sign_body(bytes(body)), "version 2")
@@ -131,6 +138,9 @@ def test_wrong_inode_access_or_chain_refused() -> None:
 
 
 def test_a_capability_must_name_chains_and_known_access() -> None:
+    assert decode(sign(_cap(session_id=b""), KEY), [KEY]).session_id == b""
+    with pytest.raises(ValueError):
+        _cap(session_id=b"x" * 256)
     with pytest.raises(ValueError):
         _cap(chains=())
     with pytest.raises(ValueError):

@@ -169,6 +169,7 @@ def test_a_read_only_open_cannot_write_and_a_write_only_open_cannot_read(tmp_pat
 def test_an_open_file_keeps_its_rights_and_a_fresh_grant_rechecks_them(tmp_path: Path) -> None:
     async def body(cluster: InProcessCluster, owner: AsyncFileSystem) -> None:
         f = await owner.open("/t/f", "w+b")
+        other = await owner.open("/t/f", "rb")
         try:
             await owner.chmod("/t/f", 0)  # as with a local descriptor, the open file still works
             previous = await f.capability.current()
@@ -180,10 +181,15 @@ def test_an_open_file_keeps_its_rights_and_a_fresh_grant_rechecks_them(tmp_path:
                 await owner.metadata.grant_capability(f.inode.inode_id, both, f.session_id, b"")
             with pytest.raises(PermissionDenied):
                 await owner.metadata.grant_capability(f.inode.inode_id, both, f.session_id, b"\x01" * 80)
+            # Another session's capability does not vouch for this one.
+            with pytest.raises(PermissionDenied):
+                await owner.metadata.grant_capability(f.inode.inode_id, mpb.CAPABILITY_READ, f.session_id,
+                                                      await other.capability.current())
             await f.write(b"still mine")
             await f.flush()
         finally:
             await f.close()
+            await other.close()
 
     _cluster(tmp_path, body)
 

@@ -8,12 +8,14 @@ truncate or remove only with one granting ``WRITE``.
 
 A capability is ``body || HMAC-SHA256(key, body)`` with the body::
 
-    version u8 | access u8 | inode_id u64 | expires_ms u64 | chain count u16 | chain ids u32...
+    version u8 | access u8 | inode_id u64 | expires_ms u64 | session length u8 | chain count u16
+    | session id | chain ids u32...
 
 ``expires_ms`` is wall-clock time (milliseconds since the epoch) on meta's clock; storage accepts
 a capability until ``expires_ms + skew_ms`` on its own. ``chains`` are the chain ids of the file's
 layout, in layout order: chunk ``i`` must be on ``chains[i % len(chains)]``, so a capability
-reaches exactly the chunks the file can have.
+reaches exactly the chunks the file can have. ``session_id`` is the open file's session: storage
+ignores it, meta renews a capability only for the session it was issued to.
 
 The key is derived from a cluster token (:func:`derive_key`), which every service already holds:
 no further secret has to be distributed, and when the cluster token rotates the capability key
@@ -54,7 +56,8 @@ CAPABILITY_VERSION = 1
 # for a fresh capability from any other permission error.
 DENIAL_PREFIX = "capability"
 _KEY_LABEL = b"fs3 capability key v1"
-_HEADER = struct.Struct(">BBQQH")
+_HEADER = struct.Struct(">BBQQBH")
+_SESSION_MAX_BYTES = 255
 _CHAIN = struct.Struct(">I")
 _TAG_BYTES = hashlib.sha256().digest_size
 
@@ -107,12 +110,14 @@ def is_capability_denial(code: int, message: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class Capability:
     """What one capability grants: ``access`` to the chunks of ``inode_id`` on ``chains`` (the
-    file's layout order), until ``expires_ms`` (wall clock)."""
+    file's layout order), until ``expires_ms`` (wall clock); issued to the open session
+    ``session_id``."""
 
     inode_id: int
     access: Access
     chains: tuple[int, ...]
     expires_ms: int
+    session_id: bytes = b""
 
     def __post_init__(self) -> None:
         if not self.chains:
@@ -120,10 +125,13 @@ class Capability:
         if len(self.chains) > STRIPE_MAX:
             raise ValueError(f"{len(self.chains)} chains exceed {STRIPE_MAX}")
         parse_access(int(self.access))
+        if len(self.session_id) > _SESSION_MAX_BYTES:
+            raise ValueError(f"session id of {len(self.session_id)} bytes exceeds {_SESSION_MAX_BYTES}")
 
     def body(self) -> bytes:
-        return _HEADER.pack(CAPABILITY_VERSION, int(self.access), self.inode_id, self.expires_ms,
-                            len(self.chains)) + b"".join(_CHAIN.pack(c) for c in self.chains)
+        return (_HEADER.pack(CAPABILITY_VERSION, int(self.access), self.inode_id, self.expires_ms,
+                             len(self.session_id), len(self.chains))
+                + self.session_id + b"".join(_CHAIN.pack(c) for c in self.chains))
 
     def __repr__(self) -> str:
         return (f"Capability(inode {self.inode_id}, {self.access.name}, {len(self.chains)} chains, "
@@ -150,14 +158,16 @@ def decode(raw: bytes, keys: Sequence[bytes]) -> Capability:
         signed |= hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), tag)
     if not signed:
         raise _denied("not signed by a current cluster key (forged, altered, or from before a token rotation)")
-    version, access, inode_id, expires_ms, count = _HEADER.unpack_from(body)
+    version, access, inode_id, expires_ms, session_bytes, count = _HEADER.unpack_from(body)
     if version != CAPABILITY_VERSION:
         raise _denied(f"version {version} is not {CAPABILITY_VERSION}")
-    if len(body) != _HEADER.size + count * _CHAIN.size:
-        raise _denied("malformed: its chain list does not match its length")
-    chains = tuple(_CHAIN.unpack_from(body, _HEADER.size + i * _CHAIN.size)[0] for i in range(count))
+    if len(body) != _HEADER.size + session_bytes + count * _CHAIN.size:
+        raise _denied("malformed: its session and chain list do not match its length")
+    session_id = body[_HEADER.size:_HEADER.size + session_bytes]
+    start = _HEADER.size + session_bytes
+    chains = tuple(_CHAIN.unpack_from(body, start + i * _CHAIN.size)[0] for i in range(count))
     try:
-        return Capability(int(inode_id), parse_access(access), chains, int(expires_ms))
+        return Capability(int(inode_id), parse_access(access), chains, int(expires_ms), bytes(session_id))
     except ValueError as exc:
         raise _denied(f"malformed: {exc}") from None
 

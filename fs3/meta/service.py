@@ -369,18 +369,20 @@ class MetaService(FileLengths, MetaJobs):
             rsp = await self._reopen_abandoned(req, rsp, session_id, now_ms)
         if rsp.session_id and rsp.inode.type == mpb.FILE:
             # Not part of the saved answer: a retry answered from it gets a capability of its own.
-            rsp.capability, rsp.capability_ttl_ms = self._sign_capability(rsp.inode,
-                                                                           access_for_flags(req.flags))
+            rsp.capability, rsp.capability_ttl_ms = self._sign_capability(rsp.inode, access_for_flags(req.flags),
+                                                                           rsp.session_id)
         return rsp, _EMPTY
 
-    def _sign_capability(self, inode: mpb.Inode, access: Access) -> tuple[bytes, int]:
-        """A capability for ``access`` to ``inode``'s chunks and how long it is valid (empty on
-        an open cluster: storage asks none of services, and every caller is one there)."""
+    def _sign_capability(self, inode: mpb.Inode, access: Access, session_id: bytes) -> tuple[bytes, int]:
+        """A capability for ``access`` to ``inode``'s chunks, issued to the open ``session_id``, and
+        how long it is valid (empty on an open cluster: storage asks none of services, and every
+        caller is one there)."""
         keys = self.auth.capability_keys
         if not keys or not inode.layout.chains:
             return b"", 0
         ttl_ms = self.config.capability_ttl_ms
-        capability = Capability(inode.inode_id, access, tuple(inode.layout.chains), self._now_ms() + ttl_ms)
+        capability = Capability(inode.inode_id, access, tuple(inode.layout.chains), self._now_ms() + ttl_ms,
+                                session_id)
         return sign(capability, keys[0]), ttl_ms
 
     async def grant_capability(self, req: mpb.GrantCapabilityReq,
@@ -398,10 +400,11 @@ class MetaService(FileLengths, MetaJobs):
             # Signed by a current key: expired or not, it says what this session's open allowed.
             with contextlib.suppress(PermissionDenied):
                 previous = decode(req.previous, self.auth.capability_keys)
-                renewing = previous.inode_id == req.inode_id and not int(access) & ~int(previous.access)
+                renewing = (previous.inode_id == req.inode_id and previous.session_id == req.session_id
+                            and not int(access) & ~int(previous.access))
         want = (R_OK if access & Access.READ else 0) | (W_OK if access & Access.WRITE else 0)
         inode = await self._read(req.ctx, lambda ns: ns.capability_file(req.inode_id, req.session_id, want, renewing))
-        capability, ttl_ms = self._sign_capability(inode, access)
+        capability, ttl_ms = self._sign_capability(inode, access, req.session_id)
         return mpb.GrantCapabilityRsp(capability=capability, capability_ttl_ms=ttl_ms), _EMPTY
 
     async def _saved_open(self, ctx: mpb.ReqCtx) -> mpb.OpenRsp:
