@@ -163,6 +163,9 @@ CASES: dict[str, tuple[Any, Message]] = {
     "set_layout": (lambda m: m.set_layout(path_ref(b"/d"), mpb.Layout(chunk_size=1 << 20), ALICE),
                    mpb.SetLayoutReq(dir=mpb.PathRef(path=b"/d"), layout=mpb.Layout(chunk_size=1 << 20))),
     "fsck": (lambda m: m.fsck(False), mpb.FsckReq(check_chunks=False)),
+    "grant_capability": (lambda m: m.grant_capability(9, mpb.CAPABILITY_READ, b"s" * 24, b"old", user=ALICE),
+                         mpb.GrantCapabilityReq(inode_id=9, access=mpb.CAPABILITY_READ, session_id=b"s" * 24,
+                                                previous=b"old")),
 }
 
 
