@@ -10,8 +10,13 @@ Everything is measured in one run on this machine, and reported as ratios to the
 * the cost of mutual TLS: a second, identical cluster with TLS on every connection (client to
   storage and storage forwarding along the chain), measured right after the clear one for each
   transport; reported as the TLS/clear ratio (``--no-tls`` skips it).
+* data-path capabilities: the framed workloads run by two clients side by side, each with half the
+  requests in flight: one as a service (a cluster token: storage checks nothing) and one as a user
+  (a user token: storage checks a capability, one HMAC-SHA256, on every request). Side by side,
+  both see the same machine, whose speed drifts within a run by far more than the check costs; the
+  ratio of their rates, the median over ``--cap-rounds`` rounds, is the cost of the check.
 
-Usage: ``python bench/chunk_bench.py [--seconds 3] [--inflight 8] [--fsync] [--no-tls]``.
+Usage: ``python bench/chunk_bench.py [--seconds 3] [--inflight 8] [--fsync]``.
 Writes ``bench/results/chunk-<timestamp>.json`` and prints a table.
 """
 
@@ -25,6 +30,7 @@ import multiprocessing
 import os
 import random
 import socket
+import statistics
 import struct
 import sys
 import tempfile
@@ -38,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from fs3.client.admin import AdminClient  # noqa: E402
 from fs3.client.routing import RoutingCache  # noqa: E402
 from fs3.client.storage_client import StorageClient, StorageClientConfig  # noqa: E402
+from fs3.common.capability import Access, Capability, check_chunk_access, derive_key, sign  # noqa: E402
 from fs3.common.ids import chunk_id  # noqa: E402
 from fs3.common.target_state import PublicState  # noqa: E402
 from fs3.rpc.channel import RealChannelFactory  # noqa: E402
@@ -45,6 +52,7 @@ from tests.harness import ProcessCluster, free_port  # noqa: E402
 
 MIB = 1024 * 1024
 _LEN = struct.Struct("<II")  # request bytes, wanted response bytes
+_USER_TOKEN = "fs3u.0000000000000bec." + "b" * 43
 
 
 # -- raw baseline ----------------------------------------------------------------------------
@@ -114,60 +122,111 @@ def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
 
 # -- fs3 -------------------------------------------------------------------------------------
 
-async def _run_for(seconds: float, inflight: int, op: Callable[[int], Awaitable[None]]) -> tuple[int, float]:
-    count = 0
+async def _run_for(seconds: float, inflight: int, op: Callable[[int, int], Awaitable[None]],
+                   streams: int = 1) -> tuple[list[int], float]:
+    """``inflight`` workers calling ``op(stream, i)`` for ``seconds``, worker ``w`` in stream
+    ``w % streams``; the calls each stream completed, and the time taken."""
+    counts = [0] * streams
     stop_at = time.perf_counter() + seconds
 
     async def worker(wid: int) -> None:
-        nonlocal count
+        stream = wid % streams
         i = wid
         while time.perf_counter() < stop_at:
-            await op(i)
-            count += 1
+            await op(stream, i)
+            counts[stream] += 1
             i += inflight
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(inflight)))
-    return count, time.perf_counter() - start
+    return counts, time.perf_counter() - start
+
+
+class _HeldCapability:
+    """A capability signed here as meta would (the bench holds the cluster token), valid for the run."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    async def current(self) -> bytes:
+        return self.raw
+
+    async def renew(self, refused: bytes) -> bytes:
+        return self.raw
+
+
+def _capability(cluster: ProcessCluster, inode_id: int, chain: int) -> _HeldCapability:
+    expires_ms = time.time_ns() // 1_000_000 + 3_600_000
+    return _HeldCapability(sign(Capability(inode_id, Access.READ | Access.WRITE, (chain,), expires_ms),
+                                derive_key(cluster.token)))
 
 
 async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inflight: int,
-                    chains: dict[int, int]) -> dict[str, float]:
-    channels = RealChannelFactory(cluster.token, transport, cluster.client_tls)  # type: ignore[arg-type]
-    routing = RoutingCache([cluster.address("mgmtd", transport)], channels)
-    client = StorageClient(routing, channels, f"bench-{transport}".encode(),
-                           StorageClientConfig(channels_max=max(64, inflight * 2)))
-    results: dict[str, float] = {}
+                    chains: dict[int, int], as_user: tuple[bool, ...] = (False,)) -> list[dict[str, float]]:
+    """The workloads over ``transport``, one result per stream of ``as_user``: a stream as a user
+    (a user token; storage checks a capability on every request) or as a service (a cluster token:
+    no check). Streams run side by side, sharing the requests in flight, so they see the same
+    machine: their ratio is what the check costs, however this machine's speed drifts."""
+    factories = [RealChannelFactory(_USER_TOKEN if user else cluster.token, transport,  # type: ignore[arg-type]
+                                    cluster.client_tls)
+                 for user in as_user]
+    # A new client id per run: a storage node remembers each id's exactly-once sequence numbers.
+    clients = [StorageClient(RoutingCache([cluster.address("mgmtd", transport)], channels), channels,
+                             f"bench-{transport}-{os.urandom(6).hex()}".encode(),
+                             StorageClientConfig(channels_max=max(64, inflight * 2))) for channels in factories]
+    results: list[dict[str, float]] = [{} for _ in as_user]
     big = os.urandom(MIB)
     rng = random.Random(7)
+    streams = len(as_user)
     for replicas, chain in sorted(chains.items()):
-        prefix = 1000 + replicas * 10 + (1 if transport == "grpc" else 0)
-        written: list[int] = []
+        prefixes = [1000 + replicas * 10 + (1 if transport == "grpc" else 0) + 2 * s + (4 if user else 0)
+                    for s, user in enumerate(as_user)]
+        held = [_capability(cluster, prefix, chain) if user else None
+                for prefix, user in zip(prefixes, as_user, strict=True)]
+        written: list[list[int]] = [[] for _ in as_user]
 
-        async def write(i: int, chain: int = chain, prefix: int = prefix, written: list[int] = written) -> None:
-            await client.write(chain, chunk_id(prefix, i), 0, big, MIB)
-            written.append(i)
+        def record(key: str, counts: list[int], elapsed: float) -> None:
+            for stream, count in enumerate(counts):
+                results[stream][key] = count / elapsed
 
-        n, elapsed = await _run_for(seconds, inflight, write)
-        results[f"write_1m_r{replicas}_MiBps"] = n / elapsed
-        ids = sorted(written)
+        async def write(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
+                        held: list[_HeldCapability | None] = held, written: list[list[int]] = written) -> None:
+            await clients[s].write(chain, chunk_id(prefixes[s], i), 0, big, MIB, capability=held[s])
+            written[s].append(i)
 
-        async def read(i: int, chain: int = chain, prefix: int = prefix, ids: list[int] = ids) -> None:
-            data, _ = await client.read(chain, chunk_id(prefix, ids[i % len(ids)]), 0, MIB)
+        record(f"write_1m_r{replicas}_MiBps", *await _run_for(seconds, inflight, write, streams))
+        ids = [sorted(w) for w in written]
+
+        async def read(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
+                       held: list[_HeldCapability | None] = held, ids: list[list[int]] = ids) -> None:
+            data, _ = await clients[s].read(chain, chunk_id(prefixes[s], ids[s][i % len(ids[s])]), 0, MIB,
+                                            capability=held[s])
             assert len(data) == MIB
 
-        n, elapsed = await _run_for(seconds, inflight, read)
-        results[f"read_1m_r{replicas}_MiBps"] = n / elapsed
+        record(f"read_1m_r{replicas}_MiBps", *await _run_for(seconds, inflight, read, streams))
 
-        async def read_small(i: int, chain: int = chain, prefix: int = prefix, ids: list[int] = ids) -> None:
+        async def read_small(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
+                             held: list[_HeldCapability | None] = held, ids: list[list[int]] = ids) -> None:
             offset = rng.randrange(0, MIB // 4096) * 4096
-            data, _ = await client.read(chain, chunk_id(prefix, ids[i % len(ids)]), offset, 4096)
+            data, _ = await clients[s].read(chain, chunk_id(prefixes[s], ids[s][i % len(ids[s])]), offset, 4096,
+                                            capability=held[s])
             assert len(data) == 4096
 
-        n, elapsed = await _run_for(seconds, inflight, read_small)
-        results[f"read_4k_r{replicas}_ops"] = n / elapsed
-    await channels.close()
+        record(f"read_4k_r{replicas}_ops", *await _run_for(seconds, inflight, read_small, streams))
+    for channels in factories:
+        await channels.close()
     return results
+
+
+def _check_cost_us(rounds: int = 20_000) -> float:
+    """Microseconds storage spends checking one capability (one HMAC-SHA256 over ~30 bytes)."""
+    key = derive_key("bench-token")
+    raw = sign(Capability(7, Access.READ | Access.WRITE, (1, 2, 3), 1 << 62), key)
+    start = time.perf_counter()
+    for i in range(rounds):
+        check_chunk_access(raw, (key,), need=Access.WRITE, inode_id=7, chunk_index=i, chain_id=i % 3 + 1,
+                           now_ms=0, skew_ms=0)
+    return (time.perf_counter() - start) / rounds * 1e6
 
 
 async def _setup(cluster: ProcessCluster) -> dict[int, int]:
@@ -194,6 +253,8 @@ def main() -> int:
     parser.add_argument("--inflight", type=int, default=8)
     parser.add_argument("--fsync", action="store_true", help="fsync chunk data and metadata on commit")
     parser.add_argument("--no-tls", action="store_true", help="skip the run with mutual TLS")
+    parser.add_argument("--cap-rounds", type=int, default=3,
+                        help="rounds of the framed workloads with and without capability checks side by side")
     parser.add_argument("--data-dir", help="where the storage targets live (default: a temporary directory; "
                                            "/dev/shm isolates protocol cost from the disk)")
     args = parser.parse_args()
@@ -225,6 +286,7 @@ def main() -> int:
     # The baseline runs before and after fs3 and the two are averaged: this machine's speed drifts.
     before = measure_baseline()
     results: dict[str, dict[str, float]] = {}
+    ab_rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="fs3-bench-", dir=args.data_dir) as tmp:
         # The clear and the TLS cluster run side by side; each transport is measured on one right
         # after the other, so that the ratio of the two sees the same machine.
@@ -241,7 +303,11 @@ def main() -> int:
             for transport in ("framed", "grpc"):
                 for suffix, cluster in clusters.items():
                     results[transport + suffix] = uvloop.run(
-                        _fs3_runs(cluster, transport, args.seconds, args.inflight, chains[suffix]))
+                        _fs3_runs(cluster, transport, args.seconds, args.inflight, chains[suffix]))[0]
+            for _ in range(args.cap_rounds):
+                as_service, as_user = uvloop.run(_fs3_runs(clusters[""], "framed", args.seconds, args.inflight,
+                                                           chains[""], (False, True)))
+                ab_rounds.append({"service": as_service, "user": as_user})
         finally:
             for cluster in clusters.values():
                 cluster.stop_all()
@@ -262,6 +328,17 @@ def main() -> int:
         versus = tls_vs_clear.get(f"{transport}/{key}")
         print(f"{transport:<12} {key:<22} {value:>12,.1f} {ratio:>12.1%} "
               f"{f'{versus:.1%}' if versus is not None else '':>10}")
+    # Data-path authorization: a user's rate (every request's capability checked) over a service's.
+    capability_ratios = {key: statistics.median(r["user"][key] / r["service"][key] for r in ab_rounds)
+                         for key in results["framed"]} if ab_rounds else {}
+    check_us = _check_cost_us()
+    print(f"data-path capabilities (framed; a user's and a service's requests side by side, each half of "
+          f"the {args.inflight} in flight; median of {len(ab_rounds)} rounds); one check takes {check_us:.1f} us")
+    print(f"{'workload':<22} {'service':>10} {'user':>10} {'user/service':>13}")
+    for key, ratio in capability_ratios.items():
+        service = statistics.median(r["service"][key] for r in ab_rounds)
+        user = statistics.median(r["user"][key] for r in ab_rounds)
+        print(f"{key:<22} {service:>10,.1f} {user:>10,.1f} {ratio:>12.1%}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -269,7 +346,9 @@ def main() -> int:
               "fsync": args.fsync, "data_dir": args.data_dir or tempfile.gettempdir(),
               "cpus": os.cpu_count(), "baseline": baseline, "baseline_before": before, "baseline_after": after,
               "fs3": results,
-              "ratios": {f"{t}/{k}": r for t, k, _, r in rows}, "tls_vs_clear": tls_vs_clear}
+              "ratios": {f"{t}/{k}": r for t, k, _, r in rows}, "tls_vs_clear": tls_vs_clear,
+              "capability_ratios": capability_ratios, "capability_check_us": check_us,
+              "capability_ab_rounds": ab_rounds}
     path = out_dir / f"chunk-{stamp}.json"
     path.write_text(json.dumps(record, indent=2))
     print(f"wrote {path.relative_to(ROOT)}")

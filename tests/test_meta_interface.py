@@ -170,6 +170,9 @@ CASES: dict[str, tuple[Any, Message]] = {
                    mpb.ListUsersReq(start_after="00000000000000aa", limit=5)),
     "remove_user": (lambda m: m.remove_user("00000000000000aa"), mpb.UserIdReq(token_id="00000000000000aa")),
     "rotate_user": (lambda m: m.rotate_user("00000000000000aa"), mpb.UserIdReq(token_id="00000000000000aa")),
+    "grant_capability": (lambda m: m.grant_capability(9, mpb.CAPABILITY_READ, b"s" * 24, b"old", user=ALICE),
+                         mpb.GrantCapabilityReq(inode_id=9, access=mpb.CAPABILITY_READ, session_id=b"s" * 24,
+                                                previous=b"old")),
 }
 # The calls made as the client itself, never for a caller: fsck, and identity and the user table.
 _OWN_CALLS = frozenset({"fsck", "who_am_i", "add_user", "list_users", "remove_user", "rotate_user"})

@@ -23,6 +23,7 @@ import fs3.aio
 from fs3 import meta_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.client.fs import AsyncFileSystem
+from fs3.client.storage_client import CapabilitySource
 from fs3.common.errors import InvalidArgument, IoError
 from fs3.common.ids import chunk_id, parse_chunk_id
 from fs3.common.posix import Caller
@@ -455,12 +456,13 @@ class CountedRemovals:
         original = meta.storage.update
 
         async def update(chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
-                         chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
+                         chunk_size: int, data: Buffer = b"", capability: CapabilitySource | None = None
+                         ) -> spb.UpdateRsp:
             if update_type == spb.REMOVE:
                 if self.succeed is not None and self.done >= self.succeed:
                     raise IoError("injected: storage went away")
                 self.done += 1
-            return await original(chain_id, chunk_id, update_type, offset, length, chunk_size, data)
+            return await original(chain_id, chunk_id, update_type, offset, length, chunk_size, data, capability)
 
         meta.storage.update = update  # type: ignore[method-assign]
 
@@ -715,9 +717,10 @@ def test_a_cancelled_truncate_holds_the_inode_until_its_storage_calls_end(tmp_pa
         original = meta.storage.update
 
         async def update(chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
-                         chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
+                         chunk_size: int, data: Buffer = b"", capability: CapabilitySource | None = None
+                         ) -> spb.UpdateRsp:
             if update_type != spb.REMOVE or delayed:
-                return await original(chain_id, chunk_id, update_type, offset, length, chunk_size, data)
+                return await original(chain_id, chunk_id, update_type, offset, length, chunk_size, data, capability)
             delayed.append(parse_chunk_id(chunk_id)[1])
 
             async def on_storage() -> spb.UpdateRsp:

@@ -53,6 +53,7 @@ PINNED: dict[str, int] = {
     "Meta.ListUsers": 0x0316,
     "Meta.RemoveUser": 0x0317,
     "Meta.RotateUser": 0x0318,
+    "Meta.GrantCapability": 0x0319,
 }
 
 

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from fs3 import meta_pb2 as mpb
+from fs3.client.capability import FileCapability
 from fs3.client.oserrors import os_errors
 from fs3.common.buffers import Buffer
 from fs3.common.errors import BadHandle, FileTooLarge, FS3Error, InvalidArgument, StaleClient
@@ -67,6 +68,11 @@ class AsyncFile:
         self.readable = readable
         self.writable = writable
         self.append = append
+        # What lets this handle reach the file's chunks on storage (meta signed it at the open).
+        access = (mpb.CAPABILITY_READ if readable else 0) | (mpb.CAPABILITY_WRITE if writable else 0)
+        self.capability = FileCapability(fs.metadata, fs.storage.clock, rsp.inode.inode_id, rsp.session_id,
+                                         access or mpb.CAPABILITY_READ, self.user, rsp.capability,
+                                         rsp.capability_ttl_ms)
         self.closed = False
         self.layout = rsp.inode.layout
         self.chunk_size = self.layout.chunk_size
@@ -325,7 +331,8 @@ class AsyncFile:
             index = offset // self.chunk_size
             chain_id, cid = chunk_location(self.layout, self.inode.inode_id, index)
             await self._fence()
-            await self.fs.storage.write(chain_id, cid, offset % self.chunk_size, data, self.chunk_size)
+            await self.fs.storage.write(chain_id, cid, offset % self.chunk_size, data, self.chunk_size,
+                                        self.capability)
             await self._fence()  # acknowledged after the session closed: not in the length meta set
         except BaseException as exc:  # kept for the caller's next call
             if self._error is None:
@@ -425,7 +432,8 @@ class AsyncFile:
         chunk_size = self.chunk_size
         async with self._slots:
             chain_id, cid = chunk_location(self.layout, self.inode.inode_id, offset // chunk_size)
-            data, _ = await self.fs.storage.read(chain_id, cid, offset % chunk_size, length)
+            data, _ = await self.fs.storage.read(chain_id, cid, offset % chunk_size, length,
+                                                 capability=self.capability)
         if len(data) == length:
             return data  # bytes of this file: valid whenever read (a collected chunk has none)
         # A hole, or a chunk meta collected once this handle's session was closed: zeros are
@@ -576,6 +584,7 @@ class AsyncFile:
         self._cancel_readahead()
         if self._hint_task is not None and not self._hint_task.done():
             self._hint_task.cancel()
+        await self.capability.close()
         if self.stale:
             # Meta closed the session when the lease lapsed; writes since may not be in the length.
             error = error if isinstance(error, StaleClient) else StaleClient(

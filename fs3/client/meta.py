@@ -186,6 +186,13 @@ class Meta:
                            acked=acked)
         return (await self.client.call("Close", req, mpb.InodeRsp, user)).inode
 
+    async def grant_capability(self, inode_id: int, access: int, session_id: bytes, previous: bytes, *,
+                               user: mpb.User | None = None) -> mpb.GrantCapabilityRsp:
+        """A fresh data-path capability for an open file's session (``access``: ``CAPABILITY_*``
+        bits); ``previous``, the one its open returned, keeps the rights the file was opened with."""
+        req = mpb.GrantCapabilityReq(inode_id=inode_id, access=access, session_id=session_id, previous=previous)
+        return await self.client.call("GrantCapability", req, mpb.GrantCapabilityRsp, user)
+
     # -- xattrs ----------------------------------------------------------------------------------
 
     async def get_xattr(self, target: Target, name: bytes, *, follow: bool = False,

@@ -14,11 +14,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 from fs3 import storage_pb2 as spb
 from fs3.client.routing import RoutedTarget, RoutingCache
 from fs3.common.buffers import Buffer
+from fs3.common.capability import is_capability_denial
 from fs3.common.checksum import crc32c
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import ChecksumMismatch, FS3Error, StatusCode, Unavailable
@@ -27,7 +28,7 @@ from fs3.common.target_state import PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
 
-__all__ = ["StorageClient", "StorageClientConfig"]
+__all__ = ["CapabilitySource", "StorageClient", "StorageClientConfig"]
 
 log = logging.getLogger(__name__)
 _STORAGE = service_spec("Storage")
@@ -37,6 +38,16 @@ _READ = _STORAGE.method("Read")
 # it (the failing target takes itself out of its chain).
 _REPLICA_FAULTS = frozenset({StatusCode.CHECKSUM_MISMATCH, StatusCode.IO_ERROR})
 
+
+class CapabilitySource(Protocol):
+    """Where a client that is not a service gets the capability its storage calls for one file
+    carry (see :mod:`fs3.common.capability`; the open file holds it)."""
+
+    async def current(self) -> bytes:
+        """The capability to send now (renewed first if it is about to expire)."""
+
+    async def renew(self, refused: bytes) -> bytes:
+        """A fresh capability from meta after storage refused ``refused``."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,13 @@ class StorageClient:
         await attempts.backoff()
 
     async def update(self, chain_id: int, chunk_id: bytes, update_type: int, offset: int, length: int,
-                     chunk_size: int, data: Buffer = b"") -> spb.UpdateRsp:
-        """One update through the chain head, retried until committed or the budget is spent."""
+                     chunk_size: int, data: Buffer = b"", capability: CapabilitySource | None = None) -> spb.UpdateRsp:
+        """One update through the chain head, retried until committed or the budget is spent.
+
+        ``capability``: the file's, for a client that is not a service. A refused one is renewed
+        once and the same request (same exactly-once sequence number) sent again.
+        """
+        renewed = False
         first_ms = self.clock.now_ms()
         attempts = Attempts(self._retry, self.clock)
         async with self._channel() as (channel_id, seq):
@@ -113,26 +129,34 @@ class StorageClient:
                 else:
                     req.chain_version = chain_version
                     req.retry_age_ms = min(self.clock.now_ms() - first_ms, 0xFFFFFFFF) if attempts.retries else 0
+                    if capability is not None:
+                        req.capability = await capability.current()
                     try:
                         rsp, _ = await self.channels.get(head.address).call(_UPDATE, req, data,
                                                                              self.config.rpc_timeout_ms)
                         assert isinstance(rsp, spb.UpdateRsp)
                         return rsp
                     except FS3Error as exc:
+                        if capability is not None and not renewed and is_capability_denial(exc.code, exc.message):
+                            renewed = True
+                            await capability.renew(req.capability)
+                            continue
                         if not exc.retryable:
                             raise
                         error = exc
                 await self._before_retry(error, attempts, f"update of chunk {chunk_id.hex()} on chain {chain_id}")
 
     async def write(self, chain_id: int, chunk_id: bytes, offset: int, data: Buffer,
-                    chunk_size: int) -> spb.UpdateRsp:
-        return await self.update(chain_id, chunk_id, spb.WRITE, offset, len(data), chunk_size, data)
+                    chunk_size: int, capability: CapabilitySource | None = None) -> spb.UpdateRsp:
+        return await self.update(chain_id, chunk_id, spb.WRITE, offset, len(data), chunk_size, data, capability)
 
-    async def truncate(self, chain_id: int, chunk_id: bytes, length: int, chunk_size: int) -> spb.UpdateRsp:
-        return await self.update(chain_id, chunk_id, spb.TRUNCATE, 0, length, chunk_size)
+    async def truncate(self, chain_id: int, chunk_id: bytes, length: int, chunk_size: int,
+                       capability: CapabilitySource | None = None) -> spb.UpdateRsp:
+        return await self.update(chain_id, chunk_id, spb.TRUNCATE, 0, length, chunk_size, capability=capability)
 
-    async def remove(self, chain_id: int, chunk_id: bytes, chunk_size: int) -> spb.UpdateRsp:
-        return await self.update(chain_id, chunk_id, spb.REMOVE, 0, 0, chunk_size)
+    async def remove(self, chain_id: int, chunk_id: bytes, chunk_size: int,
+                     capability: CapabilitySource | None = None) -> spb.UpdateRsp:
+        return await self.update(chain_id, chunk_id, spb.REMOVE, 0, 0, chunk_size, capability=capability)
 
     def _order(self, members: list[RoutedTarget]) -> list[RoutedTarget]:
         serving = [m for m in members if m.state is PublicState.SERVING]
@@ -145,9 +169,13 @@ class StorageClient:
             start = self._rotation % len(serving)
         return serving[start:] + serving[:start]
 
-    async def read(self, chain_id: int, chunk_id: bytes, offset: int, length: int,
-                   verify_checksum: bool = False) -> tuple[bytes, spb.ReadRsp]:
-        """Read from a serving replica; ``b""`` past the end of the chunk or for a missing chunk."""
+    async def read(self, chain_id: int, chunk_id: bytes, offset: int, length: int, verify_checksum: bool = False,
+                   capability: CapabilitySource | None = None) -> tuple[bytes, spb.ReadRsp]:
+        """Read from a serving replica; ``b""`` past the end of the chunk or for a missing chunk.
+
+        ``capability``: as in :meth:`update` (a refused one is renewed once).
+        """
+        renewed = False
         attempts = Attempts(self._retry, self.clock)
         req = spb.ReadReq(chain_id=chain_id, chunk_id=chunk_id, offset=offset, length=length,
                           dirty_policy=cast(spb.DirtyReadPolicy, self.config.dirty_policy),
@@ -160,6 +188,8 @@ class StorageClient:
             error: FS3Error = Unavailable(f"chain {chain_id} has no serving replica")
             moved = False
             for member in self._order(members):
+                if capability is not None:
+                    req.capability = await capability.current()
                 try:
                     rsp, data = await self.channels.get(member.address).call(_READ, req, b"",
                                                                              self.config.rpc_timeout_ms)
@@ -168,6 +198,12 @@ class StorageClient:
                         raise ChecksumMismatch(f"read of chunk {chunk_id.hex()} corrupted in transit")
                     return bytes(data), rsp
                 except FS3Error as exc:
+                    if capability is not None and not renewed and is_capability_denial(exc.code, exc.message):
+                        renewed = True
+                        await capability.renew(req.capability)
+                        # Not the replica's fault: start over with the fresh capability at once.
+                        error, moved = exc, True
+                        break
                     # A replica whose copy is corrupt or whose disk fails has not the last word:
                     # try the next one (the failing target takes itself out of its chain).
                     if not exc.retryable and exc.code not in _REPLICA_FAULTS:

@@ -23,6 +23,7 @@ from fs3.kv.store import KVStore
 from fs3.meta.identity import MetaGate
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
+from fs3.rpc.auth import Authenticator
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
@@ -74,7 +75,7 @@ def build_storage_node(config: StorageNodeConfig, engines: dict[int, ChunkEngine
     ``channels``; ``io_submitter`` replaces its I/O pool (the simulator's model of one)."""
     node = StorageNode(config, engines, channels, io_submitter=io_submitter)
     dispatcher = Dispatcher(token=token, metrics=metrics)
-    dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
+    dispatcher.add_service(service_spec("Storage"), StorageServicer(node, dispatcher.auth))
     return StorageParts(node, dispatcher)
 
 
@@ -88,8 +89,9 @@ def build_meta(engine: TxnEngine, channels: ChannelFactory, mgmtd_address: str, 
     real ones), ``pick`` chooses among a chain's replicas (None: at random)."""
     routing = RoutingCache([mgmtd_address], channels, rpc_timeout_ms=routing_timeout_ms)
     storage = StorageClient(routing, channels, client_id, storage_config, pick=pick)
-    service = MetaService(engine, routing, storage, config, clock=clock,
+    auth = Authenticator([token] if token else [])
+    service = MetaService(engine, routing, storage, config, clock=clock, auth=auth,
                           **({"wall_ns": wall_ns} if wall_ns is not None else {}))
-    dispatcher = Dispatcher(token=token, metrics=metrics)
+    dispatcher = Dispatcher(metrics=metrics, auth=auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     return MetaParts(service, routing, storage, dispatcher)

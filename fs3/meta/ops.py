@@ -989,6 +989,25 @@ class Namespace:
             raise BadHandle(f"no open session {session_id.hex()} on inode {inode_id}")
         return schema.Session.decode(raw)
 
+    async def capability_file(self, inode_id: int, session_id: bytes, want: int, renewing: bool) -> mpb.Inode:
+        """The file a data-path capability granting ``want`` (``R_OK``/``W_OK`` bits) is renewed for.
+
+        A capability is only ever granted to an open session (one that keeps the file's chunks
+        from being collected and whose writes meta accounts for), and writing only to a session
+        opened for writing. ``renewing``: the caller showed the capability this session's open
+        returned, granting at least ``want``; the session keeps the rights it was opened with, as
+        a descriptor does. Otherwise the caller's permissions are checked now, as an open would.
+        """
+        inode = await self.inode(inode_id)
+        if inode.type != FILE:
+            raise InvalidArgument(f"inode {inode_id} is not a regular file: it has no chunks")
+        session = await self._session(inode_id, session_id)
+        if want & W_OK and not session.write:
+            raise BadHandle(f"session {session_id.hex()} on inode {inode_id} is not open for writing")
+        if not renewing:
+            self._require(inode, want, "capability")
+        return inode
+
     async def _apply_length(self, inode: mpb.Inode, session: schema.Session, length: LengthReport) -> None:
         """A writer's length (``length``): exact when storage was asked, else its hint.
 

@@ -38,6 +38,7 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.buffers import Buffer
+from fs3.common.capability import Access, Capability, access_for_flags, decode, parse_access, sign
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import (
     BadHandle,
@@ -45,12 +46,13 @@ from fs3.common.errors import (
     Internal,
     InvalidArgument,
     NotPermitted,
+    PermissionDenied,
     StaleClient,
     Unavailable,
 )
 from fs3.common.faults import CrashPoint, sabotaged
 from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES, validate_dir_layout
-from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC, Caller
+from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC, R_OK, W_OK, Caller
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
 from fs3.meta import schema
@@ -68,7 +70,7 @@ from fs3.meta.ops import (
     TruncatePending,
     TruncateUnclaimed,
 )
-from fs3.rpc.auth import Role, current_principal
+from fs3.rpc.auth import Authenticator, Role, current_principal
 
 __all__ = ["MetaService", "MetaServiceConfig"]
 
@@ -99,6 +101,8 @@ class MetaServiceConfig:
     # A user token bound to uid 0 acts as nobody (65534): a stolen user token is then never root.
     # Off: such a token is root on the file system (services and trusted clients are not affected).
     root_squash: bool = True
+    # How long a data-path capability is valid (wall clock); clients renew it halfway through.
+    capability_ttl_ms: int = 600_000
 
     def validate(self) -> None:
         if self.client_lease_ms < 1:
@@ -109,6 +113,8 @@ class MetaServiceConfig:
             raise InvalidArgument("expired_client_ttl_ms must be at least twice client_lease_ms")
         if not 1 <= self.chunk_page <= CHUNK_PAGE_MAX:
             raise InvalidArgument(f"chunk_page {self.chunk_page} outside [1, {CHUNK_PAGE_MAX}]")
+        if not 100 <= self.capability_ttl_ms <= 86_400_000:
+            raise InvalidArgument("capability_ttl_ms must be within [100, 86400000]")
 
     @property
     def client_retry_limit_ms(self) -> int:
@@ -161,8 +167,11 @@ class MetaService(FileLengths, MetaJobs):
 
     def __init__(self, engine: TxnEngine, routing: RoutingCache, storage: StorageClient,
                  config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
-                 clock: Clock | None = None) -> None:
-        """``wall_ns`` stamps inode times; ``clock`` (monotonic) times client leases."""
+                 clock: Clock | None = None, auth: Authenticator | None = None) -> None:
+        """``wall_ns`` stamps inode times and capability expiries; ``clock`` (monotonic) times
+        client leases; ``auth`` (the dispatcher's) gives the keys capabilities are signed with
+        (None or an open cluster: no capabilities, as every caller is a service)."""
+        self.auth = auth if auth is not None else Authenticator()
         self.engine = engine
         self.routing = routing
         self.storage = storage
@@ -362,7 +371,45 @@ class MetaService(FileLengths, MetaJobs):
                 rsp = await self._saved_open(req.ctx)
         if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and not rsp.session_id:
             rsp = await self._reopen_abandoned(req, rsp, session_id, now_ms)
+        if rsp.session_id and rsp.inode.type == mpb.FILE:
+            # Not part of the saved answer: a retry answered from it gets a capability of its own.
+            rsp.capability, rsp.capability_ttl_ms = self._sign_capability(rsp.inode, access_for_flags(req.flags),
+                                                                           rsp.session_id)
         return rsp, _EMPTY
+
+    def _sign_capability(self, inode: mpb.Inode, access: Access, session_id: bytes) -> tuple[bytes, int]:
+        """A capability for ``access`` to ``inode``'s chunks, issued to the open ``session_id``, and
+        how long it is valid (empty on an open cluster: storage asks none of services, and every
+        caller is one there)."""
+        keys = self.auth.capability_keys
+        if not keys or not inode.layout.chains:
+            return b"", 0
+        ttl_ms = self.config.capability_ttl_ms
+        capability = Capability(inode.inode_id, access, tuple(inode.layout.chains), self._now_ms() + ttl_ms,
+                                session_id)
+        return sign(capability, keys[0]), ttl_ms
+
+    async def grant_capability(self, req: mpb.GrantCapabilityReq,
+                               payload: memoryview) -> tuple[mpb.GrantCapabilityRsp, Buffer]:
+        """Renew an open session's data-path capability (see ``GrantCapabilityReq``)."""
+        try:
+            access = parse_access(req.access)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if not req.session_id:
+            raise BadHandle("a capability is granted to an open file's session only")
+        _check_session_owner(req.ctx, req.session_id)
+        renewing = False
+        if req.previous:
+            # Signed by a current key: expired or not, it says what this session's open allowed.
+            with contextlib.suppress(PermissionDenied):
+                previous = decode(req.previous, self.auth.capability_keys)
+                renewing = (previous.inode_id == req.inode_id and previous.session_id == req.session_id
+                            and not int(access) & ~int(previous.access))
+        want = (R_OK if access & Access.READ else 0) | (W_OK if access & Access.WRITE else 0)
+        inode = await self._read(req.ctx, lambda ns: ns.capability_file(req.inode_id, req.session_id, want, renewing))
+        capability, ttl_ms = self._sign_capability(inode, access, req.session_id)
+        return mpb.GrantCapabilityRsp(capability=capability, capability_ttl_ms=ttl_ms), _EMPTY
 
     async def _saved_open(self, ctx: mpb.ReqCtx) -> mpb.OpenRsp:
         """The answer saved for an open request (its session, or none once abandoned), answered

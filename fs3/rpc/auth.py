@@ -26,6 +26,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fs3.common.capability import derive_key
+
 __all__ = [
     "CLIENT_METHODS",
     "SERVICE",
@@ -50,6 +52,7 @@ CLIENT_METHODS: frozenset[tuple[str, str]] = frozenset(
         "StatFs", "Lookup", "BatchStat", "Open", "MakeNode", "ReadLink", "Link", "Remove", "Rename", "ReadDir",
         "SetAttr", "GetXattr", "SetXattr", "ListXattr", "RemoveXattr", "Close", "Sync", "SetLayout", "RenewClient",
         "WhoAmI",
+        "GrantCapability",
     )]
 )
 
@@ -131,6 +134,7 @@ class Authenticator:
         # Counts set_tokens calls: a connection that authenticated under an older generation
         # checks its credential again before its next request (a dropped token is refused there).
         self.generation = 0
+        self._capability_keys: tuple[bytes, ...] = ()
         self.set_tokens(cluster_tokens, trusted_tokens)
 
     def set_tokens(self, cluster_tokens: Iterable[str], trusted_tokens: Iterable[str] = ()) -> None:
@@ -138,12 +142,20 @@ class Authenticator:
         until every client moved over, then the old one is dropped)."""
         self._cluster = tuple(t for t in cluster_tokens if t)
         self._trusted = tuple(t for t in trusted_tokens if t)
+        self._capability_keys = tuple(derive_key(t) for t in self._cluster)
         self.generation += 1
 
     @property
     def trusted_tokens(self) -> tuple[str, ...]:
         """The trusted-client tokens (kept as they are when only the cluster tokens are reloaded)."""
         return self._trusted
+
+    @property
+    def capability_keys(self) -> tuple[bytes, ...]:
+        """The data-path capability keys of the valid cluster tokens (see
+        :mod:`fs3.common.capability`): meta signs with the first, storage accepts any. Empty
+        for an open cluster, where every caller is a service and no capability is needed."""
+        return self._capability_keys
 
     @property
     def open(self) -> bool:

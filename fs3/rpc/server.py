@@ -80,7 +80,8 @@ class TokenReloader:
         self.auth.set_tokens(tokens, trusted)
         if self.channels is not None and tokens:
             self.channels.set_token(tokens[0])
-        log.info("SIGHUP: %d cluster and %d trusted-client token(s) loaded", len(tokens), len(trusted))
+        log.info("SIGHUP: %d cluster token(s) loaded from %s; %d trusted-client token(s)", len(tokens),
+                 self.source.token_file, len(trusted))
         return True
 
 

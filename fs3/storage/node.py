@@ -64,6 +64,9 @@ class StorageNodeConfig:
     channel_expiry_interval_ms: int = 60_000
     # How often each target's RocksDB gets its upkeep (reclaiming space, reopening after ENOSPC).
     maintenance_interval_ms: int = 1_000
+    # How far past its expiry a client's data-path capability is still accepted: the clocks of
+    # meta (which stamps the expiry) and of this node may differ by this much.
+    capability_skew_ms: int = 30_000
 
     @property
     def heartbeat_retry(self) -> RetryPolicy:

@@ -73,6 +73,8 @@ class StorageConfig:
     io_threads: int = 4
     # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # How far past its expiry a client's data-path capability is still accepted (clock skew with meta).
+    capability_skew_ms: int = 30_000
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -93,6 +95,8 @@ class StorageConfig:
             raise InvalidArgument("inline_max_bytes must be within [0, 1 MiB]")
         if self.heartbeat_interval_ms < 10:
             raise InvalidArgument("heartbeat_interval_ms must be at least 10")
+        if not 0 <= self.capability_skew_ms <= 600_000:
+            raise InvalidArgument("capability_skew_ms must be within [0, 600000]")
         self.replica.validate()
 
 
@@ -134,10 +138,10 @@ async def serve_storage(config: StorageConfig, ready_file: str | None = None) ->
     node_config = StorageNodeConfig(
         node_id=config.node_id, mgmtd_address=config.mgmtd_address,
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
-        io_threads=config.io_threads, replica=config.replica,
+        io_threads=config.io_threads, replica=config.replica, capability_skew_ms=config.capability_skew_ms,
     )
     node = StorageNode(node_config, engines, channels)
-    dispatcher.add_service(service_spec("Storage"), StorageServicer(node))
+    dispatcher.add_service(service_spec("Storage"), StorageServicer(node, dispatcher.auth))
     bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port,
                                 config.advertise_host)
     node_config.framed_address, node_config.grpc_address = bound.framed, bound.grpc

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 from fs3 import storage_pb2 as spb
+from fs3.common.capability import Access, check_chunk_access
 from fs3.common.checksum import crc32c
-from fs3.common.errors import FS3Error, InvalidArgument, IoError
+from fs3.common.errors import FS3Error, InvalidArgument, IoError, PermissionDenied
+from fs3.common.ids import parse_chunk_id
+from fs3.rpc.auth import Authenticator, Role, current_principal
 from fs3.rpc.dispatch import Buffer
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
 from fs3.storage.limits import DUMP_CHUNKS_MAX, DUMP_DATA_BYTES_MAX, SYNC_RECORDS_MAX
@@ -12,6 +19,8 @@ from fs3.storage.node import StorageNode
 from fs3.storage.replica import TargetReplica
 
 __all__ = ["StorageServicer"]
+
+log = logging.getLogger(__name__)
 
 _NO_PAYLOAD = b""
 # Reads of a chunk that a commit replaced meanwhile are retried this often before giving up.
@@ -48,11 +57,43 @@ def _listing(engine: ChunkEngine, req: spb.DumpChunkMetaReq, limit: int) -> list
     return out
 
 
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
 class StorageServicer:
-    def __init__(self, node: StorageNode) -> None:
+    def __init__(self, node: StorageNode, auth: Authenticator | None = None,
+                 wall_ms: Callable[[], int] = _wall_ms) -> None:
+        """``auth``: the dispatcher's authenticator, whose cluster tokens give the keys that
+        client capabilities are checked with (None: no keys, so a caller that is not a service
+        is refused every chunk); ``wall_ms`` is the clock capability expiries are read on."""
         self.node = node
+        self.auth = auth if auth is not None else Authenticator()
+        self.wall_ms = wall_ms
+
+    def _authorize(self, chain_id: int, chunk_id: bytes, need: Access, capability: bytes) -> None:
+        """A caller that is not a service reaches a chunk only with meta's capability for it
+        (see :mod:`fs3.common.capability`); refused before anything is read or changed."""
+        principal = current_principal()
+        if principal.role == Role.SERVICE:
+            return
+        try:
+            inode_id, index = parse_chunk_id(chunk_id)
+        except InvalidArgument:
+            raise PermissionDenied(f"chunk {chunk_id.hex()} is not a file's chunk: only services reach it") from None
+        try:
+            check_chunk_access(capability, self.auth.capability_keys, need=need, inode_id=inode_id,
+                               chunk_index=index, chain_id=chain_id, now_ms=self.wall_ms(),
+                               skew_ms=self.node.config.capability_skew_ms)
+        except PermissionDenied as exc:
+            log.info("refused %s of chunk %d/%d on chain %d to %r: %s", need.name, inode_id, index, chain_id,
+                     principal, exc.message)
+            raise
 
     async def update(self, req: spb.UpdateReq, payload: memoryview) -> tuple[spb.UpdateRsp, Buffer]:
+        self._authorize(req.chain_id, req.chunk_id, Access.WRITE, req.capability)
+        if req.capability:
+            req.ClearField("capability")  # checked: the successors (services) are not sent it
         # A disk error inside the update fails its target (the node hears of it from the replica,
         # also when this request was cancelled meanwhile).
         return await self.node.replica_for_chain(req.chain_id).update(req, payload), _NO_PAYLOAD
@@ -61,6 +102,7 @@ class StorageServicer:
         return await self.node.replica_for_chain(req.update.chain_id).forward(req, payload), _NO_PAYLOAD
 
     async def read(self, req: spb.ReadReq, payload: memoryview) -> tuple[spb.ReadRsp, Buffer]:
+        self._authorize(req.chain_id, req.chunk_id, Access.READ, req.capability)
         replica = self.node.replica_for_chain(req.chain_id)
         try:
             return await replica.read(req)
