@@ -10,6 +10,7 @@ import pytest
 
 from fs3.cli.cluster import resolve_cluster
 from fs3.common.errors import InvalidArgument
+from fs3.common.secret_files import write_secret_file, write_token_file
 
 
 def _args(**fields: object) -> argparse.Namespace:
@@ -19,13 +20,18 @@ def _args(**fields: object) -> argparse.Namespace:
 
 
 def test_a_local_cluster_directory_names_mgmtd_and_token(tmp_path: Path) -> None:
-    (tmp_path / "cluster.json").write_text(json.dumps({
-        "mgmtd": "127.0.0.1:9100", "token": "t0",
+    write_token_file(tmp_path / "token", ["t0"])
+    write_secret_file(tmp_path / "cluster.json", json.dumps({
+        "mgmtd": "127.0.0.1:9100", "token_file": str(tmp_path / "token"),
         "processes": {"mgmtd": {"grpc": "127.0.0.1:9101"}},
     }))
     assert resolve_cluster(_args(dir=str(tmp_path))) == ("127.0.0.1:9100", "t0")
     assert resolve_cluster(_args(dir=str(tmp_path), transport="grpc")) == ("127.0.0.1:9101", "t0")
     assert resolve_cluster(_args(dir=str(tmp_path), token="given")) == ("127.0.0.1:9100", "given")
+    # cluster.json names where the secret is: a copy other users can read is refused, saying how to fix it.
+    (tmp_path / "cluster.json").chmod(0o644)
+    with pytest.raises(InvalidArgument, match="chmod 600"):
+        resolve_cluster(_args(dir=str(tmp_path)))
 
 
 def test_without_a_directory_the_flags_and_environment_decide(monkeypatch: pytest.MonkeyPatch) -> None:
