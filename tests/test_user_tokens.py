@@ -44,6 +44,7 @@ from fs3.common.errors import (
     StaleClient,
     Unauthenticated,
 )
+from fs3.common.secret_files import write_token_file
 from fs3.kv.api import prefix_end
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
@@ -555,6 +556,26 @@ def test_cli_user_add_list_rotate_remove(shared_cluster: ClusterThread, tmp_path
     assert "16 lowercase hex" in capsys.readouterr().err
     assert cli_main([*base, "user", "add", "bad\tname", "--uid", "1", "--gid", "1"]) == 1
     assert "printable" in capsys.readouterr().err
+
+
+def test_cli_user_add_with_the_cluster_token_in_a_file(shared_cluster: ClusterThread, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``fs3 admin --token-file CLUSTER user add ... --token-file OUT``: the first file is the
+    credential the command presents, the second where the new token goes. They are two options
+    (the way that keeps the cluster token out of ``ps``), not one overriding the other."""
+    cluster = shared_cluster.cluster
+    cluster_file, out = tmp_path / "cluster.token", tmp_path / "grace.token"
+    write_token_file(cluster_file, [cluster.token])
+    base = ["admin", "--mgmtd", cluster.mgmtd_address, "--token-file", str(cluster_file)]
+    assert cli_main([*base, "user", "add", "grace", "--uid", "1600", "--gid", "1600", "--token-file", str(out)]) == 0
+    token = out.read_text().strip()
+    parsed = parse_user_token(token)
+    assert parsed is not None and cluster_file.read_text().strip() == cluster.token
+    assert cli_main([*base, "user", "rotate", parsed[0], "--token-file", str(out)]) == 0
+    rotated = out.read_text().strip()
+    assert rotated != token and parse_user_token(rotated) is not None
+    assert cli_main([*base, "user", "remove", parsed[0]]) == 0
+    capsys.readouterr()
 
 
 # -- the gate on its own: an unstarted service over an in-memory store -----------------------------
