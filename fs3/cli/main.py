@@ -225,7 +225,7 @@ async def _user_admin(admin: Any, args: argparse.Namespace) -> int:
     def as_dict(info: Any) -> dict[str, Any]:
         return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
-    output = getattr(args, "user_token_file", None)
+    output: str = getattr(args, "user_token_file", None) or ""
     if args.user_command in ("add", "rotate") and args.json and not output:
         raise InvalidArgument("--json never shows a token: give --token-file FILE to keep it")
     meta: Meta = await admin.metadata()
