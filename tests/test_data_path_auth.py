@@ -86,7 +86,7 @@ def test_a_user_cannot_reach_the_chunks_of_a_file_it_may_not_open(tmp_path: Path
         await owner.write_bytes("/t/secret", SECRET)  # the owner writes and reads through its capabilities
         assert await owner.read_bytes("/t/secret") == SECRET
         secret = (await owner.metadata.lookup(mpb.PathRef(path=b"/t/secret"))).inode_id
-        layout = (await owner.metadata.lookup(secret)).layout
+        layout = (await owner.metadata.lookup(mpb.PathRef(path=b"/t/secret"))).layout
         before = chunks_of(cluster, secret)
         assert before == 3
 

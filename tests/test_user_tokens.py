@@ -17,7 +17,7 @@ import json
 import os
 import random
 import stat
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,6 +326,63 @@ def test_a_user_token_acts_only_as_its_user(shared_cluster: ClusterThread) -> No
         finally:
             for fs in (alice, forged, root):
                 await fs.close()
+
+    run(body())
+
+
+def test_a_user_token_reaches_files_only_through_their_paths(shared_cluster: ClusterThread) -> None:
+    """Inode ids are sequential, so anyone can name one. A user token names a file by its path, as
+    a local process does: an inode id alone, or a path relative to a directory's inode, would skip
+    the search permission of every directory above it — the ``0644`` files in someone's ``0700``
+    home directory, which no path lets another user reach. Only an open handle (its session) names
+    its file by inode: that open went through the path."""
+    cluster = shared_cluster.cluster
+
+    async def body() -> None:
+        root, top = await _root_files(cluster)
+        home = f"{top}/home"
+        await root.mkdir(home, 0o700)
+        await root.chmod(home, 0o700)
+        async with await root.open(f"{home}/notes", "wb", perms=0o644) as f:
+            await f.write(b"private by its directory")
+        await root.chmod(f"{home}/notes", 0o644)
+        await root.setxattr(f"{home}/notes", "user.k", b"v")
+        notes = (await root.stat(f"{home}/notes")).st_ino
+        home_ino = (await root.stat(home)).st_ino
+        token = (await _add(cluster, "eve", 1200, 1200)).token
+        eve = await fs3.aio.connect(cluster.mgmtd_address, token=token)
+        try:
+            with pytest.raises(PermissionError):
+                await eve.read_bytes(f"{home}/notes")  # the path: no search permission on home
+            meta = eve.metadata
+            by_id, in_home = notes, mpb.PathRef(parent=home_ino, path=b"notes")
+            attempts: dict[str, Callable[[], Awaitable[object]]] = {
+                "open by id": lambda: meta.open(by_id, 0),
+                "open under the directory's id": lambda: meta.open(in_home, 0),
+                "lookup by id": lambda: meta.lookup(by_id),
+                "lookup under the directory's id": lambda: meta.lookup(in_home),
+                "batch stat": lambda: meta.batch_stat([notes]),
+                "read dir by id": lambda: meta.read_dir(home_ino, limit=10, with_attrs=True),
+                "getxattr by id": lambda: meta.get_xattr(by_id, b"user.k"),
+                "listxattr by id": lambda: meta.list_xattr(by_id),
+                "link by id": lambda: meta.link(by_id, mpb.PathRef(path=f"{top}/stolen".encode())),
+                "utime by id": lambda: meta.set_attr(by_id, mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW),
+                "utime by id with a made-up session": lambda: meta.set_attr(
+                    by_id, mpb.SET_MTIME_NOW, session_id=eve.meta.client_id + b"\0" * 8),
+            }
+            for what, attempt in attempts.items():
+                with pytest.raises(PermissionDenied):
+                    await attempt()
+                    raise AssertionError(f"{what}: allowed")
+            assert not await root.exists(f"{top}/stolen")
+            # An open handle names its file by inode, as an fd does: ftruncate and close work.
+            async with await eve.open(f"{top}/own", "w+b") as own:
+                await own.write(b"12345")
+                await own.truncate(2)
+            assert await eve.read_bytes(f"{top}/own") == b"12"
+        finally:
+            await eve.close()
+            await root.close()
 
     run(body())
 
