@@ -330,6 +330,7 @@ def test_a_user_token_acts_only_as_its_user(shared_cluster: ClusterThread) -> No
     run(body())
 
 
+@pytest.mark.slow
 def test_a_user_token_reaches_files_only_through_their_paths(shared_cluster: ClusterThread) -> None:
     """Inode ids are sequential, so anyone can name one. A user token names a file by its path, as
     a local process does: an inode id alone, or a path relative to a directory's inode, would skip
@@ -615,6 +616,7 @@ def test_cli_user_add_list_rotate_remove(shared_cluster: ClusterThread, tmp_path
     assert "printable" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_user_add_with_the_cluster_token_in_a_file(shared_cluster: ClusterThread, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """``fs3 admin --token-file CLUSTER user add ... --token-file OUT``: the first file is the
