@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterator
 
 import pytest
 
@@ -112,6 +113,30 @@ def test_wrong_key_truncated_and_malformed_bytes_are_refused() -> None:
     body = bytearray(_cap().body())
     body[1] = 4
     _denied(sign_body(bytes(body)), "malformed")
+
+
+class _WatchedKeys(tuple[bytes, ...]):
+    """Keys that note whether anything was checked against them (an HMAC computed)."""
+
+    used = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        type(self).used = True
+        return super().__iter__()
+
+
+def test_a_capability_longer_than_any_valid_one_is_refused_before_any_hmac() -> None:
+    """The longest valid capability (a 255-byte session, 256 chains) is about 1.3 KiB; storage and
+    meta refuse a longer one before hashing it, or a caller makes each request cost an HMAC of a
+    16 MiB message per valid key."""
+    longest = sign(_cap(chains=tuple(range(STRIPE_MAX)), session_id=b"s" * 255), KEY)
+    assert decode(longest, [KEY]).chains == tuple(range(STRIPE_MAX))
+    keys = _WatchedKeys((KEY,))
+    for raw in (longest + b"\x00", b"\x01" * (1 << 20)):
+        _WatchedKeys.used = False
+        with pytest.raises(PermissionDenied, match="malformed"):
+            decode(raw, keys)
+        assert not _WatchedKeys.used
 
 
 def sign_body(body: bytes) -> bytes:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import fs3.aio
+from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
 from fs3.client.admin import AdminClient
 from fs3.client.fs import AsyncFileSystem
@@ -24,8 +25,10 @@ from fs3.common.capability import Access, Capability, decode, derive_key, sign
 from fs3.common.errors import BadHandle, FS3Error, PermissionDenied
 from fs3.common.ids import chunk_id
 from fs3.common.layout import chunk_location
+from fs3.common.posix import O_RDONLY, O_RDWR, O_WRONLY
 from fs3.meta.service import MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
+from fs3.rpc.methods import service_spec
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
 from tests.test_client import chunks_of
@@ -83,7 +86,7 @@ def test_a_user_cannot_reach_the_chunks_of_a_file_it_may_not_open(tmp_path: Path
         await owner.write_bytes("/t/secret", SECRET)  # the owner writes and reads through its capabilities
         assert await owner.read_bytes("/t/secret") == SECRET
         secret = (await owner.metadata.lookup(mpb.PathRef(path=b"/t/secret"))).inode_id
-        layout = (await owner.metadata.lookup(secret)).layout
+        layout = (await owner.metadata.lookup(mpb.PathRef(path=b"/t/secret"))).layout
         before = chunks_of(cluster, secret)
         assert before == 3
 
@@ -260,3 +263,51 @@ def test_without_a_cluster_token_no_capability_is_issued(tmp_path: Path) -> None
         asyncio.run(main())
     except FS3Error as exc:  # pragma: no cover - shows the cause rather than a bare failure
         raise AssertionError(str(exc)) from exc
+
+
+def test_a_retried_open_never_grants_more_than_the_open_that_ran(tmp_path: Path) -> None:
+    """A retry of an open (same client id and request id) is answered from the saved answer, with a
+    capability of its own: it must grant what the open that ran allowed, not what the retry's flags
+    ask for — or a user with read permission gets a write capability by resending its read-only
+    open with ``O_RDWR`` (and a write-only open's retry would read a drop box)."""
+
+    async def body(cluster: InProcessCluster, owner: AsyncFileSystem) -> None:
+        await owner.write_bytes("/t/readable", b"owner's bytes")
+        await owner.chmod("/t/readable", 0o644)
+        await owner.write_bytes("/t/dropbox", b"")
+        await owner.chmod("/t/dropbox", 0o622)
+        attacker = await _user(cluster, "attacker", 2000)
+        key = derive_key(cluster.token)
+        address = next(n.framed_address for n in (await attacker.routing.refresh()).nodes
+                       if n.node_type == cpb.NODE_META)
+        channels = RealChannelFactory(attacker.channels.token, "framed")
+        try:
+            await attacker.stat("/t")  # registers the attacker's client id
+            channel = channels.get(address)
+
+            async def open_as(path: str, flags: int, request_id: int) -> mpb.OpenRsp:
+                ctx = mpb.ReqCtx(client_id=attacker.meta.client_id, request_id=request_id)
+                req = mpb.OpenReq(ctx=ctx, target=mpb.PathRef(path=path.encode()), flags=flags)
+                rsp, _ = await channel.call(service_spec("Meta").method("Open"), req, timeout_ms=5_000)
+                assert isinstance(rsp, mpb.OpenRsp)
+                return rsp
+
+            for path, ran, retried, granted in (("/t/readable", O_RDONLY, O_RDWR, Access.READ),
+                                                ("/t/dropbox", O_WRONLY, O_RDWR, Access.WRITE)):
+                first = await open_as(path, ran, 1_000_000 + ran)
+                assert decode(first.capability, [key]).access == granted
+                again = await open_as(path, retried, 1_000_000 + ran)  # "a retry" with more flags
+                assert again.session_id == first.session_id
+                assert decode(again.capability, [key]).access == granted, path
+            # The read-only open's capability writes nothing.
+            inode = await owner.metadata.lookup(mpb.PathRef(path=b"/t/readable"))
+            chain, cid = chunk_location(inode.layout, inode.inode_id, 0)
+            retried_rsp = await open_as("/t/readable", O_RDWR, 1_000_000 + O_RDONLY)
+            with pytest.raises(PermissionDenied, match="grants READ, not WRITE"):
+                await attacker.storage.write(chain, cid, 0, b"OWNED", CHUNK, capability=Fixed(retried_rsp.capability))
+        finally:
+            await channels.close()
+            await attacker.close()
+        assert await owner.read_bytes("/t/readable") == b"owner's bytes"
+
+    _cluster(tmp_path, body)

@@ -183,6 +183,32 @@ def test_malformed_frames_get_typed_errors_and_the_server_survives() -> None:
     asyncio.run(body())
 
 
+def test_before_its_hello_a_connection_may_send_only_a_small_frame_and_only_briefly() -> None:
+    """Until a connection has authenticated, whoever opens it is nobody: its first frame may hold a
+    token and no more, and must arrive whole within the hello timeout. Otherwise anyone who can
+    reach the port makes the server buffer a full-size frame (88 MiB) per connection, or holds
+    connections open for ever by sending a header and then nothing."""
+    async def body() -> None:
+        limits = FramedLimits(hello_timeout_ms=300)
+        async with serving(limits=limits) as (framed_addr, _, servicer):
+            for kind in (FrameKind.HELLO, FrameKind.REQUEST):
+                big = await _raw_exchange(framed_addr, pack_header(kind, 0x100, 0, 1, 1 << 20, 0), hello=False)
+                assert big and big[-1][1] == StatusCode.FRAME_TOO_LARGE, kind
+                bulk = await _raw_exchange(framed_addr, pack_header(kind, 0x100, 0, 1, 10, 1 << 20), hello=False)
+                assert bulk and bulk[-1][1] == StatusCode.FRAME_TOO_LARGE, kind
+            # A header promising a token that never comes: the server hangs up after the timeout.
+            host, port = framed_addr.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(pack_header(FrameKind.HELLO, 0, 0, 0, 100, 0) + b"fs3u.")
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(), 3) == b""  # closed, unanswered
+            writer.close()
+            # A real token still fits, and so does a large frame once authenticated.
+            await _still_serving(framed_addr)
+            assert not servicer.state.nodes
+    asyncio.run(body())
+
+
 def test_oversize_and_unknown_on_the_client_side() -> None:
     async def body() -> None:
         async with serving() as (framed_addr, grpc_addr, _):

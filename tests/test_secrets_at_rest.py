@@ -153,6 +153,29 @@ def test_private_dirs_are_made_0700_and_tightened(tmp_path: Path) -> None:
     assert _mode(old) == 0o700
 
 
+def test_a_data_or_certificate_directory_another_user_owns_is_refused(tmp_path: Path) -> None:
+    """A directory someone else owns is theirs whatever its mode (they may chmod it back, and
+    rename, replace or plant entries in it): a cluster directory a local user made in advance
+    (``/tmp/fs3``) would hand root their configs, and a certificate directory their CA, which
+    ``certs init`` keeps and signs every node with."""
+    if os.geteuid() != 0:
+        pytest.skip("chown needs root")
+    from fs3.cluster.certs import init_certs
+
+    for name in ("data", "certs"):
+        planted = tmp_path / name
+        planted.mkdir(mode=0o755)
+        os.chown(planted, NOBODY, NOBODY)
+        with pytest.raises(InvalidArgument, match=f"owned by uid {NOBODY}"):
+            if name == "data":
+                make_private_dir(planted)
+            else:
+                init_certs(planted, {"meta": ["127.0.0.1"]})
+        assert _mode(planted) == 0o755 and not list(planted.iterdir())  # untouched, nothing written
+    with pytest.raises(InvalidArgument, match=f"owned by uid {NOBODY}"):
+        LocalCluster(tmp_path / "data")
+
+
 def _fs3(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-P", "-m", "fs3.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)

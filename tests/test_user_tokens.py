@@ -17,7 +17,7 @@ import json
 import os
 import random
 import stat
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from fs3.common.errors import (
     StaleClient,
     Unauthenticated,
 )
+from fs3.common.secret_files import write_token_file
 from fs3.kv.api import prefix_end
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
@@ -330,6 +331,64 @@ def test_a_user_token_acts_only_as_its_user(shared_cluster: ClusterThread) -> No
 
 
 @pytest.mark.slow
+def test_a_user_token_reaches_files_only_through_their_paths(shared_cluster: ClusterThread) -> None:
+    """Inode ids are sequential, so anyone can name one. A user token names a file by its path, as
+    a local process does: an inode id alone, or a path relative to a directory's inode, would skip
+    the search permission of every directory above it — the ``0644`` files in someone's ``0700``
+    home directory, which no path lets another user reach. Only an open handle (its session) names
+    its file by inode: that open went through the path."""
+    cluster = shared_cluster.cluster
+
+    async def body() -> None:
+        root, top = await _root_files(cluster)
+        home = f"{top}/home"
+        await root.mkdir(home, 0o700)
+        await root.chmod(home, 0o700)
+        async with await root.open(f"{home}/notes", "wb", perms=0o644) as f:
+            await f.write(b"private by its directory")
+        await root.chmod(f"{home}/notes", 0o644)
+        await root.setxattr(f"{home}/notes", "user.k", b"v")
+        notes = (await root.stat(f"{home}/notes")).st_ino
+        home_ino = (await root.stat(home)).st_ino
+        token = (await _add(cluster, "eve", 1200, 1200)).token
+        eve = await fs3.aio.connect(cluster.mgmtd_address, token=token)
+        try:
+            with pytest.raises(PermissionError):
+                await eve.read_bytes(f"{home}/notes")  # the path: no search permission on home
+            meta = eve.metadata
+            by_id, in_home = notes, mpb.PathRef(parent=home_ino, path=b"notes")
+            attempts: dict[str, Callable[[], Awaitable[object]]] = {
+                "open by id": lambda: meta.open(by_id, 0),
+                "open under the directory's id": lambda: meta.open(in_home, 0),
+                "lookup by id": lambda: meta.lookup(by_id),
+                "lookup under the directory's id": lambda: meta.lookup(in_home),
+                "batch stat": lambda: meta.batch_stat([notes]),
+                "read dir by id": lambda: meta.read_dir(home_ino, limit=10, with_attrs=True),
+                "getxattr by id": lambda: meta.get_xattr(by_id, b"user.k"),
+                "listxattr by id": lambda: meta.list_xattr(by_id),
+                "link by id": lambda: meta.link(by_id, mpb.PathRef(path=f"{top}/stolen".encode())),
+                "utime by id": lambda: meta.set_attr(by_id, mpb.SET_ATIME_NOW | mpb.SET_MTIME_NOW),
+                "utime by id with a made-up session": lambda: meta.set_attr(
+                    by_id, mpb.SET_MTIME_NOW, session_id=eve.meta.client_id + b"\0" * 8),
+            }
+            for what, attempt in attempts.items():
+                with pytest.raises(PermissionDenied):
+                    await attempt()
+                    raise AssertionError(f"{what}: allowed")
+            assert not await root.exists(f"{top}/stolen")
+            # An open handle names its file by inode, as an fd does: ftruncate and close work.
+            async with await eve.open(f"{top}/own", "w+b") as own:
+                await own.write(b"12345")
+                await own.truncate(2)
+            assert await eve.read_bytes(f"{top}/own") == b"12"
+        finally:
+            await eve.close()
+            await root.close()
+
+    run(body())
+
+
+@pytest.mark.slow
 def test_the_blocking_client_with_a_user_token_cannot_read_a_root_file(shared_cluster: ClusterThread) -> None:
     cluster = shared_cluster.cluster
     root, top = run(_root_files(cluster))
@@ -555,6 +614,27 @@ def test_cli_user_add_list_rotate_remove(shared_cluster: ClusterThread, tmp_path
     assert "16 lowercase hex" in capsys.readouterr().err
     assert cli_main([*base, "user", "add", "bad\tname", "--uid", "1", "--gid", "1"]) == 1
     assert "printable" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_user_add_with_the_cluster_token_in_a_file(shared_cluster: ClusterThread, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``fs3 admin --token-file CLUSTER user add ... --token-file OUT``: the first file is the
+    credential the command presents, the second where the new token goes. They are two options
+    (the way that keeps the cluster token out of ``ps``), not one overriding the other."""
+    cluster = shared_cluster.cluster
+    cluster_file, out = tmp_path / "cluster.token", tmp_path / "grace.token"
+    write_token_file(cluster_file, [cluster.token])
+    base = ["admin", "--mgmtd", cluster.mgmtd_address, "--token-file", str(cluster_file)]
+    assert cli_main([*base, "user", "add", "grace", "--uid", "1600", "--gid", "1600", "--token-file", str(out)]) == 0
+    token = out.read_text().strip()
+    parsed = parse_user_token(token)
+    assert parsed is not None and cluster_file.read_text().strip() == cluster.token
+    assert cli_main([*base, "user", "rotate", parsed[0], "--token-file", str(out)]) == 0
+    rotated = out.read_text().strip()
+    assert rotated != token and parse_user_token(rotated) is not None
+    assert cli_main([*base, "user", "remove", parsed[0]]) == 0
+    capsys.readouterr()
 
 
 # -- the gate on its own: an unstarted service over an in-memory store -----------------------------

@@ -225,7 +225,8 @@ async def _user_admin(admin: Any, args: argparse.Namespace) -> int:
     def as_dict(info: Any) -> dict[str, Any]:
         return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
-    if args.user_command in ("add", "rotate") and args.json and not args.token_file:
+    output: str = getattr(args, "user_token_file", None) or ""
+    if args.user_command in ("add", "rotate") and args.json and not output:
         raise InvalidArgument("--json never shows a token: give --token-file FILE to keep it")
     meta: Meta = await admin.metadata()
     if args.user_command == "list":
@@ -252,15 +253,15 @@ async def _user_admin(admin: Any, args: argparse.Namespace) -> int:
     else:
         rsp = await meta.rotate_user(args.token_id)
     info = rsp.user
-    if args.token_file:
-        write_token_file(args.token_file, [rsp.token])
+    if output:
+        write_token_file(output, [rsp.token])
     if args.json:
-        print(json.dumps({**as_dict(info), "token_file": os.path.abspath(args.token_file)}))
+        print(json.dumps({**as_dict(info), "token_file": os.path.abspath(output)}))
         return 0
     done = "added" if args.user_command == "add" else "new secret for"
     print(f"{done} user token {info.token_id} ({info.name}, uid {info.uid} gid {info.gid})")
-    if args.token_file:
-        print(f"token written to {os.path.abspath(args.token_file)} (mode 0600)")
+    if output:
+        print(f"token written to {os.path.abspath(output)} (mode 0600)")
     else:
         print(f"token (shown this once; meta keeps only its hash): {rsp.token}")
     return 0
@@ -439,7 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     rotate = user_sub.add_parser("rotate", help="a new secret for a token; the old one is refused at once")
     rotate.add_argument("token_id")
     for made in (add, rotate):
-        made.add_argument("--token-file", help="write the token here (mode 0600) instead of printing it")
+        # Its own dest: `fs3 admin --token-file` (the cluster token the command presents) must not
+        # be overridden by, or read as, the file the new user token is written to.
+        made.add_argument("--token-file", dest="user_token_file",
+                          help="write the token here (mode 0600) instead of printing it")
     token = admin_sub.add_parser("token", help="cluster tokens")
     token_sub = token.add_subparsers(dest="token_action", required=True)
     rotate = token_sub.add_parser("rotate", help="rotate a local cluster's token without a restart: a new token "

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fs3.common.errors import InvalidArgument
+from fs3.common.secret_files import make_private_dir
 from fs3.rpc.tls import TlsConfig
 
 if TYPE_CHECKING:
@@ -118,8 +119,7 @@ def init_certs(directory: Path, nodes: Mapping[str, list[str]], *, client: bool 
 
     if not 1 <= days <= 3650:
         raise InvalidArgument("certificate lifetime must be within [1, 3650] days")
-    directory.mkdir(parents=True, exist_ok=True)
-    directory.chmod(0o700)
+    make_private_dir(directory)  # 0700, and refused when another user owns it (it could plant a CA)
     now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)  # a little slack for clocks behind ours
 
     def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:

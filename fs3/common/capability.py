@@ -60,6 +60,9 @@ _HEADER = struct.Struct(">BBQQBH")
 _SESSION_MAX_BYTES = 255
 _CHAIN = struct.Struct(">I")
 _TAG_BYTES = hashlib.sha256().digest_size
+# The longest capability there can be (a full session id, a full stripe): anything longer is
+# refused before it is hashed, so a caller cannot make each request cost an HMAC of megabytes.
+_CAPABILITY_MAX_BYTES = _HEADER.size + _SESSION_MAX_BYTES + STRIPE_MAX * _CHAIN.size + _TAG_BYTES
 
 
 class Access(enum.IntFlag):
@@ -149,7 +152,7 @@ def decode(raw: bytes, keys: Sequence[bytes]) -> Capability:
     capability denial) otherwise. Expiry is not checked here: see :func:`check_chunk_access`."""
     if not raw:
         raise _denied("missing: open the file through meta to get one")
-    if len(raw) < _HEADER.size + _TAG_BYTES:
+    if not _HEADER.size + _TAG_BYTES <= len(raw) <= _CAPABILITY_MAX_BYTES:
         raise _denied(f"malformed: {len(raw)} bytes")
     body, tag = raw[:-_TAG_BYTES], raw[-_TAG_BYTES:]
     # Every key is tried (no early exit), so the time taken says nothing about which one matched.

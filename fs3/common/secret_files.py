@@ -163,11 +163,21 @@ def check_config_file(path: str | os.PathLike[str] | None) -> None:
 
 def make_private_dir(path: str | os.PathLike[str]) -> None:
     """``mkdir -p`` (durably), then make the directory ``0700`` if it was more open (one made by
-    an earlier release): its files are the cluster's data, for no other local user."""
+    an earlier release): its files are the cluster's data, for no other local user.
+
+    A directory another user owns is refused, whatever its mode: its owner may open it again,
+    and rename, replace or plant entries in it (a config, a CA the process would then use) — the
+    directory a local user made in advance at a predictable path (``/tmp/fs3``)."""
     directory = Path(path)
     make_dirs_durable(directory)
     try:
-        mode = stat.S_IMODE(directory.stat().st_mode)
+        st = directory.stat()
+        uid = os.geteuid()
+        if st.st_uid != uid:
+            raise InvalidArgument(f"{directory} is owned by uid {st.st_uid}, not uid {uid} that runs this process: "
+                                  f"its owner could change what is in it; use a directory of your own (or chown "
+                                  f"{uid} {directory})")
+        mode = stat.S_IMODE(st.st_mode)
         if mode & 0o077:
             directory.chmod(PRIVATE_DIR_MODE)
     except OSError as exc:

@@ -15,7 +15,15 @@ handler:
 3. the request's client id must be one this token registered (``ClientLease.owner``, set by
    the registering ``RenewClient``): a client id carries state no permission bit guards — saved
    answers, open files' sessions through which a length is reported or a file truncated, the
-   lease that keeps those sessions — so a user may touch only its own.
+   lease that keeps those sessions — so a user may touch only its own;
+4. files are named by path from the root, as a local process names them: inode ids are
+   sequential, and one named alone (or a path relative to a directory's inode) skips the search
+   permission of every directory above it — another user's ``0644`` files in a ``0700`` home.
+   ``BatchStat`` (inode ids only) is refused; an inode id is accepted with the session of an open
+   handle of this client on that inode (``SetAttr`` by handle; ``Close``, ``Sync`` and
+   ``GrantCapability`` take an inode and a session, which their handlers check), as an fd names
+   its file: the open went through the path. Services and trusted clients (the mount daemon, whose
+   kernel works by inode and checks the path itself) are not limited.
 
 The cost is one read of the user table and one of the client's lease per request, in one read
 snapshot; a service or trusted client pays nothing.
@@ -100,6 +108,35 @@ class MetaGate:
         ctx.user.CopyFrom(user)
         if ctx.client_id:
             await self._check_client(txn, ctx.client_id, info.token_id)
+        await self._check_references(txn, request, info.token_id)
+
+    @staticmethod
+    async def _check_references(txn: Transaction, request: Message, token_id: str) -> None:
+        """A user names files by path (see the module's docstring, point 4): an inode id alone, or a
+        path relative to a directory's inode, is refused — except the inode of an open handle of
+        this client's (a session on that inode), as an fd names its file."""
+        if isinstance(request, mpb.BatchStatReq):
+            raise PermissionDenied("BatchStat names inodes by id: a user token names files by path")
+        session_id = bytes(getattr(request, "session_id", b""))
+        for field in request.DESCRIPTOR.fields:
+            if field.message_type is not mpb.PathRef.DESCRIPTOR or not request.HasField(field.name):
+                continue
+            ref: mpb.PathRef = getattr(request, field.name)
+            if ref.path:
+                if ref.parent and not ref.path.startswith(b"/"):
+                    raise PermissionDenied("a path relative to a directory's inode id: a user token names files "
+                                           "by their path from the root")
+                continue
+            if not ref.inode_id:
+                continue  # an empty reference: the handler refuses it
+            ctx: mpb.ReqCtx = request.ctx  # type: ignore[attr-defined]
+            if not (isinstance(request, mpb.SetAttrReq) and session_id
+                    and schema.session_owner(session_id) == ctx.client_id
+                    and await txn.get(schema.session_key(ref.inode_id, session_id)) is not None):
+                log.warning("refused user token %s %s by inode id %d", token_id, type(request).__name__,
+                            ref.inode_id)
+                raise PermissionDenied(f"inode {ref.inode_id} named by its id: a user token names files by path "
+                                       f"(or an open handle's session)")
 
     async def _authenticate(self, txn: Transaction, principal: Principal) -> mpb.UserInfo:
         parsed = parse_user_token(principal.user_token)

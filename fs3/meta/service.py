@@ -355,9 +355,11 @@ class MetaService(FileLengths, MetaJobs):
         async def abandon() -> None:
             await self._abandon_open(req.ctx)
 
-        rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, lambda ns, truncating: ns.open(
-            req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id, now_ms, truncating),
-            abandon if req.flags & O_TRUNC else None)
+        async def run_open(ns: Namespace, truncating: int) -> mpb.OpenRsp:
+            return _granting(await ns.open(req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id,
+                                           now_ms, truncating), req.flags)
+
+        rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, run_open, abandon if req.flags & O_TRUNC else None)
         if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and rsp.session_id and not rsp.created:
             # A retry answered from the saved answer: the attempt that committed it may still be
             # cutting the file, and closes the session if that fails. Both happen under the lock,
@@ -371,10 +373,14 @@ class MetaService(FileLengths, MetaJobs):
                 rsp = await self._saved_open(req.ctx)
         if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and not rsp.session_id:
             rsp = await self._reopen_abandoned(req, rsp, session_id, now_ms)
-        if rsp.session_id and rsp.inode.type == mpb.FILE:
-            # Not part of the saved answer: a retry answered from it gets a capability of its own.
-            rsp.capability, rsp.capability_ttl_ms = self._sign_capability(rsp.inode, access_for_flags(req.flags),
-                                                                           rsp.session_id)
+        if rsp.session_id and rsp.inode.type == mpb.FILE and rsp.capability_access:
+            # Not part of the saved answer: a retry answered from it gets a capability of its own,
+            # granting what the open that ran allowed (saved with it), never what the retry's flags
+            # ask for: a read-only open resent with O_RDWR must not come back able to write.
+            # (A saved answer without it was saved by an older release: no capability, so the
+            # client asks GrantCapability, which checks the caller's permissions.)
+            rsp.capability, rsp.capability_ttl_ms = self._sign_capability(
+                rsp.inode, parse_access(rsp.capability_access), rsp.session_id)
         return rsp, _EMPTY
 
     def _sign_capability(self, inode: mpb.Inode, access: Access, session_id: bytes) -> tuple[bytes, int]:
@@ -479,8 +485,8 @@ class MetaService(FileLengths, MetaJobs):
             if saved.session_id:
                 return saved  # another retry reopened it meanwhile
             await _refuse_expired(txn, req.ctx.client_id)
-            rsp = await Namespace(txn, env).open(mpb.PathRef(inode_id=inode_id), flags, 0, 0, session_id,
-                                                 req.ctx.client_id, now_ms)
+            rsp = _granting(await Namespace(txn, env).open(mpb.PathRef(inode_id=inode_id), flags, 0, 0, session_id,
+                                                           req.ctx.client_id, now_ms), flags)
             rsp.created = saved.created
             txn.put(key, schema.IdemRecord(record.committed_ms, rsp.SerializeToString()).encode())
             return rsp
@@ -693,6 +699,13 @@ class MetaService(FileLengths, MetaJobs):
             entry.users -= 1
             if entry.users == 0:
                 del self._truncate_locks[inode_id]
+
+
+def _granting(rsp: mpb.OpenRsp, flags: int) -> mpb.OpenRsp:
+    """The open's answer with the access its capability grants, saved with it (see ``open``)."""
+    if rsp.session_id:
+        rsp.capability_access = int(access_for_flags(flags))
+    return rsp
 
 
 async def _inode_rsp(inode: Awaitable[mpb.Inode]) -> mpb.InodeRsp:

@@ -24,7 +24,7 @@ from fs3.common.errors import (
 from fs3.rpc.auth import Principal
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.framing import HEADER, FrameKind, pack_header, unpack_header
-from fs3.rpc.limits import FramedLimits
+from fs3.rpc.limits import HELLO_MSG_MAX_BYTES, FramedLimits
 from fs3.rpc.methods import MethodSpec
 from fs3.rpc.tls import tls_error
 
@@ -96,8 +96,8 @@ class FramedServer:
         _tune(writer)
         try:
             await self._serve(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass  # TimeoutError: no token within the hello timeout
         except asyncio.CancelledError:
             pass
         finally:
@@ -118,20 +118,24 @@ class FramedServer:
         first = True
         try:
             while True:
-                if first and not authenticated:
-                    raw = await asyncio.wait_for(reader.readexactly(HEADER.size), limits.hello_timeout_ms / 1000)
-                else:
+                # Before it authenticated, a connection is nobody's: its first frame may hold a token
+                # and no more, and must arrive whole within the hello timeout (else anyone who can
+                # reach the port makes the server buffer a full-size frame per connection, or keeps
+                # connections open for ever with a header and nothing after it).
+                anonymous = first and not authenticated
+                async with asyncio.timeout(limits.hello_timeout_ms / 1000 if anonymous else None):
                     raw = await reader.readexactly(HEADER.size)
-                try:
-                    header = unpack_header(raw, limits.msg_max_bytes, limits.payload_max_bytes)
-                except (ProtocolError, FrameTooLarge) as exc:
-                    # The stream cannot be re-synchronised after a bad header: answer, then hang up.
-                    writer.write(pack_header(FrameKind.RESPONSE, 0, exc.code, 0, len(exc.message), 0))
-                    writer.write(exc.message.encode())
-                    await writer.drain()
-                    return
-                message = await reader.readexactly(header.msg_len) if header.msg_len else b""
-                payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
+                    try:
+                        header = unpack_header(raw, HELLO_MSG_MAX_BYTES if anonymous else limits.msg_max_bytes,
+                                               0 if anonymous else limits.payload_max_bytes)
+                    except (ProtocolError, FrameTooLarge) as exc:
+                        # The stream cannot be re-synchronised after a bad header: answer, then hang up.
+                        writer.write(pack_header(FrameKind.RESPONSE, 0, exc.code, 0, len(exc.message), 0))
+                        writer.write(exc.message.encode())
+                        await writer.drain()
+                        return
+                    message = await reader.readexactly(header.msg_len) if header.msg_len else b""
+                    payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
                 if header.kind == FrameKind.HELLO:
                     presented, generation = message, auth.generation
                     principal = auth.authenticate(message)

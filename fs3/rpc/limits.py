@@ -15,6 +15,7 @@ __all__ = [
     "FRAME_MSG_MAX_BYTES",
     "FRAME_PAYLOAD_MAX_BYTES",
     "GRPC_MESSAGE_MAX_BYTES",
+    "HELLO_MSG_MAX_BYTES",
     "HELLO_TIMEOUT_MS",
     "INFLIGHT_REQUESTS_MAX",
     "FramedLimits",
@@ -39,6 +40,11 @@ INFLIGHT_REQUESTS_MAX = 256
 # A new connection must present its token within this time, so idle unauthenticated sockets do
 # not accumulate.
 HELLO_TIMEOUT_MS = 5_000
+
+# The first frame of a connection that has not authenticated yet (its HELLO): a token (at most
+# 512 characters, see fs3.common.secret_files) with room to spare, and no payload. Whoever can
+# reach a port can send it, so it bounds what an anonymous connection makes a server hold.
+HELLO_MSG_MAX_BYTES = 4096
 
 # gRPC (the public API) carries the message and the payload in one protobuf: the largest framed
 # payload (a whole chunk and slack) plus 8 MiB for the fields around it — a big payload comes with
