@@ -487,3 +487,18 @@ def test_rotating_the_token_restarts_nothing_and_drops_the_old_token_at_finish(
         text = log.read_text(errors="replace")
         assert old not in text and new not in text, f"{log} shows a token"
     assert "SIGHUP: 2 cluster token(s) loaded" in (cluster.root / "meta.log").read_text()
+
+
+def test_a_pipe_planted_at_a_secret_path_is_refused_not_waited_on(tmp_path: Path) -> None:
+    pipe = tmp_path / "token"
+    os.mkfifo(pipe, 0o600)
+    with pytest.raises(InvalidArgument, match="not a regular file"):
+        read_token_file(pipe)
+
+
+def test_a_bad_token_setting_is_reported_without_its_value(tmp_path: Path) -> None:
+    config = tmp_path / "storage.toml"
+    write_secret_file(config, 'node_id = 1\ntoken = ["s3cret-value"]\n')
+    with pytest.raises(InvalidArgument) as refused:
+        load_config(StorageConfig, str(config), env_prefix="FS3_STORAGE")
+    assert "token" in refused.value.message and "s3cret-value" not in refused.value.message

@@ -55,24 +55,31 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
-        raise InvalidArgument(f"{where}: expected a boolean, got {value!r}")
+        raise InvalidArgument(f"{where}: expected a boolean, got {_shown(where, value)}")
     if annotation is int:
         if isinstance(value, bool):
-            raise InvalidArgument(f"{where}: expected an integer, got {value!r}")
+            raise InvalidArgument(f"{where}: expected an integer, got {_shown(where, value)}")
         try:
             return int(value)
         except (TypeError, ValueError):
-            raise InvalidArgument(f"{where}: expected an integer, got {value!r}") from None
+            raise InvalidArgument(f"{where}: expected an integer, got {_shown(where, value)}") from None
     if annotation is float:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise InvalidArgument(f"{where}: expected a number, got {value!r}") from None
+            raise InvalidArgument(f"{where}: expected a number, got {_shown(where, value)}") from None
     if annotation is str:
         if not isinstance(value, str | int | float):
-            raise InvalidArgument(f"{where}: expected a string, got {value!r}")
+            raise InvalidArgument(f"{where}: expected a string, got {_shown(where, value)}")
         return str(value)
     return value
+
+
+def _shown(where: str, value: Any) -> str:
+    """How an error names a bad value: never the value of a setting that may hold a secret."""
+    if "token" in where.lower() or "secret" in where.lower():
+        return f"a {type(value).__name__}"
+    return repr(value)
 
 
 def _moved_keys(cls: type[Any]) -> Mapping[str, str]:

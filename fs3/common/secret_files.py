@@ -79,13 +79,17 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
     """The text of a secret file, after the check (made on the open file, so it is the one read)."""
     file = Path(path)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        # Non-blocking, so that a pipe planted at the path cannot hang the start; a regular file only.
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise InvalidArgument(f"secret file {file} does not exist") from None
     except OSError as exc:
         raise InvalidArgument(f"secret file {file}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "rb") as fh:
-        _check_stat(file, os.fstat(fh.fileno()))
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(f"secret file {file} is not a regular file")
+        _check_stat(file, st)
         raw = fh.read(64 * 1024 + 1)
     if len(raw) > 64 * 1024:
         raise InvalidArgument(f"secret file {file} is larger than 64 KiB")
