@@ -32,11 +32,16 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from fs3 import common_pb2 as cpb
+
 __all__ = ["ClientMetrics", "MetricsEndpoint", "MountMetrics", "ServiceMetrics", "SnapshotCollector",
-           "add_process_collectors", "serve_metrics", "start_metrics_endpoint"]
+           "add_process_collectors", "file_sd_groups", "serve_metrics", "service_label", "start_metrics_endpoint"]
 
 # No ``_created`` series anywhere in the process (a module-level switch of prometheus_client).
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+_SERVICE_OF_NODE_TYPE: dict[int, str] = {cpb.NODE_MGMTD: "mgmtd", cpb.NODE_META: "meta",
+                                          cpb.NODE_STORAGE: "storage", cpb.NODE_CLIENT: "client"}
 
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -185,3 +190,25 @@ def start_metrics_endpoint(registry: CollectorRegistry, host: str, port: int) ->
 def serve_metrics(metrics: ServiceMetrics, host: str, port: int) -> int:
     """Start the ``/metrics`` endpoint; returns the bound port (``port=0`` picks a free one)."""
     return start_metrics_endpoint(metrics.registry, host, port).port
+
+
+def service_label(node_type: int) -> str:
+    """The ``service`` label of a node type (``mgmtd``, ``meta``, ``storage``, ``client``)."""
+    return _SERVICE_OF_NODE_TYPE.get(node_type, "unknown")
+
+
+def file_sd_groups(nodes: Iterable[cpb.NodeInfo], mgmtd_metrics_address: str = "") -> list[dict[str, object]]:
+    """Prometheus ``file_sd_configs`` target groups: one per process with a /metrics endpoint.
+
+    Every registered node is listed, alive or not (a dead node's failed scrape is what ``up == 0``
+    alerts on); a node that serves no metrics (its port set to -1) has nothing to scrape and is
+    left out. Labels: ``service`` and ``node_id`` (mgmtd, not a registered node, has ``node_id`` 0).
+    """
+    groups: list[dict[str, object]] = []
+    if mgmtd_metrics_address:
+        groups.append({"targets": [mgmtd_metrics_address], "labels": {"service": "mgmtd", "node_id": "0"}})
+    for node in sorted(nodes, key=lambda n: n.node_id):
+        if node.metrics_address:
+            groups.append({"targets": [node.metrics_address],
+                           "labels": {"service": service_label(node.node_type), "node_id": str(node.node_id)}})
+    return groups

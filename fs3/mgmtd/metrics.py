@@ -15,20 +15,11 @@ from __future__ import annotations
 
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from fs3 import common_pb2 as cpb
+from fs3.common.metrics import service_label
 from fs3.common.target_state import LocalState, PublicState
 from fs3.mgmtd.state import MgmtdState
 
 __all__ = ["cluster_families"]
-
-_NODE_TYPES: dict[int, str] = {cpb.NODE_MGMTD: "mgmtd", cpb.NODE_META: "meta", cpb.NODE_STORAGE: "storage",
-               cpb.NODE_CLIENT: "client"}
-
-
-def node_type_name(node_type: int) -> str:
-    """The ``service`` label of a node type (``storage``, ``meta``...)."""
-    return _NODE_TYPES.get(node_type, "unknown")
-
 
 def cluster_families(state: MgmtdState, now_ms: int) -> list[Metric]:
     """Every cluster gauge for the state as it is at ``now_ms`` (mgmtd's clock)."""
@@ -39,7 +30,7 @@ def cluster_families(state: MgmtdState, now_ms: int) -> list[Metric]:
                                       labels=["node_id", "service"])
     for node_id in sorted(state.nodes):
         record = state.nodes[node_id]
-        labels = [str(node_id), node_type_name(record.info.node_type)]
+        labels = [str(node_id), service_label(record.info.node_type)]
         node_alive.add_metric(labels, 1.0 if record.alive else 0.0)
         heartbeat_age.add_metric(labels, max(0, now_ms - record.last_heartbeat_ms) / 1000)
 

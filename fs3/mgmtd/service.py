@@ -75,6 +75,8 @@ class MgmtdServicer:
         self._state_changed = asyncio.Event()
         self._routing_gauge: Gauge | None
         self._alive_gauge: Gauge | None
+        # Where mgmtd's own /metrics is served (set once bound): ListNodes tells scrape discovery.
+        self.metrics_address = ""
         self._cluster_gauges: SnapshotCollector | None = None
         self._gauges_at: tuple[int, int] = (-_GAUGES_INTERVAL_MS, 0)  # (time, routing version) last published
         if metrics is not None:
@@ -138,7 +140,7 @@ class MgmtdServicer:
         return mpb.GetRoutingInfoRsp(changed=True, routing=self.state.routing_info()), _NO_PAYLOAD
 
     async def list_nodes(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.ListNodesRsp, Buffer]:
-        rsp = mpb.ListNodesRsp()
+        rsp = mpb.ListNodesRsp(mgmtd_metrics_address=self.metrics_address)
         for record in sorted(self.state.nodes.values(), key=lambda r: r.info.node_id):
             node = rsp.nodes.add()
             node.CopyFrom(record.info)
