@@ -34,11 +34,11 @@ def cluster_families(state: MgmtdState, now_ms: int) -> list[Metric]:
         node_alive.add_metric(labels, 1.0 if record.alive else 0.0)
         heartbeat_age.add_metric(labels, max(0, now_ms - record.last_heartbeat_ms) / 1000)
 
-    target_capacity = GaugeMetricFamily("fs3_target_capacity_bytes", "Size of the target's file system",
+    target_capacity = GaugeMetricFamily("fs3_target_capacity_bytes", "Size of the file system the target is on",
                                         labels=["target_id", "node_id"])
-    target_used = GaugeMetricFamily("fs3_target_used_bytes", "Bytes the target's file system has in use",
+    target_used = GaugeMetricFamily("fs3_target_used_bytes", "Bytes of chunk data stored on the target",
                                     labels=["target_id", "node_id"])
-    target_free = GaugeMetricFamily("fs3_target_free_bytes", "Bytes the target may still write",
+    target_free = GaugeMetricFamily("fs3_target_free_bytes", "Bytes free on the file system the target is on",
                                     labels=["target_id", "node_id"])
     target_chunks = GaugeMetricFamily("fs3_target_chunks", "Chunks stored on the target",
                                       labels=["target_id", "node_id"])
@@ -50,6 +50,7 @@ def cluster_families(state: MgmtdState, now_ms: int) -> list[Metric]:
                               labels=["target_id", "node_id", "state"])
     node_capacity: dict[int, int] = {}
     node_used: dict[int, int] = {}
+    node_free: dict[int, int] = {}
     for target_id in sorted(state.targets):
         target = state.targets[target_id]
         info = target.info
@@ -65,14 +66,19 @@ def cluster_families(state: MgmtdState, now_ms: int) -> list[Metric]:
             local.add_metric([*labels, ls.name.lower()], 1.0 if ls is target.local_state else 0.0)
         node_capacity[info.node_id] = node_capacity.get(info.node_id, 0) + info.capacity_bytes
         node_used[info.node_id] = node_used.get(info.node_id, 0) + info.used_bytes
+        node_free[info.node_id] = node_free.get(info.node_id, 0) + info.free_bytes
 
-    capacity = GaugeMetricFamily("fs3_node_capacity_bytes", "Size of the node's targets together",
+    # Sums over the node's targets (targets sharing one file system count its size once each).
+    capacity = GaugeMetricFamily("fs3_node_capacity_bytes", "Size of the node's targets' file systems together",
                                  labels=["node_id"])
-    used = GaugeMetricFamily("fs3_node_used_bytes", "Bytes in use on the node's targets together",
+    used = GaugeMetricFamily("fs3_node_used_bytes", "Bytes of chunk data on the node's targets together",
+                             labels=["node_id"])
+    free = GaugeMetricFamily("fs3_node_free_bytes", "Bytes free on the node's targets' file systems together",
                              labels=["node_id"])
     for node_id in sorted(node_capacity):
         capacity.add_metric([str(node_id)], node_capacity[node_id])
         used.add_metric([str(node_id)], node_used[node_id])
+        free.add_metric([str(node_id)], node_free[node_id])
 
     chain_targets = GaugeMetricFamily("fs3_chain_targets", "Targets in the chain", labels=["chain_id"])
     chain_serving = GaugeMetricFamily("fs3_chain_serving_targets", "Targets of the chain serving reads and writes",
@@ -95,15 +101,17 @@ def cluster_families(state: MgmtdState, now_ms: int) -> list[Metric]:
 
     return [
         node_alive, heartbeat_age, target_capacity, target_used, target_free, target_chunks, public, local,
-        capacity, used, chain_targets, chain_serving, chain_syncing,
+        capacity, used, free, chain_targets, chain_serving, chain_syncing,
         GaugeMetricFamily("fs3_chains", "Chains in every chain table", value=len(state.chains)),
         GaugeMetricFamily("fs3_chains_degraded", "Chains with a target that is not serving", value=degraded),
         GaugeMetricFamily("fs3_chains_unavailable", "Chains with no serving target: their files cannot be read",
                           value=unavailable),
         GaugeMetricFamily("fs3_targets_syncing", "Targets being resynced (recovery in progress)",
                           value=syncing_total),
-        GaugeMetricFamily("fs3_cluster_capacity_bytes", "Size of every target together",
+        GaugeMetricFamily("fs3_cluster_capacity_bytes", "Size of every target's file system together",
                           value=sum(node_capacity.values())),
-        GaugeMetricFamily("fs3_cluster_used_bytes", "Bytes in use on every target together",
+        GaugeMetricFamily("fs3_cluster_used_bytes", "Bytes of chunk data on every target together",
                           value=sum(node_used.values())),
+        GaugeMetricFamily("fs3_cluster_free_bytes", "Bytes free on every target's file system together",
+                          value=sum(node_free.values())),
     ]
