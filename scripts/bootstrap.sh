@@ -38,6 +38,30 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     fi
 fi
 
+# promtool checks the alert rules in deploy/prometheus (tests/test_metrics.py); it comes with Debian's
+# prometheus package, whose server must not start (nor start at boot) on a developer's machine:
+# service starts are refused while it installs, and its unit is disabled afterwards.
+if ! command -v promtool >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "bootstrap: installing promtool (Debian package prometheus; its server is not started)"
+        policy=/usr/sbin/policy-rc.d
+        made_policy=0
+        if [ ! -e "$policy" ]; then
+            printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+        fi
+        if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+                || { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+                     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }; then
+            if command -v systemctl >/dev/null 2>&1; then systemctl disable --quiet prometheus.service 2>/dev/null || true; fi
+        else
+            echo "bootstrap: could not install prometheus (promtool): the alert-rule tests will skip" >&2
+        fi
+        if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
+    else
+        echo "bootstrap: promtool missing (Debian package prometheus): the alert-rule tests will skip" >&2
+    fi
+fi
+
 "$PYTHON" - <<'PY'
 import sys
 if sys.version_info < (3, 11):

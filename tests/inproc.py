@@ -70,10 +70,16 @@ class InProcessCluster:
     _storage_configs: dict[int, StorageConfig] = field(default_factory=dict)
     # Certificates made by fs3.cluster.certs for every service by name and for "client": mutual TLS.
     tls_dir: Path | None = None
+    # Serve every service's /metrics (on free ports, registered with mgmtd as the processes do).
+    serve_metrics: bool = False
 
     def tls(self, name: str) -> Tls | None:
         """The TLS material of service (or ``client``) ``name``; None when the cluster runs in clear."""
         return Tls.load(tls_config(self.tls_dir, name)) if self.tls_dir is not None else None
+
+    @property
+    def _metrics_port(self) -> int:
+        return 0 if self.serve_metrics else -1
 
     @property
     def topology(self) -> Topology:
@@ -88,7 +94,8 @@ class InProcessCluster:
         self.mgmtd = mgmtd.servicer
         self.mgmtd_runtime = ServiceRuntime(MGMTD, mgmtd.dispatcher, metrics, tls=self.tls(MGMTD))
         self.mgmtd.start()
-        await self.mgmtd_runtime.start("127.0.0.1", 0, 0, -1)
+        bound = await self.mgmtd_runtime.start("127.0.0.1", 0, 0, self._metrics_port)
+        self.mgmtd.metrics_address = bound.metrics
         self.channels = RealChannelFactory(self.token, self.transport, self.tls(CLIENT))  # type: ignore[arg-type]
         for node_id in topology.node_ids:
             storage_config = StorageConfig(
@@ -107,8 +114,9 @@ class InProcessCluster:
                 engines, node_channels, token=self.token, metrics=metrics)
             node = parts.node
             runtime = ServiceRuntime(topology.storage_name(node_id), parts.dispatcher, metrics, tls=node_tls)
-            bound = await runtime.start("127.0.0.1", 0, 0, -1)
+            bound = await runtime.start("127.0.0.1", 0, 0, self._metrics_port)
             node.config.framed_address, node.config.grpc_address = bound.framed, bound.grpc
+            node.config.metrics_address = bound.metrics
             await node.start()
             self.runtimes.append(runtime)
             self.nodes[node_id] = node
@@ -135,10 +143,11 @@ class InProcessCluster:
         await parts.routing.refresh()
         self.meta = parts.service
         runtime = ServiceRuntime(META, parts.dispatcher, metrics, tls=channels.tls)
-        bound = await runtime.start("127.0.0.1", 0, 0, -1)
+        bound = await runtime.start("127.0.0.1", 0, 0, self._metrics_port)
         await self.meta.start()
         config = MetaConfig(node_id=META_NODE_ID, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)
-        self._meta_tasks = [asyncio.create_task(heartbeat_loop(config, channels, (bound.framed, bound.grpc, "")))]
+        self._meta_tasks = [asyncio.create_task(heartbeat_loop(config, channels,
+                                                               (bound.framed, bound.grpc, bound.metrics)))]
         self._meta_runtime, self._meta_channels = runtime, channels
         await wait_until(self._meta_registered, what="meta registered")
         return self.meta

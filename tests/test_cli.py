@@ -40,7 +40,17 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         import urllib.request
 
         metrics = urllib.request.urlopen(f"http://{info['processes']['storage-1']['metrics']}/metrics", timeout=5)
-        assert b"fs3_rpc_requests" in metrics.read()
+        assert b"fs3_rpc_requests_total" in metrics.read()
+        # Scrape discovery: every process's endpoint from mgmtd's registry, as Prometheus file_sd JSON.
+        sd = fs3(*base, "metrics-targets")
+        assert sd.returncode == 0, sd.stderr
+        groups = json.loads(sd.stdout)
+        assert sorted(g["labels"]["service"] for g in groups) == ["meta", "mgmtd"] + ["storage"] * 3
+        assert sorted(g["targets"][0] for g in groups) == sorted(p["metrics"] for p in info["processes"].values())
+        sd_file = tmp_path / "sd" / "fs3.json"
+        sd_file.parent.mkdir()
+        assert fs3(*base, "metrics-targets", "-o", str(sd_file)).returncode == 0
+        assert json.loads(sd_file.read_text()) == groups and not list(sd_file.parent.glob("*.tmp"))
         import fs3 as fs3_lib
 
         with fs3_lib.connect(info["mgmtd"], token=token) as fs:
@@ -102,6 +112,9 @@ def test_cli_errors_without_a_cluster(tmp_path: Path) -> None:
     bad_config.write_text("node_id = 1\nbogus = 2\n")
     storage = fs3("storage", "--config", str(bad_config))
     assert storage.returncode == 1 and "unknown key" in storage.stderr
+    for port in ("70000", "-2", "x"):
+        bad_port = fs3("mount", "127.0.0.1:1", str(tmp_path), "--metrics-port", port)
+        assert bad_port.returncode == 2 and "not a port number" in bad_port.stderr, bad_port.stderr
 
 
 def test_bench_on_a_directory_and_bad_input(tmp_path: Path) -> None:

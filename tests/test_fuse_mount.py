@@ -487,3 +487,29 @@ def test_the_mount_read_ahead_can_be_set(mount: tuple[LocalCluster, Path]) -> No
         assert knob.read_text().strip() == "512"
     finally:
         knob.write_text("128\n")
+
+
+def test_the_mount_exports_its_operations_on_its_metrics_port(mount: tuple[LocalCluster, Path], work: Path) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cluster, _ = mount
+    address = cluster.procs["mount"].info["metrics"]  # fs3 local gives its mount a port, in the ready file
+    data = os.urandom(3 * CHUNK + 7)
+    (work / "m.bin").write_bytes(data)
+    assert (work / "m.bin").read_bytes() == data
+    assert errno_of(os.stat, work / "absent") == errno.ENOENT
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as rsp:
+        samples = [s for f in text_string_to_metric_families(rsp.read().decode()) for s in f.samples]
+
+    def total(name: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert total("fs3_fuse_ops_total", op="write") >= 1 and total("fs3_fuse_ops_total", op="read") >= 1
+    assert total("fs3_fuse_written_bytes_total") >= len(data) and total("fs3_fuse_read_bytes_total") >= len(data)
+    assert total("fs3_client_written_bytes_total") >= len(data)
+    assert total("fs3_fuse_op_errors_total", op="lookup", errno="ENOENT") >= 1
+    assert total("fs3_fuse_op_duration_seconds_count", op="write") == total("fs3_fuse_ops_total", op="write")
+    assert total("process_resident_memory_bytes") > 0
+    assert not any(s.name.endswith("_created") for s in samples)

@@ -127,7 +127,7 @@ class LocalCluster:
     def _mount_args(self) -> list[str]:
         assert self.mountpoint
         return ["mount", "MGMTD", self.mountpoint, "--foreground", "--token-file", str(self.token_file),
-                *self._client_tls_args()]
+                "--metrics-port", "0", *self._client_tls_args()]
 
     @property
     def client_tls(self) -> TlsConfig | None:
@@ -416,7 +416,8 @@ def _print_endpoints(cluster: LocalCluster) -> None:
     for name, proc in cluster.procs.items():
         info = proc.info
         if name == "mount":
-            print(f"  {name:<10} {info.get('mountpoint', '-'):<73}  pid {info.get('pid', '-')}")
+            print(f"  {name:<10} {info.get('mountpoint', '-'):<73}  metrics {info.get('metrics') or '-'}  "
+                  f"pid {info.get('pid', '-')}")
             continue
         print(f"  {name:<10} framed {info.get('framed', '-'):<22} grpc {info.get('grpc', '-'):<22} "
               f"metrics {info.get('metrics', '-')}  pid {info.get('pid', '-')}")

@@ -3,10 +3,10 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage [--config FILE] [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
-    fs3 mount   MGMTD MOUNTPOINT [--token-file FILE] [--foreground]
+    fs3 mount   MGMTD MOUNTPOINT [--token-file FILE] [--foreground] [--metrics-port N]
     fs3 umount  MOUNTPOINT
     fs3 admin   (--mgmtd HOST:PORT [--token-file FILE] | --dir DIR) [--json]
-                nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
+                nodes|targets|chains|metrics-targets|create-chain-table|mark-offline|verify|fsck|set-layout
                 user add|list|remove|rotate
     fs3 admin   token rotate --dir DIR [--finish]
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
@@ -99,6 +99,16 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
             print(_table([[str(n.node_id), _state_name(cpb.NodeType, n.node_type).replace("node_", ""),
                            "up" if n.alive else "DOWN", n.framed_address, n.grpc_address, n.hostname, str(n.pid)]
                           for n in nodes], ["node", "type", "status", "framed", "grpc", "host", "pid"]))
+        return 0
+    if args.command == "metrics-targets":
+        text = json.dumps(await admin.metrics_targets(), indent=2) + "\n"
+        if args.output:
+            # Atomically: Prometheus re-reads the file when it changes and must never see half of it.
+            tmp = Path(args.output).with_name(Path(args.output).name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(args.output)
+        else:
+            print(text, end="")
         return 0
     if args.command == "targets":
         targets = await admin.targets()
@@ -294,6 +304,17 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _metrics_port(text: str) -> int:
+    """A TCP port, 0 (any free one) or -1 (no endpoint)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not -1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number: {value} (0-65535, or -1 for none)")
+    return value
+
+
 def _cache_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -349,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long the kernel may use a name -> file answer without asking (default 1)")
     mount.add_argument("--attr-timeout-s", type=_cache_seconds, default=1.0,
                        help="how long the kernel and the mount may keep a file's attributes (default 1)")
+    mount.add_argument("--metrics-port", type=_metrics_port, default=-1,
+                       help="serve the mount's Prometheus /metrics on this port (0: any free port; "
+                       "default -1: none)")
+    mount.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoint binds")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
     add_tls_arguments(mount)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
@@ -402,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     admin_sub = admin.add_subparsers(dest="command", required=True)
     admin_sub.add_parser("nodes", help="list nodes")
     admin_sub.add_parser("targets", help="list storage targets")
+    metrics_targets = admin_sub.add_parser(
+        "metrics-targets", help="Prometheus file_sd JSON: every process's /metrics endpoint (labels service, node_id)")
+    metrics_targets.add_argument("-o", "--output", help="write the file atomically (for file_sd_configs) "
+                                 "instead of printing it")
     admin_sub.add_parser("chains", help="list chains")
     create = admin_sub.add_parser("create-chain-table", help="create a chain table")
     create.add_argument("--table-id", type=int, default=1)
@@ -506,7 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    tls=client_tls(args),
                                    allow_other=args.allow_other, log_level=args.log_level,
                                    readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
-                                   attr_timeout_s=args.attr_timeout_s)
+                                   attr_timeout_s=args.attr_timeout_s, metrics_port=args.metrics_port,
+                                   metrics_host=args.metrics_host)
             if args.foreground:
                 return run_foreground(args.mgmtd, args.mountpoint, options, args.ready_file)
             pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)

@@ -15,6 +15,7 @@ from fs3.client.meta import Meta
 from fs3.client.meta_client import MetaClient
 from fs3.client.routing import RoutingCache
 from fs3.common.errors import FS3Error
+from fs3.common.metrics import file_sd_groups
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import ChunkDump, dump_chunks
@@ -169,6 +170,12 @@ class AdminClient:
         rsp = await self._mgmtd("ListNodes", cpb.Empty())
         assert isinstance(rsp, mpb.ListNodesRsp)
         return list(rsp.nodes)
+
+    async def metrics_targets(self) -> list[dict[str, object]]:
+        """Prometheus file_sd target groups of every process mgmtd knows (see :func:`file_sd_groups`)."""
+        rsp = await self._mgmtd("ListNodes", cpb.Empty())
+        assert isinstance(rsp, mpb.ListNodesRsp)
+        return file_sd_groups(rsp.nodes, rsp.mgmtd_metrics_address)
 
     async def targets(self) -> list[cpb.TargetInfo]:
         rsp = await self._mgmtd("ListTargets", cpb.Empty())

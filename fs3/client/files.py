@@ -246,14 +246,18 @@ class AsyncFile:
 
     async def write(self, data: Buffer) -> int:
         with os_errors(self.name):
-            return await self._write(data)
+            written = await self._write(data)
+        self.fs.metrics.written_bytes.inc(written)
+        return written
 
     async def pwrite(self, offset: int, data: Buffer) -> int:
         """Write at ``offset`` without moving the file position (FUSE writes)."""
         with os_errors(self.name):
             if offset < 0:
                 raise InvalidArgument("negative offset")
-            return await self._write_at(offset, data)
+            written = await self._write_at(offset, data)
+        self.fs.metrics.written_bytes.inc(written)
+        return written
 
     async def _write(self, data: Buffer) -> int:
         if self.append:
@@ -459,6 +463,8 @@ class AsyncFile:
         pos = start
         while pos < end:
             offset, length, task = self._ahead[0]
+            # A hit: the piece was fetched before the reader asked for it (a miss waits for storage).
+            self.fs.metrics.cache("readahead", task.done())
             data = await task
             take_end = min(end, offset + length)
             whole = pos == offset and take_end == offset + length
@@ -474,7 +480,9 @@ class AsyncFile:
 
     async def read(self, size: int = -1) -> bytes:
         with os_errors(self.name):
-            return await self._read(size)
+            data = await self._read(size)
+        self.fs.metrics.read_bytes.inc(len(data))
+        return data
 
     async def pread(self, offset: int, size: int, readahead: bool = True) -> bytes:
         """Read at ``offset`` without moving the file position (FUSE reads).
@@ -490,8 +498,11 @@ class AsyncFile:
                 await self._fence()
                 await self._see_siblings()
                 end = min(offset + size, self._length)
-                return await self._read_range(offset, end - offset) if end > offset else b""
-            return await self._read_at(offset, size)
+                data = await self._read_range(offset, end - offset) if end > offset else b""
+            else:
+                data = await self._read_at(offset, size)
+        self.fs.metrics.read_bytes.inc(len(data))
+        return data
 
     async def _read(self, size: int = -1) -> bytes:
         if size is None or size < 0:

@@ -8,6 +8,7 @@ the fs3 namespace (a relative path is taken from the root). ``open`` returns an
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import stat as stat_mod
@@ -23,6 +24,7 @@ from fs3.client.oserrors import os_errors
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.clock import Clock
+from fs3.common.metrics import ClientMetrics, MetricsEndpoint, start_metrics_endpoint
 from fs3.common.posix import O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.rpc.auth import parse_user_token
 from fs3.rpc.channel import RealChannelFactory, Transport
@@ -64,6 +66,10 @@ class ClientConfig:
     umask: int | None = None         # applied to created files and directories (default: the process umask)
     storage: StorageClientConfig = field(default_factory=StorageClientConfig)
     tls: TlsConfig | None = None     # mutual TLS to every service: the CA and this client's certificate
+    # This client's /metrics endpoint (bytes, caches, process; a mount adds its FUSE operations):
+    # a port (0: any free one, see ``AsyncFileSystem.metrics_address``); -1: none.
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
 
 
 def stat_result(inode: mpb.Inode) -> os.stat_result:
@@ -165,6 +171,9 @@ class AsyncFileSystem:
         # handle dropped without close is not kept alive (nor its length counted) by this table.
         self._open_files: dict[int, weakref.WeakSet[AsyncFile]] = {}
         self._open_writers: dict[int, weakref.WeakSet[AsyncFile]] = {}
+        # Kept always (a counter step per call); served once start() opens the endpoint.
+        self.metrics = ClientMetrics()
+        self._metrics_endpoint: MetricsEndpoint | None = None
 
     def _user(self) -> mpb.User:
         config = self.config
@@ -185,12 +194,25 @@ class AsyncFileSystem:
             self.bound_user = who.user if who.bound else None
         await self.metadata.renew()
         self.metadata.start_lease()
+        if self.config.metrics_port >= 0 and self._metrics_endpoint is None:
+            self._metrics_endpoint = start_metrics_endpoint(self.metrics.registry, self.config.metrics_host,
+                                                            self.config.metrics_port)
         return self
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` of this client's /metrics endpoint (None when it serves none)."""
+        endpoint = self._metrics_endpoint
+        return f"{self.config.metrics_host}:{endpoint.port}" if endpoint is not None else None
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._metrics_endpoint is not None:
+            # In a thread: the HTTP server notices the shutdown at its next poll (up to half a second).
+            await asyncio.to_thread(self._metrics_endpoint.close)
+            self._metrics_endpoint = None
         await self.metadata.stop()
         await self.channels.close()
 

@@ -62,7 +62,7 @@ class MetaParts:
 def build_mgmtd(kv: KVStore, config: MgmtdConfig, *, token: str | None = None,
                 metrics: ServiceMetrics | None = None) -> MgmtdParts:
     """mgmtd on ``kv``; ``metrics`` counts its requests (None: none are kept, as in the simulator)."""
-    servicer = MgmtdServicer(kv, config)
+    servicer = MgmtdServicer(kv, config, metrics=metrics)
     dispatcher = Dispatcher(token=token, metrics=metrics)
     dispatcher.add_service(service_spec("Mgmtd"), servicer)
     return MgmtdParts(servicer, dispatcher)
@@ -73,7 +73,7 @@ def build_storage_node(config: StorageNodeConfig, engines: dict[int, ChunkEngine
                        metrics: ServiceMetrics | None = None) -> StorageParts:
     """A storage node serving ``engines`` (target id -> engine), talking to its peers and mgmtd over
     ``channels``; ``io_submitter`` replaces its I/O pool (the simulator's model of one)."""
-    node = StorageNode(config, engines, channels, io_submitter=io_submitter)
+    node = StorageNode(config, engines, channels, io_submitter=io_submitter, metrics=metrics)
     dispatcher = Dispatcher(token=token, metrics=metrics)
     dispatcher.add_service(service_spec("Storage"), StorageServicer(node, dispatcher.auth))
     return StorageParts(node, dispatcher)
@@ -90,7 +90,7 @@ def build_meta(engine: TxnEngine, channels: ChannelFactory, mgmtd_address: str, 
     routing = RoutingCache([mgmtd_address], channels, rpc_timeout_ms=routing_timeout_ms)
     storage = StorageClient(routing, channels, client_id, storage_config, pick=pick)
     auth = Authenticator([token] if token else [])
-    service = MetaService(engine, routing, storage, config, clock=clock, auth=auth,
+    service = MetaService(engine, routing, storage, config, clock=clock, auth=auth, metrics=metrics,
                           **({"wall_ns": wall_ns} if wall_ns is not None else {}))
     dispatcher = Dispatcher(metrics=metrics, auth=auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
+from fs3.common.metrics import MountMetrics
 from fs3.common.secret_files import read_token_file
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.tls import TlsConfig
@@ -51,6 +52,10 @@ class MountOptions:
     # 1.2-1.7x), but once all readers together ask for more than a few MiB ahead, reads slow down
     # (four fio jobs at 1 MiB each: 0.7x), so it is a tunable, not the default.
     readahead_kb: int = 0
+    # The daemon's /metrics endpoint (FUSE operations, bytes, caches, process): a port (0: any
+    # free one, written to the ready file); -1: none.
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
 
 
 def mount_device(mountpoint: Path) -> str | None:
@@ -148,7 +153,8 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         from fs3.vfs import Vfs, VfsConfig
 
         token = read_token_file(options.token_file)[0] if options.token_file else options.token
-        fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport, tls=options.tls)
+        fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport, tls=options.tls,
+                                   metrics_port=options.metrics_port, metrics_host=options.metrics_host)
         vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
                                 inflight_per_file=options.inflight_per_file),
                   # From a worker thread: the kernel may hold the directory while a request runs.
@@ -157,7 +163,8 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         allow_other = os.geteuid() == 0 if options.allow_other is None else options.allow_other
         if allow_other:
             fuse_options.add("allow_other")
-        operations = FS3Operations(vfs, after_init=lambda: set_readahead(target, options.readahead_kb))
+        operations = FS3Operations(vfs, after_init=lambda: set_readahead(target, options.readahead_kb),
+                                   metrics=MountMetrics(fs.metrics.registry))
         pyfuse3.init(operations, str(target), fuse_options)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -167,9 +174,10 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         if ready_file:
             # Atomically, as the servers do: a supervisor polling for the file never reads half of it.
             tmp = Path(ready_file).with_suffix(".tmp")
-            tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(target), "mgmtd": mgmtd}))
+            tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(target), "mgmtd": mgmtd,
+                                       "metrics": fs.metrics_address}))
             tmp.replace(ready_file)
-        log.info("fs3 mounted at %s (mgmtd %s)", target, mgmtd)
+        log.info("fs3 mounted at %s (mgmtd %s, metrics %s)", target, mgmtd, fs.metrics_address or "off")
         try:
             await pyfuse3.main()
         finally:
@@ -211,7 +219,8 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
     args = [sys.executable, "-P", "-m", "fs3.cli.main", "mount", mgmtd, str(target), "--foreground",
             "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level,
             "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
-            "--attr-timeout-s", str(options.attr_timeout_s)]
+            "--attr-timeout-s", str(options.attr_timeout_s), "--metrics-port", str(options.metrics_port),
+            "--metrics-host", options.metrics_host]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
     if options.tls is not None:  # file names only: the key stays in its file

@@ -20,6 +20,7 @@ import pyfuse3
 from fs3 import meta_pb2 as mpb
 from fs3.client.fs import TYPE_BITS
 from fs3.common.errors import FS3Error
+from fs3.common.metrics import MountMetrics
 from fs3.vfs import Vfs
 
 __all__ = ["FS3Operations", "answer_errors"]
@@ -34,32 +35,50 @@ def answer_errors(fn: F) -> F:
     """fs3 errors become the errno FUSE answers; anything unexpected is logged and answered EIO.
 
     Every request must be answered: the kernel waits for the answer, with the pages of a read
-    locked until it comes.
+    locked until it comes. Each answer is counted in the mount's metrics (the handler's name is
+    the ``op`` label; an error answer also by its errno's name).
     """
+    op = fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        metrics: MountMetrics | None = getattr(args[0], "metrics", None) if args else None
+        start = time.perf_counter()
         try:
-            return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
+            return await _answer(fn, *args, **kwargs)
+        except pyfuse3.FUSEError as exc:
+            if metrics is not None:
+                metrics.errors.labels(op, errno.errorcode.get(exc.errno, str(exc.errno))).inc()
             raise
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # this request itself is cancelled: the mount is going away
-            # Something the handler awaited was cancelled under it. Unanswered, the request would
-            # hold the kernel's page locks for good; the caller gets EIO instead.
-            log.exception("%s failed", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except FS3Error as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
-        except Exception:
-            log.exception("%s failed", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            if metrics is not None:
+                counter, histogram = metrics.op(op)
+                counter.inc()
+                histogram.observe(time.perf_counter() - start)
 
     return cast(F, wrapper)
+
+
+async def _answer(fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return await fn(*args, **kwargs)
+    except pyfuse3.FUSEError:
+        raise
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this request itself is cancelled: the mount is going away
+        # Something the handler awaited was cancelled under it. Unanswered, the request would
+        # hold the kernel's page locks for good; the caller gets EIO instead.
+        log.exception("%s failed", fn.__name__)
+        raise pyfuse3.FUSEError(errno.EIO) from None
+    except FS3Error as exc:
+        raise pyfuse3.FUSEError(exc.errno) from None
+    except OSError as exc:
+        raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+    except Exception:
+        log.exception("%s failed", fn.__name__)
+        raise pyfuse3.FUSEError(errno.EIO) from None
 
 
 # (pid, uid, gid) -> (monotonic deadline, supplementary groups). Reading /proc/PID/status for
@@ -90,9 +109,12 @@ class FS3Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, vfs: Vfs, after_init: Callable[[], object] | None = None) -> None:
+    def __init__(self, vfs: Vfs, after_init: Callable[[], object] | None = None,
+                 metrics: MountMetrics | None = None) -> None:
+        """``metrics``: where each answered request is counted (None: nowhere)."""
         super().__init__()
         self.vfs = vfs
+        self.metrics = metrics
         self._told: dict[int, tuple[int, int]] = {}  # inode -> (size, mtime) last given to the kernel
         self._after_init = after_init
 
@@ -244,11 +266,17 @@ class FS3Operations(pyfuse3.Operations):
 
     @answer_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return await self.vfs.read(fh, off, size)
+        data = await self.vfs.read(fh, off, size)
+        if self.metrics is not None:
+            self.metrics.read_bytes.inc(len(data))
+        return data
 
     @answer_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self.vfs.write(fh, off, buf)
+        written = await self.vfs.write(fh, off, buf)
+        if self.metrics is not None:
+            self.metrics.written_bytes.inc(written)
+        return written
 
     @answer_errors
     async def flush(self, fh: int) -> None:

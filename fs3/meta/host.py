@@ -25,6 +25,7 @@ from fs3 import storage_pb2 as spb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.clock import Clock
+from fs3.common.metrics import ServiceMetrics
 from fs3.kv.api import TxnEngine
 from fs3.meta.ops import Ancestry, Namespace, OpEnv
 
@@ -49,6 +50,8 @@ class MetaHost(abc.ABC):
     _expired_seen: dict[bytes, int]
     _gc_wakeup: asyncio.Event
     gc_removed_chunks: int
+    # Where the job queues' gauges go (None: not exported, as in the simulator).
+    metrics: ServiceMetrics | None
 
     # -- from the service: the request plumbing ---------------------------------------------------
 

@@ -30,6 +30,8 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TypeVar
 
+from prometheus_client import Counter, Gauge
+
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import FS3Error, NotFound, Unavailable
 from fs3.common.ids import parse_chunk_id
@@ -42,6 +44,7 @@ from fs3.meta.host import MetaHost
 from fs3.meta.lengths import all_of
 from fs3.meta.limits import (
     ANSWER_DELETE_PAGE,
+    BACKLOG_COUNT_MAX,
     JOB_SCAN_PAGE,
     LENGTH_PROBE_ATTEMPTS,
     PRUNE_PAGE,
@@ -57,6 +60,8 @@ T = TypeVar("T")
 
 
 class MetaJobs(MetaHost):
+    _backlog: tuple[Gauge, Gauge, Counter] | None = None
+    _removed_counted = 0
     """The service's background part (see the module's docstring)."""
 
     async def _clear_chunks(self, inode_id: int, layout: mpb.Layout, first: int) -> int:
@@ -200,6 +205,33 @@ class MetaJobs(MetaHost):
                     await self._finish_truncate(inode_id)
                 except FS3Error as exc:
                     log.warning("truncate of inode %d postponed: %s", inode_id, exc)
+
+    async def count_queue(self, prefix: bytes, limit: int = BACKLOG_COUNT_MAX) -> int:
+        """Jobs under ``prefix``, counting no further than ``limit`` (a bounded scan, page by page)."""
+        count = 0
+        async for rows in self._pages(prefix, min(PRUNE_PAGE, limit)):
+            count += len(rows)
+            if count >= limit:
+                return limit
+        return count
+
+    async def export_backlog(self) -> None:
+        """Set the GC and truncate queue gauges (and the removed-chunks counter) from the store."""
+        if self.metrics is None:
+            return
+        if self._backlog is None:
+            self._backlog = (
+                self.metrics.gauge("fs3_meta_gc_queue_files",
+                                   "Removed files whose chunks wait for garbage collection (at most 10000 counted)"),
+                self.metrics.gauge("fs3_meta_truncate_queue_files",
+                                   "Files whose truncate has chunks left to trim (at most 10000 counted)"),
+                self.metrics.counter("fs3_meta_gc_removed_chunks", "Chunks garbage collection removed"),
+            )
+        gc, truncate, removed = self._backlog
+        gc.set(await self.count_queue(schema.gc_prefix()))
+        truncate.set(await self.count_queue(schema.truncate_prefix()))
+        removed.inc(self.gc_removed_chunks - self._removed_counted)
+        self._removed_counted = self.gc_removed_chunks
 
     async def _pages(self, prefix: bytes, page: int = PRUNE_PAGE) -> AsyncIterator[list[tuple[bytes, bytes]]]:
         """Every key under ``prefix``, at most ``page`` per read (each page from a fresh snapshot,
@@ -373,6 +405,7 @@ class MetaJobs(MetaHost):
                     await self.routing.refresh()
                 await self.run_truncates_once()
                 await self.prune_clients_once()
+                await self.export_backlog()
             except FS3Error as exc:
                 log.warning("meta maintenance: %s", exc)
             except Exception:

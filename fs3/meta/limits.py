@@ -17,6 +17,7 @@ __all__ = [
     "ANCESTOR_WALK_MAX",
     "ANCESTRY_ATTEMPTS",
     "ANSWER_DELETE_PAGE",
+    "BACKLOG_COUNT_MAX",
     "BATCH_STAT_MAX",
     "CHUNK_INDEX_END",
     "CHUNK_PAGE_MAX",
@@ -74,6 +75,9 @@ ANSWER_DELETE_PAGE = PRUNE_PAGE
 # Truncate or GC jobs read per scan of their queue. Each job then runs its own storage calls, so
 # a page is work for seconds; the scan goes on past jobs that failed, so none starves the rest.
 JOB_SCAN_PAGE = 100
+# Jobs counted per queue for the backlog gauges at each maintenance pass: a gauge at this value
+# means "at least this many" (a queue that long is what the alert is for; its exact length is not).
+BACKLOG_COUNT_MAX = 10_000
 # Largest ``chunk_page`` (chunks listed per storage call of a job or a probe): a page is a
 # storage answer of about 100 bytes a chunk, so 10,000 is about 1 MB.
 CHUNK_PAGE_MAX = 10_000

@@ -52,6 +52,7 @@ from fs3.common.errors import (
 )
 from fs3.common.faults import CrashPoint, sabotaged
 from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES, validate_dir_layout
+from fs3.common.metrics import ServiceMetrics
 from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC, R_OK, W_OK, Caller
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
@@ -167,10 +168,13 @@ class MetaService(FileLengths, MetaJobs):
 
     def __init__(self, engine: TxnEngine, routing: RoutingCache, storage: StorageClient,
                  config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
-                 clock: Clock | None = None, auth: Authenticator | None = None) -> None:
+                 clock: Clock | None = None, auth: Authenticator | None = None,
+                 metrics: ServiceMetrics | None = None) -> None:
         """``wall_ns`` stamps inode times and capability expiries; ``clock`` (monotonic) times
         client leases; ``auth`` (the dispatcher's) gives the keys capabilities are signed with
-        (None or an open cluster: no capabilities, as every caller is a service)."""
+        (None or an open cluster: no capabilities, as every caller is a service); ``metrics``
+        gets the job queues' gauges."""
+        self.metrics = metrics
         self.auth = auth if auth is not None else Authenticator()
         self.engine = engine
         self.routing = routing

@@ -33,7 +33,8 @@ async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> Non
     dispatcher.add_service(service_spec("Mgmtd"), servicer)
     runtime = ServiceRuntime("mgmtd", dispatcher, metrics, tokens=tokens, tls=tls)
     servicer.start()
-    await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
+    bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
+    servicer.metrics_address = bound.metrics
     runtime.write_ready_file(ready_file)
     await runtime.run_until_stopped(servicer.stop)
 

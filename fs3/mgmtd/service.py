@@ -13,8 +13,9 @@ from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import InvalidArgument, Timeout
-from fs3.common.metrics import ServiceMetrics
+from fs3.common.metrics import ServiceMetrics, SnapshotCollector
 from fs3.kv.store import KVStore
+from fs3.mgmtd.metrics import cluster_families
 from fs3.mgmtd.state import MgmtdState
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.tls import TlsConfig
@@ -23,6 +24,9 @@ __all__ = ["MgmtdConfig", "MgmtdServicer"]
 
 log = logging.getLogger(__name__)
 _NO_PAYLOAD = b""
+# How often the cluster gauges are rebuilt (and at once when the routing changes): a scrape every
+# few seconds sees them at most this stale, and a big cluster is not walked on every scan.
+_GAUGES_INTERVAL_MS = 1_000
 
 
 @dataclass
@@ -71,9 +75,15 @@ class MgmtdServicer:
         self._state_changed = asyncio.Event()
         self._routing_gauge: Gauge | None
         self._alive_gauge: Gauge | None
+        # Where mgmtd's own /metrics is served (set once bound): ListNodes tells scrape discovery.
+        self.metrics_address = ""
+        self._cluster_gauges: SnapshotCollector | None = None
+        self._gauges_at: tuple[int, int] = (-_GAUGES_INTERVAL_MS, 0)  # (time, routing version) last published
         if metrics is not None:
             self._routing_gauge = metrics.gauge("fs3_mgmtd_routing_version", "Current routing info version")
             self._alive_gauge = metrics.gauge("fs3_mgmtd_alive_nodes", "Nodes with a recent heartbeat")
+            self._cluster_gauges = SnapshotCollector()
+            metrics.registry.register(self._cluster_gauges)
         else:
             self._routing_gauge = self._alive_gauge = None
 
@@ -96,6 +106,17 @@ class MgmtdServicer:
             if self._routing_gauge is not None and self._alive_gauge is not None:
                 self._routing_gauge.set(self.state.routing_version)
                 self._alive_gauge.set(sum(1 for n in self.state.nodes.values() if n.alive))
+            self.publish_gauges()
+
+    def publish_gauges(self, force: bool = False) -> None:
+        """Rebuild the cluster gauges when a second has passed or the routing changed (``force``: now)."""
+        if self._cluster_gauges is None:
+            return
+        now_ms = self.clock.now_ms()
+        at_ms, version = self._gauges_at
+        if force or now_ms - at_ms >= _GAUGES_INTERVAL_MS or version != self.state.routing_version:
+            self._cluster_gauges.publish(cluster_families(self.state, now_ms))
+            self._gauges_at = (now_ms, self.state.routing_version)
 
     def _notify(self) -> None:
         """Wake the calls waiting for the state to change (a pending fence)."""
@@ -119,7 +140,7 @@ class MgmtdServicer:
         return mpb.GetRoutingInfoRsp(changed=True, routing=self.state.routing_info()), _NO_PAYLOAD
 
     async def list_nodes(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.ListNodesRsp, Buffer]:
-        rsp = mpb.ListNodesRsp()
+        rsp = mpb.ListNodesRsp(mgmtd_metrics_address=self.metrics_address)
         for record in sorted(self.state.nodes.values(), key=lambda r: r.info.node_id):
             node = rsp.nodes.add()
             node.CopyFrom(record.info)

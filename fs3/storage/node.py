@@ -19,11 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from prometheus_client import Counter, Gauge
+
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
+from fs3.common.metrics import ServiceMetrics
 from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import LocalState, PublicState
 from fs3.common.tasks import finish_despite_cancel
@@ -90,7 +93,9 @@ class StorageNode:
     """One storage node hosting several targets."""
 
     def __init__(self, config: StorageNodeConfig, engines: dict[int, ChunkEngine], channels: ChannelFactory,
-                 clock: Clock | None = None, io_submitter: IoSubmitter | None = None) -> None:
+                 clock: Clock | None = None, io_submitter: IoSubmitter | None = None,
+                 metrics: ServiceMetrics | None = None) -> None:
+        """``metrics``: where the node's resync gauges go (None: not kept, as in the simulator)."""
         if not engines:
             raise InvalidArgument("a storage node needs at least one target")
         self.config = config
@@ -118,6 +123,14 @@ class StorageNode:
         self._io_pool = (concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="fs3-io")
                          if config.io_threads > 0 else None)
         self._io_submitter = io_submitter
+        self._resync_remaining: Gauge | None = None
+        self._resync_sent: Counter | None = None
+        if metrics is not None:
+            self._resync_remaining = metrics.gauge(
+                "fs3_storage_resync_remaining_chunks", "Chunks a running resync has still to compare, by successor",
+                ("chain_id", "target_id"))
+            self._resync_sent = metrics.counter(
+                "fs3_storage_resync_sent_chunks", "Chunks resyncs copied to (or removed from) a successor")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -527,7 +540,8 @@ class StorageNode:
         while True:
             try:
                 await resync_successor(self, self.replicas[target_id], chain_id, successor_id,
-                                       self.config.sync_batch_chunks, self.config.rpc_timeout_ms)
+                                       self.config.sync_batch_chunks, self.config.rpc_timeout_ms,
+                                       self._resync_progress(chain_id, successor_id))
                 return
             except FS3Error as exc:
                 # Routing views converge a moment apart; only unexpected failures deserve a warning.
@@ -536,6 +550,22 @@ class StorageNode:
                         "node %d: resync of target %d (chain %d) failed: %s; retrying", self.config.node_id,
                         successor_id, chain_id, exc)
             await attempts.backoff()
+
+    def _resync_progress(self, chain_id: int, successor_id: int) -> Callable[[int, int], None] | None:
+        """The progress callback of one resync attempt: sets its remaining-chunks gauge and counts sends."""
+        remaining_gauge, sent_counter = self._resync_remaining, self._resync_sent
+        if remaining_gauge is None or sent_counter is None:
+            return None
+        gauge = remaining_gauge.labels(str(chain_id), str(successor_id))
+        counted = 0
+
+        def progress(remaining: int, sent: int) -> None:
+            nonlocal counted
+            gauge.set(remaining)
+            sent_counter.inc(sent - counted)
+            counted = sent
+
+        return progress
 
     # -- RPC handlers (Storage service) ------------------------------------------------------
 

@@ -24,6 +24,7 @@ locks and records), so it runs against fakes in a unit test as the replica does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -91,14 +92,19 @@ def _current(node: ResyncHost, replica: ResyncSource, chain_id: int,
 
 
 async def resync_successor(node: ResyncHost, replica: ResyncSource, chain_id: int, successor_id: int,
-                           batch: int, timeout_ms: int) -> None:
+                           batch: int, timeout_ms: int, progress: Callable[[int, int], None] | None = None) -> None:
+    """``progress(remaining, sent)``: called with the chunks left to compare and the chunks sent so
+    far, once the comparison starts and after each chunk (what the storage node's resync gauges show)."""
     view, successor = _current(node, replica, chain_id, successor_id)
     log.info("target %d: resyncing successor %d of chain %d (v%d)", replica.target_id, successor_id, chain_id,
              view.chain_version)
     await _begin_session(node, replica, chain_id, successor_id, timeout_ms)
     remote = await node.dump_chunk_meta(successor, chain_id, batch, timeout_ms)
     sent = removed = 0
-    for chunk_id in sorted(set(replica.chunk_ids()) | set(remote)):
+    chunk_ids = sorted(set(replica.chunk_ids()) | set(remote))
+    for done, chunk_id in enumerate(chunk_ids):
+        if progress is not None:
+            progress(len(chunk_ids) - done, sent + removed)
         async with replica.hold_chunk(chunk_id):
             view, successor = _current(node, replica, chain_id, successor_id)
             state = replica.chunk_state(chunk_id)
@@ -129,6 +135,8 @@ async def resync_successor(node: ResyncHost, replica: ResyncSource, chain_id: in
                 req.chunk_chain_version = state.chain_version
                 sent += 1
             await node.forward(successor, req, payload, timeout_ms)
+    if progress is not None:
+        progress(0, sent + removed)
     records = await _send_channels(node, replica, chain_id, successor_id, batch, timeout_ms)
     view, successor = _current(node, replica, chain_id, successor_id)
     await node.send_sync_done(

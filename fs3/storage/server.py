@@ -140,7 +140,7 @@ async def serve_storage(config: StorageConfig, ready_file: str | None = None) ->
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
         io_threads=config.io_threads, replica=config.replica, capability_skew_ms=config.capability_skew_ms,
     )
-    node = StorageNode(node_config, engines, channels)
+    node = StorageNode(node_config, engines, channels, metrics=metrics)
     dispatcher.add_service(service_spec("Storage"), StorageServicer(node, dispatcher.auth))
     bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port,
                                 config.advertise_host)

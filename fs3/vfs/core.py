@@ -267,7 +267,9 @@ class Vfs:
 
     async def getattr(self, inode_id: int, user: mpb.User) -> mpb.Inode:
         cached = self._attrs.get(inode_id)
-        if cached is not None and cached[0] > asyncio.get_running_loop().time():
+        hit = cached is not None and cached[0] > asyncio.get_running_loop().time()
+        self.fs.metrics.cache("attr", hit)
+        if hit and cached is not None:
             return self._with_local_length(cached[1])
         asked_at = self._attr_changes
         inode = (await self.meta.batch_stat([inode_id], user))[0]
@@ -559,8 +561,11 @@ class Vfs:
         """
         capability = name == _CAPABILITY_XATTR
         now = asyncio.get_running_loop().time()
-        if capability and self._no_capability_until.get(inode_id, 0.0) > now:
-            raise NoXattr("no such attribute")
+        if capability:
+            remembered = self._no_capability_until.get(inode_id, 0.0) > now
+            self.fs.metrics.cache("xattr", remembered)
+            if remembered:
+                raise NoXattr("no such attribute")
         try:
             with _stale_if_gone(inode_id):
                 value = await self.meta.get_xattr(inode_id, name, user=user)
