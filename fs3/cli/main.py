@@ -564,6 +564,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.command == "certs":
             return certs_command(args)
         return asyncio.run(run_admin(args))
+    except BrokenPipeError:
+        raise  # not an error of the command's: main() ends quietly
     except (FS3Error, OSError) as exc:  # OSError: the client API's errors (connect, a mount's start)
         print(f"fs3: {exc}", file=sys.stderr)
         return 1

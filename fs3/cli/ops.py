@@ -218,7 +218,7 @@ def parse_rpc_counters(text: str) -> dict[tuple[str, str], float]:
 
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
-        if family.type != "counter":
+        if family.type not in ("counter", "unknown"):  # unknown: an exposition without TYPE lines
             continue
         for sample in family.samples:
             if not sample.name.endswith("_total") or "method" not in sample.labels:

@@ -200,8 +200,9 @@ def _http2_settings(raw: bytes) -> bool:
     a gRPC port (a length that is a multiple of 6, type 4, stream 0), never a framed HELLO_ACK,
     which starts with the framed magic. Said plainly, it spares a user the "bad frame magic"
     puzzle of a port mixed up with its neighbour."""
-    return (len(raw) >= 9 and int.from_bytes(raw[:2], "little") != MAGIC and raw[3] == 0x04 and raw[4] in (0, 1) and raw[5:9] == b"\0\0\0\0"
-            and int.from_bytes(raw[:3], "big") % 6 == 0)
+    return (len(raw) >= 9 and int.from_bytes(raw[:2], "little") != MAGIC and raw[3] == 0x04 and raw[4] in (0, 1)
+            and raw[5:9] == b"\0\0\0\0" and int.from_bytes(raw[:3], "big") % 6 == 0)
+
 
 class FramedChannel:
     """A client connection to one framed server, multiplexing concurrent calls.
