@@ -3,7 +3,7 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage [--config FILE] [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
-    fs3 mount   MGMTD MOUNTPOINT [--token-file FILE] [--foreground]
+    fs3 mount   (MGMTD | --dir DIR) MOUNTPOINT [--token-file FILE] [--foreground] [--nonempty]
     fs3 umount  MOUNTPOINT
     fs3 admin   (--mgmtd HOST:PORT [--token-file FILE] | --dir DIR) [--json]
                 nodes|targets|chains|create-chain-table|mark-offline|verify|fsck|set-layout
@@ -11,6 +11,8 @@
     fs3 admin   token rotate --dir DIR [--finish]
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
     fs3 local   up|status|down|kill|start [--dir DIR]
+    fs3 status|df|stats [cluster options] [--json];  fs3 info|warmup|rmr PATH [cluster options] [--json]
+    fs3 --version
     fs3 bench   PATH | --native [--dir DIR | --mgmtd HOST:PORT] [--threads N] [--json]
 """
 
