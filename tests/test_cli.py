@@ -29,7 +29,7 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         base = ["admin", "--mgmtd", info["mgmtd"], "--token-file", info["token_file"]]
         nodes = json.loads(fs3(*base, "--json", "nodes").stdout)
         assert len(nodes) == 4 and all(n["alive"] for n in nodes)
-        assert sorted(n["node_type"] for n in nodes) == ["NODE_META"] + ["NODE_STORAGE"] * 3
+        assert sorted(n["node_type"] for n in nodes) == ["meta"] + ["storage"] * 3
         chains = json.loads(fs3(*base, "--json", "chains").stdout)
         assert len(chains["chains"]) == 1 and len(chains["chains"][0]["target_ids"]) == 3
         table = fs3(*base, "targets")

@@ -474,7 +474,7 @@ def test_rotating_the_token_restarts_nothing_and_drops_the_old_token_at_finish(
     time.sleep(1.7)  # past the heartbeat timeout: a node whose heartbeats were refused is down by now
     assert main(["admin", "--dir", str(cluster.root), "--json", "targets"]) == 0
     targets = json.loads(capsys.readouterr().out)
-    assert len(targets) == 2 and all(t["public_state"] == "SERVING" for t in targets), targets
+    assert len(targets) == 2 and all(t["public_state"] == "serving" for t in targets), targets
     with fs3.connect(mgmtd, token=new) as fs:
         fs.write_bytes("/after.bin", os.urandom(200_000))
         assert fs.read_bytes("/during.txt") == b"open client, old token"

@@ -18,8 +18,8 @@ from fs3.common.errors import InvalidArgument
 from fs3.common.secret_files import read_secret_file, read_token_file
 from fs3.rpc.tls import TlsConfig
 
-__all__ = ["TOKEN_ARGV_WARNING", "add_tls_arguments", "client_tls", "resolve_cluster", "resolve_token", "tls_from_env",
-           "warn_token_in_argv"]
+__all__ = ["TOKEN_ARGV_WARNING", "add_tls_arguments", "check_address", "client_tls", "resolve_cluster", "resolve_token",
+           "tls_from_env", "warn_token_in_argv"]
 
 _TLS_KEYS = ("ca_file", "cert_file", "key_file", "server_name")
 TOKEN_ARGV_WARNING = ("fs3: warning: --token shows the token to every local user (ps, /proc/PID/cmdline); "
@@ -44,6 +44,15 @@ def resolve_token(args: argparse.Namespace, token_file: str | None = None) -> st
     return os.environ.get("FS3_TOKEN") or None
 
 
+def check_address(address: str, what: str = "mgmtd") -> str:
+    """``address`` if it is ``HOST:PORT`` (``[v6]:PORT`` too), else a one-line InvalidArgument
+    naming the option, before any connection is tried."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"bad {what} address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9000")
+    return address
+
+
 def resolve_cluster(args: argparse.Namespace) -> tuple[str, str | None]:
     """mgmtd address and token from ``--dir`` (a local cluster's cluster.json, which names its
     token file) or ``--mgmtd`` and ``--token-file``/``$FS3_TOKEN``; ``args.token`` is set to the token."""
@@ -56,9 +65,12 @@ def resolve_cluster(args: argparse.Namespace) -> tuple[str, str | None]:
         info = json.loads(read_secret_file(info_path))
         args.mgmtd = info["processes"]["mgmtd"][transport] if transport == "grpc" else info["mgmtd"]
         token_file = info.get("token_file")
+        if token_file and not getattr(args, "token_file", None) and not getattr(args, "token", None):
+            args.token_file = token_file  # read again on SIGHUP by a mount (a rotation)
         for key, value in (info.get("tls") or {}).items():
             if key in _TLS_KEYS and not getattr(args, f"tls_{key}", None):
                 setattr(args, f"tls_{key}", value)
+    check_address(args.mgmtd)
     args.token = resolve_token(args, token_file)
     return args.mgmtd, args.token
 

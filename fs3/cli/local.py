@@ -18,7 +18,9 @@ process's arguments: the services and the mount read the token file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import secrets
@@ -26,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,8 @@ from fs3.cluster.processes import (
     config_toml,
     pid_alive,
     process_configs,
+    process_start_time,
+    read_pid_file,
     signal_group,
 )
 from fs3.cluster.topology import META, MGMTD, Topology
@@ -51,7 +55,31 @@ from fs3.common.secret_files import (
 )
 from fs3.rpc.tls import TlsConfig
 
-__all__ = ["LocalCluster"]
+__all__ = ["LocalCluster", "cluster_lock"]
+
+
+@contextlib.contextmanager
+def cluster_lock(root: Path) -> Iterator[None]:
+    """Hold ``root/lock`` (an exclusive ``flock``) while starting, and for as long as a foreground
+    ``fs3 local up`` supervises, the cluster in ``root``; a second ``up`` is refused, naming the
+    process that holds it. The kernel drops the lock when its holder dies, so a crash leaves
+    nothing stale to clean up. Its file records the holder (pid and start time) for that message."""
+    make_private_dir(root)
+    path = root / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = read_pid_file(path)
+            raise InvalidArgument(f"a local cluster in {root} is already running (pid {holder or '?'}: "
+                                  f"fs3 local up); stop it with: fs3 local down --dir {root}") from None
+        # In place, on the locked file (a file renamed over the path would be a second, unlocked one).
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "start_time": process_start_time(os.getpid())}).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 class LocalCluster:
@@ -183,7 +211,8 @@ class LocalCluster:
     # -- processes ---------------------------------------------------------------------------
 
     def _add(self, name: str, args: list[str]) -> None:
-        self.procs[name] = ServiceProcess(name, args, self.root / f"{name}.ready.json", self.root / f"{name}.log")
+        self.procs[name] = ServiceProcess(name, args, self.root / f"{name}.ready.json", self.root / f"{name}.log",
+                                          pid_file=self.root / f"{name}.pid")
 
     def start(self, name: str, wait: bool = True) -> None:
         if name not in self.procs:
@@ -254,6 +283,8 @@ class LocalCluster:
                 proc.popen.wait(timeout=5)
                 proc.popen = None
             proc.ready_file.unlink(missing_ok=True)
+            if proc.pid_file is not None and not (proc.pid and pid_alive(proc.pid)):
+                proc.pid_file.unlink(missing_ok=True)
 
     # -- cluster setup -----------------------------------------------------------------------
 
@@ -333,6 +364,11 @@ class LocalCluster:
                 raise InvalidArgument(f"{config} holds its token inline (written by an earlier release), so a "
                                       f"rotation cannot reach {name}: replace its token line with "
                                       f"token_file = \"{self.token_file}\" and restart it")
+
+    def running(self) -> dict[str, int]:
+        """Name -> process id of each of this cluster's processes that runs now (found by their pid
+        files, checked against the process's start time)."""
+        return self._running()
 
     def _running(self) -> dict[str, int]:
         running = {}
@@ -440,45 +476,64 @@ def _print_endpoints(cluster: LocalCluster) -> None:
     print(f"         {command} local kill storage-2 --dir {cluster.root}   (a drill; 'local start' undoes it)")
 
 
+def _up(root: Path, args: Any) -> int:
+    """``fs3 local up``, the cluster lock held: refused while any process of the cluster runs
+    (one left by ``up --detach``), so a second ``up`` never starts services over running ones."""
+    cluster = LocalCluster(root, storage_nodes=args.storage_nodes, targets_per_node=args.targets_per_node,
+                           tls=args.tls)
+    running = cluster.running()
+    if running:
+        pids = ", ".join(f"pid {pid}: {name}" for name, pid in running.items())
+        raise InvalidArgument(f"a local cluster in {root} is already running ({pids}); "
+                              f"stop it with: fs3 local down --dir {root}")
+    started = False
+    try:
+        cluster.start_all()
+        started = True
+        print(f"fs3: waiting for {args.replicas}-replica chains to be serving...", flush=True)
+        asyncio.run(cluster.ensure_chains(args.replicas))
+        cluster.set_mount(Path(args.mount) if args.mount else None)
+        if cluster.mountpoint:
+            cluster.start("mount")
+            print(f"fs3: mounted at {cluster.mountpoint}", flush=True)
+        cluster.write_cluster_json()
+        _print_endpoints(cluster)
+        if args.detach:
+            print(f"  stop:  fs3 local down --dir {root}")
+            return 0
+        print("Ctrl-C stops the cluster.", flush=True)
+        stop = {"now": False}
+
+        def _stop(*_: object) -> None:
+            stop["now"] = True
+
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
+        polls = 0
+        while not stop["now"]:
+            time.sleep(0.2)
+            polls += 1
+            if polls % 5 == 0 and not cluster.running():
+                # `fs3 local down` from another terminal stopped everything: nothing left to supervise.
+                print("fs3: every process of the cluster has stopped", flush=True)
+                cluster.stop_all()
+                return 0
+        print("\nfs3: stopping...", flush=True)
+        cluster.stop_all()
+        return 0
+    except BaseException:
+        # Whatever stopped the start (a service that never got ready, a spawn that failed,
+        # Ctrl-C), the services already started must not run on with nobody to stop them.
+        if started or any(p.popen for p in cluster.procs.values()):
+            cluster.stop_all()
+        raise
+
+
 def local_command(args: Any) -> int:
     root = Path(args.dir)
     if args.action == "up":
-        cluster = LocalCluster(root, storage_nodes=args.storage_nodes, targets_per_node=args.targets_per_node,
-                               tls=args.tls)
-        started = False
-        try:
-            cluster.start_all()
-            started = True
-            print(f"fs3: waiting for {args.replicas}-replica chains to be serving...", flush=True)
-            asyncio.run(cluster.ensure_chains(args.replicas))
-            cluster.set_mount(Path(args.mount) if args.mount else None)
-            if cluster.mountpoint:
-                cluster.start("mount")
-                print(f"fs3: mounted at {cluster.mountpoint}", flush=True)
-            cluster.write_cluster_json()
-            _print_endpoints(cluster)
-            if args.detach:
-                print(f"  stop:  fs3 local down --dir {root}")
-                return 0
-            print("Ctrl-C stops the cluster.", flush=True)
-            stop = {"now": False}
-
-            def _stop(*_: object) -> None:
-                stop["now"] = True
-
-            signal.signal(signal.SIGINT, _stop)
-            signal.signal(signal.SIGTERM, _stop)
-            while not stop["now"]:
-                time.sleep(0.2)
-            print("\nfs3: stopping...", flush=True)
-            cluster.stop_all()
-            return 0
-        except BaseException:
-            # Whatever stopped the start (a service that never got ready, a spawn that failed,
-            # Ctrl-C), the services already started must not run on with nobody to stop them.
-            if started or any(p.popen for p in cluster.procs.values()):
-                cluster.stop_all()
-            raise
+        with cluster_lock(root):
+            return _up(root, args)
     if not (root / "layout.json").exists():
         raise InvalidArgument(f"no local cluster in {root} (start one with: fs3 local up --dir {root})")
     cluster = LocalCluster(root)
@@ -502,6 +557,9 @@ def local_command(args: Any) -> int:
         print(f"fs3: {args.name} killed (SIGKILL)")
         return 0
     if args.action == "start":
+        pid = cluster.running().get(args.name)
+        if pid:
+            raise InvalidArgument(f"{args.name} is already running (pid {pid})")
         cluster.start(args.name)
         print(f"fs3: {args.name} started")
         return 0

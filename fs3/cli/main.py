@@ -3,7 +3,7 @@
     fs3 mgmtd   [--config FILE] [--ready-file FILE] [overrides]
     fs3 storage [--config FILE] [--ready-file FILE]
     fs3 meta    [--config FILE] [--ready-file FILE]
-    fs3 mount   MGMTD MOUNTPOINT [--token-file FILE] [--foreground] [--metrics-port N]
+    fs3 mount   (MGMTD | --dir DIR) MOUNTPOINT [--token-file FILE] [--foreground] [--nonempty] [--metrics-port N]
     fs3 umount  MOUNTPOINT
     fs3 admin   (--mgmtd HOST:PORT [--token-file FILE] | --dir DIR) [--json]
                 nodes|targets|chains|metrics-targets|create-chain-table|mark-offline|verify|fsck|set-layout
@@ -11,6 +11,8 @@
     fs3 admin   token rotate --dir DIR [--finish]
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
     fs3 local   up|status|down|kill|start [--dir DIR]
+    fs3 status|df|stats [cluster options] [--json];  fs3 info|warmup|rmr PATH [cluster options] [--json]
+    fs3 --version
     fs3 bench   PATH | --native [--dir DIR | --mgmtd HOST:PORT] [--threads N] [--json]
 """
 
@@ -27,38 +29,24 @@ from pathlib import Path
 from typing import Any
 
 from fs3 import common_pb2 as cpb
-from fs3.cli.cluster import add_tls_arguments, client_tls, resolve_cluster, resolve_token, warn_token_in_argv
+from fs3.cli.cluster import (
+    add_tls_arguments,
+    check_address,
+    client_tls,
+    resolve_cluster,
+    resolve_token,
+    warn_token_in_argv,
+)
+from fs3.cli.ops import OPERATOR_COMMANDS, add_operator_commands, run_operator
+from fs3.cli.output import human_bytes as _human_bytes
+from fs3.cli.output import message_dict, print_json, progress
+from fs3.cli.output import state_name as _state_name
+from fs3.cli.output import table as _table
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
 
 __all__ = ["build_parser", "main", "run_admin"]
-
-
-def _state_name(enum_type: Any, value: int) -> str:
-    if value == 0:
-        return "-"  # e.g. the public state of a target that is in no chain yet
-    try:
-        return str(enum_type.Name(value)).lower().replace("local_", "")
-    except ValueError:
-        return str(value)
-
-
-def _table(rows: list[list[str]], headers: list[str]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return str(n)
 
 
 def _parse_chain_spec(spec: str) -> tuple[int, list[int]]:
@@ -88,13 +76,11 @@ async def run_admin(args: argparse.Namespace) -> int:
 
 
 async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     out_json = args.json
     if args.command == "nodes":
         nodes = await admin.nodes()
         if out_json:
-            print(json.dumps([MessageToDict(n, preserving_proto_field_name=True) for n in nodes], indent=2))
+            print_json(nodes)
         else:
             print(_table([[str(n.node_id), _state_name(cpb.NodeType, n.node_type).replace("node_", ""),
                            "up" if n.alive else "DOWN", n.framed_address, n.grpc_address, n.hostname, str(n.pid)]
@@ -113,7 +99,7 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
     if args.command == "targets":
         targets = await admin.targets()
         if out_json:
-            print(json.dumps([MessageToDict(t, preserving_proto_field_name=True) for t in targets], indent=2))
+            print_json(targets)
         else:
             print(_table([[str(t.target_id), str(t.node_id), str(t.chain_id or "-"),
                            _state_name(cpb.PublicState, t.public_state) + (" (fenced)" if t.fenced else ""),
@@ -125,7 +111,7 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
     if args.command == "chains":
         rsp = await admin.chains()
         if out_json:
-            print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True), indent=2))
+            print_json(rsp)
         else:
             states = {t.target_id: _state_name(cpb.PublicState, t.public_state) for t in rsp.targets}
             print(_table([[str(c.chain_id), str(c.chain_version), str(c.table_id),
@@ -138,7 +124,7 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
             raise InvalidArgument("give --replicas N or one --chain per chain")
         rsp = await admin.create_chain_table(args.table_id, args.replicas or 0, chains)
         if out_json:
-            print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True), indent=2))
+            print_json(rsp)
         else:
             print(f"chain table {rsp.table.table_id}: {len(rsp.chains)} chains")
             for c in rsp.chains:
@@ -157,13 +143,8 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
                   f"{how}it resyncs and comes back serving")
         return 0
     if args.command == "verify":
-        def progress(done: int, total: int) -> None:
-            if sys.stderr.isatty():
-                print(f"\rverifying chain {done + 1}/{total}...", end="", file=sys.stderr, flush=True)
-
-        report = await admin.verify(progress, data=not args.metadata_only, rechecks=args.rechecks)
-        if sys.stderr.isatty():
-            print(file=sys.stderr)
+        with progress("verifying chains", enabled=not out_json) as update:
+            report = await admin.verify(update, data=not args.metadata_only, rechecks=args.rechecks)
         if out_json:
             print(json.dumps(report.as_dict(), indent=2))
         else:
@@ -189,19 +170,19 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
 
 async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
     """Admin commands answered by the metadata service (found through mgmtd's routing)."""
-    from google.protobuf.json_format import MessageToDict
-
     from fs3 import meta_pb2
     from fs3.client.meta import Meta, path_ref
 
     meta: Meta = await admin.metadata()
     if args.command == "fsck":
-        print("fs3: checking the namespace" + (" and every chunk on storage" if args.chunks else "") + "...",
-              file=sys.stderr, flush=True)
-        rsp = await meta.fsck(args.chunks)
+        what = "checking the namespace" + (" and every chunk on storage" if args.chunks else "")
+        if not sys.stderr.isatty():
+            print(f"fs3: {what}...", file=sys.stderr, flush=True)
+        # One call that meta answers when done: the bar shows that it runs and for how long.
+        with progress(what, enabled=not args.json):
+            rsp = await meta.fsck(args.chunks)
         if args.json:
-            print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True,
-                                           always_print_fields_with_no_presence=True), indent=2))
+            print_json(rsp)
         else:
             print(f"checked {rsp.inodes} inodes, {rsp.dentries} entries, {rsp.sessions} open sessions, "
                   f"{rsp.chunks} chunks; {rsp.gc_pending} files awaiting chunk removal")
@@ -212,7 +193,7 @@ async def _meta_admin(admin: Any, args: argparse.Namespace) -> int:
     layout = meta_pb2.Layout(table_id=args.table_id, chunk_size=args.chunk_size, stripe=args.stripe)
     updated = await meta.set_layout(path_ref(os.fsencode(args.path)), layout)
     shown = updated.layout
-    print(json.dumps(MessageToDict(shown, preserving_proto_field_name=True)) if args.json else
+    print(json.dumps(message_dict(shown)) if args.json else
           f"{args.path}: new files use chain table {shown.table_id}, {shown.chunk_size} byte chunks, "
           f"stripe {shown.stripe or 'all chains'}")
     return 0
@@ -228,12 +209,10 @@ def _groups(text: str) -> list[int]:
 async def _user_admin(admin: Any, args: argparse.Namespace) -> int:
     """``fs3 admin user ...``: meta's table of per-user tokens. A token is shown once, when made
     (``add``, ``rotate``): on stdout, or only in ``--token-file`` (0600); never in ``--json``."""
-    from google.protobuf.json_format import MessageToDict
-
     from fs3.client.meta import Meta
 
     def as_dict(info: Any) -> dict[str, Any]:
-        return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        return message_dict(info)
 
     output: str = getattr(args, "user_token_file", None) or ""
     if args.user_command in ("add", "rotate") and args.json and not output:
@@ -328,6 +307,7 @@ def _cache_seconds(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, every subcommand and option (``main`` parses with it)."""
     parser = argparse.ArgumentParser(prog="fs3", description="fs3: a Python implementation of 3FS.")
+    parser.add_argument("--version", action="version", version=f"fs3 {_version()}")
     sub = parser.add_subparsers(dest="service", required=True)
 
     mgmtd = sub.add_parser("mgmtd", help="run the cluster manager")
@@ -352,8 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     meta.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
 
     mount = sub.add_parser("mount", help="mount fs3 with FUSE")
-    mount.add_argument("mgmtd", help="mgmtd host:port")
+    mount.add_argument("mgmtd", nargs="?", help="mgmtd host:port (or --dir)")
     mount.add_argument("mountpoint")
+    mount.add_argument("--dir", help="a local cluster's directory (fs3 local): its mgmtd, token and TLS files")
+    mount.add_argument("--nonempty", action="store_true", help="mount over a directory that holds files (they "
+                       "are hidden while mounted)")
     mount.add_argument("--token", default=None, help="token (visible in ps: prefer --token-file or $FS3_TOKEN)")
     mount.add_argument("--token-file", help="file whose first line is the token (read again on SIGHUP, so a "
                        "rotated token reaches the mount without unmounting)")
@@ -415,16 +398,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     add_tls_arguments(bench)
 
-    admin = sub.add_parser("admin", help="administer a cluster")
-    admin.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
-    admin.add_argument("--dir", help="a local cluster's directory (fs3 local): its mgmtd and token")
-    admin.add_argument("--token", default=None, help="token (visible in ps: prefer --token-file or $FS3_TOKEN)")
-    admin.add_argument("--token-file", help="file whose first line is the token")
-    admin.add_argument("--transport", choices=("framed", "grpc"), default="framed")
-    admin.add_argument("--timeout-ms", type=int, default=10_000)
-    admin.add_argument("--json", action="store_true", help="machine-readable output")
-    add_tls_arguments(admin)
+    cluster = argparse.ArgumentParser(add_help=False)
+    cluster.add_argument("--mgmtd", default=os.environ.get("FS3_MGMTD", "127.0.0.1:9000"), help="mgmtd host:port")
+    cluster.add_argument("--dir", help="a local cluster's directory (fs3 local): its mgmtd and token")
+    cluster.add_argument("--token", default=None, help="token (visible in ps: prefer --token-file or $FS3_TOKEN)")
+    cluster.add_argument("--token-file", help="file whose first line is the token")
+    cluster.add_argument("--transport", choices=("framed", "grpc"), default="framed")
+    cluster.add_argument("--timeout-ms", type=int, default=10_000)
+    cluster.add_argument("--json", action="store_true", help="machine-readable output")
+    add_tls_arguments(cluster)
+    admin = sub.add_parser("admin", help="administer a cluster", parents=[cluster])
     admin_sub = admin.add_subparsers(dest="command", required=True)
+    add_operator_commands(sub, cluster)
     admin_sub.add_parser("nodes", help="list nodes")
     admin_sub.add_parser("targets", help="list storage targets")
     metrics_targets = admin_sub.add_parser(
@@ -462,8 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--gid", type=_non_negative_int, required=True)
     add.add_argument("--groups", type=_groups, help="supplementary groups, comma-separated")
     add.add_argument("--comment", default="")
-    user_list = user_sub.add_parser("list", help="the user table (never a secret)")
-    user_list.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    user_sub.add_parser("list", help="the user table (never a secret)")
     remove = user_sub.add_parser("remove", help="revoke a token, at once")
     remove.add_argument("token_id", help="the token's id (fs3u.<id>.<secret>)")
     rotate = user_sub.add_parser("rotate", help="a new secret for a token; the old one is refused at once")
@@ -488,10 +472,56 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--node", action="append", metavar="NAME=HOST,...",
                       help="a node NAME whose certificate names these hosts/IPs (repeatable)")
     init.add_argument("--days", type=int, default=825, help="lifetime of the node and client certificates")
+    _json_after_every_subcommand(admin_sub)
     return parser
 
 
+def _json_after_every_subcommand(subparsers: Any) -> None:
+    """``--json`` after every command below ``fs3 admin`` too (``fs3 admin nodes --json``), as well
+    as before it. Its default is SUPPRESS: a subcommand's parser must not reset to False what
+    ``fs3 admin --json nodes`` set."""
+    for parser_ in subparsers.choices.values():
+        nested = [a for a in parser_._actions if isinstance(a, argparse._SubParsersAction)]
+        for n in nested:
+            _json_after_every_subcommand(n)
+        if not nested and "--json" not in parser_._option_string_actions:
+            parser_.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                                 help="machine-readable output")
+
+
+def _version() -> str:
+    """This code's version (not an installed copy's: ``fs3 --version`` names what runs)."""
+    import fs3
+
+    return str(fs3.__version__)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`fs3 admin nodes | head -1`): no traceback, and none at exit when
+        # Python flushes stdout again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # as a shell reports a process ended by SIGPIPE
+
+
+def _check_mountpoint(mountpoint: str, nonempty: bool) -> None:
+    """Refuse to hide files: a mount over a directory that holds some makes them unreachable until
+    it is unmounted (``--nonempty`` says that is meant). A directory that cannot be listed (the
+    remains of a crashed mount) is left for the mount to judge."""
+    try:
+        entries = os.listdir(mountpoint)
+    except OSError:
+        return
+    if entries and not nonempty:
+        raise InvalidArgument(f"{mountpoint} is not empty ({len(entries)} entries would be hidden while mounted): "
+                              f"mount on an empty directory, or give --nonempty")
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.service in ("mgmtd", "storage", "meta", "mount", "local"):
         set_private_umask()  # data, logs and ready files: for this user only
@@ -530,6 +560,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 umount(args.mountpoint)
                 print(f"fs3: {args.mountpoint} unmounted")
                 return 0
+            if args.dir:
+                resolve_cluster(args)
+            elif not args.mgmtd:
+                raise InvalidArgument("fs3 mount needs MGMTD (host:port) or --dir DIR (a local cluster's)")
+            else:
+                check_address(args.mgmtd)
+            _check_mountpoint(args.mountpoint, args.nonempty)
             options = MountOptions(token=None if args.token_file else resolve_token(args),
                                    token_file=args.token_file, transport=args.transport,
                                    tls=client_tls(args),
@@ -550,6 +587,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fs3.cli.local import local_command
 
             return local_command(args)
+        if args.service in OPERATOR_COMMANDS:
+            return asyncio.run(run_operator(args))
         if args.command == "token":
             from fs3.cli.local import rotate_command
 
@@ -557,6 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "certs":
             return certs_command(args)
         return asyncio.run(run_admin(args))
+    except BrokenPipeError:
+        raise  # not an error of the command's: main() ends quietly
     except (FS3Error, OSError) as exc:  # OSError: the client API's errors (connect, a mount's start)
         print(f"fs3: {exc}", file=sys.stderr)
         return 1

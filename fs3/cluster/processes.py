@@ -25,6 +25,7 @@ from typing import Any
 from fs3.cluster.certs import tls_config
 from fs3.cluster.topology import META, META_NODE_ID, MGMTD, Topology
 from fs3.common.errors import InvalidArgument, Unavailable
+from fs3.common.secret_files import write_secret_file
 from fs3.meta.server import MetaConfig
 from fs3.mgmtd.service import MgmtdConfig
 from fs3.rpc.tls import TlsConfig
@@ -32,7 +33,7 @@ from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig
 
 __all__ = ["ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner", "config_toml", "fs3_argv",
-           "pid_alive", "process_configs", "signal_group"]
+           "pid_alive", "process_configs", "process_start_time", "read_pid_file", "signal_group", "write_pid_file"]
 
 #: Starts ``argv`` with ``env``, its output appended to the log file; returns the child, leader of
 #: its own process group (so that a signal reaches whatever it started).
@@ -162,6 +163,37 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (field 22 of ``/proc/PID/stat``: clock ticks since boot); None
+    when there is no such process. A process id is reused once its process is gone; the pair
+    (pid, start time) names one process for as long as the machine runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # After the command name, which may hold spaces and parentheses: fields 3, 4, ... 22.
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def write_pid_file(path: Path, pid: int) -> None:
+    """Record ``pid`` and its start time in ``path`` (``0600``): who started it can find and stop
+    it later, from another process, without mistaking a process that reuses the id for it."""
+    write_secret_file(path, json.dumps({"pid": pid, "start_time": process_start_time(pid)}))
+
+
+def read_pid_file(path: Path) -> int | None:
+    """The process ``path`` records while that same process still runs; None when the file is
+    missing or torn, or its process is gone (a crash, a reboot) even if another now has its id."""
+    try:
+        info = json.loads(path.read_text())
+        pid, start_time = int(info["pid"]), info.get("start_time")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if pid <= 0 or start_time is None or process_start_time(pid) != start_time or not pid_alive(pid):
+        return None
+    return pid
+
+
 def signal_group(pid: int, sig: int) -> bool:
     """``sig`` to the process group ``pid`` leads; False when it is gone (it may exit between a
     liveness check and the signal: that must not end a shutdown half way)."""
@@ -202,12 +234,17 @@ class ServiceProcess:
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # the ready file: addresses, pid
+    # Where the process id and its start time are recorded at spawn (None: not recorded), so that
+    # another process (``fs3 local down`` after ``up --detach``) finds exactly this process.
+    pid_file: Path | None = None
 
     def spawn(self, spawner: Spawner, env: Mapping[str, str], args: list[str] | None = None) -> None:
         """Start it (``args`` instead of its own, with mgmtd's address filled in, say); a ready file
         left by an earlier run is removed first, so :meth:`wait_ready` waits for this one's."""
         self.ready_file.unlink(missing_ok=True)
         self.popen = spawner(fs3_argv(self.args if args is None else args, self.ready_file), env, self.log_path)
+        if self.pid_file is not None:
+            write_pid_file(self.pid_file, self.popen.pid)
 
     def wait_ready(self, timeout_s: float = 30) -> dict[str, Any]:
         """Its ready file once written; Unavailable, with its log's tail, if it exits or takes too long."""
@@ -236,9 +273,12 @@ class ServiceProcess:
         """Its process id: of the child this object started, else the one its ready file names
         (a cluster started by an earlier ``fs3 local up --detach``) while that process is still
         this service. A ready file outlives its process (a crash, a reboot), and the id it names
-        may belong to another program by now: signalling it would stop someone else's work."""
+        may belong to another program by now: signalling it would stop someone else's work. The
+        pid file, when kept, decides: its start time must match the running process's."""
         if self.popen is not None:
             return self.popen.pid
+        if self.pid_file is not None and self.pid_file.exists():
+            return read_pid_file(self.pid_file)
         info = _read_ready_file(self.ready_file)
         try:
             pid = int(info["pid"]) if info is not None else 0
@@ -266,3 +306,5 @@ class ServiceProcess:
                 self.popen.wait(timeout=10)
         self.popen = None
         self.ready_file.unlink(missing_ok=True)
+        if self.pid_file is not None:
+            self.pid_file.unlink(missing_ok=True)

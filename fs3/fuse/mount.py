@@ -216,7 +216,8 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
     ready = log_path.with_suffix(".ready.json")
     ready.unlink(missing_ok=True)
     # -P: never import from the current directory (a stray ./fs3 there must not shadow the package).
-    args = [sys.executable, "-P", "-m", "fs3.cli.main", "mount", mgmtd, str(target), "--foreground",
+    # --nonempty: the command that started this daemon has judged the mount point already.
+    args = [sys.executable, "-P", "-m", "fs3.cli.main", "mount", mgmtd, str(target), "--foreground", "--nonempty",
             "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level,
             "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
             "--attr-timeout-s", str(options.attr_timeout_s), "--metrics-port", str(options.metrics_port),

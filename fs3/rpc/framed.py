@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 from fs3.common.errors import (
     FrameTooLarge,
     FS3Error,
+    InvalidArgument,
     ProtocolError,
     StatusCode,
     Timeout,
@@ -23,7 +24,7 @@ from fs3.common.errors import (
 )
 from fs3.rpc.auth import Principal
 from fs3.rpc.dispatch import Buffer, Dispatcher
-from fs3.rpc.framing import HEADER, FrameKind, pack_header, unpack_header
+from fs3.rpc.framing import HEADER, MAGIC, FrameKind, pack_header, unpack_header
 from fs3.rpc.limits import HELLO_MSG_MAX_BYTES, FramedLimits
 from fs3.rpc.methods import MethodSpec
 from fs3.rpc.tls import tls_error
@@ -193,6 +194,16 @@ class FramedServer:
             inflight.release()
 
 
+
+def _http2_settings(raw: bytes) -> bool:
+    """Whether the first bytes a server sent are an HTTP/2 SETTINGS frame: the server preface of
+    a gRPC port (a length that is a multiple of 6, type 4, stream 0), never a framed HELLO_ACK,
+    which starts with the framed magic. Said plainly, it spares a user the "bad frame magic"
+    puzzle of a port mixed up with its neighbour."""
+    return (len(raw) >= 9 and int.from_bytes(raw[:2], "little") != MAGIC and raw[3] == 0x04 and raw[4] in (0, 1)
+            and raw[5:9] == b"\0\0\0\0" and int.from_bytes(raw[:3], "big") % 6 == 0)
+
+
 class FramedChannel:
     """A client connection to one framed server, multiplexing concurrent calls.
 
@@ -268,6 +279,10 @@ class FramedChannel:
                 writer.write(pack_header(FrameKind.HELLO, 0, 0, 0, len(token), 0) + token)
                 await writer.drain()
                 raw = await asyncio.wait_for(reader.readexactly(HEADER.size), self._connect_timeout_ms / 1000)
+                if _http2_settings(raw):
+                    writer.close()
+                    raise InvalidArgument(f"{self.address} is a gRPC port (it answers in HTTP/2): use "
+                                          f"--transport grpc, or the service's framed port")
                 header = unpack_header(raw, self._limits.msg_max_bytes, self._limits.payload_max_bytes)
                 if header.msg_len:
                     await reader.readexactly(header.msg_len)

@@ -190,7 +190,7 @@ class LabCluster:
             if out.returncode == 0:
                 data = json.loads(out.stdout)
                 states = {t["target_id"]: t.get("public_state") for t in data.get("targets", [])}
-                if data.get("chains") and all(states.get(t) == "SERVING" for c in data["chains"]
+                if data.get("chains") and all(states.get(t) == "serving" for c in data["chains"]
                                               for t in c["target_ids"]):
                     return
             time.sleep(0.5)
