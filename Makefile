@@ -19,7 +19,7 @@ FSX_FIRST ?= 1
 
 .PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
 
-$(STAMP): pyproject.toml scripts/bootstrap.sh
+$(STAMP): pyproject.toml scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
 	@touch $(STAMP)
 

@@ -75,6 +75,10 @@ def _presented_token(metadata: Any) -> str | bytes | None:
 
 
 async def _refuse_unauthenticated(request_iterator: Any, context: Any) -> None:
+    # Take the caller's first message before refusing: a refusal racing a client that is still
+    # sending it reaches that client as an INTERNAL failure of its send, not as UNAUTHENTICATED.
+    async for _ in request_iterator:
+        break
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token",
                         trailing_metadata=((CODE_METADATA_KEY, str(int(StatusCode.UNAUTHENTICATED))),))
 
