@@ -53,8 +53,8 @@ def node_program() -> str:
         pytest.skip("Node.js and npm are not installed (make install installs Debian's nodejs and npm as root)")
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js" / "package.json").exists():
         try:
-            done = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
-                                  text=True, timeout=NPM_TIMEOUT_S)
+            done = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_DIR,
+                                  capture_output=True, text=True, timeout=NPM_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             pytest.skip(f"npm ci in {NODE_DIR} did not finish within {NPM_TIMEOUT_S} s")
         if done.returncode != 0:
