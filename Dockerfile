@@ -9,9 +9,11 @@ WORKDIR /opt/fs3
 COPY pyproject.toml README.md Makefile ./
 COPY proto ./proto
 COPY fs3 ./fs3
-# Generate the protobuf modules, then install fs3 with the FUSE extra.
+# Generate the protobuf modules and gRPC stubs (and ship the .proto files in the package, as
+# `make proto` does), then install fs3 with the FUSE extra.
 RUN pip install --no-cache-dir "grpcio-tools>=1.60" \
- && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. proto/fs3/*.proto \
+ && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/fs3/*.proto \
+ && mkdir -p fs3/proto/fs3 && cp proto/fs3/*.proto fs3/proto/fs3/ \
  && pip install --no-cache-dir ".[fuse]" \
  && pip uninstall -y grpcio-tools
 

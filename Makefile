@@ -6,6 +6,8 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.fs3-installed
 PROTO_SRC := $(wildcard proto/fs3/*.proto)
 PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTO_SRC))
+PROTO_GRPC_OUT := $(patsubst proto/%.proto,%_pb2_grpc.py,$(PROTO_SRC))
+PROTO_SHIPPED := $(patsubst proto/%,fs3/proto/%,$(PROTO_SRC))
 SEEDS ?= 2000
 FIRST ?= 1
 MODEL_EXAMPLES ?= 1000
@@ -17,17 +19,23 @@ FSX_FIRST ?= 1
 
 .PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
 
-$(STAMP): pyproject.toml scripts/bootstrap.sh
+$(STAMP): pyproject.toml scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
 	@touch $(STAMP)
 
 install: $(STAMP) proto
 
-# Generated protobuf modules land next to the package (fs3/*_pb2.py) and are never edited by hand.
-proto: $(STAMP) $(PROTO_OUT)
+# Generated protobuf modules land next to the package (fs3/*_pb2.py, and the gRPC stubs
+# fs3/*_pb2_grpc.py) and are never edited by hand; the .proto files ship inside the package too
+# (fs3/proto/fs3/*.proto), for clients in other languages (docs/grpc.md).
+proto: $(STAMP) $(PROTO_OUT) $(PROTO_GRPC_OUT) $(PROTO_SHIPPED)
 
-fs3/%_pb2.py: proto/fs3/%.proto $(STAMP)
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. $(PROTO_SRC)
+fs3/%_pb2.py fs3/%_pb2_grpc.py: proto/fs3/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+
+fs3/proto/fs3/%.proto: proto/fs3/%.proto
+	@mkdir -p $(@D)
+	cp $< $@
 
 run: install
 	@mkdir -p mnt
@@ -106,4 +114,4 @@ model-report: install
 	$(PY) -m cluster_model report --out bench/results/cluster_model
 
 clean:
-	rm -rf $(VENV) fs3/*_pb2.py fs3/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) fs3/*_pb2.py fs3/*_pb2.pyi fs3/*_pb2_grpc.py fs3/proto .pytest_cache .mypy_cache .ruff_cache

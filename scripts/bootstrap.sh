@@ -26,6 +26,9 @@ command -v fio >/dev/null 2>&1 || need_apt+=(fio)         # bench/fuse_bench.py,
 command -v dbench >/dev/null 2>&1 || need_apt+=(dbench)   # mount tests
 command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # chaos suite: packet loss on a link
 command -v e2fsck >/dev/null 2>&1 || need_apt+=(e2fsprogs)  # chaos suite: a disk that turns read-only
+# The Node.js client of the gRPC API test (tests/grpc_node, tests/test_grpc_node.py).
+command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
+command -v npm >/dev/null 2>&1 || need_apt+=(npm)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -75,3 +78,13 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 echo "bootstrap: installing fs3 with the FUSE and test extras into $VENV"
 "$VENV/bin/python" -m pip install -q -e '.[fuse,test]'
+
+# The Node.js test client's packages, at the versions package-lock.json pins (npm ci), when the
+# lock file changed since the last install. Offline, the rest of the project still installs: the
+# test that needs them says why it skipped.
+node_client=tests/grpc_node
+if [ "$node_client/package-lock.json" -nt "$node_client/node_modules/.package-lock.json" ]; then
+    echo "bootstrap: installing the Node.js gRPC test client's packages (npm ci in $node_client)"
+    (cd "$node_client" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) \
+        || echo "bootstrap: warning: npm ci in $node_client failed; tests/test_grpc_node.py will skip" >&2
+fi

@@ -3,6 +3,14 @@
 Requests are the plain protobuf messages of ``proto/fs3``; bulk data rides in their
 ``payload`` field. The cluster token travels as the ``x-fs3-token`` metadata entry. Errors are
 gRPC statuses whose trailing metadata ``x-fs3-code`` carries the fs3 status code.
+
+Every server also answers the two standard services that tools in any language expect of a
+gRPC API (docs/grpc.md): server reflection (``grpcurl list``, ``describe``), for callers the
+port admits (the token rules of its own methods), and health checking
+(``grpc.health.v1.Health``), without a token — probes rarely carry secrets, and the answer is
+only whether each ``fs3.*`` service (and the server, under ``""``) is ``SERVING``; it turns
+``NOT_SERVING`` once the process starts to stop. With mutual TLS both stay behind the
+certificate check that guards the whole port.
 """
 
 from __future__ import annotations
@@ -13,16 +21,24 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from fs3.common.errors import FS3Error, StatusCode, Timeout, Unauthenticated, Unavailable, error_for
+from fs3.rpc.auth import Authenticator
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
 
-__all__ = ["TOKEN_METADATA_KEY", "GrpcChannel", "GrpcServer"]
+__all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
+           "GrpcServer"]
 
 TOKEN_METADATA_KEY = "x-fs3-token"
 CODE_METADATA_KEY = "x-fs3-code"
+HEALTH_SERVICE: str = health.SERVICE_NAME
+REFLECTION_SERVICE: str = reflection.SERVICE_NAME
+# The health service's name for the server as a whole.
+_OVERALL = health.OVERALL_HEALTH
 _OPTIONS = [
     ("grpc.max_send_message_length", GRPC_MESSAGE_MAX_BYTES),
     ("grpc.max_receive_message_length", GRPC_MESSAGE_MAX_BYTES),
@@ -49,23 +65,60 @@ def _grpc_code(code: int) -> grpc.StatusCode:
         return grpc.StatusCode.INTERNAL
 
 
+def _presented_token(metadata: Any) -> str | bytes | None:
+    """The ``x-fs3-token`` a call carries (None: none; the last one if it carries several)."""
+    presented = None
+    for key, value in metadata or ():
+        if key == TOKEN_METADATA_KEY:
+            presented = value
+    return presented
+
+
+async def _refuse_unauthenticated(request_iterator: Any, context: Any) -> None:
+    # Take the caller's first message before refusing: a refusal racing a client that is still
+    # sending it reaches that client as an INTERNAL failure of its send, not as UNAUTHENTICATED.
+    async for _ in request_iterator:
+        break
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token",
+                        trailing_metadata=((CODE_METADATA_KEY, str(int(StatusCode.UNAUTHENTICATED))),))
+
+
+class _ReflectionGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Server reflection answers whoever the port's own methods admit (``Authenticator``): a
+    missing or wrong token gets ``UNAUTHENTICATED`` there as on any ``fs3.*`` method. Health
+    checks and the fs3 methods pass through (the latter check their token in the dispatcher)."""
+
+    _PREFIX = f"/{REFLECTION_SERVICE}/"
+
+    def __init__(self, auth: Authenticator) -> None:
+        self._auth = auth
+        self._refusal = grpc.stream_stream_rpc_method_handler(_refuse_unauthenticated)
+
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        if not handler_call_details.method.startswith(self._PREFIX):
+            return await continuation(handler_call_details)
+        if self._auth.authenticate(_presented_token(handler_call_details.invocation_metadata)) is None:
+            return self._refusal
+        return await continuation(handler_call_details)
+
+
 class GrpcServer:
-    """Serves a :class:`Dispatcher` over gRPC (grpc.aio); with ``credentials`` (server credentials
-    that require a client certificate) over TLS only."""
+    """Serves a :class:`Dispatcher` over gRPC (grpc.aio), with server reflection and the health
+    service (see the module doc); with ``credentials`` (server credentials that require a client
+    certificate) over TLS only."""
 
     def __init__(self, dispatcher: Dispatcher, credentials: Any = None) -> None:
         self.dispatcher = dispatcher
         self._credentials = credentials
         self._server: Any = None
+        self._health: Any = None
+        self.service_names: list[str] = []
 
     def _make_handler(self, method: MethodSpec) -> Any:
         dispatcher = self.dispatcher
 
         async def handle(raw: bytes, context: Any) -> bytes:
-            presented = None
-            for key, value in context.invocation_metadata() or ():
-                if key == TOKEN_METADATA_KEY:
-                    presented = value
+            presented = _presented_token(context.invocation_metadata())
             reply = await dispatcher.dispatch(method.method_id, raw, b"", dispatcher.auth.authenticate(presented))
             if reply.status != StatusCode.OK:
                 context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(reply.status))),))
@@ -79,12 +132,20 @@ class GrpcServer:
         return grpc.unary_unary_rpc_method_handler(handle)
 
     async def start(self, host: str, port: int) -> int:
-        self._server = grpc.aio.server(options=_OPTIONS)
+        self._server = grpc.aio.server(options=_OPTIONS, interceptors=(_ReflectionGate(self.dispatcher.auth),))
         by_service: dict[str, dict[str, Any]] = {}
         for method in self.dispatcher.methods():
             by_service.setdefault(method.service, {})[method.name] = self._make_handler(method)
         for service, handlers in by_service.items():
             self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(f"fs3.{service}", handlers),))
+        self.service_names = [f"fs3.{service}" for service in by_service]
+        self._health = health.aio.HealthServicer()
+        for name in (_OVERALL, *self.service_names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        # The fs3 messages are in the default descriptor pool (fs3.rpc.methods imports every module).
+        reflection.enable_server_reflection((*self.service_names, HEALTH_SERVICE, REFLECTION_SERVICE),
+                                            self._server)
         if self._credentials is not None:
             bound = self._server.add_secure_port(f"{host}:{port}", self._credentials)
         else:
@@ -94,8 +155,15 @@ class GrpcServer:
         await self._server.start()
         return int(bound)
 
+    async def stop_serving(self) -> None:
+        """Report every service ``NOT_SERVING`` from now on (the process is stopping: load
+        balancers and probes move away while the calls in flight finish)."""
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+
     async def stop(self) -> None:
         if self._server is not None:
+            await self.stop_serving()
             await self._server.stop(grace=0.5)
             self._server = None
 

@@ -151,6 +151,8 @@ class ServiceRuntime:
     async def run_until_stopped(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
         await self.stopping.wait()
         log.info("%s stopping", self.name)
+        # Health checks answer NOT_SERVING for the whole shutdown, before anything is torn down.
+        await self.grpc.stop_serving()
         if on_stop is not None:
             await on_stop()
         await self.framed.stop()
