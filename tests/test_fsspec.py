@@ -31,7 +31,7 @@ class FS3Fixtures(AbstractFixtures):  # type: ignore[misc]
         cluster = shared_cluster.cluster
         fs = fsspec.filesystem("fs3", mgmtd=cluster.mgmtd_address, token=cluster.token, skip_instance_cache=True)
         yield fs
-        fs.client.close()
+        fs.close()
 
     @pytest.fixture
     def fs_join(self) -> Callable[..., str]:
