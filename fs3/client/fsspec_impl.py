@@ -594,7 +594,10 @@ class FS3File(AbstractBufferedFile):  # type: ignore[misc]
         failed = True
         try:
             if self.mode == "rb":
-                self.cache = None
+                cache, self.cache = getattr(self, "cache", None), None
+                close_cache = getattr(cache, "close", None)
+                if callable(close_cache):
+                    close_cache()  # the block cache's file
             elif not self.forced:
                 self.flush(force=True)
             failed = False
