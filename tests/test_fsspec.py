@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import xarray as xr
 import zarr
+from fsspec.asyn import sync
 from fsspec.generic import rsync
 from fsspec.spec import AbstractBufferedFile
 from fsspec.tests.abstract import (
@@ -162,7 +163,7 @@ def test_batch_cat_get_and_put_run_concurrently(shared_cluster: Any, tmp_path: P
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     fs = _fs(shared_cluster, skip_instance_cache=True)
     try:
-        client = fs._sync(fs._client)
+        client = sync(fs.loop, fs.get_client)
         files = {f"/batch/f{i:02d}": bytes([i]) * (1000 + i) for i in range(24)}
         writes = InFlight(client.storage.write)
         monkeypatch.setattr(client.storage, "write", writes)
@@ -230,7 +231,7 @@ def test_client_options_are_checked_at_construction(shared_cluster: Any) -> None
     with pytest.raises(TypeError, match="unknown client options: bogus"):
         fsspec.filesystem("fs3", mgmtd=cluster.mgmtd_address, token=cluster.token, bogus=1, asynchronous=True)
     fs = _fs(shared_cluster, rpc_timeout_ms=5_000, skip_instance_cache=True, use_listings_cache=False)
-    assert fs._sync(fs._client).config.rpc_timeout_ms == 5_000
+    assert sync(fs.loop, fs.get_client).config.rpc_timeout_ms == 5_000
     fs.close()
 
 

@@ -49,24 +49,26 @@ __all__ = ["FS3AsyncFile", "FS3File", "FS3FileSystem"]
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# Pieces a copy, get or put moves at a time: bounded memory per file, whatever its size.
-_COPY_PIECE_BYTES = 8 * 1024 * 1024
+# Pieces a copy, get or put moves at a time: memory bounded per file, whatever its size, and for a
+# batch (fsspec runs up to its batch size of files at once). The fs3 handle sends and prefetches
+# whole chunks in the background, so a small piece costs no throughput.
+_COPY_PIECE_BYTES = 1024 * 1024
 # fsspec's own options, which fsspec reads from the constructor's keywords (never client options).
 _FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
-# How long closing a dropped file system's client may hold up a garbage collection or the exit.
-_CLOSE_AT_EXIT_S = 2.0
 
 
 def _close_client(loop: asyncio.AbstractEventLoop, client: ClientFileSystem, pid: int) -> None:
-    """Close a client the file system dropped (collected, or at exit), on the loop it lives in.
+    """Close a client the file system dropped (collected, or at exit) on the loop it lives in,
+    without waiting: a collection may run on that very loop's thread. Best effort: a client that
+    never says goodbye is dropped by meta when its lease lapses.
 
     Only in the process that made it: after a fork the parent's loop does not run in the child,
     and the sockets are the parent's to close.
     """
     if os.getpid() != pid or loop.is_closed() or not loop.is_running():
         return
-    with contextlib.suppress(Exception):  # best effort: meta lets the lease lapse by itself
-        sync(loop, client.close, timeout=_CLOSE_AT_EXIT_S)
+    with contextlib.suppress(RuntimeError):  # the loop stopped in between
+        asyncio.run_coroutine_threadsafe(client.close(), loop)
 
 
 def _close_in_background(file: Any) -> None:
@@ -124,7 +126,7 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             # Blocking use connects now, so a wrong address or token fails here, as it did before
             # the first call; from inside fsspec's loop (a URL resolved by fsspec's generic file
             # system) the first call connects.
-            self._sync(self._client)
+            self._sync(self.get_client)
 
     # -- the client ------------------------------------------------------------------------------
 
@@ -149,8 +151,10 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         """Run a coroutine function on the file system's loop and wait for it (blocking calls)."""
         return sync(self.loop, func, *args, **kwargs)  # type: ignore[no-any-return]
 
-    async def _client(self) -> ClientFileSystem:
-        """The asyncio client for the running loop, connected once and shared by every call."""
+    async def get_client(self) -> ClientFileSystem:
+        """The :mod:`fs3.aio` client under this file system, connected on first use and shared by
+        every call: for what fsspec has no call for (xattrs, layouts, ``statvfs``). Await it, and
+        use it, on the file system's loop (``fs.loop``; the caller's when ``asynchronous``)."""
         loop = asyncio.get_running_loop()
         self.loop  # noqa: B018 - notices a fork before the checks below
         task = self._connecting
@@ -226,7 +230,7 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         return info
 
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        client = await self._client()
+        client = await self.get_client()
         path = self._strip_protocol(path)
         lst = await client.lstat(path)
         if stat_mod.S_ISLNK(lst.st_mode):
@@ -238,7 +242,7 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         return self._info_from(path, lst)
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        client = await self._client()
+        client = await self.get_client()
         path = self._strip_protocol(path)
         st = await client.stat(path)
         if not stat_mod.S_ISDIR(st.st_mode):
@@ -248,23 +252,23 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         return entries if detail else [e["name"] for e in entries]
 
     async def _exists(self, path: str, **kwargs: Any) -> bool:
-        return await (await self._client()).exists(self._strip_protocol(path))
+        return await (await self.get_client()).exists(self._strip_protocol(path))
 
     async def _isdir(self, path: str) -> bool:
-        return await (await self._client()).isdir(self._strip_protocol(path))
+        return await (await self.get_client()).isdir(self._strip_protocol(path))
 
     async def _isfile(self, path: str) -> bool:
-        return await (await self._client()).isfile(self._strip_protocol(path))
+        return await (await self.get_client()).isfile(self._strip_protocol(path))
 
     async def _size(self, path: str) -> int:
-        return int((await (await self._client()).stat(self._strip_protocol(path))).st_size)
+        return int((await (await self.get_client()).stat(self._strip_protocol(path))).st_size)
 
     async def _created(self, path: str) -> datetime.datetime:
-        st = await (await self._client()).stat(self._strip_protocol(path))
+        st = await (await self.get_client()).stat(self._strip_protocol(path))
         return datetime.datetime.fromtimestamp(st.st_ctime, tz=datetime.UTC)
 
     async def _modified(self, path: str) -> datetime.datetime:
-        st = await (await self._client()).stat(self._strip_protocol(path))
+        st = await (await self.get_client()).stat(self._strip_protocol(path))
         return datetime.datetime.fromtimestamp(st.st_mtime, tz=datetime.UTC)
 
     created = sync_wrapper(_created)
@@ -273,7 +277,7 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
     # -- directories -----------------------------------------------------------------------------
 
     async def _mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
-        client = await self._client()
+        client = await self.get_client()
         path = self._strip_protocol(path)
         if create_parents:
             await client.makedirs(path, exist_ok=False)
@@ -281,29 +285,29 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             await client.mkdir(path)
 
     async def _makedirs(self, path: str, exist_ok: bool = False) -> None:
-        await (await self._client()).makedirs(self._strip_protocol(path), exist_ok=exist_ok)
+        await (await self.get_client()).makedirs(self._strip_protocol(path), exist_ok=exist_ok)
 
     async def _rmdir(self, path: str) -> None:
-        await (await self._client()).rmdir(self._strip_protocol(path))
+        await (await self.get_client()).rmdir(self._strip_protocol(path))
 
     rmdir = sync_wrapper(_rmdir)
 
     async def _make_parent(self, path: str) -> None:
         parent = path.rsplit("/", 1)[0]
         if self.auto_mkdir and parent:
-            await (await self._client()).makedirs(parent, exist_ok=True)
+            await (await self.get_client()).makedirs(parent, exist_ok=True)
 
     # -- removing and moving ---------------------------------------------------------------------
 
     async def _rm_file(self, path: str, **kwargs: Any) -> None:
-        await (await self._client()).remove(self._strip_protocol(path))
+        await (await self.get_client()).remove(self._strip_protocol(path))
 
     async def _rm(self, path: Any, recursive: bool = False, batch_size: int | None = None,
                   maxdepth: int | None = None, **kwargs: Any) -> None:
         """Files concurrently, then directories deepest first (each depth concurrently): a
         directory goes only once everything in it has. A directory named without ``recursive``
         is removed if empty."""
-        client = await self._client()
+        client = await self.get_client()
         paths = await self._expand_path(path, recursive=recursive, maxdepth=maxdepth)
         batch_size = batch_size or self.batch_size
         kinds = await _run_coros_in_chunks([self._is_real_dir(client, p) for p in paths], batch_size=batch_size,
@@ -331,7 +335,7 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         """One path to one path is an atomic rename on meta, whatever the size; anything else
         (lists, globs) is fsspec's copy then remove."""
         if isinstance(path1, str) and isinstance(path2, str) and not any(c in path1 for c in "*?["):
-            client = await self._client()
+            client = await self.get_client()
             src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
             if await client.isdir(dst) and not await client.isdir(src):
                 dst = f"{dst.rstrip('/')}/{src.rsplit('/', 1)[-1]}"
@@ -343,12 +347,12 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
     mv = sync_wrapper(_mv)
 
     async def _mv_file(self, path1: str, path2: str) -> None:
-        await (await self._client()).rename(self._strip_protocol(path1), self._strip_protocol(path2))
+        await (await self.get_client()).rename(self._strip_protocol(path1), self._strip_protocol(path2))
 
     # -- whole files -----------------------------------------------------------------------------
 
     async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        client = await self._client()
+        client = await self.get_client()
         afile = await client.open(self._strip_protocol(path), "rb")
         try:
             size = afile.length
@@ -360,25 +364,21 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
 
     async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite", **kwargs: Any) -> None:
         """``mode="create"`` refuses an existing file (``FileExistsError``), as fsspec asks."""
-        client = await self._client()
-        path = self._strip_protocol(path)
-        await self._make_parent(path)
-        afile = await client.open(path, "xb" if mode == "create" else "wb")
+        afile = await self._open_handle(self._strip_protocol(path), "xb" if mode == "create" else "wb")
         try:
             await afile.write(value)
         finally:
             await afile.close()
 
     async def _cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
-        client = await self._client()
+        client = await self.get_client()
         src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
         if await client.isdir(src):
             await client.makedirs(dst, exist_ok=True)
             return
-        await self._make_parent(dst)
         fin = await client.open(src, "rb")
         try:
-            fout = await client.open(dst, "wb")
+            fout = await self._open_handle(dst, "wb")
             try:
                 while piece := await fin.read(_COPY_PIECE_BYTES):
                     await fout.write(piece)
@@ -389,15 +389,14 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
 
     async def _put_file(self, lpath: str, rpath: str, callback: Any = DEFAULT_CALLBACK, mode: str = "overwrite",
                         **kwargs: Any) -> None:
-        client = await self._client()
+        client = await self.get_client()
         rpath = self._strip_protocol(rpath)
         if os.path.isdir(lpath):
             await client.makedirs(rpath, exist_ok=True)
             return
-        await self._make_parent(rpath)
         with open(lpath, "rb") as local:
             callback.set_size(os.fstat(local.fileno()).st_size)
-            afile = await client.open(rpath, "xb" if mode == "create" else "wb")
+            afile = await self._open_handle(rpath, "xb" if mode == "create" else "wb")
             try:
                 while piece := await asyncio.to_thread(local.read, _COPY_PIECE_BYTES):
                     await afile.write(piece)
@@ -406,7 +405,7 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
                 await afile.close()
 
     async def _get_file(self, rpath: str, lpath: Any, callback: Any = DEFAULT_CALLBACK, **kwargs: Any) -> None:
-        client = await self._client()
+        client = await self.get_client()
         rpath = self._strip_protocol(rpath)
         try:
             afile = await client.open(rpath, "rb")
@@ -431,12 +430,10 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             callback.relative_update(len(piece))
 
     async def _touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
-        client = await self._client()
+        client = await self.get_client()
         path = self._strip_protocol(path)
         if truncate or not await client.exists(path):
-            await self._make_parent(path)
-            afile = await client.open(path, "wb")
-            await afile.close()
+            await (await self._open_handle(path, "wb")).close()
         else:
             await client.utime(path)
 
@@ -445,10 +442,16 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
     # -- open files ------------------------------------------------------------------------------
 
     async def _open_handle(self, path: str, mode: str) -> AsyncFile:
-        """An fs3 handle for a binary ``mode``; a written file's parents first (``auto_mkdir``)."""
-        client = await self._client()
-        if any(c in mode for c in "wax"):
-            await self._make_parent(path)
+        """An fs3 handle for a binary ``mode``. A file written where its parent is missing gets
+        its parents (``auto_mkdir``) and is opened again: one call to meta when they exist, as
+        they do for all but the first file of a directory (zarr writes every chunk this way)."""
+        client = await self.get_client()
+        try:
+            return await client.open(path, mode)
+        except FileNotFoundError:
+            if not (self.auto_mkdir and any(c in mode for c in "wax")):
+                raise
+        await self._make_parent(path)
         return await client.open(path, mode)
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
