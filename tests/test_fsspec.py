@@ -153,7 +153,7 @@ class InFlight:
         self.calls += 1
         self.most = max(self.most, self.now)
         try:
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.05)
             return await self.call(*args, **kwargs)
         finally:
             self.now -= 1
@@ -168,23 +168,23 @@ def test_batch_cat_get_and_put_run_concurrently(shared_cluster: Any, tmp_path: P
         writes = InFlight(client.storage.write)
         monkeypatch.setattr(client.storage, "write", writes)
         fs.pipe(files)
-        assert writes.calls >= len(files) and writes.most >= 8, (writes.calls, writes.most)
+        assert writes.calls >= len(files) and writes.most >= 4, (writes.calls, writes.most)
 
         reads = InFlight(client.storage.read)
         monkeypatch.setattr(client.storage, "read", reads)
         assert fs.cat(sorted(files)) == files
-        assert reads.calls >= len(files) and reads.most >= 8, (reads.calls, reads.most)
+        assert reads.calls >= len(files) and reads.most >= 4, (reads.calls, reads.most)
 
         reads.most = 0
         fs.get("/batch/", str(tmp_path / "got"), recursive=True)
         assert {f"/batch/{p.name}": p.read_bytes() for p in (tmp_path / "got").iterdir()} == files
-        assert reads.most >= 8
+        assert reads.most >= 4
 
         writes.most = 0
         fs.put(str(tmp_path / "got"), "/batch-put", recursive=True)
         assert fs.cat(sorted(fs.find("/batch-put"))) == {f"/batch-put/{p[len('/batch/'):]}": data
                                                          for p, data in files.items()}
-        assert writes.most >= 8
+        assert writes.most >= 4
     finally:
         fs.close()
 
