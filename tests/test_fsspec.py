@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import multiprocessing
 import pickle
+import zipfile
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,12 @@ def test_file_objects_have_fsspec_shape(shared_cluster: Any) -> None:
             f.write(b"ab")
             f.fsync()
             assert other.cat_file("/shape/f.bin") == b"01ab456789"
+        with fs.open("/shape/a.zip", "wb") as f, zipfile.ZipFile(f, "w") as archive:  # seeks back to headers
+            archive.writestr("one.txt", "1" * 1000)
+            archive.writestr("two.txt", "2")
+        with fs.open("/shape/a.zip", "rb") as f, zipfile.ZipFile(f) as archive:
+            assert archive.read("one.txt") == b"1" * 1000 and archive.read("two.txt") == b"2"
+        fs.rm_file("/shape/a.zip")
         with fs.open("/shape/t.txt", "w") as f:
             f.write("text\nlines\n")
         with fs.open("/shape/t.txt", "r") as f:
