@@ -1,43 +1,194 @@
 """fs3 as an fsspec file system: ``fsspec.filesystem("fs3", mgmtd="HOST:PORT", token=...)``.
 
 Registered under the ``fs3`` protocol through the ``fsspec.specs`` entry point, so URLs like
-``fs3://HOST:PORT/datasets/train.parquet`` work in pandas, pyarrow, ``torch.distributed.checkpoint``
-and anything else that takes fsspec URLs. The token may also come from ``$FS3_TOKEN``.
+``fs3://HOST:PORT/datasets/train.parquet`` work in pandas, pyarrow, zarr, xarray,
+``torch.distributed.checkpoint`` and anything else that takes fsspec URLs. The token may also
+come from ``$FS3_TOKEN``.
+
+Built on :class:`fsspec.asyn.AsyncFileSystem` over the asyncio client (:mod:`fs3.aio`): every
+operation is a coroutine (``_cat_file``, ``_pipe_file``, ``_put_file`` ...), so fsspec's batch
+calls (``cat``, ``get``, ``put``, ``copy``, ``rm`` of many paths) run them concurrently instead of
+one file after another. Blocking calls run those coroutines on fsspec's own IO loop; with
+``asynchronous=True`` (what zarr v3 asks for) the file system is used from the caller's running
+loop. The asyncio client is bound to the loop it was made in, so it is made lazily in the loop
+that first needs it, and made again after a fork (the parent's loop does not run in the child).
+
+Files are :class:`fsspec.spec.AbstractBufferedFile` objects (``size``, ``blocksize``,
+``_fetch_range``, ``_upload_chunk``), which is what fsspec's caches (``blockcache::``,
+``simplecache::``, ``filecache::``) and readers such as pyarrow expect; each keeps one fs3 handle
+open from ``open`` to ``close``, so errors (no such file, permission) surface at ``open`` as they do
+locally and a written file's length is committed at ``close``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
+import io
+import logging
 import os
 import stat as stat_mod
-from typing import Any
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
-from fsspec import AbstractFileSystem
-from fsspec.utils import infer_storage_options
+from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem, _run_coros_in_chunks, get_loop, sync, sync_wrapper
+from fsspec.callbacks import DEFAULT_CALLBACK
+from fsspec.spec import AbstractBufferedFile
+from fsspec.utils import infer_storage_options, isfilelike
 
-from fs3.client.sync_api import FileSystem, connect
+from fs3.client.files import AsyncFile
+from fs3.client.fs import AsyncFileSystem as ClientFileSystem
+from fs3.client.fs import ClientConfig, connect
 
-__all__ = ["FS3FileSystem"]
+__all__ = ["FS3AsyncFile", "FS3File", "FS3FileSystem"]
 
-_COPY_PIECE_BYTES = 8 * 1024 * 1024
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# Pieces a copy, get or put moves at a time: memory bounded per file, whatever its size, and for a
+# batch (fsspec runs up to its batch size of files at once). The fs3 handle sends and prefetches
+# whole chunks in the background, so a small piece costs no throughput.
+_COPY_PIECE_BYTES = 1024 * 1024
+# fsspec's own options, which fsspec reads from the constructor's keywords (never client options).
+_FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
 
 
-class FS3FileSystem(AbstractFileSystem):  # type: ignore[misc]
+def _close_client(loop: asyncio.AbstractEventLoop, client: ClientFileSystem, pid: int) -> None:
+    """Close a client the file system dropped (collected, or at exit) on the loop it lives in,
+    without waiting: a collection may run on that very loop's thread. Best effort: a client that
+    never says goodbye is dropped by meta when its lease lapses.
+
+    Only in the process that made it: after a fork the parent's loop does not run in the child,
+    and the sockets are the parent's to close.
+    """
+    if os.getpid() != pid or loop.is_closed() or not loop.is_running():
+        return
+    with contextlib.suppress(RuntimeError):  # the loop stopped in between
+        asyncio.run_coroutine_threadsafe(client.close(), loop)
+
+
+def _close_in_background(file: Any) -> None:
+    """Close a file dropped without ``close`` (from ``__del__``) without blocking the collector.
+
+    A collection runs in whatever thread allocates at the time, which may be the thread of the
+    loop the close must wait on (or, in tests, of the cluster serving it): waiting there would hang
+    it. So the close (the last block written, then the handle closed) runs in a short thread.
+    """
+    threading.Thread(target=_close_quietly, args=(file,), name="fs3-fsspec-close", daemon=True).start()
+
+
+def _close_quietly(file: Any) -> None:
+    try:
+        file.close()
+    except Exception as exc:
+        log.warning("fs3: closing %s, dropped without close, failed: %s", getattr(file, "name", file), exc)
+
+
+class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
+    """The ``fs3`` protocol: one cluster (``mgmtd``, ``token``) seen through fsspec.
+
+    ``asynchronous``, ``loop`` and ``batch_size`` are fsspec's (see
+    :class:`fsspec.asyn.AsyncFileSystem`); ``auto_mkdir`` creates a written file's parents; every
+    other keyword is a client option (:class:`fs3.aio.ClientConfig`: ``transport``,
+    ``rpc_timeout_ms``, ``uid`` ...), checked here so that a misspelt one fails at once.
+    """
+
     protocol = "fs3"
     root_marker = "/"
+    _pid: int  # fsspec's: the process the file system was made in
 
     def __init__(self, mgmtd: str | None = None, token: str | None = None, auto_mkdir: bool = True,
-                 **kwargs: Any) -> None:
-        super().__init__(mgmtd=mgmtd, token=token, auto_mkdir=auto_mkdir, **kwargs)
+                 asynchronous: bool = False, loop: asyncio.AbstractEventLoop | None = None,
+                 batch_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(mgmtd=mgmtd, token=token, auto_mkdir=auto_mkdir, asynchronous=asynchronous, loop=loop,
+                         batch_size=batch_size, **kwargs)
         # Like object stores (and fsspec's local file system with auto_mkdir): writing a file
         # creates its parent directories, which is what pandas, pyarrow and checkpointers expect.
         self.auto_mkdir = auto_mkdir
         address = mgmtd or os.environ.get("FS3_MGMTD")
         if not address:
             raise ValueError("fs3: give mgmtd='HOST:PORT' (or a fs3://HOST:PORT/... URL, or $FS3_MGMTD)")
-        options = {k: v for k, v in kwargs.items() if k not in ("skip_instance_cache", "use_listings_cache",
-                                                                "listings_expiry_time", "max_paths")}
-        self.client: FileSystem = connect(address, token or os.environ.get("FS3_TOKEN"), **options)
+        self._address = address
+        self._token = token or os.environ.get("FS3_TOKEN")
+        self._options = {k: v for k, v in kwargs.items() if k not in _FSSPEC_OPTIONS}
+        unknown = set(self._options) - set(ClientConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown client options: {', '.join(sorted(unknown))}")
+        # The client, once made, and the loop and process it was made in.
+        self._connecting: asyncio.Task[ClientFileSystem] | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._client_pid = 0
+        if not asynchronous and not self._on_own_loop():
+            # Blocking use connects now, so a wrong address or token fails here, as it did before
+            # the first call; from inside fsspec's loop (a URL resolved by fsspec's generic file
+            # system) the first call connects.
+            self._sync(self.get_client)
+
+    # -- the client ------------------------------------------------------------------------------
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """fsspec's IO loop (None when ``asynchronous``). After a fork, the child's own: fsspec
+        starts a new loop in the child, and the client is made again on it at first use."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            if not self.asynchronous:
+                self._loop = get_loop()
+            self._connecting = None
+        return self._loop  # type: ignore[no-any-return]
+
+    def _on_own_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """Run a coroutine function on the file system's loop and wait for it (blocking calls)."""
+        return sync(self.loop, func, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def get_client(self) -> ClientFileSystem:
+        """The :mod:`fs3.aio` client under this file system, connected on first use and shared by
+        every call: for what fsspec has no call for (xattrs, layouts, ``statvfs``). Await it, and
+        use it, on the file system's loop (``fs.loop``; the caller's when ``asynchronous``)."""
+        loop = asyncio.get_running_loop()
+        self.loop  # noqa: B018 - notices a fork before the checks below
+        task = self._connecting
+        if task is None or self._client_loop is not loop or self._client_pid != os.getpid():
+            task = self._connecting = loop.create_task(self._connect())
+            self._client_loop, self._client_pid = loop, os.getpid()
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            if self._connecting is task:
+                self._connecting = None  # the next call tries again
+            raise
+
+    async def _connect(self) -> ClientFileSystem:
+        client = await connect(self._address, self._token, **self._options)
+        loop = asyncio.get_running_loop()
+        if not self.asynchronous:
+            weakref.finalize(self, _close_client, loop, client, os.getpid())
+        return client
+
+    async def _close(self) -> None:
+        """Close the client (its sessions and connections); the next call connects again."""
+        task, self._connecting = self._connecting, None
+        if task is not None and self._client_loop is asyncio.get_running_loop() and \
+                self._client_pid == os.getpid():
+            try:
+                client = await task
+            except Exception:
+                return
+            await client.close()
+
+    close = sync_wrapper(_close)
 
     # -- paths -----------------------------------------------------------------------------------
 
@@ -63,7 +214,8 @@ class FS3FileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     # -- listing ---------------------------------------------------------------------------------
 
-    def _info_from(self, path: str, st: os.stat_result, link_target: str | None = None) -> dict[str, Any]:
+    @staticmethod
+    def _info_from(path: str, st: os.stat_result, link_target: str | None = None) -> dict[str, Any]:
         if stat_mod.S_ISDIR(st.st_mode):
             kind = "directory"
         elif stat_mod.S_ISREG(st.st_mode):
@@ -77,116 +229,532 @@ class FS3FileSystem(AbstractFileSystem):  # type: ignore[misc]
             info["destination"] = link_target
         return info
 
-    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+    async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        client = await self.get_client()
         path = self._strip_protocol(path)
-        lst = self.client.lstat(path)
+        lst = await client.lstat(path)
         if stat_mod.S_ISLNK(lst.st_mode):
-            target = self.client.readlink(path)
+            target = await client.readlink(path)
             try:
-                return self._info_from(path, self.client.stat(path), target)
+                return self._info_from(path, await client.stat(path), target)
             except FileNotFoundError:
                 return self._info_from(path, lst, target)
         return self._info_from(path, lst)
 
-    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+    async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        client = await self.get_client()
         path = self._strip_protocol(path)
-        st = self.client.stat(path)
+        st = await client.stat(path)
         if not stat_mod.S_ISDIR(st.st_mode):
-            info = self._info_from(path, st)
-            return [info] if detail else [path]
+            return [self._info_from(path, st)] if detail else [path]
         base = path.rstrip("/")
-        entries = [self._info_from(f"{base}/{e.name}", e.stat()) for e in self.client.scandir(path)]
+        entries = [self._info_from(f"{base}/{e.name}", e.stat()) for e in await client.scandir(path)]
         return entries if detail else [e["name"] for e in entries]
 
-    # -- changes ---------------------------------------------------------------------------------
+    async def _exists(self, path: str, **kwargs: Any) -> bool:
+        return await (await self.get_client()).exists(self._strip_protocol(path))
 
-    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+    async def _isdir(self, path: str) -> bool:
+        return await (await self.get_client()).isdir(self._strip_protocol(path))
+
+    async def _isfile(self, path: str) -> bool:
+        return await (await self.get_client()).isfile(self._strip_protocol(path))
+
+    async def _size(self, path: str) -> int:
+        return int((await (await self.get_client()).stat(self._strip_protocol(path))).st_size)
+
+    async def _created(self, path: str) -> datetime.datetime:
+        st = await (await self.get_client()).stat(self._strip_protocol(path))
+        return datetime.datetime.fromtimestamp(st.st_ctime, tz=datetime.UTC)
+
+    async def _modified(self, path: str) -> datetime.datetime:
+        st = await (await self.get_client()).stat(self._strip_protocol(path))
+        return datetime.datetime.fromtimestamp(st.st_mtime, tz=datetime.UTC)
+
+    created = sync_wrapper(_created)
+    modified = sync_wrapper(_modified)
+
+    # -- directories -----------------------------------------------------------------------------
+
+    async def _mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        client = await self.get_client()
         path = self._strip_protocol(path)
         if create_parents:
-            self.client.makedirs(path, exist_ok=False)
+            await client.makedirs(path, exist_ok=False)
         else:
-            self.client.mkdir(path)
+            await client.mkdir(path)
 
-    def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        self.client.makedirs(self._strip_protocol(path), exist_ok=exist_ok)
+    async def _makedirs(self, path: str, exist_ok: bool = False) -> None:
+        await (await self.get_client()).makedirs(self._strip_protocol(path), exist_ok=exist_ok)
 
-    def rmdir(self, path: str) -> None:
-        self.client.rmdir(self._strip_protocol(path))
+    async def _rmdir(self, path: str) -> None:
+        await (await self.get_client()).rmdir(self._strip_protocol(path))
 
-    def rm_file(self, path: str) -> None:
-        self.client.remove(self._strip_protocol(path))
+    rmdir = sync_wrapper(_rmdir)
 
-    def _rm(self, path: str) -> None:
-        path = self._strip_protocol(path)
-        if self.client.isdir(path):
-            self.client.rmdir(path)
-        else:
-            self.client.remove(path)
-
-    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
-        paths = self.expand_path(path, recursive=recursive, maxdepth=maxdepth)
-        for p in sorted(paths, key=len, reverse=True):  # children before their directories
-            self._rm(p)
-
-    def mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: int | None = None,
-           **kwargs: Any) -> None:
-        if isinstance(path1, str) and isinstance(path2, str) and not any(c in path1 for c in "*?["):
-            src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
-            if self.client.isdir(dst) and not self.client.isdir(src):
-                dst = f"{dst.rstrip('/')}/{src.rsplit('/', 1)[-1]}"
-            self.client.rename(src, dst)  # atomic, whatever the size
-            return
-        super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
-
-    def _make_parent(self, path: str) -> None:
+    async def _make_parent(self, path: str) -> None:
         parent = path.rsplit("/", 1)[0]
         if self.auto_mkdir and parent:
-            self.client.makedirs(parent, exist_ok=True)
+            await (await self.get_client()).makedirs(parent, exist_ok=True)
 
-    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
-        src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
-        if self.client.isdir(src):
-            self.client.makedirs(dst, exist_ok=True)
+    # -- removing and moving ---------------------------------------------------------------------
+
+    async def _rm_file(self, path: str, **kwargs: Any) -> None:
+        await (await self.get_client()).remove(self._strip_protocol(path))
+
+    async def _rm(self, path: Any, recursive: bool = False, batch_size: int | None = None,
+                  maxdepth: int | None = None, **kwargs: Any) -> None:
+        """Files concurrently, then directories deepest first (each depth concurrently): a
+        directory goes only once everything in it has. A directory named without ``recursive``
+        is removed if empty."""
+        client = await self.get_client()
+        paths = await self._expand_path(path, recursive=recursive, maxdepth=maxdepth)
+        batch_size = batch_size or self.batch_size
+        kinds = await _run_coros_in_chunks([self._is_real_dir(client, p) for p in paths], batch_size=batch_size,
+                                           nofiles=True, return_exceptions=True)
+        files = [p for p, is_dir in zip(paths, kinds, strict=True) if is_dir is not True]  # errors: remove says
+        dirs = [p for p, is_dir in zip(paths, kinds, strict=True) if is_dir is True]
+        await self._gather([client.remove(p) for p in files], batch_size)
+        for depth in sorted({p.count("/") for p in dirs}, reverse=True):
+            await self._gather([client.rmdir(p) for p in dirs if p.count("/") == depth], batch_size)
+
+    @staticmethod
+    async def _is_real_dir(client: ClientFileSystem, path: str) -> bool:
+        """A directory itself, not a link to one (a link goes as a file does)."""
+        return stat_mod.S_ISDIR((await client.lstat(path)).st_mode)
+
+    async def _gather(self, coros: list[Coroutine[Any, Any, Any]], batch_size: int | None) -> None:
+        """Run ``coros`` concurrently (at most ``batch_size`` at once); the first error is raised."""
+        results = await _run_coros_in_chunks(coros, batch_size=batch_size, nofiles=True, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: int | None = None,
+                  **kwargs: Any) -> None:
+        """One path to one path is an atomic rename on meta, whatever the size; anything else
+        (lists, globs) is fsspec's copy then remove."""
+        if isinstance(path1, str) and isinstance(path2, str) and not any(c in path1 for c in "*?["):
+            client = await self.get_client()
+            src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
+            if await client.isdir(dst) and not await client.isdir(src):
+                dst = f"{dst.rstrip('/')}/{src.rsplit('/', 1)[-1]}"
+            await client.rename(src, dst)
             return
-        self._make_parent(dst)
-        with self.client.open(src, "rb") as fin, self.client.open(dst, "wb") as fout:
-            while piece := fin.read(_COPY_PIECE_BYTES):
-                fout.write(piece)
+        await self._copy(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+        await self._rm(path1, recursive=recursive)
 
-    def touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
+    mv = sync_wrapper(_mv)
+
+    async def _mv_file(self, path1: str, path2: str) -> None:
+        await (await self.get_client()).rename(self._strip_protocol(path1), self._strip_protocol(path2))
+
+    # -- whole files -----------------------------------------------------------------------------
+
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        client = await self.get_client()
+        afile = await client.open(self._strip_protocol(path), "rb")
+        try:
+            size = afile.length
+            first = 0 if start is None else (max(0, size + start) if start < 0 else start)
+            last = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+            return await afile.pread(first, last - first) if last > first else b""
+        finally:
+            await afile.close()
+
+    async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite", **kwargs: Any) -> None:
+        """``mode="create"`` refuses an existing file (``FileExistsError``), as fsspec asks."""
+        afile = await self._open_handle(self._strip_protocol(path), "xb" if mode == "create" else "wb")
+        try:
+            await afile.write(value)
+        finally:
+            await afile.close()
+
+    async def _cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        client = await self.get_client()
+        src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
+        if await client.isdir(src):
+            await client.makedirs(dst, exist_ok=True)
+            return
+        fin = await client.open(src, "rb")
+        try:
+            fout = await self._open_handle(dst, "wb")
+            try:
+                while piece := await fin.read(_COPY_PIECE_BYTES):
+                    await fout.write(piece)
+            finally:
+                await fout.close()
+        finally:
+            await fin.close()
+
+    async def _put_file(self, lpath: str, rpath: str, callback: Any = DEFAULT_CALLBACK, mode: str = "overwrite",
+                        **kwargs: Any) -> None:
+        client = await self.get_client()
+        rpath = self._strip_protocol(rpath)
+        if os.path.isdir(lpath):
+            await client.makedirs(rpath, exist_ok=True)
+            return
+        with open(lpath, "rb") as local:
+            callback.set_size(os.fstat(local.fileno()).st_size)
+            afile = await self._open_handle(rpath, "xb" if mode == "create" else "wb")
+            try:
+                while piece := await asyncio.to_thread(local.read, _COPY_PIECE_BYTES):
+                    await afile.write(piece)
+                    callback.relative_update(len(piece))
+            finally:
+                await afile.close()
+
+    async def _get_file(self, rpath: str, lpath: Any, callback: Any = DEFAULT_CALLBACK, **kwargs: Any) -> None:
+        client = await self.get_client()
+        rpath = self._strip_protocol(rpath)
+        try:
+            afile = await client.open(rpath, "rb")
+        except IsADirectoryError:
+            if not isfilelike(lpath):
+                os.makedirs(lpath, exist_ok=True)
+            return
+        try:
+            callback.set_size(afile.length)
+            if isfilelike(lpath):
+                await self._copy_out(afile, lpath, callback)
+            else:
+                with open(lpath, "wb") as local:
+                    await self._copy_out(afile, local, callback)
+        finally:
+            await afile.close()
+
+    @staticmethod
+    async def _copy_out(afile: AsyncFile, local: Any, callback: Any) -> None:
+        while piece := await afile.read(_COPY_PIECE_BYTES):
+            await asyncio.to_thread(local.write, piece)
+            callback.relative_update(len(piece))
+
+    async def _touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
+        client = await self.get_client()
         path = self._strip_protocol(path)
-        if truncate or not self.client.exists(path):
-            self._make_parent(path)
-            with self.client.open(path, "wb"):
-                pass
+        if truncate or not await client.exists(path):
+            await (await self._open_handle(path, "wb")).close()
         else:
-            self.client.utime(path)
+            await client.utime(path)
+
+    touch = sync_wrapper(_touch)
+
+    # -- open files ------------------------------------------------------------------------------
+
+    async def _open_handle(self, path: str, mode: str) -> AsyncFile:
+        """An fs3 handle for a binary ``mode``. A file written where its parent is missing gets
+        its parents (``auto_mkdir``) and is opened again: one call to meta when they exist, as
+        they do for all but the first file of a directory (zarr writes every chunk this way)."""
+        client = await self.get_client()
+        try:
+            return await client.open(path, mode)
+        except FileNotFoundError:
+            if not (self.auto_mkdir and any(c in mode for c in "wax")):
+                raise
+        await self._make_parent(path)
+        return await client.open(path, mode)
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
               cache_options: Any = None, **kwargs: Any) -> Any:
-        if not autocommit:
-            raise NotImplementedError("fs3 has no fsspec transactions: writes commit on close")
+        """``rb``/``wb``/``ab``/``xb``: an :class:`FS3File`. ``+`` modes (read and write one
+        handle at any offset): a buffered random-access file over the same handle."""
         path = self._strip_protocol(path)
-        if any(c in mode for c in "wax"):
-            self._make_parent(path)
-        return self.client.open(path, mode)
+        if "+" in mode:
+            if not autocommit:
+                raise NotImplementedError("fs3: a file open for reading and writing commits on close, not in a "
+                                          "transaction")
+            afile = self._sync(self._open_handle, path, mode)
+            raw = _RandomAccessRaw(self, afile, mode)
+            return _BufferedRandom(raw, block_size or min(afile.chunk_size, 1 << 20))
+        return FS3File(self, path, mode, block_size=block_size, autocommit=autocommit,
+                       cache_options=cache_options, **kwargs)
 
-    def created(self, path: str) -> datetime.datetime:
-        return datetime.datetime.fromtimestamp(self.client.stat(self._strip_protocol(path)).st_ctime,
-                                               tz=datetime.UTC)
+    async def open_async(self, path: str, mode: str = "rb", **kwargs: Any) -> FS3AsyncFile:
+        """An async file (``await f.read()``, ``await f.write()``) for asyncio code."""
+        if "b" not in mode or kwargs.get("compression"):
+            raise ValueError("fs3: open_async takes binary modes and no compression")
+        if mode not in ("rb", "wb", "ab", "xb"):
+            raise ValueError(f"fs3: open_async does not take mode {mode!r}")
+        path = self._strip_protocol(path)
+        afile = await self._open_handle(path, mode)
+        return FS3AsyncFile(self, path, mode, afile, **kwargs)
 
-    def modified(self, path: str) -> datetime.datetime:
-        return datetime.datetime.fromtimestamp(self.client.stat(self._strip_protocol(path)).st_mtime,
-                                               tz=datetime.UTC)
 
-    def exists(self, path: str, **kwargs: Any) -> bool:
-        return self.client.exists(self._strip_protocol(path))
+class FS3File(AbstractBufferedFile):  # type: ignore[misc]
+    """A file open on fs3 in fsspec's shape: reads through fsspec's cache (``cache_type``) in
+    ``blocksize`` pieces (``_fetch_range``); writes gathered into ``blocksize`` blocks
+    (``_upload_chunk``), and the file's length committed on ``close``.
 
-    def isdir(self, path: str) -> bool:
-        return self.client.isdir(self._strip_protocol(path))
+    One fs3 handle stays open from ``open`` to ``close``: ``open`` fails as a local open does
+    (``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``), and every read after it
+    uses the same session. With ``autocommit=False`` (an fsspec transaction) the bytes go to a
+    hidden name beside the file and ``commit`` renames it into place.
+    """
 
-    def isfile(self, path: str) -> bool:
-        return self.client.isfile(self._strip_protocol(path))
+    DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
+    # fsspec's state of a written file: the block being gathered, and how much went before it.
+    buffer: io.BytesIO
+    offset: int | None
+    closed: bool
 
-    def size(self, path: str) -> int:
-        return int(self.client.stat(self._strip_protocol(path)).st_size)
+    def __init__(self, fs: FS3FileSystem, path: str, mode: str = "rb", block_size: Any = "default",
+                 autocommit: bool = True, cache_type: str = "readahead", cache_options: Any = None,
+                 size: int | None = None, **kwargs: Any) -> None:
+        if mode not in ("rb", "wb", "ab", "xb"):
+            raise ValueError(f"fs3: unsupported file mode {mode!r}")
+        if not autocommit and mode != "wb":
+            raise NotImplementedError("fs3: only 'wb' files take part in a transaction")
+        self._fs3 = fs
+        self._handle_path = path if autocommit else self._temp_name(path)
+        self._afile: AsyncFile | None = fs._sync(fs._open_handle, self._handle_path, mode)
+        try:
+            super().__init__(fs, path, mode, block_size=block_size, autocommit=autocommit, cache_type=cache_type,
+                             cache_options=cache_options, size=self._afile.length if mode == "rb" else None,
+                             **kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                fs._sync(self._afile.close)
+            raise
+        if mode == "ab":
+            self.loc = self._afile.length
+
+    @staticmethod
+    def _temp_name(path: str) -> str:
+        parent, _, name = path.rpartition("/")
+        return f"{parent}/.{name}.fs3-{uuid.uuid4().hex}.tmp"
+
+    @property
+    def handle(self) -> AsyncFile:
+        if self._afile is None:
+            raise ValueError("I/O operation on closed file.")
+        return self._afile
+
+    # -- fsspec's hooks --------------------------------------------------------------------------
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        return self._fs3._sync(self.handle.pread, start, end - start)
+
+    def _initiate_upload(self) -> None:
+        """Nothing to start: the handle was opened (and the file created) at ``open``."""
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        with self.buffer.getbuffer() as block:
+            if len(block):
+                # The fs3 handle copies the block into its chunk buffers before write returns.
+                self._fs3._sync(self.handle.write, block)
+        if final:
+            afile, self._afile = self.handle, None
+            self._fs3._sync(afile.close)  # meta learns the length: the file's bytes are committed
+        return True
+
+    # -- beyond fsspec's defaults ----------------------------------------------------------------
+
+    def seek(self, loc: int, whence: int = 0) -> int:
+        """Reads seek anywhere; a written file too (the block so far is sent first), like a local one."""
+        if self.mode == "rb":
+            return super().seek(loc, whence)  # type: ignore[no-any-return]
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        self._send_block()
+        if whence == 0:
+            target = int(loc)
+        elif whence == 1:
+            target = self.loc + int(loc)
+        elif whence == 2:
+            target = self.handle.end_of_file() + int(loc)
+        else:
+            raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
+        if target < 0:
+            raise ValueError("Seek before start of file")
+        self.loc = position = self._fs3._sync(_seek, self.handle, target)
+        return position
+
+    def seekable(self) -> bool:
+        return not self.closed
+
+    def _send_block(self) -> None:
+        """Send what is buffered now, whatever its size (before a seek or an fsync)."""
+        if self.buffer.tell():
+            if self.offset is None:
+                self.offset = 0
+            self._upload_chunk(final=False)
+            self.offset += self.buffer.tell()
+            self.buffer = io.BytesIO()
+
+    def fsync(self) -> None:
+        """What is written so far is durable on storage and its length known to meta."""
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        if self.mode != "rb":
+            self._send_block()
+            self._fs3._sync(self.handle.fsync)
+
+    def close(self) -> None:
+        """Finish the writes (the last block, then the handle's close, which commits the length)
+        or drop the read cache; the handle is closed even when the last write fails."""
+        if getattr(self, "_unclosable", False) or self.closed:
+            return
+        failed = True
+        try:
+            if self.mode == "rb":
+                cache, self.cache = getattr(self, "cache", None), None
+                close_cache = getattr(cache, "close", None)
+                if callable(close_cache):
+                    close_cache()  # the block cache's file
+            elif not self.forced:
+                self.flush(force=True)
+            failed = False
+        finally:
+            self.closed = True
+            afile, self._afile = self._afile, None
+            if afile is not None and not afile.closed:
+                if failed:  # the first error is the one to see; the handle goes regardless
+                    with contextlib.suppress(Exception):
+                        self._fs3._sync(afile.close)
+                else:
+                    self._fs3._sync(afile.close)
+            if self.mode != "rb":
+                self._fs3.invalidate_cache(self.path)
+                self._fs3.invalidate_cache(self._fs3._parent(self.path))
+
+    def __del__(self) -> None:
+        if not self.closed:
+            _close_in_background(self)
+
+    def commit(self) -> None:
+        """End of a transaction: the hidden file takes the file's name (atomic)."""
+        if self._handle_path != self.path:
+            self._fs3.mv(self._handle_path, self.path)
+
+    def discard(self) -> None:
+        """A transaction that failed: the hidden file goes, the named one was never touched."""
+        if self._handle_path != self.path:
+            self._fs3.rm_file(self._handle_path)
+
+
+async def _seek(afile: AsyncFile, offset: int, whence: int = 0) -> int:
+    """``AsyncFile.seek`` on the loop that owns the handle (a seek drops read-ahead tasks)."""
+    return afile.seek(offset, whence)
+
+
+class FS3AsyncFile(AbstractAsyncStreamedFile):  # type: ignore[misc]
+    """The async file of :meth:`FS3FileSystem.open_async`: one fs3 handle, awaited reads and writes."""
+
+    closed: bool
+
+    def __init__(self, fs: FS3FileSystem, path: str, mode: str, afile: AsyncFile, **kwargs: Any) -> None:
+        self._afile = afile
+        self._loop = asyncio.get_running_loop()
+        super().__init__(fs, path, mode, size=afile.length if mode == "rb" else None, **kwargs)
+        if mode == "ab":
+            self.loc = afile.length
+
+    async def _fetch_range(self, start: int, end: int) -> bytes:
+        return await self._afile.pread(start, end - start)
+
+    async def _upload_chunk(self, final: bool = False) -> bool:
+        with self.buffer.getbuffer() as block:
+            if len(block):
+                await self._afile.write(block)
+        if final:
+            await self._afile.close()
+        return True
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            await super().close()
+        finally:
+            self.closed = True
+            if not self._afile.closed:
+                await self._afile.close()
+
+    def __del__(self) -> None:
+        """Dropped without ``close``: the close runs as a task of its loop, never waited on here."""
+        if not self.closed and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_close_task, self._loop, self)
+
+
+def _close_task(loop: asyncio.AbstractEventLoop, file: FS3AsyncFile) -> None:
+    task = loop.create_task(file.close())
+    _dropped_closes.add(task)
+    task.add_done_callback(_dropped_closes.discard)
+
+
+# Closes of dropped async files still running (the loop keeps only weak references to tasks).
+_dropped_closes: set[asyncio.Task[None]] = set()
+
+
+class _BufferedRandom(io.BufferedRandom):
+    """A ``+`` mode file; one dropped without ``close`` is closed in the background."""
+
+    def fsync(self) -> None:
+        self.flush()
+        raw = self.raw
+        assert isinstance(raw, _RandomAccessRaw)
+        raw.fsync()
+
+    def __del__(self) -> None:
+        if not self.closed:
+            _close_in_background(self)
+
+
+class _RandomAccessRaw(io.RawIOBase):
+    """The raw layer of a ``+`` mode file: one fs3 handle, each call run on the file system's loop."""
+
+    def __init__(self, fs: FS3FileSystem, afile: AsyncFile, mode: str) -> None:
+        super().__init__()
+        self._fs = fs
+        self.afile = afile
+        self.name = afile.name
+        self.mode = mode
+
+    def readable(self) -> bool:
+        return self.afile.readable
+
+    def writable(self) -> bool:
+        return self.afile.writable
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._checkClosed()
+        return self._fs._sync(self.afile.readinto, buffer)
+
+    def write(self, data: Any) -> int:
+        self._checkClosed()
+        return self._fs._sync(self.afile.write, data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._checkClosed()
+        return self._fs._sync(_seek, self.afile, offset, whence)
+
+    def tell(self) -> int:
+        self._checkClosed()
+        return self.afile.tell()
+
+    def truncate(self, size: int | None = None) -> int:
+        self._checkClosed()
+        return self._fs._sync(self.afile.truncate, size)
+
+    def flush(self) -> None:
+        if not self.closed:
+            self._fs._sync(self.afile.flush)
+
+    def fsync(self) -> None:
+        self._checkClosed()
+        self._fs._sync(self.afile.fsync)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._fs._sync(self.afile.close)
+            finally:
+                super().close()
+
+    def __del__(self) -> None:
+        if not self.closed:
+            _close_in_background(self)
+

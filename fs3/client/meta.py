@@ -21,7 +21,7 @@ meta checks that caller's permissions. Left out, the client's own identity is se
 Errors: every method raises :class:`~fs3.common.errors.FS3Error` (a subclass saying what happened,
 carrying its errno), never ``OSError``. Inside the client library errors stay ``FS3Error``; they
 become ``OSError`` only at the public edges — the ``fs3.aio`` / ``fs3.connect`` API
-(:func:`fs3.client.oserrors.os_errors` around each public method), fsspec (over ``fs3.connect``)
+(:func:`fs3.client.oserrors.os_errors` around each public method), fsspec (over ``fs3.aio``)
 and the FUSE adapter (``FUSEError(errno)``).
 """
 
