@@ -29,13 +29,16 @@ from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
 from fs3.storage.server import StorageConfig  # noqa: E402
 from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose  # noqa: E402
 
+# What an operator exports before `docker compose up` (the file has no default token).
+COMPOSE_ENV = {"FS3_TOKEN": "6f1c0d2e9a8b7c6d5e4f3a2b1c0d9e8f"}
+
 ServiceConfig = MgmtdConfig | MetaConfig | StorageConfig
 CONFIGS: dict[str, tuple[type[ServiceConfig], str]] = {
     "mgmtd": (MgmtdConfig, "FS3_MGMTD"), "meta": (MetaConfig, "FS3_META"), "storage": (StorageConfig, "FS3_STORAGE")}
 
 
 def test_compose_file_structure() -> None:
-    compose = load_compose()
+    compose = load_compose(COMPOSE_ENV)
     services = compose["services"]
     assert set(services) == {"certs", "mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client"}
     assert (ROOT / "Dockerfile").exists() and all(s.get("build") == "." for s in services.values())
@@ -54,7 +57,7 @@ def test_compose_file_structure() -> None:
     assert "/dev/fuse:/dev/fuse" in client["devices"] and "SYS_ADMIN" in client["cap_add"]
     assert client["command"][:1] == ["mount"] and "--foreground" in client["command"]
     tokens = {s["environment"].get(k) for s in services.values() for k in s["environment"] if k.endswith("TOKEN")}
-    assert tokens == {"fs3-compose-token"}, "every service shares one token"
+    assert tokens == {COMPOSE_ENV["FS3_TOKEN"]}, "every service shares the operator's token"
     # Mutual TLS by default: certificates made first, mounted read-only wherever they are used.
     assert services["mgmtd"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
     assert "certs:/certs" in services["certs"]["volumes"] and "certs" in compose["volumes"]
@@ -65,9 +68,29 @@ def test_compose_file_structure() -> None:
         assert (env["FS3_TLS_CA_FILE"], env["FS3_TLS_CERT_FILE"]) == ("/certs/ca.pem", "/certs/client.pem"), name
 
 
+def test_compose_refuses_to_start_without_a_token() -> None:
+    """No fixed fallback token: a cluster started without FS3_TOKEN would share a published secret."""
+    assert "fs3-compose-token" not in (ROOT / "docker-compose.yml").read_text()
+    with pytest.raises(ValueError, match="FS3_TOKEN"):
+        load_compose({})
+
+
+def test_every_process_publishes_its_metrics_port() -> None:
+    services = load_compose(COMPOSE_ENV)["services"]
+    published = {}
+    for name in SERVER_SERVICES:
+        env = services[name]["environment"]
+        metrics_port = next(v for k, v in env.items() if k.endswith("_METRICS_PORT"))
+        mapped = [p.split(":") for p in services[name]["ports"]]
+        host = [h for h, c in mapped if c == metrics_port]
+        assert host, f"{name} publishes its /metrics port"
+        published[name] = host[0]
+    assert len(set(published.values())) == len(published), "one host port per process"
+
+
 def test_no_secret_in_any_command_line() -> None:
     """Arguments are visible to every user of a host (ps); tokens travel in the environment."""
-    services = load_compose()["services"]
+    services = load_compose(COMPOSE_ENV)["services"]
     tokens = {v for s in services.values() for k, v in s["environment"].items() if k.endswith("TOKEN")}
     for name, service in services.items():
         command = service.get("command", [])
@@ -79,14 +102,14 @@ def test_no_secret_in_any_command_line() -> None:
 
 @pytest.mark.parametrize("name", SERVER_SERVICES)
 def test_every_setting_is_one_the_service_reads(name: str) -> None:
-    service = load_compose()["services"][name]
+    service = load_compose(COMPOSE_ENV)["services"][name]
     kind = service["command"][0]
     cls, prefix = CONFIGS[kind]
     fields = {f.name.upper() for f in dataclasses.fields(cls)}
     unknown = [k for k in service["environment"] if k.startswith(prefix + "_") and k[len(prefix) + 1:] not in fields]
     assert unknown == [], f"{name}: settings no service reads: {unknown}"
     config: ServiceConfig = load_config(cls, None, env_prefix=prefix, environ=service["environment"])  # validates
-    assert config.token == "fs3-compose-token" and config.listen_host == "0.0.0.0"
+    assert config.token == COMPOSE_ENV["FS3_TOKEN"] and config.listen_host == "0.0.0.0"
     assert (config.tls.ca_file, config.tls.cert_file, config.tls.key_file) == (
         "/certs/ca.pem", f"/certs/{name}.pem", f"/certs/{name}.key"), "each service has its own certificate"
     if isinstance(config, StorageConfig):
@@ -101,7 +124,7 @@ def test_the_certs_service_makes_every_file_the_services_name(tmp_path: Path) ->
     from fs3.cli.main import main as fs3_main
     from fs3.rpc.tls import Tls, TlsConfig
 
-    services = load_compose()["services"]
+    services = load_compose(COMPOSE_ENV)["services"]
     command = [arg.replace("/certs", str(tmp_path)) for arg in services["certs"]["command"]]
     assert fs3_main(command) == 0
     for name in SERVER_SERVICES:
@@ -129,7 +152,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="the client service mounts with FUSE")
 def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
     pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    compose = load_compose()
+    compose = load_compose(COMPOSE_ENV)
     services = compose["services"]
     # Each service's ports become free loopback ports; "host:port" addresses follow them.
     ports: dict[str, dict[str, str]] = {}

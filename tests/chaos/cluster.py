@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -38,7 +39,8 @@ class LabCluster:
         self._root_shared = False
         self.mounts: list[Path] = []
         self.root = root
-        self.compose = load_compose()
+        # compose requires a token and has no default: every run makes its own.
+        self.compose = load_compose({"FS3_TOKEN": secrets.token_hex(16)})
         self.token = self.compose["services"]["mgmtd"]["environment"]["FS3_MGMTD_TOKEN"]
         self.overrides = overrides or {}
         addresses = lab.create([*SERVER_SERVICES, "client"])

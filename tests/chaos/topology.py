@@ -11,11 +11,19 @@ SERVER_SERVICES = ["mgmtd", "meta", "storage1", "storage2", "storage3"]
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
+    """``${VAR:-default}`` and ``${VAR:?message}`` (required: compose refuses to start without it)."""
+    def required(match: re.Match[str]) -> str:
+        if not env.get(match.group(1)):
+            raise ValueError(f"{match.group(1)}: {match.group(2)}")
+        return env[match.group(1)]
+
+    value = re.sub(r"\$\{(\w+):\?([^}]*)\}", required, value)
     return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1), m.group(2)), value)
 
 
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """docker-compose.yml with anchors merged and ``${VAR:-default}`` resolved in environments."""
+    """docker-compose.yml with anchors merged and ``${VAR:-default}``/``${VAR:?message}`` resolved in
+    environments (``env`` as compose's environment: FS3_TOKEN is required)."""
     import yaml
 
     data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
