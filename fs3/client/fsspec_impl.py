@@ -2,7 +2,10 @@
 
 Registered under the ``fs3`` protocol through the ``fsspec.specs`` entry point, so URLs like
 ``fs3://HOST:PORT/datasets/train.parquet`` work in pandas, pyarrow, ``torch.distributed.checkpoint``
-and anything else that takes fsspec URLs. The token may also come from ``$FS3_TOKEN``.
+and anything else that takes fsspec URLs. What a URL leaves out comes from a profile or the
+environment (:mod:`fs3.client.profiles`): ``fs3://NAME@/path`` uses profile NAME, ``fs3:///path``
+``$FS3_MGMTD``/``$FS3_TOKEN`` or the ``default`` profile — which is how code that rebuilds the file
+system from the URL alone (torch's checkpointer) finds the token.
 """
 
 from __future__ import annotations
@@ -32,12 +35,9 @@ class FS3FileSystem(AbstractFileSystem):  # type: ignore[misc]
         # Like object stores (and fsspec's local file system with auto_mkdir): writing a file
         # creates its parent directories, which is what pandas, pyarrow and checkpointers expect.
         self.auto_mkdir = auto_mkdir
-        address = mgmtd or os.environ.get("FS3_MGMTD")
-        if not address:
-            raise ValueError("fs3: give mgmtd='HOST:PORT' (or a fs3://HOST:PORT/... URL, or $FS3_MGMTD)")
         options = {k: v for k, v in kwargs.items() if k not in ("skip_instance_cache", "use_listings_cache",
                                                                 "listings_expiry_time", "max_paths")}
-        self.client: FileSystem = connect(address, token or os.environ.get("FS3_TOKEN"), **options)
+        self.client: FileSystem = connect(mgmtd, token, **options)  # profile=, token_file= among the options
 
     # -- paths -----------------------------------------------------------------------------------
 
@@ -55,11 +55,15 @@ class FS3FileSystem(AbstractFileSystem):  # type: ignore[misc]
     @staticmethod
     def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
         options = infer_storage_options(path)
-        host, port = options.get("host"), options.get("port")
-        return {"mgmtd": f"{host}:{port}"} if host and port else {}
+        host, port, profile = options.get("host"), options.get("port"), options.get("username")
+        found: dict[str, Any] = {"mgmtd": f"{host}:{port}"} if host and port else {}
+        if profile:
+            found["profile"] = profile  # fs3://NAME@/path
+        return found
 
     def unstrip_protocol(self, name: str) -> str:
-        return f"fs3://{self.storage_options.get('mgmtd') or ''}{name}"
+        profile = self.storage_options.get("profile")
+        return f"fs3://{profile + '@' if profile else ''}{self.storage_options.get('mgmtd') or ''}{name}"
 
     # -- listing ---------------------------------------------------------------------------------
 
