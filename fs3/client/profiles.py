@@ -312,10 +312,15 @@ def save_profile(path: Path, profile: Profile) -> None:
     if new and not new.endswith("\n"):
         new += "\n"
     new += ("\n" if new.strip() else "") + _profile_text(profile)
-    others = {name: table for name, table in _parse(path, new).items() if name != profile.name}
-    if others != {name: table for name, table in tables.items() if name != profile.name} or \
-            _profile(path, profile.name, _parse(path, new)[profile.name]) != profile:
-        raise InvalidArgument(f"fs3 config {path}: profile {profile.name!r} is not written as a "
+    refusal = InvalidArgument(f"fs3 config {path}: profile {profile.name!r} is not written as a "
                               f"[profiles.{profile.name}] table there; edit the file by hand")
+    try:
+        written = _parse(path, new)
+        same = _profile(path, profile.name, written[profile.name]) == profile
+    except (InvalidArgument, KeyError):
+        raise refusal from None
+    others = {name: table for name, table in written.items() if name != profile.name}
+    if not same or others != {name: table for name, table in tables.items() if name != profile.name}:
+        raise refusal
     path.parent.mkdir(parents=True, exist_ok=True)
     write_secret_file(path, new)
