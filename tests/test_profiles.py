@@ -201,3 +201,26 @@ def test_save_profile_refuses_what_it_cannot_edit_safely(tmp_path: Path) -> None
         save_profile(config, Profile("x", ("h:2",), token="secret"))
     with pytest.raises(InvalidArgument, match="profile name"):
         save_profile(config, Profile("a b]", ("h:2",), token_file="/t"))
+
+
+def test_a_local_cluster_writes_a_profile_for_itself(tmp_path: Path) -> None:
+    from fs3.cli.local import LocalCluster
+
+    cluster = LocalCluster(tmp_path / "cluster", storage_nodes=1, targets_per_node=1)
+    cluster.mgmtd_port = 4321  # as once mgmtd has started
+    config = tmp_path / "home" / "config.toml"
+    assert cluster.save_profile("dev", config) == config
+    settings = resolve(environ={"FS3_CONFIG": str(config), "FS3_PROFILE": "dev"})
+    assert settings.mgmtd == ("127.0.0.1:4321",) and settings.token == cluster.token
+    assert cluster.token not in config.read_text()  # by file, never inline
+
+
+def test_local_up_refuses_a_bad_profile_name_before_starting_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fs3.cli.main", "local", "up", "--dir", str(tmp_path / "c"),
+                           "--profile", "no good", "--detach"], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode != 0 and "profile name 'no good'" in done.stderr
+    assert not (tmp_path / "c").exists()

@@ -41,7 +41,8 @@ from fs3.common.errors import InvalidArgument
 from fs3.common.secret_files import read_secret_file, read_token_file
 from fs3.rpc.tls import TlsConfig
 
-__all__ = ["ClusterSettings", "Profile", "config_path", "load_profiles", "resolve", "save_profile"]
+__all__ = ["ClusterSettings", "Profile", "check_profile_name", "config_path", "load_profiles", "resolve",
+           "save_profile"]
 
 _CONFIG_MAX_BYTES = 1 << 20
 _PROFILE_KEYS = frozenset({"mgmtd", "token", "token_file", "transport", "tls"})
@@ -283,6 +284,13 @@ def _profile_text(profile: Profile) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_profile_name(name: str) -> None:
+    """A name that is a bare TOML key and the user part of a URL: letters, digits, ``-``, ``_``."""
+    if not name or not name.replace("-", "").replace("_", "").isascii() or \
+            not name.replace("-", "").replace("_", "").isalnum():
+        raise InvalidArgument(f"profile name {name!r}: use letters, digits, '-' and '_'")
+
+
 def save_profile(path: Path, profile: Profile) -> None:
     """Add ``profile`` to the config file at ``path`` (made ``0600``), or replace the profile of that
     name: the rest of the file is kept as it is, comments included.
@@ -293,8 +301,7 @@ def save_profile(path: Path, profile: Profile) -> None:
     """
     if profile.token:
         raise InvalidArgument("save_profile writes a token_file, never a token")
-    if not profile.name.replace("-", "").replace("_", "").isalnum():
-        raise InvalidArgument(f"profile name {profile.name!r}: use letters, digits, '-' and '_'")
+    check_profile_name(profile.name)
     from fs3.common.secret_files import write_secret_file
 
     text = _read_config_text(path) or ""
