@@ -69,7 +69,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Cluster]:
         try:
             yield running
         finally:
-            FS3FileSystem.clear_instance_cache()
+            for key, cached in list(FS3FileSystem._cache.items()):  # the fs3:/// instances this module made
+                if cached.client.settings.mgmtd == (running.address,):
+                    cached.client.close()
+                    del FS3FileSystem._cache[key]
             running.close()
 
 
