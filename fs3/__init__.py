@@ -22,8 +22,12 @@ if TYPE_CHECKING:
     from fs3.client.sync_api import FileSystem
 
 
-def connect(mgmtd: str | list[str], token: str | None = None, **options: Any) -> FileSystem:
-    """Connect to the fs3 cluster whose mgmtd listens at ``mgmtd`` (``HOST:PORT``); blocking API."""
+def connect(mgmtd: str | list[str] | None = None, token: str | None = None, **options: Any) -> FileSystem:
+    """Connect to the fs3 cluster whose mgmtd listens at ``mgmtd`` (``HOST:PORT``); blocking API.
+
+    Left out, the cluster and token come from ``$FS3_MGMTD``/``$FS3_TOKEN`` or a profile of
+    ``~/.config/fs3/config.toml`` (``profile="NAME"``; see docs/operations.md).
+    """
     from fs3.client.sync_api import connect as sync_connect
 
     return sync_connect(mgmtd, token, **options)

@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from fs3.client import profiles
 from fs3.cluster.certs import CLIENT, init_certs, tls_config
 from fs3.cluster.processes import (
     ProcessSettings,
@@ -206,6 +207,15 @@ class LocalCluster:
         }
         path = self.root / "cluster.json"
         write_secret_file(path, json.dumps(data, indent=2))
+        return path
+
+    def save_profile(self, name: str, config: Path | None = None) -> Path:
+        """Write (or replace) profile ``name`` for this cluster in the clients' config file
+        (``$FS3_CONFIG`` or ``~/.config/fs3/config.toml``): its mgmtd, its token file and its
+        client TLS, so ``fs3.connect(profile=name)`` and ``fs3://name@/path`` need nothing else."""
+        path = config or profiles.config_path()
+        profiles.save_profile(path, profiles.Profile(name, (self.mgmtd_address,), token_file=str(self.token_file),
+                                                     tls=self.client_tls))
         return path
 
     # -- processes ---------------------------------------------------------------------------
@@ -447,7 +457,7 @@ def _spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> subproces
                                 start_new_session=True)
 
 
-def _print_endpoints(cluster: LocalCluster) -> None:
+def _print_endpoints(cluster: LocalCluster, profile: str | None = None, profile_path: Path | None = None) -> None:
     print(f"fs3 local cluster in {cluster.root}")
     for name, proc in cluster.procs.items():
         info = proc.info
@@ -466,8 +476,11 @@ def _print_endpoints(cluster: LocalCluster) -> None:
     command = str(installed) if installed.exists() else "fs3"
     if cluster.mountpoint:
         print(f"  mount:  {cluster.mountpoint}  (an ordinary directory: ls, cp, git, python... all work)")
-    print(f"  python: import fs3; fs = fs3.connect({cluster.mgmtd_address!r}, "
-          f"token=open({str(cluster.token_file)!r}).readline().strip())")
+    print(f"  python: import fs3; fs = fs3.connect({cluster.mgmtd_address!r}, token_file={str(cluster.token_file)!r})")
+    if profile:
+        print(f"  profile: {profile!r} in {profile_path}: fs3.connect(profile={profile!r}), fs3://{profile}@/path")
+    else:
+        print(f"  profile: fs3 local up --dir {cluster.root} --profile NAME  (clients then need no address or token)")
     print(f"  url:    fs3://{cluster.mgmtd_address}/path  (fsspec, pandas; storage_options={{'token': ...}})")
     print(f"  try:   {command} admin --dir {cluster.root} chains")
     print(f"         {command} admin --dir {cluster.root} fsck")
@@ -497,7 +510,13 @@ def _up(root: Path, args: Any) -> int:
             cluster.start("mount")
             print(f"fs3: mounted at {cluster.mountpoint}", flush=True)
         cluster.write_cluster_json()
-        _print_endpoints(cluster)
+        profile_path = None
+        if args.profile:
+            try:
+                profile_path = cluster.save_profile(args.profile)
+            except FS3Error as exc:  # the cluster is up: say so, and leave it running
+                print(f"fs3: warning: profile {args.profile!r} not written: {exc.message}", file=sys.stderr)
+        _print_endpoints(cluster, args.profile if profile_path else None, profile_path)
         if args.detach:
             print(f"  stop:  fs3 local down --dir {root}")
             return 0
@@ -532,6 +551,8 @@ def _up(root: Path, args: Any) -> int:
 def local_command(args: Any) -> int:
     root = Path(args.dir)
     if args.action == "up":
+        if args.profile:
+            profiles.check_profile_name(args.profile)  # before anything starts
         with cluster_lock(root):
             return _up(root, args)
     if not (root / "layout.json").exists():

@@ -373,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls", action="store_true", default=None,
                     help="make certificates under DIR/certs and run every service and the mount with mutual TLS "
                          "(first start only; later starts keep what the cluster was made with)")
+    up.add_argument("--profile", metavar="NAME",
+                    help="also write client profile NAME for this cluster (mgmtd, token file, TLS) to $FS3_CONFIG or "
+                         "~/.config/fs3/config.toml: then fs3.connect(profile=NAME) and fs3://NAME@/path")
     for action in ("status", "down"):
         local_sub.add_parser(action)
     for action in ("kill", "start"):

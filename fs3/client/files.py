@@ -103,6 +103,7 @@ class AsyncFile:
         self._ahead: deque[tuple[int, int, asyncio.Task[bytes]]] = deque()
         self._last_read_end = -1
         self._readahead_stale = False
+        self._forked = False
         fs.track_file(self)
 
     # -- position --------------------------------------------------------------------------------
@@ -176,7 +177,17 @@ class AsyncFile:
     @property
     def stale(self) -> bool:
         """Whether the client's lease lapsed since this handle opened (every call on it fails)."""
-        return self._client_id != self.fs.metadata.client_id
+        return self._forked or self._client_id != self.fs.metadata.client_id
+
+    def forked(self) -> None:
+        """This process is a child forked while the handle was open: the handle, its session and
+        its unsent bytes are the parent's. From now on every call here fails (``EBADF``) and close
+        releases nothing; the parent's loop tasks are dropped, never awaited in this process."""
+        self._forked = True
+        self._buf = bytearray()
+        self._inflight = {}
+        self._ahead = deque()
+        self._hint_task = None
 
     @property
     def has_unflushed(self) -> bool:
@@ -210,6 +221,9 @@ class AsyncFile:
         self._check_stale()
 
     def _check_stale(self) -> None:
+        if self._forked:
+            raise BadHandle(f"{self.name}: opened before os.fork() in the parent process; a file handle does "
+                            "not cross fork: open the file again in this process")
         if self.stale:
             raise StaleClient(f"{self.name}: the client's lease lapsed while the file was open: its handle is gone")
 
@@ -222,6 +236,7 @@ class AsyncFile:
         (zeros are the file's only while the session holds its chunks). Free while the lease
         renews on time; past that, a renewal answers it (meta must be reachable).
         """
+        self._check_stale()
         meta = self.fs.metadata
         if not meta.lease_current():
             with contextlib.suppress(StaleClient):  # the client has a new id: the check below fails
@@ -364,6 +379,8 @@ class AsyncFile:
 
     async def _flush(self) -> None:
         """Send buffered bytes and wait until every write this handle made is acknowledged."""
+        if self._forked:
+            self._check_stale()
         await self._send_buffer()
         while self._inflight:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
@@ -579,6 +596,9 @@ class AsyncFile:
 
     async def _close(self) -> None:
         if self.closed:
+            return
+        if self._forked:  # the parent's handle: closing this process's copy sends nothing
+            self.closed = True
             return
         error: BaseException | None = None
         end = self._written_end

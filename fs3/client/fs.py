@@ -9,6 +9,7 @@ the fs3 namespace (a relative path is taken from the root). ``open`` returns an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
 import stat as stat_mod
@@ -17,10 +18,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fs3 import meta_pb2 as mpb
+from fs3.client import forking
 from fs3.client.files import AsyncFile
 from fs3.client.meta import Meta, path_ref
 from fs3.client.meta_client import MetaClient
 from fs3.client.oserrors import os_errors
+from fs3.client.profiles import ClusterSettings, resolve
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.clock import Clock
@@ -30,8 +33,8 @@ from fs3.rpc.auth import parse_user_token
 from fs3.rpc.channel import RealChannelFactory, Transport
 from fs3.rpc.tls import TlsConfig
 
-__all__ = ["KIND_OF_MODE", "TYPE_BITS", "AsyncFileSystem", "ClientConfig", "DirEntry", "connect", "open_flags",
-           "stat_result"]
+__all__ = ["KIND_OF_MODE", "TYPE_BITS", "AsyncFileSystem", "ClientConfig", "DirEntry", "client_config", "connect",
+           "connect_settings", "open_flags", "stat_result"]
 
 # The largest size a truncate can ask for (a file's size is a signed 64-bit offset to the kernel and
 # POSIX); meta refuses any size past its file's layout with EFBIG.
@@ -148,14 +151,11 @@ class AsyncFileSystem:
                  clock: Clock | None = None) -> None:
         """``clock`` (monotonic; the event loop's by default) times retries and the lease."""
         self.config = config or ClientConfig()
-        addresses = [mgmtd] if isinstance(mgmtd, str) else list(mgmtd)
-        self.client_id = os.urandom(16)
-        self.channels = RealChannelFactory(token, self.config.transport, self.config.tls)
-        self.routing = RoutingCache(addresses, self.channels, self.config.rpc_timeout_ms)
-        self.storage = StorageClient(self.routing, self.channels, self.client_id, self.config.storage)
-        self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,
-                               self.config.rpc_timeout_ms, self.config.retry_total_ms, clock)
-        self.metadata = Meta(self.meta)
+        self._addresses = [mgmtd] if isinstance(mgmtd, str) else list(mgmtd)
+        self._clock = clock
+        if self.config.transport == "grpc" and forking.grpc_inherited():
+            raise forking.ForkedGrpcError()
+        self._connect(RealChannelFactory(token, self.config.transport, self.config.tls))
         self._user_token = bool(token and parse_user_token(token))
         # The identity a user token binds (meta's answer to WhoAmI at start); None: not bound.
         self.bound_user: mpb.User | None = None
@@ -174,6 +174,40 @@ class AsyncFileSystem:
         # Kept always (a counter step per call); served once start() opens the endpoint.
         self.metrics = ClientMetrics()
         self._metrics_endpoint: MetricsEndpoint | None = None
+        forking.register(self)
+
+    def _connect(self, channels: RealChannelFactory) -> None:
+        """The connection to the cluster, under a new client id: channels, routing, meta, storage."""
+        self.client_id = os.urandom(16)
+        self.channels = channels
+        self.routing = RoutingCache(self._addresses, self.channels, self.config.rpc_timeout_ms)
+        self.storage = StorageClient(self.routing, self.channels, self.client_id, self.config.storage)
+        self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,
+                               self.config.rpc_timeout_ms, self.config.retry_total_ms, self._clock)
+        self.metadata = Meta(self.meta)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: leave the parent's connections, sessions and lease to the parent and
+        connect anew, lazily, under a client id of this process's own (see :mod:`fs3.client.forking`).
+
+        Nothing is sent here (the child has no running loop yet): the first call registers the new
+        id, and starts the lease if the parent's client kept one. Handles the parent opened fail
+        from now on in this process (``EBADF``); the same token and TLS material are used.
+        """
+        for handles in self._open_files.values():
+            for afile in handles:
+                afile.forked()
+        self._open_files, self._open_writers = {}, {}
+        old = self.channels
+        forking.keep_inherited(old, self.routing, self.storage, self.meta)
+        lease_wanted = self.meta.lease_started
+        if old.transport == "grpc":
+            forking.note_grpc()
+            self._connect(forking.RefusingChannels(old.token, old.transport, old.tls))
+        else:
+            self._connect(RealChannelFactory(old.token, old.transport, old.tls))
+        if lease_wanted and not self._closed:
+            self.meta.resume_lease_lazily()
 
     def _user(self) -> mpb.User:
         config = self.config
@@ -534,23 +568,49 @@ class AsyncFileSystem:
             return await self.metadata.fsck(check_chunks)
 
 
-async def connect(mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,
-                  **options: object) -> AsyncFileSystem:
+def client_config(settings: ClusterSettings, config: ClientConfig | None, options: dict[str, object]) -> ClientConfig:
+    """The client's settings: ``config`` or client ``options`` (not both). The profile in use fills
+    in what the caller left out: its transport (when neither names one) and its TLS (a TLS cluster
+    cannot be reached without it)."""
+    if config is not None and options:
+        raise TypeError("give config or client options, not both")
+    if config is None:
+        unknown = set(options) - set(ClientConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown client options: {', '.join(sorted(unknown))}")
+        from_profile: dict[str, object] = {}
+        if settings.transport and "transport" not in options:
+            from_profile["transport"] = settings.transport
+        if settings.tls is not None and "tls" not in options:
+            from_profile["tls"] = settings.tls
+        return ClientConfig(**{**from_profile, **options})  # type: ignore[arg-type]
+    if config.tls is None and settings.tls is not None:
+        return dataclasses.replace(config, tls=settings.tls)
+    return config
+
+
+async def connect(mgmtd: str | list[str] | None = None, token: str | None = None, config: ClientConfig | None = None,
+                  *, profile: str | None = None, token_file: str | None = None, **options: object) -> AsyncFileSystem:
     """Connect to the cluster whose mgmtd listens at ``mgmtd`` (``HOST:PORT``).
+
+    What is left out (the address, the token, TLS) comes from a profile or the environment
+    (:mod:`fs3.client.profiles`): ``await fs3.aio.connect()`` alone uses ``$FS3_MGMTD`` /
+    ``$FS3_TOKEN`` or the ``default`` profile.
 
     A public edge like every method of the API: a cluster that cannot be reached, or refuses the
     token, is the ``OSError`` a local file system would raise; an option the client does not have
     is a ``TypeError``, as for any unexpected keyword argument.
     """
-    if options:
-        fields = set(ClientConfig.__dataclass_fields__)
-        unknown = set(options) - fields
-        if unknown:
-            raise TypeError(f"unknown client options: {', '.join(sorted(unknown))}")
-        config = ClientConfig(**options)  # type: ignore[arg-type]
-    fs = AsyncFileSystem(mgmtd, token, config)
+    with os_errors():
+        settings = resolve(mgmtd, token, token_file=token_file, profile=profile)
+    return await connect_settings(settings, client_config(settings, config, options))
+
+
+async def connect_settings(settings: ClusterSettings, config: ClientConfig) -> AsyncFileSystem:
+    """Connect with settings already resolved (the blocking client's first call, in any process)."""
+    fs = AsyncFileSystem(list(settings.mgmtd), settings.token, config)
     try:
-        with os_errors(mgmtd if isinstance(mgmtd, str) else None):
+        with os_errors(settings.mgmtd[0] if len(settings.mgmtd) == 1 else None):
             return await fs.start()
     except BaseException:
         await fs.close()

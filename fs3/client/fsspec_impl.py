@@ -2,8 +2,10 @@
 
 Registered under the ``fs3`` protocol through the ``fsspec.specs`` entry point, so URLs like
 ``fs3://HOST:PORT/datasets/train.parquet`` work in pandas, pyarrow, zarr, xarray,
-``torch.distributed.checkpoint`` and anything else that takes fsspec URLs. The token may also
-come from ``$FS3_TOKEN``.
+``torch.distributed.checkpoint`` and anything else that takes fsspec URLs. What a URL leaves out
+comes from a profile or the environment (:mod:`fs3.client.profiles`): ``fs3://NAME@/path`` uses
+profile NAME, ``fs3:///path`` ``$FS3_MGMTD``/``$FS3_TOKEN`` or the ``default`` profile — which is
+how code that rebuilds the file system from the URL alone (torch's checkpointer) finds the token.
 
 Built on :class:`fsspec.asyn.AsyncFileSystem` over the asyncio client (:mod:`fs3.aio`): every
 operation is a coroutine (``_cat_file``, ``_pipe_file``, ``_put_file`` ...), so fsspec's batch
@@ -109,13 +111,12 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         # Like object stores (and fsspec's local file system with auto_mkdir): writing a file
         # creates its parent directories, which is what pandas, pyarrow and checkpointers expect.
         self.auto_mkdir = auto_mkdir
-        address = mgmtd or os.environ.get("FS3_MGMTD")
-        if not address:
-            raise ValueError("fs3: give mgmtd='HOST:PORT' (or a fs3://HOST:PORT/... URL, or $FS3_MGMTD)")
-        self._address = address
-        self._token = token or os.environ.get("FS3_TOKEN")
+        # What is left out (the address, the token, TLS) the client finds in a profile or the
+        # environment when it connects (fs3.client.profiles): profile= and token_file= pass through.
+        self._address = mgmtd
+        self._token = token
         self._options = {k: v for k, v in kwargs.items() if k not in _FSSPEC_OPTIONS}
-        unknown = set(self._options) - set(ClientConfig.__dataclass_fields__)
+        unknown = set(self._options) - set(ClientConfig.__dataclass_fields__) - {"profile", "token_file"}
         if unknown:
             raise TypeError(f"unknown client options: {', '.join(sorted(unknown))}")
         # The client, once made, and the loop and process it was made in.
@@ -206,11 +207,15 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
     @staticmethod
     def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
         options = infer_storage_options(path)
-        host, port = options.get("host"), options.get("port")
-        return {"mgmtd": f"{host}:{port}"} if host and port else {}
+        host, port, profile = options.get("host"), options.get("port"), options.get("username")
+        found: dict[str, Any] = {"mgmtd": f"{host}:{port}"} if host and port else {}
+        if profile:
+            found["profile"] = profile  # fs3://NAME@/path
+        return found
 
     def unstrip_protocol(self, name: str) -> str:
-        return f"fs3://{self.storage_options.get('mgmtd') or ''}{name}"
+        profile = self.storage_options.get("profile")
+        return f"fs3://{profile + '@' if profile else ''}{self.storage_options.get('mgmtd') or ''}{name}"
 
     # -- listing ---------------------------------------------------------------------------------
 

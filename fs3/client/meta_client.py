@@ -75,6 +75,7 @@ class MetaClient:
         self._renewals = 0               # the lease's renewal count as meta last answered (0: unregistered)
         self._lease_valid_until_ms = 0   # on self.clock: until then meta cannot have expired the lease
         self.registrations = 1           # client ids this client has used (a lapsed lease takes a new one)
+        self._lease_resume = False       # start the lease at the first request (a client reset after fork)
 
     def ctx(self, user: mpb.User | None = None) -> tuple[mpb.ReqCtx, int]:
         request_id = self._next_request
@@ -183,6 +184,9 @@ class MetaClient:
         """Before a request: a client whose last renewal is too old renews first, so that a client
         that was frozen past its lease learns that it lapsed (and registers a new id) before it
         sends anything under the old id, which meta may have forgotten by then."""
+        if self._lease_resume:
+            self._lease_resume = False
+            self.start_lease()
         if self.lease_current():
             return
         try:
@@ -242,6 +246,16 @@ class MetaClient:
         self._renewals = 0
         self._lease_valid_until_ms = 0
 
+    @property
+    def lease_started(self) -> bool:
+        """Whether this client keeps its lease renewed (``start_lease`` was called, not ``stop``)."""
+        return self._lease_task is not None or self._lease_resume
+
+    def resume_lease_lazily(self) -> None:
+        """Start the lease at the first request that needs it, from inside the loop that sends it
+        (a client reset in a forked child, which has no running loop at the moment of the reset)."""
+        self._lease_resume = True
+
     def start_lease(self) -> None:
         if self._lease_task is None:
             self._lease_task = asyncio.create_task(self._lease_loop(), name="fs3-client-lease")
@@ -258,6 +272,7 @@ class MetaClient:
             await asyncio.sleep(max(self.lease_ms / 3, 100) / 1000)
 
     async def stop(self) -> None:
+        self._lease_resume = False
         task, self._lease_task = self._lease_task, None
         if task is not None:
             task.cancel()

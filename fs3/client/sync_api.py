@@ -10,6 +10,7 @@ thread; each call hands a coroutine to that loop and waits for its result. Files
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import os
 import threading
@@ -17,8 +18,11 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from fs3 import meta_pb2 as mpb
+from fs3.client import forking
 from fs3.client.files import AsyncFile
-from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, PathLike
+from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, PathLike, client_config, connect_settings
+from fs3.client.oserrors import os_errors
+from fs3.client.profiles import ClusterSettings, resolve
 
 __all__ = ["File", "FileSystem", "connect"]
 
@@ -29,6 +33,7 @@ class _LoopThread:
     """One event loop in a daemon thread, shared by a file system and its files."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # the loop's thread runs in this process only (not in a forked child)
         try:
             import uvloop
 
@@ -39,6 +44,10 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.pid != os.getpid():
+            coro.close()
+            raise OSError(errno.EBADF, "fs3 file opened before os.fork() in the parent process: a file handle "
+                                       "does not cross fork; open the file again in this process")
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("blocking fs3 call made from the fs3 client's own event loop")
@@ -96,7 +105,8 @@ class RawFile(io.RawIOBase):
         return self._runner.run(self.afile.truncate(size))
 
     def flush(self) -> None:
-        if not self.closed:
+        # In a forked child the raw layer holds nothing of this process's to flush (a write fails).
+        if not self.closed and self._runner.pid == os.getpid():
             self._runner.run(self.afile.flush())
 
     def fsync(self) -> None:
@@ -106,7 +116,8 @@ class RawFile(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             try:
-                self._runner.run(self.afile.close())
+                if self._runner.pid == os.getpid():  # in a forked child, the handle is the parent's
+                    self._runner.run(self.afile.close())
             finally:
                 super().close()
 
@@ -140,24 +151,75 @@ File = BufferedReader | BufferedWriter | BufferedRandom
 
 
 class FileSystem:
-    """A blocking, ``os``-like view of one fs3 cluster. Thread-safe; close it (or use ``with``)."""
+    """A blocking, ``os``-like view of one fs3 cluster. Thread-safe; close it (or use ``with``).
 
-    def __init__(self, afs: AsyncFileSystem, runner: _LoopThread) -> None:
-        self.afs = afs
+    Connects on first use, and again, under a new client id, in a child forked after that (a
+    DataLoader worker): see :mod:`fs3.client.forking`. Pickles as its connection settings, not its
+    state — unpickled (a ``spawn``/``forkserver`` worker), it is a new client that connects on first
+    use; a token read from a token file travels as the file's path.
+    """
+
+    def __init__(self, settings: ClusterSettings, config: ClientConfig,
+                 afs: AsyncFileSystem | None = None, runner: _LoopThread | None = None) -> None:
+        self.settings = settings
+        self.config = config
+        self._afs = afs
         self._runner = runner
+        self._lock = threading.Lock()
         self._closed = False
+        forking.register(self)
+
+    def __repr__(self) -> str:  # never print a secret
+        return f"fs3.FileSystem(mgmtd={','.join(self.settings.mgmtd)!r}{', closed' if self._closed else ''})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FileSystem, (self.settings, self.config))
+
+    def _after_fork_in_child(self) -> None:
+        """The parent's loop thread is gone in the child: connect anew on the next call."""
+        forking.keep_inherited(self._runner, self._afs)
+        self._afs, self._runner = None, None
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+
+    def _connected(self) -> tuple[AsyncFileSystem, _LoopThread]:
+        if self._closed:
+            raise ValueError("the fs3 file system is closed")
+        afs, runner = self._afs, self._runner
+        if afs is not None and runner is not None:
+            return afs, runner
+        with self._lock:
+            if self._afs is None or self._runner is None:
+                runner = _LoopThread()
+                try:
+                    self._afs = runner.run(connect_settings(self.settings, self.config))
+                except BaseException:
+                    runner.stop()
+                    raise
+                self._runner = runner
+            return self._afs, self._runner
+
+    @property
+    def afs(self) -> AsyncFileSystem:
+        """The asyncio client under this one (connected on first use)."""
+        return self._connected()[0]
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:
             coro.close()
             raise ValueError("the fs3 file system is closed")
-        return self._runner.run(coro)
+        return self._connected()[1].run(coro)
 
     def close(self) -> None:
-        if not self._closed:
-            self._runner.run(self.afs.close())
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            self._runner.stop()
+            afs, runner, self._afs, self._runner = self._afs, self._runner, None, None
+        if afs is not None and runner is not None:
+            try:
+                runner.run(afs.close())
+            finally:
+                runner.stop()
 
     def __enter__(self) -> FileSystem:
         return self
@@ -171,8 +233,9 @@ class FileSystem:
              errors: str | None = None, newline: str | None = None, perms: int = 0o666) -> Any:
         """Like the built-in ``open``: binary modes give buffered binary files, others a text wrapper."""
         binary = "b" in mode
-        afile = self._run(self.afs.open(path, mode if binary else mode.replace("t", "") + "b", perms))
-        raw = RawFile(self._runner, afile)
+        afs, runner = self._connected()
+        afile = self._run(afs.open(path, mode if binary else mode.replace("t", "") + "b", perms))
+        raw = RawFile(runner, afile)
         raw.mode = mode
         if buffering == 0:
             if not binary:
@@ -310,15 +373,17 @@ class FileSystem:
         return self._run(self.afs.fsck(check_chunks))
 
 
-def connect(mgmtd: str | list[str], token: str | None = None, config: ClientConfig | None = None,
-            **options: Any) -> FileSystem:
-    """Connect to an fs3 cluster: ``fs3.connect("127.0.0.1:9000", token="...")``."""
-    from fs3.client.fs import connect as aconnect
+def connect(mgmtd: str | list[str] | None = None, token: str | None = None, config: ClientConfig | None = None,
+            *, profile: str | None = None, token_file: str | None = None, **options: Any) -> FileSystem:
+    """Connect to an fs3 cluster: ``fs3.connect("127.0.0.1:9000", token_file="...")``.
 
-    runner = _LoopThread()
-    try:
-        afs = runner.run(aconnect(mgmtd, token, config, **options))
-    except BaseException:
-        runner.stop()
-        raise
-    return FileSystem(afs, runner)
+    Whatever is left out (the address, the token, TLS) comes from a profile or the environment:
+    ``fs3.connect()`` alone uses ``$FS3_MGMTD``/``$FS3_TOKEN`` or the ``default`` profile of
+    ``~/.config/fs3/config.toml`` (:mod:`fs3.client.profiles`). Connects at once, so that a wrong
+    address or token fails here.
+    """
+    with os_errors():
+        settings = resolve(mgmtd, token, token_file=token_file, profile=profile)
+    fs = FileSystem(settings, client_config(settings, config, options))
+    fs._connected()
+    return fs
