@@ -11,15 +11,34 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from fs3.common.config import load_config
 from fs3.common.errors import InvalidArgument
 from fs3.common.secret_files import read_secret_file, read_token_file
 from fs3.rpc.tls import TlsConfig
 
-__all__ = ["TOKEN_ARGV_WARNING", "add_tls_arguments", "check_address", "client_tls", "resolve_cluster", "resolve_token",
-           "tls_from_env", "warn_token_in_argv"]
+__all__ = ["TOKEN_ARGV_WARNING", "add_tls_arguments", "check_address", "client_tls", "number_in", "resolve_cluster",
+           "resolve_token", "tls_from_env", "warn_token_in_argv"]
+
+N = TypeVar("N", int, float)
+
+
+def number_in(convert: Callable[[str], N], low: N, high: N, what: str) -> Callable[[str], N]:
+    """An argparse type for a number a user sizes: ``what`` from ``low`` to ``high``, a clear
+    one-line error otherwise (every such option is bounded)."""
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"not {what} from {low} to {high}: {value}")
+        return value
+
+    return parse
 
 _TLS_KEYS = ("ca_file", "cert_file", "key_file", "server_name")
 TOKEN_ARGV_WARNING = ("fs3: warning: --token shows the token to every local user (ps, /proc/PID/cmdline); "

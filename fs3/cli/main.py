@@ -33,6 +33,7 @@ from fs3.cli.cluster import (
     add_tls_arguments,
     check_address,
     client_tls,
+    number_in,
     resolve_cluster,
     resolve_token,
     warn_token_in_argv,
@@ -47,6 +48,12 @@ from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
 
 __all__ = ["build_parser", "main", "run_admin"]
+
+
+_metrics_port = number_in(int, -1, 65535, "a port number")  # 0: any free one, -1: none
+_cache_seconds = number_in(float, 0.0, 3600.0, "a number of seconds")
+_readahead_kb = number_in(int, 0, 1 << 20, "a size in KiB")
+_id_number = number_in(int, 0, 2**32 - 2, "a uid or gid")
 
 
 def _parse_chain_spec(spec: str) -> tuple[int, list[int]]:
@@ -273,37 +280,6 @@ def certs_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {value}")
-    return value
-
-
-def _metrics_port(text: str) -> int:
-    """A TCP port, 0 (any free one) or -1 (no endpoint)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not -1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port number: {value} (0-65535, or -1 for none)")
-    return value
-
-
-def _cache_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds: {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, every subcommand and option (``main`` parses with it)."""
     parser = argparse.ArgumentParser(prog="fs3", description="fs3: a Python implementation of 3FS.")
@@ -347,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--no-allow-other", dest="allow_other", action="store_false")
     mount.add_argument("--log", help="daemon log file (background mounts)")
     mount.add_argument("--log-level", default="INFO")
-    mount.add_argument("--readahead-kb", type=_non_negative_int, default=0,
+    mount.add_argument("--readahead-kb", type=_readahead_kb, default=0,
                        help="kernel read-ahead for the mount in KiB (root only; default 0: the kernel's 128 KiB)")
     mount.add_argument("--entry-timeout-s", type=_cache_seconds, default=1.0,
                        help="how long the kernel may use a name -> file answer without asking (default 1)")
@@ -446,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     user_sub = user.add_subparsers(dest="user_command", required=True)
     add = user_sub.add_parser("add", help="make a token for a user (shown once)")
     add.add_argument("name", help="who holds it (for operators)")
-    add.add_argument("--uid", type=_non_negative_int, required=True)
-    add.add_argument("--gid", type=_non_negative_int, required=True)
+    add.add_argument("--uid", type=_id_number, required=True)
+    add.add_argument("--gid", type=_id_number, required=True)
     add.add_argument("--groups", type=_groups, help="supplementary groups, comma-separated")
     add.add_argument("--comment", default="")
     user_sub.add_parser("list", help="the user table (never a secret)")

@@ -28,7 +28,7 @@ from typing import Any
 
 from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
-from fs3.cli.cluster import client_tls, resolve_cluster
+from fs3.cli.cluster import client_tls, number_in, resolve_cluster
 from fs3.cli.output import human_bytes, print_json, progress, state_name, table
 from fs3.client.meta import path_ref
 from fs3.common.errors import FS3Error, InvalidArgument
@@ -42,24 +42,8 @@ _SCRAPE_TIMEOUT_S = 5.0
 _READ_BLOCK_BYTES = 4 << 20
 
 
-def _concurrency(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 256:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 256: {value}")
-    return value
-
-
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0.1 <= value <= 300:
-        raise argparse.ArgumentTypeError(f"must be between 0.1 and 300 seconds: {value}")
-    return value
+_concurrency = number_in(int, 1, 256, "a whole number")
+_interval = number_in(float, 0.1, 300.0, "a number of seconds")
 
 
 def add_operator_commands(sub: Any, cluster: argparse.ArgumentParser) -> None:
