@@ -21,10 +21,12 @@ that gives a value wins; docs/operations.md, "Connecting: profiles and environme
        cert_file = "client.pem"
        key_file = "client.key"
 
-A profile's token (and its transport and TLS settings) is used only for the profile's own mgmtd
-(or when the caller named the profile): a token never goes to a cluster it was not configured for.
+A profile's token (and its transport and TLS settings) is used only for the profile's own mgmtd,
+even when the caller names the profile (``fs3://NAME@HOST:PORT/`` with another HOST is refused): a
+token never goes to a cluster it was not configured for.
 A config file that holds a token inline (``token = "..."``) must be private (``0600``, yours), as a
-token file must; one that names a ``token_file`` may be readable by others.
+token file must; one that names a ``token_file`` may be readable by others, never writable by them
+(nor owned by another user than you or root).
 """
 
 from __future__ import annotations
@@ -196,7 +198,23 @@ def _load_tables(path: Path) -> dict[str, Any]:
     tables = _parse(path, text)
     if any("token" in table for table in tables.values()):
         tables = _parse(path, read_secret_file(path))
+    elif any("token_file" in table for table in tables.values()):
+        _check_unchangeable_by_others(path)
     return tables
+
+
+def _check_unchangeable_by_others(path: Path) -> None:
+    """A config that sends a token file's token somewhere may be read by others, never changed by
+    them: whoever may change it points the profile's mgmtd at a host of theirs and gets the token."""
+    st = path.stat()
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        raise InvalidArgument(f"fs3 config {path} names a token file but is owned by uid {st.st_uid}, not uid "
+                              f"{uid} that runs this process; fix: chown {uid} {path} && chmod 644 {path}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise InvalidArgument(f"fs3 config {path} names a token file but its mode is {mode:04o}: other users may "
+                              f"change where the token goes; fix: chmod go-w {path}")
 
 
 def load_profiles(path: Path) -> dict[str, Profile]:
@@ -242,8 +260,14 @@ def resolve(mgmtd: str | list[str] | tuple[str, ...] | None = None, token: str |
         raise InvalidArgument(
             f"fs3: no cluster given: pass mgmtd='HOST:PORT' (or a fs3://HOST:PORT/ URL), name a profile "
             f"(profile='NAME', fs3://NAME@/path), set FS3_MGMTD, or add [profiles.{name}] to {path}")
-    # The profile speaks for this connection when the caller named it or it names this very cluster.
-    trusted = chosen if chosen is not None and (named_by_caller or chosen.mgmtd == addresses) else None
+    # The profile speaks for this connection only for its own cluster (every address one of its own),
+    # whether the caller named it or not: ``fs3://prod@HOST:PORT/`` must not carry prod's token to HOST.
+    trusted = chosen if chosen is not None and set(addresses) <= set(chosen.mgmtd) else None
+    if named_by_caller and trusted is None and not (token or token_file):
+        assert chosen is not None
+        raise InvalidArgument(f"profile {name!r} is for mgmtd {', '.join(chosen.mgmtd)}, not "
+                              f"{', '.join(addresses)}: its token is not sent to another cluster (drop the "
+                              "address to use the profile's, or pass that cluster's own token)")
     if token or token_file:
         secret, secret_file = token, token_file
     elif named_by_caller and trusted is not None:

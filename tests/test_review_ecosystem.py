@@ -1,0 +1,48 @@
+"""Hostile-review cases for profiles, fork safety, fsspec and the operator commands: each one a
+way the client could leak a token, lose or destroy data, or hang, that once did."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fs3.client.fsspec_impl import FS3FileSystem
+from fs3.client.profiles import resolve
+from fs3.common.errors import InvalidArgument
+from fs3.common.secret_files import write_token_file
+
+TOKEN = "prod-token-0123456789abcdef"
+
+
+def _config(tmp_path: Path, mode: int = 0o600) -> dict[str, str]:
+    write_token_file(tmp_path / "prod.token", [TOKEN])
+    config = tmp_path / "config.toml"
+    config.write_text('[profiles.prod]\nmgmtd = ["10.0.0.1:9000", "10.0.0.2:9000"]\ntoken_file = "prod.token"\n')
+    config.chmod(mode)
+    return {"FS3_CONFIG": str(config)}
+
+
+def test_a_named_profile_never_sends_its_token_to_a_cluster_the_url_names(tmp_path: Path) -> None:
+    env = _config(tmp_path)
+    # fs3://prod@evil:9000/x: the URL names the profile and another cluster.
+    options = FS3FileSystem._get_kwargs_from_urls("fs3://prod@10.6.6.6:9000/x")
+    with pytest.raises(InvalidArgument, match="not sent") as caught:
+        resolve(options["mgmtd"], profile=options["profile"], environ=env)
+    assert TOKEN not in str(caught.value)
+    # One of the profile's own mgmtd addresses is the profile's cluster.
+    assert resolve("10.0.0.2:9000", profile="prod", environ=env).token == TOKEN
+    assert resolve("10.0.0.2:9000", environ=env | {"FS3_PROFILE": "prod"}).token == TOKEN
+    # A token the caller passes goes where the caller says.
+    assert resolve("10.6.6.6:9000", "mine", profile="prod", environ=env).token == "mine"
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o620])
+def test_a_config_that_others_may_change_cannot_send_a_token_file(tmp_path: Path, mode: int) -> None:
+    # Another user who may write the config would point the profile's mgmtd at a host of theirs.
+    env = _config(tmp_path, mode)
+    with pytest.raises(InvalidArgument, match="chmod"):
+        resolve(profile="prod", environ=env)
+    os.chmod(env["FS3_CONFIG"], 0o644)  # readable is fine: the token is in its own file
+    assert resolve(profile="prod", environ=env).token == TOKEN
