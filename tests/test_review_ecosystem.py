@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fsspec.asyn import sync
 
 from fs3.client.fsspec_impl import FS3FileSystem
 from fs3.client.profiles import resolve
@@ -46,3 +48,31 @@ def test_a_config_that_others_may_change_cannot_send_a_token_file(tmp_path: Path
         resolve(profile="prod", environ=env)
     os.chmod(env["FS3_CONFIG"], 0o644)  # readable is fine: the token is in its own file
     assert resolve(profile="prod", environ=env).token == TOKEN
+
+
+def _fsspec(shared_cluster: Any) -> FS3FileSystem:
+    cluster = shared_cluster.cluster
+    return FS3FileSystem(mgmtd=cluster.mgmtd_address, token=cluster.token, skip_instance_cache=True)
+
+
+@pytest.mark.slow
+def test_fsspec_rm_recursive_of_a_symlink_removes_the_link_not_what_it_points_to(shared_cluster: Any) -> None:
+    fs = _fsspec(shared_cluster)
+    try:
+        fs.pipe({"/rv-keep/a": b"precious", "/rv-keep/sub/b": b"precious too", "/rv-work/f": b"x"})
+        fs.makedirs("/rv-keep/empty")
+        sync(fs.loop, _symlink, fs, "/rv-keep", "/rv-work/link")
+        fs.rm("/rv-work/link", recursive=True)  # like rm -r LINK: the link goes, the tree stays
+        assert not fs.exists("/rv-work/link")
+        assert fs.cat("/rv-keep/a") == b"precious" and fs.cat("/rv-keep/sub/b") == b"precious too"
+        assert fs.isdir("/rv-keep/empty")
+        sync(fs.loop, _symlink, fs, "/rv-keep", "/rv-work/link2")
+        fs.rm("/rv-work", recursive=True)
+        assert not fs.exists("/rv-work") and fs.cat("/rv-keep/a") == b"precious"
+    finally:
+        fs.rm("/rv-keep", recursive=True)
+        fs.close()
+
+
+async def _symlink(fs: FS3FileSystem, target: str, path: str) -> None:
+    await (await fs.get_client()).symlink(target, path)

@@ -315,18 +315,22 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         client = await self.get_client()
         paths = await self._expand_path(path, recursive=recursive, maxdepth=maxdepth)
         batch_size = batch_size or self.batch_size
-        kinds = await _run_coros_in_chunks([self._is_real_dir(client, p) for p in paths], batch_size=batch_size,
+        modes = await _run_coros_in_chunks([self._lstat_mode(client, p) for p in paths], batch_size=batch_size,
                                            nofiles=True, return_exceptions=True)
-        files = [p for p, is_dir in zip(paths, kinds, strict=True) if is_dir is not True]  # errors: remove says
-        dirs = [p for p, is_dir in zip(paths, kinds, strict=True) if is_dir is True]
+        # fsspec's expansion lists what a symlink to a directory points to, as paths through the
+        # link: those are another tree's, never removed here (rm -r LINK removes the link only).
+        links = {p for p, mode in zip(paths, modes, strict=True) if isinstance(mode, int) and stat_mod.S_ISLNK(mode)}
+        kept = [(p, mode) for p, mode in zip(paths, modes, strict=True) if not _below_any(p, links)]
+        files = [p for p, mode in kept if not (isinstance(mode, int) and stat_mod.S_ISDIR(mode))]  # errors: remove says
+        dirs = [p for p, mode in kept if isinstance(mode, int) and stat_mod.S_ISDIR(mode)]
         await self._gather([client.remove(p) for p in files], batch_size)
         for depth in sorted({p.count("/") for p in dirs}, reverse=True):
             await self._gather([client.rmdir(p) for p in dirs if p.count("/") == depth], batch_size)
 
     @staticmethod
-    async def _is_real_dir(client: ClientFileSystem, path: str) -> bool:
-        """A directory itself, not a link to one (a link goes as a file does)."""
-        return stat_mod.S_ISDIR((await client.lstat(path)).st_mode)
+    async def _lstat_mode(client: ClientFileSystem, path: str) -> int:
+        """The mode of ``path`` itself, not of what a link points to (a link goes as a file does)."""
+        return int((await client.lstat(path)).st_mode)
 
     async def _gather(self, coros: list[Coroutine[Any, Any, Any]], batch_size: int | None) -> None:
         """Run ``coros`` concurrently (at most ``batch_size`` at once); the first error is raised."""
@@ -635,6 +639,16 @@ class FS3File(AbstractBufferedFile):  # type: ignore[misc]
         """A transaction that failed: the hidden file goes, the named one was never touched."""
         if self._handle_path != self.path:
             self._fs3.rm_file(self._handle_path)
+
+
+def _below_any(path: str, links: set[str]) -> bool:
+    """Whether ``path`` lies under one of ``links`` (reached through a symlink)."""
+    parent = path.rpartition("/")[0]
+    while parent:
+        if parent in links:
+            return True
+        parent = parent.rpartition("/")[0]
+    return False
 
 
 async def _seek(afile: AsyncFile, offset: int, whence: int = 0) -> int:
