@@ -3,7 +3,9 @@ way the client could leak a token, lose or destroy data, or hang, that once did.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,42 @@ def test_fsspec_rm_recursive_of_a_symlink_removes_the_link_not_what_it_points_to
 
 async def _symlink(fs: FS3FileSystem, target: str, path: str) -> None:
     await (await fs.get_client()).symlink(target, path)
+
+
+@pytest.mark.slow
+def test_an_asynchronous_file_system_used_from_two_loops_keeps_one_client_per_loop(
+        shared_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fs3.client.fsspec_impl as impl
+
+    made: list[Any] = []
+    real_connect = impl.connect
+
+    async def counting_connect(*args: Any, **kwargs: Any) -> Any:
+        made.append(await real_connect(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(impl, "connect", counting_connect)
+    cluster = shared_cluster.cluster
+    fs = FS3FileSystem(mgmtd=cluster.mgmtd_address, token=cluster.token, asynchronous=True,
+                       skip_instance_cache=True)
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=loop.run_forever, daemon=True) for loop in loops]
+    for thread in threads:
+        thread.start()
+
+    async def use(i: int) -> bytes:
+        await fs._pipe_file(f"/rv-two-loops-{i}", b"x" * i)
+        return bytes(await fs._cat_file(f"/rv-two-loops-{i}"))
+
+    try:
+        for i in range(6):  # calls alternate between the loops
+            assert asyncio.run_coroutine_threadsafe(use(i), loops[i % 2]).result(30) == b"x" * i
+        assert len(made) == 2  # not one new connection (never closed) per switch of loop
+        for loop in loops:
+            asyncio.run_coroutine_threadsafe(fs._close(), loop).result(30)
+        assert all(client._closed for client in made)
+    finally:
+        for loop, thread in zip(loops, threads, strict=True):
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+            loop.close()

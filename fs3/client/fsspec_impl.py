@@ -119,10 +119,10 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         unknown = set(self._options) - set(ClientConfig.__dataclass_fields__) - {"profile", "token_file"}
         if unknown:
             raise TypeError(f"unknown client options: {', '.join(sorted(unknown))}")
-        # The client, once made, and the loop and process it was made in.
-        self._connecting: asyncio.Task[ClientFileSystem] | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
-        self._client_pid = 0
+        # The client of each loop that uses the file system (one, unless ``asynchronous`` code calls
+        # from several), made by a task so that concurrent first calls share one connection. One per
+        # loop, kept: calls alternating between loops reuse their loop's client, never pile up new ones.
+        self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task[ClientFileSystem]] = {}
         if not asynchronous and not self._on_own_loop():
             # Blocking use connects now, so a wrong address or token fails here, as it did before
             # the first call; from inside fsspec's loop (a URL resolved by fsspec's generic file
@@ -139,7 +139,7 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             self._pid = os.getpid()
             if not self.asynchronous:
                 self._loop = get_loop()
-            self._connecting = None
+            self._clients = {}  # the parent's, on loops that do not run here
         return self._loop  # type: ignore[no-any-return]
 
     def _on_own_loop(self) -> bool:
@@ -158,17 +158,18 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         use it, on the file system's loop (``fs.loop``; the caller's when ``asynchronous``)."""
         loop = asyncio.get_running_loop()
         self.loop  # noqa: B018 - notices a fork before the checks below
-        task = self._connecting
-        if task is None or self._client_loop is not loop or self._client_pid != os.getpid():
-            task = self._connecting = loop.create_task(self._connect())
-            self._client_loop, self._client_pid = loop, os.getpid()
+        task = self._clients.get(loop)
+        if task is None:
+            for gone in [other for other in list(self._clients) if other.is_closed()]:
+                self._clients.pop(gone, None)  # its client went with its loop
+            task = self._clients[loop] = loop.create_task(self._connect())
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             raise
         except BaseException:
-            if self._connecting is task:
-                self._connecting = None  # the next call tries again
+            if self._clients.get(loop) is task:
+                del self._clients[loop]  # the next call tries again
             raise
 
     async def _connect(self) -> ClientFileSystem:
@@ -179,10 +180,10 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         return client
 
     async def _close(self) -> None:
-        """Close the client (its sessions and connections); the next call connects again."""
-        task, self._connecting = self._connecting, None
-        if task is not None and self._client_loop is asyncio.get_running_loop() and \
-                self._client_pid == os.getpid():
+        """Close the calling loop's client (its sessions and connections); the next call connects again."""
+        self.loop  # noqa: B018 - after a fork, the parent's clients are not this process's to close
+        task = self._clients.pop(asyncio.get_running_loop(), None)
+        if task is not None:
             try:
                 client = await task
             except Exception:
