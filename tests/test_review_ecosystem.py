@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,7 @@ def test_an_asynchronous_file_system_used_from_two_loops_keeps_one_client_per_lo
     import fs3.client.fsspec_impl as impl
 
     made: list[Any] = []
-    real_connect = impl.connect
+    real_connect = impl.connect  # type: ignore[attr-defined]
 
     async def counting_connect(*args: Any, **kwargs: Any) -> Any:
         made.append(await real_connect(*args, **kwargs))
@@ -117,3 +119,43 @@ def test_an_asynchronous_file_system_used_from_two_loops_keeps_one_client_per_lo
             loop.call_soon_threadsafe(loop.stop)
             thread.join(5)
             loop.close()
+
+
+_LEFT_OPEN = """
+import sys
+mgmtd, token, kind = sys.argv[1:4]
+if kind == "blocking":
+    import fs3
+    fs = fs3.connect(mgmtd, token=token)
+    f = fs.open("/rv-left-open-blocking", "w")
+    f.write("written, never closed")
+    b = fs.open("/rv-left-open-blocking-raw", "wb", buffering=0)
+    b.write(b"written, never closed")
+else:
+    import fsspec
+    fs = fsspec.filesystem("fs3", mgmtd=mgmtd, token=token)
+    f = fs.open("/rv-left-open-fsspec", "wb")
+    f.write(b"written, never closed")
+    fs.open("/rv-left-open-fsspec-dropped", "wb").write(b"written, never closed")
+    r = fs.open("/rv-left-open-fsspec-plus", "wb+")
+    r.write(b"written, never closed")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["blocking", "fsspec"])
+def test_files_left_open_when_the_program_ends_keep_what_was_written(shared_cluster: Any, kind: str) -> None:
+    """A script that writes and ends without ``close`` (a local file keeps its bytes then)."""
+    cluster = shared_cluster.cluster
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, "-c", _LEFT_OPEN, cluster.mgmtd_address, cluster.token, kind],
+                          env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    fs = _fsspec(shared_cluster)
+    try:
+        names = ["-blocking", "-blocking-raw"] if kind == "blocking" else ["-fsspec", "-fsspec-dropped",
+                                                                           "-fsspec-plus"]
+        for name in names:
+            assert fs.cat(f"/rv-left-open{name}") == b"written, never closed", name
+    finally:
+        fs.close()

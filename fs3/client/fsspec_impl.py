@@ -25,6 +25,7 @@ locally and a written file's length is committed at ``close``.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import datetime
 import io
@@ -80,7 +81,30 @@ def _close_in_background(file: Any) -> None:
     loop the close must wait on (or, in tests, of the cluster serving it): waiting there would hang
     it. So the close (the last block written, then the handle closed) runs in a short thread.
     """
-    threading.Thread(target=_close_quietly, args=(file,), name="fs3-fsspec-close", daemon=True).start()
+    # Not a daemon: the interpreter waits for it at exit, so a file dropped just before the program
+    # ends still lands (a daemon thread was stopped half way and the file's bytes lost).
+    threading.Thread(target=_close_quietly, args=(file,), name="fs3-fsspec-close", daemon=False).start()
+
+
+# Files open for writing made by the blocking API, closed at exit if the program left them open: at
+# exit fsspec's IO loop (a daemon thread) still runs while ``atexit`` callbacks do, but not when the
+# interpreter finalizes what is left, when a ``__del__`` close could no longer reach it and the
+# file's bytes were lost without a word.
+_writers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _close_writers_at_exit() -> None:
+    for file in list(_writers):
+        fs = getattr(file, "_fs3", None) or getattr(getattr(file, "raw", None), "_fs", None)
+        if file.closed or getattr(file, "_pid", None) != os.getpid() or fs is None or fs._pid != os.getpid():
+            continue  # closed, or the parent's (a forked child leaves the parent's files to it)
+        loop = fs._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            continue
+        _close_quietly(file)
+
+
+atexit.register(_close_writers_at_exit)
 
 
 def _close_quietly(file: Any) -> None:
@@ -475,7 +499,10 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
                                           "transaction")
             afile = self._sync(self._open_handle, path, mode)
             raw = _RandomAccessRaw(self, afile, mode)
-            return _BufferedRandom(raw, block_size or min(afile.chunk_size, 1 << 20))
+            random_access = _BufferedRandom(raw, block_size or min(afile.chunk_size, 1 << 20))
+            random_access._pid = os.getpid()
+            _writers.add(random_access)
+            return random_access
         return FS3File(self, path, mode, block_size=block_size, autocommit=autocommit,
                        cache_options=cache_options, **kwargs)
 
@@ -527,6 +554,9 @@ class FS3File(AbstractBufferedFile):  # type: ignore[misc]
             raise
         if mode == "ab":
             self.loc = self._afile.length
+        self._pid = os.getpid()
+        if mode != "rb":
+            _writers.add(self)
 
     @staticmethod
     def _temp_name(path: str) -> str:
@@ -708,6 +738,8 @@ _dropped_closes: set[asyncio.Task[None]] = set()
 
 class _BufferedRandom(io.BufferedRandom):
     """A ``+`` mode file; one dropped without ``close`` is closed in the background."""
+
+    _pid = 0  # the process that opened it
 
     def fsync(self) -> None:
         self.flush()

@@ -10,10 +10,13 @@ thread; each call hands a coroutine to that loop and waits for its result. Files
 from __future__ import annotations
 
 import asyncio
+import atexit
 import errno
 import io
+import logging
 import os
 import threading
+import weakref
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -27,6 +30,7 @@ from fs3.client.profiles import ClusterSettings, resolve
 __all__ = ["File", "FileSystem", "connect"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class _LoopThread:
@@ -150,6 +154,35 @@ class BufferedRandom(_Fsync, io.BufferedRandom):
 File = BufferedReader | BufferedWriter | BufferedRandom
 
 
+# Files open for writing, closed at exit if the program did not: at exit the loop threads (daemon
+# threads) still run while ``atexit`` callbacks do, but no longer when the interpreter finalizes the
+# objects left, so a file closed only then — by its ``__del__`` — would wait on a loop that never
+# runs again, and its bytes (the buffer, the chunk pieces not yet sent) were lost without a word.
+_writers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _raw_of(file: Any) -> RawFile | None:
+    while not isinstance(file, RawFile):
+        file = getattr(file, "buffer", None) or getattr(file, "raw", None)
+        if file is None:
+            return None
+    return file
+
+
+def _close_writers_at_exit() -> None:
+    for file in list(_writers):
+        raw = _raw_of(file)
+        if file.closed or raw is None or raw._runner.pid != os.getpid() or not raw._runner.thread.is_alive():
+            continue  # closed, the parent's (a forked child), or its file system closed first
+        try:
+            file.close()
+        except Exception as exc:
+            log.warning("fs3: closing %s, left open at exit, failed: %s", getattr(raw, "name", "a file"), exc)
+
+
+atexit.register(_close_writers_at_exit)
+
+
 class FileSystem:
     """A blocking, ``os``-like view of one fs3 cluster. Thread-safe; close it (or use ``with``).
 
@@ -241,6 +274,8 @@ class FileSystem:
             if not binary:
                 raw.close()
                 raise ValueError("can't have unbuffered text I/O")
+            if afile.writable:
+                _writers.add(raw)
             return raw
         size = buffering if buffering > 1 else min(afile.chunk_size, 1 << 20)
         buffered: BufferedReader | BufferedWriter | BufferedRandom
@@ -250,9 +285,11 @@ class FileSystem:
             buffered = BufferedWriter(raw, size)
         else:
             buffered = BufferedReader(raw, size)
-        if binary:
-            return buffered
-        return io.TextIOWrapper(buffered, encoding=encoding or "utf-8", errors=errors, newline=newline)
+        file: Any = buffered if binary else io.TextIOWrapper(buffered, encoding=encoding or "utf-8", errors=errors,
+                                                            newline=newline)
+        if afile.writable:
+            _writers.add(file)
+        return file
 
     def read_bytes(self, path: PathLike) -> bytes:
         return self._run(self.afs.read_bytes(path))
