@@ -3,6 +3,7 @@ way the client could leak a token, lose or destroy data, or hang, that once did.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import subprocess
@@ -159,3 +160,39 @@ def test_files_left_open_when_the_program_ends_keep_what_was_written(shared_clus
             assert fs.cat(f"/rv-left-open{name}") == b"written, never closed", name
     finally:
         fs.close()
+
+
+@pytest.mark.slow
+def test_rmr_removes_exactly_the_path_named_and_never_follows_a_symlink(shared_cluster: Any,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from fs3.cli.ops import _rmr
+    from fs3.client.fs import connect
+
+    cluster = shared_cluster.cluster
+
+    async def main() -> None:
+        fs = await connect(cluster.mgmtd_address, cluster.token)
+        try:
+            await fs.makedirs("/rv-rmr/tree/sub", exist_ok=True)
+            await fs.makedirs("/rv-rmr-keep/sub", exist_ok=True)
+            for path in ("/rv-rmr/x", "/rv-rmr/x ", "/rv-rmr/tree/f", "/rv-rmr-keep/a", "/rv-rmr-keep/sub/b"):
+                await fs.write_bytes(path, b"data")
+            await fs.symlink("/rv-rmr-keep", "/rv-rmr/tree/inside")
+            await fs.symlink("/rv-rmr-keep", "/rv-rmr/link")
+
+            def rmr(path: str) -> Any:
+                return _rmr(fs, argparse.Namespace(path=path, threads=4, json=True))
+
+            await rmr("/rv-rmr/x ")  # a name with a trailing space is that name, not "/rv-rmr/x"
+            assert await fs.exists("/rv-rmr/x") and not await fs.exists("/rv-rmr/x ")
+            await rmr("/rv-rmr/link/")  # the link itself goes, never what it points to
+            assert not await fs.islink("/rv-rmr/link") and "link" not in await fs.listdir("/rv-rmr")
+            await rmr("/rv-rmr/tree")
+            assert not await fs.exists("/rv-rmr/tree")
+            assert sorted(await fs.listdir("/rv-rmr-keep")) == ["a", "sub"]
+            assert await fs.read_bytes("/rv-rmr-keep/sub/b") == b"data"
+        finally:
+            await fs.close()
+
+    asyncio.run(main())
+    assert capsys.readouterr().out.count('"path"') == 3

@@ -99,8 +99,9 @@ async def run_operator(args: argparse.Namespace) -> int:
 
 def _absolute(path: str) -> str:
     """``path`` as fs3 resolves it: absolute, ``.``, ``..`` and repeated slashes folded (``//``,
-    ``/a/..`` and ``/./`` are all the root)."""
-    return posixpath.normpath("/" + path.strip().lstrip("/"))
+    ``/a/..`` and ``/./`` are all the root). Spaces are part of a name, never trimmed: ``"/d/x "``
+    is not ``/d/x``, which ``rmr`` would otherwise remove in its place."""
+    return posixpath.normpath("/" + path.lstrip("/"))
 
 
 def _is_root(path: str) -> bool:
