@@ -140,6 +140,8 @@ else:
     fs.open("/rv-left-open-fsspec-dropped", "wb").write(b"written, never closed")
     r = fs.open("/rv-left-open-fsspec-plus", "wb+")
     r.write(b"written, never closed")
+    big = fs.open("/rv-left-open-fsspec-big", "wb")
+    big.write(b"w" * 5_000_000)
 """
 
 
@@ -152,12 +154,15 @@ def test_files_left_open_when_the_program_ends_keep_what_was_written(shared_clus
     done = subprocess.run([sys.executable, "-c", _LEFT_OPEN, cluster.mgmtd_address, cluster.token, kind],
                           env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert "destroyed but it is pending" not in done.stderr, done.stderr  # files closed before clients
     fs = _fsspec(shared_cluster)
     try:
         names = ["-blocking", "-blocking-raw"] if kind == "blocking" else ["-fsspec", "-fsspec-dropped",
                                                                            "-fsspec-plus"]
         for name in names:
             assert fs.cat(f"/rv-left-open{name}") == b"written, never closed", name
+        if kind == "fsspec":
+            assert fs.cat("/rv-left-open-fsspec-big") == b"w" * 5_000_000
     finally:
         fs.close()
 

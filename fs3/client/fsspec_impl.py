@@ -201,6 +201,10 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         loop = asyncio.get_running_loop()
         if not self.asynchronous:
             weakref.finalize(self, _close_client, loop, client, os.getpid())
+            # At exit, open files are closed before any client: atexit runs callbacks last registered
+            # first, and weakref.finalize registers its own the first time one is made.
+            atexit.unregister(_close_writers_at_exit)
+            atexit.register(_close_writers_at_exit)
         return client
 
     async def _close(self) -> None:
