@@ -201,3 +201,17 @@ def test_rmr_removes_exactly_the_path_named_and_never_follows_a_symlink(shared_c
 
     asyncio.run(main())
     assert capsys.readouterr().out.count('"path"') == 3
+
+
+@pytest.mark.slow
+def test_fsspec_rm_of_the_root_is_refused_before_anything_goes(shared_cluster: Any) -> None:
+    fs = _fsspec(shared_cluster)
+    try:
+        fs.pipe("/rv-root-keep/a", b"precious")
+        for spelled in ("", "/", "fs3:///", ["/rv-root-keep/nothing-here", "/"]):
+            with pytest.raises(OSError, match="refusing to remove the root"):
+                fs.rm(spelled, recursive=True)
+            assert fs.cat("/rv-root-keep/a") == b"precious"
+    finally:
+        fs.rm("/rv-root-keep", recursive=True)
+        fs.close()

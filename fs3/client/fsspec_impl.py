@@ -28,6 +28,7 @@ import asyncio
 import atexit
 import contextlib
 import datetime
+import errno
 import io
 import logging
 import os
@@ -340,8 +341,13 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
                   maxdepth: int | None = None, **kwargs: Any) -> None:
         """Files concurrently, then directories deepest first (each depth concurrently): a
         directory goes only once everything in it has. A directory named without ``recursive``
-        is removed if empty."""
+        is removed if empty. The root is refused before anything goes (``rm("", recursive=True)``,
+        an empty prefix, would otherwise empty the whole cluster and only then fail on ``/``)."""
         client = await self.get_client()
+        for named in path if isinstance(path, list) else [path]:
+            if self._strip_protocol(named) == "/":
+                raise OSError(errno.EINVAL, f"fs3: refusing to remove the root ({named!r}); remove its entries "
+                                            "by name (fs.rm(fs.ls('/', detail=False), recursive=True))")
         paths = await self._expand_path(path, recursive=recursive, maxdepth=maxdepth)
         batch_size = batch_size or self.batch_size
         modes = await _run_coros_in_chunks([self._lstat_mode(client, p) for p in paths], batch_size=batch_size,
