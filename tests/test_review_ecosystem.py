@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +216,42 @@ def test_fsspec_rm_of_the_root_is_refused_before_anything_goes(shared_cluster: A
     finally:
         fs.rm("/rv-root-keep", recursive=True)
         fs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["wb", "w", "wb0"])
+def test_a_blocking_file_dropped_and_collected_in_the_clients_loop_thread_keeps_its_bytes(
+        shared_cluster: Any, mode: str) -> None:
+    """The collector runs in whatever thread allocates, the client's loop thread included."""
+    import gc
+
+    import fs3
+
+    cluster = shared_cluster.cluster
+    fs = fs3.connect(cluster.mgmtd_address, token=cluster.token)
+    path = f"/rv-dropped-{mode}"
+    try:
+        f = fs.open(path, mode[:2], buffering=0) if mode == "wb0" else fs.open(path, mode)
+        f.write(b"kept" if "b" in mode else "kept")
+        cycle: list[Any] = [f]
+        cycle.append(cycle)  # only the cyclic collector frees it
+        del f, cycle
+        gc.disable()
+        try:
+            runner = fs._runner
+            assert runner is not None
+            asyncio.run_coroutine_threadsafe(_collect(), runner.loop).result(30)
+        finally:
+            gc.enable()
+        deadline = time.monotonic() + 10
+        while fs.read_bytes(path) != b"kept" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fs.read_bytes(path) == b"kept"
+    finally:
+        fs.close()
+
+
+async def _collect() -> None:
+    import gc
+
+    gc.collect()

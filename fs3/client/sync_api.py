@@ -67,6 +67,8 @@ class _LoopThread:
 class RawFile(io.RawIOBase):
     """Unbuffered binary access to one open fs3 file (the raw layer under the buffered objects)."""
 
+    _fs3_wrapped = False  # a buffered file over it closes it
+
     def __init__(self, runner: _LoopThread, afile: AsyncFile) -> None:
         super().__init__()
         self._runner = runner
@@ -128,9 +130,38 @@ class RawFile(io.RawIOBase):
     def fileno(self) -> int:
         raise io.UnsupportedOperation("fs3 files have no file descriptor (mount fs3 with FUSE for that)")
 
+    def __del__(self) -> None:
+        _finalize(self, io.RawIOBase.__del__)
+
+
+def _finalize(file: Any, default: Any) -> None:
+    """Close a file dropped without ``close``. A collection may run in the client's loop thread
+    (whichever thread allocates), where a blocking close cannot wait on that very loop: it failed
+    there ("Exception ignored") and the file's buffered bytes were lost. There the close runs in a
+    short thread of its own (the interpreter waits for it at exit); elsewhere as io's own does."""
+    try:
+        raw = None if file.closed else _raw_of(file)
+    except ValueError:  # detached
+        raw = None
+    if raw is not None and threading.current_thread() is raw._runner.thread:
+        if getattr(file, "_fs3_wrapped", False):
+            return  # the file over this one closes it, after pushing its own buffer into it
+        threading.Thread(target=_close_dropped, args=(file,), name="fs3-close-dropped").start()
+        return
+    default(file)
+
+
+def _close_dropped(file: Any) -> None:
+    try:
+        file.close()
+    except Exception as exc:
+        log.warning("fs3: closing %s, dropped without close, failed: %s", getattr(file, "name", "a file"), exc)
+
 
 class _Fsync:
     """``fsync()`` for the buffered objects: push the buffer, then make the data durable."""
+
+    _fs3_wrapped = False  # a text file over it closes it
 
     def fsync(self) -> None:
         self.flush()  # type: ignore[attr-defined]
@@ -144,11 +175,20 @@ class BufferedReader(_Fsync, io.BufferedReader):
 
 
 class BufferedWriter(_Fsync, io.BufferedWriter):
-    pass
+    def __del__(self) -> None:
+        _finalize(self, io.BufferedWriter.__del__)
 
 
 class BufferedRandom(_Fsync, io.BufferedRandom):
-    pass
+    def __del__(self) -> None:
+        _finalize(self, io.BufferedRandom.__del__)
+
+
+class _TextFile(io.TextIOWrapper):
+    """A text mode file (a dropped one is closed as the binary ones are)."""
+
+    def __del__(self) -> None:
+        _finalize(self, io.TextIOWrapper.__del__)
 
 
 File = BufferedReader | BufferedWriter | BufferedRandom
@@ -279,14 +319,17 @@ class FileSystem:
             return raw
         size = buffering if buffering > 1 else min(afile.chunk_size, 1 << 20)
         buffered: BufferedReader | BufferedWriter | BufferedRandom
+        raw._fs3_wrapped = True  # closed by the buffered file over it (see _finalize)
         if afile.readable and afile.writable:
             buffered = BufferedRandom(raw, size)
         elif afile.writable:
             buffered = BufferedWriter(raw, size)
         else:
             buffered = BufferedReader(raw, size)
-        file: Any = buffered if binary else io.TextIOWrapper(buffered, encoding=encoding or "utf-8", errors=errors,
-                                                            newline=newline)
+        if not binary:
+            buffered._fs3_wrapped = True
+        file: Any = buffered if binary else _TextFile(buffered, encoding=encoding or "utf-8", errors=errors,
+                                                      newline=newline)
         if afile.writable:
             _writers.add(file)
         return file
