@@ -146,7 +146,7 @@ def _finalize(file: Any, default: Any) -> None:
     if raw is not None and threading.current_thread() is raw._runner.thread:
         if getattr(file, "_fs3_wrapped", False):
             return  # the file over this one closes it, after pushing its own buffer into it
-        threading.Thread(target=_close_dropped, args=(file,), name="fs3-close-dropped").start()
+        threading.Thread(target=_close_dropped, args=(file,), name="fs3-close-dropped", daemon=False).start()
         return
     default(file)
 
