@@ -255,3 +255,14 @@ async def _collect() -> None:
     import gc
 
     gc.collect()
+
+
+def test_a_config_that_others_may_change_cannot_send_the_environments_token(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[profiles.default]\nmgmtd = "10.0.0.1:9000"\n')  # no token: FS3_TOKEN goes there
+    config.chmod(0o666)
+    env = {"FS3_CONFIG": str(config), "FS3_TOKEN": TOKEN}
+    with pytest.raises(InvalidArgument, match="chmod go-w"):
+        resolve(environ=env)
+    config.chmod(0o644)
+    assert resolve(environ=env).token == TOKEN

@@ -25,8 +25,8 @@ A profile's token (and its transport and TLS settings) is used only for the prof
 even when the caller names the profile (``fs3://NAME@HOST:PORT/`` with another HOST is refused): a
 token never goes to a cluster it was not configured for.
 A config file that holds a token inline (``token = "..."``) must be private (``0600``, yours), as a
-token file must; one that names a ``token_file`` may be readable by others, never writable by them
-(nor owned by another user than you or root).
+token file must; any other may be readable by others, never writable by them (nor owned by another
+user than you or root), since it says where a token goes.
 """
 
 from __future__ import annotations
@@ -198,22 +198,23 @@ def _load_tables(path: Path) -> dict[str, Any]:
     tables = _parse(path, text)
     if any("token" in table for table in tables.values()):
         tables = _parse(path, read_secret_file(path))
-    elif any("token_file" in table for table in tables.values()):
+    elif tables:
         _check_unchangeable_by_others(path)
     return tables
 
 
 def _check_unchangeable_by_others(path: Path) -> None:
-    """A config that sends a token file's token somewhere may be read by others, never changed by
-    them: whoever may change it points the profile's mgmtd at a host of theirs and gets the token."""
+    """A config says where a token goes (its token file's, or ``$FS3_TOKEN`` to its mgmtd): it may
+    be read by others, never changed by them (as ssh treats its config), or whoever may change it
+    points the profile's mgmtd at a host of theirs and gets the token."""
     st = path.stat()
     uid = os.geteuid()
     if st.st_uid not in (uid, 0):
-        raise InvalidArgument(f"fs3 config {path} names a token file but is owned by uid {st.st_uid}, not uid "
+        raise InvalidArgument(f"fs3 config {path} is owned by uid {st.st_uid}, not uid "
                               f"{uid} that runs this process; fix: chown {uid} {path} && chmod 644 {path}")
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
-        raise InvalidArgument(f"fs3 config {path} names a token file but its mode is {mode:04o}: other users may "
+        raise InvalidArgument(f"fs3 config {path} has mode {mode:04o}: other users may "
                               f"change where the token goes; fix: chmod go-w {path}")
 
 
