@@ -171,7 +171,7 @@ def test_files_left_open_when_the_program_ends_keep_what_was_written(shared_clus
 @pytest.mark.slow
 def test_rmr_removes_exactly_the_path_named_and_never_follows_a_symlink(shared_cluster: Any,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from fs3.cli.ops import _rmr
+    from fs3.cli.ops import rmr_command
     from fs3.client.fs import connect
 
     cluster = shared_cluster.cluster
@@ -187,7 +187,7 @@ def test_rmr_removes_exactly_the_path_named_and_never_follows_a_symlink(shared_c
             await fs.symlink("/rv-rmr-keep", "/rv-rmr/link")
 
             def rmr(path: str) -> Any:
-                return _rmr(fs, argparse.Namespace(path=path, threads=4, json=True))
+                return rmr_command(fs, argparse.Namespace(path=path, threads=4, json=True))
 
             await rmr("/rv-rmr/x ")  # a name with a trailing space is that name, not "/rv-rmr/x"
             assert await fs.exists("/rv-rmr/x") and not await fs.exists("/rv-rmr/x ")

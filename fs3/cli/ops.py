@@ -33,7 +33,7 @@ from fs3.cli.output import human_bytes, print_json, progress, state_name, table
 from fs3.client.meta import path_ref
 from fs3.common.errors import FS3Error, InvalidArgument
 
-__all__ = ["OPERATOR_COMMANDS", "add_operator_commands", "parse_rpc_counters", "run_operator"]
+__all__ = ["OPERATOR_COMMANDS", "add_operator_commands", "parse_rpc_counters", "rmr_command", "run_operator"]
 
 OPERATOR_COMMANDS = ("status", "info", "df", "stats", "warmup", "rmr")
 #: Chunks ``fs3 info`` lists by default (a file of many GiB has thousands).
@@ -91,7 +91,7 @@ async def run_operator(args: argparse.Namespace) -> int:
     config = ClientConfig(transport=args.transport, tls=client_tls(args), rpc_timeout_ms=args.timeout_ms)
     fs = await connect(args.mgmtd, args.token, config)
     try:
-        fs_command = {"info": _info, "warmup": _warmup, "rmr": _rmr}[args.service]
+        fs_command = {"info": _info, "warmup": _warmup, "rmr": rmr_command}[args.service]
         return await fs_command(fs, args)
     finally:
         await fs.close()
@@ -401,7 +401,9 @@ async def _warmup(fs: Any, args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
-async def _rmr(fs: Any, args: argparse.Namespace) -> int:
+async def rmr_command(fs: Any, args: argparse.Namespace) -> int:
+    """``fs3 rmr PATH``: remove a tree through the client, a bounded number of removals at once;
+    symlinks are removed, never followed; the root only with ``--force``."""
     root = _absolute(args.path)
     removed = {"files": 0, "directories": 0}
 
