@@ -37,7 +37,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem, _run_coros_in_chunks, get_loop, sync, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK
@@ -47,9 +47,11 @@ from fsspec.utils import infer_storage_options, isfilelike
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem as ClientFileSystem
 from fs3.client.fs import ClientConfig, connect
+from fs3.client.raw_io import BufferedFsync, RawHandleIO
 
 __all__ = ["FS3AsyncFile", "FS3File", "FS3FileSystem"]
 
+P = ParamSpec("P")
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -746,75 +748,30 @@ def _close_task(loop: asyncio.AbstractEventLoop, file: FS3AsyncFile) -> None:
 _dropped_closes: set[asyncio.Task[None]] = set()
 
 
-class _BufferedRandom(io.BufferedRandom):
+class _BufferedRandom(BufferedFsync, io.BufferedRandom):
     """A ``+`` mode file; one dropped without ``close`` is closed in the background."""
 
     _pid = 0  # the process that opened it
-
-    def fsync(self) -> None:
-        self.flush()
-        raw = self.raw
-        assert isinstance(raw, _RandomAccessRaw)
-        raw.fsync()
 
     def __del__(self) -> None:
         if not self.closed:
             _close_in_background(self)
 
 
-class _RandomAccessRaw(io.RawIOBase):
-    """The raw layer of a ``+`` mode file: one fs3 handle, each call run on the file system's loop."""
+class _RandomAccessRaw(RawHandleIO):
+    """The raw layer of a ``+`` mode file: one fs3 handle, each call — a seek too, which cancels
+    read-ahead tasks of that loop — run on the file system's loop (fsspec's IO loop)."""
 
     def __init__(self, fs: FS3FileSystem, afile: AsyncFile, mode: str) -> None:
-        super().__init__()
+        super().__init__(afile, mode)
         self._fs = fs
-        self.afile = afile
-        self.name = afile.name
-        self.mode = mode
 
-    def readable(self) -> bool:
-        return self.afile.readable
-
-    def writable(self) -> bool:
-        return self.afile.writable
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        self._checkClosed()
-        return self._fs._sync(self.afile.readinto, buffer)
-
-    def write(self, data: Any) -> int:
-        self._checkClosed()
-        return self._fs._sync(self.afile.write, data)
+    def _run(self, func: Callable[P, Coroutine[Any, Any, T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._fs._sync(func, *args, **kwargs)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
-        return self._fs._sync(_seek, self.afile, offset, whence)
-
-    def tell(self) -> int:
-        self._checkClosed()
-        return self.afile.tell()
-
-    def truncate(self, size: int | None = None) -> int:
-        self._checkClosed()
-        return self._fs._sync(self.afile.truncate, size)
-
-    def flush(self) -> None:
-        if not self.closed:
-            self._fs._sync(self.afile.flush)
-
-    def fsync(self) -> None:
-        self._checkClosed()
-        self._fs._sync(self.afile.fsync)
-
-    def close(self) -> None:
-        if not self.closed:
-            try:
-                self._fs._sync(self.afile.close)
-            finally:
-                super().close()
+        return self._run(_seek, self.afile, offset, whence)
 
     def __del__(self) -> None:
         if not self.closed:

@@ -17,8 +17,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, ParamSpec, TypeVar
 
 from fs3 import meta_pb2 as mpb
 from fs3.client import forking
@@ -26,9 +26,11 @@ from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, PathLike, client_config, connect_settings
 from fs3.client.oserrors import os_errors
 from fs3.client.profiles import ClusterSettings, resolve
+from fs3.client.raw_io import BufferedFsync, RawHandleIO
 
 __all__ = ["File", "FileSystem", "connect"]
 
+P = ParamSpec("P")
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -64,68 +66,34 @@ class _LoopThread:
             self.loop.close()
 
 
-class RawFile(io.RawIOBase):
-    """Unbuffered binary access to one open fs3 file (the raw layer under the buffered objects)."""
+class RawFile(RawHandleIO):
+    """Unbuffered binary access to one open fs3 file (the raw layer under the buffered objects).
+
+    Runs the handle on the file system's loop thread; in a forked child it flushes and closes
+    nothing (the handle is the parent's, and that loop does not run in the child). A seek calls the
+    handle from the caller's thread. ``readall`` reads the rest in one call rather than ``io``'s
+    loop of ``readinto``, and ``fileno`` says why there is none.
+    """
 
     _fs3_wrapped = False  # a buffered file over it closes it
 
     def __init__(self, runner: _LoopThread, afile: AsyncFile) -> None:
-        super().__init__()
+        super().__init__(afile, "rb")
         self._runner = runner
-        self.afile = afile
-        self.name = afile.name
-        self.mode = "rb"
 
-    def readable(self) -> bool:
-        return self.afile.readable
+    def _run(self, func: Callable[P, Coroutine[Any, Any, T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._runner.run(func(*args, **kwargs))
 
-    def writable(self) -> bool:
-        return self.afile.writable
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        self._checkClosed()
-        return self._runner.run(self.afile.readinto(buffer))
+    def _owned_here(self) -> bool:
+        return self._runner.pid == os.getpid()
 
     def readall(self) -> bytes:
         self._checkClosed()
-        return self._runner.run(self.afile.read(-1))
-
-    def write(self, data: Any) -> int:
-        self._checkClosed()
-        # No copy: the caller's buffer is copied into the file's chunk buffers before write returns.
-        return self._runner.run(self.afile.write(data))
+        return self._run(self.afile.read, -1)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
         return self.afile.seek(offset, whence)
-
-    def tell(self) -> int:
-        self._checkClosed()
-        return self.afile.tell()
-
-    def truncate(self, size: int | None = None) -> int:
-        self._checkClosed()
-        return self._runner.run(self.afile.truncate(size))
-
-    def flush(self) -> None:
-        # In a forked child the raw layer holds nothing of this process's to flush (a write fails).
-        if not self.closed and self._runner.pid == os.getpid():
-            self._runner.run(self.afile.flush())
-
-    def fsync(self) -> None:
-        self._checkClosed()
-        self._runner.run(self.afile.fsync())
-
-    def close(self) -> None:
-        if not self.closed:
-            try:
-                if self._runner.pid == os.getpid():  # in a forked child, the handle is the parent's
-                    self._runner.run(self.afile.close())
-            finally:
-                super().close()
 
     def fileno(self) -> int:
         raise io.UnsupportedOperation("fs3 files have no file descriptor (mount fs3 with FUSE for that)")
@@ -158,16 +126,11 @@ def _close_dropped(file: Any) -> None:
         log.warning("fs3: closing %s, dropped without close, failed: %s", getattr(file, "name", "a file"), exc)
 
 
-class _Fsync:
-    """``fsync()`` for the buffered objects: push the buffer, then make the data durable."""
+class _Fsync(BufferedFsync):
+    """The buffered objects' base: ``fsync()`` (see :class:`~fs3.client.raw_io.BufferedFsync`) and
+    the mark that a text file over one closes it."""
 
     _fs3_wrapped = False  # a text file over it closes it
-
-    def fsync(self) -> None:
-        self.flush()  # type: ignore[attr-defined]
-        raw = self.raw  # type: ignore[attr-defined]
-        assert isinstance(raw, RawFile)
-        raw.fsync()
 
 
 class BufferedReader(_Fsync, io.BufferedReader):
