@@ -48,6 +48,7 @@ from fs3.common.capability import Access, Capability, check_chunk_access, derive
 from fs3.common.ids import chunk_id  # noqa: E402
 from fs3.common.target_state import PublicState  # noqa: E402
 from fs3.rpc.channel import RealChannelFactory  # noqa: E402
+from tests.capabilities import FixedCapability, sign_as_meta  # noqa: E402
 from tests.harness import ProcessCluster, free_port  # noqa: E402
 
 MIB = 1024 * 1024
@@ -142,23 +143,10 @@ async def _run_for(seconds: float, inflight: int, op: Callable[[int, int], Await
     return counts, time.perf_counter() - start
 
 
-class _HeldCapability:
+def _capability(cluster: ProcessCluster, inode_id: int, chain: int) -> FixedCapability:
     """A capability signed here as meta would (the bench holds the cluster token), valid for the run."""
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-
-    async def current(self) -> bytes:
-        return self.raw
-
-    async def renew(self, refused: bytes) -> bytes:
-        return self.raw
-
-
-def _capability(cluster: ProcessCluster, inode_id: int, chain: int) -> _HeldCapability:
     expires_ms = time.time_ns() // 1_000_000 + 3_600_000
-    return _HeldCapability(sign(Capability(inode_id, Access.READ | Access.WRITE, (chain,), expires_ms),
-                                derive_key(cluster.token)))
+    return FixedCapability(sign_as_meta(cluster.token, inode_id, (chain,), expires_ms))
 
 
 async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inflight: int,
@@ -190,7 +178,7 @@ async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inf
                 results[stream][key] = count / elapsed
 
         async def write(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
-                        held: list[_HeldCapability | None] = held, written: list[list[int]] = written) -> None:
+                        held: list[FixedCapability | None] = held, written: list[list[int]] = written) -> None:
             await clients[s].write(chain, chunk_id(prefixes[s], i), 0, big, MIB, capability=held[s])
             written[s].append(i)
 
@@ -198,7 +186,7 @@ async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inf
         ids = [sorted(w) for w in written]
 
         async def read(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
-                       held: list[_HeldCapability | None] = held, ids: list[list[int]] = ids) -> None:
+                       held: list[FixedCapability | None] = held, ids: list[list[int]] = ids) -> None:
             data, _ = await clients[s].read(chain, chunk_id(prefixes[s], ids[s][i % len(ids[s])]), 0, MIB,
                                             capability=held[s])
             assert len(data) == MIB
@@ -206,7 +194,7 @@ async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inf
         record(f"read_1m_r{replicas}_MiBps", *await _run_for(seconds, inflight, read, streams))
 
         async def read_small(s: int, i: int, chain: int = chain, prefixes: list[int] = prefixes,
-                             held: list[_HeldCapability | None] = held, ids: list[list[int]] = ids) -> None:
+                             held: list[FixedCapability | None] = held, ids: list[list[int]] = ids) -> None:
             offset = rng.randrange(0, MIB // 4096) * 4096
             data, _ = await clients[s].read(chain, chunk_id(prefixes[s], ids[s][i % len(ids[s])]), offset, 4096,
                                             capability=held[s])

@@ -21,7 +21,7 @@ from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
 from fs3.client.admin import AdminClient
 from fs3.client.fs import AsyncFileSystem
-from fs3.common.capability import Access, Capability, decode, derive_key, sign
+from fs3.common.capability import Access, decode, derive_key
 from fs3.common.errors import BadHandle, FS3Error, PermissionDenied
 from fs3.common.ids import chunk_id
 from fs3.common.layout import chunk_location
@@ -29,25 +29,13 @@ from fs3.common.posix import O_RDONLY, O_RDWR, O_WRONLY
 from fs3.meta.service import MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.methods import service_spec
+from tests.capabilities import FixedCapability, sign_as_meta
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
 from tests.test_client import chunks_of
 
 CHUNK = 64 * 1024
 SECRET = bytes(range(256)) * (CHUNK * 2 // 256 + 1)  # three chunks, the last one short
-
-
-class Fixed:
-    """A capability source that always shows the same bytes (what an attacker can replay)."""
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-
-    async def current(self) -> bytes:
-        return self.raw
-
-    async def renew(self, refused: bytes) -> bytes:
-        return self.raw
 
 
 def _cluster(tmp_path: Path, body: Callable[[InProcessCluster, AsyncFileSystem], Awaitable[None]],
@@ -98,7 +86,7 @@ def test_a_user_cannot_reach_the_chunks_of_a_file_it_may_not_open(tmp_path: Path
             mine = await attacker.open("/t/mine", "r+b")
             own_capability = await mine.capability.current()
             key = derive_key(cluster.token)  # what only the services hold: the test forges with it
-            expired = sign(Capability(secret, Access.READ | Access.WRITE, tuple(layout.chains), 1), key)
+            expired = sign_as_meta(cluster.token, secret, layout.chains, expires_ms=1)
             granted = decode(own_capability, [key])
             tampered = bytearray(own_capability)
             tampered[2:10] = secret.to_bytes(8, "big")  # the inode field of the body
@@ -108,9 +96,9 @@ def test_a_user_cannot_reach_the_chunks_of_a_file_it_may_not_open(tmp_path: Path
             assert cid == chunk_id(secret, 0)  # the guess: (inode, index)
             attempts = {
                 "no capability": None,
-                "another file's": Fixed(own_capability),
-                "tampered": Fixed(bytes(tampered)),
-                "expired": Fixed(expired),
+                "another file's": FixedCapability(own_capability),
+                "tampered": FixedCapability(bytes(tampered)),
+                "expired": FixedCapability(expired),
             }
             for what, source in attempts.items():
                 with pytest.raises(PermissionDenied, match="capability") as denied:
@@ -124,7 +112,7 @@ def test_a_user_cannot_reach_the_chunks_of_a_file_it_may_not_open(tmp_path: Path
                     await storage.remove(chain, cid, CHUNK, capability=source)
             # A chunk id that is no file's chunk at all is the services' alone.
             with pytest.raises(PermissionDenied, match="not a file's chunk"):
-                await storage.read(chain, b"\x00" * 3, 0, 1, capability=Fixed(own_capability))
+                await storage.read(chain, b"\x00" * 3, 0, 1, capability=FixedCapability(own_capability))
             # Meta grants nothing either: a capability belongs to an open session on that inode.
             with pytest.raises(BadHandle):
                 await attacker.metadata.grant_capability(secret, mpb.CAPABILITY_READ, mine.session_id, b"")
@@ -159,7 +147,8 @@ def test_a_read_only_open_cannot_write_and_a_write_only_open_cannot_read(tmp_pat
         reader = await owner.open("/t/f", "rb")
         writer = await owner.open("/t/f", "wb")
         try:
-            read_only, write_only = Fixed(await reader.capability.current()), Fixed(await writer.capability.current())
+            read_only = FixedCapability(await reader.capability.current())
+            write_only = FixedCapability(await writer.capability.current())
             with pytest.raises(PermissionDenied, match="grants READ, not WRITE"):
                 await owner.storage.write(chain, cid, 0, b"y", CHUNK, capability=read_only)
             with pytest.raises(PermissionDenied, match="grants WRITE, not READ"):
@@ -228,7 +217,7 @@ def test_an_expiring_capability_is_renewed_transparently(tmp_path: Path) -> None
             await asyncio.sleep(ttl_ms * 1.2 / 1000)
             chain, cid = chunk_location(f.layout, f.inode.inode_id, 0)
             with pytest.raises(PermissionDenied, match="expired"):
-                await owner.storage.read(chain, cid, 0, 10, capability=Fixed(stale))
+                await owner.storage.read(chain, cid, 0, 10, capability=FixedCapability(stale))
             renewals = f.capability.renewals
             await f.write(b"b" * 1000)
             await f.flush()
@@ -304,7 +293,8 @@ def test_a_retried_open_never_grants_more_than_the_open_that_ran(tmp_path: Path)
             chain, cid = chunk_location(inode.layout, inode.inode_id, 0)
             retried_rsp = await open_as("/t/readable", O_RDWR, 1_000_000 + O_RDONLY)
             with pytest.raises(PermissionDenied, match="grants READ, not WRITE"):
-                await attacker.storage.write(chain, cid, 0, b"OWNED", CHUNK, capability=Fixed(retried_rsp.capability))
+                await attacker.storage.write(chain, cid, 0, b"OWNED", CHUNK,
+                                             capability=FixedCapability(retried_rsp.capability))
         finally:
             await channels.close()
             await attacker.close()
