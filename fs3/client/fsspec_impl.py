@@ -47,7 +47,7 @@ from fsspec.utils import infer_storage_options, isfilelike
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem as ClientFileSystem
 from fs3.client.fs import ClientConfig, connect
-from fs3.client.raw_io import BufferedFsync, RawHandleIO
+from fs3.client.raw_io import BufferedFsync, RawHandleIO, seek_on_loop
 
 __all__ = ["FS3AsyncFile", "FS3File", "FS3FileSystem"]
 
@@ -618,7 +618,7 @@ class FS3File(AbstractBufferedFile):  # type: ignore[misc]
             raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
         if target < 0:
             raise ValueError("Seek before start of file")
-        self.loc = position = self._fs3._sync(_seek, self.handle, target)
+        self.loc = position = self._fs3._sync(seek_on_loop, self.handle, target)
         return position
 
     def seekable(self) -> bool:
@@ -694,11 +694,6 @@ def _below_any(path: str, links: set[str]) -> bool:
     return False
 
 
-async def _seek(afile: AsyncFile, offset: int, whence: int = 0) -> int:
-    """``AsyncFile.seek`` on the loop that owns the handle (a seek drops read-ahead tasks)."""
-    return afile.seek(offset, whence)
-
-
 class FS3AsyncFile(AbstractAsyncStreamedFile):  # type: ignore[misc]
     """The async file of :meth:`FS3FileSystem.open_async`: one fs3 handle, awaited reads and writes."""
 
@@ -771,7 +766,7 @@ class _RandomAccessRaw(RawHandleIO):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
-        return self._run(_seek, self.afile, offset, whence)
+        return self._run(seek_on_loop, self.afile, offset, whence)
 
     def __del__(self) -> None:
         if not self.closed:

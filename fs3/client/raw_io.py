@@ -29,9 +29,9 @@ T = TypeVar("T")
 class RawHandleIO(io.RawIOBase):
     """Unbuffered binary access to one open fs3 handle; see the module doc for what subclasses add.
 
-    ``seek`` is left to the subclass: ``AsyncFile.seek`` is a plain call, not a coroutine (moving
-    the position cancels the handle's read-ahead), and the two front ends call it from different
-    threads.
+    ``seek`` is left to the subclasses, which both run it on the client's loop through
+    :func:`seek_on_loop`: ``AsyncFile.seek`` is a plain call, but moving the position cancels the
+    handle's read-ahead tasks, which only the loop's own thread may do.
     """
 
     def __init__(self, afile: AsyncFile, mode: str) -> None:
@@ -103,3 +103,9 @@ class BufferedFsync:
         raw = self.raw  # type: ignore[attr-defined]
         assert isinstance(raw, RawHandleIO)
         raw.fsync()
+
+
+async def seek_on_loop(afile: AsyncFile, offset: int, whence: int = 0) -> int:
+    """``AsyncFile.seek`` on the loop that owns the handle: a seek that moves cancels read-ahead
+    tasks, and asyncio tasks may only be cancelled from their own loop's thread."""
+    return afile.seek(offset, whence)

@@ -26,7 +26,7 @@ from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, PathLike, client_config, connect_settings
 from fs3.client.oserrors import os_errors
 from fs3.client.profiles import ClusterSettings, resolve
-from fs3.client.raw_io import BufferedFsync, RawHandleIO
+from fs3.client.raw_io import BufferedFsync, RawHandleIO, seek_on_loop
 
 __all__ = ["File", "FileSystem", "connect"]
 
@@ -93,7 +93,7 @@ class RawFile(RawHandleIO):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
-        return self.afile.seek(offset, whence)
+        return self._run(seek_on_loop, self.afile, offset, whence)
 
     def fileno(self) -> int:
         raise io.UnsupportedOperation("fs3 files have no file descriptor (mount fs3 with FUSE for that)")
