@@ -345,6 +345,10 @@ def test_certs_init_names_shared_hosts_on_every_node_and_reissues_a_certificate_
     assert fs3_main(["admin", "certs", "init", "--dir", str(directory), "--hosts", "a", "--san", "bad!host"]) == 1
     assert "bad host name" in capsys.readouterr().err
     assert "bad!host" not in sans("a")
+    (directory / "b.pem").write_text("not a certificate")  # refused, and left for the operator to look at
+    with pytest.raises(InvalidArgument, match=r"b\.pem: not a PEM certificate"):
+        init_certs(directory, parse_node_specs("b", [], []))
+    assert (directory / "b.pem").read_text() == "not a certificate"
 
 
 def test_the_certs_init_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
