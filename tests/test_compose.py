@@ -4,12 +4,14 @@ No Docker engine runs here, so the compose file is checked the way compose would
 with anchors and merge keys, ``${VAR:-default}`` interpolation), each service's environment is
 loaded by the service's own config loader, and then the same services — same commands, same
 environment, hosts and ports mapped to loopback — run as processes, with the client service's
-FUSE mount on top.
+FUSE mount on top and a client on "the host" that knows only mgmtd's published address and
+reaches every other service by the addresses they advertise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -17,20 +19,24 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 yaml = pytest.importorskip("yaml")
 
+import fs3  # noqa: E402
 from fs3.common.config import load_config  # noqa: E402
 from fs3.meta.server import MetaConfig  # noqa: E402
 from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
+from fs3.rpc.tls import TlsConfig  # noqa: E402
 from fs3.storage.server import StorageConfig  # noqa: E402
-from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose  # noqa: E402
+from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose, published_port  # noqa: E402
 
 # What an operator exports before `docker compose up` (the file has no default token).
 COMPOSE_ENV = {"FS3_TOKEN": "6f1c0d2e9a8b7c6d5e4f3a2b1c0d9e8f"}
+ADVERTISING = ["meta", "storage1", "storage2", "storage3"]  # mgmtd is dialled at the address a client is given
 
 ServiceConfig = MgmtdConfig | MetaConfig | StorageConfig
 CONFIGS: dict[str, tuple[type[ServiceConfig], str]] = {
@@ -88,6 +94,63 @@ def test_every_process_publishes_its_metrics_port() -> None:
     assert len(set(published.values())) == len(published), "one host port per process"
 
 
+def _port(env: dict[str, str], suffix: str) -> str:
+    return next(v for k, v in env.items() if k.endswith(suffix))
+
+
+def test_every_service_advertises_the_public_host_on_ports_published_one_to_one() -> None:
+    """What a host client is routed to must be reachable from the host and from the compose network
+    alike: one host for every service (the operator's FS3_PUBLIC_HOST, else the service's own name),
+    ports no two services share, each published on the same port number."""
+    default = load_compose(COMPOSE_ENV)["services"]
+    public = load_compose({**COMPOSE_ENV, "FS3_PUBLIC_HOST": "fs3.example.net"})["services"]
+    empty = load_compose({**COMPOSE_ENV, "FS3_PUBLIC_HOST": ""})["services"]  # compose's ":-": empty is unset
+    for name in ADVERTISING:
+        advertise = next(k for k in default[name]["environment"] if k.endswith("_ADVERTISE_HOST"))
+        assert default[name]["environment"][advertise] == name
+        assert empty[name]["environment"][advertise] == name
+        assert public[name]["environment"][advertise] == "fs3.example.net"
+    compose = load_compose(COMPOSE_ENV)
+    seen: dict[str, str] = {}
+    for name in SERVER_SERVICES:
+        env = compose["services"][name]["environment"]
+        for suffix in ("_FRAMED_PORT", "_GRPC_PORT", "_METRICS_PORT"):
+            port = _port(env, suffix)
+            assert port not in seen, f"{name} and {seen.get(port)} share port {port}"
+            seen[port] = name
+            assert published_port(compose, name, port) == port, f"{name} publishes {suffix[1:]} {port} as {port}"
+    # The certificates name the public host too (hostname verification), and nothing when unset.
+    command = public["certs"]["command"]
+    assert command[command.index("--san") + 1] == "fs3.example.net"
+    command = default["certs"]["command"]
+    assert command[command.index("--san") + 1] == ""
+    # FS3_PUBLIC_HOST=host.docker.internal resolves in every container, Linux included.
+    for name, service in default.items():
+        assert "host.docker.internal:host-gateway" in service.get("extra_hosts", []), name
+
+
+def test_published_port_reads_compose_port_mappings() -> None:
+    compose = {"services": {"s": {"ports": ["9020:9020", "127.0.0.1:9130:9030", "9140:9040/tcp", 9050]}}}
+    assert published_port(compose, "s", "9020") == "9020"
+    assert published_port(compose, "s", "9030") == "9130"
+    assert published_port(compose, "s", "9040") == "9140"
+    assert published_port(compose, "s", "9050") is None  # a bare port is published on a random one
+    assert published_port(compose, "s", "9060") is None
+
+
+def test_interpolation_follows_compose() -> None:
+    from tests.chaos.topology import _interpolate
+
+    env = {"SET": "v", "EMPTY": ""}
+    assert _interpolate("${SET:-d} ${EMPTY:-d} ${UNSET:-d} ${EMPTY-d} ${UNSET-d}", env) == "v d d  d"
+    assert _interpolate("$SET ${SET} $$SET ${UNSET}", env) == "v v $SET "
+    with pytest.raises(ValueError, match="EMPTY: needed"):
+        _interpolate("${EMPTY:?needed}", env)
+    assert _interpolate("${EMPTY?needed}", env) == ""
+    with pytest.raises(ValueError, match="UNSET: needed"):
+        _interpolate("${UNSET?needed}", env)
+
+
 def test_no_secret_in_any_command_line() -> None:
     """Arguments are visible to every user of a host (ps); tokens travel in the environment."""
     services = load_compose(COMPOSE_ENV)["services"]
@@ -118,24 +181,39 @@ def test_every_setting_is_one_the_service_reads(name: str) -> None:
 
 def test_the_certs_service_makes_every_file_the_services_name(tmp_path: Path) -> None:
     """The certs service's command, run as its container runs it, leaves each service and client the
-    files its TLS settings name, each node's certificate naming the host the others dial it by."""
+    files its TLS settings name, each node's certificate naming the host the others dial it by; run
+    again once FS3_PUBLIC_HOST is set, it re-issues them (same keys) to name the public host too."""
     from cryptography import x509
 
     from fs3.cli.main import main as fs3_main
-    from fs3.rpc.tls import Tls, TlsConfig
+    from fs3.rpc.tls import Tls
 
-    services = load_compose(COMPOSE_ENV)["services"]
-    command = [arg.replace("/certs", str(tmp_path)) for arg in services["certs"]["command"]]
-    assert fs3_main(command) == 0
-    for name in SERVER_SERVICES:
-        kind = services[name]["command"][0]
-        cls, prefix = CONFIGS[kind]
-        env = {k: v.replace("/certs", str(tmp_path)) for k, v in services[name]["environment"].items()}
-        config = load_config(cls, None, env_prefix=prefix, environ=env)
-        assert Tls.load(config.tls, server=True) is not None, name  # readable, key matches, key private
+    def certs_run(env: dict[str, str]) -> dict[str, ServiceConfig]:
+        services = load_compose(env)["services"]
+        command = [arg.replace("/certs", str(tmp_path)) for arg in services["certs"]["command"]]
+        assert fs3_main(command) == 0
+        configs: dict[str, ServiceConfig] = {}
+        for name in SERVER_SERVICES:
+            cls, prefix = CONFIGS[services[name]["command"][0]]
+            env = {k: v.replace("/certs", str(tmp_path)) for k, v in services[name]["environment"].items()}
+            configs[name] = load_config(cls, None, env_prefix=prefix, environ=env)
+            assert Tls.load(configs[name].tls, server=True) is not None, name  # readable, key matches, private
+        return configs
+
+    def names(config: ServiceConfig) -> list[str]:
         cert = x509.load_pem_x509_certificate(Path(config.tls.cert_file).read_bytes())
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert name in sans.get_values_for_type(x509.DNSName), name
+        return [*sans.get_values_for_type(x509.DNSName), *map(str, sans.get_values_for_type(x509.IPAddress))]
+
+    configs = certs_run(COMPOSE_ENV)
+    keys = {name: Path(c.tls.key_file).read_bytes() for name, c in configs.items()}
+    for name, config in configs.items():
+        assert names(config) == [name], name
+    configs = certs_run({**COMPOSE_ENV, "FS3_PUBLIC_HOST": "192.0.2.10"})
+    for name, config in configs.items():
+        assert names(config) == [name, "192.0.2.10"], name
+        assert Path(config.tls.key_file).read_bytes() == keys[name], f"{name} keeps its key"
+    services = load_compose(COMPOSE_ENV)["services"]
     env = services["client"]["environment"]
     client = TlsConfig(*(env[f"FS3_TLS_{k}"].replace("/certs", str(tmp_path)) for k in ("CA_FILE", "CERT_FILE",
                                                                                         "KEY_FILE")))
@@ -148,21 +226,39 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _rpc_counts(metrics_address: str) -> dict[str, float]:
+    """Requests a process served, by method (fs3_rpc_requests_total), from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as rsp:
+        text = rsp.read().decode()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "fs3_rpc_requests_total":
+                method = sample.labels["method"]
+                counts[method] = counts.get(method, 0.0) + sample.value
+    return counts
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="the client service mounts with FUSE")
 def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
     pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    compose = load_compose(COMPOSE_ENV)
+    # The operator publishes the cluster on its host's address; here host and compose network are
+    # both loopback, so that address is 127.0.0.1.
+    public_host = "127.0.0.1"
+    compose = load_compose({**COMPOSE_ENV, "FS3_PUBLIC_HOST": public_host})
     services = compose["services"]
-    # Each service's ports become free loopback ports; "host:port" addresses follow them.
-    ports: dict[str, dict[str, str]] = {}
-    addresses: dict[str, str] = {}
+    # Every port the file names (each service's own, published on the same number) becomes one free
+    # loopback port wherever it appears; "name:port" addresses follow.
+    ports: dict[str, str] = {}
     for name in SERVER_SERVICES:
-        env = services[name]["environment"]
-        mapping = {k: str(_free_port()) for k in env if k.endswith(("_FRAMED_PORT", "_GRPC_PORT", "_METRICS_PORT"))}
-        ports[name] = mapping
-        framed = next(v for k, v in env.items() if k.endswith("_FRAMED_PORT"))
-        addresses[f"{name}:{framed}"] = "127.0.0.1:" + next(v for k, v in mapping.items() if k.endswith("_FRAMED_PORT"))
+        for key, value in services[name]["environment"].items():
+            if key.endswith(("_FRAMED_PORT", "_GRPC_PORT", "_METRICS_PORT")):
+                ports[value] = str(_free_port())
+    addresses = {f"{name}:{framed}": f"127.0.0.1:{ports[framed]}" for name in SERVER_SERVICES
+                 for framed in [_port(services[name]["environment"], "_FRAMED_PORT")]}
 
     def localize(name: str, value: str) -> str:
         for address, local in addresses.items():
@@ -170,24 +266,32 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
         value = value.replace("/data", str(tmp_path / name))
         return value.replace("/certs", str(tmp_path / "certs"))
 
+    def public_address(name: str, suffix: str) -> str:
+        """Where the host reaches a service's port: the public host and the port compose publishes."""
+        published = published_port(compose, name, _port(services[name]["environment"], suffix))
+        assert published is not None, f"{name} publishes its {suffix[1:]}"
+        return f"{public_host}:{ports[published]}"
+
     procs: list[subprocess.Popen[bytes]] = []
     bin_dir = Path(sys.executable).parent
     base_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     try:
-        # The certs service, with loopback added to each node's certificate: here every host is 127.0.0.1.
+        # The certs service as it is: each node's certificate names the public host through --san.
         certs = [localize("certs", arg) for arg in services["certs"]["command"]]
-        certs += [arg for name in SERVER_SERVICES for arg in ("--node", f"{name}=127.0.0.1")]
         done = subprocess.run([sys.executable, "-P", "-m", "fs3.cli.main", *certs], env=base_env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         for name in SERVER_SERVICES:
             env = {k: localize(name, v) for k, v in services[name]["environment"].items()}
-            env.update(ports[name])
             for key in list(env):
-                if key.endswith(("_LISTEN_HOST", "_ADVERTISE_HOST")):
+                if key.endswith(("_FRAMED_PORT", "_GRPC_PORT", "_METRICS_PORT")):
+                    env[key] = ports[env[key]]
+                elif key.endswith("_LISTEN_HOST"):
                     env[key] = "127.0.0.1"
+                elif key.endswith("_ADVERTISE_HOST"):
+                    assert env[key] == public_host, f"{name} advertises the public host"
             ready = tmp_path / f"{name}.ready"
             log = (tmp_path / f"{name}.log").open("wb")
             procs.append(subprocess.Popen([sys.executable, "-P", "-m", "fs3.cli.main", *services[name]["command"],
@@ -223,6 +327,42 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
                                  addresses["mgmtd:9000"], "--json", "chains"], env={**base_env, **client_env},
                                 capture_output=True, text=True)
         assert chains.returncode == 0 and chains.stdout.count("target_ids") == 2, chains.stdout
+
+        # A client on the host knows mgmtd's published address; mgmtd routes it to what each
+        # service advertises, which must be the public host and the port published for it.
+        mgmtd = public_address("mgmtd", "_FRAMED_PORT")
+        listed = subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", mgmtd, "--json",
+                                 "nodes"], env={**base_env, **client_env}, capture_output=True, text=True)
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        node_ids = {_port(services[name]["environment"], "_NODE_ID"): name for name in ADVERTISING}
+        nodes = {node_ids[str(n["node_id"])]: n for n in json.loads(listed.stdout)}
+        assert set(nodes) == set(ADVERTISING)
+        for name, node in nodes.items():
+            assert (node["framed_address"], node["grpc_address"], node["metrics_address"]) == (
+                public_address(name, "_FRAMED_PORT"), public_address(name, "_GRPC_PORT"),
+                public_address(name, "_METRICS_PORT")), name
+
+        # Create, write, read back and remove a file from the host, with only those addresses:
+        # writes go to each chain's head, which forwards them to the other replicas by their
+        # advertised addresses; reads rotate over the replicas.
+        storage = [name for name in ADVERTISING if name.startswith("storage")]
+        before = {name: _rpc_counts(nodes[name]["metrics_address"]) for name in storage}
+        certs_dir = tmp_path / "certs"
+        tls = TlsConfig(ca_file=str(certs_dir / "ca.pem"), cert_file=str(certs_dir / "client.pem"),
+                        key_file=str(certs_dir / "client.key"))
+        data = os.urandom(3 << 20)
+        with fs3.connect(mgmtd, token=COMPOSE_ENV["FS3_TOKEN"], tls=tls) as host_client:
+            host_client.makedirs("/from-the-host", exist_ok=True)
+            host_client.write_bytes("/from-the-host/data.bin", data)
+            for _ in range(2 * len(storage)):
+                assert host_client.read_bytes("/from-the-host/data.bin") == data
+            host_client.remove("/from-the-host/data.bin")
+            assert not host_client.exists("/from-the-host/data.bin")
+        for name in storage:
+            after = _rpc_counts(nodes[name]["metrics_address"])
+            served = {m for m, n in after.items() if n > before[name].get(m, 0.0)}
+            # The client's reads; its writes as the chain's head (Update) or from the head (Forward).
+            assert "Read" in served and {"Update", "Forward"} & served, f"{name} served only {sorted(served)}"
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

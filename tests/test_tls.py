@@ -305,6 +305,52 @@ def test_certs_init_refuses_bad_names_and_hosts(tmp_path: Path) -> None:
         init_certs(tmp_path / "half", {"n": ["n"]})
 
 
+def test_certs_init_names_shared_hosts_on_every_node_and_reissues_a_certificate_lacking_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--san``: one public host every node is reached by (docker-compose's FS3_PUBLIC_HOST). Asked
+    for after the first run, it re-issues the nodes' certificates for their same keys."""
+    directory = tmp_path / "certs"
+
+    def sans(name: str) -> list[str]:
+        cert = x509.load_pem_x509_certificate((directory / f"{name}.pem").read_bytes())
+        cert.verify_directly_issued_by(x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes()))
+        value = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return [*value.get_values_for_type(x509.DNSName), *map(str, value.get_values_for_type(x509.IPAddress))]
+
+    assert parse_node_specs("a,b", [], [""]) == {"a": ["a"], "b": ["b"]}  # an unset variable: nothing added
+    init_certs(directory, parse_node_specs("a,b", ["c=c,10.0.0.3"], [""]))
+    keys = {name: (directory / f"{name}.key").read_bytes() for name in ("a", "b", "c", CLIENT)}
+    client_cert = (directory / f"{CLIENT}.pem").read_bytes()
+    made = init_certs(directory, parse_node_specs("a,b", ["c=c,10.0.0.3"], ["fs3.example.net,192.0.2.10", "a"]))
+    assert {c.name: (c.created, c.reissued) for c in made} == {
+        "ca": (False, False), "a": (False, True), "b": (False, True), "c": (False, True), CLIENT: (False, False)}
+    assert sans("a") == ["a", "fs3.example.net", "192.0.2.10"]
+    assert sans("b") == ["b", "fs3.example.net", "a", "192.0.2.10"]
+    assert sans("c") == ["c", "fs3.example.net", "a", "10.0.0.3", "192.0.2.10"]
+    assert {name: (directory / f"{name}.key").read_bytes() for name in keys} == keys
+    assert (directory / f"{CLIENT}.pem").read_bytes() == client_cert  # a client is never dialled
+    Tls.load(tls_config(directory, "c"), server=True)  # the new certificate matches the kept key
+    # The next run without the public host keeps everything: names are only ever added.
+    again = init_certs(directory, parse_node_specs("a,b", ["c=c,10.0.0.3"], []))
+    assert not any(c.created or c.reissued for c in again)
+    assert "fs3.example.net" in sans("a")
+    with pytest.raises(InvalidArgument, match="bad host name"):
+        parse_node_specs("a", [], ["good.example,bad!host"])
+    # The command: --san (repeatable), and what it did to each file.
+    assert fs3_main(["admin", "--json", "certs", "init", "--dir", str(directory), "--hosts", "a,b", "--san", "",
+                     "--san", "public.example"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert (rows["a"]["created"], rows["a"]["reissued"], rows[CLIENT]["reissued"]) == (False, True, False)
+    assert "public.example" in sans("b")
+    assert fs3_main(["admin", "certs", "init", "--dir", str(directory), "--hosts", "a", "--san", "bad!host"]) == 1
+    assert "bad host name" in capsys.readouterr().err
+    assert "bad!host" not in sans("a")
+    (directory / "b.pem").write_text("not a certificate")  # refused, and left for the operator to look at
+    with pytest.raises(InvalidArgument, match=r"b\.pem: not a PEM certificate"):
+        init_certs(directory, parse_node_specs("b", [], []))
+    assert (directory / "b.pem").read_text() == "not a certificate"
+
+
 def test_the_certs_init_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     directory = tmp_path / "c"
     assert fs3_main(["admin", "--json", "certs", "init", "--dir", str(directory), "--hosts", "mgmtd,meta",

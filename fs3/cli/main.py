@@ -267,14 +267,15 @@ def certs_command(args: argparse.Namespace) -> int:
     """``fs3 admin certs init``: a CA and a certificate per node and for clients (files, no cluster)."""
     from fs3.cluster.certs import init_certs, parse_node_specs
 
-    nodes = parse_node_specs(args.hosts, args.node or [])
+    nodes = parse_node_specs(args.hosts, args.node or [], args.san or [])
     made = init_certs(Path(args.certs_dir), nodes, days=args.days)
     if args.json:
-        print(json.dumps([{"name": c.name, "cert": str(c.cert), "key": str(c.key), "created": c.created}
-                          for c in made], indent=2))
+        print(json.dumps([{"name": c.name, "cert": str(c.cert), "key": str(c.key), "created": c.created,
+                           "reissued": c.reissued} for c in made], indent=2))
     else:
         for c in made:
-            print(f"  {c.name:<12} {'made' if c.created else 'kept'}  {c.cert}  (key {c.key})")
+            state = "made" if c.created else "reissued" if c.reissued else "kept"
+            print(f"  {c.name:<12} {state:<8}  {c.cert}  (key {c.key})")
         print(f"services: [tls] ca_file = {made[0].cert}, cert_file/key_file = their NAME.pem/NAME.key; "
               f"clients: --tls-ca-file/--tls-cert-file/--tls-key-file with client.pem/client.key")
     return 0
@@ -450,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--hosts", help="H1,H2,...: one node per host name or IP, named after it")
     init.add_argument("--node", action="append", metavar="NAME=HOST,...",
                       help="a node NAME whose certificate names these hosts/IPs (repeatable)")
+    init.add_argument("--san", action="append", metavar="HOST,...",
+                      help="hosts/IPs every node's certificate names too, e.g. one public host all nodes are "
+                           "reached by (repeatable; empty entries are skipped); an existing certificate "
+                           "lacking one is issued again for the same key")
     init.add_argument("--days", type=int, default=825, help="lifetime of the node and client certificates")
     _json_after_every_subcommand(admin_sub)
     return parser

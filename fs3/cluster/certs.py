@@ -4,7 +4,10 @@ One directory holds the CA (``ca.pem``, ``ca.key``), a certificate and key per n
 (``NAME.pem``, ``NAME.key``: usable as server and as client, since nodes call each other) and one
 for clients (``client.pem``, ``client.key``: client use only, so a client's key cannot pose as a
 server). Every key file is 0600 and the directory 0700. Running it again keeps what exists and adds
-what is missing, signed by the same CA: a cluster grows a node without re-issuing the others.
+what is missing, signed by the same CA: a cluster grows a node without re-issuing the others. A
+node certificate that lacks a host name now asked for (a public name added after the first run,
+as docker-compose's ``FS3_PUBLIC_HOST``) is issued again for the same key, naming its old hosts
+and the new ones: peers keep trusting it, and a service picks it up when it restarts.
 
 Keys are ECDSA P-256: small, and cheap to verify in the handshakes a restarting cluster makes.
 """
@@ -44,6 +47,7 @@ class CertFiles:
     cert: Path
     key: Path
     created: bool
+    reissued: bool = False  # an existing key's certificate signed again, to name more hosts
 
 
 def tls_config(directory: Path, name: str, server_name: str = "") -> TlsConfig:
@@ -53,9 +57,13 @@ def tls_config(directory: Path, name: str, server_name: str = "") -> TlsConfig:
                      key_file=str(directory / f"{name}.key"), server_name=server_name)
 
 
-def parse_node_specs(hosts: str | None, nodes: Iterable[str]) -> dict[str, list[str]]:
+def parse_node_specs(hosts: str | None, nodes: Iterable[str], every_node: Iterable[str] = ()) -> dict[str, list[str]]:
     """Node name -> its certificate's host names and addresses, from ``--hosts h1,h2`` (each host
-    its own node) and ``--node NAME=H1,H2`` (repeatable)."""
+    its own node), ``--node NAME=H1,H2`` (repeatable) and ``--san H1,H2`` (repeatable: names every
+    node's certificate carries too, such as one public host all nodes are reached by).
+
+    Empty entries of ``--hosts`` and ``--san`` are skipped, so that a compose file can pass
+    ``--san "${FS3_PUBLIC_HOST:-}"`` whether or not the variable is set."""
     out: dict[str, list[str]] = {}
     for host in (h.strip() for h in (hosts or "").split(",")):
         if host:
@@ -66,6 +74,9 @@ def parse_node_specs(hosts: str | None, nodes: Iterable[str]) -> dict[str, list[
         if not sep or not sans:
             raise InvalidArgument(f"bad node spec {spec!r}: expected NAME=HOST[,HOST...]")
         out.setdefault(name.strip(), []).extend(sans)
+    shared = [h.strip() for spec in every_node for h in spec.split(",") if h.strip()]
+    for sans in out.values():
+        sans.extend(h for h in shared if h not in sans)
     for name, sans in out.items():
         if not _NAME.fullmatch(name) or name in (CA, CLIENT):
             raise InvalidArgument(f"bad node name {name!r}: letters, digits, '.', '_' and '-', not {CA!r} or "
@@ -160,10 +171,22 @@ def init_certs(directory: Path, nodes: Mapping[str, list[str]], *, client: bool 
         wanted[CLIENT] = ([], False)
     for name, (sans, is_node) in wanted.items():
         cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
+        general_names = _unique([_san(h) for h in sans])
+        reissue = False
         if cert_path.exists() and key_path.exists():
-            made.append(CertFiles(name, cert_path, key_path, created=False))
-            continue
-        key = ec.generate_private_key(ec.SECP256R1())
+            present = _cert_sans(cert_path)
+            missing = [n for n in general_names if n not in present]
+            if not missing:
+                made.append(CertFiles(name, cert_path, key_path, created=False))
+                continue
+            # Keep the key (nothing a peer holds changes) and every host the old certificate named
+            # (clients may still dial it by them); sign again naming the missing ones too.
+            loaded_key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+            if not isinstance(loaded_key, ec.EllipticCurvePrivateKey):
+                raise InvalidArgument(f"{key_path}: not an EC key made by fs3 admin certs init")
+            key, general_names, reissue = loaded_key, [*present, *missing], True
+        else:
+            key = ec.generate_private_key(ec.SECP256R1())
         usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if is_node \
             else [ExtendedKeyUsageOID.CLIENT_AUTH]
         builder = (x509.CertificateBuilder()
@@ -180,11 +203,33 @@ def init_certs(directory: Path, nodes: Mapping[str, list[str]], *, client: bool 
                    .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
                    .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
                                   critical=False))
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName([_san(h) for h in sans]),
-                                            critical=False)
+        if general_names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(general_names), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
-        _write_private(key_path, pem_key(key))
+        if not reissue:
+            _write_private(key_path, pem_key(key))
         _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-        made.append(CertFiles(name, cert_path, key_path, created=True))
+        made.append(CertFiles(name, cert_path, key_path, created=not reissue, reissued=reissue))
     return made
+
+
+def _unique(names: list[x509.GeneralName]) -> list[x509.GeneralName]:
+    out: list[x509.GeneralName] = []
+    for n in names:
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def _cert_sans(path: Path) -> list[x509.GeneralName]:
+    """The host names and addresses an existing certificate names (none: no SAN extension)."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except ValueError:
+        raise InvalidArgument(f"{path}: not a PEM certificate; remove it (and its key) to make a new one") from None
+    try:
+        return list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        return []

@@ -76,6 +76,8 @@ class LabCluster:
     def env_for(self, name: str) -> dict[str, str]:
         env = {k: self._localize(name, v) for k, v in self.compose["services"][name]["environment"].items()}
         for key in env:
+            # Compose's default (no FS3_PUBLIC_HOST) advertises the service's name; here that name's
+            # host is a namespace, reached by its address.
             if key.endswith("_ADVERTISE_HOST"):
                 env[key] = self.lab.address(name)
         prefix = next((k.rsplit("_", 2)[0] for k in env if k.endswith("_FRAMED_PORT")), "")
