@@ -1,4 +1,4 @@
-"""HFReduce: the Fire-Flyer paper's CPU-side asynchronous allreduce (§IV, Algorithms 1–2).
+"""HFReduce: the Fire-Flyer paper's CPU-side asynchronous allreduce (§IV, Algorithms 1 and 2).
 
 Each node's ranks deposit their buffers chunk by chunk in shared memory, the node's leader reduces
 every chunk on the CPU as soon as all local ranks have deposited it, the node leaders allreduce the

@@ -56,10 +56,8 @@ def _torch_buffer(tensor: Any, writable: bool, what: str) -> FlatBuffer:
     if tensor.device.type != "cpu":
         raise InvalidArgument(f"{what}: tensors on {tensor.device.type} are not supported (cpu, cuda)")
     host = tensor.detach()
-    if dtype is DType.BFLOAT16:
-        array = host.view(torch.int16).numpy().view(np.uint16)
-    else:
-        array = host.numpy()
+    # bf16 has no numpy type: its bits travel as uint16.
+    array = host.view(torch.int16).numpy().view(np.uint16) if dtype is DType.BFLOAT16 else host.numpy()
     return FlatBuffer(array.reshape(-1), dtype, tensor)
 
 
@@ -67,7 +65,7 @@ def _cuda_buffer(tensor: Any, dtype: DType, writable: bool, what: str) -> FlatBu
     """Stage a CUDA tensor through pinned host memory on a side stream (the paper's D2H / H2D)."""
     import torch
 
-    side = torch.cuda.Stream(device=tensor.device)
+    side = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream(tensor.device))
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     with torch.cuda.stream(side):

@@ -207,7 +207,7 @@ class Communicator:
         links: dict[int, PeerLink] = {}
         job = bytes.fromhex(self.job_id).ljust(12, b"\0")
         for peer in sorted(p for p in neighbours if p > self.node_index):
-            name, port = json.loads(store.get(f"{prefix}/node/{peer}", self.timeout_s))
+            _, port = json.loads(store.get(f"{prefix}/node/{peer}", self.timeout_s))
             host = self.infos[self.layout.leader(peer)].address
             try:
                 sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
@@ -282,7 +282,7 @@ class Communicator:
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
                        async_op: bool = False) -> Work:
-        """Reduce ``input`` (world_size × n elements) over all ranks; rank r receives block r in ``output``."""
+        """Reduce ``input`` (world_size * n elements) over all ranks; rank r receives block r in ``output``."""
         out = as_buffer(output, writable=True, what="reduce_scatter output")
         inp = as_buffer(input, writable=False, what="reduce_scatter input")
         if out.dtype is not inp.dtype:
@@ -290,7 +290,7 @@ class Communicator:
                                   f"{inp.dtype.name.lower()}")
         if inp.count != out.count * self.world_size:
             raise InvalidArgument(f"reduce_scatter: input has {inp.count} elements, expected world size "
-                                  f"{self.world_size} × output's {out.count}")
+                                  f"{self.world_size} x output's {out.count}")
         arith = arithmetic(inp.dtype, _public_op(op))
         mine_start, mine_end = self.rank * out.count, (self.rank + 1) * out.count
         source, target = inp.array, out.array
@@ -315,7 +315,7 @@ class Communicator:
             raise InvalidArgument(f"all_gather: output is {out.dtype.name.lower()}, input {inp.dtype.name.lower()}")
         if out.count != inp.count * self.world_size:
             raise InvalidArgument(f"all_gather: output has {out.count} elements, expected world size "
-                                  f"{self.world_size} × input's {inp.count}")
+                                  f"{self.world_size} x input's {inp.count}")
         bits = bits_dtype(out.array.dtype.itemsize)
         arith = arithmetic(bits, ReduceOp.BOR)
         source = inp.array.view(arith.storage)

@@ -29,6 +29,7 @@ pending and later operations raise :class:`~hfreduce.errors.HFReduceError`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -395,23 +396,50 @@ class Reducer:
                 node.raise_if_failed()
             self.bell.wait(seen, _WAIT_SLICE_S)
 
+    def _posted(self, sequence: int) -> list[int]:
+        """Local ranks that have started collective ``sequence`` (posted its descriptor)."""
+        column = self.node.segment.descriptors[:, sequence % self.node.segment.shape.descriptor_ring, 0]
+        return [r for r in range(self.node.local_world_size) if int(column[r]) == sequence + 1]
+
+    def _all_posted(self, sequence: int) -> bool:
+        return len(self._posted(sequence)) == self.node.local_world_size
+
+    def _any_posted(self, sequence: int) -> bool:
+        return bool(self._posted(sequence))
+
+    def _not_started(self, sequence: int) -> str:
+        posted = self._posted(sequence)
+        late = [self.node.describe_rank(r) for r in range(self.node.local_world_size) if r not in posted]
+        return f"collective #{sequence}: waiting for {', '.join(late)} to start it"
+
+    def _chunk_can_start(self, g: int) -> bool:
+        """Every local rank deposited chunk g, and copied out chunk g - slots (its result slot)."""
+        control = self.node.control
+        return (int(control[self._deposited].min()) > g
+                and int(control[self._collected].min()) >= g - self.node.slots + 1)
+
+    def _chunk_lagging(self, g: int) -> str:
+        node, control = self.node, self.node.control
+        ranks = range(node.local_world_size)
+        late = [node.describe_rank(r) for r in ranks if int(control[self._deposited[r]]) <= g]
+        if late:
+            return f"chunk {g}: waiting for {', '.join(late)} to deposit it"
+        late = [node.describe_rank(r) for r in ranks if int(control[self._collected[r]]) < g - node.slots + 1]
+        return f"chunk {g}: waiting for {', '.join(late)} to copy out chunk {g - node.slots}"
+
     def _loop(self) -> None:
         node, control, segment = self.node, self.node.control, self.node.segment
         ranks = range(node.local_world_size)
+        self._deposited = np.array([segment.deposited_at(r) for r in ranks])
+        self._collected = np.array([segment.collected_at(r) for r in ranks])
         ring = segment.shape.descriptor_ring
         slots = node.slots
         sequence = 0
         g = 0
         while True:
+            self._wait(functools.partial(self._all_posted, sequence), functools.partial(self._not_started, sequence),
+                       functools.partial(self._any_posted, sequence))
             descriptors = segment.descriptors[:, sequence % ring]
-
-            def posted(descriptors: np.ndarray = descriptors, sequence: int = sequence) -> list[int]:
-                return [r for r in ranks if int(descriptors[r, 0]) == sequence + 1]
-
-            self._wait(lambda: len(posted()) == node.local_world_size,
-                       lambda: f"collective #{sequence}: waiting for "
-                               f"{', '.join(node.describe_rank(r) for r in ranks if r not in posted())} to start it",
-                       lambda: bool(posted()))
             words = descriptors[0].copy()
             for r in ranks:
                 if not np.array_equal(descriptors[r, 1:], words[1:]):
@@ -424,24 +452,9 @@ class Reducer:
             chunks = max(1, -(-count // per_chunk))
             storage, accumulator = arith.storage, arith.accumulator
             for index in range(chunks):
-                elements = min(per_chunk, count - index * per_chunk)
-                elements = max(elements, 0)
-
-                def deposited(g: int = g) -> bool:
-                    return all(int(control[segment.deposited_at(r)]) > g for r in ranks)
-
-                def freed(g: int = g) -> bool:
-                    return all(int(control[segment.collected_at(r)]) >= g - slots + 1 for r in ranks)
-
-                def lagging(g: int = g) -> str:
-                    late = [node.describe_rank(r) for r in ranks if int(control[segment.deposited_at(r)]) <= g]
-                    if late:
-                        return f"chunk {g}: waiting for {', '.join(late)} to deposit it"
-                    late = [node.describe_rank(r) for r in ranks
-                            if int(control[segment.collected_at(r)]) < g - slots + 1]
-                    return f"chunk {g}: waiting for {', '.join(late)} to copy out chunk {g - slots}"
-
-                self._wait(lambda deposited=deposited, freed=freed: deposited() and freed(), lagging, lambda: True)
+                elements = max(0, min(per_chunk, count - index * per_chunk))
+                self._wait(functools.partial(self._chunk_can_start, g), functools.partial(self._chunk_lagging, g),
+                           _always)
                 inputs = [segment.inputs[r, g % slots, :elements * storage.itemsize].view(storage) for r in ranks]
                 out = segment.results[g % slots, :elements * accumulator.itemsize].view(accumulator)
                 arith.reduce(inputs, out, self._scratch)
@@ -593,9 +606,8 @@ class Network:
         while True:
             children = [self._rings[(tree_index, child)] for child in position.children]
             with self._cond:
-                self._wait(lambda g=g, children=children: self._local_done >= g
-                           and all(ring.owner[g % slots] == g for ring in children),
-                           lambda g=g: self._waiting_for_children(tree_index, g))
+                self._wait(functools.partial(self._can_combine, g, children),
+                           functools.partial(self._waiting_for_children, tree_index, g))
                 info = self._infos[g]
             acc = info.arith.accumulator
             nbytes = info.elements * acc.itemsize
@@ -613,7 +625,7 @@ class Network:
                 with self._cond:
                     ring.owner[g % slots] = None
                     self._cond.notify_all()
-            payload = memoryview(segment.results[g % slots, :nbytes])
+            payload = segment.results[g % slots, :nbytes].data
             if position.parent is None:
                 for child in position.children:
                     self.links[child].send(_DOWN, info, g, payload)
@@ -621,6 +633,17 @@ class Network:
             else:
                 self.links[position.parent].send(_UP, info, g, payload)
             g += 2
+
+    def _can_combine(self, g: int, children: list[_ChildRing]) -> bool:
+        slot = g % self.node.slots
+        return self._local_done >= g and all(ring.owner[slot] == g for ring in children)
+
+    def _slot_free(self, ring: _ChildRing, g: int) -> bool:
+        return ring.owner[g % self.node.slots] is None
+
+    def _slot_busy(self, peer: int, g: int) -> str:
+        return (f"chunk {g - self.node.slots}: its partial from {self.describe_node(peer)} is still waiting "
+                f"to be added")
 
     def _waiting_for_children(self, tree_index: int, g: int) -> str:
         if self._local_done < g:
@@ -657,10 +680,8 @@ class Network:
             if kind == _UP and peer in position.children:
                 ring = self._rings[(tree_index, peer)]
                 with self._cond:
-                    self._wait(lambda ring=ring, g=g: ring.owner[g % slots] is None,
-                               lambda g=g: f"chunk {g - slots}: its partial from {self.describe_node(peer)} is "
-                                           f"still unconsumed")
-                link.recv_into(memoryview(ring.buffers[g % slots, :nbytes]))
+                    self._wait(functools.partial(self._slot_free, ring, g), functools.partial(self._slot_busy, peer, g))
+                link.recv_into(ring.buffers[g % slots, :nbytes].data)
                 with self._cond:
                     ring.headers[g % slots] = (sequence, dtype, op, elements)
                     ring.owner[g % slots] = g
@@ -670,7 +691,7 @@ class Network:
                     info = self._infos.get(g)
                 if info is None or nbytes != info.elements * info.arith.accumulator_itemsize:
                     raise ConnectionError(f"an unexpected result for chunk {g} ({nbytes} bytes)")
-                view = memoryview(segment.results[g % slots, :nbytes])
+                view = segment.results[g % slots, :nbytes].data
                 link.recv_into(view)
                 for child in position.children:
                     self.links[child].send(_DOWN, info, g, view)
@@ -733,6 +754,10 @@ class Network:
 
     def stats(self) -> dict[int, tuple[int, int]]:
         return {peer: (link.bytes_sent, link.bytes_received) for peer, link in self.links.items()}
+
+
+def _always() -> bool:
+    return True
 
 
 def _dtype_name(code: int) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 
 from hfreduce.errors import InvalidArgument
 
-__all__ = ["DType", "ReduceOp", "Arithmetic", "arithmetic"]
+__all__ = ["Arithmetic", "DType", "ReduceOp", "arithmetic", "bits_dtype"]
 
 # Elements per block when more than two inputs are summed: the accumulator block and one input block
 # stay in a core's L2 cache, so each input is read from memory once and the result written once.

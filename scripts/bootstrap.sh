@@ -76,8 +76,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-echo "bootstrap: installing fs3 with the FUSE and test extras into $VENV"
-"$VENV/bin/python" -m pip install -q -e '.[fuse,test]'
+echo "bootstrap: installing fs3 with the FUSE, training and test extras into $VENV"
+# constraints.txt holds torch at the release that installs as a CPU build (any other resolves to a
+# multi-GB CUDA build), whichever extra or package asks for torch.
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[fuse,train,test]'
 
 # The Node.js test client's packages, at the versions package-lock.json pins (npm ci), when the
 # lock file changed since the last install. Offline, the rest of the project still installs: the
