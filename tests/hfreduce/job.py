@@ -1,0 +1,190 @@
+"""One rank of a test job: ``python -m tests.hfreduce.job SCENARIO`` with torch's environment variables.
+
+Prints one JSON line (``{"rank": .., "ok": .., ...}``) that the test collects. ``HFREDUCE_TEST_NODE``
+groups ranks into nodes on one machine (ranks with the same value share a node); unset, the node is
+what the rendezvous sees (the netns tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import hfreduce
+from hfreduce import ReduceOp
+
+CHUNK_SIZE_BYTES = 64 << 10
+NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "int32": np.int32,
+                "int64": np.int64}
+# Relative error allowed against the float64 sum, per dtype (the result is rounded to the dtype once).
+EPSILON = {"float32": 2.0**-21, "float64": 2.0**-50, "float16": 2.0**-9, "bfloat16": 2.0**-6}
+
+
+def rank_input(rank: int, dtype: str, count: int, salt: int) -> np.ndarray:
+    """Rank ``rank``'s data, as float64 values exactly representable in ``dtype``."""
+    rng = np.random.default_rng([rank, count, salt])
+    if dtype.startswith("int"):
+        return rng.integers(-1000, 1000, count).astype(np.float64)
+    values = rng.standard_normal(count)
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(values).to(torch.bfloat16).to(torch.float64).numpy()
+    return values.astype(NUMPY_DTYPES[dtype]).astype(np.float64)
+
+
+def make_tensor(values: np.ndarray, dtype: str) -> Any:
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(values).to(torch.bfloat16)
+    return values.astype(NUMPY_DTYPES[dtype])
+
+
+def as_float64(tensor: Any) -> np.ndarray:
+    if isinstance(tensor, np.ndarray):
+        return tensor.astype(np.float64)
+    return tensor.to(dtype=__import__("torch").float64).numpy()
+
+
+def raw_bytes(tensor: Any) -> bytes:
+    if isinstance(tensor, np.ndarray):
+        return tensor.tobytes()
+    import torch
+
+    return tensor.view(torch.int16).numpy().tobytes()
+
+
+def check_ops(comm: hfreduce.Communicator, dtypes: list[str], sizes: list[int]) -> dict[str, str]:
+    """Every op on every dtype and size against a float64 reference; returns result digests."""
+    world = comm.world_size
+    digests: dict[str, str] = {}
+    for dtype in dtypes:
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN):
+            if op is ReduceOp.AVG and dtype.startswith("int"):
+                continue
+            for count in sizes:
+                salt = int(op) * 7 + len(dtype)
+                inputs = [rank_input(r, dtype, count, salt) for r in range(world)]
+                tensor = make_tensor(inputs[comm.rank], dtype)
+                comm.allreduce(tensor, op=op)
+                got = as_float64(tensor)
+                stacked = np.stack(inputs) if count else np.zeros((world, 0))
+                if op is ReduceOp.MAX:
+                    expected = stacked.max(axis=0)
+                elif op is ReduceOp.MIN:
+                    expected = stacked.min(axis=0)
+                else:
+                    expected = stacked.sum(axis=0) / (world if op is ReduceOp.AVG else 1)
+                where = f"{op.name} of {count} {dtype}"
+                if dtype.startswith("int") or op in (ReduceOp.MAX, ReduceOp.MIN):
+                    assert np.array_equal(got, expected), f"{where}: {got[:4]} != {expected[:4]}"
+                else:
+                    bound = EPSILON[dtype] * (np.abs(stacked).sum(axis=0) + np.abs(expected)) + 1e-300
+                    worst = np.abs(got - expected) - bound
+                    assert (worst <= 0).all(), f"{where}: error {float(worst.max()):.3g} over the bound"
+                digests[where] = hashlib.sha256(raw_bytes(tensor)).hexdigest()
+    return digests
+
+
+def check_collectives(comm: hfreduce.Communicator, sizes: list[int]) -> None:
+    world, rank = comm.world_size, comm.rank
+    for count in sizes:
+        gathered = np.full(count * world, -1.0, dtype=np.float32)
+        comm.all_gather(gathered, np.full(count, rank + 0.5, dtype=np.float32))
+        assert np.array_equal(gathered, np.repeat(np.arange(world, dtype=np.float32) + 0.5, count)), "all_gather"
+        source = world - 1
+        value = np.full(count, -0.0 if rank == source else 7.0, dtype=np.float64)
+        value[: min(count, 3)] = [np.nan, np.inf, -1.5][: min(count, 3)] if rank == source else 0.0
+        expected_bits = value.tobytes() if rank == source else None
+        comm.broadcast(value, src=source)
+        if expected_bits is not None:
+            assert value.tobytes() == expected_bits, "broadcast changed the source"
+        assert np.signbit(value[3:]).all(), "broadcast lost -0.0"
+        scattered = np.zeros(count, dtype=np.int64)
+        comm.reduce_scatter(scattered, np.arange(count * world, dtype=np.int64) + rank)
+        block = np.arange(rank * count, (rank + 1) * count, dtype=np.int64)
+        assert np.array_equal(scattered, block * world + sum(range(world))), "reduce_scatter"
+    comm.barrier()
+
+
+def check_async(comm: hfreduce.Communicator) -> None:
+    """Many collectives in flight at once, of different sizes and kinds, complete in order and right."""
+    buffers = [np.full(1 + 997 * index, comm.rank + index, dtype=np.float32) for index in range(40)]
+    works = [comm.allreduce(buffer, async_op=True) for buffer in buffers]
+    assert not all(work.is_completed() for work in works) or len(works) == 40
+    for index, (buffer, work) in enumerate(zip(buffers, works, strict=True)):
+        work.wait()
+        assert work.is_completed()
+        expected = sum(r + index for r in range(comm.world_size))
+        assert (buffer == expected).all(), f"async allreduce {index}"
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    node = os.environ.get("HFREDUCE_TEST_NODE") or None
+    timeout_s = float(os.environ.get("HFREDUCE_TEST_TIMEOUT_S", "20"))
+    result: dict[str, Any] = {"rank": int(os.environ["RANK"]), "ok": False}
+    comm: hfreduce.Communicator | None = None
+    try:
+        comm = hfreduce.init(node=node, timeout_s=timeout_s, chunk_size_bytes=CHUNK_SIZE_BYTES, slots=4)
+        result["layout"] = [comm.node_index, comm.local_rank, comm.node_count, comm.local_world_size]
+        chunk = CHUNK_SIZE_BYTES // 4
+        if scenario == "ops":
+            dtypes = os.environ.get("HFREDUCE_TEST_DTYPES", "float32,float64,float16,bfloat16,int32,int64")
+            sizes = [0, 1, 1000, chunk + 1, 3 * chunk + 5]
+            result["digests"] = check_ops(comm, dtypes.split(","), sizes)
+            check_collectives(comm, [1, 777, chunk * comm.world_size + 3])
+            check_async(comm)
+        elif scenario == "traffic":
+            counters = Path("/sys/class/net/eth0/statistics")
+            before = [int((counters / name).read_text()) for name in ("tx_bytes", "rx_bytes")]
+            payload = np.ones(2 << 20, dtype=np.float32)  # 8 MiB
+            for _ in range(3):
+                comm.allreduce(payload)
+            assert (payload == comm.world_size**3).all()
+            after = [int((counters / name).read_text()) for name in ("tx_bytes", "rx_bytes")]
+            result["eth0"] = [after[0] - before[0], after[1] - before[1]]
+            result["links"] = comm.stats()["links"]
+        elif scenario == "mismatch":
+            count = 1000 + (comm.rank == comm.world_size - 1)
+            try:
+                comm.allreduce(np.ones(count, dtype=np.float32))
+            except hfreduce.HFReduceError as exc:
+                result["error"] = str(exc)
+        elif scenario == "dtype-mismatch":
+            dtype = np.float64 if comm.rank == 0 else np.float32
+            try:
+                comm.allreduce(np.ones(1000, dtype=dtype))
+            except hfreduce.HFReduceError as exc:
+                result["error"] = str(exc)
+        elif scenario == "loop":
+            # Until killed from outside (or failed): the victim's signal arrives mid-allreduce.
+            payload = np.ones(4 << 20, dtype=np.float32)
+            print(json.dumps({"rank": comm.rank, "started": True}), flush=True)
+            started = time.monotonic()
+            try:
+                while time.monotonic() - started < 120:
+                    comm.allreduce(payload)
+            except hfreduce.HFReduceError as exc:
+                result["error"] = str(exc)
+                result["failed_after_s"] = time.monotonic() - started
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        result["ok"] = True
+    except Exception as exc:
+        result["exception"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        print(json.dumps(result), flush=True)
+        hfreduce.destroy()
+
+
+if __name__ == "__main__":
+    main()
