@@ -238,6 +238,13 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
     def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
         options = infer_storage_options(path)
         host, port, profile = options.get("host"), options.get("port"), options.get("username")
+        # What a URL names is never dropped: a host without its port (or a password) silently left
+        # out sent the file to the default profile's or $FS3_MGMTD's cluster instead.
+        if host and not port:
+            raise ValueError(f"fs3 URL names host {host!r} without a port: write fs3://HOST:PORT/path "
+                             "(or fs3://NAME@/path for a profile)")
+        if options.get("password"):  # never quoted: it may be a token
+            raise ValueError("fs3 URLs carry no password: give the token by profile, token_file= or $FS3_TOKEN_FILE")
         found: dict[str, Any] = {"mgmtd": f"{host}:{port}"} if host and port else {}
         if profile:
             found["profile"] = profile  # fs3://NAME@/path
