@@ -5,8 +5,11 @@ leak, or grow without bound, that once did."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import pytest
+from fsspec.callbacks import Callback
 from prometheus_client import CollectorRegistry
 
 from fs3.client.fsspec_impl import FS3FileSystem
@@ -50,3 +53,45 @@ def test_unknown_method_ids_share_one_metrics_label() -> None:
     assert methods == {"unknown"}
 
 
+
+
+def _fsspec(shared_cluster: Any, **options: Any) -> FS3FileSystem:
+    cluster = shared_cluster.cluster
+    return FS3FileSystem(mgmtd=cluster.mgmtd_address, token=cluster.token, skip_instance_cache=True, **options)
+
+
+class _CancelAfterFirstPiece(Callback):  # type: ignore[misc]
+    """Cancels the put it watches once its first piece is written: a batch cancelled half way."""
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        if self.value:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+
+
+@pytest.mark.slow
+def test_a_whole_file_write_that_does_not_finish_leaves_no_short_file(shared_cluster: Any, tmp_path: Path) -> None:
+    # A put cancelled half way (a batch's first error cancels the rest; wait_for's timeout) or a
+    # pipe that failed after the open committed what had landed: a short (or empty) file under
+    # the name, like a complete one.
+    source = tmp_path / "source"
+    source.write_bytes(b"x" * (3 << 20))
+    fs = _fsspec(shared_cluster, asynchronous=True)
+
+    async def run() -> None:
+        client = await fs.get_client()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.create_task(fs._put_file(str(source), "/rv2-unfinished/put.bin",
+                                                   callback=_CancelAfterFirstPiece()))
+        with pytest.raises(TypeError):
+            await fs._pipe_file("/rv2-unfinished/pipe.bin", "not bytes")
+        await fs._put_file(str(source), "/rv2-unfinished/kept.bin")
+        assert await fs._cat_file("/rv2-unfinished/kept.bin") == source.read_bytes()
+        assert not await fs._exists("/rv2-unfinished/put.bin")
+        assert not await fs._exists("/rv2-unfinished/pipe.bin")
+        assert not client._open_files  # and no handle left open
+        await fs._rm("/rv2-unfinished", recursive=True)
+        await fs._close()
+
+    asyncio.run(run())
