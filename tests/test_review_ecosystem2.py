@@ -5,6 +5,8 @@ leak, or grow without bound, that once did."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +97,44 @@ def test_a_whole_file_write_that_does_not_finish_leaves_no_short_file(shared_clu
         await fs._close()
 
     asyncio.run(run())
+
+
+_FORK_WITH_METRICS = """
+import os, pickle, signal, socket, sys
+import fs3, fsspec
+mgmtd, token = sys.argv[1:3]
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+blocking = fs3.connect(mgmtd, token=token, metrics_port=port)
+blocking.listdir("/")
+ffs = fsspec.filesystem("fs3", mgmtd=mgmtd, token=token, metrics_port=port + 1 if port < 65535 else port - 1,
+                        skip_instance_cache=True)
+ffs.ls("/")
+assert blocking.afs.metrics_address == f"127.0.0.1:{port}"
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)
+    try:
+        blocking.makedirs("/rv2-fork-metrics", exist_ok=True)
+        ffs.pipe_file("/rv2-fork-metrics/child", b"child")
+        os._exit(0)
+    except BaseException as exc:
+        print("child:", type(exc).__name__, exc, flush=True)
+        os._exit(1)
+assert os.waitpid(pid, 0)[1] == 0
+assert pickle.loads(pickle.dumps(blocking)).config.metrics_port == -1
+assert pickle.loads(pickle.dumps(ffs)).storage_options["metrics_port"] == -1
+assert ffs.cat_file("/rv2-fork-metrics/child") == b"child"
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_client_with_a_fixed_metrics_port_works_in_a_forked_child_and_pickles(shared_cluster: Any) -> None:
+    # The child connected anew with the parent's metrics port, which the parent holds: every call
+    # of a forked (DataLoader) worker failed with EADDRINUSE, and so did an unpickled copy's.
+    cluster = shared_cluster.cluster
+    done = subprocess.run([sys.executable, "-c", _FORK_WITH_METRICS, cluster.mgmtd_address, cluster.token],
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

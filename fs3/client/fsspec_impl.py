@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem, _run_coros_in_chunks, get_loop, sync, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK
-from fsspec.spec import AbstractBufferedFile
+from fsspec.spec import AbstractBufferedFile, make_instance
 from fsspec.utils import infer_storage_options, isfilelike
 
 from fs3.client.files import AsyncFile
@@ -59,6 +59,13 @@ log = logging.getLogger(__name__)
 _COPY_PIECE_BYTES = 1024 * 1024
 # fsspec's own options, which fsspec reads from the constructor's keywords (never client options).
 _FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
+
+
+def _for_another_process(options: dict[str, Any]) -> dict[str, Any]:
+    """Client options for a copy of the file system in another process: see
+    :meth:`fs3.aio.ClientConfig.for_another_process`."""
+    port = options.get("metrics_port")
+    return {**options, "metrics_port": -1} if isinstance(port, int) and port > 0 else options
 
 
 def _close_client(loop: asyncio.AbstractEventLoop, client: ClientFileSystem, pid: int) -> None:
@@ -165,7 +172,13 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             if not self.asynchronous:
                 self._loop = get_loop()
             self._clients = {}  # the parent's, on loops that do not run here
+            self._options = _for_another_process(self._options)  # a fixed metrics port stays the parent's
         return self._loop  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """fsspec's pickle (its storage options), less a fixed metrics port: an unpickled copy (a
+        ``spawn`` worker) binding the port its original holds failed at every call."""
+        return make_instance, (type(self), self.storage_args, _for_another_process(self.storage_options))
 
     def _on_own_loop(self) -> bool:
         try:
