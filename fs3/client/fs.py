@@ -74,6 +74,13 @@ class ClientConfig:
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
 
+    def for_another_process(self) -> ClientConfig:
+        """This config for a copy of the client in another process (a forked child, an unpickled
+        copy in a ``spawn`` worker): a fixed metrics port is the first process's — binding it again
+        failed with EADDRINUSE while that one ran, so every call of the copy failed — and the copy
+        serves no endpoint of its own; port 0 (any free one) stays."""
+        return dataclasses.replace(self, metrics_port=-1) if self.metrics_port > 0 else self
+
 
 def stat_result(inode: mpb.Inode) -> os.stat_result:
     """An ``os.stat_result`` for an inode (times in seconds and nanoseconds)."""
@@ -201,6 +208,9 @@ class AsyncFileSystem:
         old = self.channels
         forking.keep_inherited(old, self.routing, self.storage, self.meta)
         lease_wanted = self.meta.lease_started
+        forking.keep_inherited(self._metrics_endpoint)  # the parent's server: its thread is not here
+        self._metrics_endpoint = None
+        self.config = self.config.for_another_process()
         if old.transport == "grpc":
             forking.note_grpc()
             self._connect(forking.RefusingChannels(old.token, old.transport, old.tls))

@@ -36,12 +36,12 @@ import stat as stat_mod
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
 from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem, _run_coros_in_chunks, get_loop, sync, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK
-from fsspec.spec import AbstractBufferedFile
+from fsspec.spec import AbstractBufferedFile, make_instance
 from fsspec.utils import infer_storage_options, isfilelike
 
 from fs3.client.files import AsyncFile
@@ -61,6 +61,13 @@ log = logging.getLogger(__name__)
 _COPY_PIECE_BYTES = 1024 * 1024
 # fsspec's own options, which fsspec reads from the constructor's keywords (never client options).
 _FSSPEC_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
+
+
+def _for_another_process(options: dict[str, Any]) -> dict[str, Any]:
+    """Client options for a copy of the file system in another process: see
+    :meth:`fs3.aio.ClientConfig.for_another_process`."""
+    port = options.get("metrics_port")
+    return {**options, "metrics_port": -1} if isinstance(port, int) and port > 0 else options
 
 
 def _close_client(loop: asyncio.AbstractEventLoop, client: ClientFileSystem, pid: int) -> None:
@@ -167,7 +174,13 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             if not self.asynchronous:
                 self._loop = get_loop()
             self._clients = {}  # the parent's, on loops that do not run here
+            self._options = _for_another_process(self._options)  # a fixed metrics port stays the parent's
         return self._loop  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """fsspec's pickle (its storage options), less a fixed metrics port: an unpickled copy (a
+        ``spawn`` worker) binding the port its original holds failed at every call."""
+        return make_instance, (type(self), self.storage_args, _for_another_process(self.storage_options))
 
     def _on_own_loop(self) -> bool:
         try:
@@ -240,6 +253,13 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
     def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
         options = infer_storage_options(path)
         host, port, profile = options.get("host"), options.get("port"), options.get("username")
+        # What a URL names is never dropped: a host without its port (or a password) silently left
+        # out sent the file to the default profile's or $FS3_MGMTD's cluster instead.
+        if host and not port:
+            raise ValueError(f"fs3 URL names host {host!r} without a port: write fs3://HOST:PORT/path "
+                             "(or fs3://NAME@/path for a profile)")
+        if options.get("password"):  # never quoted: it may be a token
+            raise ValueError("fs3 URLs carry no password: give the token by profile, token_file= or $FS3_TOKEN_FILE")
         found: dict[str, Any] = {"mgmtd": f"{host}:{port}"} if host and port else {}
         if profile:
             found["profile"] = profile  # fs3://NAME@/path
@@ -410,11 +430,10 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
 
     async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite", **kwargs: Any) -> None:
         """``mode="create"`` refuses an existing file (``FileExistsError``), as fsspec asks."""
-        afile = await self._open_handle(self._strip_protocol(path), "xb" if mode == "create" else "wb")
-        try:
+        async def fill(afile: AsyncFile) -> None:
             await afile.write(value)
-        finally:
-            await afile.close()
+
+        await self._write_whole(self._strip_protocol(path), "xb" if mode == "create" else "wb", fill)
 
     async def _cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
         client = await self.get_client()
@@ -424,12 +443,11 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             return
         fin = await client.open(src, "rb")
         try:
-            fout = await self._open_handle(dst, "wb")
-            try:
+            async def fill(fout: AsyncFile) -> None:
                 while piece := await fin.read(_COPY_PIECE_BYTES):
                     await fout.write(piece)
-            finally:
-                await fout.close()
+
+            await self._write_whole(dst, "wb", fill)
         finally:
             await fin.close()
 
@@ -442,13 +460,30 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
             return
         with open(lpath, "rb") as local:
             callback.set_size(os.fstat(local.fileno()).st_size)
-            afile = await self._open_handle(rpath, "xb" if mode == "create" else "wb")
-            try:
+
+            async def fill(afile: AsyncFile) -> None:
                 while piece := await asyncio.to_thread(local.read, _COPY_PIECE_BYTES):
                     await afile.write(piece)
                     callback.relative_update(len(piece))
-            finally:
-                await afile.close()
+
+            await self._write_whole(rpath, "xb" if mode == "create" else "wb", fill)
+
+    async def _write_whole(self, path: str, mode: str, fill: Callable[[AsyncFile], Awaitable[None]]) -> None:
+        """Write a whole file (``put``, ``pipe``, ``copy``): ``fill`` writes it, then the close commits it.
+
+        A write that does not finish (an error, a cancelled batch: fsspec cancels the rest of a
+        batch at its first error, and ``wait_for`` cancels at its timeout) leaves no file behind.
+        Closed as it was, the handle committed what had landed so far: a short file under the
+        name, indistinguishable from a complete one. (``"wb"`` had already emptied a file there.)
+        """
+        client = await self.get_client()
+        afile = await self._open_handle(path, mode)
+        try:
+            await fill(afile)
+            await afile.close()
+        except BaseException:
+            await _discard_unfinished(client, afile, path)
+            raise
 
     async def _get_file(self, rpath: str, lpath: Any, callback: Any = DEFAULT_CALLBACK, **kwargs: Any) -> None:
         client = await self.get_client()
@@ -682,6 +717,30 @@ class FS3File(AbstractBufferedFile):  # type: ignore[misc]
         """A transaction that failed: the hidden file goes, the named one was never touched."""
         if self._handle_path != self.path:
             self._fs3.rm_file(self._handle_path)
+
+
+# Discards of unfinished files still running after their caller was cancelled again (the loop keeps
+# only weak references to tasks).
+_discards: set[asyncio.Task[None]] = set()
+
+
+async def _discard_unfinished(client: ClientFileSystem, afile: AsyncFile, path: str) -> None:
+    """Remove the file an unfinished whole-file write left (if ``path`` still names it), then
+    release its handle; neither is stopped by a second cancellation, whose error the caller sees
+    anyway. Best effort: the write's own error is the one raised."""
+
+    async def discard() -> None:
+        with contextlib.suppress(Exception):
+            if (await client.lstat(path)).st_ino == afile.inode.inode_id:
+                await client.remove(path)  # first, so that the name is gone before any flush
+        with contextlib.suppress(Exception):
+            await afile.close()
+
+    task = asyncio.ensure_future(discard())
+    _discards.add(task)
+    task.add_done_callback(_discards.discard)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(task)
 
 
 def _below_any(path: str, links: set[str]) -> bool:

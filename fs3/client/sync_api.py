@@ -209,13 +209,14 @@ class FileSystem:
         return f"fs3.FileSystem(mgmtd={','.join(self.settings.mgmtd)!r}{', closed' if self._closed else ''})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (FileSystem, (self.settings, self.config))
+        return (FileSystem, (self.settings, self.config.for_another_process()))
 
     def _after_fork_in_child(self) -> None:
         """The parent's loop thread is gone in the child: connect anew on the next call."""
         forking.keep_inherited(self._runner, self._afs)
         self._afs, self._runner = None, None
         self._lock = threading.Lock()  # another thread may have held it at the fork
+        self.config = self.config.for_another_process()  # a fixed metrics port stays the parent's
 
     def _connected(self) -> tuple[AsyncFileSystem, _LoopThread]:
         if self._closed:

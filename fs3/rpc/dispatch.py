@@ -75,7 +75,10 @@ class Dispatcher:
         """Serve one call from ``principal`` (None: the connection did not authenticate)."""
         entry = self._handlers.get(method_id)
         method = method_by_id(method_id)
-        name = method.name if method else str(method_id)
+        # Unknown ids share one label value: anyone may send any of 65536 ids (an unauthenticated
+        # connection gets one request answered), and a series per id would grow /metrics, and this
+        # process's memory, without bound.
+        name = method.name if method else "unknown"
         service = method.service if method else "unknown"
         start = time.perf_counter()
         code = StatusCode.OK
