@@ -138,3 +138,54 @@ def test_a_client_with_a_fixed_metrics_port_works_in_a_forked_child_and_pickles(
     done = subprocess.run([sys.executable, "-c", _FORK_WITH_METRICS, cluster.mgmtd_address, cluster.token],
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_warmup_reads_while_it_walks_so_memory_does_not_grow_with_the_tree() -> None:
+    # It collected every path of the tree before reading one: tens of millions of files meant GBs.
+    import argparse
+
+    from fs3.cli.ops import _warmup
+
+    class Tree:
+        """A file system whose walk yields 2,000 files, recording how far the reads lag behind."""
+
+        def __init__(self) -> None:
+            self.yielded = 0
+            self.read = 0
+            self.worst_lag = 0
+
+        async def isdir(self, path: str) -> bool:
+            return path == "/big"
+
+        async def isfile(self, path: str) -> bool:
+            self.read += 1
+            return False
+
+        async def walk(self, path: str) -> Any:
+            for page in range(20):
+                names = [f"f{page}-{i}" for i in range(100)]
+                for _ in names:
+                    self.yielded += 1
+                    self.worst_lag = max(self.worst_lag, self.yielded - self.read)
+                yield f"/big/d{page}", [], names
+
+    tree = Tree()
+    args = argparse.Namespace(path="/big", threads=4, json=True)
+    assert asyncio.run(_warmup(tree, args)) == 0
+    assert tree.read == 2000
+    # One directory page plus the bounded queue (4 × threads) and the files being read.
+    assert tree.worst_lag <= 100 + 4 * 4 + 4 + 100, tree.worst_lag
+
+
+def test_an_fs3_mgmtd_naming_no_address_is_refused_up_front(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from fs3.client.profiles import resolve
+    from fs3.common.errors import InvalidArgument
+
+    monkeypatch.delenv("FS3_CONFIG", raising=False)
+    monkeypatch.delenv("FS3_PROFILE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    for value in (",", " , ", " "):
+        monkeypatch.setenv("FS3_MGMTD", value)
+        with pytest.raises(InvalidArgument, match="names no address"):
+            resolve()

@@ -365,14 +365,15 @@ async def _bounded(limit: int, job: Callable[[str], Awaitable[None]], items: lis
     await asyncio.gather(*(worker() for _ in range(min(limit, len(items)))))
 
 
+_FAILURES_LISTED = 100
+
+
 async def _warmup(fs: Any, args: argparse.Namespace) -> int:
-    files: list[str] = []
-    if await fs.isdir(args.path):
-        async for top, _dirs, names in fs.walk(args.path):
-            files += [f"{top.rstrip('/')}/{name}" for name in names]
-    else:
-        files.append(args.path)
-    done = {"files": 0, "bytes": 0}
+    """Read every file under the path, ``--threads`` at a time. The walk feeds a bounded queue, so
+    memory stays bounded by the queue and one directory page however many files the tree holds;
+    the progress total is what the walk has found so far."""
+    paths: asyncio.Queue[str | None] = asyncio.Queue(maxsize=4 * args.threads)
+    done = {"files": 0, "bytes": 0, "found": 0, "failed": 0}
     failed: list[str] = []
     with progress(f"warming {args.path}", enabled=not args.json) as update:
         async def read(path: str) -> None:
@@ -386,19 +387,42 @@ async def _warmup(fs: Any, args: argparse.Namespace) -> int:
                 finally:
                     await f.close()
             except OSError as exc:
-                failed.append(f"{path}: {exc}")
+                done["failed"] += 1
+                if len(failed) < _FAILURES_LISTED:
+                    failed.append(f"{path}: {exc}")
             done["files"] += 1
-            update(done["files"], len(files))
+            update(done["files"], done["found"])
 
-        await _bounded(args.threads, read, files)
+        async def worker() -> None:
+            while (path := await paths.get()) is not None:
+                await read(path)
+
+        async def walk() -> None:
+            try:
+                if await fs.isdir(args.path):
+                    async for top, _dirs, names in fs.walk(args.path):
+                        for name in names:
+                            done["found"] += 1
+                            await paths.put(f"{top.rstrip('/')}/{name}")
+                else:
+                    done["found"] += 1
+                    await paths.put(args.path)
+            finally:
+                for _ in range(args.threads):
+                    await paths.put(None)
+
+        await asyncio.gather(walk(), *(worker() for _ in range(args.threads)))
     if args.json:
-        print_json({"path": args.path, "files": done["files"], "bytes": done["bytes"], "failed": failed})
+        print_json({"path": args.path, "files": done["files"], "bytes": done["bytes"],
+                    "failed_count": done["failed"], "failed": failed})
     else:
         print(f"warmed {done['files']} files, {human_bytes(done['bytes'])} read" +
-              (f"; {len(failed)} failed" if failed else ""))
+              (f"; {done['failed']} failed" if done["failed"] else ""))
         for line in failed:
             print(f"  FAILED: {line}")
-    return 2 if failed else 0
+        if done["failed"] > len(failed):
+            print(f"  ... and {done['failed'] - len(failed)} more")
+    return 2 if done["failed"] else 0
 
 
 async def rmr_command(fs: Any, args: argparse.Namespace) -> int:

@@ -110,8 +110,16 @@ def config_path(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def _read_config_text(path: Path) -> str | None:
-    """The config file's text, or None when there is none. Opened non-blocking (a pipe planted at
-    the path cannot hang a client) and only if it is a regular file."""
+    """The config file's text, or None when there is none (see :func:`_read_config`)."""
+    read = _read_config(path)
+    return None if read is None else read[0]
+
+
+def _read_config(path: Path) -> tuple[str, os.stat_result] | None:
+    """The config file's text and the status of the very file it was read from, or None when there
+    is none. Opened non-blocking (a pipe planted at the path cannot hang a client) and only if it
+    is a regular file; the status comes from the open descriptor, so a path swapped after the read
+    cannot pass its owner and mode off as the text's."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -119,13 +127,14 @@ def _read_config_text(path: Path) -> str | None:
     except OSError as exc:
         raise InvalidArgument(f"fs3 config {path}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+        status = os.fstat(fh.fileno())
+        if not stat.S_ISREG(status.st_mode):
             raise InvalidArgument(f"fs3 config {path} is not a regular file")
         raw = fh.read(_CONFIG_MAX_BYTES + 1)
     if len(raw) > _CONFIG_MAX_BYTES:
         raise InvalidArgument(f"fs3 config {path} is larger than 1 MiB")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8"), status
     except UnicodeDecodeError:
         raise InvalidArgument(f"fs3 config {path} is not UTF-8 text") from None
 
@@ -192,22 +201,23 @@ def _load_tables(path: Path) -> dict[str, Any]:
     A file with a token inline is read again through the secret-file check (private, yours), and
     that checked text is what is used.
     """
-    text = _read_config_text(path)
-    if text is None:
+    read = _read_config(path)
+    if read is None:
         return {}
+    text, status = read
     tables = _parse(path, text)
     if any("token" in table for table in tables.values()):
         tables = _parse(path, read_secret_file(path))
     elif tables:
-        _check_unchangeable_by_others(path)
+        _check_unchangeable_by_others(path, status)
     return tables
 
 
-def _check_unchangeable_by_others(path: Path) -> None:
+def _check_unchangeable_by_others(path: Path, st: os.stat_result) -> None:
     """A config says where a token goes (its token file's, or ``$FS3_TOKEN`` to its mgmtd): it may
     be read by others, never changed by them (as ssh treats its config), or whoever may change it
-    points the profile's mgmtd at a host of theirs and gets the token."""
-    st = path.stat()
+    points the profile's mgmtd at a host of theirs and gets the token. ``st`` is the status of the
+    file the text was read from."""
     uid = os.geteuid()
     if st.st_uid not in (uid, 0):
         raise InvalidArgument(f"fs3 config {path} is owned by uid {st.st_uid}, not uid "
@@ -255,6 +265,8 @@ def resolve(mgmtd: str | list[str] | tuple[str, ...] | None = None, token: str |
     elif env.get("FS3_MGMTD"):
         addresses = tuple(a.strip() for a in env["FS3_MGMTD"].split(",") if a.strip())
         source = "FS3_MGMTD"
+        if not addresses:
+            raise InvalidArgument(f"FS3_MGMTD={env['FS3_MGMTD']!r} names no address (HOST:PORT[,HOST:PORT...])")
     elif chosen is not None:
         addresses, source = chosen.mgmtd, f"profile {name!r} in {path}"
     else:
