@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from hfreduce.buffers import FlatBuffer, as_buffer
-from hfreduce.engine import Network, NodeState, OpKind, PeerLink, RankOp, RankWorker, Reducer, Work
+from hfreduce.engine import Network, NodeState, OpKind, PeerLink, RankOp, RankWorker, Work
 from hfreduce.errors import HFReduceError, HFReduceTimeout, InvalidArgument
 from hfreduce.kernels import Arithmetic, ReduceOp, arithmetic, bits_dtype
 from hfreduce.rendezvous import Layout, RankInfo, check_local_environment, default_node_key, exchange, group_ranks
@@ -102,7 +102,6 @@ class Communicator:
         self._server: StoreServer | None = None
         self._client: StoreClient | None = None
         self.network: Network | None = None
-        self.reducer: Reducer | None = None
         self.segment: NodeSegment | None = None
         try:
             if store is None:
@@ -180,14 +179,11 @@ class Communicator:
         finally:
             if listener is not None:
                 listener.close()
-        if self.local_rank == 0:
-            on_reduced = None
-            if self.node_count > 1:
-                trees = double_binary_tree(self.node_count, self.node_index)
-                self.network = Network(self.node, self.node_index, trees, links, self._describe_node)
-                on_reduced = self.network.on_reduced
-            self.reducer = Reducer(self.node, on_reduced)
-        self.worker = RankWorker(self.node)
+        self.node.multi_node = self.node_count > 1
+        if self.local_rank == 0 and self.node_count > 1:
+            trees = double_binary_tree(self.node_count, self.node_index)
+            self.network = Network(self.node, self.node_index, trees, links, self._describe_node)
+        self.worker = RankWorker(self.node, self.network.on_start if self.network is not None else None)
         if self._client is not None:
             # The store serves only the start; rank 0 keeps listening until shutdown so that no rank
             # still reading its last reply loses it.
@@ -271,13 +267,13 @@ class Communicator:
         arith = arithmetic(buffer.dtype, _public_op(op))
         flat = buffer.array
 
-        def deposit(start: int, end: int, slot: np.ndarray) -> None:
-            np.copyto(slot, flat[start:end])
+        def contribution(start: int, end: int, scratch: np.ndarray) -> np.ndarray:
+            return flat[start:end]
 
         def collect(start: int, end: int, result: np.ndarray) -> None:
             arith.collect(result, flat[start:end], self.world_size)
 
-        return self._submit(self._op(OpKind.ALLREDUCE, arith, buffer.count, 0, deposit, collect, buffer,
+        return self._submit(self._op(OpKind.ALLREDUCE, arith, buffer.count, 0, contribution, collect, buffer,
                                      f"allreduce({arith.op.name})", buffer), async_op)
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
@@ -295,8 +291,8 @@ class Communicator:
         mine_start, mine_end = self.rank * out.count, (self.rank + 1) * out.count
         source, target = inp.array, out.array
 
-        def deposit(start: int, end: int, slot: np.ndarray) -> None:
-            np.copyto(slot, source[start:end])
+        def contribution(start: int, end: int, scratch: np.ndarray) -> np.ndarray:
+            return source[start:end]
 
         def collect(start: int, end: int, result: np.ndarray) -> None:
             low, high = max(start, mine_start), min(end, mine_end)
@@ -304,7 +300,7 @@ class Communicator:
                 arith.collect(result[low - start:high - start], target[low - mine_start:high - mine_start],
                               self.world_size)
 
-        return self._submit(self._op(OpKind.REDUCE_SCATTER, arith, inp.count, 0, deposit, collect, (out, inp),
+        return self._submit(self._op(OpKind.REDUCE_SCATTER, arith, inp.count, 0, contribution, collect, (out, inp),
                                      f"reduce_scatter({arith.op.name})", out), async_op)
 
     def all_gather(self, output: Any, input: Any, async_op: bool = False) -> Work:
@@ -322,19 +318,20 @@ class Communicator:
         target = out.array.view(arith.storage)
         mine_start, mine_end = self.rank * inp.count, (self.rank + 1) * inp.count
 
-        def deposit(start: int, end: int, slot: np.ndarray) -> None:
+        def contribution(start: int, end: int, scratch: np.ndarray) -> np.ndarray:
             low, high = max(start, mine_start), min(end, mine_end)
             if low >= high:
-                slot.fill(0)
-                return
-            slot[:low - start].fill(0)
-            np.copyto(slot[low - start:high - start], source[low - mine_start:high - mine_start])
-            slot[high - start:].fill(0)
+                scratch.fill(0)
+                return scratch
+            scratch[:low - start].fill(0)
+            np.copyto(scratch[low - start:high - start], source[low - mine_start:high - mine_start])
+            scratch[high - start:].fill(0)
+            return scratch
 
         def collect(start: int, end: int, result: np.ndarray) -> None:
             np.copyto(target[start:end], result)
 
-        return self._submit(self._op(OpKind.ALL_GATHER, arith, out.count, 0, deposit, collect, (out, inp),
+        return self._submit(self._op(OpKind.ALL_GATHER, arith, out.count, 0, contribution, collect, (out, inp),
                                      "all_gather", out), async_op)
 
     def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False) -> Work:
@@ -346,28 +343,30 @@ class Communicator:
         flat = buffer.array.view(arith.storage)
         is_source = self.rank == src
 
-        def deposit(start: int, end: int, slot: np.ndarray) -> None:
+        def contribution(start: int, end: int, scratch: np.ndarray) -> np.ndarray:
             if is_source:
-                np.copyto(slot, flat[start:end])
-            else:
-                slot.fill(0)
+                return flat[start:end]
+            scratch.fill(0)
+            return scratch
 
         def collect(start: int, end: int, result: np.ndarray) -> None:
             if not is_source:
                 np.copyto(flat[start:end], result)
 
-        return self._submit(self._op(OpKind.BROADCAST, arith, buffer.count, src, deposit, collect, buffer,
+        return self._submit(self._op(OpKind.BROADCAST, arith, buffer.count, src, contribution, collect, buffer,
                                      f"broadcast(src={src})", buffer), async_op)
 
     def barrier(self, timeout_s: float | None = None) -> None:
         """Return once every rank has called ``barrier`` (an allreduce of one integer)."""
         self.allreduce(np.zeros(1, dtype=np.int32), async_op=True).wait(timeout_s)
 
-    def _op(self, kind: int, arith: Arithmetic, count: int, root: int, deposit: Callable[[int, int, np.ndarray], None],
+    def _op(self, kind: int, arith: Arithmetic, count: int, root: int,
+            contribution: Callable[[int, int, np.ndarray], np.ndarray],
             collect: Callable[[int, int, np.ndarray], None], keep: object, description: str,
             output: FlatBuffer) -> RankOp:
         """The rank's side of one collective; ``output.finish`` (CUDA) runs before the work completes."""
-        return RankOp(kind, arith, count, root, deposit, collect, Work(description), (keep,), finish=output.finish)
+        return RankOp(kind, arith, count, root, contribution, collect, Work(description), (keep,),
+                      finish=output.finish)
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -402,8 +401,6 @@ class Communicator:
             self.network.say_goodbye()
             self.network.close()
             self.network.join()
-        if self.reducer is not None:
-            self.reducer.join()
         for closer in (self._client, self._server):
             if closer is not None:
                 closer.close()

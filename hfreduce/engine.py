@@ -1,25 +1,35 @@
-"""The node's pipeline: ranks deposit chunks into shared memory, the leader reduces them, the leaders
-allreduce the partials over a double binary tree, and every rank copies the result out.
+"""The node's pipeline: every rank deposits chunks into shared memory, each chunk is reduced by one of
+the node's ranks in turn, the node leaders allreduce the partials over a double binary tree, and
+every rank copies the result out.
 
-Three kinds of threads, each moving chunks in global order (``g`` counts chunks over the job's life, so
-every rank and node names a chunk the same way):
+Chunks are numbered over the job's life (``g``), so every rank and node names a chunk the same way.
+Local rank ``g % L`` *owns* chunk ``g``: it reduces it, reading the other ranks' deposits from their
+input slots and its own contribution straight from its tensor (so the owner never copies its own
+chunk in). The reduction work is spread over all the node's processes — each one's worker thread is
+a reducer — and no thread hands a chunk to another thread of its own process.
 
-* :class:`RankWorker` — one per rank, in every rank's process. For each queued operation it posts a
-  descriptor, deposits chunk ``g`` into its input slot ``g % slots`` once the reducer has emptied that
-  slot, and copies chunk ``g`` out of result slot ``g % slots`` once the result is ready. It never
-  waits for a whole tensor: copy-in of later chunks overlaps reduction and copy-out of earlier ones.
-* :class:`Reducer` — in the leader's process. When every local rank has deposited chunk ``g`` (and
-  has copied out chunk ``g - slots``, whose result slot ``g`` reuses), it reduces the inputs in
-  local-rank order into the result slot. With one node that is the result; otherwise the partial goes
-  to the network.
-* :class:`Network` — in the leader's process: per tree, a combiner adds the children's partials of
-  its chunks (in child order) to the node's own and sends the sum to the parent; the root's sum is
-  final and goes down the tree; a receiver per peer link reads frames into preallocated buffers
-  (children's partials) or straight into the result slot (the final, from the parent) and forwards
-  finals to the children. Even chunks ride tree A, odd chunks tree B.
+:class:`RankWorker` — one thread per rank, working through its queue of collectives. For each it
+posts a descriptor and waits until every local rank has posted theirs (a disagreement fails the node
+with a message naming both), then loops until every chunk is collected:
 
-Shared-memory counters only grow: ``deposited[r]`` and ``collected[r]`` (per local rank), ``reduced``
-and ``ready`` (the leader's). A doorbell per direction wakes the other side.
+* deposit chunk ``g`` (not its own) into input slot ``g % slots`` once that slot's previous chunk,
+  ``g - slots``, was reduced;
+* reduce its own chunk ``g`` once every other rank deposited it and every rank has copied out chunk
+  ``g - slots`` (whose result slot ``g`` reuses): the inputs are added in local-rank order into the
+  result slot;
+* copy out chunk ``g`` once it is final: reduced, on one node; on several, when the tree's result
+  came back (the shared ``ready`` counter).
+
+:class:`Network` — in the leader's process, with several nodes: per tree, a combiner adds the
+children's partials of its chunks (in child order) to the node's own and sends the sum to the
+parent; the root's sum is final and goes down the tree; a receiver per peer link reads frames into
+preallocated buffers (children's partials) or straight into the result slot (the final, from the
+parent) and forwards finals to the children. Even chunks ride tree A, odd chunks tree B.
+
+Shared counters only grow: per local rank ``deposited``, ``reduced`` and ``collected`` (each written
+by its own rank), and the leader's ``ready``. Every waiter sleeps on one doorbell (a futex) that
+every change rings. The order of additions is fixed by local rank and by the tree, never by arrival,
+so a job rerun on the same layout gives bit-identical results.
 
 Failure: any thread that sees a dead peer, a disagreement or no progress within the timeout poisons
 the node (the shared error word and message) and every linked node (an ABORT frame), and every rank's
@@ -44,24 +54,28 @@ import numpy as np
 
 from hfreduce.errors import HFReduceError, HFReduceTimeout
 from hfreduce.futex import Doorbell
-from hfreduce.kernels import Arithmetic, DType, ReduceOp, arithmetic
+from hfreduce.kernels import Arithmetic, DType, ReduceOp
 from hfreduce.shm import DESCRIPTOR_WORDS, NodeSegment, process_start_time
 from hfreduce.tree import TreePosition, tree_for_chunk
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Network", "OpKind", "PeerLink", "RankOp", "RankWorker", "Reducer", "Work"]
+__all__ = ["Network", "NodeState", "OpKind", "PeerLink", "RankOp", "RankWorker", "Work"]
 
 # How long one wait sleeps before it re-checks liveness and its deadline.
 _WAIT_SLICE_S = 0.05
 _MAX_QUEUED_OPS = 4096
 
-# Frame header on the leaders' links: kind, dtype, op, pad, op sequence, global chunk, elements, bytes.
+# Frame header on the leaders' links: kind, dtype (or flags), op, pad, op sequence, global chunk,
+# elements, bytes.
 _FRAME = struct.Struct("!BBBxQQQQ")
 _UP, _DOWN, _ABORT = 1, 2, 3
 _MAX_ABORT_MESSAGE = 4096
 # How long an aborting node waits for its peers to close their ends after the abort frame.
 _DRAIN_S = 2.0
+# Doorbell signaller ids: local ranks use their local rank; the leader's network threads these.
+_SIGNALLER_POISON = 250
+_SIGNALLER_NETWORK = 240
 
 
 class OpKind:
@@ -122,15 +136,17 @@ class Work:
 class RankOp:
     """One rank's side of a collective over ``count`` elements of ``arith``'s dtype.
 
-    ``deposit(start, end, slot)`` fills ``slot`` (storage dtype, ``end - start`` long) with this rank's
-    contribution; ``collect(start, end, result)`` takes the final values (accumulator dtype) it wants.
+    ``contribution(start, end, scratch)`` is this rank's part of elements ``[start, end)`` in the
+    storage dtype: a view of the caller's buffer when there is one, else written into ``scratch`` (a
+    rank-private buffer of the same length); ``collect(start, end, result)`` takes the final values
+    (accumulator dtype) it wants.
     """
 
     kind: int
     arith: Arithmetic
     count: int
     root: int
-    deposit: Callable[[int, int, np.ndarray], None]
+    contribution: Callable[[int, int, np.ndarray], np.ndarray]
     collect: Callable[[int, int, np.ndarray], None]
     work: Work
     keepalive: tuple[object, ...] = ()
@@ -171,7 +187,7 @@ def process_alive(pid: int, start_time: int) -> bool:
 
 
 class NodeState:
-    """What every thread of one process shares about its node: segment, doorbells, poison."""
+    """What every thread of one process shares about its node: segment, doorbell, poison, liveness."""
 
     def __init__(self, segment: NodeSegment, local_rank: int, timeout_s: float, describe_rank: Callable[[int], str]):
         self.segment = segment
@@ -182,13 +198,35 @@ class NodeState:
         self.chunk_size_bytes = segment.shape.chunk_size_bytes
         self.local_world_size = segment.shape.local_world_size
         self.control = segment.control
-        # Signaller ids: local ranks 0..L-1 from their rank workers, 200 and 201 from the leader's threads.
-        self.leader_bell = Doorbell(segment.leader_bell_word, local_rank)
-        self.ranks_bell = Doorbell(segment.ranks_bell_word, local_rank)
+        ranks = range(self.local_world_size)
+        self.deposited_words = np.array([segment.deposited_at(r) for r in ranks])
+        self.reduced_words = np.array([segment.reduced_at(r) for r in ranks])
+        self.collected_words = np.array([segment.collected_at(r) for r in ranks])
         self.stopping = False
+        self.multi_node = False
+        self._poison_bell = self.bell(_SIGNALLER_POISON)
         self._next_liveness_check = 0.0
         self._poison_hooks: list[Callable[[str, bool], None]] = []
         self._poison_lock = threading.Lock()
+
+    def bell(self, signaller_id: int) -> Doorbell:
+        """The node's doorbell as one signaller (one per thread that rings it)."""
+        return Doorbell(self.segment.bell_word, signaller_id)
+
+    # -- chunk state (shared counters) --------------------------------------------------------------
+
+    def owner(self, g: int) -> int:
+        return g % self.local_world_size
+
+    def is_reduced(self, g: int) -> bool:
+        return int(self.control[self.reduced_words[g % self.local_world_size]]) > g
+
+    def is_final(self, g: int) -> bool:
+        if self.multi_node:
+            return int(self.control[self.segment.ready_at]) > g
+        return self.is_reduced(g)
+
+    # -- failure ------------------------------------------------------------------------------------
 
     def on_poison(self, hook: Callable[[str, bool], None]) -> None:
         self._poison_hooks.append(hook)
@@ -199,13 +237,12 @@ class NodeState:
     def poison(self, message: str, *, expected: bool = False) -> None:
         """Fail the node: every local rank's operations raise ``message`` (the first error wins).
 
-        ``expected`` marks an orderly end (a peer shut down), which is not logged as an error.
+        ``expected`` marks an orderly end (a rank shut down), which is not logged as an error.
         """
         with self._poison_lock:
             first = self.segment.error() is None
             self.segment.set_error(message, expected)
-        self.leader_bell.ring()
-        self.ranks_bell.ring()
+            self._poison_bell.ring()
         if first:
             log.log(logging.INFO if expected else logging.ERROR, "hfreduce: %s", message)
             for hook in self._poison_hooks:
@@ -224,13 +261,16 @@ class NodeState:
         word = int(self.control[self.segment.pid_at(local_rank)])
         return word & 0xFFFFFFFF, word >> 32
 
-    def check_alive(self, local_ranks: list[int]) -> None:
-        """Poison the node if a local rank's process is gone (at most every wait slice: it reads /proc)."""
+    def check_alive(self) -> None:
+        """Poison the node if another local rank's process is gone (at most every wait slice: it
+        reads /proc)."""
         now = time.monotonic()
         if now < self._next_liveness_check:
             return
         self._next_liveness_check = now + _WAIT_SLICE_S
-        for local_rank in local_ranks:
+        for local_rank in range(self.local_world_size):
+            if local_rank == self.local_rank:
+                continue
             pid, start = self.registered(local_rank)
             if pid and not process_alive(pid, start):
                 self.poison(f"{self.describe_rank(local_rank)} (pid {pid}) exited")
@@ -242,14 +282,29 @@ class NodeState:
         self.control[self.segment.pid_at(self.local_rank)] = (start << 32) | pid
 
 
+@dataclass(slots=True)
+class ChunkInfo:
+    """What the leader's network threads need to know about one global chunk."""
+
+    arith: Arithmetic
+    elements: int
+    sequence: int
+
+
 class RankWorker:
     """This rank's queue of collectives, worked through in order by one thread (see module doc)."""
 
-    def __init__(self, node: NodeState) -> None:
+    def __init__(self, node: NodeState, on_start: Callable[[RankOp, int], None] | None = None) -> None:
         self.node = node
+        self.on_start = on_start  # the leader's network learns each collective's chunks
+        self.bell = node.bell(node.local_rank)
         self._queue: queue.Queue[RankOp | None] = queue.Queue(_MAX_QUEUED_OPS)
         self._next_chunk = 0
         self._sequence = 0
+        # Where a contribution that is not a view of the caller's buffer is built (all-gather's
+        # zeros around this rank's block), and the reducer's bf16 widening buffer.
+        self._contribution_scratch = np.empty(node.chunk_size_bytes, dtype=np.uint8)
+        self._widening_scratch = np.empty(node.chunk_size_bytes // 4, dtype=np.float32)
         self._thread = threading.Thread(target=self._run, name="hfreduce-rank", daemon=True)
         self._thread.start()
 
@@ -258,7 +313,7 @@ class RankWorker:
 
     def stop(self) -> None:
         self.node.stopping = True
-        self.node.ranks_bell.ring()
+        self.bell.ring()
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)
         self._thread.join(timeout=10)
@@ -293,181 +348,128 @@ class RankWorker:
             if op is not None:
                 op.work._finish(failure or HFReduceError("the communicator was shut down"))
 
+    def _wait(self, seen: int, waiting_for: Callable[[], str], since: float) -> None:
+        """Sleep on the doorbell (after a pass that made no progress), failing on errors and timeouts."""
+        node = self.node
+        node.raise_if_failed()
+        if time.monotonic() - since > node.timeout_s:
+            node.poison(f"{node.describe_rank(node.local_rank)}: no progress for {node.timeout_s:g} s: "
+                        f"{waiting_for()} (a rank or node stopped taking part, or hangs)")
+            node.raise_if_failed()
+        node.check_alive()
+        self.bell.wait(seen, _WAIT_SLICE_S)
+
+    def _start(self, op: RankOp, chunks: int) -> None:
+        """Post this rank's descriptor of the collective and check every local rank's against it."""
+        node, segment = self.node, self.node.segment
+        me, sequence = node.local_rank, self._sequence
+        ring = segment.shape.descriptor_ring
+        descriptor = segment.descriptors[me, sequence % ring]
+        descriptor[1:DESCRIPTOR_WORDS] = (op.arith.dtype, op.arith.op, op.count, op.kind, op.root, op.first_chunk,
+                                          chunks)
+        descriptor[0] = sequence + 1
+        self.bell.ring()
+        column = segment.descriptors[:, sequence % ring]
+        since = time.monotonic()
+        while True:
+            seen = self.bell.read()
+            late = [r for r in range(node.local_world_size) if int(column[r, 0]) != sequence + 1]
+            if not late:
+                break
+            self._wait(seen, functools.partial(_not_started, node, sequence, late), since)
+        for r in range(node.local_world_size):
+            if not np.array_equal(column[r, 1:], descriptor[1:]):
+                node.poison(f"collective #{sequence} differs across ranks: {node.describe_rank(me)} called "
+                            f"{_describe(descriptor)}, {node.describe_rank(r)} called {_describe(column[r])}")
+                node.raise_if_failed()
+
     def _execute(self, op: RankOp) -> None:
         node, control, segment = self.node, self.node.control, self.node.segment
-        me = node.local_rank
+        me, local_world_size, slots = node.local_rank, node.local_world_size, node.slots
         per_chunk = chunk_elements(op.arith, node.chunk_size_bytes)
         chunks = op.chunk_count(per_chunk)
         first = self._next_chunk
         op.sequence, op.first_chunk = self._sequence, first
-        ring = segment.shape.descriptor_ring
-        descriptor = segment.descriptors[me, self._sequence % ring]
-        descriptor[1:DESCRIPTOR_WORDS] = (op.arith.dtype, op.arith.op, op.count, op.kind, op.root, first, 0)
-        descriptor[0] = self._sequence + 1
-        node.leader_bell.ring()
-        deposited = collected = 0
-        slots = node.slots
+        self._start(op, chunks)
+        if self.on_start is not None:
+            self.on_start(op, chunks)
         storage, accumulator = op.arith.storage, op.arith.accumulator
-        last_progress = time.monotonic()
-        while collected < chunks:
-            seen = node.ranks_bell.read()
+        scratch = self._contribution_scratch[:per_chunk * storage.itemsize].view(storage)
+        inputs, results = segment.inputs, segment.results
+        deposited_words, collected_words = node.deposited_words, node.collected_words
+        # This rank's next chunk (an index into the collective) to deposit, reduce and collect.
+        deposit = collect = 0
+        reduce = (me - first) % local_world_size
+        since = time.monotonic()
+        while collect < chunks:
+            seen = self.bell.read()
             progressed = False
-            while deposited < chunks and int(control[segment.reduced_at]) >= first + deposited - slots + 1:
-                g = first + deposited
-                start = deposited * per_chunk
-                end = min(start + per_chunk, op.count)
-                slot = segment.inputs[me, g % slots, :(end - start) * storage.itemsize].view(storage)
-                op.deposit(start, end, slot)
-                deposited += 1
-                control[segment.deposited_at(me)] = g + 1
+            while deposit < chunks and (first + deposit < slots or node.is_reduced(first + deposit - slots)):
+                g = first + deposit
+                if node.owner(g) != me:
+                    start = deposit * per_chunk
+                    end = min(start + per_chunk, op.count)
+                    slot = inputs[me, g % slots, :(end - start) * storage.itemsize].view(storage)
+                    source = op.contribution(start, end, slot)
+                    if source is not slot:
+                        np.copyto(slot, source)
+                deposit += 1
+                control[deposited_words[me]] = g + 1
                 progressed = True
-            while collected < deposited and int(control[segment.ready_at]) >= first + collected + 1:
-                g = first + collected
-                start = collected * per_chunk
+            while reduce < chunks:
+                g = first + reduce
+                if (int(control[deposited_words].min()) <= g
+                        or int(control[collected_words].min()) < g - slots + 1):
+                    break
+                start = reduce * per_chunk
                 end = min(start + per_chunk, op.count)
-                result = segment.results[g % slots, :(end - start) * accumulator.itemsize].view(accumulator)
-                op.collect(start, end, result)
-                collected += 1
-                control[segment.collected_at(me)] = g + 1
+                count = end - start
+                mine = op.contribution(start, end, scratch[:count])
+                sources = [mine if r == me else inputs[r, g % slots, :count * storage.itemsize].view(storage)
+                           for r in range(local_world_size)]
+                out = results[g % slots, :count * accumulator.itemsize].view(accumulator)
+                op.arith.reduce(sources, out, self._widening_scratch)
+                reduce += local_world_size
+                control[node.reduced_words[me]] = g + 1
+                progressed = True
+            while collect < deposit and node.is_final(first + collect):
+                g = first + collect
+                start = collect * per_chunk
+                end = min(start + per_chunk, op.count)
+                op.collect(start, end, results[g % slots, :(end - start) * accumulator.itemsize].view(accumulator))
+                collect += 1
+                control[collected_words[me]] = g + 1
                 progressed = True
             if progressed:
-                node.leader_bell.ring()
-                last_progress = time.monotonic()
+                self.bell.ring()
+                since = time.monotonic()
                 continue
-            node.raise_if_failed()
-            if time.monotonic() - last_progress > node.timeout_s:
-                node.poison(f"{node.describe_rank(me)}: no progress for {node.timeout_s:g} s in collective "
-                            f"#{self._sequence} (chunk {first + deposited if deposited < chunks else first + collected}"
-                            f"): a rank or node stopped taking part or hangs")
-                node.raise_if_failed()
-            node.check_alive([0] if me else [])
-            node.ranks_bell.wait(seen, _WAIT_SLICE_S)
+            self._wait(seen, functools.partial(_lagging, node, first + collect, first + deposit,
+                                               first + reduce if reduce < chunks else None), since)
         self._next_chunk = first + chunks
         self._sequence += 1
 
 
-@dataclass(slots=True)
-class ChunkInfo:
-    """What the leader's threads need to know about one global chunk after it was reduced locally."""
-
-    arith: Arithmetic
-    elements: int
-    sequence: int
+def _not_started(node: NodeState, sequence: int, late: list[int]) -> str:
+    return f"collective #{sequence}: waiting for {', '.join(node.describe_rank(r) for r in late)} to start it"
 
 
-class Reducer:
-    """The leader's thread that reduces local ranks' deposits (see module doc)."""
-
-    def __init__(self, node: NodeState, on_reduced: Callable[[int, ChunkInfo], None] | None) -> None:
-        self.node = node
-        self.on_reduced = on_reduced  # None: a single-node job, the local sum is the result
-        self.bell = Doorbell(node.segment.leader_bell_word, 200)
-        self.ranks_bell = Doorbell(node.segment.ranks_bell_word, 200)
-        self._scratch = np.empty(node.chunk_size_bytes // 4, dtype=np.float32)
-        self._thread = threading.Thread(target=self._run, name="hfreduce-reducer", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except HFReduceError:
-            pass
-        except Exception as exc:
-            self.node.poison(f"the reducer of {self.node.describe_rank(0)} failed: {exc!r}")
-
-    def _wait(self, ready: Callable[[], bool], waiting_for: Callable[[], str], pending: Callable[[], bool]) -> None:
-        """Sleep on the leader doorbell until ``ready()``; time out only while work is ``pending()``."""
-        node = self.node
-        since = time.monotonic()
-        everyone = list(range(1, node.local_world_size))
-        while True:
-            seen = self.bell.read()
-            if ready():
-                return
-            if node.stopping:
-                raise HFReduceError("stopping")
-            node.raise_if_failed()
-            node.check_alive(everyone)
-            if not pending():
-                since = time.monotonic()
-            elif time.monotonic() - since > node.timeout_s:
-                node.poison(f"no progress for {node.timeout_s:g} s: {waiting_for()}")
-                node.raise_if_failed()
-            self.bell.wait(seen, _WAIT_SLICE_S)
-
-    def _posted(self, sequence: int) -> list[int]:
-        """Local ranks that have started collective ``sequence`` (posted its descriptor)."""
-        column = self.node.segment.descriptors[:, sequence % self.node.segment.shape.descriptor_ring, 0]
-        return [r for r in range(self.node.local_world_size) if int(column[r]) == sequence + 1]
-
-    def _all_posted(self, sequence: int) -> bool:
-        return len(self._posted(sequence)) == self.node.local_world_size
-
-    def _any_posted(self, sequence: int) -> bool:
-        return bool(self._posted(sequence))
-
-    def _not_started(self, sequence: int) -> str:
-        posted = self._posted(sequence)
-        late = [self.node.describe_rank(r) for r in range(self.node.local_world_size) if r not in posted]
-        return f"collective #{sequence}: waiting for {', '.join(late)} to start it"
-
-    def _chunk_can_start(self, g: int) -> bool:
-        """Every local rank deposited chunk g, and copied out chunk g - slots (its result slot)."""
-        control = self.node.control
-        return (int(control[self._deposited].min()) > g
-                and int(control[self._collected].min()) >= g - self.node.slots + 1)
-
-    def _chunk_lagging(self, g: int) -> str:
-        node, control = self.node, self.node.control
-        ranks = range(node.local_world_size)
-        late = [node.describe_rank(r) for r in ranks if int(control[self._deposited[r]]) <= g]
+def _lagging(node: NodeState, collect: int, deposit: int, reduce: int | None) -> str:
+    """Who the rank waits for, in words (only called for the timeout message)."""
+    control = node.control
+    ranks = range(node.local_world_size)
+    if reduce is not None:
+        late = [node.describe_rank(r) for r in ranks if r != node.local_rank
+                and int(control[node.deposited_words[r]]) <= reduce]
         if late:
-            return f"chunk {g}: waiting for {', '.join(late)} to deposit it"
-        late = [node.describe_rank(r) for r in ranks if int(control[self._collected[r]]) < g - node.slots + 1]
-        return f"chunk {g}: waiting for {', '.join(late)} to copy out chunk {g - node.slots}"
-
-    def _loop(self) -> None:
-        node, control, segment = self.node, self.node.control, self.node.segment
-        ranks = range(node.local_world_size)
-        self._deposited = np.array([segment.deposited_at(r) for r in ranks])
-        self._collected = np.array([segment.collected_at(r) for r in ranks])
-        ring = segment.shape.descriptor_ring
-        slots = node.slots
-        sequence = 0
-        g = 0
-        while True:
-            self._wait(functools.partial(self._all_posted, sequence), functools.partial(self._not_started, sequence),
-                       functools.partial(self._any_posted, sequence))
-            descriptors = segment.descriptors[:, sequence % ring]
-            words = descriptors[0].copy()
-            for r in ranks:
-                if not np.array_equal(descriptors[r, 1:], words[1:]):
-                    node.poison(f"collective #{sequence} differs across ranks: {node.describe_rank(0)} called "
-                                f"{_describe(words)}, {node.describe_rank(r)} called {_describe(descriptors[r])}")
-                    node.raise_if_failed()
-            arith = arithmetic(DType(int(words[1])), ReduceOp(int(words[2])))
-            count = int(words[3])
-            per_chunk = chunk_elements(arith, node.chunk_size_bytes)
-            chunks = max(1, -(-count // per_chunk))
-            storage, accumulator = arith.storage, arith.accumulator
-            for index in range(chunks):
-                elements = max(0, min(per_chunk, count - index * per_chunk))
-                self._wait(functools.partial(self._chunk_can_start, g), functools.partial(self._chunk_lagging, g),
-                           _always)
-                inputs = [segment.inputs[r, g % slots, :elements * storage.itemsize].view(storage) for r in ranks]
-                out = segment.results[g % slots, :elements * accumulator.itemsize].view(accumulator)
-                arith.reduce(inputs, out, self._scratch)
-                control[segment.reduced_at] = g + 1
-                if self.on_reduced is None:
-                    control[segment.ready_at] = g + 1
-                else:
-                    self.on_reduced(g, ChunkInfo(arith, elements, sequence))
-                self.ranks_bell.ring()
-                g += 1
-            sequence += 1
+            return f"chunk {reduce}: waiting for {', '.join(late)} to deposit it"
+    if deposit - node.slots >= 0 and not node.is_reduced(deposit - node.slots):
+        return (f"chunk {deposit}: waiting for {node.describe_rank(node.owner(deposit - node.slots))} to reduce "
+                f"chunk {deposit - node.slots}")
+    if node.multi_node and not node.is_final(collect):
+        return f"chunk {collect}: waiting for the other nodes' sums"
+    late = [node.describe_rank(r) for r in ranks if int(control[node.collected_words[r]]) < collect - node.slots]
+    return f"chunk {collect}: waiting for {', '.join(late) or 'the node'}"
 
 
 class PeerLink:
@@ -513,6 +515,22 @@ class _ChildRing:
     headers: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class _OpRecord:
+    """One collective's chunk range, as the leader's network threads need it."""
+
+    first: int
+    chunks: int
+    arith: Arithmetic
+    count: int
+    per_chunk: int
+    sequence: int
+
+    def info(self, g: int) -> ChunkInfo:
+        index = g - self.first
+        return ChunkInfo(self.arith, max(0, min(self.per_chunk, self.count - index * self.per_chunk)), self.sequence)
+
+
 class Network:
     """The leader's inter-node stage over the double binary tree (see module doc)."""
 
@@ -523,11 +541,10 @@ class Network:
         self.trees = trees
         self.links = links
         self.describe_node = describe_node
-        self.ranks_bell = Doorbell(node.segment.ranks_bell_word, 201)
+        node.multi_node = True
         slots = node.slots
-        self._cond = threading.Condition()
-        self._infos: dict[int, ChunkInfo] = {}
-        self._local_done = -1  # highest chunk reduced locally (they arrive in order)
+        self._lock = threading.Lock()
+        self._ops: list[_OpRecord] = []  # collectives not yet final, oldest first (bounded by the slots)
         self._finished: set[int] = set()
         self._ready = 0
         self._rings: dict[tuple[int, int], _ChildRing] = {}
@@ -545,26 +562,35 @@ class Network:
         for thread in self._threads:
             thread.start()
 
-    # -- from the reducer ---------------------------------------------------------------------------
+    # -- from the leader's rank worker ------------------------------------------------------------------
 
-    def on_reduced(self, g: int, info: ChunkInfo) -> None:
-        with self._cond:
-            self._infos[g] = info
-            self._local_done = g
-            self._cond.notify_all()
+    def on_start(self, op: RankOp, chunks: int) -> None:
+        """A collective started on this node (every local rank posted it): remember its chunks."""
+        record = _OpRecord(op.first_chunk, chunks, op.arith, op.count,
+                           chunk_elements(op.arith, self.node.chunk_size_bytes), op.sequence)
+        with self._lock:
+            self._ops.append(record)
+
+    def _info(self, g: int) -> ChunkInfo | None:
+        with self._lock:
+            for record in self._ops:
+                if record.first <= g < record.first + record.chunks:
+                    return record.info(g)
+        return None
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 
-    def _mark_ready(self, g: int) -> None:
-        with self._cond:
+    def _mark_ready(self, g: int, bell: Doorbell) -> None:
+        with self._lock:
             self._finished.add(g)
-            self._infos.pop(g, None)
             while self._ready in self._finished:
                 self._finished.discard(self._ready)
                 self._ready += 1
             ready = self._ready
+            while self._ops and self._ops[0].first + self._ops[0].chunks <= ready:
+                self._ops.pop(0)
         self.node.control[self.node.segment.ready_at] = ready
-        self.ranks_bell.ring()
+        bell.ring()
 
     def _guard(self, target: Callable[[int], None], argument: int) -> None:
         try:
@@ -583,35 +609,35 @@ class Network:
         except Exception as exc:
             self.node.poison(f"the network thread of {self.describe_node(self.node_index)} failed: {exc!r}")
 
-    def _wait(self, ready: Callable[[], bool], waiting_for: Callable[[], str]) -> None:
-        """Wait on the condition (held by the caller) until ``ready()``, with the node's timeout."""
+    def _wait(self, bell: Doorbell, ready: Callable[[], bool], waiting_for: Callable[[], str]) -> None:
+        """Sleep on the node's doorbell until ``ready()``, with the node's timeout."""
         since = time.monotonic()
-        while not ready():
+        while True:
+            seen = bell.read()
+            if ready():
+                return
             if self.node.stopping:
                 raise HFReduceError("stopping")
             self.node.raise_if_failed()
+            self.node.check_alive()
             if time.monotonic() - since > self.node.timeout_s:
-                message = f"no progress for {self.node.timeout_s:g} s: {waiting_for()}"
-                self._cond.release()
-                try:
-                    self.node.poison(message)
-                finally:
-                    self._cond.acquire()
+                self.node.poison(f"no progress for {self.node.timeout_s:g} s: {waiting_for()}")
                 self.node.raise_if_failed()
-            self._cond.wait(_WAIT_SLICE_S)
+            bell.wait(seen, _WAIT_SLICE_S)
 
     # -- combining (one thread per tree) ------------------------------------------------------------
 
     def _combine(self, tree_index: int) -> None:
         position = self.trees[tree_index]
         segment, slots = self.node.segment, self.node.slots
+        bell = self.node.bell(_SIGNALLER_NETWORK + tree_index)
+        children = [self._rings[(tree_index, child)] for child in position.children]
         g = tree_index
         while True:
-            children = [self._rings[(tree_index, child)] for child in position.children]
-            with self._cond:
-                self._wait(functools.partial(self._can_combine, g, children),
-                           functools.partial(self._waiting_for_children, tree_index, g))
-                info = self._infos[g]
+            self._wait(bell, functools.partial(self._can_combine, g, children),
+                       functools.partial(self._waiting_for_children, tree_index, g))
+            info = self._info(g)
+            assert info is not None
             acc = info.arith.accumulator
             nbytes = info.elements * acc.itemsize
             mine = segment.results[g % slots, :nbytes].view(acc)
@@ -625,21 +651,21 @@ class Network:
                         f"{_dtype_name(dtype)} elements ({_op_name(op)}) of collective #{sequence}")
                     self.node.raise_if_failed()
                 info.arith.combine(mine, ring.buffers[g % slots, :nbytes].view(acc))
-                with self._cond:
-                    ring.owner[g % slots] = None
-                    self._cond.notify_all()
+                ring.owner[g % slots] = None
+                bell.ring()
             payload = segment.results[g % slots, :nbytes].data
             if position.parent is None:
                 for child in position.children:
                     self.links[child].send(_DOWN, info, g, payload)
-                self._mark_ready(g)
+                self._mark_ready(g, bell)
             else:
                 self.links[position.parent].send(_UP, info, g, payload)
             g += 2
 
     def _can_combine(self, g: int, children: list[_ChildRing]) -> bool:
         slot = g % self.node.slots
-        return self._local_done >= g and all(ring.owner[slot] == g for ring in children)
+        return (self.node.is_reduced(g) and all(ring.owner[slot] == g for ring in children)
+                and self._info(g) is not None)
 
     def _slot_free(self, ring: _ChildRing, g: int) -> bool:
         return ring.owner[g % self.node.slots] is None
@@ -649,8 +675,8 @@ class Network:
                 f"to be added")
 
     def _waiting_for_children(self, tree_index: int, g: int) -> str:
-        if self._local_done < g:
-            return f"chunk {g}: waiting for this node's ranks"
+        if not self.node.is_reduced(g):
+            return f"chunk {g}: waiting for {self.node.describe_rank(self.node.owner(g))} to reduce it"
         slots = self.node.slots
         late = [self.describe_node(child) for child in self.trees[tree_index].children
                 if self._rings[(tree_index, child)].owner[g % slots] != g]
@@ -663,6 +689,7 @@ class Network:
         header = bytearray(_FRAME.size)
         slots = self.node.slots
         segment = self.node.segment
+        bell = self.node.bell(_SIGNALLER_NETWORK + 2 + peer % 8)
         while True:
             link.recv_into(memoryview(header))
             kind, dtype, op, sequence, g, elements, nbytes = _FRAME.unpack(header)
@@ -679,23 +706,21 @@ class Network:
             position = self.trees[tree_index]
             if kind == _UP and peer in position.children:
                 ring = self._rings[(tree_index, peer)]
-                with self._cond:
-                    self._wait(functools.partial(self._slot_free, ring, g), functools.partial(self._slot_busy, peer, g))
+                self._wait(bell, functools.partial(self._slot_free, ring, g),
+                           functools.partial(self._slot_busy, peer, g))
                 link.recv_into(ring.buffers[g % slots, :nbytes].data)
-                with self._cond:
-                    ring.headers[g % slots] = (sequence, dtype, op, elements)
-                    ring.owner[g % slots] = g
-                    self._cond.notify_all()
+                ring.headers[g % slots] = (sequence, dtype, op, elements)
+                ring.owner[g % slots] = g
+                bell.ring()
             elif kind == _DOWN and peer == position.parent:
-                with self._cond:
-                    info = self._infos.get(g)
+                info = self._info(g)
                 if info is None or nbytes != info.elements * info.arith.accumulator_itemsize:
                     raise ConnectionError(f"an unexpected result for chunk {g} ({nbytes} bytes)")
                 view = segment.results[g % slots, :nbytes].data
                 link.recv_into(view)
                 for child in position.children:
                     self.links[child].send(_DOWN, info, g, view)
-                self._mark_ready(g)
+                self._mark_ready(g, bell)
             else:
                 raise ConnectionError(f"an unexpected frame (kind {kind}, chunk {g}) from {self.describe_node(peer)}")
 
@@ -704,7 +729,7 @@ class Network:
     def _abort_peers(self, message: str, expected: bool = False) -> None:
         """Tell every linked node (they tell theirs), then close the links so no thread stays blocked."""
         encoded = message.encode("utf-8", "replace")[:_MAX_ABORT_MESSAGE]
-        with self._cond:
+        with self._lock:
             if self._aborted:
                 return
             self._aborted = True
@@ -750,7 +775,7 @@ class Network:
 
     def close(self) -> None:
         """Close every link — after a pending abort has told the peers why (or they would only see EOF)."""
-        with self._cond:
+        with self._lock:
             sender = self._abort_thread
         if sender is not None and sender is not threading.current_thread():
             sender.join(timeout=_DRAIN_S + 3)
@@ -762,8 +787,6 @@ class Network:
                 link.sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 link.sock.close()
-        with self._cond:
-            self._cond.notify_all()
 
     def join(self) -> None:
         for thread in self._threads:

@@ -3,9 +3,9 @@
 Layout (every counter on its own 64-byte cache line so that ranks writing their own counters never
 contend for a line)::
 
-    control   int64 words: static header, two doorbells, the leader's counters (reduced, ready,
-              error), per local rank: deposited, collected, pid, and a ring of op descriptors;
-              then the error message
+    control   int64 words: static header, the doorbell, the node's counters (ready, error), per
+              local rank: deposited, reduced, collected, pid, and a ring of op descriptors; then
+              the error message
     inputs    [local rank][slot][chunk_size_bytes]   what each rank deposited (its own dtype)
     results   [slot][chunk_size_bytes]               the reduced chunk (accumulator dtype)
 
@@ -35,15 +35,15 @@ __all__ = ["DESCRIPTOR_WORDS", "NodeSegment", "SegmentShape", "process_start_tim
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "hfreduce-"
 _NAME = re.compile(r"^hfreduce-[0-9a-f]+-n\d+-p(?P<pid>\d+)-(?P<start>\d+)$")
-_MAGIC = 0x4846_5244_5543_4531  # "HFREDUCE1"
+_MAGIC = 0x4846_5244_5543_4532  # "HFREDUCE2"
 _LINE_WORDS = 8  # 64-byte lines of int64 words
 _ERROR_MESSAGE_BYTES = 4096
 _PAGE = 4096
 DESCRIPTOR_WORDS = 8
 
 # Line numbers of the shared words.
-_HEADER, _LEADER_BELL, _RANKS_BELL, _REDUCED, _READY, _ERROR, _FIRST_RANK_LINE = range(7)
-_RANK_LINES = 3  # deposited, collected, pid
+_HEADER, _BELL, _READY, _ERROR, _FIRST_RANK_LINE = range(5)
+_RANK_LINES = 4  # deposited, reduced, collected, pid
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +122,7 @@ class NodeSegment:
         self._path = shm_dir / name
         message, inputs, results, _ = shape.offsets()
         self.control = np.frombuffer(mapping, dtype=np.int64, count=shape.control_words())
-        self.leader_bell_word = np.frombuffer(mapping, dtype=np.uint32, count=1, offset=_LEADER_BELL * 64)
-        self.ranks_bell_word = np.frombuffer(mapping, dtype=np.uint32, count=1, offset=_RANKS_BELL * 64)
+        self.bell_word = np.frombuffer(mapping, dtype=np.uint32, count=1, offset=_BELL * 64)
         self.error_message = np.frombuffer(mapping, dtype=np.uint8, count=_ERROR_MESSAGE_BYTES, offset=message)
         self.inputs = np.frombuffer(mapping, dtype=np.uint8, count=shape.local_world_size * shape.slots
                                     * shape.chunk_size_bytes, offset=inputs).reshape(
@@ -188,8 +187,7 @@ class NodeSegment:
 
     def close(self) -> None:
         """Drop this process's views and mapping (the memory lives while another process maps it)."""
-        for attribute in ("control", "leader_bell_word", "ranks_bell_word", "error_message", "inputs", "results",
-                          "descriptors"):
+        for attribute in ("control", "bell_word", "error_message", "inputs", "results", "descriptors"):
             self.__dict__.pop(attribute, None)
         with contextlib.suppress(BufferError):
             self._mapping.close()
@@ -198,10 +196,6 @@ class NodeSegment:
 
     def _word(self, line: int) -> int:
         return line * _LINE_WORDS
-
-    @property
-    def reduced_at(self) -> int:
-        return self._word(_REDUCED)
 
     @property
     def ready_at(self) -> int:
@@ -214,11 +208,14 @@ class NodeSegment:
     def deposited_at(self, local_rank: int) -> int:
         return self._word(_FIRST_RANK_LINE + _RANK_LINES * local_rank)
 
-    def collected_at(self, local_rank: int) -> int:
+    def reduced_at(self, local_rank: int) -> int:
         return self._word(_FIRST_RANK_LINE + _RANK_LINES * local_rank + 1)
 
-    def pid_at(self, local_rank: int) -> int:
+    def collected_at(self, local_rank: int) -> int:
         return self._word(_FIRST_RANK_LINE + _RANK_LINES * local_rank + 2)
+
+    def pid_at(self, local_rank: int) -> int:
+        return self._word(_FIRST_RANK_LINE + _RANK_LINES * local_rank + 3)
 
     def set_error(self, message: str, expected: bool = False) -> None:
         """Poison the node: the first error's message stays; every rank reads it.

@@ -144,15 +144,24 @@ def main() -> None:
             check_collectives(comm, [1, 777, chunk * comm.world_size + 3])
             check_async(comm)
         elif scenario == "traffic":
+            # The interface's counters and the links' byte counts, taken together (after a barrier:
+            # no socket holds unread bytes then) before and after three 8 MiB allreduces.
             counters = Path("/sys/class/net/eth0/statistics")
-            before = [int((counters / name).read_text()) for name in ("tx_bytes", "rx_bytes")]
-            payload = np.ones(2 << 20, dtype=np.float32)  # 8 MiB
+
+            def snapshot() -> tuple[list[int], dict[str, Any]]:
+                return ([int((counters / name).read_text()) for name in ("tx_bytes", "rx_bytes")],
+                        comm.stats()["links"])
+
+            comm.barrier()
+            before, links_before = snapshot()
+            payload = np.ones(2 << 20, dtype=np.float32)
             for _ in range(3):
                 comm.allreduce(payload)
             assert (payload == comm.world_size**3).all()
-            after = [int((counters / name).read_text()) for name in ("tx_bytes", "rx_bytes")]
+            after, links_after = snapshot()
             result["eth0"] = [after[0] - before[0], after[1] - before[1]]
-            result["links"] = comm.stats()["links"]
+            result["links"] = {peer: {key: value - links_before[peer][key] for key, value in counts.items()}
+                               for peer, counts in links_after.items()}
         elif scenario == "mismatch":
             count = 1000 + (comm.rank == comm.world_size - 1)
             try:
