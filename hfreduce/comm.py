@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from hfreduce.engine import Network, NodeState, OpKind, PeerLink, RankOp, RankWo
 from hfreduce.errors import HFReduceError, HFReduceTimeout, InvalidArgument
 from hfreduce.kernels import Arithmetic, ReduceOp, arithmetic, bits_dtype
 from hfreduce.rendezvous import Layout, RankInfo, check_local_environment, default_node_key, exchange, group_ranks
-from hfreduce.shm import NodeSegment, SegmentShape, remove_stale_segments, segment_name
+from hfreduce.shm import NodeSegment, SegmentShape, SharedBuffer, buffer_name, remove_stale_segments, segment_name
 from hfreduce.store import KeyValueStore, StoreClient, StoreServer
 from hfreduce.tree import double_binary_tree
 
@@ -41,6 +42,7 @@ _MIN_CHUNK_BYTES = 4096
 _MAX_CHUNK_BYTES = 256 << 20
 _MAX_SLOTS = 64
 _HELLO = struct.Struct("!12sI")
+_MAX_SHARED_BYTES = 64 << 30
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
@@ -103,6 +105,7 @@ class Communicator:
         self._client: StoreClient | None = None
         self.network: Network | None = None
         self.segment: NodeSegment | None = None
+        self._regions: list[_Region] = []
         try:
             if store is None:
                 host = master_addr or os.environ.get("MASTER_ADDR") or ""
@@ -273,8 +276,14 @@ class Communicator:
         def collect(start: int, end: int, result: np.ndarray) -> None:
             arith.collect(result, flat[start:end], self.world_size)
 
-        return self._submit(self._op(OpKind.ALLREDUCE, arith, buffer.count, 0, contribution, collect, buffer,
-                                     f"allreduce({arith.op.name})", buffer), async_op)
+        rank_op = self._op(OpKind.ALLREDUCE, arith, buffer.count, 0, contribution, collect, buffer,
+                           f"allreduce({arith.op.name})", buffer)
+        located = self._locate(flat) if buffer.finish is None else None
+        if located is not None:
+            region, offset, views = located
+            rank_op.shared = (region, offset)
+            rank_op.peer_arrays = [view.view(flat.dtype) for view in views]
+        return self._submit(rank_op, async_op)
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
                        async_op: bool = False) -> Work:
@@ -356,6 +365,84 @@ class Communicator:
         return self._submit(self._op(OpKind.BROADCAST, arith, buffer.count, src, contribution, collect, buffer,
                                      f"broadcast(src={src})", buffer), async_op)
 
+    # -- registered buffers -------------------------------------------------------------------------
+
+    def shared_array(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """A zeroed array in memory this rank's node-mates map too (collective: every rank calls it
+        with the same shape and dtype, in the same order).
+
+        An allreduce of such an array (or of the same slice of it on every rank) skips copying in and
+        out: the rank that reduces a chunk reads every node-mate's array in place and writes the
+        result straight into all of them — the paper's registered host buffers. Kept until shutdown.
+        """
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        if count < 0 or dtype not in (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint16):
+            raise InvalidArgument(f"shared_array: shape {shape} of {dtype} is not supported")
+        region = self._register(count * dtype.itemsize)
+        array: np.ndarray = region.views[self.local_rank][:count * dtype.itemsize].view(dtype).reshape(shape)
+        return array
+
+    def shared_tensor(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
+        """:meth:`shared_array` as a torch tensor (any dtype hfreduce reduces, bfloat16 included)."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        count = int(np.prod(shape))
+        region = self._register(count * itemsize)
+        raw = torch.from_numpy(region.views[self.local_rank][:count * itemsize])
+        return raw.view(dtype).reshape(shape)
+
+    def _register(self, nbytes: int) -> _Region:
+        """Make this rank's buffer, map every node-mate's (names follow from their registered pids)."""
+        if nbytes > _MAX_SHARED_BYTES:
+            raise InvalidArgument(f"a shared buffer of {nbytes} bytes (at most {_MAX_SHARED_BYTES})")
+        with self._lock:
+            if self._closed:
+                raise HFReduceError("the communicator was shut down")
+            index = len(self._regions)
+        node = self.node
+        pid, start = node.registered(self.local_rank)
+        own = SharedBuffer.create(buffer_name(self.job_id, self.node_index, self.local_rank, index, pid, start),
+                                  nbytes)
+        buffers: list[SharedBuffer] = []
+        try:
+            # Every rank's buffer exists before anyone opens a node-mate's; every rank has opened them
+            # all before the names go (the memory lives while any rank maps it).
+            sizes = np.full(1, nbytes, dtype=np.int64)
+            self.allreduce(sizes, op=ReduceOp.MAX)
+            if int(sizes[0]) != nbytes:
+                raise InvalidArgument(f"shared buffer #{index}: ranks asked for different sizes "
+                                      f"({nbytes} here, {int(sizes[0])} elsewhere)")
+            for local_rank in range(self.local_world_size):
+                if local_rank == self.local_rank:
+                    buffers.append(own)
+                    continue
+                peer_pid, peer_start = node.registered(local_rank)
+                buffers.append(SharedBuffer.attach(
+                    buffer_name(self.job_id, self.node_index, local_rank, index, peer_pid, peer_start), nbytes))
+            self.barrier()
+        finally:
+            own.unlink()
+        region = _Region(index, nbytes, buffers)
+        with self._lock:
+            self._regions.append(region)
+        return region
+
+    def _locate(self, array: np.ndarray) -> tuple[int, int, list[np.ndarray]] | None:
+        """(region, byte offset, every local rank's same bytes) if ``array`` lies in a shared buffer."""
+        if not self._regions:
+            return None
+        address = array.__array_interface__["data"][0]
+        nbytes = array.nbytes
+        for region in self._regions:
+            base = region.views[self.local_rank].__array_interface__["data"][0]
+            if base <= address and address + nbytes <= base + region.nbytes:
+                offset = address - base
+                return region.index, offset, [view[offset:offset + nbytes] for view in region.views]
+        return None
+
     def barrier(self, timeout_s: float | None = None) -> None:
         """Return once every rank has called ``barrier`` (an allreduce of one integer)."""
         self.allreduce(np.zeros(1, dtype=np.int32), async_op=True).wait(timeout_s)
@@ -366,7 +453,7 @@ class Communicator:
             output: FlatBuffer) -> RankOp:
         """The rank's side of one collective; ``output.finish`` (CUDA) runs before the work completes."""
         return RankOp(kind, arith, count, root, contribution, collect, Work(description), (keep,),
-                      finish=output.finish)
+                      finish=output.finish, divisor=self.world_size)
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -413,6 +500,19 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """A registered buffer: its index (the same on every rank) and every local rank's mapping of it."""
+
+    index: int
+    nbytes: int
+    buffers: list[SharedBuffer]
+
+    @property
+    def views(self) -> list[np.ndarray]:
+        return [buffer.bytes for buffer in self.buffers]
 
 
 def _public_op(op: ReduceOp) -> ReduceOp:

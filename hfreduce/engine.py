@@ -76,6 +76,8 @@ _DRAIN_S = 2.0
 # Doorbell signaller ids: local ranks use their local rank; the leader's network threads these.
 _SIGNALLER_POISON = 250
 _SIGNALLER_NETWORK = 240
+# Descriptor words every local rank must agree on (sequence + 1 first; the shared-buffer place after).
+_AGREED_WORDS = 8
 
 
 class OpKind:
@@ -151,6 +153,11 @@ class RankOp:
     work: Work
     keepalive: tuple[object, ...] = ()
     finish: Callable[[], None] | None = None
+    divisor: int = 1
+    # (registered buffer, byte offset) when the caller's buffer is a shared one, with every local
+    # rank's array at that place (see Communicator.shared_array).
+    shared: tuple[int, int] | None = None
+    peer_arrays: list[np.ndarray] | None = None
     sequence: int = -1
     first_chunk: int = 0
 
@@ -359,14 +366,19 @@ class RankWorker:
         node.check_alive()
         self.bell.wait(seen, _WAIT_SLICE_S)
 
-    def _start(self, op: RankOp, chunks: int) -> None:
-        """Post this rank's descriptor of the collective and check every local rank's against it."""
+    def _start(self, op: RankOp, chunks: int) -> bool:
+        """Post this rank's descriptor of the collective and check every local rank's against it.
+
+        True when every local rank's buffer is the same place of the same registered buffer: then
+        nothing is copied in or out (the owner of a chunk reads and writes every rank's buffer).
+        """
         node, segment = self.node, self.node.segment
         me, sequence = node.local_rank, self._sequence
         ring = segment.shape.descriptor_ring
         descriptor = segment.descriptors[me, sequence % ring]
+        region, offset = op.shared if op.shared is not None else (-1, 0)
         descriptor[1:DESCRIPTOR_WORDS] = (op.arith.dtype, op.arith.op, op.count, op.kind, op.root, op.first_chunk,
-                                          chunks)
+                                          chunks, region, offset)
         descriptor[0] = sequence + 1
         self.bell.ring()
         column = segment.descriptors[:, sequence % ring]
@@ -378,10 +390,12 @@ class RankWorker:
                 break
             self._wait(seen, functools.partial(_not_started, node, sequence, late), since)
         for r in range(node.local_world_size):
-            if not np.array_equal(column[r, 1:], descriptor[1:]):
+            if not np.array_equal(column[r, 1:_AGREED_WORDS], descriptor[1:_AGREED_WORDS]):
                 node.poison(f"collective #{sequence} differs across ranks: {node.describe_rank(me)} called "
                             f"{_describe(descriptor)}, {node.describe_rank(r)} called {_describe(column[r])}")
                 node.raise_if_failed()
+        return region >= 0 and all(int(column[r, 8]) == region and int(column[r, 9]) == offset
+                                   for r in range(node.local_world_size))
 
     def _execute(self, op: RankOp) -> None:
         node, control, segment = self.node, self.node.control, self.node.segment
@@ -390,7 +404,10 @@ class RankWorker:
         chunks = op.chunk_count(per_chunk)
         first = self._next_chunk
         op.sequence, op.first_chunk = self._sequence, first
-        self._start(op, chunks)
+        shared = self._start(op, chunks)
+        peers = op.peer_arrays if shared else None
+        # Zero copy on one node: the owner writes every rank's result; nobody copies out.
+        owner_writes_all = peers is not None and not node.multi_node
         if self.on_start is not None:
             self.on_start(op, chunks)
         storage, accumulator = op.arith.storage, op.arith.accumulator
@@ -406,7 +423,7 @@ class RankWorker:
             progressed = False
             while deposit < chunks and (first + deposit < slots or node.is_reduced(first + deposit - slots)):
                 g = first + deposit
-                if node.owner(g) != me:
+                if node.owner(g) != me and peers is None:
                     start = deposit * per_chunk
                     end = min(start + per_chunk, op.count)
                     slot = inputs[me, g % slots, :(end - start) * storage.itemsize].view(storage)
@@ -424,19 +441,27 @@ class RankWorker:
                 start = reduce * per_chunk
                 end = min(start + per_chunk, op.count)
                 count = end - start
-                mine = op.contribution(start, end, scratch[:count])
-                sources = [mine if r == me else inputs[r, g % slots, :count * storage.itemsize].view(storage)
-                           for r in range(local_world_size)]
+                if peers is not None:
+                    sources = [peer[start:end] for peer in peers]
+                else:
+                    mine = op.contribution(start, end, scratch[:count])
+                    sources = [mine if r == me else inputs[r, g % slots, :count * storage.itemsize].view(storage)
+                               for r in range(local_world_size)]
                 out = results[g % slots, :count * accumulator.itemsize].view(accumulator)
                 op.arith.reduce(sources, out, self._widening_scratch)
+                if owner_writes_all:
+                    assert peers is not None
+                    for peer in peers:
+                        op.arith.collect(out, peer[start:end], op.divisor)
                 reduce += local_world_size
                 control[node.reduced_words[me]] = g + 1
                 progressed = True
             while collect < deposit and node.is_final(first + collect):
                 g = first + collect
-                start = collect * per_chunk
-                end = min(start + per_chunk, op.count)
-                op.collect(start, end, results[g % slots, :(end - start) * accumulator.itemsize].view(accumulator))
+                if not owner_writes_all:
+                    start = collect * per_chunk
+                    end = min(start + per_chunk, op.count)
+                    op.collect(start, end, results[g % slots, :(end - start) * accumulator.itemsize].view(accumulator))
                 collect += 1
                 control[collected_words[me]] = g + 1
                 progressed = True

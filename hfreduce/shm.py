@@ -29,17 +29,17 @@ import numpy as np
 
 from hfreduce.errors import HFReduceError
 
-__all__ = ["DESCRIPTOR_WORDS", "NodeSegment", "SegmentShape", "process_start_time", "remove_stale_segments",
-           "segment_name"]
+__all__ = ["DESCRIPTOR_WORDS", "NodeSegment", "SegmentShape", "SharedBuffer", "buffer_name", "process_start_time",
+           "remove_stale_segments", "segment_name"]
 
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "hfreduce-"
-_NAME = re.compile(r"^hfreduce-[0-9a-f]+-n\d+-p(?P<pid>\d+)-(?P<start>\d+)$")
+_NAME = re.compile(r"^hfreduce-[0-9a-f]+-n\d+(-l\d+-b\d+)?-p(?P<pid>\d+)-(?P<start>\d+)$")
 _MAGIC = 0x4846_5244_5543_4532  # "HFREDUCE2"
 _LINE_WORDS = 8  # 64-byte lines of int64 words
 _ERROR_MESSAGE_BYTES = 4096
 _PAGE = 4096
-DESCRIPTOR_WORDS = 8
+DESCRIPTOR_WORDS = 10
 
 # Line numbers of the shared words.
 _HEADER, _BELL, _READY, _ERROR, _FIRST_RANK_LINE = range(5)
@@ -90,6 +90,59 @@ def segment_name(job_id: str, node_index: int, pid: int) -> str:
     if start is None:
         raise HFReduceError(f"process {pid} has no /proc entry")
     return f"{_PREFIX}{job_id}-n{node_index}-p{pid}-{start}"
+
+
+def buffer_name(job_id: str, node_index: int, local_rank: int, index: int, pid: int, start: int) -> str:
+    """The name of local rank ``local_rank``'s shared buffer number ``index`` (every rank can compute
+    a node-mate's from the pid and start time it registered)."""
+    return f"{_PREFIX}{job_id}-n{node_index}-l{local_rank}-b{index}-p{pid}-{start}"
+
+
+class SharedBuffer:
+    """One rank's registered buffer: memory its node-mates map too, so collectives read it in place."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, nbytes: int, shm_dir: Path) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self._mapping = mapping
+        self._path = shm_dir / name
+        self.bytes = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+
+    @classmethod
+    def create(cls, name: str, nbytes: int, shm_dir: Path = SHM_DIR) -> SharedBuffer:
+        size = max(_PAGE, _round_up(nbytes, _PAGE))
+        path = shm_dir / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mapping = mmap.mmap(fd, size)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            raise HFReduceError(f"cannot create a {size}-byte shared buffer in {shm_dir}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+        return cls(name, mapping, nbytes, shm_dir)
+
+    @classmethod
+    def attach(cls, name: str, nbytes: int, shm_dir: Path = SHM_DIR) -> SharedBuffer:
+        try:
+            fd = os.open(shm_dir / name, os.O_RDWR)
+        except OSError as exc:
+            raise HFReduceError(f"cannot open a node-mate's shared buffer {name}: {exc.strerror}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise HFReduceError(f"shared buffer {name} has {size} bytes, this rank asked for {nbytes}: ranks "
+                                    f"of one node allocated different sizes")
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, nbytes, shm_dir)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
 
 
 def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
