@@ -40,7 +40,8 @@ Options: ``init_process_group(backend="hfreduce", pg_options=HFReduceOptions(chu
 (``new_group(..., pg_options=...)`` likewise) sets the communicator's chunk size and slots.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: DistributedDataParallel.register_comm_hook compares the
+# hook's annotations with dist.GradBucket and Future[Tensor] objects, and would refuse strings.
 
 import threading
 from collections.abc import Callable, Sequence
@@ -55,7 +56,9 @@ from torch._C._distributed_c10d import (
     AllreduceOptions,
     BarrierOptions,
     BroadcastOptions,
+    GradBucket,
     ReduceScatterOptions,
+    TCPStore,
 )
 from torch._C._distributed_c10d import ReduceOp as TorchReduceOp
 from torch._C._distributed_c10d import Work as TorchWork
@@ -89,7 +92,7 @@ def reduce_op(op: Any) -> ReduceOp:
 
 
 def _complete(work: Work, future: torch.futures.Future[Any], result: Callable[[], Any]) -> None:
-    """Complete ``future`` from ``work``'s done callback: with ``result()`` (which may copy results out), or the error."""
+    """Complete ``future`` from ``work``'s done callback: with ``result()`` (it may copy out), or the error."""
 
     def done(finished: Work) -> None:
         error = finished.exception()
@@ -106,7 +109,7 @@ def _complete(work: Work, future: torch.futures.Future[Any], result: Callable[[]
     work.add_done_callback(done)
 
 
-def ddp_comm_hook(state: Communicator | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def ddp_comm_hook(state: Communicator | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """``DistributedDataParallel.register_comm_hook(state, ddp_comm_hook)``: average the bucket with HFReduce.
 
     ``state`` is the :class:`~hfreduce.Communicator` to use, or None for ``hfreduce.init()``'s. The
@@ -124,10 +127,11 @@ def ddp_comm_hook(state: Communicator | None, bucket: dist.GradBucket) -> torch.
 class _TorchWork(TorchWork):
     """A ``torch.distributed.Work`` over an HFReduce :class:`~hfreduce.Work` (what every backend call returns)."""
 
-    def __init__(self, work: Work, result: Callable[[], list[torch.Tensor]]) -> None:
+    def __init__(self, work: Work, result: Callable[[], Any]) -> None:
+        """``result()`` is what the future holds: the list of output tensors (a list of lists for ``allgather``)."""
         super().__init__()
         self._work = work
-        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
         _complete(work, self._future, result)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -151,12 +155,12 @@ class _TorchWork(TorchWork):
     def exception(self) -> BaseException | None:
         return self._work.exception()
 
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._future
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
-        return self._future.value()
+        return list(self._future.value())
 
     def synchronize(self) -> None:
         self.wait()
@@ -191,11 +195,12 @@ class ProcessGroupHFReduce(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on one HFReduce :class:`Communicator`."""
 
     def __init__(self, communicator: Communicator, group_name: str) -> None:
-        super().__init__(communicator.rank, communicator.world_size)
+        # torch's stub lists only the (store, rank, size) form; a Python subclass must use (rank, size).
+        super().__init__(communicator.rank, communicator.world_size)  # type: ignore[call-arg]
         self.communicator = communicator
         self._group_name = group_name
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
     def __repr__(self) -> str:
@@ -214,14 +219,16 @@ class ProcessGroupHFReduce(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         return _TorchWork(self.communicator.broadcast(tensor, root, async_op=True), lambda: tensors)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> TorchWork:
         self._check_dtypes(output, input, "all_gather_into_tensor")
         work = self.communicator.all_gather(_cpu(output, "all_gather_into_tensor"),
                                             _cpu(input, "all_gather_into_tensor"), async_op=True)
         return _TorchWork(work, lambda: [output])
 
-    _allgather_base = all_gather_single
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: AllgatherOptions | None = None) -> TorchWork:
+        return self.all_gather_single(output, input, opts)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: AllgatherOptions | None = None) -> TorchWork:
@@ -237,9 +244,9 @@ class ProcessGroupHFReduce(dist.ProcessGroup):
                 target.copy_(row.view(target.shape))
             return outputs
 
-        return _TorchWork(work, copy_out)  # type: ignore[arg-type]
+        return _TorchWork(work, copy_out)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: ReduceScatterOptions | None = None) -> TorchWork:
         self._check_dtypes(output, input, "reduce_scatter_tensor")
         op = reduce_op(opts.reduceOp if opts is not None else TorchReduceOp.SUM)
@@ -247,7 +254,9 @@ class ProcessGroupHFReduce(dist.ProcessGroup):
                                                 _cpu(input, "reduce_scatter_tensor"), op, async_op=True)
         return _TorchWork(work, lambda: [output])
 
-    _reduce_scatter_base = reduce_scatter_single
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: ReduceScatterOptions | None = None) -> TorchWork:
+        return self.reduce_scatter_single(output, input, opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor],  # type: ignore[override]
                        inputs: list[list[torch.Tensor]], opts: ReduceScatterOptions | None = None) -> TorchWork:
@@ -315,7 +324,7 @@ for _name, _torch_name in (("send", "send"), ("recv", "recv"), ("recv_anysource"
 def _store_host(store: Any) -> str | None:
     """The host of the TCPStore under torch's PrefixStores: where rank 0 is, so the route peers will use."""
     for _ in range(16):  # PrefixStores nest a few levels deep at most
-        if isinstance(store, dist.TCPStore):
+        if isinstance(store, TCPStore):
             return str(store.host)
         inner = getattr(store, "underlying_store", None)
         if inner is None:
@@ -346,7 +355,11 @@ def _create_process_group(options: Any, pg_options: HFReduceOptions | None) -> P
                                 master_addr=_store_host(options.store), chunk_size_bytes=pg_options.chunk_size_bytes,
                                 slots=pg_options.slots, prefix=f"hfreduce/{group_name}",
                                 launcher_env=_is_whole_world(options.global_ranks_in_group))
-    return ProcessGroupHFReduce(communicator, group_name)
+    try:
+        return ProcessGroupHFReduce(communicator, group_name)
+    except BaseException:
+        communicator.shutdown()
+        raise
 
 
 _register_lock = threading.Lock()
