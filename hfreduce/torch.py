@@ -8,8 +8,8 @@ Importing this module registers the backend (once, however often it is imported)
 
 or keeps torch's own process group (gloo) for everything but the gradients::
 
-    comm = hfreduce.init()                      # its own rendezvous (MASTER_PORT must differ from torch's)
-    model.register_comm_hook(comm, hfreduce.torch.ddp_comm_hook)
+    comm = hfreduce.init(master_port=int(os.environ["MASTER_PORT"]) + 1)   # its own rendezvous port
+    model.register_comm_hook(comm, hfreduce.torch.ddp_comm_hook)             # None: hfreduce.init()'s
 
 How it maps to torch's APIs:
 
@@ -25,11 +25,12 @@ How it maps to torch's APIs:
   ``hfreduce/<group name>``, so groups never share keys) with the group's own ranks ``0..k-1``.
   The timeout of ``init_process_group`` / ``new_group`` is the communicator's fault timeout: a peer
   that dies or hangs fails the pending operations within it.
+  Node leaders listen on the interface that routes to the host of torch's TCPStore (where rank 0 is).
 - ``all_reduce`` (SUM, AVG, MAX, MIN; others are refused with :class:`~hfreduce.InvalidArgument`),
-  ``broadcast``, ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter``,
-  ``reduce_scatter_tensor`` and ``barrier`` run on HFReduce; what torch's DDP needs of a process group
-  (broadcast of the module state, the all-gather that checks parameter shapes, the gradient
-  allreduce) is among them. Point-to-point, gather, scatter, reduce, all-to-all and the coalesced
+  ``broadcast``, ``all_gather``, ``all_gather_into_tensor``/``all_gather_single``, ``reduce_scatter``,
+  ``reduce_scatter_tensor``/``reduce_scatter_single`` and ``barrier`` run on HFReduce; what torch's
+  DDP needs of a process group (broadcast of the module state, the all-gather that checks parameter
+  shapes, the gradient allreduce) is among them. Point-to-point, gather, scatter, reduce, all-to-all and the coalesced
   variants are not implemented: they raise at once, naming the operation (keep a gloo group for them).
 - Every call returns a ``torch.distributed.Work`` whose ``wait(timeout)`` blocks until the HFReduce
   work ends (raising its error), and whose ``get_future()`` is completed by the same callback.
@@ -114,7 +115,9 @@ def ddp_comm_hook(state: Communicator | None, bucket: GradBucket) -> torch.futur
 
     ``state`` is the :class:`~hfreduce.Communicator` to use, or None for ``hfreduce.init()``'s. The
     allreduce runs asynchronously (DDP keeps computing gradients for the next buckets); its done
-    callback completes the returned Future with the averaged bucket, or with the error.
+    callback completes the returned Future with the averaged bucket, or with the error. Callbacks
+    chained on that Future (``then``) run in HFReduce's completion thread: keep them short, and never
+    wait there for another HFReduce collective.
     """
     communicator = state if state is not None else hfreduce.get_communicator()
     buffer = bucket.buffer()

@@ -23,12 +23,12 @@ pytest.importorskip("torch")
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import GradBucket
+from torch._C._distributed_c10d import GradBucket, HashStore, PrefixStore, TCPStore
 
 import hfreduce
 import hfreduce.torch
 from hfreduce import InvalidArgument
-from hfreduce.torch import BACKEND_NAME, _complete, _TorchWork, ddp_comm_hook, reduce_op
+from hfreduce.torch import BACKEND_NAME, _complete, _store_host, _TorchWork, ddp_comm_hook, reduce_op
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +94,13 @@ def test_reduce_ops_map_and_others_are_refused() -> None:
     for bad in (dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
         with pytest.raises(InvalidArgument, match="SUM, AVG, MAX or MIN"):
             reduce_op(bad)
+
+
+def test_leaders_listen_on_the_route_to_torchs_store_host() -> None:
+    port = _free_ports(1)[0]
+    tcp = TCPStore("127.0.0.1", port, world_size=1, is_master=True, wait_for_workers=False)
+    assert _store_host(PrefixStore("hfreduce/", PrefixStore("0/", tcp))) == "127.0.0.1"
+    assert _store_host(PrefixStore("0/", HashStore())) is None  # no host: MASTER_ADDR decides
 
 
 def test_the_hook_has_the_signature_ddp_accepts() -> None:
