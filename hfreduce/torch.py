@@ -37,6 +37,10 @@ How it maps to torch's APIs:
 - Tensors must be CPU tensors, contiguous, float32/float64/float16/bfloat16/int32/int64: anything
   else is an ``InvalidArgument`` raised by the call itself, before any rank starts the collective.
 
+A Python process group stands for the whole group in torch (``init_process_group`` uses it in place
+of its per-device dispatch), so a mixed backend string such as ``"cpu:hfreduce,cuda:nccl"`` is not
+supported: use ``backend="hfreduce"`` alone, or the hook.
+
 Options: ``init_process_group(backend="hfreduce", pg_options=HFReduceOptions(chunk_size_bytes=...))``
 (``new_group(..., pg_options=...)`` likewise) sets the communicator's chunk size and slots.
 """
