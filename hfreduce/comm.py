@@ -80,7 +80,9 @@ class Communicator:
                  master_port: int | None = None, node: str | None = None, local_rank: int | None = None,
                  local_world_size: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES, slots: int = DEFAULT_SLOTS,
-                 store: KeyValueStore | None = None, prefix: str = "hfreduce") -> None:
+                 store: KeyValueStore | None = None, prefix: str = "hfreduce", launcher_env: bool = True) -> None:
+        """``launcher_env=False``: ignore LOCAL_RANK/LOCAL_WORLD_SIZE (a subgroup of the launched job:
+        the launcher numbered the job's ranks per node, not the subgroup's)."""
         self.rank = _env_int("RANK", rank, True) or 0
         self.world_size = _env_int("WORLD_SIZE", world_size, True) or 0
         if self.world_size < 1:
@@ -94,8 +96,8 @@ class Communicator:
                                   f"{_MAX_CHUNK_BYTES}, not {chunk_size_bytes}")
         if not 2 <= slots <= _MAX_SLOTS or slots % 2:
             raise InvalidArgument(f"slots must be even, in 2..{_MAX_SLOTS}, not {slots}")
-        env_local_rank = _env_int("LOCAL_RANK", local_rank, False)
-        env_local_size = _env_int("LOCAL_WORLD_SIZE", local_world_size, False)
+        env_local_rank = _env_int("LOCAL_RANK", local_rank, False) if launcher_env else local_rank
+        env_local_size = _env_int("LOCAL_WORLD_SIZE", local_world_size, False) if launcher_env else local_world_size
         self.timeout_s = float(timeout_s)
         self.chunk_size_bytes = chunk_size_bytes
         self.slots = slots
