@@ -155,7 +155,8 @@ def test_info_warmup_stats_and_rmr(cluster: Path) -> None:
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
     warm = fs3("warmup", *d, "/ops", "-p", "4", "--json")
     assert warm.returncode == 0, warm.stderr
-    assert json.loads(warm.stdout) == {"path": "/ops", "files": 32, "bytes": 200_000 + 30 * 100 + 1, "failed_count": 0, "failed": []}
+    assert json.loads(warm.stdout) == {"path": "/ops", "files": 32, "bytes": 200_000 + 30 * 100 + 1,
+                                       "failed_count": 0, "failed": []}
     stats = fs3("stats", *d, "--interval-s", "0.5", "--json")
     assert stats.returncode == 0, stats.stderr
     rates = json.loads(stats.stdout)["rates"]

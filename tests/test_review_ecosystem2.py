@@ -173,7 +173,7 @@ def test_warmup_reads_while_it_walks_so_memory_does_not_grow_with_the_tree() -> 
     args = argparse.Namespace(path="/big", threads=4, json=True)
     assert asyncio.run(_warmup(tree, args)) == 0
     assert tree.read == 2000
-    # One directory page plus the bounded queue (4 × threads) and the files being read.
+    # One directory page plus the bounded queue (4 x threads) and the files being read.
     assert tree.worst_lag <= 100 + 4 * 4 + 4 + 100, tree.worst_lag
 
 

@@ -36,7 +36,8 @@ def rank_input(rank: int, dtype: str, count: int, salt: int) -> np.ndarray:
     if dtype == "bfloat16":
         import torch
 
-        return torch.from_numpy(values).to(torch.bfloat16).to(torch.float64).numpy()
+        rounded: np.ndarray = torch.from_numpy(values).to(torch.bfloat16).to(torch.float64).numpy()
+        return rounded
     return values.astype(NUMPY_DTYPES[dtype]).astype(np.float64)
 
 
@@ -51,7 +52,10 @@ def make_tensor(values: np.ndarray, dtype: str) -> Any:
 def as_float64(tensor: Any) -> np.ndarray:
     if isinstance(tensor, np.ndarray):
         return tensor.astype(np.float64)
-    return tensor.to(dtype=__import__("torch").float64).numpy()
+    import torch
+
+    converted: np.ndarray = tensor.to(dtype=torch.float64).numpy()
+    return converted
 
 
 def raw_bytes(tensor: Any) -> bytes:
@@ -59,7 +63,8 @@ def raw_bytes(tensor: Any) -> bytes:
         return tensor.tobytes()
     import torch
 
-    return tensor.view(torch.int16).numpy().tobytes()
+    raw: bytes = tensor.view(torch.int16).numpy().tobytes()
+    return raw
 
 
 def check_ops(comm: hfreduce.Communicator, dtypes: list[str], sizes: list[int]) -> dict[str, str]:
