@@ -136,6 +136,11 @@ class Communicator:
     def _setup(self, store: KeyValueStore, prefix: str, node_key: str, address: str, env_local_rank: int | None,
                env_local_size: int | None) -> None:
         timeout_s = self.timeout_s
+        # A store can outlive a communicator (torch reuses group names after destroy_process_group):
+        # each start counts its joins, so the W ranks of one start read that start's keys, never a
+        # previous one's.
+        incarnation = (store.add(f"{prefix}/joins", 1) - 1) // self.world_size
+        prefix = f"{prefix}/{incarnation}"
         if self.rank == 0:
             store.set(f"{prefix}/job", secrets.token_hex(6).encode())
         self.job_id = store.get(f"{prefix}/job", timeout_s).decode()
@@ -412,11 +417,12 @@ class Communicator:
         try:
             # Every rank's buffer exists before anyone opens a node-mate's; every rank has opened them
             # all before the names go (the memory lives while any rank maps it).
-            sizes = np.full(1, nbytes, dtype=np.int64)
+            # The largest and (negated) smallest size: every rank sees a disagreement the same way.
+            sizes = np.array([nbytes, -nbytes], dtype=np.int64)
             self.allreduce(sizes, op=ReduceOp.MAX)
-            if int(sizes[0]) != nbytes:
+            if int(sizes[0]) != nbytes or -int(sizes[1]) != nbytes:
                 raise InvalidArgument(f"shared buffer #{index}: ranks asked for different sizes "
-                                      f"({nbytes} here, {int(sizes[0])} elsewhere)")
+                                      f"({nbytes} bytes here; {-int(sizes[1])} to {int(sizes[0])} over all ranks)")
             for local_rank in range(self.local_world_size):
                 if local_rank == self.local_rank:
                     buffers.append(own)

@@ -224,6 +224,15 @@ def test_every_op_and_dtype_matches_the_reference(nodes: list[int]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nodes", [[3], [2, 1]], ids=["1x3", "2+1"])
+def test_registered_buffers_reduce_in_place(nodes: list[int]) -> None:
+    before = _segments()
+    for result in run_job("shared", nodes):
+        assert result["ok"], result
+    assert _segments() <= before
+
+
+@pytest.mark.slow
 def test_repeated_runs_are_bit_identical() -> None:
     extra = {"HFREDUCE_TEST_DTYPES": "float32,bfloat16"}
     first = run_job("ops", [2, 1], extra)

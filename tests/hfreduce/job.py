@@ -132,6 +132,38 @@ def check_async(comm: hfreduce.Communicator) -> None:
         assert (buffer == expected).all(), f"async allreduce {index}"
 
 
+def check_shared(comm: hfreduce.Communicator) -> None:
+    """Registered buffers: zero-copy allreduces (whole, sliced, bf16), and one rank's private buffer
+    against the others' shared ones (the copying path) — all against the expected values."""
+    world, rank = comm.world_size, comm.rank
+    chunk = CHUNK_SIZE_BYTES // 4
+    for count in (1, chunk + 3, 5 * chunk + 7):
+        shared = comm.shared_array(count, np.float32)
+        shared[:] = np.arange(count, dtype=np.float32) * (rank + 1)
+        comm.allreduce(shared)
+        assert np.array_equal(shared, np.arange(count, dtype=np.float32) * sum(range(1, world + 1))), "shared SUM"
+        shared[:] = rank
+        comm.allreduce(shared[count // 3:], op=ReduceOp.MAX)
+        assert (shared[count // 3:] == world - 1).all() and (shared[:count // 3] == rank).all(), "shared slice"
+        # One rank passes a private buffer: every rank still gets the sum.
+        target = np.full(count, rank, dtype=np.float32) if rank == 0 else shared
+        target[:] = rank
+        comm.allreduce(target, op=ReduceOp.AVG)
+        assert np.allclose(target, sum(range(world)) / world), "mixed shared and private"
+    import torch
+
+    tensor = comm.shared_tensor((3, 1000), torch.bfloat16)
+    tensor.fill_(0.5 * (rank + 1))
+    comm.allreduce(tensor)
+    assert torch.equal(tensor, torch.full((3, 1000), 0.5 * sum(range(1, world + 1)), dtype=torch.bfloat16))
+    try:
+        comm.shared_array(100 + rank, np.float32)
+    except hfreduce.InvalidArgument as exc:
+        assert "different sizes" in str(exc), exc
+    else:
+        raise AssertionError("ranks asking for different sizes were not refused")
+
+
 def main() -> None:
     scenario = sys.argv[1]
     node = os.environ.get("HFREDUCE_TEST_NODE") or None
@@ -148,6 +180,8 @@ def main() -> None:
             result["digests"] = check_ops(comm, dtypes.split(","), sizes)
             check_collectives(comm, [1, 777, chunk * comm.world_size + 3])
             check_async(comm)
+        elif scenario == "shared":
+            check_shared(comm)
         elif scenario == "traffic":
             # The interface's counters and the links' byte counts, taken together (after a barrier:
             # no socket holds unread bytes then) before and after three 8 MiB allreduces.
