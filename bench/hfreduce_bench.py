@@ -36,6 +36,7 @@ run never replaces a full run's figures), which :func:`load_results` reads and c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -135,8 +136,8 @@ def parse_sizes(text: str) -> list[int]:
             mib = float(part)
         except ValueError:
             raise argparse.ArgumentTypeError(f"size {part!r} is not a number of MiB") from None
-        size_bytes = int(mib * MIB) // 4 * 4
-        if not math.isfinite(mib) or size_bytes < 4:
+        size_bytes = int(mib * MIB) // 4 * 4 if math.isfinite(mib) else 0
+        if size_bytes < 4:
             raise argparse.ArgumentTypeError(f"size {part!r} MiB is not a positive size of at least one float32")
         if size_bytes not in sizes:
             sizes.append(size_bytes)
@@ -294,10 +295,8 @@ def _namespaces_unavailable() -> str | None:
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=10)
 
 
@@ -521,6 +520,9 @@ def plot(record: dict[str, Any], path: Path) -> bool:
         ax.plot(sizes, [c["ceiling_algbw_bytes_per_s"] / 1e9 for c in cells], ":", color=colour, linewidth=1,
                 label=f"memory ceiling {layout}")
     ax.set_xscale("log", base=2)
+    ticks = sorted({c["size_bytes"] / MIB for c in record["cells"]})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("tensor size (MiB, float32)")
     ax.set_ylabel("allreduce algbw (GB/s, higher is better)")
     ax.set_title("HFReduce and gloo allreduce (layout = nodes x ranks per node)")
