@@ -219,8 +219,6 @@ def ops_per_repetition(size_bytes: int) -> int:
 
 def run_rank(spec_path: Path) -> int:
     """One rank of a layout (torch's environment variables name it): time both libraries, write JSON."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -231,7 +229,7 @@ def run_rank(spec_path: Path) -> int:
     timeout_s = float(spec["timeout_s"])
     communicator = hfreduce.Communicator(master_port=int(spec["hfreduce_port"]), timeout_s=timeout_s)
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{spec['gloo_port']}",
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+                            rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=timeout_s))
 
     def with_hfreduce(tensor: torch.Tensor) -> None:
         communicator.allreduce(tensor)
