@@ -497,8 +497,9 @@ def markdown(record: dict[str, Any], png: str | None) -> str:
             f"{cell['fraction_of_ceiling']:.0%} | >= {GOAL_FRACTION_OF_CEILING:.0%}: "
             f"{_met(cell['goal_fraction_met'])} |")
     if any(cell["fraction_of_ceiling"] > 1 for cell in record["cells"]):
-        lines += ["", "A share above 100% means the memory-bandwidth measurements were slowed by other work on "
-                  "the machine: the ceiling is understated."]
+        lines += ["", "A share above 100%: the model counts every byte as memory traffic, but a chunk just written "
+                  "(1 MiB by default) can still be in the CPU's cache when the next stage reads it; or other work "
+                  "on the machine slowed both bandwidth measurements. Either way the ceiling is understated there."]
     if png is not None:
         lines += ["", f"![allreduce algbw against tensor size]({png})"]
     return "\n".join(lines) + "\n"
