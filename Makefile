@@ -17,7 +17,7 @@ FSX_SEEDS ?= 300
 FSX_OPS ?= 100
 FSX_FIRST ?= 1
 
-.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce chaos model-report clean install
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -108,6 +108,12 @@ chaos: install
 # fio on the FUSE mount next to a local directory.
 bench-fuse: install
 	$(PY) bench/fuse_bench.py
+
+# HFReduce's allreduce against torch's gloo in the same ranks (1 node x 2 and x 4 ranks; 2 and 3 network-
+# namespace nodes x 2, root), and against the memory-bandwidth ceiling measured in the same run:
+# bench/results/hfreduce-*.{md,json,png} and the model's input bench/results/hfreduce.json.
+bench-hfreduce: install
+	$(PY) bench/hfreduce_bench.py
 
 # The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.
 model-report: install

@@ -1,0 +1,650 @@
+"""HFReduce's allreduce against torch.distributed's gloo, and against this machine's memory bandwidth.
+
+For every layout (N nodes x L ranks per node) the ranks are started once; each rank joins an HFReduce
+communicator *and* a gloo process group, and for every tensor size runs both libraries on the same
+float32 tensor, alternating which goes first, ``--repeats`` times after a warm-up. A repetition is
+timed from a common barrier to the last rank's return (the slowest rank is the op's duration); the
+median over repetitions gives the algorithm bandwidth, ``algbw = tensor bytes / time``.
+
+Nodes beyond the first are Linux network namespaces on a bridge (``tests/chaos/netns.py``): ranks of
+one namespace share a node, and the node leaders' bytes cross veth links over TCP. Namespaces need
+root; without it only the single-node layouts run and the results say why.
+
+The memory-traffic model (the paper's argument for why a CPU reduction is bounded by memory, not by
+arithmetic): per byte of the tensor, HFReduce reads plus writes
+
+* copy-in: every rank reads its tensor and writes it into shared memory — 2 bytes per rank;
+* the leader's reduction: L inputs read, 1 output written — L + 1 bytes per node;
+* copy-out: every rank reads the result and writes its tensor — 2 bytes per rank;
+* across nodes (N > 1): each tree of the double binary tree carries half the bytes, and a node with
+  c children in a tree adds their c partial sums to its own: c + 1 read, 1 written, per byte of
+  that half.
+
+Socket copies are not counted: on real nodes the NIC moves those bytes by DMA. Every node of a
+namespace layout shares this machine's memory, so a layout's traffic is the sum over its nodes, and
+its ceiling is ``measured all-core memory bandwidth / traffic per byte``. The bandwidth is measured
+in the same run: one process per core copies (2 bytes of traffic per byte) and adds (3 bytes) large
+arrays in parallel, before and after the layouts; the best rate, in read-plus-write bytes per
+second, is the machine's.
+
+Usage: ``python bench/hfreduce_bench.py [--sizes 1,16,64,256] [--layouts 1x2,1x4,2x2,3x2]
+[--repeats 5] [--quick]``. Writes ``bench/results/hfreduce-<UTC timestamp>.{md,json,png}`` and the
+named, versioned ``bench/results/hfreduce.json`` (``hfreduce-quick.json`` for ``--quick``, so a smoke
+run never replaces a full run's figures), which :func:`load_results` reads and checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hfreduce.tree import double_binary_tree  # noqa: E402
+
+__all__ = ["FORMAT_VERSION", "Layout", "ResultsError", "load_results", "main", "parse_layouts", "parse_sizes",
+           "traffic_bytes_per_byte", "validate_results"]
+
+FORMAT_VERSION = 1
+"""Bumped whenever a field of ``hfreduce.json`` changes meaning, so an old file is refused, not misread."""
+
+MIB = 1 << 20
+RESULTS = ROOT / "bench" / "results"
+FULL_SIZES_MIB = (1, 16, 64, 256)
+QUICK_SIZES_MIB = (1, 4)
+FULL_LAYOUTS = "1x2,1x4,2x2,3x2"
+LIBRARIES = ("hfreduce", "gloo")
+GOAL_RATIO_ONE_NODE = 4.0
+GOAL_RATIO_ONE_NODE_MIN_BYTES = 16 * MIB
+GOAL_RATIO_NAMESPACE_NODES = 1.5
+GOAL_FRACTION_OF_CEILING = 0.5
+# Back-to-back ops per timed repetition: small tensors are timed over several ops so that the
+# barrier's release skew (tens of microseconds) does not dominate.
+_OPS_PER_REPETITION_BYTES = 16 * MIB
+_MAX_OPS_PER_REPETITION = 8
+_RANK_TIMEOUT_S = 120.0
+_ASSERT_RTOL = 1e-5
+TRAFFIC_MODEL = (
+    "bytes read plus written per byte reduced, summed over the nodes (all on this machine): per rank, copy-in "
+    "(read tensor, write shared memory) 2 and copy-out (read result, write tensor) 2; per node, the leader's "
+    "reduction of L inputs L + 1; across nodes, in each tree of the double binary tree (half the bytes each) a "
+    "node with c > 0 children adds their partial sums to its own, c + 2. Socket copies are not counted (a NIC's "
+    "DMA on real nodes). Ceiling = measured all-core memory bandwidth (read+write bytes/s) / traffic per byte.")
+
+
+class ResultsError(ValueError):
+    """A results file that is missing, malformed or of another format version (names the file and field)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``nodes`` nodes of ``ranks_per_node`` ranks each; nodes beyond one are network namespaces."""
+
+    nodes: int
+    ranks_per_node: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.nodes}x{self.ranks_per_node}"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def describe(self) -> str:
+        if self.nodes == 1:
+            return f"1 node x {self.ranks_per_node} ranks"
+        return f"{self.nodes} namespace nodes x {self.ranks_per_node} ranks"
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """``"1x2,2x2"`` → layouts; anything else is a clear error (argparse shows it)."""
+    layouts: list[Layout] = []
+    for part in (p.strip() for p in text.split(",")):
+        nodes_text, sep, ranks_text = part.partition("x")
+        if not sep or not nodes_text.isdigit() or not ranks_text.isdigit():
+            raise argparse.ArgumentTypeError(f"layout {part!r} is not NODESxRANKS (such as 2x2)")
+        layout = Layout(int(nodes_text), int(ranks_text))
+        if layout.nodes < 1 or layout.ranks_per_node < 1 or layout.world_size < 2:
+            raise argparse.ArgumentTypeError(f"layout {part!r} needs at least 1 node, 1 rank each, 2 ranks in all")
+        if layout not in layouts:
+            layouts.append(layout)
+    return layouts
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1,16"`` (MiB) → sizes in bytes; each a positive number of MiB (fractions allowed, e.g. 0.25)."""
+    sizes: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            mib = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"size {part!r} is not a number of MiB") from None
+        size_bytes = int(mib * MIB) // 4 * 4 if math.isfinite(mib) else 0
+        if size_bytes < 4:
+            raise argparse.ArgumentTypeError(f"size {part!r} MiB is not a positive size of at least one float32")
+        if size_bytes not in sizes:
+            sizes.append(size_bytes)
+    return sorted(sizes)
+
+
+# -- the memory-traffic model -------------------------------------------------------------------------
+
+
+def traffic_bytes_per_byte(layout: Layout) -> float:
+    """Bytes read plus written on this machine per byte of the tensor (the model in the module doc)."""
+    local = layout.ranks_per_node
+    total = 0.0
+    for node in range(layout.nodes):
+        total += 2 * local + (local + 1) + 2 * local
+        if layout.nodes > 1:
+            for position in double_binary_tree(layout.nodes, node):
+                children = len(position.children)
+                if children:
+                    total += 0.5 * (children + 2)
+    return total
+
+
+def _bandwidth_process(barrier: Any, queue: Any, elements: int, rounds: int, trials: int) -> None:
+    import numpy as np
+
+    source = np.ones(elements, dtype=np.float32)
+    other = np.ones(elements, dtype=np.float32)
+    target = np.zeros(elements, dtype=np.float32)
+    seconds: list[tuple[float, float]] = []
+    for _ in range(trials):
+        barrier.wait()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            np.copyto(target, source)
+        copy_s = time.perf_counter() - started
+        barrier.wait()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            np.add(source, other, out=target)
+        seconds.append((copy_s, time.perf_counter() - started))
+    queue.put(seconds)
+
+
+def measure_memory_bandwidth(processes: int, array_bytes: int, rounds: int, trials: int) -> dict[str, float]:
+    """All-core read+write bandwidth: one process per core copying, then adding, large arrays at once.
+
+    A trial's rate is the bytes all processes moved over the slowest one's time; the best trial counts
+    (other work on a shared machine only ever slows a trial down).
+    """
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(processes)
+    queue = context.Queue()
+    elements = array_bytes // 4
+    workers = [context.Process(target=_bandwidth_process, args=(barrier, queue, elements, rounds, trials))
+               for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        per_process = [queue.get(timeout=300) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    moved = processes * rounds * elements * 4
+    copy_rate = max(2 * moved / max(p[trial][0] for p in per_process) for trial in range(trials))
+    add_rate = max(3 * moved / max(p[trial][1] for p in per_process) for trial in range(trials))
+    return {"copy_bytes_per_s": copy_rate, "add_bytes_per_s": add_rate,
+            "memory_bandwidth_bytes_per_s": max(copy_rate, add_rate)}
+
+
+# -- one rank -------------------------------------------------------------------------------------------
+
+
+def ops_per_repetition(size_bytes: int) -> int:
+    return max(1, min(_MAX_OPS_PER_REPETITION, _OPS_PER_REPETITION_BYTES // size_bytes))
+
+
+def run_rank(spec_path: Path) -> int:
+    """One rank of a layout (torch's environment variables name it): time both libraries, write JSON."""
+    import torch
+    import torch.distributed as dist
+
+    import hfreduce
+
+    spec = json.loads(spec_path.read_text())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout_s = float(spec["timeout_s"])
+    communicator = hfreduce.Communicator(master_port=int(spec["hfreduce_port"]), timeout_s=timeout_s)
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{spec['gloo_port']}",
+                            rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=timeout_s))
+
+    def with_hfreduce(tensor: torch.Tensor) -> None:
+        communicator.allreduce(tensor)
+
+    def with_gloo(tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    run = {"hfreduce": with_hfreduce, "gloo": with_gloo}
+    seconds: dict[str, dict[str, list[float]]] = {library: {} for library in LIBRARIES}
+    rank_sum = world_size * (world_size + 1) / 2
+    try:
+        for size_bytes in spec["sizes"]:
+            tensor = torch.empty(size_bytes // 4, dtype=torch.float32)
+            ops = ops_per_repetition(size_bytes)
+            # Every rank starts from rank + 1: after k ops every element is sum(rank + 1) * W^(k-1).
+            expected = rank_sum * world_size ** (ops - 1)
+            for library in LIBRARIES:
+                seconds[library][str(size_bytes)] = []
+            for repetition in range(spec["warmup"] + spec["repeats"]):
+                order = LIBRARIES if repetition % 2 == 0 else LIBRARIES[::-1]
+                for library in order:
+                    tensor.fill_(rank + 1)
+                    dist.barrier()
+                    started = time.perf_counter()
+                    for _ in range(ops):
+                        run[library](tensor)
+                    elapsed = time.perf_counter() - started
+                    low, high = tensor.min().item(), tensor.max().item()
+                    if not (abs(low - expected) <= _ASSERT_RTOL * expected
+                            and abs(high - expected) <= _ASSERT_RTOL * expected):
+                        raise RuntimeError(f"{library} allreduce of {size_bytes} bytes gave values in [{low}, {high}],"
+                                           f" expected {expected}")
+                    if repetition >= spec["warmup"]:
+                        seconds[library][str(size_bytes)].append(elapsed / ops)
+            del tensor
+    finally:
+        dist.destroy_process_group()
+        communicator.shutdown()
+    out = {"rank": rank, "node": communicator.node_index, "local_rank": communicator.local_rank,
+           "chunk_size_bytes": communicator.chunk_size_bytes, "slots": communicator.slots, "seconds": seconds}
+    Path(spec["out"]).write_text(json.dumps(out))
+    return 0
+
+
+# -- one layout -----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _namespaces_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root to measure namespace nodes)"
+    if not shutil.which("ip"):
+        return "network namespaces need iproute2 (the ip command)"
+    return None
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def run_layout(layout: Layout, sizes: list[int], repeats: int, warmup: int, work: Path,
+               log: Any) -> list[dict[str, Any]]:
+    """Start the layout's ranks once, wait for them, return every rank's timings (rank order)."""
+    work.mkdir(parents=True, exist_ok=True)
+    # Start-up, then 0.2 s per MiB reduced per repetition (both libraries at 10 MB/s: far below either).
+    budget_s = _RANK_TIMEOUT_S + 0.2 * (repeats + warmup) * sum(sizes) / MIB
+    outs = [work / f"{layout.name}-rank{rank}.json" for rank in range(layout.world_size)]
+    logs = [work / f"{layout.name}-rank{rank}.log" for rank in range(layout.world_size)]
+    base_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WORLD_SIZE=str(layout.world_size),
+                    LOCAL_WORLD_SIZE=str(layout.ranks_per_node))
+    lab = None
+    procs: list[subprocess.Popen[Any]] = []
+    try:
+        if layout.nodes == 1:
+            master, interface = "127.0.0.1", "lo"
+        else:
+            from tests.chaos.netns import NetnsLab
+
+            lab = NetnsLab()
+            addresses = lab.create([f"n{node}" for node in range(layout.nodes)])
+            master, interface = addresses["n0"], "eth0"
+        spec = {"sizes": sizes, "repeats": repeats, "warmup": warmup, "timeout_s": _RANK_TIMEOUT_S,
+                "hfreduce_port": _free_port(), "gloo_port": _free_port()}
+        for rank in range(layout.world_size):
+            node, local_rank = divmod(rank, layout.ranks_per_node)
+            rank_spec = work / f"{layout.name}-spec{rank}.json"
+            rank_spec.write_text(json.dumps({**spec, "out": str(outs[rank])}))
+            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(local_rank), MASTER_ADDR=master,
+                       GLOO_SOCKET_IFNAME=interface)
+            args = [sys.executable, str(Path(__file__).resolve()), "--rank-spec", str(rank_spec)]
+            outs[rank].unlink(missing_ok=True)
+            logs[rank].unlink(missing_ok=True)
+            if lab is not None:
+                procs.append(lab.spawn(f"n{node}", args, env, logs[rank]))
+            else:
+                with logs[rank].open("ab") as out:
+                    procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                  stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + budget_s
+        while any(proc.poll() is None for proc in procs):
+            failed = [rank for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        failures: list[str] = []
+        for rank, proc in enumerate(procs):
+            if proc.poll() is None:
+                failures.append(f"rank {rank} did not finish within {budget_s:.0f} s")
+            elif proc.returncode != 0:
+                tail = logs[rank].read_text(errors="replace").strip().splitlines()[-6:] if logs[rank].exists() else []
+                failures.append(f"rank {rank} exited with status {proc.returncode}: " + " | ".join(tail))
+        if failures:
+            raise RuntimeError("; ".join(failures))
+        ranks = [json.loads(out.read_text()) for out in outs]
+        for rank, got in enumerate(ranks):
+            # The figures belong to the layout only if the rendezvous grouped the ranks as intended.
+            if (got["node"], got["local_rank"]) != divmod(rank, layout.ranks_per_node):
+                raise RuntimeError(f"rank {rank} ran as node {got['node']} local rank {got['local_rank']}, not as "
+                                   f"layout {layout.name} places it")
+        return ranks
+    finally:
+        for proc in procs:
+            _stop(proc)
+        if lab is not None:
+            lab.destroy()
+        log(f"  {layout.name}: ranks stopped")
+
+
+def cells_for_layout(layout: Layout, sizes: list[int], ranks: list[dict[str, Any]],
+                     bandwidth_bytes_per_s: float) -> list[dict[str, Any]]:
+    """A layout's table rows: medians over repetitions of the slowest rank's time per op."""
+    traffic = traffic_bytes_per_byte(layout)
+    ceiling = bandwidth_bytes_per_s / traffic
+    cells: list[dict[str, Any]] = []
+    for size_bytes in sizes:
+        algbw: dict[str, float] = {}
+        for library in LIBRARIES:
+            per_rank = [rank["seconds"][library][str(size_bytes)] for rank in ranks]
+            slowest = [max(times) for times in zip(*per_rank, strict=True)]
+            algbw[library] = size_bytes / statistics.median(slowest)
+        ratio = algbw["hfreduce"] / algbw["gloo"]
+        fraction = algbw["hfreduce"] / ceiling
+        if layout.nodes == 1:
+            ratio_goal = GOAL_RATIO_ONE_NODE if size_bytes >= GOAL_RATIO_ONE_NODE_MIN_BYTES else None
+        else:
+            ratio_goal = GOAL_RATIO_NAMESPACE_NODES
+        cells.append({
+            "layout": layout.name, "nodes": layout.nodes, "ranks_per_node": layout.ranks_per_node,
+            "size_bytes": size_bytes, "hfreduce_algbw_bytes_per_s": algbw["hfreduce"],
+            "gloo_algbw_bytes_per_s": algbw["gloo"], "ratio": ratio, "traffic_bytes_per_byte": traffic,
+            "ceiling_algbw_bytes_per_s": ceiling, "fraction_of_ceiling": fraction,
+            "goal_ratio": ratio_goal, "goal_ratio_met": None if ratio_goal is None else ratio >= ratio_goal,
+            "goal_fraction_of_ceiling": GOAL_FRACTION_OF_CEILING,
+            "goal_fraction_met": fraction >= GOAL_FRACTION_OF_CEILING,
+        })
+    return cells
+
+
+# -- the results file -----------------------------------------------------------------------------------
+
+_CELL_NUMBERS = ("size_bytes", "hfreduce_algbw_bytes_per_s", "gloo_algbw_bytes_per_s", "ratio",
+                 "traffic_bytes_per_byte", "ceiling_algbw_bytes_per_s", "fraction_of_ceiling")
+
+
+def _positive(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def validate_results(data: object, name: str = "hfreduce.json") -> dict[str, Any]:
+    """``data`` if it is a results record of this format version; :class:`ResultsError` naming the field."""
+    if not isinstance(data, dict):
+        raise ResultsError(f"{name}: must hold a JSON object")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ResultsError(f"{name}: format_version: this reader reads version {FORMAT_VERSION}, "
+                           f"not {data.get('format_version')!r}")
+    machine = data.get("machine")
+    if not isinstance(machine, dict):
+        raise ResultsError(f"{name}: machine: must be an object")
+    for field in ("cores", "memory_bandwidth_bytes_per_s"):
+        if not _positive(machine.get(field)):
+            raise ResultsError(f"{name}: machine.{field}: must be a positive number, not {machine.get(field)!r}")
+    cells = data.get("cells")
+    if not isinstance(cells, list):
+        raise ResultsError(f"{name}: cells: must be a list")
+    for index, cell in enumerate(cells):
+        where = f"{name}: cells[{index}]"
+        if not isinstance(cell, dict):
+            raise ResultsError(f"{where}: must be an object")
+        if not isinstance(cell.get("layout"), str):
+            raise ResultsError(f"{where}.layout: must be a string such as '2x2'")
+        for field in ("nodes", "ranks_per_node"):
+            value = cell.get(field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ResultsError(f"{where}.{field}: must be a positive integer, not {value!r}")
+        for field in _CELL_NUMBERS:
+            if not _positive(cell.get(field)):
+                raise ResultsError(f"{where}.{field}: must be a positive number, not {cell.get(field)!r}")
+        if cell["layout"] != f"{cell['nodes']}x{cell['ranks_per_node']}":
+            raise ResultsError(f"{where}.layout: {cell['layout']!r} does not match nodes x ranks_per_node")
+    return data
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """The results at ``path``; refuses a missing, malformed or other-version file, naming file and field."""
+    name = str(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ResultsError(f"{name}: no such file (make bench-hfreduce writes it)") from None
+    except (OSError, ValueError) as exc:
+        raise ResultsError(f"{name}: not a readable JSON file: {exc}") from None
+    return validate_results(data, name)
+
+
+# -- report ---------------------------------------------------------------------------------------------
+
+
+def _gbs(value: float) -> str:
+    return f"{value / 1e9:.2f}"
+
+
+def _size(size_bytes: int) -> str:
+    return f"{size_bytes / MIB:g} MiB"
+
+
+def _met(flag: bool | None) -> str:
+    return "-" if flag is None else ("met" if flag else "**not met**")
+
+
+def markdown(record: dict[str, Any], png: str | None) -> str:
+    machine = record["machine"]
+    lines = [f"# HFReduce allreduce against gloo, {record['when']}{' (quick)' if record['quick'] else ''}", "",
+             f"- command: `{record['command']}`",
+             f"- machine: {machine['cores']} cores; all-core memory bandwidth "
+             f"{_gbs(machine['memory_bandwidth_bytes_per_s'])} GB/s read+write (copy "
+             f"{_gbs(machine['copy_bytes_per_s'])}, add {_gbs(machine['add_bytes_per_s'])}), the better of "
+             f"two measurements in this run (before and after the layouts: "
+             f"{', '.join(_gbs(b) for b in machine['memory_bandwidth_runs_bytes_per_s'])} GB/s)",
+             f"- float32 SUM; {record['settings']['repeats']} repetitions after {record['settings']['warmup']} "
+             f"warm-up, median of the slowest rank's time; HFReduce chunk "
+             f"{record['settings']['chunk_size_bytes'] // 1024} KiB x {record['settings']['slots']} slots; "
+             f"torch {record['settings']['torch']}; GB/s = 10^9 bytes/s of tensor (algbw)",
+             f"- traffic model: {record['traffic_model']}",
+             f"- goals: HFReduce/gloo >= {GOAL_RATIO_ONE_NODE:g} within one node at >= "
+             f"{GOAL_RATIO_ONE_NODE_MIN_BYTES // MIB} MiB, >= {GOAL_RATIO_NAMESPACE_NODES:g} across namespace nodes"
+             f" (every size); >= {GOAL_FRACTION_OF_CEILING:.0%} of the ceiling (every cell)"]
+    lines += [f"- **{layout}** not measured: {why}" for layout, why in record["skipped"].items()]
+    lines += ["", "| layout | size | HFReduce GB/s | gloo GB/s | HFReduce / gloo | goal | traffic B/B "
+              "| ceiling GB/s | % of ceiling | goal |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in record["cells"]:
+        goal = "-" if cell["goal_ratio"] is None else f">= {cell['goal_ratio']:g}: {_met(cell['goal_ratio_met'])}"
+        lines.append(
+            f"| {cell['layout']} | {_size(cell['size_bytes'])} | {_gbs(cell['hfreduce_algbw_bytes_per_s'])} | "
+            f"{_gbs(cell['gloo_algbw_bytes_per_s'])} | {cell['ratio']:.2f} | {goal} | "
+            f"{cell['traffic_bytes_per_byte']:g} | {_gbs(cell['ceiling_algbw_bytes_per_s'])} | "
+            f"{cell['fraction_of_ceiling']:.0%} | >= {GOAL_FRACTION_OF_CEILING:.0%}: "
+            f"{_met(cell['goal_fraction_met'])} |")
+    if any(cell["fraction_of_ceiling"] > 1 for cell in record["cells"]):
+        lines += ["", "A share above 100%: the model counts every byte as memory traffic, but a chunk just written "
+                  "(1 MiB by default) can still be in the CPU's cache when the next stage reads it; or other work "
+                  "on the machine slowed both bandwidth measurements. Either way the ceiling is understated there."]
+    if png is not None:
+        lines += ["", f"![allreduce algbw against tensor size]({png})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(record: dict[str, Any], path: Path) -> bool:
+    """Bandwidth against size: one colour per layout, HFReduce solid, gloo dashed, ceiling dotted."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    layouts: list[str] = []
+    for cell in record["cells"]:
+        if cell["layout"] not in layouts:
+            layouts.append(cell["layout"])
+    fig, ax = plt.subplots(figsize=(9, 6))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, layout in enumerate(layouts):
+        cells = [c for c in record["cells"] if c["layout"] == layout]
+        sizes = [c["size_bytes"] / MIB for c in cells]
+        colour = colours[index % len(colours)]
+        ax.plot(sizes, [c["hfreduce_algbw_bytes_per_s"] / 1e9 for c in cells], "o-", color=colour,
+                label=f"HFReduce {layout}")
+        ax.plot(sizes, [c["gloo_algbw_bytes_per_s"] / 1e9 for c in cells], "s--", color=colour,
+                label=f"gloo {layout}")
+        ax.plot(sizes, [c["ceiling_algbw_bytes_per_s"] / 1e9 for c in cells], ":", color=colour, linewidth=1,
+                label=f"memory ceiling {layout}")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({c["size_bytes"] / MIB for c in record["cells"]})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("tensor size (MiB, float32)")
+    ax.set_ylabel("allreduce algbw (GB/s, higher is better)")
+    ax.set_title("HFReduce and gloo allreduce (layout = nodes x ranks per node)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=parse_sizes, help="tensor sizes in MiB, comma-separated (default "
+                        f"{','.join(map(str, FULL_SIZES_MIB))}; --quick: {','.join(map(str, QUICK_SIZES_MIB))})")
+    parser.add_argument("--layouts", type=parse_layouts, help=f"NODESxRANKS, comma-separated (default "
+                        f"{FULL_LAYOUTS}); nodes beyond one are network namespaces")
+    parser.add_argument("--repeats", type=int, help="timed repetitions per library and size (default 5; quick 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions (a smoke test)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default bench/results)")
+    parser.add_argument("--rank-spec", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_spec is not None:
+        return run_rank(args.rank_spec)
+    sizes: list[int] = args.sizes or [int(mib * MIB) for mib in (QUICK_SIZES_MIB if args.quick else FULL_SIZES_MIB)]
+    layouts: list[Layout] = args.layouts or parse_layouts(FULL_LAYOUTS)
+    repeats: int = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    if repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be at least 1 and --warmup at least 0")
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - started:7.1f}s] {message}", flush=True)
+
+    import torch
+
+    cores = os.cpu_count() or 1
+
+    def bandwidth() -> dict[str, float]:
+        log(f"memory bandwidth, {cores} processes ...")
+        measured = measure_memory_bandwidth(cores, (32 if args.quick else 128) * MIB, 4, 3)
+        log(f"  {_gbs(measured['memory_bandwidth_bytes_per_s'])} GB/s read+write")
+        return measured
+
+    # Measured before and after the layouts, the better kept: the ceiling is an upper bound, and on a
+    # shared machine other work only ever lowers a measurement.
+    before = bandwidth()
+    work = Path(f"/tmp/hfreduce-bench-{os.getpid()}")
+    skipped: dict[str, str] = {}
+    cells: list[dict[str, Any]] = []
+    measured: list[tuple[Layout, list[dict[str, Any]]]] = []
+    chunk_slots: tuple[int, int] | None = None
+    unavailable = _namespaces_unavailable()
+    try:
+        for layout in layouts:
+            if layout.nodes > 1 and unavailable is not None:
+                skipped[layout.name] = unavailable
+                log(f"{layout.name}: skipped, {unavailable}")
+                continue
+            log(f"{layout.name} ({layout.describe()}) ...")
+            try:
+                ranks = run_layout(layout, sizes, repeats, args.warmup, work, log)
+            except Exception as exc:  # one layout failing must not lose the others' figures
+                skipped[layout.name] = f"failed: {type(exc).__name__}: {exc}"[:2000]
+                log(f"  {layout.name} FAILED: {skipped[layout.name]}")
+                continue
+            chunk_slots = (ranks[0]["chunk_size_bytes"], ranks[0]["slots"])
+            measured.append((layout, ranks))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    after = bandwidth()
+    machine: dict[str, Any] = {"cores": cores, **max(before, after, key=lambda m: m["memory_bandwidth_bytes_per_s"]),
+                               "memory_bandwidth_runs_bytes_per_s": [before["memory_bandwidth_bytes_per_s"],
+                                                                     after["memory_bandwidth_bytes_per_s"]]}
+    for layout, ranks in measured:
+        for cell in cells_for_layout(layout, sizes, ranks, machine["memory_bandwidth_bytes_per_s"]):
+            cells.append(cell)
+            log(f"{layout.name} {_size(cell['size_bytes'])}: HFReduce {_gbs(cell['hfreduce_algbw_bytes_per_s'])} "
+                f"GB/s, gloo {_gbs(cell['gloo_algbw_bytes_per_s'])} GB/s, x{cell['ratio']:.2f}, "
+                f"{cell['fraction_of_ceiling']:.0%} of ceiling")
+    if chunk_slots is None:
+        import hfreduce
+
+        chunk_slots = (hfreduce.DEFAULT_CHUNK_SIZE_BYTES, hfreduce.DEFAULT_SLOTS)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    command = " ".join(["python bench/hfreduce_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    record: dict[str, Any] = {
+        "format_version": FORMAT_VERSION, "kind": "hfreduce-allreduce", "when": stamp, "quick": args.quick,
+        "command": command, "machine": machine,
+        "settings": {"dtype": "float32", "op": "sum", "repeats": repeats, "warmup": args.warmup,
+                     "chunk_size_bytes": chunk_slots[0], "slots": chunk_slots[1], "torch": torch.__version__,
+                     "omp_num_threads": 1},
+        "traffic_model": TRAFFIC_MODEL,
+        "goals": {"ratio_one_node": GOAL_RATIO_ONE_NODE, "ratio_one_node_min_size_bytes": GOAL_RATIO_ONE_NODE_MIN_BYTES,
+                  "ratio_namespace_nodes": GOAL_RATIO_NAMESPACE_NODES,
+                  "fraction_of_ceiling": GOAL_FRACTION_OF_CEILING},
+        "skipped": skipped, "cells": cells, "seconds": round(time.monotonic() - started, 1)}
+    validate_results(record)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    png = f"hfreduce-{stamp}.png" if cells and plot(record, out / f"hfreduce-{stamp}.png") else None
+    text = markdown(record, png)
+    (out / f"hfreduce-{stamp}.md").write_text(text)
+    (out / f"hfreduce-{stamp}.json").write_text(json.dumps(record, indent=2) + "\n")
+    named = out / ("hfreduce-quick.json" if args.quick else "hfreduce.json")
+    named.write_text(json.dumps(record, indent=2) + "\n")
+    print(text)
+    log(f"wrote {out / f'hfreduce-{stamp}.md'} and {named}")
+    return 1 if any(why.startswith("failed") for why in skipped.values()) or not cells else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
