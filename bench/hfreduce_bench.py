@@ -13,12 +13,17 @@ root; without it only the single-node layouts run and the results say why.
 The memory-traffic model (the paper's argument for why a CPU reduction is bounded by memory, not by
 arithmetic): per byte of the tensor, HFReduce reads plus writes
 
-* copy-in: every rank reads its tensor and writes it into shared memory — 2 bytes per rank;
-* the leader's reduction: L inputs read, 1 output written — L + 1 bytes per node;
+* copy-in: every rank but a chunk's owner reads its tensor and writes it into shared memory — 2 bytes
+  for each of L - 1 ranks;
+* the reduction (by the chunk's owner): L inputs read, 1 output written — L + 1 bytes per node;
 * copy-out: every rank reads the result and writes its tensor — 2 bytes per rank;
 * across nodes (N > 1): each tree of the double binary tree carries half the bytes, and a node with
   c children in a tree adds their c partial sums to its own: c + 1 read, 1 written, per byte of
   that half.
+
+A registered buffer (``Communicator.shared_tensor``) skips the copy-in: 3L + 1 bytes per node instead
+of 5L - 1 (on one node the owner writes every rank's result itself, the same bytes as the copy-out).
+Both are measured: "hfreduce" on the same private tensor gloo reduces, "registered" on a shared one.
 
 Socket copies are not counted: on real nodes the NIC moves those bytes by DMA. Every node of a
 namespace layout shares this machine's memory, so a layout's traffic is the sum over its nodes, and
@@ -69,7 +74,7 @@ RESULTS = ROOT / "bench" / "results"
 FULL_SIZES_MIB = (1, 16, 64, 256)
 QUICK_SIZES_MIB = (1, 4)
 FULL_LAYOUTS = "1x2,1x4,2x2,3x2"
-LIBRARIES = ("hfreduce", "gloo")
+LIBRARIES = ("hfreduce", "registered", "gloo")
 GOAL_RATIO_ONE_NODE = 4.0
 GOAL_RATIO_ONE_NODE_MIN_BYTES = 16 * MIB
 GOAL_RATIO_NAMESPACE_NODES = 1.5
@@ -81,11 +86,13 @@ _MAX_OPS_PER_REPETITION = 8
 _RANK_TIMEOUT_S = 120.0
 _ASSERT_RTOL = 1e-5
 TRAFFIC_MODEL = (
-    "bytes read plus written per byte reduced, summed over the nodes (all on this machine): per rank, copy-in "
-    "(read tensor, write shared memory) 2 and copy-out (read result, write tensor) 2; per node, the leader's "
-    "reduction of L inputs L + 1; across nodes, in each tree of the double binary tree (half the bytes each) a "
-    "node with c > 0 children adds their partial sums to its own, c + 2. Socket copies are not counted (a NIC's "
-    "DMA on real nodes). Ceiling = measured all-core memory bandwidth (read+write bytes/s) / traffic per byte.")
+    "bytes read plus written per byte reduced, summed over the nodes (all on this machine): per node of L ranks, "
+    "copy-in by the L - 1 ranks that do not own a chunk (read tensor, write shared memory) 2 each, the owner's "
+    "reduction of L inputs L + 1, copy-out by every rank (read result, write tensor) 2 each: 5L - 1; a "
+    "registered buffer skips the copy-in: 3L + 1. Across nodes, in each tree of the double binary tree (half "
+    "the bytes each) a node with c > 0 children adds their partial sums to its own, c + 2. Socket copies are not "
+    "counted (a NIC's DMA on real nodes). Ceiling = measured all-core memory bandwidth (read+write bytes/s) / "
+    "traffic per byte.")
 
 
 class ResultsError(ValueError):
@@ -147,12 +154,12 @@ def parse_sizes(text: str) -> list[int]:
 # -- the memory-traffic model -------------------------------------------------------------------------
 
 
-def traffic_bytes_per_byte(layout: Layout) -> float:
+def traffic_bytes_per_byte(layout: Layout, registered: bool = False) -> float:
     """Bytes read plus written on this machine per byte of the tensor (the model in the module doc)."""
     local = layout.ranks_per_node
     total = 0.0
     for node in range(layout.nodes):
-        total += 2 * local + (local + 1) + 2 * local
+        total += (3 * local + 1) if registered else (5 * local - 1)
         if layout.nodes > 1:
             for position in double_binary_tree(layout.nodes, node):
                 children = len(position.children)
@@ -237,12 +244,14 @@ def run_rank(spec_path: Path) -> int:
     def with_gloo(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor)
 
-    run = {"hfreduce": with_hfreduce, "gloo": with_gloo}
+    run = {"hfreduce": with_hfreduce, "registered": with_hfreduce, "gloo": with_gloo}
     seconds: dict[str, dict[str, list[float]]] = {library: {} for library in LIBRARIES}
     rank_sum = world_size * (world_size + 1) / 2
     try:
         for size_bytes in spec["sizes"]:
-            tensor = torch.empty(size_bytes // 4, dtype=torch.float32)
+            private = torch.empty(size_bytes // 4, dtype=torch.float32)
+            # Every rank allocates it, same size, same order (a collective); kept until shutdown.
+            shared = communicator.shared_tensor((size_bytes // 4,), torch.float32)
             ops = ops_per_repetition(size_bytes)
             # Every rank starts from rank + 1: after k ops every element is sum(rank + 1) * W^(k-1).
             expected = rank_sum * world_size ** (ops - 1)
@@ -251,6 +260,7 @@ def run_rank(spec_path: Path) -> int:
             for repetition in range(spec["warmup"] + spec["repeats"]):
                 order = LIBRARIES if repetition % 2 == 0 else LIBRARIES[::-1]
                 for library in order:
+                    tensor = shared if library == "registered" else private
                     tensor.fill_(rank + 1)
                     dist.barrier()
                     started = time.perf_counter()
@@ -264,7 +274,7 @@ def run_rank(spec_path: Path) -> int:
                                            f" expected {expected}")
                     if repetition >= spec["warmup"]:
                         seconds[library][str(size_bytes)].append(elapsed / ops)
-            del tensor
+            del private
     finally:
         dist.destroy_process_group()
         communicator.shutdown()
@@ -371,6 +381,8 @@ def cells_for_layout(layout: Layout, sizes: list[int], ranks: list[dict[str, Any
     """A layout's table rows: medians over repetitions of the slowest rank's time per op."""
     traffic = traffic_bytes_per_byte(layout)
     ceiling = bandwidth_bytes_per_s / traffic
+    registered_traffic = traffic_bytes_per_byte(layout, registered=True)
+    registered_ceiling = bandwidth_bytes_per_s / registered_traffic
     cells: list[dict[str, Any]] = []
     for size_bytes in sizes:
         algbw: dict[str, float] = {}
@@ -392,6 +404,11 @@ def cells_for_layout(layout: Layout, sizes: list[int], ranks: list[dict[str, Any
             "goal_ratio": ratio_goal, "goal_ratio_met": None if ratio_goal is None else ratio >= ratio_goal,
             "goal_fraction_of_ceiling": GOAL_FRACTION_OF_CEILING,
             "goal_fraction_met": fraction >= GOAL_FRACTION_OF_CEILING,
+            "registered_algbw_bytes_per_s": algbw["registered"],
+            "registered_ratio": algbw["registered"] / algbw["gloo"],
+            "registered_traffic_bytes_per_byte": registered_traffic,
+            "registered_ceiling_algbw_bytes_per_s": registered_ceiling,
+            "registered_fraction_of_ceiling": algbw["registered"] / registered_ceiling,
         })
     return cells
 
@@ -399,7 +416,9 @@ def cells_for_layout(layout: Layout, sizes: list[int], ranks: list[dict[str, Any
 # -- the results file -----------------------------------------------------------------------------------
 
 _CELL_NUMBERS = ("size_bytes", "hfreduce_algbw_bytes_per_s", "gloo_algbw_bytes_per_s", "ratio",
-                 "traffic_bytes_per_byte", "ceiling_algbw_bytes_per_s", "fraction_of_ceiling")
+                 "traffic_bytes_per_byte", "ceiling_algbw_bytes_per_s", "fraction_of_ceiling",
+                 "registered_algbw_bytes_per_s", "registered_ratio", "registered_traffic_bytes_per_byte",
+                 "registered_ceiling_algbw_bytes_per_s", "registered_fraction_of_ceiling")
 
 
 def _positive(value: object) -> bool:
@@ -486,8 +505,12 @@ def markdown(record: dict[str, Any], png: str | None) -> str:
              f"{GOAL_RATIO_ONE_NODE_MIN_BYTES // MIB} MiB, >= {GOAL_RATIO_NAMESPACE_NODES:g} across namespace nodes"
              f" (every size); >= {GOAL_FRACTION_OF_CEILING:.0%} of the ceiling (every cell)"]
     lines += [f"- **{layout}** not measured: {why}" for layout, why in record["skipped"].items()]
-    lines += ["", "| layout | size | HFReduce GB/s | gloo GB/s | HFReduce / gloo | goal | traffic B/B "
-              "| ceiling GB/s | % of ceiling | goal |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "HFReduce on the same private tensor as gloo (goals judged here), and on a registered buffer "
+              "(`shared_tensor`):", "",
+              "| layout | size | HFReduce GB/s | gloo GB/s | HFReduce / gloo | goal | traffic B/B "
+              "| ceiling GB/s | % of ceiling | goal | registered GB/s | registered / gloo "
+              "| registered % of its ceiling |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in record["cells"]:
         goal = "-" if cell["goal_ratio"] is None else f">= {cell['goal_ratio']:g}: {_met(cell['goal_ratio_met'])}"
         lines.append(
@@ -495,7 +518,8 @@ def markdown(record: dict[str, Any], png: str | None) -> str:
             f"{_gbs(cell['gloo_algbw_bytes_per_s'])} | {cell['ratio']:.2f} | {goal} | "
             f"{cell['traffic_bytes_per_byte']:g} | {_gbs(cell['ceiling_algbw_bytes_per_s'])} | "
             f"{cell['fraction_of_ceiling']:.0%} | >= {GOAL_FRACTION_OF_CEILING:.0%}: "
-            f"{_met(cell['goal_fraction_met'])} |")
+            f"{_met(cell['goal_fraction_met'])} | {_gbs(cell['registered_algbw_bytes_per_s'])} | "
+            f"{cell['registered_ratio']:.2f} | {cell['registered_fraction_of_ceiling']:.0%} |")
     if any(cell["fraction_of_ceiling"] > 1 for cell in record["cells"]):
         lines += ["", "A share above 100%: the model counts every byte as memory traffic, but a chunk just written "
                   "(1 MiB by default) can still be in the CPU's cache when the next stage reads it; or other work "
@@ -506,7 +530,8 @@ def markdown(record: dict[str, Any], png: str | None) -> str:
 
 
 def plot(record: dict[str, Any], path: Path) -> bool:
-    """Bandwidth against size: one colour per layout, HFReduce solid, gloo dashed, ceiling dotted."""
+    """Bandwidth against size: one colour per layout; HFReduce solid, registered dash-dot, gloo dashed,
+    the copying path's ceiling dotted."""
     try:
         import matplotlib
 
@@ -526,6 +551,8 @@ def plot(record: dict[str, Any], path: Path) -> bool:
         colour = colours[index % len(colours)]
         ax.plot(sizes, [c["hfreduce_algbw_bytes_per_s"] / 1e9 for c in cells], "o-", color=colour,
                 label=f"HFReduce {layout}")
+        ax.plot(sizes, [c["registered_algbw_bytes_per_s"] / 1e9 for c in cells], "^-.", color=colour,
+                label=f"HFReduce registered {layout}")
         ax.plot(sizes, [c["gloo_algbw_bytes_per_s"] / 1e9 for c in cells], "s--", color=colour,
                 label=f"gloo {layout}")
         ax.plot(sizes, [c["ceiling_algbw_bytes_per_s"] / 1e9 for c in cells], ":", color=colour, linewidth=1,
@@ -613,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         for cell in cells_for_layout(layout, sizes, ranks, machine["memory_bandwidth_bytes_per_s"]):
             cells.append(cell)
             log(f"{layout.name} {_size(cell['size_bytes'])}: HFReduce {_gbs(cell['hfreduce_algbw_bytes_per_s'])} "
-                f"GB/s, gloo {_gbs(cell['gloo_algbw_bytes_per_s'])} GB/s, x{cell['ratio']:.2f}, "
+                f"GB/s, registered {_gbs(cell['registered_algbw_bytes_per_s'])} GB/s, gloo "
+                f"{_gbs(cell['gloo_algbw_bytes_per_s'])} GB/s, x{cell['ratio']:.2f}, "
                 f"{cell['fraction_of_ceiling']:.0%} of ceiling")
     if chunk_slots is None:
         import hfreduce

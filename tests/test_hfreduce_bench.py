@@ -32,18 +32,23 @@ def _record() -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "machine": {"cores": 2, "memory_bandwidth_bytes_per_s": 1.3e10},
             "cells": [{"layout": "2x2", "nodes": 2, "ranks_per_node": 2, "size_bytes": MIB,
                        "hfreduce_algbw_bytes_per_s": 2e8, "gloo_algbw_bytes_per_s": 1e8, "ratio": 2.0,
-                       "traffic_bytes_per_byte": 25.0, "ceiling_algbw_bytes_per_s": 5.2e8,
-                       "fraction_of_ceiling": 0.38}]}
+                       "traffic_bytes_per_byte": 21.0, "ceiling_algbw_bytes_per_s": 6.2e8,
+                       "fraction_of_ceiling": 0.32, "registered_algbw_bytes_per_s": 3e8, "registered_ratio": 3.0,
+                       "registered_traffic_bytes_per_byte": 17.0, "registered_ceiling_algbw_bytes_per_s": 7.6e8,
+                       "registered_fraction_of_ceiling": 0.39}]}
 
 
 def test_traffic_model_counts_copies_reduction_and_tree_adds() -> None:
-    # One node: 2 per rank in, L + 1 for the reduction, 2 per rank out.
-    assert traffic_bytes_per_byte(Layout(1, 2)) == 11
-    assert traffic_bytes_per_byte(Layout(1, 4)) == 21
+    # One node: 2 for each of the L - 1 ranks that copy in, L + 1 for the owner's reduction, 2 per rank out.
+    assert traffic_bytes_per_byte(Layout(1, 2)) == 9
+    assert traffic_bytes_per_byte(Layout(1, 4)) == 19
+    # A registered buffer skips the copy-in: 3L + 1.
+    assert traffic_bytes_per_byte(Layout(1, 2), registered=True) == 7
+    assert traffic_bytes_per_byte(Layout(1, 4), registered=True) == 13
     # Two nodes: each is the root of one tree with one child, adding half the bytes (1 + 1 read, 1 written).
-    assert traffic_bytes_per_byte(Layout(2, 2)) == 2 * 11 + 2 * 0.5 * 3
+    assert traffic_bytes_per_byte(Layout(2, 2)) == 2 * 9 + 2 * 0.5 * 3
     # Three nodes: two nodes with one child in each tree.
-    assert traffic_bytes_per_byte(Layout(3, 2)) == 3 * 11 + 4 * 0.5 * 3
+    assert traffic_bytes_per_byte(Layout(3, 2)) == 3 * 9 + 4 * 0.5 * 3
 
 
 @pytest.mark.parametrize("text", ["2", "x2", "2x", "0x2", "1x1", "2xtwo", "1x2,,2x2"])
@@ -116,9 +121,10 @@ def test_quick_run_measures_both_libraries(tmp_path: Path) -> None:
     assert (cell["layout"], cell["nodes"], cell["ranks_per_node"], cell["size_bytes"]) == ("1x2", 1, 2, MIB)
     assert cell["hfreduce_algbw_bytes_per_s"] > 0 and cell["gloo_algbw_bytes_per_s"] > 0
     assert cell["ratio"] == pytest.approx(cell["hfreduce_algbw_bytes_per_s"] / cell["gloo_algbw_bytes_per_s"])
-    assert cell["traffic_bytes_per_byte"] == 11
+    assert cell["traffic_bytes_per_byte"] == 9 and cell["registered_traffic_bytes_per_byte"] == 7
     assert cell["ceiling_algbw_bytes_per_s"] == pytest.approx(
-        record["machine"]["memory_bandwidth_bytes_per_s"] / 11)
+        record["machine"]["memory_bandwidth_bytes_per_s"] / 9)
+    assert cell["registered_algbw_bytes_per_s"] > 0
     (table,) = tmp_path.glob("hfreduce-2*.md")
     assert "| 1x2 | 1 MiB |" in table.read_text()
     assert len(list(tmp_path.glob("hfreduce-2*.png"))) == 1
