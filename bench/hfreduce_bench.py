@@ -25,12 +25,14 @@ A registered buffer (``Communicator.shared_tensor``) skips the copy-in: 3L + 1 b
 of 5L - 1 (on one node the owner writes every rank's result itself, the same bytes as the copy-out).
 Both are measured: "hfreduce" on the same private tensor gloo reduces, "registered" on a shared one.
 
-Socket copies are not counted: on real nodes the NIC moves those bytes by DMA. Every node of a
-namespace layout shares this machine's memory, so a layout's traffic is the sum over its nodes, and
-its ceiling is ``measured all-core memory bandwidth / traffic per byte``. The bandwidth is measured
-in the same run: one process per core copies (2 bytes of traffic per byte) and adds (3 bytes) large
-arrays in parallel, before and after the layouts; the best rate, in read-plus-write bytes per
-second, is the machine's.
+Every node of a namespace layout shares this machine's memory, so a layout's traffic is the sum over
+its nodes, and the bytes the leaders send each other count too: each tree carries half the tensor up
+and back down every one of its N - 1 links, 2(N - 1) bytes sent per byte in all, and on one machine
+each byte sent is copied into a socket and out of another (4 bytes of traffic) — on real nodes a NIC
+moves them by DMA instead. The ceiling is ``measured all-core memory bandwidth / traffic per byte``.
+The bandwidth is measured in the same run: one process per core copies (2 bytes of traffic per byte)
+and adds (3 bytes) large arrays in parallel, before and after the layouts; the best rate, in
+read-plus-write bytes per second, is the machine's.
 
 Usage: ``python bench/hfreduce_bench.py [--sizes 1,16,64,256] [--layouts 1x2,1x4,2x2,3x2]
 [--repeats 5] [--quick]``. Writes ``bench/results/hfreduce-<UTC timestamp>.{md,json,png}`` and the
@@ -85,14 +87,18 @@ _OPS_PER_REPETITION_BYTES = 16 * MIB
 _MAX_OPS_PER_REPETITION = 8
 _RANK_TIMEOUT_S = 120.0
 _ASSERT_RTOL = 1e-5
+# Memory traffic per byte a leader sends to another namespace on this machine: read and written into
+# the socket's buffer, read and written out of the peer's.
+_SOCKET_COPY_BYTES = 4
 TRAFFIC_MODEL = (
     "bytes read plus written per byte reduced, summed over the nodes (all on this machine): per node of L ranks, "
     "copy-in by the L - 1 ranks that do not own a chunk (read tensor, write shared memory) 2 each, the owner's "
     "reduction of L inputs L + 1, copy-out by every rank (read result, write tensor) 2 each: 5L - 1; a "
     "registered buffer skips the copy-in: 3L + 1. Across nodes, in each tree of the double binary tree (half "
-    "the bytes each) a node with c > 0 children adds their partial sums to its own, c + 2. Socket copies are not "
-    "counted (a NIC's DMA on real nodes). Ceiling = measured all-core memory bandwidth (read+write bytes/s) / "
-    "traffic per byte.")
+    "the bytes each) a node with c > 0 children adds their partial sums to its own, c + 2, and the leaders' "
+    "sockets copy every byte sent in and out (4 bytes per byte sent; 2(N - 1) bytes sent per byte reduced), "
+    "which on separate machines a NIC's DMA would do. Ceiling = measured all-core memory bandwidth "
+    "(read+write bytes/s) / traffic per byte.")
 
 
 class ResultsError(ValueError):
@@ -165,6 +171,8 @@ def traffic_bytes_per_byte(layout: Layout, registered: bool = False) -> float:
                 children = len(position.children)
                 if children:
                     total += 0.5 * (children + 2)
+    # The namespace nodes' sockets: 2(N - 1) bytes sent per byte, each copied in and out of the kernel.
+    total += _SOCKET_COPY_BYTES * 2 * (layout.nodes - 1)
     return total
 
 

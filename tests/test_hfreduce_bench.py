@@ -45,10 +45,11 @@ def test_traffic_model_counts_copies_reduction_and_tree_adds() -> None:
     # A registered buffer skips the copy-in: 3L + 1.
     assert traffic_bytes_per_byte(Layout(1, 2), registered=True) == 7
     assert traffic_bytes_per_byte(Layout(1, 4), registered=True) == 13
-    # Two nodes: each is the root of one tree with one child, adding half the bytes (1 + 1 read, 1 written).
-    assert traffic_bytes_per_byte(Layout(2, 2)) == 2 * 9 + 2 * 0.5 * 3
-    # Three nodes: two nodes with one child in each tree.
-    assert traffic_bytes_per_byte(Layout(3, 2)) == 3 * 9 + 4 * 0.5 * 3
+    # Two nodes: each is the root of one tree with one child, adding half the bytes (1 + 1 read, 1 written);
+    # 2 bytes sent per byte (half up and down each tree), each copied into and out of a socket.
+    assert traffic_bytes_per_byte(Layout(2, 2)) == 2 * 9 + 2 * 0.5 * 3 + 4 * 2
+    # Three nodes: two nodes with one child in each tree; 4 bytes sent per byte.
+    assert traffic_bytes_per_byte(Layout(3, 2)) == 3 * 9 + 4 * 0.5 * 3 + 4 * 4
 
 
 @pytest.mark.parametrize("text", ["2", "x2", "2x", "0x2", "1x1", "2xtwo", "1x2,,2x2"])
