@@ -29,6 +29,11 @@ __all__ = ["Arithmetic", "DType", "ReduceOp", "arithmetic", "bits_dtype"]
 # Elements per block when more than two inputs are summed: the accumulator block and one input block
 # stay in a core's L2 cache, so each input is read from memory once and the result written once.
 _BLOCK_ELEMENTS = 32 * 1024
+# Overflow to inf and inf - inf are what a sum of floats gives, as in torch's own collectives; numpy
+# would print a warning from a pipeline thread for every such chunk.
+# (A fresh errstate per call: one shared instance is not safe to enter from several threads.)
+def _quiet() -> np.errstate:
+    return np.errstate(over="ignore", invalid="ignore")
 
 
 class DType(enum.IntEnum):
@@ -114,6 +119,10 @@ class Arithmetic:
         return np.bitwise_or
 
     def reduce(self, inputs: list[np.ndarray], out: np.ndarray, scratch: np.ndarray) -> None:
+        with _quiet():
+            self._reduce(inputs, out, scratch)
+
+    def _reduce(self, inputs: list[np.ndarray], out: np.ndarray, scratch: np.ndarray) -> None:
         """``out`` (accumulator dtype) = inputs[0] op inputs[1] op ... in that order.
 
         ``inputs`` are views in the storage dtype; ``scratch`` is an accumulator-typed buffer at least
@@ -141,10 +150,15 @@ class Arithmetic:
 
     def combine(self, acc: np.ndarray, other: np.ndarray) -> None:
         """``acc = acc op other`` for two partial results (accumulator dtype): the tree's step."""
-        self._ufunc()(acc, other, out=acc)
+        with _quiet():
+            self._ufunc()(acc, other, out=acc)
 
     def collect(self, acc: np.ndarray, out: np.ndarray, divisor: int) -> None:
         """Write the final result into the caller's buffer (storage dtype), dividing for AVG."""
+        with _quiet():
+            self._collect(acc, out, divisor)
+
+    def _collect(self, acc: np.ndarray, out: np.ndarray, divisor: int) -> None:
         if self.dtype is DType.BFLOAT16:
             if self.op is ReduceOp.AVG:
                 acc = acc / np.float32(divisor)
