@@ -480,9 +480,6 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
-        node = getattr(self, "node", None)
-        if node is not None and node.error() is None:
-            node.poison(f"{self._describe_rank(self.local_rank)} shut down its communicator", expected=True)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -490,10 +487,12 @@ class Communicator:
         if node is not None:
             node.stopping = True
         worker = getattr(self, "worker", None)
-        if worker is not None:
+        if worker is not None and node is not None:
             worker.stop()
+            # Node-mates finish what this rank completed, and fail at once on anything later.
+            node.depart(worker.completed)
         if self.network is not None:
-            self.network.say_goodbye()
+            self.network.say_goodbye(worker.completed if worker is not None else 0)
             self.network.close()
             self.network.join()
         for closer in (self._client, self._server):

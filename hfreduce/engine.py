@@ -69,7 +69,7 @@ _MAX_QUEUED_OPS = 4096
 # Frame header on the leaders' links: kind, dtype (or flags), op, pad, op sequence, global chunk,
 # elements, bytes.
 _FRAME = struct.Struct("!BBBxQQQQ")
-_UP, _DOWN, _ABORT = 1, 2, 3
+_UP, _DOWN, _ABORT, _BYE = 1, 2, 3, 4
 _MAX_ABORT_MESSAGE = 4096
 # How long an aborting node waits for its peers to close their ends after the abort frame.
 _DRAIN_S = 2.0
@@ -213,7 +213,7 @@ class NodeState:
         self.multi_node = False
         self._poison_bell = self.bell(_SIGNALLER_POISON)
         self._next_liveness_check = 0.0
-        self._poison_hooks: list[Callable[[str, bool], None]] = []
+        self._poison_hooks: list[Callable[[str], None]] = []
         self._poison_lock = threading.Lock()
 
     def bell(self, signaller_id: int) -> Doorbell:
@@ -235,25 +235,22 @@ class NodeState:
 
     # -- failure ------------------------------------------------------------------------------------
 
-    def on_poison(self, hook: Callable[[str, bool], None]) -> None:
+    def on_poison(self, hook: Callable[[str], None]) -> None:
         self._poison_hooks.append(hook)
 
     def error(self) -> str | None:
         return self.segment.error()
 
-    def poison(self, message: str, *, expected: bool = False) -> None:
-        """Fail the node: every local rank's operations raise ``message`` (the first error wins).
-
-        ``expected`` marks an orderly end (a rank shut down), which is not logged as an error.
-        """
+    def poison(self, message: str) -> None:
+        """Fail the node: every local rank's operations raise ``message`` (the first error wins)."""
         with self._poison_lock:
             first = self.segment.error() is None
-            self.segment.set_error(message, expected)
+            self.segment.set_error(message)
             self._poison_bell.ring()
         if first:
-            log.log(logging.INFO if expected else logging.ERROR, "hfreduce: %s", message)
+            log.error("hfreduce: %s", message)
             for hook in self._poison_hooks:
-                hook(message, expected)
+                hook(message)
 
     def raise_if_failed(self) -> None:
         message = self.error()
@@ -268,15 +265,35 @@ class NodeState:
         word = int(self.control[self.segment.pid_at(local_rank)])
         return word & 0xFFFFFFFF, word >> 32
 
+    def departed(self, local_rank: int) -> int | None:
+        """How many collectives a rank that shut down had completed (None while it takes part)."""
+        word = int(self.control[self.segment.departed_at(local_rank)])
+        return word - 1 if word else None
+
+    def depart(self, completed: int) -> None:
+        """This rank leaves after ``completed`` collectives: node-mates still finish those, and fail
+        at once on a later one (instead of waiting for it until the timeout)."""
+        self.control[self.segment.departed_at(self.local_rank)] = completed + 1
+        self._poison_bell.ring()
+
+    def check_departed(self, sequence: int) -> None:
+        """Fail collective ``sequence`` if a local rank it needs has shut down."""
+        for local_rank in range(self.local_world_size):
+            completed = self.departed(local_rank)
+            if completed is not None and completed <= sequence and local_rank != self.local_rank:
+                self.poison(f"{self.describe_rank(local_rank)} shut down its communicator after {completed} "
+                            f"collectives; collective #{sequence} needs it")
+                self.raise_if_failed()
+
     def check_alive(self) -> None:
         """Poison the node if another local rank's process is gone (at most every wait slice: it
-        reads /proc)."""
+        reads /proc). A rank that shut down first is not a failure."""
         now = time.monotonic()
         if now < self._next_liveness_check:
             return
         self._next_liveness_check = now + _WAIT_SLICE_S
         for local_rank in range(self.local_world_size):
-            if local_rank == self.local_rank:
+            if local_rank == self.local_rank or self.departed(local_rank) is not None:
                 continue
             pid, start = self.registered(local_rank)
             if pid and not process_alive(pid, start):
@@ -355,10 +372,17 @@ class RankWorker:
             if op is not None:
                 op.work._finish(failure or HFReduceError("the communicator was shut down"))
 
+    @property
+    def completed(self) -> int:
+        """Collectives this rank completed (its worker runs them in order)."""
+        return self._sequence
+
     def _wait(self, seen: int, waiting_for: Callable[[], str], since: float) -> None:
-        """Sleep on the doorbell (after a pass that made no progress), failing on errors and timeouts."""
+        """Sleep on the doorbell (after a pass that made no progress), failing on errors, departed
+        node-mates and timeouts."""
         node = self.node
         node.raise_if_failed()
+        node.check_departed(self._sequence)
         if time.monotonic() - since > node.timeout_s:
             node.poison(f"{node.describe_rank(node.local_rank)}: no progress for {node.timeout_s:g} s: "
                         f"{waiting_for()} (a rank or node stopped taking part, or hangs)")
@@ -579,6 +603,8 @@ class Network:
                     np.zeros((slots, node.chunk_size_bytes), dtype=np.uint8), [None] * slots, [(0, 0, 0, 0)] * slots)
         self._aborted = False
         self._abort_thread: threading.Thread | None = None
+        # Peers that said goodbye, with how many collectives they completed first.
+        self._departed: dict[int, int] = {}
         node.on_poison(self._abort_peers)
         self._threads = [threading.Thread(target=self._guard, args=(self._combine, tree_index),
                                           name=f"hfreduce-tree{tree_index}", daemon=True) for tree_index in (0, 1)]
@@ -595,6 +621,20 @@ class Network:
                            chunk_elements(op.arith, self.node.chunk_size_bytes), op.sequence)
         with self._lock:
             self._ops.append(record)
+        self._check_departed()
+
+    def _check_departed(self) -> None:
+        """Fail a started collective that needs a node that has shut down (it completed fewer)."""
+        with self._lock:
+            if not self._departed or not self._ops:
+                return
+            pending = self._ops[-1].sequence
+            gone = [(peer, completed) for peer, completed in self._departed.items() if completed <= pending]
+        if gone:
+            peer, completed = gone[0]
+            self.node.poison(f"{self.describe_node(peer)} shut down its communicator after {completed} collectives; "
+                             f"collective #{pending} needs it")
+            self.node.raise_if_failed()
 
     def _info(self, g: int) -> ChunkInfo | None:
         with self._lock:
@@ -624,7 +664,7 @@ class Network:
             # Poisoned from elsewhere on this node (another local rank's process): tell the other nodes.
             message = self.node.error()
             if message is not None:
-                self._abort_peers(message, self.node.segment.error_expected())
+                self._abort_peers(message)
         except (OSError, ConnectionError) as exc:
             if not self.node.stopping and self.node.error() is None:
                 peer = argument if target == self._receive else None
@@ -645,6 +685,7 @@ class Network:
                 raise HFReduceError("stopping")
             self.node.raise_if_failed()
             self.node.check_alive()
+            self._check_departed()
             if time.monotonic() - since > self.node.timeout_s:
                 self.node.poison(f"no progress for {self.node.timeout_s:g} s: {waiting_for()}")
                 self.node.raise_if_failed()
@@ -718,12 +759,20 @@ class Network:
         while True:
             link.recv_into(memoryview(header))
             kind, dtype, op, sequence, g, elements, nbytes = _FRAME.unpack(header)
+            if kind == _BYE:
+                # The peer shut down after `sequence` collectives: those still complete here (it
+                # sent everything they need before); a later one that needs it fails at once.
+                with self._lock:
+                    self._departed[peer] = sequence
+                bell.ring()
+                self._check_departed()
+                return
             if kind == _ABORT:
                 if nbytes > _MAX_ABORT_MESSAGE:
                     raise ConnectionError(f"an abort message of {nbytes} bytes")
                 message = bytearray(nbytes)
                 link.recv_into(memoryview(message))
-                self.node.poison(message.decode("utf-8", "replace"), expected=bool(dtype))
+                self.node.poison(message.decode("utf-8", "replace"))
                 return
             if nbytes > self.node.chunk_size_bytes:
                 raise ConnectionError(f"a frame of {nbytes} bytes (chunks are at most {self.node.chunk_size_bytes})")
@@ -751,7 +800,7 @@ class Network:
 
     # -- failure ------------------------------------------------------------------------------------
 
-    def _abort_peers(self, message: str, expected: bool = False) -> None:
+    def _abort_peers(self, message: str) -> None:
         """Tell every linked node (they tell theirs), then close the links so no thread stays blocked."""
         encoded = message.encode("utf-8", "replace")[:_MAX_ABORT_MESSAGE]
         with self._lock:
@@ -759,16 +808,16 @@ class Network:
                 return
             self._aborted = True
             # Made under the lock: close() must find the thread whose frames it waits for.
-            self._abort_thread = threading.Thread(target=self._send_aborts, args=(encoded, expected),
+            self._abort_thread = threading.Thread(target=self._send_aborts, args=(encoded,),
                                                   name="hfreduce-abort", daemon=True)
             self._abort_thread.start()
 
-    def _send_aborts(self, encoded: bytes, expected: bool) -> None:
+    def _send_aborts(self, encoded: bytes) -> None:
         for link in self.links.values():
             if link.send_lock.acquire(timeout=1.0):
                 try:
                     link.sock.settimeout(2.0)
-                    link.sock.sendall(_FRAME.pack(_ABORT, int(expected), 0, 0, 0, 0, len(encoded)) + encoded)
+                    link.sock.sendall(_FRAME.pack(_ABORT, 0, 0, 0, 0, 0, len(encoded)) + encoded)
                 except OSError:
                     pass
                 finally:
@@ -788,15 +837,27 @@ class Network:
                         break
         self._close_links()
 
-    def say_goodbye(self) -> None:
-        """Tell the peers this node is leaving and why: the node's error if it failed (the poisoning
-        thread may not have told them yet), else an orderly shutdown."""
+    def say_goodbye(self, completed: int) -> None:
+        """An orderly shutdown after ``completed`` collectives. If the node failed, the peers learn
+        why (the poisoning thread may not have told them yet); otherwise each gets a goodbye and
+        keeps serving the collectives this node completed — it sent everything those need."""
         message = self.node.error()
-        if message is None:
-            message = f"{self.describe_node(self.node_index)} shut down its communicator"
-            self._abort_peers(message, True)
-        else:
-            self._abort_peers(message, self.node.segment.error_expected())
+        if message is not None:
+            self._abort_peers(message)
+            return
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        for link in self.links.values():
+            if link.send_lock.acquire(timeout=1.0):
+                try:
+                    link.sock.settimeout(2.0)
+                    link.sock.sendall(_FRAME.pack(_BYE, 0, 0, completed, 0, 0, 0))
+                except OSError:
+                    pass
+                finally:
+                    link.send_lock.release()
 
     def close(self) -> None:
         """Close every link — after a pending abort has told the peers why (or they would only see EOF)."""

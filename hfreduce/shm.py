@@ -4,7 +4,7 @@ Layout (every counter on its own 64-byte cache line so that ranks writing their 
 contend for a line)::
 
     control   int64 words: static header, the doorbell, the node's counters (ready, error), per
-              local rank: deposited, reduced, collected, pid, and a ring of op descriptors; then
+              local rank: deposited, reduced, collected, pid, departed, and a ring of op descriptors; then
               the error message
     inputs    [local rank][slot][chunk_size_bytes]   what each rank deposited (its own dtype)
     results   [slot][chunk_size_bytes]               the reduced chunk (accumulator dtype)
@@ -35,7 +35,7 @@ __all__ = ["DESCRIPTOR_WORDS", "NodeSegment", "SegmentShape", "SharedBuffer", "b
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "hfreduce-"
 _NAME = re.compile(r"^hfreduce-[0-9a-f]+-n\d+(-l\d+-b\d+)?-p(?P<pid>\d+)-(?P<start>\d+)$")
-_MAGIC = 0x4846_5244_5543_4532  # "HFREDUCE2"
+_MAGIC = 0x4846_5244_5543_4533  # "HFREDUCE3"
 _LINE_WORDS = 8  # 64-byte lines of int64 words
 _ERROR_MESSAGE_BYTES = 4096
 _PAGE = 4096
@@ -43,7 +43,7 @@ DESCRIPTOR_WORDS = 10
 
 # Line numbers of the shared words.
 _HEADER, _BELL, _READY, _ERROR, _FIRST_RANK_LINE = range(5)
-_RANK_LINES = 4  # deposited, reduced, collected, pid
+_RANK_LINES = 5  # deposited, reduced, collected, pid, departed
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,20 +270,18 @@ class NodeSegment:
     def pid_at(self, local_rank: int) -> int:
         return self._word(_FIRST_RANK_LINE + _RANK_LINES * local_rank + 3)
 
-    def set_error(self, message: str, expected: bool = False) -> None:
-        """Poison the node: the first error's message stays; every rank reads it.
+    def departed_at(self, local_rank: int) -> int:
+        """1 + the collectives the rank completed before it shut down (0 while it takes part)."""
+        return self._word(_FIRST_RANK_LINE + _RANK_LINES * local_rank + 4)
 
-        ``expected`` marks an orderly end (a rank shut its communicator down) rather than a failure.
-        """
+    def set_error(self, message: str) -> None:
+        """Poison the node: the first error's message stays; every rank reads it."""
         if int(self.control[self.error_at]):
             return
         encoded = message.encode("utf-8", "replace")[:_ERROR_MESSAGE_BYTES - 1]
         self.error_message[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
         self.error_message[len(encoded)] = 0
-        self.control[self.error_at] = 2 if expected else 1
-
-    def error_expected(self) -> bool:
-        return int(self.control[self.error_at]) == 2
+        self.control[self.error_at] = 1
 
     def error(self) -> str | None:
         if not int(self.control[self.error_at]):
