@@ -189,3 +189,12 @@ def test_an_fs3_mgmtd_naming_no_address_is_refused_up_front(monkeypatch: pytest.
         monkeypatch.setenv("FS3_MGMTD", value)
         with pytest.raises(InvalidArgument, match="names no address"):
             resolve()
+
+
+def test_a_file_system_made_with_several_mgmtd_addresses_names_itself_in_a_url_that_parses() -> None:
+    # unstrip_protocol put the list's repr into the URL ("fs3://['h1:9000', ...]/x").
+    fs = FS3FileSystem.__new__(FS3FileSystem)
+    fs.storage_options = {"mgmtd": ["h1:9000", "h2:9001"]}
+    url = fs.unstrip_protocol("/data/x")
+    assert url == "fs3://h1:9000/data/x"
+    assert FS3FileSystem._get_kwargs_from_urls(url) == {"mgmtd": "h1:9000"}

@@ -266,8 +266,13 @@ class FS3FileSystem(AsyncFileSystem):  # type: ignore[misc]
         return found
 
     def unstrip_protocol(self, name: str) -> str:
+        """The URL of ``name``. A URL names one mgmtd (a host:port), so of several addresses given as a
+        list the first stands for the cluster (they are alternates of the same one)."""
         profile = self.storage_options.get("profile")
-        return f"fs3://{profile + '@' if profile else ''}{self.storage_options.get('mgmtd') or ''}{name}"
+        mgmtd = self.storage_options.get("mgmtd") or ""
+        if not isinstance(mgmtd, str):
+            mgmtd = next(iter(mgmtd), "")
+        return f"fs3://{profile + '@' if profile else ''}{mgmtd}{name}"
 
     # -- listing ---------------------------------------------------------------------------------
 
