@@ -212,7 +212,7 @@ def run_job(scenario: str, nodes: list[int], extra: dict[str, str] | None = None
 @pytest.mark.slow
 @pytest.mark.parametrize(("nodes", "dtypes"), [
     ([2], None), ([4], None), ([1, 1, 1], None), ([2, 1], None),
-    ([1] * 5, "float32,bfloat16"), ([1] * 8, "float32"), ([3, 2, 1, 2, 1], "float16"),
+    ([1] * 5, "float32"), ([1] * 8, "float32"), ([3, 2, 1, 2, 1], "float16"),
 ], ids=["1x2", "1x4", "3x1", "2+1", "5x1", "8x1", "3+2+1+2+1"])
 def test_every_op_and_dtype_matches_the_reference(nodes: list[int], dtypes: str | None) -> None:
     before = _segments()
@@ -237,7 +237,7 @@ def test_registered_buffers_reduce_in_place(nodes: list[int]) -> None:
 
 @pytest.mark.slow
 def test_repeated_runs_are_bit_identical() -> None:
-    extra = {"HFREDUCE_TEST_DTYPES": "float32,bfloat16"}
+    extra = {"HFREDUCE_TEST_DTYPES": "float32,float16"}
     first = run_job("ops", [2, 1], extra)
     second = run_job("ops", [2, 1], extra)
     assert all(result["ok"] for result in first + second), first + second
