@@ -634,8 +634,14 @@ class Network:
         except Exception as exc:
             self.node.poison(f"the network thread of {self.describe_node(self.node_index)} failed: {exc!r}")
 
-    def _wait(self, bell: Doorbell, ready: Callable[[], bool], waiting_for: Callable[[], str]) -> None:
-        """Sleep on the node's doorbell until ``ready()``, with the node's timeout."""
+    def _wait(self, bell: Doorbell, ready: Callable[[], bool], waiting_for: Callable[[], str],
+              idle: Callable[[], bool] | None = None) -> None:
+        """Sleep on the node's doorbell until ``ready()``, with the node's timeout.
+
+        The timeout runs only while ``idle()`` is false: a tree thread waiting for a chunk of a
+        collective this node has not started is waiting for the caller, not for a late peer (a job
+        may pause between collectives for longer than the timeout).
+        """
         since = time.monotonic()
         while True:
             seen = bell.read()
@@ -645,7 +651,9 @@ class Network:
                 raise HFReduceError("stopping")
             self.node.raise_if_failed()
             self.node.check_alive()
-            if time.monotonic() - since > self.node.timeout_s:
+            if idle is not None and idle():
+                since = time.monotonic()
+            elif time.monotonic() - since > self.node.timeout_s:
                 self.node.poison(f"no progress for {self.node.timeout_s:g} s: {waiting_for()}")
                 self.node.raise_if_failed()
             bell.wait(seen, _WAIT_SLICE_S)
@@ -660,7 +668,8 @@ class Network:
         g = tree_index
         while True:
             self._wait(bell, functools.partial(self._can_combine, g, children),
-                       functools.partial(self._waiting_for_children, tree_index, g))
+                       functools.partial(self._waiting_for_children, tree_index, g),
+                       idle=functools.partial(self._not_started, g))
             info = self._info(g)
             assert info is not None
             acc = info.arith.accumulator
@@ -691,6 +700,10 @@ class Network:
         slot = g % self.node.slots
         return (self.node.is_reduced(g) and all(ring.owner[slot] == g for ring in children)
                 and self._info(g) is not None)
+
+    def _not_started(self, g: int) -> bool:
+        """True while no collective that this node started covers chunk ``g`` (the node is idle)."""
+        return self._info(g) is None
 
     def _slot_free(self, ring: _ChildRing, g: int) -> bool:
         return ring.owner[g % self.node.slots] is None

@@ -1,0 +1,37 @@
+"""HFReduce under hostile use: idle pauses, disagreements that only show after the first chunk, a
+rendezvous peer that never answers, the leader's ready counter under racing threads, and more.
+
+Jobs run as processes on this machine, grouped into nodes with ``node=`` (tests/hfreduce/review_job.py:
+4 KiB chunks and two slots, so every collective wraps the rings many times).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+from tests.test_hfreduce import ROOT, _collect, _env, _free_port, _segments
+
+
+def run_review_job(scenario: str, nodes: list[int], timeout_s: float = 5.0, job_timeout_s: float = 60.0,
+                   extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Ranks of ``tests.hfreduce.review_job`` grouped into nodes of the given sizes."""
+    port = _free_port()
+    world = sum(nodes)
+    node_of = [index for index, size in enumerate(nodes) for _ in range(size)]
+    env_extra = {"HFREDUCE_TEST_TIMEOUT_S": str(timeout_s), **(extra or {})}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.hfreduce.review_job", scenario],
+                              env=_env(rank, world, port, f"review-{port}-{node_of[rank]}", env_extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for rank in range(world)]
+    return _collect(procs, job_timeout_s)
+
+
+def test_a_pause_longer_than_the_timeout_between_collectives_is_not_a_failure() -> None:
+    # The leaders' tree threads used to count the idle time before the next collective as "no progress".
+    before = _segments()
+    results = run_review_job("idle", [1, 1], timeout_s=2.0)
+    for result in results:
+        assert result["ok"], result
+    assert _segments() <= before
