@@ -66,9 +66,9 @@ __all__ = ["Network", "NodeState", "OpKind", "PeerLink", "RankOp", "RankWorker",
 _WAIT_SLICE_S = 0.05
 _MAX_QUEUED_OPS = 4096
 
-# Frame header on the leaders' links: kind, dtype (or flags), op, pad, op sequence, global chunk,
-# elements, bytes.
-_FRAME = struct.Struct("!BBBxQQQQ")
+# Frame header on the leaders' links: kind, dtype (or flags), op, pad, op sequence, the collective's
+# element count, global chunk, the chunk's elements, bytes.
+_FRAME = struct.Struct("!BBBxQQQQQ")
 _UP, _DOWN, _ABORT = 1, 2, 3
 _MAX_ABORT_MESSAGE = 4096
 # How long an aborting node waits for its peers to close their ends after the abort frame.
@@ -296,6 +296,9 @@ class ChunkInfo:
     arith: Arithmetic
     elements: int
     sequence: int
+    # The whole collective's element count: two nodes whose sizes differ only after the first chunk
+    # agree on that chunk's elements, not on this.
+    count: int
 
 
 class RankWorker:
@@ -510,10 +513,11 @@ class PeerLink:
 
     def send(self, kind: int, info: ChunkInfo | None, g: int, payload: memoryview | bytes) -> None:
         dtype = op = 0
-        sequence = elements = 0
+        sequence = count = elements = 0
         if info is not None:
             dtype, op, elements, sequence = info.arith.dtype, info.arith.op, info.elements, info.sequence
-        header = _FRAME.pack(kind, dtype, op, sequence, g, elements, len(payload))
+            count = info.count
+        header = _FRAME.pack(kind, dtype, op, sequence, count, g, elements, len(payload))
         with self.send_lock:
             self.sock.sendall(header, socket.MSG_MORE if len(payload) else 0)
             if len(payload):
@@ -537,7 +541,7 @@ class _ChildRing:
 
     buffers: np.ndarray
     owner: list[int | None] = field(default_factory=list)
-    headers: list[tuple[int, int, int, int]] = field(default_factory=list)
+    headers: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -553,7 +557,8 @@ class _OpRecord:
 
     def info(self, g: int) -> ChunkInfo:
         index = g - self.first
-        return ChunkInfo(self.arith, max(0, min(self.per_chunk, self.count - index * self.per_chunk)), self.sequence)
+        return ChunkInfo(self.arith, max(0, min(self.per_chunk, self.count - index * self.per_chunk)), self.sequence,
+                         self.count)
 
 
 class Network:
@@ -576,7 +581,7 @@ class Network:
         for tree_index, position in enumerate(trees):
             for child in position.children:
                 self._rings[(tree_index, child)] = _ChildRing(
-                    np.zeros((slots, node.chunk_size_bytes), dtype=np.uint8), [None] * slots, [(0, 0, 0, 0)] * slots)
+                    np.zeros((slots, node.chunk_size_bytes), dtype=np.uint8), [None] * slots, [(0, 0, 0, 0, 0)] * slots)
         self._aborted = False
         self._abort_thread: threading.Thread | None = None
         node.on_poison(self._abort_peers)
@@ -676,13 +681,15 @@ class Network:
             nbytes = info.elements * acc.itemsize
             mine = segment.results[g % slots, :nbytes].view(acc)
             for child, ring in zip(position.children, children, strict=True):
-                sequence, dtype, op, elements = ring.headers[g % slots]
-                if (sequence, dtype, op, elements) != (info.sequence, info.arith.dtype, info.arith.op, info.elements):
+                sequence, dtype, op, count, elements = ring.headers[g % slots]
+                if (sequence, dtype, op, count, elements) != (info.sequence, info.arith.dtype, info.arith.op,
+                                                              info.count, info.elements):
                     self.node.poison(
                         f"collective #{info.sequence} differs across nodes: {self.describe_node(self.node_index)} "
-                        f"has {info.elements} {info.arith.dtype.name.lower()} elements ({info.arith.op.name}) in "
-                        f"chunk {g}, {self.describe_node(child)} sent {elements} "
-                        f"{_dtype_name(dtype)} elements ({_op_name(op)}) of collective #{sequence}")
+                        f"has {info.count} {info.arith.dtype.name.lower()} elements ({info.arith.op.name}), "
+                        f"{info.elements} in chunk {g}; {self.describe_node(child)} sent {count} "
+                        f"{_dtype_name(dtype)} elements ({_op_name(op)}), {elements} in that chunk, of "
+                        f"collective #{sequence}")
                     self.node.raise_if_failed()
                 info.arith.combine(mine, ring.buffers[g % slots, :nbytes].view(acc))
                 ring.owner[g % slots] = None
@@ -730,7 +737,7 @@ class Network:
         bell = self.node.bell(_SIGNALLER_NETWORK + 2 + peer % 8)
         while True:
             link.recv_into(memoryview(header))
-            kind, dtype, op, sequence, g, elements, nbytes = _FRAME.unpack(header)
+            kind, dtype, op, sequence, count, g, elements, nbytes = _FRAME.unpack(header)
             if kind == _ABORT:
                 if nbytes > _MAX_ABORT_MESSAGE:
                     raise ConnectionError(f"an abort message of {nbytes} bytes")
@@ -747,7 +754,7 @@ class Network:
                 self._wait(bell, functools.partial(self._slot_free, ring, g),
                            functools.partial(self._slot_busy, peer, g))
                 link.recv_into(ring.buffers[g % slots, :nbytes].data)
-                ring.headers[g % slots] = (sequence, dtype, op, elements)
+                ring.headers[g % slots] = (sequence, dtype, op, count, elements)
                 ring.owner[g % slots] = g
                 bell.ring()
             elif kind == _DOWN and peer == position.parent:
@@ -781,7 +788,7 @@ class Network:
             if link.send_lock.acquire(timeout=1.0):
                 try:
                     link.sock.settimeout(2.0)
-                    link.sock.sendall(_FRAME.pack(_ABORT, int(expected), 0, 0, 0, 0, len(encoded)) + encoded)
+                    link.sock.sendall(_FRAME.pack(_ABORT, int(expected), 0, 0, 0, 0, 0, len(encoded)) + encoded)
                 except OSError:
                     pass
                 finally:

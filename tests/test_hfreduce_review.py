@@ -35,3 +35,13 @@ def test_a_pause_longer_than_the_timeout_between_collectives_is_not_a_failure() 
     for result in results:
         assert result["ok"], result
     assert _segments() <= before
+
+
+def test_sizes_that_differ_only_after_the_first_chunk_fail_every_node() -> None:
+    # Node 0 passes one whole chunk, node 1 a chunk and five elements: chunk 0 has the same elements on
+    # both. Node 0 used to return success (and node 1 learn only that node 0 shut down).
+    results = run_review_job("straddle-mismatch", [1, 2])
+    for result in results:
+        assert result["ok"], result
+        assert "differs across nodes" in result.get("error", ""), result
+        assert "1024 float32 elements" in result["error"] and "1029" in result["error"], result
