@@ -7,9 +7,16 @@ Jobs run as processes on this machine, grouped into nodes with ``node=`` (tests/
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
+
+import pytest
+
+import hfreduce
 
 from tests.test_hfreduce import ROOT, _collect, _env, _free_port, _segments
 
@@ -45,3 +52,35 @@ def test_sizes_that_differ_only_after_the_first_chunk_fail_every_node() -> None:
         assert result["ok"], result
         assert "differs across nodes" in result.get("error", ""), result
         assert "1024 float32 elements" in result["error"] and "1029" in result["error"], result
+
+
+def test_a_rendezvous_peer_that_never_answers_is_a_timeout_not_a_hang() -> None:
+    # Something on MASTER_PORT accepts connections and never replies (another service, or a rank 0
+    # stopped with SIGSTOP): a rank used to wait for the reply for ever.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    outcome: dict[str, object] = {}
+
+    def join() -> None:
+        started = time.monotonic()
+        try:
+            hfreduce.Communicator(rank=1, world_size=2, master_addr="127.0.0.1", master_port=port, timeout_s=1.0,
+                                  node="silent-store")
+        except hfreduce.HFReduceError as exc:
+            outcome["error"] = exc
+        outcome["elapsed_s"] = time.monotonic() - started
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    try:
+        assert not thread.is_alive(), "the rank still waits for the store's reply"
+        assert isinstance(outcome.get("error"), hfreduce.HFReduceTimeout), outcome
+        assert "did not answer within" in str(outcome["error"]), outcome
+        assert float(outcome["elapsed_s"]) < 5, outcome  # type: ignore[arg-type]
+    finally:
+        for connection in accepted:
+            connection.close()
+        listener.close()
