@@ -619,7 +619,10 @@ class Network:
             ready = self._ready
             while self._ops and self._ops[0].first + self._ops[0].chunks <= ready:
                 self._ops.pop(0)
-        self.node.control[self.node.segment.ready_at] = ready
+            # Stored under the lock: the two trees' threads mark chunks concurrently, and a store made
+            # after the lock would let an older, smaller count overwrite a newer one (the ranks would
+            # then wait for a chunk that is already final, until the timeout).
+            self.node.control[self.node.segment.ready_at] = ready
         bell.ring()
 
     def _guard(self, target: Callable[[int], None], argument: int) -> None:

@@ -84,3 +84,48 @@ def test_a_rendezvous_peer_that_never_answers_is_a_timeout_not_a_hang() -> None:
         for connection in accepted:
             connection.close()
         listener.close()
+
+
+class _SlowControl:
+    """The shared control words, where the store of ``ready = 1`` waits (up to 0.5 s) for ``ready = 2``."""
+
+    def __init__(self) -> None:
+        self.words = [0]
+        self.two_stored = threading.Event()
+
+    def __setitem__(self, index: int, value: int) -> None:
+        if value == 1:
+            self.two_stored.wait(0.5)
+        self.words[index] = value
+        if value == 2:
+            self.two_stored.set()
+
+
+class _QuietBell:
+    def ring(self) -> None:
+        pass
+
+
+def test_the_leaders_ready_counter_never_goes_back() -> None:
+    # Tree A's thread finishes chunk 0 and tree B's chunk 1 at the same moment; the count of final
+    # chunks they publish must end at 2. The store used to be made after the lock, so the older count
+    # (1) could land last and the ranks wait for chunk 1 until the timeout.
+    from types import SimpleNamespace
+
+    from hfreduce.engine import Network
+
+    network = Network.__new__(Network)
+    network._lock = threading.Lock()
+    network._finished = set()
+    network._ready = 0
+    network._ops = []
+    control = _SlowControl()
+    network.node = SimpleNamespace(control=control, segment=SimpleNamespace(ready_at=0))  # type: ignore[assignment]
+    first = threading.Thread(target=network._mark_ready, args=(0, _QuietBell()))
+    first.start()
+    time.sleep(0.05)  # the first thread is inside its store of 1
+    second = threading.Thread(target=network._mark_ready, args=(1, _QuietBell()))
+    second.start()
+    first.join(5)
+    second.join(5)
+    assert control.words[0] == 2
