@@ -452,8 +452,14 @@ class Communicator:
         return None
 
     def barrier(self, timeout_s: float | None = None) -> None:
-        """Return once every rank has called ``barrier`` (an allreduce of one integer)."""
-        self.allreduce(np.zeros(1, dtype=np.int32), async_op=True).wait(timeout_s)
+        """Return once every rank has called ``barrier`` (an allreduce of one integer).
+
+        With ``timeout_s``, raise :class:`HFReduceTimeout` if some rank has not arrived by then (the
+        barrier stays queued, in order: it completes when the others arrive).
+        """
+        work = self.allreduce(np.zeros(1, dtype=np.int32), async_op=True)
+        if not work.wait(timeout_s):
+            raise HFReduceTimeout(f"barrier: not every rank arrived within {timeout_s:g} s")
 
     def _op(self, kind: int, arith: Arithmetic, count: int, root: int,
             contribution: Callable[[int, int, np.ndarray], np.ndarray],

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 import hfreduce
@@ -129,3 +130,40 @@ def test_the_leaders_ready_counter_never_goes_back() -> None:
     first.join(5)
     second.join(5)
     assert control.words[0] == 2
+
+
+def _communicators(world_size: int, **options: Any) -> list[hfreduce.Communicator]:
+    """``world_size`` ranks of one node in this process (threads make them; each joins the rendezvous)."""
+    port = _free_port()
+    made: list[hfreduce.Communicator | None] = [None] * world_size
+
+    def make(rank: int) -> None:
+        made[rank] = hfreduce.Communicator(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                                           master_port=port, node=f"in-process-{port}", **options)
+
+    threads = [threading.Thread(target=make, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(comm is not None for comm in made), "a rank did not start"
+    return [comm for comm in made if comm is not None]
+
+
+def test_a_barrier_with_a_timeout_raises_when_a_rank_is_missing() -> None:
+    # barrier(timeout_s) used to return None when the time ran out, as if every rank had arrived.
+    comms = _communicators(2, timeout_s=10.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(hfreduce.HFReduceTimeout, match="barrier: not every rank arrived within 0.3 s"):
+            comms[0].barrier(timeout_s=0.3)
+        assert time.monotonic() - started < 2
+        comms[1].barrier()  # the late rank arrives: both barriers complete, and the job goes on
+        values = np.ones(3, dtype=np.float32)
+        work = comms[0].allreduce(values.copy(), async_op=True)
+        comms[1].allreduce(values)
+        work.wait(5)
+        assert (values == 2).all()
+    finally:
+        for comm in comms:
+            comm.shutdown()
