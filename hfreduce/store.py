@@ -146,8 +146,14 @@ class StoreServer:
             self._closed = True
             connections = list(self._connections)
             self._changed.notify_all()
+        # Closing a socket does not wake a thread blocked in accept(), which keeps it listening (the
+        # port stays taken, and a later start on it is answered by this closed store); a shutdown does.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)

@@ -132,9 +132,9 @@ def test_the_leaders_ready_counter_never_goes_back() -> None:
     assert control.words[0] == 2
 
 
-def _communicators(world_size: int, **options: Any) -> list[hfreduce.Communicator]:
+def _communicators(world_size: int, port: int | None = None, **options: Any) -> list[hfreduce.Communicator]:
     """``world_size`` ranks of one node in this process (threads make them; each joins the rendezvous)."""
-    port = _free_port()
+    port = port or _free_port()
     made: list[hfreduce.Communicator | None] = [None] * world_size
 
     def make(rank: int) -> None:
@@ -167,3 +167,20 @@ def test_a_barrier_with_a_timeout_raises_when_a_rank_is_missing() -> None:
     finally:
         for comm in comms:
             comm.shutdown()
+
+
+def test_a_job_started_again_on_the_same_port_in_the_same_process_starts() -> None:
+    # shutdown() closed rank 0's store socket, but the thread blocked in accept() kept it listening:
+    # the next start on the same MASTER_PORT failed ("address already in use" on rank 0, "lost the
+    # rendezvous store" on the others), and every start leaked that thread.
+    port = _free_port()
+    for _ in range(3):
+        comms = _communicators(2, port=port, timeout_s=5.0)
+        values = np.ones(4, dtype=np.float32)
+        work = comms[0].allreduce(values, async_op=True)
+        comms[1].allreduce(np.ones(4, dtype=np.float32))
+        work.wait(5)
+        assert (values == 2).all()
+        for comm in comms:
+            comm.shutdown()
+    assert not [thread for thread in threading.enumerate() if thread.name == "hfreduce-store"]
