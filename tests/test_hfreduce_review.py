@@ -7,6 +7,8 @@ Jobs run as processes on this machine, grouped into nodes with ``node=`` (tests/
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +20,6 @@ import numpy as np
 import pytest
 
 import hfreduce
-
 from tests.test_hfreduce import ROOT, _collect, _env, _free_port, _segments
 
 
@@ -155,7 +156,7 @@ def test_a_barrier_with_a_timeout_raises_when_a_rank_is_missing() -> None:
     comms = _communicators(2, timeout_s=10.0)
     try:
         started = time.monotonic()
-        with pytest.raises(hfreduce.HFReduceTimeout, match="barrier: not every rank arrived within 0.3 s"):
+        with pytest.raises(hfreduce.HFReduceTimeout, match=r"barrier: not every rank arrived within 0\.3 s"):
             comms[0].barrier(timeout_s=0.3)
         assert time.monotonic() - started < 2
         comms[1].barrier()  # the late rank arrives: both barriers complete, and the job goes on
@@ -184,3 +185,79 @@ def test_a_job_started_again_on_the_same_port_in_the_same_process_starts() -> No
         for comm in comms:
             comm.shutdown()
     assert not [thread for thread in threading.enumerate() if thread.name == "hfreduce-store"]
+
+
+class _MemoryStore:
+    """A rendezvous store in this process that lets a test act when a key is set."""
+
+    def __init__(self, on_set: Any) -> None:
+        self._values: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+        self._on_set = on_set
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._values[key] = value
+            self._changed.notify_all()
+        self._on_set(key, value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        with self._changed:
+            if not self._changed.wait_for(lambda: key in self._values, timeout_s):
+                raise hfreduce.HFReduceTimeout(f"{key} did not appear")
+            return self._values[key]
+
+    def add(self, key: str, delta: int) -> int:
+        with self._changed:
+            value = int(self._values.get(key, b"0")) + delta
+            self._values[key] = str(value).encode()
+            return value
+
+
+def test_strangers_on_a_leaders_link_port_do_not_stop_the_job_starting() -> None:
+    # A leader read each connection's hello in turn, for up to the timeout: a stranger that connected
+    # first and sent three bytes held it until the real peer had given up, and the job never started.
+    strangers: list[socket.socket] = []
+
+    def intrude(key: str, value: bytes) -> None:
+        if key.endswith("/node/1"):  # node 1's leader now listens for node 0
+            port = json.loads(value)[1]
+            idle = socket.create_connection(("127.0.0.1", port))
+            idle.sendall(b"GET")
+            strangers.append(idle)
+            with socket.create_connection(("127.0.0.1", port)) as garbage:
+                garbage.sendall(os.urandom(100))
+            socket.create_connection(("127.0.0.1", port)).close()
+
+    store = _MemoryStore(intrude)
+    made: list[hfreduce.Communicator] = []
+    errors: list[BaseException] = []
+
+    def start(rank: int) -> None:
+        try:
+            made.append(hfreduce.Communicator(rank=rank, world_size=2, store=store, master_addr="127.0.0.1",
+                                              node=f"stranger-node-{rank}", timeout_s=2.0))
+        except BaseException as exc:
+            errors.append(exc)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=start, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    try:
+        assert not errors, errors
+        assert len(made) == 2 and strangers
+        assert time.monotonic() - started < 1.5
+        comms = sorted(made, key=lambda comm: comm.rank)
+        values = np.full(5000, 2.0, dtype=np.float32)
+        work = comms[0].allreduce(values, async_op=True)
+        comms[1].allreduce(np.full(5000, 3.0, dtype=np.float32))
+        work.wait(5)
+        assert (values == 5).all()
+    finally:
+        for comm in made:
+            comm.shutdown()
+        for stranger in strangers:
+            stranger.close()
