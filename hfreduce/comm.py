@@ -555,6 +555,11 @@ class Communicator:
         if self.segment is not None:
             self.segment.unlink()
             self.segment.close()
+        # A node-mate that died between creating a name and its unlink (its registered buffer, or the
+        # node's segment during the start) left it in /dev/shm: whoever outlives it removes it now
+        # rather than at the next start on this machine.
+        with contextlib.suppress(OSError):
+            remove_stale_segments()
 
     def __enter__(self) -> Communicator:
         return self

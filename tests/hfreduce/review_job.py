@@ -160,6 +160,26 @@ def main() -> None:
         world = comm.world_size
         if scenario == "stress":
             result["digest"] = stress(comm)
+        elif scenario == "absent":
+            # The last rank never calls the collective; the others must fail within the timeout.
+            if rank == world - 1:
+                time.sleep(timeout_s * 1.5)
+            else:
+                started = time.monotonic()
+                try:
+                    comm.allreduce(np.ones(5 * CHUNK, dtype=np.float32))
+                except hfreduce.HFReduceError as exc:
+                    result["error"] = f"{type(exc).__name__}: {exc}"
+                result["failed_after_s"] = time.monotonic() - started
+        elif scenario == "register-loop":
+            # Registering buffers until killed from outside (or failed).
+            print(json.dumps({"rank": rank, "started": True}), flush=True)
+            started = time.monotonic()
+            try:
+                while time.monotonic() - started < 60:
+                    comm.shared_array(CHUNK, np.float32)
+            except hfreduce.HFReduceError as exc:
+                result["error"] = str(exc)
         elif scenario == "idle":
             # A job that pauses longer than the timeout between collectives (a checkpoint, an evaluation).
             values = np.ones(3 * CHUNK + 1, dtype=np.float32)
