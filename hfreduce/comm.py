@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -43,6 +44,8 @@ _MAX_CHUNK_BYTES = 256 << 20
 _MAX_SLOTS = 64
 _HELLO = struct.Struct("!12sI")
 _MAX_SHARED_BYTES = 64 << 30
+# Connections to a leader's link port whose hello is not complete yet (strangers included).
+_MAX_PENDING_HELLOS = 64
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
@@ -223,25 +226,69 @@ class Communicator:
             sock.sendall(_HELLO.pack(job, self.node_index))
             links[peer] = self._link(peer, sock)
         expected = {p for p in neighbours if p < self.node_index}
-        deadline = time.monotonic() + self.timeout_s
-        while expected - links.keys():
-            listener.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                missing = ", ".join(self._describe_node(p) for p in sorted(expected - links.keys()))
-                raise HFReduceTimeout(f"{missing} did not connect within {self.timeout_s:g} s") from None
-            sock.settimeout(self.timeout_s)
-            try:
-                got_job, peer = _HELLO.unpack(_read_exact(sock, _HELLO.size))
-            except (OSError, ConnectionError, struct.error):
-                sock.close()
-                continue
-            if got_job != job or peer not in expected or peer in links:
-                sock.close()  # a stray or stale connection: not one of ours
-                continue
-            links[peer] = self._link(peer, sock)
+        self._accept_peers(listener, job, expected, links)
         return links
+
+    def _accept_peers(self, listener: socket.socket, job: bytes, expected: set[int],
+                      links: dict[int, PeerLink]) -> None:
+        """Accept the lower-indexed neighbours, reading every connection's hello at once.
+
+        One connection at a time would let a stranger that connects and sends a few bytes (a port
+        scanner) hold the loop for the whole timeout while the real peers wait and give up; here a
+        stranger holds only its own place among at most ``_MAX_PENDING_HELLOS`` unfinished hellos
+        (the oldest is dropped for a newcomer).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        pending: dict[socket.socket, bytearray] = {}
+        listener.setblocking(False)
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ)
+            try:
+                while expected - links.keys():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        missing = ", ".join(self._describe_node(p) for p in sorted(expected - links.keys()))
+                        raise HFReduceTimeout(f"{missing} did not connect within {self.timeout_s:g} s")
+                    for key, _ in selector.select(remaining):
+                        if key.fileobj is listener:
+                            try:
+                                sock, _ = listener.accept()
+                            except (BlockingIOError, InterruptedError):
+                                continue
+                            if len(pending) >= _MAX_PENDING_HELLOS:
+                                oldest = next(iter(pending))
+                                selector.unregister(oldest)
+                                del pending[oldest]
+                                oldest.close()
+                            sock.setblocking(False)
+                            pending[sock] = bytearray()
+                            selector.register(sock, selectors.EVENT_READ)
+                            continue
+                        sock = key.fileobj  # type: ignore[assignment]
+                        received = pending[sock]
+                        try:
+                            data = sock.recv(_HELLO.size - len(received))
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        except OSError:
+                            data = b""
+                        received += data
+                        if data and len(received) < _HELLO.size:
+                            continue
+                        selector.unregister(sock)
+                        del pending[sock]
+                        if not data:
+                            sock.close()
+                            continue
+                        got_job, peer = _HELLO.unpack(bytes(received))
+                        if got_job != job or peer not in expected or peer in links:
+                            sock.close()  # a stray or stale connection: not one of ours
+                            continue
+                        sock.setblocking(True)
+                        links[peer] = self._link(peer, sock)
+            finally:
+                for sock in pending:
+                    sock.close()
 
     def _link(self, peer: int, sock: socket.socket) -> PeerLink:
         sock.settimeout(None)
@@ -452,8 +499,14 @@ class Communicator:
         return None
 
     def barrier(self, timeout_s: float | None = None) -> None:
-        """Return once every rank has called ``barrier`` (an allreduce of one integer)."""
-        self.allreduce(np.zeros(1, dtype=np.int32), async_op=True).wait(timeout_s)
+        """Return once every rank has called ``barrier`` (an allreduce of one integer).
+
+        With ``timeout_s``, raise :class:`HFReduceTimeout` if some rank has not arrived by then (the
+        barrier stays queued, in order: it completes when the others arrive).
+        """
+        work = self.allreduce(np.zeros(1, dtype=np.int32), async_op=True)
+        if not work.wait(timeout_s):
+            raise HFReduceTimeout(f"barrier: not every rank arrived within {timeout_s:g} s")
 
     def _op(self, kind: int, arith: Arithmetic, count: int, root: int,
             contribution: Callable[[int, int, np.ndarray], np.ndarray],
@@ -501,6 +554,11 @@ class Communicator:
         if self.segment is not None:
             self.segment.unlink()
             self.segment.close()
+        # A node-mate that died between creating a name and its unlink (its registered buffer, or the
+        # node's segment during the start) left it in /dev/shm: whoever outlives it removes it now
+        # rather than at the next start on this machine.
+        with contextlib.suppress(OSError):
+            remove_stale_segments()
 
     def __enter__(self) -> Communicator:
         return self
@@ -526,16 +584,6 @@ def _public_op(op: ReduceOp) -> ReduceOp:
     if op is ReduceOp.BOR or not isinstance(op, ReduceOp):
         raise InvalidArgument(f"op must be ReduceOp.SUM, AVG, MAX or MIN, not {op!r}")
     return op
-
-
-def _read_exact(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        piece = sock.recv(count - len(data))
-        if not piece:
-            raise ConnectionError("closed during the handshake")
-        data += piece
-    return data
 
 
 @atexit.register

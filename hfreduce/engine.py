@@ -66,9 +66,9 @@ __all__ = ["Network", "NodeState", "OpKind", "PeerLink", "RankOp", "RankWorker",
 _WAIT_SLICE_S = 0.05
 _MAX_QUEUED_OPS = 4096
 
-# Frame header on the leaders' links: kind, dtype (or flags), op, pad, op sequence, global chunk,
-# elements, bytes.
-_FRAME = struct.Struct("!BBBxQQQQ")
+# Frame header on the leaders' links: kind, dtype (or flags), op, pad, op sequence, the collective's
+# element count, global chunk, the chunk's elements, bytes.
+_FRAME = struct.Struct("!BBBxQQQQQ")
 _UP, _DOWN, _ABORT, _BYE = 1, 2, 3, 4
 _MAX_ABORT_MESSAGE = 4096
 # How long an aborting node waits for its peers to close their ends after the abort frame.
@@ -313,6 +313,9 @@ class ChunkInfo:
     arith: Arithmetic
     elements: int
     sequence: int
+    # The whole collective's element count: two nodes whose sizes differ only after the first chunk
+    # agree on that chunk's elements, not on this.
+    count: int
 
 
 class RankWorker:
@@ -534,10 +537,11 @@ class PeerLink:
 
     def send(self, kind: int, info: ChunkInfo | None, g: int, payload: memoryview | bytes) -> None:
         dtype = op = 0
-        sequence = elements = 0
+        sequence = count = elements = 0
         if info is not None:
             dtype, op, elements, sequence = info.arith.dtype, info.arith.op, info.elements, info.sequence
-        header = _FRAME.pack(kind, dtype, op, sequence, g, elements, len(payload))
+            count = info.count
+        header = _FRAME.pack(kind, dtype, op, sequence, count, g, elements, len(payload))
         with self.send_lock:
             self.sock.sendall(header, socket.MSG_MORE if len(payload) else 0)
             if len(payload):
@@ -561,7 +565,7 @@ class _ChildRing:
 
     buffers: np.ndarray
     owner: list[int | None] = field(default_factory=list)
-    headers: list[tuple[int, int, int, int]] = field(default_factory=list)
+    headers: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -577,7 +581,8 @@ class _OpRecord:
 
     def info(self, g: int) -> ChunkInfo:
         index = g - self.first
-        return ChunkInfo(self.arith, max(0, min(self.per_chunk, self.count - index * self.per_chunk)), self.sequence)
+        return ChunkInfo(self.arith, max(0, min(self.per_chunk, self.count - index * self.per_chunk)), self.sequence,
+                         self.count)
 
 
 class Network:
@@ -600,7 +605,7 @@ class Network:
         for tree_index, position in enumerate(trees):
             for child in position.children:
                 self._rings[(tree_index, child)] = _ChildRing(
-                    np.zeros((slots, node.chunk_size_bytes), dtype=np.uint8), [None] * slots, [(0, 0, 0, 0)] * slots)
+                    np.zeros((slots, node.chunk_size_bytes), dtype=np.uint8), [None] * slots, [(0, 0, 0, 0, 0)] * slots)
         self._aborted = False
         self._abort_thread: threading.Thread | None = None
         # Peers that said goodbye, with how many collectives they completed first.
@@ -654,7 +659,10 @@ class Network:
             ready = self._ready
             while self._ops and self._ops[0].first + self._ops[0].chunks <= ready:
                 self._ops.pop(0)
-        self.node.control[self.node.segment.ready_at] = ready
+            # Stored under the lock: the two trees' threads mark chunks concurrently, and a store made
+            # after the lock would let an older, smaller count overwrite a newer one (the ranks would
+            # then wait for a chunk that is already final, until the timeout).
+            self.node.control[self.node.segment.ready_at] = ready
         bell.ring()
 
     def _guard(self, target: Callable[[int], None], argument: int) -> None:
@@ -674,8 +682,14 @@ class Network:
         except Exception as exc:
             self.node.poison(f"the network thread of {self.describe_node(self.node_index)} failed: {exc!r}")
 
-    def _wait(self, bell: Doorbell, ready: Callable[[], bool], waiting_for: Callable[[], str]) -> None:
-        """Sleep on the node's doorbell until ``ready()``, with the node's timeout."""
+    def _wait(self, bell: Doorbell, ready: Callable[[], bool], waiting_for: Callable[[], str],
+              idle: Callable[[], bool] | None = None) -> None:
+        """Sleep on the node's doorbell until ``ready()``, with the node's timeout.
+
+        The timeout runs only while ``idle()`` is false: a tree thread waiting for a chunk of a
+        collective this node has not started is waiting for the caller, not for a late peer (a job
+        may pause between collectives for longer than the timeout).
+        """
         since = time.monotonic()
         while True:
             seen = bell.read()
@@ -686,7 +700,9 @@ class Network:
             self.node.raise_if_failed()
             self.node.check_alive()
             self._check_departed()
-            if time.monotonic() - since > self.node.timeout_s:
+            if idle is not None and idle():
+                since = time.monotonic()
+            elif time.monotonic() - since > self.node.timeout_s:
                 self.node.poison(f"no progress for {self.node.timeout_s:g} s: {waiting_for()}")
                 self.node.raise_if_failed()
             bell.wait(seen, _WAIT_SLICE_S)
@@ -701,20 +717,23 @@ class Network:
         g = tree_index
         while True:
             self._wait(bell, functools.partial(self._can_combine, g, children),
-                       functools.partial(self._waiting_for_children, tree_index, g))
+                       functools.partial(self._waiting_for_children, tree_index, g),
+                       idle=functools.partial(self._not_started, g))
             info = self._info(g)
             assert info is not None
             acc = info.arith.accumulator
             nbytes = info.elements * acc.itemsize
             mine = segment.results[g % slots, :nbytes].view(acc)
             for child, ring in zip(position.children, children, strict=True):
-                sequence, dtype, op, elements = ring.headers[g % slots]
-                if (sequence, dtype, op, elements) != (info.sequence, info.arith.dtype, info.arith.op, info.elements):
+                sequence, dtype, op, count, elements = ring.headers[g % slots]
+                if (sequence, dtype, op, count, elements) != (info.sequence, info.arith.dtype, info.arith.op,
+                                                              info.count, info.elements):
                     self.node.poison(
                         f"collective #{info.sequence} differs across nodes: {self.describe_node(self.node_index)} "
-                        f"has {info.elements} {info.arith.dtype.name.lower()} elements ({info.arith.op.name}) in "
-                        f"chunk {g}, {self.describe_node(child)} sent {elements} "
-                        f"{_dtype_name(dtype)} elements ({_op_name(op)}) of collective #{sequence}")
+                        f"has {info.count} {info.arith.dtype.name.lower()} elements ({info.arith.op.name}), "
+                        f"{info.elements} in chunk {g}; {self.describe_node(child)} sent {count} "
+                        f"{_dtype_name(dtype)} elements ({_op_name(op)}), {elements} in that chunk, of "
+                        f"collective #{sequence}")
                     self.node.raise_if_failed()
                 info.arith.combine(mine, ring.buffers[g % slots, :nbytes].view(acc))
                 ring.owner[g % slots] = None
@@ -732,6 +751,10 @@ class Network:
         slot = g % self.node.slots
         return (self.node.is_reduced(g) and all(ring.owner[slot] == g for ring in children)
                 and self._info(g) is not None)
+
+    def _not_started(self, g: int) -> bool:
+        """True while no collective that this node started covers chunk ``g`` (the node is idle)."""
+        return self._info(g) is None
 
     def _slot_free(self, ring: _ChildRing, g: int) -> bool:
         return ring.owner[g % self.node.slots] is None
@@ -758,7 +781,7 @@ class Network:
         bell = self.node.bell(_SIGNALLER_NETWORK + 2 + peer % 8)
         while True:
             link.recv_into(memoryview(header))
-            kind, dtype, op, sequence, g, elements, nbytes = _FRAME.unpack(header)
+            kind, dtype, op, sequence, count, g, elements, nbytes = _FRAME.unpack(header)
             if kind == _BYE:
                 # The peer shut down after `sequence` collectives: those still complete here (it
                 # sent everything they need before); a later one that needs it fails at once.
@@ -783,7 +806,7 @@ class Network:
                 self._wait(bell, functools.partial(self._slot_free, ring, g),
                            functools.partial(self._slot_busy, peer, g))
                 link.recv_into(ring.buffers[g % slots, :nbytes].data)
-                ring.headers[g % slots] = (sequence, dtype, op, elements)
+                ring.headers[g % slots] = (sequence, dtype, op, count, elements)
                 ring.owner[g % slots] = g
                 bell.ring()
             elif kind == _DOWN and peer == position.parent:
@@ -817,7 +840,7 @@ class Network:
             if link.send_lock.acquire(timeout=1.0):
                 try:
                     link.sock.settimeout(2.0)
-                    link.sock.sendall(_FRAME.pack(_ABORT, 0, 0, 0, 0, 0, len(encoded)) + encoded)
+                    link.sock.sendall(_FRAME.pack(_ABORT, 0, 0, 0, 0, 0, 0, len(encoded)) + encoded)
                 except OSError:
                     pass
                 finally:
@@ -853,7 +876,7 @@ class Network:
             if link.send_lock.acquire(timeout=1.0):
                 try:
                     link.sock.settimeout(2.0)
-                    link.sock.sendall(_FRAME.pack(_BYE, 0, 0, completed, 0, 0, 0))
+                    link.sock.sendall(_FRAME.pack(_BYE, 0, 0, completed, 0, 0, 0, 0))
                 except OSError:
                     pass
                 finally:

@@ -71,8 +71,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it does not exist.
+def process_start_time(pid: int, *, running: bool = False) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it does not exist
+    (with ``running``, also if it has exited and waits to be reaped: a zombie).
 
     A pid alone can be reused; pid plus start time names one process for the machine's uptime.
     """
@@ -82,6 +83,8 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
     fields = stat[stat.rindex(")") + 2:].split()
+    if running and fields[0] == "Z":
+        return None
     return int(fields[19])
 
 
@@ -157,7 +160,7 @@ def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
         if match is None:
             continue
         pid, start = int(match["pid"]), int(match["start"])
-        if process_start_time(pid) == start:
+        if process_start_time(pid, running=True) == start:
             continue  # its creator still runs: a live job's segment during its start
         with contextlib.suppress(FileNotFoundError):
             (shm_dir / name).unlink()

@@ -146,8 +146,14 @@ class StoreServer:
             self._closed = True
             connections = list(self._connections)
             self._changed.notify_all()
+        # Closing a socket does not wake a thread blocked in accept(), which keeps it listening (the
+        # port stays taken, and a later start on it is answered by this closed store); a shutdown does.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
@@ -169,23 +175,33 @@ class StoreClient:
                     raise HFReduceTimeout(f"no rendezvous at {host}:{port} within {timeout_s:g} s "
                                           f"({last_error.strerror or last_error})") from exc
                 time.sleep(0.05)
-        self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         self.address = (host, port)
+        # How long a reply may take beyond a get's own wait: a peer on MASTER_PORT that never answers
+        # (another service, a stopped rank 0) is an error, not a rank blocked for ever.
+        self._reply_timeout_s = timeout_s
 
     def local_address(self) -> str:
         """This host's address on the interface that reaches rank 0 (what peers will dial)."""
         return str(self._sock.getsockname()[0])
 
-    def _call(self, op: int, key: str, value: bytes) -> tuple[int, bytes]:
+    def _call(self, op: int, key: str, value: bytes, wait_s: float = 0.0) -> tuple[int, bytes]:
         encoded = key.encode()
         if len(encoded) > MAX_KEY_BYTES or len(value) > MAX_VALUE_BYTES:
             raise HFReduceError(f"rendezvous key or value too large ({len(encoded)}, {len(value)} bytes)")
+        limit_s = wait_s + self._reply_timeout_s
         with self._lock:
             try:
+                self._sock.settimeout(limit_s)
                 _send_message(self._sock, op, encoded, value)
                 status, _, reply = _read_message(self._sock)
+            except TimeoutError as exc:
+                # The stream is out of step now (a late reply would answer the next request): done.
+                self.close()
+                raise HFReduceTimeout(f"the rendezvous store at {self.address[0]}:{self.address[1]} did not "
+                                      f"answer within {limit_s:g} s (rank 0 stopped, or another service "
+                                      f"listens on MASTER_PORT)") from exc
             except (OSError, ConnectionError) as exc:
                 raise HFReduceError(f"lost the rendezvous store at {self.address[0]}:{self.address[1]}: "
                                     f"{exc}") from exc
@@ -198,7 +214,7 @@ class StoreClient:
 
     def get(self, key: str, timeout_s: float) -> bytes:
         wait_ms = max(0, min(int(timeout_s * 1000), 0xFFFFFFFF))
-        status, reply = self._call(_GET, key, _GET_WAIT.pack(wait_ms))
+        status, reply = self._call(_GET, key, _GET_WAIT.pack(wait_ms), wait_ms / 1000)
         if status == _MISSING:
             raise HFReduceTimeout(f"rendezvous: {key!r} did not appear within {timeout_s:g} s "
                                   f"(a rank did not start, or started with other arguments)")
