@@ -778,7 +778,9 @@ class Network:
         header = bytearray(_FRAME.size)
         slots = self.node.slots
         segment = self.node.segment
-        bell = self.node.bell(_SIGNALLER_NETWORK + 2 + peer % 8)
+        # Ids 242.. by the peer's place among this leader's neighbours (at most 6 in two trees):
+        # two threads ringing under one id could repeat a token a waiter already read.
+        bell = self.node.bell(_SIGNALLER_NETWORK + 2 + sorted(self.links).index(peer))
         while True:
             link.recv_into(memoryview(header))
             kind, dtype, op, sequence, count, g, elements, nbytes = _FRAME.unpack(header)
