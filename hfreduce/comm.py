@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from hfreduce.buffers import FlatBuffer, as_buffer
-from hfreduce.engine import Network, NodeState, OpKind, PeerLink, RankOp, RankWorker, Work
+from hfreduce.engine import MAX_LOCAL_WORLD_SIZE, Network, NodeState, OpKind, PeerLink, RankOp, RankWorker, Work
 from hfreduce.errors import HFReduceError, HFReduceTimeout, InvalidArgument
 from hfreduce.kernels import Arithmetic, ReduceOp, arithmetic, bits_dtype
 from hfreduce.rendezvous import Layout, RankInfo, check_local_environment, default_node_key, exchange, group_ranks
@@ -163,6 +163,8 @@ class Communicator:
         self.node_count = len(self.layout.nodes)
         self.local_rank = self.layout.local_rank(self.rank)
         self.local_world_size = len(self.layout.nodes[self.node_index])
+        if self.local_world_size > MAX_LOCAL_WORLD_SIZE:
+            raise InvalidArgument(f"{self.local_world_size} ranks on one node (at most {MAX_LOCAL_WORLD_SIZE})")
         shape = SegmentShape(self.local_world_size, self.slots, self.chunk_size_bytes, self.slots + 2)
         node_prefix = f"{prefix}/node/{self.node_index}"
         listener: socket.socket | None = None

@@ -74,7 +74,10 @@ _MAX_ABORT_MESSAGE = 4096
 # How long an aborting node waits for its peers to close their ends after the abort frame.
 _DRAIN_S = 2.0
 # Doorbell signaller ids: local ranks use their local rank; the leader's network threads these.
-_SIGNALLER_POISON = 250
+# A process's poison and departure rings: 120 + its local rank (local ranks stay below 120), so no
+# two processes ring under one id.
+_SIGNALLER_POISON = 120
+MAX_LOCAL_WORLD_SIZE = 120
 _SIGNALLER_NETWORK = 240
 # Descriptor words every local rank must agree on (sequence + 1 first; the shared-buffer place after).
 _AGREED_WORDS = 8
@@ -211,7 +214,7 @@ class NodeState:
         self.collected_words = np.array([segment.collected_at(r) for r in ranks])
         self.stopping = False
         self.multi_node = False
-        self._poison_bell = self.bell(_SIGNALLER_POISON)
+        self._poison_bell = self.bell(_SIGNALLER_POISON + local_rank)
         self._next_liveness_check = 0.0
         self._poison_hooks: list[Callable[[str], None]] = []
         self._poison_lock = threading.Lock()
