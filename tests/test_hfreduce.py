@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,11 +22,9 @@ import pytest
 import hfreduce
 from hfreduce import InvalidArgument, ReduceOp
 from hfreduce.kernels import DType, arithmetic
-from hfreduce.shm import SHM_DIR, remove_stale_segments
+from hfreduce.shm import remove_stale_segments
 from hfreduce.tree import double_binary_tree
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.hfreduce.runner import ROOT, collect_results, free_port, rank_env, segments
 
 # -- the tree (pure) ------------------------------------------------------------------------------------
 
@@ -122,7 +119,7 @@ def test_bad_arguments_are_typed_errors(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_a_single_rank_job_and_bad_buffers() -> None:
-    comm = hfreduce.Communicator(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    comm = hfreduce.Communicator(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
                                  node="solo")
     try:
         values = np.arange(10, dtype=np.float32)
@@ -160,53 +157,17 @@ def test_a_single_rank_job_and_bad_buffers() -> None:
 # -- multi-process jobs -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _segments() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith("hfreduce-")}
-
-
-def _env(rank: int, world: int, port: int, node: str | None, extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=str(ROOT), **extra)
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(name, None)
-    if node is not None:
-        env["HFREDUCE_TEST_NODE"] = node
-    return env
-
-
-def _collect(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise AssertionError("a rank hung") from None
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        assert lines, f"rank printed no result:\n{out}\n{err}"
-        results.append(json.loads(lines[-1]))
-    return results
-
-
 def run_job(scenario: str, nodes: list[int], extra: dict[str, str] | None = None,
             timeout_s: float = 120) -> list[dict[str, Any]]:
     """Ranks on one machine grouped into nodes of the given sizes (``[2, 2]``: two nodes of two)."""
-    port = _free_port()
+    port = free_port()
     world = sum(nodes)
     node_of = [index for index, size in enumerate(nodes) for _ in range(size)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.hfreduce.job", scenario],
-                              env=_env(rank, world, port, f"test-node-{node_of[rank]}", extra or {}),
+                              env=rank_env(rank, world, port, f"test-node-{node_of[rank]}", extra or {}),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in range(world)]
-    return _collect(procs, timeout_s)
+    return collect_results(procs, timeout_s)
 
 
 @pytest.mark.slow
@@ -215,7 +176,7 @@ def run_job(scenario: str, nodes: list[int], extra: dict[str, str] | None = None
     ([1] * 5, "float32"), ([1] * 8, "float32"), ([3, 2, 1, 2, 1], "float16"),
 ], ids=["1x2", "1x4", "3x1", "2+1", "5x1", "8x1", "3+2+1+2+1"])
 def test_every_op_and_dtype_matches_the_reference(nodes: list[int], dtypes: str | None) -> None:
-    before = _segments()
+    before = segments()
     results = run_job("ops", nodes, {"HFREDUCE_TEST_DTYPES": dtypes} if dtypes else None)
     for result in results:
         assert result["ok"], result
@@ -223,16 +184,16 @@ def test_every_op_and_dtype_matches_the_reference(nodes: list[int], dtypes: str 
     assert len({json.dumps(result["digests"], sort_keys=True) for result in results}) == 1
     assert sorted(tuple(result["layout"][:2]) for result in results) == sorted(
         (node, local) for node, size in enumerate(nodes) for local in range(size))
-    assert _segments() <= before
+    assert segments() <= before
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [[3], [2, 1]], ids=["1x3", "2+1"])
 def test_registered_buffers_reduce_in_place(nodes: list[int]) -> None:
-    before = _segments()
+    before = segments()
     for result in run_job("shared", nodes):
         assert result["ok"], result
-    assert _segments() <= before
+    assert segments() <= before
 
 
 @pytest.mark.slow
@@ -276,13 +237,13 @@ def test_a_killed_rank_fails_the_others_quickly_and_leaves_no_segment(nodes: lis
                                                                      stop: bool) -> None:
     """SIGKILL: the others fail at once (a dead pid, a closed link). SIGSTOP (a hang): they fail with
     "no progress" once the timeout passes, not before and not much after."""
-    before = _segments()
-    port = _free_port()
+    before = segments()
+    port = free_port()
     world = sum(nodes)
     node_of = [index for index, size in enumerate(nodes) for _ in range(size)]
     timeout_s = 4.0 if stop else 20.0
     procs = [subprocess.Popen([sys.executable, "-m", "tests.hfreduce.job", "loop"],
-                              env=_env(rank, world, port, f"kill-node-{node_of[rank]}",
+                              env=rank_env(rank, world, port, f"kill-node-{node_of[rank]}",
                                        {"HFREDUCE_TEST_TIMEOUT_S": str(timeout_s)}),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in range(world)]
@@ -295,7 +256,7 @@ def test_a_killed_rank_fails_the_others_quickly_and_leaves_no_segment(nodes: lis
         os.kill(procs[victim].pid, signal.SIGSTOP if stop else signal.SIGKILL)
         killed_at = time.monotonic()
         survivors = [proc for rank, proc in enumerate(procs) if rank != victim]
-        results = _collect(survivors, timeout_s=timeout_s + 15)
+        results = collect_results(survivors, timeout_s=timeout_s + 15)
         elapsed = time.monotonic() - killed_at
         procs[victim].kill()
         procs[victim].wait()
@@ -311,14 +272,14 @@ def test_a_killed_rank_fails_the_others_quickly_and_leaves_no_segment(nodes: lis
         assert timeout_s <= elapsed < 3 * timeout_s + 5, f"the survivors took {elapsed:.1f} s (timeout {timeout_s} s)"
     else:
         assert elapsed < timeout_s, f"the survivors took {elapsed:.1f} s (timeout {timeout_s} s)"
-    assert _segments() <= before, "a shared-memory segment was left behind"
+    assert segments() <= before, "a shared-memory segment was left behind"
 
 
 def test_cuda_tensors_go_through_pinned_host_memory() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no GPU on this machine: the CUDA staging path (pinned host buffer, side stream) needs one")
-    comm = hfreduce.Communicator(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    comm = hfreduce.Communicator(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
                                  node="solo-cuda")
     try:
         tensor = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
@@ -357,10 +318,10 @@ def test_namespace_nodes_allreduce_over_tcp() -> None:
 
     with NetnsLab() as lab:
         addresses = lab.create(["a", "b"])
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank, host in enumerate(["a", "a", "b", "b"]):
-            env = _env(rank, 4, port, None, {})
+            env = rank_env(rank, 4, port, None, {})
             env["MASTER_ADDR"] = addresses["a"]
             procs.append(lab.spawn(host, [sys.executable, "-m", "tests.hfreduce.job", "ops,traffic"], env,
                                    Path(f"/tmp/hfreduce-netns-{lab.run_id}-{rank}.log")))

@@ -21,30 +21,30 @@ import numpy as np
 import pytest
 
 import hfreduce
-from tests.test_hfreduce import ROOT, _collect, _env, _free_port, _segments
+from tests.hfreduce.runner import ROOT, collect_results, free_port, rank_env, segments
 
 
 def run_review_job(scenario: str, nodes: list[int], timeout_s: float = 5.0, job_timeout_s: float = 60.0,
                    extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Ranks of ``tests.hfreduce.review_job`` grouped into nodes of the given sizes."""
-    port = _free_port()
+    port = free_port()
     world = sum(nodes)
     node_of = [index for index, size in enumerate(nodes) for _ in range(size)]
     env_extra = {"HFREDUCE_TEST_TIMEOUT_S": str(timeout_s), **(extra or {})}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.hfreduce.review_job", scenario],
-                              env=_env(rank, world, port, f"review-{port}-{node_of[rank]}", env_extra),
+                              env=rank_env(rank, world, port, f"review-{port}-{node_of[rank]}", env_extra),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in range(world)]
-    return _collect(procs, job_timeout_s)
+    return collect_results(procs, job_timeout_s)
 
 
 def test_a_pause_longer_than_the_timeout_between_collectives_is_not_a_failure() -> None:
     # The leaders' tree threads used to count the idle time before the next collective as "no progress".
-    before = _segments()
+    before = segments()
     results = run_review_job("idle", [1, 1], timeout_s=2.0)
     for result in results:
         assert result["ok"], result
-    assert _segments() <= before
+    assert segments() <= before
 
 
 def test_sizes_that_differ_only_after_the_first_chunk_fail_every_node() -> None:
@@ -136,7 +136,7 @@ def test_the_leaders_ready_counter_never_goes_back() -> None:
 
 def _communicators(world_size: int, port: int | None = None, **options: Any) -> list[hfreduce.Communicator]:
     """``world_size`` ranks of one node in this process (threads make them; each joins the rendezvous)."""
-    port = port or _free_port()
+    port = port or free_port()
     made: list[hfreduce.Communicator | None] = [None] * world_size
 
     def make(rank: int) -> None:
@@ -175,7 +175,7 @@ def test_a_job_started_again_on_the_same_port_in_the_same_process_starts() -> No
     # shutdown() closed rank 0's store socket, but the thread blocked in accept() kept it listening:
     # the next start on the same MASTER_PORT failed ("address already in use" on rank 0, "lost the
     # rendezvous store" on the others), and every start leaked that thread.
-    port = _free_port()
+    port = free_port()
     for _ in range(3):
         comms = _communicators(2, port=port, timeout_s=5.0)
         values = np.ones(4, dtype=np.float32)
@@ -270,23 +270,23 @@ def test_many_collectives_of_every_kind_in_flight_on_small_rings_are_right_and_r
     # wrapping int32 sums; reduce_scatter, all_gather, broadcast; slices of a registered buffer, some
     # ranks passing a private copy; a registered bf16 tensor averaged), sizes on and around chunk
     # boundaries, 4 KiB chunks and two slots, three nodes of 2, 1 and 2 ranks; run twice.
-    before = _segments()
+    before = segments()
     first = run_review_job("stress", [2, 1, 2], timeout_s=30.0)
     assert all(result["ok"] for result in first), first
     second = run_review_job("stress", [2, 1, 2], timeout_s=30.0)
     assert all(result["ok"] for result in second), second
     assert [result["digest"] for result in first] == [result["digest"] for result in second]
-    assert _segments() <= before
+    assert segments() <= before
 
 
 def test_a_rank_killed_while_registering_buffers_leaves_nothing_in_dev_shm() -> None:
     # Its own registered buffer's name (created, not yet unlinked) stayed in /dev/shm after the job,
     # until some later start on this machine; the survivors now remove it as they exit (the dead rank
     # is not reaped yet then: a zombie counts as dead).
-    before = _segments()
-    port = _free_port()
+    before = segments()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.hfreduce.review_job", "register-loop"],
-                              env=_env(rank, 3, port, f"register-{port}", {"HFREDUCE_TEST_TIMEOUT_S": "5"}),
+                              env=rank_env(rank, 3, port, f"register-{port}", {"HFREDUCE_TEST_TIMEOUT_S": "5"}),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in range(3)]
     try:
@@ -295,8 +295,8 @@ def test_a_rank_killed_while_registering_buffers_leaves_nothing_in_dev_shm() -> 
             assert '"started"' in proc.stdout.readline()
         time.sleep(0.3)
         os.kill(procs[1].pid, signal.SIGKILL)
-        results = _collect([procs[0], procs[2]], timeout_s=20)
-        left = _segments() - before
+        results = collect_results([procs[0], procs[2]], timeout_s=20)
+        left = segments() - before
         procs[1].wait()
     finally:
         for proc in procs:

@@ -6,12 +6,10 @@ rank that never joins fail with clear errors. Each job is real processes (tests/
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import socket
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -29,6 +27,7 @@ import hfreduce
 import hfreduce.torch
 from hfreduce import InvalidArgument
 from hfreduce.torch import BACKEND_NAME, _complete, _store_host, _TorchWork, ddp_comm_hook, reduce_op
+from tests.hfreduce.runner import collect_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,20 +53,9 @@ def run_job(scenario: str, world: int, ports: int, timeout_s: float = 90) -> lis
                    OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.hfreduce.torch_job", scenario, *port_args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
-    results: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise AssertionError(f"a rank of {scenario} hung") from None
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        assert lines, f"rank printed no result:\n{out}"
-        result = json.loads(lines[-1])
+    results = collect_results(procs, timeout_s, what=f"a rank of {scenario}")
+    for result in results:
         assert result["ok"], result.get("error")
-        results.append(result)
     return results
 
 

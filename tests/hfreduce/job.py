@@ -19,6 +19,7 @@ import numpy as np
 
 import hfreduce
 from hfreduce import ReduceOp
+from tests.hfreduce.runner import run_rank
 
 CHUNK_SIZE_BYTES = 64 << 10
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "int32": np.int32,
@@ -169,87 +170,78 @@ def _interface_and_links(comm: hfreduce.Communicator) -> tuple[list[int], dict[s
     return ([int((counters / name).read_text()) for name in ("tx_bytes", "rx_bytes")], comm.stats()["links"])
 
 
-def main() -> None:
+def run_scenarios(result: dict[str, Any]) -> None:
     scenarios = sys.argv[1]
     node = os.environ.get("HFREDUCE_TEST_NODE") or None
     timeout_s = float(os.environ.get("HFREDUCE_TEST_TIMEOUT_S", "20"))
-    result: dict[str, Any] = {"rank": int(os.environ["RANK"]), "ok": False}
-    comm: hfreduce.Communicator | None = None
-    try:
-        comm = hfreduce.init(node=node, timeout_s=timeout_s, chunk_size_bytes=CHUNK_SIZE_BYTES, slots=4)
-        result["layout"] = [comm.node_index, comm.local_rank, comm.node_count, comm.local_world_size]
-        chunk = CHUNK_SIZE_BYTES // 4
-        for scenario in scenarios.split(","):
-            if scenario == "ops":
-                dtypes = os.environ.get("HFREDUCE_TEST_DTYPES", "float32,float64,float16,bfloat16,int32,int64")
-                sizes = [0, 1, 1000, chunk + 1, 3 * chunk + 5]
-                result["digests"] = check_ops(comm, dtypes.split(","), sizes)
-                check_collectives(comm, [1, 777, chunk * comm.world_size + 3])
-                check_async(comm)
-            elif scenario == "shared":
-                check_shared(comm)
-            elif scenario == "traffic":
-                # The interface's counters and the links' byte counts, taken together before a
-                # barrier and three 8 MiB allreduces and after them. (Before the barrier no socket
-                # holds more than a barrier's few unread bytes; after it, a faster node's allreduce
-                # bytes could reach eth0 before this rank's snapshot.)
-                before, links_before = _interface_and_links(comm)
-                comm.barrier()
-                payload = np.ones(2 << 20, dtype=np.float32)
-                for _ in range(3):
-                    comm.allreduce(payload)
-                assert (payload == comm.world_size**3).all()
-                after, links_after = _interface_and_links(comm)
-                result["eth0"] = [after[0] - before[0], after[1] - before[1]]
-                result["links"] = {peer: {key: value - links_before[peer][key] for key, value in counts.items()}
-                                   for peer, counts in links_after.items()}
-            elif scenario == "leave":
-                # Rank 0 leaves after a collective; the others finish theirs, then fail at once on
-                # the next one (it needs rank 0), never with a timeout.
-                payload = np.ones(3 << 16, dtype=np.float32)
+    comm = hfreduce.init(node=node, timeout_s=timeout_s, chunk_size_bytes=CHUNK_SIZE_BYTES, slots=4)
+    result["layout"] = [comm.node_index, comm.local_rank, comm.node_count, comm.local_world_size]
+    chunk = CHUNK_SIZE_BYTES // 4
+    for scenario in scenarios.split(","):
+        if scenario == "ops":
+            dtypes = os.environ.get("HFREDUCE_TEST_DTYPES", "float32,float64,float16,bfloat16,int32,int64")
+            sizes = [0, 1, 1000, chunk + 1, 3 * chunk + 5]
+            result["digests"] = check_ops(comm, dtypes.split(","), sizes)
+            check_collectives(comm, [1, 777, chunk * comm.world_size + 3])
+            check_async(comm)
+        elif scenario == "shared":
+            check_shared(comm)
+        elif scenario == "traffic":
+            # The interface's counters and the links' byte counts, taken together before a
+            # barrier and three 8 MiB allreduces and after them. (Before the barrier no socket
+            # holds more than a barrier's few unread bytes; after it, a faster node's allreduce
+            # bytes could reach eth0 before this rank's snapshot.)
+            before, links_before = _interface_and_links(comm)
+            comm.barrier()
+            payload = np.ones(2 << 20, dtype=np.float32)
+            for _ in range(3):
                 comm.allreduce(payload)
-                if comm.rank == 0:
-                    hfreduce.destroy()
-                else:
-                    time.sleep(0.5)
-                    started = time.monotonic()
-                    try:
-                        comm.allreduce(payload)
-                    except hfreduce.HFReduceError as exc:
-                        result["error"] = str(exc)
-                        result["failed_after_s"] = time.monotonic() - started
-            elif scenario == "mismatch":
-                count = 1000 + (comm.rank == comm.world_size - 1)
-                try:
-                    comm.allreduce(np.ones(count, dtype=np.float32))
-                except hfreduce.HFReduceError as exc:
-                    result["error"] = str(exc)
-            elif scenario == "dtype-mismatch":
-                dtype = np.float64 if comm.rank == 0 else np.float32
-                try:
-                    comm.allreduce(np.ones(1000, dtype=dtype))
-                except hfreduce.HFReduceError as exc:
-                    result["error"] = str(exc)
-            elif scenario == "loop":
-                # Until killed from outside (or failed): the victim's signal arrives mid-allreduce.
-                payload = np.ones(4 << 20, dtype=np.float32)
-                print(json.dumps({"rank": comm.rank, "started": True}), flush=True)
+            assert (payload == comm.world_size**3).all()
+            after, links_after = _interface_and_links(comm)
+            result["eth0"] = [after[0] - before[0], after[1] - before[1]]
+            result["links"] = {peer: {key: value - links_before[peer][key] for key, value in counts.items()}
+                               for peer, counts in links_after.items()}
+        elif scenario == "leave":
+            # Rank 0 leaves after a collective; the others finish theirs, then fail at once on
+            # the next one (it needs rank 0), never with a timeout.
+            payload = np.ones(3 << 16, dtype=np.float32)
+            comm.allreduce(payload)
+            if comm.rank == 0:
+                hfreduce.destroy()
+            else:
+                time.sleep(0.5)
                 started = time.monotonic()
                 try:
-                    while time.monotonic() - started < 120:
-                        comm.allreduce(payload)
+                    comm.allreduce(payload)
                 except hfreduce.HFReduceError as exc:
                     result["error"] = str(exc)
                     result["failed_after_s"] = time.monotonic() - started
-            else:
-                raise SystemExit(f"unknown scenario {scenario}")
-        result["ok"] = True
-    except Exception as exc:
-        result["exception"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        print(json.dumps(result), flush=True)
-        hfreduce.destroy()
+        elif scenario == "mismatch":
+            count = 1000 + (comm.rank == comm.world_size - 1)
+            try:
+                comm.allreduce(np.ones(count, dtype=np.float32))
+            except hfreduce.HFReduceError as exc:
+                result["error"] = str(exc)
+        elif scenario == "dtype-mismatch":
+            dtype = np.float64 if comm.rank == 0 else np.float32
+            try:
+                comm.allreduce(np.ones(1000, dtype=dtype))
+            except hfreduce.HFReduceError as exc:
+                result["error"] = str(exc)
+        elif scenario == "loop":
+            # Until killed from outside (or failed): the victim's signal arrives mid-allreduce.
+            payload = np.ones(4 << 20, dtype=np.float32)
+            print(json.dumps({"rank": comm.rank, "started": True}), flush=True)
+            started = time.monotonic()
+            try:
+                while time.monotonic() - started < 120:
+                    comm.allreduce(payload)
+            except hfreduce.HFReduceError as exc:
+                result["error"] = str(exc)
+                result["failed_after_s"] = time.monotonic() - started
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(run_scenarios)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import hfreduce
+from tests.hfreduce.runner import run_rank
 
 CHUNK_SIZE_BYTES = 4096
 CHUNK = CHUNK_SIZE_BYTES // 4  # float32 elements per chunk
@@ -149,60 +150,52 @@ def stress(comm: hfreduce.Communicator) -> str:
     return digest.hexdigest()
 
 
-def main() -> None:
+def run_scenario(result: dict[str, Any]) -> None:
     scenario = sys.argv[1]
     node = os.environ.get("HFREDUCE_TEST_NODE") or None
     timeout_s = float(os.environ.get("HFREDUCE_TEST_TIMEOUT_S", "20"))
     rank = int(os.environ["RANK"])
-    result: dict[str, Any] = {"rank": rank, "ok": False}
-    try:
-        comm = hfreduce.init(node=node, timeout_s=timeout_s, chunk_size_bytes=CHUNK_SIZE_BYTES, slots=2)
-        world = comm.world_size
-        if scenario == "stress":
-            result["digest"] = stress(comm)
-        elif scenario == "absent":
-            # The last rank never calls the collective; the others must fail within the timeout.
-            if rank == world - 1:
-                time.sleep(timeout_s * 1.5)
-            else:
-                started = time.monotonic()
-                try:
-                    comm.allreduce(np.ones(5 * CHUNK, dtype=np.float32))
-                except hfreduce.HFReduceError as exc:
-                    result["error"] = f"{type(exc).__name__}: {exc}"
-                result["failed_after_s"] = time.monotonic() - started
-        elif scenario == "register-loop":
-            # Registering buffers until killed from outside (or failed).
-            print(json.dumps({"rank": rank, "started": True}), flush=True)
+    comm = hfreduce.init(node=node, timeout_s=timeout_s, chunk_size_bytes=CHUNK_SIZE_BYTES, slots=2)
+    world = comm.world_size
+    if scenario == "stress":
+        result["digest"] = stress(comm)
+    elif scenario == "absent":
+        # The last rank never calls the collective; the others must fail within the timeout.
+        if rank == world - 1:
+            time.sleep(timeout_s * 1.5)
+        else:
             started = time.monotonic()
             try:
-                while time.monotonic() - started < 60:
-                    comm.shared_array(CHUNK, np.float32)
+                comm.allreduce(np.ones(5 * CHUNK, dtype=np.float32))
             except hfreduce.HFReduceError as exc:
-                result["error"] = str(exc)
-        elif scenario == "idle":
-            # A job that pauses longer than the timeout between collectives (a checkpoint, an evaluation).
-            values = np.ones(3 * CHUNK + 1, dtype=np.float32)
-            comm.allreduce(values)
-            time.sleep(timeout_s * 1.5)
-            comm.allreduce(values)
-            assert (values == world * world).all()
-        elif scenario == "straddle-mismatch":
-            # Node 0 passes one whole chunk, the others one chunk and a bit: the first chunk agrees.
-            count = CHUNK if comm.node_index == 0 else CHUNK + 5
-            try:
-                comm.allreduce(np.ones(count, dtype=np.float32))
-            except hfreduce.HFReduceError as exc:
-                result["error"] = str(exc)
-        else:
-            raise SystemExit(f"unknown scenario {scenario}")
-        result["ok"] = True
-    except Exception as exc:
-        result["exception"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        print(json.dumps(result), flush=True)
-        hfreduce.destroy()
+                result["error"] = f"{type(exc).__name__}: {exc}"
+            result["failed_after_s"] = time.monotonic() - started
+    elif scenario == "register-loop":
+        # Registering buffers until killed from outside (or failed).
+        print(json.dumps({"rank": rank, "started": True}), flush=True)
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 60:
+                comm.shared_array(CHUNK, np.float32)
+        except hfreduce.HFReduceError as exc:
+            result["error"] = str(exc)
+    elif scenario == "idle":
+        # A job that pauses longer than the timeout between collectives (a checkpoint, an evaluation).
+        values = np.ones(3 * CHUNK + 1, dtype=np.float32)
+        comm.allreduce(values)
+        time.sleep(timeout_s * 1.5)
+        comm.allreduce(values)
+        assert (values == world * world).all()
+    elif scenario == "straddle-mismatch":
+        # Node 0 passes one whole chunk, the others one chunk and a bit: the first chunk agrees.
+        count = CHUNK if comm.node_index == 0 else CHUNK + 5
+        try:
+            comm.allreduce(np.ones(count, dtype=np.float32))
+        except hfreduce.HFReduceError as exc:
+            result["error"] = str(exc)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(run_scenario)
