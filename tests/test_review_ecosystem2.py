@@ -144,7 +144,7 @@ def test_warmup_reads_while_it_walks_so_memory_does_not_grow_with_the_tree() -> 
     # It collected every path of the tree before reading one: tens of millions of files meant GBs.
     import argparse
 
-    from fs3.cli.ops import _warmup
+    from fs3.cli.ops import warmup_command
 
     class Tree:
         """A file system whose walk yields 2,000 files, recording how far the reads lag behind."""
@@ -171,7 +171,7 @@ def test_warmup_reads_while_it_walks_so_memory_does_not_grow_with_the_tree() -> 
 
     tree = Tree()
     args = argparse.Namespace(path="/big", threads=4, json=True)
-    assert asyncio.run(_warmup(tree, args)) == 0
+    assert asyncio.run(warmup_command(tree, args)) == 0
     assert tree.read == 2000
     # One directory page plus the bounded queue (4 x threads) and the files being read.
     assert tree.worst_lag <= 100 + 4 * 4 + 4 + 100, tree.worst_lag

@@ -91,7 +91,7 @@ async def run_operator(args: argparse.Namespace) -> int:
     config = ClientConfig(transport=args.transport, tls=client_tls(args), rpc_timeout_ms=args.timeout_ms)
     fs = await connect(args.mgmtd, args.token, config)
     try:
-        fs_command = {"info": _info, "warmup": _warmup, "rmr": rmr_command}[args.service]
+        fs_command = {"info": _info, "warmup": warmup_command, "rmr": rmr_command}[args.service]
         return await fs_command(fs, args)
     finally:
         await fs.close()
@@ -368,7 +368,7 @@ async def _bounded(limit: int, job: Callable[[str], Awaitable[None]], items: lis
 _FAILURES_LISTED = 100
 
 
-async def _warmup(fs: Any, args: argparse.Namespace) -> int:
+async def warmup_command(fs: Any, args: argparse.Namespace) -> int:
     """Read every file under the path, ``--threads`` at a time. The walk feeds a bounded queue, so
     memory stays bounded by the queue and one directory page however many files the tree holds;
     the progress total is what the walk has found so far."""
