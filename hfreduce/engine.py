@@ -598,7 +598,6 @@ class Network:
         self.trees = trees
         self.links = links
         self.describe_node = describe_node
-        node.multi_node = True
         slots = node.slots
         self._lock = threading.Lock()
         self._ops: list[_OpRecord] = []  # collectives not yet final, oldest first (bounded by the slots)
@@ -908,10 +907,6 @@ class Network:
 
     def stats(self) -> dict[int, tuple[int, int]]:
         return {peer: (link.bytes_sent, link.bytes_received) for peer, link in self.links.items()}
-
-
-def _always() -> bool:
-    return True
 
 
 def _dtype_name(code: int) -> str:

@@ -102,10 +102,6 @@ class Arithmetic:
     accumulator: np.dtype[np.generic]
 
     @property
-    def storage_itemsize(self) -> int:
-        return self.storage.itemsize
-
-    @property
     def accumulator_itemsize(self) -> int:
         return self.accumulator.itemsize
 
