@@ -75,7 +75,7 @@ from hfreduce.errors import HFReduceError, HFReduceTimeout, InvalidArgument
 from hfreduce.kernels import ReduceOp
 from hfreduce.store import TorchStore
 
-__all__ = ["BACKEND_NAME", "HFReduceOptions", "ProcessGroupHFReduce", "ddp_comm_hook", "reduce_op"]
+__all__ = ["BACKEND_NAME", "HFReduceOptions", "ProcessGroupHFReduce", "communicator_of", "ddp_comm_hook", "reduce_op"]
 
 BACKEND_NAME = "hfreduce"
 
@@ -367,6 +367,17 @@ def _create_process_group(options: Any, pg_options: HFReduceOptions | None) -> P
     except BaseException:
         communicator.shutdown()
         raise
+
+
+def communicator_of(group: Any) -> Communicator:
+    """The HFReduce :class:`Communicator` under a group made with ``backend="hfreduce"`` (``new_group`` or
+    ``init_process_group``), for what only the communicator offers: registered buffers
+    (``shared_tensor``) and ``Work`` objects with callbacks. ``InvalidArgument`` for any other group."""
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise InvalidArgument("this rank is not a member of that group")
+    if not isinstance(group, ProcessGroupHFReduce):  # the extended API hands torch the group itself
+        raise InvalidArgument(f"the group is a {type(group).__name__}, not an hfreduce group")
+    return group.communicator
 
 
 _register_lock = threading.Lock()
