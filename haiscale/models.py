@@ -46,9 +46,11 @@ class CausalSelfAttention(nn.Module):
         # Plain attention (not a fused kernel): the same arithmetic on every rank and in every
         # layout, so the parallel runs can be compared with the single-process one.
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])
-        scores = scores.masked_fill(~self.mask[:, :, :length, :length], float("-inf"))
+        mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
+        scores = scores.masked_fill(~mask[:, :, :length, :length], float("-inf"))
         y = F.softmax(scores, dim=-1) @ v
-        return self.proj(y.transpose(1, 2).contiguous().view(batch, length, channels))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).contiguous().view(batch, length, channels))
+        return out
 
 
 class Block(nn.Module):
@@ -62,7 +64,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))
+        return out
 
 
 class Embedding(nn.Module):
@@ -79,7 +82,8 @@ class Embedding(nn.Module):
         if length > self.block_size:
             raise ValueError(f"sequence of {length} tokens is longer than the block size {self.block_size}")
         positions = torch.arange(length, device=idx.device)
-        return self.tokens(idx) + self.positions(positions)
+        out: torch.Tensor = self.tokens(idx) + self.positions(positions)
+        return out
 
 
 class Head(nn.Module):
@@ -91,7 +95,8 @@ class Head(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+        out: torch.Tensor = self.lm_head(self.ln_f(x))
+        return out
 
 
 class ByteGPT(nn.Module):
