@@ -1,0 +1,1 @@
+"""Rank programs the HaiScale tests start as processes (one module per parallelism)."""
