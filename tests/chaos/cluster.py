@@ -30,7 +30,10 @@ __all__ = ["LabCluster", "check_history"]
 
 class LabCluster:
     def __init__(self, lab: NetnsLab, root: Path, overrides: dict[str, str] | None = None,
-                 small_disks: dict[str, int] | None = None, ext4_disks: dict[str, int] | None = None) -> None:
+                 small_disks: dict[str, int] | None = None, ext4_disks: dict[str, int] | None = None,
+                 extra_hosts: list[str] | None = None) -> None:
+        """``extra_hosts``: more client hosts (training nodes, say), each its own namespace on the same
+        switch, whose programs run with the client's settings (:meth:`spawn_client`)."""
         self.lab = lab
         # service -> bytes per target: its targets live on tmpfs mounts of this size (disk-full
         # drills) or on ext4 loop images (disks that turn read-only).
@@ -43,7 +46,7 @@ class LabCluster:
         self.compose = load_compose({"FS3_TOKEN": secrets.token_hex(16)})
         self.token = self.compose["services"]["mgmtd"]["environment"]["FS3_MGMTD_TOKEN"]
         self.overrides = overrides or {}
-        addresses = lab.create([*SERVER_SERVICES, "client"])
+        addresses = lab.create([*SERVER_SERVICES, "client", *(extra_hosts or [])])
         self.addresses: dict[str, str] = {}
         for name in SERVER_SERVICES:
             compose_address = service_address(self.compose, name)
@@ -183,6 +186,13 @@ class LabCluster:
 
     def client_spawn(self, args: list[str], log: Path) -> subprocess.Popen[Any]:
         return self.lab.spawn("client", args, {**self.base_env, **self.client_env}, log)
+
+    def spawn_client(self, host: str, args: list[str], log: Path,
+                     env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        """A program on a client host (``client`` or an extra host), with the cluster's address in
+        ``FS3_MGMTD`` and the client's token and TLS settings."""
+        return self.lab.spawn(host, args, {**self.base_env, **self.client_env, "FS3_MGMTD": self.mgmtd,
+                                           **(env or {})}, log)
 
     def admin(self, *args: str) -> subprocess.CompletedProcess[str]:
         return self.client_run([sys.executable, "-P", "-m", "fs3.cli.main", "admin", "--mgmtd", self.mgmtd, *args])
