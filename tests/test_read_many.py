@@ -29,12 +29,16 @@ from fs3 import storage_pb2 as spb
 from fs3.client.fs import AsyncFileSystem, ClientConfig
 from fs3.client.read_many import READ_MANY_BYTES_MAX, READ_MANY_RANGES_MAX
 from fs3.client.storage_client import StorageClientConfig
-from fs3.common.errors import ChecksumMismatch, Unavailable
+from fs3.common.errors import ChecksumMismatch, InvalidArgument, StatusCode, Unavailable
+from fs3.common.layout import chunk_location
 from fs3.meta.service import MetaServiceConfig
-from fs3.rpc.channel import Channel, ChannelFactory
+from fs3.rpc.channel import Channel, ChannelFactory, RealChannelFactory
 from fs3.rpc.dispatch import Buffer
-from fs3.rpc.methods import MethodSpec
+from fs3.rpc.methods import MethodSpec, service_spec
+from fs3.storage.limits import BATCH_READ_BYTES_MAX, BATCH_READ_PIECES_MAX
 from tests.inproc import ClusterThread, InProcessCluster
+from tests.test_data_path_auth import _cluster as data_path_cluster
+from tests.test_data_path_auth import _user
 
 CHUNK = 16 * 1024
 PIECES_PER_CALL = 8
@@ -380,3 +384,68 @@ def test_read_many_sees_this_clients_unflushed_writes(shared_cluster: ClusterThr
         finally:
             rw.close()
             grow.close()
+
+
+# -- the node's side: capabilities per piece, bounds per call ------------------------------------
+
+
+def test_batch_read_checks_each_pieces_capability_and_its_bounds(tmp_path: Path) -> None:
+    """With user tokens (the USER principal), every piece needs its own file's capability: the
+    owner's read_many of several files is served by batches alone (each piece carries the right
+    one), while another user's BatchRead of the same chunks is refused piece by piece and gets no
+    byte. A call past the node's bounds is refused whole."""
+
+    async def body(cluster: InProcessCluster, owner: AsyncFileSystem) -> None:
+        rng = random.Random(21)
+        files = {f"/t/u{n}": rng.randbytes(3 * 64 * 1024 + 17) for n in range(3)}
+        for path, data in files.items():
+            await owner.write_bytes(path, data)
+        counting = CountingChannels(owner.storage.channels)
+        owner.storage.channels = counting
+        ranges = random_ranges(rng, files, 40)
+        assert [bytes(v) for v in await owner.read_many(ranges)] == expected(files, ranges)
+        assert counting.calls and not any(name == "Read" for _, name in counting.calls)
+
+        attacker = await _user(cluster, "reader", 2000)
+        try:
+            await attacker.write_bytes("/t/mine", b"attacker's own file")
+            mine = await attacker.open("/t/mine", "rb")
+            victim = await owner.open("/t/u0", "rb")
+            chain, cid = chunk_location(victim.layout, victim.inode.inode_id, 0)
+            _, members = await attacker.routing.chain(chain)
+            channel = attacker.channels.get(members[0].address)
+            req = spb.BatchReadReq(capabilities=[await mine.capability.current()])
+            req.pieces.add(chain_id=chain, chunk_id=cid, offset=0, length=100, capability_index=0)
+            req.pieces.add(chain_id=chain, chunk_id=cid, offset=100, length=100, capability_index=7)
+            rsp, data = await channel.call(service_spec("Storage").method("BatchRead"), req)
+            assert isinstance(rsp, spb.BatchReadRsp)
+            assert [r.status for r in rsp.results] == [StatusCode.PERMISSION_DENIED] * 2
+            assert data == b""
+            await mine.close()
+            await victim.close()
+        finally:
+            await attacker.close()
+
+        # Bounds: refused whole, before anything is read (a service's call, so no capability).
+        service = RealChannelFactory(cluster.token, "framed")
+        try:
+            channel = service.get(members[0].address)
+            many = spb.BatchReadReq()
+            for _ in range(BATCH_READ_PIECES_MAX + 1):
+                many.pieces.add(chain_id=chain, chunk_id=cid, offset=0, length=1)
+            with pytest.raises(InvalidArgument, match="pieces exceed"):
+                await channel.call(service_spec("Storage").method("BatchRead"), many)
+            big = spb.BatchReadReq()
+            for _ in range(2):
+                big.pieces.add(chain_id=chain, chunk_id=cid, offset=0, length=BATCH_READ_BYTES_MAX // 2 + 1)
+            with pytest.raises(InvalidArgument, match="bytes asked exceed"):
+                await channel.call(service_spec("Storage").method("BatchRead"), big)
+            ok = spb.BatchReadReq()
+            ok.pieces.add(chain_id=chain, chunk_id=cid, offset=5, length=10)
+            rsp, data = await channel.call(service_spec("Storage").method("BatchRead"), ok)
+            assert isinstance(rsp, spb.BatchReadRsp) and rsp.results[0].status == StatusCode.OK
+            assert data == files["/t/u0"][5:15]
+        finally:
+            await service.close()
+
+    data_path_cluster(tmp_path, body)
