@@ -166,10 +166,15 @@ def test_random_ranges_read_as_pread_would_in_few_calls_per_node(tmp_path: Path,
             mixed: list[tuple[Any, int, int]] = [(p if i % 2 else handles[p], o, n)
                                                  for i, (p, o, n) in enumerate(ranges)]
             total = sum(n for _, _, n in ranges)
+            metrics = fs.batch_read_metrics
             for call in (ranges, as_handles, mixed):
                 counting.reset()
+                rpcs, pieces_sent = metrics.rpcs._value.get(), metrics.pieces._value.get()
                 views = await fs.read_many(call)
                 assert [bytes(v) for v in views] == want
+                # The client's metrics count what went over the wire.
+                assert metrics.rpcs._value.get() - rpcs == len(counting.batch_sizes)
+                assert metrics.pieces._value.get() - pieces_sent == sum(n for _, n in counting.batch_sizes)
                 # Nothing failed: no single-piece Read at all, and per node at most
                 # ceil(pieces / bound) BatchRead calls, each within the bound.
                 assert not any(name == "Read" for _, name in counting.calls)
