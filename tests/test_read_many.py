@@ -351,6 +351,7 @@ def test_bad_input_is_refused_and_reads_nothing(shared_cluster: ClusterThread, t
                 foreign = other.open(path, "rb")
                 refused([(f, 0, 10), (foreign, 0, 10)], ValueError)
                 foreign.close()
+            assert fs.read_many([]) == []
             # Still fine afterwards.
             assert [bytes(v) for v in fs.read_many([(f, 250, 10)], buffer)] == [(bytes(range(256)) * 2)[250:260]]
         finally:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 from fs3 import storage_pb2 as spb
@@ -95,7 +95,6 @@ class BatchReadStats:
     rpcs: int = 0                    # BatchRead calls sent
     pieces: int = 0                  # pieces those calls asked for
     fallbacks: int = 0               # pieces read again, one Read each, after their batch failed them
-    nodes: set[str] = field(default_factory=set)  # the addresses the calls went to
 
 
 class StorageClient:
@@ -295,7 +294,6 @@ class StorageClient:
                                    capability_index=capability_of.get(id(piece.capability), 0))
                 stats.rpcs += 1
                 stats.pieces += len(indexes)
-                stats.nodes.add(address)
                 try:
                     rsp, data = await self.channels.get(address).call(_BATCH_READ, req, b"",
                                                                       self.config.rpc_timeout_ms)
