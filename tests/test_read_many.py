@@ -272,6 +272,15 @@ def test_pieces_a_replica_corrupts_or_refuses_and_a_failed_batch_are_read_again(
         assert [bytes(v) for v in views] == want
         assert counting.calls[(cluster.nodes[1].config.framed_address, "BatchRead")] >= 1
         assert sum(n for (_, name), n in counting.calls.items() if name == "Read") > 0
+        # A node that really stops answering (its servers shut): its pieces come from the others.
+        counting.fail_batches_to = set()
+        stopped = cluster.runtimes[0]
+        stopped.stopping.set()
+        await stopped.run_until_stopped()
+        counting.reset()
+        views = await fs.read_many(ranges)
+        assert [bytes(v) for v in views] == want
+        assert counting.calls[(cluster.nodes[1].config.framed_address, "BatchRead")] >= 1
 
     with_cluster(tmp_path, body)
 
