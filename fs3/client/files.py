@@ -530,14 +530,30 @@ class AsyncFile:
         self._pos += len(data)
         return data
 
-    async def _read_at(self, start: int, size: int) -> bytes:
+    def check_readable(self) -> None:
+        """Fail as a read of this handle would before it starts: closed, lapsed, or not open for reading."""
         self._check_open()
         if not self.readable:
             raise BadHandle("file not open for reading")
+
+    async def readable_length(self) -> int:
+        """What every read does before it reads, and how far it may read: the handle's own writes
+        and this client's other handles' writes land first (read-your-writes), and the length is
+        the furthest any of them knows. A batched read (``read_many``) calls it once per handle."""
+        self.check_readable()
         await self._fence()
         if self._buf or self._inflight:
             await self._flush()
         await self._see_siblings()
+        return self._length
+
+    async def confirm_zeros(self) -> None:
+        """A chunk read came back short: the zeros it stands for are the file's only while this
+        handle's session surely held (see :meth:`_fence`); raises ``StaleClient`` otherwise."""
+        await self._fence()
+
+    async def _read_at(self, start: int, size: int) -> bytes:
+        await self.readable_length()
         self._drop_stale_readahead()
         end = min(start + size, self._length)
         if end <= start:

@@ -14,8 +14,9 @@ import errno
 import os
 import stat as stat_mod
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fs3 import meta_pb2 as mpb
 from fs3.client import forking
@@ -24,6 +25,7 @@ from fs3.client.meta import Meta, path_ref
 from fs3.client.meta_client import MetaClient
 from fs3.client.oserrors import os_errors
 from fs3.client.profiles import ClusterSettings, resolve
+from fs3.client.read_many import BatchReadMetrics, read_many
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.clock import Clock
@@ -180,6 +182,7 @@ class AsyncFileSystem:
         self._open_writers: dict[int, weakref.WeakSet[AsyncFile]] = {}
         # Kept always (a counter step per call); served once start() opens the endpoint.
         self.metrics = ClientMetrics()
+        self.batch_read_metrics = BatchReadMetrics(self.metrics.registry)
         self._metrics_endpoint: MetricsEndpoint | None = None
         forking.register(self)
 
@@ -554,6 +557,24 @@ class AsyncFileSystem:
         if flags & O_TRUNC and not rsp.created:
             self.size_changed(rsp.inode.inode_id, 0)
         return AsyncFile(self, os.fsdecode(path), rsp, readable, writable, append, self.config.inflight_per_file)
+
+    async def read_many(self, ranges: Sequence[tuple[AsyncFile | PathLike, int, int]],
+                        buffer: Any = None) -> list[memoryview]:
+        """Read many ranges at once: ``ranges`` is a sequence of ``(file, offset, length)``, ``file``
+        a path (opened for the call, permission-checked as any open, closed after) or a handle of
+        this client open for reading; no meta call is made for a handle.
+
+        The ranges land back to back in ``buffer`` (any writable, contiguous buffer holding at
+        least the sum of the lengths; None: a new bytearray), range ``i`` at the sum of the
+        lengths before it; one ``memoryview`` per range is returned, a slice of the buffer, short
+        where the file ends first (like ``os.pread``). The pieces bound for one storage node
+        travel in few BatchRead calls, all nodes asked at once (:mod:`fs3.client.read_many`).
+
+        Bad input reads nothing: a negative offset or length is ``EINVAL``, a closed handle or one
+        not open for reading ``EBADF``, more than 65,536 ranges or 1 GiB, or a buffer too small, a
+        ``ValueError``; a missing path is ``FileNotFoundError``.
+        """
+        return await read_many(self, ranges, buffer)
 
     async def read_bytes(self, path: PathLike) -> bytes:
         f = await self.open(path, "rb")

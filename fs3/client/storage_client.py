@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
 from fs3 import storage_pb2 as spb
 from fs3.client.routing import RoutedTarget, RoutingCache
+from fs3.client.tasks import run_all
 from fs3.common.buffers import Buffer
 from fs3.common.capability import is_capability_denial
 from fs3.common.checksum import crc32c
@@ -28,12 +29,13 @@ from fs3.common.target_state import PublicState
 from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.methods import service_spec
 
-__all__ = ["CapabilitySource", "StorageClient", "StorageClientConfig"]
+__all__ = ["BatchReadStats", "CapabilitySource", "PieceRead", "StorageClient", "StorageClientConfig"]
 
 log = logging.getLogger(__name__)
 _STORAGE = service_spec("Storage")
 _UPDATE = _STORAGE.method("Update")
 _READ = _STORAGE.method("Read")
+_BATCH_READ = _STORAGE.method("BatchRead")
 # A read failing with these condemns the replica's copy, not the request: another replica may serve
 # it (the failing target takes itself out of its chain).
 _REPLICA_FAULTS = frozenset({StatusCode.CHECKSUM_MISMATCH, StatusCode.IO_ERROR})
@@ -58,6 +60,12 @@ class StorageClientConfig:
     retry_backoff_max_ms: int = 1_000
     channels_max: int = 64
     dirty_policy: int = spb.DIRTY_READ_DEFAULT
+    # Batched reads (read_pieces): pieces and bytes per BatchRead call (within the node's bounds,
+    # 4,096 pieces and 64 MiB; a single piece bigger than the byte bound goes alone), and the calls
+    # and single-piece fallback reads one batch keeps in flight.
+    batch_read_pieces_max: int = 1024
+    batch_read_bytes_max: int = 8 << 20
+    batch_reads_inflight_max: int = 32
 
     @property
     def retry(self) -> RetryPolicy:
@@ -65,6 +73,28 @@ class StorageClientConfig:
         return RetryPolicy(backoff_base_ms=min(2 * self.retry_backoff_ms, self.retry_backoff_max_ms),
                            backoff_max_ms=self.retry_backoff_max_ms, backoff=Backoff.EXPONENTIAL,
                            deadline_ms=self.retry_total_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class PieceRead:
+    """One piece of a batched read: ``length`` bytes at ``offset`` of one chunk, to land at ``dst``
+    of the caller's buffer; ``capability``: its file's, as in :meth:`StorageClient.read`."""
+
+    chain_id: int
+    chunk_id: bytes
+    offset: int
+    length: int
+    dst: int
+    capability: CapabilitySource | None = None
+
+
+@dataclass
+class BatchReadStats:
+    """What one :meth:`StorageClient.read_pieces` cost (the client's metrics count it)."""
+
+    rpcs: int = 0                    # BatchRead calls sent
+    pieces: int = 0                  # pieces those calls asked for
+    fallbacks: int = 0               # pieces read again, one Read each, after their batch failed them
 
 
 class StorageClient:
@@ -217,6 +247,126 @@ class StorageClient:
                 continue
             await self._before_retry(error, attempts, f"read of chunk {chunk_id.hex()} on chain {chain_id}")
 
+    async def read_pieces(self, pieces: Sequence[PieceRead], out: memoryview,
+                          verify_checksum: bool = False) -> tuple[list[int], BatchReadStats]:
+        """Read many chunk pieces; piece ``i``'s bytes land at ``out[dst:dst + n]`` (``n`` is the
+        i-th number returned: short past the end of a chunk, 0 for a missing one).
+
+        Each piece goes to one serving replica of its chain (rotated as :meth:`read` rotates them,
+        spreading the load); the pieces bound for one node travel in BatchRead calls of at most
+        ``batch_read_pieces_max`` pieces and ``batch_read_bytes_max`` bytes, all nodes asked at
+        once. A piece its batch did not answer well (the replica refused or failed it, its bytes
+        fail their CRC, the whole call failed) is read again with :meth:`read`, whose retries and
+        failover are the last word: this is exactly as robust as reading each piece alone. Bytes
+        are copied once, from the answer's payload into ``out``.
+        """
+        got = [0] * len(pieces)
+        stats = BatchReadStats()
+        retry: list[int] = []
+        by_node: dict[str, list[int]] = {}
+        versions = [0] * len(pieces)
+        for index, piece in enumerate(pieces):
+            chain_version, members = await self.routing.chain(piece.chain_id)
+            order = self._order(members)
+            if not order:
+                retry.append(index)  # read waits for a serving replica (refreshing routing)
+                continue
+            versions[index] = chain_version
+            by_node.setdefault(order[0].address, []).append(index)
+        # One capability per file and call (pieces of a file share it), fetched once.
+        capability_of: dict[int, int] = {}
+        capabilities: list[bytes] = []
+        for piece in pieces:
+            if piece.capability is not None and id(piece.capability) not in capability_of:
+                capability_of[id(piece.capability)] = len(capabilities)
+                capabilities.append(await piece.capability.current())
+        calls = self._batch_calls(pieces, by_node)
+        slots = asyncio.Semaphore(max(1, self.config.batch_reads_inflight_max))
+
+        async def call(address: str, indexes: list[int]) -> None:
+            async with slots:
+                req = spb.BatchReadReq(dirty_policy=cast(spb.DirtyReadPolicy, self.config.dirty_policy),
+                                       verify_checksum=verify_checksum, capabilities=capabilities)
+                for index in indexes:
+                    piece = pieces[index]
+                    req.pieces.add(chain_id=piece.chain_id, chain_version=versions[index], chunk_id=piece.chunk_id,
+                                   offset=piece.offset, length=piece.length,
+                                   capability_index=capability_of.get(id(piece.capability), 0))
+                stats.rpcs += 1
+                stats.pieces += len(indexes)
+                try:
+                    rsp, data = await self.channels.get(address).call(_BATCH_READ, req, b"",
+                                                                      self.config.rpc_timeout_ms)
+                except FS3Error as exc:
+                    log.debug("batch read of %d pieces from %s failed, reading them one by one: %s",
+                              len(indexes), address, exc)
+                    retry.extend(indexes)
+                    return
+                assert isinstance(rsp, spb.BatchReadRsp)
+                retry.extend(self._land(pieces, indexes, rsp, memoryview(data), out, got))
+
+        await run_all((call(address, indexes) for address, indexes in calls))
+        stats.fallbacks = len(retry)
+
+        async def again(index: int) -> None:
+            piece = pieces[index]
+            async with slots:
+                data, _ = await self.read(piece.chain_id, piece.chunk_id, piece.offset, piece.length,
+                                          verify_checksum, piece.capability)
+            out[piece.dst:piece.dst + len(data)] = data
+            got[index] = len(data)
+
+        await run_all(again(index) for index in sorted(retry))
+        return got, stats
+
+    def _batch_calls(self, pieces: Sequence[PieceRead], by_node: dict[str, list[int]]) -> list[tuple[str, list[int]]]:
+        """Each node's pieces cut into calls within the per-call bounds, ordered round-robin over
+        the nodes, so that the first calls started (while the in-flight bound holds the rest back)
+        reach every node and a slow node holds up no other."""
+        per_node: list[list[tuple[str, list[int]]]] = []
+        pieces_max = max(1, self.config.batch_read_pieces_max)
+        for address, indexes in by_node.items():
+            calls: list[tuple[str, list[int]]] = []
+            current: list[int] = []
+            size = 0
+            for index in indexes:
+                length = pieces[index].length
+                if current and (len(current) == pieces_max or size + length > self.config.batch_read_bytes_max):
+                    calls.append((address, current))
+                    current, size = [], 0
+                current.append(index)
+                size += length
+            if current:
+                calls.append((address, current))
+            per_node.append(calls)
+        ordered: list[tuple[str, list[int]]] = []
+        for round_ in range(max((len(c) for c in per_node), default=0)):
+            ordered.extend(calls[round_] for calls in per_node if round_ < len(calls))
+        return ordered
+
+    @staticmethod
+    def _land(pieces: Sequence[PieceRead], indexes: list[int], rsp: spb.BatchReadRsp, data: memoryview,
+              out: memoryview, got: list[int]) -> list[int]:
+        """Copy each well-answered piece of one BatchRead into ``out``; the indexes of the others."""
+        failed: list[int] = []
+        if len(rsp.results) != len(indexes):
+            return list(indexes)  # not an answer to this request
+        position = 0
+        for index, result in zip(indexes, rsp.results, strict=True):
+            piece = pieces[index]
+            if result.status != StatusCode.OK:
+                failed.append(index)
+                continue
+            length = result.length
+            part = data[position:position + length]
+            position += length
+            if length > piece.length or len(part) != length or crc32c(part) != result.checksum:
+                failed.append(index)  # corrupted in transit, or not what was asked: read it again
+                continue
+            out[piece.dst:piece.dst + length] = part
+            got[index] = length
+        return failed
+
     async def _chain_moved(self, chain_id: int, chain_version: int) -> bool:
         """Refresh routing after a chain version mismatch; whether the chain has a newer version now.
 
@@ -227,3 +377,4 @@ class StorageClient:
         with contextlib.suppress(FS3Error):
             return (await self.routing.chain(chain_id))[0] != chain_version
         return False
+

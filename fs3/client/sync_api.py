@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from fs3 import meta_pb2 as mpb
@@ -27,6 +27,7 @@ from fs3.client.fs import AsyncFileSystem, ClientConfig, DirEntry, PathLike, cli
 from fs3.client.oserrors import os_errors
 from fs3.client.profiles import ClusterSettings, resolve
 from fs3.client.raw_io import BufferedFsync, RawHandleIO, seek_on_loop
+from fs3.client.read_many import READ_MANY_RANGES_MAX
 
 __all__ = ["File", "FileSystem", "connect"]
 
@@ -300,6 +301,33 @@ class FileSystem:
 
     def read_bytes(self, path: PathLike) -> bytes:
         return self._run(self.afs.read_bytes(path))
+
+    def read_many(self, ranges: Sequence[tuple[Any, int, int]], buffer: Any = None) -> list[memoryview]:
+        """Many ``(file, offset, length)`` ranges in one call (see ``AsyncFileSystem.read_many``):
+        ``file`` is a path or a file this file system's ``open`` returned in a readable mode (any
+        buffering). Bytes a file object still buffers from its own writes are flushed first, as its
+        ``read`` would; the results are memoryviews of ``buffer`` (a new bytearray when None)."""
+        if len(ranges) > READ_MANY_RANGES_MAX:
+            raise ValueError(f"{len(ranges)} ranges exceed {READ_MANY_RANGES_MAX} per read_many call")
+        converted: list[tuple[Any, Any, Any]] = []
+        to_flush: dict[int, Any] = {}
+        for entry in ranges:
+            if not isinstance(entry, tuple | list) or len(entry) != 3:
+                raise TypeError(f"a read_many range is (file, offset, length), not {entry!r}")
+            file, offset, length = entry
+            if not isinstance(file, str | bytes | os.PathLike | AsyncFile):
+                raw = _raw_of(file)
+                if raw is None:
+                    raise TypeError(f"a read_many range's file is a path or an fs3 file, not {type(file).__name__}")
+                if file.closed or raw.closed:
+                    raise OSError(errno.EBADF, "I/O on a closed file", raw.name)
+                if file is not raw and raw.afile.writable:
+                    to_flush[id(file)] = file
+                file = raw.afile
+            converted.append((file, offset, length))
+        for file in to_flush.values():
+            file.flush()  # its write buffer is this program's writes: a read sees them
+        return self._run(self.afs.read_many(converted, buffer))
 
     def write_bytes(self, path: PathLike, data: bytes) -> int:
         return self._run(self.afs.write_bytes(path, data))

@@ -47,7 +47,7 @@ _USER_TOKEN = re.compile(r"fs3u\.([0-9a-f]{16})\.([A-Za-z0-9_-]{16,128})")
 # The methods a client that is not a service may call; every other method (chain forwarding,
 # resync, node heartbeats, chain administration, fsck) needs a cluster token.
 CLIENT_METHODS: frozenset[tuple[str, str]] = frozenset(
-    [("Mgmtd", "GetRoutingInfo"), ("Storage", "Update"), ("Storage", "Read")]
+    [("Mgmtd", "GetRoutingInfo"), ("Storage", "Update"), ("Storage", "Read"), ("Storage", "BatchRead")]
     + [("Meta", name) for name in (
         "StatFs", "Lookup", "BatchStat", "Open", "MakeNode", "ReadLink", "Link", "Remove", "Rename", "ReadDir",
         "SetAttr", "GetXattr", "SetXattr", "ListXattr", "RemoveXattr", "Close", "Sync", "SetLayout", "RenewClient",

@@ -11,6 +11,8 @@ from __future__ import annotations
 from fs3.common.ids import CHUNK_ID_MAX_BYTES, CHUNK_SIZE_MAX_BYTES, CHUNK_SIZE_MIN_BYTES
 
 __all__ = [
+    "BATCH_READ_BYTES_MAX",
+    "BATCH_READ_PIECES_MAX",
     "CHUNK_ID_MAX_BYTES",
     "CHUNK_SIZE_MAX_BYTES",
     "CHUNK_SIZE_MIN_BYTES",
@@ -42,3 +44,9 @@ DUMP_DATA_BYTES_MAX = 64 << 20
 
 # Exactly-once records per SyncChannels call: one message, and one KV batch on the receiver.
 SYNC_RECORDS_MAX = 10_000
+
+# Pieces per BatchRead call, and the bytes they may ask for in all: the answer is one frame, so the
+# bytes stay within FRAME_PAYLOAD_MAX_BYTES (a whole chunk of CHUNK_SIZE_MAX_BYTES still fits in one
+# call), and the per-piece results (about 20 bytes each) within FRAME_MSG_MAX_BYTES many times over.
+BATCH_READ_PIECES_MAX = 4096
+BATCH_READ_BYTES_MAX = CHUNK_SIZE_MAX_BYTES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -9,12 +10,18 @@ from collections.abc import Callable
 from fs3 import storage_pb2 as spb
 from fs3.common.capability import Access, check_chunk_access
 from fs3.common.checksum import crc32c
-from fs3.common.errors import FS3Error, InvalidArgument, IoError, PermissionDenied
+from fs3.common.errors import FS3Error, InvalidArgument, InvariantViolation, IoError, PermissionDenied
 from fs3.common.ids import parse_chunk_id
 from fs3.rpc.auth import Authenticator, Role, current_principal
 from fs3.rpc.dispatch import Buffer
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
-from fs3.storage.limits import DUMP_CHUNKS_MAX, DUMP_DATA_BYTES_MAX, SYNC_RECORDS_MAX
+from fs3.storage.limits import (
+    BATCH_READ_BYTES_MAX,
+    BATCH_READ_PIECES_MAX,
+    DUMP_CHUNKS_MAX,
+    DUMP_DATA_BYTES_MAX,
+    SYNC_RECORDS_MAX,
+)
 from fs3.storage.node import StorageNode
 from fs3.storage.replica import TargetReplica
 
@@ -25,6 +32,9 @@ log = logging.getLogger(__name__)
 _NO_PAYLOAD = b""
 # Reads of a chunk that a commit replaced meanwhile are retried this often before giving up.
 _DATA_READ_TRIES = 3
+# Pieces of one BatchRead served at once: enough to keep the node's I/O pool busy with one call's
+# big pieces, few enough that one call cannot take every pool thread from everybody else's reads.
+_BATCH_READ_CONCURRENCY = 16
 
 
 def _committed(state: ChunkState | None) -> tuple[int, int, int]:
@@ -55,6 +65,12 @@ def _listing(engine: ChunkEngine, req: spb.DumpChunkMetaReq, limit: int) -> list
             if len(out) == limit:
                 break
     return out
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception inside a task group's failure (groups nest)."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _wall_ms() -> int:
@@ -110,6 +126,54 @@ class StorageServicer:
             # A disk that fails a read fails its target too (the client reads another replica).
             self.node.fail_target(replica.target_id, exc)
             raise
+
+    async def batch_read(self, req: spb.BatchReadReq, payload: memoryview) -> tuple[spb.BatchReadRsp, Buffer]:
+        """Many pieces in one call, each checked and served exactly as :meth:`read` serves one.
+
+        Bounds are checked before anything is read. A piece's own failure (a refused capability, a
+        chain version this target is not on, a disk error, a chunk still being written) is its
+        result, not the call's: the client reads just that piece again with ``Read``, which retries
+        and fails over. Pieces are served concurrently, at most ``_BATCH_READ_CONCURRENCY`` at once.
+        """
+        pieces = req.pieces
+        if len(pieces) > BATCH_READ_PIECES_MAX:
+            raise InvalidArgument(f"{len(pieces)} pieces exceed {BATCH_READ_PIECES_MAX} per BatchRead")
+        asked = sum(p.length for p in pieces)
+        if asked > BATCH_READ_BYTES_MAX:
+            raise InvalidArgument(f"{asked} bytes asked exceed {BATCH_READ_BYTES_MAX} per BatchRead")
+        served: list[tuple[spb.BatchReadResult, Buffer]] = [(spb.BatchReadResult(), _NO_PAYLOAD)] * len(pieces)
+        todo = iter(range(len(pieces)))
+
+        async def worker() -> None:
+            for index in todo:  # shared by the workers: each piece is taken once
+                served[index] = await self._read_piece(req, pieces[index])
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(min(_BATCH_READ_CONCURRENCY, len(pieces))):
+                    group.create_task(worker())
+        except BaseExceptionGroup as failed:
+            raise _first_leaf(failed) from None  # e.g. an invariant: the dispatcher must see it as it is
+        rsp = spb.BatchReadRsp()
+        rsp.results.extend(result for result, _ in served)
+        return rsp, b"".join(data for _, data in served)
+
+    async def _read_piece(self, batch: spb.BatchReadReq, piece: spb.BatchReadPiece) -> tuple[spb.BatchReadResult,
+                                                                                              Buffer]:
+        capabilities = batch.capabilities
+        req = spb.ReadReq(chain_id=piece.chain_id, chain_version=piece.chain_version, chunk_id=piece.chunk_id,
+                          offset=piece.offset, length=piece.length, dirty_policy=batch.dirty_policy,
+                          verify_checksum=batch.verify_checksum,
+                          capability=capabilities[piece.capability_index]
+                          if piece.capability_index < len(capabilities) else b"")
+        try:
+            rsp, data = await self.read(req, memoryview(_NO_PAYLOAD))
+        except InvariantViolation:
+            raise  # the node must stop (the dispatcher sees it), not answer
+        except FS3Error as exc:
+            return spb.BatchReadResult(status=int(exc.code), message=exc.message), _NO_PAYLOAD
+        return spb.BatchReadResult(length=rsp.length, version=rsp.version, checksum=rsp.checksum,
+                                   chunk_length=rsp.chunk_length), data
 
     async def query_committed(self, req: spb.QueryCommittedReq,
                               payload: memoryview) -> tuple[spb.QueryCommittedRsp, Buffer]:
