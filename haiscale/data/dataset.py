@@ -20,7 +20,7 @@ import posixpath
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -49,7 +49,8 @@ def open_location(location: str | os.PathLike[str]) -> tuple[RecordFS, str, bool
         return LocalFileSystem(), os.path.abspath(text), False
     options = FS3FileSystem._get_kwargs_from_urls(text)
     path = FS3FileSystem._strip_protocol(text)
-    return fs3.connect(options.get("mgmtd"), profile=options.get("profile")), path, True
+    # The client has every call RecordFS names (read_many among them).
+    return cast(RecordFS, fs3.connect(options.get("mgmtd"), profile=options.get("profile"))), path, True
 
 
 def list_shards(fs: RecordFS, path: str) -> list[str]:
@@ -101,8 +102,9 @@ class RecordDataset(torch.utils.data.Dataset[Any]):
 
     def _resolve(self, source: Source) -> list[tuple[RecordFS, list[str]]]:
         if isinstance(source, tuple) and len(source) == 2 and not isinstance(source[0], str | os.PathLike):
-            fs, paths = source
-            names = [paths] if isinstance(paths, str) else list(paths)
+            fs: RecordFS = source[0]
+            paths: Any = source[1]
+            names: list[str] = [paths] if isinstance(paths, str) else list(paths)
             return [(fs, [shard for name in names for shard in list_shards(fs, name)])]
         items = [source] if isinstance(source, str | os.PathLike) else list(source)
         if not items:
@@ -265,6 +267,6 @@ class TensorBatches(torch.utils.data.Dataset[torch.Tensor]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, indices: Sequence[int]) -> torch.Tensor:  # type: ignore[override]
+    def __getitem__(self, indices: Sequence[int]) -> torch.Tensor:
         return self.dataset.batch_tensor(indices)
 

@@ -98,7 +98,7 @@ class LocalFileSystem:
         return "LocalFileSystem()"
 
     def open(self, path: str, mode: str = "r", buffering: int = -1) -> Any:
-        return open(path, mode, buffering)  # noqa: SIM115 — the caller closes it
+        return open(path, mode, buffering)
 
     def stat(self, path: str) -> os.stat_result:
         return os.stat(path)
@@ -216,7 +216,8 @@ def read_index(fs: RecordFS, path: str, file: Any = None) -> ShardIndex:
     size = fs.stat(path).st_size
     source = path if file is None else file
     if size < HEADER_BYTES:
-        raise RecordFormatError(f"{path}: not a record shard: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+        raise RecordFormatError(f"{path}: not a record shard: {size} bytes, shorter than the "
+                                f"{HEADER_BYTES}-byte header")
     first = fs.read_many([(source, 0, min(size, _FIRST_READ_BYTES))])[0]
     magic, version, flags, count, tables_crc, header_crc = _HEADER.unpack_from(first)
     if magic != MAGIC:

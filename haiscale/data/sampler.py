@@ -63,28 +63,36 @@ class DistributedRecordSampler(torch.utils.data.Sampler[int]):
         self._handed_out = 0
 
     def _epoch_order(self) -> list[int]:
-        """The whole epoch's order, cut or padded to a multiple of ``num_replicas``."""
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed((self.seed * _SEED_MIX + self.epoch) % (1 << 63))
-            order: list[int] = torch.randperm(self.length, generator=generator).tolist()
-        else:
-            order = list(range(self.length))
-        return self._fit(order)
+        """The epoch's permutation of the whole data set."""
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator()
+        generator.manual_seed((self.seed * _SEED_MIX + self.epoch) % (1 << 63))
+        order: list[int] = torch.randperm(self.length, generator=generator).tolist()
+        return order
 
-    def _fit(self, order: list[int]) -> list[int]:
-        extra = len(order) % self.num_replicas
-        if extra == 0:
-            return order
-        if self.drop_last:
-            return order[:len(order) - extra]
-        missing = self.num_replicas - extra
-        return order + (order * (missing // max(len(order), 1) + 1))[:missing]
+    def _padding(self, order: list[int], count: int) -> list[int]:
+        """The epoch's first samples, repeated, that make ``count`` a multiple of ``num_replicas``."""
+        missing = -count % self.num_replicas
+        if not order or not missing:
+            return []
+        return (order * (missing // len(order) + 1))[:missing]
 
     def _remaining(self) -> tuple[list[int], int]:
-        """This rank's indices from the current position on, and the epoch's length."""
+        """This rank's indices from the current position on, and where the epoch ends.
+
+        The position counts samples of all ranks along the epoch's sequence (the permutation, padded
+        with its first samples unless ``drop_last``), so with the same ranks a resumed iteration is
+        exactly the rest of the interrupted one, and with another number of ranks the rest is still
+        read once (cut, or padded again, to the new number)."""
         order = self._epoch_order()
-        return self._fit(order[self._start:])[self.rank::self.num_replicas], len(order)
+        sequence = order if self.drop_last else order + self._padding(order, len(order))
+        rest = sequence[self._start:]
+        if self.drop_last:
+            rest = rest[:len(rest) - len(rest) % self.num_replicas]
+        else:
+            rest += self._padding(order, len(rest))
+        return rest[self.rank::self.num_replicas], len(sequence)
 
     def __iter__(self) -> Iterator[int]:
         if self._done:  # iterating again without set_epoch: the same epoch, from its beginning
@@ -98,7 +106,12 @@ class DistributedRecordSampler(torch.utils.data.Sampler[int]):
         self._start, self._handed_out, self._done = epoch_length, 0, True
 
     def __len__(self) -> int:
-        return len(self._remaining()[0])
+        """What the next iteration yields (worked out, not drawn: no permutation of the data set)."""
+        start = 0 if self._done else self._start
+        sequence = self.length + (0 if self.drop_last else -self.length % self.num_replicas)
+        rest = max(sequence - start, 0)
+        rest = rest - rest % self.num_replicas if self.drop_last else rest + -rest % self.num_replicas
+        return rest // self.num_replicas
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where this rank is in the epoch, for a checkpoint. ``consumed``: the samples this rank
