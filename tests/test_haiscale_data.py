@@ -12,7 +12,7 @@ import sys
 import tracemalloc
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import crc32c
 import pytest
@@ -27,6 +27,7 @@ from haiscale.data import (
     LocalFileSystem,
     RecordDataset,
     RecordFormatError,
+    RecordFS,
     RecordWriter,
     TensorBatches,
     read_index,
@@ -73,7 +74,7 @@ _install_read_many()
 
 
 @pytest.fixture
-def fs(shared_cluster: ClusterThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FileSystem]:
+def fs(shared_cluster: ClusterThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordFS]:
     """A client of the shared cluster; ``fs3:///`` URLs (and the CLI's children) find it through
     ``$FS3_MGMTD`` and ``$FS3_TOKEN_FILE``."""
     cluster = shared_cluster.cluster
@@ -83,7 +84,7 @@ def fs(shared_cluster: ClusterThread, tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("FS3_MGMTD", cluster.mgmtd_address)
     monkeypatch.setenv("FS3_TOKEN_FILE", str(tmp_path / "token"))
     client = fs3.connect()
-    yield client
+    yield cast(RecordFS, client)  # read_many: the client's own, or the stand-in above
     client.close()
 
 
@@ -92,7 +93,7 @@ def _records(n: int) -> list[bytes]:
     return [bytes([i % 251]) * ((i * 37) % 300) + i.to_bytes(4, "little") if i != 3 else b"" for i in range(n)]
 
 
-def _dir(tmp_path: Path, where: str, fs: FileSystem, name: str) -> tuple[Any, str]:
+def _dir(tmp_path: Path, where: str, fs: RecordFS, name: str) -> tuple[Any, str]:
     if where == "local":
         return LocalFileSystem(), str(tmp_path / name)
     return fs, f"/{name}-{os.getpid()}-{tmp_path.name}"
@@ -102,7 +103,7 @@ def _dir(tmp_path: Path, where: str, fs: FileSystem, name: str) -> tuple[Any, st
 
 
 @pytest.mark.parametrize("where", ["local", "fs3"])
-def test_written_records_read_back_by_index_and_by_batch(where: str, fs: FileSystem, tmp_path: Path) -> None:
+def test_written_records_read_back_by_index_and_by_batch(where: str, fs: RecordFS, tmp_path: Path) -> None:
     target_fs, directory = _dir(tmp_path, where, fs, "round")
     records = _records(23)
     paths = write_shards(target_fs, directory, records, records_per_file=10)
@@ -185,7 +186,6 @@ def _header(count: int, version: int = 1, tables: bytes = b"") -> bytes:
 
 
 def test_a_damaged_shard_is_refused_with_its_name_and_no_big_allocation(tmp_path: Path) -> None:
-    local = LocalFileSystem()
     good = _one_shard(tmp_path, [b"x" * 50, b"y" * 50]).read_bytes()
     cases = {
         "short": (good[:20], "shorter than the 32-byte header"),
@@ -222,7 +222,7 @@ def test_offsets_out_of_order_are_refused(tmp_path: Path) -> None:
         read_index(LocalFileSystem(), str(path))
 
 
-def test_a_failed_writer_leaves_nothing_under_the_final_name(fs: FileSystem, tmp_path: Path) -> None:
+def test_a_failed_writer_leaves_nothing_under_the_final_name(fs: RecordFS, tmp_path: Path) -> None:
     directory = f"/crash-{tmp_path.name}"
     fs.makedirs(directory)
     with pytest.raises(RuntimeError), RecordWriter(fs, f"{directory}/a.rec") as writer:
@@ -263,7 +263,7 @@ def _tree(root: Path) -> list[bytes]:
     return [files[name] for name in sorted(files, key=lambda n: n.split("/"))]
 
 
-def test_convert_a_directory_into_fs3_and_read_it_back(fs: FileSystem, tmp_path: Path) -> None:
+def test_convert_a_directory_into_fs3_and_read_it_back(fs: RecordFS, tmp_path: Path) -> None:
     src = tmp_path / "src"
     expected = _tree(src)
     dest = f"/convert-dir-{tmp_path.name}"
@@ -279,7 +279,7 @@ def test_convert_a_directory_into_fs3_and_read_it_back(fs: FileSystem, tmp_path:
     assert cli(["verify", f"fs3://{dest}"]) == 0
 
 
-def test_convert_a_text_corpus_into_fixed_records(fs: FileSystem, tmp_path: Path,
+def test_convert_a_text_corpus_into_fixed_records(fs: RecordFS, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -290,7 +290,7 @@ def test_convert_a_text_corpus_into_fixed_records(fs: FileSystem, tmp_path: Path
     assert cli(["convert", str(corpus), f"fs3://{dest}", "--records-per-file", "4", "--text",
                 "--record-bytes", "9", "--stride", "11", "--json"]) == 0
     expected = [text[i:i + 9] for i in range(0, len(text) - 8, 11)]
-    assert '"records": %d' % len(expected) in capsys.readouterr().out
+    assert f'"records": {len(expected)}' in capsys.readouterr().out
     with RecordDataset(f"fs3://{dest}") as ds:
         assert ds.__getitems__(list(range(len(ds)))) == expected
         assert ds.batch_tensor([0, 1]).tolist() == [list(expected[0]), list(expected[1])]
@@ -304,7 +304,7 @@ def test_convert_a_text_corpus_into_fixed_records(fs: FileSystem, tmp_path: Path
     assert f"{dest}/shard-00000.rec: 4 records, 36 bytes" in capsys.readouterr().out
 
 
-def test_convert_refuses_bad_input_and_writes_nothing(fs: FileSystem, tmp_path: Path,
+def test_convert_refuses_bad_input_and_writes_nothing(fs: RecordFS, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "tiny.txt").write_bytes(b"abc")
@@ -336,7 +336,7 @@ def test_convert_refuses_bad_input_and_writes_nothing(fs: FileSystem, tmp_path: 
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_dataloader_workers_read_the_same_batches(fs: FileSystem, tmp_path: Path, context: str) -> None:
+def test_dataloader_workers_read_the_same_batches(fs: RecordFS, tmp_path: Path, context: str) -> None:
     directory = f"/loader-{context}-{tmp_path.name}"
     records = [bytes([i]) * 33 for i in range(24)]
     write_shards(fs, directory, records, records_per_file=5)
@@ -441,8 +441,8 @@ def test_a_sampler_state_for_another_order_is_refused() -> None:
     for key, value in (("seed", 5), ("length", 51), ("shuffle", False), ("version", 9), ("position", 10**6)):
         with pytest.raises(ValueError, match=key if key != "position" else "outside an epoch"):
             sampler.load_state_dict({**state, key: value})
-    for bad in ({"num_replicas": 0, "rank": 0}, {"num_replicas": 2, "rank": 2}):
+    for replicas, rank in ((0, 0), (2, 2), (2, -1)):
         with pytest.raises(ValueError):
-            DistributedRecordSampler(10, **bad)
+            DistributedRecordSampler(10, num_replicas=replicas, rank=rank)
     batches = list(torch.utils.data.BatchSampler(sampler, 8, drop_last=True))
     assert [len(b) for b in batches] == [8, 8, 8]
