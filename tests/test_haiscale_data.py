@@ -180,8 +180,8 @@ def test_a_flipped_byte_names_the_shard_and_the_record(tmp_path: Path) -> None:
     assert cli(["verify", str(path)]) == 1
 
 
-def _header(count: int, version: int = 1, tables: bytes = b"") -> bytes:
-    head = struct.pack("<8sIIQI", b"HSRECORD", version, 0, count, crc32c.crc32c(tables))
+def _header(count: int, version: int = 1, tables: bytes = b"", flags: int = 0) -> bytes:
+    head = struct.pack("<8sIIQI", b"HSRECORD", version, flags, count, crc32c.crc32c(tables))
     return head + struct.pack("<I", crc32c.crc32c(head))
 
 
@@ -220,6 +220,47 @@ def test_offsets_out_of_order_are_refused(tmp_path: Path) -> None:
     path.write_bytes(_header(2, tables=tables) + tables + b"\0" * 5)
     with pytest.raises(RecordFormatError, match="not in order"):
         read_index(LocalFileSystem(), str(path))
+
+
+def test_every_other_check_rejects_its_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    local = LocalFileSystem()
+    tables = struct.pack("<2Q", 40, 40) + struct.pack("<I", 0)  # one record; the tables end at 52
+    for name, data, message in (
+        ("flags", _header(1, tables=tables, flags=1) + tables, "header flags 0x1"),
+        ("start", _header(1, tables=tables) + tables, "first record starts at 40"),
+    ):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(RecordFormatError, match=message):
+            read_index(local, str(tmp_path / name))
+    path = _one_shard(tmp_path, [b"a" * 10, b"b" * 10])
+    with RecordDataset(str(path)) as ds:
+        os.truncate(path, path.stat().st_size - 3)  # shrunk after it was indexed
+        with pytest.raises(RecordFormatError, match="record 1 is truncated: read 7 of its 10 bytes"):
+            ds.__getitems__([0, 1])
+        with pytest.raises(ValueError, match="at least one index"):
+            ds.batch_tensor([])
+    with pytest.raises(ValueError, match="holds 4 bytes, the ranges need 10"):
+        local.read_many([(str(path), 0, 10)], bytearray(4))
+    with pytest.raises(ValueError, match="not negative"):
+        local.read_many([(str(path), -1, 10)])
+    with pytest.raises(ValueError, match="writable"):
+        local.read_many([(str(path), 0, 1)], b"x")
+    writer = RecordWriter(local, str(tmp_path / "closed.rec"))
+    writer.close()
+    with pytest.raises(ValueError, match="closed"):
+        writer.write(b"late")
+    with pytest.raises(ValueError, match="records per file"):
+        write_shards(local, str(tmp_path / "none"), [b"x"], records_per_file=0)
+    with pytest.raises(ValueError, match="negative"):
+        DistributedRecordSampler(10, num_replicas=1, rank=0).state_dict(consumed=-1)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    assert cli(["convert", str(tmp_path / "src"), str(tmp_path / "o"), "--records-per-file", "1",
+                "--record-bytes", "4"]) == 2
+    assert "go with --text" in capsys.readouterr().err
+    assert cli(["info", "fs3://user:secret@host:1/x"]) == 2
+    err = capsys.readouterr().err
+    assert "carry no password" in err and "secret" not in err
 
 
 def test_a_failed_writer_leaves_nothing_under_the_final_name(fs: RecordFS, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from typing import Any
 
 from haiscale.data.dataset import list_shards, open_location
@@ -120,12 +121,16 @@ def _convert(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"{args.dest}: already holds record shards: remove them or choose another directory")
         paths = write_shards(fs, path, records, args.records_per_file)
         indexes = [read_index(fs, shard) for shard in paths]
+        count = sum(index.count for index in indexes)
+        if count != expected:  # a source file changed while it was read: what was written goes again
+            for shard in paths:
+                with suppress(OSError):
+                    fs.remove(shard)
+            raise RecordFormatError(f"{src}: expected {expected} records, read {count}: the source changed "
+                                    "while it was converted (nothing was kept)")
     finally:
         if owned:
             fs.close()
-    count = sum(index.count for index in indexes)
-    if count != expected:  # a source file changed while it was read
-        raise RecordFormatError(f"{src}: expected {expected} records, wrote {count}: the source changed")
     return {"records": count, "shards": len(paths), "record_bytes": sum(index.data_bytes for index in indexes),
             "file_bytes": sum(index.size for index in indexes), "dest": args.dest}
 
@@ -236,12 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = {"convert": _convert, "info": _info, "verify": _verify}[args.command]
     try:
         result = run(args)
-    except UsageError as exc:
-        print(f"haiscale.data {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except (RecordFormatError, OSError) as exc:
+    except (RecordFormatError, OSError) as exc:  # a corrupt shard, an I/O failure
         print(f"haiscale.data {args.command}: {exc}", file=sys.stderr)
         return 1
+    except (UsageError, ValueError) as exc:  # what was asked cannot be done (a bad URL among them)
+        print(f"haiscale.data {args.command}: {exc}", file=sys.stderr)
+        return 2
     _print(args.command, result, args.json)
     return 1 if result.get("bad") else 0
 
