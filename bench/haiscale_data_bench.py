@@ -91,6 +91,9 @@ def main() -> int:
             cluster.set_mount(Path(tmp) / "mnt")
             cluster.start("mount")
             client = fs3.connect(cluster.mgmtd_address, token_file=str(cluster.token_file))
+            if not hasattr(client, "read_many"):
+                print("this fs3 client has no read_many: the dataset reads batches with it", file=sys.stderr)
+                return 1
             fs: RecordFS = client
             write_shards(fs, "/bench-records", records, args.records_per_file)
             with RecordDataset((fs, "/bench-records")) as ds:

@@ -219,7 +219,7 @@ class RecordDataset(torch.utils.data.Dataset[Any]):
             ranges = [(self._file(where[p][0]), *self._shards[where[p][0]].index.record_range(where[p][1]))
                       for p in positions]
             if len(groups) == 1:  # the common case: straight into the caller's buffer
-                got = fs.read_many(ranges, whole)
+                got = fs.read_many(ranges, buffer=whole)
             else:  # records of several clusters: each one's into a buffer of its own, then into place
                 got = []
                 for p, view in zip(positions, fs.read_many(ranges), strict=True):
