@@ -20,7 +20,6 @@ import torch
 import torch.utils.data
 
 import fs3
-from fs3.client.sync_api import FileSystem
 from fs3.common.secret_files import write_token_file
 from haiscale.data import (
     DistributedRecordSampler,
@@ -41,38 +40,6 @@ pytestmark = pytest.mark.slow  # an in-process cluster, DataLoader workers
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _read_many_stand_in(self: FileSystem, ranges: Sequence[tuple[Any, int, int]],
-                        buffer: Any = None) -> list[memoryview]:
-    """What ``FileSystem.read_many`` does, one range at a time (seek and readinto)."""
-    total = sum(length for _, _, length in ranges)
-    whole = memoryview(bytearray(total) if buffer is None else buffer).cast("B")
-    assert whole.nbytes >= total
-    out, pos = [], 0
-    for file, offset, length in ranges:
-        f = self.open(file, "rb", buffering=0) if isinstance(file, str) else file
-        try:
-            f.seek(offset)
-            got = 0
-            while got < length and (n := f.readinto(whole[pos + got:pos + length])):
-                got += n
-        finally:
-            if f is not file:
-                f.close()
-        out.append(whole[pos:pos + got])
-        pos += length
-    return out
-
-
-def _install_read_many(_worker: int = 0) -> None:
-    """Until the client's own ``read_many`` is merged: the stand-in, here and in spawned workers
-    (``worker_init_fn``)."""
-    if not hasattr(FileSystem, "read_many"):
-        FileSystem.read_many = _read_many_stand_in  # type: ignore[attr-defined]
-
-
-_install_read_many()
-
-
 @pytest.fixture
 def fs(shared_cluster: ClusterThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordFS]:
     """A client of the shared cluster; ``fs3:///`` URLs (and the CLI's children) find it through
@@ -84,7 +51,7 @@ def fs(shared_cluster: ClusterThread, tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("FS3_MGMTD", cluster.mgmtd_address)
     monkeypatch.setenv("FS3_TOKEN_FILE", str(tmp_path / "token"))
     client = fs3.connect()
-    yield cast(RecordFS, client)  # read_many: the client's own, or the stand-in above
+    yield cast(RecordFS, client)
     client.close()
 
 
@@ -309,10 +276,8 @@ def test_convert_a_directory_into_fs3_and_read_it_back(fs: RecordFS, tmp_path: P
     expected = _tree(src)
     dest = f"/convert-dir-{tmp_path.name}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    # ``python -m haiscale.data``, with the read_many stand-in installed first (see _install_read_many).
-    module = ["-c", "import runpy, tests.test_haiscale_data; runpy.run_module('haiscale.data', run_name='__main__')"]
-    run = subprocess.run([sys.executable, *module, "convert", str(src), f"fs3://{dest}", "--records-per-file", "2"],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    run = subprocess.run([sys.executable, "-m", "haiscale.data", "convert", str(src), f"fs3://{dest}",
+                          "--records-per-file", "2"], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert "wrote 5 records in 3 shards" in run.stdout
     with RecordDataset(f"fs3://{dest}") as ds:
@@ -385,8 +350,7 @@ def test_dataloader_workers_read_the_same_batches(fs: RecordFS, tmp_path: Path, 
     ds.__getitems__([0])  # the parent has its files open: the workers must not use them
     sampler = DistributedRecordSampler(ds, num_replicas=1, rank=0, seed=3)
     loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, timeout=60,
-                                         multiprocessing_context=multiprocessing.get_context(context),
-                                         worker_init_fn=_install_read_many)
+                                         multiprocessing_context=multiprocessing.get_context(context))
     batches = list(loader)
     order = list(sampler)
     assert batches == [ds.__getitems__(order[i:i + 4]) for i in range(0, 24, 4)]
