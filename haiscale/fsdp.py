@@ -59,7 +59,7 @@ EventKind = Literal["gather", "gathered", "forward", "forward_done", "backward",
 MAX_PENDING_REDUCE_SCATTERS = 2
 
 # dtypes HFReduce moves; buffers of other dtypes (bool masks, uint8 tables) travel as int32.
-_BITS_AS = {2: np.float16, 4: np.float32, 8: np.float64}
+_BITS_AS: dict[int, np.dtype[Any]] = {2: np.dtype(np.float16), 4: np.dtype(np.float32), 8: np.dtype(np.float64)}
 _COLLECTIVE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
@@ -159,7 +159,8 @@ class FullyShardedDataParallel(nn.Module):
             unit.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             unit.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
             if unit.full.requires_grad:
-                unit.hooks.append(unit.full.register_post_accumulate_grad_hook(self._make_post_backward(unit)))
+                hook = self._make_post_backward(unit)
+                unit.hooks.append(unit.full.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -191,16 +192,15 @@ class FullyShardedDataParallel(nn.Module):
                                      f"({_unit_label(unit_modules[seen[0]][0])} and "
                                      f"{_unit_label(unit_modules[key][0])}): tied parameters must live in one "
                                      f"unit — wrap a module that contains both users, or untie them")
-        units: list[_Unit] = []
-        # Units in the order their modules appear (root first): the first forward's prefetch order.
-        for key, (prefix, module) in unit_modules.items():
-            entries = members.get(key, [])
-            if entries:
-                units.append(self._make_unit(prefix.rstrip("."), module, entries))
-        return units
+        # Every unit is checked before any is built, so a refused model is left as it was. Units come
+        # in the order their modules appear (root first): the first forward's prefetch order.
+        plans = [(prefix.rstrip("."), module, self._plan_unit(prefix.rstrip("."), members[key]))
+                 for key, (prefix, module) in unit_modules.items() if members.get(key)]
+        return [self._build_unit(name, module, plan) for name, module, plan in plans]
 
-    def _make_unit(self, name: str, module: nn.Module,
-                   entries: list[tuple[str, nn.Module, str, nn.Parameter]]) -> _Unit:
+    def _plan_unit(self, name: str, entries: list[tuple[str, nn.Module, str, nn.Parameter]]
+                   ) -> list[tuple[_Param, nn.Parameter]]:
+        """The unit's distinct parameters with their places in the flat parameter, checked."""
         params: list[_Param] = []
         tensors: dict[int, tuple[_Param, nn.Parameter]] = {}
         offset = 0
@@ -227,12 +227,17 @@ class FullyShardedDataParallel(nn.Module):
             if param.requires_grad != sample.requires_grad:
                 raise ValueError(f"FSDP unit {_unit_label(name)} mixes trainable and frozen parameters "
                                  f"({first.names[0]}, {info.names[0]}): freeze whole units")
+        return list(tensors.values())
+
+    def _build_unit(self, name: str, module: nn.Module, plan: list[tuple[_Param, nn.Parameter]]) -> _Unit:
+        params = [info for info, _param in plan]
+        sample = plan[0][1]
+        numel = sum(info.numel for info in params)
         world, rank = self.comm.world_size, self.comm.rank
-        numel = offset
         padded = -(-numel // world) * world
         flat = torch.zeros(padded, dtype=sample.dtype, device=sample.device)
         with torch.no_grad():
-            for info, param in tensors.values():
+            for info, param in plan:
                 flat[info.offset:info.offset + info.numel].copy_(param.reshape(-1))
         self._wait(self.comm.broadcast(flat, src=0, async_op=True), "broadcast", name)
         start, end = shard_range(padded, rank, world)
@@ -603,7 +608,8 @@ def _raw_view(tensor: torch.Tensor) -> np.ndarray:
     the float of its width."""
     nbytes = tensor.numel() * tensor.element_size()
     raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    return np.frombuffer(raw, dtype=_BITS_AS[tensor.element_size()])
+    array: np.ndarray = np.frombuffer(memoryview(raw), dtype=_BITS_AS[tensor.element_size()])
+    return array
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
