@@ -85,7 +85,7 @@ class _Param:
     numel: int
 
 
-@dataclass
+@dataclass(repr=False)
 class _Unit:
     name: str
     module: nn.Module
@@ -106,6 +106,9 @@ class _Unit:
     @property
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
+
+    def __repr__(self) -> str:  # never the tensors: the full one's storage is usually freed
+        return f"<FSDP unit {_unit_label(self.name)}: {self.numel} parameters, gathered={self.gathered}>"
 
     def allocated(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
@@ -294,7 +297,12 @@ class FullyShardedDataParallel(nn.Module):
             self._wait(work, "all-gather", unit.name)
         if unit.allocated():
             unit.full.untyped_storage().resize_(0)
-            unit.gathered = False
+            # The module's attributes stop pointing into the freed storage (reading a view of it would
+            # read freed memory); the autograd graph keeps its own views for the next gather.
+            empty = unit.full.new_empty(0).detach()
+            for info in unit.params:
+                for owner, attr in info.owners:
+                    setattr(owner, attr, empty)
             self._event("free", unit)
         unit.gathered = False
 
@@ -403,7 +411,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._pending or self._backward_started:
-            raise RuntimeError("FSDP forward while the previous backward is still running")
+            # The last backward stopped early (an exception in the loss or a hook): finish its
+            # reductions — the other ranks issued them too — and start clean.
+            self._finish_backward()
         self._current_order = []
         for unit in self._units:
             unit.forward_ran = unit.backward_done = False

@@ -7,8 +7,9 @@ RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment (tests/h
     A tiny ByteGPT trained fully sharded (units: embedding, each block, head) for ``STEPS`` Adam
     steps on this rank's share of each global batch; the sharded parameters and optimizer state are
     saved to DIR (one file per rank) with the full parameters, then one more step is taken and saved.
-    Rank 0 also trains the same model in one process on the whole batches (the reference), on only
-    its half of them (a run that must differ), and every rank trains it with torch's FSDP2
+    Ranks built with other weights start from rank 0's. Rank 0 also trains the same model in one
+    process on the whole batches (the reference) and on only its half of them (a run that must
+    differ), and every rank trains it with torch's FSDP2
     (``fully_shard``) over gloo. Reports the largest differences, and the trace of one step with and
     without prefetch and resharding (for the memory and overlap checks).
 ``load``
@@ -102,6 +103,19 @@ def fsdp2(steps: int, rank: int, world: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def starts_from_rank_0(rank: int) -> bool:
+    """Ranks built with different weights and buffers all start from rank 0's (parameters and buffers
+    are broadcast when the model is wrapped)."""
+    model = ByteGPT(CONFIG, seed=rank)
+    model.register_buffer("scale", torch.full((3,), float(rank)))
+    sharded = FullyShardedDataParallel(model, wrap=WRAP)
+    expected = dict(ByteGPT(CONFIG, seed=0).named_parameters())
+    full = sharded.full_state_dict()
+    same = all(torch.equal(full[name], expected[name]) for name in expected)
+    scale = model.get_buffer("scale")
+    return same and bool((scale == 0).all())
+
+
 def traced_step(rank: int, world: int, **options: Any) -> dict[str, Any]:
     """The second step of a fresh model (the first one fixes the forward order), traced."""
     events: list[FSDPEvent] = []
@@ -136,6 +150,7 @@ def train(result: dict[str, Any], directory: Path) -> None:
             result["vs_single"] = max_diff(after, single_process(STEPS + 1))
             result["half_vs_single"] = max_diff(single_process(STEPS + 1, rank_share=0),
                                                 single_process(STEPS + 1))
+        result["synced"] = starts_from_rank_0(rank)
         result["traced"] = traced_step(rank, world)
         result["traced_no_prefetch"] = traced_step(rank, world, prefetch=False)
         result["traced_no_reshard"] = traced_step(rank, world, reshard_after_forward=False)
