@@ -154,6 +154,7 @@ class FullyShardedDataParallel(nn.Module):
         self._by_module = {id(unit.module): unit for unit in self._units}
         self._order: list[_Unit] = list(self._units)
         self._current_order: list[_Unit] = []
+        self._finish_order: list[_Unit] = []
         self._backward_order: list[_Unit] = []
         self._backward_started = False
         self._pending: deque[_PendingReduceScatter] = deque()
@@ -342,6 +343,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _make_post_forward(self, unit: _Unit) -> Callable[..., None]:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if unit not in self._finish_order:
+                self._finish_order.append(unit)
             self._event("forward_done", unit)
             if self.reshard_after_forward:
                 self._free(unit)
@@ -355,7 +358,9 @@ class FullyShardedDataParallel(nn.Module):
         def pre_backward(grad: torch.Tensor) -> None:
             if not self._backward_started:
                 self._backward_started = True
-                self._backward_order = list(reversed(self._current_order))
+                # Backward visits units in the reverse of the order their forwards *finished* (an
+                # enclosing unit, such as the root, finishes last and is needed first).
+                self._backward_order = list(reversed(self._finish_order))
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if unit.backward_done:
                 return
@@ -415,6 +420,7 @@ class FullyShardedDataParallel(nn.Module):
             # reductions — the other ranks issued them too — and start clean.
             self._finish_backward()
         self._current_order = []
+        self._finish_order = []
         for unit in self._units:
             unit.forward_ran = unit.backward_done = False
         try:
@@ -525,7 +531,7 @@ class FullyShardedDataParallel(nn.Module):
                     entry[key] = self._shard_piece(unit, info, value)
                 elif isinstance(value, torch.Tensor) and value.dim() == 0:
                     entry[key] = value.detach().clone()
-                elif isinstance(value, (int, float, bool)):
+                elif value is None or isinstance(value, (int, float, bool)):
                     entry[key] = value
                 else:
                     raise ValueError(f"optimizer state {key!r} of {name} is neither per-element nor a scalar: "

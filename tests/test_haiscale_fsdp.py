@@ -342,14 +342,39 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad()
 
 
-def test_trace_reports_every_stage_of_a_units_life(comm: hfreduce.Communicator) -> None:
+def _backward_events(events: list[FSDPEvent]) -> list[tuple[str, str]]:
+    pairs: list[tuple[str, str]] = [(event.kind, event.unit) for event in events]
+    last_forward = max(i for i, (kind, _) in enumerate(pairs) if kind == "forward_done")
+    return pairs[last_forward + 1:]
+
+
+@pytest.mark.parametrize("wrap,backward_order", [
+    (WRAP, ["layers.3", "layers.2", "layers.1", "layers.0"]),
+    ((Block,), ["<root>", "layers.2", "layers.1"]),  # the root (embedding, head) encloses the blocks
+])
+def test_trace_shows_every_stage_and_backward_prefetch(comm: hfreduce.Communicator, wrap: Any,
+                                                       backward_order: list[str]) -> None:
     events: list[FSDPEvent] = []
-    sharded = FullyShardedDataParallel(ByteGPT(CONFIG, seed=0), comm=comm, wrap=WRAP, trace=events.append)
+    sharded = FullyShardedDataParallel(ByteGPT(CONFIG, seed=0), comm=comm, wrap=wrap, trace=events.append)
     _train(sharded, 1)
     kinds = {(event.kind, event.unit) for event in events}
     for unit in sharded.unit_names():
         for kind in ("gather", "gathered", "forward", "forward_done", "backward", "reduce_scatter", "free"):
             assert (kind, unit) in kinds
+    backward = _backward_events(events)
+    assert [unit for kind, unit in backward if kind == "backward"] == backward_order
+    assert _backward_prefetched(backward, backward_order)
+    unfetched: list[FSDPEvent] = []
+    plain = FullyShardedDataParallel(ByteGPT(CONFIG, seed=0), comm=comm, wrap=wrap, trace=unfetched.append,
+                                     prefetch=False)
+    _train(plain, 1)
+    assert not _backward_prefetched(_backward_events(unfetched), backward_order)  # the check can fail
+
+
+def _backward_prefetched(backward: list[tuple[str, str]], order: list[str]) -> bool:
+    """Each unit's successor in backward had its gather issued before the unit's backward computed."""
+    return all(backward.index(("gather", following)) < backward.index(("backward", unit))
+               for unit, following in itertools.pairwise(order))
 
 
 def test_a_backward_that_stops_early_is_finished_by_the_next_forward(comm: hfreduce.Communicator) -> None:
