@@ -36,7 +36,7 @@ from __future__ import annotations
 import ctypes
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 import hfreduce
+from haiscale.dist import get_context
 from haiscale.models import Block
 from haiscale.sharding import Shard, shard_range
 
@@ -101,7 +102,6 @@ class _Unit:
     gathered: bool = False
     forward_ran: bool = False
     backward_done: bool = False
-    hooks: list[Any] = field(default_factory=list)
 
     @property
     def full_bytes(self) -> int:
@@ -119,6 +119,7 @@ class _PendingReduceScatter:
     unit: _Unit
     output: torch.Tensor
     input: torch.Tensor
+    """The full gradient, kept until the reduce-scatter has read it."""
     work: hfreduce.Work
 
 
@@ -142,7 +143,6 @@ class FullyShardedDataParallel(nn.Module):
                  trace: Callable[[FSDPEvent], None] | None = None) -> None:
         super().__init__()
         if comm is None:
-            from haiscale.dist import get_context
             comm = get_context().dp_comm
         self.module = module
         self.comm = comm
@@ -151,7 +151,6 @@ class FullyShardedDataParallel(nn.Module):
         self._trace = trace
         self._units = self._make_units(module, _policy(wrap))
         self.flat_shards = nn.ParameterList([unit.shard for unit in self._units])
-        self._by_module = {id(unit.module): unit for unit in self._units}
         self._order: list[_Unit] = list(self._units)
         self._current_order: list[_Unit] = []
         self._finish_order: list[_Unit] = []
@@ -160,11 +159,11 @@ class FullyShardedDataParallel(nn.Module):
         self._pending: deque[_PendingReduceScatter] = deque()
         self._broadcast_buffers()
         for unit in self._units:
-            unit.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-            unit.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            unit.module.register_forward_hook(self._make_post_forward(unit))
             if unit.full.requires_grad:
                 hook = self._make_post_backward(unit)
-                unit.hooks.append(unit.full.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+                unit.full.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
     # -- construction -------------------------------------------------------------------------------
 

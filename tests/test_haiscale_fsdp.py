@@ -131,7 +131,6 @@ def test_state_saved_on_two_ranks_loads_on_three(trained: tuple[Path, list[dict[
         assert result["all_names"] and result["names"] == 29
         assert result["loaded_diff"] == 0.0
         assert result["continued_diff"] <= TOLERANCE
-        assert result["no_optimizer_state_diff"] > 100 * TOLERANCE
     # Tiny parameters (biases, norms) lie wholly on one rank: the others list them with empty pieces.
     assert all(result["empty_pieces"] > 0 for result in results)
 
