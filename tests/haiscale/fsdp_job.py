@@ -16,7 +16,8 @@ RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment (tests/h
     Whatever world size this job has: rebuilds, from the pieces ``train`` saved, Shards of exactly
     this rank's ranges, loads parameters and optimizer state into a differently initialised model,
     and takes the step ``train`` took after saving; reports the differences to ``train``'s full
-    parameters before and after that step (and after a step without the optimizer state).
+    parameters before and after that step (:func:`restore_and_continue`, which the one-rank test
+    runs in its own process, also takes the step without the optimizer state).
 ``dead``
     After one step, rank 1 dies (SIGKILL); rank 0's next forward must fail with a clear error
     within the job's timeout.
