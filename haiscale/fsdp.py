@@ -10,8 +10,8 @@ gradient and optimizer state, and gathers a unit's parameters just for the time 
     optimizer = torch.optim.Adam(model.parameters())       # sees only this rank's shards
     loss = lm_loss(model(x), y); loss.backward(); optimizer.step()
 
-How it works (the paper's §VII-A "FSDP on HFReduce"; the same design as torch's FSDP with flat
-parameters):
+How it works (HaiScale's FSDP, the Fire-Flyer paper's §VII-A, on HFReduce's all-gather and
+reduce-scatter; the design of torch's FSDP with flat parameters):
 
 * **Units.** Every submodule the ``wrap`` policy selects is a unit, and the root is one for whatever
   parameters are left. A unit's parameters are flattened into one flat tensor, padded to a multiple of
@@ -29,6 +29,12 @@ parameters):
 
 Every rank must run the same units in the same order (collectives are matched by order); a rank that
 diverges, dies or stalls fails every rank with HFReduce's error, which FSDP re-raises naming the unit.
+
+What follows from flat units: a unit whose forward did not run, or whose output did not reach the
+loss, gets no gradient (``None``, skipped by the optimizer, as in one process); a parameter unused
+inside a unit that did get a gradient gets zeros (torch's flat-parameter FSDP does the same). A
+parameter shared by two units is refused (share it within one unit). Between uses, the module's
+original parameter attributes are empty tensors. Parameters are CPU tensors (HFReduce's buffers).
 """
 
 from __future__ import annotations
