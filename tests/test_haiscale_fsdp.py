@@ -398,3 +398,25 @@ def test_a_backward_that_stops_early_is_finished_by_the_next_forward(comm: hfred
     torch.autograd.backward(lm_loss(sharded(inputs), targets))
     assert sharded.gathered_bytes() == 0
     assert all(p.grad is not None for p in sharded.parameters())
+
+
+class _HalfUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(3, 2)
+        self.unused = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.used(x)
+        return out
+
+
+def test_a_parameter_unused_inside_a_used_unit_gets_zeros(comm: hfreduce.Communicator) -> None:
+    torch.manual_seed(0)
+    sharded = FullyShardedDataParallel(_HalfUsed(), comm=comm, wrap=())
+    assert sharded.unit_names() == ["<root>"]
+    torch.autograd.backward(sharded(torch.randn(4, 3)).sum())
+    (shard,) = sharded.parameters()
+    assert shard.grad is not None
+    # Flat order: used.weight (6), used.bias (2), unused.weight (6), unused.bias (2).
+    assert bool((shard.grad[:8] != 0).any()) and bool((shard.grad[8:16] == 0).all())
