@@ -21,13 +21,15 @@ BATCHES = 6  # 150 seeds in make test; `make sim` sweeps thousands
 @pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 @pytest.mark.parametrize("batch", range(BATCHES))
 def test_seeds(batch: int) -> None:
-    failures = []
-    for seed in range(batch * SEEDS_PER_BATCH + 1, (batch + 1) * SEEDS_PER_BATCH + 1):
-        result = run_seed(seed, clients=3, ops_per_client=40)
-        assert result.ops > 0
-        if not result.ok:
-            failures.append(f"{result.summary()}\n  " + "\n  ".join(result.violations[:5])
-                            + f"\n  replay: python -m fs3.sim --seed {seed} --ops 40")
+    """The seeds run on two processes (``make sim``'s runner): the same seeds, results and replay
+    commands as one after another, in half the wall time on the two cores CI has."""
+    config = SweepConfig(clients=3, ops=40)
+    seeds = range(batch * SEEDS_PER_BATCH + 1, (batch + 1) * SEEDS_PER_BATCH + 1)
+    lines: list[str] = []
+    outcome = sweep(config, seeds, jobs=2, record=False, out=lines.append, progress_interval_s=3600.0)
+    assert sorted(outcome.records) == list(seeds), "\n".join(lines)
+    failures = [f"{outcome.records[seed]['summary']}\n  " + "\n  ".join(outcome.records[seed]["violations"][:5])
+                + f"\n  replay: {config.replay(seed)}" for seed in outcome.failing]
     assert not failures, "\n".join(failures)
 
 
