@@ -1,0 +1,172 @@
+"""A rank of a pipeline-parallel job (tests/test_haiscale_pipeline.py starts them).
+
+    python -m tests.haiscale.pipeline_job train PIPELINE PLACEMENT   # both schedules vs one process
+    python -m tests.haiscale.pipeline_job kill                      # rank 1 dies in its second step
+    python -m tests.haiscale.pipeline_job bench SCHEDULE STEPS      # seconds per step of the tiny model
+
+Prints one JSON line (``{"rank": .., "ok": .., ...}``). ``LOCAL_WORLD_SIZE`` ranks make a node, as
+torchrun numbers them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import haiscale
+from haiscale.models import ByteGPT, GPTConfig, lm_loss
+from haiscale.pipeline import PipelineError, PipelineParallel, Schedule
+from tests.hfreduce.runner import run_rank
+
+CONFIG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+MICRO_BATCHES = 4
+LR = 0.1
+# Per-replica batch sizes of the steps: the second does not divide into equal micro-batches.
+REPLICA_BATCHES = (8, 7, 8)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch of byte sequences: (inputs, next-byte targets)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, CONFIG.vocab_size, (size, CONFIG.block_size + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def optimizer_for(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def train_pipeline(ctx: haiscale.ParallelContext, schedule: Schedule) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Three steps of the pipeline; this stage's parameters, the losses (last stage) and the peaks."""
+    stage = ByteGPT(CONFIG, seed=0).stages(ctx.pipeline_size)[ctx.stage]
+    pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=MICRO_BATCHES, schedule=schedule)
+    optimizer = optimizer_for(stage)
+    losses, peaks = [], []
+    for step, size in enumerate(REPLICA_BATCHES):
+        inputs, targets = batch(step, size * ctx.data_size)
+        mine = slice(ctx.dp_rank * size, (ctx.dp_rank + 1) * size)
+        loss = pipe.train_step(inputs[mine], targets[mine])
+        assert (loss is None) != (ctx.stage == ctx.pipeline_size - 1), "the loss comes back on the last stage only"
+        if loss is not None:
+            losses.append(float(loss))
+        peaks.append(pipe.peak_stored)
+        optimizer.step()
+        optimizer.zero_grad()
+    pipe.close()
+    return flat(stage), losses, peaks
+
+
+def train_reference(ctx: haiscale.ParallelContext, micro_losses: str) -> torch.Tensor:
+    """The same steps in this process alone, on the global batch; this stage's slice of the result.
+    ``"whole"``: one pass over the batch (what the pipeline must equal); ``"summed"``: the micro-batches'
+    losses added instead of averaged (what a pipeline that forgot to scale would compute)."""
+    model = ByteGPT(CONFIG, seed=0)
+    optimizer = optimizer_for(model)
+    for step, size in enumerate(REPLICA_BATCHES):
+        inputs, targets = batch(step, size * ctx.data_size)
+        if micro_losses == "whole":
+            torch.autograd.backward(lm_loss(model(inputs), targets))
+        else:
+            for part_in, part_out in zip(torch.tensor_split(inputs, MICRO_BATCHES),
+                                         torch.tensor_split(targets, MICRO_BATCHES), strict=True):
+                torch.autograd.backward(lm_loss(model(part_in), part_out))
+        optimizer.step()
+        optimizer.zero_grad()
+    return flat(model.stages(ctx.pipeline_size)[ctx.stage])
+
+
+def train(result: dict[str, Any], pipeline_size: int, placement: str) -> None:
+    ctx = haiscale.init(pipeline_size=pipeline_size, placement=placement, timeout_s=60)  # type: ignore[arg-type]
+    result.update(stage=ctx.stage, dp_rank=ctx.dp_rank, data_size=ctx.data_size)
+    # Where this rank sits: its node (torchrun's numbering) and data-parallel group, seen by every rank.
+    node = ctx.rank // int(os.environ.get("LOCAL_WORLD_SIZE") or ctx.world_size)
+    places: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(places, (node, ctx.layout.dp_group(ctx.stage)))
+    result["places"] = places
+    one_f_one_b, losses, peaks = train_pipeline(ctx, "1f1b")
+    gpipe, gpipe_losses, gpipe_peaks = train_pipeline(ctx, "gpipe")
+    whole = train_reference(ctx, "whole")
+    summed = train_reference(ctx, "summed")
+    result.update(losses=losses, gpipe_losses=gpipe_losses, peaks=peaks, gpipe_peaks=gpipe_peaks,
+                  schedules_identical=bool(torch.equal(one_f_one_b, gpipe)),
+                  schedules_max_diff=float((one_f_one_b - gpipe).abs().max()),
+                  reference_max_diff=float((one_f_one_b - whole).abs().max()),
+                  unscaled_max_diff=float((summed - whole).abs().max()))
+    haiscale.destroy()
+
+
+class DiesAt(nn.Module):
+    """The stage, and a SIGKILL of this process at its ``calls``-th forward."""
+
+    def __init__(self, inner: nn.Module, calls: int) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls -= 1
+        if self.calls == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def kill(result: dict[str, Any]) -> None:
+    timeout_s = 10.0
+    ctx = haiscale.init(pipeline_size=2, timeout_s=timeout_s)
+    stage: nn.Module = ByteGPT(CONFIG, seed=0).stages(2)[ctx.stage]
+    if ctx.rank == 1:
+        stage = DiesAt(stage, MICRO_BATCHES + 2)  # the second forward of the second step
+    pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=MICRO_BATCHES)
+    inputs, targets = batch(0, 8)
+    pipe.train_step(inputs, targets)
+    started = time.monotonic()
+    try:
+        pipe.train_step(inputs, targets)
+    except PipelineError as exc:
+        result.update(error=str(exc), failed_after_s=time.monotonic() - started, timeout_s=timeout_s)
+    haiscale.destroy()
+
+
+def bench(result: dict[str, Any], schedule: Schedule, steps: int) -> None:
+    ctx = haiscale.init(pipeline_size=int(os.environ["WORLD_SIZE"]), timeout_s=60)
+    config = GPTConfig(block_size=32, n_layer=4, n_head=4, n_embd=64)
+    stage = ByteGPT(config, seed=0).stages(ctx.pipeline_size)[ctx.stage]
+    pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=8, schedule=schedule)
+    tokens = torch.randint(0, 256, (32, config.block_size + 1), generator=torch.Generator().manual_seed(0))
+    pipe.train_step(tokens[:, :-1], tokens[:, 1:])  # warm-up
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+        stage.zero_grad()
+    dist.barrier()
+    result.update(seconds_per_step=(time.perf_counter() - started) / steps, peak_stored=pipe.peak_stored)
+    haiscale.destroy()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    scenario, args = sys.argv[1], sys.argv[2:]
+    if scenario == "train":
+        run_rank(lambda result: train(result, int(args[0]), args[1]))
+    elif scenario == "kill":
+        run_rank(kill)
+    elif scenario == "bench":
+        run_rank(lambda result: bench(result, args[0], int(args[1])))  # type: ignore[arg-type]
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":
+    main()
