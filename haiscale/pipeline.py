@@ -207,8 +207,9 @@ def _check_stage(stage: int, stages: int, micro_batches: int, actions: Sequence[
             if needed and (kind, i) not in seen:
                 raise ScheduleError(f"stage {stage}: no {kind} of micro-batch {i}")
     # (earlier, later): the first must come in a strictly earlier action than the second.
+    # A gradient is received into a buffer shaped like the forward's output, so the forward comes first.
     order = [("recv_activation", "forward"), ("forward", "send_activation"), ("forward", "backward"),
-             ("recv_grad", "backward"), ("backward", "send_grad")]
+             ("forward", "recv_grad"), ("recv_grad", "backward"), ("backward", "send_grad")]
     for before, after in order:
         for i in range(micro_batches):
             if (before, i) in seen and (after, i) in seen and seen[(before, i)] >= seen[(after, i)]:

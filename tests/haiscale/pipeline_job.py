@@ -1,7 +1,7 @@
 """A rank of a pipeline-parallel job (tests/test_haiscale_pipeline.py starts them).
 
     python -m tests.haiscale.pipeline_job train PIPELINE PLACEMENT   # both schedules vs one process
-    python -m tests.haiscale.pipeline_job kill                      # rank 1 dies in its second step
+    python -m tests.haiscale.pipeline_job fail KILL|STOP            # rank 1 dies (or stops) in its second step
     python -m tests.haiscale.pipeline_job bench SCHEDULE STEPS      # seconds per step of the tiny model
 
 Prints one JSON line (``{"rank": .., "ok": .., ...}``). ``LOCAL_WORLD_SIZE`` ranks make a node, as
@@ -10,6 +10,7 @@ torchrun numbers them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -39,8 +40,31 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def optimizer_for(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
+class SGD:
+    """SGD with momentum, by hand: creating a ``torch.optim`` optimizer imports torch's compiler stack,
+    seconds per process that these short jobs would spend on nothing else. Same update as
+    ``torch.optim.SGD(lr, momentum)`` (buffer = momentum * buffer + grad; param -= lr * buffer)."""
+
+    def __init__(self, module: nn.Module, lr: float = LR, momentum: float = 0.9) -> None:
+        self.params = list(module.parameters())
+        self.lr, self.momentum = lr, momentum
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for index, param in enumerate(self.params):
+            if param.grad is None:
+                continue
+            buffer = self.buffers[index]
+            if buffer is None:
+                buffer = self.buffers[index] = param.grad.detach().clone()
+            else:
+                buffer.mul_(self.momentum).add_(param.grad)
+            param.add_(buffer, alpha=-self.lr)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
 
 
 def flat(module: nn.Module) -> torch.Tensor:
@@ -51,7 +75,7 @@ def train_pipeline(ctx: haiscale.ParallelContext, schedule: Schedule) -> tuple[t
     """Three steps of the pipeline; this stage's parameters, the losses (last stage) and the peaks."""
     stage = ByteGPT(CONFIG, seed=0).stages(ctx.pipeline_size)[ctx.stage]
     pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=MICRO_BATCHES, schedule=schedule)
-    optimizer = optimizer_for(stage)
+    optimizer = SGD(stage)
     losses, peaks = [], []
     for step, size in enumerate(REPLICA_BATCHES):
         inputs, targets = batch(step, size * ctx.data_size)
@@ -72,7 +96,7 @@ def train_reference(ctx: haiscale.ParallelContext, micro_losses: str) -> torch.T
     ``"whole"``: one pass over the batch (what the pipeline must equal); ``"summed"``: the micro-batches'
     losses added instead of averaged (what a pipeline that forgot to scale would compute)."""
     model = ByteGPT(CONFIG, seed=0)
-    optimizer = optimizer_for(model)
+    optimizer = SGD(model)
     for step, size in enumerate(REPLICA_BATCHES):
         inputs, targets = batch(step, size * ctx.data_size)
         if micro_losses == "whole":
@@ -107,27 +131,31 @@ def train(result: dict[str, Any], pipeline_size: int, placement: str) -> None:
 
 
 class DiesAt(nn.Module):
-    """The stage, and a SIGKILL of this process at its ``calls``-th forward."""
+    """The stage, and ``signal`` sent to this process at its ``calls``-th forward."""
 
-    def __init__(self, inner: nn.Module, calls: int) -> None:
+    def __init__(self, inner: nn.Module, calls: int, signum: int) -> None:
         super().__init__()
-        self.inner, self.calls = inner, calls
+        self.inner, self.calls, self.signum = inner, calls, signum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls -= 1
         if self.calls == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)
         out: torch.Tensor = self.inner(x)
         return out
 
 
-def kill(result: dict[str, Any]) -> None:
-    timeout_s = 10.0
-    ctx = haiscale.init(pipeline_size=2, timeout_s=timeout_s)
+def fail(result: dict[str, Any], how: str) -> None:
+    """Rank 1 is SIGKILLed (the survivor learns at once: the connection closes) or SIGSTOPped (nothing
+    closes: the survivor's wait runs into the timeout) in the middle of a step."""
+    ctx = haiscale.init(pipeline_size=2, timeout_s=60)
+    timeout_s = 3.0
+    ctx = dataclasses.replace(ctx, timeout_s=timeout_s)  # the pipeline's waits only; init keeps its margin
     stage: nn.Module = ByteGPT(CONFIG, seed=0).stages(2)[ctx.stage]
     if ctx.rank == 1:
-        stage = DiesAt(stage, MICRO_BATCHES + 2)  # the second forward of the second step
-    pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=MICRO_BATCHES)
+        signum = signal.SIGKILL if how == "KILL" else signal.SIGSTOP
+        stage = DiesAt(stage, MICRO_BATCHES + 2, signum)  # the second forward of the second step
+    pipe = PipelineParallel(stage, ctx=ctx, loss_fn=lm_loss, micro_batches=MICRO_BATCHES)
     inputs, targets = batch(0, 8)
     pipe.train_step(inputs, targets)
     started = time.monotonic()
@@ -160,8 +188,8 @@ def main() -> None:
     scenario, args = sys.argv[1], sys.argv[2:]
     if scenario == "train":
         run_rank(lambda result: train(result, int(args[0]), args[1]))
-    elif scenario == "kill":
-        run_rank(kill)
+    elif scenario == "fail":
+        run_rank(lambda result: fail(result, args[0]))
     elif scenario == "bench":
         run_rank(lambda result: bench(result, args[0], int(args[1])))  # type: ignore[arg-type]
     else:
