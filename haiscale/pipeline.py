@@ -370,6 +370,8 @@ class _GradientAverager:
         self.armed = False
         self.ready = [0] * len(self.buckets)
         self.works: list[hfreduce.Work] = []
+        self.overlapped = 0
+        """How many buckets of the last step started reducing while the backward was still running."""
         # torch leaves this method unannotated.
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                         for p in params]
@@ -379,6 +381,7 @@ class _GradientAverager:
         self.armed = True
         self.ready = [0] * len(self.buckets)
         self.works = []
+        self.overlapped = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.armed:
@@ -386,6 +389,7 @@ class _GradientAverager:
         self.ready[self.bucket_of[id(param)]] += 1
         while len(self.works) < len(self.buckets) and self.ready[len(self.works)] == len(self.buckets[len(self.works)]):
             self._start(len(self.works))
+            self.overlapped += 1
 
     def _start(self, index: int) -> None:
         buffer, offset = self.buffers[index], 0
@@ -475,6 +479,14 @@ class PipelineParallel:
         params = [p for p in stage_module.parameters() if p.requires_grad]
         self._averager = (_GradientAverager(params, self.ctx.dp_comm, bucket_size_bytes)
                           if self.ctx.data_size > 1 and params else None)
+
+    @property
+    def gradient_buckets(self) -> tuple[int, int]:
+        """``(overlapped, total)``: of the stage's gradient buckets, how many started their allreduce during
+        the last step's final backward (the rest started after it); ``(0, 0)`` without data parallelism."""
+        if self._averager is None:
+            return 0, 0
+        return self._averager.overlapped, len(self._averager.buckets)
 
     def train_step(self, inputs: torch.Tensor | None = None,
                    targets: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -262,8 +262,14 @@ def _train(world: int, placement: str) -> list[dict[str, Any]]:
         assert result["reference_max_diff"] <= PARAM_ATOL, result
         assert result["unscaled_max_diff"] > 100 * PARAM_ATOL, result  # the tolerance tells wrong from right
         stage = result["stage"]
-        assert result["peaks"] == [2 - stage] * 3 and result["gpipe_peaks"] == [4] * 3
-        assert len(result["losses"]) == (3 if stage == 1 else 0) and result["losses"] == result["gpipe_losses"]
+        one_f_one_b, gpipe = result["runs"]["1f1b"], result["runs"]["gpipe"]
+        assert one_f_one_b["peaks"] == [2 - stage] * 3 and gpipe["peaks"] == [4] * 3  # at most stages - stage
+        assert len(one_f_one_b["losses"]) == (3 if stage == 1 else 0) and one_f_one_b["losses"] == gpipe["losses"]
+        for overlapped, total in one_f_one_b["buckets"] + gpipe["buckets"]:
+            if result["data_size"] == 1:
+                assert (overlapped, total) == (0, 0)
+            else:  # every bucket's allreduce started inside the last backward, none waited for its end
+                assert total > 1 and overlapped == total, result
     return results
 
 
@@ -287,7 +293,7 @@ def test_two_stages_by_two_replicas_train_like_one_process(placement: str) -> No
     for groups in by_node.values():
         distinct = len({tuple(group) for group in groups}) == len(groups)
         assert distinct == (placement == "staggered"), (placement, places)
-    replicas = [result["losses"] for result in results if result["stage"] == 1]
+    replicas = [result["runs"]["1f1b"]["losses"] for result in results if result["stage"] == 1]
     assert len(replicas) == 2 and replicas[0] != replicas[1]  # each replica trained on its own half
 
 

@@ -71,12 +71,17 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def train_pipeline(ctx: haiscale.ParallelContext, schedule: Schedule) -> tuple[torch.Tensor, list[float], list[int]]:
-    """Three steps of the pipeline; this stage's parameters, the losses (last stage) and the peaks."""
+def train_pipeline(ctx: haiscale.ParallelContext, schedule: Schedule) -> dict[str, Any]:
+    """Three steps of the pipeline: this stage's parameters, the losses (last stage), the peaks of stored
+    activations and the gradient buckets (overlapped, total) of each step."""
     stage = ByteGPT(CONFIG, seed=0).stages(ctx.pipeline_size)[ctx.stage]
-    pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=MICRO_BATCHES, schedule=schedule)
+    # Small buckets, so that the stage's gradients make several (a tiny model fits one default bucket).
+    pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=MICRO_BATCHES, schedule=schedule,
+                            bucket_size_bytes=16 << 10)
     optimizer = SGD(stage)
-    losses, peaks = [], []
+    losses: list[float] = []
+    peaks: list[int] = []
+    buckets: list[tuple[int, int]] = []
     for step, size in enumerate(REPLICA_BATCHES):
         inputs, targets = batch(step, size * ctx.data_size)
         mine = slice(ctx.dp_rank * size, (ctx.dp_rank + 1) * size)
@@ -85,10 +90,11 @@ def train_pipeline(ctx: haiscale.ParallelContext, schedule: Schedule) -> tuple[t
         if loss is not None:
             losses.append(float(loss))
         peaks.append(pipe.peak_stored)
+        buckets.append(pipe.gradient_buckets)
         optimizer.step()
         optimizer.zero_grad()
     pipe.close()
-    return flat(stage), losses, peaks
+    return {"params": flat(stage), "losses": losses, "peaks": peaks, "buckets": buckets}
 
 
 def train_reference(ctx: haiscale.ParallelContext, micro_losses: str) -> torch.Tensor:
@@ -118,11 +124,11 @@ def train(result: dict[str, Any], pipeline_size: int, placement: str) -> None:
     places: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(places, (node, ctx.layout.dp_group(ctx.stage)))
     result["places"] = places
-    one_f_one_b, losses, peaks = train_pipeline(ctx, "1f1b")
-    gpipe, gpipe_losses, gpipe_peaks = train_pipeline(ctx, "gpipe")
+    runs = {schedule: train_pipeline(ctx, schedule) for schedule in ("1f1b", "gpipe")}
+    one_f_one_b, gpipe = runs["1f1b"].pop("params"), runs["gpipe"].pop("params")
     whole = train_reference(ctx, "whole")
     summed = train_reference(ctx, "summed")
-    result.update(losses=losses, gpipe_losses=gpipe_losses, peaks=peaks, gpipe_peaks=gpipe_peaks,
+    result.update(runs=runs,
                   schedules_identical=bool(torch.equal(one_f_one_b, gpipe)),
                   schedules_max_diff=float((one_f_one_b - gpipe).abs().max()),
                   reference_max_diff=float((one_f_one_b - whole).abs().max()),
