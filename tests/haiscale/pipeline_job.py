@@ -2,7 +2,7 @@
 
     python -m tests.haiscale.pipeline_job train PIPELINE PLACEMENT   # both schedules vs one process
     python -m tests.haiscale.pipeline_job fail KILL|STOP            # rank 1 dies (or stops) in its second step
-    python -m tests.haiscale.pipeline_job bench SCHEDULE STEPS      # seconds per step of the tiny model
+    python -m tests.haiscale.pipeline_job bench ROUNDS STEPS        # 1F1B vs GPipe, seconds per step
 
 Prints one JSON line (``{"rank": .., "ok": .., ...}``). ``LOCAL_WORLD_SIZE`` ranks make a node, as
 torchrun numbers them.
@@ -172,20 +172,28 @@ def fail(result: dict[str, Any], how: str) -> None:
     haiscale.destroy()
 
 
-def bench(result: dict[str, Any], schedule: Schedule, steps: int) -> None:
+def bench(result: dict[str, Any], rounds: int, steps: int) -> None:
+    """Seconds per step of 1F1B and GPipe on a small ByteGPT, alternating ``rounds`` times so that both
+    meet the same machine (the median of each is reported, and their ratio)."""
     ctx = haiscale.init(pipeline_size=int(os.environ["WORLD_SIZE"]), timeout_s=60)
     config = GPTConfig(block_size=32, n_layer=4, n_head=4, n_embd=64)
     stage = ByteGPT(config, seed=0).stages(ctx.pipeline_size)[ctx.stage]
-    pipe = PipelineParallel(stage, loss_fn=lm_loss, micro_batches=8, schedule=schedule)
+    pipes = {schedule: PipelineParallel(stage, loss_fn=lm_loss, micro_batches=8, schedule=schedule)
+             for schedule in ("1f1b", "gpipe")}
     tokens = torch.randint(0, 256, (32, config.block_size + 1), generator=torch.Generator().manual_seed(0))
-    pipe.train_step(tokens[:, :-1], tokens[:, 1:])  # warm-up
-    dist.barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        pipe.train_step(tokens[:, :-1], tokens[:, 1:])
-        stage.zero_grad()
-    dist.barrier()
-    result.update(seconds_per_step=(time.perf_counter() - started) / steps, peak_stored=pipe.peak_stored)
+    times: dict[str, list[float]] = {schedule: [] for schedule in pipes}
+    for _ in range(rounds):
+        for schedule, pipe in pipes.items():
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(steps):
+                pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+                stage.zero_grad()
+            dist.barrier()
+            times[schedule].append((time.perf_counter() - started) / steps)
+    medians = {schedule: sorted(values)[len(values) // 2] for schedule, values in times.items()}
+    result.update(seconds_per_step=medians, gpipe_over_1f1b=medians["gpipe"] / medians["1f1b"],
+                  peak_stored={schedule: pipe.peak_stored for schedule, pipe in pipes.items()})
     haiscale.destroy()
 
 
@@ -197,7 +205,7 @@ def main() -> None:
     elif scenario == "fail":
         run_rank(lambda result: fail(result, args[0]))
     elif scenario == "bench":
-        run_rank(lambda result: bench(result, args[0], int(args[1])))  # type: ignore[arg-type]
+        run_rank(lambda result: bench(result, int(args[0]), int(args[1])))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 
