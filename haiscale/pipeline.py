@@ -348,7 +348,8 @@ class _GradientAverager:
     hook counts the gradients that are final; a bucket whose gradients are all final is copied in and
     its asynchronous allreduce starts at once — in bucket order only, so every replica issues the same
     collectives in the same order even if hooks fire in a different order. :meth:`finish` starts what is
-    left (a parameter that got no gradient contributes zeros), waits, and copies the averages out.
+    left, waits, and copies the averages out. A parameter that gets no gradient (a layer the forward
+    skips) contributes zeros, and holds its bucket and every later one back until the backward ends.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], comm: hfreduce.Communicator, bucket_size_bytes: int) -> None:

@@ -7,6 +7,7 @@ Multi-rank jobs are real processes (tests/haiscale/pipeline_job.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import hfreduce
 from haiscale.dist import ParallelContext
 from haiscale.models import ByteGPT, GPTConfig, lm_loss
 from haiscale.pipeline import (
@@ -238,6 +240,87 @@ def test_activation_headers_round_trip_and_refuse_what_cannot_travel() -> None:
     for garbage in ([9, 1, 4, 0, 0, 0, 0, 0, 0, 0], [0, 12, 0, 0, 0, 0, 0, 0, 0, 0], [0, 2, 3, -1, 0, 0, 0, 0, 0, 0]):
         with pytest.raises(PipelineError, match="rank 1 sent an activation header"):
             _from_header(torch.tensor(garbage), peer=1)
+
+
+class _RecordingComm:
+    """A data-parallel group of two whose other replica's gradients are all zero: the average is half of
+    this replica's. Records every allreduce (the buffer as it went in); ``fail`` makes waits raise."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple[hfreduce.ReduceOp, torch.Tensor]] = []
+
+    def shared_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def allreduce(self, tensor: torch.Tensor, op: hfreduce.ReduceOp, async_op: bool) -> Any:
+        assert async_op
+        self.calls.append((op, tensor.clone()))
+        comm = self
+
+        class Work:
+            def wait(self) -> bool:
+                if comm.fail:
+                    raise hfreduce.HFReduceTimeout("rank 1 stopped taking part")
+                tensor.mul_(0.5)
+                return True
+
+        return Work()
+
+
+class _Mixed(nn.Module):
+    """Two dtypes of parameters and, optionally, a last layer the forward never uses (its parameters
+    get no gradient)."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a = nn.Linear(4, 8)
+            self.b = nn.Linear(8, 2).double()
+            self.unused = nn.Linear(2, 2) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(torch.relu(self.a(x)).double()).float()
+        return out
+
+
+def _replicated_context(comm: _RecordingComm) -> ParallelContext:
+    """One stage, two data-parallel replicas: the averaging runs, no pipeline message is sent."""
+    return dataclasses.replace(_single_stage_context(), layout=ParallelLayout(2, 1), dp_comm=comm)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_gradients_are_averaged_in_buckets_of_one_dtype_started_in_order(unused: bool) -> None:
+    inputs, targets = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(6, 2)
+    reference = _Mixed(unused)
+    torch.autograd.backward(nn.functional.mse_loss(reference(inputs), targets))
+    comm = _RecordingComm()
+    model = _Mixed(unused)
+    pipe = PipelineParallel(model, ctx=_replicated_context(comm), loss_fn=nn.functional.mse_loss, micro_batches=3,
+                            bucket_size_bytes=64)
+    pipe.train_step(inputs, targets)
+    overlapped, total = pipe.gradient_buckets
+    assert total == len(comm.calls) > 2 and all(op is hfreduce.ReduceOp.AVG for op, _ in comm.calls)
+    assert {sent.dtype for _, sent in comm.calls} == {torch.float32, torch.float64}
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert mine.grad is not None
+        expected = torch.zeros_like(mine) if theirs.grad is None else theirs.grad / 2
+        assert torch.allclose(mine.grad, expected, atol=1e-6)
+    # Buckets start in order: the first bucket (the last parameters) holds the unused layer, whose
+    # gradients never become final during the backward, so nothing may start before the backward ends.
+    assert overlapped == (0 if unused else total)
+    comm.calls.clear()
+    pipe.train_step(inputs, targets)  # the next step reduces again (gradients accumulate, as in torch)
+    assert len(comm.calls) == total
+    pipe.close()
+
+
+def test_a_failed_average_fails_the_step() -> None:
+    pipe = PipelineParallel(_Mixed(False), ctx=_replicated_context(_RecordingComm(fail=True)),
+                            loss_fn=nn.functional.mse_loss, micro_batches=2)
+    with pytest.raises(PipelineError, match=r"averaging the stage's gradients .* failed: rank 1 stopped"):
+        pipe.train_step(torch.randn(4, 4), torch.zeros(4, 2))
 
 
 # -- real jobs -------------------------------------------------------------------------------------------------
