@@ -432,8 +432,9 @@ class _GradientAverager:
 @dataclass
 class _StepState:
     inputs: list[torch.Tensor]
-    """This step's micro-batches (first stage) or the activations received so far (by micro-batch)."""
+    """The first stage's micro-batches of inputs."""
     received: dict[int, torch.Tensor]
+    """Activations received from the previous stage, until their micro-batch's backward."""
     outputs: dict[int, torch.Tensor]
     """Forwarded, not yet backwarded: the stage's output (or the weighted loss on the last stage)."""
     grads_in: dict[int, torch.Tensor]
@@ -502,6 +503,8 @@ class PipelineParallel:
             total = sum(t.shape[0] for t in state.targets)
             state.weights = [t.shape[0] / total for t in state.targets]
         self.peak_stored = 0
+        if self._averager is not None:
+            self._averager.armed = False  # a step that failed in its last backward left it armed
         for action in self.actions:
             if isinstance(action, Exchange):
                 self._exchange(action, state)

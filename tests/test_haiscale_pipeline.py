@@ -316,6 +316,38 @@ def test_gradients_are_averaged_in_buckets_of_one_dtype_started_in_order(unused:
     pipe.close()
 
 
+class _FailsBackwardAt(nn.Module):
+    """The inner module, whose ``calls``-th forward's backward raises before any parameter's gradient."""
+
+    def __init__(self, inner: nn.Module, calls: int) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x)
+        self.calls -= 1
+        if self.calls == 0:
+            def fail(grad: torch.Tensor) -> torch.Tensor:
+                raise RuntimeError("backward failed")
+            out.register_hook(fail)  # type: ignore[no-untyped-call]  # unannotated in torch
+        return out
+
+
+def test_a_step_that_failed_in_its_last_backward_leaves_nothing_armed() -> None:
+    comm = _RecordingComm()
+    model = _FailsBackwardAt(_Mixed(False), calls=3)
+    pipe = PipelineParallel(model, ctx=_replicated_context(comm), loss_fn=nn.functional.mse_loss, micro_batches=3,
+                            bucket_size_bytes=64)
+    inputs, targets = torch.randn(6, 4), torch.zeros(6, 2)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        pipe.train_step(inputs, targets)  # fails in the backward of micro-batch 2, the armed one
+    assert comm.calls == []
+    model.zero_grad()
+    pipe.train_step(inputs, targets)
+    overlapped, total = pipe.gradient_buckets
+    assert len(comm.calls) == total == overlapped  # each bucket once, all inside the last backward
+
+
 def test_a_failed_average_fails_the_step() -> None:
     pipe = PipelineParallel(_Mixed(False), ctx=_replicated_context(_RecordingComm(fail=True)),
                             loss_fn=nn.functional.mse_loss, micro_batches=2)
