@@ -1,7 +1,7 @@
 """A rank of a pipeline-parallel job (tests/test_haiscale_pipeline.py starts them).
 
-    python -m tests.haiscale.pipeline_job train PIPELINE PLACEMENT   # both schedules vs one process
-    python -m tests.haiscale.pipeline_job fail KILL|STOP            # rank 1 dies (or stops) in its second step
+    python -m tests.haiscale.pipeline_job train PIPELINE PLACEMENT [KILL]   # both schedules vs one process
+    python -m tests.haiscale.pipeline_job stop                             # rank 1 stops mid-step
     python -m tests.haiscale.pipeline_job bench ROUNDS STEPS        # 1F1B vs GPipe, seconds per step
 
 Prints one JSON line (``{"rank": .., "ok": .., ...}``). ``LOCAL_WORLD_SIZE`` ranks make a node, as
@@ -11,6 +11,7 @@ torchrun numbers them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -116,7 +117,9 @@ def train_reference(ctx: haiscale.ParallelContext, micro_losses: str) -> torch.T
     return flat(model.stages(ctx.pipeline_size)[ctx.stage])
 
 
-def train(result: dict[str, Any], pipeline_size: int, placement: str) -> None:
+def train(result: dict[str, Any], pipeline_size: int, placement: str, then: str) -> None:
+    """Both schedules and both references; then, with ``then="KILL"``, one more step that the last rank
+    dies in (it prints its result first)."""
     ctx = haiscale.init(pipeline_size=pipeline_size, placement=placement, timeout_s=60)  # type: ignore[arg-type]
     result.update(stage=ctx.stage, dp_rank=ctx.dp_rank, data_size=ctx.data_size)
     # Where this rank sits: its node (torchrun's numbering) and data-parallel group, seen by every rank.
@@ -133,6 +136,10 @@ def train(result: dict[str, Any], pipeline_size: int, placement: str) -> None:
                   schedules_max_diff=float((one_f_one_b - gpipe).abs().max()),
                   reference_max_diff=float((one_f_one_b - whole).abs().max()),
                   unscaled_max_diff=float((summed - whole).abs().max()))
+    if then == "KILL":
+        if ctx.rank == ctx.world_size - 1:
+            print(json.dumps({**result, "ok": True}), flush=True)
+        lose_a_rank(ctx, result, signal.SIGKILL, ctx.timeout_s)
     haiscale.destroy()
 
 
@@ -151,24 +158,33 @@ class DiesAt(nn.Module):
         return out
 
 
-def fail(result: dict[str, Any], how: str) -> None:
-    """Rank 1 is SIGKILLed (the survivor learns at once: the connection closes) or SIGSTOPped (nothing
-    closes: the survivor's wait runs into the timeout) in the middle of a step."""
-    ctx = haiscale.init(pipeline_size=2, timeout_s=60)
-    timeout_s = 3.0
-    ctx = dataclasses.replace(ctx, timeout_s=timeout_s)  # the pipeline's waits only; init keeps its margin
-    stage: nn.Module = ByteGPT(CONFIG, seed=0).stages(2)[ctx.stage]
-    if ctx.rank == 1:
-        signum = signal.SIGKILL if how == "KILL" else signal.SIGSTOP
-        stage = DiesAt(stage, MICRO_BATCHES + 2, signum)  # the second forward of the second step
+def lose_a_rank(ctx: haiscale.ParallelContext, result: dict[str, Any], signum: int, timeout_s: float) -> None:
+    """A step in which the last rank (a last stage) sends itself ``signum`` at its second forward; the
+    others record the error that ends their step and how long it took. A SIGKILL closes connections:
+    with 2 x 2 ranks the pipeline neighbour fails on a message, the data-parallel peer in the gradient
+    average, the remaining rank when its own peer leaves. A SIGSTOP closes nothing: the neighbour's wait
+    runs into ``timeout_s``."""
+    ctx = dataclasses.replace(ctx, timeout_s=timeout_s)
+    stage: nn.Module = ByteGPT(CONFIG, seed=0).stages(ctx.pipeline_size)[ctx.stage]
+    if ctx.rank == ctx.world_size - 1:
+        stage = DiesAt(stage, 2, signum)
     pipe = PipelineParallel(stage, ctx=ctx, loss_fn=lm_loss, micro_batches=MICRO_BATCHES)
     inputs, targets = batch(0, 8)
-    pipe.train_step(inputs, targets)
     started = time.monotonic()
     try:
         pipe.train_step(inputs, targets)
     except PipelineError as exc:
         result.update(error=str(exc), failed_after_s=time.monotonic() - started, timeout_s=timeout_s)
+
+
+def stop(result: dict[str, Any]) -> None:
+    """Two ranks; after a step at the default timeout, rank 1 stops in a step whose waits time out in 5 s."""
+    ctx = haiscale.init(pipeline_size=2, timeout_s=60)
+    stage = ByteGPT(CONFIG, seed=0).stages(2)[ctx.stage]
+    warm = PipelineParallel(stage, ctx=ctx, loss_fn=lm_loss, micro_batches=MICRO_BATCHES)
+    warm.train_step(*batch(0, 8))
+    warm.close()
+    lose_a_rank(ctx, result, signal.SIGSTOP, 5.0)
     haiscale.destroy()
 
 
@@ -201,9 +217,9 @@ def main() -> None:
     torch.set_num_threads(1)
     scenario, args = sys.argv[1], sys.argv[2:]
     if scenario == "train":
-        run_rank(lambda result: train(result, int(args[0]), args[1]))
-    elif scenario == "fail":
-        run_rank(lambda result: fail(result, args[0]))
+        run_rank(lambda result: train(result, int(args[0]), args[1], args[2] if len(args) > 2 else ""))
+    elif scenario == "stop":
+        run_rank(stop)
     elif scenario == "bench":
         run_rank(lambda result: bench(result, int(args[0]), int(args[1])))
     else:
