@@ -352,8 +352,11 @@ class _GradientAverager:
     skips) contributes zeros, and holds its bucket and every later one back until the backward ends.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], comm: hfreduce.Communicator, bucket_size_bytes: int) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], comm: hfreduce.Communicator, bucket_size_bytes: int,
+                 where: str) -> None:
         self.comm = comm
+        self.where = where
+        """Who is averaging, for errors: HFReduce names the group's ranks by their place in the group."""
         self.buckets: list[list[nn.Parameter]] = []
         size = 0
         for param in reversed(params):
@@ -411,7 +414,7 @@ class _GradientAverager:
             try:
                 work.wait()
             except hfreduce.HFReduceError as exc:
-                raise PipelineError("averaging the stage's gradients over its data-parallel group "
+                raise PipelineError(f"{self.where}: averaging the stage's gradients over its data-parallel group "
                                     f"failed: {exc}") from exc
             buffer, offset = self.buffers[index], 0
             with torch.no_grad():
@@ -479,7 +482,10 @@ class PipelineParallel:
         self.peak_stored = 0
         """The most micro-batches whose activations this stage held at once in the last step."""
         params = [p for p in stage_module.parameters() if p.requires_grad]
-        self._averager = (_GradientAverager(params, self.ctx.dp_comm, bucket_size_bytes)
+        group = self.ctx.layout.dp_group(self.stage)
+        where = (f"pipeline stage {self.stage} (rank {self.ctx.rank}; its data-parallel group's ranks "
+                 f"0..{len(group) - 1} are global ranks {', '.join(map(str, group))})")
+        self._averager = (_GradientAverager(params, self.ctx.dp_comm, bucket_size_bytes, where)
                           if self.ctx.data_size > 1 and params else None)
 
     @property
