@@ -329,7 +329,11 @@ class CheckpointManager:
         self.store.write_file(self.store.join(tmp, fmt.index_file_name(self.rank)), [data])
         self._phase("rank_files_written", snap.step)
         marker = fmt.Marker(self.rank, self.run_id, len(data), fmt.crc32c(data))
-        self.store.write_file(self.store.join(tmp, fmt.marker_file_name(self.rank)), [fmt.render_marker(marker)])
+        # Written under another name and renamed: rank 0 lists the directory for markers, and must
+        # never find one that is still being written.
+        done = self.store.join(tmp, fmt.marker_file_name(self.rank))
+        self.store.write_file(done + ".part", [fmt.render_marker(marker)])
+        self.store.rename(done + ".part", done)
         self._phase("marker_written", snap.step)
         if self.rank == 0:
             self._publish(snap.step, tmp)
