@@ -6,6 +6,7 @@ started only where a fresh process is the point (a resumed run, a crash).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -36,6 +37,7 @@ from haiscale.checkpoint import format as fmt
 from haiscale.checkpoint.format import RankIndex
 from haiscale.sharding import Shard, shard_range
 from tests.haiscale import ckpt_job
+from tests.harness import ProcessCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = [sys.executable, "-m", "tests.haiscale.ckpt_job"]
@@ -179,6 +181,7 @@ def test_the_writer_keeps_its_host_buffers(local: Where) -> None:
 
 # -- bit-identical resume ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
     """2k steps in one go against k steps, a checkpoint, and k more in a fresh process (both in
     this process's generators first, which are put back afterwards)."""
@@ -236,6 +239,7 @@ def _save_two(managers: list[CheckpointManager], step: int, extra: Any) -> None:
 CRASH_CASES = ("mid_write", "no_markers", "some_markers", "before_rename")
 
 
+@pytest.mark.slow
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(where: Where) -> None:
     """A child saving a few MiB as two ranks is killed at each point of a save (one child per case,
     all at once): the previous step stays the latest, and the next save clears the leftovers."""
@@ -284,6 +288,40 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(where: Where) -> None:
         for manager in managers:
             manager.close()
         assert case_where.listdir() == ["step-00000001", "step-00000003"], case  # the crashed tmp dir is gone
+
+
+@pytest.mark.slow
+def test_a_storage_node_killed_mid_save_never_tears_latest(process_cluster: ProcessCluster) -> None:
+    """A storage node SIGKILLed while a save streams to its chains: the save completes (the chains
+    fail over) or fails cleanly; either way what loads is a whole checkpoint, verified."""
+    import fs3
+
+    asyncio.run(process_cluster.ensure_chains(3))
+    fs = fs3.connect(process_cluster.mgmtd_address, token_file=str(process_cluster.token_file))
+    try:
+        gen = torch.Generator().manual_seed(3)
+        states = {step: {"w": torch.randn(4 << 20, generator=gen), "step": step} for step in (1, 2)}
+        phases: list[tuple[str, int]] = []
+        ckpt = CheckpointManager(fs=fs, directory="/ckpt", files_per_rank=2,
+                                 observer=lambda phase, step: phases.append((phase, step)))
+        ckpt.save(1, extra=states[1])
+        ckpt.wait()
+        ckpt.save(2, extra=states[2])
+        process_cluster.kill("storage-2")
+        assert ("rank_files_written", 2) not in phases  # killed while the data files were written
+        try:
+            ckpt.wait()
+            saved = 2
+        except Exception as exc:  # a clean failure: the previous checkpoint must still be whole
+            saved = 1
+            print(f"the save failed cleanly: {exc!r}")
+        ckpt.close()
+        with CheckpointManager(fs=fs, directory="/ckpt") as reader:
+            loaded = reader.load_latest()
+        assert loaded is not None and loaded.step == saved
+        assert torch.equal(loaded.extra["w"], states[saved]["w"])
+    finally:
+        fs.close()
 
 
 # -- keep, periodic saves, suspend, other runs ------------------------------------------------------
