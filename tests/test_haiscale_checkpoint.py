@@ -300,7 +300,8 @@ def test_a_storage_node_killed_mid_save_never_tears_latest(process_cluster: Proc
     fs = fs3.connect(process_cluster.mgmtd_address, token_file=str(process_cluster.token_file))
     try:
         gen = torch.Generator().manual_seed(3)
-        states = {step: {"w": torch.randn(4 << 20, generator=gen), "step": step} for step in (1, 2)}
+        weights = {step: torch.randn(4 << 20, generator=gen) for step in (1, 2)}
+        states = {step: {"w": weights[step], "step": step} for step in (1, 2)}
         phases: list[tuple[str, int]] = []
         ckpt = CheckpointManager(fs=fs, directory="/ckpt", files_per_rank=2,
                                  observer=lambda phase, step: phases.append((phase, step)))
@@ -319,7 +320,7 @@ def test_a_storage_node_killed_mid_save_never_tears_latest(process_cluster: Proc
         with CheckpointManager(fs=fs, directory="/ckpt") as reader:
             loaded = reader.load_latest()
         assert loaded is not None and loaded.step == saved
-        assert torch.equal(loaded.extra["w"], states[saved]["w"])
+        assert torch.equal(loaded.extra["w"], weights[saved])
     finally:
         fs.close()
 
