@@ -579,25 +579,29 @@ class ShardedState:
     def __init__(self, full: Mapping[str, torch.Tensor], rank: int, world_size: int) -> None:
         self.shards: dict[str, Shard] = {}
         self.plain = {"scale": torch.tensor([2.0, 3.0])}
+        self.lr: dict[str, Any] | None = {"lr": 0.5, "betas": (0.9, 0.99)}
         for name, tensor in full.items():
             start, end = shard_range(tensor.numel(), rank, world_size)
             self.shards[name] = Shard(tensor.reshape(-1)[start:end].clone(), tuple(tensor.shape), start)
 
-    def sharded_state_dict(self) -> dict[str, Shard | torch.Tensor]:
-        return {**self.shards, **self.plain}
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return {**self.shards, **self.plain, **({"lr": self.lr} if self.lr is not None else {})}
 
-    def load_sharded_state_dict(self, state: Mapping[str, Shard | torch.Tensor]) -> None:
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         for name, value in state.items():
             if isinstance(value, Shard):
                 assert value.flat_offset == self.shards[name].flat_offset
                 self.shards[name] = value
-            else:
+            elif isinstance(value, torch.Tensor):
                 self.plain[name] = value
+            else:
+                self.lr = value
 
     def zero(self) -> None:
         for name, shard in self.shards.items():
             self.shards[name] = Shard(torch.zeros_like(shard.local), shard.global_shape, shard.flat_offset)
         self.plain = {"scale": torch.zeros(2)}
+        self.lr = {}
 
 
 FULL = {"w": torch.arange(3 * 1000 * 700, dtype=torch.float32).reshape(3000, 700) / 7,
@@ -623,6 +627,7 @@ def test_shards_saved_by_n_ranks_load_on_m(saved_by: int, loaded_by: int, where:
             start, end = shard_range(tensor.numel(), rank, loaded_by)
             assert torch.equal(state.shards[name].local, tensor.reshape(-1)[start:end]), name
         assert torch.equal(state.plain["scale"], torch.tensor([2.0, 3.0]))
+        assert state.lr == {"lr": 0.5, "betas": (0.9, 0.99)}
 
 
 def test_shards_load_into_a_plain_model(local: Where) -> None:
@@ -633,6 +638,7 @@ def test_shards_load_into_a_plain_model(local: Where) -> None:
     for rank in (1, 0):
         state = ShardedState(full, rank, 2)
         state.plain = {}
+        state.lr = None  # what a plain module's state_dict holds: the tensors alone
         writers[rank].save(1, state)
     for writer in writers:
         writer.close()

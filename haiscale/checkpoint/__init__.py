@@ -22,14 +22,11 @@ world size, other ranges): a loading rank reads only the byte ranges it needs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import Any, Protocol, runtime_checkable
 
 from haiscale.checkpoint.format import CheckpointCorrupt
 from haiscale.checkpoint.manager import CheckpointError, CheckpointManager, Loaded
 from haiscale.checkpoint.rng import capture_rng_state, restore_rng_state
-from haiscale.sharding import Shard
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointManager", "Loaded", "ShardedModule",
            "capture_rng_state", "restore_rng_state"]
@@ -40,16 +37,18 @@ class ShardedModule(Protocol):
     """What the checkpoint manager asks of a module or optimizer whose state is sharded (used instead
     of ``state_dict``/``load_state_dict`` whenever an object has both methods).
 
-    ``sharded_state_dict()`` returns ``{name: Shard | Tensor}``: a :class:`~haiscale.sharding.Shard`
-    for each tensor this rank holds a flat range of, a plain tensor for replicated ones. Names are
+    ``sharded_state_dict()`` returns ``{name: Shard | Tensor | JSON value}``: a
+    :class:`~haiscale.sharding.Shard` for each tensor this rank holds a flat range of, a plain tensor
+    for replicated ones, and JSON-able values (an optimizer's hyperparameters and counters) as they
+    are. Names are
     the same on every rank (they join the shards of one tensor). At save the manager copies each
     ``Shard.local``; at load it calls ``sharded_state_dict()`` again to learn the ranges this rank
     wants now, reads exactly those elements from whichever saved shards hold them, and calls
     ``load_sharded_state_dict(state)`` with the same names mapped to new Shards (same
-    ``global_shape`` and ``flat_offset`` as asked, ``local`` filled; the module copies them in) and
-    whole tensors for the plain entries.
+    ``global_shape`` and ``flat_offset`` as asked, ``local`` filled; the module copies them in), whole
+    tensors for the plain entries and the saved values of the JSON ones.
     """
 
-    def sharded_state_dict(self) -> Mapping[str, Shard | torch.Tensor]: ...
+    def sharded_state_dict(self) -> Mapping[str, Any]: ...
 
-    def load_sharded_state_dict(self, state: Mapping[str, Shard | torch.Tensor]) -> None: ...
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None: ...

@@ -638,21 +638,30 @@ class _Reader:
 
     def sharded(self, key: str, dest: Mapping[str, Any], src: int) -> dict[str, Any]:
         """The state of a sharded module or optimizer for its current layout: each Shard of ``dest``
-        filled with the elements it covers, whatever layout saved them; plain tensors whole."""
+        filled with the elements it covers, whatever layout saved them; plain tensors whole; other
+        (JSON) values as this rank's source saved them."""
         out: dict[str, Any] = {}
+        saved = self._indexes[src].trees.get(key)
+        items = saved.get("__dict__") if isinstance(saved, dict) else None
+        saved_items = {item[0]: item[1] for item in items if isinstance(item, list) and len(item) == 2} \
+            if isinstance(items, list) else {}
         for name, want in dest.items():
             full = f"{key}/{name}"
+            if not isinstance(want, Shard | torch.Tensor):
+                # A JSON value (a hyperparameter, a counter): this rank's source's saved value.
+                if name not in saved_items:
+                    raise CheckpointCorrupt(f"rank {src} saved no {full!r}")
+                out[name] = fmt.decode_tree(saved_items[name], self._resolve(src))
+                continue
             if isinstance(want, Shard):
                 flat, shape = self.fetch(full, want.flat_offset, want.flat_end, src)
                 if shape != tuple(want.global_shape):
                     raise ValueError(f"{full}: the checkpoint's tensor is {list(shape)}, the module's "
                                      f"{list(want.global_shape)}")
                 out[name] = Shard(flat.to(want.local.dtype), tuple(want.global_shape), want.flat_offset)
-            elif isinstance(want, torch.Tensor):
+            else:
                 flat, shape = self.fetch(full, None, None, src)
                 out[name] = flat.view(shape)
-            else:
-                raise TypeError(f"{full}: a sharded state holds Shards and tensors, not {type(want).__name__}")
         return out
 
 
