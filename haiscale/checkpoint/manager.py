@@ -31,7 +31,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +49,9 @@ __all__ = ["CheckpointError", "CheckpointManager", "Loaded"]
 log = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
+_WRITE_PIECE_BYTES = 32 << 20
+"""Bytes per write call (whole CRC blocks of a tensor): large enough that each call queues many
+chunk writes, small enough that checksumming the next piece overlaps sending this one."""
 _READ_PIECE_BYTES = 64 << 20
 """A loader's reads are cut into pieces of at most this many bytes (whole CRC blocks), run in
 parallel: a large tensor is read by several threads at once."""
@@ -165,7 +168,8 @@ class CheckpointManager:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._last_saved_step: int | None = None
+        self._last_saved_step: int | None = None  # saved or loaded: maybe_save does not save it again
+        self._saved_step: int | None = None  # saved by this manager
         self._last_save_mono = time.monotonic()
         self.last_stall_s = 0.0
         """Seconds the last ``save`` held the training thread (waiting for the previous save included)."""
@@ -201,7 +205,13 @@ class CheckpointManager:
 
     def on_suspend(self, step: int, model: Any = None, optimizer: Any = None, extra: Any = None) -> None:
         """Save now and return only once the checkpoint is published (every rank's files durable, the
-        step directory renamed into place): the hook a scheduler calls before it suspends the job."""
+        step directory renamed into place): the hook a scheduler calls before it suspends the job.
+        If this manager's last save was of ``step`` already, that save is the one waited for."""
+        if step == self._saved_step:
+            self.wait()
+            if self.rank != 0:
+                self._await_published(step)
+            return
         self._save(step, model, optimizer, extra, durable=True)
         self.wait()
 
@@ -274,7 +284,7 @@ class CheckpointManager:
         snapshot = self._snapshot(step, written, trees, durable)
         with self._lock:
             self._pending = self._writer.submit(self._write, snapshot)
-        self._last_saved_step = step
+        self._last_saved_step = self._saved_step = step
         self._last_save_mono = time.monotonic()
         self.last_stall_s = time.perf_counter() - started
 
@@ -342,9 +352,8 @@ class CheckpointManager:
 
     def _write_data(self, tmp: str, name: str, buffer: torch.Tensor,
                     entries: list[Entry]) -> dict[str, tuple[int, ...]]:
-        view = _bytes_of(buffer)
-        crcs = {e.name: tuple(fmt.block_crcs(view[e.offset:e.offset + e.nbytes])) for e in entries}
-        self.store.write_file(self.store.join(tmp, name), [view])
+        crcs: dict[str, tuple[int, ...]] = {}
+        self.store.write_file(self.store.join(tmp, name), _checksummed_pieces(_bytes_of(buffer), entries, crcs))
         return crcs
 
     def _publish(self, step: int, tmp: str) -> None:
@@ -663,6 +672,28 @@ class _Reader:
                 flat, shape = self.fetch(full, None, None, src)
                 out[name] = flat.view(shape)
         return out
+
+
+def _checksummed_pieces(view: memoryview, entries: list[Entry],
+                        crcs: dict[str, tuple[int, ...]]) -> Iterator[memoryview]:
+    """``view`` in pieces of about :data:`_WRITE_PIECE_BYTES`, each entry's block CRCs put in ``crcs``
+    as its bytes go by: a piece is checksummed while the client still sends the one before (a write
+    returns once its chunks are queued), instead of a pass over every byte before the first write."""
+    pending = 0
+    for entry in sorted(entries, key=lambda e: e.offset):
+        sums: list[int] = []
+        done = 0
+        while done < entry.nbytes:
+            size = min(_WRITE_PIECE_BYTES, entry.nbytes - done)
+            sums.extend(fmt.block_crcs(view[entry.offset + done:entry.offset + done + size]))
+            done += size
+            end = entry.offset + done
+            if end - pending >= _WRITE_PIECE_BYTES:
+                yield view[pending:end]
+                pending = end
+        crcs[entry.name] = tuple(sums)
+    if pending < len(view):
+        yield view[pending:]
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
