@@ -108,6 +108,12 @@ class CheckpointManager:
     process group (so with ``world_size > 1`` either pass it, the same on every rank, or initialise
     ``torch.distributed`` first).
 
+    ``keep``: published checkpoints kept (at or below the step just saved; None keeps all).
+    ``every_steps``/``every_s``: when :meth:`maybe_save` saves. ``files_per_rank``: data files a
+    rank's bytes are striped over (each at least 16 MiB), written by ``io_threads`` threads at once
+    (and the loader's ranged reads run on the same threads). ``publish_timeout_s``: how long rank 0
+    waits for the other ranks' markers (and another rank, in :meth:`on_suspend`, for the publish).
+
     ``observer(phase, step)`` is called from the background writer as a save progresses
     (``rank_files_written``, ``marker_written``, and on rank 0 ``manifest_written``, ``published``):
     for progress logs and metrics.
