@@ -47,7 +47,7 @@ ALIGN_BYTES = 4096
 aligned for every dtype, and a loader's ranged reads start on chunk-friendly offsets."""
 CRC_BLOCK_BYTES = 1 << 20
 """One CRC32C per MiB of a tensor: a reshard reads (and verifies) only the blocks it needs."""
-MAX_INDEX_BYTES = 256 << 20
+MAX_INDEX_BYTES = 64 << 20
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_MARKER_BYTES = 64 << 10
 MAX_WORLD_SIZE = 1 << 16
