@@ -207,13 +207,15 @@ def main() -> int:
              "stall_fraction_of_save": ratios["stall_fraction_of_save"] <= 0.05}
     record = {"state_mib": nbytes / MIB, "width": args.width, "repeat": args.repeat,
               "MiBps": {name: {"save": rate(name, "save_s"), "load": rate(name, "load_s")} for name in results},
-              "stall_ms": hs["stall_s"] * 1e3, "ratios": ratios, "goals_met": goals}
+              "stall_ms": hs["stall_s"] * 1e3, "stall_ms_local": results["haiscale_local"]["stall_s"] * 1e3,
+              "ratios": ratios, "goals_met": goals}
     print(json.dumps(record))
     print(f"state {nbytes / MIB:.0f} MiB (wide MLP width {args.width} + Adam), best of {args.repeat}")
     print(f"{'':<16} {'save MiB/s':>11} {'load MiB/s':>11}")
     for name in results:
         print(f"{name:<16} {rate(name, 'save_s'):>11.1f} {rate(name, 'load_s'):>11.1f}")
-    print(f"training-thread stall per save: {hs['stall_s'] * 1e3:.1f} ms")
+    print(f"training-thread stall per save: {hs['stall_s'] * 1e3:.1f} ms (fs3), "
+          f"{results['haiscale_local']['stall_s'] * 1e3:.1f} ms (local)")
     for name, value in ratios.items():
         goal = f"  (goal {'met' if goals[name] else 'missed'})" if name in goals else ""
         print(f"  {name}: {value:.3f}{goal}")
