@@ -20,6 +20,7 @@ __all__ = ["FS3Store", "LocalStore", "Store"]
 _WRITE_PIECE_BYTES = 32 << 20
 """Bytes handed to the client per write call: large, so that each call queues many chunk writes
 (the client keeps several per file in flight), bounded, so progress is steady."""
+_READ_MANY_BYTES = 256 << 20  # bytes per read_many call: well under the client's bound of one call
 _MAX_TREE_DEPTH = 8  # checkpoint directories are two levels deep; removal refuses to wander further
 
 
@@ -102,11 +103,15 @@ class FS3Store:
             return bytes(f.readall())
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
-        # Where fs3's client offers ``read_many(ranges, buffer)``, the loader's ranges of one file
-        # can go to it in one call instead of one handle per range.
+        # read_many cuts the range into chunk pieces and asks every storage node holding some of
+        # them at once, straight into ``buffer`` (a plain read would fetch them a window at a time).
         with self.fs.open(path, "rb", buffering=0) as f:
-            f.seek(offset)
-            _fill(f, buffer, path)
+            for start in range(0, len(buffer), _READ_MANY_BYTES):
+                piece = buffer[start:start + _READ_MANY_BYTES]
+                (got,) = self.fs.read_many([(f, offset + start, len(piece))], buffer=piece)
+                if len(got) < len(piece):
+                    raise EOFError(f"{path} ends at byte {offset + start + len(got)}, before the "
+                                   f"{offset + len(buffer)} the index promises")
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.rename(src, dst)
