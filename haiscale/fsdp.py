@@ -54,7 +54,7 @@ from haiscale.dist import get_context
 from haiscale.models import Block
 from haiscale.sharding import Shard, shard_range
 
-__all__ = ["FSDPEvent", "FullyShardedDataParallel", "WrapPolicy"]
+__all__ = ["FSDPEvent", "FullyShardedDataParallel", "ShardedOptimizer", "WrapPolicy"]
 
 WrapPolicy = tuple[type[nn.Module], ...] | Callable[[nn.Module], bool]
 """Which submodules become units: a tuple of module types, or a predicate on the module."""
@@ -595,6 +595,11 @@ class FullyShardedDataParallel(nn.Module):
         for unit, new in new_states:
             optimizer.state[unit.shard] = new
 
+    def sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """``optimizer``'s state as sharded state for a checkpoint: ``ckpt.save(step, fsdp,
+        fsdp.sharded_optimizer(optimizer))`` saves on N ranks what loads on M."""
+        return ShardedOptimizer(self, optimizer)
+
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         mine = {id(unit.shard) for unit in self._units}
         theirs = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -605,6 +610,77 @@ class FullyShardedDataParallel(nn.Module):
     def unit_names(self) -> list[str]:
         """The units, in construction order (``"<root>"`` for the root's own parameters)."""
         return [_unit_label(unit.name) for unit in self._units]
+
+
+# What an optimizer keeps per element of a parameter once it has stepped: what a fresh one (no state
+# yet) will load from a checkpoint, so that it can say which ranges it wants before its first step.
+_PER_ELEMENT_STATE: dict[type[torch.optim.Optimizer], Callable[[dict[str, Any]], tuple[str, ...]]] = {
+    torch.optim.Adam: lambda group: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()),
+    torch.optim.AdamW: lambda group: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()),
+    torch.optim.SGD: lambda group: ("momentum_buffer",) if group["momentum"] else (),
+}
+_STEP_STATE = (torch.optim.Adam, torch.optim.AdamW)
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+class ShardedOptimizer:
+    """An FSDP model's optimizer as sharded state (``sharded_state_dict`` / ``load_sharded_state_dict``,
+    what :class:`haiscale.checkpoint.CheckpointManager` saves and reshards): ``"{parameter}/{key}"`` →
+    a Shard of each original parameter (or the per-tensor value, Adam's ``step``), and
+    ``"param_groups"`` → the hyperparameters of each group.
+
+    A fresh optimizer (no step taken) states what it will hold — for Adam, AdamW and SGD — so a
+    checkpoint loads into it; other optimizers load once they have stepped.
+    """
+
+    def __init__(self, model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        model._check_optimizer(optimizer)
+        self.model = model
+        self.optimizer = optimizer
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        state = self.model.sharded_optimizer_state_dict(self.optimizer) or self._fresh_state()
+        out: dict[str, Any] = {f"{name}/{key}": value for name, entry in state.items() for key, value in entry.items()}
+        out["param_groups"] = [{key: list(value) if isinstance(value, tuple) else value
+                                for key, value in group.items()
+                                if key != "params" and isinstance(value, (*_JSON_SCALARS, tuple, list))}
+                               for group in self.optimizer.param_groups]
+        return out
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
+        groups = state.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the optimizer has {len(self.optimizer.param_groups)} parameter groups, the state "
+                             f"{len(groups) if isinstance(groups, list) else 'no list of them'}")
+        nested: dict[str, dict[str, Any]] = {}
+        for full, value in state.items():
+            if full != "param_groups":
+                name, _, key = full.rpartition("/")
+                if not name:
+                    raise ValueError(f"optimizer state entry {full!r} is not PARAMETER/KEY")
+                nested.setdefault(name, {})[key] = value
+        self.model.load_sharded_optimizer_state_dict(self.optimizer, nested)
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            for key, value in saved.items():
+                if key in group and key != "params":
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+    def _fresh_state(self) -> dict[str, dict[str, Any]]:
+        """Zeros of the per-element state (and a zero ``step``) for every parameter, as the optimizer
+        would hold them after its first step."""
+        kind = type(self.optimizer)
+        if kind not in _PER_ELEMENT_STATE:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for name, unit, info in self.model._named_params():
+            group = next(g for g in self.optimizer.param_groups if any(p is unit.shard for p in g["params"]))
+            entry: dict[str, Any] = {key: self.model._shard_piece(unit, info, torch.zeros_like(unit.shard.detach()))
+                                     for key in _PER_ELEMENT_STATE[kind](group)}
+            if kind in _STEP_STATE:
+                entry["step"] = torch.tensor(0.0)
+            if entry:
+                out[name] = entry
+        return out
 
 
 def _policy(wrap: WrapPolicy) -> Callable[[nn.Module], bool]:
