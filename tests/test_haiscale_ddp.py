@@ -15,6 +15,7 @@ floating point, so both add the same two numbers.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import subprocess
 import sys
@@ -259,3 +260,36 @@ def test_forward_after_an_interrupted_backward_is_refused(comm: hfreduce.Communi
     handle.remove()
     with pytest.raises(RuntimeError, match="previous backward pass did not finish"):
         model(torch.ones(2, 1024))
+
+
+# -- the benchmark's bookkeeping ----------------------------------------------------------------
+
+
+def _bench_rank(rank: int, haiscale_s: list[float], difference: float = 0.0) -> dict[str, Any]:
+    return {"rank": rank, "parameters": {"mlp": 1000},
+            "seconds": {"mlp": {"haiscale": haiscale_s, "torch": [0.4, 0.4, 0.4], "local": [0.1, 0.1, 0.1]}},
+            "max_param_difference": {"mlp": difference}}
+
+
+def test_bench_takes_the_slowest_rank_per_repetition_and_refuses_diverging_ddps() -> None:
+    from bench.haiscale_ddp_bench import ResultsError, cells_for_layout, parse_models, validate_results
+    from bench.hfreduce_bench import Layout
+
+    layout = Layout(1, 2)
+    # Repetition medians of the slowest rank: max(0.1, 0.2)=0.2, max(0.3, 0.1)=0.3, max(0.1, 0.1)=0.1 -> 0.2.
+    [cell] = cells_for_layout(layout, ["mlp"], [_bench_rank(0, [0.1, 0.3, 0.1]), _bench_rank(1, [0.2, 0.1, 0.1])])
+    assert cell["haiscale_step_s"] == pytest.approx(0.2)
+    assert cell["speedup"] == pytest.approx(2.0) and cell["goal_met"]
+    assert cell["haiscale_overhead_s"] == pytest.approx(0.1)
+    with pytest.raises(RuntimeError, match="not timing the same training"):
+        cells_for_layout(layout, ["mlp"], [_bench_rank(0, [0.1] * 3), _bench_rank(1, [0.1] * 3, difference=0.01)])
+    with pytest.raises(argparse.ArgumentTypeError, match="not one of"):
+        parse_models("mlp,resnet")
+    assert parse_models("gpt,mlp,gpt") == ["gpt", "mlp"]
+    record = {"format_version": 1, "cells": [cell]}
+    assert validate_results(record) is record
+    for bad, field in (({**record, "format_version": 2}, "format_version"),
+                       ({**record, "cells": [{**cell, "speedup": 0}]}, "speedup"),
+                       ({**record, "cells": [{**cell, "model": "resnet"}]}, "model")):
+        with pytest.raises(ResultsError, match=field):
+            validate_results(bad)
