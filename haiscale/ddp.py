@@ -52,8 +52,10 @@ synchronized backward reduces the accumulated sums.
 a checkpoint of the wrapper loads into the bare model and the other way round.
 
 Limits: CPU parameters only; one synchronized backward per iteration; parameters that require a
-gradient must not change after construction (the buckets are fixed then). Registered buffers live
-until the communicator shuts down, so wrapping a model again allocates new ones.
+gradient must not change after construction (the buckets are fixed then). The hooks stay on the
+parameters, so a wrapped module keeps reducing its gradients even when called without the wrapper;
+wrap a copy for anything else. Registered buffers live until the communicator shuts down, so
+wrapping a model again allocates new ones.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ import torch
 from torch import nn
 
 import hfreduce
+from haiscale.dist import get_context
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_CAP_BYTES", "DistributedDataParallel"]
 
@@ -114,8 +117,6 @@ class DistributedDataParallel(nn.Module):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, not {bucket_cap_mb}")
         if comm is None:
-            from haiscale.dist import get_context
-
             comm = get_context().dp_comm
         self.module = module
         self.comm = comm
