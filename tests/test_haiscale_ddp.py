@@ -54,6 +54,7 @@ def equality() -> list[dict[str, Any]]:
     return results
 
 
+@pytest.mark.slow
 def test_ddp_trains_what_one_process_trains_on_the_global_batch(equality: list[dict[str, Any]]) -> None:
     for result in equality:
         for kind, tolerance in (("sgd", SGD_TOLERANCE), ("adam", ADAM_TOLERANCE)):
@@ -68,6 +69,7 @@ def test_ddp_trains_what_one_process_trains_on_the_global_batch(equality: list[d
     assert equality[0]["adam"]["digest"] == equality[1]["adam"]["digest"]
 
 
+@pytest.mark.slow
 def test_ddp_is_deterministic_and_its_gradient_modes_agree_bit_for_bit(equality: list[dict[str, Any]]) -> None:
     for result in equality:
         assert result["sgd"]["rerun_identical"] and result["adam"]["rerun_identical"]
@@ -75,17 +77,20 @@ def test_ddp_is_deterministic_and_its_gradient_modes_agree_bit_for_bit(equality:
         assert result["not_bucket_view_identical"]
 
 
+@pytest.mark.slow
 def test_no_sync_accumulates_and_the_next_backward_reduces_the_sum(equality: list[dict[str, Any]]) -> None:
     for result in equality:
         assert result["no_sync_vs_single"] <= SGD_TOLERANCE
 
 
+@pytest.mark.slow
 def test_a_parameter_unused_on_some_ranks_is_averaged_with_zeros(equality: list[dict[str, Any]]) -> None:
     for result in equality:
         assert set(result["unused"]) == {"a.weight", "a.bias", "b.weight", "b.bias"}
         assert max(result["unused"].values()) <= 1e-6, result["unused"]
 
 
+@pytest.mark.slow
 def test_allreduces_start_while_backward_still_produces_gradients(equality: list[dict[str, Any]]) -> None:
     for result in equality:
         overlap = result["overlap"]
@@ -96,6 +101,7 @@ def test_allreduces_start_while_backward_still_produces_gradients(equality: list
         assert overlap["grads_are_bucket_views"], overlap
 
 
+@pytest.mark.slow
 def test_buckets_follow_reverse_registration_order(equality: list[dict[str, Any]]) -> None:
     names = [name for name, _ in ByteGPT(ddp_job.CONFIG).named_parameters()]
     for result in equality:
@@ -103,6 +109,7 @@ def test_buckets_follow_reverse_registration_order(equality: list[dict[str, Any]
         assert flat == names[::-1]
 
 
+@pytest.mark.slow
 def test_state_dict_has_the_wrapped_modules_keys(equality: list[dict[str, Any]]) -> None:
     for result in equality:
         assert result["state_dict_keys_match"]
@@ -110,6 +117,7 @@ def test_state_dict_has_the_wrapped_modules_keys(equality: list[dict[str, Any]])
         assert result["bare_state_dict_loads"]
 
 
+@pytest.mark.slow
 def test_ranks_wrapping_different_models_all_get_a_clear_error(equality: list[dict[str, Any]]) -> None:
     for result in equality:
         mismatch = result["mismatch"]
@@ -121,6 +129,7 @@ def test_ranks_wrapping_different_models_all_get_a_clear_error(equality: list[di
     assert equality[0]["mismatch"]["after"] == equality[1]["mismatch"]["after"]
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_others_backward_instead_of_hanging() -> None:
     procs = _start("kill", 2)
     try:
