@@ -13,12 +13,13 @@ hold the same parameters to within float32 rounding, or the run fails: figures o
 something else would mean nothing.
 
 Models: ``wide_mlp()`` (about 55 M parameters, 8 samples per rank: gradients dwarf compute, the
-communication-heavy case) and a small ByteGPT (about 0.8 M parameters, 8 sequences of 64 bytes per
-rank: compute-heavy). Nodes beyond the first are Linux network namespaces on a bridge
-(``tests/chaos/netns.py``); without root only single-node layouts run and the results say why.
+communication-heavy case) and a small ByteGPT (about 0.9 M parameters, 8 sequences of 64 bytes per
+rank: compute-heavy); ``--batch`` changes the samples per rank. Nodes beyond the first are Linux
+network namespaces on a bridge (``tests/chaos/netns.py``); without root only single-node layouts run
+and the results say why.
 
 Usage: ``python bench/haiscale_ddp_bench.py [--layouts 1x4,2x2] [--models mlp,gpt] [--repeats 5]
-[--steps 3] [--quick]``. Writes ``bench/results/haiscale-ddp-<UTC timestamp>.{md,json}``.
+[--steps 3] [--batch 8] [--quick]``. Writes ``bench/results/haiscale-ddp-<UTC timestamp>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def parse_models(text: str) -> list[str]:
 # -- one rank -------------------------------------------------------------------------------------------
 
 
-def _model_and_batch(name: str, rank: int, quick: bool) -> tuple[Any, Any, Any]:
+def _model_and_batch(name: str, rank: int, quick: bool, batch: int) -> tuple[Any, Any, Any]:
     """The model's constructor, this rank's batch and the loss (the same data on every run)."""
     import torch
     import torch.nn.functional as F
@@ -91,11 +92,11 @@ def _model_and_batch(name: str, rank: int, quick: bool) -> tuple[Any, Any, Any]:
     generator = torch.Generator().manual_seed(1000 + rank)
     if name == "mlp":
         width = 1024 if quick else 4096
-        inputs = torch.randn(BATCH_PER_RANK, 1024, generator=generator)
-        targets = torch.randn(BATCH_PER_RANK, 16, generator=generator)
+        inputs = torch.randn(batch, 1024, generator=generator)
+        targets = torch.randn(batch, 16, generator=generator)
         return (lambda: wide_mlp(width=width)), (inputs, targets), F.mse_loss
     config = GPTConfig(block_size=64, n_layer=2 if quick else 4, n_head=4, n_embd=64 if quick else 128)
-    tokens = torch.randint(0, 256, (BATCH_PER_RANK, config.block_size + 1), generator=generator)
+    tokens = torch.randint(0, 256, (batch, config.block_size + 1), generator=generator)
     return (lambda: ByteGPT(config, seed=0)), (tokens[:, :-1], tokens[:, 1:]), lm_loss
 
 
@@ -116,7 +117,7 @@ def run_rank(spec_path: Path) -> int:
     parameters: dict[str, int] = {}
     try:
         for name in spec["models"]:
-            make, (inputs, targets), loss_fn = _model_and_batch(name, rank, spec["quick"])
+            make, (inputs, targets), loss_fn = _model_and_batch(name, rank, spec["quick"], spec["batch"])
             models = {"haiscale": DistributedDataParallel(make(), bucket_cap_mb=BUCKET_CAP_MB),
                       "torch": torch.nn.parallel.DistributedDataParallel(make(), bucket_cap_mb=BUCKET_CAP_MB,
                                                                          gradient_as_bucket_view=True),
@@ -340,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="timed repetitions per library and model (default 5; quick 2)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per repetition (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
+    parser.add_argument("--batch", type=int, default=BATCH_PER_RANK,
+                        help=f"samples per rank and step (default {BATCH_PER_RANK}; fewer: communication weighs more)")
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer repetitions (a smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default bench/results)")
     parser.add_argument("--rank-spec", type=Path, help=argparse.SUPPRESS)
@@ -348,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_rank(args.rank_spec)
     layouts: list[Layout] = args.layouts or parse_layouts("1x2" if args.quick else FULL_LAYOUTS)
     repeats: int = args.repeats if args.repeats is not None else (2 if args.quick else 5)
-    if repeats < 1 or args.steps < 1 or args.warmup < 0:
-        parser.error("--repeats and --steps must be at least 1, --warmup at least 0")
+    if repeats < 1 or args.steps < 1 or args.batch < 1 or args.warmup < 0:
+        parser.error("--repeats, --steps and --batch must be at least 1, --warmup at least 0")
     started = time.monotonic()
 
     def log(message: str) -> None:
@@ -359,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = _load()
     spec = {"models": args.models, "repeats": repeats, "steps": args.steps, "warmup": args.warmup,
+            "batch": args.batch,
             "quick": args.quick, "timeout_s": _RANK_TIMEOUT_S}
     # Start-up, then up to 5 s per step (the MLP's on a loaded machine) for every library.
     budget_s = _RANK_TIMEOUT_S + 5.0 * len(args.models) * len(LIBRARIES) * (repeats + args.warmup) * args.steps
@@ -393,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "machine": {"cores": os.cpu_count() or 1, "load_before": load_before, "load_after": _load()},
         "settings": {"repeats": repeats, "steps": args.steps, "warmup": args.warmup,
-                     "batch_per_rank": BATCH_PER_RANK, "bucket_cap_mb": BUCKET_CAP_MB, "torch": torch.__version__,
+                     "batch_per_rank": args.batch, "bucket_cap_mb": BUCKET_CAP_MB, "torch": torch.__version__,
                      "learning_rate": _LEARNING_RATE, "param_tolerance": _PARAM_TOLERANCE},
         "goals": GOALS, "skipped": skipped, "cells": cells, "seconds": round(time.monotonic() - started, 1)}
     validate_results(record)
