@@ -16,6 +16,7 @@ floating point, so both add the same two numbers.
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import subprocess
 import sys
@@ -190,6 +191,31 @@ def test_gradients_are_views_of_one_registered_buffer_even_after_set_to_none(com
     # The buckets of one dtype lie end to end in one buffer (allocated with comm.shared_tensor).
     flats = sorted((bucket.flat.data_ptr(), bucket.flat.numel()) for bucket in model._buckets)
     assert all(start + 4 * size == following for (start, size), (following, _) in itertools.pairwise(flats))
+
+
+def test_frozen_parameters_stay_out_and_dtypes_get_buckets_of_their_own(comm: hfreduce.Communicator) -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8).double(), nn.Linear(8, 2).double())
+    module[2].bias.requires_grad_(False)
+    reference = copy.deepcopy(module)
+    model = DistributedDataParallel(module, comm=comm)
+    params = dict(model.module.named_parameters())
+    for bucket in model.bucket_names():
+        assert len({params[name].dtype for name in bucket}) == 1, bucket
+    assert "2.bias" not in [name for bucket in model.bucket_names() for name in bucket]
+
+    def run(net: nn.Sequential) -> None:
+        out = net[2](net[1](net[0](torch.ones(3, 4)).double()))
+        torch.autograd.backward(out.square().sum())
+
+    run(module)
+    run(reference)
+    assert params["2.bias"].grad is None
+    for name, param in reference.named_parameters():
+        if param.requires_grad:
+            reduced = params[name].grad
+            assert param.grad is not None and reduced is not None
+            assert torch.equal(reduced, param.grad), name  # one rank: the average is the gradient
 
 
 def test_gradient_as_bucket_view_false_keeps_its_own_gradients(comm: hfreduce.Communicator) -> None:
