@@ -113,8 +113,17 @@ class Trainer:
         if args.ckpt:
             from haiscale.checkpoint import CheckpointManager
 
+            # Replicated state (DDP's model, a pipeline stage's) is written once, by the stage's first
+            # data-parallel rank; FSDP's shards by every rank.
+            replica_of = None
+            if self.ctx is not None and args.mode != "fsdp" and self.ctx.dp_rank != 0:
+                replica_of = self.ctx.layout.rank_of(self.ctx.stage, 0)
             self.checkpoints = CheckpointManager(args.ckpt, keep=args.keep, rank=self.rank,
-                                                 world_size=self.ctx.world_size if self.ctx else 1)
+                                                 world_size=self.ctx.world_size if self.ctx else 1,
+                                                 replica_of=replica_of)
+        # What the checkpoints save of the optimizer: FSDP's sharded state reshards on load.
+        self.optimizer_state: Any = self.model.sharded_optimizer(self.optimizer) if args.mode == "fsdp" \
+            else self.optimizer
 
     def next_indices(self) -> list[int]:
         """This data-parallel rank's records for the next step; an epoch's tail shorter than a batch
@@ -140,7 +149,7 @@ class Trainer:
             value = float(loss) if loss is not None else None  # the loss is known on the last stage only
         else:
             loss = lm_loss(self.model(inputs), targets)
-            loss.backward()
+            torch.autograd.backward(loss)
             value = float(loss.detach())
         self.optimizer.step()
         return value
@@ -175,7 +184,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         start_step = 0
         if self.checkpoints is not None:
-            loaded = self.checkpoints.load_latest(self.model, self.optimizer)
+            loaded = self.checkpoints.load_latest(self.model, self.optimizer_state)
             if loaded is not None:
                 start_step = int(loaded.step)
                 self.restore_position(loaded.extra)
@@ -186,7 +195,7 @@ class Trainer:
                 losses.append(self.train_step())
                 done = step + 1
                 if self.checkpoints is not None and self.args.save_every and done % self.args.save_every == 0:
-                    self.checkpoints.save(done, self.model, self.optimizer, extra=self.position())
+                    self.checkpoints.save(done, self.model, self.optimizer_state, extra=self.position())
                 if step == self.args.die_after_step and self.rank == self.args.die_rank:
                     if self.checkpoints is not None:
                         self.checkpoints.wait()

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m haiscale.examples.train_gpt --help``."""
