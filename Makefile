@@ -17,7 +17,7 @@ FSX_SEEDS ?= 300
 FSX_OPS ?= 100
 FSX_FIRST ?= 1
 
-.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce bench-haiscale train-demo test-haiscale-long chaos model-report clean install
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -114,6 +114,26 @@ bench-fuse: install
 # bench/results/hfreduce-*.{md,json,png} and the model's input bench/results/hfreduce.json.
 bench-hfreduce: install
 	$(PY) bench/hfreduce_bench.py
+
+# HaiScale against its baselines, each in one run: DDP step time against torch's DDP on gloo (1 node x 4
+# ranks, 2 network-namespace nodes x 2, root), checkpoint save/load against torch.save on the FUSE mount,
+# locally and DCP on fs3://, RecordDataset samples/s against the FUSE mount and local disk, read_many
+# against one read per record: bench/results/haiscale-*.{md,json} and the lines each prints.
+bench-haiscale: install
+	$(PY) bench/haiscale_ddp_bench.py
+	$(PY) bench/haiscale_checkpoint_bench.py
+	$(PY) bench/haiscale_data_bench.py
+	$(PY) bench/read_many_bench.py
+
+# The whole training path on a local fs3 cluster: the standard library's source as records on fs3,
+# the byte-level GPT trained with HaiScale DDP on 4 ranks, a rank killed and the job resumed from its
+# fs3 checkpoint, bit-identical to an uninterrupted run (a few minutes).
+train-demo: install
+	$(PY) -m haiscale.examples.demo
+
+# HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out).
+test-haiscale-long: install
+	HAISCALE_PIPELINE_LONG=1 $(BIN)/pytest -q tests/test_haiscale_pipeline.py
 
 # The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.
 model-report: install

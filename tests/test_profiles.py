@@ -102,6 +102,25 @@ def test_token_file_in_the_environment(home: Path) -> None:
         resolve("h:1", "x", token_file=str(home / "env.token"), environ={})
 
 
+def test_tls_from_the_environment_unless_the_profile_has_its_own(home: Path) -> None:
+    """``FS3_TLS_*`` as the ``fs3`` command and the compose file's clients set them."""
+    tls_env = {"FS3_TLS_CA_FILE": "/certs/ca.pem", "FS3_TLS_CERT_FILE": "/certs/client.pem",
+               "FS3_TLS_KEY_FILE": "/certs/client.key"}
+    settings = resolve(environ=env_for(home, FS3_MGMTD="h:1", FS3_TOKEN="x", **tls_env))
+    assert settings.tls == TlsConfig(ca_file="/certs/ca.pem", cert_file="/certs/client.pem",
+                                     key_file="/certs/client.key")
+    assert client_config(settings, None, {}).tls == settings.tls
+    assert resolve("h:2", "x", environ=env_for(home, **tls_env)).tls == settings.tls
+    # The profile in use keeps its own TLS; none anywhere is no TLS.
+    own = resolve(profile="train", environ=env_for(home, **tls_env)).tls
+    assert own is not None and own.cert_file == "/etc/fs3/client.pem"
+    assert resolve(environ=env_for(home, FS3_MGMTD="h:1", FS3_TOKEN="x")).tls is None
+    for broken, message in (({"FS3_TLS_CERT_FILE": "/c.pem"}, "cert_file and key_file"),
+                            ({"FS3_TLS_SERVER_NAME": "fs3"}, "ca_file is required")):
+        with pytest.raises(InvalidArgument, match=message):
+            resolve(environ=env_for(home, FS3_MGMTD="h:1", FS3_TOKEN="x", **broken))
+
+
 def test_a_config_with_an_inline_token_must_be_private(home: Path) -> None:
     (home / "config.toml").chmod(0o644)
     with pytest.raises(InvalidArgument, match="chmod 600") as caught:

@@ -8,7 +8,9 @@ that gives a value wins; docs/operations.md, "Connecting: profiles and environme
 1. What the caller passes: ``fs3.connect("HOST:PORT", token=... | token_file=...)``, fsspec's
    ``mgmtd=``/``token=``, a ``fs3://HOST:PORT/path`` URL.
 2. A profile the caller names: ``fs3.connect(profile="NAME")``, ``fs3://NAME@/path``.
-3. The environment: ``FS3_MGMTD``, ``FS3_TOKEN`` or ``FS3_TOKEN_FILE``.
+3. The environment: ``FS3_MGMTD``, ``FS3_TOKEN`` or ``FS3_TOKEN_FILE``; mutual TLS from
+   ``FS3_TLS_CA_FILE``, ``FS3_TLS_CERT_FILE``, ``FS3_TLS_KEY_FILE`` (and ``FS3_TLS_SERVER_NAME``), as
+   the ``fs3`` command reads them, unless the profile in use has TLS settings of its own.
 4. The profile ``FS3_PROFILE`` names, else ``default``, in the config file: ``$FS3_CONFIG``, else
    ``$XDG_CONFIG_HOME/fs3/config.toml`` (``~/.config/fs3/config.toml``)::
 
@@ -291,10 +293,25 @@ def resolve(mgmtd: str | list[str] | tuple[str, ...] | None = None, token: str |
         secret, secret_file = trusted.token, trusted.token_file
     else:
         secret, secret_file = None, None
+    tls = trusted.tls if trusted is not None and trusted.tls is not None else _environment_tls(env)
     return ClusterSettings(addresses, _token_of(secret, secret_file), secret_file,
                            trusted.name if trusted is not None else None,
-                           trusted.transport if trusted is not None else None,
-                           trusted.tls if trusted is not None else None, source)
+                           trusted.transport if trusted is not None else None, tls, source)
+
+
+def _environment_tls(env: Mapping[str, str]) -> TlsConfig | None:
+    """``FS3_TLS_<KEY>`` (what the ``fs3`` command and the compose file's clients set); None when unset."""
+    settings = {key: env[f"FS3_TLS_{key.upper()}"] for key in sorted(_TLS_KEYS) if env.get(f"FS3_TLS_{key.upper()}")}
+    if not settings:
+        return None
+    tls = TlsConfig(**settings)
+    try:
+        tls.validate()
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"FS3_TLS_* in the environment: {exc}") from None
+    if not tls.enabled:
+        raise InvalidArgument("FS3_TLS_* in the environment: FS3_TLS_CA_FILE is needed to turn TLS on")
+    return tls
 
 
 def _toml_string(value: str) -> str:
