@@ -4,12 +4,15 @@ and torch's distributed checkpoint finding the cluster and token from a profile 
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import multiprocessing
 import os
 import pickle
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -260,3 +263,26 @@ def test_torch_dcp_round_trip_with_the_profile_alone(cluster: _Cluster, monkeypa
     # A fresh client, elsewhere, sees the whole checkpoint.
     with fs3.connect(profile="train") as other:
         assert ".metadata" in other.listdir("/ckpt/step-7")
+
+
+def test_a_stopped_client_fails_its_files_at_once_and_exits_cleanly(cluster: _Cluster) -> None:
+    """A file whose file system was closed fails its calls with EBADF instead of waiting for a loop
+    that will never answer; a process that exits with files still referenced (a dataset's shard
+    handles, say) exits at once, whatever order the interpreter collects them in."""
+    fs = fs3.connect()
+    fs.makedirs("/fork", exist_ok=True)
+    fs.write_bytes("/fork/stopped.txt", b"kept open")
+    kept = fs.open("/fork/stopped.txt", "rb", buffering=0)
+    fs.close()
+    with pytest.raises(OSError) as caught:
+        kept.read()
+    assert caught.value.errno == errno.EBADF and "stopped" in str(caught.value)
+    script = ("import builtins, fs3\n"
+              "fs = fs3.connect()\n"
+              "builtins.kept = [fs.open('/fork/stopped.txt', 'rb'), fs.open('/fork/stopped.txt', 'rb', buffering=0)]\n"
+              "builtins.kept.append(builtins.kept)  # a cycle: collected late, after the loop thread\n"
+              "assert builtins.kept[0].read() == b'kept open'\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert run.returncode == 0, run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr

@@ -79,8 +79,10 @@ def launch(lab: dict[str, Any], name: str, args: list[str], timeout_s: float = 2
     procs = []
     for rank, host in NODES.items():
         log = lab["root"] / f"{name}-{rank}.log"
+        # GLOO_SOCKET_IFNAME: a namespace's host name resolves to no address of its own, and gloo
+        # would otherwise advertise that to its peers.
         env = {"RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": master, "MASTER_PORT": str(port),
-               "PYTHONPATH": str(ROOT)}
+               "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0"}
         procs.append((cluster.spawn_client(host, [sys.executable, "-m", "haiscale.examples.train_gpt",
                                                   "--data", "fs3:///datasets/json", *MODEL, *args], log, env), log))
     deadline = time.monotonic() + timeout_s

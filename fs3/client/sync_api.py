@@ -15,6 +15,7 @@ import errno
 import io
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -47,8 +48,11 @@ class _LoopThread:
             self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
         except ImportError:  # pragma: no cover - uvloop is a dependency
             self.loop = asyncio.new_event_loop()
+        running = threading.Event()
+        self.loop.call_soon(running.set)
         self.thread = threading.Thread(target=self.loop.run_forever, name="fs3-client-loop", daemon=True)
         self.thread.start()
+        running.wait()  # from here on, a loop that is not running has stopped for good
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self.pid != os.getpid():
@@ -58,6 +62,12 @@ class _LoopThread:
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("blocking fs3 call made from the fs3 client's own event loop")
+        # A stopped loop would never answer: its file system was closed, or the interpreter is exiting
+        # (daemon threads no longer run then, though their loop still looks running).
+        if sys.is_finalizing() or not self.loop.is_running():
+            coro.close()
+            raise OSError(errno.EBADF, "the fs3 client has stopped (its file system was closed, or the "
+                                       "interpreter is exiting)")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:
@@ -108,6 +118,8 @@ def _finalize(file: Any, default: Any) -> None:
     (whichever thread allocates), where a blocking close cannot wait on that very loop: it failed
     there ("Exception ignored") and the file's buffered bytes were lost. There the close runs in a
     short thread of its own (the interpreter waits for it at exit); elsewhere as io's own does."""
+    if sys.is_finalizing():
+        return  # the loop thread no longer runs: nothing could answer (open writers closed at exit, before)
     try:
         raw = None if file.closed else _raw_of(file)
     except ValueError:  # detached

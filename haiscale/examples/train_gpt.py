@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
     finally:
+        trainer.dataset.close()
         if trainer.ctx is not None:
             haiscale.destroy()
 
