@@ -4,7 +4,10 @@ silent garbage behind. One-rank communicators in this process unless a check nee
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import haiscale
 import hfreduce
 from haiscale.fsdp import FullyShardedDataParallel
 from haiscale.models import Block, ByteGPT, Embedding, GPTConfig, Head, lm_loss
-from tests.hfreduce.runner import free_port
+from tests.hfreduce.runner import ROOT, free_port, rank_env
 
 CONFIG = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
 WRAP = (Embedding, Block, Head)
@@ -83,6 +86,7 @@ def test_fsdp_shared_unit_and_double_forward_train_like_the_module(comm: hfreduc
 # -- haiscale.init / destroy ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_destroy_closes_the_hfreduce_groups_when_the_default_group_is_the_callers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
@@ -106,3 +110,35 @@ def test_destroy_closes_the_hfreduce_groups_when_the_default_group_is_the_caller
         if haiscale.dist._context is not None:
             haiscale.destroy()
         dist.destroy_process_group()
+
+
+# -- the example: a checkpoint resumes only in the layout that wrote it -------------------------------------------
+
+
+def _train_gpt(mode: str, data: Path, ckpt: Path, steps: int) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "haiscale.examples.train_gpt", "--mode", mode, "--data", str(data), "--ckpt",
+               str(ckpt), "--layers", "1", "--embd", "16", "--heads", "2", "--batch-size", "4", "--save-every", "2",
+               "--steps", str(steps), "--timeout-s", "20"]
+    return subprocess.run(command, cwd=ROOT, env=rank_env(0, 1, free_port(), None, {"OMP_NUM_THREADS": "1"}),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_mode_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    """An FSDP checkpoint resumed by DDP failed deep in the optimizer's loader (``KeyError: 'params'``,
+    after the model had been overwritten); a DDP one resumed by FSDP was called damaged and older
+    checkpoints were tried. Both must be one clear refusal that leaves the checkpoint resumable."""
+    corpus, data, ckpt = tmp_path / "corpus", tmp_path / "data", tmp_path / "ckpt"
+    corpus.mkdir()
+    (corpus / "text.txt").write_bytes(bytes(range(256)) * 20)
+    subprocess.run([sys.executable, "-m", "haiscale.data", "convert", str(corpus), str(data), "--text",
+                    "--record-bytes", "17", "--records-per-file", "512"], cwd=ROOT, check=True, capture_output=True,
+                   env=dict(rank_env(0, 1, 0, None, {})), timeout=120)
+    first = _train_gpt("fsdp", data, ckpt, 2)
+    assert first.returncode == 0, first.stderr
+    refused = _train_gpt("ddp", data, ckpt, 4)
+    assert refused.returncode != 0
+    assert "was written by --mode fsdp (sharded); this run is --mode ddp (replicated)" in refused.stderr
+    resumed = _train_gpt("fsdp", data, ckpt, 4)  # the checkpoint is intact, and its own mode resumes it
+    assert resumed.returncode == 0, resumed.stderr
+    assert '"start_step": 2' in resumed.stdout
