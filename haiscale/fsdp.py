@@ -138,7 +138,9 @@ class FullyShardedDataParallel(nn.Module):
 
     ``wrap`` selects the units (module types or a predicate; the root is always one). ``prefetch``
     overlaps the next unit's all-gather with the current unit's compute. ``reshard_after_forward=False``
-    keeps every unit gathered from its forward to its backward (no second gather, more memory).
+    keeps every unit gathered from its forward to its backward (no second gather, more memory; a
+    ``no_grad`` forward, which has no backward, frees them all the same, and a unit whose shard changed
+    since its gather — an optimizer step, a loaded state — is gathered again before it computes).
     ``trace`` receives an :class:`FSDPEvent` for every gather, forward, backward, reduce-scatter and
     free — for tests and profiling.
 
