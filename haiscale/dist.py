@@ -65,6 +65,9 @@ class ParallelContext:
 
 _context: ParallelContext | None = None
 _owns_default_group = False
+_groups: list[Any] = []
+"""The groups :func:`init` made (this rank's and, as ``new_group`` requires, everyone else's): destroyed
+by :func:`destroy` even when the default group is the caller's and stays."""
 
 
 def init(pipeline_size: int = 1, placement: Placement = "contiguous", timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -91,7 +94,9 @@ def init(pipeline_size: int = 1, placement: Placement = "contiguous", timeout_s:
     try:
         for group_stage, ranks in enumerate(layout.dp_groups()):
             hf_group = dist.new_group(ranks, timeout=timeout, backend=hfreduce_torch.BACKEND_NAME, pg_options=options)
+            _groups.append(hf_group)
             gloo_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+            _groups.append(gloo_group)
             if group_stage == stage:
                 mine = {"hf": hf_group, "gloo": gloo_group}
         _context = ParallelContext(rank=rank, world_size=world_size, layout=layout, stage=stage, dp_rank=dp_rank,
@@ -117,7 +122,20 @@ def destroy() -> None:
 
 
 def _destroy_default() -> None:
+    """Destroy what :func:`init` made. With a default group of the caller's, that group stays, but the
+    data-parallel groups go: each HFReduce communicator holds a worker thread, sockets and registered
+    memory, and would otherwise live (and keep answering collectives) until the process ends."""
     global _owns_default_group
+    groups = [group for group in _groups if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER]
+    _groups.clear()
     if _owns_default_group and dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group with it
+    else:
+        for group in groups:
+            if isinstance(group, hfreduce_torch.ProcessGroupHFReduce):
+                # torch's destroy_process_group(group) cannot unregister this backend's groups (they
+                # carry no c10d group name); shutting the communicator down is what frees its resources.
+                hfreduce_torch.communicator_of(group).shutdown()
+            elif dist.is_initialized():
+                dist.destroy_process_group(group)
     _owns_default_group = False

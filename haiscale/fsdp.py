@@ -106,6 +106,9 @@ class _Unit:
     """The full flat parameter (a leaf): storage allocated only while gathered."""
     gather_work: hfreduce.Work | None = None
     gathered: bool = False
+    gathered_version: int = -1
+    """The shard's version counter when the gather that filled ``full`` was issued: a shard changed in
+    place since (an optimizer step, a loaded state dict) makes the gathered values stale."""
     forward_ran: bool = False
     backward_done: bool = False
 
@@ -135,7 +138,9 @@ class FullyShardedDataParallel(nn.Module):
 
     ``wrap`` selects the units (module types or a predicate; the root is always one). ``prefetch``
     overlaps the next unit's all-gather with the current unit's compute. ``reshard_after_forward=False``
-    keeps every unit gathered from its forward to its backward (no second gather, more memory).
+    keeps every unit gathered from its forward to its backward (no second gather, more memory; a
+    ``no_grad`` forward, which has no backward, frees them all the same, and a unit whose shard changed
+    since its gather — an optimizer step, a loaded state — is gathered again before it computes).
     ``trace`` receives an :class:`FSDPEvent` for every gather, forward, backward, reduce-scatter and
     free — for tests and profiling.
 
@@ -281,11 +286,16 @@ class FullyShardedDataParallel(nn.Module):
         return sum(unit.full.untyped_storage().nbytes() for unit in self._units)
 
     def _issue_gather(self, unit: _Unit) -> None:
+        if unit.gathered and unit.gathered_version != unit.shard._version:
+            # Kept gathered (``reshard_after_forward=False``, or an evaluation forward) while the shard
+            # changed: the full buffer holds the old values. Gather again rather than compute with them.
+            unit.gathered = False
         if unit.gathered or unit.gather_work is not None:
             return
         storage = unit.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(unit.full_bytes)
+        unit.gathered_version = unit.shard._version
         unit.gather_work = self.comm.all_gather(_raw_view(unit.full), _raw_view(unit.shard), async_op=True)
         self._event("gather", unit)
 
@@ -433,9 +443,11 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             if self._current_order:
                 self._order = list(self._current_order)
+            keep = not self.reshard_after_forward and torch.is_grad_enabled()
             for unit in self._units:
-                # A prefetch for a unit this forward did not run; with resharding, anything left over.
-                if self.reshard_after_forward or not unit.forward_ran:
+                # A prefetch for a unit this forward did not run; with resharding, anything left over;
+                # under no_grad everything (no backward will use it: kept, it would only hold memory).
+                if not keep or not unit.forward_ran:
                     self._free(unit)
 
     def _wait(self, work: hfreduce.Work, what: str, unit: str) -> None:

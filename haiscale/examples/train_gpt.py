@@ -172,9 +172,33 @@ class Trainer:
             return out
         return {names[id(p)]: p.detach().clone() for p in module.parameters()}
 
+    def layout(self) -> str:
+        """How this run's checkpoints hold the model: one process's ``state_dict`` (``single`` and
+        ``ddp`` write the same), FSDP's Shards (any number of ranks), or one pipeline stage per rank
+        (only the same pipeline size reads them back). Two runs resume each other's checkpoints only
+        when this is the same: otherwise the state would load as garbage or fail deep in the loader."""
+        if self.args.mode in ("single", "ddp"):
+            return "replicated"
+        if self.args.mode == "fsdp":
+            return "sharded"
+        return f"pipeline of {self.args.pipeline_size} stages"
+
     def position(self) -> dict[str, Any]:
-        """Where the data stands, for a checkpoint: a resumed run reads exactly the next records."""
-        return {"sampler": self.sampler.state_dict()}
+        """Where the data stands, for a checkpoint: a resumed run reads exactly the next records (and
+        how the model is stored, checked before a resume loads anything)."""
+        return {"sampler": self.sampler.state_dict(), "layout": self.layout(), "mode": self.args.mode}
+
+    def check_resumable(self) -> None:
+        """Refuse, before any state is loaded, a checkpoint written in another layout (``--mode`` or
+        ``--pipeline-size``): loading only the extra state reads no model or optimizer."""
+        assert self.checkpoints is not None
+        peek = self.checkpoints.load_latest()
+        if peek is None or not isinstance(peek.extra, dict) or "layout" not in peek.extra:
+            return
+        if peek.extra["layout"] != self.layout():
+            raise SystemExit(f"the checkpoint {peek.path} was written by --mode {peek.extra.get('mode')} "
+                             f"({peek.extra['layout']}); this run is --mode {self.args.mode} ({self.layout()}): "
+                             f"resume it with the mode (and pipeline size) it was written with")
 
     def restore_position(self, extra: dict[str, Any]) -> None:
         self.sampler.load_state_dict(extra["sampler"])
@@ -184,6 +208,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         start_step = 0
         if self.checkpoints is not None:
+            self.check_resumable()
             loaded = self.checkpoints.load_latest(self.model, self.optimizer_state)
             if loaded is not None:
                 start_step = int(loaded.step)
