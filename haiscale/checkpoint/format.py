@@ -165,14 +165,32 @@ def tree_refs(tree: Any, depth: int = 0) -> Iterator[TensorRef]:
         if "__tensor__" in tree or "__shard__" in tree:
             yield _ref(tree)
         elif "__dict__" in tree:
-            for _key, value in tree["__dict__"]:
-                yield from tree_refs(value, depth + 1)
+            for item in _dict_items(tree["__dict__"]):
+                yield from tree_refs(item[1], depth + 1)
         elif "__tuple__" in tree:
-            for value in tree["__tuple__"]:
+            values = tree["__tuple__"]
+            if not isinstance(values, list):
+                raise CheckpointCorrupt(f"a malformed tuple {values!r:.80} in a state tree")
+            for value in values:
                 yield from tree_refs(value, depth + 1)
+        else:
+            raise CheckpointCorrupt(f"an unknown node {tree!r:.80} in a state tree")
     elif isinstance(tree, list):
         for value in tree:
             yield from tree_refs(value, depth + 1)
+
+
+def _dict_items(items: Any) -> list[list[Any]]:
+    """An encoded dict's ``[key, value]`` items, each checked (a key is a str or an int, never a bool:
+    :func:`encode_tree` writes no other); :class:`CheckpointCorrupt` for anything else, so that a
+    damaged or hostile index falls back like any other corrupt checkpoint."""
+    if not isinstance(items, list):
+        raise CheckpointCorrupt(f"a malformed dict {items!r:.80} in a state tree")
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str | int)
+                and not isinstance(item[0], bool)):
+            raise CheckpointCorrupt(f"a malformed dict item {item!r:.80}")
+    return items
 
 
 def _ref(node: dict[str, Any]) -> TensorRef:
@@ -190,11 +208,9 @@ def decode_tree(tree: Any, resolve: Callable[[TensorRef], Any], depth: int = 0) 
     if isinstance(tree, dict):
         if "__tensor__" in tree or "__shard__" in tree:
             return resolve(_ref(tree))
-        if isinstance(tree.get("__dict__"), list):
+        if "__dict__" in tree:
             out: dict[Any, Any] = {}
-            for item in tree["__dict__"]:
-                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str | int)):
-                    raise CheckpointCorrupt(f"a malformed dict item {item!r:.80}")
+            for item in _dict_items(tree["__dict__"]):
                 out[item[0]] = decode_tree(item[1], resolve, depth + 1)
             return out
         if isinstance(tree.get("__tuple__"), list):

@@ -23,6 +23,7 @@ never left half-loaded.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -33,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,6 +330,41 @@ class CheckpointManager:
 
     def _write(self, snap: _Snapshot) -> None:
         tmp = self._tmp(snap.step)
+        try:
+            self._write_rank_files(snap, tmp)
+        except BaseException:
+            # Nothing of this rank's is in the checkpoint yet (its marker is not written): its partial
+            # files only take space — on a full disk, the space the next save needs, which would
+            # fail too, as every save after it, until a save succeeded and cleaned up.
+            self._remove_rank_files(tmp)
+            raise
+        self._phase("marker_written", snap.step)
+        if self.rank == 0:
+            self._publish(snap.step, tmp)
+        elif snap.durable:
+            self._await_published(snap.step)
+
+    def _remove_rank_files(self, tmp: str) -> None:
+        """Remove this rank's files of a failed save from ``tmp`` (and ``tmp`` once it is empty); best
+        effort, as the save's own error is what the caller is told."""
+        mine = f"rank-{self.rank:05d}."
+        try:
+            names = self.store.listdir(tmp)
+        except OSError:
+            return
+        if fmt.marker_file_name(self.rank) in names:
+            return  # the marker is out: rank 0 may be publishing these files
+        for name in names:
+            if name.startswith(mine):
+                try:
+                    self.store.remove(self.store.join(tmp, name))
+                except OSError as exc:
+                    log.warning("removing %s of a failed save failed: %s", name, exc)
+        with contextlib.suppress(OSError):
+            self.store.rmdir(tmp)
+
+    def _write_rank_files(self, snap: _Snapshot, tmp: str) -> None:
+        """This rank's data files, index and marker, each durable before the next is written."""
         self.store.makedirs(tmp)
         by_file: dict[str, list[Entry]] = {name: [] for name in snap.buffers}
         for entry in snap.entries:
@@ -335,6 +372,7 @@ class CheckpointManager:
         jobs = [self._io.submit(self._write_data, tmp, name, snap.buffers[name], by_file[name])
                 for name in snap.buffers]
         crcs: dict[str, tuple[int, ...]] = {}
+        futures_wait(jobs)  # all of them, failed or not: none may still be writing when a failure is cleaned up
         for job in jobs:
             crcs.update(job.result())
         entries = {e.name: Entry(e.name, e.file, e.offset, e.nbytes, e.dtype, e.shape, crcs[e.name], e.global_shape,
@@ -350,11 +388,6 @@ class CheckpointManager:
         done = self.store.join(tmp, fmt.marker_file_name(self.rank))
         self.store.write_file(done + ".part", [fmt.render_marker(marker)])
         self.store.rename(done + ".part", done)
-        self._phase("marker_written", snap.step)
-        if self.rank == 0:
-            self._publish(snap.step, tmp)
-        elif snap.durable:
-            self._await_published(snap.step)
 
     def _write_data(self, tmp: str, name: str, buffer: torch.Tensor,
                     entries: list[Entry]) -> dict[str, tuple[int, ...]]:
@@ -577,10 +610,11 @@ class _Reader:
         end = numel if end is None else end
         if not 0 <= start <= end <= numel:
             raise ValueError(f"elements [{start}, {end}) of {name!r}, a tensor of {numel}")
-        out = torch.empty(end - start, dtype=dtype)
-        out_bytes = out.view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
+        # What covers the range is worked out before the output is allocated: a shard's whole shape
+        # is bounded by no file, so only elements the saved pieces hold (bounded by their files'
+        # sizes) may size an allocation.
         uncovered = [(start, end)] if end > start else []
-        jobs = []
+        segments: list[tuple[int, Entry, int, int]] = []
         for rank, entry in pieces:
             if not uncovered:
                 break
@@ -591,7 +625,7 @@ class _Reader:
                 if s >= e:
                     remaining.append((a, b))
                     continue
-                jobs.extend(self._read_jobs(rank, entry, s, e, out_bytes, start))
+                segments.append((rank, entry, s, e))
                 if a < s:
                     remaining.append((a, s))
                 if e < b:
@@ -599,6 +633,9 @@ class _Reader:
             uncovered = remaining
         if uncovered:
             raise CheckpointCorrupt(f"elements {uncovered[:4]} of tensor {name!r} were saved by no rank")
+        out = torch.empty(end - start, dtype=dtype)
+        out_bytes = out.view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
+        jobs = [job for rank, entry, s, e in segments for job in self._read_jobs(rank, entry, s, e, out_bytes, start)]
         for job in [self.m._io.submit(fn) for fn in jobs]:
             job.result()
         return out, whole_shape

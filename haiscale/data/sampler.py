@@ -122,7 +122,8 @@ class DistributedRecordSampler(torch.utils.data.Sampler[int]):
         if done < 0:
             raise ValueError(f"consumed samples cannot be negative: {done}")
         return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "length": self.length,
-                "shuffle": self.shuffle, "position": self._start + done * self.num_replicas}
+                "shuffle": self.shuffle, "position": self._start + done * self.num_replicas,
+                "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` left off: the next iteration yields the epoch's remaining samples."""
@@ -133,7 +134,13 @@ class DistributedRecordSampler(torch.utils.data.Sampler[int]):
                 raise ValueError(f"the sampler state is for {key}={state[key]!r}, this sampler has "
                                  f"{key}={getattr(self, key)!r}: resuming would read another order")
         position = int(state["position"])
-        if not 0 <= position <= self.length + self.num_replicas:
+        # Without drop_last the saving ranks' epoch was padded to a multiple of *their* number: a
+        # finished epoch's position is up to that many past the length (a state without the number
+        # is judged by this sampler's).
+        saved_replicas = state.get("num_replicas", self.num_replicas)
+        if isinstance(saved_replicas, bool) or not isinstance(saved_replicas, int) or saved_replicas < 1:
+            raise ValueError(f"sampler state num_replicas {saved_replicas!r} is not a positive integer")
+        if not 0 <= position <= self.length + max(saved_replicas, self.num_replicas):
             raise ValueError(f"sampler state position {position} is outside an epoch of {self.length} samples")
         self.epoch = int(state["epoch"])
         self._start, self._handed_out, self._done = position, 0, False

@@ -1,0 +1,160 @@
+"""Hostile input and failures against haiscale's data and checkpoint paths: each test is a case that
+once got through (a crash instead of a fallback, a huge allocation, space never given back, a
+resume refused), kept so that it stays refused or handled.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from haiscale.checkpoint import CheckpointCorrupt
+from haiscale.checkpoint import format as fmt
+from haiscale.checkpoint.store import LocalStore
+from haiscale.data import DistributedRecordSampler
+from haiscale.sharding import Shard
+from tests.test_haiscale_checkpoint import Where, _rewrite_index, _trained
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Where:
+    return Where(None, str(tmp_path / "ckpt"))
+
+
+# -- checkpoint loading: hostile indexes -----------------------------------------------------------
+
+def test_a_shard_claiming_a_huge_whole_tensor_falls_back_without_allocating_it(
+        local: Where, caplog: pytest.LogCaptureFixture) -> None:
+    """A shard's ``global_shape`` is not bounded by any file size: a loader that sized its output by
+    it before checking what the saved pieces cover tried to allocate 2**60 floats (a RuntimeError
+    out of ``load_latest`` instead of a fallback to the previous checkpoint)."""
+    model, opt = _trained(0)
+    extra = {"piece": Shard(torch.arange(4, dtype=torch.float32), (4,), 0)}
+    with local.manager(keep=None) as ckpt:
+        ckpt.save(1, model, opt, extra=extra)
+        ckpt.save(2, model, opt, extra=extra)
+        ckpt.wait()
+
+    def huge(body: dict[str, Any]) -> None:
+        (entry,) = [e for e in body["tensors"] if e["name"] == "extra/piece"]
+        entry["global_shape"] = [1 << 40, 1 << 20]
+
+    _rewrite_index(local, "step-00000002", huge)
+    with caplog.at_level(logging.WARNING), local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 1
+    assert torch.equal(loaded.extra["piece"], torch.arange(4, dtype=torch.float32))
+    assert "saved by no rank" in caplog.text
+
+
+@pytest.mark.parametrize("tree", [
+    {"__dict__": 5},
+    {"__dict__": [[1, 2, 3]]},
+    {"__dict__": [[["unhashable"], 1]]},
+    {"__tuple__": 7},
+    [{"__dict__": "x"}],
+])
+def test_a_malformed_state_tree_is_corrupt_not_a_crash(tree: Any) -> None:
+    """Tree nodes an index may hold are checked like every other field: a malformed one is
+    :class:`CheckpointCorrupt` (the loader falls back), never a TypeError or ValueError escaping."""
+    index = fmt.RankIndex(0, 1, 5, "ab", {"rank-00000.bin": 4096},
+                          {"w": fmt.Entry("w", "rank-00000.bin", 0, 16, "float32", (4,), (1,))},
+                          {"model": {"__dict__": [["w", {"__tensor__": "w"}]]}, "extra": tree})
+    with pytest.raises(CheckpointCorrupt):
+        fmt.parse_index(fmt.render_index(index), "i", rank=0, step=5)
+
+
+def test_a_malformed_tree_in_a_published_checkpoint_falls_back(
+        local: Where, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = _trained(0)
+    with local.manager(keep=None) as ckpt:
+        ckpt.save(1, model, opt, extra={"n": 1})
+        ckpt.save(2, model, opt, extra={"n": 2})
+        ckpt.wait()
+    _rewrite_index(local, "step-00000002", lambda body: body["trees"].update(extra={"__dict__": 5}))
+    with caplog.at_level(logging.WARNING), local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 1 and loaded.extra == {"n": 1}
+
+
+# -- checkpoint saving: a full disk ----------------------------------------------------------------
+
+class _QuotaStore(LocalStore):
+    """A local directory of ``quota_bytes``: a write past it fails with ENOSPC part way, as a full
+    disk does (what is written before stays, as on a real file system)."""
+
+    def __init__(self, root: str, quota_bytes: int) -> None:
+        self.root = root
+        self.quota_bytes = quota_bytes
+
+    def _used(self) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self.root) for f in files)
+
+    def write_file(self, path: str, pieces: Iterable[memoryview | bytes]) -> None:
+        def limited() -> Iterable[memoryview | bytes]:
+            for piece in pieces:
+                room = self.quota_bytes - self._used()
+                if len(piece) > room:
+                    yield memoryview(piece)[:max(room, 0)]
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                yield piece
+        super().write_file(path, limited())
+
+
+def test_a_save_that_fills_the_disk_gives_its_space_back(local: Where) -> None:
+    """A save that failed with ENOSPC left its partial files in its temporary directory, and only a
+    later *successful* save removes temporary directories: a disk that was full once stayed full,
+    and every later save failed too."""
+    model, opt = _trained(0)
+    big = torch.zeros(1 << 20, dtype=torch.uint8)  # 1 MiB of state, so the quota is about whole saves
+    with local.manager(keep=1, run_id="abc") as ckpt:
+        ckpt.save(1, model, opt, extra={"big": big})
+        ckpt.wait()
+        one = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(local.directory) for f in fs)
+        ckpt.store = _QuotaStore(local.directory, quota_bytes=int(2.5 * one))
+        ballast = Path(local.path("ballast"))
+        ballast.write_bytes(bytes(one))  # somebody else's file: no room for a second checkpoint
+        ckpt.save(2, model, opt, extra={"big": big})
+        with pytest.raises(OSError) as failed:
+            ckpt.wait()
+        assert failed.value.errno == errno.ENOSPC
+        left = [n for n in local.listdir() if n.startswith(".step-")]
+        assert not left or not local.listdir(left[0]), f"the failed save left {left} behind"
+        ballast.unlink()  # the other tenant frees its space: the next save fits beside step 1
+        ckpt.save(3, model, opt, extra={"big": big})
+        ckpt.wait()
+    assert [n for n in local.listdir() if not n.startswith(".")] == ["step-00000003"]
+    with local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 3
+
+
+# -- the sampler ---------------------------------------------------------------------------------------
+
+def test_a_finished_padded_epoch_resumes_on_fewer_ranks() -> None:
+    """With ``drop_last=False`` an epoch of 10 samples on 4 ranks is padded to 12; a state saved once
+    it finished said position 12, and a job resumed on 1 rank refused it as 'outside an epoch'
+    (anything past ``length + num_replicas`` of the *new* sampler), although resuming on another
+    number of ranks is what the position is kept globally for."""
+    ranks = [DistributedRecordSampler(10, num_replicas=4, rank=r, drop_last=False) for r in range(4)]
+    for sampler in ranks:
+        list(sampler)
+    state = ranks[0].state_dict()
+    one = DistributedRecordSampler(10, num_replicas=1, rank=0, drop_last=False)
+    one.load_state_dict(state)
+    assert list(one) == []  # the epoch is done: nothing of it is read again
+    one.set_epoch(1)
+    assert sorted(one) == list(range(10))
+    bad = dict(state, position=10 + 4 * 10)
+    with pytest.raises(ValueError, match="outside an epoch"):
+        DistributedRecordSampler(10, num_replicas=1, rank=0, drop_last=False).load_state_dict(bad)
+    with pytest.raises(ValueError, match="num_replicas"):
+        DistributedRecordSampler(10, num_replicas=1, rank=0, drop_last=False).load_state_dict(
+            dict(state, num_replicas=0))
