@@ -20,7 +20,7 @@ from haiscale.checkpoint import format as fmt
 from haiscale.checkpoint.store import LocalStore
 from haiscale.data import DistributedRecordSampler
 from haiscale.sharding import Shard
-from tests.test_haiscale_checkpoint import Where, _rewrite_index, _trained
+from tests.test_haiscale_checkpoint import Where, _assert_same, _rewrite_index, _trained
 
 
 @pytest.fixture
@@ -82,6 +82,62 @@ def test_a_malformed_tree_in_a_published_checkpoint_falls_back(
     with caplog.at_level(logging.WARNING), local.manager() as ckpt:
         loaded = ckpt.load_latest(model, opt)
     assert loaded is not None and loaded.step == 1 and loaded.extra == {"n": 1}
+
+
+def _python_rng_truncated(body: dict[str, Any]) -> None:
+    rng = dict(body["trees"]["rng"]["__dict__"])
+    python = dict(rng["python"]["__dict__"])
+    python["state"] = python["state"][:5]
+    rng["python"] = {"__dict__": [[k, v] for k, v in python.items()]}
+    body["trees"]["rng"] = {"__dict__": [[k, v] for k, v in rng.items()]}
+
+
+def test_a_bad_rng_state_changes_nothing_and_falls_back(local: Where) -> None:
+    """The RNG state was put back after the model and optimizer were loaded: one the generators
+    refuse (a Python state of the wrong size) raised out of ``load_latest`` with the model already
+    overwritten by the newer checkpoint — half-loaded, and no fallback."""
+    older, opt_older = _trained(1)
+    newer, opt_newer = _trained(2)
+    with local.manager(keep=None) as ckpt:
+        ckpt.save(1, older, opt_older)
+        ckpt.save(2, newer, opt_newer)
+        ckpt.wait()
+    _rewrite_index(local, "step-00000002", _python_rng_truncated)
+    model, opt = _trained(3)
+    with local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 1
+    _assert_same(model, older, opt, opt_older)
+
+
+def test_a_model_that_does_not_match_leaves_the_rng_as_it_was(local: Where) -> None:
+    """An error that is not a fallback (the model does not match the checkpoint) changes nothing:
+    the generators keep their states too."""
+    model, opt = _trained(0)
+    with local.manager() as ckpt:
+        ckpt.save(1, model, opt)
+        ckpt.wait()
+    other = torch.nn.Linear(3, 3)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    with local.manager() as ckpt, pytest.raises((RuntimeError, ValueError)):
+        ckpt.load_latest(other)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_stray_file_named_like_a_step_is_skipped(local: Where, caplog: pytest.LogCaptureFixture) -> None:
+    """A regular file named ``step-N`` (or a step whose manifest is a directory) made
+    ``load_latest`` raise NotADirectoryError instead of trying the checkpoint before it."""
+    model, opt = _trained(0)
+    with local.manager() as ckpt:
+        ckpt.save(1, model, opt)
+        ckpt.wait()
+    Path(local.path("step-00000009")).write_bytes(b"not a checkpoint")
+    os.makedirs(local.path("step-00000008", "manifest.json"))
+    with caplog.at_level(logging.WARNING), local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 1
+    assert "step-00000009" in caplog.text and "step-00000008" in caplog.text
 
 
 # -- checkpoint saving: a full disk ----------------------------------------------------------------

@@ -519,26 +519,39 @@ class CheckpointManager:
                     states[key] = (False, reader.tree(key, src))
             extra = reader.tree("extra", src) if "extra" in reader.index(src).trees else None
             rng = reader.tree("rng", self.rank) if self.rank < reader.world_size else None
-        except (FileNotFoundError, EOFError) as exc:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, EOFError) as exc:
+            # A step directory that is a file, or a manifest that is a directory, is as damaged as a
+            # missing one: the checkpoint before it is tried.
             raise CheckpointCorrupt(f"{type(exc).__name__}: {exc}") from None
         except OSError as exc:
             if exc.errno != errno.EFBIG:
                 raise
             raise CheckpointCorrupt(str(exc)) from None
-        # Everything is read and verified: only now does anything change.
-        for key, obj in (("model", model), ("optim", optimizer)):
-            if key not in states:
-                continue
-            sharded, state = states[key]
-            if sharded:
-                obj.load_sharded_state_dict(state)
-            else:
-                obj.load_state_dict(state)
+        # Everything is read and verified: only now does anything change. The generators go first
+        # (only setting them proves a state good) and are put back if anything after them fails,
+        # so a refused load leaves the process as it was.
+        before = capture_rng_state()
         if rng is not None:
-            restore_rng_state(rng)
+            try:
+                restore_rng_state(rng)
+            except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
+                restore_rng_state(before)
+                raise CheckpointCorrupt(f"its RNG state cannot be restored: {exc}") from None
         else:
             log.info("checkpoint %s has no RNG state for rank %d (saved by %d ranks)", path, self.rank,
                      reader.world_size)
+        try:
+            for key, obj in (("model", model), ("optim", optimizer)):
+                if key not in states:
+                    continue
+                sharded, state = states[key]
+                if sharded:
+                    obj.load_sharded_state_dict(state)
+                else:
+                    obj.load_state_dict(state)
+        except BaseException:
+            restore_rng_state(before)
+            raise
         self._last_saved_step = step
         return Loaded(step, extra, path)
 
