@@ -19,6 +19,7 @@ from haiscale.checkpoint import CheckpointCorrupt
 from haiscale.checkpoint import format as fmt
 from haiscale.checkpoint.store import LocalStore
 from haiscale.data import DistributedRecordSampler
+from haiscale.data.records import LocalFileSystem, RecordFormatError, read_index, write_shards
 from haiscale.sharding import Shard
 from tests.test_haiscale_checkpoint import Where, _assert_same, _rewrite_index, _trained
 
@@ -140,6 +141,54 @@ def test_a_stray_file_named_like_a_step_is_skipped(local: Where, caplog: pytest.
     assert "step-00000009" in caplog.text and "step-00000008" in caplog.text
 
 
+# -- checkpoint saving: nothing is written that the loader would refuse --------------------------
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("extra", [
+    {"deep": _nested(fmt.MAX_TREE_DEPTH + 5)},
+    {"k" * (fmt.MAX_NAME_CHARS + 1): torch.zeros(2)},
+], ids=["too-deep", "tensor-name-too-long"])
+def test_a_state_the_loader_would_refuse_is_refused_at_save(local: Where, extra: Any) -> None:
+    """The loader refuses trees nested deeper than MAX_TREE_DEPTH and tensor names longer than
+    MAX_NAME_CHARS; the saver wrote them anyway, so the checkpoint was published, ``keep`` removed
+    the good ones before it, and the failure showed only at the resume (falling back past it)."""
+    model, opt = _trained(0)
+    with local.manager(keep=1) as ckpt:
+        ckpt.save(1, model, opt)
+        ckpt.wait()
+        with pytest.raises(ValueError, match=r"deeper|longer"):
+            ckpt.save(2, model, opt, extra=extra)
+        ckpt.wait()
+    assert local.listdir() == ["step-00000001"]
+    with local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 1
+
+
+def test_an_index_bigger_than_the_loader_reads_is_refused_at_save(
+        local: Where, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``extra`` whose JSON makes the rank's index bigger than MAX_INDEX_BYTES was written; its
+    checkpoint could never be loaded."""
+    monkeypatch.setattr(fmt, "MAX_INDEX_BYTES", 64 << 10)  # the real bound is 64 MiB: same check, less memory
+    model, opt = _trained(0)
+    with local.manager(keep=1) as ckpt:
+        ckpt.save(1, model, opt, extra={"small": list(range(10))})
+        ckpt.wait()
+        with pytest.raises(ValueError, match="index"):
+            ckpt.save(2, model, opt, extra={"big": list(range(20_000))})
+            ckpt.wait()
+    assert [n for n in local.listdir() if not n.startswith(".")] == ["step-00000001"]
+    with local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 1 and loaded.extra == {"small": list(range(10))}
+
+
 # -- checkpoint saving: a full disk ----------------------------------------------------------------
 
 class _QuotaStore(LocalStore):
@@ -192,6 +241,32 @@ def test_a_save_that_fills_the_disk_gives_its_space_back(local: Where) -> None:
     assert loaded is not None and loaded.step == 3
 
 
+# -- record shards ---------------------------------------------------------------------------------
+
+class _StaleStat(LocalFileSystem):
+    """The size a ``stat`` saw before the file was truncated under the reader (another writer)."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.sizes = sizes
+
+    def stat(self, path: str) -> os.stat_result:
+        real = os.stat(path)
+        fields = list(real)
+        fields[6] = self.sizes.get(path, real.st_size)
+        return os.stat_result(fields)
+
+
+def test_a_shard_truncated_after_its_stat_is_a_format_error(tmp_path: Path) -> None:
+    """A shard cut short between the reader's ``stat`` and its first read raised ``struct.error``
+    (no file name, not a RecordFormatError) from the header's unpacking."""
+    fs = LocalFileSystem()
+    (path,) = write_shards(fs, str(tmp_path), [b"x" * 100] * 3, records_per_file=3)
+    size = os.path.getsize(path)
+    os.truncate(path, 10)
+    with pytest.raises(RecordFormatError, match=f"{path}.*truncated"):
+        read_index(_StaleStat({path: size}), path)
+
+
 # -- the sampler ---------------------------------------------------------------------------------------
 
 def test_a_finished_padded_epoch_resumes_on_fewer_ranks() -> None:
@@ -211,6 +286,10 @@ def test_a_finished_padded_epoch_resumes_on_fewer_ranks() -> None:
     bad = dict(state, position=10 + 4 * 10)
     with pytest.raises(ValueError, match="outside an epoch"):
         DistributedRecordSampler(10, num_replicas=1, rank=0, drop_last=False).load_state_dict(bad)
+    for broken in ({"version": 1}, dict(state, position="x"), dict(state, epoch=None), [("version", 1)],
+                   dict(state, position=None)):
+        with pytest.raises(ValueError, match="sampler state"):
+            DistributedRecordSampler(10, num_replicas=1, rank=0, drop_last=False).load_state_dict(broken)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_replicas"):
         DistributedRecordSampler(10, num_replicas=1, rank=0, drop_last=False).load_state_dict(
             dict(state, num_replicas=0))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import math
 import os
@@ -288,6 +289,10 @@ class CheckpointManager:
             trees["extra"] = fmt.encode_tree(extra, "extra", tensors)
         trees["rng"] = fmt.encode_tree(capture_rng_state(), "rng", tensors)
         written = [(name, t) for name, t in tensors.items() if name not in skip]
+        trees_bytes = len(json.dumps(trees, separators=(",", ":")))
+        if trees_bytes > fmt.MAX_INDEX_BYTES:
+            raise ValueError(f"the state's JSON part is {trees_bytes} bytes: a rank's index holds at most "
+                             f"{fmt.MAX_INDEX_BYTES} (keep large values in tensors)")
         self.last_stall_s = 0.0
         snapshot = self._snapshot(step, written, trees, durable)
         with self._lock:
@@ -380,6 +385,9 @@ class CheckpointManager:
         index = RankIndex(self.rank, self.world_size, snap.step, self.run_id,
                           {name: buf.numel() for name, buf in snap.buffers.items()}, entries, snap.trees)
         data = fmt.render_index(index)
+        if len(data) > fmt.MAX_INDEX_BYTES:  # the trees fitted; their tensors' entries did not
+            raise ValueError(f"rank {self.rank}'s index is {len(data)} bytes, more than the {fmt.MAX_INDEX_BYTES} "
+                             "a loader reads")
         self.store.write_file(self.store.join(tmp, fmt.index_file_name(self.rank)), [data])
         self._phase("rank_files_written", snap.step)
         marker = fmt.Marker(self.rank, self.run_id, len(data), fmt.crc32c(data))
