@@ -189,6 +189,31 @@ def test_an_index_bigger_than_the_loader_reads_is_refused_at_save(
     assert loaded is not None and loaded.step == 1 and loaded.extra == {"small": list(range(10))}
 
 
+def test_a_failed_replacing_publish_puts_the_published_step_back(local: Where) -> None:
+    """Publishing a step that is already published sets the old directory aside, renames the new one
+    into place, then removes the old. When the second rename failed (here: a second job on the same
+    directory cleaned this run's temporary directory away, as it does for other runs' leftovers at
+    its step), the good checkpoint stayed under its hidden aside name: step 1 was simply gone."""
+    model, opt = _trained(0)
+    with local.manager(run_id="aaaa") as first:
+        first.save(1, model, opt, extra={"by": "first"})
+        first.wait()
+
+    def other_job_cleans_up(phase: str, step: int) -> None:
+        if phase == "manifest_written":
+            with local.manager(run_id="cccc") as other:
+                other._clean_up(step)  # what another job's publish of this step does
+
+    with local.manager(run_id="bbbb", observer=other_job_cleans_up) as second:
+        second.save(1, model, opt, extra={"by": "second"})
+        with pytest.raises(OSError):
+            second.wait()
+    assert "step-00000001" in local.listdir()
+    with local.manager() as ckpt:
+        loaded = ckpt.load_latest(model, opt)
+    assert loaded is not None and loaded.step == 1 and loaded.extra == {"by": "first"}
+
+
 # -- checkpoint saving: a full disk ----------------------------------------------------------------
 
 class _QuotaStore(LocalStore):

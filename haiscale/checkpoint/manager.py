@@ -435,7 +435,16 @@ class CheckpointManager:
             # aside first — between the two renames the previous step is the latest, never a mix.
             aside = self.store.join(self.directory, fmt.tmp_dir_name(step, self.run_id) + ".old")
             self.store.rename(final, aside)
-            self.store.rename(tmp, final)
+            try:
+                self.store.rename(tmp, final)
+            except BaseException:
+                # The new one cannot take its place (its directory is gone, the store failed): the
+                # published one goes back, or the step would be lost with neither in place.
+                try:
+                    self.store.rename(aside, final)
+                except OSError as exc:
+                    log.error("step %d could not be put back from %s: %s", step, aside, exc)
+                raise
             self.store.rmtree(aside)
         else:
             self.store.rename(tmp, final)
