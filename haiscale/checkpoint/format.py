@@ -127,15 +127,22 @@ class TensorRef:
     shard: bool
 
 
-def encode_tree(obj: Any, prefix: str, out: dict[str, torch.Tensor | Shard]) -> Any:
+def encode_tree(obj: Any, prefix: str, out: dict[str, torch.Tensor | Shard], depth: int = 0) -> Any:
     """``obj`` (dicts with str or int keys, lists, tuples, tensors, Shards, JSON scalars) as JSON, its
     tensors put in ``out`` under path-like names (``optim/state/3/exp_avg``) and referenced by name.
 
     Dicts are written as key/value lists so that integer keys (an optimizer's parameter ids) come
     back as integers, and tuples stay tuples; anything else is refused with its path, before a byte
-    is written.
+    is written — as is what the loader would refuse (nesting deeper than :data:`MAX_TREE_DEPTH`, a
+    tensor name longer than :data:`MAX_NAME_CHARS`): a checkpoint that cannot be loaded must fail
+    its save, not be published (and have ``keep`` remove the good ones before it).
     """
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(f"{prefix[:200]}: the state is nested deeper than {MAX_TREE_DEPTH} levels")
     if isinstance(obj, Shard | torch.Tensor):
+        if len(prefix) > MAX_NAME_CHARS:
+            raise ValueError(f"{prefix[:200]}...: a tensor's name (its path in the state) is longer than "
+                             f"{MAX_NAME_CHARS} characters")
         if prefix in out:
             raise ValueError(f"two tensors of the state are both named {prefix!r}")
         out[prefix] = obj
@@ -145,12 +152,12 @@ def encode_tree(obj: Any, prefix: str, out: dict[str, torch.Tensor | Shard]) -> 
         for key, value in obj.items():
             if isinstance(key, bool) or not isinstance(key, str | int):
                 raise TypeError(f"{prefix}: key {key!r} is not a str or an int")
-            items.append([key, encode_tree(value, f"{prefix}/{key}", out)])
+            items.append([key, encode_tree(value, f"{prefix}/{key}", out, depth + 1)])
         return {"__dict__": items}
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode_tree(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]}
+        return {"__tuple__": [encode_tree(v, f"{prefix}/{i}", out, depth + 1) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [encode_tree(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]
+        return [encode_tree(v, f"{prefix}/{i}", out, depth + 1) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
     raise TypeError(f"{prefix}: a {type(obj).__name__} is neither a tensor nor JSON-able; checkpoints hold "
@@ -165,14 +172,32 @@ def tree_refs(tree: Any, depth: int = 0) -> Iterator[TensorRef]:
         if "__tensor__" in tree or "__shard__" in tree:
             yield _ref(tree)
         elif "__dict__" in tree:
-            for _key, value in tree["__dict__"]:
-                yield from tree_refs(value, depth + 1)
+            for item in _dict_items(tree["__dict__"]):
+                yield from tree_refs(item[1], depth + 1)
         elif "__tuple__" in tree:
-            for value in tree["__tuple__"]:
+            values = tree["__tuple__"]
+            if not isinstance(values, list):
+                raise CheckpointCorrupt(f"a malformed tuple {values!r:.80} in a state tree")
+            for value in values:
                 yield from tree_refs(value, depth + 1)
+        else:
+            raise CheckpointCorrupt(f"an unknown node {tree!r:.80} in a state tree")
     elif isinstance(tree, list):
         for value in tree:
             yield from tree_refs(value, depth + 1)
+
+
+def _dict_items(items: Any) -> list[list[Any]]:
+    """An encoded dict's ``[key, value]`` items, each checked (a key is a str or an int, never a bool:
+    :func:`encode_tree` writes no other); :class:`CheckpointCorrupt` for anything else, so that a
+    damaged or hostile index falls back like any other corrupt checkpoint."""
+    if not isinstance(items, list):
+        raise CheckpointCorrupt(f"a malformed dict {items!r:.80} in a state tree")
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str | int)
+                and not isinstance(item[0], bool)):
+            raise CheckpointCorrupt(f"a malformed dict item {item!r:.80}")
+    return items
 
 
 def _ref(node: dict[str, Any]) -> TensorRef:
@@ -190,11 +215,9 @@ def decode_tree(tree: Any, resolve: Callable[[TensorRef], Any], depth: int = 0) 
     if isinstance(tree, dict):
         if "__tensor__" in tree or "__shard__" in tree:
             return resolve(_ref(tree))
-        if isinstance(tree.get("__dict__"), list):
+        if "__dict__" in tree:
             out: dict[Any, Any] = {}
-            for item in tree["__dict__"]:
-                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str | int)):
-                    raise CheckpointCorrupt(f"a malformed dict item {item!r:.80}")
+            for item in _dict_items(tree["__dict__"]):
                 out[item[0]] = decode_tree(item[1], resolve, depth + 1)
             return out
         if isinstance(tree.get("__tuple__"), list):

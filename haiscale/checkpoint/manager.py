@@ -23,7 +23,9 @@ never left half-loaded.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import logging
 import math
 import os
@@ -33,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,6 +289,10 @@ class CheckpointManager:
             trees["extra"] = fmt.encode_tree(extra, "extra", tensors)
         trees["rng"] = fmt.encode_tree(capture_rng_state(), "rng", tensors)
         written = [(name, t) for name, t in tensors.items() if name not in skip]
+        trees_bytes = len(json.dumps(trees, separators=(",", ":")))
+        if trees_bytes > fmt.MAX_INDEX_BYTES:
+            raise ValueError(f"the state's JSON part is {trees_bytes} bytes: a rank's index holds at most "
+                             f"{fmt.MAX_INDEX_BYTES} (keep large values in tensors)")
         self.last_stall_s = 0.0
         snapshot = self._snapshot(step, written, trees, durable)
         with self._lock:
@@ -328,6 +335,41 @@ class CheckpointManager:
 
     def _write(self, snap: _Snapshot) -> None:
         tmp = self._tmp(snap.step)
+        try:
+            self._write_rank_files(snap, tmp)
+        except BaseException:
+            # Nothing of this rank's is in the checkpoint yet (its marker is not written): its partial
+            # files only take space — on a full disk, the space the next save needs, which would
+            # fail too, as every save after it, until a save succeeded and cleaned up.
+            self._remove_rank_files(tmp)
+            raise
+        self._phase("marker_written", snap.step)
+        if self.rank == 0:
+            self._publish(snap.step, tmp)
+        elif snap.durable:
+            self._await_published(snap.step)
+
+    def _remove_rank_files(self, tmp: str) -> None:
+        """Remove this rank's files of a failed save from ``tmp`` (and ``tmp`` once it is empty); best
+        effort, as the save's own error is what the caller is told."""
+        mine = f"rank-{self.rank:05d}."
+        try:
+            names = self.store.listdir(tmp)
+        except OSError:
+            return
+        if fmt.marker_file_name(self.rank) in names:
+            return  # the marker is out: rank 0 may be publishing these files
+        for name in names:
+            if name.startswith(mine):
+                try:
+                    self.store.remove(self.store.join(tmp, name))
+                except OSError as exc:
+                    log.warning("removing %s of a failed save failed: %s", name, exc)
+        with contextlib.suppress(OSError):
+            self.store.rmdir(tmp)
+
+    def _write_rank_files(self, snap: _Snapshot, tmp: str) -> None:
+        """This rank's data files, index and marker, each durable before the next is written."""
         self.store.makedirs(tmp)
         by_file: dict[str, list[Entry]] = {name: [] for name in snap.buffers}
         for entry in snap.entries:
@@ -335,6 +377,7 @@ class CheckpointManager:
         jobs = [self._io.submit(self._write_data, tmp, name, snap.buffers[name], by_file[name])
                 for name in snap.buffers]
         crcs: dict[str, tuple[int, ...]] = {}
+        futures_wait(jobs)  # all of them, failed or not: none may still be writing when a failure is cleaned up
         for job in jobs:
             crcs.update(job.result())
         entries = {e.name: Entry(e.name, e.file, e.offset, e.nbytes, e.dtype, e.shape, crcs[e.name], e.global_shape,
@@ -342,6 +385,9 @@ class CheckpointManager:
         index = RankIndex(self.rank, self.world_size, snap.step, self.run_id,
                           {name: buf.numel() for name, buf in snap.buffers.items()}, entries, snap.trees)
         data = fmt.render_index(index)
+        if len(data) > fmt.MAX_INDEX_BYTES:  # the trees fitted; their tensors' entries did not
+            raise ValueError(f"rank {self.rank}'s index is {len(data)} bytes, more than the {fmt.MAX_INDEX_BYTES} "
+                             "a loader reads")
         self.store.write_file(self.store.join(tmp, fmt.index_file_name(self.rank)), [data])
         self._phase("rank_files_written", snap.step)
         marker = fmt.Marker(self.rank, self.run_id, len(data), fmt.crc32c(data))
@@ -350,11 +396,6 @@ class CheckpointManager:
         done = self.store.join(tmp, fmt.marker_file_name(self.rank))
         self.store.write_file(done + ".part", [fmt.render_marker(marker)])
         self.store.rename(done + ".part", done)
-        self._phase("marker_written", snap.step)
-        if self.rank == 0:
-            self._publish(snap.step, tmp)
-        elif snap.durable:
-            self._await_published(snap.step)
 
     def _write_data(self, tmp: str, name: str, buffer: torch.Tensor,
                     entries: list[Entry]) -> dict[str, tuple[int, ...]]:
@@ -394,7 +435,16 @@ class CheckpointManager:
             # aside first — between the two renames the previous step is the latest, never a mix.
             aside = self.store.join(self.directory, fmt.tmp_dir_name(step, self.run_id) + ".old")
             self.store.rename(final, aside)
-            self.store.rename(tmp, final)
+            try:
+                self.store.rename(tmp, final)
+            except BaseException:
+                # The new one cannot take its place (its directory is gone, the store failed): the
+                # published one goes back, or the step would be lost with neither in place.
+                try:
+                    self.store.rename(aside, final)
+                except OSError as exc:
+                    log.error("step %d could not be put back from %s: %s", step, aside, exc)
+                raise
             self.store.rmtree(aside)
         else:
             self.store.rename(tmp, final)
@@ -486,26 +536,39 @@ class CheckpointManager:
                     states[key] = (False, reader.tree(key, src))
             extra = reader.tree("extra", src) if "extra" in reader.index(src).trees else None
             rng = reader.tree("rng", self.rank) if self.rank < reader.world_size else None
-        except (FileNotFoundError, EOFError) as exc:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, EOFError) as exc:
+            # A step directory that is a file, or a manifest that is a directory, is as damaged as a
+            # missing one: the checkpoint before it is tried.
             raise CheckpointCorrupt(f"{type(exc).__name__}: {exc}") from None
         except OSError as exc:
             if exc.errno != errno.EFBIG:
                 raise
             raise CheckpointCorrupt(str(exc)) from None
-        # Everything is read and verified: only now does anything change.
-        for key, obj in (("model", model), ("optim", optimizer)):
-            if key not in states:
-                continue
-            sharded, state = states[key]
-            if sharded:
-                obj.load_sharded_state_dict(state)
-            else:
-                obj.load_state_dict(state)
+        # Everything is read and verified: only now does anything change. The generators go first
+        # (only setting them proves a state good) and are put back if anything after them fails,
+        # so a refused load leaves the process as it was.
+        before = capture_rng_state()
         if rng is not None:
-            restore_rng_state(rng)
+            try:
+                restore_rng_state(rng)
+            except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
+                restore_rng_state(before)
+                raise CheckpointCorrupt(f"its RNG state cannot be restored: {exc}") from None
         else:
             log.info("checkpoint %s has no RNG state for rank %d (saved by %d ranks)", path, self.rank,
                      reader.world_size)
+        try:
+            for key, obj in (("model", model), ("optim", optimizer)):
+                if key not in states:
+                    continue
+                sharded, state = states[key]
+                if sharded:
+                    obj.load_sharded_state_dict(state)
+                else:
+                    obj.load_state_dict(state)
+        except BaseException:
+            restore_rng_state(before)
+            raise
         self._last_saved_step = step
         return Loaded(step, extra, path)
 
@@ -577,10 +640,11 @@ class _Reader:
         end = numel if end is None else end
         if not 0 <= start <= end <= numel:
             raise ValueError(f"elements [{start}, {end}) of {name!r}, a tensor of {numel}")
-        out = torch.empty(end - start, dtype=dtype)
-        out_bytes = out.view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
+        # What covers the range is worked out before the output is allocated: a shard's whole shape
+        # is bounded by no file, so only elements the saved pieces hold (bounded by their files'
+        # sizes) may size an allocation.
         uncovered = [(start, end)] if end > start else []
-        jobs = []
+        segments: list[tuple[int, Entry, int, int]] = []
         for rank, entry in pieces:
             if not uncovered:
                 break
@@ -591,7 +655,7 @@ class _Reader:
                 if s >= e:
                     remaining.append((a, b))
                     continue
-                jobs.extend(self._read_jobs(rank, entry, s, e, out_bytes, start))
+                segments.append((rank, entry, s, e))
                 if a < s:
                     remaining.append((a, s))
                 if e < b:
@@ -599,6 +663,9 @@ class _Reader:
             uncovered = remaining
         if uncovered:
             raise CheckpointCorrupt(f"elements {uncovered[:4]} of tensor {name!r} were saved by no rank")
+        out = torch.empty(end - start, dtype=dtype)
+        out_bytes = out.view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
+        jobs = [job for rank, entry, s, e in segments for job in self._read_jobs(rank, entry, s, e, out_bytes, start)]
         for job in [self.m._io.submit(fn) for fn in jobs]:
             job.result()
         return out, whole_shape

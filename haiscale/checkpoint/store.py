@@ -50,6 +50,12 @@ class Store(Protocol):
 
     def rmtree(self, path: str) -> None: ...
 
+    def remove(self, path: str) -> None:
+        """Remove one file."""
+
+    def rmdir(self, path: str) -> None:
+        """Remove an empty directory (``OSError`` if it is not empty)."""
+
     def close(self) -> None: ...
 
 
@@ -119,6 +125,12 @@ class FS3Store:
     def rmtree(self, path: str) -> None:
         _rmtree(self, path, 0)
 
+    def remove(self, path: str) -> None:
+        self.fs.remove(path)
+
+    def rmdir(self, path: str) -> None:
+        self.fs.rmdir(path)
+
     def _scan(self, path: str) -> list[tuple[str, bool]]:
         return [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in self.fs.scandir(path)]
 
@@ -182,6 +194,12 @@ class LocalStore:
 
     def rmtree(self, path: str) -> None:
         _rmtree(self, path, 0)
+
+    def remove(self, path: str) -> None:
+        os.remove(path)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
 
     def _scan(self, path: str) -> list[tuple[str, bool]]:
         with os.scandir(path) as entries:

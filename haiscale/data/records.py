@@ -219,6 +219,9 @@ def read_index(fs: RecordFS, path: str, file: Any = None) -> ShardIndex:
         raise RecordFormatError(f"{path}: not a record shard: {size} bytes, shorter than the "
                                 f"{HEADER_BYTES}-byte header")
     first = fs.read_many([(source, 0, min(size, _FIRST_READ_BYTES))])[0]
+    if len(first) < HEADER_BYTES:  # cut short since the stat (another writer truncated it)
+        raise RecordFormatError(f"{path}: truncated while reading: {len(first)} bytes, shorter than the "
+                                f"{HEADER_BYTES}-byte header")
     magic, version, flags, count, tables_crc, header_crc = _HEADER.unpack_from(first)
     if magic != MAGIC:
         raise RecordFormatError(f"{path}: not a record shard (its first bytes are {bytes(first[:8])!r}, "

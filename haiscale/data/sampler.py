@@ -11,6 +11,7 @@ of ranks and still read each remaining sample of the epoch once.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -122,18 +123,37 @@ class DistributedRecordSampler(torch.utils.data.Sampler[int]):
         if done < 0:
             raise ValueError(f"consumed samples cannot be negative: {done}")
         return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "length": self.length,
-                "shuffle": self.shuffle, "position": self._start + done * self.num_replicas}
+                "shuffle": self.shuffle, "position": self._start + done * self.num_replicas,
+                "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` left off: the next iteration yields the epoch's remaining samples."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"sampler state version {state.get('version')!r} is not {_STATE_VERSION}")
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            version = state.get("version") if isinstance(state, dict) else None
+            raise ValueError(f"sampler state version {version!r} is not {_STATE_VERSION}")
+        missing = [key for key in ("seed", "length", "shuffle", "epoch", "position") if key not in state]
+        if missing:
+            raise ValueError(f"the sampler state lacks {', '.join(missing)}")
         for key in ("seed", "length", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"the sampler state is for {key}={state[key]!r}, this sampler has "
                                  f"{key}={getattr(self, key)!r}: resuming would read another order")
-        position = int(state["position"])
-        if not 0 <= position <= self.length + self.num_replicas:
+        numbers: dict[str, int] = {}
+        for key in ("epoch", "position"):
+            try:
+                numbers[key] = -1 if isinstance(state[key], bool) else operator.index(state[key])
+            except TypeError:
+                numbers[key] = -1
+            if numbers[key] < 0:
+                raise ValueError(f"the sampler state's {key} {state[key]!r:.40} is not a non-negative integer")
+        position = numbers["position"]
+        # Without drop_last the saving ranks' epoch was padded to a multiple of *their* number: a
+        # finished epoch's position is up to that many past the length (a state without the number
+        # is judged by this sampler's).
+        saved_replicas = state.get("num_replicas", self.num_replicas)
+        if isinstance(saved_replicas, bool) or not isinstance(saved_replicas, int) or saved_replicas < 1:
+            raise ValueError(f"sampler state num_replicas {saved_replicas!r} is not a positive integer")
+        if not 0 <= position <= self.length + max(saved_replicas, self.num_replicas):
             raise ValueError(f"sampler state position {position} is outside an epoch of {self.length} samples")
-        self.epoch = int(state["epoch"])
+        self.epoch = numbers["epoch"]
         self._start, self._handed_out, self._done = position, 0, False
