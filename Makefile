@@ -131,9 +131,10 @@ bench-haiscale: install
 train-demo: install
 	$(PY) -m haiscale.examples.demo
 
-# HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out).
+# HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out,
+# FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.
 test-haiscale-long: install
-	HAISCALE_PIPELINE_LONG=1 $(BIN)/pytest -q tests/test_haiscale_pipeline.py
+	HAISCALE_LONG=1 $(BIN)/pytest -q tests/test_haiscale_pipeline.py tests/test_haiscale_fsdp.py
 
 # The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.
 model-report: install

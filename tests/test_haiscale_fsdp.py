@@ -8,6 +8,7 @@ one-rank communicator.
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,11 @@ WRAP = fsdp_job.WRAP
 # fp32 after 4 Adam steps (lr 1e-2): sums in another order move parameters by a few 1e-6; a run on
 # other data moves them by about 1e-1.
 TOLERANCE = 2e-5
+
+# Longer multi-rank proofs (resharding onto three ranks, a dead peer) run with HAISCALE_LONG=1
+# (`make test-haiscale-long`); the in-process resharding tests and the two-namespace-node proof's
+# killed rank cover the same ground in `make test`.
+LONG = pytest.mark.skipif(not os.environ.get("HAISCALE_LONG"), reason="set HAISCALE_LONG=1")
 
 
 def run_job(scenario: str, world: int, directory: Path, timeout_s: float = 240) -> list[dict[str, Any]]:
@@ -124,6 +130,7 @@ def test_forward_holds_at_most_two_gathered_units(trained: tuple[Path, list[dict
 
 
 @pytest.mark.slow
+@LONG
 def test_state_saved_on_two_ranks_loads_on_three(trained: tuple[Path, list[dict[str, Any]]]) -> None:
     results = run_job("load", 3, trained[0])
     for result in results:
@@ -146,6 +153,7 @@ def test_state_saved_on_two_ranks_loads_on_one(trained: tuple[Path, list[dict[st
 
 
 @pytest.mark.slow
+@LONG
 def test_a_dead_peer_fails_the_gather_clearly_within_the_timeout(tmp_path: Path) -> None:
     survivor, dead = run_job("dead", 2, tmp_path, timeout_s=120)
     assert dead["ok"]

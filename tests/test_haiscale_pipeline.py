@@ -41,9 +41,9 @@ from haiscale.topology import ParallelLayout
 from tests.hfreduce.runner import ROOT, collect_results, free_port, rank_env
 
 # The variants that add little over the quick ones (the other placement, a stopped rather than killed
-# rank) run only with HAISCALE_PIPELINE_LONG=1 (`make test-haiscale-pipeline`): the quick tier stays
+# rank) run only with HAISCALE_LONG=1 (`make test-haiscale-long`): the quick tier stays
 # within its budget of wall time on a small machine.
-LONG = pytest.mark.skipif(not os.environ.get("HAISCALE_PIPELINE_LONG"), reason="set HAISCALE_PIPELINE_LONG=1")
+LONG = pytest.mark.skipif(not os.environ.get("HAISCALE_LONG"), reason="set HAISCALE_LONG=1")
 
 # Parameters after three SGD steps agree with one process's within this (observed: ~1e-7; a pipeline
 # that sums its micro-batch losses instead of averaging them is off by ~0.05).
