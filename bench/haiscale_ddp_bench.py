@@ -31,19 +31,17 @@ import gc
 import json
 import os
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.hfreduce_bench import Layout, parse_layouts  # noqa: E402
+from bench import ranks as launcher  # noqa: E402
+from bench.ranks import Layout, free_port, namespaces_unavailable, parse_layouts, slowest_rank_median  # noqa: E402
 
 __all__ = ["FORMAT_VERSION", "LIBRARIES", "MODELS", "ResultsError", "cells_for_layout", "main", "parse_models",
            "validate_results"]
@@ -161,87 +159,15 @@ def run_rank(spec_path: Path) -> int:
 # -- one layout -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def run_layout(layout: Layout, spec: dict[str, Any], work: Path, budget_s: float,
+               log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Start the layout's ranks once (this file's :func:`run_rank`), return every rank's timings (rank order).
 
-
-def _namespaces_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (run as root to measure namespace nodes)"
-    if not shutil.which("ip"):
-        return "network namespaces need iproute2 (the ip command)"
-    return None
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
-def run_layout(layout: Layout, spec: dict[str, Any], work: Path, budget_s: float) -> list[dict[str, Any]]:
-    """Start the layout's ranks once, wait for them, return every rank's timings (rank order)."""
-    work.mkdir(parents=True, exist_ok=True)
-    outs = [work / f"{layout.name}-rank{rank}.json" for rank in range(layout.world_size)]
-    logs = [work / f"{layout.name}-rank{rank}.log" for rank in range(layout.world_size)]
-    base_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WORLD_SIZE=str(layout.world_size),
-                    MASTER_PORT=str(_free_port()))
-    for variable in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        base_env.pop(variable, None)
-    lab = None
-    procs: list[subprocess.Popen[Any]] = []
-    try:
-        if layout.nodes == 1:
-            master, interface = "127.0.0.1", "lo"
-        else:
-            from tests.chaos.netns import NetnsLab
-
-            lab = NetnsLab()
-            addresses = lab.create([f"n{node}" for node in range(layout.nodes)])
-            master, interface = addresses["n0"], "eth0"
-        for rank in range(layout.world_size):
-            node = rank // layout.ranks_per_node
-            rank_spec = work / f"{layout.name}-spec{rank}.json"
-            rank_spec.write_text(json.dumps({**spec, "out": str(outs[rank])}))
-            env = dict(base_env, RANK=str(rank), MASTER_ADDR=master, GLOO_SOCKET_IFNAME=interface)
-            args = [sys.executable, str(Path(__file__).resolve()), "--rank-spec", str(rank_spec)]
-            outs[rank].unlink(missing_ok=True)
-            logs[rank].unlink(missing_ok=True)
-            if lab is not None:
-                procs.append(lab.spawn(f"n{node}", args, env, logs[rank]))
-            else:
-                with logs[rank].open("ab") as out:
-                    procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                  stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline = time.monotonic() + budget_s
-        while any(proc.poll() is None for proc in procs):
-            if any(proc.poll() not in (None, 0) for proc in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        failures: list[str] = []
-        for rank, proc in enumerate(procs):
-            if proc.poll() is None:
-                failures.append(f"rank {rank} did not finish within {budget_s:.0f} s")
-            elif proc.returncode != 0:
-                tail = logs[rank].read_text(errors="replace").strip().splitlines()[-6:] if logs[rank].exists() else []
-                failures.append(f"rank {rank} exited with status {proc.returncode}: " + " | ".join(tail))
-        if failures:
-            raise RuntimeError("; ".join(failures))
-        ranks = [json.loads(out.read_text()) for out in outs]
-        for rank, got in enumerate(ranks):
-            # The figures belong to the layout only if the ranks were grouped into nodes as intended.
-            if (got["node"], got["local_rank"]) != divmod(rank, layout.ranks_per_node):
-                raise RuntimeError(f"rank {rank} ran as node {got['node']} local rank {got['local_rank']}, not as "
-                                   f"layout {layout.name} places it")
-        return ranks
-    finally:
-        for proc in procs:
-            _stop(proc)
-        if lab is not None:
-            lab.destroy()
+    ``haiscale.init()`` rendezvouses on MASTER_PORT and finds which ranks share a node itself, so no
+    LOCAL_RANK or LOCAL_WORLD_SIZE is passed on.
+    """
+    return launcher.run_layout(layout, launcher.rank_program(__file__), spec, work, budget_s, log,
+                               local_ranks=False, env={"MASTER_PORT": str(free_port())})
 
 
 def cells_for_layout(layout: Layout, models: list[str], ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -251,8 +177,7 @@ def cells_for_layout(layout: Layout, models: list[str], ranks: list[dict[str, An
     for model in models:
         step_s: dict[str, float] = {}
         for library in LIBRARIES:
-            per_rank = [rank["seconds"][model][library] for rank in ranks]
-            step_s[library] = statistics.median(max(times) for times in zip(*per_rank, strict=True))
+            step_s[library] = slowest_rank_median([rank["seconds"][model][library] for rank in ranks])
         difference = max(rank["max_param_difference"][model] for rank in ranks)
         if not difference <= _PARAM_TOLERANCE:
             raise RuntimeError(f"{layout.name} {model}: haiscale's and torch's DDP ended {difference:.3g} apart "
@@ -369,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(f"/tmp/haiscale-ddp-bench-{os.getpid()}")
     skipped: dict[str, str] = {}
     cells: list[dict[str, Any]] = []
-    unavailable = _namespaces_unavailable()
+    unavailable = namespaces_unavailable()
     try:
         for layout in layouts:
             if layout.nodes > 1 and unavailable is not None:
@@ -378,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             log(f"{layout.name} ({layout.describe()}) ...")
             try:
-                ranks = run_layout(layout, spec, work, budget_s)
+                ranks = run_layout(layout, spec, work, budget_s, log)
                 layout_cells = cells_for_layout(layout, args.models, ranks)
             except Exception as exc:  # one layout failing must not lose the others' figures
                 skipped[layout.name] = f"failed: {type(exc).__name__}: {exc}"[:2000]

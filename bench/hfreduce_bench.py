@@ -43,26 +43,22 @@ run never replaces a full run's figures), which :func:`load_results` reads and c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import math
 import multiprocessing
 import os
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import ranks as launcher  # noqa: E402
+from bench.ranks import Layout, free_port, namespaces_unavailable, parse_layouts, slowest_rank_median  # noqa: E402
 from hfreduce.tree import double_binary_tree  # noqa: E402
 
 __all__ = ["FORMAT_VERSION", "Layout", "ResultsError", "load_results", "main", "parse_layouts", "parse_sizes",
@@ -103,42 +99,6 @@ TRAFFIC_MODEL = (
 
 class ResultsError(ValueError):
     """A results file that is missing, malformed or of another format version (names the file and field)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """``nodes`` nodes of ``ranks_per_node`` ranks each; nodes beyond one are network namespaces."""
-
-    nodes: int
-    ranks_per_node: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.nodes}x{self.ranks_per_node}"
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    def describe(self) -> str:
-        if self.nodes == 1:
-            return f"1 node x {self.ranks_per_node} ranks"
-        return f"{self.nodes} namespace nodes x {self.ranks_per_node} ranks"
-
-
-def parse_layouts(text: str) -> list[Layout]:
-    """``"1x2,2x2"`` → layouts; anything else is a clear error (argparse shows it)."""
-    layouts: list[Layout] = []
-    for part in (p.strip() for p in text.split(",")):
-        nodes_text, sep, ranks_text = part.partition("x")
-        if not sep or not nodes_text.isdigit() or not ranks_text.isdigit():
-            raise argparse.ArgumentTypeError(f"layout {part!r} is not NODESxRANKS (such as 2x2)")
-        layout = Layout(int(nodes_text), int(ranks_text))
-        if layout.nodes < 1 or layout.ranks_per_node < 1 or layout.world_size < 2:
-            raise argparse.ArgumentTypeError(f"layout {part!r} needs at least 1 node, 1 rank each, 2 ranks in all")
-        if layout not in layouts:
-            layouts.append(layout)
-    return layouts
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -295,93 +255,18 @@ def run_rank(spec_path: Path) -> int:
 # -- one layout -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _namespaces_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (run as root to measure namespace nodes)"
-    if not shutil.which("ip"):
-        return "network namespaces need iproute2 (the ip command)"
-    return None
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
 def run_layout(layout: Layout, sizes: list[int], repeats: int, warmup: int, work: Path,
                log: Any) -> list[dict[str, Any]]:
-    """Start the layout's ranks once, wait for them, return every rank's timings (rank order)."""
-    work.mkdir(parents=True, exist_ok=True)
+    """Start the layout's ranks once (this file's :func:`run_rank`), return every rank's timings (rank order).
+
+    Each rank is told its LOCAL_RANK and LOCAL_WORLD_SIZE as a launcher would, and HFReduce and gloo
+    rendezvous on ports of their own.
+    """
     # Start-up, then 0.2 s per MiB reduced per repetition (both libraries at 10 MB/s: far below either).
     budget_s = _RANK_TIMEOUT_S + 0.2 * (repeats + warmup) * sum(sizes) / MIB
-    outs = [work / f"{layout.name}-rank{rank}.json" for rank in range(layout.world_size)]
-    logs = [work / f"{layout.name}-rank{rank}.log" for rank in range(layout.world_size)]
-    base_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WORLD_SIZE=str(layout.world_size),
-                    LOCAL_WORLD_SIZE=str(layout.ranks_per_node))
-    lab = None
-    procs: list[subprocess.Popen[Any]] = []
-    try:
-        if layout.nodes == 1:
-            master, interface = "127.0.0.1", "lo"
-        else:
-            from tests.chaos.netns import NetnsLab
-
-            lab = NetnsLab()
-            addresses = lab.create([f"n{node}" for node in range(layout.nodes)])
-            master, interface = addresses["n0"], "eth0"
-        spec = {"sizes": sizes, "repeats": repeats, "warmup": warmup, "timeout_s": _RANK_TIMEOUT_S,
-                "hfreduce_port": _free_port(), "gloo_port": _free_port()}
-        for rank in range(layout.world_size):
-            node, local_rank = divmod(rank, layout.ranks_per_node)
-            rank_spec = work / f"{layout.name}-spec{rank}.json"
-            rank_spec.write_text(json.dumps({**spec, "out": str(outs[rank])}))
-            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(local_rank), MASTER_ADDR=master,
-                       GLOO_SOCKET_IFNAME=interface)
-            args = [sys.executable, str(Path(__file__).resolve()), "--rank-spec", str(rank_spec)]
-            outs[rank].unlink(missing_ok=True)
-            logs[rank].unlink(missing_ok=True)
-            if lab is not None:
-                procs.append(lab.spawn(f"n{node}", args, env, logs[rank]))
-            else:
-                with logs[rank].open("ab") as out:
-                    procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                  stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline = time.monotonic() + budget_s
-        while any(proc.poll() is None for proc in procs):
-            failed = [rank for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        failures: list[str] = []
-        for rank, proc in enumerate(procs):
-            if proc.poll() is None:
-                failures.append(f"rank {rank} did not finish within {budget_s:.0f} s")
-            elif proc.returncode != 0:
-                tail = logs[rank].read_text(errors="replace").strip().splitlines()[-6:] if logs[rank].exists() else []
-                failures.append(f"rank {rank} exited with status {proc.returncode}: " + " | ".join(tail))
-        if failures:
-            raise RuntimeError("; ".join(failures))
-        ranks = [json.loads(out.read_text()) for out in outs]
-        for rank, got in enumerate(ranks):
-            # The figures belong to the layout only if the rendezvous grouped the ranks as intended.
-            if (got["node"], got["local_rank"]) != divmod(rank, layout.ranks_per_node):
-                raise RuntimeError(f"rank {rank} ran as node {got['node']} local rank {got['local_rank']}, not as "
-                                   f"layout {layout.name} places it")
-        return ranks
-    finally:
-        for proc in procs:
-            _stop(proc)
-        if lab is not None:
-            lab.destroy()
-        log(f"  {layout.name}: ranks stopped")
+    spec = {"sizes": sizes, "repeats": repeats, "warmup": warmup, "timeout_s": _RANK_TIMEOUT_S,
+            "hfreduce_port": free_port(), "gloo_port": free_port()}
+    return launcher.run_layout(layout, launcher.rank_program(__file__), spec, work, budget_s, log, local_ranks=True)
 
 
 def cells_for_layout(layout: Layout, sizes: list[int], ranks: list[dict[str, Any]],
@@ -396,8 +281,7 @@ def cells_for_layout(layout: Layout, sizes: list[int], ranks: list[dict[str, Any
         algbw: dict[str, float] = {}
         for library in LIBRARIES:
             per_rank = [rank["seconds"][library][str(size_bytes)] for rank in ranks]
-            slowest = [max(times) for times in zip(*per_rank, strict=True)]
-            algbw[library] = size_bytes / statistics.median(slowest)
+            algbw[library] = size_bytes / slowest_rank_median(per_rank)
         ratio = algbw["hfreduce"] / algbw["gloo"]
         fraction = algbw["hfreduce"] / ceiling
         if layout.nodes == 1:
@@ -622,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[dict[str, Any]] = []
     measured: list[tuple[Layout, list[dict[str, Any]]]] = []
     chunk_slots: tuple[int, int] | None = None
-    unavailable = _namespaces_unavailable()
+    unavailable = namespaces_unavailable()
     try:
         for layout in layouts:
             if layout.nodes > 1 and unavailable is not None:
