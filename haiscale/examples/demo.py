@@ -56,8 +56,11 @@ def train(env: dict[str, str], ranks: int, args: list[str], log_dir: Path, name:
     procs = []
     for rank in range(ranks):
         log = log_dir / f"{name}-{rank}.log"
+        # One compute thread per rank, as torchrun starts them: ranks x torch's default threads would
+        # oversubscribe the cores many times over.
         rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                    "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
         with log.open("w") as out:
             procs.append((subprocess.Popen([sys.executable, "-m", "haiscale.examples.train_gpt", *args], env=rank_env,
                                            stdout=out, stderr=subprocess.STDOUT), log))
