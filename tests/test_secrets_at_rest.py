@@ -494,6 +494,11 @@ def test_a_pipe_planted_at_a_secret_path_is_refused_not_waited_on(tmp_path: Path
     os.mkfifo(pipe, 0o600)
     with pytest.raises(InvalidArgument, match="not a regular file"):
         read_token_file(pipe)
+    # A directory at the path is named as the path, not as the descriptor it was opened on.
+    directory = tmp_path / "token-dir"
+    directory.mkdir(mode=0o700)
+    with pytest.raises(InvalidArgument, match=f"secret file {directory} is not a regular file"):
+        read_token_file(directory)
 
 
 def test_a_bad_token_setting_is_reported_without_its_value(tmp_path: Path) -> None:

@@ -85,11 +85,17 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
         raise InvalidArgument(f"secret file {file} does not exist") from None
     except OSError as exc:
         raise InvalidArgument(f"secret file {file}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
+    try:
+        # Checked before the descriptor becomes a file object: opening a directory that way fails
+        # with an error that names the descriptor, not the path.
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise InvalidArgument(f"secret file {file} is not a regular file")
         _check_stat(file, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as fh:
         raw = fh.read(64 * 1024 + 1)
     if len(raw) > 64 * 1024:
         raise InvalidArgument(f"secret file {file} is larger than 64 KiB")
