@@ -32,7 +32,9 @@ from haiscale.data import (
     read_index,
     write_shards,
 )
+from haiscale.data import records as records_module
 from haiscale.data.__main__ import main as cli
+from haiscale.data.records import MAX_RECORD_BYTES
 from tests.inproc import ClusterThread
 
 pytestmark = pytest.mark.slow  # an in-process cluster, DataLoader workers
@@ -314,8 +316,14 @@ def test_convert_refuses_bad_input_and_writes_nothing(fs: RecordFS, tmp_path: Pa
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "tiny.txt").write_bytes(b"abc")
+    (tmp_path / "huge").mkdir()
+    with open(tmp_path / "huge" / "sparse.bin", "wb") as f:  # a record bigger than a record may be
+        f.truncate(MAX_RECORD_BYTES + 1)
     dest = str(tmp_path / "out")
     cases = [
+        (["convert", str(tmp_path / "huge"), dest, "--records-per-file", "2"], "larger than the 268435456"),
+        (["convert", str(tmp_path / "tiny.txt"), dest, "--records-per-file", "2", "--text", "--record-bytes",
+          str(1 << 40)], "larger than the 268435456"),
         (["convert", str(tmp_path / "missing"), dest, "--records-per-file", "2"], "no such file or directory"),
         (["convert", str(tmp_path / "empty"), dest, "--records-per-file", "2"], "no files to convert"),
         (["convert", str(tmp_path / "tiny.txt"), dest, "--records-per-file", "2", "--text", "--record-bytes", "4"],
@@ -336,6 +344,15 @@ def test_convert_refuses_bad_input_and_writes_nothing(fs: RecordFS, tmp_path: Pa
     assert cli(["convert", str(tmp_path / "src"), dest, "--records-per-file", "1"]) == 2
     assert "already holds record shards" in capsys.readouterr().err
     assert RecordDataset(dest)[0] == b"old"
+
+
+def test_a_record_larger_than_a_record_may_be_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(records_module, "MAX_RECORD_BYTES", 8)
+    with RecordWriter(LocalFileSystem(), str(tmp_path / "shard.rec")) as writer:
+        writer.write(b"12345678")
+        with pytest.raises(ValueError, match="a record of 9 bytes is larger than the 8"):
+            writer.write(b"123456789")
+    assert RecordDataset(str(tmp_path / "shard.rec"))[0] == b"12345678"
 
 
 # -- DataLoader workers ----------------------------------------------------------------------------

@@ -23,7 +23,14 @@ from contextlib import suppress
 from typing import Any
 
 from haiscale.data.dataset import list_shards, open_location
-from haiscale.data.records import RecordFormatError, RecordFS, ShardIndex, read_index, write_shards
+from haiscale.data.records import (
+    MAX_RECORD_BYTES,
+    RecordFormatError,
+    RecordFS,
+    ShardIndex,
+    read_index,
+    write_shards,
+)
 
 __all__ = ["main"]
 
@@ -63,7 +70,10 @@ def _source_files(src: str) -> list[str]:
 def _file_records(files: Sequence[str]) -> Iterator[bytes]:
     for path in files:
         with open(path, "rb") as f:
-            yield f.read()
+            record = f.read(MAX_RECORD_BYTES + 1)  # bounded even if the file grew since it was listed
+        if len(record) > MAX_RECORD_BYTES:
+            raise UsageError(f"{path}: grew past the {MAX_RECORD_BYTES} bytes a record may hold while it was read")
+        yield record
 
 
 def _text_records(files: Sequence[str], record_bytes: int, stride: int) -> Iterator[bytes]:
@@ -97,6 +107,9 @@ def _convert(args: argparse.Namespace) -> dict[str, Any]:
     if args.text:
         if args.record_bytes is None:
             raise UsageError("--text needs --record-bytes B (the GPT's block_size + 1)")
+        if args.record_bytes > MAX_RECORD_BYTES:
+            raise UsageError(f"--record-bytes {args.record_bytes} is larger than the {MAX_RECORD_BYTES} a record "
+                             f"may hold")
         stride = args.stride or args.record_bytes
         files = _source_files(src)
         total = sum(os.path.getsize(path) for path in files)
@@ -113,6 +126,10 @@ def _convert(args: argparse.Namespace) -> dict[str, Any]:
         files = _source_files(src)
         if not files:
             raise UsageError(f"{src}: no files to convert")
+        too_big = next((path for path in files if os.path.getsize(path) > MAX_RECORD_BYTES), None)
+        if too_big is not None:  # each file is read whole as one record: refused before anything is written
+            raise UsageError(f"{too_big}: {os.path.getsize(too_big)} bytes, larger than the {MAX_RECORD_BYTES} a "
+                             f"record may hold (cut it with --text)")
         expected = len(files)
         records = _file_records(files)
     fs, path, owned = open_location(args.dest)

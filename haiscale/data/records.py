@@ -43,6 +43,7 @@ __all__ = [
     "HEADER_BYTES",
     "MAGIC",
     "MAX_RECORDS_PER_SHARD",
+    "MAX_RECORD_BYTES",
     "LocalFileSystem",
     "RecordFS",
     "RecordFormatError",
@@ -60,6 +61,8 @@ HEADER_BYTES = _HEADER.size  # 32
 # Each record costs 12 bytes of tables (an offset and a CRC): a count is bounded by the file's size
 # first, and by this cap too (1.5 GiB of tables), so no header makes a reader allocate more.
 MAX_RECORDS_PER_SHARD = 1 << 27
+MAX_RECORD_BYTES = 1 << 28
+"""The largest record (256 MiB): a batch reads whole records into memory, and the converter holds one."""
 # What the first read of a shard takes: the header and, for shards of up to ~5000 records, the
 # tables too — one read; a bigger shard's tables take a second.
 _FIRST_READ_BYTES = 64 * 1024
@@ -300,6 +303,9 @@ class RecordWriter:
         if len(self._crcs) >= MAX_RECORDS_PER_SHARD:
             raise ValueError(f"{self.path}: a shard holds at most {MAX_RECORDS_PER_SHARD} records")
         view = memoryview(record).cast("B")
+        if view.nbytes > MAX_RECORD_BYTES:
+            raise ValueError(f"{self.path}: a record of {view.nbytes} bytes is larger than the "
+                             f"{MAX_RECORD_BYTES} a record may hold")
         self._spool.write(view)
         self._crcs.append(crc32c.crc32c(view))
         self._offsets.append(self._offsets[-1] + view.nbytes)
