@@ -23,7 +23,9 @@ from fs3.rpc.channel import RealChannelFactory
 from tests.harness import ProcessCluster
 
 # A session that leaves new files in the git checkout fails (tests/clean_tree.py).
-pytest_plugins = ["tests.clean_tree"]
+# A failure is printed the moment it happens, and a session past its time budget stops with its
+# summary (tests/ci_report.py).
+pytest_plugins = ["tests.clean_tree", "tests.ci_report"]
 
 TRANSPORTS = ("framed", "grpc")
 

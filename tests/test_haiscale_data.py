@@ -366,13 +366,13 @@ def test_dataloader_workers_read_the_same_batches(fs: RecordFS, tmp_path: Path, 
     ds = RecordDataset(f"fs3://{directory}")
     ds.__getitems__([0])  # the parent has its files open: the workers must not use them
     sampler = DistributedRecordSampler(ds, num_replicas=1, rank=0, seed=3)
-    loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, timeout=60,
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, timeout=240,
                                          multiprocessing_context=multiprocessing.get_context(context))
     batches = list(loader)
     order = list(sampler)
     assert batches == [ds.__getitems__(order[i:i + 4]) for i in range(0, 24, 4)]
     if context == "fork":  # the tensor path too: whole batches read in the workers
-        tensors = torch.utils.data.DataLoader(TensorBatches(ds), batch_size=None, num_workers=2, timeout=60,
+        tensors = torch.utils.data.DataLoader(TensorBatches(ds), batch_size=None, num_workers=2, timeout=240,
                                               sampler=torch.utils.data.BatchSampler(sampler, 6, drop_last=True),
                                               multiprocessing_context=multiprocessing.get_context(context))
         assert [t.tolist() for t in tensors] == [[list(records[i]) for i in order[j:j + 6]] for j in range(0, 24, 6)]

@@ -143,7 +143,7 @@ def test_a_dead_rank_fails_the_others_backward_instead_of_hanging() -> None:
     assert survivor["ok"], survivor
     assert survivor["steps"] == 2, survivor  # the step the peer died in did not complete
     assert "HFReduce" in survivor.get("error", ""), survivor
-    assert survivor["failed_after_s"] <= ddp_job.KILL_TIMEOUT_S + 5, survivor
+    assert survivor["failed_after_s"] <= ddp_job.KILL_TIMEOUT_S + 15, survivor  # within the timeout, not a hang
 
 
 # -- one rank, in this process ------------------------------------------------------------------

@@ -93,7 +93,11 @@ def launch(lab: dict[str, Any], name: str, args: list[str], timeout_s: float = 2
         except subprocess.TimeoutExpired:
             for other, _ in procs:
                 other.kill()
-            raise AssertionError(f"{name}: a rank hung:\n{log.read_text()}") from None
+            for other, _ in procs:
+                other.wait(timeout=30)
+            logs = "\n".join(f"--- rank {rank}:\n{other_log.read_text()[-2_000:]}"
+                             for rank, (_, other_log) in enumerate(procs))
+            raise AssertionError(f"{name}: a rank hung\n{logs}") from None
         out.append((code, log.read_text()))
     return out
 

@@ -44,7 +44,7 @@ GLOBAL_BATCH = 8
 SEED = 7
 # Small buckets: the tiny model (about 30 K parameters) spreads over several of them.
 BUCKET_CAP_MB = 0.02
-KILL_TIMEOUT_S = 6.0
+KILL_TIMEOUT_S = 20.0  # bounds the rendezvous too: ranks of a loaded machine start seconds apart
 
 
 def _data(steps: int = STEPS) -> torch.Tensor:

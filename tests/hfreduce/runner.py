@@ -42,21 +42,47 @@ def rank_env(rank: int, world: int, port: int, node: str | None, extra: dict[str
     return env
 
 
+OUTPUT_TAIL_CHARS = 2_000
+"""How much of a failed rank's output an assertion quotes: enough for a traceback's last frames."""
+
+
+def _tail(text: str | None) -> str:
+    return (text or "")[-OUTPUT_TAIL_CHARS:]
+
+
 def collect_results(procs: list[subprocess.Popen[str]], timeout_s: float, what: str = "a rank") -> list[dict[str, Any]]:
-    """Each process's last JSON line, in order; every process is killed if one outlives the deadline."""
+    """Each process's last JSON line, in order. If one outlives the deadline or prints no result, every
+    process is killed and reaped (none outlives the test to slow the ones after it), and the error
+    quotes the tail of each rank's output: a hang on another machine explains itself."""
     results: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
-    for proc in procs:
+    for index, proc in enumerate(procs):
         try:
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise AssertionError(f"{what} hung") from None
+            raise AssertionError(f"{what} hung (rank {index} still running after {timeout_s:.0f} s)\n"
+                                 f"{_kill_and_report(procs)}") from None
         lines = [line for line in (out or "").splitlines() if line.startswith("{")]
-        assert lines, f"{what} printed no result:\n{out}\n{err}"
+        if not lines:
+            raise AssertionError(f"{what} printed no result (rank {index}, exit {proc.returncode}):\n"
+                                 f"{_tail(out)}\n{_tail(err)}\n{_kill_and_report(procs)}")
         results.append(json.loads(lines[-1]))
     return results
+
+
+def _kill_and_report(procs: list[subprocess.Popen[str]]) -> str:
+    """Kill every process of a failed job, reap it, and return each one's exit status and output tail."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    report: list[str] = []
+    for index, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=30)
+        except (subprocess.TimeoutExpired, ValueError):  # ValueError: its pipes were already read and closed
+            out, err = "", ""
+        report.append(f"--- rank {index}: exit {proc.returncode}\n{_tail(out)}\n{_tail(err)}")
+    return "\n".join(report)
 
 
 def run_rank(body: Callable[[dict[str, Any]], None]) -> None:
