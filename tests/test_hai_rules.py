@@ -467,6 +467,50 @@ def test_the_exerciser_catches_a_scheduler_that_ignores_priority() -> None:
     assert failures and any("priority inversion" in line for found in failures for line in found)
 
 
+
+def _sabotage(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """Turn one safeguard of the real pass off (the scheduler's own code otherwise)."""
+    if which == "unhealthy nodes":
+        init = rules._Pass.__init__
+
+        def everything_free(self: rules._Pass, state: ClusterState, now_s: float, config: Config,
+                            demoted: frozenset[str]) -> None:
+            init(self, state, now_s, config, demoted)
+            held = {n for j in state.jobs.values() if j.state in _HOLDING for n in j.assigned}
+            self.free |= set(state.nodes) - held
+
+        def any_health(self: rules._Pass, names: Iterable[str], group: str,
+                       incoming_last: Iterable[str] = ()) -> list[Node]:
+            late = set(incoming_last)
+            return sorted((self.state.nodes[n] for n in set(names) if self.state.nodes[n].group == group),
+                          key=lambda n: (n.name in late, n.zone, n.name))
+
+        monkeypatch.setattr(rules._Pass, "__init__", everything_free)
+        monkeypatch.setattr(rules._Pass, "nodes_of", any_health)
+    elif which == "quotas":
+        monkeypatch.setattr(rules._Pass, "quota_short", lambda self, job, priority: False)
+    elif which == "zones":
+        choose = rules._choose
+        monkeypatch.setattr(rules, "_choose", lambda nodes, need, ok: choose(nodes, need, True))
+    elif which == "same user":
+        preempt = rules._Pass.preempt
+        monkeypatch.setattr(rules._Pass, "preempt", lambda self, job, priority:
+                            preempt(self, dataclasses.replace(job, user="\0nobody"), priority))
+
+
+@pytest.mark.parametrize(("which", "caught"), [
+    ("unhealthy nodes", "unhealthy node"), ("quotas", "quota exceeded"), ("zones", "crosses zones"),
+    ("same user", "same user at the same priority"),
+])
+def test_the_exerciser_catches_each_sabotaged_rule(monkeypatch: pytest.MonkeyPatch, which: str, caught: str) -> None:
+    _sabotage(monkeypatch, which)
+    for seed in range(1, EXERCISER_SEEDS + 1):
+        found = exercise(seed, 100)[1]
+        if found:
+            assert any(caught in line for line in found), found
+            return
+    pytest.fail(f"{EXERCISER_SEEDS} seeds never broke a rule with {which} sabotaged")
+
 # -- known-bad input: the checker must reject each ------------------------------------------------
 
 
