@@ -42,23 +42,23 @@ run: install
 	$(BIN)/fs3 local up --dir .fs3 --mount ./mnt
 
 test: install
-	$(BIN)/ruff check fs3 hfreduce haiscale cluster_model tests bench
-	$(BIN)/mypy fs3 hfreduce haiscale cluster_model bench tests
+	$(BIN)/ruff check fs3 hfreduce haiscale cluster_model hai tests bench
+	$(BIN)/mypy fs3 hfreduce haiscale cluster_model hai bench tests
 	$(BIN)/lint-imports
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The edit loop's quick tier (about a minute): the same lint, types and import contracts, the tests not
 # marked slow (those start clusters, mounts, processes or simulator seeds) and 25 simulator seeds.
 check: install
-	$(BIN)/ruff check fs3 hfreduce haiscale cluster_model tests bench
-	$(BIN)/mypy fs3 hfreduce haiscale cluster_model bench tests
+	$(BIN)/ruff check fs3 hfreduce haiscale cluster_model hai tests bench
+	$(BIN)/mypy fs3 hfreduce haiscale cluster_model hai bench tests
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
 	$(PY) -m fs3.sim --seeds 25 --no-record
 
 lint: install
-	$(BIN)/ruff check fs3 hfreduce haiscale cluster_model tests bench
-	$(BIN)/mypy fs3 hfreduce haiscale cluster_model bench tests
+	$(BIN)/ruff check fs3 hfreduce haiscale cluster_model hai tests bench
+	$(BIN)/mypy fs3 hfreduce haiscale cluster_model hai bench tests
 	$(BIN)/lint-imports
 
 # Long deterministic-simulation sweep on every core (JOBS=N to limit): `make sim SEEDS=10000`.

@@ -1,0 +1,7 @@
+"""HAI Platform: the time-sharing scheduler that shares a cluster's nodes among training jobs.
+
+Jobs are submitted with a node count, a priority and a node group; the scheduler places them on
+whole nodes by priority and quota, suspends running jobs (they checkpoint to fs3 and exit) to make
+room for higher-priority ones, resumes them later, possibly on other nodes, and restarts jobs hit
+by faults. The rules are one pure module, :mod:`hai.rules`: no I/O, no clock, no randomness.
+"""
