@@ -166,6 +166,9 @@ class Node:
     healthy: bool = True
     last_heartbeat_s: float = 0.0
     unhealthy_reason: str = ""
+    cpus: int = 0  # what the agent reported; the rules place whole nodes and do not read these
+    memory_bytes: int = 0
+    labels: tuple[tuple[str, str], ...] = ()  # (name, value) pairs, in the order the agent gave them
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,8 @@ class JobSpec:
     nodes: int
     priority: Priority | Auto
     group: str = "default"
+    command: str = ""  # the command line each rank runs; the rules carry it and never read it
+    env: tuple[tuple[str, str], ...] = ()  # (name, value) pairs added to the ranks' environment
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,8 @@ class Job:
     last_progress_s: float = 0.0
     end_reason: str = ""
     history: tuple[TaskRecord, ...] = ()
+    command: str = ""  # from the spec, for the agents that launch the ranks
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -403,7 +410,7 @@ def submit(state: ClusterState, spec: JobSpec, now_s: float) -> ClusterState:
         raise RuleError("a job needs at least one node")
     job = Job(job_id=spec.job_id, user=spec.user, group=spec.group, nodes=spec.nodes, requested=spec.priority,
               seq=state.next_seq, priority=None if spec.priority is AUTO else spec.priority,
-              last_progress_s=now_s)
+              last_progress_s=now_s, command=spec.command, env=spec.env)
     return dataclasses.replace(state, jobs={**state.jobs, job.job_id: job}, next_seq=state.next_seq + 1)
 
 

@@ -47,6 +47,7 @@ from hai.rules import (
     Quota,
     Suspension,
 )
+from tests.hai_events import USERS, Run, random_cluster, random_event
 
 SCENARIOS = sorted((Path(__file__).parent / "hai_scenarios").glob("*.txt"))
 
@@ -329,100 +330,20 @@ def decision_violations(before: ClusterState, decision: Decision, config: Config
 
 # -- the seeded exerciser -------------------------------------------------------------------------
 
-_USERS = ("alice", "bob", "carol")
-_LEVELS: tuple[Priority | rules.Auto, ...] = (*Priority, AUTO)
-
-
-def _random_cluster(rng: random.Random) -> tuple[ClusterState, Config]:
-    """A cluster shape per seed: 4 to 12 nodes over 1 to 3 zones and 1 or 2 groups, random quotas."""
-    config = Config(demote_after_s=rng.choice((300.0, 1800.0)), max_restarts=rng.randint(0, 3),
-                    backoff_base_s=rng.choice((10.0, 60.0)), default_quota_nodes=rng.choice((0, 4, 100)))
-    state = ClusterState()
-    zones = [f"z{i}" for i in range(rng.randint(1, 3))]
-    groups = ["default", "gpu"][: rng.randint(1, 2)]
-    for i in range(rng.randint(4, 12)):
-        state = rules.add_node(state, Node(f"n{i:02d}", rng.choice(zones), rng.choice(groups)))
-    for user in _USERS:
-        for group in groups:
-            for priority in rng.sample(list(Priority), 4):
-                state = rules.set_quota(state, Quota(user, group, priority, rng.randint(0, 8)))
-    return state, config
-
-
-@dataclass
-class _Run:
-    seed: int
-    state: ClusterState
-    config: Config
-    now_s: float = 0.0
-    submitted: list[str] = field(default_factory=list)
-    suspensions: int = 0
-    placements: int = 0
-
-
-def _random_event(rng: random.Random, run: _Run) -> str:
-    """Apply one random event to ``run``; returns what it was, for the failure message."""
-    s, now, config = run.state, run.now_s, run.config
-    by_state: dict[JobState, list[str]] = {st: [] for st in JobState}
-    for job in sorted(s.jobs.values(), key=lambda j: j.seq):
-        by_state[job.state].append(job.job_id)
-    roll = rng.random()
-    if roll < 0.30:
-        job_id = f"J{len(run.submitted) + 1}"
-        groups = sorted({n.group for n in s.nodes.values()})
-        spec = JobSpec(job_id, rng.choice(_USERS), rng.choice((1, 1, 2, 2, 3, 4, 6)), rng.choice(_LEVELS),
-                       rng.choice(groups))
-        run.state = rules.submit(s, spec, now)
-        run.submitted.append(job_id)
-        return f"submit {spec}"
-    if roll < 0.45:
-        run.now_s += rng.choice((1.0, 30.0, 120.0, 600.0, 1800.0))
-        return f"at {run.now_s:g}"
-    holding = by_state[JobState.RUNNING] + by_state[JobState.SUSPENDING]
-    if roll < 0.58 and holding:
-        job_id = rng.choice(holding)
-        run.state = rules.finish(s, job_id, now)
-        return f"finish {job_id}"
-    if roll < 0.70 and by_state[JobState.SUSPENDING]:
-        job_id = rng.choice(by_state[JobState.SUSPENDING])
-        run.state = rules.suspend_acknowledged(s, job_id, now)
-        return f"ack {job_id}"
-    if roll < 0.78 and holding:
-        job_id = rng.choice(holding)
-        bad = rng.choice((None, s.jobs[job_id].assigned[0]))
-        run.state = rules.fail_job(s, job_id, now, config, "rank exited 1", bad)
-        return f"fail {job_id} node={bad}"
-    if roll < 0.84 and by_state[JobState.RUNNING]:
-        job_id = rng.choice(by_state[JobState.RUNNING])
-        run.state = rules.request_suspend(s, job_id)
-        return f"suspend {job_id}"
-    healthy = sorted(n.name for n in s.nodes.values() if n.healthy)
-    sick = sorted(n.name for n in s.nodes.values() if not n.healthy)
-    if roll < 0.92 and healthy:
-        name = rng.choice(healthy)
-        run.state = rules.node_lost(s, name, now, config, "lost")
-        return f"lose {name}"
-    if sick:
-        name = rng.choice(sick)
-        run.state = rules.node_healthy(s, name, now)
-        return f"heal {name}"
-    return "nothing"
-
-
 CheckFn = Callable[[ClusterState, Decision, Config], list[str]]
 
 
 def exercise(seed: int, events: int, schedule: Callable[[ClusterState, float, Config], Decision] = rules.schedule
-             ) -> tuple[_Run, list[str]]:
+             ) -> tuple[Run, list[str]]:
     """Random events, a scheduling pass after each, every invariant checked after every pass.
     Returns the run and the first violations found (empty when none). Timeouts are the scenarios'
     business: here a silent node is a ``node_lost`` event, so no heartbeats are needed."""
     rng = random.Random(seed)
-    state, config = _random_cluster(rng)
-    run = _Run(seed, state, config)
+    state, config = random_cluster(rng)
+    run = Run(seed, state, config)
     trail: list[str] = []
     for _ in range(events):
-        trail.append(_random_event(rng, run))
+        trail.append(random_event(rng, run))
         decision = schedule(run.state, run.now_s, run.config)
         found = decision_violations(run.state, decision, run.config)
         run.state = rules.apply(run.state, decision)
@@ -518,7 +439,7 @@ def _cluster(*zones: str) -> ClusterState:
     state = ClusterState()
     for i, zone in enumerate(zones):
         state = rules.add_node(state, Node(f"n{i}", zone))
-    for user in _USERS:
+    for user in USERS:
         for priority in Priority:
             state = rules.set_quota(state, Quota(user, "default", priority, 8))
     return state

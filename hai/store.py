@@ -1,0 +1,624 @@
+"""The HAI server's state in a database, through one SQL layer (SQLAlchemy 2 Core).
+
+The server keeps its :class:`~hai.rules.ClusterState` here: nodes, quotas, jobs with their specs,
+queue positions, restarts and back-off, and each job's chain of tasks, plus the counter that hands
+out submit sequences. :meth:`Store.load` returns exactly the state last committed;
+:meth:`Store.commit` writes the difference between two states in one transaction, so a server that
+dies mid-commit comes back to the state before it. The default is a SQLite file in the cluster
+directory (:func:`default_url`); any SQLAlchemy URL works, and the schema and every statement are
+portable SQL (no SQLite-only types or statements), so PostgreSQL serves a real deployment.
+
+What a user can size is bounded before anything is written (:data:`LIMITS`): names, a job's command
+line and environment, a node's labels, reasons. An input past a limit raises
+:class:`StoreLimitError` naming the field, the size and the limit, and the transaction is not begun.
+
+A database carries its schema version in ``hai_meta``; an empty database gets the current schema, and
+one of a newer version is refused (:class:`StoreVersionError`) rather than misread. Each commit also
+bumps a generation number, checked against the one this store last saw: two servers writing the same
+database, or a commit from a stale state, fail with :class:`StoreConflictError` instead of mixing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Connection,
+    Double,
+    Engine,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    RowMapping,
+    String,
+    Table,
+    Text,
+    create_engine,
+    delete,
+    event,
+    insert,
+    inspect,
+    select,
+    update,
+)
+from sqlalchemy.exc import IntegrityError
+
+from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord
+
+__all__ = [
+    "LIMITS",
+    "SCHEMA_VERSION",
+    "Limits",
+    "Store",
+    "StoreConflictError",
+    "StoreCorruptError",
+    "StoreError",
+    "StoreLimitError",
+    "StoreVersionError",
+    "check_job_spec",
+    "check_node",
+    "default_url",
+]
+
+SCHEMA_VERSION = 1
+DB_FILE = "hai.db"
+
+
+class StoreError(RuntimeError):
+    """Something about the database itself: its version, its contents, another writer."""
+
+
+class StoreVersionError(StoreError):
+    """The database is of a schema this code does not know (newer, or not a hai database)."""
+
+
+class StoreCorruptError(StoreError):
+    """A row that no commit could have written: an unknown state or priority, a malformed list."""
+
+
+class StoreConflictError(StoreError):
+    """The database is not at the state this store last saw: another writer, or a stale ``old``."""
+
+
+class StoreLimitError(ValueError):
+    """A user-sized field past its limit; nothing was written."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the store accepts. Columns are sized to match, so PostgreSQL and SQLite refuse alike."""
+
+    name_chars: int = 255  # job ids, users, node names, zones, groups
+    command_chars: int = 65536
+    env_vars: int = 256
+    env_name_chars: int = 255
+    env_total_chars: int = 65536  # names and values together
+    labels: int = 64
+    label_name_chars: int = 63
+    label_value_chars: int = 255
+    reason_chars: int = 4096  # task outcomes, a failed job's reason, an unhealthy node's reason
+
+
+LIMITS = Limits()
+_INT32 = 2**31 - 1
+_INT64 = 2**63 - 1
+
+
+def default_url(cluster_dir: str | Path) -> str:
+    """The SQLite database in a cluster directory: ``sqlite:///<dir>/hai.db``."""
+    return f"sqlite:///{Path(cluster_dir).resolve() / DB_FILE}"
+
+
+# -- schema ---------------------------------------------------------------------------------------
+
+_metadata = MetaData(naming_convention={
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+})
+
+_NAME = LIMITS.name_chars
+
+# key -> value: "schema_version", "next_seq" (the next job's submit sequence), "generation".
+meta_table = Table(
+    "hai_meta", _metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", BigInteger, nullable=False),
+)
+
+nodes_table = Table(
+    "hai_nodes", _metadata,
+    Column("name", String(_NAME), primary_key=True),
+    Column("zone", String(_NAME), nullable=False),
+    Column("node_group", String(_NAME), nullable=False),
+    Column("cpus", Integer, nullable=False),
+    Column("memory_bytes", BigInteger, nullable=False),
+    Column("labels", JSON, nullable=False),  # [[name, value], ...]
+    Column("healthy", Boolean, nullable=False),
+    Column("last_heartbeat_s", Double, nullable=False),
+    Column("unhealthy_reason", Text, nullable=False),
+)
+
+quotas_table = Table(
+    "hai_quotas", _metadata,
+    Column("user_name", String(_NAME), primary_key=True),
+    Column("node_group", String(_NAME), primary_key=True),
+    Column("priority", Integer, primary_key=True),
+    Column("max_nodes", Integer, nullable=False),
+)
+
+jobs_table = Table(
+    "hai_jobs", _metadata,
+    Column("job_id", String(_NAME), primary_key=True),
+    Column("seq", BigInteger, nullable=False, unique=True),  # queue position within a priority
+    Column("state", String(16), nullable=False),
+    Column("user_name", String(_NAME), nullable=False),
+    Column("node_group", String(_NAME), nullable=False),
+    Column("nodes", Integer, nullable=False),
+    Column("requested", String(16), nullable=False),  # a Priority name, or AUTO
+    Column("priority", Integer, nullable=True),  # effective level; NULL: AUTO not resolved yet
+    Column("charged", Integer, nullable=True),
+    Column("demoted", Boolean, nullable=False),
+    Column("assigned", JSON, nullable=False),  # the placement: [node, ...]
+    Column("task", Integer, nullable=False),
+    Column("restarts", Integer, nullable=False),
+    Column("not_before_s", Double, nullable=False),  # back-off
+    Column("started_s", Double, nullable=False),
+    Column("ran_s", Double, nullable=False),
+    Column("last_progress_s", Double, nullable=False),
+    Column("end_reason", Text, nullable=False),
+    Column("command", Text, nullable=False),
+    Column("env", JSON, nullable=False),  # [[name, value], ...]
+    Index(None, "state", "seq"),  # the queue, and listings by state
+)
+
+# A job's chain: one row per ended task. The primary key serves "the tasks of a job", in order.
+tasks_table = Table(
+    "hai_tasks", _metadata,
+    Column("job_id", String(_NAME), ForeignKey("hai_jobs.job_id"), primary_key=True),
+    Column("task_index", Integer, primary_key=True),
+    Column("nodes", JSON, nullable=False),
+    Column("started_s", Double, nullable=False),
+    Column("ended_s", Double, nullable=False),
+    Column("outcome", Text, nullable=False),
+)
+
+_TABLES = (meta_table, nodes_table, quotas_table, jobs_table, tasks_table)
+_LOAD_BATCH = 500  # rows fetched at a time while loading
+
+
+# -- limits ---------------------------------------------------------------------------------------
+
+
+def _check_text(what: str, value: str, limit: int, *, empty_ok: bool = False) -> None:
+    if not isinstance(value, str):
+        raise StoreLimitError(f"{what} must be text, not {type(value).__name__}")
+    if not value and not empty_ok:
+        raise StoreLimitError(f"{what} must not be empty")
+    if len(value) > limit:
+        raise StoreLimitError(f"{what} is {len(value)} characters, at most {limit}")
+    if "\0" in value:
+        raise StoreLimitError(f"{what} contains a NUL character")
+
+
+def _check_int(what: str, value: int, high: int = _INT32) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise StoreLimitError(f"{what} must be a whole number from 0 to {high}, not {value!r}")
+
+
+def _check_time(what: str, value: float) -> None:
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        raise StoreLimitError(f"{what} must be a finite number of seconds, not {value!r}")
+
+
+def _check_pairs(what: str, pairs: Sequence[tuple[str, str]], count: int, name_chars: int, value_chars: int,
+                 total_chars: int) -> None:
+    if len(pairs) > count:
+        raise StoreLimitError(f"{what} has {len(pairs)} entries, at most {count}")
+    seen: set[str] = set()
+    total = 0
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise StoreLimitError(f"{what}: each entry is a (name, value) pair, not {pair!r}")
+        name, value = pair
+        _check_text(f"{what} name {name!r}"[:200], name, name_chars)
+        _check_text(f"{what} {name!r}", value, value_chars, empty_ok=True)
+        if "=" in name:
+            raise StoreLimitError(f"{what} name {name!r} contains '='")
+        if name in seen:
+            raise StoreLimitError(f"{what} names {name!r} twice")
+        seen.add(name)
+        total += len(name) + len(value)
+    if total > total_chars:
+        raise StoreLimitError(f"{what} is {total} characters in all, at most {total_chars}")
+
+
+def _check_env(what: str, env: Sequence[tuple[str, str]], limits: Limits) -> None:
+    _check_pairs(what, env, limits.env_vars, limits.env_name_chars, limits.env_total_chars, limits.env_total_chars)
+
+
+def check_job_spec(spec: JobSpec, limits: Limits = LIMITS) -> None:
+    """Refuse a spec the store would refuse, before it is submitted (the API calls this)."""
+    where = f"job {spec.job_id[:64]!r}"
+    _check_text("job id", spec.job_id, limits.name_chars)
+    _check_text(f"{where} user", spec.user, limits.name_chars)
+    _check_text(f"{where} group", spec.group, limits.name_chars)
+    _check_int(f"{where} nodes", spec.nodes)
+    _check_text(f"{where} command", spec.command, limits.command_chars, empty_ok=True)
+    _check_env(f"{where} env", spec.env, limits)
+
+
+def check_node(node: Node, limits: Limits = LIMITS) -> None:
+    """Refuse a node the store would refuse (the agent's registration)."""
+    where = f"node {node.name[:64]!r}"
+    _check_text("node name", node.name, limits.name_chars)
+    _check_text(f"{where} zone", node.zone, limits.name_chars)
+    _check_text(f"{where} group", node.group, limits.name_chars)
+    _check_int(f"{where} cpus", node.cpus)
+    _check_int(f"{where} memory_bytes", node.memory_bytes, _INT64)
+    _check_time(f"{where} last heartbeat", node.last_heartbeat_s)
+    _check_text(f"{where} unhealthy reason", node.unhealthy_reason, limits.reason_chars, empty_ok=True)
+    _check_pairs(f"{where} labels", node.labels, limits.labels, limits.label_name_chars, limits.label_value_chars,
+                 limits.labels * (limits.label_name_chars + limits.label_value_chars))
+
+
+def _check_job(job: Job, limits: Limits) -> None:
+    check_job_spec(JobSpec(job.job_id, job.user, job.nodes, job.requested, job.group, job.command, job.env), limits)
+    where = f"job {job.job_id!r}"
+    _check_int(f"{where} seq", job.seq, _INT64)
+    for what in ("task", "restarts"):
+        _check_int(f"{where} {what}", getattr(job, what))
+    for what in ("started_s", "ran_s", "not_before_s", "last_progress_s"):
+        _check_time(f"{where} {what}", getattr(job, what))
+    _check_text(f"{where} end reason", job.end_reason, limits.reason_chars, empty_ok=True)
+    for name in job.assigned:
+        _check_text(f"{where} node", name, limits.name_chars)
+    previous = -1
+    for record in job.history:
+        if record.index <= previous:
+            raise StoreLimitError(f"{where}: task {record.index} follows task {previous} in the chain")
+        previous = record.index
+        _check_int(f"{where} task index", record.index)
+        _check_time(f"{where} task {record.index} start", record.started_s)
+        _check_time(f"{where} task {record.index} end", record.ended_s)
+        _check_text(f"{where} task {record.index} outcome", record.outcome, limits.reason_chars)
+        for name in record.nodes:
+            _check_text(f"{where} task {record.index} node", name, limits.name_chars)
+
+
+def _check_quota(key: tuple[str, str, Priority], max_nodes: int, limits: Limits) -> None:
+    user, group, priority = key
+    _check_text("quota user", user, limits.name_chars)
+    _check_text("quota group", group, limits.name_chars)
+    if not isinstance(priority, Priority):
+        raise StoreLimitError(f"quota priority must be a Priority, not {priority!r}")
+    _check_int(f"quota {user}/{group}/{priority.name}", max_nodes)
+
+
+# -- rows -----------------------------------------------------------------------------------------
+
+
+def _pairs_json(pairs: Sequence[tuple[str, str]]) -> list[list[str]]:
+    return [[name, value] for name, value in pairs]
+
+
+def _node_row(node: Node) -> dict[str, Any]:
+    return {"name": node.name, "zone": node.zone, "node_group": node.group, "cpus": node.cpus,
+            "memory_bytes": node.memory_bytes, "labels": _pairs_json(node.labels), "healthy": node.healthy,
+            "last_heartbeat_s": float(node.last_heartbeat_s), "unhealthy_reason": node.unhealthy_reason}
+
+
+def _job_row(job: Job) -> dict[str, Any]:
+    return {"job_id": job.job_id, "seq": job.seq, "state": job.state.value, "user_name": job.user,
+            "node_group": job.group, "nodes": job.nodes,
+            "requested": job.requested.value if isinstance(job.requested, Auto) else job.requested.name,
+            "priority": None if job.priority is None else int(job.priority),
+            "charged": None if job.charged is None else int(job.charged), "demoted": job.demoted,
+            "assigned": list(job.assigned), "task": job.task, "restarts": job.restarts,
+            "not_before_s": float(job.not_before_s), "started_s": float(job.started_s), "ran_s": float(job.ran_s),
+            "last_progress_s": float(job.last_progress_s), "end_reason": job.end_reason, "command": job.command,
+            "env": _pairs_json(job.env)}
+
+
+def _task_rows(job_id: str, records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
+    return [{"job_id": job_id, "task_index": r.index, "nodes": list(r.nodes), "started_s": float(r.started_s),
+             "ended_s": float(r.ended_s), "outcome": r.outcome} for r in records]
+
+
+def _corrupt(table: str, key: object, column: str, value: object) -> StoreCorruptError:
+    return StoreCorruptError(f"{table} row {key!r}: {column} = {value!r} is not something hai writes")
+
+
+def _names(table: str, key: object, column: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _corrupt(table, key, column, value)
+    return tuple(value)
+
+
+def _pairs(table: str, key: object, column: str, value: object) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value):
+        raise _corrupt(table, key, column, value)
+    return tuple((p[0], p[1]) for p in value)
+
+
+def _priority(table: str, key: object, column: str, value: Any) -> Priority:
+    try:
+        return Priority(value)
+    except ValueError:
+        raise _corrupt(table, key, column, value) from None
+
+
+def _node_of(row: RowMapping) -> Node:
+    name = row["name"]
+    return Node(name=name, zone=row["zone"], group=row["node_group"], healthy=bool(row["healthy"]),
+                last_heartbeat_s=row["last_heartbeat_s"], unhealthy_reason=row["unhealthy_reason"], cpus=row["cpus"],
+                memory_bytes=row["memory_bytes"], labels=_pairs("hai_nodes", name, "labels", row["labels"]))
+
+
+def _job_of(row: RowMapping, history: tuple[TaskRecord, ...]) -> Job:
+    job_id = row["job_id"]
+    try:
+        state = JobState(row["state"])
+    except ValueError:
+        raise _corrupt("hai_jobs", job_id, "state", row["state"]) from None
+    requested: Priority | Auto
+    if row["requested"] == AUTO.value:
+        requested = AUTO
+    elif row["requested"] in Priority.__members__:
+        requested = Priority[row["requested"]]
+    else:
+        raise _corrupt("hai_jobs", job_id, "requested", row["requested"])
+    priority = None if row["priority"] is None else _priority("hai_jobs", job_id, "priority", row["priority"])
+    charged = None if row["charged"] is None else _priority("hai_jobs", job_id, "charged", row["charged"])
+    return Job(job_id=job_id, user=row["user_name"], group=row["node_group"], nodes=row["nodes"], requested=requested,
+               seq=row["seq"], state=state, priority=priority, charged=charged,
+               assigned=_names("hai_jobs", job_id, "assigned", row["assigned"]), started_s=row["started_s"],
+               ran_s=row["ran_s"], task=row["task"], restarts=row["restarts"], not_before_s=row["not_before_s"],
+               demoted=bool(row["demoted"]), last_progress_s=row["last_progress_s"], end_reason=row["end_reason"],
+               history=history, command=row["command"], env=_pairs("hai_jobs", job_id, "env", row["env"]))
+
+
+def _task_of(row: RowMapping) -> TaskRecord:
+    key = (row["job_id"], row["task_index"])
+    return TaskRecord(index=row["task_index"], nodes=_names("hai_tasks", key, "nodes", row["nodes"]),
+                      started_s=row["started_s"], ended_s=row["ended_s"], outcome=row["outcome"])
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+def _sqlite_transactions(engine: Engine) -> None:
+    """pysqlite begins a transaction only at the first write, so a load's SELECTs would each see
+    their own snapshot; SQLAlchemy's documented recipe hands BEGIN to SQLAlchemy instead."""
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN")
+
+
+class Store:
+    """One database holding one cluster's state. Use :meth:`open`; :meth:`close` when done."""
+
+    def __init__(self, engine: Engine, generation: int, known: ClusterState | None, limits: Limits) -> None:
+        self.engine = engine
+        self.limits = limits
+        self._generation = generation
+        self._known = known
+
+    @classmethod
+    def open(cls, url: str, limits: Limits = LIMITS) -> Store:
+        """Connect to ``url``; create the schema in an empty database, refuse one of another version."""
+        engine = create_engine(url)
+        if engine.dialect.name == "sqlite":
+            _sqlite_transactions(engine)
+        shown = engine.url.render_as_string(hide_password=True)
+        try:
+            with engine.begin() as conn:
+                inspector = inspect(conn)
+                if not inspector.has_table(meta_table.name):
+                    ours = sorted(t for t in inspector.get_table_names() if t.startswith("hai_"))
+                    if ours:
+                        raise StoreVersionError(f"{shown} has tables {', '.join(ours)} but no {meta_table.name}: "
+                                                "not a hai database this version can read")
+                    _metadata.create_all(conn)
+                    conn.execute(insert(meta_table), [{"key": "schema_version", "value": SCHEMA_VERSION},
+                                                      {"key": "next_seq", "value": ClusterState().next_seq},
+                                                      {"key": "generation", "value": 0}])
+                meta = _read_meta(conn)
+                version = meta.get("schema_version")
+                if version != SCHEMA_VERSION:
+                    newer = version is not None and version > SCHEMA_VERSION
+                    raise StoreVersionError(
+                        f"{shown} has hai schema version {version}; this hai reads version {SCHEMA_VERSION}"
+                        + (": upgrade hai to use it" if newer else ": not a database this version can read"))
+                generation = meta["generation"]
+        except BaseException:
+            engine.dispose()
+            raise
+        known = ClusterState() if generation == 0 else None
+        return cls(engine, generation, known, limits)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    @property
+    def generation(self) -> int:
+        """How many commits the database has taken, as this store last saw it."""
+        return self._generation
+
+    def load(self) -> ClusterState:
+        """The committed state, read in one transaction, rows streamed in batches."""
+        with self.engine.connect().execution_options(yield_per=_LOAD_BATCH) as conn, conn.begin():
+            meta = _read_meta(conn)
+            nodes = {n.name: n for n in map(_node_of, _rows(conn, select(nodes_table).order_by(nodes_table.c.name)))}
+            quotas: dict[tuple[str, str, Priority], int] = {}
+            for row in _rows(conn, select(quotas_table).order_by(*quotas_table.primary_key.columns)):
+                key = (row["user_name"], row["node_group"], row["priority"])
+                quotas[(key[0], key[1], _priority("hai_quotas", key, "priority", key[2]))] = row["max_nodes"]
+            chains: dict[str, list[TaskRecord]] = {}
+            for row in _rows(conn, select(tasks_table).order_by(tasks_table.c.job_id, tasks_table.c.task_index)):
+                chains.setdefault(row["job_id"], []).append(_task_of(row))
+            jobs: dict[str, Job] = {}
+            for row in _rows(conn, select(jobs_table).order_by(jobs_table.c.seq)):
+                jobs[row["job_id"]] = _job_of(row, tuple(chains.pop(row["job_id"], ())))
+            if chains:
+                raise StoreCorruptError(f"hai_tasks has tasks of jobs that do not exist: {sorted(chains)[:5]}")
+        state = ClusterState(nodes=nodes, jobs=jobs, quotas=quotas, next_seq=meta["next_seq"])
+        self._generation, self._known = meta["generation"], state
+        return state
+
+    def save(self, state: ClusterState) -> None:
+        """Commit ``state`` against the state this store last loaded or committed."""
+        if self._known is None:
+            raise StoreError("load() before save(): the store does not know what the database holds")
+        self.commit(self._known, state)
+
+    def commit(self, old: ClusterState, new: ClusterState) -> None:
+        """Write what changed from ``old`` (the state in the database) to ``new``, in one transaction.
+
+        Every changed row is checked against the limits first; a refused input writes nothing. The
+        database must be at the generation this store last saw, or :class:`StoreConflictError`."""
+        changes = _Changes(old, new)
+        changes.check(self.limits)
+        generation = self._generation
+        try:
+            with self.engine.begin() as conn:
+                bumped = conn.execute(update(meta_table).where(meta_table.c.key == "generation",
+                                                               meta_table.c.value == generation)
+                                      .values(value=generation + 1))
+                if bumped.rowcount != 1:
+                    raise StoreConflictError(f"the database moved past generation {generation}: another writer")
+                self._write_nodes(conn, changes)
+                self._write_quotas(conn, changes)
+                self._write_jobs(conn, changes)
+                self._write_tasks(conn, changes)
+                if new.next_seq != old.next_seq:
+                    _expect(conn.execute(update(meta_table).where(meta_table.c.key == "next_seq")
+                                         .values(value=new.next_seq)), 1, "next_seq")
+        except IntegrityError as error:
+            raise StoreConflictError(f"the database is not at the old state: {error.orig}") from error
+        self._generation, self._known = generation + 1, new
+
+    # Each step of a commit is its own method, so a test can stop a commit between two of them.
+
+    def _write_nodes(self, conn: Connection, changes: _Changes) -> None:
+        c = nodes_table.c
+        if changes.nodes_gone:
+            _expect(conn.execute(delete(nodes_table).where(c.name.in_(changes.nodes_gone))), len(changes.nodes_gone),
+                    "nodes to delete")
+        for node in changes.nodes_changed:
+            _expect(conn.execute(update(nodes_table).where(c.name == node.name).values(_node_row(node))), 1,
+                    f"node {node.name}")
+        if changes.nodes_added:
+            conn.execute(insert(nodes_table), [_node_row(n) for n in changes.nodes_added])
+
+    def _write_quotas(self, conn: Connection, changes: _Changes) -> None:
+        c = quotas_table.c
+        for user, group, priority in changes.quotas_gone:
+            _expect(conn.execute(delete(quotas_table).where(c.user_name == user, c.node_group == group,
+                                                            c.priority == int(priority))), 1, "quota")
+        for (user, group, priority), count in changes.quotas_changed:
+            _expect(conn.execute(update(quotas_table).where(c.user_name == user, c.node_group == group,
+                                                            c.priority == int(priority)).values(max_nodes=count)),
+                    1, "quota")
+        if changes.quotas_added:
+            conn.execute(insert(quotas_table), [{"user_name": u, "node_group": g, "priority": int(p), "max_nodes": n}
+                                                for (u, g, p), n in changes.quotas_added])
+
+    def _write_jobs(self, conn: Connection, changes: _Changes) -> None:
+        c = jobs_table.c
+        if changes.jobs_gone:
+            conn.execute(delete(tasks_table).where(tasks_table.c.job_id.in_(changes.jobs_gone)))
+            _expect(conn.execute(delete(jobs_table).where(c.job_id.in_(changes.jobs_gone))), len(changes.jobs_gone),
+                    "jobs to delete")
+        for job in changes.jobs_changed:
+            _expect(conn.execute(update(jobs_table).where(c.job_id == job.job_id).values(_job_row(job))), 1,
+                    f"job {job.job_id}")
+        if changes.jobs_added:
+            conn.execute(insert(jobs_table), [_job_row(j) for j in changes.jobs_added])
+
+    def _write_tasks(self, conn: Connection, changes: _Changes) -> None:
+        for job_id in changes.chains_rewritten:
+            conn.execute(delete(tasks_table).where(tasks_table.c.job_id == job_id))
+        if changes.tasks_added:
+            conn.execute(insert(tasks_table), changes.tasks_added)
+
+
+def _rows(conn: Connection, statement: Any) -> Iterator[RowMapping]:
+    for row in conn.execute(statement):
+        yield row._mapping
+
+
+def _read_meta(conn: Connection) -> dict[str, int]:
+    return {row.key: row.value for row in conn.execute(select(meta_table))}
+
+
+def _expect(result: Any, count: int, what: str) -> None:
+    if result.rowcount != count:
+        raise StoreConflictError(f"{what}: {result.rowcount} rows where the old state has {count}")
+
+
+class _Changes:
+    """The rows that differ between two states: what a commit writes, and all it checks."""
+
+    def __init__(self, old: ClusterState, new: ClusterState) -> None:
+        self.new = new
+        self.nodes_gone = sorted(set(old.nodes) - set(new.nodes))
+        self.nodes_changed = [n for name, n in new.nodes.items() if name in old.nodes and old.nodes[name] != n]
+        self.nodes_added = [n for name, n in new.nodes.items() if name not in old.nodes]
+        self.quotas_gone = sorted(set(old.quotas) - set(new.quotas))
+        self.quotas_changed = [(k, n) for k, n in new.quotas.items() if k in old.quotas and old.quotas[k] != n]
+        self.quotas_added = [(k, n) for k, n in new.quotas.items() if k not in old.quotas]
+        self.jobs_gone = sorted(set(old.jobs) - set(new.jobs))
+        self.jobs_changed = [j for job_id, j in new.jobs.items()
+                             if job_id in old.jobs and _without_history(old.jobs[job_id]) != _without_history(j)]
+        self.jobs_added = [j for job_id, j in new.jobs.items() if job_id not in old.jobs]
+        self.chains_rewritten: list[str] = []
+        self.tasks_added: list[dict[str, Any]] = []
+        for job_id, job in new.jobs.items():
+            before = old.jobs[job_id].history if job_id in old.jobs else ()
+            if job.history[:len(before)] == before:
+                self.tasks_added += _task_rows(job_id, job.history[len(before):])
+            else:  # never from the rules (a chain only grows), but a state may be replaced wholesale
+                self.chains_rewritten.append(job_id)
+                self.tasks_added += _task_rows(job_id, job.history)
+
+    def check(self, limits: Limits) -> None:
+        for node in [*self.nodes_changed, *self.nodes_added]:
+            check_node(node, limits)
+        for key, count in [*self.quotas_changed, *self.quotas_added]:
+            _check_quota(key, count, limits)
+        touched = {j.job_id for j in [*self.jobs_changed, *self.jobs_added]} | \
+            {row["job_id"] for row in self.tasks_added}
+        for job_id in sorted(touched):
+            _check_job(self.new.jobs[job_id], limits)
+        _check_int("next_seq", self.new.next_seq, _INT64)
+
+
+def _without_history(job: Job) -> Job:
+    return dataclasses.replace(job, history=())

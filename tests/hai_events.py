@@ -1,0 +1,109 @@
+"""Random events for the HAI scheduler's rules, shared by the rules' exerciser
+(tests/test_hai_rules.py) and the store's (tests/test_hai_store.py).
+
+``rng`` draws the events; ``payload``, when given, draws what the rules carry without reading it
+(a node's CPUs, memory and labels; a job's command and environment) from a second generator, so the
+events of a seed are the same with or without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+
+from hai import rules
+from hai.rules import AUTO, ClusterState, Config, JobSpec, JobState, Node, Priority, Quota
+
+USERS = ("alice", "bob", "carol")
+LEVELS: tuple[Priority | rules.Auto, ...] = (*Priority, AUTO)
+
+
+def random_cluster(rng: random.Random, payload: random.Random | None = None) -> tuple[ClusterState, Config]:
+    """A cluster shape per seed: 4 to 12 nodes over 1 to 3 zones and 1 or 2 groups, random quotas."""
+    config = Config(demote_after_s=rng.choice((300.0, 1800.0)), max_restarts=rng.randint(0, 3),
+                    backoff_base_s=rng.choice((10.0, 60.0)), default_quota_nodes=rng.choice((0, 4, 100)))
+    state = ClusterState()
+    zones = [f"z{i}" for i in range(rng.randint(1, 3))]
+    groups = ["default", "gpu"][: rng.randint(1, 2)]
+    for i in range(rng.randint(4, 12)):
+        node = Node(f"n{i:02d}", rng.choice(zones), rng.choice(groups))
+        if payload is not None:
+            node = dataclasses.replace(node, cpus=payload.choice((8, 64, 192)), memory_bytes=payload.randrange(2**40),
+                                       labels=_pairs(payload, "rack", 3))
+        state = rules.add_node(state, node)
+    for user in USERS:
+        for group in groups:
+            for priority in rng.sample(list(Priority), 4):
+                state = rules.set_quota(state, Quota(user, group, priority, rng.randint(0, 8)))
+    return state, config
+
+
+@dataclass
+class Run:
+    seed: int
+    state: ClusterState
+    config: Config
+    now_s: float = 0.0
+    submitted: list[str] = field(default_factory=list)
+    suspensions: int = 0
+    placements: int = 0
+
+
+def random_event(rng: random.Random, run: Run, payload: random.Random | None = None) -> str:
+    """Apply one random event to ``run``; returns what it was, for the failure message."""
+    s, now, config = run.state, run.now_s, run.config
+    by_state: dict[JobState, list[str]] = {st: [] for st in JobState}
+    for job in sorted(s.jobs.values(), key=lambda j: j.seq):
+        by_state[job.state].append(job.job_id)
+    roll = rng.random()
+    if roll < 0.30:
+        job_id = f"J{len(run.submitted) + 1}"
+        groups = sorted({n.group for n in s.nodes.values()})
+        spec = JobSpec(job_id, rng.choice(USERS), rng.choice((1, 1, 2, 2, 3, 4, 6)), rng.choice(LEVELS),
+                       rng.choice(groups))
+        if payload is not None:
+            spec = dataclasses.replace(spec, command=f"python train.py --run {job_id} " + "x" * payload.randrange(40),
+                                       env=_pairs(payload, "VAR", 4))
+        run.state = rules.submit(s, spec, now)
+        run.submitted.append(job_id)
+        return f"submit {spec}"
+    if roll < 0.45:
+        run.now_s += rng.choice((1.0, 30.0, 120.0, 600.0, 1800.0))
+        return f"at {run.now_s:g}"
+    holding = by_state[JobState.RUNNING] + by_state[JobState.SUSPENDING]
+    if roll < 0.58 and holding:
+        job_id = rng.choice(holding)
+        run.state = rules.finish(s, job_id, now)
+        return f"finish {job_id}"
+    if roll < 0.70 and by_state[JobState.SUSPENDING]:
+        job_id = rng.choice(by_state[JobState.SUSPENDING])
+        run.state = rules.suspend_acknowledged(s, job_id, now)
+        return f"ack {job_id}"
+    if roll < 0.78 and holding:
+        job_id = rng.choice(holding)
+        bad = rng.choice((None, s.jobs[job_id].assigned[0]))
+        run.state = rules.fail_job(s, job_id, now, config, "rank exited 1", bad)
+        return f"fail {job_id} node={bad}"
+    if roll < 0.84 and by_state[JobState.RUNNING]:
+        job_id = rng.choice(by_state[JobState.RUNNING])
+        run.state = rules.request_suspend(s, job_id)
+        return f"suspend {job_id}"
+    healthy = sorted(n.name for n in s.nodes.values() if n.healthy)
+    sick = sorted(n.name for n in s.nodes.values() if not n.healthy)
+    if roll < 0.92 and healthy:
+        name = rng.choice(healthy)
+        run.state = rules.node_lost(s, name, now, config, "lost")
+        return f"lose {name}"
+    if sick:
+        name = rng.choice(sick)
+        run.state = rules.node_healthy(s, name, now)
+        return f"heal {name}"
+    return "nothing"
+
+
+def _pairs(payload: random.Random, prefix: str, most: int) -> tuple[tuple[str, str], ...]:
+    """Up to ``most`` (name, value) pairs with distinct names, values of any characters."""
+    names = payload.sample(range(10), payload.randint(0, most))
+    return tuple((f"{prefix}{n}", "".join(payload.choice("ab=é ,\"") for _ in range(payload.randrange(8))))
+                 for n in names)
