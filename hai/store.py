@@ -431,6 +431,11 @@ class Store:
         if engine.dialect.name == "sqlite":
             _sqlite_transactions(engine)
         shown = engine.url.render_as_string(hide_password=True)
+        database = engine.url.database
+        if engine.dialect.name == "sqlite" and database and database != ":memory:" and \
+                not database.startswith("file:") and not Path(database).parent.is_dir():
+            engine.dispose()
+            raise StoreError(f"{shown}: no directory {Path(database).parent} (create the cluster directory first)")
         try:
             with engine.begin() as conn:
                 inspector = inspect(conn)

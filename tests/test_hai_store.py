@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -149,6 +150,8 @@ def test_default_url_is_a_sqlite_file_in_the_cluster_directory(tmp_path: Path) -
     assert store.default_url(tmp_path) == f"sqlite:///{tmp_path.resolve()}/hai.db"
     Store.open(store.default_url(tmp_path)).close()
     assert (tmp_path / "hai.db").is_file()
+    with pytest.raises(store.StoreError, match=r"no directory .*missing"):
+        Store.open(store.default_url(tmp_path / "missing"))
 
 
 # -- the seeded exerciser: restarts mid-run lose nothing --------------------------------------------
@@ -220,10 +223,21 @@ def test_a_restarted_store_loses_no_job_queue_position_or_chain(tmp_path: Path) 
         placements, suspensions, reloads = placements + run.placements, suspensions + run.suspensions, reloads + n
         chains += sum(len(j.history) > 1 for j in run.state.jobs.values())
     # The runs reach the interesting rows (placements, suspensions, chains of several tasks), or prove little.
-    assert placements > 5 * STORE_SEEDS and suspensions > STORE_SEEDS and chains > STORE_SEEDS, \
+    assert placements > 5 * STORE_SEEDS and suspensions > STORE_SEEDS // 2 and chains > STORE_SEEDS, \
         (placements, suspensions, chains)
     assert reloads == 8 * STORE_SEEDS
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(("step", "caught"), [("_write_tasks", ".history"), ("_write_nodes", "nodes[")])
+def test_the_exerciser_catches_a_store_that_drops_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         step: str, caught: str) -> None:
+    """Sabotage: one step of every commit writes nothing (a chain that never grows on disk, or nodes
+    whose health never changes). The reload must notice, naming what differs."""
+    monkeypatch.setattr(Store, step, lambda self, conn, changes: None)
+    with pytest.raises(AssertionError) as failed:
+        exercise_store(1, 80, store.default_url(tmp_path), reopen_every=10)
+    assert caught in str(failed.value), str(failed.value)[:2000]
 
 
 # -- known-bad: corrupted rows, a newer schema, oversized input -----------------------------------
@@ -403,8 +417,6 @@ def test_a_process_killed_mid_commit_leaves_the_old_state(db: Store, url: str, t
                                                           after_statements: int) -> None:
     """SIGKILL while the transaction is open (after the generation bump, amid node, job and task
     writes): a restarted server loads the state before the commit, and can commit again."""
-    import pickle
-
     before = _sample()
     db.commit(ClusterState(), before)
     after = _busy_step(before)
