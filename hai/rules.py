@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import heapq
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -151,9 +152,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.default_quota_nodes < 0:
             raise ValueError("max_restarts and default_quota_nodes must not be negative")
-        if min(self.demote_after_s, self.backoff_base_s, self.backoff_max_s, self.node_timeout_s,
-               self.watchdog_s) < 0:
-            raise ValueError("times must not be negative")
+        times = (self.demote_after_s, self.backoff_base_s, self.backoff_max_s, self.node_timeout_s, self.watchdog_s)
+        if any(math.isnan(t) or t < 0 for t in times):
+            raise ValueError("times must not be negative or NaN")
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,20 @@ def _node(state: ClusterState, name: str) -> Node:
     return node
 
 
+def _time(now_s: float) -> float:
+    """A virtual time from outside: a finite number, or the event is refused (NaN would disable
+    every comparison that back-off, timeouts and demotion rely on)."""
+    if isinstance(now_s, bool) or not isinstance(now_s, (int, float)) or not math.isfinite(now_s):
+        raise RuleError(f"time must be a finite number of seconds, not {now_s!r}")
+    return float(now_s)
+
+
+def _current_task(job: Job, task: int | None) -> None:
+    """Refuse an event about an earlier task of the chain (a late or replayed report)."""
+    if task is not None and task != job.task:
+        raise RuleError(f"job {job.job_id} is at task {job.task}; the event is for task {task}")
+
+
 def rank_key(priority: Priority, seq: int) -> tuple[int, int]:
     """Sort key of the queue: higher priority first, then submit order."""
     return (-int(priority), seq)
@@ -387,17 +402,30 @@ def _crosses_zones(state: ClusterState, names: Iterable[str]) -> bool:
 
 
 def add_node(state: ClusterState, node: Node) -> ClusterState:
-    """Register a node (or update its zone and group); it takes work once healthy."""
+    """Register a node (or update its zone and group); it takes work once healthy.
+
+    Registering again never heals a node marked unhealthy (only :func:`node_healthy` does), and a
+    node that runs a job keeps its zone and group until the job has left it."""
+    _time(node.last_heartbeat_s)
+    old = state.nodes.get(node.name)
     held = any(node.name in j.assigned for j in state.jobs.values() if j.state in _HOLDING)
     if held and not node.healthy:
         raise RuleError(f"node {node.name} runs a job: use node_lost to take it out")
+    if held and old is not None and (old.zone, old.group) != (node.zone, node.group):
+        raise RuleError(f"node {node.name} runs a job: its zone and group cannot change under it")
+    if old is not None and not old.healthy:
+        node = dataclasses.replace(node, healthy=False, unhealthy_reason=old.unhealthy_reason)
+    if old is not None:
+        node = dataclasses.replace(node, last_heartbeat_s=max(old.last_heartbeat_s, node.last_heartbeat_s))
     return dataclasses.replace(state, nodes={**state.nodes, node.name: node})
 
 
 def set_quota(state: ClusterState, quota: Quota) -> ClusterState:
     """Set one quota entry. Lowering it never stops running jobs; it only holds back new ones."""
-    if quota.max_nodes < 0:
+    if isinstance(quota.max_nodes, bool) or not isinstance(quota.max_nodes, int) or quota.max_nodes < 0:
         raise RuleError("a quota is a node count, at least 0")
+    if not isinstance(quota.priority, Priority):
+        raise RuleError(f"a quota is set per priority level, not {quota.priority!r}")
     key = (quota.user, quota.group, quota.priority)
     return dataclasses.replace(state, quotas={**state.quotas, key: quota.max_nodes})
 
@@ -406,8 +434,11 @@ def submit(state: ClusterState, spec: JobSpec, now_s: float) -> ClusterState:
     """Queue a new job at the end of its priority (FIFO)."""
     if spec.job_id in state.jobs:
         raise RuleError(f"job {spec.job_id} exists")
-    if spec.nodes < 1:
-        raise RuleError("a job needs at least one node")
+    if isinstance(spec.nodes, bool) or not isinstance(spec.nodes, int) or spec.nodes < 1:
+        raise RuleError("a job needs a whole number of nodes, at least one")
+    if not isinstance(spec.priority, (Priority, Auto)):
+        raise RuleError(f"unknown priority {spec.priority!r}")
+    now_s = _time(now_s)
     job = Job(job_id=spec.job_id, user=spec.user, group=spec.group, nodes=spec.nodes, requested=spec.priority,
               seq=state.next_seq, priority=None if spec.priority is AUTO else spec.priority,
               last_progress_s=now_s, command=spec.command, env=spec.env)
@@ -422,9 +453,12 @@ def _end_task(job: Job, now_s: float, outcome: str) -> Job:
                                history=(*job.history, record))
 
 
-def finish(state: ClusterState, job_id: str, now_s: float) -> ClusterState:
-    """The job's ranks exited successfully: its nodes are free."""
+def finish(state: ClusterState, job_id: str, now_s: float, task: int | None = None) -> ClusterState:
+    """The job's ranks exited successfully: its nodes are free. ``task``, when given, is the task
+    the report is about; a report about an earlier task is refused."""
     job = _job(state, job_id)
+    now_s = _time(now_s)
+    _current_task(job, task)
     if job.state not in _HOLDING:
         raise RuleError(f"job {job_id} is {job.state.value}, not running")
     done = dataclasses.replace(_end_task(job, now_s, "finished"), state=JobState.FINISHED)
@@ -439,10 +473,12 @@ def request_suspend(state: ClusterState, job_id: str) -> ClusterState:
     return _replace_job(state, dataclasses.replace(job, state=JobState.SUSPENDING))
 
 
-def suspend_acknowledged(state: ClusterState, job_id: str, now_s: float) -> ClusterState:
+def suspend_acknowledged(state: ClusterState, job_id: str, now_s: float, task: int | None = None) -> ClusterState:
     """The suspended job saved and exited (or was force-stopped after the grace period): it goes
     back to the queue as the next task of its chain, at its old place (same sequence)."""
     job = _job(state, job_id)
+    now_s = _time(now_s)
+    _current_task(job, task)
     if job.state is not JobState.SUSPENDING:
         raise RuleError(f"job {job_id} is {job.state.value}, not suspending")
     queued = dataclasses.replace(_end_task(job, now_s, "suspended"), state=JobState.QUEUED, task=job.task + 1)
@@ -450,12 +486,17 @@ def suspend_acknowledged(state: ClusterState, job_id: str, now_s: float) -> Clus
 
 
 def fail_job(state: ClusterState, job_id: str, now_s: float, config: Config, reason: str,
-             bad_node: str | None = None) -> ClusterState:
+             bad_node: str | None = None, task: int | None = None) -> ClusterState:
     """A rank failed (or the job went silent): stop the task and restart it after a back-off, or
-    fail the job once it has used its restarts. ``bad_node``, if named, is marked unhealthy."""
+    fail the job once it has used its restarts. ``bad_node``, if named, is marked unhealthy: it
+    must be one of the job's nodes (another job may be running on any other)."""
     job = _job(state, job_id)
+    now_s = _time(now_s)
+    _current_task(job, task)
     if job.state not in _HOLDING:
         raise RuleError(f"job {job_id} is {job.state.value}, not running")
+    if bad_node is not None and bad_node not in job.assigned:
+        raise RuleError(f"node {bad_node} is not one of job {job_id}'s nodes")
     if bad_node is not None:
         state = _mark_unhealthy(state, bad_node, reason)
     ended = _end_task(job, now_s, f"failed: {reason}")
@@ -477,6 +518,7 @@ def _mark_unhealthy(state: ClusterState, name: str, reason: str) -> ClusterState
 def node_lost(state: ClusterState, name: str, now_s: float, config: Config, reason: str) -> ClusterState:
     """A node stopped heartbeating or failed a check: it takes no work, and every job on it fails
     over (restart with back-off). The job's other nodes stay healthy and are freed."""
+    now_s = _time(now_s)
     state = _mark_unhealthy(state, name, reason)
     victims = sorted(j.job_id for j in state.jobs.values() if j.state in _HOLDING and name in j.assigned)
     for job_id in victims:  # a node holds at most one job; sorted keeps it deterministic regardless
@@ -486,29 +528,37 @@ def node_lost(state: ClusterState, name: str, now_s: float, config: Config, reas
 
 def node_healthy(state: ClusterState, name: str, now_s: float) -> ClusterState:
     """The node passed its checks again (or came back): it takes work from the next pass."""
-    node = dataclasses.replace(_node(state, name), healthy=True, unhealthy_reason="", last_heartbeat_s=now_s)
+    old = _node(state, name)
+    node = dataclasses.replace(old, healthy=True, unhealthy_reason="",
+                               last_heartbeat_s=max(old.last_heartbeat_s, _time(now_s)))
     return dataclasses.replace(state, nodes={**state.nodes, name: node})
 
 
 def node_heartbeat(state: ClusterState, name: str, now_s: float) -> ClusterState:
-    """The node's agent is alive. A heartbeat alone does not make an unhealthy node healthy."""
-    node = dataclasses.replace(_node(state, name), last_heartbeat_s=now_s)
+    """The node's agent is alive. A heartbeat alone does not make an unhealthy node healthy. A late
+    (replayed) heartbeat never moves the last one back."""
+    old = _node(state, name)
+    node = dataclasses.replace(old, last_heartbeat_s=max(old.last_heartbeat_s, _time(now_s)))
     return dataclasses.replace(state, nodes={**state.nodes, name: node})
 
 
 def job_progress(state: ClusterState, job_id: str, now_s: float) -> ClusterState:
-    """The job reported progress (a log line, a step): its watchdog starts again."""
-    return _replace_job(state, dataclasses.replace(_job(state, job_id), last_progress_s=now_s))
+    """The job reported progress (a log line, a step): its watchdog starts again. A late (replayed)
+    report never moves the last one back."""
+    job = _job(state, job_id)
+    return _replace_job(state, dataclasses.replace(job, last_progress_s=max(job.last_progress_s, _time(now_s))))
 
 
 def check_timeouts(state: ClusterState, now_s: float, config: Config) -> ClusterState:
-    """Nodes silent past ``node_timeout_s`` are lost; running jobs silent past ``watchdog_s`` fail."""
+    """Nodes silent past ``node_timeout_s`` are lost; jobs silent past ``watchdog_s`` fail, whether
+    running or suspending (a suspend never acknowledged would hold its nodes for ever)."""
+    now_s = _time(now_s)
     silent_nodes = sorted(n.name for n in state.nodes.values()
                           if n.healthy and now_s - n.last_heartbeat_s > config.node_timeout_s)
     for name in silent_nodes:
         state = node_lost(state, name, now_s, config, "no heartbeat")
     silent_jobs = sorted(j.job_id for j in state.jobs.values()
-                         if j.state is JobState.RUNNING and now_s - max(j.last_progress_s, j.started_s)
+                         if j.state in _HOLDING and now_s - max(j.last_progress_s, j.started_s)
                          > config.watchdog_s)
     for job_id in silent_jobs:
         state = fail_job(state, job_id, now_s, config, "watchdog expired")
@@ -548,6 +598,7 @@ class _Pass:
 
     def __init__(self, state: ClusterState, now_s: float, config: Config, demoted: frozenset[str]) -> None:
         self.state, self.now_s, self.config = state, now_s, config
+        self.demoted = demoted
         self.used = _usage(state)
         held = {n for j in state.jobs.values() if j.state in _HOLDING for n in j.assigned}
         self.free = {n.name for n in state.nodes.values() if n.healthy and n.name not in held}
@@ -566,6 +617,7 @@ class _Pass:
                     raise SchedulerInvariantError(f"job {job.job_id} holds nodes without a priority")
                 self.priority_of[job.job_id] = Priority.NORMAL if job.job_id in demoted else job.priority
         self.victims_taken: set[str] = set()
+        self.running = sorted((j for j in state.jobs.values() if j.state is JobState.RUNNING), key=lambda j: j.seq)
         self.placements: list[Placement] = []
         self.suspensions: list[Suspension] = []
         self.waits: dict[str, Wait] = {}
@@ -590,7 +642,8 @@ class _Pass:
                 break
             _, job_id, priority = heapq.heappop(heap)
             job = jobs[job_id]
-            if job.requested is AUTO and not job.demoted and self.quota_short(job, priority):
+            auto = job.requested is AUTO and not job.demoted and job_id not in self.demoted
+            if auto and self.quota_short(job, priority):
                 level, room = resolve_auto(self.state, self.config, job, self.used)
                 if room and level < priority:
                     heapq.heappush(heap, (rank_key(level, job.seq), job_id, level))
@@ -657,26 +710,42 @@ class _Pass:
         return True
 
     def preempt(self, job: Job, priority: Priority) -> bool:
-        """Suspend the fewest jobs behind ``job`` that make it fit; nothing when none would."""
+        """Suspend the fewest jobs behind ``job`` that make it fit; nothing when none would.
+
+        The holder of the cross-zone slot counts as a candidate whatever its group: suspending it
+        frees the slot. Fitting is judged on node counts per zone, kept as victims are added, so a
+        pass stays near-linear in the running jobs for each waiting one."""
         mine = rank_key(priority, job.seq)
-        candidates = [r for r in self.state.jobs.values()
-                      if r.state is JobState.RUNNING and r.group == job.group and r.job_id not in self.victims_taken
+        candidates = [r for r in self.running
+                      if (r.group == job.group or r.job_id == self.cross_holder) and r.job_id not in self.victims_taken
                       and rank_key(self.priority_of[r.job_id], r.seq) > mine
                       and not (r.user == job.user and self.priority_of[r.job_id] is priority)]
         candidates.sort(key=lambda r: (self.priority_of[r.job_id], -r.started_s, -r.seq))
-        room = len(self.nodes_of([*self.free, *self.incoming], job.group))
-        if room + sum(r.nodes for r in candidates) < job.nodes:
+        base = self.zone_counts([*self.free, *self.incoming], job.group)
+        if sum(base.values()) + sum(r.nodes for r in candidates) < job.nodes:
+            return False
+        gained = {r.job_id: self.zone_counts(r.assigned, job.group) for r in candidates}
+
+        def fits(victims: Sequence[Job]) -> bool:
+            counts = base.copy()
+            for victim in victims:
+                counts.update(gained[victim.job_id])
+            return any(c >= job.nodes for c in counts.values()) or \
+                (self.cross_ok_after(v.job_id for v in victims) and sum(counts.values()) >= job.nodes)
+
+        if not fits(candidates):
             return False
         chosen: list[Job] = []
+        counts = base.copy()
         for victim in candidates:
             chosen.append(victim)
-            if self.fits_after(job, chosen):
+            counts.update(gained[victim.job_id])
+            if any(c >= job.nodes for c in counts.values()) or \
+                    (self.cross_ok_after(v.job_id for v in chosen) and sum(counts.values()) >= job.nodes):
                 break
-        else:
-            return False
         for victim in reversed(chosen[:-1]):  # drop any that the last ones made unnecessary
             rest = [v for v in chosen if v is not victim]
-            if self.fits_after(job, rest):
+            if fits(rest):
                 chosen = rest
         _ensure(self.fits_after(job, chosen), "preemption chose victims that do not make room")
         for victim in chosen:
@@ -684,6 +753,11 @@ class _Pass:
             self.suspensions.append(Suspension(victim.job_id, job.job_id))
         self.reserve(job, priority, self.incoming, chosen)
         return True
+
+    def zone_counts(self, names: Iterable[str], group: str) -> Counter[str]:
+        """Healthy nodes of ``group`` among ``names``, counted per zone."""
+        return Counter(node.zone for node in (self.state.nodes[n] for n in names)
+                       if node.group == group and node.healthy)
 
     def fits_after(self, job: Job, victims: Sequence[Job]) -> bool:
         names = [*self.free, *self.incoming, *(n for v in victims for n in v.assigned)]
@@ -710,18 +784,23 @@ class _Pass:
 
 
 def _demotions(state: ClusterState, now_s: float, config: Config) -> tuple[str, ...]:
-    """Running ABOVE_NORMAL jobs whose chain has run ``demote_after_s``."""
+    """ABOVE_NORMAL jobs whose chain has run ``demote_after_s``: running ones, and queued ones whose
+    earlier tasks crossed the line between two passes (they must not return at ABOVE_NORMAL)."""
+    def ran(j: Job) -> float:
+        return j.ran_s + max(0.0, now_s - j.started_s) if j.state in _HOLDING else j.ran_s
+
     return tuple(sorted(j.job_id for j in state.jobs.values()
-                        if j.state in _HOLDING and j.priority is Priority.ABOVE_NORMAL and not j.demoted
-                        and j.ran_s + now_s - j.started_s >= config.demote_after_s))
+                        if j.state in (*_HOLDING, JobState.QUEUED) and j.priority is Priority.ABOVE_NORMAL
+                        and not j.demoted and ran(j) >= config.demote_after_s))
 
 
 def schedule(state: ClusterState, now_s: float, config: Config) -> Decision:
     """One pass: demote, then go through the queue in rank order, placing what fits, suspending what
     must make room, and saying why everything else waits. The state is not changed: :func:`apply`."""
+    now_s = _time(now_s)
     demotions = _demotions(state, now_s, config)
     work = _Pass(state, now_s, config, frozenset(demotions))
-    queue = [(j, queued_priority(state, config, j, work.used))
+    queue = [(j, Priority.NORMAL if j.job_id in demotions else queued_priority(state, config, j, work.used))
              for j in state.jobs.values() if j.state is JobState.QUEUED]
     queue.sort(key=lambda item: rank_key(item[1], item[0].seq))
     work.run(queue)
@@ -731,7 +810,9 @@ def schedule(state: ClusterState, now_s: float, config: Config) -> Decision:
 
 def apply(state: ClusterState, decision: Decision) -> ClusterState:
     """The state once the decision is carried out: demoted jobs at NORMAL (still charged where they
-    were placed), suspended jobs suspending, placed jobs running on their nodes from ``now_s``."""
+    were placed), suspended jobs suspending, placed jobs running on their nodes from ``now_s``.
+    It trusts the decision to be ``schedule``'s on this very state: the caller applies no event
+    between the two."""
     jobs = dict(state.jobs)
     for job_id in decision.demotions:
         jobs[job_id] = dataclasses.replace(jobs[job_id], priority=Priority.NORMAL, demoted=True)
