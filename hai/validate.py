@@ -24,6 +24,7 @@ the node out of scheduling with the reason recorded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -158,7 +159,8 @@ GEMM_VALUE_RANGE = 4
 
 def _matmul(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The GEMM under test (the node's BLAS through numpy)."""
-    return np.matmul(a, b)
+    result: np.ndarray[Any, Any] = np.matmul(a, b)
+    return result
 
 
 def gemm_inputs(size: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -214,10 +216,8 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     """SIGKILL every rank's process group and reap it: no rank outlives the check."""
     for proc in procs:
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for proc in procs:
         proc.wait()
 
@@ -259,45 +259,50 @@ def check_allreduce(sizes: Sizes, command: Callable[[int], list[str]] = probe_co
     procs: list[subprocess.Popen[bytes]] = []
     outputs: list[tuple[IO[bytes], IO[bytes]]] = []
     deadline = time.monotonic() + sizes.allreduce_timeout_s
-    try:
-        for rank in range(ALLREDUCE_RANKS):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ALLREDUCE_RANKS), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), HAI_PROBE_ELEMENTS=str(elements),
-                       HAI_PROBE_REPEATS=str(sizes.allreduce_repeats),
-                       HAI_PROBE_TIMEOUT_S=str(max(0.1, sizes.allreduce_timeout_s / 2)),
-                       PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-            for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-                env.pop(name, None)
-            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-            outputs.append((out, err))
-            procs.append(subprocess.Popen(command(rank), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                          start_new_session=True))
-        while any(proc.poll() is None for proc in procs):
+    with contextlib.ExitStack() as files:
+        try:
+            for rank in range(ALLREDUCE_RANKS):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ALLREDUCE_RANKS), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), HAI_PROBE_ELEMENTS=str(elements),
+                           HAI_PROBE_REPEATS=str(sizes.allreduce_repeats),
+                           HAI_PROBE_TIMEOUT_S=str(max(0.1, sizes.allreduce_timeout_s / 2)),
+                           PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+                for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                    env.pop(name, None)
+                out = files.enter_context(tempfile.TemporaryFile())
+                err = files.enter_context(tempfile.TemporaryFile())
+                outputs.append((out, err))
+                procs.append(subprocess.Popen(command(rank), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
+            while True:
+                codes = [proc.poll() for proc in procs]  # every rank polled: a dead one is seen at once
+                for rank, code in enumerate(codes):
+                    if code is not None and code != 0:
+                        raise CheckFailed(f"rank {rank} {_describe_exit(code)}{_tail(outputs[rank][1])}")
+                if all(code is not None for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    running = [rank for rank, code in enumerate(codes) if code is None]
+                    said = [f"; rank {rank}: {result['error']}" for rank, code in enumerate(codes)
+                            if code is not None and (result := _read_result(outputs[rank][0])) and "error" in result]
+                    raise CheckFailed(f"rank(s) {running} still running after {sizes.allreduce_timeout_s:g} s: killed"
+                                      + "".join(said))
+                time.sleep(0.02)
+            times: list[float] = []
             for rank, proc in enumerate(procs):
-                if proc.returncode is not None and proc.returncode != 0:
-                    raise CheckFailed(f"rank {rank} {_describe_exit(proc.returncode)}{_tail(outputs[rank][1])}")
-            if time.monotonic() > deadline:
-                running = [rank for rank, proc in enumerate(procs) if proc.poll() is None]
-                raise CheckFailed(f"rank(s) {running} still running after {sizes.allreduce_timeout_s:g} s: killed")
-            time.sleep(0.02)
-        times: list[float] = []
-        for rank, proc in enumerate(procs):
-            result = _read_result(outputs[rank][0])
-            if proc.returncode != 0 or result is None:
-                raise CheckFailed(f"rank {rank} {_describe_exit(proc.returncode)} without a result"
-                                  f"{_tail(outputs[rank][1])}")
-            if "error" in result:
-                raise CheckFailed(f"rank {rank}: {result['error']}")
-            if not result.get("exact"):
-                raise CheckFailed(f"rank {rank} got a wrong sum")
-            times.append(float(result["best_s"]))
-        return {"allreduce_gbps": elements * 4 / max(max(times), 1e-9) / 1e9}
-    finally:
-        _stop(procs)
-        for out, err in outputs:
-            out.close()
-            err.close()
-        remove_stale_segments()
+                result = _read_result(outputs[rank][0])
+                if proc.returncode != 0 or result is None:
+                    raise CheckFailed(f"rank {rank} {_describe_exit(proc.returncode)} without a result"
+                                      f"{_tail(outputs[rank][1])}")
+                if "error" in result:
+                    raise CheckFailed(f"rank {rank}: {result['error']}")
+                if not result.get("exact"):
+                    raise CheckFailed(f"rank {rank} got a wrong sum")
+                times.append(float(result["best_s"]))
+            return {"allreduce_gbps": elements * 4 / max(max(times), 1e-9) / 1e9}
+        finally:
+            _stop(procs)
+            remove_stale_segments()
 
 
 # -- fs3 -------------------------------------------------------------------------------------------
@@ -368,22 +373,26 @@ def run_checks(sizes: Sizes, fs3_target: Fs3Target | None, only: Sequence[str] =
     values: dict[str, float] = {}
     errors: dict[str, str] = {}
     skipped: dict[str, str] = {}
+
+    def fs3_check() -> dict[str, float]:
+        if fs3_target is None:
+            raise CheckFailed("no fs3 cluster given")
+        return check_fs3(sizes, fs3_target)
+
     runners: dict[str, Callable[[], dict[str, float]]] = {
         "cpu": lambda: check_cpu(sizes),
         "memory": lambda: check_memory(sizes),
         "gemm": lambda: check_gemm(sizes),
         "allreduce": lambda: check_allreduce(sizes),
+        "fs3": fs3_check,
     }
     for check in CHECKS:
         if check not in only:
             skipped[check] = "not selected"
             continue
-        if check == "fs3":
-            if fs3_target is None:
-                skipped[check] = "no fs3 cluster given (--fs3 MGMTD --token T, or --profile NAME)"
-                continue
-            target = fs3_target
-            runners["fs3"] = lambda: check_fs3(sizes, target)
+        if check == "fs3" and fs3_target is None:
+            skipped[check] = "no fs3 cluster given (--fs3 MGMTD --token T, or --profile NAME)"
+            continue
         try:
             values.update(runners[check]())
         except Exception as exc:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from hai import rules
 
-__all__ = ["CHECKS", "Measurements", "Thresholds", "Verdict", "VALIDATION_REASON_PREFIX", "apply_verdict", "judge"]
+__all__ = ["CHECKS", "VALIDATION_REASON_PREFIX", "Measurements", "Thresholds", "Verdict", "apply_verdict", "judge"]
 
 CHECKS = ("cpu", "memory", "gemm", "allreduce", "fs3")
 """Every check the validator runs, in the order it runs them and reports them."""
@@ -104,10 +104,7 @@ _LIMITS: tuple[tuple[str, str, str, str, str, bool], ...] = (
 
 
 def _show(value: float, unit: str) -> str:
-    if isinstance(value, int):
-        text = str(value)
-    else:
-        text = f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+    text = str(value) if isinstance(value, int) else f"{value:.1f}" if value >= 1 else f"{value:.3g}"
     return f"{text} {unit}" if unit else text
 
 
