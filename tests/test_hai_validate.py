@@ -148,36 +148,46 @@ def test_a_raising_check_is_recorded_and_the_others_still_run(monkeypatch: pytes
     assert set(measurements.skipped) == {"allreduce", "fs3"}
 
 
-def _hfreduce_processes() -> set[int]:
-    """Processes running the probe (or a test's stand-in for a rank), to check none outlives a check."""
-    found: set[int] = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"hai.allreduce_probe" in cmdline or b"hai-validate-stand-in" in cmdline:
-                found.add(int(entry))
-    return found
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[bytes]]:
+    """Every process the allreduce check starts, to show that none outlives it unreaped."""
+    procs: list[subprocess.Popen[bytes]] = []
+    real = subprocess.Popen
+
+    def recording(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc: subprocess.Popen[bytes] = real(*args, **kwargs)
+        procs.append(proc)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    return procs
 
 
-def test_the_allreduce_is_exact_and_leaves_nothing_behind() -> None:
+def _all_reaped(procs: list[subprocess.Popen[bytes]]) -> bool:
+    """Each process exited and was waited for (its pid is gone: no zombie, no orphan)."""
+    return len(procs) == 2 and all(proc.returncode is not None and not Path(f"/proc/{proc.pid}").exists()
+                                   for proc in procs)
+
+
+@pytest.mark.slow
+def test_the_allreduce_is_exact_and_leaves_nothing_behind(started: list[subprocess.Popen[bytes]]) -> None:
     before = segments()
     result = check_allreduce(SMALL)
     assert 0.0001 < result["allreduce_gbps"] < 10_000
     assert segments() <= before
-    assert not _hfreduce_processes()
+    assert _all_reaped(started)
 
 
 @pytest.mark.parametrize(("stand_in", "message"), [
     ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "rank 1 was killed by SIGKILL"),
     ("import time; time.sleep(600)", "still running after 3 s: killed"),
 ], ids=["killed", "hangs"])
-def test_an_allreduce_rank_that_dies_or_hangs_fails_clearly_and_is_reaped(stand_in: str, message: str) -> None:
+@pytest.mark.slow
+def test_an_allreduce_rank_that_dies_or_hangs_fails_clearly_and_is_reaped(
+        stand_in: str, message: str, started: list[subprocess.Popen[bytes]]) -> None:
     def command(rank: int) -> list[str]:
         if rank == 1:
-            return [sys.executable, "-c", f"# hai-validate-stand-in\n{stand_in}"]
+            return [sys.executable, "-c", stand_in]
         return validate_mod.probe_command(rank)
 
     before = segments()
@@ -187,9 +197,10 @@ def test_an_allreduce_rank_that_dies_or_hangs_fails_clearly_and_is_reaped(stand_
         check_allreduce(sizes, command)
     assert time.monotonic() - start < 10
     assert segments() <= before, "a shared-memory segment was left behind"
-    assert not _hfreduce_processes(), "a rank outlived the check"
+    assert _all_reaped(started), "a rank outlived the check"
 
 
+@pytest.mark.slow
 def test_fs3_writes_verifies_and_removes(shared_cluster: Any) -> None:
     import fs3
 
@@ -202,6 +213,7 @@ def test_fs3_writes_verifies_and_removes(shared_cluster: Any) -> None:
         assert fs.listdir("/hai-validate-test") == []
 
 
+@pytest.mark.slow
 def test_fs3_removes_the_file_when_the_bytes_differ(shared_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import fs3
 
@@ -255,6 +267,7 @@ def _hai(*args: str) -> subprocess.CompletedProcess[str]:
                           env=env, cwd=ROOT, timeout=60)
 
 
+@pytest.mark.slow
 def test_cli_json_parses_and_a_strict_threshold_fails_the_node(shared_cluster: Any) -> None:
     cluster = shared_cluster.cluster
     small = ["--memory-mib", "8", "--gemm-size", "64", "--allreduce-mib", "1", "--fs3-mib", "1",
@@ -272,6 +285,7 @@ def test_cli_json_parses_and_a_strict_threshold_fails_the_node(shared_cluster: A
     assert report["thresholds"]["min_memory_bandwidth_gbps"] == 1_000_000
 
 
+@pytest.mark.slow
 def test_cli_human_table() -> None:
     done = _hai("--only", "cpu,gemm", "--gemm-size", "64")
     assert done.returncode == 0, done.stderr
@@ -279,6 +293,7 @@ def test_cli_human_table() -> None:
     assert "skipped   fs3: not selected" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "message"), [
     (["--bogus"], "unrecognized arguments"),
     (["--min-gemm-gflops", "fast"], "expected a number"),
@@ -297,6 +312,7 @@ def test_cli_bad_usage_exits_2_with_a_clear_error(args: list[str], message: str)
     assert done.stdout == ""
 
 
+@pytest.mark.slow
 def test_every_check_is_named_in_the_help() -> None:
     done = _hai("--help")
     assert done.returncode == 0

@@ -3,9 +3,10 @@
 Two checks keep the layers of docs/architecture.md:
 
 * the import contracts in pyproject.toml (``[tool.importlinter]``, run by ``lint-imports`` in
-  ``make test``): fs3's own packages, and the pure cores beside it (``hai.rules``, ``hai.validation_rules``). Each contract
-  is run here against a copy of the root packages with a violation planted, and must break — a
-  contract that names a module wrongly, or forbids the wrong thing, would otherwise pass forever.
+  ``make test``): fs3's own packages, and the pure cores beside it (``hai.rules``,
+  ``hai.validation_rules``). Each contract is run here against a copy of the root packages with a
+  violation planted, and must break — a contract that names a module wrongly, or forbids the wrong
+  thing, would otherwise pass forever.
 * :func:`outside_violations`: every other top-level package of the repository (``cluster_model``
   today, and the packages built on the client as they appear) imports fs3 only through the public
   API listed in ``[tool.fs3.layering]``. import-linter cannot say "only these", nor check a package
