@@ -1,0 +1,34 @@
+"""The ``hai`` command (``python -m hai``): one subcommand per part of the platform.
+
+Today: ``hai validate`` (:mod:`hai.validate`). Exit status 2 is bad usage, as argparse gives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from hai import validate
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hai", description="HAI Platform: the time-sharing training scheduler")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    checker = commands.add_parser("validate", help="check this node (CPU, memory, GEMM, HFReduce, fs3) and judge it",
+                                  description=(validate.__doc__ or "").split("\n")[0])
+    validate.add_arguments(checker)
+    checker.set_defaults(run=validate.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
