@@ -261,7 +261,7 @@ class LocalLogSink:
     def open(self, job_id: str, rank: int) -> LogWriter:
         path = self._directory / job_id / f"{rank}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
-        return _FileWriter(open(path, "ab", buffering=0), durable=False)  # noqa: SIM115 - closed by the writer
+        return _FileWriter(open(path, "ab", buffering=0), durable=False)
 
 
 class _Rank:
@@ -306,12 +306,22 @@ class RankLauncher:
 
         with RankLauncher(spec, LocalLogSink(tmp)) as job:
             report = job.suspend(ack_grace_s=5, finish_grace_s=5)
+
+    ``term_grace_s``: between SIGTERM and SIGKILL when stopping by force (a rank may flush on
+    SIGTERM, but a group that ignores it must not hold the node). ``log_chunk_bytes``: the most of a
+    rank's output held before it is written. ``log_flush_interval_s``: how stale a follower's view
+    of a log may be. ``log_retries``: tries per chunk before it is dropped. ``log_drain_s``: how long
+    a reader keeps reading after its rank was reaped (a process that left the group may hold the
+    pipe forever). ``final_wait_s``: the most :meth:`suspend` and :meth:`stop` wait for the reaping
+    after the kill (a process stuck in the kernel cannot be hurried). ``control_root``: where the
+    control directory is made (the system's temporary directory by default).
     """
 
     def __init__(self, spec: LaunchSpec, sink: LogSink, *, control_root: str | None = None,
                  inherited_env: Mapping[str, str] | None = None, term_grace_s: float = 2.0,
                  log_chunk_bytes: int = 256 * 1024, log_flush_interval_s: float = 0.5,
-                 log_retries: int = 3, log_drain_s: float = 1.0, poll_interval_s: float = 0.02) -> None:
+                 log_retries: int = 3, log_drain_s: float = 1.0, poll_interval_s: float = 0.02,
+                 final_wait_s: float = 30.0) -> None:
         spec.validate()
         if log_chunk_bytes < 1 or log_retries < 1:
             raise LaunchError("log_chunk_bytes and log_retries must be positive")
@@ -323,6 +333,7 @@ class RankLauncher:
         self._log_retries = log_retries
         self._drain_s = log_drain_s
         self._poll_s = poll_interval_s
+        self._final_wait_s = final_wait_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = threading.Event()
@@ -566,7 +577,7 @@ class RankLauncher:
             else:
                 already, self._suspending = False, True
         if already:
-            return self.wait()
+            return self.wait(ack_grace_s + finish_grace_s + self._term_grace_s + self._final_wait_s)
         try:
             self._deliver_suspend()
             start = time.monotonic()
@@ -594,7 +605,7 @@ class RankLauncher:
         except BaseException:
             self.close()
             raise
-        return self.wait()
+        return self.wait(self._final_wait_s)
 
     def _deliver_suspend(self) -> None:
         temporary = os.path.join(self._control, f".{SUSPEND_FILE}")
@@ -608,7 +619,7 @@ class RankLauncher:
             if self._outcome is Outcome.RUNNING:
                 self._outcome, self._reason = Outcome.STOPPED, "stopped"
         self._terminate()
-        return self.wait()
+        return self.wait(self._final_wait_s)
 
     def close(self) -> None:
         """Kill whatever still runs, wait for the logs, remove the control directory. Safe to call
