@@ -332,3 +332,75 @@ def test_receive_suspend_command_outside_and_inside_hai(tmp_path: Path, monkeypa
     monkeypatch.setenv(hai.client.CONTROL_DIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(hai.client.HaiClientError):
         hai.client.go_suspend()
+
+
+HAISCALE_JOB = """
+import sys, time
+import torch
+from torch import nn
+import hai.client
+from haiscale.checkpoint import CheckpointManager
+
+total, directory, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+data = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+target = data.sum(dim=1, keepdim=True)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+manager = CheckpointManager(directory, keep=2)
+loaded = manager.load_latest(model, opt)
+start = 0 if loaded is None else int(loaded.extra["next_step"])
+print(f"start {start}", flush=True)
+for step in range(start, total):
+    batch = slice((step * 16) % 64, (step * 16) % 64 + 16)
+    loss = ((model(data[batch]) - target[batch]) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    print(f"step {step}", flush=True)
+    time.sleep(0.02)
+    if hai.client.receive_suspend_command():
+        manager.on_suspend(step + 1, model, opt, extra={"next_step": step + 1})
+        hai.client.go_suspend()
+        manager.close()
+        sys.exit(0)
+manager.close()
+torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out)
+"""
+
+
+def test_a_haiscale_job_suspends_through_on_suspend_and_resumes_bit_identical(tmp_path: Path,
+                                                                              logs: LocalLogSink) -> None:
+    torch = pytest.importorskip("torch")
+    script = _script(tmp_path, "train.py", HAISCALE_JOB)
+    total = 30
+
+    def spec(job_id: str, directory: str, out: str) -> LaunchSpec:
+        base = _spec(script, job_id, env={"OMP_NUM_THREADS": "1"})
+        return LaunchSpec(**{**base.__dict__, "command": (*base.command, str(total), directory, out)})
+
+    with RankLauncher(spec("straight", str(tmp_path / "ckpt-a"), str(tmp_path / "a.pt")), logs) as job:
+        assert job.wait(60).outcome is Outcome.FINISHED
+
+    log0 = tmp_path / "logs" / "resumed" / "0.log"
+    resumed = spec("resumed", str(tmp_path / "ckpt-b"), str(tmp_path / "b.pt"))
+    with RankLauncher(resumed, logs, log_flush_interval_s=0.05) as job:
+        deadline = time.monotonic() + 60
+        while b"step 5\n" not in (log0.read_bytes() if log0.exists() else b""):
+            assert time.monotonic() < deadline, "the job never reached step 5"
+            time.sleep(0.02)
+        report = job.suspend(ack_grace_s=10, finish_grace_s=5)
+    assert report.outcome is Outcome.SUSPENDED, report
+    assert not (tmp_path / "b.pt").exists()
+    with RankLauncher(resumed, logs) as job:
+        assert job.wait(60).outcome is Outcome.FINISHED
+    starts = [line for line in log0.read_text().splitlines() if line.startswith("start")]
+    assert starts[0] == "start 0" and starts[1] != "start 0" and len(starts) == 2
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    state_a, state_b = a["optim"]["state"], b["optim"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        for name, value in state_a[key].items():
+            assert torch.equal(value, state_b[key][name]), (key, name)
