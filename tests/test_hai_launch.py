@@ -209,11 +209,11 @@ def test_a_cooperative_job_suspends_within_the_grace(tmp_path: Path, logs: Local
     with RankLauncher(_spec(script, "coop", ranks=2), logs) as job:
         time.sleep(0.3)
         start = time.monotonic()
-        report = job.suspend(ack_grace_s=5, finish_grace_s=5)
+        report = job.suspend(ack_grace_s=30, finish_grace_s=30)
         elapsed_s = time.monotonic() - start
     assert report.outcome is Outcome.SUSPENDED, report
     assert [r.exit_code for r in report.ranks] == [0, 0]
-    assert elapsed_s < 3
+    assert elapsed_s < 30  # it ended when the job did, not at a grace (slack for a loaded machine)
     assert (tmp_path / "logs" / "coop" / "0.log").read_bytes() == b"saving\n"
 
 
@@ -228,7 +228,7 @@ def test_a_job_ignoring_the_request_is_force_stopped_after_both_graces(tmp_path:
         assert not any(_alive(pid) for pid in pids)
     assert report.outcome is Outcome.FORCE_STOPPED
     assert "did not acknowledge" in report.reason
-    assert 1.0 <= elapsed_s < 3.0
+    assert 1.0 <= elapsed_s < 15.0  # both graces, then SIGTERM (the upper bound only rules out a hang)
     assert [r.signal for r in report.ranks] == [15, 15]
 
 
@@ -282,12 +282,12 @@ def test_a_job_that_acks_but_never_exits_is_killed_after_the_finish_grace(tmp_pa
         pids = job.pids
         time.sleep(0.3)
         start = time.monotonic()
-        report = job.suspend(ack_grace_s=10, finish_grace_s=0.5)
+        report = job.suspend(ack_grace_s=60, finish_grace_s=0.5)
         elapsed_s = time.monotonic() - start
         assert not any(_alive(pid) for pid in pids)
     assert report.outcome is Outcome.FORCE_STOPPED
     assert "did not exit within the finish grace" in report.reason
-    assert 0.5 <= elapsed_s < 3.0, "the finish grace runs from the acknowledgement, not the ack grace's end"
+    assert 0.5 <= elapsed_s < 30.0, "the finish grace runs from the acknowledgement, not the ack grace's end"
 
 
 def test_closing_mid_suspend_leaves_no_rank_running(tmp_path: Path, logs: LocalLogSink) -> None:
@@ -300,9 +300,9 @@ def test_closing_mid_suspend_leaves_no_rank_running(tmp_path: Path, logs: LocalL
     time.sleep(0.3)
     start = time.monotonic()
     job.close()
-    suspender.join(10)
+    suspender.join(20)
     assert not suspender.is_alive()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # graces of 30 s: close() did not wait for them
     assert not any(_alive(pid) for pid in pids)
     assert reports[0].outcome is Outcome.STOPPED
     assert [r.signal for r in reports[0].ranks] == [9, 9]
