@@ -16,8 +16,9 @@ PYTEST_ARGS ?=
 FSX_SEEDS ?= 300
 FSX_OPS ?= 100
 FSX_FIRST ?= 1
+BENCH_HAI_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce bench-haiscale train-demo test-haiscale-long chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce bench-haiscale bench-hai train-demo test-haiscale-long chaos model-report clean install
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -124,6 +125,11 @@ bench-haiscale: install
 	$(PY) bench/haiscale_checkpoint_bench.py
 	$(PY) bench/haiscale_data_bench.py
 	$(PY) bench/read_many_bench.py
+
+# The HAI scheduler's rules against strict FIFO on one seeded synthetic trace, in virtual time (seconds
+# to run): occupancy, waits per priority, suspensions. `make bench-hai BENCH_HAI_ARGS="--jobs 500"`.
+bench-hai: install
+	$(PY) bench/hai_bench.py $(BENCH_HAI_ARGS)
 
 # The whole training path on a local fs3 cluster: the standard library's source as records on fs3,
 # the byte-level GPT trained with HaiScale DDP on 4 ranks, a rank killed and the job resumed from its
