@@ -37,6 +37,7 @@ import enum
 import logging
 import os
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -125,8 +126,15 @@ class LaunchSpec:
         """Raise :class:`LaunchError` for a spec that cannot be launched as given."""
         if not _JOB_ID.fullmatch(self.job_id):
             raise LaunchError(f"job id {self.job_id!r} is not a plain name (letters, digits, . _ -, <= 128)")
-        if not self.command:
-            raise LaunchError("the command is empty")
+        if isinstance(self.command, str | bytes) or not self.command:
+            raise LaunchError("the command must be a non-empty sequence of arguments, not "
+                              f"{type(self.command).__name__} {self.command!r}"[:300])
+        for what, text in [*(("a command argument", arg) for arg in self.command),
+                           *((f"environment variable {name}", value) for name, value in self.env.items()),
+                           ("the fs3 token", self.fs3_token or ""), ("the fs3 mgmtd", self.fs3_mgmtd or ""),
+                           ("the working directory", self.cwd or "")]:
+            if not isinstance(text, str) or "\0" in text:
+                raise LaunchError(f"{what} is not text without NUL characters")
         if not 0 < self.master_port < 65536:
             raise LaunchError(f"master port {self.master_port} is out of range")
         if self.local_world_size < 1 or self.first_rank < 0 \
@@ -276,6 +284,9 @@ class _Rank:
         self.returncode: int | None = None
         self.reaped_mono: float | None = None
         self.reader: threading.Thread | None = None
+        # Set once the group was seen empty after the rank was reaped: from then on its id may be
+        # a new process's, and the launcher never signals it again.
+        self.group_gone = False
 
     def exit(self) -> RankExit:
         code = self.returncode
@@ -284,9 +295,25 @@ class _Rank:
                         -code if code is not None and code < 0 else None)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def _rank_group_alive(rank: _Rank) -> bool:
+    """Whether the rank's group may still hold a process; once the rank was reaped and the group
+    was seen empty, never again (the id is free for the system to hand out)."""
+    if rank.group_gone:
+        return False
+    if not _group_alive(rank.pgid):
+        if rank.proc.returncode is not None:
+            rank.group_gone = True
+        return False
+    return True
+
+
+def _signal_group(rank: _Rank, sig: int) -> None:
+    """Signal the rank's group unless it is known gone. While the rank is unreaped its pid, and so
+    the group id, cannot be reused; after that only a group seen alive just now is signalled."""
+    if rank.proc.returncode is not None and not _rank_group_alive(rank):
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+        os.killpg(rank.pgid, sig)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -347,7 +374,10 @@ class RankLauncher:
         self._dropped_bytes = 0
         self._peak_buffered = 0
         self._ranks: list[_Rank] = []
-        self._control = tempfile.mkdtemp(prefix=f"hai-{spec.job_id}-", dir=control_root)
+        try:
+            self._control = tempfile.mkdtemp(prefix=f"hai-{spec.job_id}-", dir=control_root)
+        except OSError as exc:
+            raise LaunchError(f"cannot make the job's control directory in {control_root!r}: {exc}") from exc
         inherited = dict(os.environ if inherited_env is None else inherited_env)
         try:
             self._start(inherited)
@@ -468,6 +498,7 @@ class RankLauncher:
                     if code is not None:
                         rank.returncode = code
                         rank.reaped_mono = now
+                        _rank_group_alive(rank)  # an empty group is marked gone before its id can be reused
             if self._suspending and not self._acked:
                 with contextlib.suppress(OSError):
                     self._acked = any(name.startswith(ACK_PREFIX) for name in os.listdir(self._control))
@@ -520,11 +551,11 @@ class RankLauncher:
                 return
             self._terminate_started = True
         for rank in self._ranks:
-            _signal_group(rank.pgid, signal.SIGTERM)
+            _signal_group(rank, signal.SIGTERM)
         deadline = time.monotonic() + self._term_grace_s
         while time.monotonic() < deadline and not self._closing.is_set():
             self._reap()
-            if self._all_reaped() and not any(_group_alive(rank.pgid) for rank in self._ranks):
+            if self._all_reaped() and not any(_rank_group_alive(rank) for rank in self._ranks):
                 break
             time.sleep(self._poll_s)
         self._kill_all_now()
@@ -532,7 +563,7 @@ class RankLauncher:
     def _kill_all_now(self) -> None:
         """SIGKILL every rank's group and reap the ranks (a SIGKILLed process exits at once)."""
         for rank in self._ranks:
-            _signal_group(rank.pgid, signal.SIGKILL)
+            _signal_group(rank, signal.SIGKILL)
         for rank in self._ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 rank.proc.wait(timeout=5.0)
@@ -607,11 +638,35 @@ class RankLauncher:
             raise
         return self.wait(self._final_wait_s)
 
-    def _deliver_suspend(self) -> None:
-        temporary = os.path.join(self._control, f".{SUSPEND_FILE}")
-        with open(temporary, "wb") as file:
-            file.write(b"suspend\n")
-        os.replace(temporary, os.path.join(self._control, SUSPEND_FILE))
+    def _deliver_suspend(self) -> bool:
+        """Create the request in the control directory; False (logged) when it cannot be.
+
+        The ranks can write the directory, so nothing in it is trusted: the directory itself is
+        opened without following a symlink, the temporary file gets a fresh name created
+        exclusively (never written through a link a rank planted), and a rank that removed the
+        directory or blocked the name is force-stopped at the end of the grace, as one that
+        ignores the request would be."""
+        temporary = f".{SUSPEND_FILE}.{secrets.token_hex(8)}"
+        try:
+            directory = os.open(self._control, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            log.warning("%s: cannot deliver the suspend request: %s", self.spec.job_id, exc)
+            return False
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=directory)
+            try:
+                os.write(fd, b"suspend\n")
+            finally:
+                os.close(fd)
+            os.replace(temporary, SUSPEND_FILE, src_dir_fd=directory, dst_dir_fd=directory)
+        except OSError as exc:
+            log.warning("%s: cannot deliver the suspend request: %s", self.spec.job_id, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=directory)
+            return False
+        finally:
+            os.close(directory)
+        return True
 
     def stop(self) -> LaunchReport:
         """Stop the job now (SIGTERM, SIGKILL after ``term_grace_s``); returns the final report."""

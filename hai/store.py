@@ -51,7 +51,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord
 
@@ -210,6 +210,10 @@ def _check_text(what: str, value: str, limit: int, *, empty_ok: bool = False) ->
         raise StoreLimitError(f"{what} is {len(value)} characters, at most {limit}")
     if "\0" in value:
         raise StoreLimitError(f"{what} contains a NUL character")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate: JSON can carry one, no database stores it
+        raise StoreLimitError(f"{what} is not valid Unicode ({exc.reason} at {exc.start})") from None
 
 
 def _check_int(what: str, value: int, high: int = _INT32) -> None:
@@ -218,8 +222,12 @@ def _check_int(what: str, value: int, high: int = _INT32) -> None:
 
 
 def _check_time(what: str, value: float) -> None:
-    if not isinstance(value, int | float) or not math.isfinite(value):
-        raise StoreLimitError(f"{what} must be a finite number of seconds, not {value!r}")
+    try:
+        finite = isinstance(value, int | float) and math.isfinite(value)
+    except OverflowError:  # an int past the largest float
+        finite = False
+    if not finite:
+        raise StoreLimitError(f"{what} must be a finite number of seconds, not {str(value)[:40]!r}")
 
 
 def _check_pairs(what: str, pairs: Sequence[tuple[str, str]], count: int, name_chars: int, value_chars: int,
@@ -456,6 +464,9 @@ class Store:
                         f"{shown} has hai schema version {version}; this hai reads version {SCHEMA_VERSION}"
                         + (": upgrade hai to use it" if newer else ": not a database this version can read"))
                 generation = meta["generation"]
+        except DBAPIError as error:
+            engine.dispose()
+            raise StoreError(f"{shown}: cannot open the database: {error.orig}") from error
         except BaseException:
             engine.dispose()
             raise
@@ -478,6 +489,12 @@ class Store:
 
     def load(self) -> ClusterState:
         """The committed state, read in one transaction, rows streamed in batches."""
+        try:
+            return self._load()
+        except DBAPIError as error:
+            raise StoreError(f"cannot load the state: {error.orig}") from error
+
+    def _load(self) -> ClusterState:
         with self.engine.connect().execution_options(yield_per=_LOAD_BATCH) as conn, conn.begin():
             meta = _read_meta(conn)
             nodes = {n.name: n for n in map(_node_of, _rows(conn, select(nodes_table).order_by(nodes_table.c.name)))}
@@ -527,6 +544,8 @@ class Store:
                                          .values(value=new.next_seq)), 1, "next_seq")
         except IntegrityError as error:
             raise StoreConflictError(f"the database is not at the old state: {error.orig}") from error
+        except DBAPIError as error:  # read-only, locked by another writer past its timeout, gone
+            raise StoreError(f"the commit was not written: {error.orig}") from error
         self._generation, self._known = generation + 1, new
 
     # Each step of a commit is its own method, so a test can stop a commit between two of them.
