@@ -271,6 +271,29 @@ def test_suspend_twice_and_stop_concurrently_agree_and_leave_nothing(tmp_path: P
         assert not any(_alive(pid) for pid in job.pids)
 
 
+ESCAPES_ITS_GROUP = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+open("escaped", "w").write(str(child.pid))
+sys.stdout.write("no newline, and the pipe stays open in the child")
+"""
+
+
+def test_a_child_in_its_own_session_does_not_hold_the_job(tmp_path: Path) -> None:
+    """An escaped child keeps the log pipe open; the reader stops ``log_drain_s`` after the rank was
+    reaped, so the job still ends (the child itself is out of reach without a cgroup, as documented)."""
+    script = _script(tmp_path, ESCAPES_ITS_GROUP)
+    try:
+        with RankLauncher(_spec(script, "escape"), LocalLogSink(tmp_path / "logs"), control_root=str(tmp_path),
+                          log_drain_s=0.2) as job:
+            report = job.wait(HANG)
+            assert report.outcome is Outcome.FINISHED
+        assert (tmp_path / "logs" / "escape" / "0.log").read_bytes().startswith(b"no newline")
+    finally:
+        if (tmp_path / "escaped").exists():
+            os.kill(int((tmp_path / "escaped").read_text()), signal.SIGKILL)
+
+
 # -- validator ----------------------------------------------------------------------------------------
 
 
