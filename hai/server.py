@@ -224,6 +224,7 @@ class HaiServer:
         self.clock = clock
         self.lock = threading.Lock()
         self.state = store.load()
+        self.started_s = clock()
         self.waits: Mapping[str, Wait] = rules.schedule(self.state, clock(), self.config.rules).waits
 
     def close(self) -> None:
@@ -249,10 +250,14 @@ class HaiServer:
             return new
 
     def tick(self, now_s: float | None = None) -> Decision:
-        """One turn of the loop: timeouts, one scheduling pass, apply, commit."""
+        """One turn of the loop: timeouts, one scheduling pass, apply, commit. For ``node_timeout_s``
+        after the server starts, nothing times out: the agents must get the chance to reach a server
+        that was down before their silence counts."""
         now = self.clock() if now_s is None else now_s
         with self.lock:
-            state = rules.check_timeouts(self.state, now, self.config.rules)
+            state = self.state
+            if now - self.started_s >= self.config.rules.node_timeout_s:
+                state = rules.check_timeouts(state, now, self.config.rules)
             decision = rules.schedule(state, now, self.config.rules)
             new = rules.apply(state, decision)
             if new != self.state:
@@ -370,6 +375,7 @@ class RegisterIn(_Body):
 class RunningTask(_Body):
     job_id: str = Field(max_length=255)
     task: int = Field(ge=0)
+    progress: bool = False  # the ranks wrote output since the last heartbeat: the job's watchdog restarts
 
 
 class HeartbeatIn(_Body):
@@ -630,7 +636,17 @@ def create_app(server: HaiServer, *, run_loop: bool = True) -> FastAPI:
         if node not in server.state.nodes:
             raise HTTPException(404, f"no node {node}: register first")
         now = server.clock()
-        server.change(lambda s: rules.node_heartbeat(s, node, now))
+
+        def event(state: ClusterState) -> ClusterState:
+            state = rules.node_heartbeat(state, node, now)
+            for r in body.running:
+                job = state.jobs.get(r.job_id)
+                if r.progress and job is not None and job.task == r.task and node in job.assigned \
+                        and job.state in (JobState.RUNNING, JobState.SUSPENDING):
+                    state = rules.job_progress(state, r.job_id, now)
+            return state
+
+        server.change(event)
         with server.lock:
             commands = server.commands(node, ((r.job_id, r.task) for r in body.running))
         return {"node": node, "commands": commands}
@@ -638,9 +654,15 @@ def create_app(server: HaiServer, *, run_loop: bool = True) -> FastAPI:
     @app.post("/agents/{node}/report", dependencies=agent_only)
     def report(node: str, body: ReportIn) -> dict[str, Any]:
         now = server.clock()
-        applied = server.change(lambda s: _report(s, node, body, now, server.config.rules))
-        job = applied.jobs[body.job_id]
-        return {"job": server.job_view(job), "applied": True}
+        changed: list[bool] = []
+
+        def event(state: ClusterState) -> ClusterState:
+            new = _report(state, node, body, now, server.config.rules)
+            changed.append(new is not state)
+            return new
+
+        new = server.change(event)
+        return {"job": server.job_view(new.jobs[body.job_id]), "applied": changed[-1]}
 
     return app
 
@@ -668,7 +690,7 @@ def _report(state: ClusterState, node: str, body: ReportIn, now: float, config: 
         reason = f"rank exited {code} on {node}" + (f": {body.reason}" if body.reason else "")
         return rules.fail_job(state, body.job_id, now, config, reason, bad_node=node, task=body.task)
     if not first:
-        return state  # the other nodes' ends follow rank 0's node; nothing to record
+        return state  # the other nodes' ends follow rank 0's node: nothing to record ("applied": false)
     if body.event == "finished":
         return rules.finish(state, body.job_id, now, task=body.task)
     if body.event == "suspended":

@@ -63,8 +63,9 @@ class Cluster:
                   json={"name": name, "cpus": 8, "memory_bytes": 1 << 30, "zone": zone, "group": group,
                         "labels": {"gpu": "a100"}, "address": f"10.0.0.{name[-1]}"})
 
-    def heartbeat(self, node: str, running: list[tuple[str, int]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
-        body = {"running": [{"job_id": j, "task": t} for j, t in running]}
+    def heartbeat(self, node: str, running: list[tuple[str, int]] | None = None,
+                  progress: bool = False) -> list[dict[str, Any]]:
+        body = {"running": [{"job_id": j, "task": t, "progress": progress} for j, t in running or []]}
         commands: list[dict[str, Any]] = self.call("POST", f"/agents/{node}/heartbeat", AGENT, json=body)["commands"]
         return commands
 
@@ -340,3 +341,50 @@ def test_lifespan_loop_places_jobs(url: str, clock: Clock) -> None:
             assert server.state.jobs[job].state.value == "running"
     finally:
         server.close()
+
+
+def test_watchdog_and_progress(cluster: Cluster) -> None:
+    cluster.register("n1")
+    cluster.register("n2")
+    job = cluster.submit(nodes=2, priority="LOW")
+    cluster.tick()
+    first, second = cluster.job(job)["assigned"]
+    for _ in range(40):  # 2000 s with output: past the 1800 s watchdog, still running
+        cluster.clock.now += 50
+        cluster.heartbeat(first, [(job, 0)], progress=True)
+        cluster.heartbeat(second, [(job, 0)])
+        cluster.server.tick(cluster.clock.now)
+    assert cluster.job(job)["state"] == "running"
+    # A suspend acknowledged by the second node alone changes nothing; rank 0's node counts.
+    cluster.call("POST", f"/jobs/{job}/suspend")
+    assert cluster.report(second, job, 0, "suspended")["applied"] is False
+    assert cluster.job(job)["state"] == "suspending"
+    assert cluster.report(first, job, 0, "suspended")["applied"] is True
+    assert cluster.job(job)["state"] == "queued"
+    for _ in range(40):  # running again, silent: the watchdog fails it
+        cluster.clock.now += 50
+        for node in (first, second):
+            cluster.heartbeat(node, [(job, 1)])
+        cluster.server.tick(cluster.clock.now)
+    view = cluster.job(job)
+    assert view["restarts"] == 1
+    assert [t["outcome"] for t in view["chain"]][:3] == ["suspended", "failed: watchdog expired", "running"]
+
+
+def test_restart_after_downtime_gives_agents_a_grace(url: str, clock: Clock) -> None:
+    first = Cluster(url, clock)
+    first.register("n1")
+    job = first.submit()
+    first.tick()
+    first.close()
+    clock.now += 3600  # the server was down an hour
+    second = Cluster(url, clock)
+    try:
+        second.tick()
+        assert second.job(job)["state"] == "running"
+        assert all(n["healthy"] for n in second.call("GET", "/nodes")["nodes"])
+        second.tick(61)  # the agent never came back: now it is lost
+        assert not second.call("GET", "/nodes")["nodes"][0]["healthy"]
+        assert second.job(job)["restarts"] == 1
+    finally:
+        second.close()
