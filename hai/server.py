@@ -86,6 +86,10 @@ ADDRESS_LABEL = "hai.address"  # the node's address for MASTER_ADDR, carried as 
 MAX_RANKS_PER_NODE = 1024
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PRIORITY_NAMES = (*Priority.__members__, AUTO.value)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
+# What the launcher sets for every rank (hai.launcher), so a job's environment cannot.
+_RESERVED_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                           "FS3_TOKEN", "FS3_MGMTD"})
 
 
 # -- users and tokens -----------------------------------------------------------------------------
@@ -346,7 +350,7 @@ class _Body(BaseModel):
 
 
 class JobIn(_Body):
-    name: str = Field(min_length=1, max_length=64, pattern=_NAME.pattern)
+    name: str = Field(min_length=1, max_length=64, pattern=f"^{_NAME.pattern}$")
     command: str = Field(min_length=1, max_length=65536)
     nodes: int = Field(ge=1, le=100_000)
     ranks_per_node: int = Field(default=1, ge=1, le=MAX_RANKS_PER_NODE)
@@ -363,7 +367,7 @@ class QuotaIn(_Body):
 
 
 class RegisterIn(_Body):
-    name: str = Field(min_length=1, max_length=255)
+    name: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # it is a path segment
     cpus: int = Field(default=0, ge=0, le=2**31 - 1)
     memory_bytes: int = Field(default=0, ge=0, le=2**63 - 1)
     zone: str = Field(default="default", min_length=1, max_length=255)
@@ -540,26 +544,37 @@ def create_app(server: HaiServer, *, run_loop: bool = True) -> FastAPI:
         except ValueError as error:
             raise HTTPException(422, f"command: not a command line ({error})") from error
         for name in body.env:
-            if name.startswith("HAI_"):
-                raise HTTPException(422, f"env: {name} is reserved (HAI_ variables are set by hai)")
+            if not _ENV_NAME.fullmatch(name):
+                raise HTTPException(422, f"env: {name[:64]!r} is not a variable name (letters, digits, _)")
+            if name.startswith("HAI_") or name in _RESERVED_ENV:
+                raise HTTPException(422, f"env: {name} is set by hai, not by the job")
         env = (*sorted(body.env.items()), (RANKS_ENV, str(body.ranks_per_node)))
 
+        job_ids: list[str] = []
+
         def event(state: ClusterState) -> ClusterState:
+            # The name, then the submit sequence: unique, since the part after the last '-' is the sequence.
             spec = JobSpec(job_id=f"{body.name}-{state.next_seq}", user=caller.name, nodes=body.nodes,
                            priority=priority, group=body.group, command=body.command, env=env)
             check_job_spec(spec)
+            job_ids.append(spec.job_id)
             return rules.submit(state, spec, server.clock())
 
         new = server.change(event)
-        job = max(new.jobs.values(), key=lambda j: j.seq)
-        return server.job_view(job, chain=True)
+        return server.job_view(new.jobs[job_ids[-1]], chain=True)
 
     @app.get("/jobs")
     def list_jobs(caller: Caller, state: Annotated[str | None, Query(max_length=16)] = None,
                   mine: bool = False, offset: Annotated[int, Query(ge=0)] = 0,
                   limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100) -> dict[str, Any]:
         """The queue and running jobs by default (``state=all`` for every job), in queue order."""
-        jobs = sorted(server.state.jobs.values(), key=lambda j: rules.rank_key(j.priority or Priority.LOW, j.seq))
+        waits = server.waits
+
+        def level(job: Job) -> Priority:
+            wait = waits.get(job.job_id)
+            return wait.priority if wait is not None else job.priority or Priority.LOW
+
+        jobs = sorted(server.state.jobs.values(), key=lambda j: rules.rank_key(level(j), j.seq))
         if state is None:
             jobs = [j for j in jobs if j.state not in (JobState.FINISHED, JobState.FAILED)]
         elif state != "all":

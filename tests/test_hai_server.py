@@ -223,6 +223,8 @@ def test_auth(cluster: Cluster) -> None:
     cluster.call("GET", "/jobs", token="nope", expect=401)
     cluster.call("POST", "/agents/register", token=ALICE, expect=401, json={"name": "n9"})
     cluster.call("POST", "/agents/n1/heartbeat", token=None, expect=401, json={})
+    cluster.call("POST", "/agents/n9/heartbeat", token=AGENT, expect=404, json={})
+    assert "name" in cluster.call("POST", "/agents/register", token=AGENT, expect=422, json={"name": "a/b"})["detail"]
     job = cluster.submit()
     cluster.tick()
     cluster.call("POST", f"/jobs/{job}/suspend", token=BOB, expect=403)
@@ -248,6 +250,10 @@ def test_bad_job_files(cluster: Cluster) -> None:
     assert "command" in cluster.call("POST", "/jobs", expect=422, json={**base, "command": "a 'b"})["detail"]
     assert "HAI_X" in cluster.call("POST", "/jobs", expect=422, json={**base, "env": {"HAI_X": "1"}})["detail"]
     assert "env" in cluster.call("POST", "/jobs", expect=422, json={**base, "env": {"A=B": "1"}})["detail"]
+    assert "RANK" in cluster.call("POST", "/jobs", expect=422, json={**base, "env": {"RANK": "3"}})["detail"]
+    assert "nodes" in cluster.call("POST", "/jobs", expect=422, json={**base, "nodes": "two"})["detail"]
+    assert "name" in cluster.call("POST", "/jobs", expect=422, json={**base, "name": "../x"})["detail"]
+    assert "command" in cluster.call("POST", "/jobs", expect=422, json={"name": "j", "nodes": 1})["detail"]
     big = cluster.call("POST", "/jobs", expect=413, content=b"{" + b" " * (2 << 20) + b"}",
                        headers={"Content-Type": "application/json"})
     assert "bytes" in big["detail"]
