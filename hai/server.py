@@ -398,7 +398,8 @@ class ReportIn(_Body):
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413, by Content-Length or as they stream."""
+    """Refuse request bodies over ``limit`` bytes with 413: by Content-Length, or while reading a
+    streamed body, which is read whole (at most ``limit`` bytes held) before the app sees it."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -411,25 +412,27 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             await _too_large(self.limit)(scope, receive, send)
             return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        body = bytearray()
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge
-            return message
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                await _too_large(self.limit)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            await _too_large(self.limit)(scope, receive, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-
-class _BodyTooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 def _too_large(limit: int) -> JSONResponse:

@@ -394,3 +394,15 @@ def test_restart_after_downtime_gives_agents_a_grace(url: str, clock: Clock) -> 
         assert second.job(job)["restarts"] == 1
     finally:
         second.close()
+
+
+def test_streamed_body_over_the_limit(cluster: Cluster) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"name": "j", "command": "'
+        for _ in range(40):
+            yield b"x" * 65536
+        yield b'", "nodes": 1}'
+
+    response = cluster.call("POST", "/jobs", expect=413, content=chunks(), headers={"Content-Type": "application/json"})
+    assert "bytes" in response["detail"]
+    assert cluster.server.state.jobs == {}
