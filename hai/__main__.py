@@ -1,6 +1,7 @@
 """The ``hai`` command (``python -m hai``): one subcommand per part of the platform.
 
-Today: ``hai validate`` (:mod:`hai.validate`). Exit status 2 is bad usage, as argparse gives it.
+Today: ``hai validate`` (:mod:`hai.validate`) and ``hai server`` (:mod:`hai.server`). Exit status 2 is
+bad usage, as argparse gives it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hai import validate
+from hai import server, validate
 
 __all__ = ["main"]
 
@@ -21,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   description=(validate.__doc__ or "").split("\n")[0])
     validate.add_arguments(checker)
     checker.set_defaults(run=validate.run)
+    serving = commands.add_parser("server", help="the HTTP API and the scheduling loop",
+                                  description=(server.__doc__ or "").split("\n")[0])
+    server.add_arguments(serving)
+    serving.set_defaults(run=server.run)
     return parser
 
 

@@ -152,13 +152,14 @@ _PLANTED: dict[str, tuple[dict[str, str], list[str]]] = {
          "fs3/common/target_state.py": "import secrets", "fs3/kv/api.py": "import asyncio",
          "fs3/meta/ops.py": "import fs3.rpc.channel", "fs3/mgmtd/chain_state.py": "import fs3.common.clock",
          "fs3/storage/craq.py": "import grpc", "hai/rules.py": "import time\nimport sqlalchemy",
-         "hai/validation_rules.py": "import time", "hai/advice.py": "import random"},
+         "hai/validation_rules.py": "import time\nimport fastapi", "hai/advice.py": "import random"},
         ["fs3.common.layout is not allowed to import time", "fs3.common.posix is not allowed to import random",
          "fs3.common.target_state is not allowed to import secrets", "fs3.kv.api is not allowed to import asyncio",
          "fs3.meta.ops is not allowed to import fs3.rpc", "fs3.mgmtd.chain_state is not allowed to import "
          "fs3.common.clock", "fs3.storage.craq is not allowed to import grpc",
          "hai.rules is not allowed to import time", "hai.rules is not allowed to import sqlalchemy",
-         "hai.validation_rules is not allowed to import time", "hai.advice is not allowed to import random"],
+         "hai.validation_rules is not allowed to import time",
+         "hai.validation_rules is not allowed to import fastapi", "hai.advice is not allowed to import random"],
     ),
     "meta-ops-on-protocol": (
         {"fs3/meta/ops.py": "from fs3.kv.txn import OptimisticTxnEngine"},
