@@ -1,7 +1,8 @@
 """The ``hai`` command (``python -m hai``): one subcommand per part of the platform.
 
-Today: ``hai validate`` (:mod:`hai.validate`) and ``hai server`` (:mod:`hai.server`). Exit status 2 is
-bad usage, as argparse gives it.
+Today: ``hai validate`` (:mod:`hai.validate`), ``hai server`` (:mod:`hai.server`) and the user
+commands of :mod:`hai.cli` (``submit``, ``ls``, ``show``, ``logs``, ``suspend``, ``stop``, ``nodes``,
+``quota``). Exit status 2 is bad usage, as argparse gives it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hai import server, validate
+from hai import cli, server, validate
 
 __all__ = ["main"]
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   description=(server.__doc__ or "").split("\n")[0])
     server.add_arguments(serving)
     serving.set_defaults(run=server.run)
+    cli.add_commands(commands)
     return parser
 
 
