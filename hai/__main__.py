@@ -1,7 +1,7 @@
 """The ``hai`` command (``python -m hai``): one subcommand per part of the platform.
 
-Today: ``hai validate`` (:mod:`hai.validate`) and ``hai server`` (:mod:`hai.server`). Exit status 2 is
-bad usage, as argparse gives it.
+Today: ``hai validate`` (:mod:`hai.validate`), ``hai server`` (:mod:`hai.server`) and ``hai agent``
+(:mod:`hai.agent`). Exit status 2 is bad usage, as argparse gives it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hai import server, validate
+from hai import agent, server, validate
 
 __all__ = ["main"]
 
@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   description=(server.__doc__ or "").split("\n")[0])
     server.add_arguments(serving)
     serving.set_defaults(run=server.run)
+    agenting = commands.add_parser("agent", help="the node agent: registers, heartbeats, runs the ranks",
+                                   description=(agent.__doc__ or "").split("\n")[0])
+    agent.add_arguments(agenting)
+    agenting.set_defaults(run=agent.run)
     return parser
 
 
