@@ -1,8 +1,8 @@
 """The ``hai`` command (``python -m hai``): one subcommand per part of the platform.
 
-Today: ``hai validate`` (:mod:`hai.validate`), ``hai server`` (:mod:`hai.server`) and the user
-commands of :mod:`hai.cli` (``submit``, ``ls``, ``show``, ``logs``, ``suspend``, ``stop``, ``nodes``,
-``quota``). Exit status 2 is bad usage, as argparse gives it.
+Today: ``hai validate`` (:mod:`hai.validate`), ``hai server`` (:mod:`hai.server`), ``hai agent``
+(:mod:`hai.agent`) and the user commands of :mod:`hai.cli` (``submit``, ``ls``, ``show``, ``logs``,
+``suspend``, ``stop``, ``nodes``, ``quota``). Exit status 2 is bad usage, as argparse gives it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hai import cli, server, validate
+from hai import agent, cli, server, validate
 
 __all__ = ["main"]
 
@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   description=(server.__doc__ or "").split("\n")[0])
     server.add_arguments(serving)
     serving.set_defaults(run=server.run)
+    agenting = commands.add_parser("agent", help="the node agent: registers, heartbeats, runs the ranks",
+                                   description=(agent.__doc__ or "").split("\n")[0])
+    agent.add_arguments(agenting)
+    agenting.set_defaults(run=agent.run)
     cli.add_commands(commands)
     return parser
 
