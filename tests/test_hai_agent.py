@@ -43,9 +43,9 @@ DEADLINE_S = 30.0
 class Cluster:
     """A server on a free port and the agents started against it."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, users: Users = USERS) -> None:
         self.tmp = tmp
-        self.server = HaiServer(Store.open(default_url(tmp)), USERS, CONFIG)
+        self.server = HaiServer(Store.open(default_url(tmp)), users, CONFIG)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(self.server), host="127.0.0.1", port=port,
