@@ -31,11 +31,11 @@ from typing import Any
 import pytest
 
 from hai.server import User, Users, hash_token
-from tests.test_hai_agent import AGENT, ALICE, ROOT, Cluster, wait_for
+from tests.test_hai_agent import AGENT, ALICE, BARRIER, ROOT, Cluster, wait_for
 
 pytestmark = pytest.mark.slow
 
-TOTAL_STEPS = 300
+TOTAL_STEPS = 200
 
 TRAIN = """
     import os, sys, time
@@ -86,13 +86,15 @@ TRAIN = """
     os.replace(final + ".tmp", final)
 """
 
-HIGH = """
-    import os, sys, time
+# Both ranks meet before they end (the server counts the end from rank 0's node and stops the
+# other node's ranks, so without the barrier rank 1 could be stopped before it has left its mark).
+HIGH = BARRIER + """
+    import sys
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
     print("high rank", os.environ["RANK"], "running", flush=True)
     time.sleep(1.0)
-    open(os.path.join(out, "high-" + os.environ["RANK"]), "w").close()
+    barrier(out, "high-")
 """
 
 
