@@ -12,6 +12,7 @@ at all: a failure early in the session would be known only as an ``F`` in a prog
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -30,8 +31,8 @@ def session_limit_s() -> float | None:
     try:
         limit_s = float(text)
     except ValueError:
-        raise pytest.UsageError(f"{SESSION_LIMIT_ENV}={text!r}: expected a number of seconds (0 = no limit)") from None
-    if limit_s < 0:
+        limit_s = math.nan
+    if not (math.isfinite(limit_s) and limit_s >= 0):  # NaN would switch the guard off unnoticed
         raise pytest.UsageError(f"{SESSION_LIMIT_ENV}={text!r}: expected a number of seconds (0 = no limit)")
     return limit_s or None
 

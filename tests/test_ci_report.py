@@ -55,7 +55,7 @@ def test_a_session_past_its_budget_stops_with_its_summary(tmp_path: Path) -> Non
     assert "1 failed, 2 passed" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("limit", ["soon", "-5"])
+@pytest.mark.parametrize("limit", ["soon", "-5", "nan", "inf"])
 def test_a_bad_budget_is_refused_before_any_test_runs(tmp_path: Path, limit: str) -> None:
     done = run_sample(tmp_path, limit)
     assert done.returncode == 4, done.stdout + done.stderr

@@ -20,7 +20,6 @@ every ``=>`` line from the code, then review the diff.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +44,7 @@ from fs3.storage.craq import (
     UpdateMachine,
     UpdateRequest,
 )
+from tests.scenario_files import check_scenario_file
 
 SCRIPTS = sorted((Path(__file__).parent / "craq").glob("*.txt"))
 _OUTCOMES = {
@@ -147,11 +147,7 @@ def run_script(text: str) -> str:
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_script(path: Path) -> None:
-    text = path.read_text()
-    actual = run_script(text)
-    if os.environ.get("FS3_REWRITE"):
-        path.write_text(actual)
-    assert actual == text, f"{path.name} changed; rerun with FS3_REWRITE=1 and review the diff"
+    check_scenario_file(path, run_script)
 
 
 def test_there_are_scripts() -> None:

@@ -48,6 +48,7 @@ from hai.rules import (
     Suspension,
 )
 from tests.hai_events import USERS, Run, random_cluster, random_event
+from tests.scenario_files import check_scenario_file
 
 SCENARIOS = sorted((Path(__file__).parent / "hai_scenarios").glob("*.txt"))
 
@@ -173,11 +174,7 @@ def run_script(text: str) -> str:
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_scenario(path: Path) -> None:
-    text = path.read_text()
-    actual = run_script(text)
-    if os.environ.get("FS3_REWRITE"):
-        path.write_text(actual)
-    assert actual == text, f"{path.name} changed; rerun with FS3_REWRITE=1 and review the diff"
+    check_scenario_file(path, run_script)
 
 
 def test_there_are_scenarios() -> None:

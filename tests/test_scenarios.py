@@ -12,13 +12,13 @@ Run with ``FS3_REWRITE=1`` to regenerate every "=>" line from the code, then rev
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from fs3.common.target_state import LocalState, PublicState
 from fs3.mgmtd.chain_state import update_chain
+from tests.scenario_files import check_scenario_file
 
 SCENARIOS = sorted((Path(__file__).parent / "scenarios").glob("*.txt"))
 _LOCAL = {"up-to-date": LocalState.UP_TO_DATE, "online": LocalState.ONLINE, "offline": LocalState.OFFLINE}
@@ -57,11 +57,7 @@ def run_script(text: str) -> str:
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_scenario(path: Path) -> None:
-    text = path.read_text()
-    actual = run_script(text)
-    if os.environ.get("FS3_REWRITE"):
-        path.write_text(actual)
-    assert actual == text, f"{path.name} changed; rerun with FS3_REWRITE=1 and review the diff"
+    check_scenario_file(path, run_script)
 
 
 def test_there_are_scenarios() -> None:
