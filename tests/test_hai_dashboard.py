@@ -17,6 +17,7 @@ import shutil
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from hai import rules
-from hai.dashboard import COOKIE, LocalLogReader
+from hai.dashboard import COOKIE, Fs3LogReader, LocalLogReader, LogReader
+from hai.launcher import Fs3LogSink
 from hai.rules import Config, JobSpec, Priority
 from hai.server import HaiServer, ServerConfig, User, Users, create_app, hash_token
 from hai.store import Store, default_url
@@ -109,13 +111,14 @@ def heartbeat_all(client: Any, server: HaiServer) -> None:
 
 
 class Fast:
-    def __init__(self, tmp: Path, *, logs: bool = True) -> None:
+    """The populated server behind a TestClient; logs read from ``log_dir`` unless ``logs`` says otherwise."""
+
+    def __init__(self, tmp: Path, *, logs: LogReader | bool | None = True) -> None:
         self.clock = Clock()
         self.server = HaiServer(Store.open(default_url(tmp)), USERS, CONFIG, clock=self.clock)
         self.log_dir = tmp / "logs"
-        self.client = TestClient(create_app(self.server, run_loop=False,
-                                            logs=LocalLogReader(self.log_dir) if logs else None),
-                                 follow_redirects=False)
+        reader = (LocalLogReader(self.log_dir) if logs else None) if isinstance(logs, bool) else logs
+        self.client = TestClient(create_app(self.server, run_loop=False, logs=reader), follow_redirects=False)
         self.client.__enter__()
         self.jobs = populate(self.client, self.server, self.clock, self.log_dir)
 
@@ -263,6 +266,54 @@ def test_a_server_without_log_access_says_so(tmp_path: Path) -> None:
         f.login()
         text = f.page(f"/dashboard/jobs/{f.jobs['chain']}")
         assert "This server has no access to the jobs' logs" in text and f"hai logs {f.jobs['chain']} --rank 0" in text
+    finally:
+        f.close()
+
+
+@pytest.mark.slow
+def test_job_page_reads_the_log_from_fs3_where_the_agent_writes_it(tmp_path: Path, shared_cluster: Any) -> None:
+    """The agent's fs3 log sink writes, the dashboard's fs3 reader shows the tail; the same path
+    ``hai logs`` reads (``<root>/<job>/<rank>.log``), below a root of this test's own."""
+    import fs3
+
+    inproc = shared_cluster.cluster
+    root = f"/hai-dashboard-{uuid.uuid4().hex[:8]}"
+    connects: list[int] = []
+
+    def connect() -> Any:
+        connects.append(1)
+        return fs3.connect(inproc.mgmtd_address, token=inproc.token)
+
+    reader = Fs3LogReader(connect, root)
+    f = Fast(tmp_path, logs=reader)
+    writer_fs = fs3.connect(inproc.mgmtd_address, token=inproc.token)
+    try:
+        f.login()
+        chain = f.jobs["chain"]
+        assert f"No log at {root}/{chain}/0.log yet (fs3 {root})" in f.page(f"/dashboard/jobs/{chain}")
+        log = Fs3LogSink(writer_fs, root).open(chain, 0)
+        log.write(b"".join(b"step %d on fs3\n" % i for i in range(5000)) + SCRIPT.encode() + b"\n")
+        log.publish()
+        text = f.page(f"/dashboard/jobs/{chain}")
+        assert "step 4999 on fs3" in text and "step 0 on fs3" not in text and _escaped(SCRIPT) in text
+        assert f"{root}/{chain}/0.log (fs3 {root}), the last" in text
+        assert len(connects) == 1  # one client, kept
+        log.close()
+    finally:
+        writer_fs.close()
+        reader.close()
+        f.close()
+
+
+def test_an_unreachable_fs3_is_said_on_the_page(tmp_path: Path) -> None:
+    import fs3
+
+    reader = Fs3LogReader(lambda: fs3.connect("127.0.0.1:1", rpc_timeout_ms=300, retry_total_ms=300))
+    f = Fast(tmp_path, logs=reader)
+    try:
+        f.login()
+        text = f.page(f"/dashboard/jobs/{f.jobs['chain']}")
+        assert "Cannot read /hai/logs/chain-1/0.log (fs3 /hai/logs): cannot connect to fs3" in text
     finally:
         f.close()
 
