@@ -158,8 +158,11 @@ class Fs3LogReader:
         except FileNotFoundError:
             return None
         except OSError:
-            self._drop(fs)
+            self._drop(fs)  # the next page connects afresh
             raise
+        except Exception as error:  # the client's own errors too: the page says it, the server stays up
+            self._drop(fs)
+            raise OSError(f"{type(error).__name__}: {error}") from error
 
     def _drop(self, fs: Any) -> None:
         with self._lock:
