@@ -28,9 +28,9 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from hai import rules
-from hai.dashboard import COOKIE, Fs3LogReader, LocalLogReader, LogReader
+from hai.dashboard import COOKIE, VALIDATING_LABEL, Fs3LogReader, LocalLogReader, LogReader, node_status, task_ending
 from hai.launcher import Fs3LogSink
-from hai.rules import Config, JobSpec, Priority
+from hai.rules import Config, Job, JobSpec, JobState, Node, Priority, TaskRecord
 from hai.server import HaiServer, ServerConfig, User, Users, create_app, hash_token
 from hai.store import Store, default_url
 
@@ -316,6 +316,31 @@ def test_an_unreachable_fs3_is_said_on_the_page(tmp_path: Path) -> None:
         assert "Cannot read /hai/logs/chain-1/0.log (fs3 /hai/logs): cannot connect to fs3" in text
     finally:
         f.close()
+
+
+def test_node_states_and_task_endings() -> None:
+    config = CONFIG.rules
+    now = 5000.0
+    fresh = Node("n", "z", last_heartbeat_s=now - 1)
+    assert node_status(fresh, now, config) == ("healthy", "")
+    validating = Node("n", "z", last_heartbeat_s=now - 1, labels=((VALIDATING_LABEL, "1"),))
+    assert node_status(validating, now, config)[0] == "validating"
+    sick = Node("n", "z", healthy=False, unhealthy_reason="validation failed: GEMM", last_heartbeat_s=now - 1)
+    assert node_status(sick, now, config) == ("unhealthy", "validation failed: GEMM")
+    assert node_status(Node("n", "z", last_heartbeat_s=now - 61), now, config) == ("offline", "no heartbeat for 61 s")
+    back = Node("n", "z", healthy=False, unhealthy_reason="no heartbeat", last_heartbeat_s=now - 1)
+    assert node_status(back, now, config)[0] == "offline"  # heartbeating again, not yet put back by an admin
+
+    def job(state: JobState, task: int) -> Job:
+        return Job("j-1", "alice", "default", 1, Priority.LOW, seq=1, state=state, task=task)
+
+    suspended = TaskRecord(0, ("n1",), 1.0, 2.0, "suspended")
+    failed = TaskRecord(1, ("n1",), 3.0, 4.0, "failed: rank exited 9 on n1")
+    assert task_ending(suspended, job(JobState.QUEUED, 1)) == ("suspended", "resumes as task 1")
+    assert task_ending(failed, job(JobState.QUEUED, 2)) == ("restarted", "rank exited 9 on n1 (restarted as task 2)")
+    assert task_ending(failed, job(JobState.FAILED, 1)) == ("failed", "rank exited 9 on n1")
+    stopped = TaskRecord(1, ("n1",), 3.0, 4.0, "stopped by alice")
+    assert task_ending(stopped, job(JobState.FAILED, 1)) == ("stopped", "stopped by alice")
 
 
 def _row(text: str, marker: str) -> str:
