@@ -475,10 +475,12 @@ def add_routes(app: FastAPI, server: HaiServer, logs: LogReader | None = None) -
         return RedirectResponse(f"{PREFIX}/login", status_code=303, headers={"Cache-Control": "no-store"})
 
     def cross_origin(request: Request) -> bool:
+        """A browser names the page a form was posted from; its host must be this server's. Only the
+        host is compared: behind a TLS proxy the page is https while this server may see http."""
         origin = request.headers.get("origin")
         if origin is None:
             return False  # not a browser's cross-site form post
-        return origin != f"{request.url.scheme}://{request.headers.get('host', '')}"
+        return urllib.parse.urlsplit(origin).netloc != request.headers.get("host", "")
 
     @app.get(PREFIX, include_in_schema=False)
     @app.get(f"{PREFIX}/", include_in_schema=False)
@@ -497,9 +499,12 @@ def add_routes(app: FastAPI, server: HaiServer, logs: LogReader | None = None) -
     @app.post(f"{PREFIX}/login", include_in_schema=False)
     async def login(request: Request) -> Response:
         if cross_origin(request):
-            return _page("Log in", '<p class="err">A login from another site is refused.</p>', None, refresh=False,
-                         status=403)
-        form = urllib.parse.parse_qs((await request.body()).decode("utf-8", errors="replace"), max_num_fields=8)
+            return _page("Log in", '<p class="err">A login from another site is refused (a proxy in front of '
+                         "the server must pass the Host header on).</p>", None, refresh=False, status=403)
+        try:
+            form = urllib.parse.parse_qs((await request.body()).decode("utf-8", errors="replace"), max_num_fields=8)
+        except ValueError:  # more fields than the login form has
+            form = {}
         token = (form.get("token") or [""])[0].strip()
         user = server.users.user_for(token) if token and len(token) <= MAX_TOKEN_CHARS else None
         if user is None:

@@ -163,6 +163,12 @@ def test_pages_need_a_login_and_a_known_token(fast: Fast) -> None:
     # A form posted from another site's page is refused, even with a good token.
     response = fast.client.post("/dashboard/login", data={"token": ALICE}, headers={"Origin": "http://evil.example"})
     assert response.status_code == 403 and "set-cookie" not in response.headers
+    assert fast.client.post("/dashboard/login", content="&".join(f"f{i}=1" for i in range(50)),
+                            headers={"Content-Type": "application/x-www-form-urlencoded"}).status_code == 401
+    # Behind a TLS proxy the page is https while the server sees http: the same host is the same site.
+    response = fast.client.post("/dashboard/login", data={"token": BOB}, headers={"Origin": "https://testserver"})
+    assert response.status_code == 303
+    fast.client.cookies.clear()
 
     response = fast.login(BOB)
     assert response.status_code == 303 and response.headers["location"] == "/dashboard/queue"
