@@ -1,5 +1,6 @@
 """``hai server`` (``hai/server.py``) in-process: the HTTP API through FastAPI's TestClient and the
-scheduling loop driven with virtual time (:meth:`HaiServer.tick`), on a SQLite file per test.
+scheduling loop driven with virtual time (:meth:`HaiServer.tick`), on a database of its own per
+test: each test runs twice, on a SQLite file and on the private PostgreSQL server (tests/postgres.py).
 
 Agents are played by the test: they register, heartbeat with what they run, and report how tasks
 ended. Covered: placement and the launch numbers, preemption by suspend and the resume as the next
@@ -9,7 +10,7 @@ server restarted on the same database, and replayed reports.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from fastapi.testclient import TestClient
 from hai import server as hai_server
 from hai.rules import Config
 from hai.server import HaiServer, ServerConfig, User, Users, create_app, hash_token
-from hai.store import Store, default_url
+from hai.store import Store
 
 ALICE, BOB, ADMIN, AGENT = "alice-token", "bob-token", "admin-token", "agent-token"
 
@@ -93,8 +94,8 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def url(tmp_path: Path) -> str:
-    return default_url(tmp_path)
+def url(fresh_database: Callable[[], str]) -> str:
+    return fresh_database()
 
 
 @pytest.fixture
@@ -281,11 +282,18 @@ def test_restart_keeps_state_and_resends(url: str, clock: Clock) -> None:
         first.register(name)
     running = first.submit(name="big", nodes=2, ranks_per_node=2)
     first.tick()
+    # A chain of more than one task: the first task's rank fails, the job is placed again after its back-off.
+    failed_on = first.job(running)["assigned"][0]
+    first.report(failed_on, running, 0, "failed", exit_code=1)
+    first.call("POST", f"/nodes/{failed_on}/healthy", ADMIN)
+    first.tick(CONFIG.rules.backoff_base_s + 1)
+    assert first.job(running)["task"] == 1 and first.job(running)["state"] == "running"
     waiting = [first.submit(name=f"w{i}", nodes=2) for i in range(2)]
     first.tick()
     node = first.job(running)["assigned"][1]
     sent = first.heartbeat(node)
     jobs = first.call("GET", "/jobs")
+    shown = first.job(running)
     state = first.server.state
     first.close()
 
@@ -295,6 +303,7 @@ def test_restart_keeps_state_and_resends(url: str, clock: Clock) -> None:
         assert second.heartbeat(node) == sent
         assert second.call("GET", "/jobs") == jobs
         assert [j["job_id"] for j in jobs["jobs"]] == [running, *waiting]
+        assert second.job(running) == shown and [t["task"] for t in shown["chain"]] == [0, 1]
     finally:
         second.close()
 

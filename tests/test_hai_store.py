@@ -2,6 +2,9 @@
 database mid-run, and the known-bad cases — a corrupted row, a newer schema, oversized input, a
 commit that dies half-way (an exception, and a SIGKILLed process).
 
+Every test that takes ``url`` (or ``fresh_database``) runs twice: on a SQLite file and on a database
+of the private PostgreSQL server (tests/postgres.py).
+
 The exerciser is the state-level proof of "a server restart mid-run loses no job, queue position or
 chain": the rules are driven by random events (tests/hai_events.py), every step is committed, and
 every few steps a fresh :class:`Store` loads the database and must hold exactly the state in memory.
@@ -18,7 +21,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def url(tmp_path: Path) -> str:
-    return store.default_url(tmp_path)
+def url(fresh_database: Callable[[], str]) -> str:
+    """An empty database: a SQLite file, or a PostgreSQL database (each test runs on both)."""
+    return fresh_database()
 
 
 @pytest.fixture
@@ -214,12 +218,11 @@ def exercise_store(seed: int, steps: int, url: str, reopen_every: int) -> tuple[
 STORE_SEEDS = int(os.environ.get("HAI_STORE_SEEDS", "12"))
 
 
-def test_a_restarted_store_loses_no_job_queue_position_or_chain(tmp_path: Path) -> None:
+def test_a_restarted_store_loses_no_job_queue_position_or_chain(fresh_database: Callable[[], str]) -> None:
     started = time.monotonic()
     placements = suspensions = chains = reloads = 0
     for seed in range(1, STORE_SEEDS + 1):
-        (tmp_path / f"s{seed}").mkdir()
-        run, n = exercise_store(seed, 80, store.default_url(tmp_path / f"s{seed}"), reopen_every=10)
+        run, n = exercise_store(seed, 80, fresh_database(), reopen_every=10)
         placements, suspensions, reloads = placements + run.placements, suspensions + run.suspensions, reloads + n
         chains += sum(len(j.history) > 1 for j in run.state.jobs.values())
     # The runs reach the interesting rows (placements, suspensions, chains of several tasks), or prove little.
@@ -250,7 +253,7 @@ def test_the_exerciser_catches_a_store_that_drops_writes(tmp_path: Path, monkeyp
     ("DELETE FROM hai_tasks WHERE job_id = 'J1' AND task_index = 1", "jobs[J1].history"),
     ("UPDATE hai_tasks SET outcome = 'finished' WHERE job_id = 'J2'", "jobs[J2].history"),
     ("UPDATE hai_jobs SET env = '[]' WHERE job_id = 'J1'", "jobs[J1].env"),
-    ("UPDATE hai_nodes SET healthy = 1 WHERE name = 'n2'", "nodes[n2].healthy"),
+    ("UPDATE hai_nodes SET healthy = true WHERE name = 'n2'", "nodes[n2].healthy"),
     ("UPDATE hai_nodes SET labels = '[[\"rack\", \"r2\"]]' WHERE name = 'n1'", "nodes[n1].labels"),
     ("DELETE FROM hai_quotas WHERE max_nodes = 4", "quotas[('alice', 'default', <Priority.HIGH: 30>)]"),
     ("UPDATE hai_meta SET value = 7 WHERE key = 'next_seq'", "next_seq"),
@@ -267,6 +270,9 @@ def test_the_comparison_catches_a_corrupted_row(db: Store, url: str, sql: str, n
     assert any(line.startswith(named) for line in state_diff(state, loaded)), state_diff(state, loaded)
 
 
+_NO_FOREIGN_KEYS = "<no foreign keys>"  # each engine says it its own way
+
+
 @pytest.mark.parametrize(("sql", "said"), [
     ("UPDATE hai_jobs SET state = 'paused' WHERE job_id = 'J1'", "hai_jobs row 'J1': state = 'paused'"),
     ("UPDATE hai_jobs SET requested = 'URGENT' WHERE job_id = 'J1'", "requested = 'URGENT'"),
@@ -274,7 +280,7 @@ def test_the_comparison_catches_a_corrupted_row(db: Store, url: str, sql: str, n
     ("UPDATE hai_jobs SET assigned = '\"n1\"' WHERE job_id = 'J2'", "assigned = 'n1'"),
     ("UPDATE hai_nodes SET labels = '{\"rack\": \"r1\"}' WHERE name = 'n1'", "labels = {'rack': 'r1'}"),
     ("UPDATE hai_quotas SET priority = 11 WHERE user_name = 'alice'", "priority = 11"),
-    ("PRAGMA foreign_keys = OFF; INSERT INTO hai_tasks VALUES ('J99', 0, '[]', 0, 1, 'finished')",
+    (f"{_NO_FOREIGN_KEYS}; INSERT INTO hai_tasks VALUES ('J99', 0, '[]', 0, 1, 'finished')",
      "tasks of jobs that do not exist: ['J99']"),
 ])
 def test_load_refuses_a_row_hai_never_writes(db: Store, url: str, sql: str, said: str) -> None:
@@ -282,6 +288,10 @@ def test_load_refuses_a_row_hai_never_writes(db: Store, url: str, sql: str, said
     engine = create_engine(url)
     with engine.begin() as conn:
         for statement in sql.split("; "):
+            if statement == _NO_FOREIGN_KEYS:
+                statement = {"sqlite": "PRAGMA foreign_keys = OFF",
+                             "postgresql": "ALTER TABLE hai_tasks DROP CONSTRAINT fk_hai_tasks_job_id_hai_jobs"
+                             }[engine.dialect.name]
             conn.execute(text(statement))
     engine.dispose()
     with pytest.raises(StoreCorruptError) as caught:
@@ -399,8 +409,10 @@ _KILLED_CHILD = textwrap.dedent("""
     count = 0
 
     @event.listens_for(db.engine, "after_cursor_execute")
-    def _count(*_args):
+    def _count(_conn, _cursor, statement, *_args):
         global count
+        if statement == "BEGIN":  # SQLite's explicit BEGIN; PostgreSQL's driver begins implicitly
+            return
         count += 1
         if count == after_statements:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -410,9 +422,9 @@ _KILLED_CHILD = textwrap.dedent("""
 """)
 
 
-# The commit below runs BEGIN, the generation bump, the node, quota, job updates, job inserts, task
-# inserts and next_seq: 8 statements, then COMMIT. Killed after the 2nd, the 5th and the last.
-@pytest.mark.parametrize("after_statements", [2, 5, 8])
+# The commit below runs (after BEGIN) the generation bump, the node, quota, job updates, job inserts,
+# task inserts and next_seq: 7 statements, then COMMIT. Killed after the 1st, the 4th and the last.
+@pytest.mark.parametrize("after_statements", [1, 4, 7])
 def test_a_process_killed_mid_commit_leaves_the_old_state(db: Store, url: str, tmp_path: Path,
                                                           after_statements: int) -> None:
     """SIGKILL while the transaction is open (after the generation bump, amid node, job and task
