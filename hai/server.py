@@ -39,6 +39,7 @@ import os
 import re
 import secrets
 import shlex
+import sys
 import threading
 import time
 import tomllib
@@ -56,7 +57,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hai import rules
 from hai.rules import AUTO, Auto, ClusterState, Config, Decision, Job, JobSpec, JobState, Node, Priority, Wait
-from hai.store import Store, StoreConflictError, StoreLimitError, check_job_spec, check_node, default_url
+from hai.store import (
+    Store,
+    StoreConflictError,
+    StoreError,
+    StoreLimitError,
+    check_job_spec,
+    check_node,
+    default_url,
+)
 
 __all__ = [
     "ADDRESS_LABEL",
@@ -78,6 +87,7 @@ log = logging.getLogger(__name__)
 
 USERS_FILE = "hai-users.toml"
 AGENT_TOKEN_FILE = "hai-agent.token"
+DB_URL_ENV = "HAI_DB_URL"  # the database URL, out of the process list (it may carry a password)
 MAX_BODY_BYTES = 1 << 20  # a job spec's command and environment are 64 KiB each at most
 MAX_PAGE = 500  # entries per page of a list endpoint
 MAX_RUNNING_REPORTED = 64  # (job, task) pairs one heartbeat may list; a node runs one job at a time
@@ -749,7 +759,11 @@ async def _loop(server: HaiServer) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", required=True, type=Path, help="the cluster directory (database, users file)")
-    parser.add_argument("--db-url", help="SQLAlchemy URL of the database (default: sqlite in --dir)")
+    parser.add_argument("--db-url", "--db", dest="db_url", default=os.environ.get(DB_URL_ENV) or None,
+                        metavar="URL",
+                        help=f"the database: a SQLAlchemy URL, e.g. postgresql://hai@db.example/hai (default: "
+                             f"${DB_URL_ENV}, else SQLite in --dir). A password is better kept out of the command "
+                             "line: PGPASSWORD, ~/.pgpass, or the URL in the environment")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
     parser.add_argument("--default-quota-nodes", type=int, default=0,
@@ -769,7 +783,12 @@ def run(args: argparse.Namespace) -> int:
     ensure_agent_token(cluster_dir)
     import uvicorn  # only the command needs the HTTP server itself
 
-    store = Store.open(args.db_url or default_url(cluster_dir))
+    try:
+        store = Store.open(args.db_url or default_url(cluster_dir))
+    except StoreError as error:  # its message shows the URL without the password
+        print(f"hai server: {error}", file=sys.stderr)
+        return 1
+    log.info("state in %s", store.engine.url.render_as_string(hide_password=True))
     config = ServerConfig(rules=Config(default_quota_nodes=args.default_quota_nodes),
                           tick_interval_s=args.tick_interval_s)
     server = HaiServer(store, Users.load(cluster_dir / USERS_FILE), config)

@@ -524,7 +524,7 @@ class Store:
                 generation = meta["generation"]
         except DBAPIError as error:
             engine.dispose()
-            raise StoreError(f"{shown}: cannot open the database: {error.orig}") from error
+            raise StoreError(f"{shown}: cannot open the database: {_said(error)}") from error
         except BaseException:
             engine.dispose()
             raise
@@ -550,7 +550,7 @@ class Store:
         try:
             return _retrying(self._load)
         except DBAPIError as error:
-            raise StoreError(f"cannot load the state: {error.orig}") from error
+            raise StoreError(f"cannot load the state: {_said(error)}") from error
 
     def _load(self) -> ClusterState:
         options: dict[str, Any] = {"yield_per": _LOAD_BATCH}
@@ -613,9 +613,9 @@ class Store:
         try:
             _retrying(attempt)
         except IntegrityError as error:
-            raise StoreConflictError(f"the database is not at the old state: {error.orig}") from error
+            raise StoreConflictError(f"the database is not at the old state: {_said(error)}") from error
         except DBAPIError as error:  # read-only, locked by another writer past its timeout, gone
-            raise StoreError(f"the commit was not written: {error.orig}") from error
+            raise StoreError(f"the commit was not written: {_said(error)}") from error
         self._generation, self._known = generation + 1, new
 
     # Each step of a commit is its own method, so a test can stop a commit between two of them.
@@ -661,6 +661,11 @@ class Store:
             conn.execute(delete(tasks_table).where(tasks_table.c.job_id == job_id))
         if changes.tasks_added:
             conn.execute(insert(tasks_table), changes.tasks_added)
+
+
+def _said(error: DBAPIError) -> str:
+    """The driver's message on one line (libpq's run over several, with hints after tabs)."""
+    return " ".join(str(error.orig).split())
 
 
 def _rows(conn: Connection, statement: Any) -> Iterator[RowMapping]:

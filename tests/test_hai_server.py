@@ -338,6 +338,24 @@ def test_cli_add_user_and_parser(tmp_path: Path) -> None:
     assert args.port == 9 and args.db_url == "sqlite://"
 
 
+def test_server_database_by_flag_or_environment_and_no_password_shown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--db URL`` (or ``--db-url``, or ``$HAI_DB_URL``) names the database; a database that cannot
+    be opened is one line on stderr and exit status 1, with the URL's password masked."""
+    from hai.__main__ import build_parser, main
+
+    assert build_parser().parse_args(["server", "--dir", "d", "--db", "sqlite://"]).db_url == "sqlite://"
+    monkeypatch.setenv(hai_server.DB_URL_ENV, "postgresql://hai@db/hai")
+    assert build_parser().parse_args(["server", "--dir", "d"]).db_url == "postgresql://hai@db/hai"
+    assert build_parser().parse_args(["server", "--dir", "d", "--db-url", "sqlite://"]).db_url == "sqlite://"
+    pytest.importorskip("psycopg")
+    monkeypatch.setenv(hai_server.DB_URL_ENV, "postgresql://hai:s3cret-pw@127.0.0.1:1/hai")  # nothing on port 1
+    assert main(["server", "--dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "hai server: postgresql+psycopg://hai:***@127.0.0.1:1/hai: cannot open the database" in err, err
+    assert "s3cret-pw" not in err and err.count("\n") == 1
+
+
 def test_lifespan_loop_places_jobs(url: str, clock: Clock) -> None:
     import dataclasses
     import time
