@@ -276,6 +276,20 @@ def test_lists_are_paged(cluster: Cluster) -> None:
     cluster.call("GET", "/jobs", params={"limit": 100_000}, expect=422)
 
 
+def test_a_listing_carries_the_named_environment_variables(cluster: Cluster) -> None:
+    """``GET /jobs?env=NAME`` (repeatable) adds those variables of each job's environment to the
+    listing, so ``hai ls --wide`` needs one request; hai's own variables stay hidden as in ``GET /jobs/ID``."""
+    sized = cluster.submit(name="a", env={"CHECKPOINT_BYTES": "2e9", "LR": "0.1"}, ranks_per_node=2)
+    plain = cluster.submit(name="b")
+    assert all("env" not in j for j in cluster.call("GET", "/jobs")["jobs"])
+    listed = cluster.call("GET", "/jobs", params={"env": ["CHECKPOINT_BYTES", "SEED", hai_server.RANKS_ENV]})
+    assert {j["job_id"]: j["env"] for j in listed["jobs"]} == {sized: {"CHECKPOINT_BYTES": "2e9"}, plain: {}}
+    assert cluster.job(sized)["env"] == {"CHECKPOINT_BYTES": "2e9", "LR": "0.1"}
+    cluster.call("GET", "/jobs", params={"env": "NOT-A-NAME"}, expect=422)
+    too_many = [f"V{i}" for i in range(hai_server.MAX_ENV_LISTED + 1)]
+    assert "at most 16" in cluster.call("GET", "/jobs", params={"env": too_many}, expect=422)["detail"]
+
+
 def test_restart_keeps_state_and_resends(url: str, clock: Clock) -> None:
     first = Cluster(url, clock)
     for name in ("n1", "n2", "n3"):
