@@ -33,6 +33,7 @@ from hai import rules, store
 from hai.rules import AUTO, ClusterState, Config, Job, JobSpec, JobState, Node, Priority, Quota, TaskRecord
 from hai.store import Store, StoreConflictError, StoreCorruptError, StoreLimitError, StoreVersionError
 from tests.hai_events import Run, random_cluster, random_event
+from tests.postgres import SKIP_REASON, find_bin_dir, start_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -563,3 +564,26 @@ def test_a_postgresql_url_means_psycopg_and_its_password_is_never_shown() -> Non
     with pytest.raises(store.StoreError) as caught:
         Store.open("postgresql://hai:s3cret-pw@127.0.0.1:1/hai")  # nothing listens on port 1
     assert "s3cret-pw" not in str(caught.value) and "***" in str(caught.value), str(caught.value)
+
+
+def test_a_store_outlives_a_postgresql_restart() -> None:
+    """The database server restarts under an open store (a failover, an upgrade): every pooled
+    connection is dead, and the next load and commit still work (the pool pings before use), with
+    nothing lost. A server of its own, so the session's shared one is not disturbed."""
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        pytest.skip(SKIP_REASON)
+    pytest.importorskip("psycopg")
+    server = start_postgres(bin_dir)
+    try:
+        with Store.open(server.create_database()) as db:
+            before = _sample()
+            db.commit(ClusterState(), before)
+            assert db.load() == before  # a pooled connection, now open
+            server.restart()
+            assert db.load() == before
+            after = rules.set_quota(before, Quota("zed", "default", Priority.LOW, 3))
+            db.commit(before, after)
+            assert db.load() == after
+    finally:
+        server.stop()
