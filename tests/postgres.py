@@ -150,7 +150,9 @@ class PostgresServer:
             raise ValueError(f"database prefix {prefix!r}: lower-case letters, digits and _")
         with self._lock:
             name = f"{prefix}_{next(self._names)}"
-        self.execute(f'CREATE DATABASE "{name}" TEMPLATE template0 STRATEGY FILE_COPY')
+        # FILE_COPY (PostgreSQL 15+; older servers only copy files) skips WAL-logging the copy: faster here.
+        strategy = " STRATEGY FILE_COPY" if int(self.version.split(".")[0]) >= 15 else ""
+        self.execute(f'CREATE DATABASE "{name}" TEMPLATE template0{strategy}')
         return self.url(name)
 
     def drop_database(self, url_or_name: str) -> None:
