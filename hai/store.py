@@ -488,8 +488,10 @@ class Store:
         """Connect to ``url``; create the schema in an empty database, refuse one of another version."""
         parsed = engine_url(url)
         if parsed.get_backend_name() == "postgresql":
+            # Defaults only: a URL's own ?connect_timeout= or ?application_name= wins.
+            defaults = {"connect_timeout": _PG_CONNECT_TIMEOUT_S, "application_name": "hai"}
             engine = create_engine(parsed, **_PG_POOL,
-                                   connect_args={"connect_timeout": _PG_CONNECT_TIMEOUT_S, "application_name": "hai"})
+                                   connect_args={k: v for k, v in defaults.items() if k not in parsed.query})
         else:
             engine = create_engine(parsed)
         if engine.dialect.name == "sqlite":
