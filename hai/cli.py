@@ -410,11 +410,16 @@ def cmd_ls(api: Api, args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"state": "all"} if args.all else {}
     if args.mine:
         params["mine"] = "true"
+    if args.wide:
+        params["env"] = CHECKPOINT_BYTES_ENV  # each job's state size comes with the listing: one request
     jobs = api.paged("/jobs", "jobs", params)
     if args.wide:
         rates = _rates(args)
         for job in jobs:
-            detail = api.call("GET", f"/jobs/{job['job_id']}")
+            if "env" in job:
+                detail = {"nodes": job["nodes"], "env": job.pop("env")}
+            else:  # a server without the listing's env= asks for each job on its own
+                detail = api.call("GET", f"/jobs/{job['job_id']}")
             job["checkpoint_advice"] = _checkpoint_advice(detail, rates, args.checkpoint_overhead_s)
     if args.json:
         _emit_json({"jobs": jobs, "total": len(jobs)})

@@ -39,6 +39,7 @@ import os
 import re
 import secrets
 import shlex
+import sys
 import threading
 import time
 import tomllib
@@ -56,7 +57,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hai import dashboard, rules
 from hai.rules import AUTO, Auto, ClusterState, Config, Decision, Job, JobSpec, JobState, Node, Priority, Wait
-from hai.store import Store, StoreConflictError, StoreLimitError, check_job_spec, check_node, default_url
+from hai.store import (
+    Store,
+    StoreConflictError,
+    StoreError,
+    StoreLimitError,
+    check_job_spec,
+    check_node,
+    default_url,
+)
 
 __all__ = [
     "ADDRESS_LABEL",
@@ -78,8 +87,10 @@ log = logging.getLogger(__name__)
 
 USERS_FILE = "hai-users.toml"
 AGENT_TOKEN_FILE = "hai-agent.token"
+DB_URL_ENV = "HAI_DB_URL"  # the database URL, out of the process list (it may carry a password)
 MAX_BODY_BYTES = 1 << 20  # a job spec's command and environment are 64 KiB each at most
 MAX_PAGE = 500  # entries per page of a list endpoint
+MAX_ENV_LISTED = 16  # variables one job listing may ask to see of each job (GET /jobs?env=NAME)
 MAX_RUNNING_REPORTED = 64  # (job, task) pairs one heartbeat may list; a node runs one job at a time
 RANKS_ENV = "HAI_RANKS_PER_NODE"  # carried in the job's stored environment; the HAI_ prefix is the server's
 ADDRESS_LABEL = "hai.address"  # the node's address for MASTER_ADDR, carried as a label
@@ -312,7 +323,9 @@ class HaiServer:
 
     # -- views -----------------------------------------------------------------------------------
 
-    def job_view(self, job: Job, *, chain: bool = False) -> dict[str, Any]:
+    def job_view(self, job: Job, *, chain: bool = False, env_names: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """A job as the API shows it; with ``chain``, also its command, environment and chain of tasks;
+        with ``env_names``, those of its environment variables it has (a listing's ``env=``)."""
         env = dict(job.env)
         per_node = int(env.pop(RANKS_ENV, "1"))
         wait = self.waits.get(job.job_id) if job.state is JobState.QUEUED else None
@@ -324,6 +337,8 @@ class HaiServer:
             "assigned": list(job.assigned), "task": job.task, "restarts": job.restarts,
             "not_before_s": job.not_before_s, "reason": str(wait) if wait else job.end_reason,
             "wait": wait.kind.value if wait else None}
+        if env_names:
+            view["env"] = {k: v for k, v in env.items() if k in env_names}
         if chain:
             view["command"] = job.command
             view["env"] = env
@@ -571,8 +586,20 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
     @app.get("/jobs")
     def list_jobs(caller: Caller, state: Annotated[str | None, Query(max_length=16)] = None,
                   mine: bool = False, offset: Annotated[int, Query(ge=0)] = 0,
-                  limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100) -> dict[str, Any]:
-        """The queue and running jobs by default (``state=all`` for every job), in queue order."""
+                  limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+                  env: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+        """The queue and running jobs by default (``state=all`` for every job), in queue order. Each
+        ``env=NAME`` adds that variable of each job's environment to its view (``"env": {NAME: value}``,
+        where the job has it), so a listing that needs one variable of every job (``hai ls --wide``:
+        the checkpoint size) is one request, not one per job. A job's environment is no secret from
+        other users: ``GET /jobs/ID`` shows all of it."""
+        names = env or []
+        if len(names) > MAX_ENV_LISTED:
+            raise HTTPException(422, f"env: {len(names)} variables, at most {MAX_ENV_LISTED}")
+        for name in names:
+            if not _ENV_NAME.fullmatch(name):
+                raise HTTPException(422, f"env: {name[:64]!r} is not a variable name (letters, digits, _)")
+        env_names = frozenset(names)
         waits = server.waits
 
         def level(job: Job) -> Priority:
@@ -587,7 +614,7 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
         if mine:
             jobs = [j for j in jobs if j.user == caller.name]
         page = jobs[offset:offset + limit]
-        return {"jobs": [server.job_view(j) for j in page], "total": len(jobs), "offset": offset,
+        return {"jobs": [server.job_view(j, env_names=env_names) for j in page], "total": len(jobs), "offset": offset,
                 "next_offset": offset + len(page) if offset + len(page) < len(jobs) else None}
 
     @app.get("/jobs/{job_id}")
@@ -751,7 +778,11 @@ async def _loop(server: HaiServer) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", required=True, type=Path, help="the cluster directory (database, users file)")
-    parser.add_argument("--db-url", help="SQLAlchemy URL of the database (default: sqlite in --dir)")
+    parser.add_argument("--db-url", "--db", dest="db_url", default=os.environ.get(DB_URL_ENV) or None,
+                        metavar="URL",
+                        help=f"the database: a SQLAlchemy URL, e.g. postgresql://hai@db.example/hai (default: "
+                             f"${DB_URL_ENV}, else SQLite in --dir). A password is better kept out of the command "
+                             "line: PGPASSWORD, ~/.pgpass, or the URL in the environment")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
     parser.add_argument("--default-quota-nodes", type=int, default=0,
@@ -795,7 +826,12 @@ def run(args: argparse.Namespace) -> int:
     ensure_agent_token(cluster_dir)
     import uvicorn  # only the command needs the HTTP server itself
 
-    store = Store.open(args.db_url or default_url(cluster_dir))
+    try:
+        store = Store.open(args.db_url or default_url(cluster_dir))
+    except StoreError as error:  # its message shows the URL without the password
+        print(f"hai server: {error}", file=sys.stderr)
+        return 1
+    log.info("state in %s", store.engine.url.render_as_string(hide_password=True))
     config = ServerConfig(rules=Config(default_quota_nodes=args.default_quota_nodes),
                           tick_interval_s=args.tick_interval_s)
     server = HaiServer(store, Users.load(cluster_dir / USERS_FILE), config)

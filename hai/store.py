@@ -6,7 +6,17 @@ out submit sequences. :meth:`Store.load` returns exactly the state last committe
 :meth:`Store.commit` writes the difference between two states in one transaction, so a server that
 dies mid-commit comes back to the state before it. The default is a SQLite file in the cluster
 directory (:func:`default_url`); any SQLAlchemy URL works, and the schema and every statement are
-portable SQL (no SQLite-only types or statements), so PostgreSQL serves a real deployment.
+portable SQL (no SQLite-only types or statements), so PostgreSQL serves a real deployment
+(``postgresql://user@host/db``, driven by psycopg 3; the test suite runs on both).
+
+What the store needs of the database, and how each engine gives it: a load is one consistent
+snapshot (SQLite: one read transaction; PostgreSQL: a REPEATABLE READ, read-only transaction, since
+READ COMMITTED would give each SELECT its own snapshot); commits are serialized by the generation
+row, which every commit updates first (SQLite: one writer at a time; PostgreSQL: the row lock, and a
+second writer's ``WHERE value = <generation>`` is re-checked against the committed row, so it
+matches nothing and the commit is refused as a conflict, never mixed in); schema creation in an
+empty database is serialized by an advisory lock on PostgreSQL. A transaction the server aborts as
+a serialization failure or a deadlock is retried a bounded number of times (:data:`RETRIES`).
 
 What a user can size is bounded before anything is written (:data:`LIMITS`): names, a job's command
 line and environment, a node's labels, reasons. An input past a limit raises
@@ -22,10 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -48,9 +59,12 @@ from sqlalchemy import (
     event,
     insert,
     inspect,
+    make_url,
     select,
+    text,
     update,
 )
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord
@@ -68,6 +82,7 @@ __all__ = [
     "check_job_spec",
     "check_node",
     "default_url",
+    "engine_url",
 ]
 
 SCHEMA_VERSION = 1
@@ -117,6 +132,42 @@ _INT64 = 2**63 - 1
 def default_url(cluster_dir: str | Path) -> str:
     """The SQLite database in a cluster directory: ``sqlite:///<dir>/hai.db``."""
     return f"sqlite:///{Path(cluster_dir).resolve() / DB_FILE}"
+
+
+def engine_url(url: str | URL) -> URL:
+    """``url`` with its driver made explicit: a bare ``postgresql://`` (or ``postgres://``) URL
+    means psycopg 3, the driver hai installs (SQLAlchemy's own default for it is psycopg2)."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+# PostgreSQL: transient aborts worth retrying (serialization failure, deadlock detected), how many
+# times, and the first pause (doubled each time). A commit rolled back by the server wrote nothing,
+# so running it again is safe; the generation check then decides whether it still applies.
+_RETRY_SQLSTATES = frozenset({"40001", "40P01"})
+RETRIES = 3
+_RETRY_PAUSE_S = 0.05
+# PostgreSQL pool: the server's request threads and its loop share a few connections; a connection
+# the database dropped (a restart, an idle timeout) is found by a ping before use, not by a failure.
+_PG_POOL: dict[str, Any] = {"pool_size": 4, "max_overflow": 4, "pool_timeout": 30, "pool_recycle": 1800,
+                            "pool_pre_ping": True}
+_PG_CONNECT_TIMEOUT_S = 10
+_SCHEMA_LOCK = 0x6861690001  # pg_advisory_xact_lock key: one Store.open creates the schema at a time
+_T = TypeVar("_T")
+
+
+def _retrying(attempt: Callable[[], _T]) -> _T:
+    """Run ``attempt`` again when PostgreSQL aborted it as a serialization failure or deadlock."""
+    for tries in range(RETRIES + 1):
+        try:
+            return attempt()
+        except DBAPIError as error:
+            if getattr(error.orig, "sqlstate", None) not in _RETRY_SQLSTATES or tries == RETRIES:
+                raise
+            time.sleep(_RETRY_PAUSE_S * 2 ** tries)
+    raise AssertionError("unreachable")
 
 
 # -- schema ---------------------------------------------------------------------------------------
@@ -435,7 +486,14 @@ class Store:
     @classmethod
     def open(cls, url: str, limits: Limits = LIMITS) -> Store:
         """Connect to ``url``; create the schema in an empty database, refuse one of another version."""
-        engine = create_engine(url)
+        parsed = engine_url(url)
+        if parsed.get_backend_name() == "postgresql":
+            # Defaults only: a URL's own ?connect_timeout= or ?application_name= wins.
+            defaults = {"connect_timeout": _PG_CONNECT_TIMEOUT_S, "application_name": "hai"}
+            engine = create_engine(parsed, **_PG_POOL,
+                                   connect_args={k: v for k, v in defaults.items() if k not in parsed.query})
+        else:
+            engine = create_engine(parsed)
         if engine.dialect.name == "sqlite":
             _sqlite_transactions(engine)
         shown = engine.url.render_as_string(hide_password=True)
@@ -446,6 +504,8 @@ class Store:
             raise StoreError(f"{shown}: no directory {Path(database).parent} (create the cluster directory first)")
         try:
             with engine.begin() as conn:
+                if engine.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK})
                 inspector = inspect(conn)
                 if not inspector.has_table(meta_table.name):
                     ours = sorted(t for t in inspector.get_table_names() if t.startswith("hai_"))
@@ -466,7 +526,7 @@ class Store:
                 generation = meta["generation"]
         except DBAPIError as error:
             engine.dispose()
-            raise StoreError(f"{shown}: cannot open the database: {error.orig}") from error
+            raise StoreError(f"{shown}: cannot open the database: {_said(error)}") from error
         except BaseException:
             engine.dispose()
             raise
@@ -490,12 +550,15 @@ class Store:
     def load(self) -> ClusterState:
         """The committed state, read in one transaction, rows streamed in batches."""
         try:
-            return self._load()
+            return _retrying(self._load)
         except DBAPIError as error:
-            raise StoreError(f"cannot load the state: {error.orig}") from error
+            raise StoreError(f"cannot load the state: {_said(error)}") from error
 
     def _load(self) -> ClusterState:
-        with self.engine.connect().execution_options(yield_per=_LOAD_BATCH) as conn, conn.begin():
+        options: dict[str, Any] = {"yield_per": _LOAD_BATCH}
+        if self.engine.dialect.name == "postgresql":
+            options.update(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        with self.engine.connect().execution_options(**options) as conn, conn.begin():
             meta = _read_meta(conn)
             nodes = {n.name: n for n in map(_node_of, _rows(conn, select(nodes_table).order_by(nodes_table.c.name)))}
             quotas: dict[tuple[str, str, Priority], int] = {}
@@ -510,6 +573,10 @@ class Store:
                 jobs[row["job_id"]] = _job_of(row, tuple(chains.pop(row["job_id"], ())))
             if chains:
                 raise StoreCorruptError(f"hai_tasks has tasks of jobs that do not exist: {sorted(chains)[:5]}")
+        # In code-point order whatever the database's collation (PostgreSQL's may sort "B" after "a"),
+        # so a loaded state iterates alike on every engine.
+        nodes = dict(sorted(nodes.items()))
+        quotas = dict(sorted(quotas.items()))
         state = ClusterState(nodes=nodes, jobs=jobs, quotas=quotas, next_seq=meta["next_seq"])
         self._generation, self._known = meta["generation"], state
         return state
@@ -528,8 +595,10 @@ class Store:
         changes = _Changes(old, new)
         changes.check(self.limits)
         generation = self._generation
-        try:
+
+        def attempt() -> None:
             with self.engine.begin() as conn:
+                # First, so that on every engine this row's lock orders the commits (no deadlock).
                 bumped = conn.execute(update(meta_table).where(meta_table.c.key == "generation",
                                                                meta_table.c.value == generation)
                                       .values(value=generation + 1))
@@ -542,10 +611,13 @@ class Store:
                 if new.next_seq != old.next_seq:
                     _expect(conn.execute(update(meta_table).where(meta_table.c.key == "next_seq")
                                          .values(value=new.next_seq)), 1, "next_seq")
+
+        try:
+            _retrying(attempt)
         except IntegrityError as error:
-            raise StoreConflictError(f"the database is not at the old state: {error.orig}") from error
+            raise StoreConflictError(f"the database is not at the old state: {_said(error)}") from error
         except DBAPIError as error:  # read-only, locked by another writer past its timeout, gone
-            raise StoreError(f"the commit was not written: {error.orig}") from error
+            raise StoreError(f"the commit was not written: {_said(error)}") from error
         self._generation, self._known = generation + 1, new
 
     # Each step of a commit is its own method, so a test can stop a commit between two of them.
@@ -591,6 +663,11 @@ class Store:
             conn.execute(delete(tasks_table).where(tasks_table.c.job_id == job_id))
         if changes.tasks_added:
             conn.execute(insert(tasks_table), changes.tasks_added)
+
+
+def _said(error: DBAPIError) -> str:
+    """The driver's message on one line (libpq's run over several, with hints after tabs)."""
+    return " ".join(str(error.orig).split())
 
 
 def _rows(conn: Connection, statement: Any) -> Iterator[RowMapping]:

@@ -79,6 +79,31 @@ if ! command -v promtool >/dev/null 2>&1; then
     fi
 fi
 
+# A private PostgreSQL server for the tests (tests/postgres.py runs initdb and pg_ctl from
+# /usr/lib/postgresql/<version>/bin). Debian's postgresql package creates and starts a system
+# cluster when it installs: service starts are refused while it installs, and the unit is disabled,
+# so nothing listens on 5432 afterwards.
+if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "bootstrap: installing PostgreSQL (Debian package postgresql; its system cluster is not started)"
+        policy=/usr/sbin/policy-rc.d
+        made_policy=0
+        if [ ! -e "$policy" ]; then
+            printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+        fi
+        if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql \
+                || { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+                     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql; }; then
+            if command -v systemctl >/dev/null 2>&1; then systemctl disable --quiet postgresql.service 2>/dev/null || true; fi
+        else
+            echo "bootstrap: could not install postgresql: the PostgreSQL halves of the hai tests will skip" >&2
+        fi
+        if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
+    else
+        echo "bootstrap: PostgreSQL missing (Debian package postgresql): the PostgreSQL halves of the hai tests will skip" >&2
+    fi
+fi
+
 "$PYTHON" - <<'PY'
 import sys
 if sys.version_info < (3, 11):

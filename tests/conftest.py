@@ -24,8 +24,9 @@ from tests.harness import ProcessCluster
 
 # A session that leaves new files in the git checkout fails (tests/clean_tree.py).
 # A failure is printed the moment it happens, and a session past its time budget stops with its
-# summary (tests/ci_report.py).
-pytest_plugins = ["tests.clean_tree", "tests.ci_report"]
+# summary (tests/ci_report.py). A private PostgreSQL server, and databases of either engine
+# (tests/postgres.py).
+pytest_plugins = ["tests.clean_tree", "tests.ci_report", "tests.postgres"]
 
 TRANSPORTS = ("framed", "grpc")
 

@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 
 import fs3
+from hai import cli
 from hai.__main__ import main
 from hai.cli import CHECKPOINT_BYTES_ENV, parse_job
 from hai.rules import Config
@@ -177,6 +178,44 @@ def test_a_job_without_its_state_size_gets_no_advice(served: Served, hai: Run, t
     assert json.loads(out)["jobs"][0]["checkpoint_advice"] is None
     status, out, _ = hai("ls", "--wide", "--write-gbps-per-node", "1", "--node-mtbf-h", "720")
     assert status == 0 and " - " in out.splitlines()[1]
+
+
+def test_ls_wide_is_one_request_and_the_same_with_an_older_server(served: Served, hai: Run, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ls --wide`` reads every job's state size with the listing (``GET /jobs?env=CHECKPOINT_BYTES``),
+    one request for the page rather than one per job; against a server that ignores ``env=`` it asks
+    for each job, and the output is the same either way."""
+    for i in range(4):
+        size = f"checkpoint_bytes = {i + 1}e9\n" if i != 2 else ""
+        submit(hai, tmp_path, f'name = "j{i}"\ncommand = "true"\nnodes = 1\n{size}')
+    sent: list[tuple[str, str]] = []
+    call = cli.Api.call
+    drop_env = [False]
+
+    def counted(self: cli.Api, method: str, path: str, **kw: Any) -> Any:
+        sent.append((method, path))
+        answer = call(self, method, path, **kw)
+        if drop_env[0] and path == "/jobs":
+            for job in answer["jobs"]:
+                job.pop("env", None)
+        return answer
+
+    monkeypatch.setattr(cli.Api, "call", counted)
+    wide = ("ls", "--wide", "--write-gbps-per-node", "1", "--node-mtbf-h", "720")
+    outputs = []
+    for older in (False, True):
+        drop_env[0] = older
+        sent.clear()
+        status, table, _ = hai(*wide)
+        status_json, out, _ = hai(*wide, "--json")
+        assert status == status_json == 0
+        outputs.append((table, out))
+        assert sent.count(("GET", "/jobs")) == 2 and len(sent) == (2 + 2 * 4 if older else 2), sent
+    assert outputs[0] == outputs[1]
+    listed = json.loads(outputs[0][1])["jobs"]
+    assert [j["checkpoint_advice"] is None for j in listed] == [False, False, True, False]
+    assert all("env" not in j for j in listed)  # the listing's env= is the CLI's business, not its output
+    assert listed[3]["checkpoint_advice"]["checkpoint_bytes"] == 4e9
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -1,5 +1,6 @@
 """``hai server`` (``hai/server.py``) in-process: the HTTP API through FastAPI's TestClient and the
-scheduling loop driven with virtual time (:meth:`HaiServer.tick`), on a SQLite file per test.
+scheduling loop driven with virtual time (:meth:`HaiServer.tick`), on a database of its own per
+test: each test runs twice, on a SQLite file and on the private PostgreSQL server (tests/postgres.py).
 
 Agents are played by the test: they register, heartbeat with what they run, and report how tasks
 ended. Covered: placement and the launch numbers, preemption by suspend and the resume as the next
@@ -9,7 +10,7 @@ server restarted on the same database, and replayed reports.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from fastapi.testclient import TestClient
 from hai import server as hai_server
 from hai.rules import Config
 from hai.server import HaiServer, ServerConfig, User, Users, create_app, hash_token
-from hai.store import Store, default_url
+from hai.store import Store
 
 ALICE, BOB, ADMIN, AGENT = "alice-token", "bob-token", "admin-token", "agent-token"
 
@@ -93,8 +94,8 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def url(tmp_path: Path) -> str:
-    return default_url(tmp_path)
+def url(fresh_database: Callable[[], str]) -> str:
+    return fresh_database()
 
 
 @pytest.fixture
@@ -275,17 +276,38 @@ def test_lists_are_paged(cluster: Cluster) -> None:
     cluster.call("GET", "/jobs", params={"limit": 100_000}, expect=422)
 
 
+def test_a_listing_carries_the_named_environment_variables(cluster: Cluster) -> None:
+    """``GET /jobs?env=NAME`` (repeatable) adds those variables of each job's environment to the
+    listing, so ``hai ls --wide`` needs one request; hai's own variables stay hidden as in ``GET /jobs/ID``."""
+    sized = cluster.submit(name="a", env={"CHECKPOINT_BYTES": "2e9", "LR": "0.1"}, ranks_per_node=2)
+    plain = cluster.submit(name="b")
+    assert all("env" not in j for j in cluster.call("GET", "/jobs")["jobs"])
+    listed = cluster.call("GET", "/jobs", params={"env": ["CHECKPOINT_BYTES", "SEED", hai_server.RANKS_ENV]})
+    assert {j["job_id"]: j["env"] for j in listed["jobs"]} == {sized: {"CHECKPOINT_BYTES": "2e9"}, plain: {}}
+    assert cluster.job(sized)["env"] == {"CHECKPOINT_BYTES": "2e9", "LR": "0.1"}
+    cluster.call("GET", "/jobs", params={"env": "NOT-A-NAME"}, expect=422)
+    too_many = [f"V{i}" for i in range(hai_server.MAX_ENV_LISTED + 1)]
+    assert "at most 16" in cluster.call("GET", "/jobs", params={"env": too_many}, expect=422)["detail"]
+
+
 def test_restart_keeps_state_and_resends(url: str, clock: Clock) -> None:
     first = Cluster(url, clock)
     for name in ("n1", "n2", "n3"):
         first.register(name)
     running = first.submit(name="big", nodes=2, ranks_per_node=2)
     first.tick()
+    # A chain of more than one task: the first task's rank fails, the job is placed again after its back-off.
+    failed_on = first.job(running)["assigned"][0]
+    first.report(failed_on, running, 0, "failed", exit_code=1)
+    first.call("POST", f"/nodes/{failed_on}/healthy", ADMIN)
+    first.tick(CONFIG.rules.backoff_base_s + 1)
+    assert first.job(running)["task"] == 1 and first.job(running)["state"] == "running"
     waiting = [first.submit(name=f"w{i}", nodes=2) for i in range(2)]
     first.tick()
     node = first.job(running)["assigned"][1]
     sent = first.heartbeat(node)
     jobs = first.call("GET", "/jobs")
+    shown = first.job(running)
     state = first.server.state
     first.close()
 
@@ -295,6 +317,7 @@ def test_restart_keeps_state_and_resends(url: str, clock: Clock) -> None:
         assert second.heartbeat(node) == sent
         assert second.call("GET", "/jobs") == jobs
         assert [j["job_id"] for j in jobs["jobs"]] == [running, *waiting]
+        assert second.job(running) == shown and [t["task"] for t in shown["chain"]] == [0, 1]
     finally:
         second.close()
 
@@ -327,6 +350,24 @@ def test_cli_add_user_and_parser(tmp_path: Path) -> None:
     assert Users.load(tmp_path / hai_server.USERS_FILE).is_agent(token)
     args = build_parser().parse_args(["server", "--dir", str(tmp_path), "--db-url", "sqlite://", "--port", "9"])
     assert args.port == 9 and args.db_url == "sqlite://"
+
+
+def test_server_database_by_flag_or_environment_and_no_password_shown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--db URL`` (or ``--db-url``, or ``$HAI_DB_URL``) names the database; a database that cannot
+    be opened is one line on stderr and exit status 1, with the URL's password masked."""
+    from hai.__main__ import build_parser, main
+
+    assert build_parser().parse_args(["server", "--dir", "d", "--db", "sqlite://"]).db_url == "sqlite://"
+    monkeypatch.setenv(hai_server.DB_URL_ENV, "postgresql://hai@db/hai")
+    assert build_parser().parse_args(["server", "--dir", "d"]).db_url == "postgresql://hai@db/hai"
+    assert build_parser().parse_args(["server", "--dir", "d", "--db-url", "sqlite://"]).db_url == "sqlite://"
+    pytest.importorskip("psycopg")
+    monkeypatch.setenv(hai_server.DB_URL_ENV, "postgresql://hai:s3cret-pw@127.0.0.1:1/hai")  # nothing on port 1
+    assert main(["server", "--dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "hai server: postgresql+psycopg://hai:***@127.0.0.1:1/hai: cannot open the database" in err, err
+    assert "s3cret-pw" not in err and err.count("\n") == 1
 
 
 def test_lifespan_loop_places_jobs(url: str, clock: Clock) -> None:
