@@ -92,6 +92,8 @@ MAX_BODY_BYTES = 1 << 20  # a job spec's command and environment are 64 KiB each
 MAX_PAGE = 500  # entries per page of a list endpoint
 MAX_ENV_LISTED = 16  # variables one job listing may ask to see of each job (GET /jobs?env=NAME)
 MAX_RUNNING_REPORTED = 64  # (job, task) pairs one heartbeat may list; a node runs one job at a time
+# Variables hai defines whose values any user may see (``hai ls --wide`` reads every job's state size).
+PUBLIC_ENV = frozenset({"CHECKPOINT_BYTES"})
 RANKS_ENV = "HAI_RANKS_PER_NODE"  # carried in the job's stored environment; the HAI_ prefix is the server's
 ADDRESS_LABEL = "hai.address"  # the node's address for MASTER_ADDR, carried as a label
 MAX_RANKS_PER_NODE = 1024
@@ -323,11 +325,18 @@ class HaiServer:
 
     # -- views -----------------------------------------------------------------------------------
 
-    def job_view(self, job: Job, *, chain: bool = False, env_names: frozenset[str] = frozenset()) -> dict[str, Any]:
+    def job_view(self, job: Job, *, chain: bool = False, env_names: frozenset[str] = frozenset(),
+                 viewer: User | None = None) -> dict[str, Any]:
         """A job as the API shows it; with ``chain``, also its command, environment and chain of tasks;
-        with ``env_names``, those of its environment variables it has (a listing's ``env=``)."""
+        with ``env_names``, those of its environment variables it has (a listing's ``env=``).
+
+        A job's environment may carry its user's secrets (an API key for a metrics service, say), so
+        a ``viewer`` who is neither the job's user nor an admin sees the variables' names with their
+        values withheld (None), except the few hai itself defines and reads (:data:`PUBLIC_ENV`)."""
         env = dict(job.env)
         per_node = int(env.pop(RANKS_ENV, "1"))
+        if viewer is not None and viewer.name != job.user and not viewer.admin:
+            env = {k: (v if k in PUBLIC_ENV else None) for k, v in env.items()}
         wait = self.waits.get(job.job_id) if job.state is JobState.QUEUED else None
         view: dict[str, Any] = {
             "job_id": job.job_id, "user": job.user, "group": job.group, "nodes": job.nodes,
@@ -591,8 +600,8 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
         """The queue and running jobs by default (``state=all`` for every job), in queue order. Each
         ``env=NAME`` adds that variable of each job's environment to its view (``"env": {NAME: value}``,
         where the job has it), so a listing that needs one variable of every job (``hai ls --wide``:
-        the checkpoint size) is one request, not one per job. A job's environment is no secret from
-        other users: ``GET /jobs/ID`` shows all of it."""
+        the checkpoint size) is one request, not one per job. Another user's values are withheld
+        (see :meth:`HaiServer.job_view`), as they are by ``GET /jobs/ID``."""
         names = env or []
         if len(names) > MAX_ENV_LISTED:
             raise HTTPException(422, f"env: {len(names)} variables, at most {MAX_ENV_LISTED}")
@@ -614,15 +623,16 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
         if mine:
             jobs = [j for j in jobs if j.user == caller.name]
         page = jobs[offset:offset + limit]
-        return {"jobs": [server.job_view(j, env_names=env_names) for j in page], "total": len(jobs), "offset": offset,
+        return {"jobs": [server.job_view(j, env_names=env_names, viewer=caller) for j in page],
+                "total": len(jobs), "offset": offset,
                 "next_offset": offset + len(page) if offset + len(page) < len(jobs) else None}
 
     @app.get("/jobs/{job_id}")
-    def show_job(job_id: str, _caller: Caller) -> dict[str, Any]:
+    def show_job(job_id: str, caller: Caller) -> dict[str, Any]:
         job = server.state.jobs.get(job_id)
         if job is None:
             raise HTTPException(404, f"no job {job_id}")
-        return server.job_view(job, chain=True)
+        return server.job_view(job, chain=True, viewer=caller)
 
     @app.post("/jobs/{job_id}/suspend")
     def suspend(job_id: str, caller: Caller) -> dict[str, Any]:

@@ -290,6 +290,21 @@ def test_a_listing_carries_the_named_environment_variables(cluster: Cluster) -> 
     assert "at most 16" in cluster.call("GET", "/jobs", params={"env": too_many}, expect=422)["detail"]
 
 
+def test_another_users_environment_values_are_withheld(cluster: Cluster) -> None:
+    """A job's environment may hold its user's secrets: another user sees the variables' names with
+    no values (in ``GET /jobs/ID`` and in a listing's ``env=``), except hai's own ``CHECKPOINT_BYTES``;
+    the owner and admins see everything."""
+    job = cluster.submit(name="a", env={"CHECKPOINT_BYTES": "2e9", "WANDB_API_KEY": "s3cret"})
+    assert cluster.job(job)["env"] == {"CHECKPOINT_BYTES": "2e9", "WANDB_API_KEY": "s3cret"}
+    assert cluster.call("GET", f"/jobs/{job}", ADMIN)["env"]["WANDB_API_KEY"] == "s3cret"
+    seen_by_bob = cluster.call("GET", f"/jobs/{job}", BOB)
+    assert seen_by_bob["env"] == {"CHECKPOINT_BYTES": "2e9", "WANDB_API_KEY": None}
+    listed = cluster.call("GET", "/jobs", BOB, params={"env": ["CHECKPOINT_BYTES", "WANDB_API_KEY"]})
+    assert listed["jobs"][0]["env"] == {"CHECKPOINT_BYTES": "2e9", "WANDB_API_KEY": None}
+    assert "s3cret" not in cluster.client.get("/jobs", params={"state": "all", "env": "WANDB_API_KEY"},
+                                              headers={"Authorization": f"Bearer {BOB}"}).text
+
+
 def test_restart_keeps_state_and_resends(url: str, clock: Clock) -> None:
     first = Cluster(url, clock)
     for name in ("n1", "n2", "n3"):
