@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -751,13 +752,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", required=True, type=Path, help="the cluster directory (database, users file)")
     parser.add_argument("--db-url", help="SQLAlchemy URL of the database (default: sqlite in --dir)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--port", type=int, default=8470, help="0: any free port (see --ready-file)")
     parser.add_argument("--default-quota-nodes", type=int, default=0,
                         help="quota of a (user, group, priority) without an entry (default 0)")
     parser.add_argument("--tick-interval-s", type=float, default=1.0)
     parser.add_argument("--add-user", metavar="NAME", help="add a user (or give it a new token), print the token, exit")
     parser.add_argument("--admin", action="store_true", help="with --add-user: the user is an admin")
     parser.add_argument("--fs3-token", default="", help="with --add-user: the fs3 token the user's jobs get")
+    parser.add_argument("--ready-file", type=Path,
+                        help="once serving, write {pid, http: HOST:PORT} here as JSON (how hai local finds it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -775,8 +778,29 @@ def run(args: argparse.Namespace) -> int:
     server = HaiServer(store, Users.load(cluster_dir / USERS_FILE), config)
     app = create_app(server)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        if args.ready_file is None:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        else:
+            _serve_with_ready_file(uvicorn, app, args.host, args.port, args.ready_file)
     finally:
         server.close()
     return 0
+
+
+def _serve_with_ready_file(uvicorn: Any, app: FastAPI, host: str, port: int, ready_file: Path) -> None:
+    """Serve on ``host:port`` (0: a free port, never racing another program for one) and write the
+    ready file once the app has started, so a launcher waits for the file instead of polling."""
+    import socket
+
+    sock = socket.create_server((host, port), reuse_port=False)
+    bound_host, bound_port = sock.getsockname()[:2]
+
+    class Server(uvicorn.Server):  # type: ignore[misc]
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            tmp = ready_file.with_name(ready_file.name + ".tmp")
+            _write_private(tmp, json.dumps({"pid": os.getpid(), "http": f"{bound_host}:{bound_port}"}))
+            os.replace(tmp, ready_file)
+
+    Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
 
