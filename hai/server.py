@@ -40,6 +40,7 @@ import os
 import re
 import secrets
 import shlex
+import sys
 import threading
 import time
 import tomllib
@@ -195,6 +196,30 @@ def ensure_agent_token(cluster_dir: Path) -> None:
     token = secrets.token_urlsafe(32)
     _write_private(cluster_dir / AGENT_TOKEN_FILE, token + "\n")
     _write_private(path, dataclasses.replace(users, agent_token_sha256=hash_token(token)).dump())
+
+
+ADMIN_TOKEN_ENV = "HAI_ADMIN_TOKEN"
+AGENT_TOKEN_ENV = "HAI_AGENT_TOKEN"
+
+
+def tokens_from_environment(cluster_dir: Path, environ: Mapping[str, str]) -> None:
+    """Tokens an operator hands the server in its environment (containers: docker-compose.yml),
+    so none is ever written into a file of the image or a command line: ``HAI_AGENT_TOKEN`` becomes
+    the agent token (the agents read the same variable), ``HAI_ADMIN_TOKEN`` user ``admin``'s,
+    whose jobs' ranks get ``FS3_TOKEN``. Only their hashes reach the users file; unset, nothing
+    changes."""
+    path = cluster_dir / USERS_FILE
+    users = Users.load(path) if path.exists() else Users()
+    agent = environ.get(AGENT_TOKEN_ENV, "").strip()
+    admin = environ.get(ADMIN_TOKEN_ENV, "").strip()
+    if agent:
+        users = dataclasses.replace(users, agent_token_sha256=hash_token(agent))
+    if admin:
+        kept = tuple(u for u in users.users if u.name != "admin")
+        users = dataclasses.replace(users, users=(*kept, User("admin", hash_token(admin), True,
+                                                              environ.get("FS3_TOKEN", "").strip())))
+    if agent or admin:
+        _write_private(path, users.dump())
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -759,6 +784,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--add-user", metavar="NAME", help="add a user (or give it a new token), print the token, exit")
     parser.add_argument("--admin", action="store_true", help="with --add-user: the user is an admin")
     parser.add_argument("--fs3-token", default="", help="with --add-user: the fs3 token the user's jobs get")
+    parser.add_argument("--require-env-tokens", action="store_true",
+                        help=f"${ADMIN_TOKEN_ENV} and ${AGENT_TOKEN_ENV} are required (containers: no token in a file)")
     parser.add_argument("--ready-file", type=Path,
                         help="once serving, write {pid, http: HOST:PORT} here as JSON (how hai local finds it)")
 
@@ -769,6 +796,13 @@ def run(args: argparse.Namespace) -> int:
     if args.add_user:
         print(add_user(cluster_dir, args.add_user, admin=args.admin, fs3_token=args.fs3_token))
         return 0
+    if args.require_env_tokens:
+        missing = [name for name in (ADMIN_TOKEN_ENV, AGENT_TOKEN_ENV) if not os.environ.get(name, "").strip()]
+        if missing:
+            print(f"hai server: --require-env-tokens: set {' and '.join(missing)} (a secret each, e.g. "
+                  "openssl rand -hex 32)", file=sys.stderr)
+            return 2
+    tokens_from_environment(cluster_dir, os.environ)
     ensure_agent_token(cluster_dir)
     import uvicorn  # only the command needs the HTTP server itself
 
