@@ -224,8 +224,9 @@ class HaiLocal:
         env = {**os.environ, "FS3_LOG_LEVEL": os.environ.get("FS3_LOG_LEVEL", "INFO")}
         server = self._proc("hai-server", [
             "server", "--dir", str(self.hai_dir), "--host", host, "--port", "0",
-            "--default-quota-nodes", str(settings.nodes), "--tick-interval-s", str(settings.tick_interval_s)])
-        server.spawn(spawn_logged, env)
+            "--default-quota-nodes", str(settings.nodes), "--tick-interval-s", str(settings.tick_interval_s),
+            "--fs3", mgmtd])  # the dashboard shows the ranks' logs from fs3
+        server.spawn(spawn_logged, {**env, "FS3_TOKEN": fs3_token})
         info = server.wait_ready(60)
         self.state["server"] = f"http://{info['http']}"
         self._save()

@@ -56,7 +56,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hai import rules
+from hai import dashboard, rules
 from hai.rules import AUTO, Auto, ClusterState, Config, Decision, Job, JobSpec, JobState, Node, Priority, Wait
 from hai.store import Store, StoreConflictError, StoreLimitError, check_job_spec, check_node, default_url
 
@@ -518,9 +518,10 @@ Caller = Annotated[User, Depends(_user)]
 Admin = Annotated[User, Depends(_admin)]
 
 
-def create_app(server: HaiServer, *, run_loop: bool = True) -> FastAPI:
-    """The ASGI app. With ``run_loop`` the lifespan runs :meth:`HaiServer.tick` every
-    ``tick_interval_s``; tests leave it off and tick with virtual time."""
+def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogReader | None = None) -> FastAPI:
+    """The ASGI app, with the web dashboard (:mod:`hai.dashboard`) under ``/dashboard/``, which shows
+    ranks' logs through ``logs`` when given. With ``run_loop`` the lifespan runs
+    :meth:`HaiServer.tick` every ``tick_interval_s``; tests leave it off and tick with virtual time."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -537,6 +538,7 @@ def create_app(server: HaiServer, *, run_loop: bool = True) -> FastAPI:
     app.state.hai = server
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     agent_only = [Depends(_agent)]
+    dashboard.add_routes(app, server, logs)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -788,6 +790,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"${ADMIN_TOKEN_ENV} and ${AGENT_TOKEN_ENV} are required (containers: no token in a file)")
     parser.add_argument("--ready-file", type=Path,
                         help="once serving, write {pid, http: HOST:PORT} here as JSON (how hai local finds it)")
+    logs = parser.add_mutually_exclusive_group()
+    logs.add_argument("--fs3", metavar="MGMTD",
+                      help="the dashboard reads ranks' logs from this fs3 cluster (token from $FS3_TOKEN)")
+    logs.add_argument("--profile", help="the dashboard reads ranks' logs from the fs3 cluster of this client profile")
+    logs.add_argument("--log-dir", type=Path, help="the dashboard reads ranks' logs from this directory (agents "
+                      "started with the same --log-dir on this host)")
+
+
+def _log_reader(args: argparse.Namespace) -> dashboard.LogReader | None:
+    """Where the dashboard reads logs: fs3 when given (connected on first use, so the server starts
+    while fs3 is down), else a directory, else nowhere (the job page says so)."""
+    options: dict[str, Any] = {"rpc_timeout_ms": 10_000, "retry_total_ms": 10_000}
+    if args.fs3 or args.profile:
+        def connect() -> Any:
+            import fs3
+
+            if args.fs3:
+                return fs3.connect(args.fs3, token=os.environ.get("FS3_TOKEN"), **options)
+            return fs3.connect(profile=args.profile, **options)
+
+        return dashboard.Fs3LogReader(connect)
+    if args.log_dir is not None:
+        return dashboard.LocalLogReader(args.log_dir)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -810,7 +836,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(rules=Config(default_quota_nodes=args.default_quota_nodes),
                           tick_interval_s=args.tick_interval_s)
     server = HaiServer(store, Users.load(cluster_dir / USERS_FILE), config)
-    app = create_app(server)
+    logs = _log_reader(args)
+    app = create_app(server, logs=logs)
     try:
         if args.ready_file is None:
             uvicorn.run(app, host=args.host, port=args.port, log_level="info")
@@ -818,6 +845,8 @@ def run(args: argparse.Namespace) -> int:
             _serve_with_ready_file(uvicorn, app, args.host, args.port, args.ready_file)
     finally:
         server.close()
+        if isinstance(logs, dashboard.Fs3LogReader):
+            logs.close()
     return 0
 
 

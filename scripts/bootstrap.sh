@@ -41,6 +41,20 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     fi
 fi
 
+# The HAI dashboard's browser test (tests/test_hai_dashboard.py) drives Debian's chromium through
+# chromium-driver (Selenium); without recommends, it needs no desktop. Offline, the test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "bootstrap: installing chromium and chromium-driver (the dashboard's browser test)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver \
+            || { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+                 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; } \
+            || echo "bootstrap: could not install chromium: the dashboard's browser test will skip" >&2
+    else
+        echo "bootstrap: chromium or chromedriver missing (Debian: chromium chromium-driver): the dashboard's browser test will skip" >&2
+    fi
+fi
+
 # promtool checks the alert rules in deploy/prometheus (tests/test_metrics.py); it comes with Debian's
 # prometheus package, whose server must not start (nor start at boot) on a developer's machine:
 # service starts are refused while it installs, and its unit is disabled afterwards.
