@@ -127,6 +127,7 @@ def check_down(root: Path) -> None:
     assert again.returncode == 0 and "nothing runs" in again.stdout, again
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not netns_usable(), reason="network namespaces need root")
 def test_up_in_namespaces_runs_a_job_and_down_removes_everything(cluster_dir: Path) -> None:
     up = hai("local", "up", "--dir", str(cluster_dir), "--nodes", "2")
@@ -149,6 +150,7 @@ def test_up_in_namespaces_runs_a_job_and_down_removes_everything(cluster_dir: Pa
     check_down(cluster_dir)
 
 
+@pytest.mark.slow
 def test_plain_processes(cluster_dir: Path) -> None:
     up = hai("local", "up", "--dir", str(cluster_dir), "--nodes", "2", "--no-netns")
     assert up.returncode == 0, up.stdout + up.stderr
