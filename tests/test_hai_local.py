@@ -21,15 +21,41 @@ from typing import Any
 
 import pytest
 
+from fs3.cli.local import LocalCluster
+from fs3.cli.main import main as fs3_main
 from fs3.cluster.netns import netns_usable
 from fs3.cluster.processes import pid_alive
 from hai.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60.0
+# The ranks meet over TCP at MASTER_ADDR:MASTER_PORT, as a training job's rendezvous does (across the
+# namespaces' bridge when there are namespaces): a job whose rank 0 ended at once would end the
+# task before the other node launched its rank.
+RANK = """
+import os, socket, time
+rank, addr, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+if rank == 0:
+    with socket.create_server((addr, port)) as server:
+        server.settimeout(50)
+        peer, _ = server.accept()
+        peer.sendall(b"0")
+        peer.close()
+else:
+    deadline = time.monotonic() + 50
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=5) as conn:
+                assert conn.recv(1) == b"0"
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "rank 0 never listened"
+            time.sleep(0.1)
+print("rank", rank, "of", os.environ["WORLD_SIZE"], flush=True)
+"""
 JOB = """
 name = "hello"
-command = ["{python}", "-c", "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"]
+command = ["{python}", "{script}"]
 nodes = 2
 """
 
@@ -60,9 +86,9 @@ def state(root: Path) -> dict[str, Any]:
     return data
 
 
-def user_env(root: Path) -> dict[str, str]:
+def user_env(root: Path, fs3_token_file: Path | None = None) -> dict[str, str]:
     return {"HAI_SERVER": state(root)["server"], "HAI_TOKEN": (root / "hai-admin.token").read_text().strip(),
-            "FS3_TOKEN": (root / "token").read_text().strip()}
+            "FS3_TOKEN": (fs3_token_file or root / "token").read_text().strip()}
 
 
 def pids(root: Path) -> list[int]:
@@ -80,14 +106,16 @@ def cluster_dir(tmp_path: Path) -> Iterator[Path]:
         hai("local", "down", "--dir", str(root))
 
 
-def run_job(root: Path) -> None:
-    env = user_env(root)
+def run_job(root: Path, fs3_token_file: Path | None = None) -> None:
+    env = user_env(root, fs3_token_file)
     nodes = hai("nodes", "--json", env=env)
     assert nodes.returncode == 0, nodes.stderr
     assert sorted((n["name"], n["healthy"]) for n in json.loads(nodes.stdout)["nodes"]) == \
         [("node1", True), ("node2", True)]
     job_file = root.parent / "job.toml"
-    job_file.write_text(JOB.format(python=sys.executable))
+    script = root.parent / "rank.py"
+    script.write_text(RANK)
+    job_file.write_text(JOB.format(python=sys.executable, script=script))
     submitted = hai("submit", str(job_file), "--json", env=env)
     assert submitted.returncode == 0, submitted.stderr
     job_id = json.loads(submitted.stdout)["job_id"]
@@ -104,7 +132,7 @@ def run_job(root: Path) -> None:
     assert sorted(job["assigned"] or job["chain"][-1]["nodes"]) == ["node1", "node2"]
     for rank in (0, 1):
         # The job ends with the first node's report; the other node's agent may still be
-        # publishing its rank's log, so it is waited for.
+        # closing its rank's log, so it is waited for.
         while True:
             logs = hai("logs", job_id, "--rank", str(rank), "--mgmtd", state(root)["mgmtd"], env=env)
             if logs.returncode == 0 or time.monotonic() > deadline:
@@ -151,15 +179,29 @@ def test_up_in_namespaces_runs_a_job_and_down_removes_everything(cluster_dir: Pa
 
 
 @pytest.mark.slow
-def test_plain_processes(cluster_dir: Path) -> None:
-    up = hai("local", "up", "--dir", str(cluster_dir), "--nodes", "2", "--no-netns")
-    assert up.returncode == 0, up.stdout + up.stderr
-    info = state(cluster_dir)
-    assert not info["netns"] and not info["namespaces"] and info["server"].startswith("http://127.0.0.1:")
-    run_job(cluster_dir)
-    check_down(cluster_dir)
-    status = hai("local", "status", "--dir", str(cluster_dir))
-    assert status.returncode == 3 and "stopped" in status.stdout
+def test_plain_processes_on_an_fs3_already_running(cluster_dir: Path, tmp_path: Path) -> None:
+    """``--no-netns --fs3 MGMTD``: the agents are plain processes, the rank logs go to a cluster
+    ``hai local`` did not start, and ``down`` leaves that cluster running."""
+    fs3_dir = tmp_path / "fs3"
+    started = fs3_main(["local", "up", "--dir", str(fs3_dir), "--storage-nodes", "1", "--targets-per-node", "1",
+                        "--replicas", "1", "--detach"])
+    assert started == 0
+    fs3 = LocalCluster(fs3_dir)
+    try:
+        mgmtd, token_file = fs3.mgmtd_address, fs3.token_file
+        up = hai("local", "up", "--dir", str(cluster_dir), "--nodes", "2", "--no-netns", "--fs3", mgmtd,
+                 "--fs3-token-file", str(token_file))
+        assert up.returncode == 0, up.stdout + up.stderr
+        info = state(cluster_dir)
+        assert not info["netns"] and not info["namespaces"] and info["server"].startswith("http://127.0.0.1:")
+        assert info["mgmtd"] == mgmtd and not info["with_fs3"]
+        run_job(cluster_dir, token_file)
+        check_down(cluster_dir)
+        assert set(fs3.running()) == {"mgmtd", "storage-1", "meta"}, "not hai local's to stop"
+        status = hai("local", "status", "--dir", str(cluster_dir))
+        assert status.returncode == 3 and "stopped" in status.stdout
+    finally:
+        fs3.stop_all()
 
 
 def test_down_and_status_without_a_cluster(tmp_path: Path) -> None:
@@ -168,3 +210,10 @@ def test_down_and_status_without_a_cluster(tmp_path: Path) -> None:
         assert done.returncode == 2 and "no hai local cluster" in done.stderr, done
     bad = hai("local", "up", "--dir", str(tmp_path / "bad"), "--nodes", "0")
     assert bad.returncode == 2 and "--nodes" in bad.stderr, bad
+    no_token = hai("local", "up", "--dir", str(tmp_path / "bad"), "--fs3", "10.0.0.1:9000", env={"FS3_TOKEN": ""})
+    assert no_token.returncode == 2 and "token" in no_token.stderr, no_token
+    if netns_usable():  # namespaces cannot reach this machine's loopback
+        loopback = hai("local", "up", "--dir", str(tmp_path / "bad"), "--fs3", "127.0.0.1:9000",
+                       env={"FS3_TOKEN": "x" * 32})
+        assert loopback.returncode == 2 and "loopback" in loopback.stderr, loopback
+    assert not (tmp_path / "bad" / "hai-local.json").exists() or not state(tmp_path / "bad")["namespaces"]
