@@ -47,7 +47,9 @@ server's own timestamp), as a ratio to the whole grace (ack + finish), for a job
 acknowledge (``hai.client``: they "save" for ``REAL_SAVE_S`` and call ``go_suspend``) and for one
 that ignores the request, which the agents must force-stop at the end of the grace (ratio near 1.0).
 The ratio includes a heartbeat (the agents learn of the suspend at their next one, every
-``REAL_HEARTBEAT_S``) and the report's way back.
+``REAL_HEARTBEAT_S``) and the report's way back. "Free" is as the server sees it: the end counts
+from the node holding rank 0 (``hai.server._report``); the other node's agent ends its rank on the
+same deadline.
 
 Usage: ``python bench/hai_bench.py [--jobs 300] [--nodes 32] [--seed 1] [--interarrival-s 720] [--no-real]``
 (``--jobs`` at most 2000). Prints a table and writes ``bench/results/hai-<UTC timestamp>.{json,md,png}``.
