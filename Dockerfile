@@ -1,4 +1,5 @@
-# fs3: one image for every service (mgmtd, meta, storage) and for FUSE clients.
+# fs3: one image for every service (mgmtd, meta, storage), for FUSE clients and for the HAI Platform's
+# server and agents (entrypoint hai).
 FROM python:3.11-slim-bookworm
 
 RUN apt-get update \
@@ -9,6 +10,7 @@ WORKDIR /opt/fs3
 COPY pyproject.toml README.md Makefile ./
 COPY proto ./proto
 COPY fs3 ./fs3
+COPY hai ./hai
 # Generate the protobuf modules and gRPC stubs (and ship the .proto files in the package, as
 # `make proto` does), then install fs3 with the FUSE extra.
 RUN pip install --no-cache-dir "grpcio-tools>=1.60" \

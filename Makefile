@@ -127,7 +127,9 @@ bench-haiscale: install
 	$(PY) bench/read_many_bench.py
 
 # The HAI scheduler's rules against strict FIFO on one seeded synthetic trace, in virtual time (seconds
-# to run): occupancy, waits per priority, suspensions. `make bench-hai BENCH_HAI_ARGS="--jobs 500"`.
+# to run): occupancy, waits per priority, suspensions; then the suspend path on real processes (hai local:
+# fs3, the server, two agents; about 30 s): suspend request to free nodes as a ratio to the grace, for a
+# job that acknowledges and one that ignores it. `make bench-hai BENCH_HAI_ARGS="--jobs 500 --no-real"`.
 bench-hai: install
 	$(PY) bench/hai_bench.py $(BENCH_HAI_ARGS)
 

@@ -37,8 +37,22 @@ included), mean and p95 (nearest rank) per priority; suspensions; makespan (last
 Every replay is checked (:func:`check_replay`): each job finishes exactly once, no node is held by
 two jobs at any time step, occupancy is at most one.
 
-Usage: ``python bench/hai_bench.py [--jobs 300] [--nodes 32] [--seed 1] [--interarrival-s 720]``
-(``--jobs`` at most 2000). Prints a table and writes ``bench/results/hai-<UTC timestamp>.{json,png}``.
+**Real processes** (:func:`real_suspend`, skipped with ``--no-real``): the suspend path itself, timed
+on ``hai local``'s processes (:class:`hai.local.HaiLocal`: an fs3 cluster, ``hai server`` and two
+``hai agent`` processes, in network namespaces when root) with the agents' grace periods set to
+``REAL_ACK_GRACE_S`` + ``REAL_FINISH_GRACE_S``. A LOW job holds both nodes; a HIGH job needing both
+arrives; the scheduler suspends LOW. Timed: from the server's suspend request (LOW seen
+``suspending``, polled every 20 ms) to the nodes being free (LOW's task ended ``suspended``, the
+server's own timestamp), as a ratio to the whole grace (ack + finish), for a job whose ranks
+acknowledge (``hai.client``: they "save" for ``REAL_SAVE_S`` and call ``go_suspend``) and for one
+that ignores the request, which the agents must force-stop at the end of the grace (ratio near 1.0).
+The ratio includes a heartbeat (the agents learn of the suspend at their next one, every
+``REAL_HEARTBEAT_S``) and the report's way back. "Free" is as the server sees it: the end counts
+from the node holding rank 0 (``hai.server._report``); the other node's agent ends its rank on the
+same deadline.
+
+Usage: ``python bench/hai_bench.py [--jobs 300] [--nodes 32] [--seed 1] [--interarrival-s 720] [--no-real]``
+(``--jobs`` at most 2000). Prints a table and writes ``bench/results/hai-<UTC timestamp>.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -420,6 +434,122 @@ def run(jobs: int, nodes: int, seed: int, interarrival_s: float) -> tuple[dict[s
     return record, replays
 
 
+REAL_ACK_GRACE_S = 2.0
+REAL_FINISH_GRACE_S = 2.0
+REAL_HEARTBEAT_S = 0.5
+REAL_SAVE_S = 0.3
+REAL_DEADLINE_S = 60.0
+REAL_POLL_S = 0.02
+
+_RANK = """
+import sys, time
+import hai.client
+mode, save_s = sys.argv[1], float(sys.argv[2])
+print("started", flush=True)
+while True:
+    if mode == "ack" and hai.client.receive_suspend_command():
+        time.sleep(save_s)  # the checkpoint
+        hai.client.go_suspend()
+        sys.exit(0)
+    time.sleep(0.02)
+"""
+
+
+def _poll(what: str, probe: Callable[[], Any]) -> Any:
+    """``probe()`` until it returns something true, every ``REAL_POLL_S``; bounded by ``REAL_DEADLINE_S``."""
+    import time
+
+    deadline = time.monotonic() + REAL_DEADLINE_S
+    while True:
+        found = probe()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(REAL_POLL_S)
+
+
+def real_suspend(work_dir: Path) -> dict[str, Any]:
+    """The suspend path on real processes (see the module's docstring): one LOW job whose ranks
+    acknowledge and one whose ranks ignore the request, each pushed out by a HIGH job."""
+    import os
+    import time
+
+    import httpx
+
+    from hai.local import HaiLocal, Settings
+
+    # The server and agents (and so the ranks) run this checkout's hai, as this script does.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    script = work_dir / "rank.py"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    script.write_text(_RANK)
+    local = HaiLocal(work_dir / "platform")
+    grace_s = REAL_ACK_GRACE_S + REAL_FINISH_GRACE_S
+    env = {"PYTHONPATH": str(ROOT)}
+    local.up(Settings(nodes=2, ack_grace_s=REAL_ACK_GRACE_S, finish_grace_s=REAL_FINISH_GRACE_S,
+                      heartbeat_s=REAL_HEARTBEAT_S, tick_interval_s=0.2, extra_env=env))
+    out: dict[str, Any] = {"ack_grace_s": REAL_ACK_GRACE_S, "finish_grace_s": REAL_FINISH_GRACE_S,
+                           "grace_s": grace_s, "heartbeat_s": REAL_HEARTBEAT_S, "save_s": REAL_SAVE_S,
+                           "netns": bool(local.state.get("netns")), "nodes": 2}
+    http = httpx.Client(base_url=local.server_url, headers={"Authorization": f"Bearer {local.admin_token}"},
+                        timeout=10)
+
+    def job(job_id: str) -> dict[str, Any]:
+        view: dict[str, Any] = http.get(f"/jobs/{job_id}").raise_for_status().json()
+        return view
+
+    def submit(name: str, priority: str, command: str) -> str:
+        body = {"name": name, "command": command, "nodes": 2, "priority": priority, "env": env}
+        job_id: str = http.post("/jobs", json=body).raise_for_status().json()["job_id"]
+        return job_id
+
+    try:
+        def one(mode: str) -> dict[str, Any]:
+            low = submit(f"low-{mode}", "LOW", f"{sys.executable} {script} {mode} {REAL_SAVE_S}")
+            _poll(f"{low} to run", lambda: job(low)["state"] == "running")
+            time.sleep(3 * REAL_HEARTBEAT_S)  # both agents have launched their rank
+            high = submit(f"high-{mode}", "HIGH", f"{sys.executable} -c pass")
+            requested_s = _poll(f"{low} to be suspending",
+                                lambda: time.time() if job(low)["state"] == "suspending" else None)
+            ended = _poll(f"{low}'s task to end",
+                          lambda: next((t for t in job(low)["chain"] if t["task"] == 0 and t["ended_s"]), None))
+            _poll(f"{high} to finish", lambda: job(high)["state"] == "finished")
+            http.post(f"/jobs/{low}/stop")  # it was queued again, to resume: not needed here
+            free_s = float(ended["ended_s"]) - requested_s
+            return {"suspend_to_free_s": free_s, "ratio_to_grace": free_s / grace_s, "outcome": ended["outcome"]}
+
+        out["acknowledging"] = one("ack")
+        out["ignoring"] = one("ignore")
+    finally:
+        http.close()
+        local.down(quiet=True)
+    return out
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The result as a page: the replay's table and ratios, the real-process suspend figures, the plot."""
+    lines = [f"# HAI scheduler bench, {record['when']}", "",
+             f"Trace: {record['trace']['jobs']} jobs on {record['trace']['nodes']} nodes, seed "
+             f"{record['trace']['seed']} (virtual time; see bench/hai_bench.py).", "",
+             "```", table(record["schedulers"]), "```", "", "Rules / FIFO: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                     record["ratios_rules_over_fifo"].items()), ""]
+    real = record.get("real_suspend")
+    if real:
+        lines += ["## Suspend on real processes", "",
+                  f"hai local, 2 nodes ({'network namespaces' if real['netns'] else 'plain processes'}), grace "
+                  f"{real['ack_grace_s']:g} s to acknowledge + {real['finish_grace_s']:g} s to finish, heartbeat "
+                  f"{real['heartbeat_s']:g} s. Time from the suspend request to the nodes being free:", "",
+                  "| LOW job | seconds | / grace | outcome |", "|---|---|---|---|"]
+        for label in ("acknowledging", "ignoring"):
+            r = real[label]
+            lines.append(f"| {label} | {r['suspend_to_free_s']:.2f} | {r['ratio_to_grace']:.2f} | {r['outcome']} |")
+        lines.append("")
+    if record.get("png"):
+        lines += ["## Occupancy over time", "", f"![occupancy]({record['png']})", ""]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--jobs", type=int, default=300, help=f"trace size, 1 to {MAX_JOBS} (default 300)")
@@ -427,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--interarrival-s", type=float, default=720.0, help="mean of the Poisson arrivals")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default bench/results)")
+    parser.add_argument("--no-real", action="store_true", help="skip the suspend timing on real processes")
     args = parser.parse_args(argv)
     if not 1 <= args.jobs <= MAX_JOBS:
         parser.error(f"--jobs must be between 1 and {MAX_JOBS}")
@@ -436,11 +567,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = args.out / f"hai-{stamp}.png"
     title = f"{args.jobs} jobs on {args.nodes} nodes, seed {args.seed}: the HAI rules and strict FIFO"
     record = {"when": stamp, **record, "png": png.name if write_png(png, replays, title) else None}
+    if not args.no_real:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="hai-bench-") as work:
+            record["real_suspend"] = real_suspend(Path(work))
     path = args.out / f"hai-{stamp}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / f"hai-{stamp}.md").write_text(markdown(record))
     print(table(record["schedulers"]))
     print("rules / FIFO: " + ", ".join(f"{k} {v:.3f}" for k, v in record["ratios_rules_over_fifo"].items()))
-    print(f"wrote {path}" + (f" and {png}" if record["png"] else " (no matplotlib: no PNG)"))
+    real = record.get("real_suspend")
+    if real:
+        for label in ("acknowledging", "ignoring"):
+            r = real[label]
+            print(f"suspend on real processes, {label} job: nodes free {r['suspend_to_free_s']:.2f} s after the "
+                  f"request = {r['ratio_to_grace']:.2f} x the {real['grace_s']:g} s grace ({r['outcome']})")
+    print(f"wrote {path}, its .md" + (f" and {png}" if record["png"] else " (no matplotlib: no PNG)"))
     return 0
 
 

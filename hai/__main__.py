@@ -1,8 +1,9 @@
 """The ``hai`` command (``python -m hai``): one subcommand per part of the platform.
 
 Today: ``hai validate`` (:mod:`hai.validate`), ``hai server`` (:mod:`hai.server`), ``hai agent``
-(:mod:`hai.agent`) and the user commands of :mod:`hai.cli` (``submit``, ``ls``, ``show``, ``logs``,
-``suspend``, ``stop``, ``nodes``, ``quota``). Exit status 2 is bad usage, as argparse gives it.
+(:mod:`hai.agent`), ``hai local`` (:mod:`hai.local`) and the user commands of :mod:`hai.cli`
+(``submit``, ``ls``, ``show``, ``logs``, ``suspend``, ``stop``, ``nodes``, ``quota``).
+Exit status 2 is bad usage, as argparse gives it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hai import agent, cli, server, validate
+from hai import agent, cli, local, server, validate
 
 __all__ = ["main"]
 
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    description=(agent.__doc__ or "").split("\n")[0])
     agent.add_arguments(agenting)
     agenting.set_defaults(run=agent.run)
+    localing = commands.add_parser("local", help="a whole platform on this machine: fs3, the server, N agents",
+                                   description=(local.__doc__ or "").split("\n")[0])
+    local.add_arguments(localing)
     cli.add_commands(commands)
     return parser
 

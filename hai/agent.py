@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -215,16 +216,18 @@ class Agent:
             delay = min(delay * 2, c.register_backoff_max_s)
         raise AgentError("closed before registering")
 
-    def serve(self) -> None:
+    def serve(self, registered: Callable[[], None] | None = None) -> None:
         """Register, then heartbeat every ``heartbeat_s`` and carry out the commands, until
         :meth:`close` (from another thread or a signal handler). :class:`AgentError` when the
-        server refuses the node."""
+        server refuses the node. ``registered`` is called once the server has taken the node."""
         try:
             self.register()
         except AgentError:
             if self._closing.is_set():
                 return  # closed before the server answered
             raise
+        if registered is not None:
+            registered()
         while not self._closing.is_set():
             started = time.monotonic()
             self.heartbeat()
@@ -482,6 +485,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-timeout-s", type=_positive, default=10.0)
     parser.add_argument("--validate", action="store_true",
                         help="run hai validate's checks first; a failing node does not register (exit 1)")
+    parser.add_argument("--ready-file", type=Path,
+                        help="once registered, write {pid, node} here as JSON (how hai local waits for it)")
 
 
 def _validate(args: argparse.Namespace) -> list[str]:
@@ -542,8 +547,16 @@ def run(args: argparse.Namespace, *, validator: Callable[[argparse.Namespace], l
             return 1
     agent = Agent(config, _sink(args))
     previous = {sig: signal.signal(sig, lambda *_: agent.request_stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def registered() -> None:
+        if args.ready_file is not None:
+            tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps({"pid": os.getpid(), "node": args.node}))
+            os.replace(tmp, args.ready_file)
+
     try:
-        agent.serve()
+        agent.serve(registered)
     except AgentError as exc:
         print(f"hai agent: {exc}", file=sys.stderr)
         return 1

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -207,6 +208,30 @@ def ensure_agent_token(cluster_dir: Path) -> None:
     token = secrets.token_urlsafe(32)
     _write_private(cluster_dir / AGENT_TOKEN_FILE, token + "\n")
     _write_private(path, dataclasses.replace(users, agent_token_sha256=hash_token(token)).dump())
+
+
+ADMIN_TOKEN_ENV = "HAI_ADMIN_TOKEN"
+AGENT_TOKEN_ENV = "HAI_AGENT_TOKEN"
+
+
+def tokens_from_environment(cluster_dir: Path, environ: Mapping[str, str]) -> None:
+    """Tokens an operator hands the server in its environment (containers: docker-compose.yml),
+    so none is ever written into a file of the image or a command line: ``HAI_AGENT_TOKEN`` becomes
+    the agent token (the agents read the same variable), ``HAI_ADMIN_TOKEN`` user ``admin``'s,
+    whose jobs' ranks get ``FS3_TOKEN``. Only their hashes reach the users file; unset, nothing
+    changes."""
+    path = cluster_dir / USERS_FILE
+    users = Users.load(path) if path.exists() else Users()
+    agent = environ.get(AGENT_TOKEN_ENV, "").strip()
+    admin = environ.get(ADMIN_TOKEN_ENV, "").strip()
+    if agent:
+        users = dataclasses.replace(users, agent_token_sha256=hash_token(agent))
+    if admin:
+        kept = tuple(u for u in users.users if u.name != "admin")
+        users = dataclasses.replace(users, users=(*kept, User("admin", hash_token(admin), True,
+                                                              environ.get("FS3_TOKEN", "").strip())))
+    if agent or admin:
+        _write_private(path, users.dump())
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -794,13 +819,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"${DB_URL_ENV}, else SQLite in --dir). A password is better kept out of the command "
                              "line: PGPASSWORD, ~/.pgpass, or the URL in the environment")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--port", type=int, default=8470, help="0: any free port (see --ready-file)")
     parser.add_argument("--default-quota-nodes", type=int, default=0,
                         help="quota of a (user, group, priority) without an entry (default 0)")
     parser.add_argument("--tick-interval-s", type=float, default=1.0)
     parser.add_argument("--add-user", metavar="NAME", help="add a user (or give it a new token), print the token, exit")
     parser.add_argument("--admin", action="store_true", help="with --add-user: the user is an admin")
     parser.add_argument("--fs3-token", default="", help="with --add-user: the fs3 token the user's jobs get")
+    parser.add_argument("--require-env-tokens", action="store_true",
+                        help=f"${ADMIN_TOKEN_ENV} and ${AGENT_TOKEN_ENV} are required (containers: no token in a file)")
+    parser.add_argument("--ready-file", type=Path,
+                        help="once serving, write {pid, http: HOST:PORT} here as JSON (how hai local finds it)")
     logs = parser.add_mutually_exclusive_group()
     logs.add_argument("--fs3", metavar="MGMTD",
                       help="the dashboard reads ranks' logs from this fs3 cluster (token from $FS3_TOKEN)")
@@ -833,6 +862,13 @@ def run(args: argparse.Namespace) -> int:
     if args.add_user:
         print(add_user(cluster_dir, args.add_user, admin=args.admin, fs3_token=args.fs3_token))
         return 0
+    if args.require_env_tokens:
+        missing = [name for name in (ADMIN_TOKEN_ENV, AGENT_TOKEN_ENV) if not os.environ.get(name, "").strip()]
+        if missing:
+            print(f"hai server: --require-env-tokens: set {' and '.join(missing)} (a secret each, e.g. "
+                  "openssl rand -hex 32)", file=sys.stderr)
+            return 2
+    tokens_from_environment(cluster_dir, os.environ)
     ensure_agent_token(cluster_dir)
     import uvicorn  # only the command needs the HTTP server itself
 
@@ -848,10 +884,31 @@ def run(args: argparse.Namespace) -> int:
     logs = _log_reader(args)
     app = create_app(server, logs=logs)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        if args.ready_file is None:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        else:
+            _serve_with_ready_file(uvicorn, app, args.host, args.port, args.ready_file)
     finally:
         server.close()
         if isinstance(logs, dashboard.Fs3LogReader):
             logs.close()
     return 0
+
+
+def _serve_with_ready_file(uvicorn: Any, app: FastAPI, host: str, port: int, ready_file: Path) -> None:
+    """Serve on ``host:port`` (0: a free port, never racing another program for one) and write the
+    ready file once the app has started, so a launcher waits for the file instead of polling."""
+    import socket
+
+    sock = socket.create_server((host, port), reuse_port=False)
+    bound_host, bound_port = sock.getsockname()[:2]
+
+    class Server(uvicorn.Server):  # type: ignore[misc]
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            tmp = ready_file.with_name(ready_file.name + ".tmp")
+            _write_private(tmp, json.dumps({"pid": os.getpid(), "http": f"{bound_host}:{bound_port}"}))
+            os.replace(tmp, ready_file)
+
+    Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
 

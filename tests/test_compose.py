@@ -32,10 +32,19 @@ from fs3.meta.server import MetaConfig  # noqa: E402
 from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
 from fs3.rpc.tls import TlsConfig  # noqa: E402
 from fs3.storage.server import StorageConfig  # noqa: E402
-from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose, published_port  # noqa: E402
+from tests.chaos.topology import (  # noqa: E402
+    ROOT,
+    SERVER_SERVICES,
+    load_compose,
+    published_port,
+    service_address,
+)
 
-# What an operator exports before `docker compose up` (the file has no default token).
+# What an operator exports before `docker compose up` (the file has no default token); the HAI
+# Platform's services (profile "hai") also take theirs from the environment.
 COMPOSE_ENV = {"FS3_TOKEN": "6f1c0d2e9a8b7c6d5e4f3a2b1c0d9e8f"}
+HAI_ENV = {"HAI_ADMIN_TOKEN": "a3" * 32, "HAI_AGENT_TOKEN": "b4" * 32}
+HAI_AGENTS = ["hai-agent-1", "hai-agent-2"]
 ADVERTISING = ["meta", "storage1", "storage2", "storage3"]  # mgmtd is dialled at the address a client is given
 
 ServiceConfig = MgmtdConfig | MetaConfig | StorageConfig
@@ -46,7 +55,8 @@ CONFIGS: dict[str, tuple[type[ServiceConfig], str]] = {
 def test_compose_file_structure() -> None:
     compose = load_compose(COMPOSE_ENV)
     services = compose["services"]
-    assert set(services) == {"certs", "mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client"}
+    assert set(services) == {"certs", "mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client",
+                             "hai-server", *HAI_AGENTS}
     assert (ROOT / "Dockerfile").exists() and all(s.get("build") == "." for s in services.values())
     for name in [*SERVER_SERVICES, "client"]:
         assert "test" in services[name]["healthcheck"], name
@@ -62,7 +72,8 @@ def test_compose_file_structure() -> None:
     assert client["depends_on"]["meta"]["condition"] == "service_healthy"
     assert "/dev/fuse:/dev/fuse" in client["devices"] and "SYS_ADMIN" in client["cap_add"]
     assert client["command"][:1] == ["mount"] and "--foreground" in client["command"]
-    tokens = {s["environment"].get(k) for s in services.values() for k in s["environment"] if k.endswith("TOKEN")}
+    tokens = {s["environment"].get(k) for s in services.values() for k in s["environment"]
+              if k.startswith("FS3_") and k.endswith("TOKEN")}
     assert tokens == {COMPOSE_ENV["FS3_TOKEN"]}, "every service shares the operator's token"
     # Mutual TLS by default: certificates made first, mounted read-only wherever they are used.
     assert services["mgmtd"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
@@ -153,14 +164,74 @@ def test_interpolation_follows_compose() -> None:
 
 def test_no_secret_in_any_command_line() -> None:
     """Arguments are visible to every user of a host (ps); tokens travel in the environment."""
-    services = load_compose(COMPOSE_ENV)["services"]
+    services = load_compose({**COMPOSE_ENV, **HAI_ENV})["services"]
     tokens = {v for s in services.values() for k, v in s["environment"].items() if k.endswith("TOKEN")}
+    assert "" not in tokens
     for name, service in services.items():
         command = service.get("command", [])
         words = [command] if isinstance(command, str) else list(command)
         words += service.get("entrypoint", []) if isinstance(service.get("entrypoint"), list) else []
         assert not any(t in w for t in tokens for w in words), f"{name}'s command line holds a token"
         assert not any("--token" in w and "--token-file" not in w for w in words), name
+
+
+def test_the_hai_services(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The HAI Platform's server and agents: the same image, in the "hai" profile, started after
+    what they need; every token from the operator's environment (none in the file, the server
+    refusing to start without them); commands ``hai`` itself parses; and the server's environment,
+    as the server reads it, lets in exactly the tokens the agents and the operator hold."""
+    from hai.__main__ import build_parser
+    from hai.server import USERS_FILE, Users, hash_token, tokens_from_environment
+
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert not any(token in text for token in [*HAI_ENV.values(), *COMPOSE_ENV.values()])
+    compose = load_compose({**COMPOSE_ENV, **HAI_ENV})
+    services = compose["services"]
+    server = services["hai-server"]
+    assert server["image"] == services["mgmtd"]["image"] and server["build"] == "."
+    assert server["entrypoint"] == ["hai"] and server["profiles"] == ["hai"]
+    assert "hai-data:/hai" in server["volumes"] and "hai-data" in compose["volumes"]
+    assert "test" in server["healthcheck"]
+    parsed = build_parser().parse_args(server["command"])
+    assert parsed.command == "server" and parsed.require_env_tokens and str(parsed.dir) == "/hai"
+    assert parsed.host == "0.0.0.0" and published_port(compose, "hai-server", str(parsed.port)) == str(parsed.port)
+    assert parsed.default_quota_nodes == len(HAI_AGENTS)
+    assert server["environment"] == {**HAI_ENV, "FS3_TOKEN": COMPOSE_ENV["FS3_TOKEN"]}
+    # Unset, the tokens are empty (no default), and the server says so instead of starting.
+    unset = load_compose(COMPOSE_ENV)["services"]["hai-server"]["environment"]
+    assert unset["HAI_ADMIN_TOKEN"] == unset["HAI_AGENT_TOKEN"] == ""
+    refused = build_parser().parse_args([arg.replace("/hai", str(tmp_path / "unset")) for arg in server["command"]])
+    saved = {name: os.environ.pop(name, None) for name in unset}
+    try:
+        assert refused.run(refused) == 2
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    assert "HAI_ADMIN_TOKEN and HAI_AGENT_TOKEN" in capsys.readouterr().err
+    tokens_from_environment(tmp_path, server["environment"])
+    users = Users.load(tmp_path / USERS_FILE)
+    admin = users.user_for(HAI_ENV["HAI_ADMIN_TOKEN"])
+    assert admin is not None and admin.admin and admin.fs3_token == COMPOSE_ENV["FS3_TOKEN"]
+    assert users.agent_token_sha256 == hash_token(HAI_ENV["HAI_AGENT_TOKEN"])
+    assert HAI_ENV["HAI_ADMIN_TOKEN"] not in (tmp_path / USERS_FILE).read_text()
+    nodes = set()
+    for name in HAI_AGENTS:
+        agent = services[name]
+        assert agent["entrypoint"] == ["hai"] and agent["profiles"] == ["hai"] and agent["image"] == server["image"]
+        assert agent["depends_on"] == {"hai-server": {"condition": "service_healthy"},
+                                       "meta": {"condition": "service_healthy"},
+                                       "setup": {"condition": "service_completed_successfully"}}
+        args = build_parser().parse_args(agent["command"])
+        assert args.command == "agent" and args.server == f"http://hai-server:{parsed.port}"
+        assert args.address == name, "MASTER_ADDR: the name the other agents' ranks resolve"
+        assert args.fs3 == service_address(compose, "mgmtd"), "rank logs go to the compose fs3"
+        assert args.token_file is None, "the agent token comes from HAI_AGENT_TOKEN"
+        nodes.add(args.node)
+        env = agent["environment"]
+        assert env["HAI_AGENT_TOKEN"] == HAI_ENV["HAI_AGENT_TOKEN"] and env["FS3_TOKEN"] == COMPOSE_ENV["FS3_TOKEN"]
+        assert env["FS3_TLS_CERT_FILE"] == services["client"]["environment"]["FS3_TLS_CERT_FILE"]
+        assert "certs:/certs:ro" in agent["volumes"]
+        assert "HAI_ADMIN_TOKEN" not in env, "an agent never holds the admin's token"
+    assert len(nodes) == len(HAI_AGENTS)
 
 
 @pytest.mark.parametrize("name", SERVER_SERVICES)

@@ -100,11 +100,26 @@ def test_a_lost_or_repeated_job_is_rejected(small_trace: list[TraceJob]) -> None
 
 
 def test_main_writes_a_result_and_a_picture(tmp_path: Path) -> None:
-    assert hai_bench.main(["--jobs", "30", "--nodes", "8", "--out", str(tmp_path)]) == 0
+    # The real-process part starts a whole platform: make bench-hai runs it, not the unit tests.
+    assert hai_bench.main(["--jobs", "30", "--nodes", "8", "--out", str(tmp_path), "--no-real"]) == 0
     [result] = tmp_path.glob("hai-*.json")
     record = json.loads(result.read_text())
+    assert "real_suspend" not in record
+    page = result.with_suffix(".md").read_text()
+    assert "rules" in page and "fifo" in page and "Suspend on real processes" not in page
     assert record["kind"] == "hai" and record["trace"]["jobs"] == 30
     assert set(record["schedulers"]) == {"rules", "fifo"}
     assert record["ratios_rules_over_fifo"]["occupancy"] > 0.0
     if record["png"] is not None:
         assert (tmp_path / record["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"![occupancy]({record['png']})" in page
+
+
+def test_the_page_shows_the_real_suspend_ratios(tmp_path: Path) -> None:
+    record, _ = hai_bench.run(20, 4, 1, 400.0)
+    real = {"ack_grace_s": 2.0, "finish_grace_s": 2.0, "grace_s": 4.0, "heartbeat_s": 0.5, "netns": False,
+            "acknowledging": {"suspend_to_free_s": 0.4, "ratio_to_grace": 0.1, "outcome": "suspended"},
+            "ignoring": {"suspend_to_free_s": 4.2, "ratio_to_grace": 1.05, "outcome": "suspended"}}
+    page = hai_bench.markdown({"when": "T", **record, "png": None, "real_suspend": real})
+    assert "| acknowledging | 0.40 | 0.10 | suspended |" in page
+    assert "| ignoring | 4.20 | 1.05 | suspended |" in page and "plain processes" in page

@@ -43,6 +43,7 @@ from fs3.cluster.processes import (
     process_start_time,
     read_pid_file,
     signal_group,
+    spawn_logged,
 )
 from fs3.cluster.topology import META, MGMTD, Topology
 from fs3.common.errors import FS3Error, InvalidArgument, Unauthenticated, Unavailable
@@ -60,7 +61,7 @@ __all__ = ["LocalCluster", "cluster_lock"]
 
 
 @contextlib.contextmanager
-def cluster_lock(root: Path) -> Iterator[None]:
+def cluster_lock(root: Path, command: str = "fs3 local") -> Iterator[None]:
     """Hold ``root/lock`` (an exclusive ``flock``) while starting, and for as long as a foreground
     ``fs3 local up`` supervises, the cluster in ``root``; a second ``up`` is refused, naming the
     process that holds it. The kernel drops the lock when its holder dies, so a crash leaves
@@ -74,7 +75,7 @@ def cluster_lock(root: Path) -> Iterator[None]:
         except BlockingIOError:
             holder = read_pid_file(path)
             raise InvalidArgument(f"a local cluster in {root} is already running (pid {holder or '?'}: "
-                                  f"fs3 local up); stop it with: fs3 local down --dir {root}") from None
+                                  f"{command} up); stop it with: {command} down --dir {root}") from None
         # In place, on the locked file (a file renamed over the path would be a second, unlocked one).
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "start_time": process_start_time(os.getpid())}).encode(), 0)
@@ -89,7 +90,8 @@ class LocalCluster:
     def __init__(self, root: Path, storage_nodes: int = 3, targets_per_node: int = 2, token: str | None = None,
                  heartbeat_timeout_ms: int = 3_000, heartbeat_interval_ms: int = 200, fsync: bool = False,
                  meta_data_dir: Path | None = None, meta_sync_commits: bool | None = None,
-                 storage_data_dirs: dict[int, Path] | None = None, tls: bool | None = None) -> None:
+                 storage_data_dirs: dict[int, Path] | None = None, tls: bool | None = None,
+                 host: str = "127.0.0.1") -> None:
         """``fsync``: storage targets sync their writes and meta its commits (``meta_sync_commits``
         decides for meta alone). ``meta_data_dir`` and ``storage_data_dirs`` (node id -> directory
         of its targets) put data elsewhere than under ``root`` (crash tests: on a disk that loses
@@ -99,6 +101,7 @@ class LocalCluster:
         if storage_nodes < 1 or targets_per_node < 1:
             raise InvalidArgument("a local cluster needs at least one storage node with one target")
         self.root = root.resolve()
+        self.host = host
         make_private_dir(self.root)
         saved = self._load_layout()
         self.token_file = self.root / "token"
@@ -182,7 +185,7 @@ class LocalCluster:
     def mgmtd_address(self) -> str:
         if not self.mgmtd_port:
             raise Unavailable("mgmtd has not been started yet")
-        return f"127.0.0.1:{self.mgmtd_port}"
+        return f"{self.host}:{self.mgmtd_port}"
 
     # -- layout and status file --------------------------------------------------------------
 
@@ -229,6 +232,10 @@ class LocalCluster:
             raise InvalidArgument(f"no process {name!r}; known: {', '.join(self.procs)}")
         proc = self.procs[name]
         args, env = list(proc.args), dict(self.env)
+        if self.host != "127.0.0.1":
+            for prefix in ("FS3_MGMTD", "FS3_STORAGE", "FS3_META"):
+                env[f"{prefix}_LISTEN_HOST"] = self.host
+            env["FS3_STORAGE_ADVERTISE_HOST"] = env["FS3_META_ADVERTISE_HOST"] = self.host
         if name == MGMTD:
             args += ["--framed-port", str(self.mgmtd_port)]
         else:
@@ -451,10 +458,7 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def _spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "ab") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env),
-                                start_new_session=True)
+    return spawn_logged(argv, env, log_path)
 
 
 def _print_endpoints(cluster: LocalCluster, profile: str | None = None, profile_path: Path | None = None) -> None:

@@ -33,7 +33,8 @@ from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig
 
 __all__ = ["ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner", "config_toml", "fs3_argv",
-           "pid_alive", "process_configs", "process_start_time", "read_pid_file", "signal_group", "write_pid_file"]
+           "pid_alive", "process_configs", "process_start_time", "read_pid_file", "signal_group", "spawn_logged",
+           "stop_group", "write_pid_file"]
 
 #: Starts ``argv`` with ``env``, its output appended to the log file; returns the child, leader of
 #: its own process group (so that a signal reaches whatever it started).
@@ -148,6 +149,33 @@ def fs3_argv(args: list[str], ready_file: Path) -> list[str]:
     return [sys.executable, "-P", "-m", "fs3.cli.main", *args, "--ready-file", str(ready_file)]
 
 
+def spawn_logged(argv: list[str], env: Mapping[str, str], log_path: Path,
+                 prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """A :data:`Spawner`: ``prefix + argv`` as a child leading its own session, its output appended
+    to ``log_path`` (created ``0600``). ``prefix`` runs it through another program that execs it
+    (``ip netns exec NS``: the child's pid is then the program's own)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "ab") as log:
+        return subprocess.Popen([*prefix, *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=dict(env), start_new_session=True)
+
+
+def stop_group(pid: int, timeout_s: float = 10, popen: subprocess.Popen[Any] | None = None) -> None:
+    """SIGTERM to the process group ``pid`` leads, SIGKILL if it still runs after ``timeout_s``;
+    ``popen`` (when this process is its parent) is reaped."""
+    if pid_alive(pid) and signal_group(pid, signal.SIGTERM):
+        deadline = time.monotonic() + timeout_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            if popen is not None and popen.poll() is not None:
+                break
+            time.sleep(0.05)
+    if pid_alive(pid) and (popen is None or popen.poll() is None):
+        signal_group(pid, signal.SIGKILL)
+    if popen is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout=5)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie left by a killed, unreaped child does not)."""
     try:
@@ -237,12 +265,15 @@ class ServiceProcess:
     # Where the process id and its start time are recorded at spawn (None: not recorded), so that
     # another process (``fs3 local down`` after ``up --detach``) finds exactly this process.
     pid_file: Path | None = None
+    # The command line of ``args`` writing the ready file: ``fs3 ARGS`` unless told (``hai local``
+    # runs ``hai server`` and ``hai agent`` the same way).
+    program: Callable[[list[str], Path], list[str]] = fs3_argv
 
     def spawn(self, spawner: Spawner, env: Mapping[str, str], args: list[str] | None = None) -> None:
         """Start it (``args`` instead of its own, with mgmtd's address filled in, say); a ready file
         left by an earlier run is removed first, so :meth:`wait_ready` waits for this one's."""
         self.ready_file.unlink(missing_ok=True)
-        self.popen = spawner(fs3_argv(self.args if args is None else args, self.ready_file), env, self.log_path)
+        self.popen = spawner(self.program(self.args if args is None else args, self.ready_file), env, self.log_path)
         if self.pid_file is not None:
             write_pid_file(self.pid_file, self.popen.pid)
 

@@ -17,24 +17,16 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from fs3.cluster.netns import attach_namespace, free_subnet
+from fs3.cluster.netns import ip as _ip
+
 __all__ = ["NetnsLab"]
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-def _used_subnets() -> set[str]:
-    out = _ip("-4", "route", "show", "table", "all", check=False).stdout
-    return {line.split()[0] for line in out.splitlines() if line and line[0].isdigit()}
 
 
 class NetnsLab:
     def __init__(self) -> None:
         self.run_id = secrets.token_hex(3)
-        used = _used_subnets()
-        third = next(n for n in range(180, 250) if f"10.213.{n}.0/24" not in used)
-        self.subnet = f"10.213.{third}"
+        self.subnet = free_subnet("10.213")
         self.switch = f"fs3sw-{self.run_id}"
         self.hosts: dict[str, tuple[str, str]] = {}  # host -> (namespace, address)
         self.procs: list[subprocess.Popen[Any]] = []
@@ -52,15 +44,8 @@ class NetnsLab:
         for index, host in enumerate(hosts):
             namespace = f"fs3-{self.run_id}-{host}"
             address = f"{self.subnet}.{10 + index}"
-            _ip("netns", "add", namespace)
             self.hosts[host] = (namespace, address)
-            _ip("-n", namespace, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{index}", "netns",
-                self.switch)
-            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", namespace, "link", "set", "eth0", "up")
-            _ip("-n", namespace, "link", "set", "lo", "up")
-            _ip("-n", self.switch, "link", "set", f"p{index}", "master", "br0")
-            _ip("-n", self.switch, "link", "set", f"p{index}", "up")
+            attach_namespace(namespace, f"{address}/24", "br0", f"p{index}", bridge_namespace=self.switch)
         return {host: address for host, (_, address) in self.hosts.items()}
 
     def address(self, host: str) -> str:
