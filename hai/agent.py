@@ -12,8 +12,10 @@ itself unhealthy, and an unregistered node gets no work): the agent prints the r
 progress flag: true when the task's ranks wrote any log output since the previous heartbeat (the
 launcher's count of log bytes grew), which is what keeps the job's watchdog from expiring. A task
 stays listed after its ranks ended until the server answers ``stop`` for it: the server still
-expects it on the node until the end counted (a task's end counts from its first node), and an
-unlisted task it expects would be launched again.
+expects it on the node until the task's end counted (once every node of the job has reported the
+end of its ranks), and an unlisted task it expects would be launched again. The server launches
+nothing on a node while its heartbeat lists a task to stop, so a new job's ranks never start
+beside an old task's that are still being stopped.
 
 **Commands**: ``launch`` starts the task's ranks with ``RANK = first_rank + LOCAL_RANK``, the
 command's ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, the job's variables and the submitting
@@ -23,7 +25,8 @@ runs :meth:`RankLauncher.suspend` (``ack_grace_s`` + ``finish_grace_s``, 5 + 5 s
 thread. ``stop`` runs :meth:`RankLauncher.stop` on a thread and forgets the task once its ranks
 are gone.
 
-**Reports**: one thread per task waits for its ranks to end and reports the outcome: ``finished``;
+**Reports**: one thread per task waits for its ranks on this node to end and reports the outcome
+(every node reports its own ranks' end; the task ends once all of the job's nodes have): ``finished``;
 ``failed`` with the first non-zero exit code (or none for a signal) and the launcher's reason;
 ``suspended`` for a suspend the job acknowledged and also for one the agent force-stopped after
 the grace, since the server must put the job back in the queue to resume from its last

@@ -23,6 +23,20 @@ The rules (docs/decisions.md says where the issue left a choice open):
   same priority, and only when suspending them makes it fit; the nodes being freed are reserved
   for it. A suspended job returns to the queue as the next task of its chain when its suspend is
   acknowledged (:func:`suspend_acknowledged`), and resumes on whatever nodes fit then.
+* **A task ends when every one of its nodes has reported its end.** Each node's agent reports the
+  end of the ranks it runs (``finished``, or ``suspended``), and the report is recorded per node
+  (:attr:`Job.ended`); until the last of the job's nodes has reported, the job stays RUNNING (or
+  SUSPENDING) and holds *all* its nodes, the ones that reported included. Only then does the task
+  end: FINISHED when every node finished, back to the queue when any node suspended (a job can only
+  be suspending then: its finished ranks run again from the checkpoint, which is safe and rare).
+  Holding the reported nodes too keeps the rules as they were (a job holds ``nodes`` nodes, is
+  charged for them, frees them at once), and no new job can land on a node whose old ranks have
+  not confirmed their end; the cost is a node left idle while its job's other ranks finish, as a
+  Slurm allocation stays whole until its last step ends. A *failure* on any node (or a lost node,
+  or the watchdog) ends the task at once, whatever the other nodes reported: a mixed
+  finished/failed task is a failure. The ranks still running elsewhere are stopped by their
+  agents, and the server launches nothing on a node while its agent still runs an old task
+  (``hai.server``'s commands), so those nodes are not double-booked in reality either.
 * **ABOVE_NORMAL drops to NORMAL** once the chain has run ``Config.demote_after_s`` (30 min).
 * **A job keeps its nodes** while they stay healthy: only queued jobs are placed.
 * **Zones**: a job goes into one zone when one has room (best fit); at most one job at a time
@@ -232,6 +246,9 @@ class Job:
     history: tuple[TaskRecord, ...] = ()
     command: str = ""  # from the spec, for the agents that launch the ranks
     env: tuple[tuple[str, str], ...] = ()
+    # (node, "finished" | "suspended"): the current task's nodes that reported the end of their ranks,
+    # in report order. The task ends when every assigned node is here (the module docstring).
+    ended: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -450,18 +467,44 @@ def _end_task(job: Job, now_s: float, outcome: str) -> Job:
     _ensure(job.state in _HOLDING, f"job {job.job_id} holds no nodes")
     record = TaskRecord(job.task, job.assigned, job.started_s, now_s, outcome)
     return dataclasses.replace(job, assigned=(), charged=None, ran_s=job.ran_s + max(0.0, now_s - job.started_s),
-                               history=(*job.history, record))
+                               history=(*job.history, record), ended=())
 
 
-def finish(state: ClusterState, job_id: str, now_s: float, task: int | None = None) -> ClusterState:
-    """The job's ranks exited successfully: its nodes are free. ``task``, when given, is the task
-    the report is about; a report about an earlier task is refused."""
+_FINISHED = "finished"
+_SUSPENDED = "suspended"
+
+
+def _node_ended(state: ClusterState, job: Job, node: str, outcome: str, now_s: float) -> ClusterState:
+    """Record that ``node``'s ranks of the job's current task ended with ``outcome``; end the task
+    once every assigned node has. A node's second report changes nothing (the first one counts)."""
+    if node not in job.assigned:
+        raise RuleError(f"node {node} is not one of job {job.job_id}'s nodes")
+    if any(name == node for name, _ in job.ended):
+        return state
+    ended = (*job.ended, (node, outcome))
+    if len(ended) < len(job.assigned):
+        return _replace_job(state, dataclasses.replace(job, ended=ended))
+    if all(o == _FINISHED for _, o in ended):
+        return _replace_job(state, dataclasses.replace(_end_task(job, now_s, _FINISHED), state=JobState.FINISHED))
+    _ensure(job.state is JobState.SUSPENDING, f"job {job.job_id} suspended without being asked")
+    queued = dataclasses.replace(_end_task(job, now_s, _SUSPENDED), state=JobState.QUEUED, task=job.task + 1)
+    return _replace_job(state, queued)
+
+
+def finish(state: ClusterState, job_id: str, now_s: float, task: int | None = None,
+           node: str | None = None) -> ClusterState:
+    """The job's ranks exited successfully. With ``node``, that node's ranks did: the task ends
+    (FINISHED, nodes free) once every node of the job has reported its end, and a node's repeated
+    report changes nothing. Without ``node``, every node's ranks did: the job ends at once.
+    ``task``, when given, is the task the report is about; a report about an earlier task is refused."""
     job = _job(state, job_id)
     now_s = _time(now_s)
     _current_task(job, task)
     if job.state not in _HOLDING:
         raise RuleError(f"job {job_id} is {job.state.value}, not running")
-    done = dataclasses.replace(_end_task(job, now_s, "finished"), state=JobState.FINISHED)
+    if node is not None:
+        return _node_ended(state, job, node, _FINISHED, now_s)
+    done = dataclasses.replace(_end_task(job, now_s, _FINISHED), state=JobState.FINISHED)
     return _replace_job(state, done)
 
 
@@ -473,22 +516,29 @@ def request_suspend(state: ClusterState, job_id: str) -> ClusterState:
     return _replace_job(state, dataclasses.replace(job, state=JobState.SUSPENDING))
 
 
-def suspend_acknowledged(state: ClusterState, job_id: str, now_s: float, task: int | None = None) -> ClusterState:
+def suspend_acknowledged(state: ClusterState, job_id: str, now_s: float, task: int | None = None,
+                         node: str | None = None) -> ClusterState:
     """The suspended job saved and exited (or was force-stopped after the grace period): it goes
-    back to the queue as the next task of its chain, at its old place (same sequence)."""
+    back to the queue as the next task of its chain, at its old place (same sequence). With
+    ``node``, only that node's ranks did: the job keeps every node until all have reported their
+    end (a node whose ranks had finished before the suspend counts as ended), then goes back to
+    the queue. Without ``node``, all of them did."""
     job = _job(state, job_id)
     now_s = _time(now_s)
     _current_task(job, task)
     if job.state is not JobState.SUSPENDING:
         raise RuleError(f"job {job_id} is {job.state.value}, not suspending")
-    queued = dataclasses.replace(_end_task(job, now_s, "suspended"), state=JobState.QUEUED, task=job.task + 1)
+    if node is not None:
+        return _node_ended(state, job, node, _SUSPENDED, now_s)
+    queued = dataclasses.replace(_end_task(job, now_s, _SUSPENDED), state=JobState.QUEUED, task=job.task + 1)
     return _replace_job(state, queued)
 
 
 def fail_job(state: ClusterState, job_id: str, now_s: float, config: Config, reason: str,
              bad_node: str | None = None, task: int | None = None) -> ClusterState:
     """A rank failed (or the job went silent): stop the task and restart it after a back-off, or
-    fail the job once it has used its restarts. ``bad_node``, if named, is marked unhealthy: it
+    fail the job once it has used its restarts. It acts at once, whatever the job's other nodes
+    have reported (a task some of whose nodes finished and one failed has failed). ``bad_node``, if named, is marked unhealthy: it
     must be one of the job's nodes (another job may be running on any other)."""
     job = _job(state, job_id)
     now_s = _time(now_s)
@@ -517,7 +567,9 @@ def _mark_unhealthy(state: ClusterState, name: str, reason: str) -> ClusterState
 
 def node_lost(state: ClusterState, name: str, now_s: float, config: Config, reason: str) -> ClusterState:
     """A node stopped heartbeating or failed a check: it takes no work, and every job on it fails
-    over (restart with back-off). The job's other nodes stay healthy and are freed."""
+    over (restart with back-off). The job's other nodes stay healthy and are freed. This holds
+    when the other nodes had reported their ranks' end: the lost node's ranks never did, so the
+    task failed, and the job is not left waiting for a report that cannot come."""
     now_s = _time(now_s)
     state = _mark_unhealthy(state, name, reason)
     victims = sorted(j.job_id for j in state.jobs.values() if j.state in _HOLDING and name in j.assigned)

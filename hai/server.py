@@ -314,19 +314,24 @@ class HaiServer:
     # -- what a node must do ---------------------------------------------------------------------
 
     def commands(self, node: str, running: Iterable[tuple[str, int]]) -> list[dict[str, Any]]:
-        """The node's pending commands, given the ``(job, task)`` pairs its agent runs: stops first
-        (so a node's old task is gone before its next starts), then suspends, then launches."""
+        """The node's pending commands, given the ``(job, task)`` pairs its agent runs: stops, then
+        suspends, then launches. No launch goes to a node whose agent still lists a task to stop:
+        the agent stops a task on a thread and would start the new ranks beside the old ones, so
+        the launch waits for a heartbeat that no longer lists them (the agent forgets a task only
+        once its ranks are gone). That is what keeps a node freed by a failure, a lost node or a
+        user's stop (the rules free those at once) from running two jobs' ranks at a time."""
         state = self.state
         running = set(running)
         expected = {(j.job_id, j.task): j for j in state.jobs.values()
                     if j.state in (JobState.RUNNING, JobState.SUSPENDING) and node in j.assigned}
         out: list[dict[str, Any]] = []
-        for job_id, task in sorted(running - set(expected)):
+        stops = sorted(running - set(expected))
+        for job_id, task in stops:
             out.append({"type": "stop", "job_id": job_id, "task": task})
         for (job_id, task), job in sorted(expected.items()):
             if job.state is JobState.SUSPENDING and (job_id, task) in running:
                 out.append({"type": "suspend", "job_id": job_id, "task": task})
-            elif job.state is JobState.RUNNING and (job_id, task) not in running:
+            elif job.state is JobState.RUNNING and (job_id, task) not in running and not stops:
                 out.append(self.launch(job, node))
         return out
 
@@ -761,22 +766,21 @@ def _holding(state: ClusterState, node: str, job_id: str, task: int) -> Job:
 
 
 def _report(state: ClusterState, node: str, body: ReportIn, now: float, config: Config) -> ClusterState:
-    """An agent's report as a rules event. A task's end counts from its first node (the one with
-    rank 0); a failure counts from any node, which is marked unhealthy."""
-    job = _holding(state, node, body.job_id, body.task)
-    first = node == job.assigned[0]
+    """An agent's report as a rules event. Every node's end counts: the task ends once each of
+    the job's nodes has reported the end of its ranks (:func:`hai.rules.finish` with ``node``), and
+    a node's repeated report changes nothing ("applied": false). A failure on any node ends the task
+    at once, and that node is marked unhealthy."""
+    _holding(state, node, body.job_id, body.task)
     if body.event == "started":
         return rules.job_progress(state, body.job_id, now)
     if body.event == "failed":
         code = "unknown" if body.exit_code is None else str(body.exit_code)
         reason = f"rank exited {code} on {node}" + (f": {body.reason}" if body.reason else "")
         return rules.fail_job(state, body.job_id, now, config, reason, bad_node=node, task=body.task)
-    if not first:
-        return state  # the other nodes' ends follow rank 0's node: nothing to record ("applied": false)
     if body.event == "finished":
-        return rules.finish(state, body.job_id, now, task=body.task)
+        return rules.finish(state, body.job_id, now, task=body.task, node=node)
     if body.event == "suspended":
-        return rules.suspend_acknowledged(state, body.job_id, now, task=body.task)
+        return rules.suspend_acknowledged(state, body.job_id, now, task=body.task, node=node)
     raise rules.RuleError(f"job {body.job_id} was not stopped by hai; report its end as finished or failed")
 
 

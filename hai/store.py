@@ -23,7 +23,10 @@ line and environment, a node's labels, reasons. An input past a limit raises
 :class:`StoreLimitError` naming the field, the size and the limit, and the transaction is not begun.
 
 A database carries its schema version in ``hai_meta``; an empty database gets the current schema, and
-one of a newer version is refused (:class:`StoreVersionError`) rather than misread. Each commit also
+one of a newer version is refused (:class:`StoreVersionError`) rather than misread. An older one is
+upgraded in place when opened, in the transaction that reads its version (:data:`_UPGRADES`): version
+2 added ``hai_jobs.ended``, the nodes that reported the end of the current task's ranks (a version-1
+row gets ``[]``: no node has reported, which is what a version-1 server's running job meant). Each commit also
 bumps a generation number, checked against the one this store last saw: two servers writing the same
 database, or a commit from a stale state, fail with :class:`StoreConflictError` instead of mixing.
 """
@@ -85,7 +88,7 @@ __all__ = [
     "engine_url",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_FILE = "hai.db"
 
 
@@ -231,6 +234,8 @@ jobs_table = Table(
     Column("end_reason", Text, nullable=False),
     Column("command", Text, nullable=False),
     Column("env", JSON, nullable=False),  # [[name, value], ...]
+    # [[node, "finished" | "suspended"], ...]: the current task's nodes that reported their ranks' end.
+    Column("ended", JSON, nullable=False, server_default=text("'[]'")),
     Index(None, "state", "seq"),  # the queue, and listings by state
 )
 
@@ -246,6 +251,15 @@ tasks_table = Table(
 )
 
 _TABLES = (meta_table, nodes_table, quotas_table, jobs_table, tasks_table)
+
+
+def _add_ended(conn: Connection) -> None:
+    json_type = JSON().compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE hai_jobs ADD COLUMN ended {json_type} DEFAULT '[]' NOT NULL"))
+
+
+# version -> the statements that bring a database of that version to the next one.
+_UPGRADES: dict[int, Callable[[Connection], None]] = {1: _add_ended}
 _LOAD_BATCH = 500  # rows fetched at a time while loading
 
 
@@ -343,6 +357,9 @@ def _check_job(job: Job, limits: Limits) -> None:
     _check_text(f"{where} end reason", job.end_reason, limits.reason_chars, empty_ok=True)
     for name in job.assigned:
         _check_text(f"{where} node", name, limits.name_chars)
+    for name, outcome in job.ended:
+        if name not in job.assigned or outcome not in ("finished", "suspended"):
+            raise StoreLimitError(f"{where}: end report {name!r} {outcome!r} is not of one of its nodes")
     previous = -1
     for record in job.history:
         if record.index <= previous:
@@ -387,7 +404,7 @@ def _job_row(job: Job) -> dict[str, Any]:
             "assigned": list(job.assigned), "task": job.task, "restarts": job.restarts,
             "not_before_s": float(job.not_before_s), "started_s": float(job.started_s), "ran_s": float(job.ran_s),
             "last_progress_s": float(job.last_progress_s), "end_reason": job.end_reason, "command": job.command,
-            "env": _pairs_json(job.env)}
+            "env": _pairs_json(job.env), "ended": _pairs_json(job.ended)}
 
 
 def _task_rows(job_id: str, records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
@@ -446,7 +463,8 @@ def _job_of(row: RowMapping, history: tuple[TaskRecord, ...]) -> Job:
                assigned=_names("hai_jobs", job_id, "assigned", row["assigned"]), started_s=row["started_s"],
                ran_s=row["ran_s"], task=row["task"], restarts=row["restarts"], not_before_s=row["not_before_s"],
                demoted=bool(row["demoted"]), last_progress_s=row["last_progress_s"], end_reason=row["end_reason"],
-               history=history, command=row["command"], env=_pairs("hai_jobs", job_id, "env", row["env"]))
+               history=history, command=row["command"], env=_pairs("hai_jobs", job_id, "env", row["env"]),
+               ended=_pairs("hai_jobs", job_id, "ended", row["ended"]))
 
 
 def _task_of(row: RowMapping) -> TaskRecord:
@@ -518,6 +536,11 @@ class Store:
                                                       {"key": "generation", "value": 0}])
                 meta = _read_meta(conn)
                 version = meta.get("schema_version")
+                while version is not None and version in _UPGRADES and version < SCHEMA_VERSION:
+                    _UPGRADES[version](conn)
+                    version += 1
+                    conn.execute(update(meta_table).where(meta_table.c.key == "schema_version")
+                                 .values(value=version))
                 if version != SCHEMA_VERSION:
                     newer = version is not None and version > SCHEMA_VERSION
                     raise StoreVersionError(

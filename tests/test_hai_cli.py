@@ -63,9 +63,11 @@ class Served:
             assert self.agent.post("/agents/register", json={"name": name}).status_code == 200
 
     def report(self, job: dict[str, Any], event: str) -> None:
-        response = self.agent.post(f"/agents/{job['assigned'][0]}/report",
-                                   json={"job_id": job["job_id"], "task": job["task"], "event": event})
-        assert response.status_code == 200, response.text
+        """``event`` from every node of the job (a task ends once each has reported its ranks' end)."""
+        for node in job["assigned"]:
+            response = self.agent.post(f"/agents/{node}/report",
+                                       json={"job_id": job["job_id"], "task": job["task"], "event": event})
+            assert response.status_code == 200, response.text
 
     def job(self, job_id: str) -> dict[str, Any]:
         view: dict[str, Any] = self.agent.get(f"/jobs/{job_id}", headers={"Authorization": f"Bearer {ADMIN}"}).json()

@@ -91,7 +91,8 @@ def populate(client: Any, server: HaiServer, clock: Clock, log_dir: Path) -> dic
     tick()
     second = client.get(f"/jobs/{chain}", headers={"Authorization": f"Bearer {ALICE}"}).json()
     assert second["state"] == "running" and second["task"] == 1, second
-    agent_call(client, f"/agents/{second['assigned'][0]}/report", {"job_id": chain, "task": 1, "event": "finished"})
+    for node in second["assigned"]:
+        agent_call(client, f"/agents/{node}/report", {"job_id": chain, "task": 1, "event": "finished"})
     running = submit(client, BOB, name="bobs", nodes=1, priority="HIGH", group=EVIL_GROUP)
     big = submit(client, ALICE, name="big", nodes=3, priority="LOW")
     tick()

@@ -135,8 +135,10 @@ def test_submit_place_and_launch_numbers(cluster: Cluster) -> None:
     assert cluster.heartbeat("n3") == [] or all(c["job_id"] != job for c in cluster.heartbeat("n3"))
     cluster.report(first, job, 0, "started")
     cluster.report(first, job, 0, "finished")
+    assert cluster.job(job)["state"] == "running"  # the second node's ranks have not ended yet
+    cluster.report(second, job, 0, "finished")
     assert cluster.job(job)["state"] == "finished"
-    # The other node still runs its ranks: it is told to stop them.
+    # Each agent still lists the task until it is told to forget it.
     assert cluster.heartbeat(second, [(job, 0)]) == [{"type": "stop", "job_id": job, "task": 0}]
     nodes = {n["name"]: n for n in cluster.call("GET", "/nodes")["nodes"]}
     assert nodes["n1"]["labels"]["gpu"] == "a100" and nodes["n1"]["job"] is None
@@ -156,15 +158,16 @@ def test_preemption_suspend_ack_and_resume(cluster: Cluster) -> None:
     assert "suspend" in cluster.job(high)["reason"]
     for node in ("n1", "n2"):
         assert cluster.heartbeat(node, [(low, 0)]) == [{"type": "suspend", "job_id": low, "task": 0}]
-    first = cluster.job(low)["assigned"][0]
-    cluster.report(first, low, 0, "suspended")
+    for node in ("n1", "n2"):
+        cluster.report(node, low, 0, "suspended")
     assert cluster.job(low)["state"] == "queued"
     cluster.tick()
     assert cluster.job(high)["state"] == "running"
     assert cluster.job(low)["state"] == "queued"
     commands = cluster.heartbeat("n1")
     assert [c["job_id"] for c in launches(commands)] == [high]
-    cluster.report(cluster.job(high)["assigned"][0], high, 0, "finished")
+    for node in cluster.job(high)["assigned"]:
+        cluster.report(node, high, 0, "finished")
     cluster.tick()
     view = cluster.job(low)
     assert view["state"] == "running" and view["task"] == 1
@@ -417,9 +420,10 @@ def test_watchdog_and_progress(cluster: Cluster) -> None:
         cluster.heartbeat(second, [(job, 0)])
         cluster.server.tick(cluster.clock.now)
     assert cluster.job(job)["state"] == "running"
-    # A suspend acknowledged by the second node alone changes nothing; rank 0's node counts.
+    # A suspend acknowledged by the second node alone is recorded; the job goes back to the queue
+    # once its first node has acknowledged too.
     cluster.call("POST", f"/jobs/{job}/suspend")
-    assert cluster.report(second, job, 0, "suspended")["applied"] is False
+    assert cluster.report(second, job, 0, "suspended")["applied"] is True
     assert cluster.job(job)["state"] == "suspending"
     assert cluster.report(first, job, 0, "suspended")["applied"] is True
     assert cluster.job(job)["state"] == "queued"
