@@ -48,6 +48,22 @@ class Run:
     submitted: list[str] = field(default_factory=list)
     suspensions: int = 0
     placements: int = 0
+    # The model of the nodes themselves: node -> the (job, task) whose ranks run there, from its
+    # placement until that node reports their end (or its task fails: the server has the agents
+    # stop the ranks, and launches nothing on a node before they are gone). The exerciser places
+    # nothing on a node listed here; the store's exerciser leaves it empty.
+    alive: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def ranks_ended(self, job_id: str, task: int, nodes: tuple[str, ...]) -> None:
+        for name in nodes:
+            if self.alive.get(name) == (job_id, task):
+                del self.alive[name]
+
+
+def _report_node(rng: random.Random, job: rules.Job) -> str | None:
+    """A node of ``job`` that has not reported its ranks' end, or None for all of them at once."""
+    waiting = [n for n in job.assigned if n not in {name for name, _ in job.ended}]
+    return rng.choice(waiting) if waiting and rng.random() < 0.7 else None
 
 
 def random_event(rng: random.Random, run: Run, payload: random.Random | None = None) -> str:
@@ -73,18 +89,23 @@ def random_event(rng: random.Random, run: Run, payload: random.Random | None = N
         return f"at {run.now_s:g}"
     holding = by_state[JobState.RUNNING] + by_state[JobState.SUSPENDING]
     if roll < 0.58 and holding:
-        job_id = rng.choice(holding)
-        run.state = rules.finish(s, job_id, now)
-        return f"finish {job_id}"
+        job = s.jobs[rng.choice(holding)]
+        node = _report_node(rng, job)
+        run.state = rules.finish(s, job.job_id, now, node=node)
+        run.ranks_ended(job.job_id, job.task, job.assigned if node is None else (node,))
+        return f"finish {job.job_id} node={node}"
     if roll < 0.70 and by_state[JobState.SUSPENDING]:
-        job_id = rng.choice(by_state[JobState.SUSPENDING])
-        run.state = rules.suspend_acknowledged(s, job_id, now)
-        return f"ack {job_id}"
+        job = s.jobs[rng.choice(by_state[JobState.SUSPENDING])]
+        node = _report_node(rng, job)
+        run.state = rules.suspend_acknowledged(s, job.job_id, now, node=node)
+        run.ranks_ended(job.job_id, job.task, job.assigned if node is None else (node,))
+        return f"ack {job.job_id} node={node}"
     if roll < 0.78 and holding:
-        job_id = rng.choice(holding)
-        bad = rng.choice((None, s.jobs[job_id].assigned[0]))
-        run.state = rules.fail_job(s, job_id, now, config, "rank exited 1", bad)
-        return f"fail {job_id} node={bad}"
+        job = s.jobs[rng.choice(holding)]
+        bad = rng.choice((None, job.assigned[0]))
+        run.state = rules.fail_job(s, job.job_id, now, config, "rank exited 1", bad)
+        run.ranks_ended(job.job_id, job.task, job.assigned)
+        return f"fail {job.job_id} node={bad}"
     if roll < 0.84 and by_state[JobState.RUNNING]:
         job_id = rng.choice(by_state[JobState.RUNNING])
         run.state = rules.request_suspend(s, job_id)
@@ -94,6 +115,9 @@ def random_event(rng: random.Random, run: Run, payload: random.Random | None = N
     if roll < 0.92 and healthy:
         name = rng.choice(healthy)
         run.state = rules.node_lost(s, name, now, config, "lost")
+        for job in s.jobs.values():
+            if job.state in (JobState.RUNNING, JobState.SUSPENDING) and name in job.assigned:
+                run.ranks_ended(job.job_id, job.task, job.assigned)
         return f"lose {name}"
     if sick:
         name = rng.choice(sick)

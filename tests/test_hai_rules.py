@@ -11,6 +11,7 @@ listing commands are followed by their result on lines starting with ``=>``::
     schedule                        # heartbeats, timeouts, one pass, applied
     => place J1 n1,n2 LOW
     finish J1 / fail J1 [node=n1] / ack J1 / suspend J1 / lose n1 / heal n1
+    finish J1 node=n1 / ack J1 node=n1   # one node reported its ranks' end (the task ends once all have)
     silence n1 / hang J1            # the node stops heartbeating / the job stops reporting progress
     config demote_after_s=60        # any Config field
     jobs / nodes                    # list every job / node
@@ -85,6 +86,8 @@ def _job_line(job: Job, now_s: float) -> str:
     words = [job.job_id, job.state.value]
     if job.state in (JobState.RUNNING, JobState.SUSPENDING) and job.priority is not None:
         words += [job.priority.name, "on", ",".join(job.assigned)]
+    if job.ended:
+        words.append("ended=" + ",".join(f"{n}:{o}" for n, o in job.ended))
     if job.task:
         words.append(f"task={job.task}")
     if job.restarts:
@@ -145,12 +148,12 @@ def run_script(text: str) -> str:
         elif command == "schedule":
             out += _decision_lines(_schedule(script))
         elif command == "finish":
-            script.state = rules.finish(s, args[0], now)
+            script.state = rules.finish(s, args[0], now, node=_options(args[1:]).get("node"))
         elif command == "fail":
             bad = _options(args[1:]).get("node")
             script.state = rules.fail_job(s, args[0], now, script.config, "rank exited 1", bad)
         elif command == "ack":
-            script.state = rules.suspend_acknowledged(s, args[0], now)
+            script.state = rules.suspend_acknowledged(s, args[0], now, node=_options(args[1:]).get("node"))
         elif command == "suspend":
             script.state = rules.request_suspend(s, args[0])
         elif command == "lose":
@@ -345,6 +348,7 @@ def exercise(seed: int, events: int, schedule: Callable[[ClusterState, float, Co
         found = decision_violations(run.state, decision, run.config)
         run.state = rules.apply(run.state, decision)
         found += state_violations(run.state, run.config, run.submitted)
+        found += _ranks_violations(run, decision)
         live = sum(1 for j in run.state.jobs.values() if j.state in
                    (JobState.QUEUED, JobState.RUNNING, JobState.SUSPENDING, JobState.FINISHED, JobState.FAILED))
         if live != len(run.submitted) or len(run.state.jobs) != len(run.submitted):
@@ -354,6 +358,27 @@ def exercise(seed: int, events: int, schedule: Callable[[ClusterState, float, Co
         if found:
             return run, [f"seed {seed} after {trail[-8:]}", *found]
     return run, []
+
+
+def _ranks_violations(run: Run, decision: Decision) -> list[str]:
+    """The rules against the exerciser's model of the nodes (:attr:`Run.alive`): no job is placed
+    on a node whose old ranks have not reported their end, and a job holding nodes has ranks
+    running on each node that has not reported. Records the new placements in the model."""
+    found: list[str] = []
+    for p in decision.placements:
+        for name in p.nodes:
+            if name in run.alive:
+                old_job, old_task = run.alive[name]
+                found.append(f"{p.job_id} placed on {name}, where the ranks of {old_job} task {old_task} "
+                             "have not reported their end")
+            run.alive[name] = (p.job_id, run.state.jobs[p.job_id].task)
+    for job in run.state.jobs.values():
+        if job.state in _HOLDING:
+            reported = {name for name, _ in job.ended}
+            for name in job.assigned:
+                if name not in reported and run.alive.get(name) != (job.job_id, job.task):
+                    found.append(f"{job.job_id} holds {name} but its ranks there are not running")
+    return found
 
 
 EXERCISER_SEEDS = int(os.environ.get("HAI_RULES_SEEDS", "200"))
@@ -410,6 +435,16 @@ def _sabotage(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
     elif which == "zones":
         choose = rules._choose
         monkeypatch.setattr(rules, "_choose", lambda nodes, need, ok: choose(nodes, need, True))
+    elif which == "first report ends the task":
+        def first_report_ends(state: ClusterState, job: Job, node: str, outcome: str, now_s: float) -> ClusterState:
+            if outcome == "finished":
+                done = dataclasses.replace(rules._end_task(job, now_s, outcome), state=JobState.FINISHED)
+            else:
+                done = dataclasses.replace(rules._end_task(job, now_s, outcome), state=JobState.QUEUED,
+                                           task=job.task + 1)
+            return rules._replace_job(state, done)
+
+        monkeypatch.setattr(rules, "_node_ended", first_report_ends)
     elif which == "same user":
         preempt = rules._Pass.preempt
         monkeypatch.setattr(rules._Pass, "preempt", lambda self, job, priority:
@@ -419,6 +454,7 @@ def _sabotage(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
 @pytest.mark.parametrize(("which", "caught"), [
     ("unhealthy nodes", "unhealthy node"), ("quotas", "quota exceeded"), ("zones", "crosses zones"),
     ("same user", "same user at the same priority"),
+    ("first report ends the task", "have not reported their end"),
 ])
 def test_the_exerciser_catches_each_sabotaged_rule(monkeypatch: pytest.MonkeyPatch, which: str, caught: str) -> None:
     _sabotage(monkeypatch, which)

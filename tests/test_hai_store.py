@@ -317,6 +317,48 @@ def test_a_newer_schema_is_refused(url: str) -> None:
         Store.open(url)
 
 
+def _two_node_job_half_ended() -> ClusterState:
+    """A 2-node job whose first node has reported its ranks' end and whose second has not."""
+    state = ClusterState(nodes={n: Node(n, "a") for n in ("n1", "n2")})
+    state = rules.set_quota(state, Quota("alice", "default", Priority.NORMAL, 2))
+    state = rules.submit(state, JobSpec("J1", "alice", 2, Priority.NORMAL), 0.0)
+    state = rules.apply(state, rules.schedule(state, 0.0, Config()))
+    return rules.finish(state, "J1", 5.0, node="n1")
+
+
+def test_a_task_s_per_node_ends_round_trip(db: Store, url: str) -> None:
+    state = _two_node_job_half_ended()
+    assert state.jobs["J1"].ended == (("n1", "finished"),)
+    db.commit(ClusterState(), state)
+    assert _reloaded(url) == state
+    with pytest.raises(StoreLimitError, match="not of one of its nodes"):
+        db.commit(state, rules._replace_job(state, dataclasses.replace(state.jobs["J1"], ended=(("n9", "finished"),))))
+
+
+def test_a_version_1_database_is_upgraded_in_place(url: str) -> None:
+    """A database written before per-node ends (schema 1: no ``hai_jobs.ended``) opens, its running
+    job with no node reported, and takes the new column from then on."""
+    submitted = _two_node_job_half_ended()
+    before = rules._replace_job(submitted, dataclasses.replace(submitted.jobs["J1"], ended=()))
+    with Store.open(url) as first:
+        first.commit(ClusterState(), before)
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE hai_jobs DROP COLUMN ended"))
+        conn.execute(text("UPDATE hai_meta SET value = 1 WHERE key = 'schema_version'"))
+    engine.dispose()
+    with Store.open(url) as upgraded:
+        assert upgraded.load() == before
+        upgraded.save(rules.finish(before, "J1", 5.0, node="n1"))
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        version = conn.execute(text("SELECT value FROM hai_meta WHERE key = 'schema_version'")).scalar()
+        columns = {c["name"] for c in inspect(conn).get_columns("hai_jobs")}
+    engine.dispose()
+    assert version == store.SCHEMA_VERSION == 2 and "ended" in columns
+    assert _reloaded(url).jobs["J1"].ended == (("n1", "finished"),)
+
+
 def test_a_database_with_hai_tables_but_no_version_is_refused(url: str) -> None:
     engine = create_engine(url)
     with engine.begin() as conn:
