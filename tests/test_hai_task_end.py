@@ -2,15 +2,18 @@
 cluster, agents played by the test, on SQLite and PostgreSQL): a task ends once every one of its
 nodes has reported the end of its ranks, not when rank 0's node has; until then the job holds all
 its nodes. A failure on any node ends it at once, and a node whose agent still runs an old task's
-ranks is launched nothing new until they are gone.
+ranks is launched nothing new until they are gone. And end to end, with real agents and ranks
+(tests/test_hai_agent.py's cluster): a 2-node job is finished only after its last rank is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from tests import test_hai_agent as agents
 from tests.test_hai_server import BOB, Clock, Cluster, launches
 
 
@@ -130,3 +133,50 @@ def test_no_launch_beside_ranks_still_being_stopped(cluster: Cluster) -> None:
     assert cluster.heartbeat(second, [(job, 0)]) == [{"type": "stop", "job_id": job, "task": 0}]
     # The old ranks are gone: the agent forgot the task, and the launch comes.
     assert [c["job_id"] for c in launches(cluster.heartbeat(second, []))] == [other]
+
+
+# -- with real agents -----------------------------------------------------------------------------
+
+RANK_0_EXITS_AT_ONCE = """
+    import os, sys, time
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    if os.environ["RANK"] == "1":
+        time.sleep(2.0)
+        with open(os.path.join(out, "rank-1-done"), "w") as f:
+            f.write(str(time.time()))
+"""
+
+
+@pytest.fixture
+def with_agents(tmp_path: Path) -> Iterator[agents.Cluster]:
+    c = agents.Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_a_job_whose_rank_0_exits_at_once_ends_after_rank_1(with_agents: agents.Cluster) -> None:
+    """Two in-process agents, one rank each: rank 0 exits at once, rank 1 sleeps 2 s and leaves a
+    marker. The job is seen running after rank 0's node reported, and is finished only once the
+    marker exists (before, rank 1 was stopped, or never launched, when rank 0's node reported)."""
+    cluster = with_agents
+    cluster.agent("n1", "10.0.0.1")
+    cluster.agent("n2", "10.0.0.2")
+    agents.wait_for(lambda: len(cluster.nodes()) == 2, "both nodes to register")
+    job = cluster.submit(RANK_0_EXITS_AT_ONCE, nodes=2)
+    marker = cluster.tmp / "out" / "rank-1-done"
+    states: list[tuple[str, bool]] = []
+
+    def ended() -> bool:
+        view = cluster.job(job)
+        states.append((view["state"], marker.exists()))
+        return view["state"] in ("finished", "failed")
+
+    agents.wait_for(ended, f"{job} to end", lambda: states[-3:])
+    assert states[-1] == ("finished", True), states[-3:]
+    assert all(seen for state, seen in states if state == "finished")
+    view = cluster.job(job)
+    assert [t["outcome"] for t in view["chain"]] == ["finished"] and view["restarts"] == 0
+    agents.wait_for(lambda: all(not a.held() for a, _ in cluster.agents.values()), "the agents to drop the task")
