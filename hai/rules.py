@@ -538,8 +538,9 @@ def fail_job(state: ClusterState, job_id: str, now_s: float, config: Config, rea
              bad_node: str | None = None, task: int | None = None) -> ClusterState:
     """A rank failed (or the job went silent): stop the task and restart it after a back-off, or
     fail the job once it has used its restarts. It acts at once, whatever the job's other nodes
-    have reported (a task some of whose nodes finished and one failed has failed). ``bad_node``, if named, is marked unhealthy: it
-    must be one of the job's nodes (another job may be running on any other)."""
+    have reported (a task some of whose nodes finished and one failed has failed). ``bad_node``,
+    if named, is marked unhealthy: it must be one of the job's nodes (another job may be running
+    on any other)."""
     job = _job(state, job_id)
     now_s = _time(now_s)
     _current_task(job, task)
