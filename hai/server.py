@@ -358,10 +358,11 @@ class HaiServer:
         A job's environment may carry its user's secrets (an API key for a metrics service, say), so
         a ``viewer`` who is neither the job's user nor an admin sees the variables' names with their
         values withheld (None), except the few hai itself defines and reads (:data:`PUBLIC_ENV`)."""
-        env = dict(job.env)
-        per_node = int(env.pop(RANKS_ENV, "1"))
+        own = dict(job.env)
+        per_node = int(own.pop(RANKS_ENV, "1"))
+        env: dict[str, str | None] = dict(own)
         if viewer is not None and viewer.name != job.user and not viewer.admin:
-            env = {k: (v if k in PUBLIC_ENV else None) for k, v in env.items()}
+            env = {k: (v if k in PUBLIC_ENV else None) for k, v in own.items()}
         wait = self.waits.get(job.job_id) if job.state is JobState.QUEUED else None
         view: dict[str, Any] = {
             "job_id": job.job_id, "user": job.user, "group": job.group, "nodes": job.nodes,
