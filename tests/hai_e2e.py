@@ -11,7 +11,8 @@ and rank 0 waits (as a collective would hang) while its peer is silent: a lost n
 job rather than letting it finish alone. Before training, rank 0 records what it runs as
 (``identity-<port>.json``): its ``FS3_TOKEN`` and whether another user's private file is readable.
 
-Used by ``tests/test_hai_faults.py``, ``tests/test_hai_restart.py`` and ``scripts/hai_demo.py``.
+Used by ``tests/test_hai_fault.py``, ``tests/test_hai_ignored_suspend.py``, ``tests/test_hai_restart.py``
+and ``scripts/hai_demo.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,7 @@ DEADLINE_S = 60.0
 
 TRAIN = """
     import json, os, sys, time
-    import torch
-    from torch import nn
     import hai.client
-    from haiscale.checkpoint import CheckpointManager
 
     out = sys.argv[1]
     total, every, location = int(os.environ["TS_TOTAL"]), int(os.environ["TS_EVERY"]), os.environ["TS_CKPT"]
@@ -99,6 +97,9 @@ TRAIN = """
             record["private"] = repr(exc)
         with open(os.path.join(out, f"identity-{task}.json"), "w") as f:
             json.dump(record, f)
+    import torch  # rank 0 only: the holding ranks start quicker without it
+    from torch import nn
+    from haiscale.checkpoint import CheckpointManager
     torch.manual_seed(0)
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     target = data.sum(dim=1, keepdim=True)
@@ -186,7 +187,8 @@ class Fs3Users:
 
         alice = asyncio.run_coroutine_threadsafe(add("alice", ALICE_UID), loop).result(30)
         bob = asyncio.run_coroutine_threadsafe(add("bob", BOB_UID), loop).result(30)
-        return cls(inproc.mgmtd_address, inproc.token, alice, bob, fs3.connect(inproc.mgmtd_address, token=inproc.token))
+        admin = fs3.connect(inproc.mgmtd_address, token=inproc.token)
+        return cls(inproc.mgmtd_address, inproc.token, alice, bob, admin)
 
     def workspace(self) -> tuple[str, str]:
         """A fresh world-writable top directory (alice's checkpoints go below it) and the path of a
@@ -235,12 +237,12 @@ class ProcCluster:
     # -- processes ---------------------------------------------------------------------------------
 
     def start_server(self) -> None:
-        log = open(self.tmp / "server.log", "ab")
-        self.server = subprocess.Popen(
-            [sys.executable, "-m", "hai", "server", "--dir", str(self.dir), "--port", str(self.port),
-             "--default-quota-nodes", "100", "--tick-interval-s", "0.1", "--node-timeout-s", str(self.node_timeout_s),
-             "--backoff-base-s", "0.5"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(self.tmp / "server.log", "ab") as log:  # the child keeps its own descriptor
+            self.server = subprocess.Popen(
+                [sys.executable, "-m", "hai", "server", "--dir", str(self.dir), "--port", str(self.port),
+                 "--default-quota-nodes", "100", "--tick-interval-s", "0.1",
+                 "--node-timeout-s", str(self.node_timeout_s), "--backoff-base-s", "0.5"],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
         def up() -> bool:
             assert self.server is not None and self.server.poll() is None, self.server_log()
@@ -265,13 +267,13 @@ class ProcCluster:
 
     def agent(self, name: str) -> None:
         env = dict(self.env, FS3_TOKEN=self.fs3.cluster_token)  # the agent's own: for the logs on fs3
-        log = open(self.tmp / f"agent-{name}.log", "ab")
-        self.agents[name] = subprocess.Popen(
-            [sys.executable, "-m", "hai", "agent", "--server", self.url, "--node", name, "--address", "127.0.0.1",
-             "--token-file", str(self.dir / "agent.token"), "--fs3", self.fs3.mgmtd, "--heartbeat-s", "0.2",
-             "--http-timeout-s", "5", "--ack-grace-s", str(self.grace[0]), "--finish-grace-s", str(self.grace[1])],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(self.tmp / f"agent-{name}.log", "ab") as log:
+            self.agents[name] = subprocess.Popen(
+                [sys.executable, "-m", "hai", "agent", "--server", self.url, "--node", name, "--address", "127.0.0.1",
+                 "--token-file", str(self.dir / "agent.token"), "--fs3", self.fs3.mgmtd, "--heartbeat-s", "0.2",
+                 "--http-timeout-s", "5", "--ack-grace-s", str(self.grace[0]),
+                 "--finish-grace-s", str(self.grace[1])],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def kill_node(self, name: str) -> list[int]:
         """SIGKILL the node's agent and every rank it started (each rank leads its own process
@@ -281,10 +283,8 @@ class ProcCluster:
         agent.send_signal(signal.SIGKILL)
         agent.wait(10)
         for pid in ranks:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.say(f"node {name}: agent pid {agent.pid} and ranks {ranks} SIGKILLed")
         return ranks
 
@@ -410,5 +410,13 @@ def starts(log: str) -> list[int]:
     return [int(line.split()[1]) for line in log.splitlines() if line.startswith("start ")]
 
 
-def identities(out: Path) -> list[Mapping[str, str]]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("identity-*.json"))]
+def assert_alice(users: Fs3Users, out: Path, directory: str) -> None:
+    """What alice's ranks ran as: her user token, bob's private file refused, her uid on fs3."""
+    seen = [json.loads(p.read_text()) for p in sorted(out.glob("identity-*.json"))]
+    assert seen, "rank 0 recorded no identity"
+    for record in seen:
+        assert record["fs3_token"] == users.alice_token != users.cluster_token
+        assert record["private"] == "denied", record
+    for step in checkpoints(users.fs, directory):
+        assert users.fs.stat(f"{directory}/step-{step:08d}").st_uid == ALICE_UID
+
