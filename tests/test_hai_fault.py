@@ -84,7 +84,7 @@ def test_a_killed_node_restarts_the_job_on_the_spare_from_its_checkpoint(tmp_pat
         assert view["restarts"] == 1, view
         # Rank 0 started twice: from scratch, then from a periodic checkpoint at or after the one
         # seen before the kill.
-        begun = starts(cluster.log(job))
+        begun = starts(tmp_path / "out-train")
         assert begun[0] == 0 and len(begun) == 2 and saved <= begun[1] < TOTAL_STEPS and begun[1] % EVERY == 0, begun
         assert_alice(fs3_users, tmp_path / "out-train", directory)
     finally:

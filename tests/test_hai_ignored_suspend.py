@@ -76,7 +76,7 @@ def test_a_job_ignoring_the_suspend_is_force_stopped_and_resumes_from_its_period
         log0 = cluster.log(low)
         assert "suspended at" not in log0  # it never acknowledged: the agent stopped it
         # It resumed from the last periodic checkpoint published before the force-stop.
-        assert starts(log0) == [0, at_high[-1]], (starts(log0), at_high)
+        assert starts(tmp_path / "out-low") == [0, at_high[-1]], (starts(tmp_path / "out-low"), at_high)
         assert_alice(fs3_users, tmp_path / "out-low", directory)
     finally:
         cluster.close()
