@@ -9,7 +9,8 @@ from its latest periodic checkpoint and still ends bit-identical to the uninterr
 (:func:`reference_run`). Rank 0 trains; rank 1 holds its node and keeps a liveness file fresh,
 and rank 0 waits (as a collective would hang) while its peer is silent: a lost node stalls the
 job rather than letting it finish alone. Before training, rank 0 records what it runs as
-(``identity-<port>.json``): its ``FS3_TOKEN`` and whether another user's private file is readable.
+(``identity-<port>.json``): its ``FS3_TOKEN`` and whether another user's private file is readable;
+and each start's step (``starts``), which the tests read instead of the log on fs3.
 
 Used by ``tests/test_hai_fault.py``, ``tests/test_hai_ignored_suspend.py``, ``tests/test_hai_restart.py``
 and ``scripts/hai_demo.py``.
