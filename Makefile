@@ -18,7 +18,7 @@ FSX_OPS ?= 100
 FSX_FIRST ?= 1
 BENCH_HAI_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce bench-haiscale bench-hai train-demo test-haiscale-long chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -138,6 +138,11 @@ bench-hai: install
 # fs3 checkpoint, bit-identical to an uninterrupted run (a few minutes).
 train-demo: install
 	$(PY) -m haiscale.examples.demo
+
+# The HAI Platform's long scenario, narrated: time-sharing, a killed node, an ignored suspend, each
+# ending bit-identical to the uninterrupted run (scripts/hai_demo.py; a few minutes).
+hai-demo: install
+	$(PY) scripts/hai_demo.py
 
 # HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out,
 # FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.

@@ -20,7 +20,10 @@ beside an old task's that are still being stopped.
 **Commands**: ``launch`` starts the task's ranks with ``RANK = first_rank + LOCAL_RANK``, the
 command's ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, the job's variables and the submitting
 user's fs3 token, logging to fs3 (``/hai/logs/<job>/<rank>.log``) when the agent has an fs3
-cluster, else below ``--log-dir``; a launch of a task it already holds does nothing. ``suspend``
+cluster, else below ``--log-dir``; a launch of a task it already holds does nothing, and a launch
+while a stopped task's ranks are still ending waits for the next heartbeat (the server sends its
+``stop`` for the old task and ``launch`` for the next in one answer; the old ranks must be gone
+first, or a restarted job's old and new rank 0 run side by side). ``suspend``
 runs :meth:`RankLauncher.suspend` (``ack_grace_s`` + ``finish_grace_s``, 5 + 5 s by default) on a
 thread. ``stop`` runs :meth:`RankLauncher.stop` on a thread and forgets the task once its ranks
 are gone.
@@ -281,6 +284,12 @@ class Agent:
         with self._lock:
             if key in self._tasks or self._closing.is_set():
                 return  # already held: a repeated launch does nothing
+            if any(t.stopping for t in self._tasks.values()):
+                # A stopped task's ranks are still ending (up to term_grace_s): the next task
+                # starts only once they are gone. The server answers the launch again at the next
+                # heartbeat, since the agent does not list the task.
+                log.info("launch of %s task %d deferred: a stopped task's ranks are still ending", *key)
+                return
             if len(self._tasks) >= MAX_TASKS:
                 log.warning("launch of %s task %d refused: %d tasks held", *key, len(self._tasks))
                 return

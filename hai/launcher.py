@@ -27,12 +27,18 @@ signal the launcher did not send → failed, and the others are stopped; a suspe
 acknowledged and then exited 0 → suspended; a suspend not completed within its grace → force-stopped
 (SIGTERM to every group, SIGKILL after ``term_grace_s``); :meth:`RankLauncher.stop` → stopped.
 :meth:`RankLauncher.close` kills whatever still runs at once, from any state, including from
-another thread while :meth:`~RankLauncher.suspend` waits: no rank outlives its launcher.
+another thread while :meth:`~RankLauncher.suspend` waits: no rank outlives its launcher. Nor its
+process: each rank is started with Linux's parent-death signal (SIGKILL when the thread that
+started it dies), so an agent killed by SIGKILL or the OOM killer leaves no rank running on the
+node — what a rank itself forked is not reached that way (its group is only killed by a living
+launcher). So a launcher must be made on a thread that lives as long as its ranks should (the
+agent's heartbeat loop).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import logging
 import os
@@ -42,6 +48,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -78,6 +85,17 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RESERVED_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                            "LOCAL_WORLD_SIZE", "HAI_JOB_ID", CONTROL_DIR_ENV, "FS3_TOKEN", "FS3_MGMTD"})
 _READ_BYTES = 64 * 1024
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:
+    """In the forked rank, before its exec: the kernel SIGKILLs it when the thread that started it
+    dies — a SIGKILLed agent cannot stop its ranks itself, and a rank in a session of its own
+    is reached by nothing else. The setting survives the exec (not into set-user-ID programs).
+    Nothing here takes a lock, as code between fork and exec in a threaded program must not."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def log_path(job_id: str, rank: int, root: str = LOG_ROOT) -> str:
@@ -403,7 +421,7 @@ class RankLauncher:
                 proc = subprocess.Popen(
                     list(spec.command), env=spec.rank_env(local_rank, self._control, inherited), cwd=spec.cwd,
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    start_new_session=True, close_fds=True, bufsize=0)
+                    start_new_session=True, close_fds=True, bufsize=0, preexec_fn=_die_with_parent)
             except OSError as exc:
                 writer.close()
                 raise LaunchError(f"cannot start rank {rank}: {exc}") from exc

@@ -20,8 +20,11 @@ agents reach the server and fs3 at the bridge's address, where those listen. Wit
 bridge and the namespaces, so ``down`` (from any process) removes exactly those.
 
 **Users.** ``up`` makes an admin user whose token is in ``DIR/hai-admin.token`` (0600; kept across
-restarts) and whose jobs' ranks get the fs3 cluster's token, and prints how to use it. Every
-(user, group, priority) may use all N nodes unless an admin sets a quota.
+restarts), and prints how to use it. Its jobs' ranks act on fs3 as an fs3 *user* — never with the
+cluster's token, which only the agents and the server hold: ``up`` makes an fs3 user token for the
+uid and gid running it (``fs3 admin user add``, kept in ``DIR/hai/admin.fs3token``), or, when
+``--fs3`` was given a user token rather than a cluster token, hands on that one. Every (user, group,
+priority) may use all N nodes unless an admin sets a quota.
 
 ``down`` stops the agents (they kill their ranks), the server and the fs3 cluster it started,
 kills whatever still runs in the namespaces and deletes them and the bridge; it is idempotent. A
@@ -53,6 +56,7 @@ __all__ = ["ADMIN_TOKEN_FILE", "STATE_FILE", "HaiLocal", "add_arguments", "hai_a
 STATE_FILE = "hai-local.json"
 ADMIN_TOKEN_FILE = "hai-admin.token"
 ADMIN = "admin"
+ADMIN_FS3_TOKEN_FILE = "admin.fs3token"  # in DIR/hai: the fs3 user token the admin's ranks get
 MAX_NODES = 64  # one /24 holds them, and one machine runs them
 SUBNET_PREFIX = "10.214"  # the chaos harness takes 10.213: the two can run side by side
 LOOPBACK = "127.0.0.1"
@@ -169,6 +173,30 @@ class HaiLocal:
             raise InvalidArgument("--fs3 needs the cluster's token: --fs3-token-file FILE or $FS3_TOKEN")
         return token
 
+    def _ranks_fs3_token(self, mgmtd: str, fs3_token: str, *, own_cluster: bool) -> str:
+        """The fs3 token the admin's ranks get: a user token, never the cluster's (a rank holding the
+        cluster token could act as any user). A user token given with ``--fs3`` is handed on as it
+        is; otherwise one is made once for this process's uid and gid and kept in the hai directory."""
+        from fs3.rpc.auth import parse_user_token
+
+        if parse_user_token(fs3_token) is not None:
+            return fs3_token
+        kept = self.hai_dir / ADMIN_FS3_TOKEN_FILE
+        if kept.exists() and own_cluster:
+            return read_token_file(kept)[0]
+        with contextlib.suppress(FileNotFoundError):
+            kept.unlink()  # made on another cluster (an earlier --fs3): not valid on this one
+        target = ["--dir", str(self.root)] if own_cluster else ["--mgmtd", mgmtd]
+        argv = [sys.executable, "-P", "-m", "fs3.cli.main", "admin", *target, "user", "add", "hai-admin",
+                "--uid", str(os.getuid()), "--gid", str(os.getgid()), "--comment", "hai local: the admin's ranks",
+                "--token-file", str(kept)]
+        env = {**os.environ, "FS3_TOKEN": fs3_token}
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0 or not kept.exists():
+            raise FS3Error(f"could not make an fs3 user token for the admin's ranks: "
+                           f"{(done.stderr or done.stdout).strip()[-500:]}")
+        return read_token_file(kept)[0]
+
     def _make_network(self, nodes: int) -> tuple[str, list[tuple[str, str]]]:
         """The bridge (its address returned) and one namespace per node: (namespace, address)."""
         run_id = secrets.token_hex(3)
@@ -217,8 +245,9 @@ class HaiLocal:
         ensure_agent_token(self.hai_dir)
         users_file = self.hai_dir / USERS_FILE
         known = Users.load(users_file).get(ADMIN)
-        if known is None or not self.admin_token_file.exists() or known.fs3_token != fs3_token:
-            token = add_user(self.hai_dir, ADMIN, admin=True, fs3_token=fs3_token)
+        ranks_token = self._ranks_fs3_token(mgmtd, fs3_token, own_cluster=settings.fs3 is None)
+        if known is None or not self.admin_token_file.exists() or known.fs3_token != ranks_token:
+            token = add_user(self.hai_dir, ADMIN, admin=True, fs3_token=ranks_token)
             write_secret_file(self.admin_token_file, token + "\n")
 
         env = {**os.environ, "FS3_LOG_LEVEL": os.environ.get("FS3_LOG_LEVEL", "INFO")}

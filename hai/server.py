@@ -363,10 +363,11 @@ class HaiServer:
         A job's environment may carry its user's secrets (an API key for a metrics service, say), so
         a ``viewer`` who is neither the job's user nor an admin sees the variables' names with their
         values withheld (None), except the few hai itself defines and reads (:data:`PUBLIC_ENV`)."""
-        env = dict(job.env)
-        per_node = int(env.pop(RANKS_ENV, "1"))
+        own = dict(job.env)
+        per_node = int(own.pop(RANKS_ENV, "1"))
+        env: dict[str, str | None] = dict(own)
         if viewer is not None and viewer.name != job.user and not viewer.admin:
-            env = {k: (v if k in PUBLIC_ENV else None) for k, v in env.items()}
+            env = {k: (v if k in PUBLIC_ENV else None) for k, v in own.items()}
         wait = self.waits.get(job.job_id) if job.state is JobState.QUEUED else None
         view: dict[str, Any] = {
             "job_id": job.job_id, "user": job.user, "group": job.group, "nodes": job.nodes,
@@ -827,6 +828,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-quota-nodes", type=int, default=0,
                         help="quota of a (user, group, priority) without an entry (default 0)")
     parser.add_argument("--tick-interval-s", type=float, default=1.0)
+    parser.add_argument("--node-timeout-s", type=float, default=Config.node_timeout_s,
+                        help="a node whose agent is silent this long is lost, its job restarted elsewhere")
+    parser.add_argument("--backoff-base-s", type=float, default=Config.backoff_base_s,
+                        help="the first restart back-off of a failed job (doubling per restart)")
+    parser.add_argument("--watchdog-s", type=float, default=Config.watchdog_s,
+                        help="a running job that writes no output this long has failed")
     parser.add_argument("--add-user", metavar="NAME", help="add a user (or give it a new token), print the token, exit")
     parser.add_argument("--admin", action="store_true", help="with --add-user: the user is an admin")
     parser.add_argument("--fs3-token", default="", help="with --add-user: the fs3 token the user's jobs get")
@@ -877,13 +884,18 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn  # only the command needs the HTTP server itself
 
     try:
+        rules_config = Config(default_quota_nodes=args.default_quota_nodes, node_timeout_s=args.node_timeout_s,
+                              backoff_base_s=args.backoff_base_s, watchdog_s=args.watchdog_s)
+    except ValueError as exc:
+        print(f"hai server: {exc}", file=sys.stderr)
+        return 2
+    config = ServerConfig(rules=rules_config, tick_interval_s=args.tick_interval_s)
+    try:
         store = Store.open(args.db_url or default_url(cluster_dir))
     except StoreError as error:  # its message shows the URL without the password
         print(f"hai server: {error}", file=sys.stderr)
         return 1
     log.info("state in %s", store.engine.url.render_as_string(hide_password=True))
-    config = ServerConfig(rules=Config(default_quota_nodes=args.default_quota_nodes),
-                          tick_interval_s=args.tick_interval_s)
     server = HaiServer(store, Users.load(cluster_dir / USERS_FILE), config)
     logs = _log_reader(args)
     app = create_app(server, logs=logs)

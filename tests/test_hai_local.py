@@ -51,7 +51,9 @@ else:
         except OSError:
             assert time.monotonic() < deadline, "rank 0 never listened"
             time.sleep(0.1)
-print("rank", rank, "of", os.environ["WORLD_SIZE"], flush=True)
+# The ranks act on fs3 as their user: a user token (fs3u.<id>.<secret>), never the cluster's.
+kind = "user-token" if os.environ.get("FS3_TOKEN", "").startswith("fs3u.") else "NOT-a-user-token"
+print("rank", rank, "of", os.environ["WORLD_SIZE"], kind, flush=True)
 """
 JOB = """
 name = "hello"
@@ -139,7 +141,7 @@ def run_job(root: Path, fs3_token_file: Path | None = None) -> None:
                 break
             time.sleep(0.2)
         assert logs.returncode == 0, logs.stderr
-        assert logs.stdout == f"rank {rank} of 2\n"
+        assert logs.stdout == f"rank {rank} of 2 user-token\n"
 
 
 def check_down(root: Path) -> None:

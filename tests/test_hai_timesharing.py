@@ -2,7 +2,8 @@
 
 The real server (FastAPI under uvicorn, SQLite, the scheduling loop on the wall clock) and two
 in-process agents (``tests/test_hai_agent.py``'s :class:`Cluster`), whose ranks reach the shared
-in-process fs3 cluster (``$FS3_MGMTD`` from the agents, ``$FS3_TOKEN`` from alice's platform user).
+in-process fs3 cluster (``$FS3_MGMTD`` from the agents, ``$FS3_TOKEN`` from alice's platform user:
+her own fs3 user token, so her checkpoints on fs3 are owned by her uid).
 
 A LOW-priority job on both nodes trains a small seeded MLP (drawing from torch's global RNG every
 step) with HaiScale's :class:`~haiscale.checkpoint.CheckpointManager` on fs3; a HIGH-priority job
@@ -23,7 +24,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from hai.server import User, Users, hash_token
+from tests.hai_e2e import ALICE_UID, Fs3Users
 from tests.test_hai_agent import AGENT, ALICE, BARRIER, ROOT, Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -99,23 +100,21 @@ HIGH = BARRIER + """
 
 
 @pytest.fixture
-def fs3_cluster(tmp_path: Path, shared_cluster: Any) -> Iterator[tuple[Cluster, Any]]:
-    """The hai cluster whose user alice's ranks get the shared fs3 cluster's token, and an fs3
-    client of the test's own."""
-    import fs3
-
+def fs3_cluster(tmp_path: Path, shared_cluster: Any) -> Iterator[tuple[Cluster, Fs3Users]]:
+    """The hai cluster whose user alice's ranks get her own fs3 user token (never the cluster's),
+    and the fs3 users with an admin client of the test's own."""
     inproc = shared_cluster.cluster
-    users = Users(users=(User("alice", hash_token(ALICE), fs3_token=inproc.token),),
+    fs3_users = Fs3Users.make(inproc, shared_cluster.loop)
+    users = Users(users=(User("alice", hash_token(ALICE), fs3_token=fs3_users.alice_token),),
                   agent_token_sha256=hash_token(AGENT))
     cluster = Cluster(tmp_path, users=users)
-    fs = fs3.connect(inproc.mgmtd_address, token=inproc.token)
     try:
         cluster.agent("n1", "10.0.0.1", fs3_mgmtd=inproc.mgmtd_address)
         cluster.agent("n2", "10.0.0.2", fs3_mgmtd=inproc.mgmtd_address)
-        yield cluster, fs
+        yield cluster, fs3_users
     finally:
         cluster.close()
-        fs.close()
+        fs3_users.close()
 
 
 def _log(cluster: Cluster, job: str, rank: int = 0) -> str:
@@ -123,9 +122,11 @@ def _log(cluster: Cluster, job: str, rank: int = 0) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def test_low_job_is_suspended_for_high_and_resumes_bit_identical(fs3_cluster: tuple[Cluster, Any]) -> None:
+def test_low_job_is_suspended_for_high_and_resumes_bit_identical(fs3_cluster: tuple[Cluster, Fs3Users]) -> None:
     torch = pytest.importorskip("torch")
-    cluster, fs = fs3_cluster
+    cluster, fs3_users = fs3_cluster
+    fs = fs3_users.fs
+    top, _private = fs3_users.workspace()
     tmp = cluster.tmp
     script = tmp / "train.py"
     script.write_text(textwrap.dedent(TRAIN))
@@ -138,7 +139,7 @@ def test_low_job_is_suspended_for_high_and_resumes_bit_identical(fs3_cluster: tu
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: len(cluster.nodes()) == 2, "both nodes to register")
-        directory = f"/hai-timesharing/{uuid.uuid4().hex}"
+        directory = f"{top}/ckpt"  # written by alice's ranks as alice
         low = cluster.submit(TRAIN, nodes=2, priority="LOW",
                              env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TS_TOTAL": str(TOTAL_STEPS),
                                   "TS_CKPT": f"fs3://{directory}"})
@@ -194,6 +195,7 @@ def test_low_job_is_suspended_for_high_and_resumes_bit_identical(fs3_cluster: tu
     assert starts == ["start 0", f"start {suspended_at}"], starts
     assert f"suspended at {suspended_at}\n" in log0
     assert _listing(fs, directory) == [f"step-{suspended_at:08d}"]
+    assert fs.stat(f"{directory}/step-{suspended_at:08d}").st_uid == ALICE_UID  # alice's token, alice's files
 
     a = torch.load(tmp / "reference" / "final.pt")
     b = torch.load(tmp / "out" / "final.pt")
