@@ -13,9 +13,7 @@ progress flag: true when the task's ranks wrote any log output since the previou
 launcher's count of log bytes grew), which is what keeps the job's watchdog from expiring. A task
 stays listed after its ranks ended until the server answers ``stop`` for it: the server still
 expects it on the node until the task's end counted (once every node of the job has reported the
-end of its ranks), and an unlisted task it expects would be launched again. The server launches
-nothing on a node while its heartbeat lists a task to stop, so a new job's ranks never start
-beside an old task's that are still being stopped.
+end of its ranks), and an unlisted task it expects would be launched again.
 
 **Commands**: ``launch`` starts the task's ranks with ``RANK = first_rank + LOCAL_RANK``, the
 command's ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, the job's variables and the submitting

@@ -34,9 +34,10 @@ The rules (docs/decisions.md says where the issue left a choice open):
   not confirmed their end; the cost is a node left idle while its job's other ranks finish, as a
   Slurm allocation stays whole until its last step ends. A *failure* on any node (or a lost node,
   or the watchdog) ends the task at once, whatever the other nodes reported: a mixed
-  finished/failed task is a failure. The ranks still running elsewhere are stopped by their
-  agents, and the server launches nothing on a node while its agent still runs an old task
-  (``hai.server``'s commands), so those nodes are not double-booked in reality either.
+  finished/failed task is a failure. Its nodes are free at once, while ranks may still run on
+  the ones that had not reported: the server tells their agents to stop them, in the same answer
+  as any launch of the node's next task, and an agent starts no launch while a stopped task's
+  ranks are still ending (``hai.agent``), so those nodes are not double-booked in reality either.
 * **ABOVE_NORMAL drops to NORMAL** once the chain has run ``Config.demote_after_s`` (30 min).
 * **A job keeps its nodes** while they stay healthy: only queued jobs are placed.
 * **Zones**: a job goes into one zone when one has room (best fit); at most one job at a time

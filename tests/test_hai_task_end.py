@@ -1,8 +1,8 @@
 """When a multi-node task ends, through ``hai server``'s API (tests/test_hai_server.py's in-process
 cluster, agents played by the test, on SQLite and PostgreSQL): a task ends once every one of its
 nodes has reported the end of its ranks, not when rank 0's node has; until then the job holds all
-its nodes. A failure on any node ends it at once, and a node whose agent still runs an old task's
-ranks is launched nothing new until they are gone. And end to end, with real agents and ranks
+its nodes. A failure on any node ends it at once, and the other nodes' agents are told to stop the
+old ranks before anything new starts there. And end to end, with real agents and ranks
 (tests/test_hai_agent.py's cluster): a 2-node job is finished only after its last rank is.
 """
 
@@ -117,9 +117,10 @@ def test_a_suspend_report_for_a_running_job_is_refused(cluster: Cluster) -> None
     assert cluster.server.state == before
 
 
-def test_no_launch_beside_ranks_still_being_stopped(cluster: Cluster) -> None:
-    """A failure frees the job's other nodes at once; the agent there is told to stop the old ranks,
-    and gets the next job's launch only once its heartbeat no longer lists them."""
+def test_a_failure_frees_the_other_node_with_a_stop_before_the_next_launch(cluster: Cluster) -> None:
+    """A failure frees the job's other nodes at once; the agent there is told to stop the old ranks
+    ahead of the next job's launch, in one answer (the agent defers a launch while a stopped task's
+    ranks are still ending: tests/test_hai_agent_handover.py), and again until it forgets them."""
     for name in ("n1", "n2"):
         cluster.register(name)
     job = cluster.submit(nodes=2)
@@ -129,10 +130,12 @@ def test_no_launch_beside_ranks_still_being_stopped(cluster: Cluster) -> None:
     other = cluster.submit(token=BOB, name="other", nodes=1)
     cluster.tick()
     assert cluster.job(other)["assigned"] == [second]
-    assert cluster.heartbeat(second, [(job, 0)]) == [{"type": "stop", "job_id": job, "task": 0}]
-    assert cluster.heartbeat(second, [(job, 0)]) == [{"type": "stop", "job_id": job, "task": 0}]
-    # The old ranks are gone: the agent forgot the task, and the launch comes.
-    assert [c["job_id"] for c in launches(cluster.heartbeat(second, []))] == [other]
+    for _ in range(2):
+        commands = cluster.heartbeat(second, [(job, 0)])
+        assert commands[0] == {"type": "stop", "job_id": job, "task": 0}
+        assert [c["job_id"] for c in launches(commands[1:])] == [other]
+    # The old ranks are gone: the agent forgot the task, and holds the launched one.
+    assert cluster.heartbeat(second, [(other, 0)]) == []
 
 
 # -- with real agents -----------------------------------------------------------------------------
