@@ -141,7 +141,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 # Ranks of a job meet before they end, as a collective would: a barrier on files in the output
-# directory (the server counts a task's end from rank 0's node, and stops the other nodes' ranks).
+# directory (each node reports its own ranks' end; the rank files are written before any leaves).
 BARRIER = """
     import glob, os, time
     def barrier(out, prefix):

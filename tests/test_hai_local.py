@@ -30,8 +30,7 @@ from hai.__main__ import main
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60.0
 # The ranks meet over TCP at MASTER_ADDR:MASTER_PORT, as a training job's rendezvous does (across the
-# namespaces' bridge when there are namespaces): a job whose rank 0 ended at once would end the
-# task before the other node launched its rank.
+# namespaces' bridge when there are namespaces), so rank 1 has met rank 0 before either ends.
 RANK = """
 import os, socket, time
 rank, addr, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -133,8 +132,8 @@ def run_job(root: Path, fs3_token_file: Path | None = None) -> None:
     assert job["state"] == "finished", job
     assert sorted(job["assigned"] or job["chain"][-1]["nodes"]) == ["node1", "node2"]
     for rank in (0, 1):
-        # The job ends with the first node's report; the other node's agent may still be
-        # closing its rank's log, so it is waited for.
+        # The job ends once both nodes reported; an agent may still be closing its rank's log
+        # (on fs3), so it is waited for.
         while True:
             logs = hai("logs", job_id, "--rank", str(rank), "--mgmtd", state(root)["mgmtd"], env=env)
             if logs.returncode == 0 or time.monotonic() > deadline:

@@ -87,8 +87,8 @@ TRAIN = """
     os.replace(final + ".tmp", final)
 """
 
-# Both ranks meet before they end (the server counts the end from rank 0's node and stops the
-# other node's ranks, so without the barrier rank 1 could be stopped before it has left its mark).
+# Both ranks meet before they end, as a collective would (the task ends once both nodes have
+# reported their ranks' end, so the barrier is the job's own, not the scheduler's).
 HIGH = BARRIER + """
     import sys
     out = sys.argv[1]
