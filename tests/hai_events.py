@@ -48,6 +48,7 @@ class Run:
     submitted: list[str] = field(default_factory=list)
     suspensions: int = 0
     placements: int = 0
+    partial_ends: int = 0  # passes with a job holding nodes some of which reported their ranks' end
     # The model of the nodes themselves: node -> the (job, task) whose ranks run there, from its
     # placement until that node reports their end (or its task fails: the server has the agents
     # stop the ranks, and an agent starts nothing before they are gone). The exerciser places

@@ -235,8 +235,13 @@ def state_violations(state: ClusterState, config: Config, submitted: Iterable[st
                     found.append(f"{job.job_id} of group {job.group} runs on {name} of group {node.group}")
             if len(_zones(state, (n for n in job.assigned if n in state.nodes))) > 1:
                 crossing.append(job.job_id)
-        elif job.assigned:
-            found.append(f"{job.job_id} is {job.state.value} but holds {job.assigned}")
+            reported = [name for name, _ in job.ended]
+            if not set(reported) <= set(job.assigned) or len(set(reported)) != len(reported) \
+                    or len(reported) >= len(job.assigned):
+                found.append(f"{job.job_id} holds {job.assigned} with end reports {job.ended}: "
+                             "a task whose every node reported must have ended")
+        elif job.assigned or job.ended:
+            found.append(f"{job.job_id} is {job.state.value} but holds {job.assigned} ({job.ended})")
         if job.restarts > config.max_restarts:
             found.append(f"{job.job_id} restarted {job.restarts} times, max {config.max_restarts}")
     for (user, group, priority), count in used.items():
@@ -355,6 +360,7 @@ def exercise(seed: int, events: int, schedule: Callable[[ClusterState, float, Co
             found.append(f"{len(run.submitted)} submitted, {live} in some state")
         run.suspensions += len(decision.suspensions)
         run.placements += len(decision.placements)
+        run.partial_ends += any(j.ended for j in run.state.jobs.values() if j.state in _HOLDING)
         if found:
             return run, [f"seed {seed} after {trail[-8:]}", *found]
     return run, []
@@ -386,14 +392,16 @@ EXERCISER_SEEDS = int(os.environ.get("HAI_RULES_SEEDS", "200"))
 
 def test_seeded_exerciser_keeps_every_invariant() -> None:
     started = time.monotonic()
-    suspensions = placements = 0
+    suspensions = placements = partial_ends = 0
     for seed in range(1, EXERCISER_SEEDS + 1):
         run, found = exercise(seed, 100)
         assert not found, "\n".join(found)
         suspensions += run.suspensions
         placements += run.placements
+        partial_ends += run.partial_ends
     # The runs reach the interesting paths, or they prove little.
     assert placements > 10 * EXERCISER_SEEDS and suspensions > EXERCISER_SEEDS, (placements, suspensions)
+    assert partial_ends > EXERCISER_SEEDS, partial_ends
     assert time.monotonic() - started < 30
 
 
@@ -501,6 +509,14 @@ def test_checker_rejects_double_booking() -> None:
     state = rules.submit(_running(_cluster("a", "a"), "J1", "alice", Priority.LOW, ("n0",)),
                          JobSpec("J3", "bob", 1, Priority.LOW), 0.0)
     assert any("another job holds" in v for v in decision_violations(state, decision, Config()))
+
+
+def test_checker_rejects_a_task_every_node_of_which_reported_its_end() -> None:
+    state = _running(_cluster("a", "a"), "J1", "alice", Priority.NORMAL, ("n0", "n1"))
+    half = _with_job(state, "J1", ended=(("n0", "finished"),))
+    assert state_violations(half, Config()) == []
+    done = _with_job(state, "J1", ended=(("n0", "finished"), ("n1", "finished")))
+    assert any("must have ended" in v for v in state_violations(done, Config()))
 
 
 def test_checker_rejects_exceeded_quota() -> None:
