@@ -369,8 +369,8 @@ class HaiServer:
             "ranks_per_node": per_node, "state": job.state.value,
             "requested": job.requested.value if isinstance(job.requested, Auto) else job.requested.name,
             "priority": None if job.priority is None else job.priority.name, "seq": job.seq,
-            "assigned": list(job.assigned), "task": job.task, "restarts": job.restarts,
-            "not_before_s": job.not_before_s, "reason": str(wait) if wait else job.end_reason,
+            "assigned": list(job.assigned), "ended": [n for n, _ in job.ended], "task": job.task,
+            "restarts": job.restarts, "not_before_s": job.not_before_s, "reason": str(wait) if wait else job.end_reason,
             "wait": wait.kind.value if wait else None}
         if env_names:
             view["env"] = {k: v for k, v in env.items() if k in env_names}

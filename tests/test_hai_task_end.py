@@ -50,7 +50,7 @@ def test_a_job_ends_when_its_last_node_reports_not_its_first(cluster: Cluster) -
     assert cluster.report(first, job, 0, "finished")["applied"] is False  # a repeated report
     cluster.tick()
     view = cluster.job(job)
-    assert view["state"] == "running" and view["assigned"] == [first, second]
+    assert view["state"] == "running" and view["assigned"] == [first, second] and view["ended"] == [first]
     assert cluster.job(waiting)["state"] == "queued"  # neither node is given away
     nodes = {n["name"]: n["job"] for n in cluster.call("GET", "/nodes")["nodes"]}
     assert nodes == {first: job, second: job}
@@ -59,7 +59,7 @@ def test_a_job_ends_when_its_last_node_reports_not_its_first(cluster: Cluster) -
     assert cluster.heartbeat(second, [(job, 0)]) == []
     assert cluster.report(second, job, 0, "finished")["applied"] is True
     view = cluster.job(job)
-    assert view["state"] == "finished" and view["chain"][0]["outcome"] == "finished"
+    assert view["state"] == "finished" and view["chain"][0]["outcome"] == "finished" and view["ended"] == []
     cluster.tick()
     assert cluster.job(waiting)["state"] == "running"
     # A report about the ended task is refused and changes nothing.
