@@ -51,7 +51,8 @@ from fs3.cluster.processes import ServiceProcess, pid_alive, spawn_logged, stop_
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import make_private_dir, read_token_file, write_secret_file
 
-__all__ = ["ADMIN_TOKEN_FILE", "STATE_FILE", "HaiLocal", "add_arguments", "hai_argv", "run"]
+__all__ = ["ADMIN_TOKEN_FILE", "NOT_INHERITED", "STATE_FILE", "HaiLocal", "add_arguments", "hai_argv", "run",
+           "service_env"]
 
 STATE_FILE = "hai-local.json"
 ADMIN_TOKEN_FILE = "hai-admin.token"
@@ -60,6 +61,19 @@ ADMIN_FS3_TOKEN_FILE = "admin.fs3token"  # in DIR/hai: the fs3 user token the ad
 MAX_NODES = 64  # one /24 holds them, and one machine runs them
 SUBNET_PREFIX = "10.214"  # the chaos harness takes 10.213: the two can run side by side
 LOOPBACK = "127.0.0.1"
+# What ``hai server`` and ``hai agent`` read from their environment that would take this
+# directory's platform elsewhere: an operator's ``HAI_DB_URL`` (the local server would schedule on
+# that database, next to its real server) and the container tokens (the server would replace the
+# admin whose token is in DIR/hai-admin.token, its ranks getting $FS3_TOKEN, the cluster's token).
+NOT_INHERITED = ("HAI_DB_URL", "HAI_ADMIN_TOKEN", "HAI_AGENT_TOKEN")
+
+
+def service_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment ``hai local`` starts its server and agents with: the caller's, less
+    :data:`NOT_INHERITED`."""
+    env = {k: v for k, v in environ.items() if k not in NOT_INHERITED}
+    env.setdefault("FS3_LOG_LEVEL", "INFO")
+    return env
 
 
 def hai_argv(args: list[str], ready_file: Path) -> list[str]:
@@ -250,7 +264,7 @@ class HaiLocal:
             token = add_user(self.hai_dir, ADMIN, admin=True, fs3_token=ranks_token)
             write_secret_file(self.admin_token_file, token + "\n")
 
-        env = {**os.environ, "FS3_LOG_LEVEL": os.environ.get("FS3_LOG_LEVEL", "INFO")}
+        env = service_env(os.environ)
         server = self._proc("hai-server", [
             "server", "--dir", str(self.hai_dir), "--host", host, "--port", "0",
             "--default-quota-nodes", str(settings.nodes), "--tick-interval-s", str(settings.tick_interval_s),

@@ -1,0 +1,44 @@
+"""Bugs found in a third review of the HAI platform's newest parts (dashboard, ``hai local``,
+PostgreSQL store, ``hai server --db``): one test each, all fast (no fs3, no real processes)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+import hai.local
+from hai.local import HaiLocal, Settings
+
+USER_TOKEN = "fs3u.0123456789abcdef." + "s" * 32  # a user token: hai local hands it on, runs no fs3 admin
+
+
+class Spawned(Exception):
+    """Raised by the fake spawner: the test has what it wanted, ``up`` cleans up."""
+
+
+def test_hai_local_server_and_agents_do_not_inherit_an_operators_database_or_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An operator with HAI_DB_URL exported (docs/operations.md) runs `hai local up`: its server must
+    # keep its own SQLite in DIR/hai, not schedule on the production database; likewise the
+    # container tokens must not replace the admin that DIR/hai-admin.token holds.
+    monkeypatch.setenv("HAI_DB_URL", "postgresql://hai:pw@db.example/hai")
+    monkeypatch.setenv("HAI_ADMIN_TOKEN", "a" * 32)
+    monkeypatch.setenv("HAI_AGENT_TOKEN", "b" * 32)
+    monkeypatch.setenv("FS3_TOKEN", USER_TOKEN)
+    seen: list[Mapping[str, str]] = []
+
+    def spawn(argv: list[str], env: Mapping[str, str], log: Path,
+              prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        seen.append(dict(env))
+        raise Spawned()
+
+    monkeypatch.setattr(hai.local, "spawn_logged", spawn)
+    with pytest.raises(Spawned):
+        HaiLocal(tmp_path / "local").up(Settings(nodes=1, fs3="127.0.0.1:1", netns=False))
+    assert seen, "the server was never spawned"
+    for name in ("HAI_DB_URL", "HAI_ADMIN_TOKEN", "HAI_AGENT_TOKEN"):
+        assert name not in seen[0], name
+    assert seen[0]["FS3_TOKEN"] == USER_TOKEN
