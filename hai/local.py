@@ -47,7 +47,7 @@ from typing import Any
 
 from fs3.cli.local import LocalCluster, cluster_lock
 from fs3.cluster import netns
-from fs3.cluster.processes import ServiceProcess, pid_alive, spawn_logged, stop_group
+from fs3.cluster.processes import ServiceProcess, pid_alive, read_pid_file, spawn_logged, stop_group
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import make_private_dir, read_token_file, write_secret_file
 
@@ -174,7 +174,7 @@ class HaiLocal:
             try:
                 self._start(settings, use_netns, fs3_token)
             except BaseException:
-                self.down(quiet=True)
+                self._down(quiet=True)  # under this up's lock
                 raise
 
     def _fs3_token(self, settings: Settings) -> str | None:
@@ -295,7 +295,23 @@ class HaiLocal:
     # -- down -------------------------------------------------------------------------------------
 
     def down(self, quiet: bool = False) -> bool:
-        """Stop everything this directory runs and remove its network; whether anything ran."""
+        """Stop everything this directory runs and remove its network; whether anything ran.
+
+        Refused while an ``up`` is starting the directory's cluster (it holds the directory's lock):
+        a ``down`` in between would stop what that ``up`` had started while it went on starting the
+        rest, and each would write its own record of the network over the other's. A failed ``up``
+        stops what it started itself."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(cluster_lock(self.root, "hai local"))
+            except InvalidArgument:
+                holder = read_pid_file(self.root / "lock")
+                raise InvalidArgument(f"hai local up (pid {holder or '?'}) is starting the cluster in {self.root}; "
+                                      "wait for it (a failed up stops what it started) or kill it, then run "
+                                      "down again") from None
+            return self._down(quiet)
+
+    def _down(self, quiet: bool) -> bool:
         ran = False
         procs = self.processes()
         for name in reversed(list(procs)):  # the agents (and their ranks) first, then the server

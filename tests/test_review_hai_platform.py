@@ -3,6 +3,7 @@ PostgreSQL store, ``hai server --db``): one test each, all fast (no fs3, no real
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import hai.local
+from fs3.cli.local import cluster_lock
+from fs3.common.errors import InvalidArgument
 from hai.local import HaiLocal, Settings
 
 USER_TOKEN = "fs3u.0123456789abcdef." + "s" * 32  # a user token: hai local hands it on, runs no fs3 admin
@@ -42,3 +45,19 @@ def test_hai_local_server_and_agents_do_not_inherit_an_operators_database_or_tok
     for name in ("HAI_DB_URL", "HAI_ADMIN_TOKEN", "HAI_AGENT_TOKEN"):
         assert name not in seen[0], name
     assert seen[0]["FS3_TOKEN"] == USER_TOKEN
+
+
+def test_hai_local_down_is_refused_while_an_up_is_starting(tmp_path: Path) -> None:
+    # An up in progress holds the directory's lock; a down from another terminal must not stop what
+    # it started while it goes on, nor overwrite its record of the network.
+    root = tmp_path / "local"
+    root.mkdir(mode=0o700)
+    recorded = {"nodes": 1, "with_fs3": False, "netns": True, "host": "10.214.250.1",
+                "bridge": "haibr-nosuch", "namespaces": ["hai-nosuch-node1"]}
+    (root / hai.local.STATE_FILE).write_text(json.dumps(recorded))
+    with cluster_lock(root, "hai local"):
+        with pytest.raises(InvalidArgument, match="is starting the cluster"):
+            HaiLocal(root).down()
+        assert json.loads((root / hai.local.STATE_FILE).read_text()) == recorded
+    HaiLocal(root).down(quiet=True)  # once the up is over
+    assert json.loads((root / hai.local.STATE_FILE).read_text())["bridge"] is None
