@@ -13,6 +13,7 @@ import pytest
 import hai.local
 from fs3.cli.local import cluster_lock
 from fs3.common.errors import InvalidArgument
+from hai.__main__ import main as hai_main
 from hai.local import HaiLocal, Settings
 
 USER_TOKEN = "fs3u.0123456789abcdef." + "s" * 32  # a user token: hai local hands it on, runs no fs3 admin
@@ -61,3 +62,15 @@ def test_hai_local_down_is_refused_while_an_up_is_starting(tmp_path: Path) -> No
         assert json.loads((root / hai.local.STATE_FILE).read_text()) == recorded
     HaiLocal(root).down(quiet=True)  # once the up is over
     assert json.loads((root / hai.local.STATE_FILE).read_text())["bridge"] is None
+
+
+@pytest.mark.parametrize("url", ["postgresql://hai:s3cretpw@db:notaport/hai", "postgresql+nodriver://hai:s3cretpw@db/hai",
+                                 "mysql://hai:s3cretpw@db/hai", "hai:s3cretpw@db/hai"])
+def test_a_database_url_hai_cannot_use_is_one_line_without_its_password(
+        url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # docs/operations.md: a database the server cannot open is one line on stderr and exit status 1;
+    # a URL that does not parse, or names a driver hai lacks, was a traceback.
+    assert hai_main(["server", "--dir", str(tmp_path / "hai"), "--db", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hai server: ") and err.count("\n") == 1, err
+    assert "s3cretpw" not in err
