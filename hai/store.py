@@ -493,14 +493,17 @@ class Store:
             raise StoreError(f"the database URL is not a SQLAlchemy URL ({type(error).__name__}); expected "
                              "DIALECT[+DRIVER]://USER[:PASSWORD]@HOST[:PORT]/DATABASE") from None
         shown = parsed.render_as_string(hide_password=True)
+        # hide_parameters: a failed statement's error (chained under every StoreError, so in the
+        # traceback the server logs) would otherwise quote its values: jobs' commands and
+        # environments, which may carry users' secrets (see hai.server.HaiServer.job_view).
         try:
             if parsed.get_backend_name() == "postgresql":
                 # Defaults only: a URL's own ?connect_timeout= or ?application_name= wins.
                 defaults = {"connect_timeout": _PG_CONNECT_TIMEOUT_S, "application_name": "hai"}
-                engine = create_engine(parsed, **_PG_POOL,
+                engine = create_engine(parsed, **_PG_POOL, hide_parameters=True,
                                        connect_args={k: v for k, v in defaults.items() if k not in parsed.query})
             else:
-                engine = create_engine(parsed)
+                engine = create_engine(parsed, hide_parameters=True)
         except (ArgumentError, ImportError) as error:  # an unknown dialect, a driver not installed
             raise StoreError(f"{shown}: no database driver for it ({error}); hai installs psycopg (PostgreSQL) "
                              "and has SQLite") from None

@@ -4,7 +4,9 @@ PostgreSQL store, ``hai server --db``): one test each, all fast (no fs3, no real
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -13,8 +15,11 @@ import pytest
 import hai.local
 from fs3.cli.local import cluster_lock
 from fs3.common.errors import InvalidArgument
+from hai import rules
 from hai.__main__ import main as hai_main
 from hai.local import HaiLocal, Settings
+from hai.rules import JobSpec, Priority
+from hai.store import DB_FILE, Store, StoreError, default_url
 
 USER_TOKEN = "fs3u.0123456789abcdef." + "s" * 32  # a user token: hai local hands it on, runs no fs3 admin
 
@@ -74,3 +79,21 @@ def test_a_database_url_hai_cannot_use_is_one_line_without_its_password(
     err = capsys.readouterr().err
     assert err.startswith("hai server: ") and err.count("\n") == 1, err
     assert "s3cretpw" not in err
+
+
+def test_a_failed_commit_does_not_carry_a_jobs_environment_into_the_servers_log(tmp_path: Path) -> None:
+    # A commit the database refuses raises StoreError, chained to the driver's error; the server logs
+    # the whole chain (a failed scheduling pass, a 500). It must not quote the statement's values: a
+    # job's environment and command may carry its user's secrets, withheld from other users.
+    store = Store.open(default_url(tmp_path))
+    with sqlite3.connect(tmp_path / DB_FILE) as conn:
+        conn.execute("CREATE TRIGGER refuse BEFORE INSERT ON hai_jobs BEGIN SELECT RAISE(ABORT, 'refused'); END")
+    old = store.load()
+    spec = JobSpec("job-1", "alice", 1, Priority.NORMAL, command="train --key=cmd-secret-1",
+                   env=(("API_KEY", "env-secret-2"),))
+    with pytest.raises(StoreError) as raised:
+        store.commit(old, rules.submit(old, spec, 1.0))
+    logged = "".join(traceback.format_exception(raised.value))
+    assert "refused" in logged and "INSERT INTO hai_jobs" in logged
+    assert "env-secret-2" not in logged and "cmd-secret-1" not in logged
+    store.close()
