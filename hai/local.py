@@ -297,7 +297,8 @@ class HaiLocal:
     def down(self, quiet: bool = False) -> bool:
         """Stop everything this directory runs and remove its network; whether anything ran.
 
-        Refused while an ``up`` is starting the directory's cluster (it holds the directory's lock):
+        Refused while an ``up`` is starting the directory's cluster, or another ``down`` stops it
+        (either holds the directory's lock):
         a ``down`` in between would stop what that ``up`` had started while it went on starting the
         rest, and each would write its own record of the network over the other's. A failed ``up``
         stops what it started itself."""
@@ -306,9 +307,9 @@ class HaiLocal:
                 stack.enter_context(cluster_lock(self.root, "hai local"))
             except InvalidArgument:
                 holder = read_pid_file(self.root / "lock")
-                raise InvalidArgument(f"hai local up (pid {holder or '?'}) is starting the cluster in {self.root}; "
-                                      "wait for it (a failed up stops what it started) or kill it, then run "
-                                      "down again") from None
+                raise InvalidArgument(f"another hai local up or down (pid {holder or '?'}) is at work on the cluster "
+                                      f"in {self.root}; wait for it (a failed up stops what it started) or kill "
+                                      "it, then run down again") from None
             return self._down(quiet)
 
     def _down(self, quiet: bool) -> bool:

@@ -62,7 +62,7 @@ def test_hai_local_down_is_refused_while_an_up_is_starting(tmp_path: Path) -> No
                 "bridge": "haibr-nosuch", "namespaces": ["hai-nosuch-node1"]}
     (root / hai.local.STATE_FILE).write_text(json.dumps(recorded))
     with cluster_lock(root, "hai local"):
-        with pytest.raises(InvalidArgument, match="is starting the cluster"):
+        with pytest.raises(InvalidArgument, match="is at work on the cluster"):
             HaiLocal(root).down()
         assert json.loads((root / hai.local.STATE_FILE).read_text()) == recorded
     HaiLocal(root).down(quiet=True)  # once the up is over
