@@ -22,7 +22,8 @@ bridge and the namespaces, so ``down`` (from any process) removes exactly those.
 **Users.** ``up`` makes an admin user whose token is in ``DIR/hai-admin.token`` (0600; kept across
 restarts), and prints how to use it. Its jobs' ranks act on fs3 as an fs3 *user* — never with the
 cluster's token, which only the agents and the server hold: ``up`` makes an fs3 user token for the
-uid and gid running it (``fs3 admin user add``, kept in ``DIR/hai/admin.fs3token``), or, when
+uid and gid running it (``fs3 admin user add``, kept in ``DIR/hai/admin.fs3token`` and used again
+on the same cluster only), or, when
 ``--fs3`` was given a user token rather than a cluster token, hands on that one. Every (user, group,
 priority) may use all N nodes unless an admin sets a quota.
 
@@ -196,10 +197,16 @@ class HaiLocal:
         if parse_user_token(fs3_token) is not None:
             return fs3_token
         kept = self.hai_dir / ADMIN_FS3_TOKEN_FILE
-        if kept.exists() and own_cluster:
+        # Which cluster the kept token was made on: this directory's own ("local"), else its mgmtd.
+        # A token is reused on that cluster only: every `fs3 admin user add` makes one more valid
+        # token, which `down` does not remove.
+        made_on = self.hai_dir / f"{ADMIN_FS3_TOKEN_FILE}.cluster"
+        cluster = "local" if own_cluster else mgmtd
+        recorded = made_on.read_text().strip() if made_on.exists() else ("local" if kept.exists() else "")
+        if kept.exists() and recorded == cluster:
             return read_token_file(kept)[0]
         with contextlib.suppress(FileNotFoundError):
-            kept.unlink()  # made on another cluster (an earlier --fs3): not valid on this one
+            kept.unlink()  # made on another cluster: not valid on this one
         target = ["--dir", str(self.root)] if own_cluster else ["--mgmtd", mgmtd]
         argv = [sys.executable, "-P", "-m", "fs3.cli.main", "admin", *target, "user", "add", "hai-admin",
                 "--uid", str(os.getuid()), "--gid", str(os.getgid()), "--comment", "hai local: the admin's ranks",
@@ -209,6 +216,7 @@ class HaiLocal:
         if done.returncode != 0 or not kept.exists():
             raise FS3Error(f"could not make an fs3 user token for the admin's ranks: "
                            f"{(done.stderr or done.stdout).strip()[-500:]}")
+        write_secret_file(made_on, cluster + "\n")
         return read_token_file(kept)[0]
 
     def _make_network(self, nodes: int) -> tuple[str, list[tuple[str, str]]]:

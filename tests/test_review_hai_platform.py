@@ -9,12 +9,14 @@ import subprocess
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import hai.local
 from fs3.cli.local import cluster_lock
 from fs3.common.errors import InvalidArgument
+from fs3.common.secret_files import make_private_dir, write_token_file
 from hai import rules
 from hai.__main__ import main as hai_main
 from hai.local import HaiLocal, Settings
@@ -97,3 +99,32 @@ def test_a_failed_commit_does_not_carry_a_jobs_environment_into_the_servers_log(
     assert "refused" in logged and "INSERT INTO hai_jobs" in logged
     assert "env-secret-2" not in logged and "cmd-secret-1" not in logged
     store.close()
+
+
+def test_the_admins_fs3_user_token_is_made_once_per_cluster_and_never_used_on_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fs3 admin user add` makes one more valid token each time; `down` removes none. An `up --fs3 X`
+    # made a new one on X at every up, and an `up` on the directory's own fs3 after an `up --fs3 X`
+    # handed its ranks X's token, which the own cluster does not know.
+    made: list[tuple[str, str]] = []
+
+    def user_add(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        where = argv[argv.index("admin") + 1:argv.index("admin") + 3]
+        token = f"fs3u.{len(made):016x}." + "t" * 32
+        write_token_file(argv[argv.index("--token-file") + 1], [token])
+        made.append((" ".join(where), token))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(hai.local.subprocess, "run", user_add)
+    local = HaiLocal(tmp_path / "local")
+    make_private_dir(local.root)
+    make_private_dir(local.hai_dir)
+    cluster_token = "c" * 32
+    on_x = local._ranks_fs3_token("10.0.0.9:9000", cluster_token, own_cluster=False)
+    assert local._ranks_fs3_token("10.0.0.9:9000", cluster_token, own_cluster=False) == on_x
+    assert len(made) == 1 and made[0][0] == "--mgmtd 10.0.0.9:9000"
+    own = local._ranks_fs3_token("127.0.0.1:9100", cluster_token, own_cluster=True)
+    assert own != on_x and made[-1][0] == f"--dir {local.root}"
+    assert local._ranks_fs3_token("127.0.0.1:9100", cluster_token, own_cluster=True) == own
+    assert local._ranks_fs3_token("10.0.0.10:9000", cluster_token, own_cluster=False) not in (on_x, own)
+    assert len(made) == 3
