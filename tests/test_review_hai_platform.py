@@ -3,6 +3,7 @@ PostgreSQL store, ``hai server --db``): one test each, all fast (no fs3, no real
 
 from __future__ import annotations
 
+import argparse
 import json
 import sqlite3
 import subprocess
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import hai.cli
 import hai.local
 from fs3.cli.local import cluster_lock
 from fs3.common.errors import InvalidArgument
@@ -115,7 +117,7 @@ def test_the_admins_fs3_user_token_is_made_once_per_cluster_and_never_used_on_an
         made.append((" ".join(where), token))
         return subprocess.CompletedProcess(argv, 0, "", "")
 
-    monkeypatch.setattr(hai.local.subprocess, "run", user_add)
+    monkeypatch.setattr(subprocess, "run", user_add)  # hai.local calls subprocess.run
     local = HaiLocal(tmp_path / "local")
     make_private_dir(local.root)
     make_private_dir(local.hai_dir)
@@ -128,3 +130,19 @@ def test_the_admins_fs3_user_token_is_made_once_per_cluster_and_never_used_on_an
     assert local._ranks_fs3_token("127.0.0.1:9100", cluster_token, own_cluster=True) == own
     assert local._ranks_fs3_token("10.0.0.10:9000", cluster_token, own_cluster=False) not in (on_x, own)
     assert len(made) == 3
+
+
+def test_hai_show_says_a_withheld_value_is_withheld_not_the_string_none(capsys: pytest.CaptureFixture[str]) -> None:
+    # The server gives another user's job's variables with their values null; `hai show` printed
+    # API_KEY=None, which reads as the value "None".
+    job = {"job_id": "train-3", "user": "bob", "state": "queued", "requested": "NORMAL", "priority": "NORMAL",
+           "group": "default", "nodes": 1, "ranks_per_node": 1, "assigned": [], "task": 0, "restarts": 0,
+           "reason": None, "command": "train", "env": {"API_KEY": None, "CHECKPOINT_BYTES": "1024"}, "chain": []}
+
+    class Api:
+        def call(self, method: str, path: str) -> dict[str, Any]:
+            return job
+
+    assert hai.cli.cmd_show(Api(), argparse.Namespace(job="train-3", json=False)) == 0  # type: ignore[arg-type]
+    shown = capsys.readouterr().out
+    assert "API_KEY=(withheld)" in shown and "CHECKPOINT_BYTES=1024" in shown and "None" not in shown
