@@ -403,14 +403,17 @@ def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
                        f"read them with <code>hai logs {_e(job.job_id)} --rank {rank}</code>.</p>")
     path = logs.path(job.job_id, rank)
     try:
-        data = logs.tail(job.job_id, rank, LOG_TAIL_BYTES)
+        # One byte more than is shown: whether the log is longer, and whether the shown part starts
+        # with a whole line (the byte before it ends one).
+        data = logs.tail(job.job_id, rank, LOG_TAIL_BYTES + 1)
     except OSError as error:
         return head + f'<p class="err">Cannot read {_e(path)} ({_e(logs.where)}): {_e(error)}</p>'
     if data is None:
         return head + f'<p class="muted">No log at {_e(path)} yet ({_e(logs.where)}).</p>'
-    cut = len(data) == LOG_TAIL_BYTES and b"\n" in data
+    cut = len(data) > LOG_TAIL_BYTES
     if cut:
-        data = data[data.index(b"\n") + 1:]  # from the first whole line
+        newline = data.find(b"\n")
+        data = data[newline + 1:] if 0 <= newline < len(data) - 1 else data[1:]  # from the first whole line
     text = data.decode("utf-8", errors="replace")
     note = f"the last {_e(len(data))} bytes" if cut else "all of it"
     return head + f'<p class="muted">{_e(path)} ({_e(logs.where)}), {note}:</p><pre>{_e(text)}</pre>'

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 import hai.cli
 import hai.local
@@ -21,8 +22,10 @@ from fs3.common.errors import InvalidArgument
 from fs3.common.secret_files import make_private_dir, write_token_file
 from hai import rules
 from hai.__main__ import main as hai_main
+from hai.dashboard import COOKIE, LOG_TAIL_BYTES, LocalLogReader
 from hai.local import HaiLocal, Settings
 from hai.rules import JobSpec, Priority
+from hai.server import HaiServer, User, Users, create_app, hash_token
 from hai.store import DB_FILE, Store, StoreError, default_url
 
 USER_TOKEN = "fs3u.0123456789abcdef." + "s" * 32  # a user token: hai local hands it on, runs no fs3 admin
@@ -146,3 +149,31 @@ def test_hai_show_says_a_withheld_value_is_withheld_not_the_string_none(capsys: 
     assert hai.cli.cmd_show(Api(), argparse.Namespace(job="train-3", json=False)) == 0  # type: ignore[arg-type]
     shown = capsys.readouterr().out
     assert "API_KEY=(withheld)" in shown and "CHECKPOINT_BYTES=1024" in shown and "None" not in shown
+
+
+def _log_page(tmp_path: Path, log: bytes) -> str:
+    """The dashboard's job page of a one-rank job whose rank 0 log is ``log``."""
+    token = "alice-token"
+    tmp_path.mkdir()
+    server = HaiServer(Store.open(default_url(tmp_path)), Users(users=(User("alice", hash_token(token)),)))
+    server.change(lambda s: rules.submit(s, JobSpec("logged-1", "alice", 1, Priority.NORMAL, command="x"), 0.0))
+    (tmp_path / "logs" / "logged-1").mkdir(parents=True)
+    (tmp_path / "logs" / "logged-1" / "0.log").write_bytes(log)
+    app = create_app(server, run_loop=False, logs=LocalLogReader(tmp_path / "logs"))
+    with TestClient(app, follow_redirects=False) as client:
+        client.cookies.set(COOKIE, token)
+        text: str = client.get("/dashboard/jobs/logged-1").text
+    server.close()
+    return text
+
+
+def test_the_log_tail_says_all_of_it_for_a_log_of_exactly_the_tail_size(tmp_path: Path) -> None:
+    # A log of exactly LOG_TAIL_BYTES was taken for a cut one: its first line dropped, "the last
+    # ... bytes" said; a longer log of one line was "all of it".
+    lines = b"".join(b"line %05d\n" % i for i in range((LOG_TAIL_BYTES - 6) // 11))
+    whole = b"first\n" + b"x" * (LOG_TAIL_BYTES - 6 - len(lines)) + lines
+    assert len(whole) == LOG_TAIL_BYTES
+    page = _log_page(tmp_path / "a", whole)
+    assert "all of it" in page and "first" in page
+    page = _log_page(tmp_path / "b", b"y" * (LOG_TAIL_BYTES + 100))
+    assert "all of it" not in page and f"the last {LOG_TAIL_BYTES} bytes" in page
