@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
 import subprocess
+import sys
+import tomllib
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
@@ -177,3 +180,35 @@ def test_the_log_tail_says_all_of_it_for_a_log_of_exactly_the_tail_size(tmp_path
     assert "all of it" in page and "first" in page
     page = _log_page(tmp_path / "b", b"y" * (LOG_TAIL_BYTES + 100))
     assert "all of it" not in page and f"the last {LOG_TAIL_BYTES} bytes" in page
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the container image lacks: it installs fs3 with the fuse extra only (Dockerfile), not the
+# training extra (numpy, torch) nor the training packages.
+_WITHOUT_TRAINING = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("numpy", "torch", "hfreduce", "haiscale"):
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the image)")
+        return None
+sys.meta_path.insert(0, Absent())
+from hai.__main__ import main
+for command in ("server", "agent", "local", "ls", "submit"):
+    try:
+        main([command, "--help"])
+    except SystemExit as done:
+        assert done.code == 0, (command, done.code)
+print("hai runs without the training extra")
+"""
+
+
+def test_the_hai_command_is_installed_and_runs_with_fs3s_own_dependencies_only() -> None:
+    # docker-compose.yml's hai services have the entrypoint `hai`: the package must install that
+    # command, and it must start in the image, which has fs3's dependencies but not numpy (hai
+    # validate imported numpy at the top, and every hai command imports hai validate).
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts.get("hai") == "hai.__main__:main"
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TRAINING], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "hai runs without the training extra" in done.stdout, done.stderr[-2000:]
