@@ -9,6 +9,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import tomllib
 import traceback
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ from fs3.common.errors import InvalidArgument
 from fs3.common.secret_files import make_private_dir, write_token_file
 from hai import rules
 from hai.__main__ import main as hai_main
-from hai.dashboard import COOKIE, LOG_TAIL_BYTES, LocalLogReader
+from hai.dashboard import COOKIE, LOG_TAIL_BYTES, Fs3LogReader, LocalLogReader
 from hai.local import HaiLocal, Settings
 from hai.rules import JobSpec, Priority
 from hai.server import HaiServer, User, Users, create_app, hash_token
@@ -212,3 +213,40 @@ def test_the_hai_command_is_installed_and_runs_with_fs3s_own_dependencies_only()
     done = subprocess.run([sys.executable, "-c", _WITHOUT_TRAINING], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and "hai runs without the training extra" in done.stdout, done.stderr[-2000:]
+
+
+def test_pages_do_not_queue_behind_a_log_readers_slow_connect_to_fs3() -> None:
+    # A connect to an fs3 that does not answer takes the client's retry budget (10 s). Every page
+    # that wanted a log waited for it under the reader's lock, each holding one of the threads the
+    # API's requests run on: enough open job pages starved the agents' heartbeats.
+    entered, release = threading.Event(), threading.Event()
+
+    def connect() -> Any:
+        entered.set()
+        release.wait(30)
+        raise ConnectionError("fs3 does not answer")
+
+    reader = Fs3LogReader(connect)
+    errors: list[str] = []
+
+    def view() -> None:
+        try:
+            reader.tail("job-1", 0, 1024)
+        except OSError as error:
+            errors.append(str(error))
+
+    first = threading.Thread(target=view)
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=view)
+    second.start()
+    second.join(timeout=10)
+    waited = second.is_alive()
+    release.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert not waited, "a second page waited for the first page's connect"
+    assert any("connecting to fs3" in e for e in errors) and any("cannot connect to fs3" in e for e in errors)
+    with pytest.raises(OSError, match="cannot connect to fs3"):  # the next page tries again
+        release.set()
+        reader.tail("job-1", 0, 1024)
