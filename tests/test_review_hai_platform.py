@@ -250,3 +250,23 @@ def test_pages_do_not_queue_behind_a_log_readers_slow_connect_to_fs3() -> None:
     with pytest.raises(OSError, match="cannot connect to fs3"):  # the next page tries again
         release.set()
         reader.tail("job-1", 0, 1024)
+
+
+def test_a_request_the_database_cannot_take_is_a_503_that_says_why(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # PostgreSQL down under a running server: a submit was a bare 500 "Internal Server Error"
+    # (`hai submit` could not say why) and a traceback in the log.
+    token = "alice-token"
+    server = HaiServer(Store.open(default_url(tmp_path)), Users(users=(User("alice", hash_token(token)),)))
+
+    def down(old: Any, new: Any) -> None:
+        raise StoreError("the commit was not written: connection refused")
+
+    monkeypatch.setattr(server.store, "commit", down)
+    with TestClient(create_app(server, run_loop=False), raise_server_exceptions=False) as client:
+        response = client.post("/jobs", json={"name": "train", "command": "python train.py", "nodes": 1},
+                               headers={"Authorization": f"Bearer {token}"})
+    server.close()
+    assert response.status_code == 503, response.text
+    assert "connection refused" in response.json()["detail"]
+    assert not server.state.jobs  # nothing adopted that was not written
