@@ -1,5 +1,8 @@
-"""Bugs found in a third review of the HAI platform's newest parts (dashboard, ``hai local``,
-PostgreSQL store, ``hai server --db``): one test each, all fast (no fs3, no real processes)."""
+"""Bugs found in a third review of the HAI platform's newest parts (the dashboard, ``hai local``,
+the PostgreSQL store, ``hai server --db``, the compose services): one test each, each failing
+before its fix (docs/reliability.md, "HAI platform bugs found in a third review"). All fast: no
+fs3, no cluster processes (``hai local``'s spawner and ``fs3 admin`` are stand-ins), SQLite stores,
+one short Python subprocess for the installed command."""
 
 from __future__ import annotations
 
