@@ -440,6 +440,9 @@ def cmd_ls(api: Api, args: argparse.Namespace) -> int:
     return 0
 
 
+WITHHELD = "(withheld)"  # how `hai show` prints a variable of another user's job, whose value the server withholds
+
+
 def cmd_show(api: Api, args: argparse.Namespace) -> int:
     job = api.call("GET", f"/jobs/{args.job}")
     if args.json:
@@ -452,7 +455,8 @@ def cmd_show(api: Api, args: argparse.Namespace) -> int:
               ("restarts", str(job["restarts"])), ("reason", job.get("reason") or "-"),
               ("command", job.get("command", ""))]
     if job.get("env"):
-        fields.append(("env", " ".join(f"{k}={v}" for k, v in sorted(job["env"].items()))))
+        # A value the server withholds (another user's job) is null: shown as such, not as "None".
+        fields.append(("env", " ".join(f"{k}={WITHHELD if v is None else v}" for k, v in sorted(job["env"].items()))))
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         print(f"{key.ljust(width)}  {value}")

@@ -136,21 +136,39 @@ class Fs3LogReader:
         self._connect = connect
         self._root = root
         self._fs: Any = None
+        self._connecting = False
         self._lock = threading.Lock()
         self.where = f"fs3 {root}"
 
     def path(self, job_id: str, rank: int) -> str:
         return log_path(job_id, rank, self._root)
 
+    def _client(self) -> Any:
+        """The client, connecting when there is none. One page connects at a time, outside the lock,
+        and the others are told so at once rather than waiting: a connect to an fs3 that does not
+        answer takes the client's whole retry budget, and pages queued behind it would each hold
+        one of the threads the API's requests (the agents' heartbeats) run on."""
+        with self._lock:
+            if self._fs is not None:
+                return self._fs
+            if self._connecting:
+                raise OSError("connecting to fs3 (for another page): reload in a moment")
+            self._connecting = True
+        try:
+            fs = self._connect()
+        except Exception as error:  # whatever the client raises: the page says it
+            raise OSError(f"cannot connect to fs3: {error}") from error
+        else:
+            with self._lock:
+                self._fs = fs
+            return fs
+        finally:
+            with self._lock:
+                self._connecting = False
+
     def tail(self, job_id: str, rank: int, max_bytes: int) -> bytes | None:
         path = self.path(job_id, rank)
-        with self._lock:
-            if self._fs is None:
-                try:
-                    self._fs = self._connect()
-                except Exception as error:  # whatever the client raises: the page says it
-                    raise OSError(f"cannot connect to fs3: {error}") from error
-            fs = self._fs
+        fs = self._client()
         try:
             size = int(fs.stat(path).st_size)
             with fs.open(path, "rb") as f:
@@ -403,14 +421,17 @@ def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
                        f"read them with <code>hai logs {_e(job.job_id)} --rank {rank}</code>.</p>")
     path = logs.path(job.job_id, rank)
     try:
-        data = logs.tail(job.job_id, rank, LOG_TAIL_BYTES)
+        # One byte more than is shown: whether the log is longer, and whether the shown part starts
+        # with a whole line (the byte before it ends one).
+        data = logs.tail(job.job_id, rank, LOG_TAIL_BYTES + 1)
     except OSError as error:
         return head + f'<p class="err">Cannot read {_e(path)} ({_e(logs.where)}): {_e(error)}</p>'
     if data is None:
         return head + f'<p class="muted">No log at {_e(path)} yet ({_e(logs.where)}).</p>'
-    cut = len(data) == LOG_TAIL_BYTES and b"\n" in data
+    cut = len(data) > LOG_TAIL_BYTES
     if cut:
-        data = data[data.index(b"\n") + 1:]  # from the first whole line
+        newline = data.find(b"\n")
+        data = data[newline + 1:] if 0 <= newline < len(data) - 1 else data[1:]  # from the first whole line
     text = data.decode("utf-8", errors="replace")
     note = f"the last {_e(len(data))} bytes" if cut else "all of it"
     return head + f'<p class="muted">{_e(path)} ({_e(logs.where)}), {note}:</p><pre>{_e(text)}</pre>'

@@ -22,7 +22,8 @@ bridge and the namespaces, so ``down`` (from any process) removes exactly those.
 **Users.** ``up`` makes an admin user whose token is in ``DIR/hai-admin.token`` (0600; kept across
 restarts), and prints how to use it. Its jobs' ranks act on fs3 as an fs3 *user* — never with the
 cluster's token, which only the agents and the server hold: ``up`` makes an fs3 user token for the
-uid and gid running it (``fs3 admin user add``, kept in ``DIR/hai/admin.fs3token``), or, when
+uid and gid running it (``fs3 admin user add``, kept in ``DIR/hai/admin.fs3token`` and used again
+on the same cluster only), or, when
 ``--fs3`` was given a user token rather than a cluster token, hands on that one. Every (user, group,
 priority) may use all N nodes unless an admin sets a quota.
 
@@ -47,11 +48,12 @@ from typing import Any
 
 from fs3.cli.local import LocalCluster, cluster_lock
 from fs3.cluster import netns
-from fs3.cluster.processes import ServiceProcess, pid_alive, spawn_logged, stop_group
+from fs3.cluster.processes import ServiceProcess, pid_alive, read_pid_file, spawn_logged, stop_group
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import make_private_dir, read_token_file, write_secret_file
 
-__all__ = ["ADMIN_TOKEN_FILE", "STATE_FILE", "HaiLocal", "add_arguments", "hai_argv", "run"]
+__all__ = ["ADMIN_TOKEN_FILE", "NOT_INHERITED", "STATE_FILE", "HaiLocal", "add_arguments", "hai_argv", "run",
+           "service_env"]
 
 STATE_FILE = "hai-local.json"
 ADMIN_TOKEN_FILE = "hai-admin.token"
@@ -60,6 +62,19 @@ ADMIN_FS3_TOKEN_FILE = "admin.fs3token"  # in DIR/hai: the fs3 user token the ad
 MAX_NODES = 64  # one /24 holds them, and one machine runs them
 SUBNET_PREFIX = "10.214"  # the chaos harness takes 10.213: the two can run side by side
 LOOPBACK = "127.0.0.1"
+# What ``hai server`` and ``hai agent`` read from their environment that would take this
+# directory's platform elsewhere: an operator's ``HAI_DB_URL`` (the local server would schedule on
+# that database, next to its real server) and the container tokens (the server would replace the
+# admin whose token is in DIR/hai-admin.token, its ranks getting $FS3_TOKEN, the cluster's token).
+NOT_INHERITED = ("HAI_DB_URL", "HAI_ADMIN_TOKEN", "HAI_AGENT_TOKEN")
+
+
+def service_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment ``hai local`` starts its server and agents with: the caller's, less
+    :data:`NOT_INHERITED`."""
+    env = {k: v for k, v in environ.items() if k not in NOT_INHERITED}
+    env.setdefault("FS3_LOG_LEVEL", "INFO")
+    return env
 
 
 def hai_argv(args: list[str], ready_file: Path) -> list[str]:
@@ -160,7 +175,7 @@ class HaiLocal:
             try:
                 self._start(settings, use_netns, fs3_token)
             except BaseException:
-                self.down(quiet=True)
+                self._down(quiet=True)  # under this up's lock
                 raise
 
     def _fs3_token(self, settings: Settings) -> str | None:
@@ -182,10 +197,16 @@ class HaiLocal:
         if parse_user_token(fs3_token) is not None:
             return fs3_token
         kept = self.hai_dir / ADMIN_FS3_TOKEN_FILE
-        if kept.exists() and own_cluster:
+        # Which cluster the kept token was made on: this directory's own ("local"), else its mgmtd.
+        # A token is reused on that cluster only: every `fs3 admin user add` makes one more valid
+        # token, which `down` does not remove.
+        made_on = self.hai_dir / f"{ADMIN_FS3_TOKEN_FILE}.cluster"
+        cluster = "local" if own_cluster else mgmtd
+        recorded = made_on.read_text().strip() if made_on.exists() else ("local" if kept.exists() else "")
+        if kept.exists() and recorded == cluster:
             return read_token_file(kept)[0]
         with contextlib.suppress(FileNotFoundError):
-            kept.unlink()  # made on another cluster (an earlier --fs3): not valid on this one
+            kept.unlink()  # made on another cluster: not valid on this one
         target = ["--dir", str(self.root)] if own_cluster else ["--mgmtd", mgmtd]
         argv = [sys.executable, "-P", "-m", "fs3.cli.main", "admin", *target, "user", "add", "hai-admin",
                 "--uid", str(os.getuid()), "--gid", str(os.getgid()), "--comment", "hai local: the admin's ranks",
@@ -195,6 +216,7 @@ class HaiLocal:
         if done.returncode != 0 or not kept.exists():
             raise FS3Error(f"could not make an fs3 user token for the admin's ranks: "
                            f"{(done.stderr or done.stdout).strip()[-500:]}")
+        write_secret_file(made_on, cluster + "\n")
         return read_token_file(kept)[0]
 
     def _make_network(self, nodes: int) -> tuple[str, list[tuple[str, str]]]:
@@ -250,7 +272,7 @@ class HaiLocal:
             token = add_user(self.hai_dir, ADMIN, admin=True, fs3_token=ranks_token)
             write_secret_file(self.admin_token_file, token + "\n")
 
-        env = {**os.environ, "FS3_LOG_LEVEL": os.environ.get("FS3_LOG_LEVEL", "INFO")}
+        env = service_env(os.environ)
         server = self._proc("hai-server", [
             "server", "--dir", str(self.hai_dir), "--host", host, "--port", "0",
             "--default-quota-nodes", str(settings.nodes), "--tick-interval-s", str(settings.tick_interval_s),
@@ -281,7 +303,24 @@ class HaiLocal:
     # -- down -------------------------------------------------------------------------------------
 
     def down(self, quiet: bool = False) -> bool:
-        """Stop everything this directory runs and remove its network; whether anything ran."""
+        """Stop everything this directory runs and remove its network; whether anything ran.
+
+        Refused while an ``up`` is starting the directory's cluster, or another ``down`` stops it
+        (either holds the directory's lock):
+        a ``down`` in between would stop what that ``up`` had started while it went on starting the
+        rest, and each would write its own record of the network over the other's. A failed ``up``
+        stops what it started itself."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(cluster_lock(self.root, "hai local"))
+            except InvalidArgument:
+                holder = read_pid_file(self.root / "lock")
+                raise InvalidArgument(f"another hai local up or down (pid {holder or '?'}) is at work on the cluster "
+                                      f"in {self.root}; wait for it (a failed up stops what it started) or kill "
+                                      "it, then run down again") from None
+            return self._down(quiet)
+
+    def _down(self, quiet: bool) -> bool:
         ran = False
         procs = self.processes()
         for name in reversed(list(procs)):  # the agents (and their ranks) first, then the server

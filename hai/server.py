@@ -580,6 +580,14 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
     async def _conflict(_request: Request, error: StoreConflictError) -> JSONResponse:
         return JSONResponse({"detail": f"database conflict, state reloaded: {error}"}, status_code=503)
 
+    @app.exception_handler(StoreError)
+    async def _unavailable(_request: Request, error: StoreError) -> JSONResponse:
+        # The database is down or refused the commit (nothing was written): say so, 503 like a
+        # conflict, so that `hai` prints why and the agents retry, instead of a bare 500. Its
+        # message is the driver's, one line, with no statement values and no password.
+        log.warning("database: %s", error)
+        return JSONResponse({"detail": f"database unavailable, nothing was written: {error}"}, status_code=503)
+
     def own_job(job_id: str, caller: User) -> Job:
         job = server.state.jobs.get(job_id)
         if job is None:

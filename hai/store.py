@@ -68,7 +68,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 
 from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord
 
@@ -504,14 +504,27 @@ class Store:
     @classmethod
     def open(cls, url: str, limits: Limits = LIMITS) -> Store:
         """Connect to ``url``; create the schema in an empty database, refuse one of another version."""
-        parsed = engine_url(url)
-        if parsed.get_backend_name() == "postgresql":
-            # Defaults only: a URL's own ?connect_timeout= or ?application_name= wins.
-            defaults = {"connect_timeout": _PG_CONNECT_TIMEOUT_S, "application_name": "hai"}
-            engine = create_engine(parsed, **_PG_POOL,
-                                   connect_args={k: v for k, v in defaults.items() if k not in parsed.query})
-        else:
-            engine = create_engine(parsed)
+        try:
+            parsed = engine_url(url)
+        except (ArgumentError, ValueError) as error:
+            # Not the URL itself nor the parser's words, which may quote it: it may carry a password.
+            raise StoreError(f"the database URL is not a SQLAlchemy URL ({type(error).__name__}); expected "
+                             "DIALECT[+DRIVER]://USER[:PASSWORD]@HOST[:PORT]/DATABASE") from None
+        shown = parsed.render_as_string(hide_password=True)
+        # hide_parameters: a failed statement's error (chained under every StoreError, so in the
+        # traceback the server logs) would otherwise quote its values: jobs' commands and
+        # environments, which may carry users' secrets (see hai.server.HaiServer.job_view).
+        try:
+            if parsed.get_backend_name() == "postgresql":
+                # Defaults only: a URL's own ?connect_timeout= or ?application_name= wins.
+                defaults = {"connect_timeout": _PG_CONNECT_TIMEOUT_S, "application_name": "hai"}
+                engine = create_engine(parsed, **_PG_POOL, hide_parameters=True,
+                                       connect_args={k: v for k, v in defaults.items() if k not in parsed.query})
+            else:
+                engine = create_engine(parsed, hide_parameters=True)
+        except (ArgumentError, ImportError) as error:  # an unknown dialect, a driver not installed
+            raise StoreError(f"{shown}: no database driver for it ({error}); hai installs psycopg (PostgreSQL) "
+                             "and has SQLite") from None
         if engine.dialect.name == "sqlite":
             _sqlite_transactions(engine)
         shown = engine.url.render_as_string(hide_password=True)

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import socket
@@ -38,11 +39,15 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
-
-import numpy as np
+from typing import IO, TYPE_CHECKING, Any
 
 from hai.validation_rules import CHECKS, Measurements, Thresholds, Verdict, judge
+
+if TYPE_CHECKING:
+    import numpy as np
+# numpy is imported by the checks that use it, not here: every `hai` command imports this module
+# (hai.__main__), and the server, the agent and the user commands run where only fs3's own
+# dependencies are installed (the container image), without the training extra that brings numpy.
 
 __all__ = ["Sizes", "check_allreduce", "check_cpu", "check_fs3", "check_gemm", "check_memory", "main",
            "run_checks"]
@@ -135,6 +140,8 @@ def check_cpu(sizes: Sizes) -> dict[str, float]:
 
 def check_memory(sizes: Sizes) -> dict[str, float]:
     """``memory_bandwidth_gbps``: best of ``memory_repeats`` copies, (read + written bytes) / time."""
+    import numpy as np
+
     count = sizes.memory_buffer_bytes // 8
     source = np.arange(count, dtype=np.int64)
     target = np.empty_like(source)
@@ -159,12 +166,16 @@ GEMM_VALUE_RANGE = 4
 
 def _matmul(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The GEMM under test (the node's BLAS through numpy)."""
+    import numpy as np
+
     result: np.ndarray[Any, Any] = np.matmul(a, b)
     return result
 
 
 def gemm_inputs(size: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """The fixed seeded float32 matrices."""
+    import numpy as np
+
     rng = np.random.default_rng(GEMM_SEED)
     a = rng.integers(-GEMM_VALUE_RANGE, GEMM_VALUE_RANGE + 1, size=(size, size)).astype(np.float32)
     b = rng.integers(-GEMM_VALUE_RANGE, GEMM_VALUE_RANGE + 1, size=(size, size)).astype(np.float32)
@@ -175,6 +186,8 @@ def check_gemm(sizes: Sizes) -> dict[str, float]:
     """``gemm_gflops`` (2n³ per multiply, best of ``gemm_repeats``) and ``gemm_max_abs_error`` against
     the float64 reference; the result is also checked against the reference's row and column sums
     computed with matrix-vector products, which share no code with the GEMM."""
+    import numpy as np
+
     n = sizes.gemm_size
     a, b = gemm_inputs(n)
     reference = a.astype(np.float64) @ b.astype(np.float64)
@@ -319,6 +332,8 @@ class Fs3Target:
 
 def _pattern(size: int) -> bytes:
     """Bytes that differ at every offset of a chunk (a misplaced piece shows), seeded per run."""
+    import numpy as np
+
     return np.random.default_rng(uuid.uuid4().int).integers(0, 256, size=size, dtype=np.uint8).tobytes()
 
 
@@ -410,7 +425,7 @@ def _non_negative(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if not np.isfinite(value) or value < 0:
+    if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, not {text!r}")
     return value
 
