@@ -22,8 +22,11 @@ What a user can size is bounded before anything is written (:data:`LIMITS`): nam
 line and environment, a node's labels, reasons. An input past a limit raises
 :class:`StoreLimitError` naming the field, the size and the limit, and the transaction is not begun.
 
-A database carries its schema version in ``hai_meta``; an empty database gets the current schema, and
-one of a newer version is refused (:class:`StoreVersionError`) rather than misread. Each commit also
+A database carries its schema version in ``hai_meta``; an empty database gets the current schema, an
+older one is brought up to date in the transaction that opens it (:data:`_MIGRATIONS`: version 1
+lacked the nodes' validation columns; its nodes read as having nothing pending, so a node it held
+unhealthy still waits for an admin), and one of a newer version is refused
+(:class:`StoreVersionError`) rather than misread. Each commit also
 bumps a generation number, checked against the one this store last saw: two servers writing the same
 database, or a commit from a stale state, fail with :class:`StoreConflictError` instead of mixing.
 """
@@ -67,7 +70,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord
+from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord, Validation
 
 __all__ = [
     "LIMITS",
@@ -85,7 +88,7 @@ __all__ = [
     "engine_url",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_FILE = "hai.db"
 
 
@@ -199,7 +202,17 @@ nodes_table = Table(
     Column("healthy", Boolean, nullable=False),
     Column("last_heartbeat_s", Double, nullable=False),
     Column("unhealthy_reason", Text, nullable=False),
+    # Schema version 2. The defaults are what a version-1 node means: nothing pending, no failures.
+    Column("validation", String(16), nullable=False, server_default=Validation.NONE.value),
+    Column("validation_failures", Integer, nullable=False, server_default="0"),
 )
+
+# Statements that bring a database of version N (the key) to N + 1, run in the transaction that
+# opens it. Portable SQL: a column added with a default that every existing row takes.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (f"ALTER TABLE hai_nodes ADD COLUMN validation VARCHAR(16) DEFAULT '{Validation.NONE.value}' NOT NULL",
+        "ALTER TABLE hai_nodes ADD COLUMN validation_failures INTEGER DEFAULT 0 NOT NULL"),
+}
 
 quotas_table = Table(
     "hai_quotas", _metadata,
@@ -328,6 +341,7 @@ def check_node(node: Node, limits: Limits = LIMITS) -> None:
     _check_int(f"{where} memory_bytes", node.memory_bytes, _INT64)
     _check_time(f"{where} last heartbeat", node.last_heartbeat_s)
     _check_text(f"{where} unhealthy reason", node.unhealthy_reason, limits.reason_chars, empty_ok=True)
+    _check_int(f"{where} validation failures", node.validation_failures)
     _check_pairs(f"{where} labels", node.labels, limits.labels, limits.label_name_chars, limits.label_value_chars,
                  limits.labels * (limits.label_name_chars + limits.label_value_chars))
 
@@ -375,7 +389,8 @@ def _pairs_json(pairs: Sequence[tuple[str, str]]) -> list[list[str]]:
 def _node_row(node: Node) -> dict[str, Any]:
     return {"name": node.name, "zone": node.zone, "node_group": node.group, "cpus": node.cpus,
             "memory_bytes": node.memory_bytes, "labels": _pairs_json(node.labels), "healthy": node.healthy,
-            "last_heartbeat_s": float(node.last_heartbeat_s), "unhealthy_reason": node.unhealthy_reason}
+            "last_heartbeat_s": float(node.last_heartbeat_s), "unhealthy_reason": node.unhealthy_reason,
+            "validation": node.validation.value, "validation_failures": node.validation_failures}
 
 
 def _job_row(job: Job) -> dict[str, Any]:
@@ -421,9 +436,16 @@ def _priority(table: str, key: object, column: str, value: Any) -> Priority:
 
 def _node_of(row: RowMapping) -> Node:
     name = row["name"]
+    try:
+        validation = Validation(row["validation"])
+    except ValueError:
+        raise _corrupt("hai_nodes", name, "validation", row["validation"]) from None
+    if row["validation_failures"] < 0:
+        raise _corrupt("hai_nodes", name, "validation_failures", row["validation_failures"])
     return Node(name=name, zone=row["zone"], group=row["node_group"], healthy=bool(row["healthy"]),
                 last_heartbeat_s=row["last_heartbeat_s"], unhealthy_reason=row["unhealthy_reason"], cpus=row["cpus"],
-                memory_bytes=row["memory_bytes"], labels=_pairs("hai_nodes", name, "labels", row["labels"]))
+                memory_bytes=row["memory_bytes"], labels=_pairs("hai_nodes", name, "labels", row["labels"]),
+                validation=validation, validation_failures=row["validation_failures"])
 
 
 def _job_of(row: RowMapping, history: tuple[TaskRecord, ...]) -> Job:
@@ -518,6 +540,12 @@ class Store:
                                                       {"key": "generation", "value": 0}])
                 meta = _read_meta(conn)
                 version = meta.get("schema_version")
+                while version in _MIGRATIONS:  # each step raises the version: bounded by _MIGRATIONS
+                    for statement in _MIGRATIONS[version]:
+                        conn.execute(text(statement))
+                    version += 1
+                    conn.execute(update(meta_table).where(meta_table.c.key == "schema_version")
+                                 .values(value=version))
                 if version != SCHEMA_VERSION:
                     newer = version is not None and version > SCHEMA_VERSION
                     raise StoreVersionError(

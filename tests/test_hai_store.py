@@ -30,7 +30,7 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from hai import rules, store
-from hai.rules import AUTO, ClusterState, Config, Job, JobSpec, JobState, Node, Priority, Quota, TaskRecord
+from hai.rules import AUTO, ClusterState, Config, Job, JobSpec, JobState, Node, Priority, Quota, TaskRecord, Validation
 from hai.store import Store, StoreConflictError, StoreCorruptError, StoreLimitError, StoreVersionError
 from tests.hai_events import Run, random_cluster, random_event
 from tests.postgres import SKIP_REASON, find_bin_dir, start_postgres
@@ -88,6 +88,9 @@ def _sample() -> ClusterState:
         "n1": Node("n1", "a", cpus=192, memory_bytes=2**41 + 3, labels=(("rack", "r1"), ("gpu", "a100 = 8 ,é"))),
         "n2": Node("n2", "a", "gpu", healthy=False, last_heartbeat_s=12.25, unhealthy_reason="gemm check failed"),
         "n3": Node("n3", "b", last_heartbeat_s=1e-300),
+        "n4": Node("n4", "b", healthy=False, unhealthy_reason="failed validation: ib0: down",
+                   validation=Validation.NEEDED, validation_failures=2),
+        "n5": Node("n5", "b", healthy=False, unhealthy_reason="rank exited 1", validation=Validation.RUNNING),
     }
     quotas = {("alice", "default", Priority.HIGH): 4, ("bob", "gpu", Priority.LOW): 0,
               ("bob", "default", Priority.EXTREME_HIGH): 2**31 - 1}
@@ -315,6 +318,31 @@ def test_a_newer_schema_is_refused(url: str) -> None:
     engine.dispose()
     with pytest.raises(StoreVersionError, match=f"schema version {store.SCHEMA_VERSION + 1}.*upgrade hai"):
         Store.open(url)
+
+
+def test_a_version_1_database_opens_and_its_unhealthy_node_still_waits_for_an_admin(url: str) -> None:
+    """Schema version 1 had no validation columns: made here from a new database by dropping them."""
+    with Store.open(url) as db:
+        db.commit(ClusterState(), ClusterState(nodes={
+            "n1": Node("n1", "a"), "n2": Node("n2", "a", healthy=False, unhealthy_reason="rank exited 1")}))
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE hai_nodes DROP COLUMN validation"))
+        conn.execute(text("ALTER TABLE hai_nodes DROP COLUMN validation_failures"))
+        conn.execute(text("UPDATE hai_meta SET value = 1 WHERE key = 'schema_version'"))
+    engine.dispose()
+    with Store.open(url) as db:
+        old = db.load()
+        assert old.nodes["n2"] == Node("n2", "a", healthy=False, unhealthy_reason="rank exited 1")
+        assert rules.node_health(old.nodes["n2"]) == "unhealthy"
+        new = rules.node_lost(old, "n1", 5.0, Config(), "no heartbeat")
+        db.commit(old, new)
+    assert _reloaded(url) == new and new.nodes["n1"].validation is Validation.NEEDED
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT value FROM hai_meta WHERE key = 'schema_version'")).scalar() == \
+            store.SCHEMA_VERSION
+    engine.dispose()
 
 
 def test_a_database_with_hai_tables_but_no_version_is_refused(url: str) -> None:
