@@ -176,8 +176,9 @@ def run_script(text: str) -> str:
         elif command == "jobs":
             out += [_job_line(j, now) for j in sorted(s.jobs.values(), key=lambda j: j.seq)]
         elif command == "nodes":
-            out += [f"=> {n.name} zone={n.zone} {rules.node_health(n)}" + (f" ({n.unhealthy_reason})" if n.unhealthy_reason
-                    else "") for n in sorted(s.nodes.values(), key=lambda n: n.name)]
+            out += [f"=> {n.name} zone={n.zone} {rules.node_health(n)}"
+                    + (f" ({n.unhealthy_reason})" if n.unhealthy_reason else "")
+                    for n in sorted(s.nodes.values(), key=lambda n: n.name)]
         else:
             raise ValueError(f"line {number}: unknown command {command!r}")
     return "\n".join(out) + "\n"
@@ -629,11 +630,12 @@ def test_validation_is_refused_on_a_busy_or_admin_held_node() -> None:
     held = rules.validation_result(state, "n1", False, ("gpu0: missing",), 1.0, config)
     assert rules.node_health(held.nodes["n1"]) == "unhealthy"
     assert "gpu0: missing" in held.nodes["n1"].unhealthy_reason
-    for event in (lambda s: rules.validation_started(s, "n1", 2.0),
-                  lambda s: rules.validation_result(s, "n1", True, (), 2.0, config)):
-        with pytest.raises(rules.RuleError, match="until an admin heals it"):
-            event(held)
-    # A rank failure on a node an admin must heal does not make it a candidate for validation.
+    with pytest.raises(rules.RuleError, match="until an admin heals it"):
+        rules.validation_started(held, "n1", 2.0)
+    with pytest.raises(rules.RuleError, match="until an admin heals it"):
+        rules.validation_result(held, "n1", True, (), 2.0, config)
+    # A lost node an admin must heal does not become a candidate for validation.
+    assert rules.node_lost(held, "n1", 2.5, config, "no heartbeat") == held
     healed = rules.node_healthy(held, "n1", 3.0)
     assert rules.node_health(healed.nodes["n1"]) == "healthy" and healed.nodes["n1"].validation_failures == 0
 
