@@ -606,11 +606,11 @@ def validation_result(state: ClusterState, name: str, passed: bool, reasons: Seq
         return _replace_node(state, node)
     failures = old.validation_failures + 1
     said = "; ".join(r.strip() for r in reasons if r.strip()) or "no reason given"
-    reason = f"failed validation: {said}"
+    reason = f"validation failed: {said}"  # validation_rules.VALIDATION_REASON_PREFIX
     pending = Validation.NEEDED
     if failures >= config.max_validation_failures:
         pending = Validation.NONE
-        reason = f"failed validation {failures} times in a row, an admin must heal it: {said}"
+        reason = f"validation failed {failures} times in a row, an admin must heal it: {said}"
     node = dataclasses.replace(old, healthy=False, unhealthy_reason=reason, validation=pending,
                                validation_failures=failures, last_heartbeat_s=heartbeat)
     return _replace_node(state, node)
