@@ -238,7 +238,8 @@ class Agent:
                                              transport=transport)
         self._validator = validator
         self._validation: threading.Thread | None = None
-        self._validated_at = time.monotonic()  # when the last run ended (or the agent started)
+        self._validated_at = time.monotonic()  # the schedule counts from the last run's end (or the start)
+        self._validation_ended: float | None = None  # when the last run ended: the retry pause counts from it
         self._sender = threading.Thread(target=self._send_reports, name=f"hai-agent-{config.node}-reports",
                                         daemon=True)
         self._sender.start()
@@ -320,7 +321,8 @@ class Agent:
     def _execute(self, command: Mapping[str, Any]) -> None:
         kind = command.get("type")
         if kind == "validate":
-            if time.monotonic() - self._validated_at >= self.config.validation_retry_s:
+            ended = self._validation_ended
+            if ended is None or time.monotonic() - ended >= self.config.validation_retry_s:
                 self.validate(f"asked by the server: {command.get('reason', '')}")
             return
         key = (str(command["job_id"]), int(command["task"]))
@@ -450,7 +452,7 @@ class Agent:
         try:
             self._validate_once(why)
         finally:
-            self._validated_at = time.monotonic()
+            self._validated_at = self._validation_ended = time.monotonic()
 
     def _validate_once(self, why: str) -> None:
         path = f"/agents/{self.config.node}/validation"

@@ -193,7 +193,7 @@ class Node:
     healthy: bool = True
     last_heartbeat_s: float = 0.0
     unhealthy_reason: str = ""
-    validation: Validation = Validation.NONE  # never NONE-but-pending: see node_health
+    validation: Validation = Validation.NONE  # with healthy, the node's health: see node_health
     validation_failures: int = 0  # failed validations in a row
     cpus: int = 0  # what the agent reported; the rules place whole nodes and do not read these
     memory_bytes: int = 0
