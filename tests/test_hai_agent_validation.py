@@ -89,3 +89,25 @@ def test_an_idle_node_validates_on_schedule_and_a_failure_keeps_it_out(cluster: 
     assert cluster.nodes()["n1"]["health"] == "healthy" and validator.runs >= 2
     wait_for(lambda: agent.held() == [(job, 0)], "the launch")
     assert not agent.validating()
+
+
+def test_a_validator_past_its_time_fails_the_node(cluster: Cluster) -> None:
+    stuck = FakeValidator(NodeVerdict(), blocking=True)
+    _agent(cluster, "n1", stuck, validate_every_s=0.2, validation_timeout_s=0.5)
+    wait_for(lambda: cluster.nodes().get("n1", {}).get("validation_failures", 0) >= 1, "the timed-out verdict")
+    node = cluster.nodes()["n1"]  # asked again at once (validation_retry_s=0): any of the runs' states
+    assert not node["healthy"] and "the validator did not finish within 0.5 s" in node["reason"]
+    stuck.release.set()
+
+
+def test_the_command_line_takes_the_schedule_and_the_time_bound() -> None:
+    from hai.__main__ import build_parser
+
+    base = ["agent", "--server", "http://127.0.0.1:9", "--node", "n1"]
+    args = build_parser().parse_args(base)
+    assert args.validate_every_s == 3600.0 and args.validation_timeout_s == 1800.0
+    args = build_parser().parse_args([*base, "--validate-every-s", "0", "--validation-timeout-s", "60"])
+    assert args.validate_every_s == 0.0 and args.validation_timeout_s == 60.0
+    for bad in (["--validate-every-s", "-1"], ["--validate-every-s", "inf"], ["--validation-timeout-s", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, *bad])
