@@ -19,20 +19,23 @@ from tests.test_hai_agent import AGENT, FAIL_ONCE, SLEEPER, Cluster, wait_for
 
 
 class FakeValidator:
-    """Counts its runs; each blocks until ``release`` is set, then gives ``verdict``."""
+    """Counts its runs and gives ``verdict``; a ``blocking`` one holds each run until the test sets
+    ``release``, which lets exactly one run through."""
 
     def __init__(self, verdict: NodeVerdict, blocking: bool = False) -> None:
         self.verdict = verdict
+        self.blocking = blocking
         self.runs = 0
         self.running = threading.Event()
         self.release = threading.Event()
-        if not blocking:
-            self.release.set()
 
     def __call__(self) -> NodeVerdict:
         self.runs += 1
         self.running.set()
-        assert self.release.wait(30.0), "the test never released the validator"
+        if self.blocking:
+            assert self.release.wait(30.0), "the test never released the validator"
+            if self.blocking:  # still one run per release (a test that ends unblocks them all)
+                self.release.clear()
         self.running.clear()
         return self.verdict
 
@@ -79,12 +82,13 @@ def test_an_idle_node_validates_on_schedule_and_a_failure_keeps_it_out(cluster: 
     wait_for(lambda: cluster.nodes()["n1"]["last_heartbeat_s"] > seen + 0.5, "heartbeats while validating")
     assert cluster.job(job)["state"] == "queued"
     validator.release.set()
-    wait_for(lambda: cluster.nodes()["n1"]["health"] == "needs validation", "the failed verdict")
+    wait_for(lambda: cluster.nodes()["n1"]["validation_failures"] == 1, "the failed verdict")
     node = cluster.nodes()["n1"]
-    assert node["reason"] == "validation failed: gemm: 310 GFLOP/s below 400 GFLOP/s"
+    assert not node["healthy"] and node["reason"] == "validation failed: gemm: 310 GFLOP/s below 400 GFLOP/s"
     assert node["last_validation"]["passed"] is False
     # The server asks for another run; one that passes lets the job start.
     validator.verdict = NodeVerdict()
+    validator.release.set()
     cluster.wait_job(job, "running")
     assert cluster.nodes()["n1"]["health"] == "healthy" and validator.runs >= 2
     wait_for(lambda: agent.held() == [(job, 0)], "the launch")
@@ -97,6 +101,7 @@ def test_a_validator_past_its_time_fails_the_node(cluster: Cluster) -> None:
     wait_for(lambda: cluster.nodes().get("n1", {}).get("validation_failures", 0) >= 1, "the timed-out verdict")
     node = cluster.nodes()["n1"]  # asked again at once (validation_retry_s=0): any of the runs' states
     assert not node["healthy"] and "the validator did not finish within 0.5 s" in node["reason"]
+    stuck.blocking = False
     stuck.release.set()
 
 
