@@ -30,7 +30,7 @@ are gone.
 ``failed`` with the first non-zero exit code (or none for a signal) and the launcher's reason;
 ``suspended`` for a suspend the job acknowledged and also for one the agent force-stopped after
 the grace, since the server must put the job back in the queue to resume from its last
-checkpoint (``failed`` would count a fault and mark the node unhealthy); nothing for a task the
+checkpoint (``failed`` would count a fault and make the node suspect); nothing for a task the
 server had the agent stop (the server has already moved on). A launch that cannot start is
 reported ``failed``. Reports go through a bounded queue to one sender, which retries a report with
 back-off (capped at ``report_backoff_max_s``) until the server answers it; 409 means the server
