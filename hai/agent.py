@@ -5,8 +5,8 @@ out the commands the server answers with, one :class:`~hai.launcher.RankLauncher
 it at (``MASTER_ADDR`` when it holds rank 0), its CPUs (``sched_getaffinity``) and its memory
 (``MemTotal`` of ``/proc/meminfo``). An agent started before its server retries with bounded
 back-off until the server answers. With ``--validate`` the agent first runs :mod:`hai.validate`'s
-checks; a node that fails does not register (the server has no endpoint for a node to declare
-itself unhealthy, and an unregistered node gets no work): the agent prints the reasons and exits 1.
+checks; a node that fails does not register (an unregistered node gets no work): the agent prints
+the reasons and exits 1.
 
 **Heartbeats** (every ``heartbeat_s``) list the ``(job, task)`` pairs the agent holds, each with a
 progress flag: true when the task's ranks wrote any log output since the previous heartbeat (the
@@ -31,12 +31,22 @@ are gone.
 ``failed`` with the first non-zero exit code (or none for a signal) and the launcher's reason;
 ``suspended`` for a suspend the job acknowledged and also for one the agent force-stopped after
 the grace, since the server must put the job back in the queue to resume from its last
-checkpoint (``failed`` would count a fault and mark the node unhealthy); nothing for a task the
+checkpoint (``failed`` would count a fault and make the node suspect); nothing for a task the
 server had the agent stop (the server has already moved on). A launch that cannot start is
 reported ``failed``. Reports go through a bounded queue to one sender, which retries a report with
 back-off (capped at ``report_backoff_max_s``) until the server answers it; 409 means the server
 applied it already or refused it as late, and ends the retries like a 200. Every HTTP call has a
 timeout.
+
+**Validation**: the node's validator (:mod:`hai.validate`'s checks and thresholds; a fake in tests)
+runs on a thread of its own, so heartbeats go on, and within ``validation_timeout_s`` (past it the
+run counts as failed). It runs when the server's heartbeat answer says ``validate`` (a node where a
+rank failed, or that was lost, must pass one before it takes work again), no sooner than
+``validation_retry_s`` after the previous run ended, and on a schedule: every
+``validate_every_s`` (``--validate-every-s``, 3600 by default, 0 for never) while the node runs no
+task. The agent reports ``started`` to ``POST /agents/{node}/validation`` first and skips the run
+when the server refuses it (the node took a job meanwhile, or only an admin may put it back), then
+the verdict: whether it passed, the validator's sentences, and a summary of its measurements.
 
 **Shutdown** (SIGTERM, SIGINT, or :meth:`Agent.close`) stops heartbeating and kills every rank the
 agent started; nothing is reported, and the server, hearing nothing, marks the node lost after its
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -67,6 +78,7 @@ from hai.launcher import LaunchError, LaunchReport, LaunchSpec, LocalLogSink, Lo
 __all__ = [
     "Agent",
     "AgentConfig",
+    "NodeVerdict",
     "add_arguments",
     "memory_bytes",
     "node_cpus",
@@ -79,6 +91,33 @@ MAX_PENDING_REPORTS = 1024
 MAX_TASKS = 64  # what one heartbeat may list (the server's MAX_RUNNING_REPORTED)
 
 TaskKey = tuple[str, int]
+MAX_VERDICT_REASONS = 16  # the server's MAX_VALIDATION_REASONS, MAX_REASON_CHARS, MAX_SUMMARY_ENTRIES
+MAX_VERDICT_REASON_CHARS = 200
+MAX_VERDICT_SUMMARY = 32
+VERDICT_TRIES = 5  # a verdict is sent this many times at most before the agent gives up on it
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """What a validator run found: the sentences that say why the node failed (none: it passed)
+    and a summary of its measurements (name -> number), for the server's node view."""
+
+    reasons: Sequence[str] = ()
+    summary: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.reasons
+
+    def body(self) -> dict[str, Any]:
+        """The verdict as ``POST /agents/{node}/validation`` takes it, cut to the server's bounds."""
+        reasons = [r[:MAX_VERDICT_REASON_CHARS] for r in self.reasons][:MAX_VERDICT_REASONS]
+        summary = {k[:64]: float(v) for k, v in list(self.summary.items())[:MAX_VERDICT_SUMMARY]
+                   if isinstance(v, (int, float)) and v == v and abs(v) != float("inf")}
+        return {"event": "result", "passed": self.passed, "reasons": reasons, "summary": summary}
+
+
+Validator = Callable[[], NodeVerdict]
 
 
 def node_cpus() -> int:
@@ -120,11 +159,17 @@ class AgentConfig:
     report_backoff_max_s: float = 5.0
     register_backoff_max_s: float = 5.0
     fs3_mgmtd: str | None = None  # handed to the ranks as FS3_MGMTD
+    validate_every_s: float = 0.0  # validate an idle node this often; 0: only when the server asks
+    validation_timeout_s: float = 1800.0  # a validator run longer than this has failed
+    validation_retry_s: float = 30.0  # a validation the server asks for again waits this long after the last
 
     def __post_init__(self) -> None:
-        times = (self.heartbeat_s, self.http_timeout_s, self.report_backoff_max_s, self.register_backoff_max_s)
+        times = (self.heartbeat_s, self.http_timeout_s, self.report_backoff_max_s, self.register_backoff_max_s,
+                 self.validation_timeout_s)
         if any(not t > 0 for t in times) or self.ack_grace_s < 0 or self.finish_grace_s < 0:
             raise ValueError("intervals and timeouts must be positive, graces not negative")
+        if not 0 <= self.validate_every_s < float("inf") or not 0 <= self.validation_retry_s < float("inf"):
+            raise ValueError("validate_every_s and validation_retry_s must be finite, not negative")
 
 
 class AgentError(RuntimeError):
@@ -170,11 +215,12 @@ def _report_for(report: LaunchReport) -> dict[str, Any] | None:
 class Agent:
     """A node agent. :meth:`serve` registers and runs the heartbeat loop until :meth:`close`.
 
-    ``sink`` is where ranks' logs go; ``transport`` (tests) replaces httpx's network transport.
+    ``sink`` is where ranks' logs go; ``transport`` (tests) replaces httpx's network transport;
+    ``validator`` runs the node's checks (none: the agent never validates, whatever it is asked).
     """
 
     def __init__(self, config: AgentConfig, sink: LogSink, *, control_root: str | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, validator: Validator | None = None) -> None:
         self.config = config
         self.sink = sink
         self.control_root = control_root
@@ -189,6 +235,12 @@ class Agent:
         self._http = httpx.Client(base_url=config.server, headers=headers, timeout=timeout, transport=transport)
         self._report_http = httpx.Client(base_url=config.server, headers=headers, timeout=timeout,
                                          transport=transport)
+        self._validation_http = httpx.Client(base_url=config.server, headers=headers, timeout=timeout,
+                                             transport=transport)
+        self._validator = validator
+        self._validation: threading.Thread | None = None
+        self._validated_at = time.monotonic()  # the schedule counts from the last run's end (or the start)
+        self._validation_ended: float | None = None  # when the last run ended: the retry pause counts from it
         self._sender = threading.Thread(target=self._send_reports, name=f"hai-agent-{config.node}-reports",
                                         daemon=True)
         self._sender.start()
@@ -235,6 +287,9 @@ class Agent:
         while not self._closing.is_set():
             started = time.monotonic()
             self.heartbeat()
+            every = self.config.validate_every_s
+            if every > 0 and started - self._validated_at >= every:
+                self.validate("scheduled")
             self._closing.wait(max(0.0, self.config.heartbeat_s - (time.monotonic() - started)))
 
     def heartbeat(self) -> list[dict[str, Any]]:
@@ -266,6 +321,11 @@ class Agent:
 
     def _execute(self, command: Mapping[str, Any]) -> None:
         kind = command.get("type")
+        if kind == "validate":
+            ended = self._validation_ended
+            if ended is None or time.monotonic() - ended >= self.config.validation_retry_s:
+                self.validate(f"asked by the server: {command.get('reason', '')}")
+            return
         key = (str(command["job_id"]), int(command["task"]))
         if kind == "launch":
             self._launch(key, command)
@@ -375,6 +435,84 @@ class Agent:
             self._threads.append(thread)
         thread.start()
 
+    # -- validation ------------------------------------------------------------------------------
+
+    def validate(self, why: str) -> bool:
+        """Start a validator run on its own thread, unless one runs, the node holds a task, or the
+        agent has no validator; whether it started."""
+        with self._lock:
+            busy = self._validation is not None and self._validation.is_alive()
+            if busy or self._tasks or self._validator is None or self._closing.is_set():
+                return False
+            self._validation = threading.Thread(target=self._validate, args=(why,), daemon=True,
+                                                name=f"hai-agent-{self.config.node}-validation")
+            self._validation.start()
+            return True
+
+    def _validate(self, why: str) -> None:
+        try:
+            self._validate_once(why)
+        finally:
+            self._validated_at = self._validation_ended = time.monotonic()
+
+    def _validate_once(self, why: str) -> None:
+        path = f"/agents/{self.config.node}/validation"
+        try:
+            response = self._validation_http.post(path, json={"event": "started"})
+        except httpx.HTTPError as exc:
+            log.warning("validation (%s) not started: %s", why, exc)
+            return
+        if response.status_code != 200:
+            log.info("validation (%s) not started: %s %s", why, response.status_code, response.text[:300])
+            return
+        log.info("validating %s (%s)", self.config.node, why)
+        verdict = self._run_validator()
+        log.log(logging.INFO if verdict.passed else logging.WARNING, "validation %s%s",
+                "passed" if verdict.passed else "failed", "" if verdict.passed else ": " + "; ".join(verdict.reasons))
+        delay = 0.1
+        for _ in range(VERDICT_TRIES):
+            if self._closing.is_set():
+                return
+            try:
+                response = self._validation_http.post(path, json=verdict.body())
+            except httpx.HTTPError as exc:
+                log.warning("validation verdict: %s; retrying in %.1f s", exc, delay)
+            else:
+                if response.status_code < 500:
+                    if response.status_code != 200:
+                        log.warning("validation verdict refused: %s %s", response.status_code, response.text[:300])
+                    return
+                log.warning("validation verdict: %s; retrying in %.1f s", response.status_code, delay)
+            self._closing.wait(delay)
+            delay = min(delay * 2, self.config.report_backoff_max_s)
+        log.error("validation verdict not delivered after %d tries; the server asks again", VERDICT_TRIES)
+
+    def _run_validator(self) -> NodeVerdict:
+        """The validator's verdict, or a failing one when it raised or outran ``validation_timeout_s``
+        (its thread is left to end on its own: the checks bound their own subprocesses)."""
+        validator = self._validator
+        assert validator is not None
+        result: list[NodeVerdict] = []
+
+        def run() -> None:
+            try:
+                result.append(validator())
+            except Exception as exc:
+                log.exception("the validator failed")
+                result.append(NodeVerdict([f"the validator failed: {type(exc).__name__}: {exc}"]))
+
+        worker = threading.Thread(target=run, daemon=True, name=f"hai-agent-{self.config.node}-validator")
+        worker.start()
+        worker.join(self.config.validation_timeout_s)
+        if not result:
+            return NodeVerdict([f"the validator did not finish within {self.config.validation_timeout_s:g} s"])
+        return result[0]
+
+    def validating(self) -> bool:
+        """Whether a validator run is in progress."""
+        with self._lock:
+            return self._validation is not None and self._validation.is_alive()
+
     # -- reports ---------------------------------------------------------------------------------
 
     def _queue_report(self, key: TaskKey, body: Mapping[str, Any]) -> None:
@@ -446,8 +584,13 @@ class Agent:
         for thread in threads:
             thread.join(10.0)
         self._sender.join(10.0)
+        with self._lock:
+            validation = self._validation
+        if validation is not None:
+            validation.join(10.0)
         self._http.close()
         self._report_http.close()
+        self._validation_http.close()
 
     def __enter__(self) -> Agent:
         return self
@@ -476,6 +619,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number at least 0, not {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", required=True, help="the hai server's URL, e.g. http://10.0.0.1:8470")
     parser.add_argument("--node", required=True, help="this node's name")
@@ -495,12 +648,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-timeout-s", type=_positive, default=10.0)
     parser.add_argument("--validate", action="store_true",
                         help="run hai validate's checks first; a failing node does not register (exit 1)")
+    parser.add_argument("--validate-every-s", type=_non_negative, default=3600.0,
+                        help="validate the node this often while it runs no job (0: only when the server asks)")
+    parser.add_argument("--validation-timeout-s", type=_positive, default=1800.0,
+                        help="a validator run longer than this counts as failed")
     parser.add_argument("--ready-file", type=Path,
                         help="once registered, write {pid, node} here as JSON (how hai local waits for it)")
 
 
-def _validate(args: argparse.Namespace) -> list[str]:
-    """Run the validator; the reasons the node failed, empty when it passed."""
+def _validate(args: argparse.Namespace) -> NodeVerdict:
+    """Run the validator: the reasons the node failed (none when it passed) and its measurements."""
     from hai import validate
     from hai.validation_rules import Thresholds, judge
 
@@ -511,7 +668,9 @@ def _validate(args: argparse.Namespace) -> list[str]:
         target = validate.Fs3Target(profile=args.profile)
     measurements = validate.run_checks(validate.Sizes(), target)
     verdict = judge(measurements, Thresholds())
-    return [] if verdict.ok else list(verdict.failures) or ["the validator failed"]
+    summary = {f.name: float(v) for f in dataclasses.fields(measurements)
+               if isinstance(v := getattr(measurements, f.name), (int, float)) and not isinstance(v, bool)}
+    return NodeVerdict([] if verdict.ok else list(verdict.failures) or ["the validator failed"], summary)
 
 
 def _sink(args: argparse.Namespace) -> LogSink:
@@ -526,7 +685,13 @@ def _sink(args: argparse.Namespace) -> LogSink:
     return LocalLogSink(args.log_dir if args.log_dir is not None else Path("hai-logs"))
 
 
-def run(args: argparse.Namespace, *, validator: Callable[[argparse.Namespace], list[str]] = _validate) -> int:
+def _as_verdict(found: NodeVerdict | Sequence[str]) -> NodeVerdict:
+    """A validator may give a :class:`NodeVerdict` or only the reasons the node failed."""
+    return found if isinstance(found, NodeVerdict) else NodeVerdict(list(found))
+
+
+def run(args: argparse.Namespace, *,
+        validator: Callable[[argparse.Namespace], NodeVerdict | Sequence[str]] = _validate) -> int:
     """Exit status: 0 after a clean shutdown, 1 when the node failed validation or the server
     refused it, 2 bad usage."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -545,17 +710,18 @@ def run(args: argparse.Namespace, *, validator: Callable[[argparse.Namespace], l
         config = AgentConfig(server=args.server, node=args.node, token=token, zone=args.zone, group=args.group,
                              address=args.address, labels=dict(args.label), heartbeat_s=args.heartbeat_s,
                              http_timeout_s=args.http_timeout_s, ack_grace_s=args.ack_grace_s,
-                             finish_grace_s=args.finish_grace_s, fs3_mgmtd=args.fs3)
+                             finish_grace_s=args.finish_grace_s, fs3_mgmtd=args.fs3,
+                             validate_every_s=args.validate_every_s, validation_timeout_s=args.validation_timeout_s)
     except ValueError as exc:
         print(f"hai agent: {exc}", file=sys.stderr)
         return 2
     if args.validate:
-        failures = validator(args)
+        failures = _as_verdict(validator(args)).reasons
         if failures:
             print(f"hai agent: {args.node} failed validation, not registering: " + "; ".join(failures),
                   file=sys.stderr)
             return 1
-    agent = Agent(config, _sink(args))
+    agent = Agent(config, _sink(args), validator=lambda: _as_verdict(validator(args)))
     previous = {sig: signal.signal(sig, lambda *_: agent.request_stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
     def registered() -> None:
         if args.ready_file is not None:

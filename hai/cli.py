@@ -485,8 +485,9 @@ def cmd_nodes(api: Api, args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"nodes": nodes, "total": len(nodes)})
         return 0
-    print(_table([[n["name"], n["zone"], n["group"], "yes" if n["healthy"] else "no", n.get("job") or "-",
-                   n.get("reason") or ""] for n in nodes], ["NODE", "ZONE", "GROUP", "HEALTHY", "JOB", "REASON"]))
+    print(_table([[n["name"], n["zone"], n["group"], n.get("health") or ("healthy" if n["healthy"] else "unhealthy"),
+                   n.get("job") or "-", n.get("reason") or ""] for n in nodes],
+                 ["NODE", "ZONE", "GROUP", "HEALTH", "JOB", "REASON"]))
     return 0
 
 

@@ -58,7 +58,6 @@ __all__ = [
     "LOG_TAIL_BYTES",
     "MAX_ROWS",
     "PREFIX",
-    "VALIDATING_LABEL",
     "Fs3LogReader",
     "LocalLogReader",
     "LogReader",
@@ -75,10 +74,6 @@ RECENT_ENDED = 20  # ended jobs listed under the queue, newest first
 LOG_TAIL_BYTES = 16 * 1024  # of one rank's log, on a job page
 MAX_RANK_LINKS = 32  # ranks linked on a job page; any other is reached through the rank form
 MAX_TOKEN_CHARS = 512  # a token longer than any the server hands out is refused unread
-VALIDATING_LABEL = "hai.validating"
-"""A node registered with this label set (to anything but "" or "0") shows as validating: an agent
-that re-registers around a scheduled run of the validator. Today's agent validates before it
-registers, so such a node is not yet known to the server at all."""
 
 _RANKS_ENV = "HAI_RANKS_PER_NODE"  # hai.server.RANKS_ENV; not imported, the server imports this module
 _HOLDING = (JobState.RUNNING, JobState.SUSPENDING)
@@ -200,20 +195,28 @@ class Fs3LogReader:
 
 
 def node_status(node: Node, now_s: float, config: rules.Config) -> tuple[str, str]:
-    """A node's state for people, and why: ``offline`` (no heartbeat for ``node_timeout_s``, or
-    taken out for that), ``unhealthy`` (a failed rank or the validator took it out), ``validating``
-    (:data:`VALIDATING_LABEL`), else ``healthy``."""
+    """A node's state for people, and why, from its health (:func:`hai.rules.node_health`):
+    ``offline`` (no heartbeat for ``node_timeout_s``), ``validating`` (its validator runs),
+    ``suspect`` (a failed rank, a silence, or a failed validation: no work until a validation
+    passes), ``unhealthy`` (out until an admin puts it back), else ``healthy``."""
     silent_s = now_s - node.last_heartbeat_s
+    health = rules.node_health(node)
     if silent_s > config.node_timeout_s:
         why = f"no heartbeat for {_duration(silent_s)}"
         return "offline", why if node.healthy or node.unhealthy_reason == "no heartbeat" else \
             f"{why}; {node.unhealthy_reason}"
-    if not node.healthy:
+    if health == "validating":
+        why = "the validator is running"
+        return "validating", why if node.unhealthy_reason == "scheduled validation" else \
+            f"{why}, after: {node.unhealthy_reason}"
+    if health == "needs validation":
+        if node.unhealthy_reason == "no heartbeat":
+            return "suspect", "was silent; back, waiting for its validator to pass"
+        return "suspect", f"{node.unhealthy_reason}; waiting for its validator to pass"
+    if health == "unhealthy":
         if node.unhealthy_reason == "no heartbeat":
             return "offline", "was silent; back, waiting for an admin to mark it healthy"
         return "unhealthy", node.unhealthy_reason
-    if dict(node.labels).get(VALIDATING_LABEL, "") not in ("", "0"):
-        return "validating", "the validator is running"
     return "healthy", ""
 
 
@@ -319,7 +322,7 @@ th{background:#eceff4}.muted{color:#6b7280}
 pre{background:#111827;color:#e5e7eb;padding:8px;overflow:auto;white-space:pre-wrap}
 .b{display:inline-block;padding:0 6px;border-radius:8px;font-size:12px;font-weight:600;background:#e5e7eb}
 .b-healthy,.b-running,.b-finished{background:#c9f2d5}.b-unhealthy,.b-failed{background:#fbd0d0}
-.b-offline{background:#d1d5db}.b-validating,.b-suspending,.b-suspended{background:#fde9b6}
+.b-offline{background:#d1d5db}.b-validating,.b-suspect,.b-suspending,.b-suspended{background:#fde9b6}
 .b-queued,.b-restarted{background:#dbe7ff}.b-stopped{background:#eadcf8}
 dl{display:grid;grid-template-columns:max-content auto;gap:2px 12px}dt{font-weight:600}dd{margin:0}
 .err{color:#b91c1c}

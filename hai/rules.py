@@ -44,7 +44,16 @@ The rules (docs/decisions.md says where the issue left a choice open):
   holds nodes in more than one zone.
 * **Faults** (:func:`fail_job`, :func:`node_lost`, :func:`check_timeouts`): the task stops, the job
   is queued again with exponential back-off, and after ``Config.max_restarts`` restarts it fails.
-  A lost node is unhealthy and gets no work until :func:`node_healthy`.
+* **Node health** (:class:`Validation`, :func:`node_health`): a node is *healthy* (takes work),
+  *validating* (the validator runs on it), *needs validation* (suspect), or *unhealthy* (out until
+  an admin's :func:`node_healthy`). A node whose rank failed, or that went silent, is suspect, not
+  condemned: a rank fails as often from the user's script, or from a peer that died mid-collective,
+  as from the node. A suspect node gets no work until a validation passes
+  (:func:`validation_started`, :func:`validation_result`); a silent one must first heartbeat
+  again, since only its agent runs the validator. A failed validation records the validator's
+  sentences as the reason, and ``Config.max_validation_failures`` failures in a row leave the node
+  unhealthy until an admin heals it, so a broken node does not flap in and out of scheduling. A
+  healthy idle node may validate on a schedule; it takes no work while the validator runs.
 
 Loops run over the state's nodes and jobs, or over a job's restarts, so each is bounded by the
 state it is given.
@@ -77,6 +86,7 @@ __all__ = [
     "SchedulerInvariantError",
     "Suspension",
     "TaskRecord",
+    "Validation",
     "Wait",
     "WaitKind",
     "add_node",
@@ -86,6 +96,7 @@ __all__ = [
     "fail_job",
     "finish",
     "job_progress",
+    "node_health",
     "node_healthy",
     "node_heartbeat",
     "node_lost",
@@ -99,6 +110,8 @@ __all__ = [
     "set_quota",
     "submit",
     "suspend_acknowledged",
+    "validation_result",
+    "validation_started",
 ]
 
 
@@ -163,18 +176,31 @@ class Config:
     node_timeout_s: float = 60.0  # a node silent this long is lost
     watchdog_s: float = 1800.0  # a running job silent this long has failed
     default_quota_nodes: int = 0  # quota for (user, group, priority) without an entry
+    max_validation_failures: int = 3  # failed validations in a row before only an admin heals the node
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.default_quota_nodes < 0:
             raise ValueError("max_restarts and default_quota_nodes must not be negative")
+        if self.max_validation_failures < 1:
+            raise ValueError("max_validation_failures must be at least 1")
         times = (self.demote_after_s, self.backoff_base_s, self.backoff_max_s, self.node_timeout_s, self.watchdog_s)
         if any(math.isnan(t) or t < 0 for t in times):
             raise ValueError("times must not be negative or NaN")
 
 
+class Validation(enum.Enum):
+    """Where a node stands with its validator. With ``healthy`` it makes the node's health
+    (:func:`node_health`): NONE on an unhealthy node means only an admin puts it back."""
+
+    NONE = "none"  # nothing pending
+    NEEDED = "needed"  # suspect: no work until a validation passes
+    RUNNING = "running"  # the validator runs now: no work until it has passed
+
+
 @dataclass(frozen=True)
 class Node:
-    """A host (or a network namespace in tests) that runs one job at a time."""
+    """A host (or a network namespace in tests) that runs one job at a time. ``healthy`` is what
+    the scheduler reads: a node that is not healthy gets no work, whatever the reason."""
 
     name: str
     zone: str
@@ -182,6 +208,8 @@ class Node:
     healthy: bool = True
     last_heartbeat_s: float = 0.0
     unhealthy_reason: str = ""
+    validation: Validation = Validation.NONE  # with healthy, the node's health: see node_health
+    validation_failures: int = 0  # failed validations in a row
     cpus: int = 0  # what the agent reported; the rules place whole nodes and do not read these
     memory_bytes: int = 0
     labels: tuple[tuple[str, str], ...] = ()  # (name, value) pairs, in the order the agent gave them
@@ -422,7 +450,8 @@ def _crosses_zones(state: ClusterState, names: Iterable[str]) -> bool:
 def add_node(state: ClusterState, node: Node) -> ClusterState:
     """Register a node (or update its zone and group); it takes work once healthy.
 
-    Registering again never heals a node marked unhealthy (only :func:`node_healthy` does), and a
+    Registering again never heals a node marked unhealthy (only a passing validation or
+    :func:`node_healthy` does), nor changes where it stands with its validator. A
     node that runs a job keeps its zone and group until the job has left it."""
     _time(node.last_heartbeat_s)
     old = state.nodes.get(node.name)
@@ -431,6 +460,8 @@ def add_node(state: ClusterState, node: Node) -> ClusterState:
         raise RuleError(f"node {node.name} runs a job: use node_lost to take it out")
     if held and old is not None and (old.zone, old.group) != (node.zone, node.group):
         raise RuleError(f"node {node.name} runs a job: its zone and group cannot change under it")
+    if old is not None:
+        node = dataclasses.replace(node, validation=old.validation, validation_failures=old.validation_failures)
     if old is not None and not old.healthy:
         node = dataclasses.replace(node, healthy=False, unhealthy_reason=old.unhealthy_reason)
     if old is not None:
@@ -540,8 +571,8 @@ def fail_job(state: ClusterState, job_id: str, now_s: float, config: Config, rea
     """A rank failed (or the job went silent): stop the task and restart it after a back-off, or
     fail the job once it has used its restarts. It acts at once, whatever the job's other nodes
     have reported (a task some of whose nodes finished and one failed has failed). ``bad_node``,
-    if named, is marked unhealthy: it must be one of the job's nodes (another job may be running
-    on any other)."""
+    if named, becomes suspect (no work until a validation passes, :func:`validation_result`): it
+    must be one of the job's nodes (another job may be running on any other)."""
     job = _job(state, job_id)
     now_s = _time(now_s)
     _current_task(job, task)
@@ -550,7 +581,7 @@ def fail_job(state: ClusterState, job_id: str, now_s: float, config: Config, rea
     if bad_node is not None and bad_node not in job.assigned:
         raise RuleError(f"node {bad_node} is not one of job {job_id}'s nodes")
     if bad_node is not None:
-        state = _mark_unhealthy(state, bad_node, reason)
+        state = _mark_suspect(state, bad_node, reason)
     ended = _end_task(job, now_s, f"failed: {reason}")
     restarts = job.restarts + 1
     if restarts > config.max_restarts:
@@ -562,18 +593,88 @@ def fail_job(state: ClusterState, job_id: str, now_s: float, config: Config, rea
     return _replace_job(state, ended)
 
 
-def _mark_unhealthy(state: ClusterState, name: str, reason: str) -> ClusterState:
-    node = dataclasses.replace(_node(state, name), healthy=False, unhealthy_reason=reason)
-    return dataclasses.replace(state, nodes={**state.nodes, name: node})
+def _replace_node(state: ClusterState, node: Node) -> ClusterState:
+    return dataclasses.replace(state, nodes={**state.nodes, node.name: node})
+
+
+def _mark_suspect(state: ClusterState, name: str, reason: str) -> ClusterState:
+    """No work for ``name`` until a validation passes; a node an admin must heal stays so."""
+    old = _node(state, name)
+    if not old.healthy and old.validation is Validation.NONE:
+        return state  # out until an admin heals it: a rank's failure changes nothing
+    node = dataclasses.replace(old, healthy=False, unhealthy_reason=reason, validation=Validation.NEEDED)
+    return _replace_node(state, node)
+
+
+def _holds(state: ClusterState, name: str) -> str | None:
+    """The job holding node ``name``, if any."""
+    return next((j.job_id for j in state.jobs.values() if j.state in _HOLDING and name in j.assigned), None)
+
+
+def node_health(node: Node) -> str:
+    """``healthy``, ``validating``, ``needs validation`` or ``unhealthy`` (out until an admin heals it)."""
+    if node.validation is Validation.RUNNING:
+        return "validating"
+    if node.healthy:
+        return "healthy"
+    return "needs validation" if node.validation is Validation.NEEDED else "unhealthy"
+
+
+def validation_started(state: ClusterState, name: str, now_s: float) -> ClusterState:
+    """The node's validator started: the node takes no work until it has passed. A node that runs
+    a job, or that only an admin may heal, is refused (its agent skips the run)."""
+    old = _node(state, name)
+    now_s = _time(now_s)
+    job = _holds(state, name)
+    if job is not None:
+        raise RuleError(f"node {name} runs job {job}: validate it once the job has left")
+    if not old.healthy and old.validation is Validation.NONE:
+        raise RuleError(f"node {name} is out of scheduling until an admin heals it ({old.unhealthy_reason})")
+    reason = old.unhealthy_reason if not old.healthy else "scheduled validation"
+    node = dataclasses.replace(old, healthy=False, unhealthy_reason=reason, validation=Validation.RUNNING,
+                               last_heartbeat_s=max(old.last_heartbeat_s, now_s))
+    return _replace_node(state, node)
+
+
+def validation_result(state: ClusterState, name: str, passed: bool, reasons: Sequence[str], now_s: float,
+                      config: Config) -> ClusterState:
+    """The node's validator ended. A pass makes it healthy; a failure keeps it out with the
+    validator's sentences as the reason, for another try, or for good (until an admin heals it)
+    once it has failed ``max_validation_failures`` times in a row. A result without a start report
+    counts the same (the start report may have been lost). Refused for a node that runs a job or
+    that only an admin may heal."""
+    old = _node(state, name)
+    now_s = _time(now_s)
+    job = _holds(state, name)
+    if job is not None:
+        raise RuleError(f"node {name} runs job {job}: its validation cannot count")
+    if not old.healthy and old.validation is Validation.NONE:
+        raise RuleError(f"node {name} is out of scheduling until an admin heals it ({old.unhealthy_reason})")
+    heartbeat = max(old.last_heartbeat_s, now_s)  # its agent spoke
+    if passed:
+        node = dataclasses.replace(old, healthy=True, unhealthy_reason="", validation=Validation.NONE,
+                                   validation_failures=0, last_heartbeat_s=heartbeat)
+        return _replace_node(state, node)
+    failures = old.validation_failures + 1
+    said = "; ".join(r.strip() for r in reasons if r.strip()) or "no reason given"
+    reason = f"validation failed: {said}"  # validation_rules.VALIDATION_REASON_PREFIX
+    pending = Validation.NEEDED
+    if failures >= config.max_validation_failures:
+        pending = Validation.NONE
+        reason = f"validation failed {failures} times in a row, an admin must heal it: {said}"
+    node = dataclasses.replace(old, healthy=False, unhealthy_reason=reason, validation=pending,
+                               validation_failures=failures, last_heartbeat_s=heartbeat)
+    return _replace_node(state, node)
 
 
 def node_lost(state: ClusterState, name: str, now_s: float, config: Config, reason: str) -> ClusterState:
-    """A node stopped heartbeating or failed a check: it takes no work, and every job on it fails
-    over (restart with back-off). The job's other nodes stay healthy and are freed. This holds
-    when the other nodes had reported their ranks' end: the lost node's ranks never did, so the
-    task failed, and the job is not left waiting for a report that cannot come."""
+    """A node stopped heartbeating or failed a check: it takes no work until it heartbeats again
+    and passes a validation, and every job on it fails over (restart with back-off). The job's
+    other nodes stay healthy and are freed. This holds when the other nodes had reported their
+    ranks' end: the lost node's ranks never did, so the task failed, and the job is not left
+    waiting for a report that cannot come."""
     now_s = _time(now_s)
-    state = _mark_unhealthy(state, name, reason)
+    state = _mark_suspect(state, name, reason)
     victims = sorted(j.job_id for j in state.jobs.values() if j.state in _HOLDING and name in j.assigned)
     for job_id in victims:  # a node holds at most one job; sorted keeps it deterministic regardless
         state = fail_job(state, job_id, now_s, config, f"node {name} lost: {reason}")
@@ -581,10 +682,10 @@ def node_lost(state: ClusterState, name: str, now_s: float, config: Config, reas
 
 
 def node_healthy(state: ClusterState, name: str, now_s: float) -> ClusterState:
-    """The node passed its checks again (or came back): it takes work from the next pass."""
+    """An admin puts the node back: it takes work from the next pass, whatever its validator said."""
     old = _node(state, name)
-    node = dataclasses.replace(old, healthy=True, unhealthy_reason="",
-                               last_heartbeat_s=max(old.last_heartbeat_s, _time(now_s)))
+    node = dataclasses.replace(old, healthy=True, unhealthy_reason="", validation=Validation.NONE,
+                               validation_failures=0, last_heartbeat_s=max(old.last_heartbeat_s, _time(now_s)))
     return dataclasses.replace(state, nodes={**state.nodes, name: node})
 
 
@@ -604,11 +705,14 @@ def job_progress(state: ClusterState, job_id: str, now_s: float) -> ClusterState
 
 
 def check_timeouts(state: ClusterState, now_s: float, config: Config) -> ClusterState:
-    """Nodes silent past ``node_timeout_s`` are lost; jobs silent past ``watchdog_s`` fail, whether
-    running or suspending (a suspend never acknowledged would hold its nodes for ever)."""
+    """Nodes silent past ``node_timeout_s`` are lost (healthy ones, and validating ones: an agent
+    that died mid-validation must not leave its node "validating" for ever); jobs silent past
+    ``watchdog_s`` fail, whether running or suspending (a suspend never acknowledged would hold its
+    nodes for ever)."""
     now_s = _time(now_s)
     silent_nodes = sorted(n.name for n in state.nodes.values()
-                          if n.healthy and now_s - n.last_heartbeat_s > config.node_timeout_s)
+                          if (n.healthy or n.validation is Validation.RUNNING)
+                          and now_s - n.last_heartbeat_s > config.node_timeout_s)
     for name in silent_nodes:
         state = node_lost(state, name, now_s, config, "no heartbeat")
     silent_jobs = sorted(j.job_id for j in state.jobs.values()

@@ -20,6 +20,13 @@ therefore re-sends everything still pending without a command table, and a repea
 the same answer. Agent reports carry the task index, so a late or replayed report is refused by the
 rules (409) and changes nothing.
 
+**Node health** (:func:`hai.rules.node_health`): a node where a rank failed, or that was lost, needs
+a validation. The heartbeat answer of an idle node that needs one carries ``validate``, derived
+like the other commands; the agent reports ``started`` and then its verdict to
+``POST /agents/{node}/validation`` (the agent's own schedule reports the same way), and the rules
+put the node back or keep it out with the validator's sentences as the reason. The last verdict's
+measurements (a bounded summary) are kept in memory for the node view, not in the database.
+
 **Auth**: bearer tokens, stored as SHA-256 hashes in ``hai-users.toml`` in the cluster directory
 (:class:`Users`), compared in constant time; users submit and manage their own jobs, admins also
 set quotas and manage any job, and the agents' endpoints take the agent token. A job's ranks get
@@ -98,6 +105,9 @@ PUBLIC_ENV = frozenset({"CHECKPOINT_BYTES"})
 RANKS_ENV = "HAI_RANKS_PER_NODE"  # carried in the job's stored environment; the HAI_ prefix is the server's
 ADDRESS_LABEL = "hai.address"  # the node's address for MASTER_ADDR, carried as a label
 MAX_RANKS_PER_NODE = 1024
+MAX_VALIDATION_REASONS = 16  # sentences one verdict may give; with MAX_REASON_CHARS, within the store's 4 KiB
+MAX_REASON_CHARS = 200
+MAX_SUMMARY_ENTRIES = 32  # measurements one verdict may carry, kept in memory per node
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PRIORITY_NAMES = (*Priority.__members__, AUTO.value)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
@@ -268,6 +278,8 @@ class HaiServer:
         self.state = store.load()
         self.started_s = clock()
         self.waits: Mapping[str, Wait] = rules.schedule(self.state, clock(), self.config.rules).waits
+        # node -> the last verdict its agent reported: bounded by the nodes and MAX_SUMMARY_ENTRIES.
+        self.verdicts: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
         self.store.close()
@@ -315,7 +327,8 @@ class HaiServer:
 
     def commands(self, node: str, running: Iterable[tuple[str, int]]) -> list[dict[str, Any]]:
         """The node's pending commands, given the ``(job, task)`` pairs its agent runs: stops first
-        (so a node's old task is gone before its next starts), then suspends, then launches."""
+        (so a node's old task is gone before its next starts), then suspends, then launches; and
+        ``validate`` for a node that needs a validation once it runs nothing."""
         state = self.state
         running = set(running)
         expected = {(j.job_id, j.task): j for j in state.jobs.values()
@@ -328,6 +341,9 @@ class HaiServer:
                 out.append({"type": "suspend", "job_id": job_id, "task": task})
             elif job.state is JobState.RUNNING and (job_id, task) not in running:
                 out.append(self.launch(job, node))
+        found = state.nodes.get(node)
+        if found is not None and found.validation is rules.Validation.NEEDED and not running and not expected:
+            out.append({"type": "validate", "reason": found.unhealthy_reason})
         return out
 
     def launch(self, job: Job, node: str) -> dict[str, Any]:
@@ -388,7 +404,9 @@ class HaiServer:
         job = next((j.job_id for j in self.state.jobs.values()
                     if j.state in (JobState.RUNNING, JobState.SUSPENDING) and node.name in j.assigned), None)
         return {"name": node.name, "zone": node.zone, "group": node.group, "healthy": node.healthy,
-                "reason": node.unhealthy_reason, "cpus": node.cpus, "memory_bytes": node.memory_bytes,
+                "health": rules.node_health(node), "reason": node.unhealthy_reason,
+                "validation_failures": node.validation_failures, "last_validation": self.verdicts.get(node.name),
+                "cpus": node.cpus, "memory_bytes": node.memory_bytes,
                 "labels": dict(node.labels), "last_heartbeat_s": node.last_heartbeat_s, "job": job}
 
 
@@ -442,6 +460,18 @@ class ReportIn(_Body):
     event: Literal["started", "finished", "failed", "suspended", "stopped"]
     exit_code: int | None = None
     reason: str = Field(default="", max_length=1024)
+
+
+class ValidationIn(_Body):
+    """A validator's start (``started``), or its verdict (``result``): whether it passed, the
+    sentences that say why not, and a summary of its measurements (name -> number)."""
+
+    event: Literal["started", "result"] = "result"
+    passed: bool | None = None
+    reasons: list[Annotated[str, Field(max_length=MAX_REASON_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_VALIDATION_REASONS)
+    summary: dict[Annotated[str, Field(max_length=64)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=MAX_SUMMARY_ENTRIES)
 
 
 # -- the app --------------------------------------------------------------------------------------
@@ -742,6 +772,30 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
             commands = server.commands(node, ((r.job_id, r.task) for r in body.running))
         return {"node": node, "commands": commands}
 
+    @app.post("/agents/{node}/validation", dependencies=agent_only)
+    def validation(node: str, body: ValidationIn) -> dict[str, Any]:
+        if node not in server.state.nodes:
+            raise HTTPException(404, f"no node {node}: register first")
+        now = server.clock()
+        if body.event == "started":
+            new = server.change(lambda s: rules.validation_started(s, node, now))
+        else:
+            if body.passed is None:
+                raise HTTPException(422, "passed: a verdict says whether the node passed")
+            passed = body.passed
+            new = server.change(lambda s: rules.validation_result(s, node, passed, body.reasons, now,
+                                                                  server.config.rules))
+            with server.lock:
+                if node in server.state.nodes:
+                    server.verdicts[node] = {"passed": passed, "at_s": now, "reasons": list(body.reasons),
+                                             "summary": dict(body.summary)}
+                for gone in set(server.verdicts) - set(server.state.nodes):
+                    del server.verdicts[gone]
+            level = logging.INFO if passed else logging.WARNING
+            log.log(level, "node %s %s validation%s", node, "passed" if passed else "failed",
+                    f": {'; '.join(body.reasons)}" if body.reasons else "")
+        return server.node_view(new.nodes[node])
+
     @app.post("/agents/{node}/report", dependencies=agent_only)
     def report(node: str, body: ReportIn) -> dict[str, Any]:
         now = server.clock()
@@ -773,7 +827,7 @@ def _report(state: ClusterState, node: str, body: ReportIn, now: float, config: 
     """An agent's report as a rules event. Every node's end counts: the task ends once each of
     the job's nodes has reported the end of its ranks (:func:`hai.rules.finish` with ``node``), and
     a node's repeated report changes nothing ("applied": false). A failure on any node ends the task
-    at once, and that node is marked unhealthy."""
+    at once, and that node then needs a validation before it takes work."""
     _holding(state, node, body.job_id, body.task)
     if body.event == "started":
         return rules.job_progress(state, body.job_id, now)

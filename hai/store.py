@@ -26,7 +26,9 @@ A database carries its schema version in ``hai_meta``; an empty database gets th
 one of a newer version is refused (:class:`StoreVersionError`) rather than misread. An older one is
 upgraded in place when opened, in the transaction that reads its version (:data:`_UPGRADES`): version
 2 added ``hai_jobs.ended``, the nodes that reported the end of the current task's ranks (a version-1
-row gets ``[]``: no node has reported, which is what a version-1 server's running job meant). Each commit also
+row gets ``[]``: no node has reported, which is what a version-1 server's running job meant); version
+3 added the nodes' validation columns (an older node reads as having nothing pending, so a node it
+held unhealthy still waits for an admin). Each commit also
 bumps a generation number, checked against the one this store last saw: two servers writing the same
 database, or a commit from a stale state, fail with :class:`StoreConflictError` instead of mixing.
 """
@@ -70,7 +72,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 
-from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord
+from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord, Validation
 
 __all__ = [
     "LIMITS",
@@ -88,7 +90,7 @@ __all__ = [
     "engine_url",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_FILE = "hai.db"
 
 
@@ -202,7 +204,13 @@ nodes_table = Table(
     Column("healthy", Boolean, nullable=False),
     Column("last_heartbeat_s", Double, nullable=False),
     Column("unhealthy_reason", Text, nullable=False),
+    # Schema version 2. The defaults are what a version-1 node means: nothing pending, no failures.
+    Column("validation", String(16), nullable=False, server_default=Validation.NONE.value),
+    Column("validation_failures", Integer, nullable=False, server_default="0"),
 )
+
+# Statements that bring a database of version N (the key) to N + 1, run in the transaction that
+# opens it. Portable SQL: a column added with a default that every existing row takes.
 
 quotas_table = Table(
     "hai_quotas", _metadata,
@@ -258,8 +266,14 @@ def _add_ended(conn: Connection) -> None:
     conn.execute(text(f"ALTER TABLE hai_jobs ADD COLUMN ended {json_type} DEFAULT '[]' NOT NULL"))
 
 
-# version -> the statements that bring a database of that version to the next one.
-_UPGRADES: dict[int, Callable[[Connection], None]] = {1: _add_ended}
+def _add_validation(conn: Connection) -> None:
+    conn.execute(text(f"ALTER TABLE hai_nodes ADD COLUMN validation VARCHAR(16) "
+                      f"DEFAULT '{Validation.NONE.value}' NOT NULL"))
+    conn.execute(text("ALTER TABLE hai_nodes ADD COLUMN validation_failures INTEGER DEFAULT 0 NOT NULL"))
+
+
+# version -> what brings a database of that version to the next one.
+_UPGRADES: dict[int, Callable[[Connection], None]] = {1: _add_ended, 2: _add_validation}
 _LOAD_BATCH = 500  # rows fetched at a time while loading
 
 
@@ -342,6 +356,7 @@ def check_node(node: Node, limits: Limits = LIMITS) -> None:
     _check_int(f"{where} memory_bytes", node.memory_bytes, _INT64)
     _check_time(f"{where} last heartbeat", node.last_heartbeat_s)
     _check_text(f"{where} unhealthy reason", node.unhealthy_reason, limits.reason_chars, empty_ok=True)
+    _check_int(f"{where} validation failures", node.validation_failures)
     _check_pairs(f"{where} labels", node.labels, limits.labels, limits.label_name_chars, limits.label_value_chars,
                  limits.labels * (limits.label_name_chars + limits.label_value_chars))
 
@@ -392,7 +407,8 @@ def _pairs_json(pairs: Sequence[tuple[str, str]]) -> list[list[str]]:
 def _node_row(node: Node) -> dict[str, Any]:
     return {"name": node.name, "zone": node.zone, "node_group": node.group, "cpus": node.cpus,
             "memory_bytes": node.memory_bytes, "labels": _pairs_json(node.labels), "healthy": node.healthy,
-            "last_heartbeat_s": float(node.last_heartbeat_s), "unhealthy_reason": node.unhealthy_reason}
+            "last_heartbeat_s": float(node.last_heartbeat_s), "unhealthy_reason": node.unhealthy_reason,
+            "validation": node.validation.value, "validation_failures": node.validation_failures}
 
 
 def _job_row(job: Job) -> dict[str, Any]:
@@ -438,9 +454,16 @@ def _priority(table: str, key: object, column: str, value: Any) -> Priority:
 
 def _node_of(row: RowMapping) -> Node:
     name = row["name"]
+    try:
+        validation = Validation(row["validation"])
+    except ValueError:
+        raise _corrupt("hai_nodes", name, "validation", row["validation"]) from None
+    if row["validation_failures"] < 0:
+        raise _corrupt("hai_nodes", name, "validation_failures", row["validation_failures"])
     return Node(name=name, zone=row["zone"], group=row["node_group"], healthy=bool(row["healthy"]),
                 last_heartbeat_s=row["last_heartbeat_s"], unhealthy_reason=row["unhealthy_reason"], cpus=row["cpus"],
-                memory_bytes=row["memory_bytes"], labels=_pairs("hai_nodes", name, "labels", row["labels"]))
+                memory_bytes=row["memory_bytes"], labels=_pairs("hai_nodes", name, "labels", row["labels"]),
+                validation=validation, validation_failures=row["validation_failures"])
 
 
 def _job_of(row: RowMapping, history: tuple[TaskRecord, ...]) -> Job:

@@ -17,8 +17,9 @@ The checks, each bounded in time and memory, each returning a measurement or a r
   cluster is given.
 
 One check failing never stops the others. :mod:`hai.validation_rules` turns the measurements into a
-verdict; the node agent feeds a failing verdict to the scheduler (``apply_verdict``), which takes
-the node out of scheduling with the reason recorded.
+verdict; the node agent (``hai agent``, on a schedule and whenever the server asks) reports it to
+the server, which feeds it to the scheduler (:func:`hai.rules.validation_result`): a failing node
+leaves scheduling with the reasons recorded, a passing one comes back.
 """
 
 from __future__ import annotations

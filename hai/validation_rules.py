@@ -31,8 +31,7 @@ CHECKS = ("cpu", "memory", "gemm", "allreduce", "fs3")
 """Every check the validator runs, in the order it runs them and reports them."""
 
 VALIDATION_REASON_PREFIX = "validation failed: "
-"""How a node's ``unhealthy_reason`` starts when the validator took it out of scheduling, so a later
-passing run puts back only nodes the validator removed (not one that stopped heartbeating)."""
+"""How a node's ``unhealthy_reason`` starts when the validator took it out of scheduling."""
 
 
 @dataclass(frozen=True)
@@ -140,14 +139,10 @@ def judge(measurements: Measurements, thresholds: Thresholds) -> Verdict:
 
 def apply_verdict(state: rules.ClusterState, node: str, verdict: Verdict, now_s: float,
                   config: rules.Config) -> rules.ClusterState:
-    """Feed a node's verdict to the scheduler: a failing node leaves scheduling with the reason
-    recorded (its job, if any, fails over); a passing node the validator had removed comes back.
-    A passing run does not revive a node that is unhealthy for another reason (no heartbeat)."""
-    current = state.nodes.get(node)
-    if current is None:
+    """Feed a node's verdict to the scheduler (:func:`hai.rules.validation_result`): a failing node
+    leaves scheduling with the reason recorded, a passing one comes back. Refused
+    (:class:`~hai.rules.RuleError`) for an unknown node, one that runs a job, and one that failed
+    too often in a row or that only an admin may put back."""
+    if node not in state.nodes:
         raise rules.RuleError(f"unknown node {node!r}")
-    if not verdict.ok:
-        return rules.node_lost(state, node, now_s, config, verdict.reason())
-    if not current.healthy and current.unhealthy_reason.startswith(VALIDATION_REASON_PREFIX):
-        return rules.node_healthy(state, node, now_s)
-    return state
+    return rules.validation_result(state, node, verdict.ok, verdict.failures, now_s, config)

@@ -122,8 +122,22 @@ def random_event(rng: random.Random, run: Run, payload: random.Random | None = N
         return f"lose {name}"
     if sick:
         name = rng.choice(sick)
-        run.state = rules.node_healthy(s, name, now)
-        return f"heal {name}"
+        node = s.nodes[name]
+        if node.validation is rules.Validation.NONE or rng.random() < 0.3:
+            run.state = rules.node_healthy(s, name, now)
+            return f"heal {name}"
+        if node.validation is rules.Validation.NEEDED and rng.random() < 0.5:
+            run.state = rules.validation_started(s, name, now)
+            return f"validating {name}"
+        passed = rng.random() < 0.6
+        run.state = rules.validation_result(s, name, passed, ("gemm: too slow",), now, config)
+        return f"validated {name} passed={passed}"
+    idle = sorted(set(s.nodes) - {n for j in s.jobs.values() for n in j.assigned})
+    if idle and rng.random() < 0.5:
+        name = rng.choice(idle)
+        if s.nodes[name].healthy:
+            run.state = rules.validation_started(s, name, now)
+            return f"validating {name} on schedule"
     return "nothing"
 
 

@@ -279,7 +279,8 @@ def test_suspend_and_stop_own_job_not_anothers(served: Served, hai: Run, tmp_pat
 def test_nodes_and_quota(served: Served, hai: Run) -> None:
     served.register("n1", "n2")
     status, out, _ = hai("nodes")
-    assert status == 0 and out.splitlines()[0].split() == ["NODE", "ZONE", "GROUP", "HEALTHY", "JOB", "REASON"]
+    assert status == 0 and out.splitlines()[0].split() == ["NODE", "ZONE", "GROUP", "HEALTH", "JOB", "REASON"]
+    assert out.splitlines()[1].split()[:5] == ["n1", "default", "default", "healthy", "-"]
     status, out, _ = hai("nodes", "--json")
     assert [n["name"] for n in json.loads(out)["nodes"]] == ["n1", "n2"]
     status, _, err = hai("quota", "--set", "alice", "default", "HIGH", "4")

@@ -28,9 +28,9 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from hai import rules
-from hai.dashboard import COOKIE, VALIDATING_LABEL, Fs3LogReader, LocalLogReader, LogReader, node_status, task_ending
+from hai.dashboard import COOKIE, Fs3LogReader, LocalLogReader, LogReader, node_status, task_ending
 from hai.launcher import Fs3LogSink
-from hai.rules import Config, Job, JobSpec, JobState, Node, Priority, TaskRecord
+from hai.rules import ClusterState, Config, Job, JobSpec, JobState, Node, Priority, TaskRecord
 from hai.server import HaiServer, ServerConfig, User, Users, create_app, hash_token
 from hai.store import Store, default_url
 
@@ -190,9 +190,9 @@ def test_nodes_page_shows_state_reason_zone_and_job(fast: Fast) -> None:
     fast.login()
     text = fast.page("/dashboard/nodes")
     bad = fast.jobs["bad"]
-    assert "4 nodes: 3 healthy, 1 unhealthy." in text
+    assert "4 nodes: 3 healthy, 1 suspect." in text
     row = _row(text, f"<td>{bad}</td>")
-    assert "b-unhealthy" in row and f"rank exited 1 on {bad}" in row and "z1" in row
+    assert "b-suspect" in row and f"rank exited 1 on {bad}" in row and "z1" in row
     running = fast.server.state.jobs[fast.jobs["running"]]
     assert running.assigned == ("n4",)
     n4 = _row(text, "<td>n4</td>")
@@ -330,13 +330,24 @@ def test_node_states_and_task_endings() -> None:
     now = 5000.0
     fresh = Node("n", "z", last_heartbeat_s=now - 1)
     assert node_status(fresh, now, config) == ("healthy", "")
-    validating = Node("n", "z", last_heartbeat_s=now - 1, labels=((VALIDATING_LABEL, "1"),))
-    assert node_status(validating, now, config)[0] == "validating"
-    sick = Node("n", "z", healthy=False, unhealthy_reason="validation failed: GEMM", last_heartbeat_s=now - 1)
-    assert node_status(sick, now, config) == ("unhealthy", "validation failed: GEMM")
+    one = ClusterState(nodes={"n": fresh})
+    validating = rules.validation_started(one, "n", now).nodes["n"]
+    assert node_status(validating, now, config) == ("validating", "the validator is running")
+    busy = rules.apply(rules.submit(one, JobSpec("J", "alice", 1, Priority.LOW), now),
+                       rules.Decision(now, placements=(rules.Placement("J", ("n",), Priority.LOW, False),)))
+    suspect = rules.fail_job(busy, "J", now, config, "rank exited 1", "n").nodes["n"]
+    assert node_status(suspect, now, config) == ("suspect", "rank exited 1; waiting for its validator to pass")
+    again = rules.validation_started(ClusterState(nodes={"n": suspect}), "n", now).nodes["n"]
+    assert node_status(again, now, config) == ("validating", "the validator is running, after: rank exited 1")
+    out = rules.validation_result(ClusterState(nodes={"n": suspect}), "n", False, ["GEMM"], now,
+                                  rules.Config(max_validation_failures=1)).nodes["n"]
+    assert node_status(out, now, config) == ("unhealthy", out.unhealthy_reason)
+    assert out.unhealthy_reason.endswith("an admin must heal it: GEMM")
     assert node_status(Node("n", "z", last_heartbeat_s=now - 61), now, config) == ("offline", "no heartbeat for 61 s")
-    back = Node("n", "z", healthy=False, unhealthy_reason="no heartbeat", last_heartbeat_s=now - 1)
-    assert node_status(back, now, config)[0] == "offline"  # heartbeating again, not yet put back by an admin
+    back = rules.node_lost(one, "n", now, config, "no heartbeat").nodes["n"]
+    assert node_status(back, now, config) == ("suspect", "was silent; back, waiting for its validator to pass")
+    held = Node("n", "z", healthy=False, unhealthy_reason="no heartbeat", last_heartbeat_s=now - 1)
+    assert node_status(held, now, config)[0] == "offline"  # from a version-1 database: back, for an admin
 
     def job(state: JobState, task: int) -> Job:
         return Job("j-1", "alice", "default", 1, Priority.LOW, seq=1, state=state, task=task)
@@ -455,7 +466,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
 
         driver.find_element(By.LINK_TEXT, "Nodes").click()
         main = driver.find_element(By.TAG_NAME, "main").text
-        assert "4 nodes: 3 healthy, 1 unhealthy." in main and f"rank exited 1 on {jobs['bad']}" in main
+        assert "4 nodes: 3 healthy, 1 suspect." in main and f"rank exited 1 on {jobs['bad']}" in main
         shot("nodes")
 
         driver.get(f"{base}/dashboard/queue")

@@ -12,7 +12,10 @@ listing commands are followed by their result on lines starting with ``=>``::
     => place J1 n1,n2 LOW
     finish J1 / fail J1 [node=n1] / ack J1 / suspend J1 / lose n1 / heal n1
     finish J1 node=n1 / ack J1 node=n1   # one node reported its ranks' end (the task ends once all have)
+    validating n1                   # n1's validator started
+    validated n1 pass / validated n1 fail gemm: too slow   # ... and ended (a failure says why)
     silence n1 / hang J1            # the node stops heartbeating / the job stops reporting progress
+    wake n1                         # the node heartbeats again
     config demote_after_s=60        # any Config field
     jobs / nodes                    # list every job / node
 
@@ -161,14 +164,23 @@ def run_script(text: str) -> str:
         elif command == "heal":
             script.silent.discard(args[0])
             script.state = rules.node_healthy(s, args[0], now)
+        elif command == "validating":
+            script.state = rules.validation_started(s, args[0], now)
+        elif command == "validated":
+            script.silent.discard(args[0])  # its agent speaks again
+            passed = {"pass": True, "fail": False}[args[1]]
+            script.state = rules.validation_result(s, args[0], passed, [" ".join(args[2:])], now, script.config)
         elif command == "silence":
             script.silent.add(args[0])
+        elif command == "wake":
+            script.silent.discard(args[0])
         elif command == "hang":
             script.hung.add(args[0])
         elif command == "jobs":
             out += [_job_line(j, now) for j in sorted(s.jobs.values(), key=lambda j: j.seq)]
         elif command == "nodes":
-            out += [f"=> {n.name} zone={n.zone} " + ("healthy" if n.healthy else f"unhealthy ({n.unhealthy_reason})")
+            out += [f"=> {n.name} zone={n.zone} {rules.node_health(n)}"
+                    + (f" ({n.unhealthy_reason})" if n.unhealthy_reason else "")
                     for n in sorted(s.nodes.values(), key=lambda n: n.name)]
         else:
             raise ValueError(f"line {number}: unknown command {command!r}")
@@ -244,6 +256,12 @@ def state_violations(state: ClusterState, config: Config, submitted: Iterable[st
             found.append(f"{job.job_id} is {job.state.value} but holds {job.assigned} ({job.ended})")
         if job.restarts > config.max_restarts:
             found.append(f"{job.job_id} restarted {job.restarts} times, max {config.max_restarts}")
+    for node in state.nodes.values():
+        if node.healthy and (node.validation is not rules.Validation.NONE or node.unhealthy_reason):
+            found.append(f"node {node.name} is healthy with validation {node.validation.value} "
+                         f"and reason {node.unhealthy_reason!r}")
+        if node.validation is rules.Validation.NEEDED and node.validation_failures >= config.max_validation_failures:
+            found.append(f"node {node.name} failed {node.validation_failures} validations and still gets more")
     for (user, group, priority), count in used.items():
         limit = rules.quota_limit(state, config, user, group, priority)
         if count > limit:
@@ -649,3 +667,37 @@ def test_the_purity_check_catches_an_import() -> None:
     planted = "import os.path\nfrom time import monotonic\ndef f():\n    import socket\n    __import__('random')\n"
     assert {"os", "time", "socket", "__import__"} <= _imported_roots(planted)
 
+
+
+# -- node health ----------------------------------------------------------------------------------
+
+
+def test_validation_is_refused_on_a_busy_or_admin_held_node() -> None:
+    state = _running(_cluster("a", "a"), "J1", "alice", Priority.LOW, ("n0",))
+    with pytest.raises(rules.RuleError, match="runs job J1"):
+        rules.validation_started(state, "n0", 1.0)
+    with pytest.raises(rules.RuleError, match="runs job J1"):
+        rules.validation_result(state, "n0", True, (), 1.0, Config())
+    config = Config(max_validation_failures=1)
+    held = rules.validation_result(state, "n1", False, ("gpu0: missing",), 1.0, config)
+    assert rules.node_health(held.nodes["n1"]) == "unhealthy"
+    assert "gpu0: missing" in held.nodes["n1"].unhealthy_reason
+    with pytest.raises(rules.RuleError, match="until an admin heals it"):
+        rules.validation_started(held, "n1", 2.0)
+    with pytest.raises(rules.RuleError, match="until an admin heals it"):
+        rules.validation_result(held, "n1", True, (), 2.0, config)
+    # A lost node an admin must heal does not become a candidate for validation.
+    assert rules.node_lost(held, "n1", 2.5, config, "no heartbeat") == held
+    healed = rules.node_healthy(held, "n1", 3.0)
+    assert rules.node_health(healed.nodes["n1"]) == "healthy" and healed.nodes["n1"].validation_failures == 0
+
+
+def test_a_passing_validation_without_a_start_report_heals_a_suspect_node() -> None:
+    state = rules.node_lost(_cluster("a"), "n0", 5.0, Config(), "no heartbeat")
+    assert rules.node_health(state.nodes["n0"]) == "needs validation"
+    assert rules.node_heartbeat(state, "n0", 6.0).nodes["n0"].healthy is False
+    back = rules.validation_result(state, "n0", True, (), 7.0, Config())
+    assert back.nodes["n0"].healthy and back.nodes["n0"].last_heartbeat_s == 7.0
+    # Registering again keeps where the node stands with its validator.
+    again = rules.add_node(state, Node("n0", "a", last_heartbeat_s=8.0))
+    assert rules.node_health(again.nodes["n0"]) == "needs validation"

@@ -30,7 +30,7 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from hai import rules, store
-from hai.rules import AUTO, ClusterState, Config, Job, JobSpec, JobState, Node, Priority, Quota, TaskRecord
+from hai.rules import AUTO, ClusterState, Config, Job, JobSpec, JobState, Node, Priority, Quota, TaskRecord, Validation
 from hai.store import Store, StoreConflictError, StoreCorruptError, StoreLimitError, StoreVersionError
 from tests.hai_events import Run, random_cluster, random_event
 from tests.postgres import SKIP_REASON, find_bin_dir, start_postgres
@@ -88,6 +88,9 @@ def _sample() -> ClusterState:
         "n1": Node("n1", "a", cpus=192, memory_bytes=2**41 + 3, labels=(("rack", "r1"), ("gpu", "a100 = 8 ,é"))),
         "n2": Node("n2", "a", "gpu", healthy=False, last_heartbeat_s=12.25, unhealthy_reason="gemm check failed"),
         "n3": Node("n3", "b", last_heartbeat_s=1e-300),
+        "n4": Node("n4", "b", healthy=False, unhealthy_reason="failed validation: ib0: down",
+                   validation=Validation.NEEDED, validation_failures=2),
+        "n5": Node("n5", "b", healthy=False, unhealthy_reason="rank exited 1", validation=Validation.RUNNING),
     }
     quotas = {("alice", "default", Priority.HIGH): 4, ("bob", "gpu", Priority.LOW): 0,
               ("bob", "default", Priority.EXTREME_HIGH): 2**31 - 1}
@@ -317,6 +320,20 @@ def test_a_newer_schema_is_refused(url: str) -> None:
         Store.open(url)
 
 
+def _downgrade(url: str, version: int) -> None:
+    """Make a database of schema ``version`` from a current one: version 2 had no validation
+    columns, version 1 not ``hai_jobs.ended`` either."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        if version <= 2:
+            conn.execute(text("ALTER TABLE hai_nodes DROP COLUMN validation"))
+            conn.execute(text("ALTER TABLE hai_nodes DROP COLUMN validation_failures"))
+        if version <= 1:
+            conn.execute(text("ALTER TABLE hai_jobs DROP COLUMN ended"))
+        conn.execute(text(f"UPDATE hai_meta SET value = {version} WHERE key = 'schema_version'"))
+    engine.dispose()
+
+
 def _two_node_job_half_ended() -> ClusterState:
     """A 2-node job whose first node has reported its ranks' end and whose second has not."""
     state = ClusterState(nodes={n: Node(n, "a") for n in ("n1", "n2")})
@@ -342,11 +359,7 @@ def test_a_version_1_database_is_upgraded_in_place(url: str) -> None:
     before = rules._replace_job(submitted, dataclasses.replace(submitted.jobs["J1"], ended=()))
     with Store.open(url) as first:
         first.commit(ClusterState(), before)
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE hai_jobs DROP COLUMN ended"))
-        conn.execute(text("UPDATE hai_meta SET value = 1 WHERE key = 'schema_version'"))
-    engine.dispose()
+    _downgrade(url, 1)
     with Store.open(url) as upgraded:
         assert upgraded.load() == before
         upgraded.save(rules.finish(before, "J1", 5.0, node="n1"))
@@ -355,8 +368,29 @@ def test_a_version_1_database_is_upgraded_in_place(url: str) -> None:
         version = conn.execute(text("SELECT value FROM hai_meta WHERE key = 'schema_version'")).scalar()
         columns = {c["name"] for c in inspect(conn).get_columns("hai_jobs")}
     engine.dispose()
-    assert version == store.SCHEMA_VERSION == 2 and "ended" in columns
+    assert version == store.SCHEMA_VERSION == 3 and "ended" in columns
     assert _reloaded(url).jobs["J1"].ended == (("n1", "finished"),)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_database_opens_and_its_unhealthy_node_still_waits_for_an_admin(url: str, version: int) -> None:
+    """Schemas 1 and 2 had no validation columns: made here from a new database by dropping them."""
+    with Store.open(url) as db:
+        db.commit(ClusterState(), ClusterState(nodes={
+            "n1": Node("n1", "a"), "n2": Node("n2", "a", healthy=False, unhealthy_reason="rank exited 1")}))
+    _downgrade(url, version)
+    with Store.open(url) as db:
+        old = db.load()
+        assert old.nodes["n2"] == Node("n2", "a", healthy=False, unhealthy_reason="rank exited 1")
+        assert rules.node_health(old.nodes["n2"]) == "unhealthy"
+        new = rules.node_lost(old, "n1", 5.0, Config(), "no heartbeat")
+        db.commit(old, new)
+    assert _reloaded(url) == new and new.nodes["n1"].validation is Validation.NEEDED
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT value FROM hai_meta WHERE key = 'schema_version'")).scalar() == \
+            store.SCHEMA_VERSION
+    engine.dispose()
 
 
 def test_a_database_with_hai_tables_but_no_version_is_refused(url: str) -> None:

@@ -101,9 +101,14 @@ def test_a_failing_verdict_takes_the_node_out_of_scheduling_and_a_passing_one_br
     passed = Verdict(ok=True, failures=[], skipped=[])
     state = apply_verdict(state, "n1", passed, 20.0, config)
     assert state.nodes["n1"].healthy and state.nodes["n1"].unhealthy_reason == ""
-    # A node lost for another reason is not revived by a passing run.
+    # A lost node that is back passes and returns; one that failed too often waits for an admin.
     state = rules.node_lost(state, "n1", 30.0, config, "no heartbeat")
-    assert apply_verdict(state, "n1", passed, 40.0, config).nodes["n1"].unhealthy_reason == "no heartbeat"
+    assert apply_verdict(state, "n1", passed, 40.0, config).nodes["n1"].healthy
+    for now_s in (50.0, 60.0, 70.0):
+        state = apply_verdict(state, "n1", failed, now_s, config)
+    assert state.nodes["n1"].unhealthy_reason.startswith("validation failed 3 times in a row")
+    with pytest.raises(rules.RuleError, match="admin"):
+        apply_verdict(state, "n1", passed, 80.0, config)
     with pytest.raises(rules.RuleError):
         apply_verdict(state, "n2", passed, 40.0, config)
 
