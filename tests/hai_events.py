@@ -122,11 +122,11 @@ def random_event(rng: random.Random, run: Run, payload: random.Random | None = N
         return f"lose {name}"
     if sick:
         name = rng.choice(sick)
-        node = s.nodes[name]
-        if node.validation is rules.Validation.NONE or rng.random() < 0.3:
+        sick_node = s.nodes[name]
+        if sick_node.validation is rules.Validation.NONE or rng.random() < 0.3:
             run.state = rules.node_healthy(s, name, now)
             return f"heal {name}"
-        if node.validation is rules.Validation.NEEDED and rng.random() < 0.5:
+        if sick_node.validation is rules.Validation.NEEDED and rng.random() < 0.5:
             run.state = rules.validation_started(s, name, now)
             return f"validating {name}"
         passed = rng.random() < 0.6
