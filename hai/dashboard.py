@@ -403,7 +403,10 @@ def _queue_page(state: ClusterState, waits: Mapping[str, Wait], now_s: float) ->
                      "No job has ended yet."))
 
 
-def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
+def _log_section(job: Job, rank: int, logs: LogReader | None, user: User) -> str:
+    """The tail of one rank's log, for the job's user and admins only: the server reads it with its
+    own fs3 credentials, which may read every job's logs, while ``hai logs`` reads as the user
+    (fs3's permissions decide there); anyone else would see a log fs3 would not show them."""
     world = job.nodes * _ranks_per_node(job)
     links = " ".join(
         f'<a href="{_e(_job_href(job.job_id))}?rank={r}">{"<strong>" if r == rank else ""}{r}'
@@ -415,6 +418,8 @@ def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
     head = f"<h2>Log of rank {rank}</h2><p>Ranks: {links}{' …' if world > MAX_RANK_LINKS else ''}</p>{form}"
     if not 0 <= rank < world:
         return head + f'<p class="err">The job has ranks 0 to {world - 1}.</p>'
+    if user.name != job.user and not user.admin:
+        return head + '<p class="muted">The logs are visible to the job\'s user and admins.</p>'
     if logs is None:
         return head + ('<p class="muted">This server has no access to the jobs\' logs (start <code>hai server</code> '
                        "with <code>--fs3 MGMTD</code>, <code>--profile NAME</code> or <code>--log-dir DIR</code>); "
@@ -438,7 +443,7 @@ def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
 
 
 def _job_page(job: Job, wait: Wait | None, rank: int, now_s: float, config: rules.Config,
-              logs: LogReader | None) -> str:
+              logs: LogReader | None, user: User) -> str:
     if job.state is JobState.QUEUED:
         why = str(wait) if wait is not None else (
             f"back-off for {_duration(job.not_before_s - now_s)}" if job.not_before_s > now_s else "next pass")
@@ -467,7 +472,7 @@ def _job_page(job: Job, wait: Wait | None, rank: int, now_s: float, config: rule
     total = len(job.history) + (1 if job.state in _HOLDING or (job.state is JobState.QUEUED and job.history) else 0)
     chain = "<h2>Chain of tasks</h2>" + _table(["Task", "Nodes", "Started", "Ended", "Ran", "How it ended", "Detail"],
                                                 rows, total, "No task has run yet.")
-    return dl + chain + _log_section(job, rank, logs)
+    return dl + chain + _log_section(job, rank, logs, user)
 
 
 _LOGIN_FORM = (f'<form method="post" action="{PREFIX}/login"><p><label>Token <input name="token" type="password" '
@@ -571,5 +576,5 @@ def add_routes(app: FastAPI, server: HaiServer, logs: LogReader | None = None) -
         if found is None:
             return _page("No such job", f'<p class="err">No job {_e(job_id)}.</p>', user, refresh=False, status=404)
         wait = waits.get(job_id) if found.state is JobState.QUEUED else None
-        body = _job_page(found, wait, rank, server.clock(), server.config.rules, logs)
+        body = _job_page(found, wait, rank, server.clock(), server.config.rules, logs, user)
         return _page(f"Job {job_id}", body, user, refresh=True)
