@@ -125,6 +125,11 @@ class User:
     fs3_token: str = ""  # handed to the user's jobs' ranks as FS3_TOKEN
 
 
+# The server itself as a viewer (``HaiServer.job_view``): everything, as an admin sees it. Not a
+# user of the users file (its name is no user name, and it has no token), so no request is it.
+SYSTEM_VIEWER = User("(hai server)", "", admin=True)
+
+
 @dataclass(frozen=True)
 class Users:
     """Who may call the server: users by token hash, and the agents' token hash."""
@@ -378,18 +383,20 @@ class HaiServer:
 
     # -- views -----------------------------------------------------------------------------------
 
-    def job_view(self, job: Job, *, chain: bool = False, env_names: frozenset[str] = frozenset(),
-                 viewer: User | None = None) -> dict[str, Any]:
+    def job_view(self, job: Job, *, viewer: User, chain: bool = False,
+                 env_names: frozenset[str] = frozenset()) -> dict[str, Any]:
         """A job as the API shows it; with ``chain``, also its command, environment and chain of tasks;
         with ``env_names``, those of its environment variables it has (a listing's ``env=``).
 
         A job's environment may carry its user's secrets (an API key for a metrics service, say), so
         a ``viewer`` who is neither the job's user nor an admin sees the variables' names with their
-        values withheld (None), except the few hai itself defines and reads (:data:`PUBLIC_ENV`)."""
+        values withheld (None), except the few hai itself defines and reads (:data:`PUBLIC_ENV`).
+        ``viewer`` is required, so that no endpoint shows everything by forgetting it: where the
+        server itself needs the whole view (the agents' calls), it passes :data:`SYSTEM_VIEWER`."""
         own = dict(job.env)
         per_node = int(own.pop(RANKS_ENV, "1"))
         env: dict[str, str | None] = dict(own)
-        if viewer is not None and viewer.name != job.user and not viewer.admin:
+        if viewer.name != job.user and not viewer.admin:
             env = {k: (v if k in PUBLIC_ENV else None) for k, v in own.items()}
         wait = self.waits.get(job.job_id) if job.state is JobState.QUEUED else None
         view: dict[str, Any] = {
@@ -652,7 +659,7 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
             return rules.submit(state, spec, server.clock())
 
         new = server.change(event)
-        return server.job_view(new.jobs[job_ids[-1]], chain=True)
+        return server.job_view(new.jobs[job_ids[-1]], chain=True, viewer=caller)
 
     @app.get("/jobs")
     def list_jobs(caller: Caller, state: Annotated[str | None, Query(max_length=16)] = None,
@@ -700,13 +707,13 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
     def suspend(job_id: str, caller: Caller) -> dict[str, Any]:
         own_job(job_id, caller)
         new = server.change(lambda s: rules.request_suspend(s, job_id))
-        return server.job_view(new.jobs[job_id], chain=True)
+        return server.job_view(new.jobs[job_id], chain=True, viewer=caller)
 
     @app.post("/jobs/{job_id}/stop")
     def stop(job_id: str, caller: Caller) -> dict[str, Any]:
         own_job(job_id, caller)
         new = server.change(lambda s: _stop(s, job_id, server.clock(), caller.name))
-        return server.job_view(new.jobs[job_id], chain=True)
+        return server.job_view(new.jobs[job_id], chain=True, viewer=caller)
 
     @app.get("/nodes")
     def nodes(_caller: Caller, offset: Annotated[int, Query(ge=0)] = 0,
@@ -781,7 +788,7 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
             return new
 
         new = server.change(event)
-        return {"job": server.job_view(new.jobs[body.job_id]), "applied": changed[-1]}
+        return {"job": server.job_view(new.jobs[body.job_id], viewer=SYSTEM_VIEWER), "applied": changed[-1]}
 
     return app
 
