@@ -37,7 +37,6 @@ import contextlib
 import html
 import os
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -49,6 +48,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from hai import rules
 from hai.launcher import LOG_ROOT, log_path
 from hai.rules import Auto, ClusterState, Job, JobState, Node, Priority, Wait
+from hai.timefmt import duration, when
 
 if TYPE_CHECKING:
     from hai.server import HaiServer, User
@@ -205,7 +205,7 @@ def node_status(node: Node, now_s: float, config: rules.Config) -> tuple[str, st
     (:data:`VALIDATING_LABEL`), else ``healthy``."""
     silent_s = now_s - node.last_heartbeat_s
     if silent_s > config.node_timeout_s:
-        why = f"no heartbeat for {_duration(silent_s)}"
+        why = f"no heartbeat for {duration(silent_s)}"
         return "offline", why if node.healthy or node.unhealthy_reason == "no heartbeat" else \
             f"{why}; {node.unhealthy_reason}"
     if not node.healthy:
@@ -235,23 +235,6 @@ def task_ending(record: rules.TaskRecord, job: Job) -> tuple[str, str]:
     if outcome.startswith("stopped by "):
         return "stopped", outcome
     return "ended", outcome
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
-def _when(epoch_s: float | None) -> str:
-    if epoch_s is None or epoch_s <= 0:
-        return "—"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch_s)) + "Z"
 
 
 def _priority(job: Job) -> str:
@@ -366,7 +349,7 @@ def _nodes_page(state: ClusterState, now_s: float, config: rules.Config) -> str:
         job_id = on_node.get(name)
         rows.append([_e(name), _badge(status), _e(why), _e(node.zone), _e(node.group), _e(node.cpus),
                      _e(f"{node.memory_bytes / 2**30:.1f} GiB"),
-                     _e(f"{_duration(now_s - node.last_heartbeat_s)} ago" if node.last_heartbeat_s > 0 else "—"),
+                     _e(f"{duration(now_s - node.last_heartbeat_s)} ago" if node.last_heartbeat_s > 0 else "—"),
                      _job_link(job_id) if job_id else '<span class="muted">idle</span>'])
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     return (f"<p>{len(state.nodes)} nodes{': ' + _e(summary) if summary else ''}.</p>"
@@ -382,16 +365,16 @@ def _queue_page(state: ClusterState, waits: Mapping[str, Wait], now_s: float) ->
         if job.state is JobState.QUEUED:
             reason = _e(wait) if wait is not None else '<span class="muted">next pass</span>'
             if job.not_before_s > now_s and wait is None:
-                reason = _e(f"back-off for {_duration(job.not_before_s - now_s)}")
+                reason = _e(f"back-off for {duration(job.not_before_s - now_s)}")
             where = f"{job.nodes}"
         else:
-            reason = _e(f"running for {_duration(now_s - job.started_s)}")
+            reason = _e(f"running for {duration(now_s - job.started_s)}")
             where = f"{job.nodes}: " + ", ".join(job.assigned)
         rows.append([_e(position), _job_link(job.job_id), _e(job.user), _e(job.group), _e(_priority(job)),
                      _badge(job.state.value), _e(where), _e(job.task), _e(job.restarts), reason])
     ended = sorted((j for j in state.jobs.values() if j.state in _ENDED), key=lambda j: -j.seq)
     recent = [[_job_link(j.job_id), _e(j.user), _badge(j.state.value), _e(len(j.history)), _e(j.restarts),
-               _e(_when(j.history[-1].ended_s) if j.history else "—"), _e(j.end_reason)]
+               _e(when(j.history[-1].ended_s) if j.history else "—"), _e(j.end_reason)]
               for j in ended[:RECENT_ENDED]]
     queued = sum(1 for j in active if j.state is JobState.QUEUED)
     return (f"<p>{queued} queued, {len(active) - queued} running or suspending, in queue order "
@@ -446,27 +429,27 @@ def _job_page(job: Job, wait: Wait | None, rank: int, now_s: float, config: rule
               logs: LogReader | None, user: User) -> str:
     if job.state is JobState.QUEUED:
         why = str(wait) if wait is not None else (
-            f"back-off for {_duration(job.not_before_s - now_s)}" if job.not_before_s > now_s else "next pass")
+            f"back-off for {duration(job.not_before_s - now_s)}" if job.not_before_s > now_s else "next pass")
     elif job.state in _HOLDING:
-        why = f"task {job.task} on {', '.join(job.assigned)} for {_duration(now_s - job.started_s)}"
+        why = f"task {job.task} on {', '.join(job.assigned)} for {duration(now_s - job.started_s)}"
     else:
         why = job.end_reason or job.state.value
     env_names = ", ".join(name for name, _ in job.env if name != _RANKS_ENV) or "—"
     facts = [("State", _badge(job.state.value)), ("Why", _e(why)), ("User", _e(job.user)), ("Group", _e(job.group)),
              ("Priority", _e(_priority(job))), ("Nodes", _e(f"{job.nodes} nodes, {_ranks_per_node(job)} ranks each")),
              ("Task", _e(job.task)), ("Restarts", _e(f"{job.restarts} of {config.max_restarts}")),
-             ("Ran", _e(_duration(job.ran_s + (now_s - job.started_s if job.state in _HOLDING else 0.0)))),
+             ("Ran", _e(duration(job.ran_s + (now_s - job.started_s if job.state in _HOLDING else 0.0)))),
              ("Command", f"<code>{_e(job.command)}</code>"), ("Environment", _e(env_names))]
     dl = "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"
     rows: list[list[str]] = []
     for record in job.history[-MAX_ROWS:]:
         kind, detail = task_ending(record, job)
-        rows.append([_e(record.index), _e(", ".join(record.nodes)), _e(_when(record.started_s)),
-                     _e(_when(record.ended_s)), _e(_duration(record.ended_s - record.started_s)), _badge(kind),
+        rows.append([_e(record.index), _e(", ".join(record.nodes)), _e(when(record.started_s)),
+                     _e(when(record.ended_s)), _e(duration(record.ended_s - record.started_s)), _badge(kind),
                      _e(detail)])
     if job.state in _HOLDING:
-        rows.append([_e(job.task), _e(", ".join(job.assigned)), _e(_when(job.started_s)), "—",
-                     _e(_duration(now_s - job.started_s)), _badge(job.state.value), ""])
+        rows.append([_e(job.task), _e(", ".join(job.assigned)), _e(when(job.started_s)), "—",
+                     _e(duration(now_s - job.started_s)), _badge(job.state.value), ""])
     elif job.state is JobState.QUEUED and job.history:
         rows.append([_e(job.task), "—", "—", "—", "—", _badge("queued"), _e(why)])
     total = len(job.history) + (1 if job.state in _HOLDING or (job.state is JobState.QUEUED and job.history) else 0)
