@@ -806,10 +806,12 @@ class ServerLock:
     A PostgreSQL restart ends the session and with it the lock: :meth:`check` (the scheduling loop
     calls it every pass) notices the dead connection, reconnects and takes the lock again. If
     another server took it meanwhile, :meth:`check` raises :class:`StoreLockLostError`. An
-    in-memory SQLite database is private to its process and needs no lock."""
+    in-memory SQLite database is private to its process and needs no lock; nor is a SQLite
+    ``file:`` URI locked (its path is the driver's to parse), so a server is run on a plain path."""
 
     def __init__(self, *, fd: int | None = None, engine: Engine | None = None, conn: Connection | None = None,
-                 tag: str = "") -> None:
+                 tag: str = "", private: bool = False) -> None:
+        self._private = private  # a database no other process can open (in-memory SQLite): nothing to hold
         self._fd = fd
         self._engine = engine
         self._conn = conn
@@ -824,7 +826,7 @@ class ServerLock:
         database = url.database
         if store.engine.dialect.name != "sqlite" or not database or database == ":memory:" \
                 or database.startswith("file:"):
-            return cls()
+            return cls(private=True)
         path = Path(database).with_name(Path(database).name + LOCK_SUFFIX)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -925,6 +927,12 @@ class ServerLock:
             raise StoreLockLostError(f"another hai server ({holder}) took the database while this one's session "
                                      "was gone: this server stops")
 
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock as far as it knows (PostgreSQL: its session is open;
+        :meth:`check` finds out whether the session still lives)."""
+        return self._fd is not None or self._conn is not None or self._private
+
     def release(self) -> None:
         """Let the lock go (the process's end does too)."""
         if self._fd is not None:
@@ -937,3 +945,4 @@ class ServerLock:
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
+        self._private = False

@@ -51,8 +51,10 @@ def test_a_second_lock_on_a_database_is_refused_naming_the_first(url: str) -> No
                 ServerLock.acquire(second)
             assert f"another hai server ({HERE}) holds the database" in str(refused.value)
             held.check()  # still ours
+            assert held.held
         finally:
             held.release()
+        assert not held.held
         ServerLock.acquire(second).release()  # once let go, the next server takes it
 
 
@@ -128,7 +130,7 @@ def test_the_lock_is_taken_again_after_a_postgresql_restart(private_postgres: Po
 
 def _check_quietly(lock: ServerLock) -> bool:
     lock.check()  # raises if another server took it; while the database is down it only logs
-    return lock._conn is not None
+    return lock.held
 
 
 def _take_from(url: str, server_lock: ServerLock) -> Callable[[], None]:
