@@ -52,6 +52,7 @@ import httpx
 
 from hai.launcher import LOG_ROOT, log_path
 from hai.rules import AUTO, Priority
+from hai.timefmt import duration, when
 
 __all__ = [
     "CHECKPOINT_BYTES_ENV",
@@ -315,20 +316,6 @@ def _emit_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
-
-
-def _when(epoch_s: float | None) -> str:
-    return "-" if epoch_s is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch_s))
-
-
 def _priority(job: Mapping[str, Any]) -> str:
     effective, requested = job.get("priority"), job.get("requested")
     if effective is None or effective == requested:
@@ -433,7 +420,7 @@ def cmd_ls(api: Api, args: argparse.Namespace) -> int:
         if args.wide:
             tip = job.get("checkpoint_advice")
             row[5:5] = [str(job["ranks_per_node"]), ",".join(job["assigned"]) or "-", str(job["restarts"]),
-                        _duration(tip["interval_s"]) if tip else "-",
+                        duration(tip["interval_s"]) if tip else "-",
                         f"{tip['wasted_fraction']:.1%}" if tip else "-"]
         rows.append(row)
     print(_table(rows, header))
@@ -463,7 +450,7 @@ def cmd_show(api: Api, args: argparse.Namespace) -> int:
     chain = job.get("chain", [])
     if chain:
         print()
-        print(_table([[str(t["task"]), ",".join(t["nodes"]) or "-", _when(t["started_s"]), _when(t["ended_s"]),
+        print(_table([[str(t["task"]), ",".join(t["nodes"]) or "-", when(t["started_s"], "-"), when(t["ended_s"], "-"),
                        str(t["outcome"])] for t in chain], ["TASK", "NODES", "STARTED", "ENDED", "OUTCOME"]))
     return 0
 

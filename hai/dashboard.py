@@ -37,7 +37,6 @@ import contextlib
 import html
 import os
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -49,6 +48,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from hai import rules
 from hai.launcher import LOG_ROOT, log_path
 from hai.rules import Auto, ClusterState, Job, JobState, Node, Priority, Wait
+from hai.timefmt import duration, when
 
 if TYPE_CHECKING:
     from hai.server import HaiServer, User
@@ -202,7 +202,7 @@ def node_status(node: Node, now_s: float, config: rules.Config) -> tuple[str, st
     silent_s = now_s - node.last_heartbeat_s
     health = rules.node_health(node)
     if silent_s > config.node_timeout_s:
-        why = f"no heartbeat for {_duration(silent_s)}"
+        why = f"no heartbeat for {duration(silent_s)}"
         return "offline", why if node.healthy or node.unhealthy_reason == "no heartbeat" else \
             f"{why}; {node.unhealthy_reason}"
     if health == "validating":
@@ -238,23 +238,6 @@ def task_ending(record: rules.TaskRecord, job: Job) -> tuple[str, str]:
     if outcome.startswith("stopped by "):
         return "stopped", outcome
     return "ended", outcome
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
-def _when(epoch_s: float | None) -> str:
-    if epoch_s is None or epoch_s <= 0:
-        return "—"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch_s)) + "Z"
 
 
 def _priority(job: Job) -> str:
@@ -369,7 +352,7 @@ def _nodes_page(state: ClusterState, now_s: float, config: rules.Config) -> str:
         job_id = on_node.get(name)
         rows.append([_e(name), _badge(status), _e(why), _e(node.zone), _e(node.group), _e(node.cpus),
                      _e(f"{node.memory_bytes / 2**30:.1f} GiB"),
-                     _e(f"{_duration(now_s - node.last_heartbeat_s)} ago" if node.last_heartbeat_s > 0 else "—"),
+                     _e(f"{duration(now_s - node.last_heartbeat_s)} ago" if node.last_heartbeat_s > 0 else "—"),
                      _job_link(job_id) if job_id else '<span class="muted">idle</span>'])
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     return (f"<p>{len(state.nodes)} nodes{': ' + _e(summary) if summary else ''}.</p>"
@@ -385,16 +368,16 @@ def _queue_page(state: ClusterState, waits: Mapping[str, Wait], now_s: float) ->
         if job.state is JobState.QUEUED:
             reason = _e(wait) if wait is not None else '<span class="muted">next pass</span>'
             if job.not_before_s > now_s and wait is None:
-                reason = _e(f"back-off for {_duration(job.not_before_s - now_s)}")
+                reason = _e(f"back-off for {duration(job.not_before_s - now_s)}")
             where = f"{job.nodes}"
         else:
-            reason = _e(f"running for {_duration(now_s - job.started_s)}")
+            reason = _e(f"running for {duration(now_s - job.started_s)}")
             where = f"{job.nodes}: " + ", ".join(job.assigned)
         rows.append([_e(position), _job_link(job.job_id), _e(job.user), _e(job.group), _e(_priority(job)),
                      _badge(job.state.value), _e(where), _e(job.task), _e(job.restarts), reason])
     ended = sorted((j for j in state.jobs.values() if j.state in _ENDED), key=lambda j: -j.seq)
     recent = [[_job_link(j.job_id), _e(j.user), _badge(j.state.value), _e(len(j.history)), _e(j.restarts),
-               _e(_when(j.history[-1].ended_s) if j.history else "—"), _e(j.end_reason)]
+               _e(when(j.history[-1].ended_s) if j.history else "—"), _e(j.end_reason)]
               for j in ended[:RECENT_ENDED]]
     queued = sum(1 for j in active if j.state is JobState.QUEUED)
     return (f"<p>{queued} queued, {len(active) - queued} running or suspending, in queue order "
@@ -406,7 +389,10 @@ def _queue_page(state: ClusterState, waits: Mapping[str, Wait], now_s: float) ->
                      "No job has ended yet."))
 
 
-def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
+def _log_section(job: Job, rank: int, logs: LogReader | None, user: User) -> str:
+    """The tail of one rank's log, for the job's user and admins only: the server reads it with its
+    own fs3 credentials, which may read every job's logs, while ``hai logs`` reads as the user
+    (fs3's permissions decide there); anyone else would see a log fs3 would not show them."""
     world = job.nodes * _ranks_per_node(job)
     links = " ".join(
         f'<a href="{_e(_job_href(job.job_id))}?rank={r}">{"<strong>" if r == rank else ""}{r}'
@@ -418,6 +404,8 @@ def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
     head = f"<h2>Log of rank {rank}</h2><p>Ranks: {links}{' …' if world > MAX_RANK_LINKS else ''}</p>{form}"
     if not 0 <= rank < world:
         return head + f'<p class="err">The job has ranks 0 to {world - 1}.</p>'
+    if user.name != job.user and not user.admin:
+        return head + '<p class="muted">The logs are visible to the job\'s user and admins.</p>'
     if logs is None:
         return head + ('<p class="muted">This server has no access to the jobs\' logs (start <code>hai server</code> '
                        "with <code>--fs3 MGMTD</code>, <code>--profile NAME</code> or <code>--log-dir DIR</code>); "
@@ -441,36 +429,36 @@ def _log_section(job: Job, rank: int, logs: LogReader | None) -> str:
 
 
 def _job_page(job: Job, wait: Wait | None, rank: int, now_s: float, config: rules.Config,
-              logs: LogReader | None) -> str:
+              logs: LogReader | None, user: User) -> str:
     if job.state is JobState.QUEUED:
         why = str(wait) if wait is not None else (
-            f"back-off for {_duration(job.not_before_s - now_s)}" if job.not_before_s > now_s else "next pass")
+            f"back-off for {duration(job.not_before_s - now_s)}" if job.not_before_s > now_s else "next pass")
     elif job.state in _HOLDING:
-        why = f"task {job.task} on {', '.join(job.assigned)} for {_duration(now_s - job.started_s)}"
+        why = f"task {job.task} on {', '.join(job.assigned)} for {duration(now_s - job.started_s)}"
     else:
         why = job.end_reason or job.state.value
     env_names = ", ".join(name for name, _ in job.env if name != _RANKS_ENV) or "—"
     facts = [("State", _badge(job.state.value)), ("Why", _e(why)), ("User", _e(job.user)), ("Group", _e(job.group)),
              ("Priority", _e(_priority(job))), ("Nodes", _e(f"{job.nodes} nodes, {_ranks_per_node(job)} ranks each")),
              ("Task", _e(job.task)), ("Restarts", _e(f"{job.restarts} of {config.max_restarts}")),
-             ("Ran", _e(_duration(job.ran_s + (now_s - job.started_s if job.state in _HOLDING else 0.0)))),
+             ("Ran", _e(duration(job.ran_s + (now_s - job.started_s if job.state in _HOLDING else 0.0)))),
              ("Command", f"<code>{_e(job.command)}</code>"), ("Environment", _e(env_names))]
     dl = "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"
     rows: list[list[str]] = []
     for record in job.history[-MAX_ROWS:]:
         kind, detail = task_ending(record, job)
-        rows.append([_e(record.index), _e(", ".join(record.nodes)), _e(_when(record.started_s)),
-                     _e(_when(record.ended_s)), _e(_duration(record.ended_s - record.started_s)), _badge(kind),
+        rows.append([_e(record.index), _e(", ".join(record.nodes)), _e(when(record.started_s)),
+                     _e(when(record.ended_s)), _e(duration(record.ended_s - record.started_s)), _badge(kind),
                      _e(detail)])
     if job.state in _HOLDING:
-        rows.append([_e(job.task), _e(", ".join(job.assigned)), _e(_when(job.started_s)), "—",
-                     _e(_duration(now_s - job.started_s)), _badge(job.state.value), ""])
+        rows.append([_e(job.task), _e(", ".join(job.assigned)), _e(when(job.started_s)), "—",
+                     _e(duration(now_s - job.started_s)), _badge(job.state.value), ""])
     elif job.state is JobState.QUEUED and job.history:
         rows.append([_e(job.task), "—", "—", "—", "—", _badge("queued"), _e(why)])
     total = len(job.history) + (1 if job.state in _HOLDING or (job.state is JobState.QUEUED and job.history) else 0)
     chain = "<h2>Chain of tasks</h2>" + _table(["Task", "Nodes", "Started", "Ended", "Ran", "How it ended", "Detail"],
                                                 rows, total, "No task has run yet.")
-    return dl + chain + _log_section(job, rank, logs)
+    return dl + chain + _log_section(job, rank, logs, user)
 
 
 _LOGIN_FORM = (f'<form method="post" action="{PREFIX}/login"><p><label>Token <input name="token" type="password" '
@@ -574,5 +562,5 @@ def add_routes(app: FastAPI, server: HaiServer, logs: LogReader | None = None) -
         if found is None:
             return _page("No such job", f'<p class="err">No job {_e(job_id)}.</p>', user, refresh=False, status=404)
         wait = waits.get(job_id) if found.state is JobState.QUEUED else None
-        body = _job_page(found, wait, rank, server.clock(), server.config.rules, logs)
+        body = _job_page(found, wait, rank, server.clock(), server.config.rules, logs, user)
         return _page(f"Job {job_id}", body, user, refresh=True)

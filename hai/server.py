@@ -66,10 +66,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hai import dashboard, rules
 from hai.rules import AUTO, Auto, ClusterState, Config, Decision, Job, JobSpec, JobState, Node, Priority, Wait
 from hai.store import (
+    ServerLock,
     Store,
     StoreConflictError,
     StoreError,
     StoreLimitError,
+    StoreLockLostError,
     check_job_spec,
     check_node,
     default_url,
@@ -131,6 +133,11 @@ class User:
     token_sha256: str
     admin: bool = False
     fs3_token: str = ""  # handed to the user's jobs' ranks as FS3_TOKEN
+
+
+# The server itself as a viewer (``HaiServer.job_view``): everything, as an admin sees it. Not a
+# user of the users file (its name is no user name, and it has no token), so no request is it.
+SYSTEM_VIEWER = User("(hai server)", "", admin=True)
 
 
 @dataclass(frozen=True)
@@ -222,24 +229,35 @@ def ensure_agent_token(cluster_dir: Path) -> None:
 
 ADMIN_TOKEN_ENV = "HAI_ADMIN_TOKEN"
 AGENT_TOKEN_ENV = "HAI_AGENT_TOKEN"
+ADMIN_FS3_TOKEN_ENV = "HAI_ADMIN_FS3_TOKEN"
+ENV_TOKENS = (ADMIN_TOKEN_ENV, AGENT_TOKEN_ENV, ADMIN_FS3_TOKEN_ENV)
 
 
 def tokens_from_environment(cluster_dir: Path, environ: Mapping[str, str]) -> None:
-    """Tokens an operator hands the server in its environment (containers: docker-compose.yml),
-    so none is ever written into a file of the image or a command line: ``HAI_AGENT_TOKEN`` becomes
-    the agent token (the agents read the same variable), ``HAI_ADMIN_TOKEN`` user ``admin``'s,
-    whose jobs' ranks get ``FS3_TOKEN``. Only their hashes reach the users file; unset, nothing
-    changes."""
-    path = cluster_dir / USERS_FILE
-    users = Users.load(path) if path.exists() else Users()
+    """Tokens an operator hands the server in its environment (containers: docker-compose.yml, with
+    ``--require-env-tokens``), so none is ever written into a file of the image or a command line:
+    ``HAI_AGENT_TOKEN`` becomes the agent token (the agents read the same variable),
+    ``HAI_ADMIN_TOKEN`` user ``admin``'s, whose jobs' ranks get ``HAI_ADMIN_FS3_TOKEN``: an fs3
+    *user* token (``fs3u.<id>.<secret>``, made with ``fs3 admin user add``). Ranks act on fs3 as their
+    user, with that user's permissions; the cluster token would make them a service that bypasses
+    every permission, so one that is not a user token is refused (ValueError), and ``FS3_TOKEN`` is
+    never read. Only the hai tokens' hashes reach the users file."""
+    from fs3.rpc.auth import parse_user_token  # fs3's client side; only this path needs it
+
     agent = environ.get(AGENT_TOKEN_ENV, "").strip()
     admin = environ.get(ADMIN_TOKEN_ENV, "").strip()
+    admin_fs3 = environ.get(ADMIN_FS3_TOKEN_ENV, "").strip()
+    if admin and parse_user_token(admin_fs3) is None:
+        raise ValueError(f"${ADMIN_FS3_TOKEN_ENV} is {'empty' if not admin_fs3 else 'not an fs3 user token'}: "
+                         "the admin's ranks need an fs3 user token (fs3u.<id>.<secret>, made with "
+                         "`fs3 admin user add NAME`), never the cluster token")
+    path = cluster_dir / USERS_FILE
+    users = Users.load(path) if path.exists() else Users()
     if agent:
         users = dataclasses.replace(users, agent_token_sha256=hash_token(agent))
     if admin:
         kept = tuple(u for u in users.users if u.name != "admin")
-        users = dataclasses.replace(users, users=(*kept, User("admin", hash_token(admin), True,
-                                                              environ.get("FS3_TOKEN", "").strip())))
+        users = dataclasses.replace(users, users=(*kept, User("admin", hash_token(admin), True, admin_fs3)))
     if agent or admin:
         _write_private(path, users.dump())
 
@@ -280,12 +298,27 @@ class HaiServer:
         self.waits: Mapping[str, Wait] = rules.schedule(self.state, clock(), self.config.rules).waits
         # node -> the last verdict its agent reported: bounded by the nodes and MAX_SUMMARY_ENTRIES.
         self.verdicts: dict[str, dict[str, Any]] = {}
+        # The hold on the database (``hai server`` sets it; in-process tests may leave it None), and
+        # why this server stopped scheduling if it lost that hold to another server ("": it has not).
+        self.server_lock: ServerLock | None = None
+        self.fenced = ""
+        self.on_fenced: Callable[[], None] = lambda: None
 
     def close(self) -> None:
         self.store.close()
 
+    def fence(self, reason: str) -> None:
+        """Stop for good: another server holds the database now. Nothing more is committed (the
+        store's generation check would refuse it anyway) and ``on_fenced`` ends the process."""
+        with self.lock:
+            self.fenced = reason
+        log.error("%s", reason)
+        self.on_fenced()
+
     def _commit(self, new: ClusterState) -> None:
         """Write ``new``, then adopt it. A conflict reloads what the database holds and refuses."""
+        if self.fenced:
+            raise StoreLockLostError(self.fenced)
         try:
             self.store.commit(self.state, new)
         except StoreConflictError:
@@ -366,18 +399,20 @@ class HaiServer:
 
     # -- views -----------------------------------------------------------------------------------
 
-    def job_view(self, job: Job, *, chain: bool = False, env_names: frozenset[str] = frozenset(),
-                 viewer: User | None = None) -> dict[str, Any]:
+    def job_view(self, job: Job, *, viewer: User, chain: bool = False,
+                 env_names: frozenset[str] = frozenset()) -> dict[str, Any]:
         """A job as the API shows it; with ``chain``, also its command, environment and chain of tasks;
         with ``env_names``, those of its environment variables it has (a listing's ``env=``).
 
         A job's environment may carry its user's secrets (an API key for a metrics service, say), so
         a ``viewer`` who is neither the job's user nor an admin sees the variables' names with their
-        values withheld (None), except the few hai itself defines and reads (:data:`PUBLIC_ENV`)."""
+        values withheld (None), except the few hai itself defines and reads (:data:`PUBLIC_ENV`).
+        ``viewer`` is required, so that no endpoint shows everything by forgetting it: where the
+        server itself needs the whole view (the agents' calls), it passes :data:`SYSTEM_VIEWER`."""
         own = dict(job.env)
         per_node = int(own.pop(RANKS_ENV, "1"))
         env: dict[str, str | None] = dict(own)
-        if viewer is not None and viewer.name != job.user and not viewer.admin:
+        if viewer.name != job.user and not viewer.admin:
             env = {k: (v if k in PUBLIC_ENV else None) for k, v in own.items()}
         wait = self.waits.get(job.job_id) if job.state is JobState.QUEUED else None
         view: dict[str, Any] = {
@@ -654,7 +689,7 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
             return rules.submit(state, spec, server.clock())
 
         new = server.change(event)
-        return server.job_view(new.jobs[job_ids[-1]], chain=True)
+        return server.job_view(new.jobs[job_ids[-1]], chain=True, viewer=caller)
 
     @app.get("/jobs")
     def list_jobs(caller: Caller, state: Annotated[str | None, Query(max_length=16)] = None,
@@ -702,13 +737,13 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
     def suspend(job_id: str, caller: Caller) -> dict[str, Any]:
         own_job(job_id, caller)
         new = server.change(lambda s: rules.request_suspend(s, job_id))
-        return server.job_view(new.jobs[job_id], chain=True)
+        return server.job_view(new.jobs[job_id], chain=True, viewer=caller)
 
     @app.post("/jobs/{job_id}/stop")
     def stop(job_id: str, caller: Caller) -> dict[str, Any]:
         own_job(job_id, caller)
         new = server.change(lambda s: _stop(s, job_id, server.clock(), caller.name))
-        return server.job_view(new.jobs[job_id], chain=True)
+        return server.job_view(new.jobs[job_id], chain=True, viewer=caller)
 
     @app.get("/nodes")
     def nodes(_caller: Caller, offset: Annotated[int, Query(ge=0)] = 0,
@@ -807,7 +842,7 @@ def create_app(server: HaiServer, *, run_loop: bool = True, logs: dashboard.LogR
             return new
 
         new = server.change(event)
-        return {"job": server.job_view(new.jobs[body.job_id]), "applied": changed[-1]}
+        return {"job": server.job_view(new.jobs[body.job_id], viewer=SYSTEM_VIEWER), "applied": changed[-1]}
 
     return app
 
@@ -863,6 +898,12 @@ def _stop(state: ClusterState, job_id: str, now: float, by: str) -> ClusterState
 
 async def _loop(server: HaiServer) -> None:
     while True:
+        if server.server_lock is not None:  # still this database's one server? (a restart drops the lock)
+            try:
+                await asyncio.to_thread(server.server_lock.check)
+            except StoreLockLostError as error:
+                server.fence(f"hai server: {error}")
+                return
         try:
             await asyncio.to_thread(server.tick)
         except Exception:  # a failed pass is logged and retried at the next tick; the server stays up
@@ -895,7 +936,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin", action="store_true", help="with --add-user: the user is an admin")
     parser.add_argument("--fs3-token", default="", help="with --add-user: the fs3 token the user's jobs get")
     parser.add_argument("--require-env-tokens", action="store_true",
-                        help=f"${ADMIN_TOKEN_ENV} and ${AGENT_TOKEN_ENV} are required (containers: no token in a file)")
+                        help=f"take the tokens from ${ADMIN_TOKEN_ENV}, ${AGENT_TOKEN_ENV} and ${ADMIN_FS3_TOKEN_ENV} "
+                             "(all required; containers: no token in a file). Without it the environment is "
+                             "not read")
     parser.add_argument("--ready-file", type=Path,
                         help="once serving, write {pid, http: HOST:PORT} here as JSON (how hai local finds it)")
     logs = parser.add_mutually_exclusive_group()
@@ -931,13 +974,12 @@ def run(args: argparse.Namespace) -> int:
         print(add_user(cluster_dir, args.add_user, admin=args.admin, fs3_token=args.fs3_token))
         return 0
     if args.require_env_tokens:
-        missing = [name for name in (ADMIN_TOKEN_ENV, AGENT_TOKEN_ENV) if not os.environ.get(name, "").strip()]
+        missing = [name for name in ENV_TOKENS if not os.environ.get(name, "").strip()]
         if missing:
-            print(f"hai server: --require-env-tokens: set {' and '.join(missing)} (a secret each, e.g. "
-                  "openssl rand -hex 32)", file=sys.stderr)
+            print(f"hai server: --require-env-tokens: set {', '.join(missing)} (the hai tokens: a secret "
+                  f"each, e.g. openssl rand -hex 32; ${ADMIN_FS3_TOKEN_ENV}: the admin's fs3 user token, "
+                  "from fs3 admin user add)", file=sys.stderr)
             return 2
-    tokens_from_environment(cluster_dir, os.environ)
-    ensure_agent_token(cluster_dir)
     import uvicorn  # only the command needs the HTTP server itself
 
     try:
@@ -952,25 +994,61 @@ def run(args: argparse.Namespace) -> int:
     except StoreError as error:  # its message shows the URL without the password
         print(f"hai server: {error}", file=sys.stderr)
         return 1
+    try:
+        # Before anything is written (users file, state): a second server must change nothing.
+        server_lock = ServerLock.acquire(store)
+    except StoreError as error:
+        store.close()
+        print(f"hai server: {error}", file=sys.stderr)
+        return 1
+    try:
+        return _run_locked(args, cluster_dir, store, server_lock, config, uvicorn)
+    finally:
+        server_lock.release()
+
+
+def _run_locked(args: argparse.Namespace, cluster_dir: Path, store: Store, server_lock: ServerLock,
+                config: ServerConfig, uvicorn: Any) -> int:
+    """The server, once it holds its database. 1 when it stopped because another server took it."""
+    if args.require_env_tokens:
+        try:
+            tokens_from_environment(cluster_dir, os.environ)
+        except ValueError as error:
+            store.close()
+            print(f"hai server: {error}", file=sys.stderr)
+            return 2
+    ensure_agent_token(cluster_dir)
     log.info("state in %s", store.engine.url.render_as_string(hide_password=True))
     server = HaiServer(store, Users.load(cluster_dir / USERS_FILE), config)
+    server.server_lock = server_lock
     logs = _log_reader(args)
     app = create_app(server, logs=logs)
+    serving: list[Any] = []  # the uvicorn server, once made: a fenced server asks it to shut down
+
+    def shut_down() -> None:
+        for http in serving:
+            http.should_exit = True
+
+    server.on_fenced = shut_down
     try:
         if args.ready_file is None:
-            uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+            http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+            serving.append(http)
+            http.run()
         else:
-            _serve_with_ready_file(uvicorn, app, args.host, args.port, args.ready_file)
+            _serve_with_ready_file(uvicorn, app, args.host, args.port, args.ready_file, serving)
     finally:
         server.close()
         if isinstance(logs, dashboard.Fs3LogReader):
             logs.close()
-    return 0
+    return 1 if server.fenced else 0
 
 
-def _serve_with_ready_file(uvicorn: Any, app: FastAPI, host: str, port: int, ready_file: Path) -> None:
+def _serve_with_ready_file(uvicorn: Any, app: FastAPI, host: str, port: int, ready_file: Path,
+                           serving: list[Any]) -> None:
     """Serve on ``host:port`` (0: a free port, never racing another program for one) and write the
-    ready file once the app has started, so a launcher waits for the file instead of polling."""
+    ready file once the app has started, so a launcher waits for the file instead of polling.
+    The uvicorn server goes into ``serving``."""
     import socket
 
     sock = socket.create_server((host, port), reuse_port=False)
@@ -983,5 +1061,7 @@ def _serve_with_ready_file(uvicorn: Any, app: FastAPI, host: str, port: int, rea
             _write_private(tmp, json.dumps({"pid": os.getpid(), "http": f"{bound_host}:{bound_port}"}))
             os.replace(tmp, ready_file)
 
-    Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    http = Server(uvicorn.Config(app, log_level="info"))
+    serving.append(http)
+    http.run(sockets=[sock])
 

@@ -35,8 +35,14 @@ database, or a commit from a stale state, fail with :class:`StoreConflictError` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import logging
 import math
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +77,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
+from sqlalchemy.pool import NullPool
 
 from hai.rules import AUTO, Auto, ClusterState, Job, JobSpec, JobState, Node, Priority, TaskRecord, Validation
 
@@ -78,11 +85,14 @@ __all__ = [
     "LIMITS",
     "SCHEMA_VERSION",
     "Limits",
+    "ServerLock",
     "Store",
     "StoreConflictError",
     "StoreCorruptError",
     "StoreError",
     "StoreLimitError",
+    "StoreLockLostError",
+    "StoreLockedError",
     "StoreVersionError",
     "check_job_spec",
     "check_node",
@@ -782,3 +792,180 @@ class _Changes:
 
 def _without_history(job: Job) -> Job:
     return dataclasses.replace(job, history=())
+
+
+# -- one server per database ----------------------------------------------------------------------
+
+log = logging.getLogger("hai.store")
+_SERVER_LOCK = 0x6861690002  # pg_try_advisory_lock key (session level): the one server of a database
+LOCK_SUFFIX = ".lock"  # SQLite: the lock file next to the database file
+
+
+class StoreLockedError(StoreError):
+    """Another hai server holds the database: a second one must not start (two schedulers would
+    place jobs on the same nodes and refuse each other's commits)."""
+
+
+class StoreLockLostError(StoreError):
+    """This server's hold on the database is gone and another server has it now: this one must stop
+    scheduling and exit (its commits would be refused anyway: the generation check)."""
+
+
+def _holder_text(pid: object, host: object) -> str:
+    return f"pid {pid} on {host}" if pid and host else "pid unknown"
+
+
+class ServerLock:
+    """The exclusive hold a running ``hai server`` keeps on its database, for its whole life.
+
+    SQLite: ``flock`` on ``<database>.lock`` next to the database file (the cluster directory),
+    which holds ``pid host`` of the holder; the kernel drops the lock when the process dies, however
+    it dies. PostgreSQL: a session-level advisory lock (``pg_try_advisory_lock``) on a connection
+    of its own, outside the store's pool (a pooled connection goes back to the pool and may be
+    closed by it, which would drop the lock); the database drops it when the session ends. The
+    holder is named in the session's ``application_name``, which the second server reads from
+    ``pg_stat_activity`` to say who holds it.
+
+    A PostgreSQL restart ends the session and with it the lock: :meth:`check` (the scheduling loop
+    calls it every pass) notices the dead connection, reconnects and takes the lock again. If
+    another server took it meanwhile, :meth:`check` raises :class:`StoreLockLostError`. An
+    in-memory SQLite database is private to its process and needs no lock; nor is a SQLite
+    ``file:`` URI locked (its path is the driver's to parse), so a server is run on a plain path."""
+
+    def __init__(self, *, fd: int | None = None, engine: Engine | None = None, conn: Connection | None = None,
+                 tag: str = "", private: bool = False) -> None:
+        self._private = private  # a database no other process can open (in-memory SQLite): nothing to hold
+        self._fd = fd
+        self._engine = engine
+        self._conn = conn
+        self._tag = tag
+
+    @classmethod
+    def acquire(cls, store: Store) -> ServerLock:
+        """Take the lock of ``store``'s database, or raise :class:`StoreLockedError` naming the holder."""
+        url = store.engine.url
+        if store.engine.dialect.name == "postgresql":
+            return cls._acquire_postgres(url)
+        database = url.database
+        if store.engine.dialect.name != "sqlite" or not database or database == ":memory:" \
+                or database.startswith("file:"):
+            return cls(private=True)
+        path = Path(database).with_name(Path(database).name + LOCK_SUFFIX)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                said = os.pread(fd, 300, 0).decode(errors="replace").split()
+            finally:
+                os.close(fd)
+            pid, host = [*said, "", ""][:2]
+            raise StoreLockedError(f"another hai server ({_holder_text(pid, host)}) holds the database "
+                                   f"{database} (lock file {path}); stop it first: two schedulers must "
+                                   "never run on one cluster") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        return cls(fd=fd)
+
+    @classmethod
+    def _acquire_postgres(cls, url: URL) -> ServerLock:
+        # application_name: at most 63 bytes; the random part tells this server's own old session
+        # (a connection cut on our side while the database still holds it) from another server's.
+        tag = f"hai-server {secrets.token_hex(4)} {os.getpid()} {socket.gethostname()}"[:63]
+        query = {k: v for k, v in {"connect_timeout": str(_PG_CONNECT_TIMEOUT_S)}.items() if k not in url.query}
+        engine = create_engine(url.update_query_dict({**query, "application_name": tag}), poolclass=NullPool,
+                               hide_parameters=True)
+        lock = cls(engine=engine, tag=tag)
+        try:
+            holder = lock._connect_and_take()
+        except DBAPIError as error:
+            engine.dispose()
+            raise StoreError(f"{url.render_as_string(hide_password=True)}: cannot take the server lock: "
+                             f"{_said(error)}") from error
+        if holder is not None:
+            engine.dispose()
+            raise StoreLockedError(f"another hai server ({holder}) holds the database "
+                                   f"{url.render_as_string(hide_password=True)}; stop it first: two "
+                                   "schedulers must never run on one cluster")
+        return lock
+
+    def _connect_and_take(self) -> str | None:
+        """Connect (autocommit: the session holds no transaction open) and try the lock: None when
+        taken, else who holds it. A failed try closes the connection."""
+        assert self._engine is not None
+        conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            taken = conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": _SERVER_LOCK}).scalar_one()
+            if taken:
+                self._conn = conn
+                return None
+            row = conn.execute(text(
+                "SELECT a.application_name, a.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = :hi AND l.objid = :lo "
+                "AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database "
+                "WHERE datname = current_database())"),
+                {"hi": _SERVER_LOCK >> 32, "lo": _SERVER_LOCK & 0xFFFFFFFF}).first()
+            name = str(row[0]) if row is not None and row[0] else ""
+            if name == self._tag and row is not None:
+                # Our own earlier session, cut on this side but not yet noticed by the database:
+                # end it, and the next check takes the lock.
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": row[1]})
+                return "this server's own earlier session, ended now"
+            words = name.split()
+            holder = _holder_text(words[2], words[3]) if len(words) >= 4 and words[0] == "hai-server" \
+                else "pid unknown"
+            conn.close()
+            return holder
+        except BaseException:
+            conn.close()
+            raise
+
+    def check(self) -> None:
+        """Make sure the lock is still held. PostgreSQL: ping the lock's connection; a dead one
+        (a database restart) is replaced and the lock taken again. Raises
+        :class:`StoreLockLostError` when another server holds it now; while the database is
+        unreachable, logs and returns (no other server can take it then, and the store's own
+        operations fail on their own)."""
+        if self._engine is None:
+            return
+        if self._conn is not None:
+            try:
+                self._conn.execute(text("SELECT 1"))
+                return
+            except DBAPIError:
+                with contextlib.suppress(Exception):
+                    self._conn.close()
+                self._conn = None
+                log.warning("the server lock's database session is gone (a database restart?): taking it again")
+        try:
+            holder = self._connect_and_take()
+        except DBAPIError as error:
+            log.warning("cannot take the server lock again yet: %s", _said(error))
+            return
+        if holder is None:
+            log.info("server lock taken again")
+        elif holder.startswith("this server's own"):
+            log.warning("server lock: %s", holder)
+        else:
+            raise StoreLockLostError(f"another hai server ({holder}) took the database while this one's session "
+                                     "was gone: this server stops")
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock as far as it knows (PostgreSQL: its session is open;
+        :meth:`check` finds out whether the session still lives)."""
+        return self._fd is not None or self._conn is not None or self._private
+
+    def release(self) -> None:
+        """Let the lock go (the process's end does too)."""
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+        self._private = False

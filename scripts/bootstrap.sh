@@ -55,53 +55,42 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
     fi
 fi
 
-# promtool checks the alert rules in deploy/prometheus (tests/test_metrics.py); it comes with Debian's
-# prometheus package, whose server must not start (nor start at boot) on a developer's machine:
-# service starts are refused while it installs, and its unit is disabled afterwards.
-if ! command -v promtool >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "bootstrap: installing promtool (Debian package prometheus; its server is not started)"
-        policy=/usr/sbin/policy-rc.d
-        made_policy=0
-        if [ ! -e "$policy" ]; then
-            printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
-        fi
-        if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
-                || { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-                     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }; then
-            if command -v systemctl >/dev/null 2>&1; then systemctl disable --quiet prometheus.service 2>/dev/null || true; fi
-        else
-            echo "bootstrap: could not install prometheus (promtool): the alert-rule tests will skip" >&2
-        fi
-        if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
-    else
-        echo "bootstrap: promtool missing (Debian package prometheus): the alert-rule tests will skip" >&2
+# install_without_service PACKAGE SKIPS: install a Debian package whose server must not start (nor
+# start at boot) on a developer's machine: service starts are refused while it installs (a
+# policy-rc.d of our own, removed afterwards; one already there is left alone), and its unit is
+# disabled afterwards. SKIPS names what skips without it, for the messages.
+install_without_service() {
+    local package=$1 skips=$2
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "bootstrap: $package missing (Debian package $package): $skips" >&2
+        return 0
     fi
+    echo "bootstrap: installing Debian package $package (its service is not started)"
+    local policy=${POLICY_RC_D:-/usr/sbin/policy-rc.d} made_policy=0  # POLICY_RC_D: for its test
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+    fi
+    if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package" \
+            || { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+                 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package"; }; then
+        if command -v systemctl >/dev/null 2>&1; then systemctl disable --quiet "$package.service" 2>/dev/null || true; fi
+    else
+        echo "bootstrap: could not install $package: $skips" >&2
+    fi
+    if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
+}
+
+# promtool checks the alert rules in deploy/prometheus (tests/test_metrics.py); it comes with Debian's
+# prometheus package, whose server must not run on a developer's machine.
+if ! command -v promtool >/dev/null 2>&1; then
+    install_without_service prometheus "promtool is missing: the alert-rule tests will skip"
 fi
 
 # A private PostgreSQL server for the tests (tests/postgres.py runs initdb and pg_ctl from
 # /usr/lib/postgresql/<version>/bin). Debian's postgresql package creates and starts a system
-# cluster when it installs: service starts are refused while it installs, and the unit is disabled,
-# so nothing listens on 5432 afterwards.
+# cluster when it installs: not here, so nothing listens on 5432 afterwards.
 if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "bootstrap: installing PostgreSQL (Debian package postgresql; its system cluster is not started)"
-        policy=/usr/sbin/policy-rc.d
-        made_policy=0
-        if [ ! -e "$policy" ]; then
-            printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
-        fi
-        if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql \
-                || { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-                     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql; }; then
-            if command -v systemctl >/dev/null 2>&1; then systemctl disable --quiet postgresql.service 2>/dev/null || true; fi
-        else
-            echo "bootstrap: could not install postgresql: the PostgreSQL halves of the hai tests will skip" >&2
-        fi
-        if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
-    else
-        echo "bootstrap: PostgreSQL missing (Debian package postgresql): the PostgreSQL halves of the hai tests will skip" >&2
-    fi
+    install_without_service postgresql "the PostgreSQL halves of the hai tests will skip"
 fi
 
 "$PYTHON" - <<'PY'

@@ -44,6 +44,8 @@ from typing import Any
 
 import pytest
 
+from fs3.cluster.processes import pid_alive, read_pid_file, write_pid_file
+
 __all__ = [
     "DATABASES",
     "PostgresError",
@@ -208,14 +210,18 @@ shutil.rmtree(root, ignore_errors=True)
 """
 
 
-def _alive(pid: int) -> bool:
+def _owner_alive(owner_file: Path) -> bool | None:
+    """Whether the session that made a server directory still runs: its pid and start time (fs3's
+    own pid file, so a reused pid is not taken for the owner); None when the file is not readable
+    yet (being set up). A bare pid (a file written by an older version of this module, of a session
+    that may still run) is trusted without its start time."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        text = owner_file.read_text()
+    except OSError:
+        return None
+    if text.strip().isdigit():
+        return pid_alive(int(text))
+    return read_pid_file(owner_file) is not None
 
 
 def sweep_stale(tmp: Path, run_as: _RunAs, bin_dir: Path) -> list[Path]:
@@ -223,12 +229,9 @@ def sweep_stale(tmp: Path, run_as: _RunAs, bin_dir: Path) -> list[Path]:
     A directory whose owner still runs (another session at the same time) is left alone."""
     swept = []
     for root in tmp.glob(f"{PREFIX}*"):
-        try:
-            owner = int((root / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue  # not finished being set up, or not ours
-        if _alive(owner):
-            continue
+        alive = _owner_alive(root / OWNER_FILE)
+        if alive is None or alive:
+            continue  # not finished being set up (or not ours), or its session still runs
         with contextlib.suppress(PostgresError, subprocess.TimeoutExpired):
             _stop(run_as, bin_dir, root / "data")
         shutil.rmtree(root, ignore_errors=True)
@@ -250,7 +253,7 @@ def start_postgres(bin_dir: Path, tmp: Path | None = None) -> PostgresServer:
     sweep_stale(tmp, run_as, bin_dir)
     root = Path(tempfile.mkdtemp(prefix=PREFIX, dir=tmp))
     try:
-        (root / OWNER_FILE).write_text(str(os.getpid()))
+        write_pid_file(root / OWNER_FILE, os.getpid())
         os.chmod(root, 0o700)
         os.chown(root, run_as.uid, run_as.gid)
         password = secrets.token_hex(16)

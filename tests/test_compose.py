@@ -43,7 +43,8 @@ from tests.chaos.topology import (  # noqa: E402
 # What an operator exports before `docker compose up` (the file has no default token); the HAI
 # Platform's services (profile "hai") also take theirs from the environment.
 COMPOSE_ENV = {"FS3_TOKEN": "6f1c0d2e9a8b7c6d5e4f3a2b1c0d9e8f"}
-HAI_ENV = {"HAI_ADMIN_TOKEN": "a3" * 32, "HAI_AGENT_TOKEN": "b4" * 32}
+HAI_ENV = {"HAI_ADMIN_TOKEN": "a3" * 32, "HAI_AGENT_TOKEN": "b4" * 32,
+           "HAI_ADMIN_FS3_TOKEN": "fs3u.0123456789abcdef." + "c5" * 16}  # an fs3 user token
 HAI_AGENTS = ["hai-agent-1", "hai-agent-2"]
 ADVERTISING = ["meta", "storage1", "storage2", "storage3"]  # mgmtd is dialled at the address a client is given
 
@@ -196,21 +197,22 @@ def test_the_hai_services(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert parsed.command == "server" and parsed.require_env_tokens and str(parsed.dir) == "/hai"
     assert parsed.host == "0.0.0.0" and published_port(compose, "hai-server", str(parsed.port)) == str(parsed.port)
     assert parsed.default_quota_nodes == len(HAI_AGENTS)
-    assert server["environment"] == {**HAI_ENV, "FS3_TOKEN": COMPOSE_ENV["FS3_TOKEN"]}
+    # The server never holds the cluster token: the admin's ranks get an fs3 user token.
+    assert server["environment"] == HAI_ENV
     # Unset, the tokens are empty (no default), and the server says so instead of starting.
     unset = load_compose(COMPOSE_ENV)["services"]["hai-server"]["environment"]
-    assert unset["HAI_ADMIN_TOKEN"] == unset["HAI_AGENT_TOKEN"] == ""
+    assert unset["HAI_ADMIN_TOKEN"] == unset["HAI_AGENT_TOKEN"] == unset["HAI_ADMIN_FS3_TOKEN"] == ""
     refused = build_parser().parse_args([arg.replace("/hai", str(tmp_path / "unset")) for arg in server["command"]])
     saved = {name: os.environ.pop(name, None) for name in unset}
     try:
         assert refused.run(refused) == 2
     finally:
         os.environ.update({k: v for k, v in saved.items() if v is not None})
-    assert "HAI_ADMIN_TOKEN and HAI_AGENT_TOKEN" in capsys.readouterr().err
+    assert "HAI_ADMIN_TOKEN, HAI_AGENT_TOKEN, HAI_ADMIN_FS3_TOKEN" in capsys.readouterr().err
     tokens_from_environment(tmp_path, server["environment"])
     users = Users.load(tmp_path / USERS_FILE)
     admin = users.user_for(HAI_ENV["HAI_ADMIN_TOKEN"])
-    assert admin is not None and admin.admin and admin.fs3_token == COMPOSE_ENV["FS3_TOKEN"]
+    assert admin is not None and admin.admin and admin.fs3_token == HAI_ENV["HAI_ADMIN_FS3_TOKEN"]
     assert users.agent_token_sha256 == hash_token(HAI_ENV["HAI_AGENT_TOKEN"])
     assert HAI_ENV["HAI_ADMIN_TOKEN"] not in (tmp_path / USERS_FILE).read_text()
     nodes = set()
@@ -230,8 +232,48 @@ def test_the_hai_services(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert env["HAI_AGENT_TOKEN"] == HAI_ENV["HAI_AGENT_TOKEN"] and env["FS3_TOKEN"] == COMPOSE_ENV["FS3_TOKEN"]
         assert env["FS3_TLS_CERT_FILE"] == services["client"]["environment"]["FS3_TLS_CERT_FILE"]
         assert "certs:/certs:ro" in agent["volumes"]
-        assert "HAI_ADMIN_TOKEN" not in env, "an agent never holds the admin's token"
+        assert "HAI_ADMIN_TOKEN" not in env and "HAI_ADMIN_FS3_TOKEN" not in env, "an agent never holds the admin's"
     assert len(nodes) == len(HAI_AGENTS)
+
+
+@pytest.mark.parametrize("fs3_token", ["", "6f1c0d2e9a8b7c6d5e4f3a2b1c0d9e8f", "fs3u.nothex.secretsecretsecret"])
+def test_the_admin_s_ranks_never_get_a_token_that_is_not_an_fs3_user_token(tmp_path: Path, fs3_token: str) -> None:
+    """The cluster token (FS3_TOKEN) would make the admin's ranks an fs3 service, past every
+    permission: only a user token is taken, and FS3_TOKEN is never a fallback."""
+    from hai.server import USERS_FILE, tokens_from_environment
+
+    env = {**HAI_ENV, "HAI_ADMIN_FS3_TOKEN": fs3_token, "FS3_TOKEN": COMPOSE_ENV["FS3_TOKEN"]}
+    with pytest.raises(ValueError, match=r"HAI_ADMIN_FS3_TOKEN is .*fs3 user token"):
+        tokens_from_environment(tmp_path, env)
+    assert not (tmp_path / USERS_FILE).exists(), "nothing written"
+
+
+def test_the_environment_s_tokens_are_read_only_with_require_env_tokens(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exported HAI_ADMIN_TOKEN in an operator's shell must not replace the admin of a server
+    started without --require-env-tokens."""
+    import hai.server
+    from hai.__main__ import build_parser
+    from hai.server import USERS_FILE, Users, hash_token
+
+    for name, value in HAI_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(hai.server, "HaiServer", _Stop)  # up to where the server would be made
+    args = build_parser().parse_args(["server", "--dir", str(tmp_path), "--port", "0"])
+    with pytest.raises(_Stopped):
+        args.run(args)
+    users = Users.load(tmp_path / USERS_FILE)
+    assert users.user_for(HAI_ENV["HAI_ADMIN_TOKEN"]) is None
+    assert users.agent_token_sha256 != hash_token(HAI_ENV["HAI_AGENT_TOKEN"])
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Stop:
+    def __init__(self, *_args: object) -> None:
+        raise _Stopped
 
 
 @pytest.mark.parametrize("name", SERVER_SERVICES)

@@ -402,3 +402,16 @@ def test_parse_job_defaults() -> None:
     assert body == {"name": "j", "command": "python -m x", "nodes": 3, "priority": "NORMAL", "group": "default",
                     "env": {}}
     assert parse_job('name = "j"\ncommand = "x"\nnodes = 1\npriority = "AUTO"\n')["priority"] == "AUTO"
+
+
+def test_hai_and_the_dashboard_show_durations_and_times_alike() -> None:
+    """One helper (hai.timefmt) for both: a chain of tasks reads the same in ``hai show`` and on the
+    job page, in UTC."""
+    from hai import dashboard, timefmt
+
+    for module in (cli, dashboard):
+        assert module.duration is timefmt.duration and module.when is timefmt.when
+        assert not hasattr(module, "_duration") and not hasattr(module, "_when")
+    assert [timefmt.duration(s) for s in (-3, 42, 1020, 19800, 276480)] == ["0 s", "42 s", "17 min", "5.5 h", "3.2 d"]
+    assert timefmt.when(1_700_000_000) == "2023-11-14 22:13:20Z"
+    assert timefmt.when(None) == timefmt.when(0) == "—" and timefmt.when(None, "-") == "-"

@@ -12,6 +12,7 @@ what they show, and keeps a screenshot of each as a test artefact (``$FS3_TEST_A
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -249,6 +250,35 @@ def test_job_page_shows_chain_restarts_and_log_tail(fast: Fast) -> None:
     assert "b-running" in _row(running, "<tr><td>0</td>")
     missing = fast.client.get("/dashboard/jobs/nope-1")
     assert missing.status_code == 404 and "No job nope-1" in missing.text
+
+
+def test_a_job_s_log_is_shown_only_to_its_user_and_admins(tmp_path: Path) -> None:
+    """The server reads logs with its own fs3 credentials, past the permissions ``hai logs`` meets:
+    another user sees that the logs exist, never their text, and the reader is never asked."""
+    asked: list[tuple[str, int]] = []
+
+    class Counting(LocalLogReader):
+        def tail(self, job_id: str, rank: int, max_bytes: int) -> bytes | None:
+            asked.append((job_id, rank))
+            return super().tail(job_id, rank, max_bytes)
+
+    f = Fast(tmp_path, logs=Counting(tmp_path / "logs"))
+    root = "root-token"
+    f.server.users = dataclasses.replace(USERS, users=(*USERS.users, User("root", hash_token(root), admin=True)))
+    try:
+        chain = f.jobs["chain"]
+        assert f.server.state.jobs[chain].user == "alice"
+        f.login(BOB)
+        text = f.page(f"/dashboard/jobs/{chain}")
+        assert "The logs are visible to the job's user and admins." in text and "step 2999" not in text
+        assert asked == []
+        for token in (ALICE, root):
+            f.client.cookies.clear()
+            f.login(token)
+            assert "step 2999 loss" in f.page(f"/dashboard/jobs/{chain}"), token
+        assert len(asked) == 2
+    finally:
+        f.close()
 
 
 def test_pages_read_only_the_in_memory_state(fast: Fast) -> None:

@@ -10,6 +10,7 @@ server restarted on the same database, and replayed reports.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,22 @@ def test_another_users_environment_values_are_withheld(cluster: Cluster) -> None
     assert listed["jobs"][0]["env"] == {"CHECKPOINT_BYTES": "2e9", "WANDB_API_KEY": None}
     assert "s3cret" not in cluster.client.get("/jobs", params={"state": "all", "env": "WANDB_API_KEY"},
                                               headers={"Authorization": f"Bearer {BOB}"}).text
+
+
+def test_a_job_view_needs_a_viewer(cluster: Cluster) -> None:
+    """No default that shows everything: a future endpoint that forgets the viewer fails at once
+    instead of leaking another user's environment; the server's own calls name SYSTEM_VIEWER."""
+    job = cluster.submit(name="a", env={"WANDB_API_KEY": "s3cret"})
+    found = cluster.server.state.jobs[job]
+    with pytest.raises(TypeError, match="viewer"):
+        cluster.server.job_view(found, chain=True)  # type: ignore[call-arg]
+    viewer = inspect.signature(HaiServer.job_view).parameters["viewer"]
+    assert viewer.kind is inspect.Parameter.KEYWORD_ONLY and viewer.default is inspect.Parameter.empty
+    bob = User("bob", hash_token(BOB))
+    assert cluster.server.job_view(found, chain=True, viewer=bob)["env"] == {"WANDB_API_KEY": None}
+    system = cluster.server.job_view(found, chain=True, viewer=hai_server.SYSTEM_VIEWER)
+    assert system["env"] == {"WANDB_API_KEY": "s3cret"}
+    assert hai_server.SYSTEM_VIEWER not in cluster.server.users.users
 
 
 def test_restart_keeps_state_and_resends(url: str, clock: Clock) -> None:

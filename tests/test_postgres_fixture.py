@@ -76,3 +76,24 @@ def test_a_directory_whose_owner_died_is_swept_and_a_live_ones_is_kept(tmp_path:
         (root / OWNER_FILE).write_text(owner)
     assert sweep_stale(tmp_path, _RunAs.pick(), bin_dir) == [stale]
     assert not stale.exists() and live.exists()
+
+
+def test_a_directory_whose_owner_pid_was_reused_is_swept(tmp_path: Path) -> None:
+    """The owner file records the pid with its start time (fs3's pid file): a live process that
+    got the dead owner's pid is not taken for it."""
+    import json
+
+    from fs3.cluster.processes import process_start_time, write_pid_file
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        pytest.skip("no PostgreSQL binaries")
+    reused, live = tmp_path / f"{PREFIX}reused", tmp_path / f"{PREFIX}live"
+    for root in (reused, live):
+        (root / "data").mkdir(parents=True)
+    start = process_start_time(os.getpid())
+    assert start is not None
+    (reused / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start_time": start - 1}))
+    write_pid_file(live / OWNER_FILE, os.getpid())
+    assert sweep_stale(tmp_path, _RunAs.pick(), bin_dir) == [reused]
+    assert live.exists()
