@@ -46,11 +46,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fs3.cli.local import LocalCluster, cluster_lock
-from fs3.cluster import netns
-from fs3.cluster.processes import ServiceProcess, pid_alive, read_pid_file, spawn_logged, stop_group
-from fs3.common.errors import FS3Error, InvalidArgument
-from fs3.common.secret_files import make_private_dir, read_token_file, write_secret_file
+from fs3.local import (
+    FS3Error,
+    InvalidArgument,
+    LocalCluster,
+    ServiceProcess,
+    cluster_lock,
+    is_user_token,
+    make_private_dir,
+    netns,
+    pid_alive,
+    read_pid_file,
+    read_token_file,
+    spawn_logged,
+    stop_group,
+    write_secret_file,
+)
 
 __all__ = ["ADMIN_TOKEN_FILE", "NOT_INHERITED", "STATE_FILE", "HaiLocal", "add_arguments", "hai_argv", "run",
            "service_env"]
@@ -192,9 +203,7 @@ class HaiLocal:
         """The fs3 token the admin's ranks get: a user token, never the cluster's (a rank holding the
         cluster token could act as any user). A user token given with ``--fs3`` is handed on as it
         is; otherwise one is made once for this process's uid and gid and kept in the hai directory."""
-        from fs3.rpc.auth import parse_user_token
-
-        if parse_user_token(fs3_token) is not None:
+        if is_user_token(fs3_token):
             return fs3_token
         kept = self.hai_dir / ADMIN_FS3_TOKEN_FILE
         # Which cluster the kept token was made on: this directory's own ("local"), else its mgmtd.

@@ -242,12 +242,12 @@ def tokens_from_environment(cluster_dir: Path, environ: Mapping[str, str]) -> No
     user, with that user's permissions; the cluster token would make them a service that bypasses
     every permission, so one that is not a user token is refused (ValueError), and ``FS3_TOKEN`` is
     never read. Only the hai tokens' hashes reach the users file."""
-    from fs3.rpc.auth import parse_user_token  # fs3's client side; only this path needs it
+    from fs3.local import is_user_token  # only this path needs it
 
     agent = environ.get(AGENT_TOKEN_ENV, "").strip()
     admin = environ.get(ADMIN_TOKEN_ENV, "").strip()
     admin_fs3 = environ.get(ADMIN_FS3_TOKEN_ENV, "").strip()
-    if admin and parse_user_token(admin_fs3) is None:
+    if admin and not is_user_token(admin_fs3):
         raise ValueError(f"${ADMIN_FS3_TOKEN_ENV} is {'empty' if not admin_fs3 else 'not an fs3 user token'}: "
                          "the admin's ranks need an fs3 user token (fs3u.<id>.<secret>, made with "
                          "`fs3 admin user add NAME`), never the cluster token")
