@@ -420,6 +420,33 @@ def test_close_to_open_consistency_between_two_mounts(mount: tuple[LocalCluster,
         subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
 
 
+def test_an_append_after_a_killed_writer_lands_after_what_it_left(mount: tuple[LocalCluster, Path],
+                                                                    work: Path) -> None:
+    """A log's writer (the client library, in a process of its own) syncs, writes more, flushes it
+    to storage and is SIGKILLed; its session stays open on meta. An ``O_APPEND`` descriptor on the
+    mount (the agent of a restarted job) must add after everything the killed writer left."""
+    cluster, _ = mount
+    synced = b"".join(b"killed %05d synced\n" % i for i in range(100))
+    unsynced = b"".join(b"killed %05d flushed, never published\n" % i for i in range(2000))
+    code = f"""
+import os, signal, fs3
+fs = fs3.connect({cluster.mgmtd_address!r}, token="t")
+f = fs.open("/{work.name}/log", "ab", buffering=0)  # flush: every byte to storage
+f.write({synced!r})
+f.fsync()
+f.write({unsynced!r})
+f.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    killed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode(errors="replace")
+    assert (work / "log").stat().st_size == len(synced)  # published lazily: the session is still open
+    with open(work / "log", "ab") as f:
+        f.write(b"restarted first line\n")
+    assert (work / "log").read_bytes() == synced + unsynced + b"restarted first line\n"
+
+
 def test_a_file_replaced_by_rename_on_another_mount_opens_as_the_new_file(mount: tuple[LocalCluster, Path],
                                                                           work: Path, tmp_path: Path) -> None:
     """Write-temporary-then-rename (editors, git, checkpoint writers) on one mount; the other mount's

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -184,6 +185,38 @@ else:
     assert report.log_bytes == len(expected) + len(b"started\ndone\n")
     assert report.log_dropped_bytes == 0
     assert report.log_peak_buffered_bytes < chunk_bytes + 64 * 1024
+
+
+def test_a_restarted_agents_log_lands_after_what_a_killed_agent_left(tmp_path: Path, shared_cluster: Any,
+                                                                       fs3_fs: Any) -> None:
+    """The agent holding a rank's log is SIGKILLed with lines on storage past the last publish
+    (its session stays open on meta until its lease lapses); the job restarts on another node,
+    whose agent opens the same log to append. Its lines come after everything the killed agent
+    left: none of them written over the killed agent's, none lost."""
+    job_id = f"killed-{random.randrange(1 << 32):08x}"
+    cluster = shared_cluster.cluster
+    published = b"".join(b"first task %05d published\n" % i for i in range(100))
+    unpublished = b"".join(b"first task %05d on storage, not published\n" % i for i in range(3000))
+    script = _script(tmp_path, "killed_agent.py", f"""
+import os, signal
+from hai.launcher import Fs3LogSink
+writer = Fs3LogSink.connect({cluster.mgmtd_address!r}, {cluster.token!r}).open({job_id!r}, 0)
+writer.write({published!r})
+writer.publish()
+writer.write({unpublished!r})
+writer._file.flush()
+writer._file.raw.flush()  # on storage, acknowledged; meta not told
+os.kill(os.getpid(), signal.SIGKILL)
+""")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    killed = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode(errors="replace")
+    path = log_path(job_id, 0)
+    assert fs3_fs.stat(path).st_size == len(published)
+    writer = Fs3LogSink(fs3_fs).open(job_id, 0)
+    writer.write(b"restarted task first line\n")
+    writer.close()
+    assert fs3_fs.read_bytes(path) == published + unpublished + b"restarted task first line\n"
 
 
 def test_a_rank_exiting_1_fails_the_job_and_the_others_are_stopped(tmp_path: Path, logs: LocalLogSink) -> None:

@@ -28,7 +28,7 @@ from fs3.common.clock import ManualClock
 from fs3.common.config import config_from_mapping
 from fs3.common.errors import BadHandle, InvalidArgument, StaleClient, Timeout, Unavailable
 from fs3.common.ids import parse_chunk_id
-from fs3.common.posix import O_CREAT, O_RDONLY, O_RDWR, O_WRONLY
+from fs3.common.posix import O_APPEND, O_CREAT, O_RDONLY, O_RDWR, O_WRONLY
 from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine
@@ -724,6 +724,126 @@ def test_a_session_answers_only_the_client_id_that_opened_it(tmp_path: Path) -> 
         await meta.prune_clients_once()
         assert meta_sessions(env) == 0
         assert await env.b.read_bytes("/t/f") == b"a" * 1000
+
+    with_lapsing(tmp_path, body)
+
+
+@pytest.mark.slow  # an in-process cluster
+def test_an_append_lands_after_what_a_dead_writer_left_on_storage(tmp_path: Path) -> None:
+    """A log's writer dies (SIGKILL: no close) with bytes on storage past the published length,
+    its session still open; a writer on another client opens the log to append (the agent of a
+    restarted job). The append must land after everything the dead writer left on storage:
+    neither over its synced bytes nor interleaved with its unpublished ones, and the length meta
+    computes once the dead session expires must keep the new writer's bytes."""
+
+    async def body(env: Lapsing) -> None:
+        synced = b"".join(b"a%05d synced\n" % i for i in range(100))
+        # Unpublished, and across a chunk boundary: the end is in a chunk meta never heard of.
+        unsynced = b"".join(b"a%05d on storage, never published\n" % i for i in range(2500))
+        f = await env.a.open("/t/log", "ab")
+        await f.write(synced)
+        await f.fsync()
+        await f.write(unsynced)
+        await f.flush()  # on storage, acknowledged; the length not sent
+        await env.a.meta.stop()  # A dies: its session stays until its lease lapses
+        assert (await env.b.stat("/t/log")).st_size == len(synced)  # published lazily
+        end = len(synced) + len(unsynced)
+        assert end > CHUNK
+
+        g = await env.b.open("/t/log", "ab")
+        await g.write(b"b first line\n")
+        await g.close()
+        expected = synced + unsynced + b"b first line\n"
+        assert (await env.b.stat("/t/log")).st_size == len(expected)
+        assert await env.b.read_bytes("/t/log") == expected
+
+        await env.lapse()  # meta closes A's session, probing storage for the length
+        assert await env.b.read_bytes("/t/log") == expected
+        async with await env.b.open("/t/log", "ab") as g:
+            await g.write(b"b second line\n")
+        assert await env.b.read_bytes("/t/log") == expected + b"b second line\n"
+
+    with_lapsing(tmp_path, body)
+
+
+@pytest.mark.slow  # an in-process cluster
+def test_an_append_open_probes_again_after_a_truncate_under_its_probe(tmp_path: Path) -> None:
+    """A truncate between the append open's probe and the length it publishes may have removed
+    what the probe saw: the open probes again, and the append lands at the truncated end."""
+
+    async def body(env: Lapsing) -> None:
+        f = await env.a.open("/t/log", "ab")
+        await f.write(b"a" * 1000)
+        await f.fsync()
+        await f.write(b"b" * (CHUNK + 500))
+        await f.flush()
+        await env.a.meta.stop()
+        meta = env.cluster.meta
+        assert meta is not None
+        probe = meta._exact_length
+        probed: list[int | None] = []
+
+        async def truncated_after(*args: Any, **kwargs: Any) -> tuple[int | None, int | None]:
+            found = await probe(*args, **kwargs)
+            probed.append(found[0])
+            if len(probed) == 1:
+                await env.b.truncate("/t/log", 1200)
+            return found
+
+        meta._exact_length = truncated_after  # type: ignore[method-assign]
+        async with await env.b.open("/t/log", "ab") as g:
+            await g.write(b"c" * 10)
+        assert probed == [1000 + CHUNK + 500, 1200]
+        assert await env.b.read_bytes("/t/log") == b"a" * 1000 + b"b" * 200 + b"c" * 10
+
+    with_lapsing(tmp_path, body)
+
+
+@pytest.mark.slow  # an in-process cluster
+def test_an_append_open_finds_the_writer_among_pages_of_readers(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Meta reads the file's sessions a page at a time: a writer past the first page counts."""
+    monkeypatch.setattr("fs3.meta.lengths.PRUNE_PAGE", 2)
+
+    async def body(env: Lapsing) -> None:
+        f = await env.a.open("/t/log", "ab")
+        await f.write(b"a" * 100)
+        await f.flush()
+        await env.a.meta.stop()
+        readers = [await env.b.open("/t/log", "rb") for _ in range(5)]
+        async with await env.b.open("/t/log", "ab") as g:
+            await g.write(b"b")
+        for reader in readers:
+            await reader.close()
+        assert await env.b.read_bytes("/t/log") == b"a" * 100 + b"b"
+
+    with_lapsing(tmp_path, body)
+
+
+@pytest.mark.slow  # an in-process cluster
+def test_an_o_append_open_on_the_mount_lands_after_a_dead_writer(tmp_path: Path) -> None:
+    """The same through the VFS (what the FUSE mount runs): an ``O_APPEND`` descriptor's writes go
+    to the end of what the dead writer left on storage, whatever offset the kernel sends."""
+
+    async def body(env: Lapsing) -> None:
+        f = await env.b.open("/t/m", "ab")
+        await f.write(b"x" * 1000)
+        await f.fsync()
+        await f.write(b"y" * 500)
+        await f.flush()
+        del f  # B's handle stays open on meta: a writer that never closes
+        vfs = Vfs(env.a)
+        try:
+            t = await vfs.lookup(1, b"t", ROOT_USER)
+            m = await vfs.lookup(t.inode_id, b"m", ROOT_USER)
+            assert m.size == 1000
+            fh, opened = await vfs.open(m.inode_id, O_WRONLY | O_APPEND, ROOT_USER)
+            assert opened.size == 1500
+            await vfs.write(fh, 1000, b"z" * 10)  # the kernel's offset: its size of the file
+            await vfs.release(fh)
+        finally:
+            await vfs.close()
+        assert await env.b.read_bytes("/t/m") == b"x" * 1000 + b"y" * 500 + b"z" * 10
 
     with_lapsing(tmp_path, body)
 

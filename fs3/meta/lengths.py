@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -25,7 +26,8 @@ from fs3.common.ids import CHUNK_SIZE_MIN_BYTES, chunk_id, parse_chunk_id
 from fs3.common.layout import max_file_size
 from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import PublicState
-from fs3.kv.api import prefix_end
+from fs3.kv.api import Transaction, prefix_end
+from fs3.kv.txn import run_transaction
 from fs3.meta import schema
 from fs3.meta.host import MetaHost
 from fs3.meta.limits import (
@@ -33,6 +35,7 @@ from fs3.meta.limits import (
     LENGTH_PROBE_ATTEMPTS,
     LIST_RETRY_BACKOFF_MAX_MS,
     LIST_RETRY_BACKOFF_MS,
+    PRUNE_PAGE,
     REMOVE_PARALLEL,
 )
 from fs3.meta.ops import LengthProbeStale, LengthReport, Namespace
@@ -40,6 +43,7 @@ from fs3.rpc.storage_calls import list_chunk_range
 
 __all__ = ["FileLengths", "all_of"]
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 # A chunk listing that failed on every member is tried again, the n-th time after n x 50 ms (at
 # most a second), until the storage client's retry budget is spent.
@@ -81,6 +85,54 @@ class FileLengths(MetaHost):
             except LengthProbeStale:
                 continue
         raise AssertionError("unreachable: the last attempt does not raise LengthProbeStale")
+
+    async def _end_for_append(self, inode: mpb.Inode, session_id: bytes) -> mpb.Inode:
+        """``inode`` as an append opened by ``session_id`` must see it: its length grown to the end
+        of what other open writers left on storage (see docs/decisions.md, "An append open
+        publishes what open writers left on storage").
+
+        A writer's bytes reach storage before its length reaches meta (at fsync, close, a hint),
+        and a writer that dies leaves its session open until its client's lease lapses: an append
+        at the published length would land on the dead writer's bytes, and the length meta probes
+        when it closes that session would then cover both, interleaved. So when another handle
+        may write the file, storage is probed (from the known size on, after any truncate job)
+        and the end it finds is published before the append gets its answer. A file no other
+        handle writes costs one range read of its sessions.
+        """
+        inode_id = inode.inode_id
+        if not await self._another_writer(inode_id, session_id):
+            return inode
+        for _ in range(LENGTH_PROBE_ATTEMPTS):
+            exact, probed_gen = await self._exact_length(inode_id, 0, wrote=True)
+            if exact is None or probed_gen is None:
+                return inode  # removed meanwhile: the handle's own calls say so
+
+            async def publish(txn: Transaction, exact: int = exact, gen: int = probed_gen) -> mpb.Inode:
+                return await Namespace(txn, self._env(mpb.User())).publish_storage_end(inode_id, exact, gen)
+
+            try:
+                return await run_transaction(self.engine, publish, retry_max=self.config.txn_retry_max)
+            except LengthProbeStale:
+                continue  # truncated under the probe (another meta server): probe again
+        # Not an error: the open has committed its session, and a caller told it failed would leave
+        # that open until the lease ends. Each truncate removed what lay past its size anyway.
+        log.warning("inode %d kept being truncated under an append's open: its length as meta has it", inode_id)
+        raw = await self.engine.begin().get(schema.inode_key(inode_id))
+        return inode if raw is None else mpb.Inode.FromString(raw)
+
+    async def _another_writer(self, inode_id: int, session_id: bytes) -> bool:
+        """Whether a session other than ``session_id`` holds the inode open for writing (read a
+        page of sessions at a time: a file many readers hold open is no one large read)."""
+        prefix = schema.session_prefix(inode_id)
+        own = schema.session_key(inode_id, session_id)
+        start, end = prefix, prefix_end(prefix)
+        while True:
+            page = await self.engine.begin().scan(start, end, limit=PRUNE_PAGE)
+            if any(key != own and schema.Session.decode(value).write for key, value in page):
+                return True
+            if len(page) < PRUNE_PAGE:
+                return False
+            start = page[-1][0] + b"\x00"
 
     async def _refuse_impossible_length(self, inode_id: int, hint: int) -> None:
         """A writer's length past the largest file its layout allows is ``EFBIG``, up front.

@@ -1042,6 +1042,22 @@ class Namespace:
         inode.size = new_size
         self._stamp(inode, mtime=True)
 
+    async def publish_storage_end(self, inode_id: int, exact: int, probed_gen: int) -> mpb.Inode:
+        """Grow the file to ``exact``, its end on storage probed under size generation
+        ``probed_gen``, for an append to land past what open writers left there unpublished (see
+        :meth:`FileLengths._end_for_append <fs3.meta.lengths.FileLengths._end_for_append>`). A
+        truncate since the probe may have removed what it saw: :class:`LengthProbeStale`."""
+        inode = await self.inode(inode_id)
+        if await self._size_gen(inode_id) != probed_gen or await self.txn.get(schema.truncate_key(inode_id)):
+            raise LengthProbeStale(f"inode {inode_id}: truncated since the probe")
+        if exact > inode.size:
+            if exact > max_file_size(inode.layout):
+                raise FileTooLarge(f"size {exact} exceeds {max_file_size(inode.layout)}")
+            inode.size = exact
+            self._stamp(inode, mtime=True)
+            self.flush()
+        return inode
+
     async def close(self, inode_id: int, session_id: bytes, length: LengthReport = LengthReport()) -> CloseResult:
         """End a handle, applying its length (see :meth:`_apply_length`)."""
         session = await self._session(inode_id, session_id)

@@ -53,7 +53,7 @@ from fs3.common.errors import (
 from fs3.common.faults import CrashPoint, sabotaged
 from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES, validate_dir_layout
 from fs3.common.metrics import ServiceMetrics
-from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC, R_OK, W_OK, Caller
+from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDWR, O_TRUNC, O_WRONLY, R_OK, W_OK, Caller
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
 from fs3.meta import schema
@@ -377,6 +377,10 @@ class MetaService(FileLengths, MetaJobs):
                 rsp = await self._saved_open(req.ctx)
         if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and not rsp.session_id:
             rsp = await self._reopen_abandoned(req, rsp, session_id, now_ms)
+        if req.flags & O_APPEND and (req.flags & O_ACCMODE) in (O_WRONLY, O_RDWR) and rsp.session_id \
+                and rsp.inode.type == mpb.FILE:
+            # Not part of the saved answer either: a retry learns the end as it is then.
+            rsp.inode.CopyFrom(await self._end_for_append(rsp.inode, rsp.session_id))
         if rsp.session_id and rsp.inode.type == mpb.FILE and rsp.capability_access:
             # Not part of the saved answer: a retry answered from it gets a capability of its own,
             # granting what the open that ran allowed (saved with it), never what the retry's flags
