@@ -38,13 +38,6 @@ def test_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
     from tests.chaos.run import run_scenario
     from tests.chaos.scenarios import SCENARIOS
 
-    def ours(listing: str) -> set[str]:
-        return {line.split()[0] for line in listing.splitlines()
-                if line.startswith(("fs3-", "fs3sw-"))}
-
-    # Another run on the machine (a parallel test session) may hold namespaces of its own: only
-    # the ones that appeared during this scenario must be gone after it.
-    before = ours(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout)
     report = run_scenario(SCENARIOS[name], tmp_path)
     assert report["violations"] == [], report["violations"][:5]
     assert report["lost"] == [], report["lost"][:5]
@@ -53,5 +46,9 @@ def test_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
     assert report["acknowledged"] > 1000
     if name == "partition-from-mgmtd":  # no split brain: the cut-off node stops serving within its lease
         assert report["lease"] is not None and report["lease"]["ok"], report["lease"]
-    left = ours(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout) - before
-    assert not left, f"namespaces left behind: {sorted(left)}"
+    # Only this run's namespaces: another session on the machine may hold (or make) its own.
+    run_id = report["run_id"]
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left = [line.split()[0] for line in listing.splitlines()
+            if line.startswith((f"fs3-{run_id}-", f"fs3sw-{run_id}"))]
+    assert not left, f"namespaces left behind: {left}"

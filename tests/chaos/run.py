@@ -39,6 +39,7 @@ def run_scenario(scenario: Scenario, root: Path, report: dict[str, Any] | None =
     report = {} if report is None else report
     report.update({"scenario": scenario.name, "faults": []})
     with NetnsLab() as lab:
+        report["run_id"] = lab.run_id  # its namespaces are fs3-<run_id>-<host>, its switch fs3sw-<run_id>
         cluster = LabCluster(lab, root, FAST, scenario.small_disks, scenario.ext4_disks)
         try:
             return _run(scenario, cluster, root, report)
