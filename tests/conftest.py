@@ -31,6 +31,19 @@ pytest_plugins = ["tests.clean_tree", "tests.ci_report", "tests.postgres"]
 TRANSPORTS = ("framed", "grpc")
 
 
+@pytest.fixture(autouse=True)
+def _umask_restored() -> Iterator[None]:
+    """Each test leaves the process's umask as it found it. Commands run in process (``fs3 local
+    up`` through ``main(argv)``) set the services' private umask 077 for the rest of the process,
+    and a later test's ``mkdir(mode=0o755)`` made 0700 then."""
+    saved = os.umask(0o022)
+    os.umask(saved)
+    try:
+        yield
+    finally:
+        os.umask(saved)
+
+
 @pytest.fixture(scope="session")
 def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One in-process cluster with meta for the tests that only need a working file system."""

@@ -103,13 +103,13 @@ _FORK_WITH_METRICS = """
 import os, pickle, signal, socket, sys
 import fs3, fsspec
 mgmtd, token = sys.argv[1:3]
-with socket.socket() as s:
+with socket.socket() as s, socket.socket() as t:  # two ports free now (port + 1 may be anyone's)
     s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+    t.bind(("127.0.0.1", 0))
+    port, other_port = s.getsockname()[1], t.getsockname()[1]
 blocking = fs3.connect(mgmtd, token=token, metrics_port=port)
 blocking.listdir("/")
-ffs = fsspec.filesystem("fs3", mgmtd=mgmtd, token=token, metrics_port=port + 1 if port < 65535 else port - 1,
-                        skip_instance_cache=True)
+ffs = fsspec.filesystem("fs3", mgmtd=mgmtd, token=token, metrics_port=other_port, skip_instance_cache=True)
 ffs.ls("/")
 assert blocking.afs.metrics_address == f"127.0.0.1:{port}"
 pid = os.fork()
