@@ -16,6 +16,7 @@ batches (the sampler's position is in the checkpoint), parameters and optimizer 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -235,7 +236,18 @@ class Trainer:
             stage = self.ctx.stage if self.ctx is not None and self.args.mode == "pipeline" else None
             torch.save(params, self.args.out if stage is None else f"{self.args.out}.stage{stage}")
         return {"rank": self.rank, "start_step": start_step, "steps": self.args.steps, "losses": losses,
-                "seconds": time.monotonic() - started}
+                "seconds": time.monotonic() - started, "params_sha256": params_digest(params)}
+
+
+def params_digest(params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the parameters' names and bytes: the replicas of a data-parallel group (DDP's ranks,
+    a pipeline stage's) must report the same digest, bit for bit."""
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        tensor = params[name].detach().contiguous()
+        digest.update(name.encode() + b"\0" + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
