@@ -138,7 +138,10 @@ def max_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
 ])
 def test_each_parallelism_matches_one_process(lab: dict[str, Any], mode: str, extra: list[str]) -> None:
     out = lab["root"] / f"{mode}.pt"
-    runs = launch(lab, mode, ["--mode", mode, "--steps", str(STEPS), "--out", str(out), *extra])
+    # DDP's ranks check after every backward and optimizer step that they hold dp rank 0's bytes: a
+    # replica that drifts fails the run at once, naming the step, the phase and the tensors.
+    check = ["--check-replicas"] if mode == "ddp" else []
+    runs = launch(lab, mode, ["--mode", mode, "--steps", str(STEPS), "--out", str(out), *check, *extra])
     for code, log in runs:
         assert code == 0, log
     if mode == "pipeline":
@@ -157,7 +160,7 @@ def test_each_parallelism_matches_one_process(lab: dict[str, Any], mode: str, ex
 def test_a_killed_rank_fails_the_job_and_a_relaunch_resumes_bit_identically(lab: dict[str, Any]) -> None:
     if "uninterrupted" not in lab:
         pytest.skip("needs the DDP run of the test above")
-    checkpoints = ["--ckpt", "fs3:///ckpt/drill", "--save-every", "2", "--timeout-s", "10"]
+    checkpoints = ["--ckpt", "fs3:///ckpt/drill", "--save-every", "2", "--timeout-s", "10", "--check-replicas"]
     started = time.monotonic()
     runs = launch(lab, "killed", ["--mode", "ddp", "--steps", str(STEPS), *checkpoints,
                                   "--die-after-step", "2", "--die-rank", "3"])
