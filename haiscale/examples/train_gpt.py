@@ -157,8 +157,9 @@ class Trainer:
             torch.autograd.backward(loss)
             value = float(loss.detach())
         if self.args.check_replicas:
-            self.check_replicas("backward", {f"{name}.grad": param.grad for name, param in self.named_parameters()
-                                             if param.grad is not None})
+            named = self.named_parameters()
+            self.check_replicas("backward", {**dict(named), **{f"{name}.grad": param.grad for name, param in named
+                                                               if param.grad is not None}})
         self.optimizer.step()
         if self.args.check_replicas:
             state = {f"{name}.{key}": value for name, param in self.named_parameters()
