@@ -108,6 +108,14 @@ def result_of(log: str) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
+def assert_replicas_agree(runs: list[tuple[int, str]]) -> None:
+    """DDP's ranks hold dp rank 0's parameters bit for bit after every step: every rank's final
+    parameters hash the same. A rank that drifted would make a run disagree with itself (and a
+    checkpoint, written by rank 0 alone, disagree with the ranks that did not write it)."""
+    digests = {rank: result_of(log)["params_sha256"] for rank, (_, log) in enumerate(runs)}
+    assert len(set(digests.values())) == 1, f"the replicas' parameters differ: {digests}"
+
+
 def reference(lab: dict[str, Any], steps: int) -> dict[str, Any]:
     """One process, the whole global batch each step, records read from a local copy."""
     from haiscale.examples.train_gpt import Trainer, parse_args
@@ -130,7 +138,10 @@ def max_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
 ])
 def test_each_parallelism_matches_one_process(lab: dict[str, Any], mode: str, extra: list[str]) -> None:
     out = lab["root"] / f"{mode}.pt"
-    runs = launch(lab, mode, ["--mode", mode, "--steps", str(STEPS), "--out", str(out), *extra])
+    # DDP's ranks check after every backward and optimizer step that they hold dp rank 0's bytes: a
+    # replica that drifts fails the run at once, naming the step, the phase and the tensors.
+    check = ["--check-replicas"] if mode == "ddp" else []
+    runs = launch(lab, mode, ["--mode", mode, "--steps", str(STEPS), "--out", str(out), *check, *extra])
     for code, log in runs:
         assert code == 0, log
     if mode == "pipeline":
@@ -139,6 +150,8 @@ def test_each_parallelism_matches_one_process(lab: dict[str, Any], mode: str, ex
             params.update(torch.load(f"{out}.stage{stage}", weights_only=True))
     else:
         params = torch.load(out, weights_only=True)
+    if mode == "ddp":
+        assert_replicas_agree(runs)
     assert max_difference(params, reference(lab, STEPS)) <= TOLERANCE
     if mode == "ddp":
         lab["uninterrupted"] = params
@@ -147,7 +160,7 @@ def test_each_parallelism_matches_one_process(lab: dict[str, Any], mode: str, ex
 def test_a_killed_rank_fails_the_job_and_a_relaunch_resumes_bit_identically(lab: dict[str, Any]) -> None:
     if "uninterrupted" not in lab:
         pytest.skip("needs the DDP run of the test above")
-    checkpoints = ["--ckpt", "fs3:///ckpt/drill", "--save-every", "2", "--timeout-s", "10"]
+    checkpoints = ["--ckpt", "fs3:///ckpt/drill", "--save-every", "2", "--timeout-s", "10", "--check-replicas"]
     started = time.monotonic()
     runs = launch(lab, "killed", ["--mode", "ddp", "--steps", str(STEPS), *checkpoints,
                                   "--die-after-step", "2", "--die-rank", "3"])
@@ -161,7 +174,10 @@ def test_a_killed_rank_fails_the_job_and_a_relaunch_resumes_bit_identically(lab:
     for code, log in runs:
         assert code == 0, log
     assert all(result_of(log)["start_step"] == 2 for _, log in runs)
+    assert_replicas_agree(runs)
     resumed = torch.load(out, weights_only=True)
     uninterrupted = lab["uninterrupted"]
     assert resumed.keys() == uninterrupted.keys()
-    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    differing = {k: float((resumed[k] - uninterrupted[k]).abs().max()) for k in resumed
+                 if not torch.equal(resumed[k], uninterrupted[k])}
+    assert not differing, f"the resumed run's parameters differ from the uninterrupted run's: {differing}"

@@ -305,3 +305,68 @@ def test_a_rank_killed_while_registering_buffers_leaves_nothing_in_dev_shm() -> 
     for result in results:
         assert result["ok"] and "exited" in result.get("error", ""), result
     assert not left, f"left in /dev/shm: {left}"
+
+
+def test_on_a_slow_leader_no_byte_of_an_allreduce_lands_after_wait_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The DDP replica-drift hunt (tests/test_haiscale_train.py): could rank 0, the node leader whose
+    # process runs the network threads, see wait() return before the last chunk's result is in its
+    # registered buffer, or have it written there afterwards? Two nodes of two ranks in this process,
+    # registered buffers (zero copy: the owner reads every rank's buffer in place), AVG as DDP does,
+    # the leader's receives, the tree's additions, the collects and the ready counter all delayed at
+    # random: at wait() every rank's buffer holds the average, and nothing changes it later.
+    import random
+
+    from hfreduce import engine, kernels
+
+    chance = random.Random(7)
+
+    def delayed(function: Any) -> Any:
+        def call(*args: Any) -> Any:
+            time.sleep(chance.random() * 0.004)
+            return function(*args)
+        return call
+
+    monkeypatch.setattr(engine.PeerLink, "recv_into", delayed(engine.PeerLink.recv_into))
+    monkeypatch.setattr(engine.Network, "_mark_ready", delayed(engine.Network._mark_ready))
+    for name in ("reduce", "combine", "collect"):
+        monkeypatch.setattr(kernels.Arithmetic, name, delayed(getattr(kernels.Arithmetic, name)))
+    port = free_port()
+    made: list[hfreduce.Communicator | None] = [None] * 4
+    shared: list[np.ndarray | None] = [None] * 4
+    count = 3 * 1024 + 17  # three 4 KiB chunks and a bit: both trees, and a short last chunk
+
+    def start(rank: int) -> None:
+        made[rank] = comm = hfreduce.Communicator(rank=rank, world_size=4, master_addr="127.0.0.1",
+                                                  master_port=port, node=f"late-{port}-{rank // 2}",
+                                                  timeout_s=10.0, chunk_size_bytes=4096, slots=2)
+        shared[rank] = comm.shared_array(count, np.float32)
+
+    threads = [threading.Thread(target=start, args=(rank,)) for rank in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    comms = [comm for comm in made if comm is not None]
+    buffers = [buffer for buffer in shared if buffer is not None]
+    try:
+        assert len(comms) == 4 and len(buffers) == 4, "a rank did not start"
+        assert comms[0].node_count == 2
+        ramp = np.arange(count, dtype=np.float64)
+        for step in range(12):
+            for rank, buffer in enumerate(buffers):
+                buffer[:] = ramp * (rank + 1) / 7 + step
+            expected = (ramp * (1 + 2 + 3 + 4) / 7 / 4 + step).astype(np.float32)
+            works = [comm.allreduce(buffer, op=hfreduce.ReduceOp.AVG, async_op=True)
+                     for comm, buffer in zip(comms, buffers, strict=True)]
+            at_wait = []
+            for work, buffer in zip(works, buffers, strict=True):
+                assert work.wait(20)
+                at_wait.append(buffer.copy())
+            time.sleep(0.02)
+            for rank, (seen, buffer) in enumerate(zip(at_wait, buffers, strict=True)):
+                assert np.allclose(seen, expected, rtol=1e-6), f"step {step}: rank {rank}'s result at wait()"
+                assert np.array_equal(seen, at_wait[0]), f"step {step}: rank {rank} differs from rank 0"
+                assert np.array_equal(buffer, seen), f"step {step}: rank {rank}'s buffer changed after wait()"
+    finally:
+        for comm in comms:
+            comm.shutdown()

@@ -16,6 +16,7 @@ batches (the sampler's position is in the checkpoint), parameters and optimizer 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help="where to write the final parameters (torch.save of a name -> tensor dict)")
     parser.add_argument("--die-after-step", type=int, default=-1, help="(fault drills) SIGKILL this rank after step N")
     parser.add_argument("--die-rank", type=int, default=-1)
+    parser.add_argument("--check-replicas", action="store_true",
+                        help="(DDP diagnostics) after every backward and optimizer step, check that every rank holds "
+                             "dp rank 0's gradients, parameters and optimizer state, bit for bit")
     args = parser.parse_args(argv)
     if args.steps < 0 or args.batch_size < 1:
         parser.error("--steps must be >= 0 and --batch-size >= 1")
@@ -84,6 +88,7 @@ class Trainer:
         self.sampler = DistributedRecordSampler(len(self.dataset), num_replicas=self.dp_size, rank=self.dp_rank,
                                                 seed=args.seed)
         self.epoch = 0
+        self.steps_done = 0
         self.sampler.set_epoch(0)
         self._indices = iter(self.sampler)
         model = ByteGPT(config, seed=args.seed)
@@ -151,8 +156,49 @@ class Trainer:
             loss = lm_loss(self.model(inputs), targets)
             torch.autograd.backward(loss)
             value = float(loss.detach())
+        if self.args.check_replicas:
+            named = self.named_parameters()
+            self.check_replicas("backward", {**dict(named), **{f"{name}.grad": param.grad for name, param in named
+                                                               if param.grad is not None}})
         self.optimizer.step()
+        if self.args.check_replicas:
+            state = {f"{name}.{key}": value for name, param in self.named_parameters()
+                     for key, value in self.optimizer.state.get(param, {}).items() if isinstance(value, torch.Tensor)}
+            self.check_replicas("optimizer step", {**dict(self.named_parameters()), **state})
+        self.steps_done += 1
         return value
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        module = self.model.module if self.args.mode == "ddp" else self.model
+        return list(module.named_parameters())
+
+    def check_replicas(self, phase: str, tensors: dict[str, torch.Tensor]) -> None:
+        """``--check-replicas`` (DDP): every rank holds dp rank 0's bytes of ``tensors``, or every rank
+        raises naming the step, the phase, and each differing tensor with its largest difference from
+        dp rank 0's. Collective: two small allreduces (and a broadcast per differing tensor)."""
+        import hfreduce
+
+        if self.ctx is None or self.args.mode != "ddp":
+            return
+        comm = self.ctx.dp_comm
+        names = sorted(tensors)
+        flat = {name: tensors[name].detach().reshape(-1).contiguous() for name in names}
+        digests = [int.from_bytes(hashlib.blake2b(flat[name].view(torch.uint8).numpy().tobytes(),
+                                                  digest_size=7).digest(), "big") for name in names]
+        both = torch.tensor(digests + [-digest for digest in digests], dtype=torch.int64)
+        comm.allreduce(both, op=hfreduce.ReduceOp.MAX)
+        highest, lowest = both[:len(names)].tolist(), [-value for value in both[len(names):].tolist()]
+        differing = [name for name, high, low in zip(names, highest, lowest, strict=True) if high != low]
+        if not differing:
+            return
+        details = []
+        for name in differing:
+            reference = flat[name].clone()
+            comm.broadcast(reference, src=0)
+            gap = float((flat[name].double() - reference.double()).abs().max())
+            details.append(f"{name} (largest difference from dp rank 0's: {gap:.3g})")
+        raise RuntimeError(f"DDP replicas differ after step {self.steps_done + 1}'s {phase} (dp rank "
+                           f"{self.dp_rank}): {', '.join(details)}")
 
     def parameters_by_name(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters as one process holds them (this stage's, for a pipeline)."""
@@ -211,7 +257,7 @@ class Trainer:
             self.check_resumable()
             loaded = self.checkpoints.load_latest(self.model, self.optimizer_state)
             if loaded is not None:
-                start_step = int(loaded.step)
+                start_step = self.steps_done = int(loaded.step)
                 self.restore_position(loaded.extra)
         losses: list[float | None] = []
         started = time.monotonic()
@@ -235,7 +281,18 @@ class Trainer:
             stage = self.ctx.stage if self.ctx is not None and self.args.mode == "pipeline" else None
             torch.save(params, self.args.out if stage is None else f"{self.args.out}.stage{stage}")
         return {"rank": self.rank, "start_step": start_step, "steps": self.args.steps, "losses": losses,
-                "seconds": time.monotonic() - started}
+                "seconds": time.monotonic() - started, "params_sha256": params_digest(params)}
+
+
+def params_digest(params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the parameters' names and bytes: the replicas of a data-parallel group (DDP's ranks,
+    a pipeline stage's) must report the same digest, bit for bit."""
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        tensor = params[name].detach().contiguous()
+        digest.update(name.encode() + b"\0" + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
