@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from hai.server import User, Users, hash_token
-from tests.hai_e2e import ALICE_UID, Fs3Users
+from tests.hai_e2e import ALICE_UID, Fs3Users, assert_bit_identical
 from tests.test_hai_agent import AGENT, ALICE, BARRIER, ROOT, Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -123,7 +123,7 @@ def _log(cluster: Cluster, job: str, rank: int = 0) -> str:
 
 
 def test_low_job_is_suspended_for_high_and_resumes_bit_identical(fs3_cluster: tuple[Cluster, Fs3Users]) -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     cluster, fs3_users = fs3_cluster
     fs = fs3_users.fs
     top, _private = fs3_users.workspace()
@@ -197,16 +197,7 @@ def test_low_job_is_suspended_for_high_and_resumes_bit_identical(fs3_cluster: tu
     assert _listing(fs, directory) == [f"step-{suspended_at:08d}"]
     assert fs.stat(f"{directory}/step-{suspended_at:08d}").st_uid == ALICE_UID  # alice's token, alice's files
 
-    a = torch.load(tmp / "reference" / "final.pt")
-    b = torch.load(tmp / "out" / "final.pt")
-    assert a["model"].keys() == b["model"].keys()
-    for key, value in a["model"].items():
-        assert torch.equal(value, b["model"][key]), key
-    state_a, state_b = a["optim"]["state"], b["optim"]["state"]
-    assert state_a.keys() == state_b.keys() and state_a
-    for key in state_a:
-        for name, value in state_a[key].items():
-            assert torch.equal(value, state_b[key][name]), (key, name)
+    assert_bit_identical(tmp / "reference" / "final.pt", tmp / "out" / "final.pt")
     # Every rank of both jobs is gone.
     wait_for(lambda: all(not agent.held() for agent, _ in cluster.agents.values()), "the agents to drop the tasks")
 
