@@ -28,7 +28,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from hai import rules
+from hai import dashboard, rules
 from hai.dashboard import COOKIE, Fs3LogReader, LocalLogReader, LogReader, node_status, task_ending
 from hai.launcher import Fs3LogSink
 from hai.rules import ClusterState, Config, Job, JobSpec, JobState, Node, Priority, TaskRecord
@@ -437,7 +437,9 @@ def _is_png(path: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
+def test_dashboard_in_headless_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No page reloads itself while the test reads it (a reload makes the elements it holds stale).
+    monkeypatch.setattr(dashboard, "REFRESH_S", 3600)
     found = _chromium()
     if found is None:
         pytest.skip("no chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver; "
@@ -446,6 +448,8 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.expected_conditions import staleness_of
+    from selenium.webdriver.support.ui import WebDriverWait
 
     clock = Clock()
     server = HaiServer(Store.open(default_url(tmp_path)), USERS, CONFIG, clock=clock)
@@ -470,6 +474,15 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         driver.set_page_load_timeout(DEADLINE_S)
         artifacts = _artifacts()
 
+        def go(click: Callable[[], None]) -> None:
+            """Click what navigates, and wait until the new page replaced the old (a click returns
+            before the browser has loaded what it leads to: reading then finds the old page's
+            elements, stale a moment later)."""
+            assert driver is not None
+            old = driver.find_element(By.TAG_NAME, "html")
+            click()
+            WebDriverWait(driver, DEADLINE_S).until(staleness_of(old))
+
         def shot(page: str) -> None:
             path = artifacts / f"hai-dashboard-{page}.png"
             assert driver is not None and driver.save_screenshot(str(path))
@@ -478,7 +491,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         driver.get(f"{base}/dashboard/nodes")
         assert driver.current_url == f"{base}/dashboard/login"
         driver.find_element(By.NAME, "token").send_keys("wrong")
-        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        go(driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click)
         assert "Unknown token" in driver.find_element(By.TAG_NAME, "main").text
         driver.find_element(By.NAME, "token").send_keys(ALICE)
         shot("login")
@@ -494,13 +507,13 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         assert not driver.find_elements(By.CSS_SELECTOR, "main b, main script")
         shot("queue")
 
-        driver.find_element(By.LINK_TEXT, "Nodes").click()
+        go(driver.find_element(By.LINK_TEXT, "Nodes").click)
         main = driver.find_element(By.TAG_NAME, "main").text
         assert "4 nodes: 3 healthy, 1 suspect." in main and f"rank exited 1 on {jobs['bad']}" in main
         shot("nodes")
 
         driver.get(f"{base}/dashboard/queue")
-        driver.find_element(By.LINK_TEXT, jobs["chain"]).click()
+        go(driver.find_element(By.LINK_TEXT, jobs["chain"]).click)
         main = driver.find_element(By.TAG_NAME, "main").text
         assert f"Job {jobs['chain']}" in main and "restarted" in main and "finished" in main
         assert "step 2999 loss" in main and f"done {SCRIPT}" in main and EVIL_COMMAND in main
