@@ -16,6 +16,11 @@ fs3's native client (the Python library, no FUSE) runs the small-file and juicef
 too. Writes a JSON record and a Markdown table to ``bench/results/peers-<stamp>.*`` and PNG bar
 charts beside them; prints the table. Every figure is a rate (higher is better); the table's ratio
 columns divide fs3's FUSE figure by each other system's.
+
+Runs on this kind of machine swing by ±30% from one to the next, so every system is measured
+``--runs`` times (3 by default), the rounds interleaved (every system once, then every system
+again) so that a slow spell hits all of them, and each figure in the table is the median of its
+rounds; the JSON record keeps every round.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import datetime as dt
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -236,6 +242,18 @@ def run_system(system: System, sizes: Sizes, native: bool, log: Callable[[str], 
     return results
 
 
+def median_of_rounds(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per system and workload, the median of the rounds that measured it (a system that failed in
+    a later round keeps the medians of the rounds it completed)."""
+    collected: dict[str, dict[str, list[float]]] = {}
+    for one in rounds:
+        for system, rows in one.items():
+            for workload, value in rows.items():
+                collected.setdefault(system, {}).setdefault(workload, []).append(value)
+    return {system: {workload: statistics.median(values) for workload, values in rows.items()}
+            for system, rows in collected.items()}
+
+
 def markdown_table(results: dict[str, dict[str, float]]) -> str:
     systems = [s for s in SYSTEM_ORDER if s in results]
     peers = [s for s in ("glusterfs", "moosefs", "local") if s in results]
@@ -297,7 +315,11 @@ def main() -> int:
     parser.add_argument("--no-native", action="store_true", help="skip fs3's native client")
     parser.add_argument("--work", default="/var/tmp/fs3-peers", help="where the systems keep their data")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--runs", type=int, default=3, help="rounds of every system; the table shows medians")
     args = parser.parse_args()
+    if not 1 <= args.runs <= 9:
+        print(f"--runs must be 1 to 9, not {args.runs}", file=sys.stderr)
+        return 1
     if os.geteuid() != 0:
         print("bench/compare.py needs root: it starts file-system daemons, mounts and drops caches", file=sys.stderr)
         return 1
@@ -314,26 +336,33 @@ def main() -> int:
     def log(message: str) -> None:
         print(f"[{time.monotonic() - started:7.1f}s] {message}", flush=True)
 
-    results: dict[str, dict[str, float]] = {}
     described: dict[str, str] = {}
     failed: dict[str, str] = {}
-    for name in names:
-        log(f"{name} ...")
-        system = SYSTEMS[name](work)
-        try:
-            results.update(run_system(system, sizes, not args.no_native, log))
-            described[name] = system.describe()
-        except Exception as exc:  # one peer failing to start must not lose the others' figures
-            failed[name] = f"{type(exc).__name__}: {exc}"
-            log(f"  {name} FAILED: {failed[name][:2000]}")
+    rounds: list[dict[str, dict[str, float]]] = []
+    for round_index in range(args.runs):
+        this_round: dict[str, dict[str, float]] = {}
+        for name in names:
+            if name in failed:
+                continue
+            log(f"{name} (round {round_index + 1} of {args.runs}) ...")
+            system = SYSTEMS[name](work)
+            try:
+                this_round.update(run_system(system, sizes, not args.no_native, log))
+                described[name] = system.describe()
+            except Exception as exc:  # one peer failing to start must not lose the others' figures
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                log(f"  {name} FAILED: {failed[name][:2000]}")
+        rounds.append(this_round)
+    results = median_of_rounds(rounds)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results)
     record = {"when": stamp, "quick": args.quick, "sizes": sizes.__dict__, "systems": described, "failed": failed,
-              "results": results, "seconds": round(time.monotonic() - started, 1)}
+              "results": results, "runs": args.runs, "rounds": rounds, "seconds": round(time.monotonic() - started, 1)}
     (out / f"peers-{stamp}.json").write_text(json.dumps(record, indent=2))
     md = [f"# fs3 against its peers, {stamp}{' (quick)' if args.quick else ''}", "",
+          f"Each figure is the median of {args.runs} interleaved round(s); the JSON record has every round.", "",
           *(f"- **{LABELS.get(k, k)}**: {v}" for k, v in described.items()),
           *(f"- **{k}** did not run: {v}" for k, v in failed.items()), "", table]
     if charts(results, out / f"peers-{stamp}.png"):
