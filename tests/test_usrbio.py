@@ -108,7 +108,7 @@ def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Pa
 
 @pytest.fixture
 def work(mount: tuple[object, Path], request: pytest.FixtureRequest) -> Path:
-    path = mount[1] / request.node.name
+    path = mount[1] / str(request.node.name)
     path.mkdir()
     return path
 
