@@ -72,6 +72,7 @@ __all__ = [
     "MountGone",
     "Sqe",
     "ring_bytes",
+    "server_socket",
     "socket_candidates",
     "socket_name",
 ]
@@ -129,6 +130,22 @@ def socket_candidates(device: str) -> list[Path]:
     name = socket_name(device)
     dirs = [os.environ.get("FS3_USRBIO_DIR", ""), "/run/fs3", f"/tmp/fs3-usrbio-{os.geteuid()}"]
     return [Path(d) / name for d in dirs if d]
+
+
+def server_socket(path: str | os.PathLike[str]) -> Path | None:
+    """The usrbio socket serving the fs3 mount ``path`` lies in, or None (not an fs3 mount, or
+    one without usrbio): a ``stat`` of ``path`` and of the socket, no connection."""
+    try:
+        device = _device_of(path)
+    except OSError:
+        return None
+    for candidate in socket_candidates(device):
+        try:
+            if stat.S_ISSOCK(os.stat(candidate).st_mode):
+                return candidate
+        except OSError:
+            continue
+    return None
 
 
 class MountGone(ConnectionError):

@@ -332,3 +332,42 @@ def test_the_mount_daemon_dying_mid_batch_is_a_clear_error_and_a_remount_serves_
         again.submit()
         assert set(_wait_all(again, 64).values()) == {64 * KIB}
         assert bytes(iov.view[:4 * MIB]) == data  # the same Iov, registered with the new daemon
+
+
+@pytest.mark.slow
+def test_a_record_dataset_on_the_mount_reads_through_usrbio(work: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """haiscale's RecordDataset given a path on the mount reads its batches through a ring (one
+    submit per batch), with the same records as plain reads; files elsewhere are read plainly."""
+    from haiscale.data import LocalFileSystem, RecordDataset, write_shards
+    from haiscale.data.usrbio_fs import UsrbioFileSystem
+
+    records = [bytes([i % 251]) * ((i * 977) % 70_000) + i.to_bytes(4, "little") for i in range(40)]
+    write_shards(LocalFileSystem(), str(work / "ds"), records, records_per_file=16)
+    submits: list[int] = []
+    real_submit = IoRing.submit
+
+    def counting_submit(ring: IoRing) -> int:
+        submits.append(ring.outstanding)
+        return real_submit(ring)
+
+    monkeypatch.setattr(IoRing, "submit", counting_submit)
+    with RecordDataset(str(work / "ds")) as ds:
+        assert isinstance(ds._shards[0].fs, UsrbioFileSystem)
+        batch = [39, 0, 17, 16, 5, 33, 5]  # across the three shards, one repeated
+        submits.clear()  # (the shards' tables were read the same way)
+        assert ds.__getitems__(batch) == [records[i] for i in batch]
+        assert len(submits) == 1
+        assert [ds[i] for i in range(40)] == records
+    monkeypatch.setenv("HAISCALE_USRBIO", "0")
+    with RecordDataset(str(work / "ds")) as ds:
+        assert type(ds._shards[0].fs) is LocalFileSystem
+    # A file off the mount goes the plain way, in the same call.
+    (tmp_path / "local.bin").write_bytes(b"local bytes")
+    (work / "mounted.bin").write_bytes(b"mounted bytes")
+    fs = UsrbioFileSystem()
+    try:
+        views = fs.read_many([(str(tmp_path / "local.bin"), 6, 100), (str(work / "mounted.bin"), 8, 5)])
+        assert [bytes(v) for v in views] == [b"bytes", b"bytes"]
+    finally:
+        fs.close()
