@@ -278,6 +278,7 @@ class IoRing:
         self.entries = entries
         self.timeout_s = connect_timeout_s
         self.closed = True
+        self._pid = os.getpid()
         device = _device_of(path)
         self._sock = self._connect(device, connect_timeout_s)
         self.closed = False
@@ -378,6 +379,9 @@ class IoRing:
     def _check_open(self) -> None:
         if self.closed:
             raise ValueError("I/O on a closed IoRing")
+        if self._pid != os.getpid():
+            # Parent and child would race on one queue: the daemon cannot tell their entries apart.
+            raise ValueError("an IoRing does not cross fork: make a new one in this process")
 
     # -- files and buffers -----------------------------------------------------------------------
 

@@ -298,43 +298,6 @@ def test_a_process_that_dies_holding_a_ring_releases_it(work: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_mount_daemon_dying_mid_batch_is_a_clear_error_and_a_remount_serves_again(
-        mount: tuple[object, Path], iov: Iov) -> None:
-    from tests.harness import ProcessCluster
-
-    cluster, mnt = mount
-    assert isinstance(cluster, ProcessCluster)
-    work = mnt / "daemon-dies"
-    work.mkdir()
-    data = random.Random(4).randbytes(4 * MIB)
-    (work / "f").write_bytes(data)
-    ring = IoRing(work, entries=128)
-    fid = ring.register(work / "f")
-    for n in range(128):
-        ring.prep_io(iov, fid, (n % 64) * 64 * KIB, 64 * KIB, iov_offset=(n % 64) * 64 * KIB, userdata=n)
-    ring.submit()
-    cluster.kill("mount")
-    with pytest.raises(MountGone, match=str(work)):
-        while True:  # whatever finished before the kill is reaped; then the loss is reported
-            ring.wait(min_results=ring.outstanding, timeout_s=30)
-            if not ring.outstanding:
-                ring.prep_io(iov, fid, 0, 1)
-                ring.submit()
-    ring.close()
-    subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(mnt)], capture_output=True, check=True)
-    cluster.start("mount")
-    assert (work / "f").read_bytes() == data  # nothing corrupted
-    with IoRing(work, entries=64) as again:
-        fid = again.register(work / "f")
-        iov.view[:4 * MIB] = bytes(4 * MIB)
-        for n in range(64):
-            again.prep_io(iov, fid, n * 64 * KIB, 64 * KIB, iov_offset=n * 64 * KIB, userdata=n)
-        again.submit()
-        assert set(_wait_all(again, 64).values()) == {64 * KIB}
-        assert bytes(iov.view[:4 * MIB]) == data  # the same Iov, registered with the new daemon
-
-
-@pytest.mark.slow
 def test_a_record_dataset_on_the_mount_reads_through_usrbio(work: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """haiscale's RecordDataset given a path on the mount reads its batches through a ring (one
@@ -371,3 +334,72 @@ def test_a_record_dataset_on_the_mount_reads_through_usrbio(work: Path, tmp_path
         assert [bytes(v) for v in views] == [b"bytes", b"bytes"]
     finally:
         fs.close()
+
+
+@pytest.mark.slow
+def test_a_client_breaking_the_protocol_only_hurts_its_own_ring(work: Path, iov: Iov) -> None:
+    """An unsealed buffer is refused (the daemon would SIGBUS if it shrank under the mapping); a
+    ring claiming more entries than it holds is dropped with a clear error; the mount serves on."""
+    import struct as struct_module
+
+    from fs3.usrbio import SQ_TAIL_AT
+
+    (work / "f").write_bytes(b"z" * 4096)
+    with IoRing(work, entries=4) as ring:
+        unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(unsealed, 4096)
+            with pytest.raises(PermissionError, match="F_SEAL_SHRINK"):
+                ring._control({"op": "iov", "size": 4096}, [unsealed])
+        finally:
+            os.close(unsealed)
+        with pytest.raises(OSError) as bad:
+            ring._control({"op": "no-such-request"})
+        assert bad.value.errno == errno.EINVAL
+        struct_module.pack_into("<I", ring._ring, SQ_TAIL_AT, 1000)  # 1000 entries on a ring of 4
+        ring._outstanding = 4
+        ring._send(b"S" + struct_module.pack("<I", 1000))
+        with pytest.raises(ConnectionError, match="1000 entries submitted"):
+            ring.wait(1, timeout_s=30)
+    with IoRing(work, entries=4) as again:  # everyone else, this process included, is served
+        fid = again.register(work / "f")
+        again.prep_io(iov, fid, 0, 4096)
+        again.submit()
+        assert again.wait(1, timeout_s=30)[0].result == 4096
+
+
+@pytest.mark.slow  # last: it kills and restarts the module's mount
+def test_the_mount_daemon_dying_mid_batch_is_a_clear_error_and_a_remount_serves_again(
+        mount: tuple[object, Path], iov: Iov) -> None:
+    from tests.harness import ProcessCluster
+
+    cluster, mnt = mount
+    assert isinstance(cluster, ProcessCluster)
+    work = mnt / "daemon-dies"
+    work.mkdir()
+    data = random.Random(4).randbytes(4 * MIB)
+    (work / "f").write_bytes(data)
+    ring = IoRing(work, entries=128)
+    fid = ring.register(work / "f")
+    for n in range(128):
+        ring.prep_io(iov, fid, (n % 64) * 64 * KIB, 64 * KIB, iov_offset=(n % 64) * 64 * KIB, userdata=n)
+    ring.submit()
+    cluster.kill("mount")
+    with pytest.raises(MountGone, match=str(work)):
+        while True:  # whatever finished before the kill is reaped; then the loss is reported
+            ring.wait(min_results=ring.outstanding, timeout_s=30)
+            if not ring.outstanding:
+                ring.prep_io(iov, fid, 0, 1)
+                ring.submit()
+    ring.close()
+    subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(mnt)], capture_output=True, check=True)
+    cluster.start("mount")
+    assert (work / "f").read_bytes() == data  # nothing corrupted
+    with IoRing(work, entries=64) as again:
+        fid = again.register(work / "f")
+        iov.view[:4 * MIB] = bytes(4 * MIB)
+        for n in range(64):
+            again.prep_io(iov, fid, n * 64 * KIB, 64 * KIB, iov_offset=n * 64 * KIB, userdata=n)
+        again.submit()
+        assert set(_wait_all(again, 64).values()) == {64 * KIB}
+        assert bytes(iov.view[:4 * MIB]) == data  # the same Iov, registered with the new daemon
