@@ -196,8 +196,8 @@ class _Mapped:
     size_bytes: int
 
     def release(self) -> None:
-        self.view.release()
-        with contextlib.suppress(BufferError):  # a cancelled read still held a slice: GC unmaps
+        with contextlib.suppress(BufferError):  # a cancelled I/O still held a slice: GC unmaps
+            self.view.release()
             self.mm.close()
 
 
