@@ -274,8 +274,21 @@ def _stats(work: Path) -> dict[str, int]:
     return stats
 
 
+def _gauges(mount: tuple[object, Path]) -> dict[str, float]:
+    """The mount's usrbio gauges, from its /metrics endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    address = mount[0].procs["mount"].info["metrics"]  # type: ignore[attr-defined]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as rsp:
+        families = text_string_to_metric_families(rsp.read().decode())
+        return {s.name: s.value for f in families for s in f.samples
+                if s.name in ("fs3_usrbio_rings", "fs3_usrbio_files", "fs3_usrbio_mapped_bytes")}
+
+
 @pytest.mark.slow
-def test_a_process_that_dies_holding_a_ring_releases_it(work: Path) -> None:
+def test_a_process_that_dies_holding_a_ring_releases_it(mount: tuple[object, Path], work: Path) -> None:
     (work / "f").write_bytes(b"y" * MIB)
     before = _stats(work)
     code = (f"import os, signal\nfrom fs3.usrbio import Iov, IoRing\niov = Iov({MIB})\nring = IoRing({str(work)!r})\n"
@@ -294,6 +307,10 @@ def test_a_process_that_dies_holding_a_ring_releases_it(work: Path) -> None:
                 (before["rings"], before["files"], 0, before["open_handles"]):
             break
         assert time.monotonic() < deadline, (before, now)
+        time.sleep(0.1)
+    at_rest = {"fs3_usrbio_rings": 0.0, "fs3_usrbio_files": 0.0, "fs3_usrbio_mapped_bytes": 0.0}
+    while (gauges := _gauges(mount)) != at_rest:  # no ring is open now (the probes' are released in turn)
+        assert time.monotonic() < deadline, gauges
         time.sleep(0.1)
 
 
