@@ -17,8 +17,9 @@ FSX_SEEDS ?= 300
 FSX_OPS ?= 100
 FSX_FIRST ?= 1
 BENCH_HAI_ARGS ?=
+BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -109,6 +110,12 @@ chaos: install
 # fio on the FUSE mount next to a local directory.
 bench-fuse: install
 	$(PY) bench/fuse_bench.py
+
+# fs3.usrbio (shared-memory rings) against the FUSE mount (4 KiB random reads, 4 processes, batches of 64)
+# and against the local directory (128 KiB records, cold): median ratios of 3 interleaved rounds,
+# bench/results/usrbio-*.json. `make bench-usrbio BENCH_USRBIO_ARGS=--quick` for a shorter run.
+bench-usrbio: install
+	$(PY) bench/usrbio_bench.py $(BENCH_USRBIO_ARGS)
 
 # HFReduce's allreduce against torch's gloo in the same ranks (1 node x 2 and x 4 ranks; 2 and 3 network-
 # namespace nodes x 2, root), and against the memory-bandwidth ceiling measured in the same run:

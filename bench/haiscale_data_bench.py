@@ -5,7 +5,9 @@ with 4 workers (shuffled, batches of 64, each batch one ``read_many`` call):
 
 * fs3: the native client (``fs3.connect``), the batch's ranges fetched concurrently from the chains;
 * FUSE: the same files on the cluster's FUSE mount (``fs3 local``'s ``mount``), read with ``preadv``
-  through the kernel, range after range;
+  through the kernel, range after range (``LocalFileSystem`` given explicitly);
+* usrbio: the same mount path given as a path: ``RecordDataset`` reads it through
+  :mod:`fs3.usrbio` (one submit per batch to the mount daemon, shared memory);
 * local: a copy on the local disk (the page cache dropped first when root).
 
 fs3 runs as a local cluster of separate processes (mgmtd, meta, 3 storage nodes with 2 targets each,
@@ -96,11 +98,16 @@ def main() -> int:
                 return 1
             fs: RecordFS = client
             write_shards(fs, "/bench-records", records, args.records_per_file)
+            dropped = _drop_caches()  # every way reads cold data (the storage nodes' files too)
             with RecordDataset((fs, "/bench-records")) as ds:
                 results["fs3"] = _samples_per_s(ds, args.batch_size, args.workers)
-            dropped = _drop_caches()
-            with RecordDataset(str(Path(tmp) / "mnt" / "bench-records")) as ds:
+            _drop_caches()
+            mounted = str(Path(tmp) / "mnt" / "bench-records")
+            with RecordDataset((LocalFileSystem(), mounted)) as ds:  # plain reads through FUSE
                 results["fuse"] = _samples_per_s(ds, args.batch_size, args.workers)
+            _drop_caches()
+            with RecordDataset(mounted) as ds:  # a path on an fs3 mount: read through fs3.usrbio
+                results["usrbio"] = _samples_per_s(ds, args.batch_size, args.workers)
             _drop_caches()
             with RecordDataset(local_dir) as ds:
                 assert ds[len(ds) - 1] == records[-1]
@@ -116,6 +123,7 @@ def main() -> int:
               "batch_size": args.batch_size, "workers": args.workers, "page_cache_dropped": dropped,
               "samples_per_s": rate, "fs3_over_local": rate["fs3"] / rate["local"],
               "fuse_over_local": rate["fuse"] / rate["local"], "fs3_over_fuse": rate["fs3"] / rate["fuse"],
+              "usrbio_over_fuse": rate["usrbio"] / rate["fuse"], "usrbio_over_fs3": rate["usrbio"] / rate["fs3"],
               "runs": results}
     path = save_result("haiscale-data", record)
     print(json.dumps({key: value for key, value in record.items() if key != "runs"}))

@@ -175,6 +175,10 @@ _PLANTED: dict[str, tuple[dict[str, str], list[str]]] = {
         {"fs3/storage/_planted.py": "from fs3.meta import schema"},
         ["fs3.storage is not allowed to import fs3.meta"],
     ),
+    "usrbio-talks-to-the-daemon": (
+        {"fs3/usrbio.py": "import fs3.client.read_many"},
+        ["fs3.usrbio is not allowed to import fs3.client"],
+    ),
     "cli-layers": (
         {"fs3/cli/cluster.py": "from fs3.cli.main import main"},
         ["fs3.cli.cluster is not allowed to import fs3.cli.main"],

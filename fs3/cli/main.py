@@ -334,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the mount's Prometheus /metrics on this port (0: any free port; "
                        "default -1: none)")
     mount.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoint binds")
+    mount.add_argument("--no-usrbio", dest="usrbio", action="store_false",
+                       help="serve no fs3.usrbio rings (shared-memory batched I/O for local processes)")
+    mount.add_argument("--usrbio-dir", help="where the usrbio socket goes (default: /run/fs3 as root, else "
+                       "/tmp/fs3-usrbio-UID)")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
     add_tls_arguments(mount)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
@@ -557,7 +561,8 @@ def _main(argv: Sequence[str] | None) -> int:
                                    allow_other=args.allow_other, log_level=args.log_level,
                                    readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
                                    attr_timeout_s=args.attr_timeout_s, metrics_port=args.metrics_port,
-                                   metrics_host=args.metrics_host)
+                                   metrics_host=args.metrics_host, usrbio=args.usrbio,
+                                   usrbio_dir=args.usrbio_dir)
             if args.foreground:
                 return run_foreground(args.mgmtd, args.mountpoint, options, args.ready_file)
             pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)

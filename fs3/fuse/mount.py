@@ -21,12 +21,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
 from fs3.common.metrics import MountMetrics
 from fs3.common.secret_files import read_token_file
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.tls import TlsConfig
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from fs3.fuse.usrbio_server import UsrbioServer
+    from fs3.vfs import Vfs
 
 __all__ = ["MountOptions", "is_mounted", "mount_background", "mount_device", "run_foreground", "set_readahead",
            "umount"]
@@ -56,6 +63,10 @@ class MountOptions:
     # free one, written to the ready file); -1: none.
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
+    # fs3.usrbio: shared-memory rings for processes on this machine (a Unix socket under
+    # usrbio_dir, default /run/fs3 for root); off: only FUSE serves the mount.
+    usrbio: bool = True
+    usrbio_dir: str | None = None
 
 
 def mount_device(mountpoint: Path) -> str | None:
@@ -166,6 +177,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         operations = FS3Operations(vfs, after_init=lambda: set_readahead(target, options.readahead_kb),
                                    metrics=MountMetrics(fs.metrics.registry))
         pyfuse3.init(operations, str(target), fuse_options)
+        usrbio = _start_usrbio(vfs, target, options, fs.metrics.registry) if options.usrbio else None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, pyfuse3.terminate)
@@ -181,6 +193,9 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         try:
             await pyfuse3.main()
         finally:
+            if usrbio is not None:
+                with contextlib.suppress(Exception):
+                    await usrbio.close()
             with contextlib.suppress(Exception):
                 await vfs.close()
             pyfuse3.close(unmount=True)
@@ -194,6 +209,24 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _start_usrbio(vfs: Vfs, target: Path, options: MountOptions, registry: CollectorRegistry) -> UsrbioServer | None:
+    """Serve fs3.usrbio rings for the mount; a mount without them still serves FUSE (logged)."""
+    from fs3.fuse.usrbio_server import UsrbioServer
+
+    device = mount_device(target)
+    if device is None:
+        log.warning("usrbio off: %s is not in /proc/self/mountinfo", target)
+        return None
+    server = UsrbioServer(vfs, device, str(target), Path(options.usrbio_dir) if options.usrbio_dir else None,
+                          registry=registry)
+    try:
+        server.start()
+    except OSError as exc:
+        log.warning("usrbio off: %s", exc)
+        return None
+    return server
 
 
 def _reload_token(channels: RealChannelFactory, token_file: str) -> None:
@@ -222,6 +255,10 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
             "--attr-timeout-s", str(options.attr_timeout_s), "--metrics-port", str(options.metrics_port),
             "--metrics-host", options.metrics_host]
+    if not options.usrbio:
+        args.append("--no-usrbio")
+    if options.usrbio_dir:
+        args += ["--usrbio-dir", options.usrbio_dir]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
     if options.tls is not None:  # file names only: the key stays in its file

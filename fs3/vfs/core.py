@@ -457,6 +457,31 @@ class Vfs:
         self.names.saw(parent, name, rsp.inode)
         return self._register(rsp, flags, name.decode(errors="replace"), asked_at, user), rsp.inode
 
+    async def open_inode(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
+        """Open a file by its inode alone, for a caller that holds it open already.
+
+        For a usrbio registration (:mod:`fs3.fuse.usrbio_server`): the process passed a descriptor
+        of this mount, so the kernel resolved its path (and checked it) when it was opened; meta
+        checks ``user``'s permission on the file itself here, as for every open. Only the access
+        mode of ``flags`` counts: whatever else the descriptor's open did (create, truncate) is done.
+        """
+        asked_at = self._attr_changes
+        access = flags & O_ACCMODE
+        with _stale_if_gone(inode_id):
+            rsp = await self.meta.open(inode_id, access, user=user)
+        if rsp.inode.type == mpb.DIRECTORY:
+            raise IsADirectory(f"inode {inode_id} is a directory")
+        return self._register(rsp, access, f"inode:{inode_id}", asked_at, user), rsp.inode
+
+    def file(self, fh: int) -> AsyncFile:
+        """The open file behind handle ``fh`` (``BadHandle`` when there is none)."""
+        return self._handle(fh).file
+
+    @property
+    def open_handles(self) -> int:
+        """Open file handles of this mount (the kernel's and usrbio's)."""
+        return len(self._handles)
+
     async def _still_names(self, parent: int, name: bytes, inode_id: int, user: mpb.User) -> bool:
         """Whether ``parent``/``name`` still leads to ``inode_id`` (True when the caller cannot
         search ``parent``: then it did not come by that name)."""
@@ -480,7 +505,7 @@ class Vfs:
         async with handle.lock:
             return await handle.file.pread(offset, size)
 
-    async def write(self, fh: int, offset: int, data: bytes) -> int:
+    async def write(self, fh: int, offset: int, data: bytes | memoryview) -> int:
         handle = self._handle(fh)
         self._forget(handle.file.inode.inode_id)  # mtime and ctime change
         async with handle.lock:

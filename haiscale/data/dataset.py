@@ -29,6 +29,7 @@ import torch.utils.data
 import fs3
 from fs3.client.fsspec_impl import FS3FileSystem
 from haiscale.data.records import LocalFileSystem, RecordFS, ShardIndex, read_index
+from haiscale.data.usrbio_fs import UsrbioFileSystem, usrbio_enabled
 
 __all__ = ["RecordDataset", "TensorBatches", "list_shards", "open_location"]
 
@@ -39,14 +40,18 @@ def open_location(location: str | os.PathLike[str]) -> tuple[RecordFS, str, bool
     """``(fs, path, owned)`` for an ``fs3://`` URL or a local path; ``owned`` when the file system
     was connected here (the caller closes it).
 
-    URLs follow the fsspec driver's rules (:mod:`fs3.client.fsspec_impl`): ``fs3://HOST:PORT/path``,
+    A local path on an fs3 mount that serves usrbio is read through it (:class:`UsrbioFileSystem`;
+    ``HAISCALE_USRBIO=0``: plain reads). URLs follow the fsspec driver's rules (:mod:`fs3.client.fsspec_impl`): ``fs3://HOST:PORT/path``,
     ``fs3://PROFILE@/path`` (a profile of the client's config file), ``fs3:///path`` (the
     environment, ``$FS3_MGMTD`` and ``$FS3_TOKEN_FILE``, or the ``default`` profile). A URL never
     carries a token.
     """
     text = os.fspath(location)
     if not text.startswith("fs3://"):
-        return LocalFileSystem(), os.path.abspath(text), False
+        path = os.path.abspath(text)
+        if usrbio_enabled(path):  # on an fs3 mount: batches through usrbio rather than a FUSE read per record
+            return UsrbioFileSystem(), path, True
+        return LocalFileSystem(), path, False
     options = FS3FileSystem._get_kwargs_from_urls(text)
     path = FS3FileSystem._strip_protocol(text)
     # The client has every call RecordFS names (read_many among them).
