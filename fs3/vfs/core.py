@@ -396,14 +396,23 @@ class Vfs:
         access = flags & O_ACCMODE
         readable = access in (O_RDONLY, O_RDWR)
         writable = access in (O_WRONLY, O_RDWR)
-        afile = AsyncFile(self.fs, path, rsp, readable, writable, bool(flags & O_APPEND),
-                          self.config.inflight_per_file, user)
+        afile = self._new_file(path, rsp, readable, writable, bool(flags & O_APPEND), user)
         fh = next(self._ids)
         self._handles[fh] = _Handle(afile)
         self._remember(rsp.inode, asked_at)
         if flags & O_TRUNC and not rsp.created:
             self.fs.size_changed(rsp.inode.inode_id, 0)
         return fh
+
+    async def _open_at_meta(self, target: int | mpb.PathRef, flags: int, user: mpb.User,
+                            mode: int = 0) -> mpb.OpenRsp:
+        """Meta's open (a mount with data workers opens in the worker that will hold the file)."""
+        return await self.meta.open(target, flags, mode=mode, user=user)
+
+    def _new_file(self, path: str, rsp: mpb.OpenRsp, readable: bool, writable: bool, append: bool,
+                  user: mpb.User) -> AsyncFile:
+        """The handle's file, made of meta's answer to :meth:`_open_at_meta`."""
+        return AsyncFile(self.fs, path, rsp, readable, writable, append, self.config.inflight_per_file, user)
 
     async def open(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
         """Open a file the kernel found by name; ``ESTALE`` when that name now leads elsewhere.
@@ -431,14 +440,14 @@ class Vfs:
         by_name = mpb.PathRef(parent=names[0][0], path=names[0][1], inode_id=inode_id) if names else None
         try:
             try:
-                rsp = await self.meta.open(by_name if by_name is not None else inode_id, flags_sent, user=user)
+                rsp = await self._open_at_meta(by_name if by_name is not None else inode_id, flags_sent, user)
             except PermissionDenied:
                 if by_name is None:
                     raise
                 # No search permission on that name's directory (then the caller came by another
                 # name), or no permission on the file (then opening by inode says so again).
                 by_name = None
-                rsp = await self.meta.open(inode_id, flags_sent, user=user)
+                rsp = await self._open_at_meta(inode_id, flags_sent, user)
         except NotFound:
             if names and by_name is not None and by_name.path:
                 self.names.stale(*names[0])
@@ -451,7 +460,7 @@ class Vfs:
                      user: mpb.User) -> tuple[int, mpb.Inode]:
         self._forget(parent)
         asked_at = self._attr_changes
-        rsp = await self.meta.open(name_ref(parent, name), flags | O_CREAT, mode=stat_mod.S_IMODE(mode), user=user)
+        rsp = await self._open_at_meta(name_ref(parent, name), flags | O_CREAT, user, mode=stat_mod.S_IMODE(mode))
         if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
             self._remember_no_capability(rsp.inode.inode_id)
         self.names.saw(parent, name, rsp.inode)

@@ -1,0 +1,559 @@
+"""Data-path worker processes for one mount (``fs3 mount --workers N``).
+
+One Python process serves every request of a mount; beyond one core, its share of the work is the
+data path (chunk reads and writes, read-ahead, protobuf and socket work to storage), not the FUSE
+protocol or the namespace. So the mount keeps ONE front process that owns the FUSE session and all
+namespace state exactly as with one worker (names given to the kernel, the attribute cache,
+directory handles, handle numbers), and moves the open files themselves to ``N`` data workers:
+
+* each worker is a fresh interpreter (never a fork: no socket or loop crosses processes) with its
+  own fs3 client, so meta sessions of the files it opens are its own and are closed by it: a
+  write session stays exactly-once, opened and closed by the one process that holds its buffers;
+* every handle of one inode lives on the same worker while any is open (the front keeps the
+  owner of each open inode), so handles of one file see each other's writes as before and
+  ``O_APPEND`` picks its offset where the file's writes are ordered;
+* each reply carries the handle's length, whether it has unpublished writes and whether its
+  session lapsed, so the front answers ``getattr`` of a file being written with the writers'
+  length as before (:meth:`AsyncFileSystem.with_local_length` sees :class:`RemoteFile` objects
+  in the front client's table of open files);
+* bytes travel over a Unix socket per worker (one copy each way through the kernel);
+* a worker that dies fails its open files with ``EIO`` (the session lapses at meta with its
+  lease) and new opens go to the workers left; the mount itself never waits on a dead worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable
+from typing import Any, cast
+
+from fs3 import meta_pb2 as mpb
+from fs3.client.files import AsyncFile
+from fs3.client.fs import AsyncFileSystem
+from fs3.common.errors import FS3Error
+from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC
+from fs3.vfs.core import Vfs, VfsConfig
+
+__all__ = ["DataWorker", "DataWorkers", "RemoteFile", "WorkerVfs"]
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")
+_FRAME_MAX_BYTES = 64 << 20          # far above a FUSE request (1 MiB at most)
+_START_TIMEOUT_S = 60.0
+# (length, has unpublished writes, stale): a handle's state as of a reply.
+_State = tuple[int, bool, bool]
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> Any:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > _FRAME_MAX_BYTES:
+        raise ConnectionError(f"frame of {size} bytes from a data worker link")
+    # Both ends are this package in processes of one mount (a socketpair): pickle is not a trust boundary.
+    return pickle.loads(await reader.readexactly(size))
+
+
+def _frame(obj: Any) -> bytes:
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+def _error_of(exc: BaseException) -> tuple[int, str]:
+    if isinstance(exc, FS3Error):
+        return exc.errno, exc.message
+    if isinstance(exc, OSError):
+        return exc.errno or errno.EIO, exc.strerror or str(exc)
+    return errno.EIO, f"{type(exc).__name__}: {exc}"
+
+
+# -- the front's side ------------------------------------------------------------------------------
+
+
+class DataWorker:
+    """One worker process and the link to it, as the front sees it."""
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes], reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.index = index
+        self.proc = proc
+        self._reader = reader
+        self._writer = writer
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = 0
+        self.alive = True
+        self._reads: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start_reading(self) -> None:
+        self._reads = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                req_id, ok, value = await _read_frame(self._reader)
+                future = self._pending.pop(req_id, None)
+                if future is None or future.done():
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    code, message = value
+                    future.set_exception(OSError(code, message))
+        except (ConnectionError, asyncio.IncompleteReadError, OSError, pickle.UnpicklingError, ValueError) as exc:
+            if self.alive:
+                log.error("data worker %d (pid %d) is gone: %s; its open files answer EIO", self.index,
+                          self.proc.pid, exc or "end of stream")
+        finally:
+            self._fail_all()
+
+    def _fail_all(self) -> None:
+        self.alive = False
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(OSError(errno.EIO, f"data worker {self.index} exited"))
+
+    def _dead(self) -> OSError:
+        return OSError(errno.EIO, f"data worker {self.index} exited")
+
+    async def call(self, op: str, *args: Any) -> Any:
+        if not self.alive:
+            raise self._dead()
+        self._ids += 1
+        req_id = self._ids
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = future
+        try:
+            self._writer.write(_frame((req_id, op, args)))
+            await self._writer.drain()
+        except (ConnectionError, OSError):
+            self._pending.pop(req_id, None)
+            self._fail_all()
+            raise self._dead() from None
+        try:
+            return await future
+        finally:
+            self._pending.pop(req_id, None)
+
+    def tell(self, op: str, *args: Any) -> None:
+        """A call whose answer nobody waits for (applied in order with the calls around it)."""
+        if not self.alive:
+            return
+        try:
+            self._writer.write(_frame((0, op, args)))
+        except (ConnectionError, OSError):
+            self._fail_all()
+
+    async def close(self, timeout_s: float) -> None:
+        """End of stream to the worker: it closes what it still holds, its client, and exits."""
+        with contextlib.suppress(ConnectionError, OSError):
+            self._writer.close()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.proc.poll() is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.proc.poll() is None:
+            log.warning("data worker %d (pid %d) did not exit within %.0fs: killed", self.index, self.proc.pid,
+                        timeout_s)
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+        self.alive = False
+        if self._reads is not None:
+            self._reads.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reads
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker needs to connect its own client (sent over its link, never in argv or env)."""
+
+    mgmtd: str
+    token: str | None
+    transport: str
+    tls: dict[str, str] | None
+    log_level: str
+    inflight_per_file: int = 8
+
+
+class DataWorkers:
+    """The mount's data workers and which one holds the open handles of each inode."""
+
+    def __init__(self, workers: list[DataWorker]) -> None:
+        self.workers = workers
+        # inode -> (worker index, handles open or being opened there)
+        self._owners: dict[int, tuple[int, int]] = {}
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    @classmethod
+    async def start(cls, count: int, settings: WorkerSettings, timeout_s: float = _START_TIMEOUT_S) -> DataWorkers:
+        if count < 1:
+            raise ValueError("at least one data worker")
+        started: list[DataWorker] = []
+        try:
+            for index in range(count):
+                started.append(await cls._spawn(index, settings))
+            for worker in started:
+                ready = await asyncio.wait_for(_read_frame(worker._reader), timeout_s)
+                if ready != "ready":
+                    raise OSError(errno.EIO, f"data worker {worker.index} failed to start: {ready}")
+                worker.start_reading()
+        except BaseException:
+            for worker in started:
+                await worker.close(timeout_s=2.0)
+            raise
+        return cls(started)
+
+    @staticmethod
+    async def _spawn(index: int, settings: WorkerSettings) -> DataWorker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "fs3.vfs.workers", str(theirs.fileno()), str(index)],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours, limit=_FRAME_MAX_BYTES)
+        writer.write(_frame(dataclasses.asdict(settings)))
+        await writer.drain()
+        return DataWorker(index, proc, reader, writer)
+
+    def _alive(self) -> list[DataWorker]:
+        alive = [w for w in self.workers if w.alive]
+        if not alive:
+            raise OSError(errno.EIO, "every data worker of this mount has exited")
+        return alive
+
+    def owner(self, inode_id: int) -> DataWorker | None:
+        found = self._owners.get(inode_id)
+        if found is None:
+            return None
+        worker = self.workers[found[0]]
+        return worker if worker.alive else None
+
+    def claim(self, inode_id: int, worker: DataWorker | None = None) -> DataWorker:
+        """The worker that holds (or will hold) the handles of ``inode_id``; one more handle there."""
+        current = self.owner(inode_id)
+        if current is None:
+            if worker is None:
+                alive = self._alive()
+                worker = alive[inode_id % len(alive)]
+            self._owners[inode_id] = (worker.index, 1)
+            return worker
+        self._owners[inode_id] = (current.index, self._owners[inode_id][1] + 1)
+        return current
+
+    def release(self, inode_id: int, worker: DataWorker) -> None:
+        found = self._owners.get(inode_id)
+        if found is None or found[0] != worker.index:
+            return  # the inode moved on after its worker died
+        if found[1] <= 1:
+            del self._owners[inode_id]
+        else:
+            self._owners[inode_id] = (found[0], found[1] - 1)
+
+    def for_name(self, parent: int, name: bytes) -> DataWorker:
+        alive = self._alive()
+        return alive[zlib.crc32(name, parent & 0xFFFFFFFF) % len(alive)]
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        await asyncio.gather(*(w.close(timeout_s) for w in self.workers))
+
+
+class RemoteFile:
+    """An open file held by a data worker: the members of :class:`AsyncFile` that :class:`Vfs` and
+    the client's table of open files use, each a call to the worker (or its state as of the last)."""
+
+    def __init__(self, fs: AsyncFileSystem, pool: DataWorkers, worker: DataWorker, hid: int, rsp: mpb.OpenRsp,
+                 path: str, readable: bool, writable: bool, append: bool) -> None:
+        self.fs = fs
+        self.name = path
+        self.inode = rsp.inode
+        self.readable = readable
+        self.writable = writable
+        self.append = append
+        self.closed = False
+        self._pool = pool
+        self._worker = worker
+        self._hid = hid
+        self._state: _State = (rsp.inode.size, False, False)
+        fs.track_file(cast(AsyncFile, self))
+
+    @property
+    def length(self) -> int:
+        return self._state[0]
+
+    @property
+    def has_unpublished_writes(self) -> bool:
+        return self._state[1]
+
+    @property
+    def stale(self) -> bool:
+        return self._state[2] or not self._worker.alive
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        if self.closed:
+            raise OSError(errno.EBADF, "I/O on a closed file")
+        value, self._state = await self._worker.call(op, self._hid, *args)
+        return value
+
+    def end_of_file(self) -> int:
+        """-1: the worker writes at the end as it knows it (where every handle's writes meet)."""
+        return -1
+
+    async def pread(self, offset: int, size: int) -> bytes:
+        return cast(bytes, await self._call("pread", offset, size))
+
+    async def pwrite(self, offset: int, data: bytes) -> int:
+        return cast(int, await self._call("pwrite", offset, bytes(data)))
+
+    async def publish_length(self) -> mpb.Inode | None:
+        raw = await self._call("publish")
+        return None if raw is None else mpb.Inode.FromString(raw)
+
+    async def fsync(self) -> None:
+        await self._call("fsync")
+
+    async def truncate(self, size: int | None = None) -> int:
+        return cast(int, await self._call("truncate", size))
+
+    async def settle(self) -> None:
+        await self._call("settle")
+
+    def set_known_length(self, size: int) -> None:
+        self._state = (size, self._state[1], self._state[2])
+        self._worker.tell("set_known_length", self._hid, size)
+
+    def extend_known_length(self, size: int) -> None:
+        if size > self._state[0]:
+            self._state = (size, self._state[1], self._state[2])
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.fs.untrack_file(cast(AsyncFile, self))
+        self._pool.release(self.inode.inode_id, self._worker)
+        if self._worker.alive:
+            await self._worker.call("close", self._hid)
+
+
+class WorkerVfs(Vfs):
+    """The mount's :class:`Vfs` with open files held by data workers (everything else unchanged)."""
+
+    def __init__(self, fs: AsyncFileSystem, pool: DataWorkers, config: VfsConfig | None = None,
+                 drop_entry: Callable[[int, bytes], None] | None = None) -> None:
+        super().__init__(fs, config, drop_entry)
+        self.pool = pool
+        # id(answer) -> (answer, worker, handle there), from the meta open to the handle made of it.
+        self._opened: dict[int, tuple[mpb.OpenRsp, DataWorker, int]] = {}
+
+    async def _open_at_meta(self, target: int | mpb.PathRef, flags: int, user: mpb.User,
+                            mode: int = 0) -> mpb.OpenRsp:
+        inode_id = target if isinstance(target, int) else target.inode_id
+        wire = target if isinstance(target, int) else target.SerializeToString()
+        if inode_id:
+            worker = self.pool.claim(inode_id)
+            try:
+                raw, hid = await worker.call("open", wire, flags, mode, user.SerializeToString())
+            except BaseException:
+                self.pool.release(inode_id, worker)
+                raise
+            rsp = mpb.OpenRsp.FromString(raw)
+        else:  # a create: the inode is known once meta answers
+            assert isinstance(target, mpb.PathRef)
+            worker = self.pool.for_name(target.parent, bytes(target.path))
+            raw, hid = await worker.call("open", wire, flags, mode, user.SerializeToString())
+            rsp = mpb.OpenRsp.FromString(raw)
+            owner = self.pool.owner(rsp.inode.inode_id)
+            if hid and owner is not None and owner is not worker:
+                # Another worker holds handles of this file (an O_CREAT open of an existing file):
+                # the new handle must be with them. Meta already did the create and truncate.
+                await worker.call("close", hid)
+                created = rsp.created
+                raw, hid = await owner.call("open", rsp.inode.inode_id, flags & ~(O_CREAT | O_EXCL | O_TRUNC), 0,
+                                            user.SerializeToString())
+                rsp = mpb.OpenRsp.FromString(raw)
+                rsp.created = created
+                worker = owner
+            if hid:
+                self.pool.claim(rsp.inode.inode_id, worker)
+        if hid:
+            self._opened[id(rsp)] = (rsp, worker, hid)
+        elif inode_id:
+            self.pool.release(inode_id, worker)
+        return rsp
+
+    def _new_file(self, path: str, rsp: mpb.OpenRsp, readable: bool, writable: bool, append: bool,
+                  user: mpb.User) -> AsyncFile:
+        _, worker, hid = self._opened.pop(id(rsp))
+        # Duck-typed: RemoteFile has every member of AsyncFile that Vfs and the client's table of
+        # open files use (see its docstring).
+        return cast(AsyncFile, RemoteFile(self.fs, self.pool, worker, hid, rsp, path, readable, writable, append))
+
+
+# -- the worker's side -----------------------------------------------------------------------------
+
+
+class _Server:
+    """The open files of one worker process; each request names its handle."""
+
+    def __init__(self, fs: AsyncFileSystem, inflight_per_file: int) -> None:
+        self.fs = fs
+        self.inflight_per_file = inflight_per_file
+        self.files: dict[int, AsyncFile] = {}
+        self._ids = 0
+
+    def _file(self, hid: int) -> AsyncFile:
+        afile = self.files.get(hid)
+        if afile is None:
+            raise OSError(errno.EBADF, f"no open file handle {hid} in this data worker")
+        return afile
+
+    @staticmethod
+    def _state(afile: AsyncFile) -> _State:
+        return afile.length, afile.has_unpublished_writes, afile.stale
+
+    async def open(self, wire: int | bytes, flags: int, mode: int, user_raw: bytes) -> tuple[bytes, int]:
+        from fs3.common.posix import O_ACCMODE, O_APPEND, O_RDONLY, O_RDWR, O_WRONLY
+
+        user = mpb.User.FromString(user_raw)
+        target: int | mpb.PathRef = wire if isinstance(wire, int) else mpb.PathRef.FromString(wire)
+        rsp = await self.fs.metadata.open(target, flags, mode=mode, user=user)
+        if rsp.inode.type == mpb.DIRECTORY:
+            return rsp.SerializeToString(), 0
+        access = flags & O_ACCMODE
+        afile = AsyncFile(self.fs, f"inode:{rsp.inode.inode_id}", rsp, access in (O_RDONLY, O_RDWR),
+                          access in (O_WRONLY, O_RDWR), bool(flags & O_APPEND), self.inflight_per_file, user)
+        self._ids += 1
+        self.files[self._ids] = afile
+        return rsp.SerializeToString(), self._ids
+
+    async def call(self, op: str, args: tuple[Any, ...]) -> Any:
+        if op == "open":
+            return await self.open(*args)
+        hid = args[0]
+        if op == "close":
+            afile = self.files.pop(hid, None)
+            if afile is not None:
+                await afile.close()
+            return None
+        afile = self._file(hid)
+        value: Any = None
+        if op == "pread":
+            value = await afile.pread(args[1], args[2])
+        elif op == "pwrite":
+            offset = args[1] if args[1] >= 0 else afile.end_of_file()
+            value = await afile.pwrite(offset, args[2])
+        elif op == "publish":
+            inode = await afile.publish_length()
+            value = None if inode is None else inode.SerializeToString()
+        elif op == "fsync":
+            await afile.fsync()
+        elif op == "truncate":
+            value = await afile.truncate(args[1])
+        elif op == "settle":
+            await afile.settle()
+        else:
+            raise OSError(errno.ENOSYS, f"unknown data worker call {op!r}")
+        return value, self._state(afile)
+
+    def tell(self, op: str, args: tuple[Any, ...]) -> None:
+        if op == "set_known_length":
+            afile = self.files.get(args[0])
+            if afile is not None:
+                afile.set_known_length(args[1])
+
+    async def close(self) -> None:
+        for hid in list(self.files):
+            afile = self.files.pop(hid)
+            with contextlib.suppress(Exception):
+                await afile.close()
+
+
+async def _serve(sock: socket.socket, index: int) -> None:
+    import fs3.aio
+    from fs3.common.logging import setup_logging
+    from fs3.rpc.tls import TlsConfig
+
+    reader, writer = await asyncio.open_unix_connection(sock=sock, limit=_FRAME_MAX_BYTES)
+    settings = WorkerSettings(**await _read_frame(reader))
+    setup_logging(f"mount-worker-{index}", settings.log_level)
+    try:
+        fs = await fs3.aio.connect(settings.mgmtd, token=settings.token, transport=settings.transport,
+                                   tls=TlsConfig(**settings.tls) if settings.tls else None)
+    except BaseException as exc:
+        writer.write(_frame(f"cannot connect: {exc}"))
+        await writer.drain()
+        raise
+    server = _Server(fs, settings.inflight_per_file)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def answer(req_id: int, op: str, args: tuple[Any, ...]) -> None:
+        try:
+            reply = (req_id, True, await server.call(op, args))
+        except Exception as exc:
+            if not isinstance(exc, OSError | FS3Error):
+                log.exception("%s failed", op)
+            reply = (req_id, False, _error_of(exc))
+        with contextlib.suppress(ConnectionError, OSError):
+            writer.write(_frame(reply))
+
+    writer.write(_frame("ready"))
+    await writer.drain()
+    log.info("data worker %d serving (pid %d)", index, os.getpid())
+    try:
+        while True:
+            try:
+                req_id, op, args = await _read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break  # the front closed the link (unmount) or died
+            if req_id == 0:
+                server.tell(op, args)
+                continue
+            task = asyncio.get_running_loop().create_task(answer(req_id, op, args))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    finally:
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+        await server.close()
+        await fs.close()
+        log.info("data worker %d done", index)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m fs3.vfs.workers FD INDEX``: serve the front on the inherited socket ``FD``."""
+    # Signals to the mount's process group are the front's to act on: it unmounts, releases every
+    # handle through us, then closes the link, which ends this process.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(argv[0]))
+    try:
+        import uvloop
+
+        uvloop.run(_serve(sock, int(argv[1])))
+    except (ConnectionError, OSError) as exc:
+        print(f"fs3 data worker: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
