@@ -48,7 +48,7 @@ from fs3.vfs.core import Vfs, VfsConfig
 
 __all__ = ["DataWorker", "DataWorkers", "RemoteFile", "WorkerVfs"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("fs3.vfs.workers")  # also when run as __main__
 
 _HEADER = struct.Struct("!I")
 _FRAME_MAX_BYTES = 64 << 20          # far above a FUSE request (1 MiB at most)
@@ -93,6 +93,7 @@ class DataWorker:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = 0
         self.alive = True
+        self._closing = False
         self._reads: asyncio.Task[None] | None = None
 
     @property
@@ -115,7 +116,7 @@ class DataWorker:
                     code, message = value
                     future.set_exception(OSError(code, message))
         except (ConnectionError, asyncio.IncompleteReadError, OSError, pickle.UnpicklingError, ValueError) as exc:
-            if self.alive:
+            if self.alive and not self._closing:
                 log.error("data worker %d (pid %d) is gone: %s; its open files answer EIO", self.index,
                           self.proc.pid, exc or "end of stream")
         finally:
@@ -161,6 +162,7 @@ class DataWorker:
 
     async def close(self, timeout_s: float) -> None:
         """End of stream to the worker: it closes what it still holds, its client, and exits."""
+        self._closing = True
         with contextlib.suppress(ConnectionError, OSError):
             self._writer.close()
         deadline = asyncio.get_running_loop().time() + timeout_s
