@@ -46,7 +46,8 @@ from fs3.common.errors import FS3Error
 from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC
 from fs3.vfs.core import Vfs, VfsConfig
 
-__all__ = ["DataWorker", "DataWorkers", "RemoteFile", "WorkerVfs"]
+__all__ = ["DataWorker", "DataWorkers", "RemoteFile", "WorkerSettings", "WorkerVfs", "worker_for_inode",
+           "worker_for_name"]
 
 log = logging.getLogger("fs3.vfs.workers")  # also when run as __main__
 
@@ -192,6 +193,16 @@ class WorkerSettings:
     inflight_per_file: int = 8
 
 
+def worker_for_inode(inode_id: int, count: int) -> int:
+    """Which of ``count`` live workers opens ``inode_id`` when none holds a handle of it."""
+    return inode_id % count
+
+
+def worker_for_name(parent: int, name: bytes, count: int) -> int:
+    """Which of ``count`` live workers creates ``parent``/``name`` (its inode is not known yet)."""
+    return zlib.crc32(name, parent & 0xFFFFFFFF) % count
+
+
 class DataWorkers:
     """The mount's data workers and which one holds the open handles of each inode."""
 
@@ -255,7 +266,7 @@ class DataWorkers:
         if current is None:
             if worker is None:
                 alive = self._alive()
-                worker = alive[inode_id % len(alive)]
+                worker = alive[worker_for_inode(inode_id, len(alive))]
             self._owners[inode_id] = (worker.index, 1)
             return worker
         self._owners[inode_id] = (current.index, self._owners[inode_id][1] + 1)
@@ -272,7 +283,7 @@ class DataWorkers:
 
     def for_name(self, parent: int, name: bytes) -> DataWorker:
         alive = self._alive()
-        return alive[zlib.crc32(name, parent & 0xFFFFFFFF) % len(alive)]
+        return alive[worker_for_name(parent, name, len(alive))]
 
     async def close(self, timeout_s: float = 30.0) -> None:
         await asyncio.gather(*(w.close(timeout_s) for w in self.workers))
