@@ -125,6 +125,7 @@ class DataWorker:
 
     def _fail_all(self) -> None:
         self.alive = False
+        self.proc.poll()  # reaped if it has exited
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -337,6 +338,8 @@ class RemoteFile:
         return cast(int, await self._call("pwrite", offset, bytes(data)))
 
     async def publish_length(self) -> mpb.Inode | None:
+        if not self._worker.alive and not self.has_unpublished_writes:
+            return None  # nothing of this handle's was lost with its worker: a reader's close succeeds
         raw = await self._call("publish")
         return None if raw is None else mpb.Inode.FromString(raw)
 
