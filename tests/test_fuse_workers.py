@@ -112,8 +112,35 @@ def test_close_to_open_across_mounts(mount: tuple[LocalCluster, Path], work: Pat
             (there / f"f{round_}").write_bytes(back)      # and back, from the one-process mount
             assert (work / f"f{round_}").read_bytes() == back
             assert (work / f"f{round_}").stat().st_size == len(back)
+        # A create of a file held open elsewhere in this mount: a name this mount's kernel never
+        # saw (a hard link made on the other mount) whose create goes to another worker by name.
+        held = work / "held"
+        held.write_bytes(b"")
+        parent, inode = os.stat(work).st_ino, os.stat(held).st_ino
+        link = next(n for n in (f"link{i}" for i in range(40))
+                    if worker_for_name(parent, n.encode(), WORKERS) != worker_for_inode(inode, WORKERS))
+        with open(held, "rb", buffering=0) as reader:
+            os.link(there / "held", there / link)
+            fd = os.open(work / link, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, b"via the link")
+                assert reader.read() == b"via the link"  # before any close: the handles sit together
+            finally:
+                os.close(fd)
     finally:
         _umount(second)
+
+
+def test_a_truncate_through_one_descriptor_is_the_size_the_others_report(work: Path) -> None:
+    path = work / "t"
+    path.write_bytes(b"")
+    with open(path, "r+b", buffering=0) as one, open(path, "r+b", buffering=0) as two:
+        one.write(b"x" * 5000)
+        assert os.fstat(two.fileno()).st_size == 5000
+        two.truncate(100)
+        assert os.fstat(one.fileno()).st_size == 100
+        assert os.stat(path).st_size == 100
+        assert one.seek(0) == 0 and one.read() == b"x" * 100
 
 
 def test_an_unlinked_open_file_stays_usable_across_descriptors(work: Path) -> None:

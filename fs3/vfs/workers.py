@@ -370,7 +370,15 @@ class RemoteFile:
         await self._call("fsync")
 
     async def truncate(self, size: int | None = None) -> int:
-        return cast(int, await self._call("truncate", size))
+        done = cast(int, await self._call("truncate", size))
+        for sibling in self._siblings():  # the worker told its own handles; these are their copies here
+            sibling._state = (done, sibling._state[1], sibling._state[2])
+        return done
+
+    def _siblings(self) -> list[RemoteFile]:
+        """The front's copies of this file's other handles (all on the same worker)."""
+        found: list[object] = list(self.fs.open_files(self.inode.inode_id))
+        return [f for f in found if isinstance(f, RemoteFile) and f is not self]
 
     async def settle(self) -> None:
         await self._call("settle")
@@ -389,6 +397,8 @@ class RemoteFile:
         self.closed = True
         self.fs.untrack_file(cast(AsyncFile, self))
         self._pool.release(self.inode.inode_id, self._worker)
+        for sibling in self._siblings():  # what this handle wrote stays readable (as AsyncFile.close)
+            sibling.extend_known_length(self.length)
         if self._worker.alive:
             await self._worker.call("close", self._hid)
 
