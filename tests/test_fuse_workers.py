@@ -46,7 +46,8 @@ def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClust
 
 @pytest.fixture
 def work(mount: tuple[LocalCluster, Path], request: pytest.FixtureRequest) -> Path:
-    path = mount[1] / request.node.name
+    name: str = request.node.name
+    path = mount[1] / name
     path.mkdir()
     return path
 
@@ -112,8 +113,9 @@ def test_close_to_open_across_mounts(mount: tuple[LocalCluster, Path], work: Pat
             (there / f"f{round_}").write_bytes(back)      # and back, from the one-process mount
             assert (work / f"f{round_}").read_bytes() == back
             assert (work / f"f{round_}").stat().st_size == len(back)
-        # A create of a file held open elsewhere in this mount: a name this mount's kernel never
-        # saw (a hard link made on the other mount) whose create goes to another worker by name.
+        # A file held open here, opened again by a name this mount's kernel never saw (a hard
+        # link made on the other mount) that a create would send to another worker: the open
+        # goes to the worker that holds the file.
         held = work / "held"
         held.write_bytes(b"")
         parent, inode = os.stat(work).st_ino, os.stat(held).st_ino
