@@ -16,7 +16,9 @@ directory handles, handle numbers), and moves the open files themselves to ``N``
   session lapsed, so the front answers ``getattr`` of a file being written with the writers'
   length as before (:meth:`AsyncFileSystem.with_local_length` sees :class:`RemoteFile` objects
   in the front client's table of open files);
-* bytes travel over a Unix socket per worker (one copy each way through the kernel);
+* read data lands in a shared-memory area per worker (a ``memfd`` both map), which the front
+  replies from: one copy out of the worker, one into the reply; written data and everything else
+  travels over a Unix socket per worker;
 * a worker that dies fails its open files with ``EIO`` (the session lapses at meta with its
   lease) and new opens go to the workers left; the mount itself never waits on a dead worker.
 """
@@ -28,6 +30,7 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import mmap
 import os
 import pickle
 import signal
@@ -46,7 +49,7 @@ from fs3.common.errors import FS3Error
 from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC
 from fs3.vfs.core import Vfs, VfsConfig
 
-__all__ = ["DataWorker", "DataWorkers", "RemoteFile", "WorkerSettings", "WorkerVfs", "worker_for_inode",
+__all__ = ["DataWorker", "DataWorkers", "ReadSlots", "RemoteFile", "WorkerSettings", "WorkerVfs", "worker_for_inode",
            "worker_for_name"]
 
 log = logging.getLogger("fs3.vfs.workers")  # also when run as __main__
@@ -54,6 +57,10 @@ log = logging.getLogger("fs3.vfs.workers")  # also when run as __main__
 _HEADER = struct.Struct("!I")
 _FRAME_MAX_BYTES = 64 << 20          # far above a FUSE request (1 MiB at most)
 _START_TIMEOUT_S = 60.0
+# Shared read buffers per worker: slots of the largest FUSE read (1 MiB); a read finding no free
+# slot goes over the socket instead.
+_SLOT_BYTES = 1 << 20
+_SLOTS = 16
 # (length, has unpublished writes, stale): a handle's state as of a reply.
 _State = tuple[int, bool, bool]
 
@@ -105,12 +112,49 @@ def _error_of(exc: BaseException) -> tuple[int, str]:
 # -- the front's side ------------------------------------------------------------------------------
 
 
+class ReadSlots:
+    """A shared-memory area a worker reads file data into and the front replies from."""
+
+    def __init__(self, fd: int, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES) -> None:
+        self.fd = fd
+        self.slot_bytes = slot_bytes
+        self._map = mmap.mmap(fd, slots * slot_bytes)
+        self._free = list(range(slots))
+
+    @classmethod
+    def create(cls, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES) -> ReadSlots:
+        fd = os.memfd_create("fs3-read-slots")
+        os.ftruncate(fd, slots * slot_bytes)
+        return cls(fd, slots, slot_bytes)
+
+    def take(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def give(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def read(self, slot: int, size: int) -> bytes:
+        start = slot * self.slot_bytes
+        return self._map[start:start + size]
+
+    def fill(self, slot: int, data: bytes) -> None:
+        start = slot * self.slot_bytes
+        self._map[start:start + len(data)] = data
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
 class DataWorker:
     """One worker process and the link to it, as the front sees it."""
 
     def __init__(self, index: int, proc: subprocess.Popen[bytes], reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+                 writer: asyncio.StreamWriter, slots: ReadSlots | None = None) -> None:
         self.index = index
+        self.slots = slots
         self.proc = proc
         self._reader = reader
         self._writer = writer
@@ -199,6 +243,8 @@ class DataWorker:
             self.proc.kill()
             await asyncio.to_thread(self.proc.wait)
         self.alive = False
+        if self.slots is not None:
+            self.slots.close()
         if self._reads is not None:
             self._reads.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -261,15 +307,19 @@ class DataWorkers:
     @staticmethod
     async def _spawn(index: int, settings: WorkerSettings) -> DataWorker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        slots = ReadSlots.create()
         try:
-            proc = subprocess.Popen([sys.executable, "-P", "-m", "fs3.vfs.workers", str(theirs.fileno()), str(index)],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "fs3.vfs.workers", str(theirs.fileno()), str(index),
+                                     str(slots.fd)], pass_fds=(theirs.fileno(), slots.fd), stdin=subprocess.DEVNULL)
+        except BaseException:
+            slots.close()
+            raise
         finally:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours, limit=_FRAME_MAX_BYTES)
         writer.write(_frame(dataclasses.asdict(settings)))
         await writer.drain()
-        return DataWorker(index, proc, reader, writer)
+        return DataWorker(index, proc, reader, writer, slots)
 
     def _alive(self) -> list[DataWorker]:
         alive = [w for w in self.workers if w.alive]
@@ -355,7 +405,20 @@ class RemoteFile:
         return -1
 
     async def pread(self, offset: int, size: int) -> bytes:
-        return cast(bytes, await self._call("pread", offset, size))
+        slots = self._worker.slots
+        slot = slots.take() if slots is not None and size <= slots.slot_bytes else None
+        if slots is None or slot is None:
+            return cast(bytes, await self._call("pread", offset, size))
+        try:
+            got = cast(int, await self._call("pread_into", offset, size, slot))
+        except asyncio.CancelledError:
+            raise  # the slot stays taken: the worker may still write into it
+        except BaseException:
+            slots.give(slot)
+            raise
+        data = slots.read(slot, got)
+        slots.give(slot)
+        return data
 
     async def pwrite(self, offset: int, data: bytes) -> int:
         return cast(int, await self._call("pwrite", offset, bytes(data)))
@@ -463,8 +526,9 @@ class WorkerVfs(Vfs):
 class _Server:
     """The open files of one worker process; each request names its handle."""
 
-    def __init__(self, fs: AsyncFileSystem, inflight_per_file: int) -> None:
+    def __init__(self, fs: AsyncFileSystem, inflight_per_file: int, slots: ReadSlots | None = None) -> None:
         self.fs = fs
+        self.slots = slots
         self.inflight_per_file = inflight_per_file
         self.files: dict[int, AsyncFile] = {}
         self._ids = 0
@@ -507,6 +571,12 @@ class _Server:
         value: Any = None
         if op == "pread":
             value = await afile.pread(args[1], args[2])
+        elif op == "pread_into":
+            data = await afile.pread(args[1], args[2])
+            if self.slots is None:
+                raise OSError(errno.EIO, "this data worker has no shared read buffers")
+            self.slots.fill(args[3], data)
+            value = len(data)
         elif op == "pwrite":
             offset = args[1] if args[1] >= 0 else afile.end_of_file()
             value = await afile.pwrite(offset, args[2])
@@ -536,7 +606,7 @@ class _Server:
                 await afile.close()
 
 
-async def _serve(sock: socket.socket, index: int) -> None:
+async def _serve(sock: socket.socket, index: int, slots: ReadSlots | None) -> None:
     import fs3.aio
     from fs3.common.logging import setup_logging
     from fs3.rpc.tls import TlsConfig
@@ -551,7 +621,7 @@ async def _serve(sock: socket.socket, index: int) -> None:
         writer.write(_frame(f"cannot connect: {exc}"))
         await writer.drain()
         raise
-    server = _Server(fs, settings.inflight_per_file)
+    server = _Server(fs, settings.inflight_per_file, slots)
     tasks: set[asyncio.Task[None]] = set()
     sender = _Sender(writer)
 
@@ -589,16 +659,18 @@ async def _serve(sock: socket.socket, index: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m fs3.vfs.workers FD INDEX``: serve the front on the inherited socket ``FD``."""
+    """``python -m fs3.vfs.workers FD INDEX [SLOTS_FD]``: serve the front on the inherited socket
+    ``FD``, reading file data into the shared read buffers of ``SLOTS_FD`` when given."""
     # Signals to the mount's process group are the front's to act on: it unmounts, releases every
     # handle through us, then closes the link, which ends this process.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
+    slots = ReadSlots(int(argv[2])) if len(argv) > 2 else None
     try:
         import uvloop
 
-        uvloop.run(_serve(sock, int(argv[1])))
+        uvloop.run(_serve(sock, int(argv[1]), slots))
     except (ConnectionError, OSError) as exc:
         print(f"fs3 data worker: {exc}", file=sys.stderr)
         return 1
