@@ -8,6 +8,7 @@ in the mount ends on the worker that holds the file, and a dead worker's files m
 from __future__ import annotations
 
 import asyncio
+import os
 import types
 from typing import Any, cast
 
@@ -17,7 +18,7 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.fs import AsyncFileSystem
 from fs3.client.meta import name_ref
 from fs3.common.posix import O_CREAT, O_TRUNC, O_WRONLY
-from fs3.vfs.workers import DataWorker, DataWorkers, WorkerVfs, worker_for_name
+from fs3.vfs.workers import DataWorker, DataWorkers, ReadSlots, WorkerVfs, worker_for_name
 
 
 class FakeWorker:
@@ -83,3 +84,18 @@ def test_handles_of_an_inode_stay_together_and_a_dead_workers_files_move_on() ->
         fake.alive = False
     with pytest.raises(OSError, match="every data worker"):
         pool.claim(11)
+
+
+def test_read_slots_are_shared_between_two_mappings_and_bounded() -> None:
+    front = ReadSlots.create(slots=2, slot_bytes=4096)
+    worker = ReadSlots(os.dup(front.fd), slots=2, slot_bytes=4096)  # as the worker maps the inherited fd
+    try:
+        first, second = front.take(), front.take()
+        assert first is not None and second is not None and front.take() is None  # then reads use the socket
+        worker.fill(second, b"data for the front")
+        assert front.read(second, 18) == b"data for the front"
+        front.give(second)
+        assert front.take() == second
+    finally:
+        worker.close()
+        front.close()
