@@ -4,7 +4,8 @@ The front process keeps the FUSE session and the namespace; each open file is he
 data-worker processes (:mod:`fs3.vfs.workers`). These tests pick files whose handles land on
 different workers (creates go by name, later opens by inode), open the same file from several
 processes, from a second mount, after an unlink, with ``O_APPEND`` and through mmap, and kill a
-worker: its files answer errors, the rest of the mount keeps serving, and it still unmounts cleanly.
+worker: its files answer errors, the rest of the mount keeps serving, a new worker takes its place,
+and the mount still unmounts cleanly.
 """
 
 from __future__ import annotations
@@ -230,11 +231,19 @@ def test_a_killed_worker_fails_its_files_and_the_mount_still_serves_and_unmounts
         assert (work / f"after{i}").read_bytes() == b"after %d" % i
     assert big.stat().st_size == 16 * CHUNK
     assert len(big.read_bytes()) == 16 * CHUNK
+    # A new worker takes the dead one's place.
+    front_pid = cluster.procs["mount"].pid
+    assert front_pid
+    deadline = time.monotonic() + 60
+    while len(_live_workers(front_pid)) < WORKERS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers_now = _live_workers(front_pid)
+    assert len(workers_now) == WORKERS and victim not in workers_now
     # And it unmounts cleanly: the front releases what it holds and ends the workers left.
     proc = cluster.procs["mount"]
     front = proc.pid
     assert front
-    others = [p for p in _worker_pids(cluster) if p != victim]
+    others = workers_now
     os.kill(front, signal.SIGTERM)
     assert proc.popen is not None
     assert proc.popen.wait(timeout=60) == 0
@@ -243,6 +252,22 @@ def test_a_killed_worker_fails_its_files_and_the_mount_still_serves_and_unmounts
     while any(_running(p) for p in others) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_running(p) for p in others)
+
+
+def _live_workers(front: int) -> list[int]:
+    """The data workers the mount's front process runs now."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == front and b"fs3.vfs.workers" in cmdline and _running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
 
 
 def _running(pid: int) -> bool:

@@ -20,7 +20,8 @@ directory handles, handle numbers), and moves the open files themselves to ``N``
   replies from: one copy out of the worker, one into the reply; written data and everything else
   travels over a Unix socket per worker;
 * a worker that dies fails its open files with ``EIO`` (the session lapses at meta with its
-  lease) and new opens go to the workers left; the mount itself never waits on a dead worker.
+  lease), new opens go to the workers left, and a new worker takes its place (at most one start
+  per place every few seconds); the mount itself never waits on a dead worker.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ _START_TIMEOUT_S = 60.0
 # slot goes over the socket instead.
 _SLOT_BYTES = 1 << 20
 _SLOTS = 16
+_RESTART_INTERVAL_S = 5.0   # a worker that keeps dying is started again at most this often
 # (length, has unpublished writes, stale): a handle's state as of a reply.
 _State = tuple[int, bool, bool]
 
@@ -163,6 +165,7 @@ class DataWorker:
         self._ids = 0
         self.alive = True
         self._closing = False
+        self.on_exit: Callable[[DataWorker], None] | None = None  # once, when the link ends
         self._reads: asyncio.Task[None] | None = None
 
     @property
@@ -192,8 +195,10 @@ class DataWorker:
             self._fail_all()
 
     def _fail_all(self) -> None:
-        self.alive = False
+        was_alive, self.alive = self.alive, False
         self.proc.poll()  # reaped if it has exited
+        if was_alive and self.on_exit is not None:
+            self.on_exit(self)
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -276,10 +281,19 @@ def worker_for_name(parent: int, name: bytes, count: int) -> int:
 class DataWorkers:
     """The mount's data workers and which one holds the open handles of each inode."""
 
-    def __init__(self, workers: list[DataWorker]) -> None:
+    def __init__(self, workers: list[DataWorker], settings: WorkerSettings | None = None,
+                 start_timeout_s: float = _START_TIMEOUT_S) -> None:
+        """``settings``: how to start a worker in the place of one that died (None: never)."""
         self.workers = workers
-        # inode -> (worker index, handles open or being opened there)
-        self._owners: dict[int, tuple[int, int]] = {}
+        # inode -> (worker, handles open or being opened there)
+        self._owners: dict[int, tuple[DataWorker, int]] = {}
+        self._settings = settings
+        self._start_timeout_s = start_timeout_s
+        self._closing = False
+        self._restarts: set[asyncio.Task[None]] = set()
+        self._last_start: dict[int, float] = {}
+        for worker in workers:
+            worker.on_exit = self._exited
 
     @property
     def pids(self) -> list[int]:
@@ -294,15 +308,55 @@ class DataWorkers:
             for index in range(count):
                 started.append(await cls._spawn(index, settings))
             for worker in started:
-                ready = await asyncio.wait_for(_read_frame(worker._reader), timeout_s)
-                if ready != "ready":
-                    raise OSError(errno.EIO, f"data worker {worker.index} failed to start: {ready}")
-                worker.start_reading()
+                await cls._ready(worker, timeout_s)
         except BaseException:
             for worker in started:
                 await worker.close(timeout_s=2.0)
             raise
-        return cls(started)
+        return cls(started, settings, timeout_s)
+
+    @staticmethod
+    async def _ready(worker: DataWorker, timeout_s: float) -> None:
+        ready = await asyncio.wait_for(_read_frame(worker._reader), timeout_s)
+        if ready != "ready":
+            raise OSError(errno.EIO, f"data worker {worker.index} failed to start: {ready}")
+        worker.start_reading()
+
+    def _exited(self, worker: DataWorker) -> None:
+        if self._closing or self._settings is None or self.workers[worker.index] is not worker:
+            return
+        task = asyncio.get_running_loop().create_task(self._restart(worker.index))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, index: int) -> None:
+        """A new worker in the place of one that died (its files stay failed: their buffers and
+        sessions died with it)."""
+        loop = asyncio.get_running_loop()
+        wait_s = self._last_start.get(index, -_RESTART_INTERVAL_S) + _RESTART_INTERVAL_S - loop.time()
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        self._last_start[index] = loop.time()
+        assert self._settings is not None
+        try:
+            worker = await self._spawn(index, self._settings)
+        except OSError as exc:
+            log.error("data worker %d could not be started again: %s", index, exc)
+            self._exited(self.workers[index])  # tried again after the interval
+            return
+        try:
+            await self._ready(worker, self._start_timeout_s)
+        except (OSError, asyncio.IncompleteReadError, pickle.UnpicklingError) as exc:  # OSError: timeouts too
+            log.error("data worker %d could not be started again: %s", index, exc)
+            await worker.close(timeout_s=2.0)
+            self._exited(self.workers[index])
+            return
+        if self._closing:
+            await worker.close(timeout_s=5.0)
+            return
+        worker.on_exit = self._exited
+        self.workers[index] = worker
+        log.warning("data worker %d started again (pid %d)", index, worker.pid)
 
     @staticmethod
     async def _spawn(index: int, settings: WorkerSettings) -> DataWorker:
@@ -331,8 +385,7 @@ class DataWorkers:
         found = self._owners.get(inode_id)
         if found is None:
             return None
-        worker = self.workers[found[0]]
-        return worker if worker.alive else None
+        return found[0] if found[0].alive else None
 
     def claim(self, inode_id: int, worker: DataWorker | None = None) -> DataWorker:
         """The worker that holds (or will hold) the handles of ``inode_id``; one more handle there."""
@@ -341,14 +394,14 @@ class DataWorkers:
             if worker is None:
                 alive = self._alive()
                 worker = alive[worker_for_inode(inode_id, len(alive))]
-            self._owners[inode_id] = (worker.index, 1)
+            self._owners[inode_id] = (worker, 1)
             return worker
-        self._owners[inode_id] = (current.index, self._owners[inode_id][1] + 1)
+        self._owners[inode_id] = (current, self._owners[inode_id][1] + 1)
         return current
 
     def release(self, inode_id: int, worker: DataWorker) -> None:
         found = self._owners.get(inode_id)
-        if found is None or found[0] != worker.index:
+        if found is None or found[0] is not worker:
             return  # the inode moved on after its worker died
         if found[1] <= 1:
             del self._owners[inode_id]
@@ -360,6 +413,10 @@ class DataWorkers:
         return alive[worker_for_name(parent, name, len(alive))]
 
     async def close(self, timeout_s: float = 30.0) -> None:
+        self._closing = True
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
         await asyncio.gather(*(w.close(timeout_s) for w in self.workers))
 
 
