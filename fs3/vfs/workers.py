@@ -1,8 +1,9 @@
 """Data-path worker processes for one mount (``fs3 mount --workers N``).
 
-One Python process serves every request of a mount; beyond one core, its share of the work is the
-data path (chunk reads and writes, read-ahead, protobuf and socket work to storage), not the FUSE
-protocol or the namespace. So the mount keeps ONE front process that owns the FUSE session and all
+One Python process serves every request of a mount. About half of its work on reads is the data
+path (chunk reads and writes, read-ahead, protobuf and socket work to storage), which parallelises
+by file; the rest is pyfuse3's request loop, which one FUSE session keeps in one process (see
+docs/decisions.md). So the mount keeps ONE front process that owns the FUSE session and all
 namespace state exactly as with one worker (names given to the kernel, the attribute cache,
 directory handles, handle numbers), and moves the open files themselves to ``N`` data workers:
 
@@ -47,7 +48,7 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem
 from fs3.common.errors import FS3Error
-from fs3.common.posix import O_CREAT, O_EXCL, O_TRUNC
+from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.vfs.core import Vfs, VfsConfig
 
 __all__ = ["DataWorker", "DataWorkers", "ReadSlots", "RemoteFile", "WorkerSettings", "WorkerVfs", "worker_for_inode",
@@ -122,6 +123,7 @@ class ReadSlots:
         self.slot_bytes = slot_bytes
         self._map = mmap.mmap(fd, slots * slot_bytes)
         self._free = list(range(slots))
+        self._closed = False
 
     @classmethod
     def create(cls, slots: int = _SLOTS, slot_bytes: int = _SLOT_BYTES) -> ReadSlots:
@@ -133,7 +135,8 @@ class ReadSlots:
         return self._free.pop() if self._free else None
 
     def give(self, slot: int) -> None:
-        self._free.append(slot)
+        if not self._closed:
+            self._free.append(slot)
 
     def read(self, slot: int, size: int) -> bytes:
         start = slot * self.slot_bytes
@@ -144,6 +147,10 @@ class ReadSlots:
         self._map[start:start + len(data)] = data
 
     def close(self) -> None:
+        if self._closed:
+            return  # the fd number may belong to another file by now
+        self._closed = True
+        self._free = []
         with contextlib.suppress(BufferError, ValueError):
             self._map.close()
         with contextlib.suppress(OSError):
@@ -197,6 +204,10 @@ class DataWorker:
     def _fail_all(self) -> None:
         was_alive, self.alive = self.alive, False
         self.proc.poll()  # reaped if it has exited
+        if self.slots is not None:
+            # Nothing writes into them any more. After the wake-ups already scheduled: a read
+            # whose answer came just before the end still takes its data out.
+            asyncio.get_running_loop().call_soon(self.slots.close)
         if was_alive and self.on_exit is not None:
             self.on_exit(self)
         pending, self._pending = self._pending, {}
@@ -601,8 +612,6 @@ class _Server:
         return afile.length, afile.has_unpublished_writes, afile.stale
 
     async def open(self, wire: int | bytes, flags: int, mode: int, user_raw: bytes) -> tuple[bytes, int]:
-        from fs3.common.posix import O_ACCMODE, O_APPEND, O_RDONLY, O_RDWR, O_WRONLY
-
         user = mpb.User.FromString(user_raw)
         target: int | mpb.PathRef = wire if isinstance(wire, int) else mpb.PathRef.FromString(wire)
         rsp = await self.fs.metadata.open(target, flags, mode=mode, user=user)
