@@ -19,7 +19,7 @@ FSX_FIRST ?= 1
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -116,6 +116,9 @@ bench-fuse: install
 # bench/results/usrbio-*.json. `make bench-usrbio BENCH_USRBIO_ARGS=--quick` for a shorter run.
 bench-usrbio: install
 	$(PY) bench/usrbio_bench.py $(BENCH_USRBIO_ARGS)
+# The mount with one process against the same mount with data workers (--workers 3), interleaved.
+bench-fuse-workers: install
+	$(PY) bench/fuse_workers_bench.py
 
 # HFReduce's allreduce against torch's gloo in the same ranks (1 node x 2 and x 4 ranks; 2 and 3 network-
 # namespace nodes x 2, root), and against the memory-bandwidth ceiling measured in the same run:

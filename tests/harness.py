@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mounted_cluster(root: Path, token: str = "t") -> Iterator[tuple[ProcessCluster, Path]]:
+def mounted_cluster(root: Path, token: str = "t", workers: int = 1) -> Iterator[tuple[ProcessCluster, Path]]:
     """mgmtd, meta, three storage nodes with one target each, chains of 3 replicas, and a FUSE
     mount at ``root/mnt``; everything is stopped and the mount lazily unmounted on the way out,
     even when the test failed halfway through starting it."""
@@ -32,7 +32,7 @@ def mounted_cluster(root: Path, token: str = "t") -> Iterator[tuple[ProcessClust
     try:
         cluster.start_all()
         asyncio.run(cluster.ensure_chains(3))
-        cluster.set_mount(mnt)
+        cluster.set_mount(mnt, workers=workers)
         cluster.start("mount")
         yield cluster, mnt
     finally:

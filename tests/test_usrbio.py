@@ -420,3 +420,34 @@ def test_the_mount_daemon_dying_mid_batch_is_a_clear_error_and_a_remount_serves_
         again.submit()
         assert set(_wait_all(again, 64).values()) == {64 * KIB}
         assert bytes(iov.view[:4 * MIB]) == data  # the same Iov, registered with the new daemon
+
+
+@pytest.mark.slow
+def test_rings_serve_a_mount_with_data_workers(tmp_path: Path) -> None:
+    """With ``--workers N`` the FUSE handles live in data workers while a ring's files are read by
+    the front process itself: each sees what the other wrote once it completed or was closed."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    from tests.harness import mounted_cluster
+
+    data = random.Random(3).randbytes(2 * MIB + 77)
+    with mounted_cluster(tmp_path, workers=2) as (_, mnt), Iov(4 * MIB) as shared:
+        (mnt / "by-fuse").write_bytes(data)
+        with IoRing(mnt, entries=8) as ring:
+            fid = ring.register(mnt / "by-fuse")
+            ring.prep_io(shared, fid, 0, len(data) + 100, userdata=1)
+            ring.submit()
+            assert _wait_all(ring, 1) == {1: len(data)}
+            assert bytes(shared.view[:len(data)]) == data
+            # A file a FUSE descriptor (in a worker) holds open while the ring writes it.
+            fd = os.open(mnt / "shared", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                gid = ring.register(mnt / "shared", os.O_RDWR)
+                shared.view[:4 * KIB] = data[:4 * KIB]
+                ring.prep_io(shared, gid, 8 * KIB, 4 * KIB, write=True, userdata=2)
+                ring.submit()
+                assert _wait_all(ring, 1) == {2: 4 * KIB}
+            finally:
+                os.close(fd)
+            assert (mnt / "shared").read_bytes() == bytes(8 * KIB) + data[:4 * KIB]

@@ -147,6 +147,7 @@ class LocalCluster:
             self._add(service.name, [service.command, "--config", str(config)])
         self._nodes = self.topology.storage_nodes
         self.mountpoint: str | None = saved.get("mountpoint")
+        self.mount_workers = int(saved.get("mount_workers") or 1)
         if self.mountpoint:
             self._add("mount", self._mount_args())
         self._save_layout()
@@ -159,7 +160,7 @@ class LocalCluster:
     def _mount_args(self) -> list[str]:
         assert self.mountpoint
         return ["mount", "MGMTD", self.mountpoint, "--foreground", "--token-file", str(self.token_file),
-                "--metrics-port", "0", *self._client_tls_args()]
+                "--metrics-port", "0", "--workers", str(self.mount_workers), *self._client_tls_args()]
 
     @property
     def client_tls(self) -> TlsConfig | None:
@@ -172,9 +173,11 @@ class LocalCluster:
             return []
         return ["--tls-ca-file", tls.ca_file, "--tls-cert-file", tls.cert_file, "--tls-key-file", tls.key_file]
 
-    def set_mount(self, mountpoint: Path | None) -> None:
-        """Mount the cluster at ``mountpoint`` (a managed process, stopped first), or no longer."""
+    def set_mount(self, mountpoint: Path | None, workers: int = 1) -> None:
+        """Mount the cluster at ``mountpoint`` (a managed process, stopped first), or no longer;
+        ``workers``: the mount's ``--workers``."""
         self.procs.pop("mount", None)
+        self.mount_workers = workers
         self.mountpoint = str(mountpoint.resolve()) if mountpoint else None
         if self.mountpoint:
             Path(self.mountpoint).mkdir(parents=True, exist_ok=True)
@@ -196,7 +199,8 @@ class LocalCluster:
     def _save_layout(self) -> None:
         write_secret_file(self.root / "layout.json", json.dumps(
             {"mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes,
-             "mountpoint": getattr(self, "mountpoint", None), "tls": self.tls}))
+             "mountpoint": getattr(self, "mountpoint", None), "mount_workers": getattr(self, "mount_workers", 1),
+             "tls": self.tls}))
 
     def write_cluster_json(self) -> Path:
         """``DIR/cluster.json`` (``0600``): endpoints, process ids, logs and where the token is."""
@@ -509,7 +513,7 @@ def _up(root: Path, args: Any) -> int:
         started = True
         print(f"fs3: waiting for {args.replicas}-replica chains to be serving...", flush=True)
         asyncio.run(cluster.ensure_chains(args.replicas))
-        cluster.set_mount(Path(args.mount) if args.mount else None)
+        cluster.set_mount(Path(args.mount) if args.mount else None, workers=args.mount_workers)
         if cluster.mountpoint:
             cluster.start("mount")
             print(f"fs3: mounted at {cluster.mountpoint}", flush=True)

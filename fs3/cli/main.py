@@ -53,6 +53,7 @@ __all__ = ["build_parser", "main", "run_admin"]
 _metrics_port = number_in(int, -1, 65535, "a port number")  # 0: any free one, -1: none
 _cache_seconds = number_in(float, 0.0, 3600.0, "a number of seconds")
 _readahead_kb = number_in(int, 0, 1 << 20, "a size in KiB")
+_workers = number_in(int, 1, 64, "a number of processes")
 _id_number = number_in(int, 0, 2**32 - 2, "a uid or gid")
 
 
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve no fs3.usrbio rings (shared-memory batched I/O for local processes)")
     mount.add_argument("--usrbio-dir", help="where the usrbio socket goes (default: /run/fs3 as root, else "
                        "/tmp/fs3-usrbio-UID)")
+    mount.add_argument("--workers", type=_workers, default=1,
+                       help="processes serving the mount (default 1; N > 1: the FUSE session in one, open "
+                       "files in N data workers)")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
     add_tls_arguments(mount)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
@@ -349,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--storage-nodes", type=int, default=3)
     up.add_argument("--targets-per-node", type=int, default=2)
     up.add_argument("--replicas", type=int, default=3)
+    up.add_argument("--mount-workers", type=_workers, default=1, help="the mount's --workers (with --mount)")
     up.add_argument("--detach", action="store_true", help="return once healthy, leave it running")
     up.add_argument("--mount", metavar="MNT", help="also mount the cluster here with FUSE")
     up.add_argument("--tls", action="store_true", default=None,
@@ -562,7 +567,7 @@ def _main(argv: Sequence[str] | None) -> int:
                                    readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
                                    attr_timeout_s=args.attr_timeout_s, metrics_port=args.metrics_port,
                                    metrics_host=args.metrics_host, usrbio=args.usrbio,
-                                   usrbio_dir=args.usrbio_dir)
+                                   usrbio_dir=args.usrbio_dir, workers=args.workers)
             if args.foreground:
                 return run_foreground(args.mgmtd, args.mountpoint, options, args.ready_file)
             pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)

@@ -149,8 +149,10 @@ class AsyncFile:
             self._length = size
 
     def _siblings(self) -> list[AsyncFile]:
-        """This client's other open handles on the same file."""
-        return [f for f in self.fs.open_files(self.inode.inode_id) if f is not self]
+        """This client's other open handles on the same file, of this kind: on a mount with data
+        workers the table also holds the front's stand-ins for the workers' handles, whose buffers
+        live in the worker (a usrbio file held by the front sees them as another client would)."""
+        return [f for f in self.fs.open_files(self.inode.inode_id) if f is not self and isinstance(f, AsyncFile)]
 
     def end_of_file(self) -> int:
         """Where an append lands: the furthest end any of this client's handles on the file knows."""
@@ -297,8 +299,8 @@ class AsyncFile:
             self._drop_privileges = False
         for sibling in self.fs.open_writers(self.inode.inode_id):
             # Another handle's buffered bytes here are older than this write: they go first.
-            if sibling is not self and sibling._buf and sibling._buf_offset < pos + total \
-                    and pos < sibling._buf_offset + len(sibling._buf):
+            if sibling is not self and isinstance(sibling, AsyncFile) and sibling._buf \
+                    and sibling._buf_offset < pos + total and pos < sibling._buf_offset + len(sibling._buf):
                 await sibling._send_buffer()
         offset = 0
         chunk_size = self.chunk_size
@@ -333,7 +335,7 @@ class AsyncFile:
         self._buf = bytearray()
         end = offset + len(data)
         # Two writes of the same bytes in flight at once may reach storage in either order.
-        earlier = [task for f in [*self.fs.open_files(self.inode.inode_id), self]
+        earlier = [task for f in [*self._siblings(), self]
                    for task, (start, stop) in list(f._inflight.items()) if start < end and offset < stop]
         if earlier:
             await asyncio.gather(*earlier, return_exceptions=True)
@@ -577,7 +579,7 @@ class AsyncFile:
         for sibling in self.fs.open_writers(self.inode.inode_id):
             if sibling is self:
                 continue
-            if sibling.has_unflushed:
+            if isinstance(sibling, AsyncFile) and sibling.has_unflushed:  # a worker's stand-in: its length only
                 await sibling._send_buffer()
                 landing = list(sibling._inflight)
                 if landing:

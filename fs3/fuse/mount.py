@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -67,6 +68,10 @@ class MountOptions:
     # usrbio_dir, default /run/fs3 for root); off: only FUSE serves the mount.
     usrbio: bool = True
     usrbio_dir: str | None = None
+    # Processes serving the mount: 1 serves everything in this process; N > 1 keeps the FUSE
+    # session and the namespace here and moves open files (chunk I/O, buffers, read-ahead) to N
+    # data-worker processes, each with its own client (fs3.vfs.workers; decisions.md for numbers).
+    workers: int = 1
 
 
 def mount_device(mountpoint: Path) -> str | None:
@@ -166,10 +171,23 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         token = read_token_file(options.token_file)[0] if options.token_file else options.token
         fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport, tls=options.tls,
                                    metrics_port=options.metrics_port, metrics_host=options.metrics_host)
-        vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
-                                inflight_per_file=options.inflight_per_file),
-                  # From a worker thread: the kernel may hold the directory while a request runs.
-                  drop_entry=lambda parent, name: pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True))
+        config = VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
+                           inflight_per_file=options.inflight_per_file)
+
+        def drop_entry(parent: int, name: bytes) -> None:
+            # From a worker thread: the kernel may hold the directory while a request runs.
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+
+        pool = None
+        if options.workers > 1:
+            from fs3.vfs.workers import DataWorkers, WorkerSettings, WorkerVfs
+
+            tls = dataclasses.asdict(options.tls) if options.tls is not None else None
+            pool = await DataWorkers.start(options.workers, WorkerSettings(
+                mgmtd, token, options.transport, tls, options.log_level, options.inflight_per_file))
+            vfs: Vfs = WorkerVfs(fs, pool, config, drop_entry)
+        else:
+            vfs = Vfs(fs, config, drop_entry)
         fuse_options = set(pyfuse3.default_options) | {"fsname=fs3", "subtype=fs3"}
         allow_other = os.geteuid() == 0 if options.allow_other is None else options.allow_other
         if allow_other:
@@ -187,7 +205,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
             # Atomically, as the servers do: a supervisor polling for the file never reads half of it.
             tmp = Path(ready_file).with_suffix(".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(target), "mgmtd": mgmtd,
-                                       "metrics": fs.metrics_address}))
+                                       "metrics": fs.metrics_address, "workers": pool.pids if pool else []}))
             tmp.replace(ready_file)
         log.info("fs3 mounted at %s (mgmtd %s, metrics %s)", target, mgmtd, fs.metrics_address or "off")
         try:
@@ -199,6 +217,8 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
             with contextlib.suppress(Exception):
                 await vfs.close()
             pyfuse3.close(unmount=True)
+            if pool is not None:
+                await pool.close()
             await fs.close()
             log.info("fs3 unmounted from %s", target)
 
@@ -254,7 +274,7 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level,
             "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
             "--attr-timeout-s", str(options.attr_timeout_s), "--metrics-port", str(options.metrics_port),
-            "--metrics-host", options.metrics_host]
+            "--metrics-host", options.metrics_host, "--workers", str(options.workers)]
     if not options.usrbio:
         args.append("--no-usrbio")
     if options.usrbio_dir:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import stat as stat_mod
@@ -392,18 +393,31 @@ class Vfs:
 
     # -- files -----------------------------------------------------------------------------------
 
-    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str, asked_at: int, user: mpb.User) -> int:
+    def _register(self, rsp: mpb.OpenRsp, flags: int, path: str, asked_at: int, user: mpb.User,
+                  here: bool = False) -> int:
+        """A handle for meta's open answer ``rsp``; ``here``: its file lives in this process even on a
+        mount with data workers (usrbio reads a file's chunks itself, straight into shared memory)."""
         access = flags & O_ACCMODE
         readable = access in (O_RDONLY, O_RDWR)
         writable = access in (O_WRONLY, O_RDWR)
-        afile = AsyncFile(self.fs, path, rsp, readable, writable, bool(flags & O_APPEND),
-                          self.config.inflight_per_file, user)
+        make = functools.partial(Vfs._new_file, self) if here else self._new_file
+        afile = make(path, rsp, readable, writable, bool(flags & O_APPEND), user)
         fh = next(self._ids)
         self._handles[fh] = _Handle(afile)
         self._remember(rsp.inode, asked_at)
         if flags & O_TRUNC and not rsp.created:
             self.fs.size_changed(rsp.inode.inode_id, 0)
         return fh
+
+    async def _open_at_meta(self, target: int | mpb.PathRef, flags: int, user: mpb.User,
+                            mode: int = 0) -> mpb.OpenRsp:
+        """Meta's open (a mount with data workers opens in the worker that will hold the file)."""
+        return await self.meta.open(target, flags, mode=mode, user=user)
+
+    def _new_file(self, path: str, rsp: mpb.OpenRsp, readable: bool, writable: bool, append: bool,
+                  user: mpb.User) -> AsyncFile:
+        """The handle's file, made of meta's answer to :meth:`_open_at_meta`."""
+        return AsyncFile(self.fs, path, rsp, readable, writable, append, self.config.inflight_per_file, user)
 
     async def open(self, inode_id: int, flags: int, user: mpb.User) -> tuple[int, mpb.Inode]:
         """Open a file the kernel found by name; ``ESTALE`` when that name now leads elsewhere.
@@ -431,14 +445,14 @@ class Vfs:
         by_name = mpb.PathRef(parent=names[0][0], path=names[0][1], inode_id=inode_id) if names else None
         try:
             try:
-                rsp = await self.meta.open(by_name if by_name is not None else inode_id, flags_sent, user=user)
+                rsp = await self._open_at_meta(by_name if by_name is not None else inode_id, flags_sent, user)
             except PermissionDenied:
                 if by_name is None:
                     raise
                 # No search permission on that name's directory (then the caller came by another
                 # name), or no permission on the file (then opening by inode says so again).
                 by_name = None
-                rsp = await self.meta.open(inode_id, flags_sent, user=user)
+                rsp = await self._open_at_meta(inode_id, flags_sent, user)
         except NotFound:
             if names and by_name is not None and by_name.path:
                 self.names.stale(*names[0])
@@ -451,7 +465,7 @@ class Vfs:
                      user: mpb.User) -> tuple[int, mpb.Inode]:
         self._forget(parent)
         asked_at = self._attr_changes
-        rsp = await self.meta.open(name_ref(parent, name), flags | O_CREAT, mode=stat_mod.S_IMODE(mode), user=user)
+        rsp = await self._open_at_meta(name_ref(parent, name), flags | O_CREAT, user, mode=stat_mod.S_IMODE(mode))
         if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
             self._remember_no_capability(rsp.inode.inode_id)
         self.names.saw(parent, name, rsp.inode)
@@ -471,7 +485,7 @@ class Vfs:
             rsp = await self.meta.open(inode_id, access, user=user)
         if rsp.inode.type == mpb.DIRECTORY:
             raise IsADirectory(f"inode {inode_id} is a directory")
-        return self._register(rsp, access, f"inode:{inode_id}", asked_at, user), rsp.inode
+        return self._register(rsp, access, f"inode:{inode_id}", asked_at, user, here=True), rsp.inode
 
     def file(self, fh: int) -> AsyncFile:
         """The open file behind handle ``fh`` (``BadHandle`` when there is none)."""
