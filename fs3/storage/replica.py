@@ -54,6 +54,7 @@ from fs3.common.errors import (
     NotHead,
     ResourceExhausted,
     StaleUpdate,
+    StatusCode,
     TargetNotServing,
     Unavailable,
 )
@@ -194,6 +195,11 @@ class ReplicaHost(Protocol):
 
     def update_finished(self, target_id: int, error: BaseException | None) -> None:
         """An update or forward this target admitted has ended (``error``: how it failed)."""
+        ...
+
+    def fail_target(self, target_id: int, exc: FS3Error) -> None:
+        """The target's disk failed it (or it cannot hold what its successors committed): it reports
+        itself offline, and mgmtd takes it out of its chain until it is resynced."""
         ...
 
 
@@ -612,8 +618,14 @@ class TargetReplica:
             elif isinstance(effect, Reply):
                 return self._rsp(self.engine.get(op.chunk_id))
             elif isinstance(effect, Fail):
-                # A target behind its successor keeps the chunk dirty (op.chunk_id stays in _unstaged).
-                ensure(not effect.behind or op.chunk_id in self._unstaged, "a chunk left behind is not dirty")
+                if effect.behind:
+                    # The successors may hold the version this target could not stage: the chunk
+                    # stays dirty here, and the outcome is unknown to whoever asked, who retries.
+                    ensure(op.chunk_id in self._unstaged, "a chunk left behind is not dirty")
+                    if effect.error.code == StatusCode.IO_ERROR:
+                        self.host.fail_target(self.target_id, effect.error)
+                    raise Unavailable(f"target {self.target_id} could not stage v{machine.version} that its "
+                                      f"successor may hold: {effect.error}")
                 if effect.pending_kept and op.source is Source.CLIENT:
                     # Some successor may have committed it: finish it later, never drop it.
                     self.schedule_repair(op.chain_id, op.chunk_id)
@@ -641,7 +653,9 @@ class TargetReplica:
             while not (stage.done() and forward.done()):
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait((stage, forward))
-            if stage.done() and not stage.cancelled() and stage.exception() is None:
+            if not forward.cancelled():
+                forward.exception()  # read: an error nobody waits for is not reported as lost
+            if stage.exception() is None:
                 self._unstaged.discard(op.chunk_id)  # staged: the pending version marks it dirty
             raise
         stage_exc = stage.exception()
