@@ -16,8 +16,8 @@ here on stage and forward at once); starts — ``client KIND [offset=] [length=]
 ``forward KIND version= base= [offset=] [length=]``, ``copy version= [base=] [remove]`` (a full
 copy forwarded), ``sync version= [remove]``, ``repair``; events — ``staged``, ``forwarded
 ok|retry|refused|diverged``, ``both STAGE FORWARD`` (a pipelined stage and forward ended: STAGE
-``ok|nospace|ioerror``, FORWARD as for ``forwarded``), ``routing``, ``committed``. Run with ``FS3_REWRITE=1`` to regenerate
-every ``=>`` line from the code, then review the diff.
+``ok|nospace|ioerror``, FORWARD as for ``forwarded``), ``routing``, ``committed``. Run with
+``FS3_REWRITE=1`` to regenerate every ``=>`` line from the code, then review the diff.
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ def _fail_stage_after(head: ChunkEngine, tail: ChunkEngine, cid: bytes, error: E
     before = _committed(tail, cid)
     armed = [True]
 
-    def write_blob(chunk: bytes, blob: int, content: bytes | memoryview) -> None:
-        if chunk == cid and armed[0]:
+    def write_blob(chunk_id: bytes, blob: int, content: bytes | memoryview) -> None:
+        if chunk_id == cid and armed[0]:
             armed[0] = False
             deadline = time.monotonic() + 20
             while _committed(tail, cid) == before and time.monotonic() < deadline:
@@ -66,7 +66,7 @@ def _fail_stage_after(head: ChunkEngine, tail: ChunkEngine, cid: bytes, error: E
             stalled.set()
             time.sleep(0.3)  # time for a read of the head while the tail holds the new version
             raise error
-        real_write_blob(chunk, blob, content)
+        real_write_blob(chunk_id, blob, content)
 
     head.write_blob = write_blob  # type: ignore[method-assign]
 
