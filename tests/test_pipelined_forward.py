@@ -77,9 +77,9 @@ def _set(event: threading.Event) -> Any:
     return check
 
 
-async def _read_head(cluster: InProcessCluster, chain: int, head: int, cid: bytes) -> bytes | None:
-    """The chunk as the head serves it (None: it answers that the chunk is being written)."""
-    replica = cluster.nodes[head // 100].replicas[head]
+async def _read_at(cluster: InProcessCluster, chain: int, target: int, cid: bytes) -> bytes | None:
+    """The chunk as ``target`` serves it (None: it answers that the chunk is being written)."""
+    replica = cluster.nodes[target // 100].replicas[target]
     try:
         _, data = await replica.read(spb.ReadReq(chain_id=chain, chunk_id=cid, offset=0, length=CHUNK,
                                                  dirty_policy=spb.DIRTY_READ_ASK_TAIL))
@@ -121,12 +121,12 @@ def test_a_stage_that_runs_out_of_space_after_the_successors_committed_is_staged
             await wait_until(_set(stalled), what="the tail committed while the head's stage is stalled")
             assert _committed(tail, cid) > _committed(head, cid)
             # The head holds only the old copy and no pending version: it must not serve it.
-            assert await _read_head(cluster, chain, targets[0], cid) in (None, NEW), \
+            assert await _read_at(cluster, chain, targets[0], cid) in (None, NEW), \
                 "the head served the old copy after the tail committed the new one"
             rsp = await write  # acknowledged: the head staged again and committed
             copies = await _identical(cluster, chain, cid)
             assert set(copies.values()) == {(rsp.commit_version, NEW)}, "replicas differ"
-            assert await _read_head(cluster, chain, targets[0], cid) == NEW
+            assert await _read_at(cluster, chain, targets[0], cid) == NEW
             data, _ = await cluster.client(b"R").read(chain, cid, 0, CHUNK)
             assert data == NEW
     asyncio.run(body())
@@ -144,7 +144,7 @@ def test_a_disk_that_fails_under_a_pipelined_stage_takes_its_target_out_and_lose
             _fail_stage_after(head, tail, cid, IoError("disk failed (injected)"), stalled)
             write = asyncio.create_task(cluster.client(b"W2").write(chain, cid, 0, NEW, CHUNK))
             await wait_until(_set(stalled), what="the tail committed while the head's stage is stalled")
-            assert await _read_head(cluster, chain, failing, cid) in (None, NEW), \
+            assert await _read_at(cluster, chain, failing, cid) in (None, NEW), \
                 "the head served the old copy after the tail committed the new one"
             rsp = await write  # the client's retry reached the new head, which committed it already
             assert failing not in [t for t in await _targets(cluster, chain)
@@ -163,6 +163,7 @@ def test_a_disk_that_fails_under_a_pipelined_stage_takes_its_target_out_and_lose
             assert {data for _, data in copies.values()} == {NEW}, "replicas differ after the resync"
             assert len({version for version, _ in copies.values()}) == 1
             assert rsp.commit_version == next(iter(copies.values()))[0]
+            assert await _read_at(cluster, chain, failing, cid) == NEW, "the resynced target does not serve it"
     asyncio.run(body())
 
 

@@ -1059,8 +1059,11 @@ class TargetReplica:
         return self.engine.merge_channels(records, self.host.now_ms())
 
     def forget_channels(self) -> None:
-        """This target left its chain's write path and will be resynced: drop its records."""
+        """This target left its chain's write path and will be resynced: drop its records, and the
+        dirty marks of chunks it fell behind on — the resync makes each the chain's copy (an
+        update still running keeps its chunk's mark until it ends)."""
         self.engine.forget_channels()
+        self._unstaged = {chunk_id for chunk_id in self._unstaged if self.locks.held(chunk_id)}
 
     def expire_channels(self) -> int:
         return self.engine.expire_channels(self.host.now_ms(), self.config.channel_record_ttl_ms)
