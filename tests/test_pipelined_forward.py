@@ -177,3 +177,36 @@ def test_serial_staging_is_still_available(tmp_path: Path) -> None:
             copies = await _identical(cluster, chain, cid)
             assert set(copies.values()) == {(rsp.commit_version, NEW)}
     asyncio.run(body())
+
+
+def test_a_stopped_update_keeps_the_chunk_lock_until_its_stage_has_written(tmp_path: Path) -> None:
+    """Cancelling a pipelined update cancels its forward, never the chunk file write under the lock;
+    the client's retry then completes the write everywhere."""
+    async def body() -> None:
+        async with _cluster(tmp_path) as cluster:
+            chain, cid = cluster.chain_ids[0], chunk_id(4, 0)
+            await cluster.client(b"W1").write(chain, cid, 0, OLD, CHUNK)
+            head = (await _targets(cluster, chain))[0]
+            replica = cluster.nodes[head // 100].replicas[head]
+            entered, release = threading.Event(), threading.Event()
+            real_write_blob = replica.engine.write_blob
+
+            def write_blob(chunk_id: bytes, blob: int, content: bytes | memoryview) -> None:
+                if chunk_id == cid and not release.is_set():
+                    entered.set()
+                    release.wait(20)
+                real_write_blob(chunk_id, blob, content)
+
+            replica.engine.write_blob = write_blob  # type: ignore[method-assign]
+            write = asyncio.create_task(cluster.client(b"W2").write(chain, cid, 0, NEW, CHUNK))
+            await wait_until(_set(entered), what="the head's stage writing")
+            stopping = asyncio.create_task(replica.stop())
+            await asyncio.sleep(0.3)
+            assert replica.locks.held(cid), "the chunk lock was released while the stage's write still ran"
+            assert not stopping.done()
+            release.set()
+            await stopping
+            rsp = await write
+            copies = await _identical(cluster, chain, cid)
+            assert set(copies.values()) == {(rsp.commit_version, NEW)}, "replicas differ"
+    asyncio.run(body())
