@@ -16,8 +16,9 @@ here on stage and forward at once); starts — ``client KIND [offset=] [length=]
 ``forward KIND version= base= [offset=] [length=]``, ``copy version= [base=] [remove]`` (a full
 copy forwarded), ``sync version= [remove]``, ``repair``; events — ``staged``, ``forwarded
 ok|retry|refused|diverged``, ``both STAGE FORWARD`` (a pipelined stage and forward ended: STAGE
-``ok|nospace|ioerror``, FORWARD as for ``forwarded``), ``routing``, ``committed``. Run with
-``FS3_REWRITE=1`` to regenerate every ``=>`` line from the code, then review the diff.
+``ok|nospace|ioerror``, FORWARD as for ``forwarded``), ``stagefail nospace|ioerror``, ``routing``,
+``committed``. Run with ``FS3_REWRITE=1`` to regenerate every ``=>`` line from the code, then
+review the diff.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def run_script(text: str) -> str:
             machine = UpdateMachine(request, patch_max_bytes=256 * 1024, retry_total_ms=30_000, pipeline=pipeline)
             counter = iter(range(int(values.get("new", 0)), 1 << 62))
             effects = machine.start(chunk, path, now_ms, counter.__next__)
-        elif command in ("staged", "forwarded", "both", "routing", "committed"):
+        elif command in ("staged", "stagefail", "forwarded", "both", "routing", "committed"):
             if machine is None:
                 raise ValueError(f"line {number}: {command} before an update started")
             if command == "staged":
@@ -146,6 +147,10 @@ def run_script(text: str) -> str:
             elif command == "forwarded":
                 outcome, error = _OUTCOMES[words[0]]
                 effects = machine.forwarded(outcome, error, path, now_ms)
+            elif command == "stagefail":
+                stage_error = _STAGE_ERRORS[words[0]]
+                assert stage_error is not None
+                effects = machine.stage_failed(stage_error, path, now_ms)
             elif command == "both":
                 outcome, error = _OUTCOMES[words[1]]
                 effects = machine.staged_and_forwarded(_STAGE_ERRORS[words[0]], outcome, error, path, now_ms)

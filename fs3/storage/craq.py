@@ -16,7 +16,8 @@ every successor (a forwarded update) run the same machine; only the start differ
   came) leaves this target behind its successor: it stages again once the chain changed or after
   the routing wait, forwarding again (a successor that committed the version answers at once),
   within the retry budget; past it the target fails with a disk error, which takes it out of the
-  chain to be resynced. A stage that failed while the successor proved it did not apply the update
+  chain to be resynced. Once behind, it never answers with a refusal. A stage that failed while
+  the successor proved it did not apply the update (and no earlier forward may have reached one)
   fails the update as a serial stage would: nobody holds the version;
 * **forwarded** — commit after the successor committed; drop the pending version when the
   successor proved it did not apply it (no space, checksum, bad request); otherwise wait for the
@@ -248,6 +249,7 @@ class UpdateMachine:
         self._sent_to = 0  # the successor the last forward went to
         self._stage: Stage | None = None  # the stage to do again when a pipelined stage failed
         self._staged = False
+        self._behind = False  # a stage failed while a successor may hold the version
 
     # -- events ------------------------------------------------------------------------------
 
@@ -300,18 +302,28 @@ class UpdateMachine:
         if stage_error is None:
             self._staged = True
             return self.forwarded(outcome, error, path, now_ms)
-        if outcome in (Outcome.REFUSED, Outcome.DIVERGED):
+        if outcome in (Outcome.REFUSED, Outcome.DIVERGED) and not self._behind:
             # The successor proved it did not apply the update, and this target holds nothing:
             # the stage's failure is the answer, as if the two had run one after the other.
             return [Fail(stage_error)]
-        if stage_error.code == StatusCode.IO_ERROR:
-            return [Fail(stage_error, behind=True)]  # a failed disk: the target leaves the chain
+        self._behind = True
+        return self.stage_failed(stage_error, path, now_ms)
+
+    def stage_failed(self, error: FS3Error, path: PathFacts, now_ms: int) -> list[Effect]:
+        """A stage failed (``error``). Before any forward left, the failure is the answer. Once a
+        successor may hold the version, this target is behind it: stage again later, or fail so
+        that the target leaves the chain — never answer with a refusal, which would make the
+        predecessor drop a version the successors hold."""
+        if not self._behind:
+            return [Fail(error)]
+        if error.code == StatusCode.IO_ERROR:
+            return [Fail(error, behind=True)]  # a failed disk: the target leaves the chain
         displaced = self._displaced(path)
         if displaced is not None:
             return [Fail(displaced, behind=True)]
         if now_ms >= self._deadline_ms:
             return [Fail(IoError(f"v{self.version} could not be staged here for {self.retry_total_ms} ms while "
-                                 f"the successor may hold it: {stage_error}"), behind=True)]
+                                 f"the successor may hold it: {error}"), behind=True)]
         return [AwaitRouting(path.routing_version)]
 
     def forwarded(self, outcome: Outcome, error: FS3Error | None, path: PathFacts, now_ms: int) -> list[Effect]:

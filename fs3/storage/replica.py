@@ -595,7 +595,11 @@ class TargetReplica:
         while queue:
             effect = queue.popleft()
             if isinstance(effect, Stage):
-                await self._do_stage(op, effect)
+                try:
+                    await self._do_stage(op, effect)
+                except FS3Error as exc:
+                    queue.extend(machine.stage_failed(exc, self._path(op.chain_id), self.host.now_ms()))
+                    continue
                 queue.extend(machine.staged(self._path(op.chain_id)))
             elif isinstance(effect, StageAndForward):
                 stage_error, outcome, error = await self._stage_and_forward(op, effect)
