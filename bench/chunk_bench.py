@@ -16,6 +16,15 @@ Everything is measured in one run on this machine, and reported as ratios to the
   both see the same machine, whose speed drifts within a run by far more than the check costs; the
   ratio of their rates, the median over ``--cap-rounds`` rounds, is the cost of the check.
 
+* pipelined forwarding against the local disk: 1 MiB writes through a 3-replica chain on two
+  more clusters side by side, one forwarding each update while it stages it (the default) and one
+  staging first (``pipeline_forward = false``), and the local disk's write rate — ``inflight``
+  threads writing new 1 MiB files into the same file system, as a target writes chunk files. The
+  three are measured one after the other, ``--pipeline-rounds`` times, in alternating order;
+  reported as the median ratio of each chain's rate to the disk's. A chain of three writes every
+  byte three times to this one disk, so 1/3 is the most it can reach. ``--only-pipeline`` runs
+  just this part.
+
 Usage: ``python bench/chunk_bench.py [--seconds 3] [--inflight 8] [--fsync]``.
 Writes ``bench/results/chunk-<timestamp>.json`` and prints a table.
 """
@@ -36,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,6 +216,99 @@ async def _fs3_runs(cluster: ProcessCluster, transport: str, seconds: float, inf
     return results
 
 
+def _disk_write_rate(directory: Path, seconds: float, inflight: int, fsync: bool) -> float:
+    """MiB/s of ``inflight`` threads writing new 1 MiB files into ``directory`` (each file removed
+    after the run), as a storage target writes a chunk file per new version."""
+    payload = os.urandom(MIB)
+    directory.mkdir(parents=True, exist_ok=True)
+    stop_at = time.perf_counter() + seconds
+
+    def worker(wid: int) -> int:
+        count = 0
+        while time.perf_counter() < stop_at:
+            fd = os.open(directory / f"{wid}-{count}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, payload)
+                if fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            count += 1
+        return count
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(inflight) as pool:
+        total = sum(pool.map(worker, range(inflight)))
+    elapsed = time.perf_counter() - start
+    for name in os.listdir(directory):
+        os.unlink(directory / name)
+    return total / elapsed
+
+
+async def _chain_write_rate(cluster: ProcessCluster, chain: int, prefix: int, seconds: float,
+                            inflight: int) -> float:
+    """MiB/s of 1 MiB chunk writes through ``chain`` (new chunks under ``prefix``)."""
+    channels = RealChannelFactory(cluster.token, "framed", cluster.client_tls)
+    client = StorageClient(RoutingCache([cluster.address("mgmtd", "framed")], channels), channels,
+                           f"bench-pipe-{os.urandom(6).hex()}".encode(),
+                           StorageClientConfig(channels_max=max(64, inflight * 2)))
+    big = os.urandom(MIB)
+
+    async def write(_s: int, i: int) -> None:
+        await client.write(chain, chunk_id(prefix, i), 0, big, MIB)
+
+    try:
+        counts, elapsed = await _run_for(seconds, inflight, write)
+    finally:
+        await channels.close()
+    return counts[0] / elapsed
+
+
+def _pipeline_rounds(root: Path, args: argparse.Namespace) -> dict[str, object]:
+    """The 3-replica write rate with and without pipelined forwarding, next to the local disk's
+    write rate, in ``args.pipeline_rounds`` interleaved rounds (see the module docstring)."""
+    import uvloop
+
+    clusters = {mode: ProcessCluster(root / mode, storage_nodes=3, targets_per_node=2, fsync=args.fsync)
+                for mode in ("pipelined", "serial")}
+    clusters["serial"].env["FS3_STORAGE_REPLICA_PIPELINE_FORWARD"] = "false"
+    rounds: list[dict[str, float]] = []
+    try:
+        chains = {}
+        for cluster in clusters.values():
+            cluster.env["FS3_LOG_LEVEL"] = "WARNING"
+            cluster.start_all()
+            chains[id(cluster)] = uvloop.run(_setup(cluster))[3]
+        for n in range(args.pipeline_rounds):
+            order = ["disk", "pipelined", "serial"]
+            if n % 2:
+                order.reverse()
+            rates: dict[str, float] = {}
+            for what in order:
+                if what == "disk":
+                    rates[what] = _disk_write_rate(root / "disk", args.seconds, args.inflight, args.fsync)
+                else:
+                    cluster = clusters[what]
+                    rates[what] = uvloop.run(_chain_write_rate(cluster, chains[id(cluster)], 3000 + n,
+                                                               args.seconds, args.inflight))
+            rounds.append(rates)
+    finally:
+        for cluster in clusters.values():
+            cluster.stop_all()
+    summary = {f"{mode}_vs_disk": statistics.median(r[mode] / r["disk"] for r in rounds)
+               for mode in ("pipelined", "serial")}
+    summary["pipelined_vs_serial"] = statistics.median(r["pipelined"] / r["serial"] for r in rounds)
+    print(f"3-replica 1 MiB writes against the local disk ({args.inflight} in flight, median of "
+          f"{len(rounds)} interleaved rounds)")
+    print(f"{'round':<6} {'disk MiB/s':>11} {'pipelined':>10} {'serial':>10} {'pipe/disk':>10} {'serial/disk':>12}")
+    for n, r in enumerate(rounds):
+        print(f"{n:<6} {r['disk']:>11,.1f} {r['pipelined']:>10,.1f} {r['serial']:>10,.1f} "
+              f"{r['pipelined'] / r['disk']:>10.3f} {r['serial'] / r['disk']:>12.3f}")
+    print(f"median: pipelined/disk {summary['pipelined_vs_disk']:.3f}, serial/disk {summary['serial_vs_disk']:.3f}, "
+          f"pipelined/serial {summary['pipelined_vs_serial']:.3f}")
+    return {"rounds": rounds, **summary}
+
+
 def _check_cost_us(rounds: int = 20_000) -> float:
     """Microseconds storage spends checking one capability (one HMAC-SHA256 over ~30 bytes)."""
     key = derive_key("bench-token")
@@ -245,9 +348,23 @@ def main() -> int:
                         help="rounds of the framed workloads with and without capability checks side by side")
     parser.add_argument("--data-dir", help="where the storage targets live (default: a temporary directory; "
                                            "/dev/shm isolates protocol cost from the disk)")
+    parser.add_argument("--pipeline-rounds", type=int, default=3,
+                        help="interleaved rounds of 3-replica writes with and without pipelined forwarding "
+                             "next to the local disk's write rate (0 skips them)")
+    parser.add_argument("--only-pipeline", action="store_true",
+                        help="run only the pipelined-forwarding rounds")
     args = parser.parse_args()
+    if args.seconds <= 0 or args.inflight < 1 or args.pipeline_rounds < 0 or args.cap_rounds < 0:
+        parser.error("--seconds must be positive, --inflight at least 1, the round counts at least 0")
 
     import uvloop
+
+    if args.only_pipeline:
+        with tempfile.TemporaryDirectory(prefix="fs3-bench-", dir=args.data_dir) as tmp:
+            pipeline = _pipeline_rounds(Path(tmp), args)
+        _save({"kind": "chunk-pipeline", "seconds": args.seconds, "inflight": args.inflight, "fsync": args.fsync,
+               "data_dir": args.data_dir or tempfile.gettempdir(), "cpus": os.cpu_count(), "pipeline": pipeline})
+        return 0
 
     def measure_baseline() -> dict[str, float]:
         port = free_port()
@@ -299,6 +416,7 @@ def main() -> int:
         finally:
             for cluster in clusters.values():
                 cluster.stop_all()
+        pipeline = _pipeline_rounds(Path(tmp) / "pipeline", args) if args.pipeline_rounds else {}
 
     after = measure_baseline()
     baseline = {key: (before[key] + after[key]) / 2 for key in before}
@@ -327,20 +445,24 @@ def main() -> int:
         service = statistics.median(r["service"][key] for r in ab_rounds)
         user = statistics.median(r["user"][key] for r in ab_rounds)
         print(f"{key:<22} {service:>10,.1f} {user:>10,.1f} {ratio:>12.1%}")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    record = {"kind": "chunk", "timestamp": stamp, "seconds": args.seconds, "inflight": args.inflight,
+    _save({"kind": "chunk", "seconds": args.seconds, "inflight": args.inflight,
               "fsync": args.fsync, "data_dir": args.data_dir or tempfile.gettempdir(),
               "cpus": os.cpu_count(), "baseline": baseline, "baseline_before": before, "baseline_after": after,
               "fs3": results,
               "ratios": {f"{t}/{k}": r for t, k, _, r in rows}, "tls_vs_clear": tls_vs_clear,
               "capability_ratios": capability_ratios, "capability_check_us": check_us,
-              "capability_ab_rounds": ab_rounds}
-    path = out_dir / f"chunk-{stamp}.json"
-    path.write_text(json.dumps(record, indent=2))
-    print(f"wrote {path.relative_to(ROOT)}")
+              "capability_ab_rounds": ab_rounds, "pipeline": pipeline})
     return 0
+
+
+def _save(record: dict[str, object]) -> None:
+    """Write ``record`` (stamped) to ``bench/results/chunk-<timestamp>.json``."""
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = out_dir / f"chunk-{stamp}.json"
+    path.write_text(json.dumps({"timestamp": stamp, **record}, indent=2))
+    print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from bench.results_io import save_result  # noqa: E402
 from fs3 import storage_pb2 as spb  # noqa: E402
 from fs3.common.checksum import crc32c  # noqa: E402
+from fs3.common.errors import FS3Error  # noqa: E402
 from fs3.common.ids import chunk_id  # noqa: E402
 from fs3.common.target_state import PublicState  # noqa: E402
 from fs3.common.tasks import finish_despite_cancel  # noqa: E402
@@ -87,6 +88,9 @@ class Host:
 
     def update_finished(self, target_id: int, error: BaseException | None) -> None:
         pass
+
+    def fail_target(self, target_id: int, exc: FS3Error) -> None:
+        raise AssertionError(f"target {target_id} failed: {exc}")
 
 
 def _write_req(cid: bytes, offset: int, data: bytes) -> spb.UpdateReq:

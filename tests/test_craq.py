@@ -11,11 +11,14 @@ command that makes the machine act, a line starting with ``=>`` lists the effect
     => forward v10 on v3 to 2 (update)
 
 Commands: ``chunk committed= pending= length=``; ``path writable= head= lease= successor=
-syncing= routing=`` (yes/no for flags); ``time MS``; starts — ``client KIND [offset=] [length=] new=N``,
+syncing= routing=`` (yes/no for flags); ``time MS``; ``pipeline yes|no`` (updates started from
+here on stage and forward at once); starts — ``client KIND [offset=] [length=] new=N``,
 ``forward KIND version= base= [offset=] [length=]``, ``copy version= [base=] [remove]`` (a full
 copy forwarded), ``sync version= [remove]``, ``repair``; events — ``staged``, ``forwarded
-ok|retry|refused|diverged``, ``routing``, ``committed``. Run with ``FS3_REWRITE=1`` to regenerate
-every ``=>`` line from the code, then review the diff.
+ok|retry|refused|diverged``, ``both STAGE FORWARD`` (a pipelined stage and forward ended: STAGE
+``ok|nospace|ioerror``, FORWARD as for ``forwarded``), ``stagefail nospace|ioerror``, ``routing``,
+``committed``. Run with ``FS3_REWRITE=1`` to regenerate every ``=>`` line from the code, then
+review the diff.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from fs3.common.errors import NoSpace, StaleUpdate, Unavailable
+from fs3.common.errors import FS3Error, IoError, NoSpace, StaleUpdate, Unavailable
 from fs3.storage.craq import (
     Abort,
     AwaitRouting,
@@ -41,6 +44,7 @@ from fs3.storage.craq import (
     Reply,
     Source,
     Stage,
+    StageAndForward,
     UpdateMachine,
     UpdateRequest,
 )
@@ -53,6 +57,9 @@ _OUTCOMES = {
     "refused": (Outcome.REFUSED, NoSpace("successor's disk is full")),
     "diverged": (Outcome.DIVERGED, StaleUpdate("successor holds another version")),
 }
+_STAGE_ERRORS: dict[str, FS3Error | None] = {
+    "ok": None, "nospace": NoSpace("this target's disk is full"), "ioerror": IoError("this target's disk failed"),
+}
 
 
 def _render(effect: Effect) -> str:
@@ -60,6 +67,8 @@ def _render(effect: Effect) -> str:
         return f"complete pending v{effect.version} first"
     if isinstance(effect, Stage):
         return f"stage v{effect.version} on v{effect.base} ({effect.how})"
+    if isinstance(effect, StageAndForward):
+        return f"{_render(effect.stage)} + {_render(effect.forward)}"
     if isinstance(effect, Install):
         return f"install v{effect.version}"
     if isinstance(effect, Forward):
@@ -74,7 +83,8 @@ def _render(effect: Effect) -> str:
     if isinstance(effect, Reply):
         return "reply"
     assert isinstance(effect, Fail)
-    return f"fail {effect.error.code.name}" + (" (pending kept)" if effect.pending_kept else "")
+    return f"fail {effect.error.code.name}" + (" (pending kept)" if effect.pending_kept else "") \
+        + (" (behind)" if effect.behind else "")
 
 
 def _args(words: list[str]) -> tuple[dict[str, str], set[str]]:
@@ -93,6 +103,7 @@ def run_script(text: str) -> str:
     chunk = ChunkFacts()
     path = PathFacts()
     now_ms = 0
+    pipeline = False
     machine: UpdateMachine | None = None
     out: list[str] = []
     for number, raw in enumerate(text.splitlines(), 1):
@@ -116,6 +127,8 @@ def run_script(text: str) -> str:
                              routing_version=int(values.get("routing", 0)))
         elif command == "time":
             now_ms = int(words[0])
+        elif command == "pipeline":
+            pipeline = _flag(words[0])
         elif command in ("client", "forward", "copy", "sync", "repair"):
             kind = {"client": None, "forward": None, "copy": Kind.REPLACE, "sync": Kind.REPLACE,
                     "repair": Kind.REPLACE}[command] or Kind(words[0])
@@ -123,10 +136,10 @@ def run_script(text: str) -> str:
                       "sync": Source.SYNC, "repair": Source.REPAIR}[command]
             request = UpdateRequest(source, kind, int(values.get("offset", 0)), int(values.get("length", 0)),
                                     int(values.get("version", 0)), int(values.get("base", 0)), "remove" in flags)
-            machine = UpdateMachine(request, patch_max_bytes=256 * 1024, retry_total_ms=30_000)
+            machine = UpdateMachine(request, patch_max_bytes=256 * 1024, retry_total_ms=30_000, pipeline=pipeline)
             counter = iter(range(int(values.get("new", 0)), 1 << 62))
             effects = machine.start(chunk, path, now_ms, counter.__next__)
-        elif command in ("staged", "forwarded", "routing", "committed"):
+        elif command in ("staged", "stagefail", "forwarded", "both", "routing", "committed"):
             if machine is None:
                 raise ValueError(f"line {number}: {command} before an update started")
             if command == "staged":
@@ -134,6 +147,13 @@ def run_script(text: str) -> str:
             elif command == "forwarded":
                 outcome, error = _OUTCOMES[words[0]]
                 effects = machine.forwarded(outcome, error, path, now_ms)
+            elif command == "stagefail":
+                stage_error = _STAGE_ERRORS[words[0]]
+                assert stage_error is not None
+                effects = machine.stage_failed(stage_error, path, now_ms)
+            elif command == "both":
+                outcome, error = _OUTCOMES[words[1]]
+                effects = machine.staged_and_forwarded(_STAGE_ERRORS[words[0]], outcome, error, path, now_ms)
             elif command == "routing":
                 effects = machine.routing_changed(path, now_ms)
             else:

@@ -16,7 +16,7 @@ import pytest
 
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
-from fs3.common.errors import IoError
+from fs3.common.errors import FS3Error, IoError
 from fs3.common.ids import chunk_id
 from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
@@ -54,6 +54,9 @@ class GatedHost:
 
     def update_finished(self, target_id: int, error: BaseException | None) -> None:
         pass
+
+    def fail_target(self, target_id: int, exc: FS3Error) -> None:
+        raise AssertionError(f"target {target_id} failed: {exc}")
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         cancelled = False

@@ -284,3 +284,11 @@ class SimCluster:
         if slot.node is None:
             return None
         return slot.node.engines[target_id]
+
+    def unstaged(self, target_id: int) -> frozenset[bytes]:
+        """Chunks the target forwarded an update of before a pending version marked them dirty
+        (:attr:`fs3.storage.replica.TargetReplica.unstaged`)."""
+        slot = self.storage[self.topology.node_of(target_id)]
+        if slot.node is None:
+            return frozenset()
+        return slot.node.replicas[target_id].unstaged

@@ -9,6 +9,16 @@ every successor (a forwarded update) run the same machine; only the start differ
   first (head), install a full copy directly (the end of the write path during a resync or a
   repair), or stage the update as a pending version;
 * **staged** — forward to the successor (a full copy to a syncing one), or commit at the tail;
+* **staged and forwarded** — with pipelining on, an update that goes on to a successor as itself
+  (not as a full copy) is staged here and forwarded at the same time: the forward carries the
+  request, not what this target builds from it. The machine hears both outcomes together. A stage
+  that failed while the successor may hold the version (it committed it, or its answer never
+  came) leaves this target behind its successor: it stages again once the chain changed or after
+  the routing wait, forwarding again (a successor that committed the version answers at once),
+  within the retry budget; past it the target fails with a disk error, which takes it out of the
+  chain to be resynced. Once behind, it never answers with a refusal. A stage that failed while
+  the successor proved it did not apply the update (and no earlier forward may have reached one)
+  fails the update as a serial stage would: nobody holds the version;
 * **forwarded** — commit after the successor committed; drop the pending version when the
   successor proved it did not apply it (no space, checksum, bad request); otherwise wait for the
   chain to change and forward again, until the retry budget is spent — then keep the pending
@@ -41,6 +51,7 @@ from dataclasses import dataclass
 
 from fs3.common.errors import (
     FS3Error,
+    IoError,
     LeaseExpired,
     StaleUpdate,
     StatusCode,
@@ -65,6 +76,7 @@ __all__ = [
     "Reply",
     "Source",
     "Stage",
+    "StageAndForward",
     "UpdateMachine",
     "UpdateRequest",
     "classify",
@@ -154,6 +166,15 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class StageAndForward:
+    """``stage`` and ``forward`` at once; the machine hears both outcomes together
+    (:meth:`UpdateMachine.staged_and_forwarded`), each only once it has ended."""
+
+    stage: Stage
+    forward: Forward
+
+
+@dataclass(frozen=True)
 class AwaitRouting:
     """Wait for routing newer than ``routing_version`` (or a short timeout), then report the path."""
 
@@ -181,9 +202,13 @@ class Fail:
     # A pending version stays behind that some successor may have committed: a head must complete
     # it later (it is never dropped, and never overwritten by a different update).
     pending_kept: bool = False
+    # The update's stage failed here while a successor may hold the version: this target holds
+    # neither it nor a pending version that marks the chunk dirty. Its copy of the chunk must not be
+    # served as current (the shell keeps it dirty) until a later update or a resync replaces it.
+    behind: bool = False
 
 
-Effect = CompletePending | Stage | Install | Forward | AwaitRouting | Commit | Abort | Reply | Fail
+Effect = CompletePending | Stage | StageAndForward | Install | Forward | AwaitRouting | Commit | Abort | Reply | Fail
 
 # Refusals that prove the successor did not apply the update: its pending version can be dropped.
 _REFUSED = frozenset({StatusCode.NO_SPACE, StatusCode.CHECKSUM_MISMATCH, StatusCode.INVALID_ARGUMENT})
@@ -209,8 +234,12 @@ def classify(error: FS3Error) -> Outcome:
 class UpdateMachine:
     """One update on one target (see the module docstring). Feed it events; do what it returns."""
 
-    def __init__(self, request: UpdateRequest, *, patch_max_bytes: int, retry_total_ms: int) -> None:
+    def __init__(self, request: UpdateRequest, *, patch_max_bytes: int, retry_total_ms: int,
+                 pipeline: bool = False) -> None:
+        """``pipeline``: stage and forward an update at the same time where the forward does not
+        need what the stage builds (see the module docstring)."""
         self.request = request
+        self.pipeline = pipeline
         self.patch_max_bytes = patch_max_bytes
         self.retry_total_ms = retry_total_ms
         self.version = request.version
@@ -218,6 +247,9 @@ class UpdateMachine:
         self.full = request.kind is Kind.REPLACE or request.source is Source.REPAIR
         self._deadline_ms = 0
         self._sent_to = 0  # the successor the last forward went to
+        self._stage: Stage | None = None  # the stage to do again when a pipelined stage failed
+        self._staged = False
+        self._behind = False  # a stage failed while a successor may hold the version
 
     # -- events ------------------------------------------------------------------------------
 
@@ -236,7 +268,7 @@ class UpdateMachine:
             ensure(new_version is not None, "a client's update needs a version counter")
             assert new_version is not None
             self.version, self.base = new_version(), chunk.committed
-            return [Stage(self.version, self.base, self._how(chunk))]
+            return self._stage_step(Stage(self.version, self.base, self._how(chunk)), path)
         if request.source is Source.REPAIR:
             self.version, self.base = chunk.pending, chunk.committed
             return self._next(path)
@@ -258,10 +290,41 @@ class UpdateMachine:
         elif chunk.committed != self.base:
             return [Fail(StaleUpdate(f"update v{self.version} on v{self.base}, but v{chunk.committed} is "
                                      f"committed here"))]
-        return [Stage(self.version, chunk.committed, self._how(chunk))]
+        return self._stage_step(Stage(self.version, chunk.committed, self._how(chunk)), path)
 
     def staged(self, path: PathFacts) -> list[Effect]:
+        self._staged = True
         return self._next(path)
+
+    def staged_and_forwarded(self, stage_error: FS3Error | None, outcome: Outcome, error: FS3Error | None,
+                             path: PathFacts, now_ms: int) -> list[Effect]:
+        """Both halves of a :class:`StageAndForward` ended (``stage_error``: how the stage failed)."""
+        if stage_error is None:
+            self._staged = True
+            return self.forwarded(outcome, error, path, now_ms)
+        if outcome in (Outcome.REFUSED, Outcome.DIVERGED) and not self._behind:
+            # The successor proved it did not apply the update, and this target holds nothing:
+            # the stage's failure is the answer, as if the two had run one after the other.
+            return [Fail(stage_error)]
+        self._behind = True
+        return self.stage_failed(stage_error, path, now_ms)
+
+    def stage_failed(self, error: FS3Error, path: PathFacts, now_ms: int) -> list[Effect]:
+        """A stage failed (``error``). Before any forward left, the failure is the answer. Once a
+        successor may hold the version, this target is behind it: stage again later, or fail so
+        that the target leaves the chain — never answer with a refusal, which would make the
+        predecessor drop a version the successors hold."""
+        if not self._behind:
+            return [Fail(error)]
+        if error.code == StatusCode.IO_ERROR:
+            return [Fail(error, behind=True)]  # a failed disk: the target leaves the chain
+        displaced = self._displaced(path)
+        if displaced is not None:
+            return [Fail(displaced, behind=True)]
+        if now_ms >= self._deadline_ms:
+            return [Fail(IoError(f"v{self.version} could not be staged here for {self.retry_total_ms} ms while "
+                                 f"the successor may hold it: {error}"), behind=True)]
+        return [AwaitRouting(path.routing_version)]
 
     def forwarded(self, outcome: Outcome, error: FS3Error | None, path: PathFacts, now_ms: int) -> list[Effect]:
         if outcome is Outcome.OK:
@@ -287,6 +350,12 @@ class UpdateMachine:
         return [AwaitRouting(path.routing_version)]
 
     def routing_changed(self, path: PathFacts, now_ms: int) -> list[Effect]:
+        if not self._staged and self._stage is not None:
+            # A pipelined stage failed: stage again, forwarding again with it (see the module docstring).
+            displaced = self._displaced(path)
+            if displaced is not None:
+                return [Fail(displaced, behind=True)]
+            return self._stage_step(self._stage, path)
         return self._next(path)
 
     def committed(self) -> list[Effect]:
@@ -313,6 +382,15 @@ class UpdateMachine:
             return [Commit(self.version)]
         self._sent_to = path.successor
         return [Forward(path.successor, self.version, self.base, self.full or path.successor_syncing)]
+
+    def _stage_step(self, stage: Stage, path: PathFacts) -> list[Effect]:
+        """Stage, and with pipelining forward at the same time when the forward is the update
+        itself (a full copy is built by the stage, so it waits for it)."""
+        self._stage = stage
+        if not self.pipeline or not path.successor or self.full or path.successor_syncing:
+            return [stage]
+        self._sent_to = path.successor
+        return [StageAndForward(stage, Forward(path.successor, self.version, self.base, False))]
 
     def _how(self, chunk: ChunkFacts) -> str:
         request = self.request

@@ -54,6 +54,7 @@ from fs3.common.errors import (
     NotHead,
     ResourceExhausted,
     StaleUpdate,
+    StatusCode,
     TargetNotServing,
     Unavailable,
 )
@@ -85,6 +86,7 @@ from fs3.storage.craq import (
     Reply,
     Source,
     Stage,
+    StageAndForward,
     UpdateMachine,
     UpdateRequest,
     classify,
@@ -137,6 +139,10 @@ class ReplicaConfig:
     # Exactly-once records live this long after their request committed. The head refuses a retry
     # sent more than half of it after the request's first attempt, so no retry outlives its record.
     channel_record_ttl_ms: int = 600_000
+    # Forward an update to the successor while it is staged here (both end before the commit), so
+    # a chain's write takes about one disk write plus the transfers instead of one disk write per
+    # replica (docs/performance.md, "Pipelined forwarding"). Off: stage, then forward.
+    pipeline_forward: bool = True
 
     def validate(self) -> None:
         if self.dirty_read_policy not in (DirtyReadPolicy.ASK_TAIL, DirtyReadPolicy.RETRY):
@@ -189,6 +195,11 @@ class ReplicaHost(Protocol):
 
     def update_finished(self, target_id: int, error: BaseException | None) -> None:
         """An update or forward this target admitted has ended (``error``: how it failed)."""
+        ...
+
+    def fail_target(self, target_id: int, exc: FS3Error) -> None:
+        """The target's disk failed it (or it cannot hold what its successors committed): it reports
+        itself offline, and mgmtd takes it out of its chain until it is resynced."""
         ...
 
 
@@ -285,6 +296,10 @@ class TargetReplica:
         # Chunks whose committed blob a commit is rewriting on the I/O pool (a patch applied in
         # place): readers wait for the event instead of reading a half-patched or renamed file.
         self._rewriting: dict[bytes, asyncio.Event] = {}
+        # Chunks whose update went to the successor before (or without) a pending version here:
+        # while one is in this set, this target's committed copy may be older than a successor's,
+        # so reads treat the chunk as dirty (see craq.Fail.behind).
+        self._unstaged: set[bytes] = set()
         # Group commit of the target's log: writes on the hot path are made unsynced and share
         # one fsync, off the event loop (a real node's I/O pool; inline in the simulator).
         self._log_sync = GroupSync(lambda: host.run_blocking(engine.sync_log))
@@ -348,7 +363,8 @@ class TargetReplica:
 
     def _machine(self, request: UpdateRequest) -> UpdateMachine:
         return UpdateMachine(request, patch_max_bytes=self.config.patch_max_bytes,
-                             retry_total_ms=self.config.forward_retry_total_ms)
+                             retry_total_ms=self.config.forward_retry_total_ms,
+                             pipeline=self.config.pipeline_forward)
 
     async def _base(self, chunk_id: bytes, state: ChunkState | None) -> bytes | None:
         if state is None or state.commit_version == 0:
@@ -404,6 +420,12 @@ class TargetReplica:
         """Bytes an update may hold while it runs: its payload, plus — unless it is a removal — two
         whole chunks: a write that cannot be patched in place reads the old one and builds a new one."""
         return len(payload) + (0 if update.type == spb.REMOVE else 2 * update.chunk_size)
+
+    @property
+    def unstaged(self) -> frozenset[bytes]:
+        """Chunks dirty here without a pending version: their update went to the successor before
+        (or without) its stage here succeeding. Reads of them ask the tail, as for a pending version."""
+        return frozenset(self._unstaged)
 
     @property
     def updates_running(self) -> int:
@@ -573,8 +595,16 @@ class TargetReplica:
         while queue:
             effect = queue.popleft()
             if isinstance(effect, Stage):
-                await self._do_stage(op, effect)
+                try:
+                    await self._do_stage(op, effect)
+                except FS3Error as exc:
+                    queue.extend(machine.stage_failed(exc, self._path(op.chain_id), self.host.now_ms()))
+                    continue
                 queue.extend(machine.staged(self._path(op.chain_id)))
+            elif isinstance(effect, StageAndForward):
+                stage_error, outcome, error = await self._stage_and_forward(op, effect)
+                queue.extend(machine.staged_and_forwarded(stage_error, outcome, error, self._path(op.chain_id),
+                                                          self.host.now_ms()))
             elif isinstance(effect, Forward):
                 outcome, error = await self._do_forward(op, effect)
                 queue.extend(machine.forwarded(outcome, error, self._path(op.chain_id), self.host.now_ms()))
@@ -592,6 +622,14 @@ class TargetReplica:
             elif isinstance(effect, Reply):
                 return self._rsp(self.engine.get(op.chunk_id))
             elif isinstance(effect, Fail):
+                if effect.behind:
+                    # The successors may hold the version this target could not stage: the chunk
+                    # stays dirty here, and the outcome is unknown to whoever asked, who retries.
+                    ensure(op.chunk_id in self._unstaged, "a chunk left behind is not dirty")
+                    if effect.error.code == StatusCode.IO_ERROR:
+                        self.host.fail_target(self.target_id, effect.error)
+                    raise Unavailable(f"target {self.target_id} could not stage v{machine.version} that its "
+                                      f"successor may hold: {effect.error}")
                 if effect.pending_kept and op.source is Source.CLIENT:
                     # Some successor may have committed it: finish it later, never drop it.
                     self.schedule_repair(op.chain_id, op.chunk_id)
@@ -600,6 +638,47 @@ class TargetReplica:
                 ensure(not isinstance(effect, CompletePending), "a pending version to complete mid-update")
         ensure(False, "the update machine stopped without an answer")
         raise AssertionError  # unreachable
+
+    async def _stage_and_forward(self, op: _Op, effect: StageAndForward) -> tuple[FS3Error | None, Outcome,
+                                                                                   FS3Error | None]:
+        """Stage and forward at once; return when both have ended (how the stage failed, and the
+        forward's outcome). The chunk reads as dirty here from before the forward leaves until a
+        version is pending (a reader must never get an older copy here after a successor served
+        the new one). Cancelled, the forward is cancelled and the stage runs to its end: the chunk
+        lock is never released while its I/O still runs."""
+        loop = asyncio.get_running_loop()
+        self._unstaged.add(op.chunk_id)
+        stage = loop.create_task(self._do_stage(op, effect.stage))
+        forward = loop.create_task(self._do_forward(op, effect.forward))
+        try:
+            await asyncio.wait((stage, forward))
+        except asyncio.CancelledError:
+            forward.cancel()
+            while not (stage.done() and forward.done()):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((stage, forward))
+            if not forward.cancelled():
+                forward.exception()  # read: an error nobody waits for is not reported as lost
+            if stage.exception() is None:
+                self._unstaged.discard(op.chunk_id)  # staged: the pending version marks it dirty
+            raise
+        stage_exc = stage.exception()
+        if stage_exc is None:
+            self._unstaged.discard(op.chunk_id)
+        forward_exc = forward.exception()
+        if stage_exc is not None and not isinstance(stage_exc, FS3Error):
+            raise stage_exc
+        outcome: Outcome
+        error: FS3Error | None
+        if isinstance(forward_exc, FS3Error):
+            # Raised before anything was sent (this target left the chain meanwhile); an earlier
+            # forward of this update may have reached the successor, so the outcome is unknown.
+            outcome, error = Outcome.RETRY, forward_exc
+        elif forward_exc is not None:
+            raise forward_exc
+        else:
+            outcome, error = forward.result()
+        return stage_exc, outcome, error
 
     async def _after_successors(self, op: _Op, step: Coroutine[Any, Any, None]) -> None:
         """A commit (or install) that runs out of space happens after every target behind this one
@@ -631,6 +710,7 @@ class TargetReplica:
             op.checksum = self._content_checksum(op.update, whole)
             await self._stage_bytes(chunk_id, version, whole, op.checksum, chain_version, op.channel)
             op.content = whole
+        self._unstaged.discard(chunk_id)  # a pending version marks the chunk dirty from here on
 
     def _stage_patch(self, op: _Op, state: ChunkState, version: int, chain_version: int) -> None:
         """Stage the write as a patch. The whole new content is built only if a successor being
@@ -746,6 +826,7 @@ class TargetReplica:
             await self.host.run_blocking(self.engine.write_blob, op.chunk_id, written, content)
         self.engine.install(op.chunk_id, version, chain_version, content, op.checksum, channel=op.channel,
                             now_ms=self.host.now_ms(), written_blob=written, defer_sync=True)
+        self._unstaged.discard(op.chunk_id)  # this target holds the chain's copy again
         await self._log_sync.wait(self._log_written())
 
     # -- abandoned pending versions ----------------------------------------------------------
@@ -819,8 +900,8 @@ class TargetReplica:
                 await rewriting.wait()  # a commit is patching the committed file: read what it becomes
             state = self.engine.get(req.chunk_id)
             version, length, checksum = self._readable_version(state)
-            if state is not None and state.pending_version:
-                version, length, checksum = await self._resolve_dirty(req, view, state)
+            if (state is not None and state.pending_version) or req.chunk_id in self._unstaged:
+                version, length, checksum = await self._resolve_dirty(req, view)
             if version == 0:
                 return spb.ReadRsp(length=0, version=0, checksum=crc32c(b""), chunk_length=0), b""
             if req.verify_checksum:
@@ -871,7 +952,7 @@ class TargetReplica:
             return 0, 0, 0
         return state.commit_version, state.length, state.checksum
 
-    async def _resolve_dirty(self, req: spb.ReadReq, view: ChainView, state: ChunkState) -> tuple[int, int, int]:
+    async def _resolve_dirty(self, req: spb.ReadReq, view: ChainView) -> tuple[int, int, int]:
         policy = {
             spb.DIRTY_READ_RETRY: DirtyReadPolicy.RETRY,
             spb.DIRTY_READ_ASK_TAIL: DirtyReadPolicy.ASK_TAIL,
@@ -894,10 +975,10 @@ class TargetReplica:
         if rsp.undecided:
             raise ChunkNotCommitted(f"chunk {req.chunk_id.hex()} is being written at the tail")
         current = self.engine.get(req.chunk_id)
-        if current is None:
-            return 0, 0, 0
         tail_version = rsp.commit_version if rsp.exists else 0
-        if tail_version == current.commit_version:
+        if current is None or tail_version == current.commit_version:
+            if tail_version != (current.commit_version if current is not None else 0):
+                raise ChunkNotCommitted(f"chunk {req.chunk_id.hex()} is changing; try again")
             return self._readable_version(current)
         if current.pending_version and tail_version == current.pending_version:
             if current.pending_remove:
@@ -915,9 +996,9 @@ class TargetReplica:
             raise TargetNotServing(f"target {self.target_id} is {view.my_state.name.lower()}")
         state = self.engine.get(req.chunk_id)
         if state is None:
-            return spb.QueryCommittedRsp(exists=False)
+            return spb.QueryCommittedRsp(exists=False, undecided=req.chunk_id in self._unstaged)
         return spb.QueryCommittedRsp(commit_version=state.commit_version, exists=state.commit_version > 0,
-                                     undecided=bool(state.pending_version))
+                                     undecided=bool(state.pending_version) or req.chunk_id in self._unstaged)
 
     # -- resync: what a serving predecessor copies from (fs3.storage.resync.ResyncSource) -----
 
@@ -982,8 +1063,11 @@ class TargetReplica:
         return self.engine.merge_channels(records, self.host.now_ms())
 
     def forget_channels(self) -> None:
-        """This target left its chain's write path and will be resynced: drop its records."""
+        """This target left its chain's write path and will be resynced: drop its records, and the
+        dirty marks of chunks it fell behind on — the resync makes each the chain's copy (an
+        update still running keeps its chunk's mark until it ends)."""
         self.engine.forget_channels()
+        self._unstaged = {chunk_id for chunk_id in self._unstaged if self.locks.held(chunk_id)}
 
     def expire_channels(self) -> int:
         return self.engine.expire_channels(self.host.now_ms(), self.config.channel_record_ttl_ms)
