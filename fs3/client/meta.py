@@ -147,6 +147,13 @@ class Meta:
                                      mpb.RemoveRsp, user)
         return rsp.inode_id
 
+    async def remove_entry(self, target: Target, *, directory: bool = False,
+                           user: mpb.User | None = None) -> mpb.RemoveRsp:
+        """As :meth:`remove`; the whole answer: the removed inode's id and, from a meta that sends
+        it, the directory as the removal left it (``parent``)."""
+        return await self.client.call("Remove", mpb.RemoveReq(target=_ref(target), directory=directory),
+                                      mpb.RemoveRsp, user)
+
     async def rename(self, source: Target, destination: Target, *, flags: int = 0,
                      user: mpb.User | None = None) -> mpb.Inode:
         """POSIX rename; ``flags``: ``RENAME_NOREPLACE`` / ``RENAME_EXCHANGE``. The moved inode."""

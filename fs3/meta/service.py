@@ -525,7 +525,8 @@ class MetaService(FileLengths, MetaJobs):
 
     async def remove(self, req: mpb.RemoveReq, payload: memoryview) -> tuple[mpb.RemoveRsp, Buffer]:
         async def op(ns: Namespace) -> mpb.RemoveRsp:
-            return mpb.RemoveRsp(inode_id=await ns.remove(req.target, req.directory))
+            inode_id, parent = await ns.remove_entry(req.target, req.directory)
+            return mpb.RemoveRsp(inode_id=inode_id, parent=parent)
 
         rsp = await self._mutate(req.ctx, mpb.RemoveRsp, op)
         self._gc_wakeup.set()

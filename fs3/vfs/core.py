@@ -369,14 +369,20 @@ class Vfs:
         return self._with_local_length(inode)
 
     async def unlink(self, parent: int, name: bytes, user: mpb.User) -> None:
-        self._forget_all()
-        await self.meta.remove(name_ref(parent, name), user=user)
-        self.names.gone(parent, name)
+        await self._remove(parent, name, False, user)
 
     async def rmdir(self, parent: int, name: bytes, user: mpb.User) -> None:
+        await self._remove(parent, name, True, user)
+
+    async def _remove(self, parent: int, name: bytes, directory: bool, user: mpb.User) -> None:
         self._forget_all()
-        await self.meta.remove(name_ref(parent, name), directory=True, user=user)
+        asked_at = self._attr_changes
+        rsp = await self.meta.remove_entry(name_ref(parent, name), directory=directory, user=user)
         self.names.gone(parent, name)
+        if rsp.HasField("parent"):
+            # The kernel drops the directory's attributes after a removal and asks at its next
+            # look into it (every path walk checks search permission): answered from here.
+            self._remember(rsp.parent, asked_at)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int,
                      user: mpb.User) -> None:
@@ -454,6 +460,10 @@ class Vfs:
         rsp = await self.meta.open(name_ref(parent, name), flags | O_CREAT, mode=stat_mod.S_IMODE(mode), user=user)
         if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
             self._remember_no_capability(rsp.inode.inode_id)
+        if rsp.HasField("parent"):
+            # The directory as the create left it: the kernel asks for it right after (as after
+            # an unlink), and this mount must see its own change without a round trip to meta.
+            self._remember(rsp.parent, asked_at)
         self.names.saw(parent, name, rsp.inode)
         return self._register(rsp, flags, name.decode(errors="replace"), asked_at, user), rsp.inode
 
