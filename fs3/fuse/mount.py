@@ -45,6 +45,11 @@ class MountOptions:
     allow_other: bool | None = None     # None: when running as root (others need /etc/fuse.conf)
     attr_timeout_s: float = 1.0
     entry_timeout_s: float = 1.0
+    created_entry_timeout_s: float = 30.0   # the entry timeout of a file this mount created (VfsConfig)
+    # The kernel's writeback cache: writes gather in the page cache and reach the daemon in
+    # larger pieces (at the latest at close); the kernel then trusts its own size and mtime
+    # of an open file. Off by default: see docs/decisions.md for what it gains and breaks.
+    writeback_cache: bool = False
     inflight_per_file: int = 8
     log_level: str = "INFO"
     # The kernel's read-ahead for the mount in KiB (root only; 0 keeps the kernel's 128 KiB). A
@@ -156,6 +161,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport, tls=options.tls,
                                    metrics_port=options.metrics_port, metrics_host=options.metrics_host)
         vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
+                                created_entry_timeout_s=options.created_entry_timeout_s,
                                 inflight_per_file=options.inflight_per_file),
                   # From a worker thread: the kernel may hold the directory while a request runs.
                   drop_entry=lambda parent, name: pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True))
@@ -164,7 +170,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         if allow_other:
             fuse_options.add("allow_other")
         operations = FS3Operations(vfs, after_init=lambda: set_readahead(target, options.readahead_kb),
-                                   metrics=MountMetrics(fs.metrics.registry))
+                                   metrics=MountMetrics(fs.metrics.registry), writeback_cache=options.writeback_cache)
         pyfuse3.init(operations, str(target), fuse_options)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -221,9 +227,12 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level,
             "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
             "--attr-timeout-s", str(options.attr_timeout_s), "--metrics-port", str(options.metrics_port),
+            "--created-entry-timeout-s", str(options.created_entry_timeout_s),
             "--metrics-host", options.metrics_host]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
+    if options.writeback_cache:
+        args.append("--writeback-cache")
     if options.tls is not None:  # file names only: the key stays in its file
         for key in ("ca_file", "cert_file", "key_file", "server_name"):
             if getattr(options.tls, key):

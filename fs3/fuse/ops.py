@@ -110,9 +110,11 @@ class FS3Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, vfs: Vfs, after_init: Callable[[], object] | None = None,
-                 metrics: MountMetrics | None = None) -> None:
-        """``metrics``: where each answered request is counted (None: nowhere)."""
+                 metrics: MountMetrics | None = None, writeback_cache: bool = False) -> None:
+        """``metrics``: where each answered request is counted (None: nowhere).
+        ``writeback_cache``: let the kernel gather writes in its page cache (see MountOptions)."""
         super().__init__()
+        self.enable_writeback_cache = writeback_cache
         self.vfs = vfs
         self.metrics = metrics
         self._told: dict[int, tuple[int, int]] = {}  # inode -> (size, mtime) last given to the kernel
@@ -262,7 +264,9 @@ class FS3Operations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, inode = await self.vfs.create(parent_inode, name, mode, flags, _user(ctx))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False), self.attributes(inode)
+        attr = self.attributes(inode)
+        attr.entry_timeout = self.vfs.config.created_entry_timeout_s  # see VfsConfig
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False), attr
 
     @answer_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:

@@ -67,6 +67,12 @@ _CAPABILITY_XATTR = b"security.capability"
 class VfsConfig:
     attr_timeout_s: float = 1.0     # how long the kernel may cache attributes
     entry_timeout_s: float = 1.0    # how long the kernel may cache a name -> inode answer
+    # ... for a file this mount created: its next open, stat or unlink here skips the lookup. A
+    # name another mount replaces or removes meanwhile is still right where it matters: an open
+    # checks the name (KernelNames), a stat or unlink of a file that is gone is ESTALE, on which
+    # the kernel looks the name up again; only the attributes of a file replaced while still held
+    # (open, or hard-linked elsewhere) can be shown this long.
+    created_entry_timeout_s: float = 30.0
     inflight_per_file: int = 8      # chunk requests in flight per open file (bounds its memory)
 
 
@@ -208,7 +214,7 @@ class Vfs:
         self.fs = fs
         self.meta: Meta = fs.metadata
         self.config = config or VfsConfig()
-        self.names = KernelNames(self.config.entry_timeout_s, drop_entry)
+        self.names = KernelNames(max(self.config.entry_timeout_s, self.config.created_entry_timeout_s), drop_entry)
         self._handles: dict[int, _Handle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._ids = itertools.count(1)
