@@ -200,12 +200,14 @@ def report(variants: list[Variant], files: int, json_path: str | None) -> None:
         out[phase] = {"rates": {v.name: v.rates[phase] for v in variants}, "ratios": dict(
             zip((v.name for v in variants[1:]), ratios, strict=True))}
     print("\nrequests per file (FUSE ops answered; meta and storage RPCs served):")
+    requests: dict[str, dict[str, float]] = {}
     for phase in PHASES:
         for v in variants:
             counts = v.requests[phase]
             shown = ", ".join(f"{k} {n / files:.2f}" for k, n in sorted(counts.items()) if n / files >= 0.01)
             print(f"  {phase:<7} {v.name:<12} {shown}")
-            out.setdefault("requests", {})[f"{phase}/{v.name}"] = {k: n / files for k, n in counts.items()}  # type: ignore[union-attr]
+            requests[f"{phase}/{v.name}"] = {k: n / files for k, n in counts.items()}
+    out["requests"] = requests
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2))
 

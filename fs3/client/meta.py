@@ -193,6 +193,13 @@ class Meta:
                            acked=acked)
         return (await self.client.call("Close", req, mpb.InodeRsp, user)).inode
 
+    async def close_sessions(self, sessions: Sequence[tuple[int, bytes]], user: mpb.User | None = None) -> int:
+        """End sessions that have no length to publish (``(inode_id, session_id)`` each), in one
+        call; how many were still open."""
+        req = mpb.CloseSessionsReq(sessions=[mpb.CloseReq(inode_id=inode_id, session_id=session_id)
+                                             for inode_id, session_id in sessions])
+        return (await self.client.call("CloseSessions", req, mpb.CloseSessionsRsp, user)).closed
+
     async def grant_capability(self, inode_id: int, access: int, session_id: bytes, previous: bytes, *,
                                user: mpb.User | None = None) -> mpb.GrantCapabilityRsp:
         """A fresh data-path capability for an open file's session (``access``: ``CAPABILITY_*``

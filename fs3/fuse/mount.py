@@ -50,6 +50,8 @@ class MountOptions:
     # larger pieces (at the latest at close); the kernel then trusts its own size and mtime
     # of an open file. Off by default: see docs/decisions.md for what it gains and breaks.
     writeback_cache: bool = False
+    # Released handles with nothing left to publish end their sessions in batches (VfsConfig).
+    batched_closes: bool = True
     inflight_per_file: int = 8
     log_level: str = "INFO"
     # The kernel's read-ahead for the mount in KiB (root only; 0 keeps the kernel's 128 KiB). A
@@ -162,6 +164,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
                                    metrics_port=options.metrics_port, metrics_host=options.metrics_host)
         vfs = Vfs(fs, VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
                                 created_entry_timeout_s=options.created_entry_timeout_s,
+                                gather_session_ends=options.batched_closes,
                                 inflight_per_file=options.inflight_per_file),
                   # From a worker thread: the kernel may hold the directory while a request runs.
                   drop_entry=lambda parent, name: pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True))
@@ -233,6 +236,8 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
     if options.writeback_cache:
         args.append("--writeback-cache")
+    if not options.batched_closes:
+        args.append("--no-batched-closes")
     if options.tls is not None:  # file names only: the key stays in its file
         for key in ("ca_file", "cert_file", "key_file", "server_name"):
             if getattr(options.tls, key):

@@ -1077,6 +1077,14 @@ class Namespace:
         self.flush()
         return CloseResult(inode, gc)
 
+    async def close_if_open(self, inode_id: int, session_id: bytes) -> bool:
+        """End a handle with no length to publish; False when its session is gone already (its
+        client's lease lapsed, or an earlier attempt of the same batch ended it)."""
+        if await self.txn.get(schema.session_key(inode_id, session_id)) is None:
+            return False
+        await self.close(inode_id, session_id)
+        return True
+
     async def sync(self, inode_id: int, session_id: bytes, length: LengthReport) -> mpb.Inode:
         """Publish a handle's length (fsync, flush, periodic hints) without closing it."""
         session = await self._session(inode_id, session_id)

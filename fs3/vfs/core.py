@@ -73,6 +73,9 @@ class VfsConfig:
     # the kernel looks the name up again; only the attributes of a file replaced while still held
     # (open, or hard-linked elsewhere) can be shown this long.
     created_entry_timeout_s: float = 30.0
+    # Sessions of released handles with nothing left to publish are ended in batches
+    # (fs3.client.closes); False: each release waits for its own Close.
+    gather_session_ends: bool = True
     inflight_per_file: int = 8      # chunk requests in flight per open file (bounds its memory)
 
 
@@ -277,6 +280,7 @@ class Vfs:
         self.fs.metrics.cache("attr", hit)
         if hit and cached is not None:
             return self._with_local_length(cached[1])
+        await self.fs.session_closes.settle(inode_id)
         asked_at = self._attr_changes
         inode = (await self.meta.batch_stat([inode_id], user))[0]
         if inode.inode_id == 0:
@@ -290,6 +294,7 @@ class Vfs:
                       mtime_ns: int | None = None, atime_now: bool = False, mtime_now: bool = False,
                       fh: int | None = None) -> mpb.Inode:
         self._forget(inode_id)
+        await self.fs.session_closes.settle(inode_id)
         mask = 0
         if mode is not None:
             mask |= mpb.SET_MODE
@@ -385,6 +390,9 @@ class Vfs:
         asked_at = self._attr_changes
         rsp = await self.meta.remove_entry(name_ref(parent, name), directory=directory, user=user)
         self.names.gone(parent, name)
+        # A file this mount closed a moment ago still has its session's end queued: sent now, so
+        # that the file is gone for everyone once the unlink returns (not kept for the batch).
+        await self.fs.session_closes.settle(rsp.inode_id)
         if rsp.HasField("parent"):
             # The kernel drops the directory's attributes after a removal and asks at its next
             # look into it (every path walk checks search permission): answered from here.
@@ -401,6 +409,8 @@ class Vfs:
         if flags & mpb.RENAME_EXCHANGE and replaced:
             self.names.saw(old_parent, old_name, mpb.Inode(inode_id=replaced, type=mpb.FILE))
         self.names.saw(new_parent, new_name, moved)
+        if replaced and not flags & mpb.RENAME_EXCHANGE:
+            await self.fs.session_closes.settle(replaced)  # as in unlink
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -424,6 +434,7 @@ class Vfs:
         in the open's own transaction (nothing is opened or truncated through a stale name); older
         names of a hard-linked file are checked by lookups first. See :class:`KernelNames`.
         """
+        await self.fs.session_closes.settle(inode_id)  # a file removed elsewhere is gone once this mount closed it
         names = self.names.of(inode_id)
         if len(names) > 1:
             stale = [n for n in names[1:] if not await self._still_names(*n, inode_id, user)]
@@ -530,7 +541,9 @@ class Vfs:
         if handle.file.has_unpublished_writes:
             self._forget(handle.file.inode.inode_id)
         async with handle.lock:
-            await handle.file.close()
+            # The kernel sends release once close(2) has returned: the length went with the flush,
+            # and the end of the session can go with others (see SessionCloses).
+            await handle.file.close(gather_session_end=self.config.gather_session_ends)
 
     # -- directories -----------------------------------------------------------------------------
 
@@ -582,6 +595,7 @@ class Vfs:
             self.fs.metrics.cache("xattr", remembered)
             if remembered:
                 raise NoXattr("no such attribute")
+        await self.fs.session_closes.settle(inode_id)
         try:
             with _stale_if_gone(inode_id):
                 value = await self.meta.get_xattr(inode_id, name, user=user)
@@ -599,10 +613,12 @@ class Vfs:
     async def setxattr(self, inode_id: int, name: bytes, value: bytes, flags: int, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
+        await self.fs.session_closes.settle(inode_id)
         with _stale_if_gone(inode_id):
             await self.meta.set_xattr(inode_id, name, value, flags=flags, user=user)
 
     async def listxattr(self, inode_id: int, user: mpb.User) -> list[bytes]:
+        await self.fs.session_closes.settle(inode_id)
         with _stale_if_gone(inode_id):
             names = await self.meta.list_xattr(inode_id, user=user)
         return [bytes(n) for n in names]
@@ -610,6 +626,7 @@ class Vfs:
     async def removexattr(self, inode_id: int, name: bytes, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
+        await self.fs.session_closes.settle(inode_id)
         with _stale_if_gone(inode_id):
             await self.meta.remove_xattr(inode_id, name, user=user)
 
