@@ -17,6 +17,7 @@ when its lease lapses, and a client that closes drains the queue first (:meth:`d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 
@@ -41,6 +42,7 @@ class SessionCloses:
         self._pending: list[tuple[int, bytes]] = []
         self._pending_inodes: Counter[int] = Counter()  # queued or being sent, per inode
         self._sender: asyncio.Task[None] | None = None
+        self._hurry = asyncio.Event()  # send what is queued now, without waiting for more
         self.sent_batches = 0  # calls made (tests and benchmarks read it)
 
     def __len__(self) -> int:
@@ -49,11 +51,11 @@ class SessionCloses:
     async def close_later(self, inode_id: int, session_id: bytes) -> None:
         """Queue the end of a session that has no length left to publish."""
         while len(self._pending) >= PENDING_MAX:
+            self._hurry.set()
             await self._wait_sender()
         self._pending.append((inode_id, session_id))
         self._pending_inodes[inode_id] += 1
-        if self._sender is None or self._sender.done():
-            self._sender = asyncio.create_task(self._send())
+        self._start()
 
     async def settle(self, inode_id: int) -> None:
         """Before a call about ``inode_id`` whose answer depends on its open sessions (a stat or
@@ -63,19 +65,25 @@ class SessionCloses:
             await self.drain()
 
     async def drain(self) -> None:
-        """Send everything queued (the client is closing)."""
+        """Send everything queued now (the client is closing, or a call must see it done)."""
         while self._pending or (self._sender is not None and not self._sender.done()):
-            if self._sender is None or self._sender.done():
-                self._sender = asyncio.create_task(self._send(gather=False))
+            self._hurry.set()
+            self._start()
             await self._wait_sender()
+
+    def _start(self) -> None:
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send())
 
     async def _wait_sender(self) -> None:
         if self._sender is not None:
             await asyncio.shield(self._sender)
 
-    async def _send(self, gather: bool = True) -> None:
-        if gather:
-            await asyncio.sleep(self.gather_s)
+    async def _send(self) -> None:
+        if not self._hurry.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._hurry.wait(), self.gather_s)
+        self._hurry.clear()
         while self._pending:
             batch, self._pending = self._pending[:BATCH_MAX], self._pending[BATCH_MAX:]
             try:

@@ -434,8 +434,11 @@ class Vfs:
         in the open's own transaction (nothing is opened or truncated through a stale name); older
         names of a hard-linked file are checked by lookups first. See :class:`KernelNames`.
         """
-        await self.fs.session_closes.settle(inode_id)  # a file removed elsewhere is gone once this mount closed it
         names = self.names.of(inode_id)
+        if not names:
+            # Opened by inode alone: a file removed elsewhere must be gone once this mount closed
+            # it, not kept by a session end still queued here. (By name, meta checks the name.)
+            await self.fs.session_closes.settle(inode_id)
         if len(names) > 1:
             stale = [n for n in names[1:] if not await self._still_names(*n, inode_id, user)]
             if stale:

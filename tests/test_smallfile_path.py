@@ -1,0 +1,120 @@
+"""The small-file path of the mount's VFS: fewer meta calls per create, close and unlink, and what
+each shortcut must keep: the directory seen as this mount changed it, close-to-open across
+mounts, and a removed file gone for everyone once the unlink returns."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import pytest
+
+from fs3 import meta_pb2 as mpb
+from fs3.client.closes import BATCH_MAX
+from fs3.common.posix import O_RDONLY, O_WRONLY
+from fs3.vfs import Vfs
+from tests.test_vfs import ME, ROOT, count_meta_calls, read_file, stale, with_two_mounts, with_vfs, write_file
+
+pytestmark = pytest.mark.slow  # in-process clusters
+
+
+def test_create_and_unlink_answer_the_directory_as_they_left_it(tmp_path: Path) -> None:
+    """The kernel asks for a directory's attributes after every create and unlink in it (its next
+    path walk checks search permission): the answer is the directory as meta's create or remove
+    left it, with no call of its own, and shows this mount's change (mtime, nlink of a subdirectory)."""
+    async def body(vfs: Vfs) -> None:
+        d = await vfs.mkdir(ROOT, b"d", 0o755, ME)
+        before = await vfs.getattr(d.inode_id, ME)
+        await asyncio.sleep(0.01)  # a later create gets a later mtime
+        calls = count_meta_calls(vfs)
+        fh, f = await vfs.create(d.inode_id, b"f", stat.S_IFREG | 0o644, O_WRONLY, ME)
+        created = await vfs.getattr(d.inode_id, ME)
+        assert calls == ["Open"]
+        assert created.mtime_ns > before.mtime_ns and created.ctime_ns > before.ctime_ns
+        await vfs.write(fh, 0, b"x" * 4096)
+        await vfs.flush(fh)
+        await vfs.release(fh)
+        calls.clear()
+        await vfs.unlink(d.inode_id, b"f", ME)
+        removed = await vfs.getattr(d.inode_id, ME)
+        assert "BatchStat" not in calls
+        assert removed.mtime_ns > created.mtime_ns
+        with pytest.raises(OSError) as info:  # gone at once, its queued session end sent with the unlink
+            await vfs.getattr(f.inode_id, ME)
+        assert stale(info)
+        sub = await vfs.mkdir(d.inode_id, b"sub", 0o755, ME)
+        assert (await vfs.getattr(d.inode_id, ME)).nlink == 3
+        calls.clear()
+        await vfs.rmdir(d.inode_id, b"sub", ME)
+        assert (await vfs.getattr(d.inode_id, ME)).nlink == 2
+        assert calls == ["Remove"]
+        with pytest.raises(OSError):
+            await vfs.getattr(sub.inode_id, ME)
+    with_vfs(tmp_path, body)
+
+
+def test_released_handles_end_their_sessions_in_batches(tmp_path: Path) -> None:
+    """A handle whose flush published its length (or that never wrote) ends its session in a batch
+    with others: no Close per file; every session ends all the same (an unlinked file is collected)."""
+    async def body(vfs: Vfs) -> None:
+        calls = count_meta_calls(vfs)
+        vfs.fs.session_closes.gather_s = 3600.0  # nothing goes out before the drain below, however slow
+        files = [await write_file(vfs, ROOT, b"f%03d" % i, b"%03d" % i * 1000) for i in range(BATCH_MAX + 10)]
+        for f in files:
+            assert await read_file(vfs, f.inode_id) == b"%03d" % (files.index(f)) * 1000
+        await vfs.fs.session_closes.drain()
+        assert "Close" not in calls
+        # One call per BATCH_MAX sessions (a write and a read handle per file).
+        assert calls.count("CloseSessions") == -(-2 * len(files) // BATCH_MAX)
+        assert len(vfs.fs.session_closes) == 0
+        # Nothing holds the files any more: each is gone as soon as its name is.
+        other = await vfs.fs.metadata.open(mpb.PathRef(parent=ROOT, path=b"f000"), O_RDONLY)
+        assert other.session_id
+        for i in range(len(files)):
+            await vfs.unlink(ROOT, b"f%03d" % i, ME)
+        gone = await vfs.fs.metadata.batch_stat([f.inode_id for f in files[1:]])
+        assert all(inode.inode_id == 0 for inode in gone)
+        # ...but a session still open keeps its file (the unlinked-open case is untouched).
+        assert (await vfs.fs.metadata.batch_stat([files[0].inode_id]))[0].inode_id == files[0].inode_id
+        await vfs.fs.metadata.close(files[0].inode_id, other.session_id, length_hint=0, wrote=False, acked=True)
+        assert (await vfs.fs.metadata.batch_stat([files[0].inode_id]))[0].inode_id == 0
+    with_vfs(tmp_path, body)
+
+
+def test_a_length_published_at_close_is_seen_by_another_mounts_open(tmp_path: Path) -> None:
+    """Close-to-open with the session's end still queued on the writer's mount: the flush made the
+    length and the bytes visible, so an open on another mount right after sees all of them."""
+    async def body(a: Vfs, b: Vfs) -> None:
+        for size in (1, 4096, 70_000, 200_000):  # within a chunk, and across chunks
+            data = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+            f = await write_file(a, ROOT, b"f%d" % size, data)
+            assert len(a.fs.session_closes) >= 1  # the writer's session has not ended yet
+            assert (await b.lookup(ROOT, b"f%d" % size, ME)).size == size
+            assert await read_file(b, f.inode_id) == data
+            # Rewritten in place by A (open, write, close): B's next open sees the new bytes.
+            fh, _ = await a.open(f.inode_id, O_WRONLY, ME)
+            await a.write(fh, 0, b"new")
+            await a.flush(fh)
+            await a.release(fh)
+            assert (await read_file(b, f.inode_id))[:3] == b"new"
+    with_two_mounts(tmp_path, body)
+
+
+def test_a_file_replaced_on_another_mount_right_after_this_one_closed_it(tmp_path: Path) -> None:
+    """Mount A writes a file and closes it (its session's end queued); mount B replaces the file by
+    rename and removes the result: the old file, no longer held by anyone once A's queue goes out,
+    is collected, and A, coming back by inode, is told ESTALE rather than shown the old file."""
+    async def body(a: Vfs, b: Vfs) -> None:
+        old = await write_file(a, ROOT, b"f", b"old")
+        new = await write_file(b, ROOT, b"f.tmp", b"new")
+        await b.rename(ROOT, b"f.tmp", ROOT, b"f", 0, ME)
+        with pytest.raises(OSError) as info:  # A's kernel still maps "f" to the old file
+            await a.open(old.inode_id, O_RDONLY, ME)
+        assert stale(info)
+        assert (await a.lookup(ROOT, b"f", ME)).inode_id == new.inode_id
+        assert await read_file(a, new.inode_id) == b"new"
+        await b.unlink(ROOT, b"f", ME)
+        await a.fs.session_closes.drain()
+        assert [i.inode_id for i in await b.fs.metadata.batch_stat([old.inode_id, new.inode_id])] == [0, 0]
+    with_two_mounts(tmp_path, body)
