@@ -2,14 +2,16 @@
 
 Usage::
 
-    python bench/smallfile_bench.py [--files 2000] [--rounds 3] \\
+    python bench/smallfile_bench.py [--files 2000] [--writes 2048] [--rounds 3] [--phases create,...] \\
         [--variant NAME=MOUNT_ARGS[@SOURCE_DIR]] ...
 
 One cluster (mgmtd, meta, three storage nodes, chains of 3), one FUSE mount per variant, all
 mounted at once. Each round runs, on every variant in turn (the order rotates from round to
 round, so a slow spell of the machine is spread over all of them), the small-file workload of
 ``bench/compare.py`` with one process: ``--files`` files of 4 KiB created and written (open
-``O_CREAT|O_TRUNC``, one write, close), read (page cache dropped first), stat'ed and deleted.
+``O_CREAT|O_TRUNC``, one write, close), read (page cache dropped first), stat'ed and deleted;
+then small writes to one file: ``--writes`` writes of 4 KiB in order (``seqwrite``) or at random
+4 KiB-aligned offsets (``randwrite``), the file closed at the end (the rate counts the close).
 
 A variant is its mount's extra ``fs3 mount`` arguments (``--writeback-cache``...) and, after
 ``@``, another checkout to run that mount's daemon from (the code before a change: a
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -46,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 from fs3.cli.bench import drop_page_cache  # noqa: E402
 from tests.harness import ProcessCluster  # noqa: E402
 
-PHASES = ("create", "read", "stat", "delete")
+PHASES = ("create", "read", "stat", "delete", "seqwrite", "randwrite")
+UNITS = {"seqwrite": "writes/s", "randwrite": "writes/s"}  # the others: files/s
 PAYLOAD_BYTES = 4096
 
 
@@ -117,9 +121,22 @@ def unmount(variant: Variant) -> None:
         subprocess.run(["fusermount3", "-uz", str(variant.mountpoint)], check=False)
 
 
-def run_phase(directory: Path, phase: str, count: int, payload: bytes) -> float:
-    """One phase over ``count`` files in ``directory``; returns files/s."""
+def run_phase(directory: Path, phase: str, count: int, payload: bytes, writes: int) -> float:
+    """One phase over ``count`` files in ``directory`` (files/s), or ``writes`` 4 KiB writes to one
+    file, sequential or at random 4 KiB-aligned offsets, closed at the end (writes/s)."""
     started = time.perf_counter()
+    if phase in ("seqwrite", "randwrite"):
+        rng = random.Random(writes)
+        fd = os.open(directory / phase, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            for i in range(writes):
+                offset = i if phase == "seqwrite" else rng.randrange(writes)
+                os.pwrite(fd, payload, offset * len(payload))
+        finally:
+            os.close(fd)
+        rate = writes / (time.perf_counter() - started)
+        os.unlink(directory / phase)
+        return rate
     if phase == "create":
         for i in range(count):
             fd = os.open(directory / f"f{i}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
@@ -145,10 +162,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--writes", type=int, default=2048, help="4 KiB writes of the seqwrite and randwrite phases")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"a subset of {','.join(PHASES)}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=MOUNT_ARGS[@SOURCE_DIR]")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variant] or [Variant("default", [], ROOT)]
+    phases = [p for p in args.phases.split(",") if p]
+    if unknown := set(phases) - set(PHASES):
+        parser.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
     payload = os.urandom(PAYLOAD_BYTES)
     with tempfile.TemporaryDirectory(prefix="fs3-smallfile-") as tmp:
         work = Path(tmp)
@@ -165,48 +187,49 @@ def main() -> int:
                 for variant in order:
                     directory = variant.mountpoint / f"round{rnd}"
                     directory.mkdir()
-                    for phase in PHASES:
+                    for phase in phases:
                         if phase == "read":
                             drop_page_cache()
                         before = sum((scrape(a) for a in [variant.metrics, *services]), Counter())
-                        rate = run_phase(directory, phase, args.files, payload)
+                        rate = run_phase(directory, phase, args.files, payload, args.writes)
                         after = sum((scrape(a) for a in [variant.metrics, *services]), Counter())
                         variant.rates[phase].append(rate)
                         after.subtract(before)
                         variant.requests[phase].update(+after)
                     directory.rmdir()
                     print(f"round {rnd + 1}: {variant.name}: " + ", ".join(
-                        f"{p} {variant.rates[p][-1]:,.0f}/s" for p in PHASES), flush=True)
+                        f"{p} {variant.rates[p][-1]:,.0f}/s" for p in phases), flush=True)
         finally:
             for variant in variants:
                 unmount(variant)
             cluster.stop_all()
-    report(variants, args.files * args.rounds, args.json)
+    report(variants, phases, args.files * args.rounds, args.writes * args.rounds, args.json)
     return 0
 
 
-def report(variants: list[Variant], files: int, json_path: str | None) -> None:
+def report(variants: list[Variant], phases: list[str], files: int, writes: int, json_path: str | None) -> None:
     base = variants[0]
     print(f"\n| phase | {' | '.join(v.name for v in variants)} | "
           + " | ".join(f"{v.name} / {base.name}" for v in variants[1:]) + " |")
     print("|---" * (1 + 2 * len(variants) - 1) + "|")
     out: dict[str, object] = {}
-    for phase in PHASES:
+    for phase in phases:
         medians = [statistics.median(v.rates[phase]) for v in variants]
         ratios = [statistics.median(a / b for a, b in zip(v.rates[phase], base.rates[phase], strict=True))
                   for v in variants[1:]]
-        print(f"| {phase} (files/s) | " + " | ".join(f"{m:,.0f}" for m in medians) + " | "
+        print(f"| {phase} ({UNITS.get(phase, 'files/s')}) | " + " | ".join(f"{m:,.0f}" for m in medians) + " | "
               + " | ".join(f"{r:.2f}" for r in ratios) + " |")
         out[phase] = {"rates": {v.name: v.rates[phase] for v in variants}, "ratios": dict(
             zip((v.name for v in variants[1:]), ratios, strict=True))}
-    print("\nrequests per file (FUSE ops answered; meta and storage RPCs served):")
+    print("\nrequests per file, or per 4 KiB write (FUSE ops answered; meta and storage RPCs served):")
     requests: dict[str, dict[str, float]] = {}
-    for phase in PHASES:
+    for phase in phases:
+        per = writes if phase in UNITS else files
         for v in variants:
             counts = v.requests[phase]
-            shown = ", ".join(f"{k} {n / files:.2f}" for k, n in sorted(counts.items()) if n / files >= 0.01)
+            shown = ", ".join(f"{k} {n / per:.2f}" for k, n in sorted(counts.items()) if n / per >= 0.01)
             print(f"  {phase:<7} {v.name:<12} {shown}")
-            requests[f"{phase}/{v.name}"] = {k: n / files for k, n in counts.items()}
+            requests[f"{phase}/{v.name}"] = {k: n / per for k, n in counts.items()}
     out["requests"] = requests
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2))
