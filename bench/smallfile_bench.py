@@ -13,7 +13,7 @@ round, so a slow spell of the machine is spread over all of them), the small-fil
 then small writes to one file: ``--writes`` writes of 4 KiB in order (``seqwrite``) or at random
 4 KiB-aligned offsets (``randwrite``), the file closed at the end (the rate counts the close).
 
-A variant is its mount's extra ``fs3 mount`` arguments (``--writeback-cache``...) and, after
+A variant is its mount's extra ``fs3 mount`` arguments (``--no-batched-closes``...) and, after
 ``@``, another checkout to run that mount's daemon from (the code before a change: a
 ``git worktree`` with its generated ``*_pb2*`` files); the cluster is always this checkout's.
 Without ``--variant``: ``default`` (this checkout, no extra arguments).
@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -196,7 +197,7 @@ def main() -> int:
                         variant.rates[phase].append(rate)
                         after.subtract(before)
                         variant.requests[phase].update(+after)
-                    directory.rmdir()
+                    shutil.rmtree(directory)  # what a subset of the phases left
                     print(f"round {rnd + 1}: {variant.name}: " + ", ".join(
                         f"{p} {variant.rates[p][-1]:,.0f}/s" for p in phases), flush=True)
         finally:

@@ -331,9 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--created-entry-timeout-s", type=_cache_seconds, default=30.0,
                        help="the same for a file this mount created (default 30; an open still checks the "
                        "name with meta, and a file removed elsewhere is looked up again)")
-    mount.add_argument("--writeback-cache", action="store_true",
-                       help="the kernel's writeback cache: small writes gathered in the page cache (off by "
-                       "default: another mount's change to an open file's size is not seen; docs/decisions.md)")
     mount.add_argument("--no-batched-closes", dest="batched_closes", action="store_false",
                        help="end each released file's session with a call of its own (default: a released "
                        "file whose length is published ends its session in a batch with others)")
@@ -566,7 +563,7 @@ def _main(argv: Sequence[str] | None) -> int:
                                    allow_other=args.allow_other, log_level=args.log_level,
                                    readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
                                    created_entry_timeout_s=args.created_entry_timeout_s,
-                                   writeback_cache=args.writeback_cache, batched_closes=args.batched_closes,
+                                   batched_closes=args.batched_closes,
                                    attr_timeout_s=args.attr_timeout_s, metrics_port=args.metrics_port,
                                    metrics_host=args.metrics_host)
             if args.foreground:

@@ -46,10 +46,6 @@ class MountOptions:
     attr_timeout_s: float = 1.0
     entry_timeout_s: float = 1.0
     created_entry_timeout_s: float = 30.0   # the entry timeout of a file this mount created (VfsConfig)
-    # The kernel's writeback cache: writes gather in the page cache and reach the daemon in
-    # larger pieces (at the latest at close); the kernel then trusts its own size and mtime
-    # of an open file. Off by default: see docs/decisions.md for what it gains and breaks.
-    writeback_cache: bool = False
     # Released handles with nothing left to publish end their sessions in batches (VfsConfig).
     batched_closes: bool = True
     inflight_per_file: int = 8
@@ -173,7 +169,7 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         if allow_other:
             fuse_options.add("allow_other")
         operations = FS3Operations(vfs, after_init=lambda: set_readahead(target, options.readahead_kb),
-                                   metrics=MountMetrics(fs.metrics.registry), writeback_cache=options.writeback_cache)
+                                   metrics=MountMetrics(fs.metrics.registry))
         pyfuse3.init(operations, str(target), fuse_options)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -234,8 +230,6 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--metrics-host", options.metrics_host]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
-    if options.writeback_cache:
-        args.append("--writeback-cache")
     if not options.batched_closes:
         args.append("--no-batched-closes")
     if options.tls is not None:  # file names only: the key stays in its file
