@@ -118,3 +118,23 @@ def test_a_file_replaced_on_another_mount_right_after_this_one_closed_it(tmp_pat
         await a.fs.session_closes.drain()
         assert [i.inode_id for i in await b.fs.metadata.batch_stat([old.inode_id, new.inode_id])] == [0, 0]
     with_two_mounts(tmp_path, body)
+
+
+def test_concurrent_creates_and_unlinks_leave_the_directory_as_meta_has_it(tmp_path: Path) -> None:
+    """Answers to creates and unlinks in one directory may come back in any order: the directory
+    this mount then shows is meta's latest, never one an earlier answer carried."""
+    async def body(vfs: Vfs) -> None:
+        d = await vfs.mkdir(ROOT, b"d", 0o755, ME)
+        for _ in range(3):
+            handles = await asyncio.gather(*(vfs.create(d.inode_id, b"f%d" % i, stat.S_IFREG | 0o644, O_WRONLY, ME)
+                                             for i in range(20)))
+            shown = await vfs.getattr(d.inode_id, ME)
+            [actual] = await vfs.fs.metadata.batch_stat([d.inode_id])
+            assert (shown.mtime_ns, shown.ctime_ns) == (actual.mtime_ns, actual.ctime_ns)
+            for fh, _ in handles:
+                await vfs.release(fh)
+            await asyncio.gather(*(vfs.unlink(d.inode_id, b"f%d" % i, ME) for i in range(20)))
+            shown = await vfs.getattr(d.inode_id, ME)
+            [actual] = await vfs.fs.metadata.batch_stat([d.inode_id])
+            assert (shown.mtime_ns, shown.ctime_ns) == (actual.mtime_ns, actual.ctime_ns)
+    with_vfs(tmp_path, body)

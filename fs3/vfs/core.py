@@ -243,6 +243,15 @@ class Vfs:
             self._attrs.clear()
         self._attrs[inode.inode_id] = (asyncio.get_running_loop().time() + self.config.attr_timeout_s, inode)
 
+    def _remember_change(self, inode: mpb.Inode, asked_at: int) -> None:
+        """Keep ``inode`` as a change this mount made left it, unless another change was made
+        meanwhile; then forget it: the two answers may have come back in either order, and one
+        kept from before this one committed would hide this change."""
+        if asked_at == self._attr_changes:
+            self._remember(inode, asked_at)
+        else:
+            self._forget(inode.inode_id)
+
     def _forget(self, *inode_ids: int) -> None:
         self._attr_changes += 1
         for inode_id in inode_ids:
@@ -335,7 +344,7 @@ class Vfs:
                 mtime_ns=mtime_ns if mask & mpb.SET_MTIME and mtime_ns is not None else 0, user=user)
         if mask & mpb.SET_SIZE:
             self.fs.size_changed(inode_id, new_size)
-        self._remember(inode, asked_at)
+        self._remember_change(inode, asked_at)
         return self._with_local_length(inode)
 
     async def readlink(self, inode_id: int, user: mpb.User) -> bytes:
@@ -396,7 +405,7 @@ class Vfs:
         if rsp.HasField("parent"):
             # The kernel drops the directory's attributes after a removal and asks at its next
             # look into it (every path walk checks search permission): answered from here.
-            self._remember(rsp.parent, asked_at)
+            self._remember_change(rsp.parent, asked_at)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int,
                      user: mpb.User) -> None:
@@ -483,7 +492,7 @@ class Vfs:
         if rsp.HasField("parent"):
             # The directory as the create left it: the kernel asks for it right after (as after
             # an unlink), and this mount must see its own change without a round trip to meta.
-            self._remember(rsp.parent, asked_at)
+            self._remember_change(rsp.parent, asked_at)
         self.names.saw(parent, name, rsp.inode)
         return self._register(rsp, flags, name.decode(errors="replace"), asked_at, user), rsp.inode
 
