@@ -9,7 +9,8 @@ One cluster (mgmtd, meta, three storage nodes, chains of 3), one FUSE mount per 
 mounted at once. Each round runs, on every variant in turn (the order rotates from round to
 round, so a slow spell of the machine is spread over all of them), the small-file workload of
 ``bench/compare.py`` with one process: ``--files`` files of 4 KiB created and written (open
-``O_CREAT|O_TRUNC``, one write, close), read (page cache dropped first), stat'ed and deleted;
+``O_CREAT|O_TRUNC``, one write, close), read (the kernel's caches dropped first, as
+``bench/compare.py`` does, unless ``--keep-caches``), stat'ed and deleted;
 then small writes to one file: ``--writes`` writes of 4 KiB in order (``seqwrite``) or at random
 4 KiB-aligned offsets (``randwrite``), the file closed at the end (the rate counts the close).
 
@@ -167,6 +168,8 @@ def main() -> int:
     parser.add_argument("--phases", default=",".join(PHASES), help=f"a subset of {','.join(PHASES)}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=MOUNT_ARGS[@SOURCE_DIR]")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--keep-caches", action="store_true",
+                        help="do not drop the kernel's caches before the read phase (its entries stay)")
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variant] or [Variant("default", [], ROOT)]
     phases = [p for p in args.phases.split(",") if p]
@@ -189,7 +192,7 @@ def main() -> int:
                     directory = variant.mountpoint / f"round{rnd}"
                     directory.mkdir()
                     for phase in phases:
-                        if phase == "read":
+                        if phase == "read" and not args.keep_caches:
                             drop_page_cache()
                         before = sum((scrape(a) for a in [variant.metrics, *services]), Counter())
                         rate = run_phase(directory, phase, args.files, payload, args.writes)
