@@ -5,6 +5,7 @@ mounts, and a removed file gone for everyone once the unlink returns."""
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 from pathlib import Path
 
@@ -138,3 +139,34 @@ def test_concurrent_creates_and_unlinks_leave_the_directory_as_meta_has_it(tmp_p
             [actual] = await vfs.fs.metadata.batch_stat([d.inode_id])
             assert (shown.mtime_ns, shown.ctime_ns) == (actual.mtime_ns, actual.ctime_ns)
     with_vfs(tmp_path, body)
+
+
+def test_close_sessions_ends_only_what_it_may(tmp_path: Path) -> None:
+    """``CloseSessions`` ends sessions without a length to publish: a session already gone is
+    skipped, one with a length to publish or of another client, or too many at once, is refused
+    (and nothing of that batch is ended)."""
+    from fs3.common.errors import BadHandle, InvalidArgument
+    from fs3.meta.limits import CLOSE_SESSIONS_MAX
+
+    async def body(a: Vfs, b: Vfs) -> None:
+        meta = a.fs.metadata
+        opened = [await meta.open(mpb.PathRef(parent=ROOT, path=b"f%d" % i), O_WRONLY | os.O_CREAT, mode=0o644)
+                  for i in range(3)]
+        sessions = [(o.inode.inode_id, o.session_id) for o in opened]
+        other = await b.fs.metadata.open(mpb.PathRef(parent=ROOT, path=b"f0"), O_RDONLY)
+        with pytest.raises(BadHandle):  # B's session is not A's to end
+            await meta.close_sessions([*sessions, (other.inode.inode_id, other.session_id)])
+        with pytest.raises(InvalidArgument):
+            await meta.close_sessions([(sessions[0][0], sessions[0][1])] * (CLOSE_SESSIONS_MAX + 1))
+        req = mpb.CloseSessionsReq(sessions=[mpb.CloseReq(inode_id=sessions[0][0], session_id=sessions[0][1],
+                                                          wrote=True, length_hint=5)])
+        with pytest.raises(InvalidArgument):
+            await a.fs.meta.call("CloseSessions", req, mpb.CloseSessionsRsp)
+        assert await meta.close_sessions(sessions[:1]) == 1
+        assert await meta.close_sessions(sessions) == 2  # the first one is gone already: skipped
+        for i in range(3):  # no session holds them: removed files are gone at once
+            await a.unlink(ROOT, b"f%d" % i, ME)
+        found = await meta.batch_stat([o.inode.inode_id for o in opened])
+        assert found[1].inode_id == 0 and found[2].inode_id == 0
+        assert found[0].inode_id == opened[0].inode.inode_id  # B's session still holds f0
+    with_two_mounts(tmp_path, body)
