@@ -170,3 +170,36 @@ def test_close_sessions_ends_only_what_it_may(tmp_path: Path) -> None:
         assert found[1].inode_id == 0 and found[2].inode_id == 0
         assert found[0].inode_id == opened[0].inode.inode_id  # B's session still holds f0
     with_two_mounts(tmp_path, body)
+
+
+def test_a_batch_that_fails_is_dropped_and_the_queue_still_drains() -> None:
+    """Meta unreachable: the batch is logged and dropped (the lease's expiry ends those sessions),
+    later batches go out, and a drain returns rather than retrying for ever."""
+    from typing import cast
+
+    from fs3.client.closes import SessionCloses
+    from fs3.client.meta import Meta
+    from fs3.common.errors import Unavailable
+
+    sent: list[list[tuple[int, bytes]]] = []
+
+    class FlakyMeta:
+        async def close_sessions(self, sessions: list[tuple[int, bytes]]) -> int:
+            sent.append(list(sessions))
+            if len(sent) == 1:
+                raise Unavailable("meta is down")
+            return len(sessions)
+
+    async def main() -> None:
+        closes = SessionCloses(cast(Meta, FlakyMeta()), gather_s=3600.0)
+        for i in range(BATCH_MAX + 1):
+            await closes.close_later(i, b"s%d" % i)
+        await closes.settle(7)  # queued: everything goes now
+        assert len(closes) == 0 and [len(b) for b in sent] == [BATCH_MAX, 1]
+        await closes.close_later(1, b"again")
+        await closes.settle(999)  # nothing queued for it: nothing sent yet
+        assert len(sent) == 2
+        await closes.drain()
+        assert sent[-1] == [(1, b"again")] and closes.sent_batches == 2
+
+    asyncio.run(main())

@@ -77,7 +77,8 @@ class SessionCloses:
 
     async def _wait_sender(self) -> None:
         if self._sender is not None:
-            await asyncio.shield(self._sender)
+            # Never raises what ended the sender: what is still queued goes with the next one.
+            await asyncio.wait([self._sender])
 
     async def _send(self) -> None:
         if not self._hurry.is_set():
@@ -89,7 +90,9 @@ class SessionCloses:
             try:
                 await self.meta.close_sessions(batch)
                 self.sent_batches += 1
-            except FS3Error as exc:
+            except (FS3Error, OSError) as exc:
+                # Dropped, not retried: every batch taken from the queue is done with, so a drain
+                # ends even when meta cannot be reached; the lease's expiry ends these sessions.
                 log.warning("ending %d sessions failed (their lease's expiry ends them): %s", len(batch), exc)
             finally:
                 for inode_id, _ in batch:
