@@ -203,3 +203,18 @@ def test_a_batch_that_fails_is_dropped_and_the_queue_still_drains() -> None:
         assert sent[-1] == [(1, b"again")] and closes.sent_batches == 2
 
     asyncio.run(main())
+
+
+def test_times_set_right_after_close_do_not_wait_for_the_session_end(tmp_path: Path) -> None:
+    """tar, ``cp -p`` and rsync set a file's times and mode right after closing it: those calls
+    go to meta alone, the session's end stays queued."""
+    async def body(vfs: Vfs) -> None:
+        calls = count_meta_calls(vfs)
+        vfs.fs.session_closes.gather_s = 3600.0
+        f = await write_file(vfs, ROOT, b"extracted", b"x" * 4096)
+        changed = await vfs.setattr(f.inode_id, ME, mtime_ns=1_000_000_000, mode=0o600)
+        assert changed.mtime_ns == 1_000_000_000 and stat.S_IMODE(changed.mode) == 0o600
+        assert calls == ["Open", "Sync", "SetAttr"] and len(vfs.fs.session_closes) == 1
+        await vfs.fs.session_closes.drain()
+        assert calls[-1] == "CloseSessions"
+    with_vfs(tmp_path, body)

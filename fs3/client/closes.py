@@ -57,6 +57,10 @@ class SessionCloses:
         self._pending_inodes[inode_id] += 1
         self._start()
 
+    def pending(self, inode_id: int) -> bool:
+        """Whether an end of a session on ``inode_id`` is queued (or being sent)."""
+        return bool(self._pending_inodes.get(inode_id))
+
     async def settle(self, inode_id: int) -> None:
         """Before a call about ``inode_id`` whose answer depends on its open sessions (a stat or
         change of a file another client may have removed): the queued ends of its sessions go

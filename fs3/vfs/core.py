@@ -303,7 +303,6 @@ class Vfs:
                       mtime_ns: int | None = None, atime_now: bool = False, mtime_now: bool = False,
                       fh: int | None = None) -> mpb.Inode:
         self._forget(inode_id)
-        await self.fs.session_closes.settle(inode_id)
         mask = 0
         if mode is not None:
             mask |= mpb.SET_MODE
@@ -342,6 +341,14 @@ class Vfs:
                 inode_id, mask, mode=stat_mod.S_IMODE(mode or 0), uid=uid or 0, gid=gid or 0, size=new_size,
                 atime_ns=atime_ns if mask & mpb.SET_ATIME and atime_ns is not None else 0,
                 mtime_ns=mtime_ns if mask & mpb.SET_MTIME and mtime_ns is not None else 0, user=user)
+        if inode.nlink == 0 and self.fs.session_closes.pending(inode_id):
+            # Removed, and perhaps alive only by a session end queued here: once that is sent,
+            # a file that is gone is ESTALE, as it would have been without the queue. (Not
+            # sent before the call: tar, cp -p and rsync set times right after each close.)
+            await self.fs.session_closes.settle(inode_id)
+            if not (await self.meta.batch_stat([inode_id], user))[0].inode_id:
+                self._forget(inode_id)
+                raise _stale(f"inode {inode_id} no longer exists")
         if mask & mpb.SET_SIZE:
             self.fs.size_changed(inode_id, new_size)
         self._remember_change(inode, asked_at)
