@@ -546,3 +546,65 @@ def test_the_mount_exports_its_operations_on_its_metrics_port(mount: tuple[Local
     assert total("fs3_fuse_op_duration_seconds_count", op="write") == total("fs3_fuse_ops_total", op="write")
     assert total("process_resident_memory_bytes") > 0
     assert not any(s.name.endswith("_created") for s in samples)
+
+
+def _fuse_ops(address: str) -> dict[str, float]:
+    """The mount's answered requests so far, by operation (from its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as rsp:
+        families = text_string_to_metric_families(rsp.read().decode())
+        return {s.labels["op"]: s.value for f in families for s in f.samples if s.name == "fs3_fuse_ops_total"}
+
+
+def test_files_this_mount_created_skip_lookups_and_still_see_other_mounts(mount: tuple[LocalCluster, Path],
+                                                                         work: Path, tmp_path: Path) -> None:
+    """A file this mount created keeps its kernel entry longer (``--created-entry-timeout-s``, 30 s):
+    written, closed and removed with no lookup of its own. What another mount does to such a name
+    is still seen here: an open gets the file the name names now, an unlink removes that file, and
+    a file removed there is gone here once the attribute timeout (1 s), not the entry's, has passed."""
+    cluster, _ = mount
+    address = cluster.procs["mount"].info["metrics"]
+    before = _fuse_ops(address)
+    for i in range(20):
+        fd = os.open(work / f"s{i}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.write(fd, b"x" * 4096)
+        os.close(fd)
+    time.sleep(2.5)  # past the entry timeout of a name looked up (1 s), well within a created one's
+    for i in range(20):
+        assert (work / f"s{i}").read_bytes() == b"x" * 4096
+        os.unlink(work / f"s{i}")
+    after = _fuse_ops(address)
+    # One lookup per file, the kernel's look for the name before the create (it does not exist),
+    # and one or two for the test's directory (a name looked up, whose entry expired): none for
+    # the reads and unlinks 2.5 s later (with the 1 s timeout of a looked-up name: 20 more).
+    assert after.get("lookup", 0) - before.get("lookup", 0) <= 20 + 2
+    assert after["unlink"] - before.get("unlink", 0) == 20 and os.listdir(work) == []
+
+    second = tmp_path / "second"
+    second.mkdir()
+    started = subprocess.run([sys.executable, "-m", "fs3.cli.main", "mount", cluster.mgmtd_address, str(second),
+                              "--token", "t", "--log", str(tmp_path / "second.log")], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    try:
+        there = second / work.name
+        for name in ("opened", "unlinked", "removed"):
+            (work / name).write_bytes(b"mine")  # created here: the kernel keeps the entry
+            (there / f"{name}.tmp").write_bytes(b"theirs")
+            os.rename(there / f"{name}.tmp", there / name)  # replaced there
+        assert (work / "opened").read_bytes() == b"theirs"
+        os.unlink(work / "unlinked")  # through the kept entry: removes what the name names now
+        assert errno_of(os.stat, there / "unlinked") == errno.ENOENT
+        assert errno_of(os.stat, work / "unlinked") == errno.ENOENT
+        os.unlink(there / "removed")
+        deadline = time.monotonic() + 20  # generous; the attribute timeout is 1 s
+        while errno_of(os.stat, work / "removed") != errno.ENOENT:
+            assert time.monotonic() < deadline, "a file removed on another mount is still shown here"
+            time.sleep(0.2)
+        assert errno_of(os.open, work / "removed", os.O_RDONLY) == errno.ENOENT
+        (work / "removed").write_bytes(b"again")  # and the name can be created anew
+        assert (there / "removed").read_bytes() == b"again"
+    finally:
+        subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)

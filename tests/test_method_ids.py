@@ -55,6 +55,7 @@ PINNED: dict[str, int] = {
     "Meta.RemoveUser": 0x0317,
     "Meta.RotateUser": 0x0318,
     "Meta.GrantCapability": 0x0319,
+    "Meta.CloseSessions": 0x031A,
 }
 
 

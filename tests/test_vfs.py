@@ -204,6 +204,7 @@ def test_attributes_are_answered_from_memory_until_this_mount_changes_them(tmp_p
         assert (await vfs.getattr(inode.inode_id, ME)).nlink == 2
         await vfs.unlink(ROOT, b"g", ME)
         assert (await vfs.getattr(inode.inode_id, ME)).nlink == 1
+        await vfs.fs.session_closes.drain()  # the release's session end, sent in a batch
         calls.clear()
         await asyncio.sleep(vfs.config.attr_timeout_s + 0.1)  # then meta is asked again
         await vfs.getattr(inode.inode_id, ME)

@@ -329,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kernel read-ahead for the mount in KiB (root only; default 0: the kernel's 128 KiB)")
     mount.add_argument("--entry-timeout-s", type=_cache_seconds, default=1.0,
                        help="how long the kernel may use a name -> file answer without asking (default 1)")
+    mount.add_argument("--created-entry-timeout-s", type=_cache_seconds, default=30.0,
+                       help="the same for a file this mount created (default 30; an open still checks the "
+                       "name with meta, and a file removed elsewhere is looked up again)")
+    mount.add_argument("--no-batched-closes", dest="batched_closes", action="store_false",
+                       help="end each released file's session with a call of its own (default: a released "
+                       "file whose length is published ends its session in a batch with others)")
     mount.add_argument("--attr-timeout-s", type=_cache_seconds, default=1.0,
                        help="how long the kernel and the mount may keep a file's attributes (default 1)")
     mount.add_argument("--metrics-port", type=_metrics_port, default=-1,
@@ -565,6 +571,8 @@ def _main(argv: Sequence[str] | None) -> int:
                                    tls=client_tls(args),
                                    allow_other=args.allow_other, log_level=args.log_level,
                                    readahead_kb=args.readahead_kb, entry_timeout_s=args.entry_timeout_s,
+                                   created_entry_timeout_s=args.created_entry_timeout_s,
+                                   batched_closes=args.batched_closes,
                                    attr_timeout_s=args.attr_timeout_s, metrics_port=args.metrics_port,
                                    metrics_host=args.metrics_host, usrbio=args.usrbio,
                                    usrbio_dir=args.usrbio_dir, workers=args.workers)

@@ -608,11 +608,18 @@ class AsyncFile:
 
     # -- closing ---------------------------------------------------------------------------------
 
-    async def close(self) -> None:
-        with os_errors(self.name):
-            return await self._close()
+    async def close(self, *, gather_session_end: bool = False) -> None:
+        """Close the handle: its writes land and its length is published before this returns.
 
-    async def _close(self) -> None:
+        ``gather_session_end``: when meta already knows the length (a flush published it, or the
+        handle never wrote), the end of the session is queued and sent with others
+        (:class:`~fs3.client.closes.SessionCloses`) instead of waited for: for closes nobody waits
+        on (a FUSE release).
+        """
+        with os_errors(self.name):
+            return await self._close(gather_session_end)
+
+    async def _close(self, gather_session_end: bool = False) -> None:
         if self.closed:
             return
         if self._forked:  # the parent's handle: closing this process's copy sends nothing
@@ -638,6 +645,8 @@ class AsyncFile:
             # Meta closed the session when the lease lapsed; writes since may not be in the length.
             error = error if isinstance(error, StaleClient) else StaleClient(
                 f"{self.name}: the client's lease lapsed while the file was open: its session was closed")
+        elif self.session_id and gather_session_end and error is None and acked and not self.has_unpublished_writes:
+            await self.fs.session_closes.close_later(self.inode.inode_id, self.session_id)
         elif self.session_id:
             await self._call_meta(lambda: self.fs.metadata.close(
                 self.inode.inode_id, self.session_id, length_hint=self._written_end,

@@ -20,6 +20,7 @@ from typing import Any
 
 from fs3 import meta_pb2 as mpb
 from fs3.client import forking
+from fs3.client.closes import SessionCloses
 from fs3.client.files import AsyncFile
 from fs3.client.meta import Meta, path_ref
 from fs3.client.meta_client import MetaClient
@@ -195,6 +196,7 @@ class AsyncFileSystem:
         self.meta = MetaClient(self.routing, self.channels, self.client_id, self._user,
                                self.config.rpc_timeout_ms, self.config.retry_total_ms, self._clock)
         self.metadata = Meta(self.meta)
+        self.session_closes = SessionCloses(self.metadata)
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: leave the parent's connections, sessions and lease to the parent and
@@ -260,6 +262,7 @@ class AsyncFileSystem:
             # In a thread: the HTTP server notices the shutdown at its next poll (up to half a second).
             await asyncio.to_thread(self._metrics_endpoint.close)
             self._metrics_endpoint = None
+        await self.session_closes.drain()
         await self.metadata.stop()
         await self.channels.close()
 

@@ -147,6 +147,13 @@ class Meta:
                                      mpb.RemoveRsp, user)
         return rsp.inode_id
 
+    async def remove_entry(self, target: Target, *, directory: bool = False,
+                           user: mpb.User | None = None) -> mpb.RemoveRsp:
+        """As :meth:`remove`; the whole answer: the removed inode's id and, from a meta that sends
+        it, the directory as the removal left it (``parent``)."""
+        return await self.client.call("Remove", mpb.RemoveReq(target=_ref(target), directory=directory),
+                                      mpb.RemoveRsp, user)
+
     async def rename(self, source: Target, destination: Target, *, flags: int = 0,
                      user: mpb.User | None = None) -> mpb.Inode:
         """POSIX rename; ``flags``: ``RENAME_NOREPLACE`` / ``RENAME_EXCHANGE``. The moved inode."""
@@ -185,6 +192,13 @@ class Meta:
         req = mpb.CloseReq(inode_id=inode_id, session_id=session_id, length_hint=length_hint, wrote=wrote,
                            acked=acked)
         return (await self.client.call("Close", req, mpb.InodeRsp, user)).inode
+
+    async def close_sessions(self, sessions: Sequence[tuple[int, bytes]], user: mpb.User | None = None) -> int:
+        """End sessions that have no length to publish (``(inode_id, session_id)`` each), in one
+        call; how many were still open."""
+        req = mpb.CloseSessionsReq(sessions=[mpb.CloseReq(inode_id=inode_id, session_id=session_id)
+                                             for inode_id, session_id in sessions])
+        return (await self.client.call("CloseSessions", req, mpb.CloseSessionsRsp, user)).closed
 
     async def grant_capability(self, inode_id: int, access: int, session_id: bytes, previous: bytes, *,
                                user: mpb.User | None = None) -> mpb.GrantCapabilityRsp:

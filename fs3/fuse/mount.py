@@ -53,6 +53,9 @@ class MountOptions:
     allow_other: bool | None = None     # None: when running as root (others need /etc/fuse.conf)
     attr_timeout_s: float = 1.0
     entry_timeout_s: float = 1.0
+    created_entry_timeout_s: float = 30.0   # the entry timeout of a file this mount created (VfsConfig)
+    # Released handles with nothing left to publish end their sessions in batches (VfsConfig).
+    batched_closes: bool = True
     inflight_per_file: int = 8
     log_level: str = "INFO"
     # The kernel's read-ahead for the mount in KiB (root only; 0 keeps the kernel's 128 KiB). A
@@ -172,6 +175,8 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
         fs = await fs3.aio.connect(mgmtd, token=token, transport=options.transport, tls=options.tls,
                                    metrics_port=options.metrics_port, metrics_host=options.metrics_host)
         config = VfsConfig(attr_timeout_s=options.attr_timeout_s, entry_timeout_s=options.entry_timeout_s,
+                           created_entry_timeout_s=options.created_entry_timeout_s,
+                           gather_session_ends=options.batched_closes,
                            inflight_per_file=options.inflight_per_file)
 
         def drop_entry(parent: int, name: bytes) -> None:
@@ -274,13 +279,16 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--ready-file", str(ready), "--transport", options.transport, "--log-level", options.log_level,
             "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
             "--attr-timeout-s", str(options.attr_timeout_s), "--metrics-port", str(options.metrics_port),
-            "--metrics-host", options.metrics_host, "--workers", str(options.workers)]
+            "--metrics-host", options.metrics_host, "--created-entry-timeout-s",
+            str(options.created_entry_timeout_s), "--workers", str(options.workers)]
     if not options.usrbio:
         args.append("--no-usrbio")
     if options.usrbio_dir:
         args += ["--usrbio-dir", options.usrbio_dir]
     if options.allow_other is not None:
         args.append("--allow-other" if options.allow_other else "--no-allow-other")
+    if not options.batched_closes:
+        args.append("--no-batched-closes")
     if options.tls is not None:  # file names only: the key stays in its file
         for key in ("ca_file", "cert_file", "key_file", "server_name"):
             if getattr(options.tls, key):

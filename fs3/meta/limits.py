@@ -101,3 +101,6 @@ TRUNCATE_ATTEMPTS = 8
 # retry budget ends them).
 LIST_RETRY_BACKOFF_MS = 50
 LIST_RETRY_BACKOFF_MAX_MS = 1_000
+
+# Sessions one CloseSessions request may end (one transaction: its size stays bounded).
+CLOSE_SESSIONS_MAX = 256

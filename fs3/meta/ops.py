@@ -440,6 +440,7 @@ class Namespace:
             raise InvalidArgument("invalid access mode O_WRONLY|O_RDWR")
         writing = access in (O_WRONLY, O_RDWR)
         created = False
+        created_in: mpb.Inode | None = None  # the directory a created file was linked into
         if flags & O_CREAT:
             parent, name = await self.resolve_parent(ref)
             entry = await self.entry(parent.inode_id, name)
@@ -459,7 +460,7 @@ class Namespace:
                 inode = self._new_inode(parent, new_inode_id, FILE, mode)
                 self._assign_layout(inode, parent)
                 await self._link_new(parent, name, inode)
-                created = True
+                created, created_in = True, parent
             else:
                 if flags & O_EXCL:
                     raise AlreadyExists(f"{name.decode(errors='replace')!r} exists")
@@ -499,7 +500,7 @@ class Namespace:
             session_id = b""
         self.flush()
         return mpb.OpenRsp(inode=_with_size(inode, 0) if truncated else inode, session_id=session_id,
-                           created=created)
+                           created=created, parent=created_in)
 
     async def make_node(self, ref: mpb.PathRef, kind: mpb.InodeType, mode: int, rdev: int, symlink_target: bytes,
                         new_inode_id: int) -> mpb.Inode:
@@ -603,6 +604,10 @@ class Namespace:
         return True
 
     async def remove(self, ref: mpb.PathRef, directory: bool) -> int:
+        return (await self.remove_entry(ref, directory))[0]
+
+    async def remove_entry(self, ref: mpb.PathRef, directory: bool) -> tuple[int, mpb.Inode]:
+        """Unlink ``ref``: the removed inode's id and the directory as the removal left it."""
         parent, name = await self.resolve_parent(ref)
         entry = await self.entry(parent.inode_id, name)
         if entry is None:
@@ -621,7 +626,7 @@ class Namespace:
         self._stamp(parent, mtime=True)
         await self._drop_link(parent, inode)
         self.flush()
-        return inode.inode_id
+        return inode.inode_id, parent
 
     async def _is_ancestor(self, ancestor_id: int, directory: mpb.Inode) -> bool:
         """Whether ``ancestor_id`` is ``directory`` or above it (walks parent pointers to the root).
@@ -1071,6 +1076,14 @@ class Namespace:
             gc = await self._delete_inode(inode)
         self.flush()
         return CloseResult(inode, gc)
+
+    async def close_if_open(self, inode_id: int, session_id: bytes) -> bool:
+        """End a handle with no length to publish; False when its session is gone already (its
+        client's lease lapsed, or an earlier attempt of the same batch ended it)."""
+        if await self.txn.get(schema.session_key(inode_id, session_id)) is None:
+            return False
+        await self.close(inode_id, session_id)
+        return True
 
     async def sync(self, inode_id: int, session_id: bytes, length: LengthReport) -> mpb.Inode:
         """Publish a handle's length (fsync, flush, periodic hints) without closing it."""

@@ -60,7 +60,7 @@ from fs3.meta import schema
 from fs3.meta.fsck import run_fsck
 from fs3.meta.jobs import MetaJobs
 from fs3.meta.lengths import FileLengths
-from fs3.meta.limits import ANCESTRY_ATTEMPTS, BATCH_STAT_MAX, CHUNK_PAGE_MAX, TRUNCATE_ATTEMPTS
+from fs3.meta.limits import ANCESTRY_ATTEMPTS, BATCH_STAT_MAX, CHUNK_PAGE_MAX, CLOSE_SESSIONS_MAX, TRUNCATE_ATTEMPTS
 from fs3.meta.ops import (
     ANCESTOR_WALK_MAX,
     Ancestry,
@@ -525,7 +525,8 @@ class MetaService(FileLengths, MetaJobs):
 
     async def remove(self, req: mpb.RemoveReq, payload: memoryview) -> tuple[mpb.RemoveRsp, Buffer]:
         async def op(ns: Namespace) -> mpb.RemoveRsp:
-            return mpb.RemoveRsp(inode_id=await ns.remove(req.target, req.directory))
+            inode_id, parent = await ns.remove_entry(req.target, req.directory)
+            return mpb.RemoveRsp(inode_id=inode_id, parent=parent)
 
         rsp = await self._mutate(req.ctx, mpb.RemoveRsp, op)
         self._gc_wakeup.set()
@@ -630,6 +631,27 @@ class MetaService(FileLengths, MetaJobs):
         _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), op)
+        self._gc_wakeup.set()
+        return rsp, _EMPTY
+
+    async def close_sessions(self, req: mpb.CloseSessionsReq,
+                             payload: memoryview) -> tuple[mpb.CloseSessionsRsp, Buffer]:
+        """End sessions with no length to publish, in one transaction (see the rpc)."""
+        if len(req.sessions) > CLOSE_SESSIONS_MAX:
+            raise InvalidArgument(f"{len(req.sessions)} sessions in one batch: at most {CLOSE_SESSIONS_MAX}")
+        for one in req.sessions:
+            _check_session_owner(req.ctx, one.session_id)
+            if one.wrote:
+                raise InvalidArgument("a session with a length to publish is closed alone (Close)")
+
+        async def op(ns: Namespace) -> mpb.CloseSessionsRsp:
+            closed = 0
+            for one in req.sessions:
+                if await ns.close_if_open(one.inode_id, one.session_id):
+                    closed += 1
+            return mpb.CloseSessionsRsp(closed=closed)
+
+        rsp = await self._mutate(req.ctx, mpb.CloseSessionsRsp, op)
         self._gc_wakeup.set()
         return rsp, _EMPTY
 

@@ -68,6 +68,15 @@ _CAPABILITY_XATTR = b"security.capability"
 class VfsConfig:
     attr_timeout_s: float = 1.0     # how long the kernel may cache attributes
     entry_timeout_s: float = 1.0    # how long the kernel may cache a name -> inode answer
+    # ... for a file this mount created: its next open, stat or unlink here skips the lookup. A
+    # name another mount replaces or removes meanwhile is still right where it matters: an open
+    # checks the name (KernelNames), a stat or unlink of a file that is gone is ESTALE, on which
+    # the kernel looks the name up again; only the attributes of a file replaced while still held
+    # (open, or hard-linked elsewhere) can be shown this long.
+    created_entry_timeout_s: float = 30.0
+    # Sessions of released handles with nothing left to publish are ended in batches
+    # (fs3.client.closes); False: each release waits for its own Close.
+    gather_session_ends: bool = True
     inflight_per_file: int = 8      # chunk requests in flight per open file (bounds its memory)
 
 
@@ -209,7 +218,7 @@ class Vfs:
         self.fs = fs
         self.meta: Meta = fs.metadata
         self.config = config or VfsConfig()
-        self.names = KernelNames(self.config.entry_timeout_s, drop_entry)
+        self.names = KernelNames(max(self.config.entry_timeout_s, self.config.created_entry_timeout_s), drop_entry)
         self._handles: dict[int, _Handle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._ids = itertools.count(1)
@@ -234,6 +243,15 @@ class Vfs:
         if len(self._attrs) > 100_000:
             self._attrs.clear()
         self._attrs[inode.inode_id] = (asyncio.get_running_loop().time() + self.config.attr_timeout_s, inode)
+
+    def _remember_change(self, inode: mpb.Inode, asked_at: int) -> None:
+        """Keep ``inode`` as a change this mount made left it, unless another change was made
+        meanwhile; then forget it: the two answers may have come back in either order, and one
+        kept from before this one committed would hide this change."""
+        if asked_at == self._attr_changes:
+            self._remember(inode, asked_at)
+        else:
+            self._forget(inode.inode_id)
 
     def _forget(self, *inode_ids: int) -> None:
         self._attr_changes += 1
@@ -272,6 +290,7 @@ class Vfs:
         self.fs.metrics.cache("attr", hit)
         if hit and cached is not None:
             return self._with_local_length(cached[1])
+        await self.fs.session_closes.settle(inode_id)
         asked_at = self._attr_changes
         inode = (await self.meta.batch_stat([inode_id], user))[0]
         if inode.inode_id == 0:
@@ -323,9 +342,17 @@ class Vfs:
                 inode_id, mask, mode=stat_mod.S_IMODE(mode or 0), uid=uid or 0, gid=gid or 0, size=new_size,
                 atime_ns=atime_ns if mask & mpb.SET_ATIME and atime_ns is not None else 0,
                 mtime_ns=mtime_ns if mask & mpb.SET_MTIME and mtime_ns is not None else 0, user=user)
+        if inode.nlink == 0 and self.fs.session_closes.pending(inode_id):
+            # Removed, and perhaps alive only by a session end queued here: once that is sent,
+            # a file that is gone is ESTALE, as it would have been without the queue. (Not
+            # sent before the call: tar, cp -p and rsync set times right after each close.)
+            await self.fs.session_closes.settle(inode_id)
+            if not (await self.meta.batch_stat([inode_id], user))[0].inode_id:
+                self._forget(inode_id)
+                raise _stale(f"inode {inode_id} no longer exists")
         if mask & mpb.SET_SIZE:
             self.fs.size_changed(inode_id, new_size)
-        self._remember(inode, asked_at)
+        self._remember_change(inode, asked_at)
         return self._with_local_length(inode)
 
     async def readlink(self, inode_id: int, user: mpb.User) -> bytes:
@@ -370,14 +397,23 @@ class Vfs:
         return self._with_local_length(inode)
 
     async def unlink(self, parent: int, name: bytes, user: mpb.User) -> None:
-        self._forget_all()
-        await self.meta.remove(name_ref(parent, name), user=user)
-        self.names.gone(parent, name)
+        await self._remove(parent, name, False, user)
 
     async def rmdir(self, parent: int, name: bytes, user: mpb.User) -> None:
+        await self._remove(parent, name, True, user)
+
+    async def _remove(self, parent: int, name: bytes, directory: bool, user: mpb.User) -> None:
         self._forget_all()
-        await self.meta.remove(name_ref(parent, name), directory=True, user=user)
+        asked_at = self._attr_changes
+        rsp = await self.meta.remove_entry(name_ref(parent, name), directory=directory, user=user)
         self.names.gone(parent, name)
+        # A file this mount closed a moment ago still has its session's end queued: sent now, so
+        # that the file is gone for everyone once the unlink returns (not kept for the batch).
+        await self.fs.session_closes.settle(rsp.inode_id)
+        if rsp.HasField("parent"):
+            # The kernel drops the directory's attributes after a removal and asks at its next
+            # look into it (every path walk checks search permission): answered from here.
+            self._remember_change(rsp.parent, asked_at)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int,
                      user: mpb.User) -> None:
@@ -390,6 +426,8 @@ class Vfs:
         if flags & mpb.RENAME_EXCHANGE and replaced:
             self.names.saw(old_parent, old_name, mpb.Inode(inode_id=replaced, type=mpb.FILE))
         self.names.saw(new_parent, new_name, moved)
+        if replaced and not flags & mpb.RENAME_EXCHANGE:
+            await self.fs.session_closes.settle(replaced)  # as in unlink
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -427,6 +465,10 @@ class Vfs:
         names of a hard-linked file are checked by lookups first. See :class:`KernelNames`.
         """
         names = self.names.of(inode_id)
+        if not names:
+            # Opened by inode alone: a file removed elsewhere must be gone once this mount closed
+            # it, not kept by a session end still queued here. (By name, meta checks the name.)
+            await self.fs.session_closes.settle(inode_id)
         if len(names) > 1:
             stale = [n for n in names[1:] if not await self._still_names(*n, inode_id, user)]
             if stale:
@@ -468,6 +510,10 @@ class Vfs:
         rsp = await self._open_at_meta(name_ref(parent, name), flags | O_CREAT, user, mode=stat_mod.S_IMODE(mode))
         if rsp.created:  # a new file has no xattrs: its first write need not ask meta for a capability
             self._remember_no_capability(rsp.inode.inode_id)
+        if rsp.HasField("parent"):
+            # The directory as the create left it: the kernel asks for it right after (as after
+            # an unlink), and this mount must see its own change without a round trip to meta.
+            self._remember_change(rsp.parent, asked_at)
         self.names.saw(parent, name, rsp.inode)
         return self._register(rsp, flags, name.decode(errors="replace"), asked_at, user), rsp.inode
 
@@ -553,7 +599,9 @@ class Vfs:
         if handle.file.has_unpublished_writes:
             self._forget(handle.file.inode.inode_id)
         async with handle.lock:
-            await handle.file.close()
+            # The kernel sends release once close(2) has returned: the length went with the flush,
+            # and the end of the session can go with others (see SessionCloses).
+            await handle.file.close(gather_session_end=self.config.gather_session_ends)
 
     # -- directories -----------------------------------------------------------------------------
 
@@ -605,6 +653,7 @@ class Vfs:
             self.fs.metrics.cache("xattr", remembered)
             if remembered:
                 raise NoXattr("no such attribute")
+        await self.fs.session_closes.settle(inode_id)
         try:
             with _stale_if_gone(inode_id):
                 value = await self.meta.get_xattr(inode_id, name, user=user)
@@ -622,10 +671,12 @@ class Vfs:
     async def setxattr(self, inode_id: int, name: bytes, value: bytes, flags: int, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
+        await self.fs.session_closes.settle(inode_id)
         with _stale_if_gone(inode_id):
             await self.meta.set_xattr(inode_id, name, value, flags=flags, user=user)
 
     async def listxattr(self, inode_id: int, user: mpb.User) -> list[bytes]:
+        await self.fs.session_closes.settle(inode_id)
         with _stale_if_gone(inode_id):
             names = await self.meta.list_xattr(inode_id, user=user)
         return [bytes(n) for n in names]
@@ -633,6 +684,7 @@ class Vfs:
     async def removexattr(self, inode_id: int, name: bytes, user: mpb.User) -> None:
         self._no_capability_until.pop(inode_id, None)
         self._forget(inode_id)
+        await self.fs.session_closes.settle(inode_id)
         with _stale_if_gone(inode_id):
             await self.meta.remove_xattr(inode_id, name, user=user)
 

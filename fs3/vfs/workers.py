@@ -522,7 +522,9 @@ class RemoteFile:
         if size > self._state[0]:
             self._state = (size, self._state[1], self._state[2])
 
-    async def close(self) -> None:
+    async def close(self, *, gather_session_end: bool = False) -> None:
+        """As :meth:`AsyncFile.close`; ``gather_session_end`` is the worker's to honour (its client
+        holds the session and batches the ends of its own sessions)."""
         if self.closed:
             return
         self.closed = True
@@ -531,7 +533,7 @@ class RemoteFile:
         for sibling in self._siblings():  # what this handle wrote stays readable (as AsyncFile.close)
             sibling.extend_known_length(self.length)
         if self._worker.alive:
-            await self._worker.call("close", self._hid)
+            await self._worker.call("close", self._hid, gather_session_end)
 
 
 class WorkerVfs(Vfs):
@@ -631,7 +633,7 @@ class _Server:
         if op == "close":
             afile = self.files.pop(hid, None)
             if afile is not None:
-                await afile.close()
+                await afile.close(gather_session_end=bool(args[1]) if len(args) > 1 else False)
             return None
         afile = self._file(hid)
         value: Any = None
