@@ -8,6 +8,7 @@ in the mount ends on the worker that holds the file, and a dead worker's files m
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import types
 from typing import Any, cast
@@ -31,7 +32,7 @@ class FakeWorker:
         self.calls: list[tuple[Any, ...]] = []
         self.hids = 0
 
-    async def call(self, op: str, *args: Any) -> Any:
+    async def request(self, op: str, *args: Any) -> Any:
         self.calls.append((op, *args))
         if op == "open":
             self.hids += 1
@@ -99,3 +100,18 @@ def test_read_slots_are_shared_between_two_mappings_and_bounded() -> None:
     finally:
         worker.close()
         front.close()
+
+
+def test_a_workers_fs3_error_keeps_its_type_in_the_front() -> None:
+    """The VFS decides by type (an open by a stale name: ``NotFound`` → ``ESTALE``, so the kernel
+    looks the name up again); an errno alone would turn it into ``ENOENT`` for the caller."""
+    from fs3.common.errors import NotFound, PermissionDenied
+    from fs3.vfs.workers import _error_of, _raised
+
+    for error in (NotFound("gone"), PermissionDenied("no")):
+        back = _raised(_error_of(error))
+        assert type(back) is type(error) and str(error) in str(back)
+    back = _raised(_error_of(OSError(errno.EBADF, "closed")))
+    assert type(back) is OSError and back.errno == errno.EBADF
+    back = _raised(_error_of(RuntimeError("bug")))
+    assert isinstance(back, OSError) and back.errno == errno.EIO and "RuntimeError" in str(back)

@@ -47,7 +47,7 @@ from typing import Any, cast
 from fs3 import meta_pb2 as mpb
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem
-from fs3.common.errors import FS3Error
+from fs3.common.errors import FS3Error, error_for
 from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.vfs.core import Vfs, VfsConfig
 
@@ -104,12 +104,23 @@ class _Sender:
             self.writer.write(b"".join(frames) if len(frames) > 1 else frames[0])
 
 
-def _error_of(exc: BaseException) -> tuple[int, str]:
+def _error_of(exc: BaseException) -> tuple[bool, int, str]:
+    """A worker's failure as sent to the front: (is an fs3 error, its status code or errno, message).
+
+    An fs3 error keeps its type across the process boundary (:func:`_raised`): the VFS decides by
+    type — a ``NotFound`` from an open by a stale name becomes ``ESTALE``, so the kernel looks the
+    name up again, where a bare ``ENOENT`` would tell the caller the file does not exist."""
     if isinstance(exc, FS3Error):
-        return exc.errno, exc.message
+        return True, int(exc.code), exc.message
     if isinstance(exc, OSError):
-        return exc.errno or errno.EIO, exc.strerror or str(exc)
-    return errno.EIO, f"{type(exc).__name__}: {exc}"
+        return False, exc.errno or errno.EIO, exc.strerror or str(exc)
+    return False, errno.EIO, f"{type(exc).__name__}: {exc}"
+
+
+def _raised(value: tuple[bool, int, str]) -> Exception:
+    """The exception a worker's failure reply stands for, of the type the worker raised."""
+    typed, code, message = value
+    return error_for(code, message) if typed else OSError(code, message)
 
 
 # -- the front's side ------------------------------------------------------------------------------
@@ -192,8 +203,7 @@ class DataWorker:
                 if ok:
                     future.set_result(value)
                 else:
-                    code, message = value
-                    future.set_exception(OSError(code, message))
+                    future.set_exception(_raised(value))
         except (ConnectionError, asyncio.IncompleteReadError, OSError, pickle.UnpicklingError, ValueError) as exc:
             if self.alive and not self._closing:
                 log.error("data worker %d (pid %d) is gone: %s; its open files answer EIO", self.index,
@@ -218,7 +228,7 @@ class DataWorker:
     def _dead(self) -> OSError:
         return OSError(errno.EIO, f"data worker {self.index} exited")
 
-    async def call(self, op: str, *args: Any) -> Any:
+    async def request(self, op: str, *args: Any) -> Any:
         if not self.alive:
             raise self._dead()
         self._ids += 1
@@ -465,7 +475,7 @@ class RemoteFile:
     async def _call(self, op: str, *args: Any) -> Any:
         if self.closed:
             raise OSError(errno.EBADF, "I/O on a closed file")
-        value, self._state = await self._worker.call(op, self._hid, *args)
+        value, self._state = await self._worker.request(op, self._hid, *args)
         return value
 
     def end_of_file(self) -> int:
@@ -533,7 +543,7 @@ class RemoteFile:
         for sibling in self._siblings():  # what this handle wrote stays readable (as AsyncFile.close)
             sibling.extend_known_length(self.length)
         if self._worker.alive:
-            await self._worker.call("close", self._hid, gather_session_end)
+            await self._worker.request("close", self._hid, gather_session_end)
 
 
 class WorkerVfs(Vfs):
@@ -553,7 +563,7 @@ class WorkerVfs(Vfs):
         if inode_id:
             worker = self.pool.claim(inode_id)
             try:
-                raw, hid = await worker.call("open", wire, flags, mode, user.SerializeToString())
+                raw, hid = await worker.request("open", wire, flags, mode, user.SerializeToString())
             except BaseException:
                 self.pool.release(inode_id, worker)
                 raise
@@ -561,15 +571,15 @@ class WorkerVfs(Vfs):
         else:  # a create: the inode is known once meta answers
             assert isinstance(target, mpb.PathRef)
             worker = self.pool.for_name(target.parent, bytes(target.path))
-            raw, hid = await worker.call("open", wire, flags, mode, user.SerializeToString())
+            raw, hid = await worker.request("open", wire, flags, mode, user.SerializeToString())
             rsp = mpb.OpenRsp.FromString(raw)
             owner = self.pool.owner(rsp.inode.inode_id)
             if hid and owner is not None and owner is not worker:
                 # Another worker holds handles of this file (an O_CREAT open of an existing file):
                 # the new handle must be with them. Meta already did the create and truncate.
-                await worker.call("close", hid)
+                await worker.request("close", hid)
                 created = rsp.created
-                raw, hid = await owner.call("open", rsp.inode.inode_id, flags & ~(O_CREAT | O_EXCL | O_TRUNC), 0,
+                raw, hid = await owner.request("open", rsp.inode.inode_id, flags & ~(O_CREAT | O_EXCL | O_TRUNC), 0,
                                             user.SerializeToString())
                 rsp = mpb.OpenRsp.FromString(raw)
                 rsp.created = created
