@@ -106,12 +106,12 @@ def test_a_workers_fs3_error_keeps_its_type_in_the_front() -> None:
     """The VFS decides by type (an open by a stale name: ``NotFound`` → ``ESTALE``, so the kernel
     looks the name up again); an errno alone would turn it into ``ENOENT`` for the caller."""
     from fs3.common.errors import NotFound, PermissionDenied
-    from fs3.vfs.workers import _error_of, _raised
+    from fs3.vfs.workers import error_from_worker, worker_error
 
     for error in (NotFound("gone"), PermissionDenied("no")):
-        back = _raised(_error_of(error))
+        back = error_from_worker(worker_error(error))
         assert type(back) is type(error) and str(error) in str(back)
-    back = _raised(_error_of(OSError(errno.EBADF, "closed")))
+    back = error_from_worker(worker_error(OSError(errno.EBADF, "closed")))
     assert type(back) is OSError and back.errno == errno.EBADF
-    back = _raised(_error_of(RuntimeError("bug")))
+    back = error_from_worker(worker_error(RuntimeError("bug")))
     assert isinstance(back, OSError) and back.errno == errno.EIO and "RuntimeError" in str(back)

@@ -51,8 +51,8 @@ from fs3.common.errors import FS3Error, error_for
 from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDONLY, O_RDWR, O_TRUNC, O_WRONLY
 from fs3.vfs.core import Vfs, VfsConfig
 
-__all__ = ["DataWorker", "DataWorkers", "ReadSlots", "RemoteFile", "WorkerSettings", "WorkerVfs", "worker_for_inode",
-           "worker_for_name"]
+__all__ = ["DataWorker", "DataWorkers", "ReadSlots", "RemoteFile", "WorkerSettings", "WorkerVfs", "error_from_worker",
+           "worker_error", "worker_for_inode", "worker_for_name"]
 
 log = logging.getLogger("fs3.vfs.workers")  # also when run as __main__
 
@@ -104,10 +104,10 @@ class _Sender:
             self.writer.write(b"".join(frames) if len(frames) > 1 else frames[0])
 
 
-def _error_of(exc: BaseException) -> tuple[bool, int, str]:
+def worker_error(exc: BaseException) -> tuple[bool, int, str]:
     """A worker's failure as sent to the front: (is an fs3 error, its status code or errno, message).
 
-    An fs3 error keeps its type across the process boundary (:func:`_raised`): the VFS decides by
+    An fs3 error keeps its type across the process boundary (:func:`error_from_worker`): the VFS decides by
     type — a ``NotFound`` from an open by a stale name becomes ``ESTALE``, so the kernel looks the
     name up again, where a bare ``ENOENT`` would tell the caller the file does not exist."""
     if isinstance(exc, FS3Error):
@@ -117,7 +117,7 @@ def _error_of(exc: BaseException) -> tuple[bool, int, str]:
     return False, errno.EIO, f"{type(exc).__name__}: {exc}"
 
 
-def _raised(value: tuple[bool, int, str]) -> Exception:
+def error_from_worker(value: tuple[bool, int, str]) -> Exception:
     """The exception a worker's failure reply stands for, of the type the worker raised."""
     typed, code, message = value
     return error_for(code, message) if typed else OSError(code, message)
@@ -203,7 +203,7 @@ class DataWorker:
                 if ok:
                     future.set_result(value)
                 else:
-                    future.set_exception(_raised(value))
+                    future.set_exception(error_from_worker(value))
         except (ConnectionError, asyncio.IncompleteReadError, OSError, pickle.UnpicklingError, ValueError) as exc:
             if self.alive and not self._closing:
                 log.error("data worker %d (pid %d) is gone: %s; its open files answer EIO", self.index,
@@ -709,7 +709,7 @@ async def _serve(sock: socket.socket, index: int, slots: ReadSlots | None) -> No
         except Exception as exc:
             if not isinstance(exc, OSError | FS3Error):
                 log.exception("%s failed", op)
-            reply = (req_id, False, _error_of(exc))
+            reply = (req_id, False, worker_error(exc))
         with contextlib.suppress(ConnectionError, OSError):
             sender.send(reply)
 
