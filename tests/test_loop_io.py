@@ -236,10 +236,11 @@ def _small_read(offset: int) -> spb.ReadReq:
 
 
 def test_a_cold_small_read_goes_to_the_pool_and_a_cached_one_does_not(tmp_path: Path) -> None:
+    """Without polling (the readahead a miss starts might land within the polls on a fast disk)."""
     async def main() -> None:
         host = GatedHost("")
         host.gate.set()
-        replica, _ = _file_replica(host, tmp_path / "chunks")
+        replica, _ = _file_replica(host, tmp_path / "chunks", small_read_polls=0)
         data = os.urandom(CHUNK)
         await replica.update(_write(0, data), data)
         host.pool_calls.clear()
@@ -277,7 +278,7 @@ def test_a_cold_small_read_racing_a_commit_returns_the_new_bytes(tmp_path: Path,
     hand out the old bytes nor call the vanished file a disk error."""
     async def main() -> None:
         host = GatedHost("read")
-        replica, engine = _file_replica(host, tmp_path / "chunks")
+        replica, engine = _file_replica(host, tmp_path / "chunks", small_read_polls=0)
         old = os.urandom(CHUNK)
         await replica.update(_write(0, old), old)
         _evict(tmp_path / "chunks")
@@ -296,5 +297,61 @@ def test_a_cold_small_read_racing_a_commit_returns_the_new_bytes(tmp_path: Path,
         host.gate.set()
         rsp, data = await reading
         assert data == new[:SMALL] and rsp.version == state.commit_version
+
+    asyncio.run(main())
+
+
+class SlowCache(MemBlobStore):
+    """Blobs whose reads miss the cache the first ``misses`` times (a readahead on its way)."""
+
+    def __init__(self, misses: int) -> None:
+        super().__init__()
+        self.misses = misses
+        self.probes = 0
+
+    def read_cached(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes | None:
+        self.probes += 1
+        if self.probes <= self.misses:
+            return None
+        return self.read(chunk_id, blob, offset, length)
+
+
+def _slow_replica(host: GatedHost, misses: int, polls: int) -> tuple[TargetReplica, ChunkEngine, SlowCache]:
+    store = SlowCache(misses)
+    engine = ChunkEngine(MemKVStore(), store)
+    return TargetReplica(1, engine, host, ReplicaConfig(small_read_polls=polls)), engine, store  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("misses", "pool_calls"), [(3, []), (50, ["read"])])
+def test_a_cold_small_read_polls_the_cache_then_goes_to_the_pool(misses: int, pool_calls: list[str]) -> None:
+    async def main() -> None:
+        host = GatedHost("")
+        host.gate.set()
+        replica, _, store = _slow_replica(host, misses, polls=8)
+        data = os.urandom(CHUNK)
+        await replica.update(_write(0, data), data)
+        host.pool_calls.clear()
+        _, got = await replica.read(_small_read(SMALL))
+        assert got == data[SMALL : 2 * SMALL] and host.pool_calls == pool_calls
+        assert store.probes == min(misses + 1, 9)
+
+    asyncio.run(main())
+
+
+def test_a_small_read_polling_while_a_commit_replaces_the_chunk_returns_the_new_bytes() -> None:
+    async def main() -> None:
+        host = GatedHost("")
+        host.gate.set()
+        replica, engine, store = _slow_replica(host, misses=1 << 30, polls=1000)
+        old, new = os.urandom(CHUNK), os.urandom(CHUNK)
+        await replica.update(_write(0, old), old)
+        reading = asyncio.create_task(replica.read(_small_read(0)))
+        await _spin()
+        assert not reading.done() and store.probes > 1  # polling
+        await replica.update(_write(0, new), new)
+        store.misses = 0  # the new version is in the cache
+        rsp, data = await reading
+        state = engine.get(CID)
+        assert state is not None and data == new[:SMALL] and rsp.version == state.commit_version
 
     asyncio.run(main())
