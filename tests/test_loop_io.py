@@ -18,7 +18,7 @@ import pytest
 
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
-from fs3.common.errors import FS3Error, IoError
+from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.common.ids import chunk_id
 from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
@@ -355,3 +355,9 @@ def test_a_small_read_polling_while_a_commit_replaces_the_chunk_returns_the_new_
         assert state is not None and data == new[:SMALL] and rsp.version == state.commit_version
 
     asyncio.run(main())
+
+
+def test_small_read_polls_out_of_range_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="small_read_polls"):
+        ReplicaConfig(small_read_polls=-1).validate()
+    ReplicaConfig(small_read_polls=0).validate()
