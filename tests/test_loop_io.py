@@ -9,18 +9,20 @@ metadata that names it.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 from fs3 import storage_pb2 as spb
 from fs3.common.checksum import crc32c
-from fs3.common.errors import FS3Error, IoError
+from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.common.ids import chunk_id
 from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
-from fs3.storage.blobs import MemBlobStore
+from fs3.storage.blobs import FileBlobStore, MemBlobStore
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.replica import ReplicaConfig, TargetReplica
@@ -38,6 +40,7 @@ class GatedHost:
         self.gated = gated
         self.gate = asyncio.Event()
         self.held = 0
+        self.pool_calls: list[str] = []  # names of the engine methods run on the pool
         self._view = ChainView(1, 1, 1, 1, (ChainMember(1, 1, PublicState.SERVING, "a"),))
 
     def view(self, chain_id: int, target_id: int) -> ChainView:
@@ -59,6 +62,7 @@ class GatedHost:
         raise AssertionError(f"target {target_id} failed: {exc}")
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        self.pool_calls.append(getattr(fn, "__name__", ""))
         cancelled = False
         if getattr(fn, "__name__", "") == self.gated:
             self.held += 1
@@ -192,3 +196,168 @@ def test_a_commit_whose_blob_work_never_ran_writes_no_metadata() -> None:
         assert not replica.rewriting(CID)
 
     asyncio.run(main())
+
+
+# -- small reads: on the loop from the page cache, else on the pool ---------------------------
+
+SMALL = 4096
+
+
+def _file_replica(host: GatedHost, root: Path, **config: Any) -> tuple[TargetReplica, ChunkEngine]:
+    engine = ChunkEngine(MemKVStore(), FileBlobStore(root, fsync=True))  # every version a file
+    return TargetReplica(1, engine, host, ReplicaConfig(**config)), engine  # type: ignore[arg-type]
+
+
+def _evict(root: Path) -> None:
+    """Drop every blob's pages from the page cache (they are clean once synced), or skip the test
+    where the filesystem keeps them (tmpfs) or cannot tell. The probe reads a scratch file: a
+    RWF_NOWAIT read that misses starts readahead, which would bring the pages it probed back."""
+    scratch = root.parent / "scratch"
+    scratch.write_bytes(os.urandom(4 * SMALL))
+    for path in [scratch, *(path for path in root.rglob("*") if path.is_file())]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if path == scratch:
+                try:
+                    os.preadv(fd, [bytearray(SMALL)], 0, os.RWF_NOWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                pytest.skip("this filesystem keeps evicted pages (or cannot tell): no cold reads to test")
+        finally:
+            os.close(fd)
+
+
+def _small_read(offset: int) -> spb.ReadReq:
+    return spb.ReadReq(chain_id=1, chunk_id=CID, offset=offset, length=SMALL)
+
+
+def test_a_cold_small_read_goes_to_the_pool_and_a_cached_one_does_not(tmp_path: Path) -> None:
+    """Without polling (the readahead a miss starts might land within the polls on a fast disk)."""
+    async def main() -> None:
+        host = GatedHost("")
+        host.gate.set()
+        replica, _ = _file_replica(host, tmp_path / "chunks", small_read_polls=0)
+        data = os.urandom(CHUNK)
+        await replica.update(_write(0, data), data)
+        host.pool_calls.clear()
+        _, got = await replica.read(_small_read(SMALL))  # just written: in the page cache
+        assert got == data[SMALL : 2 * SMALL] and host.pool_calls == []
+        _evict(tmp_path / "chunks")
+        _, got = await replica.read(_small_read(SMALL))
+        assert got == data[SMALL : 2 * SMALL] and host.pool_calls == ["read"]
+        _, got = await replica.read(_small_read(SMALL))  # the pool's read brought the page in
+        assert got == data[SMALL : 2 * SMALL] and host.pool_calls == ["read"]
+
+    asyncio.run(main())
+
+
+def test_with_nowait_off_a_cold_small_read_stays_on_the_loop(tmp_path: Path) -> None:
+    """The placement before (kept as a switch for comparisons): every small read on the loop."""
+    async def main() -> None:
+        host = GatedHost("")
+        host.gate.set()
+        replica, _ = _file_replica(host, tmp_path / "chunks", small_read_nowait=False)
+        data = os.urandom(CHUNK)
+        await replica.update(_write(0, data), data)
+        _evict(tmp_path / "chunks")
+        host.pool_calls.clear()
+        _, got = await replica.read(_small_read(0))
+        assert got == data[:SMALL] and host.pool_calls == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("rewrite", ["replace", "patch"])
+def test_a_cold_small_read_racing_a_commit_returns_the_new_bytes(tmp_path: Path, rewrite: str) -> None:
+    """The cold read waits on the pool while a commit replaces the chunk's file (a new blob, the
+    old one deleted) or patches it in place (the file renamed to the next blob): the read must not
+    hand out the old bytes nor call the vanished file a disk error."""
+    async def main() -> None:
+        host = GatedHost("read")
+        replica, engine = _file_replica(host, tmp_path / "chunks", small_read_polls=0)
+        old = os.urandom(CHUNK)
+        await replica.update(_write(0, old), old)
+        _evict(tmp_path / "chunks")
+        reading = asyncio.create_task(replica.read(_small_read(0)))
+        await _spin()
+        assert host.held == 1 and not reading.done()  # cold: on the pool
+        if rewrite == "replace":
+            new = os.urandom(CHUNK)
+            await replica.update(_write(0, new), new)
+        else:
+            patch = os.urandom(SMALL)
+            await replica.update(_write(0, patch), patch)
+            new = patch + old[SMALL:]
+        state = engine.get(CID)
+        assert state is not None and state.commit_version > 1 and not state.pending_version
+        host.gate.set()
+        rsp, data = await reading
+        assert data == new[:SMALL] and rsp.version == state.commit_version
+
+    asyncio.run(main())
+
+
+class SlowCache(MemBlobStore):
+    """Blobs whose reads miss the cache the first ``misses`` times (a readahead on its way)."""
+
+    def __init__(self, misses: int) -> None:
+        super().__init__()
+        self.misses = misses
+        self.probes = 0
+
+    def read_cached(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes | None:
+        self.probes += 1
+        if self.probes <= self.misses:
+            return None
+        return self.read(chunk_id, blob, offset, length)
+
+
+def _slow_replica(host: GatedHost, misses: int, polls: int) -> tuple[TargetReplica, ChunkEngine, SlowCache]:
+    store = SlowCache(misses)
+    engine = ChunkEngine(MemKVStore(), store)
+    return TargetReplica(1, engine, host, ReplicaConfig(small_read_polls=polls)), engine, store  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("misses", "pool_calls"), [(3, []), (50, ["read"])])
+def test_a_cold_small_read_polls_the_cache_then_goes_to_the_pool(misses: int, pool_calls: list[str]) -> None:
+    async def main() -> None:
+        host = GatedHost("")
+        host.gate.set()
+        replica, _, store = _slow_replica(host, misses, polls=8)
+        data = os.urandom(CHUNK)
+        await replica.update(_write(0, data), data)
+        host.pool_calls.clear()
+        _, got = await replica.read(_small_read(SMALL))
+        assert got == data[SMALL : 2 * SMALL] and host.pool_calls == pool_calls
+        assert store.probes == min(misses + 1, 9)
+
+    asyncio.run(main())
+
+
+def test_a_small_read_polling_while_a_commit_replaces_the_chunk_returns_the_new_bytes() -> None:
+    async def main() -> None:
+        host = GatedHost("")
+        host.gate.set()
+        replica, engine, store = _slow_replica(host, misses=1 << 30, polls=1000)
+        old, new = os.urandom(CHUNK), os.urandom(CHUNK)
+        await replica.update(_write(0, old), old)
+        reading = asyncio.create_task(replica.read(_small_read(0)))
+        await _spin()
+        assert not reading.done() and store.probes > 1  # polling
+        await replica.update(_write(0, new), new)
+        store.misses = 0  # the new version is in the cache
+        rsp, data = await reading
+        state = engine.get(CID)
+        assert state is not None and data == new[:SMALL] and rsp.version == state.commit_version
+
+    asyncio.run(main())
+
+
+def test_small_read_polls_out_of_range_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="small_read_polls"):
+        ReplicaConfig(small_read_polls=-1).validate()
+    ReplicaConfig(small_read_polls=0).validate()

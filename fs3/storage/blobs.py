@@ -13,6 +13,10 @@ it only at commit, under an undo/redo record, and :meth:`BlobStore.unpatch` undo
 short by a crash. :meth:`BlobStore.sync` makes a blob durable — its bytes and its name (the
 directory entry). The simulator's :class:`MemBlobStore` loses what was never synced on
 :meth:`~MemBlobStore.crash`.
+
+:meth:`BlobStore.read_cached` reads only what needs no disk access (``RWF_NOWAIT``): a caller on an
+event loop serves a small read that is in the page cache at once and sends the rest to its I/O pool
+(docs/decisions.md, "Small chunk reads: on the loop only from the page cache").
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from fs3.storage import schema
 
 __all__ = ["BlobStore", "FileBlobStore", "MemBlobStore"]
 
+# Linux >= 4.14 (0 elsewhere: no cache-only reads, see FileBlobStore.read_cached).
+_RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
+
 
 class BlobStore(Protocol):
     def write(self, chunk_id: bytes, blob: int, data: bytes | memoryview) -> None: ...
@@ -41,6 +48,12 @@ class BlobStore(Protocol):
         ...
 
     def read(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes: ...
+
+    def read_cached(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes | None:
+        """As :meth:`read`, but None instead of waiting for the disk: part of the bytes is not in
+        memory (the page cache). Never waits for the data on disk, so an event loop may call it (opening
+        the file may still read its inode once after the cache was dropped)."""
+        ...
 
     def delete(self, chunk_id: bytes, blob: int) -> None: ...
 
@@ -77,6 +90,7 @@ class FileBlobStore:
         self._sync_dirs = self.fsync and not sabotaged("dir-sync")
         make_dirs_durable(self.root)
         self._dirs: set[Path] = set()
+        self._nowait = _RWF_NOWAIT != 0  # cleared once the filesystem refuses the flag
 
     def _path(self, chunk_id: bytes, blob: int) -> Path:
         return self.root / schema.blob_dir_name(chunk_id) / schema.blob_file_name(chunk_id, blob)
@@ -136,6 +150,34 @@ class FileBlobStore:
         except OSError as exc:
             _raise_os(exc, f"reading {path.name}")
             raise
+
+    def read_cached(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes | None:
+        """``preadv(RWF_NOWAIT)``: the kernel copies what the page cache holds and answers EAGAIN
+        (or a short count) where it would have to read the disk. A short count is None too — it may
+        also be the end of a file cut short, which the blocking :meth:`read` then reports as it is.
+        Where the flag is unknown (not Linux, or a filesystem that refuses it) this is a plain read,
+        as every small read was before: no worse than that, and no better."""
+        if not self._nowait or length <= 0:
+            return self.read(chunk_id, blob, offset, length)
+        path = self._path(chunk_id, blob)
+        buf = bytearray(length)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                count = os.preadv(fd, [buf], offset, _RWF_NOWAIT)
+            finally:
+                os.close(fd)
+        except BlockingIOError:
+            return None
+        except FileNotFoundError:
+            raise IoError(f"chunk file {path.name} is missing") from None
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # the filesystem cannot tell: read as before
+                self._nowait = False
+                return self.read(chunk_id, blob, offset, length)
+            _raise_os(exc, f"reading {path.name}")
+            raise
+        return bytes(buf) if count == length else None
 
     def delete(self, chunk_id: bytes, blob: int) -> None:
         try:
@@ -223,6 +265,10 @@ class MemBlobStore:
         if data is None:
             raise IoError(f"chunk {chunk_id.hex()} blob {blob} is missing")
         return data[offset : offset + length]
+
+    def read_cached(self, chunk_id: bytes, blob: int, offset: int, length: int) -> bytes | None:
+        """Memory is always cached: the simulator's reads stay inline, as its host runs everything."""
+        return self.read(chunk_id, blob, offset, length)
 
     def delete(self, chunk_id: bytes, blob: int) -> None:
         self._unsynced_patches.pop((chunk_id, blob), None)

@@ -391,6 +391,18 @@ class ChunkEngine:
         return self._read_blob(chunk_id, state.pending_blob, state.pending_inline, state.pending_length, offset,
                                length)
 
+    def read_cached(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes | None:
+        """As :meth:`read` for the committed version, but None where the bytes are not in memory
+        (a file blob outside the page cache): an event loop reads with this and sends a None to its
+        I/O pool. An inline version is a KV record and always answers."""
+        state = self._states.get(chunk_id)
+        if state is None or version == 0 or version != state.commit_version:
+            raise IoError(f"chunk {chunk_id.hex()} has no committed version {version} on this target")
+        if state.commit_inline:
+            return self._read_blob(chunk_id, state.commit_blob, True, state.length, offset, length)
+        length = max(0, min(length, state.length - offset))
+        return self.files.read_cached(chunk_id, state.commit_blob, offset, length)
+
     def _read_blob(self, chunk_id: bytes, blob: int, inline: bool, size: int, offset: int, length: int) -> bytes:
         length = max(0, min(length, size - offset))
         if not inline:

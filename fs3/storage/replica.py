@@ -127,6 +127,14 @@ class ReplicaConfig:
     # Reads of file-held versions at least this large run on the host's I/O pool (see
     # docs/decisions.md, "Chunk reads and commit syncs off the event loop", for the measurement).
     offload_read_min_bytes: int = 64 * 1024
+    # A smaller read of a file-held version runs on the event loop only when its bytes are in the
+    # page cache (RWF_NOWAIT), else on the I/O pool too, so a cold read never stalls the loop
+    # (docs/decisions.md, "Small chunk reads: on the loop only from the page cache"). Off: every
+    # smaller read on the event loop, cached or not (the placement before; for comparisons).
+    small_read_nowait: bool = True
+    # Passes of the event loop a cold small read waits for the readahead its miss started before
+    # it goes to the I/O pool (0: straight to the pool).
+    small_read_polls: int = 16
     # A write of at most this many bytes that lands inside a chunk at least twice its size is
     # staged as a patch of the committed version and applied in place at commit, instead of
     # copying the whole chunk into a new version (0: always copy).
@@ -150,6 +158,8 @@ class ReplicaConfig:
         if self.channel_record_ttl_ms < 4 * self.forward_retry_total_ms:
             raise InvalidArgument("channel_record_ttl_ms must be at least 4 x forward_retry_total_ms "
                                   "(retries within half of it must still find their record)")
+        if not 0 <= self.small_read_polls <= 1024:
+            raise InvalidArgument("small_read_polls must be within [0, 1024]")
         if self.updates_inflight_max < 1 or self.updates_inflight_bytes_max < 64 << 20:
             raise InvalidArgument("updates_inflight_max must be >= 1 and updates_inflight_bytes_max >= 64 MiB")
         if self.routing_wait_ms < 1 or self.forward_timeout_ms < 1 or self.query_timeout_ms < 1:
@@ -923,11 +933,11 @@ class TargetReplica:
         return chunk_id in self._rewriting
 
     async def _read_bytes(self, chunk_id: bytes, version: int, offset: int, length: int) -> bytes | None:
-        """Bytes of ``version``: on the event loop when small or held in RocksDB, else on the I/O
-        pool. A pool read runs while commits go on, so it counts only if the chunk's state is the
-        same object after it as before (every change replaces it; blob numbers are never reused)
-        and no commit started rewriting the file meanwhile; otherwise None, and the caller reads
-        again — a file a commit deleted or renamed under the read is not a disk error."""
+        """Bytes of ``version``: on the event loop when held in RocksDB, or small and in the page
+        cache; else on the I/O pool. A pool read runs while commits go on, so it counts only if the
+        chunk's state is the same object after it as before (every change replaces it; blob numbers
+        are never reused) and no commit started rewriting the file meanwhile; otherwise None, and
+        the caller reads again — a file a commit deleted or renamed under the read is not a disk error."""
         if chunk_id in self._rewriting:
             return None  # a commit began patching the file while the read waited for the tail
         state = self.engine.get(chunk_id)
@@ -935,7 +945,23 @@ class TargetReplica:
         # patched one is built from state a commit changes under it).
         committed_file = state is not None and version == state.commit_version and not state.commit_inline
         if not committed_file or length < self.config.offload_read_min_bytes:
-            return self.engine.read(chunk_id, version, offset, length)
+            if not committed_file or not self.config.small_read_nowait:
+                return self.engine.read(chunk_id, version, offset, length)
+            # A warm small read costs less than a pool hop (a third of the rate on the pool), a cold
+            # one a disk read that would stall every request of this process: only the first here.
+            # A miss has started the kernel's readahead of the range, so the loop serves other
+            # requests and looks again a few passes later — a fast disk's read is done by then,
+            # and cheaper to pick up here than from a pool thread; a slow one's goes to the pool.
+            cached = self.engine.read_cached(chunk_id, version, offset, length)
+            for _ in range(self.config.small_read_polls):
+                if cached is not None:
+                    return cached
+                await asyncio.sleep(0)
+                if self.engine.get(chunk_id) is not state or chunk_id in self._rewriting:
+                    return None  # changed meanwhile: the caller reads again
+                cached = self.engine.read_cached(chunk_id, version, offset, length)
+            if cached is not None:
+                return cached
         try:
             data = await self.host.run_blocking(self.engine.read, chunk_id, version, offset, length)
         except IoError:
