@@ -366,13 +366,19 @@ class _Connection:
         return {"file": file_id}
 
     async def _deregister(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        registered = self.files.pop(int(request["file"]), None)
-        if registered is None:
-            raise OSError(errno.EBADF, f"no registered file {request['file']}")
+        file_id = int(request["file"])
+        if file_id not in self.files:
+            raise OSError(errno.EBADF, f"no registered file {file_id}")
         if self.batches:  # submitted I/Os on it finish first
+            # The file stays on the ring while this waits: a ring closed meanwhile cancels the
+            # wait, and its release closes the file (taken off first, it leaked its handle).
             await asyncio.gather(*list(self.batches), return_exceptions=True)
+        registered = self.files.pop(file_id, None)
+        if registered is None:  # a second deregister of the same file got there first
+            raise OSError(errno.EBADF, f"no registered file {file_id}")
         self.server.metrics.files.dec()
-        await self.server.vfs.release(registered.fh)
+        # Shielded: a ring closed now must not leave the handle half released.
+        await asyncio.shield(self.server.vfs.release(registered.fh))
         return {}
 
     async def _stats(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""Attacks on fs3.usrbio and the mount's data workers: each test is a way one of them broke."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fs3.usrbio import IoRing, Iov
+
+KIB, MIB = 1024, 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path]]:
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    from tests.harness import mounted_cluster
+
+    with mounted_cluster(tmp_path_factory.mktemp("review21")) as (cluster, mnt):
+        os.chmod(mnt, 0o777)
+        yield cluster, mnt
+
+
+@pytest.fixture
+def work(mount: tuple[object, Path], request: pytest.FixtureRequest) -> Path:
+    path = mount[1] / str(request.node.name)
+    path.mkdir()
+    return path
+
+
+def _stats(work: Path) -> dict[str, int]:
+    with IoRing(work, entries=1) as probe:
+        stats = probe.server_stats()
+    stats["rings"] -= 1  # the probe itself
+    return stats
+
+
+def _wait_at_rest(work: Path, before: dict[str, int], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = _stats(work)
+        if (now["rings"], now["files"], now["releasing"], now["open_handles"]) == \
+                (before["rings"], before["files"], 0, before["open_handles"]):
+            return
+        assert time.monotonic() < deadline, (before, now)
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_ring_closed_while_a_deregister_waits_for_its_batch_still_closes_the_file(
+        mount: tuple[object, Path], work: Path) -> None:
+    """A deregister waits for the batches in flight; the application closing the ring meanwhile
+    cancels that wait, and the file it had already taken off the ring must still be closed."""
+    cluster = mount[0]
+    (work / "f").write_bytes(b"x" * MIB)
+    before = _stats(work)
+    storages = [name for name in cluster.procs if name.startswith("storage")]  # type: ignore[attr-defined]
+    with Iov(MIB) as iov:
+        ring = IoRing(work, entries=16)
+        fid = ring.register(work / "f")
+        for name in storages:  # the batch cannot finish while storage is stopped
+            os.killpg(cluster.procs[name].pid, signal.SIGSTOP)  # type: ignore[attr-defined]
+        try:
+            ring.prep_io(iov, fid, 0, 64 * KIB)
+            ring.submit()
+            ring._send(json.dumps({"op": "deregister", "file": fid}).encode())
+            time.sleep(1.0)  # the deregister is waiting for the batch now
+            ring.close()
+            time.sleep(0.5)
+        finally:
+            for name in storages:
+                os.killpg(cluster.procs[name].pid, signal.SIGCONT)  # type: ignore[attr-defined]
+    _wait_at_rest(work, before)
