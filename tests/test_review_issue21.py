@@ -80,3 +80,29 @@ def test_a_ring_closed_while_a_deregister_waits_for_its_batch_still_closes_the_f
             for name in storages:
                 os.killpg(cluster.procs[name].pid, signal.SIGCONT)  # type: ignore[attr-defined]
     _wait_at_rest(work, before)
+
+
+@pytest.mark.slow
+def test_a_ring_read_on_a_mount_with_workers_never_returns_bytes_a_worker_still_buffers(tmp_path: Path) -> None:
+    """A FUSE descriptor's write sits in a data worker's buffer; the front's ring read took the
+    worker's length (so it reported the whole range read) but not its bytes: it returned the
+    old data as the file's. The worker's writes now land first, as in one process."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    from tests.harness import mounted_cluster
+
+    with mounted_cluster(tmp_path, workers=2) as (_, mnt), Iov(MIB) as iov:
+        (mnt / "f").write_bytes(b"a" * 300)
+        fd = os.open(mnt / "f", os.O_RDWR)
+        try:
+            with IoRing(mnt, entries=4) as ring:
+                fid = ring.register(mnt / "f")
+                os.pwrite(fd, b"c" * 500, 0)  # buffered in the worker: not flushed, not closed
+                ring.prep_io(iov, fid, 0, 1000)
+                ring.submit()
+                done = ring.wait(1, timeout_s=60)
+                assert [c.result for c in done] == [500]
+                assert bytes(iov.view[:500]) == b"c" * 500
+        finally:
+            os.close(fd)
