@@ -309,8 +309,9 @@ class _Connection:
         entries = int(request["entries"])
         if self.ring is not None:
             raise OSError(errno.EBUSY, "this connection has its ring already")
-        if not 0 < entries <= RING_ENTRIES_MAX:
-            raise OSError(errno.EINVAL, f"a ring has 1 to {RING_ENTRIES_MAX} entries, not {entries}")
+        if not 0 < entries <= RING_ENTRIES_MAX or entries & (entries - 1):
+            # A power of two: slots of wrapping 32-bit counters stay in order (see ring_slots).
+            raise OSError(errno.EINVAL, f"a ring has a power of two of 1 to {RING_ENTRIES_MAX} entries, not {entries}")
         self.ring = self._map(fds[0], ring_bytes(entries))
         self.entries = entries
         self.sq_head = _U32.unpack_from(self.ring.mm, SQ_TAIL_AT)[0]
