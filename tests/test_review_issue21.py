@@ -119,7 +119,7 @@ class _RingNearTheWrap(IoRing):
             struct.pack_into("<I", self._ring, SQ_TAIL_AT, start)
             struct.pack_into("<I", self._ring, CQ_HEAD_AT, start)
             self._sq_tail = self._cq_head = start
-        return super()._control(request, fds)  # type: ignore[arg-type]
+        return super()._control(request, fds)
 
 
 @pytest.mark.slow
