@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,3 +141,20 @@ def test_ring_counters_wrap_on_a_ring_of_any_size(work: Path) -> None:
             assert done == {0: 100, 1: 100, 2: 100}, (round_, done)
             for n in range(3):
                 assert bytes(iov.view[n * 4096:n * 4096 + 100]) == data[n * 1000 + round_:n * 1000 + round_ + 100]
+
+
+def test_a_rings_groups_are_the_ones_it_connected_with() -> None:
+    """The daemon read the peer's supplementary groups from /proc/<pid>/status when it accepted:
+    a process could connect, then change its groups (or exit, its pid going to another user's
+    process) before that; the kernel's own record of the connect (SO_PEERGROUPS) is used now."""
+    if os.geteuid() != 0:
+        pytest.skip("setgroups needs root")
+    code = ("import os, socket\nfrom fs3.fuse.usrbio_server import peer_credentials\n"
+            "os.setgroups([1111, 1112])\na, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+            "os.setgroups([2222])\npid, user = peer_credentials(a)\n"
+            "print(pid == os.getpid(), user.uid, list(user.groups))\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "0", "[1111,", "1112]"]

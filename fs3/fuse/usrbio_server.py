@@ -71,7 +71,7 @@ from fs3.usrbio import (
 )
 from fs3.vfs import Vfs
 
-__all__ = ["RegisteredFile", "UsrbioLimits", "UsrbioServer", "check_entry", "default_socket_dir"]
+__all__ = ["RegisteredFile", "UsrbioLimits", "UsrbioServer", "check_entry", "default_socket_dir", "peer_credentials"]
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +129,41 @@ def default_socket_dir() -> Path:
     return Path("/run/fs3") if os.geteuid() == 0 else Path(f"/tmp/fs3-usrbio-{os.geteuid()}")
 
 
-def _groups_of(pid: int) -> list[int]:
-    """The supplementary groups of ``pid`` (``Groups:`` in /proc/<pid>/status); [] when it is gone."""
+def _groups_of(pid: int, uid: int) -> list[int]:
+    """The supplementary groups of ``pid`` (``Groups:`` in /proc/<pid>/status) while its effective
+    uid is still ``uid``; [] when it is gone or is another user's process now (a reused pid)."""
     try:
+        groups: list[int] = []
+        euid = None
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("Groups:"):
-                return sorted(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return []
+                groups = sorted(int(g) for g in line.split()[1:])
+            elif line.startswith("Uid:"):
+                euid = int(line.split()[2])
+        return groups if euid == uid else []
+    except (OSError, ValueError, IndexError):
+        return []
+
+
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
+_GID = struct.Struct("=I")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, mpb.User]:
+    """The pid and the user of the process that connected ``sock``, as the kernel saw them at
+    ``connect``: uid and gid from ``SO_PEERCRED``, supplementary groups from ``SO_PEERGROUPS``.
+
+    Not /proc/<pid>/status at accept: by then the process may have changed its groups, or
+    exited and its pid gone to another process (whose groups the ring would have used). More
+    groups than one getsockopt carries (256) fall back to /proc, checked against the uid.
+    """
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)
+        groups = sorted(g for (g,) in _GID.iter_unpack(raw[:len(raw) - len(raw) % _GID.size]))
+    except OSError:  # ERANGE: more groups than the buffer (or a kernel without SO_PEERGROUPS)
+        groups = _groups_of(pid, uid)
+    return pid, mpb.User(uid=uid, gid=gid, groups=groups)
 
 
 def _errno_of(exc: BaseException) -> int:
@@ -634,8 +660,8 @@ class UsrbioServer:
                 log.warning("usrbio: accept: %s", exc)
                 return
             sock.setblocking(False)
-            pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            conn = _Connection(self, sock, pid, mpb.User(uid=uid, gid=gid, groups=_groups_of(pid)))
+            pid, user = peer_credentials(sock)
+            conn = _Connection(self, sock, pid, user)
             same_process = sum(1 for c in self.connections if c.pid == pid)
             if len(self.connections) >= self.limits.rings_max:
                 conn.fatal(f"the mount serves {self.limits.rings_max} rings already")
