@@ -240,6 +240,7 @@ class _Connection:
     accepted: int = 0    # entries taken from the SQ whose completions are not written yet
     iovs: dict[int, _Mapped] = field(default_factory=dict)
     files: dict[int, RegisteredFile] = field(default_factory=dict)
+    deregistering: dict[int, RegisteredFile] = field(default_factory=dict)  # off the ring, not closed yet
     batches: set[asyncio.Task[None]] = field(default_factory=set)
     controls: set[asyncio.Task[None]] = field(default_factory=set)
     closing: bool = False
@@ -394,15 +395,15 @@ class _Connection:
 
     async def _deregister(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         file_id = int(request["file"])
-        if file_id not in self.files:
+        registered = self.files.pop(file_id, None)  # a batch submitted from now on finds no such file
+        if registered is None:
             raise OSError(errno.EBADF, f"no registered file {file_id}")
+        # Until its handle is released: a ring closed while this waits cancels the wait, and
+        # its release closes these too (a file only taken off the ring leaked its handle).
+        self.deregistering[file_id] = registered
         if self.batches:  # submitted I/Os on it finish first
-            # The file stays on the ring while this waits: a ring closed meanwhile cancels the
-            # wait, and its release closes the file (taken off first, it leaked its handle).
             await asyncio.gather(*list(self.batches), return_exceptions=True)
-        registered = self.files.pop(file_id, None)
-        if registered is None:  # a second deregister of the same file got there first
-            raise OSError(errno.EBADF, f"no registered file {file_id}")
+        del self.deregistering[file_id]
         self.server.metrics.files.dec()
         # Shielded: a ring closed now must not leave the handle half released.
         await asyncio.shield(self.server.vfs.release(registered.fh))
@@ -576,13 +577,14 @@ class _Connection:
             task.cancel()
         await asyncio.gather(*self.batches, *self.controls, return_exceptions=True)
         metrics = self.server.metrics
-        for registered in self.files.values():
+        for registered in [*self.files.values(), *self.deregistering.values()]:
             try:
                 await self.server.vfs.release(registered.fh)
             except Exception as exc:  # keep releasing the rest; meta prunes the session with the lease
                 log.warning("usrbio: closing inode %d of pid %d: %s", registered.inode_id, self.pid, exc)
             metrics.files.dec()
         self.files.clear()
+        self.deregistering.clear()
         for mapped in [*self.iovs.values(), *([self.ring] if self.ring is not None else [])]:
             metrics.mapped_bytes.dec(mapped.size_bytes)
             mapped.release()
