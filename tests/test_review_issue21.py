@@ -158,3 +158,43 @@ def test_a_rings_groups_are_the_ones_it_connected_with() -> None:
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "0", "[1111,", "1112]"]
+
+
+_SEND_MOUNT_FDS = """
+import os, socket, sys, time
+from fs3.usrbio import IoRing
+fd = os.open(sys.argv[1] + "/f", os.O_RDONLY)
+for message in (b"S", b'{"op": "stats"}', b'{"op": "iov", "size": 100}', b'{"op": "ring", "entries": 4}'):
+    with IoRing(sys.argv[1], entries=4) as ring:
+        socket.send_fds(ring._sock, [message], [fd])
+        time.sleep(0.2)
+    os.stat(sys.argv[1] + "/f")
+print("sent", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_descriptor_of_the_mount_sent_where_none_belongs_does_not_deadlock_the_daemon(work: Path) -> None:
+    """The daemon closed the descriptors of a refused message (and fstat'ed an Iov's) on its
+    event loop: for a descriptor of its own mount, close is a FUSE flush the blocked loop had
+    to answer itself, so any user hung the whole mount with one message. (The attack runs in a
+    child; a deadlocked mount has its FUSE connection aborted so that this fails, not hangs.)"""
+    (work / "f").write_bytes(b"f" * 100)
+    mnt = work.parent
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen([sys.executable, "-c", _SEND_MOUNT_FDS, str(work)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root)})
+    deadline = time.monotonic() + 60
+    while child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if child.poll() is None:
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            if fields[4] == str(mnt):
+                with open(f"/sys/fs/fuse/connections/{fields[2].split(':')[1]}/abort", "w") as abort:
+                    abort.write("1")
+        child.kill()
+        child.wait(timeout=30)
+        pytest.fail("the mount daemon deadlocked")
+    out, err = child.communicate()
+    assert child.returncode == 0 and out == b"sent\n", err.decode()

@@ -26,6 +26,7 @@ batches cancelled, its files closed and its mappings dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -80,6 +81,7 @@ _MESSAGE_BYTES_MAX = 4096
 _FDS_PER_MESSAGE_MAX = 4
 _MESSAGES_PER_WAKEUP_MAX = 256   # one connection cannot hold the event loop for longer
 _CONTROLS_PENDING_MAX = 4
+_FD_THREADS = 4
 # Where a file offset may reach (the largest file any layout allows is far below).
 FILE_OFFSET_MAX = 1 << 62
 
@@ -174,18 +176,32 @@ def _errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
+def _is_memfd(fd: int) -> bool:
+    """Whether ``fd`` is a memfd (or another sealable shmem file): ``F_GET_SEALS`` is answered by
+    the kernel alone, never by a file system's daemon."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return True
+
+
 def _check_memfd(fd: int, size_bytes: int) -> None:
     """A buffer the daemon may map: a regular file of at least ``size_bytes``, sealed against
-    shrinking (else the process could truncate it and turn the daemon's access into SIGBUS)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size < size_bytes:
-        raise OSError(errno.EINVAL, f"a shared buffer must be a file of {size_bytes} bytes")
+    shrinking (else the process could truncate it and turn the daemon's access into SIGBUS).
+
+    The seals first: ``fstat`` of a descriptor of a FUSE file system (this very mount
+    included) is a request its daemon answers, and this runs on the event loop that answers it.
+    """
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = 0
     if not seals & fcntl.F_SEAL_SHRINK:
         raise OSError(errno.EPERM, "a shared buffer must be a memfd sealed with F_SEAL_SHRINK")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < size_bytes:
+        raise OSError(errno.EINVAL, f"a shared buffer must be a file of {size_bytes} bytes")
 
 
 class _Metrics:
@@ -271,8 +287,7 @@ class _Connection:
                 self.fatal(str(exc))
                 return
             finally:
-                for fd in fds:
-                    os.close(fd)
+                self.server.close_fds(fds)
 
     def _dispatch(self, message: bytes, fds: list[int]) -> None:
         if message[:1] == DOORBELL_SUBMIT:
@@ -321,9 +336,8 @@ class _Connection:
         except (ValueError, KeyError, TypeError) as exc:
             reply = {"errno": errno.EINVAL, "error": f"{op}: bad request: {exc}"}
         finally:
-            for fd in fds:  # what the handler did not take (a ring's and a buffer's are mapped by now)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            # What the handler did not take (a ring's and a buffer's are mapped by now).
+            self.server.close_fds(fds)
         if not self.closing:
             await self._reply(reply)
 
@@ -375,7 +389,7 @@ class _Connection:
             finally:
                 os.close(fd)
 
-        st, fd_flags = await asyncio.to_thread(inspect)
+        st, fd_flags = await asyncio.get_running_loop().run_in_executor(self.server.fd_executor, inspect)
         if f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}" != self.server.device:
             raise OSError(errno.EXDEV, f"the descriptor is not of the fs3 mount at {self.server.mountpoint}")
         if not stat.S_ISREG(st.st_mode):
@@ -592,6 +606,11 @@ class _Connection:
         self.ring = None
 
 
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def _remove_dead_sockets(directory: Path, limit: int = 256) -> None:
     """Remove the sockets daemons that died (SIGKILL, crash) left behind: nothing answers them.
 
@@ -627,6 +646,24 @@ class UsrbioServer:
         self.connections: set[_Connection] = set()
         self._releasing: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
+        # Calls on descriptors applications pass (fstat, close: FUSE requests when the file is of
+        # a FUSE mount, this one included) run here, never on the event loop; a descriptor of a
+        # file system whose daemon never answers holds one of these threads, not the mount.
+        self.fd_executor = concurrent.futures.ThreadPoolExecutor(_FD_THREADS, thread_name_prefix="usrbio-fd")
+
+    def close_fds(self, fds: list[int]) -> None:
+        """Close descriptors an application passed: memfds at once, anything else in a thread
+        (closing a FUSE file is a flush request; one of this mount's would wait on this loop)."""
+        for fd in fds:
+            if _is_memfd(fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            else:
+                try:
+                    self.fd_executor.submit(_close_quietly, fd)
+                except RuntimeError:  # shut down: the mount is going away
+                    _close_quietly(fd)
+        fds.clear()
 
     def start(self) -> Path:
         """Listen (replacing a socket a dead daemon left); returns the socket's path."""
@@ -710,3 +747,4 @@ class UsrbioServer:
             self.drop(conn)
         if self._releasing:
             await asyncio.gather(*list(self._releasing), return_exceptions=True)
+        self.fd_executor.shutdown(wait=False)  # a thread stuck on another file system's descriptor stays behind
