@@ -447,12 +447,14 @@ class IoRing:
         if self._outstanding + self._prepped >= self.entries:
             raise BlockingIOError(errno.EAGAIN, f"the ring's {self.entries} entries are all in use: wait for "
                                                 "completions first")
+        if not 0 <= file_id <= INDEX_MASK:  # masked to the entry's 32 bits, it named another file
+            raise ValueError(f"no registered file can have the id {file_id}")
         if not 0 <= userdata <= USERDATA_MAX:
             raise ValueError(f"userdata is an unsigned 64-bit number, not {userdata}")
         iov_id = self._iov_id(iov)
         index = (self._sq_tail + self._prepped) & INDEX_MASK
         slot = index % self._slots
-        entry = Sqe(OP_WRITE if write else OP_READ, iov_id, file_id & INDEX_MASK, _i64(offset), _i64(length),
+        entry = Sqe(OP_WRITE if write else OP_READ, iov_id, file_id, _i64(offset), _i64(length),
                     _i64(iov_offset), userdata)
         entry.pack_into(self._ring, HEADER_BYTES + slot * SQE.size)
         self._prepped += 1

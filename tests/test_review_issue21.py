@@ -198,3 +198,15 @@ def test_a_descriptor_of_the_mount_sent_where_none_belongs_does_not_deadlock_the
         pytest.fail("the mount daemon deadlocked")
     out, err = child.communicate()
     assert child.returncode == 0 and out == b"sent\n", err.decode()
+
+
+@pytest.mark.slow
+def test_a_file_id_out_of_range_is_refused_not_masked_onto_another_file(work: Path) -> None:
+    """prep_io masked the file id to the entry's 32 bits: id 2**32 + n read registered file n."""
+    (work / "f").write_bytes(b"f" * 100)
+    with Iov(MIB) as iov, IoRing(work, entries=4) as ring:
+        fid = ring.register(work / "f")
+        for bad in (fid + (1 << 32), -1):
+            with pytest.raises(ValueError, match="file can have the id"):
+                ring.prep_io(iov, bad, 0, 10)
+        assert ring.outstanding == 0
