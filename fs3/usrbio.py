@@ -72,6 +72,7 @@ __all__ = [
     "MountGone",
     "Sqe",
     "ring_bytes",
+    "ring_slots",
     "server_socket",
     "socket_candidates",
     "socket_name",
@@ -80,7 +81,8 @@ __all__ = [
 # -- the shared-memory layout (the daemon reads the same definitions) ----------------------------
 #
 # A ring's memfd: a 64-byte header, then ``entries`` submission entries, then ``entries``
-# completion entries. Indexes are free-running 32-bit counters (slot = index % entries); each side
+# completion entries. Indexes are free-running 32-bit counters (slot = index % entries, and
+# ``entries`` is a power of two, so the slot runs on smoothly where a counter wraps); each side
 # writes only its own: the application ``sq_tail`` and ``cq_head``, the daemon ``sq_head`` and
 # ``cq_tail``. The doorbell messages on the socket order them (a send and a receive are barriers).
 
@@ -107,6 +109,13 @@ USERDATA_MAX = (1 << 64) - 1
 DOORBELL_SUBMIT = b"S"
 DOORBELL_COMPLETE = b"C"
 _MESSAGE_BYTES_MAX = 4096
+
+
+def ring_slots(entries: int) -> int:
+    """The slots a ring of ``entries`` has: the power of two at or above it. A 32-bit counter's
+    ``index % slots`` then moves on by one where the counter wraps (with 3 slots, index 2**32 - 1
+    and index 0 would both be slot 0: the entry still pending there was overwritten)."""
+    return 1 << (entries - 1).bit_length()
 
 
 def ring_bytes(entries: int) -> int:
@@ -276,22 +285,23 @@ class IoRing:
             raise ValueError(f"a ring has 1 to {RING_ENTRIES_MAX} entries, not {entries}")
         self.mountpoint = os.fspath(path)
         self.entries = entries
+        self._slots = ring_slots(entries)  # the shared queues' size; at most ``entries`` in use
         self.timeout_s = connect_timeout_s
         self.closed = True
         self._pid = os.getpid()
         device = _device_of(path)
         self._sock = self._connect(device, connect_timeout_s)
         self.closed = False
-        self._ring_fd = _sealed_memfd("fs3-usrbio-ring", ring_bytes(entries))
-        self._ring = mmap.mmap(self._ring_fd, ring_bytes(entries))
-        _HEADER.pack_into(self._ring, 0, MAGIC, VERSION, entries, 0, 0, 0, 0, 0)
+        self._ring_fd = _sealed_memfd("fs3-usrbio-ring", ring_bytes(self._slots))
+        self._ring = mmap.mmap(self._ring_fd, ring_bytes(self._slots))
+        _HEADER.pack_into(self._ring, 0, MAGIC, VERSION, self._slots, 0, 0, 0, 0, 0)
         self._sq_tail = 0      # the application's: what was submitted
         self._prepped = 0      # prepared since the last submit
         self._cq_head = 0      # the application's: what was reaped
         self._outstanding = 0  # submitted and not reaped
         self._iov_ids: dict[int, tuple[Iov, int]] = {}
         self._files: set[int] = set()
-        self._control({"op": "ring", "entries": entries}, [self._ring_fd])
+        self._control({"op": "ring", "entries": self._slots}, [self._ring_fd])
 
     # -- connecting ------------------------------------------------------------------------------
 
@@ -437,12 +447,14 @@ class IoRing:
         if self._outstanding + self._prepped >= self.entries:
             raise BlockingIOError(errno.EAGAIN, f"the ring's {self.entries} entries are all in use: wait for "
                                                 "completions first")
+        if not 0 <= file_id <= INDEX_MASK:  # masked to the entry's 32 bits, it named another file
+            raise ValueError(f"no registered file can have the id {file_id}")
         if not 0 <= userdata <= USERDATA_MAX:
             raise ValueError(f"userdata is an unsigned 64-bit number, not {userdata}")
         iov_id = self._iov_id(iov)
         index = (self._sq_tail + self._prepped) & INDEX_MASK
-        slot = index % self.entries
-        entry = Sqe(OP_WRITE if write else OP_READ, iov_id, file_id & INDEX_MASK, _i64(offset), _i64(length),
+        slot = index % self._slots
+        entry = Sqe(OP_WRITE if write else OP_READ, iov_id, file_id, _i64(offset), _i64(length),
                     _i64(iov_offset), userdata)
         entry.pack_into(self._ring, HEADER_BYTES + slot * SQE.size)
         self._prepped += 1
@@ -503,10 +515,10 @@ class IoRing:
         count = self._ready()
         if max_results is not None:
             count = min(count, max_results)
-        base = HEADER_BYTES + self.entries * SQE.size
+        base = HEADER_BYTES + self._slots * SQE.size
         done = []
         for _ in range(count):
-            slot = self._cq_head % self.entries
+            slot = self._cq_head % self._slots
             userdata, result = CQE.unpack_from(self._ring, base + slot * CQE.size)
             done.append(Completion(userdata, result))
             self._cq_head = (self._cq_head + 1) & INDEX_MASK

@@ -579,11 +579,20 @@ class AsyncFile:
         for sibling in self.fs.open_writers(self.inode.inode_id):
             if sibling is self:
                 continue
-            if isinstance(sibling, AsyncFile) and sibling.has_unflushed:  # a worker's stand-in: its length only
-                await sibling._send_buffer()
-                landing = list(sibling._inflight)
-                if landing:
-                    await asyncio.gather(*landing, return_exceptions=True)
+            if isinstance(sibling, AsyncFile):
+                if sibling.has_unflushed:
+                    await sibling._send_buffer()
+                    landing = list(sibling._inflight)
+                    if landing:
+                        await asyncio.gather(*landing, return_exceptions=True)
+            elif sibling.has_unpublished_writes and not sibling.stale:
+                # A data worker's handle (fs3.vfs.workers.RemoteFile), seen by a usrbio read in the
+                # front: its bytes sit in the worker. Its length alone made this read report that
+                # range as read, with the old bytes in it; they land first, or its length does not count.
+                try:
+                    await sibling.settle()
+                except (OSError, FS3Error):
+                    continue  # the error stays with that handle (the worker reports it there)
             self.extend_known_length(sibling.length)
 
     async def readinto(self, buffer: Buffer) -> int:

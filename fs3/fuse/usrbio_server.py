@@ -26,6 +26,7 @@ batches cancelled, its files closed and its mappings dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -71,7 +72,7 @@ from fs3.usrbio import (
 )
 from fs3.vfs import Vfs
 
-__all__ = ["RegisteredFile", "UsrbioLimits", "UsrbioServer", "check_entry", "default_socket_dir"]
+__all__ = ["RegisteredFile", "UsrbioLimits", "UsrbioServer", "check_entry", "default_socket_dir", "peer_credentials"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ _MESSAGE_BYTES_MAX = 4096
 _FDS_PER_MESSAGE_MAX = 4
 _MESSAGES_PER_WAKEUP_MAX = 256   # one connection cannot hold the event loop for longer
 _CONTROLS_PENDING_MAX = 4
+_FD_THREADS = 4
 # Where a file offset may reach (the largest file any layout allows is far below).
 FILE_OFFSET_MAX = 1 << 62
 
@@ -129,15 +131,41 @@ def default_socket_dir() -> Path:
     return Path("/run/fs3") if os.geteuid() == 0 else Path(f"/tmp/fs3-usrbio-{os.geteuid()}")
 
 
-def _groups_of(pid: int) -> list[int]:
-    """The supplementary groups of ``pid`` (``Groups:`` in /proc/<pid>/status); [] when it is gone."""
+def _groups_of(pid: int, uid: int) -> list[int]:
+    """The supplementary groups of ``pid`` (``Groups:`` in /proc/<pid>/status) while its effective
+    uid is still ``uid``; [] when it is gone or is another user's process now (a reused pid)."""
     try:
+        groups: list[int] = []
+        euid = None
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("Groups:"):
-                return sorted(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return []
+                groups = sorted(int(g) for g in line.split()[1:])
+            elif line.startswith("Uid:"):
+                euid = int(line.split()[2])
+        return groups if euid == uid else []
+    except (OSError, ValueError, IndexError):
+        return []
+
+
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13
+_GID = struct.Struct("=I")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, mpb.User]:
+    """The pid and the user of the process that connected ``sock``, as the kernel saw them at
+    ``connect``: uid and gid from ``SO_PEERCRED``, supplementary groups from ``SO_PEERGROUPS``.
+
+    Not /proc/<pid>/status at accept: by then the process may have changed its groups, or
+    exited and its pid gone to another process (whose groups the ring would have used). More
+    groups than one getsockopt carries (256) fall back to /proc, checked against the uid.
+    """
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)
+        groups = sorted(g for (g,) in _GID.iter_unpack(raw[:len(raw) - len(raw) % _GID.size]))
+    except OSError:  # ERANGE: more groups than the buffer (or a kernel without SO_PEERGROUPS)
+        groups = _groups_of(pid, uid)
+    return pid, mpb.User(uid=uid, gid=gid, groups=groups)
 
 
 def _errno_of(exc: BaseException) -> int:
@@ -148,18 +176,32 @@ def _errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
+def _is_memfd(fd: int) -> bool:
+    """Whether ``fd`` is a memfd (or another sealable shmem file): ``F_GET_SEALS`` is answered by
+    the kernel alone, never by a file system's daemon."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return True
+
+
 def _check_memfd(fd: int, size_bytes: int) -> None:
     """A buffer the daemon may map: a regular file of at least ``size_bytes``, sealed against
-    shrinking (else the process could truncate it and turn the daemon's access into SIGBUS)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size < size_bytes:
-        raise OSError(errno.EINVAL, f"a shared buffer must be a file of {size_bytes} bytes")
+    shrinking (else the process could truncate it and turn the daemon's access into SIGBUS).
+
+    The seals first: ``fstat`` of a descriptor of a FUSE file system (this very mount
+    included) is a request its daemon answers, and this runs on the event loop that answers it.
+    """
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = 0
     if not seals & fcntl.F_SEAL_SHRINK:
         raise OSError(errno.EPERM, "a shared buffer must be a memfd sealed with F_SEAL_SHRINK")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < size_bytes:
+        raise OSError(errno.EINVAL, f"a shared buffer must be a file of {size_bytes} bytes")
 
 
 class _Metrics:
@@ -214,6 +256,7 @@ class _Connection:
     accepted: int = 0    # entries taken from the SQ whose completions are not written yet
     iovs: dict[int, _Mapped] = field(default_factory=dict)
     files: dict[int, RegisteredFile] = field(default_factory=dict)
+    deregistering: dict[int, RegisteredFile] = field(default_factory=dict)  # off the ring, not closed yet
     batches: set[asyncio.Task[None]] = field(default_factory=set)
     controls: set[asyncio.Task[None]] = field(default_factory=set)
     closing: bool = False
@@ -244,8 +287,7 @@ class _Connection:
                 self.fatal(str(exc))
                 return
             finally:
-                for fd in fds:
-                    os.close(fd)
+                self.server.close_fds(fds)
 
     def _dispatch(self, message: bytes, fds: list[int]) -> None:
         if message[:1] == DOORBELL_SUBMIT:
@@ -294,9 +336,8 @@ class _Connection:
         except (ValueError, KeyError, TypeError) as exc:
             reply = {"errno": errno.EINVAL, "error": f"{op}: bad request: {exc}"}
         finally:
-            for fd in fds:  # what the handler did not take (a ring's and a buffer's are mapped by now)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            # What the handler did not take (a ring's and a buffer's are mapped by now).
+            self.server.close_fds(fds)
         if not self.closing:
             await self._reply(reply)
 
@@ -309,8 +350,9 @@ class _Connection:
         entries = int(request["entries"])
         if self.ring is not None:
             raise OSError(errno.EBUSY, "this connection has its ring already")
-        if not 0 < entries <= RING_ENTRIES_MAX:
-            raise OSError(errno.EINVAL, f"a ring has 1 to {RING_ENTRIES_MAX} entries, not {entries}")
+        if not 0 < entries <= RING_ENTRIES_MAX or entries & (entries - 1):
+            # A power of two: slots of wrapping 32-bit counters stay in order (see ring_slots).
+            raise OSError(errno.EINVAL, f"a ring has a power of two of 1 to {RING_ENTRIES_MAX} entries, not {entries}")
         self.ring = self._map(fds[0], ring_bytes(entries))
         self.entries = entries
         self.sq_head = _U32.unpack_from(self.ring.mm, SQ_TAIL_AT)[0]
@@ -347,7 +389,7 @@ class _Connection:
             finally:
                 os.close(fd)
 
-        st, fd_flags = await asyncio.to_thread(inspect)
+        st, fd_flags = await asyncio.get_running_loop().run_in_executor(self.server.fd_executor, inspect)
         if f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}" != self.server.device:
             raise OSError(errno.EXDEV, f"the descriptor is not of the fs3 mount at {self.server.mountpoint}")
         if not stat.S_ISREG(st.st_mode):
@@ -366,13 +408,19 @@ class _Connection:
         return {"file": file_id}
 
     async def _deregister(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        registered = self.files.pop(int(request["file"]), None)
+        file_id = int(request["file"])
+        registered = self.files.pop(file_id, None)  # a batch submitted from now on finds no such file
         if registered is None:
-            raise OSError(errno.EBADF, f"no registered file {request['file']}")
+            raise OSError(errno.EBADF, f"no registered file {file_id}")
+        # Until its handle is released: a ring closed while this waits cancels the wait, and
+        # its release closes these too (a file only taken off the ring leaked its handle).
+        self.deregistering[file_id] = registered
         if self.batches:  # submitted I/Os on it finish first
             await asyncio.gather(*list(self.batches), return_exceptions=True)
+        del self.deregistering[file_id]
         self.server.metrics.files.dec()
-        await self.server.vfs.release(registered.fh)
+        # Shielded: a ring closed now must not leave the handle half released.
+        await asyncio.shield(self.server.vfs.release(registered.fh))
         return {}
 
     async def _stats(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
@@ -543,18 +591,24 @@ class _Connection:
             task.cancel()
         await asyncio.gather(*self.batches, *self.controls, return_exceptions=True)
         metrics = self.server.metrics
-        for registered in self.files.values():
+        for registered in [*self.files.values(), *self.deregistering.values()]:
             try:
                 await self.server.vfs.release(registered.fh)
             except Exception as exc:  # keep releasing the rest; meta prunes the session with the lease
                 log.warning("usrbio: closing inode %d of pid %d: %s", registered.inode_id, self.pid, exc)
             metrics.files.dec()
         self.files.clear()
+        self.deregistering.clear()
         for mapped in [*self.iovs.values(), *([self.ring] if self.ring is not None else [])]:
             metrics.mapped_bytes.dec(mapped.size_bytes)
             mapped.release()
         self.iovs.clear()
         self.ring = None
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _remove_dead_sockets(directory: Path, limit: int = 256) -> None:
@@ -592,6 +646,24 @@ class UsrbioServer:
         self.connections: set[_Connection] = set()
         self._releasing: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
+        # Calls on descriptors applications pass (fstat, close: FUSE requests when the file is of
+        # a FUSE mount, this one included) run here, never on the event loop; a descriptor of a
+        # file system whose daemon never answers holds one of these threads, not the mount.
+        self.fd_executor = concurrent.futures.ThreadPoolExecutor(_FD_THREADS, thread_name_prefix="usrbio-fd")
+
+    def close_fds(self, fds: list[int]) -> None:
+        """Close descriptors an application passed: memfds at once, anything else in a thread
+        (closing a FUSE file is a flush request; one of this mount's would wait on this loop)."""
+        for fd in fds:
+            if _is_memfd(fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            else:
+                try:
+                    self.fd_executor.submit(_close_quietly, fd)
+                except RuntimeError:  # shut down: the mount is going away
+                    _close_quietly(fd)
+        fds.clear()
 
     def start(self) -> Path:
         """Listen (replacing a socket a dead daemon left); returns the socket's path."""
@@ -627,8 +699,8 @@ class UsrbioServer:
                 log.warning("usrbio: accept: %s", exc)
                 return
             sock.setblocking(False)
-            pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            conn = _Connection(self, sock, pid, mpb.User(uid=uid, gid=gid, groups=_groups_of(pid)))
+            pid, user = peer_credentials(sock)
+            conn = _Connection(self, sock, pid, user)
             same_process = sum(1 for c in self.connections if c.pid == pid)
             if len(self.connections) >= self.limits.rings_max:
                 conn.fatal(f"the mount serves {self.limits.rings_max} rings already")
@@ -675,3 +747,4 @@ class UsrbioServer:
             self.drop(conn)
         if self._releasing:
             await asyncio.gather(*list(self._releasing), return_exceptions=True)
+        self.fd_executor.shutdown(wait=False)  # a thread stuck on another file system's descriptor stays behind
