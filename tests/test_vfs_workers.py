@@ -115,3 +115,43 @@ def test_a_workers_fs3_error_keeps_its_type_in_the_front() -> None:
     assert type(back) is OSError and back.errno == errno.EBADF
     back = error_from_worker(worker_error(RuntimeError("bug")))
     assert isinstance(back, OSError) and back.errno == errno.EIO and "RuntimeError" in str(back)
+
+
+def test_a_cancelled_read_gives_its_shared_slot_back_once_the_worker_answered() -> None:
+    """A read the kernel interrupts leaves the worker writing into its slot: the slot is not reused
+    before the worker's answer, and is not lost after it (16 interruptions used to leave every
+    later read on the socket)."""
+    from fs3.vfs.workers import RemoteFile
+
+    async def scenario() -> None:
+        slots = ReadSlots.create(slots=1, slot_bytes=4096)
+        answered = asyncio.Event()
+
+        class SlowWorker(FakeWorker):
+            async def request(self, op: str, *args: Any) -> Any:
+                if op == "pread_into":
+                    await answered.wait()
+                    return 3, (0, False, False)
+                return await super().request(op, *args)
+
+        worker = SlowWorker(0, inode_id=5)
+        worker.slots = slots  # type: ignore[attr-defined]
+        pool = DataWorkers([cast(DataWorker, worker)])
+        fs = cast(AsyncFileSystem, types.SimpleNamespace(track_file=lambda f: None))
+        rsp = mpb.OpenRsp(inode=mpb.Inode(inode_id=5, type=mpb.FILE, size=3))
+        remote = RemoteFile(fs, pool, cast(DataWorker, worker), 1, rsp, "f", True, False, False)
+        read = asyncio.create_task(remote.pread(0, 3))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert slots.take() is None  # the read holds the only slot
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        assert slots.take() is None  # the worker may still write into it
+        answered.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert slots.take() == 0  # answered: the slot is free again
+        slots.close()
+
+    asyncio.run(scenario())

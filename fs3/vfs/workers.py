@@ -487,10 +487,19 @@ class RemoteFile:
         slot = slots.take() if slots is not None and size <= slots.slot_bytes else None
         if slots is None or slot is None:
             return cast(bytes, await self._call("pread", offset, size))
+        # Shielded: a cancelled read (the kernel's FUSE_INTERRUPT) leaves the worker writing into
+        # the slot, which goes back to the free list only once the worker has answered (or died).
+        answer = asyncio.ensure_future(self._call("pread_into", offset, size, slot))
         try:
-            got = cast(int, await self._call("pread_into", offset, size, slot))
+            got = cast(int, await asyncio.shield(answer))
         except asyncio.CancelledError:
-            raise  # the slot stays taken: the worker may still write into it
+            def give_back(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled():
+                    done.exception()  # retrieved: nobody awaits this answer any more
+                slots.give(slot)
+
+            answer.add_done_callback(give_back)
+            raise
         except BaseException:
             slots.give(slot)
             raise
