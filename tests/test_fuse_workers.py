@@ -10,6 +10,7 @@ and the mount still unmounts cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -195,6 +196,61 @@ def test_mmap_reads_and_writes(work: Path) -> None:
         m.flush()
     data[CHUNK - 2:CHUNK + 2] = b"MMAP"
     assert path.read_bytes() == bytes(data)
+
+
+def test_a_stopped_worker_is_replaced_and_its_files_answer_errors_not_hang(mount: tuple[LocalCluster, Path],
+                                                                           tmp_path: Path) -> None:
+    """A worker that stops answering (SIGSTOP here; wedged in general) never closes its link: the
+    front's ping finds it silent, kills it, its files answer EIO and a new worker serves."""
+    cluster, _ = mount
+    where = tmp_path / "stopping"
+    where.mkdir()
+    started = subprocess.run([sys.executable, "-m", "fs3.cli.main", "mount", cluster.mgmtd_address, str(where),
+                              "--token", "t", "--workers", "2", "--worker-timeout-s", "2",
+                              "--log", str(tmp_path / "stopping.log")], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    try:
+        front = next(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+                     and _cmdline_has(int(entry.name), b"--worker-timeout-s") and _running(int(entry.name))
+                     and not _cmdline_has(int(entry.name), b"fs3.vfs.workers"))
+        before = _live_workers(front)
+        assert len(before) == 2
+        fd = os.open(where / "held", os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, b"x" * 4096)
+        for pid in before:
+            os.kill(pid, signal.SIGSTOP)
+        started_at = time.monotonic()
+        with pytest.raises(OSError) as failed:
+            os.close(fd)  # its worker is stopped: an error within the timeout, never a hang
+        assert failed.value.errno == errno.EIO
+        assert time.monotonic() - started_at < 60
+        deadline = time.monotonic() + 60
+        while set(_live_workers(front)) & set(before) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not set(_live_workers(front)) & set(before), "the stopped workers were not killed"
+        # New workers take their places (until one is ready, with every worker gone, opens fail).
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                (where / "after").write_bytes(b"served")
+                break
+            except OSError as exc:
+                assert exc.errno == errno.EIO and time.monotonic() < deadline, exc
+                time.sleep(0.2)
+        assert (where / "after").read_bytes() == b"served"
+        assert len(_live_workers(front)) == 2
+    finally:
+        for pid in _live_workers(front) if "front" in locals() else []:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        _umount(where)
+
+
+def _cmdline_has(pid: int, text: bytes) -> bool:
+    try:
+        return text in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def test_a_killed_worker_fails_its_files_and_the_mount_still_serves_and_unmounts(mount: tuple[LocalCluster, Path],

@@ -54,6 +54,7 @@ _metrics_port = number_in(int, -1, 65535, "a port number")  # 0: any free one, -
 _cache_seconds = number_in(float, 0.0, 3600.0, "a number of seconds")
 _readahead_kb = number_in(int, 0, 1 << 20, "a size in KiB")
 _workers = number_in(int, 1, 64, "a number of processes")
+_worker_timeout_s = number_in(float, 0.0, 3600.0, "a number of seconds")
 _id_number = number_in(int, 0, 2**32 - 2, "a uid or gid")
 
 
@@ -348,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--workers", type=_workers, default=1,
                        help="processes serving the mount (default 1; N > 1: the FUSE session in one, open "
                        "files in N data workers)")
+    mount.add_argument("--worker-timeout-s", type=_worker_timeout_s, default=30.0,
+                       help="with --workers: a data worker that has not answered for this long (stopped, "
+                       "wedged) is killed and replaced; its open files answer EIO (default 30; 0: never)")
     mount.add_argument("--ready-file", help=argparse.SUPPRESS)
     add_tls_arguments(mount)
     umount = sub.add_parser("umount", help="unmount a fs3 mount (also the remains of a crashed daemon)")
@@ -575,7 +579,8 @@ def _main(argv: Sequence[str] | None) -> int:
                                    batched_closes=args.batched_closes,
                                    attr_timeout_s=args.attr_timeout_s, metrics_port=args.metrics_port,
                                    metrics_host=args.metrics_host, usrbio=args.usrbio,
-                                   usrbio_dir=args.usrbio_dir, workers=args.workers)
+                                   usrbio_dir=args.usrbio_dir, workers=args.workers,
+                                   worker_timeout_s=args.worker_timeout_s)
             if args.foreground:
                 return run_foreground(args.mgmtd, args.mountpoint, options, args.ready_file)
             pid = mount_background(args.mgmtd, args.mountpoint, options, args.log)

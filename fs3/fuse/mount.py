@@ -75,6 +75,9 @@ class MountOptions:
     # session and the namespace here and moves open files (chunk I/O, buffers, read-ahead) to N
     # data-worker processes, each with its own client (fs3.vfs.workers; decisions.md for numbers).
     workers: int = 1
+    # With workers: one that has not answered a ping for this long (stopped, wedged) is killed and
+    # replaced, so its open files answer EIO rather than hang their callers.
+    worker_timeout_s: float = 30.0
 
 
 def mount_device(mountpoint: Path) -> str | None:
@@ -189,7 +192,8 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
 
             tls = dataclasses.asdict(options.tls) if options.tls is not None else None
             pool = await DataWorkers.start(options.workers, WorkerSettings(
-                mgmtd, token, options.transport, tls, options.log_level, options.inflight_per_file))
+                mgmtd, token, options.transport, tls, options.log_level, options.inflight_per_file,
+                options.worker_timeout_s))
             vfs: Vfs = WorkerVfs(fs, pool, config, drop_entry)
         else:
             vfs = Vfs(fs, config, drop_entry)
@@ -280,7 +284,8 @@ def mount_background(mgmtd: str, mountpoint: str, options: MountOptions, log_fil
             "--readahead-kb", str(options.readahead_kb), "--entry-timeout-s", str(options.entry_timeout_s),
             "--attr-timeout-s", str(options.attr_timeout_s), "--metrics-port", str(options.metrics_port),
             "--metrics-host", options.metrics_host, "--created-entry-timeout-s",
-            str(options.created_entry_timeout_s), "--workers", str(options.workers)]
+            str(options.created_entry_timeout_s), "--workers", str(options.workers),
+            "--worker-timeout-s", str(options.worker_timeout_s)]
     if not options.usrbio:
         args.append("--no-usrbio")
     if options.usrbio_dir:

@@ -64,6 +64,10 @@ _START_TIMEOUT_S = 60.0
 _SLOT_BYTES = 1 << 20
 _SLOTS = 16
 _RESTART_INTERVAL_S = 5.0   # a worker that keeps dying is started again at most this often
+# A worker is asked to answer a ping this often; one that has not answered within its settings'
+# ping_timeout_s (stopped, wedged) is killed, so its files answer EIO instead of hanging the
+# callers (a close(2) would otherwise wait until unmount) and a new worker takes its place.
+_PING_INTERVAL_S = 2.0
 # (length, has unpublished writes, stale): a handle's state as of a reply.
 _State = tuple[int, bool, bool]
 
@@ -185,13 +189,37 @@ class DataWorker:
         self._closing = False
         self.on_exit: Callable[[DataWorker], None] | None = None  # once, when the link ends
         self._reads: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def start_reading(self) -> None:
-        self._reads = asyncio.get_running_loop().create_task(self._read_loop())
+    def start_reading(self, ping_timeout_s: float = 0.0) -> None:
+        """Take the worker's answers from now on; ``ping_timeout_s`` > 0 also watches that it answers."""
+        loop = asyncio.get_running_loop()
+        self._reads = loop.create_task(self._read_loop())
+        if ping_timeout_s > 0:
+            self._watchdog = loop.create_task(self._watch(ping_timeout_s))
+
+    async def _watch(self, ping_timeout_s: float) -> None:
+        """Kill the worker once it stops answering: the link then ends, its callers get EIO, and
+        the pool starts another (a stopped process never closes its link by itself)."""
+        while self.alive and not self._closing:
+            await asyncio.sleep(_PING_INTERVAL_S)
+            if not self.alive or self._closing:
+                return
+            try:
+                await asyncio.wait_for(self.request("ping"), ping_timeout_s)
+            except TimeoutError:
+                if self.alive and not self._closing:
+                    log.error("data worker %d (pid %d) did not answer for %.0f s: killed; its open files answer "
+                              "EIO", self.index, self.proc.pid, ping_timeout_s)
+                    with contextlib.suppress(OSError):
+                        self.proc.kill()
+                return
+            except OSError:
+                return  # the link ended: the read loop has failed everything already
 
     async def _read_loop(self) -> None:
         try:
@@ -258,6 +286,8 @@ class DataWorker:
     async def close(self, timeout_s: float) -> None:
         """End of stream to the worker: it closes what it still holds, its client, and exits."""
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         with contextlib.suppress(ConnectionError, OSError):
             self._writer.close()
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -287,6 +317,7 @@ class WorkerSettings:
     tls: dict[str, str] | None
     log_level: str
     inflight_per_file: int = 8
+    ping_timeout_s: float = 30.0    # a worker silent this long is killed and replaced (0: never)
 
 
 def worker_for_inode(inode_id: int, count: int) -> int:
@@ -329,7 +360,7 @@ class DataWorkers:
             for index in range(count):
                 started.append(await cls._spawn(index, settings))
             for worker in started:
-                await cls._ready(worker, timeout_s)
+                await cls._ready(worker, timeout_s, settings.ping_timeout_s)
         except BaseException:
             for worker in started:
                 await worker.close(timeout_s=2.0)
@@ -337,11 +368,11 @@ class DataWorkers:
         return cls(started, settings, timeout_s)
 
     @staticmethod
-    async def _ready(worker: DataWorker, timeout_s: float) -> None:
+    async def _ready(worker: DataWorker, timeout_s: float, ping_timeout_s: float) -> None:
         ready = await asyncio.wait_for(_read_frame(worker._reader), timeout_s)
         if ready != "ready":
             raise OSError(errno.EIO, f"data worker {worker.index} failed to start: {ready}")
-        worker.start_reading()
+        worker.start_reading(ping_timeout_s)
 
     def _exited(self, worker: DataWorker) -> None:
         if self._closing or self._settings is None or self.workers[worker.index] is not worker:
@@ -366,7 +397,7 @@ class DataWorkers:
             self._exited(self.workers[index])  # tried again after the interval
             return
         try:
-            await self._ready(worker, self._start_timeout_s)
+            await self._ready(worker, self._start_timeout_s, self._settings.ping_timeout_s)
         except (OSError, asyncio.IncompleteReadError, pickle.UnpicklingError) as exc:  # OSError: timeouts too
             log.error("data worker %d could not be started again: %s", index, exc)
             await worker.close(timeout_s=2.0)
@@ -646,6 +677,8 @@ class _Server:
         return rsp.SerializeToString(), self._ids
 
     async def call(self, op: str, args: tuple[Any, ...]) -> Any:
+        if op == "ping":
+            return None  # answered by the event loop: the worker is neither stopped nor wedged
         if op == "open":
             return await self.open(*args)
         hid = args[0]
