@@ -27,6 +27,7 @@ import pytest
 from fs3.cli.local import LocalCluster
 from fs3.vfs.workers import worker_for_inode, worker_for_name
 from tests.harness import mounted_cluster
+from tests.test_fuse_mount import _fuse_ops
 
 pytestmark = [
     pytest.mark.slow,
@@ -258,7 +259,14 @@ def test_a_killed_worker_fails_its_files_and_the_mount_still_serves_and_unmounts
     """Runs last: it unmounts the module's mount."""
     cluster, mnt = mount
     big = work / "big"
+    address = cluster.procs["mount"].info["metrics"]
+    released = _fuse_ops(address).get("release", 0)
     big.write_bytes(os.urandom(16 * CHUNK))
+    # The kernel sends the writer's release after close(2) returned; until its worker has closed
+    # the handle, a new open goes to that worker (the one the create chose by name).
+    deadline = time.monotonic() + 30
+    while _fuse_ops(address).get("release", 0) < released + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     reader = os.open(big, os.O_RDONLY)
     writer = os.open(big, os.O_WRONLY)
     assert len(os.pread(reader, 4096, 0)) == 4096

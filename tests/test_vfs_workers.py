@@ -155,3 +155,40 @@ def test_a_cancelled_read_gives_its_shared_slot_back_once_the_worker_answered() 
         slots.close()
 
     asyncio.run(scenario())
+
+
+def test_a_file_stays_with_its_worker_until_the_workers_close_is_done() -> None:
+    """An open racing a close of the file's last handle goes to the worker still closing it (where
+    its last writes land), never to another one whichever workers are alive then."""
+    from fs3.vfs.workers import RemoteFile
+
+    async def scenario() -> None:
+        closing = asyncio.Event()
+        closed = asyncio.Event()
+
+        class ClosingWorker(FakeWorker):
+            async def request(self, op: str, *args: Any) -> Any:
+                if op == "close":
+                    closing.set()
+                    await closed.wait()
+                    return None
+                return await super().request(op, *args)
+
+        workers = [ClosingWorker(0, inode_id=9), ClosingWorker(1, inode_id=9)]
+        pool = DataWorkers(cast(list[DataWorker], workers))
+        holder = pool.claim(9)
+        fs = cast(AsyncFileSystem, types.SimpleNamespace(track_file=lambda f: None, untrack_file=lambda f: None,
+                                                         open_files=lambda inode_id: []))
+        rsp = mpb.OpenRsp(inode=mpb.Inode(inode_id=9, type=mpb.FILE))
+        remote = RemoteFile(fs, pool, holder, 1, rsp, "f", True, True, False)
+        close = asyncio.create_task(remote.close())
+        await closing.wait()
+        assert pool.owner(9) is holder      # still closing there: an open now goes to it
+        again = pool.claim(9)
+        assert again is holder
+        pool.release(9, again)
+        closed.set()
+        await close
+        assert pool.owner(9) is None
+
+    asyncio.run(scenario())

@@ -579,11 +579,15 @@ class RemoteFile:
             return
         self.closed = True
         self.fs.untrack_file(cast(AsyncFile, self))
-        self._pool.release(self.inode.inode_id, self._worker)
         for sibling in self._siblings():  # what this handle wrote stays readable (as AsyncFile.close)
             sibling.extend_known_length(self.length)
-        if self._worker.alive:
-            await self._worker.request("close", self._hid, gather_session_end)
+        try:
+            if self._worker.alive:
+                await self._worker.request("close", self._hid, gather_session_end)
+        finally:
+            # Only now: an open of the file while the worker still closes this handle (its last
+            # writes landing, its length published) must go to the same worker and see them.
+            self._pool.release(self.inode.inode_id, self._worker)
 
 
 class WorkerVfs(Vfs):
