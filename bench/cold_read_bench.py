@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import os
 import random
@@ -35,21 +34,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.loop_io_bench import CHAIN, TARGET, Host  # noqa: E402  (the one-target node both benches use)
 from bench.results_io import save_result  # noqa: E402
 from fs3 import storage_pb2 as spb  # noqa: E402
 from fs3.common.checksum import crc32c  # noqa: E402
-from fs3.common.errors import FS3Error  # noqa: E402
 from fs3.common.ids import chunk_id  # noqa: E402
-from fs3.common.target_state import PublicState  # noqa: E402
-from fs3.common.tasks import finish_despite_cancel  # noqa: E402
-from fs3.storage.chain_view import ChainMember, ChainView  # noqa: E402
 from fs3.storage.replica import ReplicaConfig, TargetReplica  # noqa: E402
 from fs3.storage.server import StorageConfig, TargetConfig, open_engines  # noqa: E402
 
@@ -57,8 +52,6 @@ T = TypeVar("T")
 MIB = 1 << 20
 CHUNK_SIZE = MIB
 READ_BYTES = 4096
-TARGET = 101
-CHAIN = 1
 PLACEMENTS = {"loop": False, "nowait": True}  # name -> ReplicaConfig.small_read_nowait
 # Storage rows only: every small read on the pool, cached or not (what the nowait probe saves a
 # warm read from).
@@ -69,47 +62,6 @@ NOWAIT_ENV = "FS3_STORAGE_REPLICA_SMALL_READ_NOWAIT"
 def drop_caches() -> None:
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-class Host:
-    """The storage node around a replica, reduced to a one-target chain and an I/O pool with the
-    node's rule: ``run_blocking`` never returns before the thread has finished."""
-
-    def __init__(self, io_threads: int) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="bench-io")
-        self._view = ChainView(CHAIN, 1, 1, TARGET, (ChainMember(TARGET, 1, PublicState.SERVING, "local"),))
-
-    def view(self, chain_id: int, target_id: int) -> ChainView | None:
-        return self._view
-
-    def lease_valid(self) -> bool:
-        return True
-
-    def now_ms(self) -> int:
-        return int(time.monotonic() * 1000)
-
-    async def wait_routing_change(self, known_routing_version: int, timeout_ms: int) -> None:
-        await asyncio.sleep(timeout_ms / 1000)
-
-    def request_routing_refresh(self) -> None:
-        pass
-
-    async def forward(self, member: ChainMember, req: spb.ForwardReq, payload: Any,
-                      timeout_ms: int) -> spb.UpdateRsp:
-        raise AssertionError("a one-target chain forwards nothing")
-
-    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        return await finish_despite_cancel(asyncio.get_running_loop().run_in_executor(self.pool, fn, *args))
-
-    async def query_committed(self, member: ChainMember, req: spb.QueryCommittedReq,
-                              timeout_ms: int) -> spb.QueryCommittedRsp:
-        raise AssertionError("a one-target chain is its own tail")
-
-    def update_finished(self, target_id: int, error: BaseException | None) -> None:
-        pass
-
-    def fail_target(self, target_id: int, exc: FS3Error) -> None:
-        raise AssertionError(f"target {target_id} failed: {exc}")
 
 
 def _storage_config(root: Path) -> StorageConfig:
