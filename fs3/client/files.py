@@ -151,7 +151,7 @@ class AsyncFile:
     def _siblings(self) -> list[AsyncFile]:
         """This client's other open handles on the same file, of this kind: on a mount with data
         workers the table also holds the front's stand-ins for the workers' handles, whose buffers
-        live in the worker (a usrbio file held by the front sees them as another client would)."""
+        live in the worker (a read sees their writes through :meth:`_see_siblings`, which settles them)."""
         return [f for f in self.fs.open_files(self.inode.inode_id) if f is not self and isinstance(f, AsyncFile)]
 
     def end_of_file(self) -> int:
