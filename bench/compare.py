@@ -13,7 +13,10 @@ Workloads, identical on every mount point (page cache dropped between write and 
   files of 128 KiB per thread written, read and stat'ed; 1 and 4 threads.
 
 fs3's native client (the Python library, no FUSE) runs the small-file and juicefs-bench workloads
-too. Writes a JSON record and a Markdown table to ``bench/results/peers-<stamp>.*`` and PNG bar
+too, and ``fs3.usrbio`` (shared-memory rings to the mount daemon) the 4 KiB random reads of a data
+loader: 4 processes, batches of 64, distinct records of four files of ``file_mib / 4`` written
+through the mount, page cache dropped first — set against every system's fio random-read row.
+Writes a JSON record and a Markdown table to ``bench/results/peers-<stamp>.*`` and PNG bar
 charts beside them; prints the table. Every figure is a rate (higher is better); the table's ratio
 columns divide fs3's FUSE figure by each other system's.
 
@@ -46,9 +49,13 @@ from bench.peers import SYSTEMS, Fs3Mount, System  # noqa: E402
 from fs3.cli.bench import BenchConfig, NativeBackend, PathBackend, drop_page_cache, run_bench  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SYSTEM_ORDER = ["local", "fs3", "fs3-native", "glusterfs", "moosefs"]
-LABELS = {"local": "local dir", "fs3": "fs3 (FUSE)", "fs3-native": "fs3 (native)", "glusterfs": "GlusterFS",
-          "moosefs": "MooseFS"}
+SYSTEM_ORDER = ["local", "fs3", "fs3-native", "fs3-usrbio", "glusterfs", "moosefs"]
+LABELS = {"local": "local dir", "fs3": "fs3 (FUSE)", "fs3-native": "fs3 (native)", "fs3-usrbio": "fs3 (usrbio)",
+          "glusterfs": "GlusterFS", "moosefs": "MooseFS"}
+FIO_RAND_READ = "fio rand read 4K, iodepth 16 (IOPS)"
+USRBIO_RAND_READ = "usrbio rand read 4K, 4 procs, batches of 64 (IOPS)"
+USRBIO_BATCH = 64
+USRBIO_RECORDS_PER_PROC = 4800
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ def fio_suite(directory: Path, sizes: Sizes, log: Callable[[str], None]) -> dict
         log(f"    fio sequential, {numjobs} job(s) done")
         if numjobs == 1:
             drop_page_cache()
-            rows["fio rand read 4K, iodepth 16 (IOPS)"] = _fio(directory, name, "randread", "4k", sizes.file_mib, 1,
+            rows[FIO_RAND_READ] = _fio(directory, name, "randread", "4k", sizes.file_mib, 1,
                                                                16, sizes.rand_s)
             rows["fio rand write 4K, iodepth 16 (IOPS)"] = _fio(directory, name, "randwrite", "4k", sizes.file_mib,
                                                                 1, 16, sizes.rand_s)
@@ -205,6 +212,52 @@ def juicefs_flow(backend: Any, sizes: Sizes) -> dict[str, float]:
     return rows
 
 
+# -- fs3.usrbio -----------------------------------------------------------------------------------------
+
+
+def usrbio_rand_read(mnt: Path, sizes: Sizes) -> float:
+    """IOPS of a data loader's reads through ``fs3.usrbio``: 4 processes, batches of 64 distinct 4 KiB records.
+
+    The records are spread over four files written through the mount (the fio files are gone by
+    now), and the page cache is dropped first, as before every fio read.
+    """
+    import random
+
+    from bench.usrbio_bench import PROCESSES, _run
+
+    directory = mnt / "usrbio"
+    directory.mkdir()
+    file_bytes = max(1, sizes.file_mib // PROCESSES) << 20
+    block = os.urandom(1 << 20)
+    files = []
+    try:
+        for index in range(PROCESSES):
+            path = directory / f"records-{index}"
+            with path.open("wb") as out:
+                for _ in range(file_bytes >> 20):
+                    out.write(block)
+            files.append(str(path))
+        drop_page_cache()
+        rate = _run("usrbio", files, 4096, USRBIO_RECORDS_PER_PROC, USRBIO_BATCH, str(mnt), random.Random(1),
+                    file_bytes)
+        return rate / 4096
+    finally:
+        for name in files:
+            os.unlink(name)
+        directory.rmdir()
+
+
+def usrbio_summary(results: dict[str, dict[str, float]]) -> list[str]:
+    """usrbio's 4 KiB random-read rate over each system's fio random-read row (the issue's goals: 3x fs3's
+    FUSE mount, 2x MooseFS)."""
+    ours = results.get("fs3-usrbio", {}).get(USRBIO_RAND_READ)
+    if not ours:
+        return []
+    parts = [f"{LABELS[s]} fio {ours / results[s][FIO_RAND_READ]:.2f}x" for s in SYSTEM_ORDER
+             if results.get(s, {}).get(FIO_RAND_READ)]
+    return [f"fs3.usrbio 4 KiB random reads ({ours:,.0f} IOPS) over: " + ", ".join(parts)] if parts else []
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 
 
@@ -223,6 +276,9 @@ def run_system(system: System, sizes: Sizes, native: bool, log: Callable[[str], 
         rows.update(juicefs_flow(PathBackend(mnt), sizes))
         log("    juicefs-bench flow done")
         results[system.name] = rows
+        if isinstance(system, Fs3Mount):
+            results["fs3-usrbio"] = {USRBIO_RAND_READ: usrbio_rand_read(mnt, sizes)}
+            log("    fs3.usrbio random reads done")
     if native and isinstance(system, Fs3Mount):
         # A fresh cluster, as every system gets one: the mount's deleted files would otherwise
         # still be collected in the background while the native client runs.
@@ -364,11 +420,13 @@ def main() -> int:
     md = [f"# fs3 against its peers, {stamp}{' (quick)' if args.quick else ''}", "",
           f"Each figure is the median of {args.runs} interleaved round(s); the JSON record has every round.", "",
           *(f"- **{LABELS.get(k, k)}**: {v}" for k, v in described.items()),
-          *(f"- **{k}** did not run: {v}" for k, v in failed.items()), "", table]
+          *(f"- **{k}** did not run: {v}" for k, v in failed.items()), "", table,
+          *(["", *usrbio_summary(results)] if usrbio_summary(results) else [])]
     if charts(results, out / f"peers-{stamp}.png"):
         md += ["", f"![rates relative to the local directory](peers-{stamp}.png)"]
     (out / f"peers-{stamp}.md").write_text("\n".join(md) + "\n")
     print(table)
+    print("\n".join(usrbio_summary(results)))
     print(f"wrote {out / f'peers-{stamp}.md'}")
     return 1 if failed else 0
 

@@ -34,3 +34,15 @@ def test_a_run_count_out_of_range_is_refused_before_anything_starts() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "--runs must be 1 to 9" in out.stderr or "needs root" in out.stderr
+
+
+def test_usrbio_is_set_against_every_systems_fio_random_read_row() -> None:
+    from bench.compare import FIO_RAND_READ, USRBIO_RAND_READ, usrbio_summary
+
+    results = {"fs3": {FIO_RAND_READ: 1000.0}, "fs3-usrbio": {USRBIO_RAND_READ: 4000.0},
+               "moosefs": {FIO_RAND_READ: 2500.0}, "glusterfs": {"other": 1.0}}
+    (line,) = usrbio_summary(results)
+    assert "fs3 (FUSE) fio 4.00x" in line and "MooseFS fio 1.60x" in line and "GlusterFS" not in line
+    assert usrbio_summary({"fs3": {FIO_RAND_READ: 1000.0}}) == []  # no usrbio row, no line
+    table = markdown_table(results)
+    assert "| usrbio rand read 4K, 4 procs, batches of 64 (IOPS) | - | 4,000.0 |" in table
