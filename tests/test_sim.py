@@ -210,3 +210,38 @@ def test_sweep_lists_failing_seeds_with_replays(tmp_path: Path, monkeypatch: pyt
     assert any(replay in line for line in lines) and any("RuntimeError" in line for line in lines)
     summary = (tmp_path / f"summary-{config.key()}.md").read_text()
     assert "3 seeds: 1 passed, 2 failed" in summary and f"`{replay}`" in summary and "| 3 | crash:" in summary
+
+
+def test_the_serving_replica_check_rejects_replicas_that_diverged() -> None:
+    """The per-iteration check between serving replicas, fed known-bad states: it must fire on each,
+    and stay quiet on the states a correct chain passes through."""
+    from fs3.sim.run import serving_replica_violations
+    from fs3.storage.chunk_engine import FLAG_PENDING_REMOVE, ChunkState
+
+    cid = b"\x01" * 8
+
+    def chain(*states: ChunkState | None) -> list[tuple[int, dict[bytes, ChunkState]]]:
+        return [(101 + n, {} if s is None else {cid: s}) for n, s in enumerate(states)]
+
+    v1 = ChunkState(commit_version=1, checksum=11, length=4096)
+    v2 = ChunkState(commit_version=2, checksum=22, length=4096)
+    v3 = ChunkState(commit_version=3, checksum=33, length=4096)
+    v1_writing_v2 = ChunkState(commit_version=1, checksum=11, length=4096, pending_version=2)
+    # Healthy: all equal; one write in flight from the head (pending there, committed at the tail).
+    assert serving_replica_violations(7, chain(v2, v2, v2), set()) == []
+    assert serving_replica_violations(7, chain(v1_writing_v2, v2, v2), set()) == []
+    # A pipelined forward: the head has not staged v2 yet (no pending version), the successors committed it.
+    assert serving_replica_violations(7, chain(v1, v2, v2), {cid}) == []
+    # Bad: two committed versions and nobody holds the newer one pending or unstaged.
+    (stale,) = serving_replica_violations(7, chain(v1, v2, v2), set())
+    assert "serving replicas committed [(101, 1), (102, 2), (103, 2)]" in stale
+    # Bad: three versions at once, even with an exemption for the chunk.
+    assert serving_replica_violations(7, chain(v1_writing_v2, v2, v3), {cid})
+    # Bad: the same version, different bytes.
+    forked = ChunkState(commit_version=2, checksum=99, length=4096)
+    (differ,) = serving_replica_violations(7, chain(v2, forked, v2), set())
+    assert "v2: replicas differ (target 102)" in differ
+    # A chunk missing behind a replica is a divergence unless a removal is in flight.
+    assert serving_replica_violations(7, chain(v2, None, v2), set())
+    removing = ChunkState(commit_version=2, checksum=22, length=4096, flags=FLAG_PENDING_REMOVE)
+    assert serving_replica_violations(7, chain(removing, None, v2), set()) == []

@@ -17,7 +17,7 @@ from fs3.sim.loop import SimProcess, VirtualTimeLoop
 from fs3.sim.meta import MetaShape, run_meta_scenario
 from fs3.storage.chunk_engine import ChunkState
 
-__all__ = ["SimResult", "run_seed"]
+__all__ = ["SimResult", "run_seed", "serving_replica_violations"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,41 @@ class SimResult:
         return (f"seed {self.seed}: {status}; {self.ops} ops, {self.acked_writes} acked writes, "
                 f"{self.failed_ops} failed, {len(self.faults)} faults, {self.messages} messages, "
                 f"{self.virtual_seconds:.1f}s virtual; shape {self.shape}")
+
+
+def serving_replica_violations(chain_id: int, snapshots: list[tuple[int, dict[bytes, ChunkState]]],
+                               unstaged: set[bytes] | frozenset[bytes]) -> list[str]:
+    """What is wrong between the serving replicas of one chain (``(target id, chunk states)`` each).
+
+    Serving replicas are at most one write apart: the one in flight, committed from the tail up, so
+    two committed versions are allowed only while some replica holds the newer one pending, or while
+    a pipelined forward has it unstaged (dirty in memory, no pending version yet) on some replica;
+    a removal in flight may already have dropped the chunk behind it. Replicas that committed the
+    same version hold the same bytes (checksum and length).
+    """
+    violations: list[str] = []
+    ids: set[bytes] = set()
+    for _, states in snapshots:
+        ids.update(states)
+    for cid in sorted(ids):
+        versions: list[tuple[int, int, ChunkState | None]] = []
+        for t, states in snapshots:
+            found = states.get(cid)
+            versions.append((t, found.commit_version if found else 0, found))
+        removing = any(s is not None and s.pending_remove for _, _, s in versions)
+        committed = {v for _, v, s in versions if not (removing and s is None)}
+        if len(committed) > 2 or (len(committed) == 2 and cid not in unstaged and not any(
+                s is not None and s.pending_version == max(committed) for _, _, s in versions)):
+            violations.append(f"chain {chain_id} chunk {cid.hex()}: serving replicas committed "
+                              f"{[(t, v) for t, v, _ in versions]}")
+        by_version: dict[int, tuple[int, int]] = {}
+        for t, v, found in versions:
+            if found is None or not v:
+                continue
+            seen = by_version.setdefault(v, (found.checksum, found.length))
+            if seen != (found.checksum, found.length):
+                violations.append(f"chain {chain_id} chunk {cid.hex()} v{v}: replicas differ (target {t})")
+    return violations
 
 
 class _Invariants:
@@ -81,29 +116,8 @@ class _Invariants:
             snapshots = [(t, engine.states()) for t, engine in engines]
             # A pipelined forward leaves a chunk dirty without a pending version while it is staged.
             unstaged = set().union(*(cluster.unstaged(t) for t, _ in engines))
-            ids: set[bytes] = set()
-            for _, states in snapshots:
-                ids.update(states)
-            for cid in ids:
-                versions: list[tuple[int, int, ChunkState | None]] = []
-                for t, states in snapshots:
-                    found = states.get(cid)
-                    versions.append((t, found.commit_version if found else 0, found))
-                # Serving replicas are at most one write apart: the one in flight, committed from the
-                # tail up. A removal in flight may already have dropped the chunk behind it.
-                removing = any(s is not None and s.pending_remove for _, _, s in versions)
-                committed = {v for _, v, s in versions if not (removing and s is None)}
-                if len(committed) > 2 or (len(committed) == 2 and cid not in unstaged and not any(
-                        s is not None and s.pending_version == max(committed) for _, _, s in versions)):
-                    self._fail(f"chain {chain_id} chunk {cid.hex()}: serving replicas committed "
-                               f"{[(t, v) for t, v, _ in versions]}")
-                by_version: dict[int, tuple[int, int]] = {}
-                for t, v, found in versions:
-                    if found is None or not v:
-                        continue
-                    seen = by_version.setdefault(v, (found.checksum, found.length))
-                    if seen != (found.checksum, found.length):
-                        self._fail(f"chain {chain_id} chunk {cid.hex()} v{v}: replicas differ (target {t})")
+            for message in serving_replica_violations(chain_id, snapshots, unstaged):
+                self._fail(message)
 
     def _serves(self, target_id: int, chain_id: int) -> bool:
         """Serving in the node's own view too (a restarted node is silent until mgmtd notices)."""
