@@ -20,7 +20,7 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common import clock as clock_mod
 from fs3.rpc.channel import RealChannelFactory
-from tests.harness import ProcessCluster
+from tests.harness import ProcessCluster, require_fuse
 
 # A session that leaves new files in the git checkout fails (tests/clean_tree.py).
 # A failure is printed the moment it happens, and a session past its time budget stops with its
@@ -68,9 +68,7 @@ def process_cluster(tmp_path: Path) -> Iterator[ProcessCluster]:
 
 @pytest.fixture(scope="session")
 def _crash_disk_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse on this machine")
-    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    require_fuse()
     from fs3.testing.crashfs import CrashDisk
 
     with CrashDisk(tmp_path_factory.mktemp("crashfs")) as disk:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fs3.cli.local import LocalCluster as ProcessCluster
 
-__all__ = ["ProcessCluster", "free_port", "mounted_cluster"]
+__all__ = ["ProcessCluster", "free_port", "mounted_cluster", "require_fuse"]
 
 
 def free_port() -> int:
@@ -20,6 +20,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def require_fuse() -> None:
+    """Skip the calling test (or fixture) where FUSE mounts cannot run: no /dev/fuse, or no pyfuse3."""
+    import pytest
+
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
 
 
 @contextlib.contextmanager

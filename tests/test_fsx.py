@@ -47,7 +47,7 @@ from tests.fsx import (
     parse_replay,
     run_ops,
 )
-from tests.harness import mounted_cluster
+from tests.harness import mounted_cluster, require_fuse
 from tests.inproc import ClusterThread
 
 pytestmark = pytest.mark.slow  # in-process clusters (and the FUSE mount)
@@ -249,9 +249,7 @@ def test_a_client_that_drops_handle_truncates_is_caught(client_dirs: tuple[FileS
 
 @pytest.fixture(scope="module")
 def fuse_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[int, Path], HangGuard]]:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse on this machine")
-    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
+    require_fuse()
     with mounted_cluster(tmp_path_factory.mktemp("fsx")) as (cluster, mnt):
         with fs3.connect(cluster.mgmtd_address, token="t") as fs:
             for chunk in CHUNK_SIZES:

@@ -15,17 +15,14 @@ from pathlib import Path
 import pytest
 
 from fs3.usrbio import IoRing, Iov
+from tests.harness import mounted_cluster, require_fuse
 
 KIB, MIB = 1024, 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path]]:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse on this machine")
-    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    from tests.harness import mounted_cluster
-
+    require_fuse()
     with mounted_cluster(tmp_path_factory.mktemp("review21")) as (cluster, mnt):
         os.chmod(mnt, 0o777)
         yield cluster, mnt
@@ -88,11 +85,7 @@ def test_a_ring_read_on_a_mount_with_workers_never_returns_bytes_a_worker_still_
     """A FUSE descriptor's write sits in a data worker's buffer; the front's ring read took the
     worker's length (so it reported the whole range read) but not its bytes: it returned the
     old data as the file's. The worker's writes now land first, as in one process."""
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse on this machine")
-    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    from tests.harness import mounted_cluster
-
+    require_fuse()
     with mounted_cluster(tmp_path, workers=2) as (_, mnt), Iov(MIB) as iov:
         (mnt / "f").write_bytes(b"a" * 300)
         fd = os.open(mnt / "f", os.O_RDWR)

@@ -28,6 +28,7 @@ from fs3.usrbio import (
     ring_bytes,
     socket_name,
 )
+from tests.harness import mounted_cluster, require_fuse
 
 CHUNK = 64 * 1024
 NOBODY = 65534
@@ -94,11 +95,7 @@ def test_an_iov_is_viewed_without_copies() -> None:
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path]]:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse on this machine")
-    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    from tests.harness import mounted_cluster
-
+    require_fuse()
     with mounted_cluster(tmp_path_factory.mktemp("usrbio")) as (cluster, mnt):
         subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address, "--token",
                         "t", "set-layout", "/", "--chunk-size", str(CHUNK)], check=True, capture_output=True)
@@ -426,11 +423,7 @@ def test_the_mount_daemon_dying_mid_batch_is_a_clear_error_and_a_remount_serves_
 def test_rings_serve_a_mount_with_data_workers(tmp_path: Path) -> None:
     """With ``--workers N`` the FUSE handles live in data workers while a ring's files are read by
     the front process itself: each sees what the other wrote once it completed or was closed."""
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse on this machine")
-    pytest.importorskip("pyfuse3", reason="the fuse extra is not installed")
-    from tests.harness import mounted_cluster
-
+    require_fuse()
     data = random.Random(3).randbytes(2 * MIB + 77)
     with mounted_cluster(tmp_path, workers=2) as (_, mnt), Iov(4 * MIB) as shared:
         (mnt / "by-fuse").write_bytes(data)
