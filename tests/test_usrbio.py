@@ -201,6 +201,27 @@ def test_bad_entries_fail_alone_and_reads_past_the_end_are_short(work: Path, iov
 
 
 @pytest.mark.slow
+def test_a_fuse_descriptor_opened_before_a_ring_write_reads_the_new_bytes(work: Path, iov: Iov) -> None:
+    """Ring writes bypass the kernel: a FUSE descriptor opened (and read) before one kept the
+    kernel's cached pages and size, and read the old bytes until the file was opened again."""
+    path = work / "cached"
+    path.write_bytes(b"a" * 10_000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 20_000, 0) == b"a" * 10_000  # the kernel now caches these pages and the size
+        iov.view[:12_000] = b"b" * 12_000
+        with IoRing(work, entries=2) as ring:
+            fid = ring.register(path, os.O_RDWR)
+            ring.prep_io(iov, fid, 0, 12_000, userdata=1, write=True)
+            ring.submit()
+            assert _wait_all(ring, 1) == {1: 12_000}
+        assert os.pread(fd, 20_000, 0) == b"b" * 12_000
+        assert os.fstat(fd).st_size == 12_000
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
 def test_a_file_removed_with_a_batch_in_flight_still_reads(work: Path, iov: Iov) -> None:
     data = random.Random(3).randbytes(2 * MIB)
     (work / "f").write_bytes(data)

@@ -242,14 +242,22 @@ def run_foreground(mgmtd: str, mountpoint: str, options: MountOptions, ready_fil
 
 def _start_usrbio(vfs: Vfs, target: Path, options: MountOptions, registry: CollectorRegistry) -> UsrbioServer | None:
     """Serve fs3.usrbio rings for the mount; a mount without them still serves FUSE (logged)."""
+    import pyfuse3
+
     from fs3.fuse.usrbio_server import UsrbioServer
 
     device = mount_device(target)
     if device is None:
         log.warning("usrbio off: %s is not in /proc/self/mountinfo", target)
         return None
+    def drop_kernel_cache(inode_id: int) -> None:
+        try:
+            pyfuse3.invalidate_inode(inode_id, attr_only=False)
+        except OSError as exc:  # ENOENT: the kernel holds nothing of it
+            log.debug("invalidating inode %d: %s", inode_id, exc)
+
     server = UsrbioServer(vfs, device, str(target), Path(options.usrbio_dir) if options.usrbio_dir else None,
-                          registry=registry)
+                          registry=registry, drop_kernel_cache=drop_kernel_cache)
     try:
         server.start()
     except OSError as exc:

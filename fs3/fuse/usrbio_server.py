@@ -38,7 +38,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -523,6 +523,11 @@ class _Connection:
             except (OSError, FS3Error) as exc:
                 for index in indexes:
                     results[index] = -_errno_of(exc)
+        drop = self.server.drop_kernel_cache
+        if drop is not None:
+            # Before the completions: a FUSE descriptor read after them sees the ring's bytes.
+            for inode_id in sorted({registered.inode_id for _, registered in writes}):
+                await asyncio.to_thread(drop, inode_id)
 
     async def _read(self, entries: list[Sqe], reads: list[tuple[int, RegisteredFile]], results: list[int]) -> None:
         vfs = self.server.vfs
@@ -635,8 +640,14 @@ class UsrbioServer:
     """The usrbio socket of one mount, served on the mount daemon's event loop."""
 
     def __init__(self, vfs: Vfs, device: str, mountpoint: str, socket_dir: Path | None = None,
-                 limits: UsrbioLimits | None = None, registry: CollectorRegistry | None = None) -> None:
+                 limits: UsrbioLimits | None = None, registry: CollectorRegistry | None = None,
+                 drop_kernel_cache: Callable[[int], None] | None = None) -> None:
         self.vfs = vfs
+        # Ring writes bypass the kernel: pages and attributes it cached for a FUSE descriptor
+        # opened before them would stay stale until that file is opened again. This drops them
+        # (the mount's ``invalidate_inode``); it may wait on FUSE reads this loop serves, so it
+        # runs in a thread.
+        self.drop_kernel_cache = drop_kernel_cache
         self.device = device
         self.mountpoint = mountpoint
         self.socket_dir = socket_dir or default_socket_dir()
