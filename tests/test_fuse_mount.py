@@ -8,6 +8,7 @@ held by three data-worker processes (``--workers 3``, :mod:`fs3.vfs.workers`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -404,15 +405,24 @@ def test_bad_input_gets_errors_and_the_daemon_keeps_running(work: Path) -> None:
     assert (work / "ok").read_bytes() == b"still serving"
 
 
-def test_close_to_open_consistency_between_two_mounts(mount: tuple[LocalCluster, Path], work: Path,
-                                                      tmp_path: Path) -> None:
-    cluster, _ = mount
+@contextlib.contextmanager
+def _second_mount(cluster: LocalCluster, tmp_path: Path, *options: str) -> Iterator[Path]:
+    """Another mount of the same cluster (another client, as on another machine), unmounted after."""
     second = tmp_path / "second"
     second.mkdir()
     started = subprocess.run([sys.executable, "-m", "fs3.cli.main", "mount", cluster.mgmtd_address, str(second),
-                              "--token", "t", "--log", str(tmp_path / "second.log")], capture_output=True, text=True)
+                              "--token", "t", *options, "--log", str(tmp_path / "second.log")],
+                             capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
     try:
+        yield second
+    finally:
+        subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
+
+
+def test_close_to_open_consistency_between_two_mounts(mount: tuple[LocalCluster, Path], work: Path,
+                                                      tmp_path: Path) -> None:
+    with _second_mount(mount[0], tmp_path) as second:
         there = second / work.name / "shared"
         for round_ in range(3):
             payload = os.urandom(CHUNK * (round_ + 1) + 17 * round_)
@@ -421,8 +431,6 @@ def test_close_to_open_consistency_between_two_mounts(mount: tuple[LocalCluster,
             assert there.stat().st_size == len(payload)
         there.write_bytes(b"back")
         assert (work / "shared").read_bytes() == b"back"
-    finally:
-        subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
 
 
 def test_an_append_after_a_killed_writer_lands_after_what_it_left(mount: tuple[LocalCluster, Path],
@@ -457,14 +465,7 @@ def test_a_file_replaced_by_rename_on_another_mount_opens_as_the_new_file(mount:
     """Write-temporary-then-rename (editors, git, checkpoint writers) on one mount; the other mount's
     kernel still maps the name to the old file (its entry timeout is long here, so it surely does)
     and must open the new file all the same: gone old file, or old file still held open."""
-    cluster, _ = mount
-    second = tmp_path / "second"
-    second.mkdir()
-    started = subprocess.run([sys.executable, "-m", "fs3.cli.main", "mount", cluster.mgmtd_address, str(second),
-                              "--token", "t", "--entry-timeout-s", "600", "--log", str(tmp_path / "second.log")],
-                             capture_output=True, text=True)
-    assert started.returncode == 0, started.stderr
-    try:
+    with _second_mount(mount[0], tmp_path, "--entry-timeout-s", "600") as second:
         there = second / work.name
         (work / "ckpt").write_bytes(b"old")
         with open(there / "ckpt", "rb") as held:  # the old file stays alive while held open
@@ -484,8 +485,6 @@ def test_a_file_replaced_by_rename_on_another_mount_opens_as_the_new_file(mount:
         os.rename(work / "ckpt", work / "moved")
         assert errno_of(os.open, there / "ckpt", os.O_RDONLY) == errno.ENOENT
         assert (there / "moved").read_bytes() == b"newer 1"
-    finally:
-        subprocess.run([sys.executable, "-m", "fs3.cli.main", "umount", str(second)], capture_output=True)
 
 
 def test_umount_cleans_up_after_a_crashed_daemon(mount: tuple[LocalCluster, Path]) -> None:
