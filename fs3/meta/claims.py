@@ -128,28 +128,30 @@ class ClaimTable:
         server holds it. The caller makes sure one task of this process claims a name at a time."""
         key = claim_key(name)
         began_ms = self.clock.now_ms()
-        observed_ms = [began_ms]
+        lapsed: list[ClaimRecord] = []  # the other server's claim this one takes over
 
         async def claim(txn: Transaction) -> int | None:
+            lapsed.clear()
             raw = await txn.get(key)
-            observed_ms[0] = self.clock.now_ms()
             if raw is None:
                 txn.put(key, ClaimRecord(self.owner, 1).encode())
                 return 1
             record = ClaimRecord.decode(raw)
-            if record.owner != self.owner and not self._lapsed(name, record, observed_ms[0]):
-                return None
+            if record.owner != self.owner:
+                if not self._lapsed(name, record, self.clock.now_ms()):
+                    return None
+                lapsed.append(record)
             txn.put(key, ClaimRecord(self.owner, record.epoch + 1).encode())
             return record.epoch + 1
 
         epoch = await run_transaction(self.engine, claim)
         if epoch is None:
             return None
-        seen = self._seen.pop(name, None)
-        if seen is not None and seen[0] != self.owner:
+        self._seen.pop(name, None)
+        if lapsed:
             self.taken_over += 1
-            log.info("took over claim %s of server %s (epoch %d unchanged for %d ms)", name.hex(), seen[0].hex(),
-                     seen[1], observed_ms[0] - seen[2])
+            log.info("took over claim %s of meta server %s (epoch %d unchanged for a ttl)", name.hex(),
+                     lapsed[0].owner.hex(), lapsed[0].epoch)
         held = Held(name, epoch, began_ms, self)
         self.held[name] = held
         return held
