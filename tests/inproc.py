@@ -154,7 +154,7 @@ class InProcessCluster:
         metrics = ServiceMetrics("meta")
         parts = build_meta(self.meta_engine, channels, self.mgmtd_address, os.urandom(16), self.meta_config,
                            StorageClientConfig(rpc_timeout_ms=2_000), clock=self.meta_clock, wall_ns=self.meta_wall_ns,
-                           token=self.token, metrics=metrics)
+                           token=self.token, metrics=metrics, server_id=f"meta-node-{META_NODE_ID + index}".encode())
         await parts.routing.refresh()
         service = parts.service
         runtime = ServiceRuntime(META, parts.dispatcher, metrics, tls=channels.tls)

@@ -115,14 +115,15 @@ def test_the_meta_checks_catch_a_lease_cut_short(monkeypatch: pytest.MonkeyPatch
 
 def test_the_meta_checks_catch_a_lapsed_client_that_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage the fence (meta serves a client id whose lease lapsed, and has forgotten its saved
-    answers): seed 126 finds the close that set the length answered EBADF on its retry again."""
+    answers): seed 131 finds a request of such a client that no linearization explains. (Seed 126
+    found it as a close answered EBADF on its retry until claims added transactions to truncates
+    and length probes, which moved its schedule.)"""
     async def serve_anyway(txn: object, client_id: bytes) -> None:
         return None
 
     monkeypatch.setattr(service_mod, "_refuse_expired", serve_anyway)
-    result = run_seed(126, clients=3, ops_per_client=40, mix="meta")
-    assert not result.ok and "BAD_HANDLE" in result.violations[0]
-
+    result = run_seed(131, clients=3, ops_per_client=40, mix="meta")
+    assert not result.ok and "not linearizable" in result.violations[0]
 
 SHARED = replace(HANDLED, meta_servers=3)
 

@@ -25,8 +25,9 @@ holder stops trusting its claim ``ttl / 2`` before anyone may take it over, with
 two clocks' rates to differ by almost a factor of two. A server that dies (or is cut off from
 the database) stops bumping, and its claims are taken over a ``ttl`` later.
 
-A claim's owner is a random id drawn per service instance: a restarted server never mistakes a
-claim of its previous life for its own, and waits it out like anyone else's.
+A claim's owner is the server's id: its mgmtd node id for a meta process, so that a server
+restarted after a crash takes back at once the claims its previous life held (that life is
+dead) instead of waiting a ttl for them. Two live servers must never share an id.
 """
 
 from __future__ import annotations

@@ -181,8 +181,9 @@ class MetaService(FileLengths, MetaJobs):
         """``wall_ns`` stamps inode times and capability expiries; ``clock`` (monotonic) times
         client leases and claims; ``auth`` (the dispatcher's) gives the keys capabilities are
         signed with (None or an open cluster: no capabilities, as every caller is a service);
-        ``metrics`` gets the job queues' gauges; ``server_id`` names this instance in the claims
-        it records (None: a random one; other servers on the same store must use other ids)."""
+        ``metrics`` gets the job queues' gauges; ``server_id`` names this server in the claims it
+        records (None: a random one; a meta process passes its node id, so that once restarted it
+        takes back its own claims; live servers on the same store must use different ids)."""
         self.metrics = metrics
         self.auth = auth if auth is not None else Authenticator()
         self.engine = engine

@@ -283,7 +283,7 @@ class SimMeta:
                                                retry_backoff_max_ms=200, channels_max=4),
                            routing_timeout_ms=500, wall_ns=lambda: _EPOCH_NS + int(loop.time() * 1e9),
                            pick=lambda n: self.pick_rng.randrange(n),
-                           server_id=f"{name}-{self.incarnation}".encode())
+                           server_id=name.encode())
         routing, service, dispatcher = parts.routing, parts.service, parts.dispatcher
         incarnation = self.incarnation
 
