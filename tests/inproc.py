@@ -66,7 +66,13 @@ class InProcessCluster:
     meta_wall_ns: Callable[[], int] | None = None
     meta: MetaService | None = None
     meta_kv: MemKVStore | None = None
-    _meta_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Meta servers on the one store (node ids META_NODE_ID, +1, ...), all on ONE transaction
+    # engine: it stands in for the database several meta processes share.
+    meta_servers: int = 1
+    metas: dict[int, MetaService] = field(default_factory=dict)
+    meta_engine: OptimisticTxnEngine | None = None
+    _meta_parts: dict[int, tuple[ServiceRuntime, RealChannelFactory, asyncio.Task[None]]] = field(
+        default_factory=dict)
     _storage_configs: dict[int, StorageConfig] = field(default_factory=dict)
     # Certificates made by fs3.cluster.certs for every service by name and for "client": mutual TLS.
     tls_dir: Path | None = None
@@ -131,44 +137,67 @@ class InProcessCluster:
         return self
 
     async def start_meta(self) -> MetaService:
-        """A meta service on an in-memory store (kept across restarts of the service), registered with mgmtd."""
+        """The meta servers on an in-memory store (kept across restarts of the service), registered
+        with mgmtd; returns the first."""
         if self.meta_kv is None:
             self.meta_kv = MemKVStore()
-        engine = OptimisticTxnEngine(self.meta_kv, faults=self.meta_faults)
-        channels = RealChannelFactory(self.token, self.transport, self.tls(META))  # type: ignore[arg-type]
-        metrics = ServiceMetrics("meta")
-        parts = build_meta(engine, channels, self.mgmtd_address, os.urandom(16), self.meta_config,
-                           StorageClientConfig(rpc_timeout_ms=2_000), clock=self.meta_clock, wall_ns=self.meta_wall_ns,
-                           token=self.token, metrics=metrics)
-        await parts.routing.refresh()
-        self.meta = parts.service
-        runtime = ServiceRuntime(META, parts.dispatcher, metrics, tls=channels.tls)
-        bound = await runtime.start("127.0.0.1", 0, 0, self._metrics_port)
-        await self.meta.start()
-        config = MetaConfig(node_id=META_NODE_ID, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)
-        self._meta_tasks = [asyncio.create_task(heartbeat_loop(config, channels,
-                                                               (bound.framed, bound.grpc, bound.metrics)))]
-        self._meta_runtime, self._meta_channels = runtime, channels
-        await wait_until(self._meta_registered, what="meta registered")
+        self.meta_engine = OptimisticTxnEngine(self.meta_kv, faults=self.meta_faults)
+        for index in range(self.meta_servers):
+            await self.start_meta_server(index)
+        assert self.meta is not None
         return self.meta
 
-    async def _meta_registered(self) -> bool:
+    async def start_meta_server(self, index: int) -> MetaService:
+        """Meta server ``index`` (node ``META_NODE_ID + index``) on the shared engine."""
+        assert self.meta_engine is not None and index not in self.metas
+        channels = RealChannelFactory(self.token, self.transport, self.tls(META))  # type: ignore[arg-type]
+        metrics = ServiceMetrics("meta")
+        parts = build_meta(self.meta_engine, channels, self.mgmtd_address, os.urandom(16), self.meta_config,
+                           StorageClientConfig(rpc_timeout_ms=2_000), clock=self.meta_clock, wall_ns=self.meta_wall_ns,
+                           token=self.token, metrics=metrics, server_id=f"meta-node-{META_NODE_ID + index}".encode())
+        await parts.routing.refresh()
+        service = parts.service
+        runtime = ServiceRuntime(META, parts.dispatcher, metrics, tls=channels.tls)
+        bound = await runtime.start("127.0.0.1", 0, 0, self._metrics_port)
+        await service.start()
+        node_id = META_NODE_ID + index
+        config = MetaConfig(node_id=node_id, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100)
+        heartbeat = asyncio.create_task(heartbeat_loop(config, channels, (bound.framed, bound.grpc, bound.metrics)))
+        self.metas[index] = service
+        self._meta_parts[index] = (runtime, channels, heartbeat)
+        if index == 0 or self.meta is None:
+            self.meta = service
+        await wait_until(lambda: self._meta_registered(node_id), what=f"meta {node_id} registered")
+        return service
+
+    @property
+    def _meta_runtime(self) -> ServiceRuntime:
+        return self._meta_parts[min(self._meta_parts)][0]
+
+    async def _meta_registered(self, node_id: int = META_NODE_ID) -> bool:
         from fs3 import common_pb2 as cpb
 
-        return any(n.node_type == cpb.NODE_META and n.alive for n in await self.admin().nodes())
+        return any(n.node_type == cpb.NODE_META and n.alive and n.node_id == node_id
+                   for n in await self.admin().nodes())
+
+    async def stop_meta_server(self, index: int) -> None:
+        """Stop meta server ``index``: it stops heartbeating, serving and running its jobs."""
+        runtime, channels, heartbeat = self._meta_parts.pop(index)
+        service = self.metas.pop(index)
+        heartbeat.cancel()
+        with contextlib.suppress(BaseException):
+            await heartbeat
+        await service.stop()
+        runtime.stopping.set()
+        await runtime.run_until_stopped()
+        await channels.close()
+        if self.meta is service:
+            self.meta = self.metas[min(self.metas)] if self.metas else None
 
     async def stop_meta(self) -> None:
-        for task in self._meta_tasks:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        self._meta_tasks = []
-        if self.meta is not None:
-            await self.meta.stop()
-            self._meta_runtime.stopping.set()
-            await self._meta_runtime.run_until_stopped()
-            await self._meta_channels.close()
-            self.meta = None
+        for index in sorted(self.metas):
+            await self.stop_meta_server(index)
+        self.meta = None
 
     @property
     def mgmtd_address(self) -> str:

@@ -126,7 +126,12 @@ class Meta:
         routing._install(cpb.RoutingInfo(chain_tables=[cpb.ChainTable(table_id=1, chain_ids=[11, 12, 13])]))
         config = MetaServiceConfig(chunk_size_bytes=CHUNK, root_mode=0o777, client_lease_ms=LEASE_MS)
         service = NoChunksMeta(GatedEngine(self.store, self.gate), routing, NoChunks(),  # type: ignore[arg-type]
-                               config, wall_ns=lambda: self.now_ms * 1_000_000, clock=self.clock)
+                               config, wall_ns=lambda: self.now_ms * 1_000_000, clock=self.clock,
+                               server_id=b"meta")
+        # The claims of one server on its own store (fs3.meta.claims: keys no operation touches)
+        # go through an engine of their own that the gate does not hold: a request then waits for
+        # a sync only at its own commits, where the machine loses replies before durability.
+        service.claims.engine = OptimisticTxnEngine(self.store, sync=False)
         self.gate.set()
         self.finish(self.spawn(service.start(background=False)))
         return service

@@ -390,10 +390,14 @@ def test_a_truncate_that_reports_an_error_has_not_changed_the_size_yet(tmp_path:
 
 class SecondMeta:
     """Another meta server on the same store (the per-process lock does not reach it): it
-    truncates the file just before some of the first server's length transactions."""
+    truncates the file just before some of the first server's length transactions.
+
+    It records its claims under the first server's id, so the inode's claim (fs3.meta.claims),
+    which would make it wait for the first server, does not keep it out: what is tested is the
+    second line of defence, the size generation a probe's length is applied under."""
 
     def __init__(self, meta: MetaService, inode_id: int, size: int) -> None:
-        self.other = MetaService(meta.engine, meta.routing, meta.storage, meta.config)
+        self.other = MetaService(meta.engine, meta.routing, meta.storage, meta.config, server_id=meta.server_id)
         self.inode_id, self.size = inode_id, size
         self.calls = 0
         self.fire_on: Callable[[int], bool] = lambda call: False

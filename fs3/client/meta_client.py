@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -83,12 +84,21 @@ class MetaClient:
         return mpb.ReqCtx(user=user or self.user(), client_id=self.client_id, request_id=request_id), request_id
 
     def _meta_addresses(self) -> list[str]:
+        """The meta servers to try, in order: the live ones first, each client starting at its own
+        (chosen by its id), so that clients spread over the servers sharing the namespace; the
+        ones mgmtd lists as dead last. A request that fails on one goes on to the next
+        (``_preferred``) under the same request id, which any server answers with the first
+        answer (the answers are in the store they share)."""
         routing = self.routing.routing
         if routing is None:
             return []
-        nodes = [n for n in routing.nodes if n.node_type == cpb.NODE_META]
-        nodes.sort(key=lambda n: (not n.alive, n.node_id))
-        return [self.channels.node_address(n.framed_address, n.grpc_address) for n in nodes]
+        nodes = sorted((n for n in routing.nodes if n.node_type == cpb.NODE_META), key=lambda n: n.node_id)
+        alive = [n for n in nodes if n.alive]
+        if alive:
+            start = zlib.crc32(self.client_id) % len(alive)
+            alive = alive[start:] + alive[:start]
+        return [self.channels.node_address(n.framed_address, n.grpc_address)
+                for n in alive + [n for n in nodes if not n.alive]]
 
     @property
     def retry(self) -> RetryPolicy:

@@ -11,6 +11,7 @@ process owns its tasks so that killing it cancels them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,15 +84,16 @@ def build_meta(engine: TxnEngine, channels: ChannelFactory, mgmtd_address: str, 
                config: MetaServiceConfig, storage_config: StorageClientConfig, *, routing_timeout_ms: int = 5_000,
                wall_ns: Callable[[], int] | None = None, clock: Clock | None = None,
                pick: Callable[[int], int] | None = None, token: str | None = None,
-               metrics: ServiceMetrics | None = None) -> MetaParts:
+               metrics: ServiceMetrics | None = None, server_id: bytes | None = None) -> MetaParts:
     """Meta on ``engine``, finding the chains through mgmtd at ``mgmtd_address`` and reaching storage
     as client ``client_id``; ``wall_ns`` stamps inode times and ``clock`` times leases (None: the
-    real ones), ``pick`` chooses among a chain's replicas (None: at random)."""
+    real ones), ``pick`` chooses among a chain's replicas (None: at random); ``server_id`` names
+    this meta server in the claims it records in the store (None: a random id)."""
     routing = RoutingCache([mgmtd_address], channels, rpc_timeout_ms=routing_timeout_ms)
     storage = StorageClient(routing, channels, client_id, storage_config, pick=pick)
     auth = Authenticator([token] if token else [])
-    service = MetaService(engine, routing, storage, config, clock=clock, auth=auth, metrics=metrics,
-                          **({"wall_ns": wall_ns} if wall_ns is not None else {}))
+    service = MetaService(engine, routing, storage, config, wall_ns=wall_ns or time.time_ns, clock=clock, auth=auth,
+                          metrics=metrics, server_id=server_id)
     dispatcher = Dispatcher(metrics=metrics, auth=auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     return MetaParts(service, routing, storage, dispatcher)

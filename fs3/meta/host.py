@@ -1,13 +1,13 @@
 """What the parts of the metadata service take from one another.
 
-:class:`~fs3.meta.service.MetaService` is one object made of three parts, each in its own
-module: the request handlers (``service.py``), the file-length logic (``lengths.py``: probing
-storage for a file's end, applying a writer's length) and the background jobs (``jobs.py``:
-truncate jobs, GC, client expiry, fsck's chunk listing). They share one per-process inode lock,
-one transaction engine and one storage client, and call across: a length probe first finishes
-the inode's truncate job, the expiry of a client closes its sessions with their lengths probed,
-and a handler runs truncate jobs before it answers. This class names what each part relies on
-from the others, so each module type-checks on its own and a reader sees the seams.
+:class:`~fs3.meta.service.MetaService` is one object made of three parts, each in its own module:
+the request handlers (``service.py``), the file-length logic (``lengths.py``: probing storage for a
+file's end, applying a writer's length) and the background jobs (``jobs.py``: truncate jobs, GC,
+client expiry, fsck's chunk listing). They share one inode lock (per process, and a claim in the
+store across meta servers), one transaction engine and one storage client, and call across: a length
+probe first finishes the inode's truncate job, the expiry of a client closes its sessions with their
+lengths probed, and a handler runs truncate jobs before it answers. This class names what each part
+relies on from the others, so each module type-checks on its own and a reader sees the seams.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fs3.client.storage_client import StorageClient
 from fs3.common.clock import Clock
 from fs3.common.metrics import ServiceMetrics
 from fs3.kv.api import TxnEngine
+from fs3.meta.claims import ClaimTable
 from fs3.meta.ops import Ancestry, Namespace, OpEnv
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class MetaHost(abc.ABC):
     _leases_seen: dict[bytes, tuple[int, int]]
     _expired_seen: dict[bytes, int]
     _gc_wakeup: asyncio.Event
+    # What this server holds of the work several meta servers share (fs3.meta.claims).
+    claims: ClaimTable
     gc_removed_chunks: int
     # Where the job queues' gauges go (None: not exported, as in the simulator).
     metrics: ServiceMetrics | None
@@ -70,7 +73,16 @@ class MetaHost(abc.ABC):
 
     @abc.abstractmethod
     def _inode_lock(self, inode_id: int) -> contextlib.AbstractAsyncContextManager[None]:
-        """Serializes, within this process, an inode's truncates, their jobs and its length probes."""
+        """Serializes an inode's truncates, their jobs, GC and its length probes, within this
+        process and across the meta servers sharing the store (waiting for another's claim)."""
+
+    @abc.abstractmethod
+    def _try_inode_lock(self, inode_id: int) -> contextlib.AbstractAsyncContextManager[bool]:
+        """:meth:`_inode_lock` that yields False at once when another meta server holds the inode."""
+
+    @abc.abstractmethod
+    def _check_inode_claim(self, inode_id: int) -> None:
+        """Raise ``Unavailable`` when this server can no longer be sure it holds the inode's claim."""
 
     # -- from the lengths: storage's view of a file ---------------------------------------------
 

@@ -14,6 +14,13 @@ Every job is driven by durable records, so a crash or an error leaves it to be r
   change, never by comparing stored wall times: a clock step expires nobody, and several servers
   sharing the leases each time them on their own clock.
 
+Several meta servers share one store and so one set of queues. Each scans them all; before it
+works on an inode (its truncate job, its GC) or an expired client it takes that thing's claim in
+the store (:mod:`fs3.meta.claims`), skips it when another server holds it, and reads the job's
+record again under the claim, so one job never runs on two servers at once nor again once
+done. A server that dies stops renewing its claims, and another takes the job over a claim's
+time to live later.
+
 Chunk removal never enumerates chunk indexes: it lists the chunks of the file that exist, a
 page at a time per chain, so memory and every transaction stay one page's worth whatever the
 file's length. A removed chunk is no longer listed, so a job interrupted by an error or a crash
@@ -40,6 +47,7 @@ from fs3.common.tasks import finish_despite_cancel
 from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.txn import run_transaction
 from fs3.meta import schema
+from fs3.meta.claims import client_claim
 from fs3.meta.host import MetaHost
 from fs3.meta.lengths import all_of
 from fs3.meta.limits import (
@@ -82,6 +90,7 @@ class MetaJobs(MetaHost):
         async def clear(chain_id: int) -> int:
             removed, index = 0, first
             while True:
+                self._check_inode_claim(inode_id)  # another server may have taken the inode over
                 async with limiter:
                     page, more = await self._list_inode_chunks(chain_id, inode_id, index, head_first=True)
                 await all_of([remove(chain_id, meta.chunk_id) for meta in page])
@@ -145,23 +154,28 @@ class MetaJobs(MetaHost):
                 inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
                 job = schema.GcJob.decode(raw)
                 try:
-                    if job.layout.chains:
-                        # A truncate job of the inode may still be running (it read its job before
-                        # the inode was deleted): its trim of a chunk already removed would create
-                        # the chunk afresh, with nothing left to collect it. Under the inode's lock
-                        # GC removes what that job leaves.
-                        async with self._inode_lock(inode_id):
+                    # A truncate job of the inode may still be running (it read its job before the
+                    # inode was deleted): its trim of a chunk already removed would create the chunk
+                    # afresh, with nothing left to collect it. Under the inode's lock (and claim:
+                    # another meta server may be collecting it, or running that truncate) GC
+                    # removes what that job leaves.
+                    async with self._try_inode_lock(inode_id) as mine:
+                        if not mine:
+                            continue  # another meta server holds the inode: its job, or its GC
+                        if await self.engine.begin().get(key) is None:
+                            continue  # collected meanwhile (by another meta server)
+                        if job.layout.chains:
                             self.gc_removed_chunks += await self._clear_chunks(inode_id, job.layout,
                                                                                job.first_chunk)
+                        await self._delete_xattrs(inode_id)
+
+                        async def done(txn: Transaction, key: bytes = key) -> None:
+                            txn.delete(key)
+
+                        await run_transaction(self.engine, done)
                 except FS3Error as exc:
                     log.warning("gc of inode %d postponed: %s", inode_id, exc)
                     continue
-                await self._delete_xattrs(inode_id)
-
-                async def done(txn: Transaction, key: bytes = key) -> None:
-                    txn.delete(key)
-
-                await run_transaction(self.engine, done)
                 finished += 1
         return finished
 
@@ -202,7 +216,9 @@ class MetaJobs(MetaHost):
             for key, _ in rows:
                 inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
                 try:
-                    await self._finish_truncate(inode_id)
+                    async with self._try_inode_lock(inode_id) as mine:
+                        if mine:  # else another meta server is running it
+                            await self._run_truncate_locked(inode_id)
                 except FS3Error as exc:
                     log.warning("truncate of inode %d postponed: %s", inode_id, exc)
 
@@ -312,7 +328,7 @@ class MetaJobs(MetaHost):
                 seen.add(client_id)
                 try:
                     if not schema.ExpiredClient.decode(raw).cleaned:
-                        await self._expire_client(client_id, key)
+                        await self._expire_client_claimed(client_id, key)
                         continue
                     first_ms = self._expired_seen.setdefault(client_id, now_ms)
                     if now_ms - first_ms > ttl_ms:
@@ -322,6 +338,17 @@ class MetaJobs(MetaHost):
                     log.exception("cleaning up after expired client %s postponed", client_id.hex())
         for client_id in self._expired_seen.keys() - seen:
             del self._expired_seen[client_id]
+
+    async def _expire_client_claimed(self, client_id: bytes, expired_key: bytes) -> None:
+        """:meth:`_expire_client` under the client's claim: one meta server cleans up after a
+        client at a time (another one holding it is skipped: it is doing the work)."""
+        held = await self.claims.try_claim(client_claim(client_id))
+        if held is None:
+            return
+        async with self.claims.holding(held):
+            raw = await self.engine.begin().get(expired_key)
+            if raw is not None and not schema.ExpiredClient.decode(raw).cleaned:
+                await self._expire_client(client_id, expired_key)
 
     async def _expire_client(self, client_id: bytes, expired_key: bytes) -> None:
         """Close an expired client's sessions (lengths made exact), drop its answers, mark it cleaned."""

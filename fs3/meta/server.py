@@ -137,7 +137,8 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     routing = RoutingCache([config.mgmtd_address], channels, config.rpc_timeout_ms)
     storage = StorageClient(routing, channels, os.urandom(16),
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
-    service = MetaService(engine, routing, storage, config.service_config(), auth=tokens.auth, metrics=metrics)
+    service = MetaService(engine, routing, storage, config.service_config(), auth=tokens.auth, metrics=metrics,
+                          server_id=f"meta-node-{config.node_id}".encode())
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tokens=tokens, tls=tls)

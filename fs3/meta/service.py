@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDWR, O_TRU
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
 from fs3.meta import schema
+from fs3.meta.claims import ClaimTable, Held, inode_claim
 from fs3.meta.fsck import run_fsck
 from fs3.meta.jobs import MetaJobs
 from fs3.meta.lengths import FileLengths
@@ -104,6 +106,10 @@ class MetaServiceConfig:
     root_squash: bool = True
     # How long a data-path capability is valid (wall clock); clients renew it halfway through.
     capability_ttl_ms: int = 600_000
+    # How long another meta server's claim on an inode's storage side (a truncate job, GC, a
+    # length probe) or on an expired client's clean-up stands without renewal before this server
+    # takes it over (fs3.meta.claims): the time a dead server's unfinished job waits.
+    claim_ttl_ms: int = 5_000
 
     def validate(self) -> None:
         if self.client_lease_ms < 1:
@@ -116,6 +122,8 @@ class MetaServiceConfig:
             raise InvalidArgument(f"chunk_page {self.chunk_page} outside [1, {CHUNK_PAGE_MAX}]")
         if not 100 <= self.capability_ttl_ms <= 86_400_000:
             raise InvalidArgument("capability_ttl_ms must be within [100, 86400000]")
+        if not 40 <= self.claim_ttl_ms <= 600_000:
+            raise InvalidArgument("claim_ttl_ms must be within [40, 600000]")
 
     @property
     def client_retry_limit_ms(self) -> int:
@@ -169,11 +177,13 @@ class MetaService(FileLengths, MetaJobs):
     def __init__(self, engine: TxnEngine, routing: RoutingCache, storage: StorageClient,
                  config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
                  clock: Clock | None = None, auth: Authenticator | None = None,
-                 metrics: ServiceMetrics | None = None) -> None:
+                 metrics: ServiceMetrics | None = None, server_id: bytes | None = None) -> None:
         """``wall_ns`` stamps inode times and capability expiries; ``clock`` (monotonic) times
-        client leases; ``auth`` (the dispatcher's) gives the keys capabilities are signed with
-        (None or an open cluster: no capabilities, as every caller is a service); ``metrics``
-        gets the job queues' gauges."""
+        client leases and claims; ``auth`` (the dispatcher's) gives the keys capabilities are
+        signed with (None or an open cluster: no capabilities, as every caller is a service);
+        ``metrics`` gets the job queues' gauges; ``server_id`` names this server in the claims it
+        records (None: a random one; a meta process passes its node id, so that once restarted it
+        takes back its own claims; live servers on the same store must use different ids)."""
         self.metrics = metrics
         self.auth = auth if auth is not None else Authenticator()
         self.engine = engine
@@ -192,6 +202,9 @@ class MetaService(FileLengths, MetaJobs):
         self._tasks: list[asyncio.Task[None]] = []
         self._gc_wakeup = asyncio.Event()
         self._truncate_locks: dict[int, _InodeLock] = {}
+        self.server_id = server_id or os.urandom(16)
+        self.claims = ClaimTable(engine, self.server_id, self.clock, self.config.claim_ttl_ms)
+        self._inode_claims: dict[int, Held] = {}
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
         self.gc_removed_chunks = 0
@@ -717,7 +730,42 @@ class MetaService(FileLengths, MetaJobs):
 
     @contextlib.asynccontextmanager
     async def _inode_lock(self, inode_id: int) -> AsyncIterator[None]:
-        """Serializes, within this process, an inode's truncates, their jobs and its length probes."""
+        """Serializes an inode's truncates, their jobs, its GC and its length probes: within this
+        process by a lock, across the meta servers sharing the store by a claim on the inode
+        (:mod:`fs3.meta.claims`), waited for while another server holds it."""
+        async with self._local_inode_lock(inode_id):
+            held = await self.claims.claim(inode_claim(inode_id), wait_ms=3 * self.config.claim_ttl_ms)
+            async with self._holding_inode(inode_id, held):
+                yield
+
+    @contextlib.asynccontextmanager
+    async def _try_inode_lock(self, inode_id: int) -> AsyncIterator[bool]:
+        """:meth:`_inode_lock` for background work: yields False at once (and holds nothing) when
+        another meta server holds the inode's claim — that server is doing the work."""
+        async with self._local_inode_lock(inode_id):
+            held = await self.claims.try_claim(inode_claim(inode_id))
+            if held is None:
+                yield False
+                return
+            async with self._holding_inode(inode_id, held):
+                yield True
+
+    @contextlib.asynccontextmanager
+    async def _holding_inode(self, inode_id: int, held: Held) -> AsyncIterator[None]:
+        self._inode_claims[inode_id] = held
+        try:
+            async with self.claims.holding(held):
+                yield
+        finally:
+            self._inode_claims.pop(inode_id, None)
+
+    def _check_inode_claim(self, inode_id: int) -> None:
+        held = self._inode_claims.get(inode_id)
+        if held is not None:
+            held.check()
+
+    @contextlib.asynccontextmanager
+    async def _local_inode_lock(self, inode_id: int) -> AsyncIterator[None]:
         entry = self._truncate_locks.get(inode_id)
         if entry is None:
             entry = self._truncate_locks[inode_id] = _InodeLock()

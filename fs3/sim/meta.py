@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -55,6 +55,7 @@ from fs3.common.clock import LoopClock
 from fs3.common.errors import FS3Error, StaleClient, StatusCode
 from fs3.common.posix import O_CREAT, O_EXCL, O_RDONLY, O_TRUNC, O_WRONLY
 from fs3.kv.api import prefix_end
+from fs3.kv.group_sync import GroupSync
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults
 from fs3.meta import schema
@@ -105,6 +106,11 @@ class MetaShape:
     # How long meta refuses a lapsed client's id (meta's own default, or the least it allows: twice
     # the lease, which caps a client's retries at one lease — shorter than three leases of retries).
     expired_client_ttl_ms: int = 600_000
+    # Meta servers on the one store (the database they share). One: a kill loses what the store
+    # had not synced, as the embedded engine's process would. Several: they share one engine that
+    # outlives any of them, a kill stops one server (its clients go on through the others), and
+    # clients spread their requests over the live ones.
+    meta_servers: int = 1
 
     @classmethod
     def random(cls, rng: random.Random, more: random.Random | None = None) -> MetaShape:
@@ -180,17 +186,34 @@ class _HandlerLog:
             window[1] = loop.time()
 
 
+class _DbGroupSync(GroupSync):
+    """The group sync of an engine several meta servers share: its task belongs to the database's
+    process, so that killing the server whose commit started a sync leaves it running for the
+    others' commits."""
+
+    def __init__(self, sync: Callable[[], Awaitable[object]], process: SimProcess) -> None:
+        super().__init__(sync)
+        self.process = process
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = self.process.run(self._run())
+            self._task.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+
 class SimMeta:
-    """The meta process of a simulated cluster: started, killed (losing what was not synced), restarted."""
+    """The meta servers of a simulated cluster: started, killed (one server losing what was not
+    synced, or one of several sharing the store), restarted."""
 
     def __init__(self, cluster: SimCluster, shape: MetaShape, chains: int) -> None:
         self.cluster = cluster
         self.shape = shape
         self.kv = MemKVStore()
         self.windows: dict[tuple[bytes, int], list[list[float]]] = {}
-        self.process: SimProcess | None = None
-        self.service: MetaService | None = None
+        self.processes: dict[int, SimProcess] = {}
+        self.services: dict[int, MetaService] = {}
         self.engine: SimTxnEngine | None = None
+        self.db = SimProcess("meta-db")
         self.incarnation = 0
         self.chains = chains
         seed = cluster.seed
@@ -199,8 +222,29 @@ class SimMeta:
         self.pick_rng = random.Random(seed ^ 0x3_A11)
 
     @property
+    def shared(self) -> bool:
+        return self.shape.meta_servers > 1
+
+    @staticmethod
+    def address(index: int) -> str:
+        return META if index == 0 else f"{META}-{index + 1}"
+
+    @property
+    def addresses(self) -> list[str]:
+        return [self.address(i) for i in range(self.shape.meta_servers)]
+
+    @property
     def alive(self) -> bool:
-        return self.process is not None
+        """Whether every meta server runs."""
+        return len(self.processes) == self.shape.meta_servers
+
+    @property
+    def process(self) -> SimProcess | None:
+        return self.processes.get(0)
+
+    @property
+    def service(self) -> MetaService | None:
+        return self.services.get(0)
 
     def config(self) -> MetaServiceConfig:
         lease = self.shape.client_lease_ms
@@ -210,21 +254,38 @@ class SimMeta:
                                  expired_client_ttl_ms=self.shape.expired_client_ttl_ms,
                                  prune_interval_ms=max(200, lease // 5), gc_interval_ms=500)
 
-    def start(self) -> None:
-        self.incarnation += 1
-        process = SimProcess(META)
-        network = self.cluster.network
+    def _engine(self) -> SimTxnEngine:
         faults = TxnFaults(conflict_probability=self.shape.conflict_probability,
                            maybe_committed_probability=self.shape.maybe_committed_probability, rng=self.txn_rng)
         engine = SimTxnEngine(self.kv, self.sync_rng, self.shape.sync_delay_max_ms, faults)
-        channels = SimChannelFactory(network, META)
+        if self.shared:
+            engine._log = _DbGroupSync(engine._sync_wal, self.db)
+        return engine
+
+    def start(self, index: int | None = None) -> None:
+        """Start server ``index`` (None: every one that is down)."""
+        if index is None:
+            for i in range(self.shape.meta_servers):
+                if i not in self.processes:
+                    self.start(i)
+            return
+        self.incarnation += 1
+        name = self.address(index)
+        process = SimProcess(name)
+        network = self.cluster.network
+        if self.engine is None or not self.shared:
+            self.engine = self._engine()
+        engine = self.engine
+        channels = SimChannelFactory(network, name)
         loop = asyncio.get_running_loop()
         parts = build_meta(engine, channels, MGMTD, f"meta-{self.incarnation}".encode(), self.config(),
                            StorageClientConfig(rpc_timeout_ms=1_000, retry_total_ms=3_000, retry_backoff_ms=10,
                                                retry_backoff_max_ms=200, channels_max=4),
                            routing_timeout_ms=500, wall_ns=lambda: _EPOCH_NS + int(loop.time() * 1e9),
-                           pick=lambda n: self.pick_rng.randrange(n))
+                           pick=lambda n: self.pick_rng.randrange(n),
+                           server_id=name.encode())
         routing, service, dispatcher = parts.routing, parts.service, parts.dispatcher
+        incarnation = self.incarnation
 
         async def boot() -> None:
             # Serve once the chain tables are known: a create needs them.
@@ -238,24 +299,28 @@ class SimMeta:
                     pass
                 await asyncio.sleep(0.05)
             await service.start()
-            network.bind(META, process, _HandlerLog(dispatcher, self.windows))  # type: ignore[arg-type]
+            network.bind(name, process, _HandlerLog(dispatcher, self.windows))  # type: ignore[arg-type]
             heartbeat = service_spec("Mgmtd").method("Heartbeat")
-            req = mgpb.HeartbeatReq(node_id=META_NODE_ID, node_type=cpb.NODE_META, framed_address=META,
-                                    grpc_address=META, hostname=META, pid=self.incarnation)
+            req = mgpb.HeartbeatReq(node_id=META_NODE_ID + index, node_type=cpb.NODE_META, framed_address=name,
+                                    grpc_address=name, hostname=name, pid=incarnation)
             while True:
                 with contextlib.suppress(FS3Error):
                     await channels.get(MGMTD).call(heartbeat, req, timeout_ms=500)
                 await asyncio.sleep(0.2)
 
         process.run(boot())
-        self.process, self.service, self.engine = process, service, engine
+        self.processes[index] = process
+        self.services[index] = service
 
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.kv.crash()
-        self.cluster.network.unbind(META)
-        self.process = self.service = self.engine = None
+    def kill(self, index: int = 0) -> None:
+        """Kill server ``index``. The only server takes the store's unsynced part with it; one of
+        several leaves the shared store (and its group sync) running."""
+        self.processes.pop(index).kill()
+        self.services.pop(index)
+        if not self.shared:
+            self.kv.crash()
+            self.engine = None
+        self.cluster.network.unbind(self.address(index))
 
     async def wait_syncing(self, limit_s: float) -> bool:
         """Wait (up to ``limit_s``) until a group sync is under way: commits visible, not yet durable."""
@@ -578,7 +643,18 @@ async def _faults(run: MetaRun, rng: random.Random, intensity: float) -> None:
             await asyncio.sleep(rng.uniform(0.3, 2.0) / max(intensity, 0.01))
             roll = rng.random()
             now = loop.time()
-            if roll < 0.25:
+            if roll < 0.25 and run.meta.shared:
+                # One of several servers dies mid-workload; a new one takes its place a while later.
+                index = rng.randrange(run.meta.shape.meta_servers)
+                if index in run.meta.processes:
+                    mid_sync = rng.random() < 0.5 and await run.meta.wait_syncing(2.0)
+                    run.meta.kill(index)
+                    run.faults.append(f"t={loop.time():.4f} kill {run.meta.address(index)}"
+                                      + (" during a sync" if mid_sync else ""))
+                    await asyncio.sleep(rng.uniform(0.05, 1.0))
+                run.meta.start(index)
+                run.faults.append(f"t={loop.time():.4f} restart {run.meta.address(index)}")
+            elif roll < 0.25:
                 if run.meta.alive:
                     # Half the time while a group sync is under way: commits visible, not durable.
                     mid_sync = rng.random() < 0.5 and await run.meta.wait_syncing(2.0)
@@ -620,7 +696,7 @@ async def _cut(run: MetaRun, index: int, seconds: float, in_flight: bool, delay_
 
     ``in_flight``: the cut waits for the client's next request and comes ``delay_ms`` after it."""
     loop = asyncio.get_running_loop()
-    pair = frozenset((run.addresses[index], META))
+    pairs = [frozenset((run.addresses[index], meta)) for meta in run.meta.addresses]
     if in_flight:
         for _ in range(1_000):
             if run.busy[index]:
@@ -628,13 +704,13 @@ async def _cut(run: MetaRun, index: int, seconds: float, in_flight: bool, delay_
             await asyncio.sleep(0.002)
         await asyncio.sleep(delay_ms / 1000)
     run.connected[index].clear()
-    run.cluster.network.faults.partitioned.add(pair)
+    run.cluster.network.faults.partitioned.update(pairs)
     run.faults.append(f"t={loop.time():.4f} cut client {index} off meta for {seconds:.1f}s"
                       + (" (a request in flight)" if in_flight and run.busy[index] else ""))
     try:
         await asyncio.sleep(seconds)
     finally:
-        run.cluster.network.faults.partitioned.discard(pair)
+        run.cluster.network.faults.partitioned.difference_update(pairs)
         run.connected[index].set()
         run.faults.append(f"t={loop.time():.4f} client {index} reaches meta again")
 
@@ -774,9 +850,9 @@ def check_history(calls: list[Call], budget: int = DEFAULT_BUDGET) -> tuple[Verd
 # -- the scenario --------------------------------------------------------------------------------
 
 
-async def _wait_meta_registered(cluster: SimCluster) -> None:
+async def _wait_meta_registered(cluster: SimCluster, node_id: int = META_NODE_ID) -> None:
     for _ in range(2_000):
-        if cluster.mgmtd is not None and META_NODE_ID in cluster.mgmtd.state.nodes:
+        if cluster.mgmtd is not None and node_id in cluster.mgmtd.state.nodes:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("meta never registered with mgmtd")
@@ -808,7 +884,7 @@ async def run_meta_scenario(cluster: SimCluster, shape: MetaShape, clients: int,
     meta = SimMeta(cluster, shape, len(chains))
     run = MetaRun(cluster, shape, meta)
     meta.start()
-    await _wait_meta_registered(cluster)
+    await asyncio.gather(*(_wait_meta_registered(cluster, META_NODE_ID + i) for i in range(shape.meta_servers)))
     seeds = [rng.random() for _ in range(clients)]
     fault_seed = rng.random()
     for index in range(clients):
@@ -824,6 +900,9 @@ async def run_meta_scenario(cluster: SimCluster, shape: MetaShape, clients: int,
     if not meta.alive:
         meta.start()
         run.faults.append(f"t={asyncio.get_running_loop().time():.2f} restart meta")
+    if meta.shared:
+        await asyncio.gather(*(_wait_meta_registered(cluster, META_NODE_ID + i)
+                               for i in range(shape.meta_servers)))
     for node in cluster.storage:
         if not cluster.storage_alive(node):
             cluster.start_storage(node)
