@@ -259,3 +259,25 @@ def test_a_retry_on_another_server_gets_the_first_answer() -> None:
         assert sorted(e.name for e in listing.entries) == [b"d", b"e"]
 
     asyncio.run(main())
+
+
+def test_a_store_no_other_server_can_open_grants_claims_without_a_transaction() -> None:
+    """The embedded RocksDB is opened by one meta process only: its claims cost no commit, and
+    hold until released whatever the clock does."""
+    from fs3.common.clock import ManualClock
+    from fs3.kv.store import MemKVStore
+    from fs3.kv.txn import OptimisticTxnEngine
+    from fs3.meta.claims import ClaimTable, claim_key, inode_claim
+
+    async def main() -> None:
+        engine = OptimisticTxnEngine(MemKVStore())
+        clock = ManualClock()
+        table = ClaimTable(engine, b"only", clock, ttl_ms=1_000, exclusive=True)
+        held = await table.claim(inode_claim(7), wait_ms=0)
+        async with table.holding(held):
+            clock.advance(60_000)  # no renewal needed, none made
+            held.check()
+            assert await engine.begin().get(claim_key(inode_claim(7))) is None
+        assert not held.valid() and not table.held
+
+    asyncio.run(main())

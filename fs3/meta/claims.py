@@ -28,6 +28,10 @@ the database) stops bumping, and its claims are taken over a ``ttl`` later.
 A claim's owner is the server's id: its mgmtd node id for a meta process, so that a server
 restarted after a crash takes back at once the claims its previous life held (that life is
 dead) instead of waiting a ttl for them. Two live servers must never share an id.
+
+A store that only one server can open (the embedded RocksDB: its lock keeps a second process out)
+needs no claims: the table is then ``exclusive`` and a claim is granted at once, with no
+transaction — the per-inode lock in the process is all the coordination there is to do.
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ class Held:
     lost: bool = False
 
     def valid(self) -> bool:
+        if self.table.exclusive:
+            return not self.lost
         return not self.lost and self.table.clock.now_ms() - self.trusted_from_ms < self.table.ttl_ms // 2
 
     def check(self) -> None:
@@ -110,7 +116,7 @@ class Held:
 class ClaimTable:
     """The claims of one meta server (see the module's docstring)."""
 
-    def __init__(self, engine: TxnEngine, owner: bytes, clock: Clock, ttl_ms: int) -> None:
+    def __init__(self, engine: TxnEngine, owner: bytes, clock: Clock, ttl_ms: int, exclusive: bool = False) -> None:
         if ttl_ms < 40:
             raise InvalidArgument("a claim's ttl must be at least 40 ms")
         if not owner:
@@ -123,10 +129,15 @@ class ClaimTable:
         self._seen: dict[bytes, tuple[bytes, int, int]] = {}
         self.held: dict[bytes, Held] = {}
         self.taken_over = 0  # claims of other servers this one took over (for tests and logs)
+        self.exclusive = exclusive  # no other server can open the store: claims cost nothing
 
     async def try_claim(self, name: bytes) -> Held | None:
         """Claim ``name`` if it is free, this server's, or another's that lapsed; None if another
         server holds it. The caller makes sure one task of this process claims a name at a time."""
+        if self.exclusive:
+            held = Held(name, 0, self.clock.now_ms(), self)
+            self.held[name] = held
+            return held
         key = claim_key(name)
         began_ms = self.clock.now_ms()
         lapsed: list[ClaimRecord] = []  # the other server's claim this one takes over
@@ -189,6 +200,8 @@ class ClaimTable:
 
     async def renew(self, held: Held) -> bool:
         """Bump the epoch of a claim this server holds; False (and ``held.lost``) if it was taken."""
+        if self.exclusive:
+            return not held.lost
         key = claim_key(held.name)
         began_ms = self.clock.now_ms()
 
@@ -210,7 +223,8 @@ class ClaimTable:
         """Drop the claim if it is still this server's (a lost one belongs to whoever took it)."""
         key = claim_key(held.name)
         self.held.pop(held.name, None)
-        if held.lost:
+        if held.lost or self.exclusive:
+            held.lost = True
             return
 
         async def drop(txn: Transaction) -> None:
@@ -235,6 +249,12 @@ class ClaimTable:
     async def holding(self, held: Held) -> AsyncIterator[Held]:
         """Keep ``held`` renewed while the body runs, then release it (a release that cannot be
         made lets the claim lapse instead: another server takes it over a ``ttl`` later)."""
+        if self.exclusive:
+            try:
+                yield held
+            finally:
+                await self.release(held)
+            return
         renewer = asyncio.create_task(self._keep_renewed(held), name=f"claim-{held.name.hex()}")
         try:
             yield held

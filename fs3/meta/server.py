@@ -138,7 +138,8 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     storage = StorageClient(routing, channels, os.urandom(16),
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
     service = MetaService(engine, routing, storage, config.service_config(), auth=tokens.auth, metrics=metrics,
-                          server_id=f"meta-node-{config.node_id}".encode())
+                          server_id=f"meta-node-{config.node_id}".encode(),
+                          exclusive_store=config.kv_engine in ("rocksdb", "mem"))  # opened by this process alone
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tokens=tokens, tls=tls)

@@ -177,13 +177,16 @@ class MetaService(FileLengths, MetaJobs):
     def __init__(self, engine: TxnEngine, routing: RoutingCache, storage: StorageClient,
                  config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
                  clock: Clock | None = None, auth: Authenticator | None = None,
-                 metrics: ServiceMetrics | None = None, server_id: bytes | None = None) -> None:
+                 metrics: ServiceMetrics | None = None, server_id: bytes | None = None,
+                 exclusive_store: bool = False) -> None:
         """``wall_ns`` stamps inode times and capability expiries; ``clock`` (monotonic) times
         client leases and claims; ``auth`` (the dispatcher's) gives the keys capabilities are
         signed with (None or an open cluster: no capabilities, as every caller is a service);
         ``metrics`` gets the job queues' gauges; ``server_id`` names this server in the claims it
         records (None: a random one; a meta process passes its node id, so that once restarted it
-        takes back its own claims; live servers on the same store must use different ids)."""
+        takes back its own claims; live servers on the same store must use different ids);
+        ``exclusive_store``: no other server can open ``engine`` (the embedded RocksDB of a meta
+        process), so claims are granted without a transaction (:mod:`fs3.meta.claims`)."""
         self.metrics = metrics
         self.auth = auth if auth is not None else Authenticator()
         self.engine = engine
@@ -203,7 +206,8 @@ class MetaService(FileLengths, MetaJobs):
         self._gc_wakeup = asyncio.Event()
         self._truncate_locks: dict[int, _InodeLock] = {}
         self.server_id = server_id or os.urandom(16)
-        self.claims = ClaimTable(engine, self.server_id, self.clock, self.config.claim_ttl_ms)
+        self.claims = ClaimTable(engine, self.server_id, self.clock, self.config.claim_ttl_ms,
+                                 exclusive=exclusive_store)
         self._inode_claims: dict[int, Held] = {}
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
