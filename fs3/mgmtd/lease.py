@@ -239,9 +239,7 @@ class LeaseCore:
         if self._last_now_ms is not None and now_ms < self._last_now_ms:
             self._held = None
             self._seen_since_ms = now_ms
-        self._last_now_ms = now_ms if self._last_now_ms is None else max(now_ms, self._last_now_ms)
-        if now_ms < self._seen_since_ms:
-            self._seen_since_ms = now_ms
+        self._last_now_ms = now_ms
 
 
 def check_fence(record: LeaseRecord | None, holder: str, epoch: int) -> None:
