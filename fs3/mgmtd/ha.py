@@ -151,7 +151,10 @@ class LeaseLoop:
         while True:
             self.tries += 1
             try:
-                await asyncio.wait_for(self.try_once(), interval_s)
+                # (asyncio.timeout, not wait_for: wait_for can swallow a cancellation that
+                # arrives as the try completes, and a stopped mgmtd would keep renewing.)
+                async with asyncio.timeout(interval_s):
+                    await self.try_once()
             except (FS3Error, TimeoutError) as exc:
                 self.failures += 1
                 log.info("mgmtd %s: lease try failed: %s", self.setup.name, exc)
