@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -23,13 +23,14 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.client.mgmtd import MgmtdCaller
 from fs3.client.routing import RoutingCache
 from fs3.common.clock import LoopClock
-from fs3.common.errors import FS3Error, NotPrimary
+from fs3.common.errors import FS3Error, InvalidArgument, NotPrimary, NotSupported, Unavailable
 from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.mgmtd import schema
 from fs3.mgmtd.ha import PREFIX, SharedEngine
 from fs3.mgmtd.lease import LeaseConfig, primary_history_violations, routing_epoch
+from fs3.mgmtd.server import open_shared_engine, shared_setup
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
@@ -178,7 +179,7 @@ def test_a_standby_takes_over_from_a_dead_primary_with_the_chains_and_states_unc
                 for task in workload:
                     task.cancel()
                 await asyncio.gather(*workload, return_exceptions=True)
-        await channels.close()
+                await channels.close()  # before the servers stop: they wait for open connections
     asyncio.run(body())
 
 
@@ -230,5 +231,88 @@ def test_a_frozen_primarys_late_writes_are_refused_and_never_land() -> None:
                 for task in workload:
                     task.cancel()
                 await asyncio.gather(*workload, return_exceptions=True)
-        await channels.close()
+                await channels.close()  # before the servers stop: they wait for open connections
     asyncio.run(body())
+
+
+class _ScriptedChannels:
+    """Channels whose answers are scripted per address: an error to raise, or a response."""
+
+    def __init__(self, answers: dict[str, FS3Error | mpb.HeartbeatRsp]) -> None:
+        self.answers = answers
+        self.calls: list[str] = []
+
+    def get(self, address: str) -> _ScriptedChannel:
+        return _ScriptedChannel(self, address)
+
+    def node_address(self, framed_address: str, grpc_address: str) -> str:
+        return framed_address
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class _ScriptedChannel:
+    owner: _ScriptedChannels
+    address: str
+
+    async def call(self, method: object, request: object, payload: object = b"",
+                   timeout_ms: int = 10_000) -> tuple[mpb.HeartbeatRsp, bytes]:
+        self.owner.calls.append(self.address)
+        answer = self.owner.answers.get(self.address, Unavailable("connection refused"))
+        if isinstance(answer, FS3Error):
+            raise answer
+        return answer, b""
+
+    async def close(self) -> None:
+        return None
+
+
+def test_the_mgmtd_caller_follows_redirects_skips_dead_instances_and_gives_up_in_bounded_tries() -> None:
+    async def body() -> None:
+        ok = mpb.HeartbeatRsp(routing_version=7)
+        channels = _ScriptedChannels({"a:1": Unavailable("refused"), "b:1": NotPrimary.naming("c:1"), "c:1": ok})
+        caller = MgmtdCaller("a:1, b:1,c:1,a:1", channels)
+        assert caller.addresses == ["a:1", "b:1", "c:1"]
+        assert await caller.call("Heartbeat", _heartbeat(1)) == ok
+        assert channels.calls == ["a:1", "b:1", "c:1"] and caller.current == "c:1"
+        await caller.call("Heartbeat", _heartbeat(1))
+        assert channels.calls[-1] == "c:1" and len(channels.calls) == 4  # the primary first, next time
+
+        # A standby naming a primary that is not in the list is followed too.
+        channels = _ScriptedChannels({"a:1": NotPrimary.naming("z:9"), "z:9": ok})
+        assert await MgmtdCaller("a:1", channels).call("Heartbeat", _heartbeat(1)) == ok
+
+        # An error another instance cannot cure is the answer at once.
+        channels = _ScriptedChannels({"a:1": InvalidArgument("bad heartbeat"), "b:1": ok})
+        with pytest.raises(InvalidArgument):
+            await MgmtdCaller("a:1,b:1", channels).call("Heartbeat", _heartbeat(1))
+        assert channels.calls == ["a:1"]
+
+        # Nobody primary (a takeover under way) and nobody alive: bounded rounds, the last error.
+        channels = _ScriptedChannels({"a:1": NotPrimary.naming(""), "b:1": NotPrimary.naming("")})
+        with pytest.raises(NotPrimary):
+            await MgmtdCaller("a:1,b:1", channels).call("Heartbeat", _heartbeat(1))
+        assert len(channels.calls) == 5
+        with pytest.raises(InvalidArgument):
+            MgmtdCaller(" , ", channels)
+    asyncio.run(body())
+
+
+def test_mgmtd_settings_for_a_shared_engine_are_checked_and_the_postgres_seam_is_explicit() -> None:
+    with pytest.raises(InvalidArgument, match="pg_url"):
+        MgmtdConfig(kv_engine="postgres").validate()
+    with pytest.raises(InvalidArgument, match="renew_interval_ms"):
+        MgmtdConfig(lease_ms=1_000, lease_drift_margin_ms=100, lease_renew_interval_ms=900).validate()
+    config = MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", framed_port=0)
+    config.validate()
+    with pytest.raises(NotSupported, match="PostgreSQL"):
+        open_shared_engine(config)
+    engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+    with pytest.raises(InvalidArgument, match="advertise_address"):
+        shared_setup(config, engine)
+    setup = shared_setup(replace(config, framed_port=9000, listen_host="10.0.0.1"), engine)
+    assert (setup.name, setup.address) == ("10.0.0.1:9000", "10.0.0.1:9000")
+    with pytest.raises(InvalidArgument):
+        MgmtdServicer(MemKVStore(), MgmtdConfig(), shared=setup)  # a local store and a shared engine
