@@ -40,7 +40,7 @@ from tests.conftest import wait_until
 
 TOKEN = "ha-token"
 LEASE = LeaseConfig(lease_ms=1_000, renew_interval_ms=100, drift_margin_ms=100)
-HEARTBEAT_TIMEOUT_MS = 2_000
+HEARTBEAT_TIMEOUT_MS = 2_400  # storage nodes keep serving through a takeover: >= 2 (lease + renewal)
 HEARTBEAT_INTERVAL_S = 0.1
 NODES = (1, 2, 3)
 _NO_PAYLOAD = memoryview(b"")
@@ -116,6 +116,7 @@ def _public_view(servicer: MgmtdServicer) -> tuple[dict[int, tuple[list[int], in
     return chains, states
 
 
+@pytest.mark.slow  # serves three mgmtd on sockets for several lease periods
 def test_a_standby_takes_over_from_a_dead_primary_with_the_chains_and_states_unchanged() -> None:
     async def body() -> None:
         engine = OptimisticTxnEngine(MemKVStore(), sync=False)
@@ -183,6 +184,7 @@ def test_a_standby_takes_over_from_a_dead_primary_with_the_chains_and_states_unc
     asyncio.run(body())
 
 
+@pytest.mark.slow  # serves two mgmtd on sockets for more than a lease period
 def test_a_frozen_primarys_late_writes_are_refused_and_never_land() -> None:
     async def body() -> None:
         engine = OptimisticTxnEngine(MemKVStore(), sync=False)
@@ -305,6 +307,8 @@ def test_mgmtd_settings_for_a_shared_engine_are_checked_and_the_postgres_seam_is
         MgmtdConfig(kv_engine="postgres").validate()
     with pytest.raises(InvalidArgument, match="renew_interval_ms"):
         MgmtdConfig(lease_ms=1_000, lease_drift_margin_ms=100, lease_renew_interval_ms=900).validate()
+    with pytest.raises(InvalidArgument, match="heartbeat_timeout_ms"):
+        MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", heartbeat_timeout_ms=5_000).validate()
     config = MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", framed_port=0)
     config.validate()
     with pytest.raises(NotSupported, match="PostgreSQL"):

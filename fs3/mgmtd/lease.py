@@ -109,10 +109,10 @@ class LeaseRecord:
 class LeaseConfig:
     """Timing of the lease (milliseconds of each host's own monotonic clock)."""
 
-    lease_ms: int = 5_000
-    renew_interval_ms: int = 1_000
+    lease_ms: int = 3_000
+    renew_interval_ms: int = 500
     # How far two hosts' clocks may drift apart over one lease period (rates, never readings).
-    drift_margin_ms: int = 500
+    drift_margin_ms: int = 300
 
     def validate(self) -> None:
         if self.lease_ms < 100:

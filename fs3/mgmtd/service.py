@@ -60,9 +60,9 @@ class MgmtdConfig:
     # framed address it binds), and the lease timing (see fs3.mgmtd.lease).
     instance_name: str = ""
     advertise_address: str = ""
-    lease_ms: int = 5_000
-    lease_renew_interval_ms: int = 1_000
-    lease_drift_margin_ms: int = 500
+    lease_ms: int = 3_000
+    lease_renew_interval_ms: int = 500
+    lease_drift_margin_ms: int = 300
     heartbeat_timeout_ms: int = 10_000
     scan_interval_ms: int = 200
     # The cluster token inline (never printed: not in the repr), or a token file (one token a
@@ -87,6 +87,12 @@ class MgmtdConfig:
         if self.kv_engine == "postgres" and not self.pg_url:
             raise InvalidArgument("kv_engine postgres needs pg_url (--pg-url)")
         self.lease_config().validate()
+        takeover_ms = self.lease_ms + self.lease_renew_interval_ms
+        if self.kv_engine == "postgres" and self.heartbeat_timeout_ms < 2 * takeover_ms:
+            # Storage nodes stop serving half a heartbeat timeout after their last answered
+            # heartbeat: a takeover (up to a lease and a renewal) must fit in that half.
+            raise InvalidArgument("with several mgmtd, heartbeat_timeout_ms must be at least 2 * (lease_ms + "
+                                  "lease_renew_interval_ms), so that storage keeps serving through a takeover")
         if self.lease_ms < 2 * self.scan_interval_ms:
             raise InvalidArgument("lease_ms must be at least twice scan_interval_ms")
 
