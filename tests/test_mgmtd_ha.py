@@ -28,7 +28,7 @@ from fs3.common.target_state import PublicState
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.mgmtd import schema
-from fs3.mgmtd.ha import PREFIX, SharedEngine
+from fs3.mgmtd.ha import PREFIX, SharedEngine, write_fenced
 from fs3.mgmtd.lease import LeaseConfig, primary_history_violations, routing_epoch
 from fs3.mgmtd.server import open_shared_engine, shared_setup
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
@@ -68,7 +68,8 @@ class Instance:
 
 
 @contextlib.asynccontextmanager
-async def instances(engine: OptimisticTxnEngine, count: int) -> AsyncIterator[list[Instance]]:
+async def instances(engine: OptimisticTxnEngine, count: int,
+                    lease: LeaseConfig = LEASE) -> AsyncIterator[list[Instance]]:
     started: list[Instance] = []
     try:
         for i in range(count):
@@ -77,7 +78,7 @@ async def instances(engine: OptimisticTxnEngine, count: int) -> AsyncIterator[li
             address = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
             clock = FreezableClock()
             config = MgmtdConfig(kv_engine="mem", heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, scan_interval_ms=50)
-            servicer = MgmtdServicer(None, config, clock=clock, shared=SharedEngine(engine, f"m{i}", address, LEASE))
+            servicer = MgmtdServicer(None, config, clock=clock, shared=SharedEngine(engine, f"m{i}", address, lease))
             dispatcher.add_service(service_spec("Mgmtd"), servicer)
             servicer.start()
             started.append(Instance(servicer, server, address, clock))
@@ -151,7 +152,7 @@ def test_a_standby_takes_over_from_a_dead_primary_with_the_chains_and_states_unc
                 assert refused.value.primary_address == first.address
 
                 # The primary dies.
-                await first.servicer.stop()
+                await first.servicer.stop(hand_back=False)  # dead: it hands nothing back
                 await first.server.stop()
                 died_at = loop.time()
                 rest = [i for i in group if i is not first]
@@ -204,7 +205,7 @@ def test_a_frozen_primarys_late_writes_are_refused_and_never_land() -> None:
 
                 # Cut off from everyone (its lease loop and its server stop) and paused (its clock
                 # stands still), so it still believes it is primary, with a write in flight.
-                await old.servicer.stop()
+                await old.servicer.stop(hand_back=False)
                 await old.server.stop()
                 old.clock.freeze()
                 new = group[1]
@@ -320,3 +321,25 @@ def test_mgmtd_settings_for_a_shared_engine_are_checked_and_the_postgres_seam_is
     assert (setup.name, setup.address) == ("10.0.0.1:9000", "10.0.0.1:9000")
     with pytest.raises(InvalidArgument):
         MgmtdServicer(MemKVStore(), MgmtdConfig(), shared=setup)  # a local store and a shared engine
+
+
+@pytest.mark.slow  # serves two mgmtd on sockets
+def test_a_stopping_primary_hands_the_lease_back_and_a_standby_takes_over_at_once() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        slow = LeaseConfig(lease_ms=20_000, renew_interval_ms=100, drift_margin_ms=100)
+        async with instances(engine, 2, slow) as group:
+            old = await wait_until(lambda: _primary(group), timeout_s=30, what="a first primary")
+            await old.servicer.heartbeat(_heartbeat(1), _NO_PAYLOAD)
+            epoch = old.servicer.state.epoch
+            await old.servicer.stop()
+            assert old.servicer.role == "standby"
+            new = next(i for i in group if i is not old)
+            # Well before the 20 s lease could have run out.
+            await wait_until(lambda: _primary([new]), timeout_s=10, what="the standby taking the handed-back lease")
+            assert new.servicer.state.epoch == epoch + 1 and 1 in new.servicer.state.nodes
+            assert old.servicer.shared is not None
+            with pytest.raises(NotPrimary):  # the old one's fence holds after the hand-back too
+                await write_fenced(engine, old.servicer.shared.name, epoch, {})
+    asyncio.run(body())
+

@@ -120,6 +120,19 @@ def test_a_clock_that_goes_backwards_makes_the_holder_step_down_and_a_standby_wa
     assert standby.plan(held, 5_000, 5_000) == LeaseRecord(2, "b", "h:2", 0)
 
 
+def test_a_handed_back_lease_is_taken_at_once_and_fences_its_old_holder() -> None:
+    holder = LeaseCore("a", "h:1", CONFIG)
+    _elect(holder, 0)
+    released = holder.release()
+    assert released == LeaseRecord(1, "a", "h:1", 1, released=True) and not holder.is_primary(1)
+    assert LeaseRecord.decode(released.encode()) == released
+    with pytest.raises(NotPrimary):
+        check_fence(released, "a", 1)
+    standby = LeaseCore("b", "h:2", CONFIG)
+    assert standby.plan(released, 10, 10) == LeaseRecord(2, "b", "h:2", 0)  # no wait
+    assert LeaseCore("c", "h:3", CONFIG).release() is None  # nothing held, nothing to hand back
+
+
 def test_the_fence_refuses_a_deposed_primarys_write() -> None:
     check_fence(LeaseRecord(3, "a", "h:1", 9), "a", 3)  # its own epoch: accepted
     for record in (LeaseRecord(4, "b", "h:2", 0), LeaseRecord(4, "a", "h:1", 0), LeaseRecord(2, "a", "h:1", 0), None):
@@ -256,7 +269,17 @@ class _Run:
 
     def _act(self, core: LeaseCore, clock: _Clock) -> Callable[[float], None]:
         def act(t: float) -> None:
-            if core.is_primary(clock.local(t)):
+            if core.is_primary(clock.local(t)) and self.rng.random() < 0.005:
+                released = core.release()  # a graceful stop: it stops acting, then hands the lease back
+                assert released is not None
+
+                def hand_back(tr: float) -> None:
+                    record = self.record
+                    if record is not None and not record.released and \
+                            (record.epoch, record.holder) == (released.epoch, released.holder):
+                        self.record = released
+                self.at(t + self.delay(), hand_back)
+            elif core.is_primary(clock.local(t)):
                 epoch = core.epoch
                 self.beliefs.append((t, core.name, epoch))
 

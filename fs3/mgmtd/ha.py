@@ -35,7 +35,7 @@ from fs3.mgmtd import schema
 from fs3.mgmtd.lease import LeaseConfig, LeaseCore, LeaseRecord, check_fence
 
 __all__ = ["LEASE_KEY", "PREFIX", "ROUTING_KEY", "LeaseLoop", "SharedEngine", "read_lease", "read_published_routing",
-           "read_state_records", "write_fenced"]
+           "read_state_records", "release_lease", "write_fenced"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,20 @@ async def write_fenced(engine: TxnEngine, name: str, epoch: int, records: dict[b
             txn.put(key if key == ROUTING_KEY else PREFIX + key, value)
 
     await run_transaction(engine, write)
+
+
+async def release_lease(engine: TxnEngine, released: LeaseRecord) -> bool:
+    """Write ``released`` (from :meth:`LeaseCore.release`) if the lease still reads as its holder's
+    at its epoch; returns whether it did (otherwise the lease had already moved on)."""
+
+    async def write(txn: Transaction) -> bool:
+        record = await read_lease(txn)
+        if record is None or record.released or (record.epoch, record.holder) != (released.epoch, released.holder):
+            return False
+        txn.put(LEASE_KEY, released.encode())
+        return True
+
+    return await run_transaction(engine, write)
 
 
 async def read_published_routing(engine: TxnEngine) -> cpb.RoutingInfo | None:

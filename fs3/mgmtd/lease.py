@@ -87,17 +87,20 @@ class LeaseRecord:
     holder: str  # the instance's name, unique among the mgmtd instances of a cluster
     address: str  # where the holder serves: what standbys name in their redirects
     renewals: int = 0
+    # The holder stopped acting and handed the lease back (a graceful stop): the next instance
+    # that reads this takes over at once, with a new epoch, instead of waiting a whole period.
+    released: bool = False
 
     def encode(self) -> bytes:
         return json.dumps({"epoch": self.epoch, "holder": self.holder, "address": self.address,
-                           "renewals": self.renewals}, sort_keys=True).encode()
+                           "renewals": self.renewals, "released": self.released}, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> LeaseRecord:
         try:
             fields = json.loads(raw)
             record = cls(int(fields["epoch"]), str(fields["holder"]), str(fields["address"]),
-                         int(fields["renewals"]))
+                         int(fields["renewals"]), bool(fields.get("released", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"unreadable mgmtd lease record {raw[:80]!r}: {exc}") from None
         if record.epoch < 1 or record.renewals < 0 or not record.holder:
@@ -144,6 +147,9 @@ class LeaseCore:
         self._held: LeaseRecord | None = None  # what this instance last wrote as holder
         self._valid_until_ms = 0
         self._attempt: tuple[LeaseRecord, int] | None = None  # a write whose outcome is unknown
+        # The write plan() last asked for; release() and step_down() forget it, so that a write
+        # planned before them and answered after them does not make the instance primary again.
+        self._planned: LeaseRecord | None = None
         self._last_now_ms: int | None = None
 
     # -- queries -----------------------------------------------------------------------------
@@ -189,15 +195,22 @@ class LeaseCore:
             if record == attempted:  # a commit reported as failed did land: it counts from its start
                 self._hold(attempted, attempt_started_ms, now_ms)
         self._observe(record, now_ms)
+        self._planned = self._decide(record, now_ms)
+        return self._planned
+
+    def _decide(self, record: LeaseRecord | None, now_ms: int) -> LeaseRecord | None:
         if record is None:
             return LeaseRecord(1, self.name, self.address, 0)  # never held by anyone: nothing to wait for
+        if record.epoch >= _EPOCH_MAX:
+            raise InvalidArgument("mgmtd lease epochs exhausted")
+        if record.released:  # handed back: its holder stopped acting before it wrote this
+            self._held = None
+            return LeaseRecord(record.epoch + 1, self.name, self.address, 0)
         if self._held is not None and record != self._held:
             self._held = None  # someone else wrote the lease: this instance lost it
         if self.is_primary(now_ms):
             return replace(record, renewals=record.renewals + 1)
         if now_ms - self._seen_since_ms >= self.config.lease_ms:
-            if record.epoch >= _EPOCH_MAX:
-                raise InvalidArgument("mgmtd lease epochs exhausted")
             return LeaseRecord(record.epoch + 1, self.name, self.address, 0)
         return None
 
@@ -205,11 +218,27 @@ class LeaseCore:
         """The write :meth:`plan` asked for committed (the transaction began at ``started_ms``)."""
         self._tick(now_ms)
         self._attempt = None
+        if written != self._planned:  # planned before a release or a step-down: stay a standby
+            self._observe(written, now_ms)
+            return
+        self._planned = None
         self._hold(written, started_ms, now_ms)
 
     def failed(self, written: LeaseRecord, started_ms: int) -> None:
         """The write's commit failed or its outcome is unknown: the next read tells whether it landed."""
-        self._attempt = (written, started_ms)
+        if written == self._planned:
+            self._attempt = (written, started_ms)
+        self._planned = None
+
+    def release(self) -> LeaseRecord | None:
+        """Step down, and return the record that hands the lease back (None: none held).
+
+        The caller writes it only if the lease still reads as this instance's (the same
+        transaction), after it stopped acting: a standby that reads it takes over at once.
+        """
+        held, self._held = self._held, None
+        self._attempt = self._planned = None  # a renewal still in flight must not make it primary again
+        return replace(held, renewals=held.renewals + 1, released=True) if held is not None else None
 
     def step_down(self) -> None:
         """Stop acting as primary at once (a fenced write failed, the state could not be loaded).
@@ -218,6 +247,7 @@ class LeaseCore:
         after a full unchanged period, like by any standby.
         """
         self._held = None
+        self._attempt = self._planned = None  # a renewal still in flight must not make it primary again
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -245,7 +275,7 @@ class LeaseCore:
 def check_fence(record: LeaseRecord | None, holder: str, epoch: int) -> None:
     """Refuse a state write unless the lease (read in the same transaction) is still ``holder``'s
     at ``epoch``: a deposed primary's write fails and never lands."""
-    if record is None or record.epoch != epoch or record.holder != holder:
+    if record is None or record.epoch != epoch or record.holder != holder or record.released:
         where = record.address if record is not None and record.holder != holder else ""
         now = f"epoch {record.epoch} held by {record.holder}" if record is not None else "no lease"
         raise NotPrimary.naming(where, f"write fenced: {holder} acted under epoch {epoch}, the lease is at {now}")

@@ -25,7 +25,15 @@ from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, NotPrimary, Timeout
 from fs3.common.metrics import ServiceMetrics, SnapshotCollector
 from fs3.kv.store import KVStore
-from fs3.mgmtd.ha import ROUTING_KEY, LeaseLoop, SharedEngine, read_published_routing, read_state_records, write_fenced
+from fs3.mgmtd.ha import (
+    ROUTING_KEY,
+    LeaseLoop,
+    SharedEngine,
+    read_published_routing,
+    read_state_records,
+    release_lease,
+    write_fenced,
+)
 from fs3.mgmtd.lease import LeaseConfig
 from fs3.mgmtd.metrics import cluster_families
 from fs3.mgmtd.state import MgmtdState
@@ -145,13 +153,25 @@ class MgmtdServicer:
             self.state.load(self.clock.now_ms())
         self._scan_task = asyncio.create_task(self._scan_loop())
 
-    async def stop(self) -> None:
+    async def stop(self, hand_back: bool = True) -> None:
+        """Stop; a primary on a shared engine hands its lease back (unless ``hand_back`` is
+        False: a test's stand-in for a crash), so a standby takes over at once."""
         for task in (self._scan_task, self._lease_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._scan_task = self._lease_task = None
+        if self.lease is not None and self.shared is not None and hand_back:
+            async with self._lock:  # no call is acting on the state while the lease goes back
+                released = self.lease.core.release()
+                self._drop_state("stopping")
+                if released is not None:
+                    try:
+                        if await release_lease(self.shared.engine, released):
+                            log.warning("mgmtd %s handed the lease back (epoch %d)", self.shared.name, released.epoch)
+                    except FS3Error as exc:  # a standby takes over after a lease period instead
+                        log.warning("mgmtd %s could not hand the lease back: %s", self.shared.name, exc)
         if self.kv is not None:
             self.kv.close()  # a shared engine belongs to whoever made it
 
