@@ -15,13 +15,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
+from fs3.client.admin import AdminClient
 from fs3.client.mgmtd import MgmtdCaller
 from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.cluster.services import build_storage_node
 from fs3.common.clock import LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, NotPrimary, NotSupported, Unavailable
 from fs3.common.target_state import PublicState
@@ -36,6 +40,8 @@ from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedServer
 from fs3.rpc.methods import service_spec
+from fs3.storage.node import StorageNode, StorageNodeConfig
+from fs3.storage.server import StorageConfig, TargetConfig, open_engines
 from tests.conftest import wait_until
 
 TOKEN = "ha-token"
@@ -343,3 +349,60 @@ def test_a_stopping_primary_hands_the_lease_back_and_a_standby_takes_over_at_onc
                 await write_fenced(engine, old.servicer.shared.name, epoch, {})
     asyncio.run(body())
 
+
+
+@pytest.mark.slow  # three mgmtd and three storage nodes on sockets, through a takeover
+def test_storage_nodes_follow_the_primary_and_a_chain_carries_on_through_a_takeover(tmp_path: Path) -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        async with instances(engine, 3) as group, contextlib.AsyncExitStack() as stack:
+            addresses = ",".join(i.address for i in group)
+            first = await wait_until(lambda: _primary(group), timeout_s=20, what="a first primary")
+            nodes: list[StorageNode] = []
+            for node_id in NODES:
+                config = StorageConfig(node_id=node_id, fsync=False,
+                                       targets=[TargetConfig(node_id * 100 + 1, str(tmp_path / f"n{node_id}"))])
+                node_channels = RealChannelFactory(TOKEN)
+                parts = build_storage_node(
+                    StorageNodeConfig(node_id=node_id, mgmtd_address=addresses, heartbeat_interval_ms=100,
+                                      rpc_timeout_ms=1_000),
+                    open_engines(config), node_channels, token=TOKEN)
+                server = FramedServer(parts.dispatcher)
+                parts.node.config.framed_address = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
+                await parts.node.start()
+                stack.push_async_callback(node_channels.close)
+                stack.push_async_callback(server.stop)
+                stack.push_async_callback(parts.node.stop)
+                nodes.append(parts.node)
+            channels = RealChannelFactory(TOKEN)
+            stack.push_async_callback(channels.close)
+
+            async def registered() -> bool:
+                return len(first.servicer.state.targets) == len(NODES)
+            await wait_until(registered, timeout_s=20, what="every target registered")
+            table = await AdminClient(addresses, channels).create_chain_table(1, replicas=3)
+            chain_id = table.chains[0].chain_id
+            client = StorageClient(RoutingCache([addresses], channels), channels, b"c" * 16,
+                                   StorageClientConfig(rpc_timeout_ms=1_000, retry_total_ms=30_000))
+
+            async def chain_serving() -> bool:
+                return {t.public_state for t in first.servicer.state.targets.values()} == {PublicState.SERVING}
+            await wait_until(chain_serving, timeout_s=20, what="the chain serving")
+            await client.write(chain_id, b"k" * 8, 0, b"before", 1 << 20)
+            chains, states = _public_view(first.servicer)
+
+            await first.servicer.stop(hand_back=False)
+            await first.server.stop()
+            rest = [i for i in group if i is not first]
+            second = await wait_until(lambda: _primary(rest), timeout_s=20, what="a standby taking over")
+            new_version = second.servicer.state.routing_version
+
+            async def nodes_follow() -> bool:
+                return all(n.routing_version >= new_version and n.lease_valid() for n in nodes)
+            await wait_until(nodes_follow, timeout_s=20, what="storage nodes on the new primary's routing")
+            await client.write(chain_id, b"k" * 8, 6, b" after", 1 << 20)
+            data, _ = await client.read(chain_id, b"k" * 8, 0, 12)
+            assert data == b"before after"
+            assert _public_view(second.servicer) == (chains, states)
+            assert all(n.alive for n in second.servicer.state.nodes.values())
+    asyncio.run(body())
