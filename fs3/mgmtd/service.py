@@ -134,6 +134,8 @@ class MgmtdServicer:
         self._state_changed = asyncio.Event()
         self._routing_gauge: Gauge | None
         self._alive_gauge: Gauge | None
+        self._primary_gauge: Gauge | None
+        self._epoch_gauge: Gauge | None
         # Where mgmtd's own /metrics is served (set once bound): ListNodes tells scrape discovery.
         self.metrics_address = ""
         self._cluster_gauges: SnapshotCollector | None = None
@@ -141,10 +143,14 @@ class MgmtdServicer:
         if metrics is not None:
             self._routing_gauge = metrics.gauge("fs3_mgmtd_routing_version", "Current routing info version")
             self._alive_gauge = metrics.gauge("fs3_mgmtd_alive_nodes", "Nodes with a recent heartbeat")
+            self._primary_gauge = metrics.gauge("fs3_mgmtd_primary", "1 while this mgmtd acts on the cluster state "
+                                                "(always, for a single mgmtd), 0 while it is a standby")
+            self._epoch_gauge = metrics.gauge("fs3_mgmtd_lease_epoch", "The primary lease's epoch this mgmtd holds "
+                                              "(0: a single mgmtd, or a standby)")
             self._cluster_gauges = SnapshotCollector()
             metrics.registry.register(self._cluster_gauges)
         else:
-            self._routing_gauge = self._alive_gauge = None
+            self._routing_gauge = self._alive_gauge = self._primary_gauge = self._epoch_gauge = None
 
     def start(self) -> None:
         if self.lease is not None:
@@ -279,17 +285,22 @@ class MgmtdServicer:
     async def _scan_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.scan_interval_ms / 1000)
-            if not self.is_primary():
-                continue
-            try:
-                async with self._as_primary() as state:
-                    state.scan(self.clock.now_ms())
-            except NotPrimary:
-                continue
-            self._notify()
+            if self.is_primary():
+                try:
+                    async with self._as_primary() as state:
+                        state.scan(self.clock.now_ms())
+                    self._notify()
+                except NotPrimary:
+                    pass
+            # A standby holds no state: it exports its role, and the cluster gauges come only
+            # from the primary (no double counting when every instance is scraped).
             if self._routing_gauge is not None and self._alive_gauge is not None:
-                self._routing_gauge.set(self.state.routing_version)
+                self._routing_gauge.set(self.state.routing_version if self.is_primary() else 0)
                 self._alive_gauge.set(sum(1 for n in self.state.nodes.values() if n.alive))
+            if self._primary_gauge is not None and self._epoch_gauge is not None:
+                primary = self.is_primary()
+                self._primary_gauge.set(1 if primary else 0)
+                self._epoch_gauge.set(self.lease.core.epoch if primary and self.lease is not None else 0)
             self.publish_gauges()
 
     def publish_gauges(self, force: bool = False) -> None:
