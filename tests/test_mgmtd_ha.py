@@ -313,7 +313,9 @@ def test_mgmtd_settings_for_a_shared_engine_are_checked_and_the_postgres_seam_is
     with pytest.raises(InvalidArgument, match="pg_url"):
         MgmtdConfig(kv_engine="postgres").validate()
     with pytest.raises(InvalidArgument, match="renew_interval_ms"):
-        MgmtdConfig(lease_ms=1_000, lease_drift_margin_ms=100, lease_renew_interval_ms=900).validate()
+        MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", lease_ms=1_000, lease_drift_margin_ms=100,
+                    lease_renew_interval_ms=900).validate()
+    MgmtdConfig(lease_ms=1_000, lease_renew_interval_ms=900, scan_interval_ms=5_000).validate()  # single: unused
     with pytest.raises(InvalidArgument, match="heartbeat_timeout_ms"):
         MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", heartbeat_timeout_ms=5_000).validate()
     config = MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", framed_port=0)

@@ -92,11 +92,15 @@ class MgmtdConfig:
             raise InvalidArgument("scan_interval_ms must be within [10, heartbeat_timeout_ms]")
         if self.kv_engine not in ("rocksdb", "mem", "postgres"):
             raise InvalidArgument(f"kv_engine {self.kv_engine!r}: expected rocksdb, mem or postgres")
-        if self.kv_engine == "postgres" and not self.pg_url:
+        if self.kv_engine == "postgres":
+            self._validate_shared()
+
+    def _validate_shared(self) -> None:
+        """The settings that matter only with several mgmtd on a shared database."""
+        if not self.pg_url:
             raise InvalidArgument("kv_engine postgres needs pg_url (--pg-url)")
         self.lease_config().validate()
-        takeover_ms = self.lease_ms + self.lease_renew_interval_ms
-        if self.kv_engine == "postgres" and self.heartbeat_timeout_ms < 2 * takeover_ms:
+        if self.heartbeat_timeout_ms < 2 * (self.lease_ms + self.lease_renew_interval_ms):
             # Storage nodes stop serving half a heartbeat timeout after their last answered
             # heartbeat: a takeover (up to a lease and a renewal) must fit in that half.
             raise InvalidArgument("with several mgmtd, heartbeat_timeout_ms must be at least 2 * (lease_ms + "
