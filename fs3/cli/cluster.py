@@ -64,11 +64,14 @@ def resolve_token(args: argparse.Namespace, token_file: str | None = None) -> st
 
 
 def check_address(address: str, what: str = "mgmtd") -> str:
-    """``address`` if it is ``HOST:PORT`` (``[v6]:PORT`` too), else a one-line InvalidArgument
-    naming the option, before any connection is tried."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"bad {what} address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9000")
+    """``address`` if it is ``HOST:PORT`` (``[v6]:PORT`` too; for mgmtd, several comma-separated:
+    the instances of a highly available mgmtd), else a one-line InvalidArgument naming the option,
+    before any connection is tried."""
+    for one in address.split(",") if what == "mgmtd" else [address]:
+        host, sep, port = one.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(f"bad {what} address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9000"
+                                  + (" (several mgmtd: comma-separated)" if what == "mgmtd" else ""))
     return address
 
 

@@ -301,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     mgmtd.add_argument("--token", help="cluster token (visible in ps: prefer token_file in the config, "
                        "--token-file or $FS3_MGMTD_TOKEN)")
     mgmtd.add_argument("--token-file", help="file of cluster tokens, one a line (read again on SIGHUP)")
+    mgmtd.add_argument("--kv-engine", choices=("rocksdb", "mem", "postgres"),
+                       help="rocksdb/mem: a single mgmtd on a local store; postgres: one of several on a shared "
+                            "database, one of them primary")
+    mgmtd.add_argument("--pg-url", help="the shared database (kv_engine postgres; prefer pg_url in the config "
+                                        "or $FS3_MGMTD_PG_URL: a password here is visible in ps)")
+    mgmtd.add_argument("--instance-name", help="this instance's name among the cluster's mgmtd (default: HOST:PORT)")
+    mgmtd.add_argument("--advertise-address", help="HOST:PORT standbys send clients to while this one is primary "
+                                                   "(default: the framed listen address)")
 
     storage = sub.add_parser("storage", help="run a storage node")
     storage.add_argument("--config", help="TOML config file (or only FS3_STORAGE_* environment variables)")
@@ -542,7 +550,8 @@ def _main(argv: Sequence[str] | None) -> int:
             warn_token_in_argv(args)
             overrides = {k: getattr(args, k) for k in ("data_dir", "listen_host", "framed_port", "grpc_port",
                                                        "metrics_port", "heartbeat_timeout_ms", "token",
-                                                       "token_file")}
+                                                       "token_file", "kv_engine", "pg_url", "instance_name",
+                                                       "advertise_address")}
             config = load_config(MgmtdConfig, args.config, env_prefix="FS3_MGMTD", overrides=overrides)
             run_mgmtd(config, args.ready_file)
             return 0

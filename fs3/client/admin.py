@@ -13,16 +13,15 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
 from fs3.client.meta import Meta
 from fs3.client.meta_client import MetaClient
+from fs3.client.mgmtd import MgmtdCaller
 from fs3.client.routing import RoutingCache
 from fs3.common.errors import FS3Error
 from fs3.common.metrics import file_sd_groups
 from fs3.rpc.channel import ChannelFactory
-from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import ChunkDump, dump_chunks
 
 __all__ = ["AdminClient", "Observation", "Seen", "VerifyReport"]
 
-_MGMTD = service_spec("Mgmtd")
 
 
 @dataclass
@@ -144,14 +143,14 @@ def _odd_targets(seen: Observation) -> list[int]:
 
 class AdminClient:
     def __init__(self, mgmtd_address: str, channels: ChannelFactory, timeout_ms: int = 10_000) -> None:
+        """``mgmtd_address``: one mgmtd, or several comma-separated (calls follow their primary)."""
         self.mgmtd_address = mgmtd_address
         self.channels = channels
         self.timeout_ms = timeout_ms
+        self.mgmtd = MgmtdCaller(mgmtd_address, channels, timeout_ms)
 
     async def _mgmtd(self, name: str, req: object, timeout_ms: int | None = None) -> object:
-        rsp, _ = await self.channels.get(self.mgmtd_address).call(_MGMTD.method(name), req,  # type: ignore[arg-type]
-                                                                  timeout_ms=timeout_ms or self.timeout_ms)
-        return rsp
+        return await self.mgmtd.call(name, req, timeout_ms=timeout_ms or self.timeout_ms)  # type: ignore[arg-type]
 
     async def metadata(self) -> Meta:
         """The metadata service (found through mgmtd's routing) for admin commands: fsck, layouts.

@@ -1,4 +1,9 @@
-"""A client's cache of mgmtd's routing information, refreshed by version."""
+"""A client's cache of mgmtd's routing information, refreshed by version.
+
+With several mgmtd instances, the refresh goes through :class:`~fs3.client.mgmtd.MgmtdCaller`
+(primary first, any standby answers too) and never installs a version older than the one held:
+versions carry the primary lease's epoch, so an older primary's view always sorts lower.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,12 @@ import asyncio
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
-from fs3.common.errors import FS3Error, Unavailable
+from fs3.client.mgmtd import MgmtdCaller, parse_mgmtd_addresses
+from fs3.common.errors import Unavailable
 from fs3.common.target_state import PublicState
 from fs3.rpc.channel import ChannelFactory
-from fs3.rpc.methods import service_spec
 
 __all__ = ["RoutedTarget", "RoutingCache"]
-
-_MGMTD = service_spec("Mgmtd")
 
 
 class RoutedTarget:
@@ -30,7 +33,9 @@ class RoutingCache:
     def __init__(self, mgmtd_addresses: list[str], channels: ChannelFactory, rpc_timeout_ms: int = 5_000) -> None:
         if not mgmtd_addresses:
             raise ValueError("at least one mgmtd address is needed")
-        self.mgmtd_addresses = mgmtd_addresses
+        # Each entry may list several instances ("h1:9000,h2:9000"): one config key names them all.
+        self.mgmtd_addresses = parse_mgmtd_addresses(mgmtd_addresses)
+        self.mgmtd = MgmtdCaller(self.mgmtd_addresses, channels, rpc_timeout_ms)
         self.channels = channels
         self.rpc_timeout_ms = rpc_timeout_ms
         self.routing: cpb.RoutingInfo | None = None
@@ -47,21 +52,14 @@ class RoutingCache:
         async with self._lock:
             if self.routing is not None and self.version > known:
                 return self.routing
-            last: FS3Error = Unavailable("no mgmtd reachable")
-            for address in self.mgmtd_addresses:
-                try:
-                    rsp, _ = await self.channels.get(address).call(
-                        _MGMTD.method("GetRoutingInfo"), mpb.GetRoutingInfoReq(known_version=self.version),
-                        timeout_ms=self.rpc_timeout_ms)
-                except FS3Error as exc:
-                    last = exc
-                    continue
-                assert isinstance(rsp, mpb.GetRoutingInfoRsp)
-                if rsp.changed:
-                    self._install(rsp.routing)
-                assert self.routing is not None
-                return self.routing
-            raise last
+            rsp = await self.mgmtd.call("GetRoutingInfo", mpb.GetRoutingInfoReq(known_version=self.version),
+                                        timeout_ms=self.rpc_timeout_ms)
+            assert isinstance(rsp, mpb.GetRoutingInfoRsp)
+            if rsp.changed and rsp.routing.routing_version >= self.version:
+                self._install(rsp.routing)
+            if self.routing is None:
+                raise Unavailable("mgmtd has no routing information to give yet")
+            return self.routing
 
     def _install(self, routing: cpb.RoutingInfo) -> None:
         self.routing = routing

@@ -45,6 +45,7 @@ __all__ = [
     "NotFound",
     "NotHead",
     "NotPermitted",
+    "NotPrimary",
     "NotSupported",
     "PermissionDenied",
     "ProtocolError",
@@ -108,6 +109,7 @@ class StatusCode(enum.IntEnum):
     FILE_TOO_LARGE = 35
     XATTR_TOO_LARGE = 36
     STALE_CLIENT = 37
+    NOT_PRIMARY = 38
 
 
 class RetryCause(enum.Enum):
@@ -118,6 +120,7 @@ class RetryCause(enum.Enum):
     COMMIT = "commit"  # the metadata store's commit conflicted, or its outcome is unknown
     ROUTING = "routing"  # the target's view of its chain differs from the caller's: refresh, resend
     CHUNK_BUSY = "chunk busy"  # the chunk is mid-update: ask again shortly (routing is fine)
+    REDIRECT = "redirect"  # this server is not the one in charge: ask the one it names (or the next one)
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ RETRYABLE: Mapping[StatusCode, Retryable] = MappingProxyType({
     StatusCode.TARGET_NOT_SERVING: Retryable(RetryCause.ROUTING, may_have_run=False),
     StatusCode.LEASE_EXPIRED: Retryable(RetryCause.ROUTING, may_have_run=False),
     StatusCode.CHUNK_NOT_COMMITTED: Retryable(RetryCause.CHUNK_BUSY, may_have_run=False),
+    StatusCode.NOT_PRIMARY: Retryable(RetryCause.REDIRECT, may_have_run=False),
 })
 ALL_RETRY_CAUSES: frozenset[RetryCause] = frozenset(RetryCause)
 
@@ -339,6 +343,29 @@ class StaleClient(FS3Error):
     """
 
     code = StatusCode.STALE_CLIENT
+
+
+class NotPrimary(FS3Error):
+    """A standby mgmtd refused a state-changing call: it ran nowhere, send it to the primary.
+
+    The message names the primary as the lease last showed it (``primary is at HOST:PORT``, or
+    ``primary is unknown`` during a takeover); :attr:`primary_address` reads it back on the client
+    side, where only the code and the message crossed the wire.
+    """
+
+    code = StatusCode.NOT_PRIMARY
+    _MARK: ClassVar[str] = "primary is at "
+
+    @classmethod
+    def naming(cls, primary_address: str, detail: str = "this mgmtd is a standby") -> NotPrimary:
+        where = f"{cls._MARK}{primary_address}" if primary_address else "primary is unknown"
+        return cls(f"{detail}; {where}")
+
+    @property
+    def primary_address(self) -> str:
+        """The primary's address the message names ('' when unknown)."""
+        _, mark, rest = self.message.partition(self._MARK)
+        return rest.split()[0] if mark and rest.split() else ""
 
 
 # What a POSIX caller sees. Codes not listed are EIO: the operation failed inside fs3.

@@ -6,29 +6,56 @@ import asyncio
 import logging
 from pathlib import Path
 
+from fs3.common.errors import InvalidArgument, NotSupported
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
 from fs3.common.secret_files import TokenSource, make_private_dir
+from fs3.kv.api import TxnEngine
 from fs3.kv.store import open_kv
+from fs3.mgmtd.ha import SharedEngine
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 from fs3.rpc.tls import Tls
 
-__all__ = ["run_mgmtd"]
+__all__ = ["open_shared_engine", "run_mgmtd", "shared_setup"]
 
 log = logging.getLogger(__name__)
+
+
+def open_shared_engine(config: MgmtdConfig) -> TxnEngine:
+    """The shared database several mgmtd instances run on (``kv_engine = "postgres"``).
+
+    The seam for the PostgreSQL engine of ``fs3.kv``: everything above it (the lease, the fenced
+    state writes, standbys) speaks only :class:`~fs3.kv.api.TxnEngine` and is tested on a shared
+    in-memory engine; opening PostgreSQL at ``config.pg_url`` goes here.
+    """
+    raise NotSupported(f"kv_engine {config.kv_engine!r}: this build has no PostgreSQL transaction engine yet; "
+                       "run a single mgmtd (kv_engine rocksdb)")
+
+
+def shared_setup(config: MgmtdConfig, engine: TxnEngine) -> SharedEngine:
+    """This instance's part in the lease: its name and the address standbys send clients to."""
+    address = config.advertise_address or f"{config.listen_host}:{config.framed_port}"
+    if not config.advertise_address and config.framed_port == 0:
+        raise InvalidArgument("several mgmtd on a shared engine: set framed_port or advertise_address, so that "
+                              "standbys can name this instance")
+    return SharedEngine(engine, config.instance_name or address, address, config.lease_config())
 
 
 async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:
     tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     tokens = TokenReloader(TokenSource(config.token, config.token_file, config.trusted_token_file))
-    if config.kv_engine == "rocksdb":
-        make_private_dir(config.data_dir)
-    kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
     metrics = ServiceMetrics("mgmtd")
-    servicer = MgmtdServicer(kv, config, metrics=metrics)
+    if config.kv_engine == "postgres":
+        servicer = MgmtdServicer(None, config, metrics=metrics,
+                                 shared=shared_setup(config, open_shared_engine(config)))
+    else:
+        if config.kv_engine == "rocksdb":
+            make_private_dir(config.data_dir)
+        kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
+        servicer = MgmtdServicer(kv, config, metrics=metrics)
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Mgmtd"), servicer)
     runtime = ServiceRuntime("mgmtd", dispatcher, metrics, tokens=tokens, tls=tls)

@@ -4,6 +4,11 @@ A plain object over a :class:`~fs3.kv.store.KVStore`; callers pass the time in (
 same code runs under the real clock, the simulator's virtual one and unit tests. Everything but
 local states and heartbeat times is persisted: restarting mgmtd loses no chain and changes no
 public state, and every node gets a full heartbeat timeout of grace after the restart.
+
+With ``kv=None`` (several mgmtd instances on a shared transactional engine, :mod:`fs3.mgmtd.ha`)
+the same records collect in :attr:`MgmtdState.pending` instead, and the caller writes them in a
+transaction fenced by the primary lease before it answers; :meth:`MgmtdState.install` builds the
+state from records read back from that engine by a new primary.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import KVStore, WriteBatch
 from fs3.mgmtd import schema
 from fs3.mgmtd.chain_state import update_chain
+from fs3.mgmtd.lease import next_routing_version
 from fs3.mgmtd.limits import CHAIN_REPLICAS_MAX, CHAINS_PER_TABLE_MAX, TARGETS_PER_NODE_MAX
 
 __all__ = ["MgmtdState", "NodeRecord", "TargetRecord"]
@@ -66,9 +72,11 @@ class TargetRecord:
 
 @dataclass
 class MgmtdState:
-    kv: KVStore
+    kv: KVStore | None  # None: writes collect in ``pending`` for the caller to commit
     heartbeat_timeout_ms: int
     cluster_id: str = "fs3"
+    epoch: int = 0  # the primary lease's epoch this state is published under (0: a single mgmtd)
+    pending: dict[bytes, bytes] = field(default_factory=dict)
     nodes: dict[int, NodeRecord] = field(default_factory=dict)
     targets: dict[int, TargetRecord] = field(default_factory=dict)
     chains: dict[int, cpb.ChainInfo] = field(default_factory=dict)
@@ -80,10 +88,21 @@ class MgmtdState:
 
     def load(self, now_ms: int) -> None:
         """Read persisted state; every known node gets a heartbeat timeout of grace."""
-        for _, raw in self.kv.scan(*schema.prefix_range(schema.NODE)):
+        ensure(self.kv is not None, "load() reads the local store; a shared engine's state comes in by install()")
+        assert self.kv is not None
+        kv = self.kv
+        records = {prefix: [raw for _, raw in kv.scan(*schema.prefix_range(prefix))]
+                   for prefix in (schema.NODE, schema.TARGET, schema.CHAIN, schema.TABLE)}
+        self.install(records, kv.get(schema.ROUTING_VERSION), now_ms)
+
+    def install(self, records: dict[bytes, list[bytes]], raw_version: bytes | None, now_ms: int,
+                epoch: int = 0) -> None:
+        """Take the persisted records (by key prefix of :mod:`fs3.mgmtd.schema`) as this state,
+        published under ``epoch``; every known node gets a heartbeat timeout of grace."""
+        for raw in records.get(schema.NODE, []):
             info = cpb.NodeInfo.FromString(raw)
             self.nodes[info.node_id] = NodeRecord(info, last_heartbeat_ms=now_ms)
-        for _, raw in self.kv.scan(*schema.prefix_range(schema.TARGET)):
+        for raw in records.get(schema.TARGET, []):
             tinfo = cpb.TargetInfo.FromString(raw)
             # Pick the local state that keeps the public state where it is until the node speaks.
             local = {
@@ -92,18 +111,20 @@ class MgmtdState:
                 PublicState.WAITING: LocalState.UP_TO_DATE,
             }.get(PublicState(tinfo.public_state or PublicState.OFFLINE), LocalState.OFFLINE)
             self.targets[tinfo.target_id] = TargetRecord(tinfo, local)
-        for _, raw in self.kv.scan(*schema.prefix_range(schema.CHAIN)):
+        for raw in records.get(schema.CHAIN, []):
             chain = cpb.ChainInfo.FromString(raw)
             self.chains[chain.chain_id] = chain
-        for _, raw in self.kv.scan(*schema.prefix_range(schema.TABLE)):
+        for raw in records.get(schema.TABLE, []):
             table = cpb.ChainTable.FromString(raw)
             self.tables[table.table_id] = table
-        raw_version = self.kv.get(schema.ROUTING_VERSION)
-        # A restart bumps the version so every cached routing is refreshed once.
-        self.routing_version = (int(raw_version) if raw_version else 0) + 1
+        # A restart (or a new primary) bumps the version so every cached routing is refreshed once;
+        # a new primary's versions carry its epoch, so they sort after every older primary's.
+        self.epoch = epoch
+        self.routing_version = next_routing_version(int(raw_version) if raw_version else 0, epoch)
+        self._routing_cache = None
         self._persist(routing=True)
-        log.info("mgmtd state loaded: %d nodes, %d targets, %d chains, routing v%d",
-                 len(self.nodes), len(self.targets), len(self.chains), self.routing_version)
+        log.info("mgmtd state loaded: %d nodes, %d targets, %d chains, routing v%d (epoch %d)",
+                 len(self.nodes), len(self.targets), len(self.chains), self.routing_version, epoch)
 
     def _persist(self, nodes: Iterable[int] = (), targets: Iterable[int] = (), chains: Iterable[int] = (),
                  tables: Iterable[int] = (), routing: bool = False) -> None:
@@ -118,8 +139,17 @@ class MgmtdState:
             batch.put(schema.table_key(table_id), self.tables[table_id].SerializeToString())
         if routing:
             batch.put(schema.ROUTING_VERSION, str(self.routing_version).encode())
-        if len(batch):
+        if not len(batch):
+            return
+        if self.kv is None:
+            self.pending.update((key, value) for key, value in batch.ops if value is not None)
+        else:
             self.kv.write(batch, sync=True)
+
+    def take_pending(self) -> dict[bytes, bytes]:
+        """The records written since the last call, for the caller to commit (shared-engine mode)."""
+        pending, self.pending = self.pending, {}
+        return pending
 
     def _bump_routing(self) -> None:
         self.routing_version += 1
@@ -351,6 +381,7 @@ class MgmtdState:
                 routing_version=self.routing_version,
                 heartbeat_timeout_ms=self.heartbeat_timeout_ms,
                 cluster_id=self.cluster_id,
+                epoch=self.epoch,
             )
             for record in sorted(self.nodes.values(), key=lambda r: r.info.node_id):
                 node = routing.nodes.add()

@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3 import storage_pb2 as spb
+from fs3.client.mgmtd import MgmtdCaller
 from fs3.common.clock import Clock, LoopClock
 from fs3.common.errors import FS3Error, InvalidArgument, IoError, NotFound, StatusCode, TargetNotServing
 from fs3.common.metrics import ServiceMetrics
@@ -45,7 +46,6 @@ __all__ = ["StorageNode", "StorageNodeConfig"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_MGMTD = service_spec("Mgmtd")
 _STORAGE = service_spec("Storage")
 _LOCAL_TO_PB = {LocalState.UP_TO_DATE: cpb.UP_TO_DATE, LocalState.ONLINE: cpb.ONLINE,
                 LocalState.OFFLINE: cpb.LOCAL_OFFLINE}
@@ -54,7 +54,7 @@ _LOCAL_TO_PB = {LocalState.UP_TO_DATE: cpb.UP_TO_DATE, LocalState.ONLINE: cpb.ON
 @dataclass
 class StorageNodeConfig:
     node_id: int
-    mgmtd_address: str
+    mgmtd_address: str  # one mgmtd, or several comma-separated (the node follows their primary)
     framed_address: str = ""
     grpc_address: str = ""
     metrics_address: str = ""
@@ -100,6 +100,7 @@ class StorageNode:
             raise InvalidArgument("a storage node needs at least one target")
         self.config = config
         self.channels = channels
+        self.mgmtd = MgmtdCaller(config.mgmtd_address, channels, config.rpc_timeout_ms)
         self.clock = clock or LoopClock()
         self.engines = engines
         self.replicas = {tid: TargetReplica(tid, engine, self, config.replica) for tid, engine in engines.items()}
@@ -162,10 +163,7 @@ class StorageNode:
         return self.routing.routing_version if self.routing else 0
 
     async def _fetch_routing(self) -> None:
-        channel = self.channels.get(self.config.mgmtd_address)
-        rsp, _ = await channel.call(_MGMTD.method("GetRoutingInfo"),
-                                    mpb.GetRoutingInfoReq(known_version=self.routing_version),
-                                    timeout_ms=self.config.rpc_timeout_ms)
+        rsp = await self.mgmtd.call("GetRoutingInfo", mpb.GetRoutingInfoReq(known_version=self.routing_version))
         assert isinstance(rsp, mpb.GetRoutingInfoRsp)
         if rsp.changed and rsp.routing.routing_version >= self.routing_version:
             self._apply_routing(rsp.routing)
@@ -389,10 +387,10 @@ class StorageNode:
 
     async def heartbeat_once(self) -> None:
         sent_ms = self.now_ms()
-        channel = self.channels.get(self.config.mgmtd_address)
-        # A lost heartbeat must not hold up the next one: wait at most two intervals for it.
+        # A lost heartbeat must not hold up the next one: wait at most two intervals for it (per
+        # mgmtd instance: with several, a dead one's silence moves the heartbeat to the next).
         timeout_ms = min(self.config.rpc_timeout_ms, 2 * self.config.heartbeat_interval_ms)
-        rsp, _ = await channel.call(_MGMTD.method("Heartbeat"), self._heartbeat_req(), timeout_ms=timeout_ms)
+        rsp = await self.mgmtd.call("Heartbeat", self._heartbeat_req(), timeout_ms=timeout_ms)
         assert isinstance(rsp, mpb.HeartbeatRsp)
         if rsp.fenced_target_ids and rsp.routing_version >= self.routing_version:
             # An older response may predate the fence's end; the routing we hold then says more.

@@ -46,7 +46,7 @@ class StorageConfig:
                                    "channel_record_ttl_ms", "updates_inflight_max", "updates_inflight_bytes_max")}
 
     node_id: int = 1
-    mgmtd_address: str = "127.0.0.1:9000"
+    mgmtd_address: str = "127.0.0.1:9000"  # several mgmtd: comma-separated (the node follows the primary)
     listen_host: str = "127.0.0.1"
     advertise_host: str = ""
     framed_port: int = 0

@@ -1,0 +1,410 @@
+"""Several mgmtd instances on one shared transactional engine, in process, on real framed sockets.
+
+One :class:`OptimisticTxnEngine` over a :class:`MemKVStore` stands in for the shared database
+(serializable transactions, as PostgreSQL gives). Storage-node heartbeats come from a workload
+that calls through :class:`MgmtdCaller` with every instance's address, as storage nodes do.
+Checked: a standby takes over within a lease period plus a heartbeat timeout when the primary
+dies, with the chains and public states unchanged and no node expired; a frozen primary's late
+writes are refused by the fence and never land; standbys answer routing reads and redirect the
+rest to the primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from fs3 import common_pb2 as cpb
+from fs3 import mgmtd_pb2 as mpb
+from fs3.client.admin import AdminClient
+from fs3.client.mgmtd import MgmtdCaller
+from fs3.client.routing import RoutingCache
+from fs3.client.storage_client import StorageClient, StorageClientConfig
+from fs3.cluster.services import build_storage_node
+from fs3.common.clock import LoopClock
+from fs3.common.errors import FS3Error, InvalidArgument, NotPrimary, NotSupported, Unavailable
+from fs3.common.target_state import PublicState
+from fs3.kv.store import MemKVStore
+from fs3.kv.txn import OptimisticTxnEngine
+from fs3.mgmtd import schema
+from fs3.mgmtd.ha import PREFIX, SharedEngine, write_fenced
+from fs3.mgmtd.lease import LeaseConfig, primary_history_violations, routing_epoch
+from fs3.mgmtd.server import open_shared_engine, shared_setup
+from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
+from fs3.rpc.channel import RealChannelFactory
+from fs3.rpc.dispatch import Dispatcher
+from fs3.rpc.framed import FramedServer
+from fs3.rpc.methods import service_spec
+from fs3.storage.node import StorageNode, StorageNodeConfig
+from fs3.storage.server import StorageConfig, TargetConfig, open_engines
+from tests.conftest import wait_until
+
+TOKEN = "ha-token"
+LEASE = LeaseConfig(lease_ms=1_000, renew_interval_ms=100, drift_margin_ms=100)
+HEARTBEAT_TIMEOUT_MS = 2_400  # storage nodes keep serving through a takeover: >= 2 (lease + renewal)
+HEARTBEAT_INTERVAL_S = 0.1
+NODES = (1, 2, 3)
+_NO_PAYLOAD = memoryview(b"")
+
+
+class FreezableClock:
+    """The loop's clock, until frozen: a paused process that still believes its lease is valid."""
+
+    def __init__(self) -> None:
+        self.frozen_ms: int | None = None
+
+    def now_ms(self) -> int:
+        return self.frozen_ms if self.frozen_ms is not None else LoopClock().now_ms()
+
+    def freeze(self) -> None:
+        self.frozen_ms = self.now_ms()
+
+
+@dataclass
+class Instance:
+    servicer: MgmtdServicer
+    server: FramedServer
+    address: str
+    clock: FreezableClock
+
+
+@contextlib.asynccontextmanager
+async def instances(engine: OptimisticTxnEngine, count: int,
+                    lease: LeaseConfig = LEASE) -> AsyncIterator[list[Instance]]:
+    started: list[Instance] = []
+    try:
+        for i in range(count):
+            dispatcher = Dispatcher(token=TOKEN)
+            server = FramedServer(dispatcher)
+            address = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
+            clock = FreezableClock()
+            config = MgmtdConfig(kv_engine="mem", heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, scan_interval_ms=50)
+            servicer = MgmtdServicer(None, config, clock=clock, shared=SharedEngine(engine, f"m{i}", address, lease))
+            dispatcher.add_service(service_spec("Mgmtd"), servicer)
+            servicer.start()
+            started.append(Instance(servicer, server, address, clock))
+        yield started
+    finally:
+        for instance in started:
+            await instance.servicer.stop()
+            await instance.server.stop()
+
+
+def _heartbeat(node_id: int) -> mpb.HeartbeatReq:
+    req = mpb.HeartbeatReq(node_id=node_id, node_type=cpb.NODE_STORAGE, framed_address=f"h{node_id}:1")
+    req.targets.add(target_id=node_id * 100 + 1, local_state=cpb.UP_TO_DATE)
+    return req
+
+
+async def _heartbeats(caller: MgmtdCaller, node_id: int, beats: dict[int, float]) -> None:
+    """A storage node's heartbeat loop: every interval, to whichever instance is primary."""
+    loop = asyncio.get_running_loop()
+    while True:
+        with contextlib.suppress(FS3Error):
+            await caller.call("Heartbeat", _heartbeat(node_id), timeout_ms=500)
+            beats[node_id] = loop.time()
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+async def _primary(group: list[Instance]) -> Instance | None:
+    primaries = [i for i in group if i.servicer.role == "primary"]
+    assert len(primaries) <= 1, "two instances act as primary at once"
+    return primaries[0] if primaries else None
+
+
+def _public_view(servicer: MgmtdServicer) -> tuple[dict[int, tuple[list[int], int]], dict[int, PublicState]]:
+    chains = {cid: (list(c.target_ids), c.chain_version) for cid, c in servicer.state.chains.items()}
+    states = {tid: t.public_state for tid, t in servicer.state.targets.items()}
+    return chains, states
+
+
+@pytest.mark.slow  # serves three mgmtd on sockets for several lease periods
+def test_a_standby_takes_over_from_a_dead_primary_with_the_chains_and_states_unchanged() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        channels = RealChannelFactory(token=TOKEN)
+        loop = asyncio.get_running_loop()
+        async with instances(engine, 3) as group:
+            addresses = [i.address for i in group]
+            first = await wait_until(lambda: _primary(group), timeout_s=20, what="a first primary")
+            beats: dict[int, float] = {}
+            workload = [asyncio.create_task(_heartbeats(MgmtdCaller(addresses, channels), n, beats)) for n in NODES]
+            try:
+                async def registered() -> bool:
+                    return len(first.servicer.state.targets) == len(NODES)
+                await wait_until(registered, timeout_s=20, what="every node registered")
+                admin = MgmtdCaller(list(reversed(addresses)), channels)  # starts at a standby: redirected
+                created = await admin.call("CreateChainTable", mpb.CreateChainTableReq(table_id=1, replicas=3))
+                assert isinstance(created, mpb.CreateChainTableRsp) and len(created.chains) == 1
+                chains, states = _public_view(first.servicer)
+                assert set(states.values()) == {PublicState.SERVING}
+                version = first.servicer.state.routing_version
+                old_epoch = routing_epoch(version)
+                assert old_epoch >= 1 and first.servicer.state.epoch == old_epoch
+
+                # Standbys: routing reads from what the primary published, state changes redirected.
+                standby = next(i for i in group if i is not first)
+                rsp, _ = await channels.get(standby.address).call(service_spec("Mgmtd").method("GetRoutingInfo"),
+                                                                  mpb.GetRoutingInfoReq())
+                assert isinstance(rsp, mpb.GetRoutingInfoRsp) and rsp.routing.routing_version == version
+                assert [list(c.target_ids) for c in rsp.routing.chains] == [ids for ids, _ in chains.values()]
+                with pytest.raises(NotPrimary) as refused:
+                    await channels.get(standby.address).call(service_spec("Mgmtd").method("Heartbeat"), _heartbeat(9))
+                assert refused.value.primary_address == first.address
+
+                # The primary dies.
+                await first.servicer.stop(hand_back=False)  # dead: it hands nothing back
+                await first.server.stop()
+                died_at = loop.time()
+                rest = [i for i in group if i is not first]
+                second = await wait_until(lambda: _primary(rest), timeout_s=20, what="a standby taking over")
+
+                async def all_beating() -> bool:
+                    return all(beats.get(n, 0) > died_at for n in NODES)
+                await wait_until(all_beating, timeout_s=20, what="heartbeats reaching the new primary")
+                took_ms = (loop.time() - died_at) * 1000
+                # Within a lease and a heartbeat timeout (plus slack for a loaded machine).
+                assert took_ms < LEASE.lease_ms + HEARTBEAT_TIMEOUT_MS + 5_000, took_ms
+
+                # Nothing lost: the same chains at the same versions, the same public states, and
+                # no node expired (each got a heartbeat timeout of grace from the takeover).
+                await asyncio.sleep(HEARTBEAT_TIMEOUT_MS / 1000 / 2)
+                assert _public_view(second.servicer) == (chains, states)
+                assert all(n.alive for n in second.servicer.state.nodes.values())
+                new_version = second.servicer.state.routing_version
+                assert routing_epoch(new_version) > old_epoch and new_version > version
+
+                # Clients follow: a routing cache over every address gets the new primary's view.
+                routing = RoutingCache(addresses, channels)
+                info = await routing.refresh()
+                assert info.routing_version >= new_version and info.epoch == routing_epoch(new_version)
+            finally:
+                for task in workload:
+                    task.cancel()
+                await asyncio.gather(*workload, return_exceptions=True)
+                await channels.close()  # before the servers stop: they wait for open connections
+    asyncio.run(body())
+
+
+@pytest.mark.slow  # serves two mgmtd on sockets for more than a lease period
+def test_a_frozen_primarys_late_writes_are_refused_and_never_land() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        channels = RealChannelFactory(token=TOKEN)
+        async with instances(engine, 2) as group:
+            addresses = [i.address for i in group]
+            old = await wait_until(lambda: _primary(group), timeout_s=20, what="a first primary")
+            beats: dict[int, float] = {}
+            workload = [asyncio.create_task(_heartbeats(MgmtdCaller(addresses, channels), n, beats)) for n in NODES]
+            try:
+                async def registered() -> bool:
+                    return len(old.servicer.state.nodes) == len(NODES)
+                await wait_until(registered, timeout_s=20, what="every node registered")
+                await old.servicer.create_chain_table(mpb.CreateChainTableReq(table_id=1, replicas=3), _NO_PAYLOAD)
+                chains, states = _public_view(old.servicer)
+                old_epoch = old.servicer.state.epoch
+
+                # Cut off from everyone (its lease loop and its server stop) and paused (its clock
+                # stands still), so it still believes it is primary, with a write in flight.
+                await old.servicer.stop(hand_back=False)
+                await old.server.stop()
+                old.clock.freeze()
+                new = group[1]
+                loop = asyncio.get_running_loop()
+                await wait_until(lambda: _primary([new]), timeout_s=20, what="the standby taking over")
+                took_over_at = loop.time()
+                assert old.servicer.is_primary()  # it does not know
+
+                # Its late writes: accepted at its gate, refused by the fence in the database.
+                with pytest.raises(NotPrimary) as refused:
+                    await old.servicer.heartbeat(_heartbeat(99), _NO_PAYLOAD)
+                assert refused.value.primary_address == new.address
+                assert old.servicer.role == "standby" and not old.servicer.state.nodes  # it dropped its state
+                assert engine.store.get(PREFIX + schema.node_key(99)) is None
+                assert 99 not in new.servicer.state.nodes
+
+                # The heartbeat workload followed the redirect; the new primary kept everything.
+                async def beating() -> bool:
+                    return all(beats.get(n, 0) > took_over_at for n in NODES)
+                await wait_until(beating, timeout_s=20, what="heartbeats at the new primary")
+                assert _public_view(new.servicer) == (chains, states)
+                assert all(new.servicer.state.nodes[n].alive for n in NODES)
+                acts = [(0.0, "m0", old_epoch), (1.0, "m1", new.servicer.state.epoch)]
+                assert new.servicer.state.epoch > old_epoch and primary_history_violations(acts) == []
+            finally:
+                for task in workload:
+                    task.cancel()
+                await asyncio.gather(*workload, return_exceptions=True)
+                await channels.close()  # before the servers stop: they wait for open connections
+    asyncio.run(body())
+
+
+class _ScriptedChannels:
+    """Channels whose answers are scripted per address: an error to raise, or a response."""
+
+    def __init__(self, answers: dict[str, FS3Error | mpb.HeartbeatRsp]) -> None:
+        self.answers = answers
+        self.calls: list[str] = []
+
+    def get(self, address: str) -> _ScriptedChannel:
+        return _ScriptedChannel(self, address)
+
+    def node_address(self, framed_address: str, grpc_address: str) -> str:
+        return framed_address
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class _ScriptedChannel:
+    owner: _ScriptedChannels
+    address: str
+
+    async def call(self, method: object, request: object, payload: object = b"",
+                   timeout_ms: int = 10_000) -> tuple[mpb.HeartbeatRsp, bytes]:
+        self.owner.calls.append(self.address)
+        answer = self.owner.answers.get(self.address, Unavailable("connection refused"))
+        if isinstance(answer, FS3Error):
+            raise answer
+        return answer, b""
+
+    async def close(self) -> None:
+        return None
+
+
+def test_the_mgmtd_caller_follows_redirects_skips_dead_instances_and_gives_up_in_bounded_tries() -> None:
+    async def body() -> None:
+        ok = mpb.HeartbeatRsp(routing_version=7)
+        channels = _ScriptedChannels({"a:1": Unavailable("refused"), "b:1": NotPrimary.naming("c:1"), "c:1": ok})
+        caller = MgmtdCaller("a:1, b:1,c:1,a:1", channels)
+        assert caller.addresses == ["a:1", "b:1", "c:1"]
+        assert await caller.call("Heartbeat", _heartbeat(1)) == ok
+        assert channels.calls == ["a:1", "b:1", "c:1"] and caller.current == "c:1"
+        await caller.call("Heartbeat", _heartbeat(1))
+        assert channels.calls[-1] == "c:1" and len(channels.calls) == 4  # the primary first, next time
+
+        # A standby naming a primary that is not in the list is followed too.
+        channels = _ScriptedChannels({"a:1": NotPrimary.naming("z:9"), "z:9": ok})
+        assert await MgmtdCaller("a:1", channels).call("Heartbeat", _heartbeat(1)) == ok
+
+        # An error another instance cannot cure is the answer at once.
+        channels = _ScriptedChannels({"a:1": InvalidArgument("bad heartbeat"), "b:1": ok})
+        with pytest.raises(InvalidArgument):
+            await MgmtdCaller("a:1,b:1", channels).call("Heartbeat", _heartbeat(1))
+        assert channels.calls == ["a:1"]
+
+        # Nobody primary (a takeover under way) and nobody alive: bounded rounds, the last error.
+        channels = _ScriptedChannels({"a:1": NotPrimary.naming(""), "b:1": NotPrimary.naming("")})
+        with pytest.raises(NotPrimary):
+            await MgmtdCaller("a:1,b:1", channels).call("Heartbeat", _heartbeat(1))
+        assert len(channels.calls) == 5
+        with pytest.raises(InvalidArgument):
+            MgmtdCaller(" , ", channels)
+    asyncio.run(body())
+
+
+def test_mgmtd_settings_for_a_shared_engine_are_checked_and_the_postgres_seam_is_explicit() -> None:
+    with pytest.raises(InvalidArgument, match="pg_url"):
+        MgmtdConfig(kv_engine="postgres").validate()
+    with pytest.raises(InvalidArgument, match="renew_interval_ms"):
+        MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", lease_ms=1_000, lease_drift_margin_ms=100,
+                    lease_renew_interval_ms=900).validate()
+    MgmtdConfig(lease_ms=1_000, lease_renew_interval_ms=900, scan_interval_ms=5_000).validate()  # single: unused
+    with pytest.raises(InvalidArgument, match="heartbeat_timeout_ms"):
+        MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", heartbeat_timeout_ms=5_000).validate()
+    config = MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", framed_port=0)
+    config.validate()
+    with pytest.raises(NotSupported, match="PostgreSQL"):
+        open_shared_engine(config)
+    engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+    with pytest.raises(InvalidArgument, match="advertise_address"):
+        shared_setup(config, engine)
+    setup = shared_setup(replace(config, framed_port=9000, listen_host="10.0.0.1"), engine)
+    assert (setup.name, setup.address) == ("10.0.0.1:9000", "10.0.0.1:9000")
+    with pytest.raises(InvalidArgument):
+        MgmtdServicer(MemKVStore(), MgmtdConfig(), shared=setup)  # a local store and a shared engine
+
+
+@pytest.mark.slow  # serves two mgmtd on sockets
+def test_a_stopping_primary_hands_the_lease_back_and_a_standby_takes_over_at_once() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        slow = LeaseConfig(lease_ms=20_000, renew_interval_ms=100, drift_margin_ms=100)
+        async with instances(engine, 2, slow) as group:
+            old = await wait_until(lambda: _primary(group), timeout_s=30, what="a first primary")
+            await old.servicer.heartbeat(_heartbeat(1), _NO_PAYLOAD)
+            epoch = old.servicer.state.epoch
+            await old.servicer.stop()
+            assert old.servicer.role == "standby"
+            new = next(i for i in group if i is not old)
+            # Well before the 20 s lease could have run out.
+            await wait_until(lambda: _primary([new]), timeout_s=10, what="the standby taking the handed-back lease")
+            assert new.servicer.state.epoch == epoch + 1 and 1 in new.servicer.state.nodes
+            assert old.servicer.shared is not None
+            with pytest.raises(NotPrimary):  # the old one's fence holds after the hand-back too
+                await write_fenced(engine, old.servicer.shared.name, epoch, {})
+    asyncio.run(body())
+
+
+
+@pytest.mark.slow  # three mgmtd and three storage nodes on sockets, through a takeover
+def test_storage_nodes_follow_the_primary_and_a_chain_carries_on_through_a_takeover(tmp_path: Path) -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        async with instances(engine, 3) as group, contextlib.AsyncExitStack() as stack:
+            addresses = ",".join(i.address for i in group)
+            first = await wait_until(lambda: _primary(group), timeout_s=20, what="a first primary")
+            nodes: list[StorageNode] = []
+            for node_id in NODES:
+                config = StorageConfig(node_id=node_id, fsync=False,
+                                       targets=[TargetConfig(node_id * 100 + 1, str(tmp_path / f"n{node_id}"))])
+                node_channels = RealChannelFactory(TOKEN)
+                parts = build_storage_node(
+                    StorageNodeConfig(node_id=node_id, mgmtd_address=addresses, heartbeat_interval_ms=100,
+                                      rpc_timeout_ms=1_000),
+                    open_engines(config), node_channels, token=TOKEN)
+                server = FramedServer(parts.dispatcher)
+                parts.node.config.framed_address = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
+                await parts.node.start()
+                stack.push_async_callback(node_channels.close)
+                stack.push_async_callback(server.stop)
+                stack.push_async_callback(parts.node.stop)
+                nodes.append(parts.node)
+            channels = RealChannelFactory(TOKEN)
+            stack.push_async_callback(channels.close)
+
+            async def registered() -> bool:
+                return len(first.servicer.state.targets) == len(NODES)
+            await wait_until(registered, timeout_s=20, what="every target registered")
+            table = await AdminClient(addresses, channels).create_chain_table(1, replicas=3)
+            chain_id = table.chains[0].chain_id
+            client = StorageClient(RoutingCache([addresses], channels), channels, b"c" * 16,
+                                   StorageClientConfig(rpc_timeout_ms=1_000, retry_total_ms=30_000))
+
+            async def chain_serving() -> bool:
+                return {t.public_state for t in first.servicer.state.targets.values()} == {PublicState.SERVING}
+            await wait_until(chain_serving, timeout_s=20, what="the chain serving")
+            await client.write(chain_id, b"k" * 8, 0, b"before", 1 << 20)
+            chains, states = _public_view(first.servicer)
+
+            await first.servicer.stop(hand_back=False)
+            await first.server.stop()
+            rest = [i for i in group if i is not first]
+            second = await wait_until(lambda: _primary(rest), timeout_s=20, what="a standby taking over")
+            new_version = second.servicer.state.routing_version
+
+            async def nodes_follow() -> bool:
+                return all(n.routing_version >= new_version and n.lease_valid() for n in nodes)
+            await wait_until(nodes_follow, timeout_s=20, what="storage nodes on the new primary's routing")
+            await client.write(chain_id, b"k" * 8, 6, b" after", 1 << 20)
+            data, _ = await client.read(chain_id, b"k" * 8, 0, 12)
+            assert data == b"before after"
+            assert _public_view(second.servicer) == (chains, states)
+            assert all(n.alive for n in second.servicer.state.nodes.values())
+    asyncio.run(body())
