@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mgpb
+from fs3.client.mgmtd import MgmtdCaller
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.common.errors import FS3Error, InvalidArgument
@@ -113,13 +114,13 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
     Public because a meta service run inside another process (an in-process test cluster) registers
     the same way ``serve_meta`` does.
     """
-    method = service_spec("Mgmtd").method("Heartbeat")
+    mgmtd = MgmtdCaller(config.mgmtd_address, channels, config.rpc_timeout_ms)  # follows the primary
     req = mgpb.HeartbeatReq(node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0],
                             grpc_address=addresses[1], metrics_address=addresses[2], hostname=socket.gethostname(),
                             pid=os.getpid())
     while True:
         try:
-            await channels.get(config.mgmtd_address).call(method, req, timeout_ms=config.rpc_timeout_ms)
+            await mgmtd.call("Heartbeat", req)
         except FS3Error as exc:
             log.debug("meta heartbeat failed: %s", exc)
         await asyncio.sleep(config.heartbeat_interval_ms / 1000)
