@@ -86,8 +86,9 @@ class SessionCloses:
 
     async def _send(self) -> None:
         if not self._hurry.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._hurry.wait(), self.gather_s)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: 3.11's wait_for can swallow a cancel
+                async with asyncio.timeout(self.gather_s):
+                    await self._hurry.wait()
         self._hurry.clear()
         while self._pending:
             batch, self._pending = self._pending[:BATCH_MAX], self._pending[BATCH_MAX:]

@@ -448,8 +448,9 @@ class MetaJobs(MetaHost):
                 log.warning("meta gc: %s", exc)
             except Exception:
                 log.exception("meta gc failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._gc_wakeup.wait(), self.config.gc_interval_ms / 1000)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: 3.11's wait_for can swallow a cancel
+                async with asyncio.timeout(self.config.gc_interval_ms / 1000):
+                    await self._gc_wakeup.wait()
             self._gc_wakeup.clear()
 
 

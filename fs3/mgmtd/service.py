@@ -404,8 +404,9 @@ class MgmtdServicer:
                     raise Timeout(f"target {req.target_id} is fenced but node {node_id} has not reported it "
                                   f"offline within {wait_ms} ms; the fence stays: the target leaves its chain "
                                   f"once the node reports it offline or misses heartbeats")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._state_changed.wait(), remaining_ms / 1000)
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout: 3.11's wait_for can swallow a cancel
+                    async with asyncio.timeout(remaining_ms / 1000):
+                        await self._state_changed.wait()
         if self.state is not state:
             raise self._not_primary()
         target = state.targets[req.target_id]
