@@ -52,6 +52,18 @@ class TxnFaults:
     maybe_committed_probability: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
+    def take(self, kind: str) -> bool:
+        """Whether this commit gets the fault ``kind`` (``conflict`` or ``maybe_committed``)."""
+        if kind == "conflict":
+            if self.conflicts > 0:
+                self.conflicts -= 1
+                return True
+            return self.conflict_probability > 0 and self.rng.random() < self.conflict_probability
+        if self.maybe_committed > 0:
+            self.maybe_committed -= 1
+            return True
+        return self.maybe_committed_probability > 0 and self.rng.random() < self.maybe_committed_probability
+
 
 class _OptimisticTxn:
     def __init__(self, engine: OptimisticTxnEngine, start_seq: int) -> None:
@@ -152,18 +164,6 @@ class OptimisticTxnEngine:
                         return True
         return False
 
-    def _inject(self, kind: str) -> bool:
-        faults = self.faults
-        if kind == "conflict":
-            if faults.conflicts > 0:
-                faults.conflicts -= 1
-                return True
-            return faults.conflict_probability > 0 and faults.rng.random() < faults.conflict_probability
-        if faults.maybe_committed > 0:
-            faults.maybe_committed -= 1
-            return True
-        return faults.maybe_committed_probability > 0 and faults.rng.random() < faults.maybe_committed_probability
-
     async def commit(self, txn: _OptimisticTxn) -> None:
         """Validate and apply; with ``sync``, return only once the commit is durable.
 
@@ -176,7 +176,7 @@ class OptimisticTxnEngine:
         it (a saved answer, "already exists") — an answer a power loss must not take back.
         """
         # Validation and apply contain no await: on one event loop they are atomic without a lock.
-        if self._inject("conflict") or self._conflicts(txn):
+        if self.faults.take("conflict") or self._conflicts(txn):
             self.conflicts += 1
             raise TxnConflict("a key this transaction read was changed by another one")
         seq = 0
@@ -197,7 +197,7 @@ class OptimisticTxnEngine:
             await self._log.wait(self._log_ticket)
         elif self.sync:
             await self._log.wait(self._log_ticket)
-        if self._inject("maybe_committed"):
+        if self.faults.take("maybe_committed"):
             raise MaybeCommitted("the commit's outcome is unknown (injected)")
 
     async def wait_durable(self) -> None:
