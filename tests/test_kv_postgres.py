@@ -206,7 +206,7 @@ def test_a_malformed_url_is_refused(url: str, message: str) -> None:
 
 def test_an_unreachable_server_or_a_wrong_password_is_a_clear_error(postgres_server: PostgresServer) -> None:
     closed = f"postgresql://fs3_test:x@127.0.0.1:{_closed_port()}/postgres"
-    with pytest.raises(Unavailable, match="cannot connect to PostgreSQL at .*:\\*\\*\\*@") as info:
+    with pytest.raises(Unavailable, match=r"cannot connect to PostgreSQL at .*:\*\*\*@") as info:
         run(_open(closed, connect_timeout_ms=2_000))
     assert ":x@" not in str(info.value)  # the password is never printed
     wrong = postgres_server.url().replace(postgres_server.password, "wrong")

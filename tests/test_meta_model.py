@@ -226,8 +226,8 @@ class PgMeta(Meta):
     by every example); a commit is durable when it returns (``synchronous_commit``), so every
     answer counts as one given after a sync, and a restart loses nothing."""
 
-    def __init__(self, url: str) -> None:  # noqa: PLW0231 - a different loop and engine than Meta's
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, url: str) -> None:  # not Meta.__init__: another loop and engine
+        self.loop = asyncio.new_event_loop()  # type: ignore[assignment]  # a real loop: see above
         self.pg = self.loop.run_until_complete(PostgresTxnEngine.open(PostgresConfig(url)))
         self.loop.run_until_complete(_empty(self.pg))
         self.store = _EngineView(self.loop, self.pg)  # type: ignore[assignment]

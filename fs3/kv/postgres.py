@@ -131,7 +131,7 @@ class PostgresConfig:
 class _Conn:
     """A pooled connection; ``dirty``: a transaction may be open on it (ROLLBACK before reuse)."""
 
-    __slots__ = ("pg", "dirty")
+    __slots__ = ("dirty", "pg")
 
     def __init__(self, pg: psycopg.AsyncConnection[Any]) -> None:
         self.pg = pg
@@ -196,7 +196,7 @@ class _Pool:
         self._waiters.append(waiter)
         try:
             handed = await asyncio.wait_for(waiter, self.config.acquire_timeout_ms / 1000)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Unavailable(f"no PostgreSQL connection free within {self.config.acquire_timeout_ms} ms "
                               f"(pool_size_max {self.config.pool_size_max})") from None
         finally:
