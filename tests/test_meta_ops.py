@@ -75,6 +75,7 @@ def _engine_under_test(request: pytest.FixtureRequest, engine_kind: str) -> Iter
     try:
         yield
     finally:
+        _ENGINE["pg_url"] = None  # the modules that borrow these helpers run on the in-memory engine
         for engine in _OPENED:
             engine.close()
         _OPENED.clear()
@@ -88,8 +89,10 @@ class Engine:
         self.runner = asyncio.Runner()
         url = _ENGINE["pg_url"]
         self.engine: TxnEngine
+        self.mem: MemKVStore | None = None
         if url is None:
-            self.engine = OptimisticTxnEngine(MemKVStore(), faults=faults)
+            self.mem = MemKVStore()
+            self.engine = OptimisticTxnEngine(self.mem, faults=faults)
         else:
             self.engine = self.runner.run(PostgresTxnEngine.open(PostgresConfig(url), faults=faults))
         _OPENED.append(self)
@@ -98,9 +101,13 @@ class Engine:
         return self.runner.run(coro)
 
     def get(self, key: bytes) -> bytes | None:
+        if self.mem is not None:  # read directly: callable from inside a running loop too
+            return self.mem.get(key)
         return self.run(self.engine.begin().get(key))
 
     def scan(self, start: bytes, end: bytes | None = None) -> list[tuple[bytes, bytes]]:
+        if self.mem is not None:
+            return list(self.mem.scan(start, end))
         return self.run(self.engine.begin().scan(start, end))
 
     def close(self) -> None:
@@ -610,7 +617,21 @@ def test_unknown_inode_and_bad_flags() -> None:
 # -- conflicts and ambiguous commits ----------------------------------------------------------------
 
 
-def _service(faults: TxnFaults | None = None) -> tuple[MetaService, Engine]:
+def _service(faults: TxnFaults | None = None) -> tuple[MetaService, MemKVStore]:
+    """A service on the in-memory engine, whatever this test's engine (for the modules that
+    borrow it and read its store directly)."""
+    store = MemKVStore()
+    channels = RealChannelFactory()
+    routing = RoutingCache(["127.0.0.1:1"], channels)
+    routing._install(cpb.RoutingInfo(chain_tables=[cpb.ChainTable(table_id=1, chain_ids=[11, 12, 13])]))
+    service = MetaService(OptimisticTxnEngine(store, faults=faults), routing, StorageClient(routing, channels, CLIENT),
+                          MetaServiceConfig(root_mode=0o777))
+    asyncio.run(service.start(background=False))
+    return service, store
+
+
+def _engine_service(faults: TxnFaults | None = None) -> tuple[MetaService, Engine]:
+    """A service on this test's engine."""
     store = Engine(faults)
     channels = RealChannelFactory()
     routing = RoutingCache(["127.0.0.1:1"], channels)
@@ -643,7 +664,7 @@ class Calls:
 def test_operations_are_exact_under_injected_conflicts_and_ambiguous_commits() -> None:
     """Every commit may conflict or be "maybe committed"; each operation still happens exactly once."""
     faults = TxnFaults(conflict_probability=0.3, maybe_committed_probability=0.3)
-    service, engine = _service(faults)
+    service, engine = _engine_service(faults)
     call = Calls(service, engine)
     call("make_node", mpb.MakeNodeReq(ctx=call.ctx(), target=ref("/d"), type=mpb.DIRECTORY, mode=0o755))
     for i in range(20):
@@ -663,7 +684,7 @@ def test_operations_are_exact_under_injected_conflicts_and_ambiguous_commits() -
 
 
 def test_a_retried_request_returns_the_original_answer() -> None:
-    service, store = _service()
+    service, store = _engine_service()
     call = Calls(service, store)
     create = mpb.OpenReq(ctx=call.ctx(), target=ref("/f"), flags=O_CREAT | O_EXCL | O_WRONLY, mode=0o600)
     first = call("open", create)
@@ -681,7 +702,7 @@ def test_a_retried_request_returns_the_original_answer() -> None:
 
 
 def test_mutations_without_identity_are_refused() -> None:
-    service, engine = _service()
+    service, engine = _engine_service()
     call = Calls(service, engine)
     with pytest.raises(InvalidArgument):
         call("make_node", mpb.MakeNodeReq(ctx=mpb.ReqCtx(client_id=CLIENT), target=ref("/d"), type=mpb.DIRECTORY))

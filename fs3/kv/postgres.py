@@ -70,6 +70,7 @@ _TABLE = "fs3_kv"
 _INFO = "fs3_info"
 _BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
 _GET = b"SELECT v FROM fs3_kv WHERE k = %s"
+_GET_MANY = b"SELECT k, v FROM fs3_kv WHERE k = ANY(%s::bytea[])"
 _SCAN = {  # (has end, has limit) -> statement
     (False, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s ORDER BY k",
     (True, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s AND k < %s ORDER BY k",
@@ -275,6 +276,8 @@ class _PgTxn:
         self._engine = engine
         self._slot = _Slot()
         self._writes: dict[bytes, object] = {}
+        self._cache: dict[bytes, bytes | None] = {}  # point reads (snapshot values), absent ones too
+        self._prefetch: list[bytes] = []
         self._done = False
         weakref.finalize(self, _reclaim, engine._pool, self._slot)
 
@@ -288,13 +291,22 @@ class _PgTxn:
         conn = self._slot.conn
         return None if conn is None else conn.pg.info.backend_pid
 
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Keys this transaction is about to read: they ride with its next read (one round trip
+        for all), and their values are kept for when they are asked for."""
+        self._check_open()
+        self._prefetch.extend(k for k in keys if k not in self._writes and k not in self._cache)
+
     async def get(self, key: bytes) -> bytes | None:
         self._check_open()
         if key in self._writes:
             value = self._writes[key]
             return None if value is _DELETED else value  # type: ignore[return-value]
-        rows = await self._read(_GET, (key,))
-        return bytes(rows[0][0]) if rows else None
+        if key in self._cache:  # one snapshot for the whole transaction: what it read stays true
+            return self._cache[key]
+        self._prefetch.append(key)
+        await self._round_trip([])  # the key goes with the prefetched ones
+        return self._cache[key]
 
     async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
         self._check_open()
@@ -310,7 +322,7 @@ class _PgTxn:
             params.append(end)
         if fetch is not None:
             params.append(fetch)
-        rows = await self._read(_SCAN[(end is not None, fetch is not None)], params)
+        (rows,) = await self._round_trip([(_SCAN[(end is not None, fetch is not None)], params)])
         merged: dict[bytes, bytes] = {bytes(k): bytes(v) for k, v in rows}
         for key, value in in_range:
             if value is _DELETED:
@@ -330,22 +342,43 @@ class _PgTxn:
         self._check_open()
         self._writes[key] = _DELETED
 
-    async def _read(self, sql: bytes, params: Sequence[object]) -> list[tuple[Any, ...]]:
+    async def _round_trip(self, statements: list[tuple[bytes, Sequence[object]]]) -> list[list[tuple[Any, ...]]]:
+        """Run ``statements`` and the pending point reads (``prefetch``) in one flush; the point
+        reads fill the cache, the answer holds the statements' rows."""
+        points = list(dict.fromkeys(k for k in self._prefetch if k not in self._cache and k not in self._writes))
+        self._prefetch.clear()
+        work = list(statements)
+        if len(points) == 1:
+            work.append((_GET, (points[0],)))
+        elif points:
+            work.append((_GET_MANY, (points,)))
+        results = await self._send(work)
+        if len(points) == 1:
+            rows = results.pop()
+            self._cache[points[0]] = bytes(rows[0][0]) if rows else None
+        elif points:
+            found = {bytes(k): bytes(v) for k, v in results.pop()}
+            for key in points:
+                self._cache[key] = found.get(key)
+        return results
+
+    async def _send(self, work: list[tuple[bytes, Sequence[object]]]) -> list[list[tuple[Any, ...]]]:
+        """One round trip. The transaction's first adds BEGIN (and the ROLLBACK its connection's
+        previous user left to it) to the same flush, on a pooled connection; a connection that
+        turns out dead then is replaced once (nothing had happened on it yet)."""
         engine = self._engine
         conn = self._slot.conn
-        if conn is None:
-            return await self._begin_with(sql, params)
-        try:
-            cur = await conn.pg.execute(sql, params, binary=True)
-            engine.round_trips += 1
-            return await cur.fetchall()
-        except psycopg.Error as exc:
-            raise self._failed(exc, committing=False) from None
-
-    async def _begin_with(self, sql: bytes, params: Sequence[object]) -> list[tuple[Any, ...]]:
-        """BEGIN and the first read in one round trip, on a pooled connection; a connection that
-        turns out dead is replaced once (nothing had happened on it yet)."""
-        engine = self._engine
+        if conn is not None:
+            try:
+                if len(work) == 1:
+                    cursors = [await conn.pg.execute(work[0][0], work[0][1], binary=True)]
+                else:
+                    async with conn.pg.pipeline():
+                        cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
+                engine.round_trips += 1
+                return [await cur.fetchall() for cur in cursors]
+            except psycopg.Error as exc:
+                raise self._failed(exc, committing=False) from None
         for attempt in (1, 2):
             conn = await engine._pool.acquire()
             self._slot.conn = conn
@@ -354,10 +387,10 @@ class _PgTxn:
                     if conn.dirty:
                         await conn.pg.execute(b"ROLLBACK")
                     await conn.pg.execute(_BEGIN)
-                    cur = await conn.pg.execute(sql, params, binary=True)
+                    cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
                 engine.round_trips += 1
                 conn.dirty = False
-                return await cur.fetchall()
+                return [await cur.fetchall() for cur in cursors]
             except psycopg.Error as exc:
                 if attempt == 1 and _lost(exc):
                     self._slot.conn = None

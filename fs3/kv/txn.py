@@ -23,7 +23,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -113,6 +113,9 @@ class _OptimisticTxn:
         else:
             self.read_ranges.append((start, end))
         return [(k, merged[k]) for k in keys]
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Nothing to gain here: every read is a local lookup."""
 
     def put(self, key: bytes, value: bytes) -> None:
         self._check_open()
