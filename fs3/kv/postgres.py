@@ -494,6 +494,9 @@ class PostgresTxnEngine:
     async def open(cls, config: PostgresConfig, faults: TxnFaults | None = None) -> PostgresTxnEngine:
         """Connect, check (or, on an empty database, create) the schema; errors are clear and
         leave the database as it was."""
+        if not psycopg.Pipeline.is_supported():
+            raise Unavailable(f"psycopg's libpq {psycopg.pq.version()} has no pipeline mode (libpq 14 or newer "
+                              f"needed): install psycopg[binary], which brings its own")
         engine = cls(config, faults)
         await engine._check_schema()
         return engine
