@@ -56,7 +56,7 @@ class Client:
 
     def __init__(self, service: MetaService, number: int) -> None:
         self.service = service
-        self.client_id = f"bench-client-{number:04d}".encode()[:16].ljust(16, b".")
+        self.client_id = f"bench{number:011d}".encode()  # 16 bytes, unique per client
         self.request_id = 0
 
     def ctx(self) -> mpb.ReqCtx:
@@ -151,6 +151,7 @@ async def _phases(service: MetaService, clients: list[Client], base: str, files:
                 await op(c, path)
 
         trips = getattr(engine, "round_trips", 0)
+        conflicts = getattr(engine, "conflicts", 0)
         cpu_meta, cpu_server = time.process_time(), cpu_db()
         start = time.perf_counter()
         await asyncio.gather(*(run_client(c) for c in range(len(clients))))
@@ -158,6 +159,7 @@ async def _phases(service: MetaService, clients: list[Client], base: str, files:
         count = per_client * len(clients)
         out[name] = {"ops_per_s": count / wall_s,
                      "round_trips_per_op": (getattr(engine, "round_trips", 0) - trips) / count,
+                     "conflicts_per_op": (getattr(engine, "conflicts", 0) - conflicts) / count,
                      "meta_cpu_s": time.process_time() - cpu_meta, "db_cpu_s": cpu_db() - cpu_server,
                      "wall_s": wall_s}
     return out

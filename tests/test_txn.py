@@ -19,6 +19,7 @@ import pytest
 from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
 from fs3.common.faults import SABOTAGE_ENV
 from fs3.kv.api import Transaction
+from fs3.kv.gate import ContentionGate
 from fs3.kv.store import MemKVStore, RocksKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults, run_transaction
 from tests.txn_engines import EngineFactory
@@ -253,4 +254,43 @@ def test_group_commit_shares_wal_syncs_and_acknowledges_only_durable_commits(tmp
         await run_transaction(durable, fn)
         mem.crash()  # everything acknowledged survives a crash
         assert mem.get(b"acked") == b"1"
+    run(body())
+
+
+def test_the_contention_gate_runs_retries_alone_in_arrival_order() -> None:
+    async def body() -> None:
+        gate = ContentionGate()
+        events: list[str] = []
+        release = asyncio.Event()
+
+        async def attempt(name: str, exclusive: bool, wait: bool = False) -> None:
+            async with gate.hold(exclusive):
+                events.append(f"+{name}")
+                if wait:
+                    await release.wait()
+                else:
+                    await asyncio.sleep(0)
+                events.append(f"-{name}")
+
+        first = [asyncio.create_task(attempt(n, False, wait=True)) for n in ("a", "b")]
+        await asyncio.sleep(0)
+        retry = asyncio.create_task(attempt("r", True))
+        await asyncio.sleep(0)
+        late = asyncio.create_task(attempt("c", False))  # queues behind the waiting retry
+        cancelled = asyncio.create_task(attempt("x", True))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.sleep(0.01)
+        assert events == ["+a", "+b"]  # both first attempts inside; the retry and c wait
+        release.set()
+        await asyncio.gather(*first, retry, late)
+        assert events[2:] == ["-a", "-b", "+r", "-r", "+c", "-c"]
+        assert gate.exclusive_runs == 1
+
+        async def nested() -> None:  # a transaction inside another one's function passes through
+            async with gate.hold(True), gate.hold(True):
+                events.append("nested")
+
+        await asyncio.wait_for(nested(), 5)
+        assert events[-1] == "nested"
     run(body())

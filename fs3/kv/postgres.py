@@ -59,6 +59,8 @@ from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
 from fs3.common.errors import FS3Error, InvalidArgument, MaybeCommitted, Timeout, TxnConflict, Unavailable
+from fs3.common.retry import Backoff, RetryPolicy
+from fs3.kv.gate import ContentionGate
 from fs3.kv.txn import TxnFaults
 
 __all__ = ["SCHEMA_VERSION", "PostgresConfig", "PostgresTxnEngine", "redact_url"]
@@ -161,6 +163,8 @@ class _Pool:
         self._open = 0
         self._waiters: deque[asyncio.Future[_Conn | None]] = deque()
         self._closed = False
+        self._rolling_back: set[asyncio.Task[None]] = set()
+        self.rollbacks = 0
 
     async def connect(self) -> psycopg.AsyncConnection[Any]:
         """A new session. No server-side prepared statements: a pipeline that fails part-way
@@ -212,6 +216,33 @@ class _Pool:
             return
         if not conn.dirty and conn.pg.info.transaction_status != TransactionStatus.IDLE:
             conn.dirty = True
+        if conn.dirty and conn.pg.info.transaction_status == TransactionStatus.INTRANS:
+            # A transaction left open (dropped uncommitted: meta's reads) would keep its snapshot
+            # and its predicate locks until the connection's next use, and the writers that
+            # overlap it would be aborted as pivots: end it now, off its caller's path.
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                task = loop.create_task(self._roll_back(conn))
+                self._rolling_back.add(task)
+                task.add_done_callback(self._rolling_back.discard)
+                return
+        self._hand_over(conn)
+
+    async def _roll_back(self, conn: _Conn) -> None:
+        try:
+            await conn.pg.execute(b"ROLLBACK")
+        except psycopg.Error:
+            self._discard(conn)
+            return
+        finally:
+            self.rollbacks += 1
+        conn.dirty = False
+        self.release(conn)
+
+    def _hand_over(self, conn: _Conn) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -375,7 +406,7 @@ class _PgTxn:
                 else:
                     async with conn.pg.pipeline():
                         cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
-                engine.round_trips += 1
+                engine._round_trips += 1
                 return [await cur.fetchall() for cur in cursors]
             except psycopg.Error as exc:
                 raise self._failed(exc, committing=False) from None
@@ -388,7 +419,7 @@ class _PgTxn:
                         await conn.pg.execute(b"ROLLBACK")
                     await conn.pg.execute(_BEGIN)
                     cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
-                engine.round_trips += 1
+                engine._round_trips += 1
                 conn.dirty = False
                 return [await cur.fetchall() for cur in cursors]
             except psycopg.Error as exc:
@@ -430,7 +461,7 @@ class _PgTxn:
                 if deletes:
                     await conn.pg.execute(_DELETE, (deletes,))
                 await conn.pg.execute(b"COMMIT")
-            engine.round_trips += 1
+            engine._round_trips += 1
             conn.dirty = False
         except psycopg.Error as exc:
             raise self._failed(exc, committing=True) from None
@@ -450,7 +481,7 @@ class _PgTxn:
     def _failed(self, exc: psycopg.Error, committing: bool) -> FS3Error:
         """End the transaction and map the driver's error to fs3's (one place for all of them)."""
         engine = self._engine
-        engine.round_trips += 1
+        engine._round_trips += 1
         self._done = True
         conn, self._slot.conn = self._slot.conn, None
         if conn is not None:
@@ -485,7 +516,9 @@ class PostgresTxnEngine:
         self.config = config
         self.faults = faults or TxnFaults()
         self._pool = _Pool(config)
-        self.round_trips = 0
+        # Read by run_transaction: retries run alone in this process (fs3.kv.gate explains why).
+        self.contention_gate = ContentionGate()
+        self._round_trips = 0
         self.commits = 0
         self.conflicts = 0
         self.maybe_committed = 0
@@ -501,8 +534,22 @@ class PostgresTxnEngine:
         await engine._check_schema()
         return engine
 
+    @property
+    def round_trips(self) -> int:
+        """Round trips to the server so far: transactions' and the pool's rollbacks of dropped ones."""
+        return self._round_trips + self._pool.rollbacks
+
     def begin(self) -> _PgTxn:
         return _PgTxn(self)
+
+    def conflict_retry(self, retry_max: int, backoff_ms: float) -> RetryPolicy:
+        """How :func:`~fs3.kv.txn.run_transaction` retries on this engine: exponential waits, up to
+        64 times ``backoff_ms``, each drawn at random below its cap. Transactions here overlap for
+        several round trips, so those that conflicted together (creates in one directory all
+        stamp its inode) and retry after equal waits conflict together again, until their budget
+        is gone; random waits spread them (measured: bench/meta_kv_bench.py, docs/decisions.md)."""
+        return RetryPolicy(backoff_base_ms=backoff_ms, backoff_max_ms=backoff_ms * 64, backoff=Backoff.EXPONENTIAL,
+                           attempts_max=retry_max + 1, jitter=1.0)
 
     async def wait_durable(self) -> None:
         """Nothing to wait for: with ``sync`` a commit returns once durable (``synchronous_commit``),

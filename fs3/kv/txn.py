@@ -20,6 +20,7 @@ idempotency path runs in unit tests, the way the real store can fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import deque
@@ -30,6 +31,7 @@ from typing import TypeVar
 from fs3.common.errors import FS3Error, InvalidArgument, MaybeCommitted, RetryCause, TxnConflict, is_retryable
 from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.kv.api import Transaction, TxnEngine
+from fs3.kv.gate import ContentionGate
 from fs3.kv.group_sync import GroupSync
 from fs3.kv.store import KVStore, WriteBatch
 
@@ -233,25 +235,36 @@ async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitab
     was computed from is durable: an error is an answer too ("already exists" because of a create
     whose sync is still running), and a power loss must not take back what a caller was told.
     """
-    attempts = Attempts(transaction_retry(retry_max, backoff_ms))
+    policy = transaction_retry(retry_max, backoff_ms)
+    tuned = getattr(engine, "conflict_retry", None)  # an engine that knows better (fs3.kv.postgres)
+    if tuned is not None:
+        policy = tuned(retry_max, backoff_ms)
+    attempts = Attempts(policy, random=random.random if policy.jitter else None)
+    gate: ContentionGate | None = getattr(engine, "contention_gate", None)  # fs3.kv.gate
     while True:
-        txn = engine.begin()
-        try:
+        async with gate.hold(exclusive=attempts.retries > 0) if gate is not None else contextlib.nullcontext():
             try:
-                result = await fn(txn)
+                return await _attempt(engine, fn)
             except FS3Error as exc:
                 if not is_retryable(exc.code, _COMMIT):
-                    await engine.wait_durable()
-                raise
-            except Exception:
-                await engine.wait_durable()
-                raise
-            await txn.commit()
-            return result
-        except FS3Error as exc:
-            if not is_retryable(exc.code, _COMMIT):
-                raise
-            if attempts.exhausted():
-                raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
-            log.debug("transaction retry %d: %s", attempts.retries + 1, exc)
-            await attempts.backoff()
+                    raise
+                if attempts.exhausted():
+                    raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
+                log.debug("transaction retry %d: %s", attempts.retries + 1, exc)
+        await attempts.backoff()
+
+
+async def _attempt(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]]) -> T:
+    """One try: run ``fn`` and commit; an answer (error included) only once what it read is durable."""
+    txn = engine.begin()
+    try:
+        result = await fn(txn)
+    except FS3Error as exc:
+        if not is_retryable(exc.code, _COMMIT):
+            await engine.wait_durable()
+        raise
+    except Exception:
+        await engine.wait_durable()
+        raise
+    await txn.commit()
+    return result
