@@ -7,13 +7,14 @@ server started here with fsync, full_page_writes and synchronous_commit on). Eac
 in-process ``MetaService`` (no RPC, no storage: what is measured is the service and its engine),
 driven by ``--clients`` concurrent clients (asyncio tasks, each its own client id and request ids).
 
-Per engine and repeat, in a fresh directory: create (open O_CREAT|O_EXCL), close, stat (lookup by
+Per engine and repeat, in a fresh directory (one for all clients, as mdtest; ``--dir-per-client``:
+one each, so that only the engine's own conflicts remain): create (open O_CREAT|O_EXCL), close, stat (lookup by
 path, two levels deep), rename, remove. The engines alternate (their order flips each repeat) and
 the report gives, per operation, the median over ``--repeats`` of the ratio PostgreSQL / RocksDB,
 the round trips per operation (PostgreSQL's counter; the same every repeat), and the CPU seconds
 of this process (meta and the driver) and of the PostgreSQL server processes.
 
-Usage: ``python bench/meta_kv_bench.py [--files 2000] [--clients 16] [--repeats 3]``.
+Usage: ``python bench/meta_kv_bench.py [--files 2000] [--clients 16] [--repeats 3] [--dir-per-client]``.
 Writes ``bench/results/meta-kv-<timestamp>.json``.
 """
 
@@ -108,12 +109,14 @@ def _server_pids(server: PostgresServer) -> list[int]:
     return pids
 
 
-async def _phases(service: MetaService, clients: list[Client], base: str, files: int,
-                  engine: TxnEngine, cpu_db: Callable[[], float]) -> dict[str, dict[str, float]]:
-    await clients[0].call("make_node", mpb.MakeNodeReq(ctx=clients[0].ctx(), target=_ref(base),
-                                                       type=mpb.DIRECTORY, mode=0o777))
+async def _phases(service: MetaService, clients: list[Client], base: str, files: int, engine: TxnEngine,
+                  cpu_db: Callable[[], float], dir_per_client: bool) -> dict[str, dict[str, float]]:
+    dirs = [f"{base}/d{c}" if dir_per_client else base for c in range(len(clients))]
+    for path in [base, *sorted(set(dirs) - {base})]:
+        await clients[0].call("make_node", mpb.MakeNodeReq(ctx=clients[0].ctx(), target=_ref(path),
+                                                           type=mpb.DIRECTORY, mode=0o777))
     per_client = files // len(clients)
-    names = [[f"{base}/c{c}-{i}" for i in range(per_client)] for c in range(len(clients))]
+    names = [[f"{dirs[c]}/c{c}-{i}" for i in range(per_client)] for c in range(len(clients))]
     opened: list[list[mpb.OpenRsp]] = [[] for _ in clients]
 
     async def create(c: int, path: str) -> None:
@@ -172,15 +175,14 @@ async def _run(args: argparse.Namespace, server: PostgresServer, tmp: Path) -> d
     engines: dict[str, TxnEngine] = {"rocksdb": rocks, "postgres": pg}
     services = {name: await _service(engine) for name, engine in engines.items()}
     clients = {name: [Client(services[name], c) for c in range(args.clients)] for name in ENGINES}
-    pids = _server_pids(server)
-    cpu_db = {"rocksdb": lambda: 0.0, "postgres": lambda: _cpu_s(pids)}
+    cpu_db = {"rocksdb": lambda: 0.0, "postgres": lambda: _cpu_s(_server_pids(server))}
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         order = ENGINES if repeat % 2 == 0 else tuple(reversed(ENGINES))
         run: dict[str, Any] = {}
         for name in order:
             run[name] = await _phases(services[name], clients[name], f"/r{repeat}", args.files, engines[name],
-                                      cpu_db[name])
+                                      cpu_db[name], args.dir_per_client)
         runs.append(run)
         print(f"repeat {repeat}: " + ", ".join(
             f"{op} pg/rocks {run['postgres'][op]['ops_per_s'] / run['rocksdb'][op]['ops_per_s']:.2f}"
@@ -195,6 +197,7 @@ async def _run(args: argparse.Namespace, server: PostgresServer, tmp: Path) -> d
             "ratio_postgres_over_rocksdb": statistics.median(
                 r["postgres"][op]["ops_per_s"] / r["rocksdb"][op]["ops_per_s"] for r in runs),
             "postgres_round_trips_per_op": statistics.median(r["postgres"][op]["round_trips_per_op"] for r in runs),
+            "postgres_conflicts_per_op": statistics.median(r["postgres"][op]["conflicts_per_op"] for r in runs),
             "postgres_meta_cpu_share": statistics.median(
                 r["postgres"][op]["meta_cpu_s"] / max(1e-9, r["postgres"][op]["meta_cpu_s"]
                                                       + r["postgres"][op]["db_cpu_s"]) for r in runs),
@@ -207,6 +210,8 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=2_000, help="files per engine and repeat (split across clients)")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir-per-client", action="store_true",
+                        help="each client in a directory of its own (default: all in one, as mdtest)")
     args = parser.parse_args()
     bin_dir = find_bin_dir()
     if bin_dir is None:
@@ -218,12 +223,14 @@ def main() -> int:
             result = asyncio.run(_run(args, server, Path(tmp)))
     finally:
         server.stop()
-    print(f"{'op':8} {'rocksdb/s':>10} {'postgres/s':>11} {'pg/rocks':>9} {'trips/op':>9} {'meta cpu':>9}")
+    print(f"{'op':8} {'rocksdb/s':>10} {'postgres/s':>11} {'pg/rocks':>9} {'trips/op':>9} {'confl/op':>9} "
+          f"{'meta cpu':>9}")
     for op, row in result["summary"].items():
         print(f"{op:8} {row['rocksdb_ops_per_s']:10.0f} {row['postgres_ops_per_s']:11.0f} "
               f"{row['ratio_postgres_over_rocksdb']:9.2f} {row['postgres_round_trips_per_op']:9.2f} "
-              f"{row['postgres_meta_cpu_share']:9.0%}")
+              f"{row['postgres_conflicts_per_op']:9.2f} {row['postgres_meta_cpu_share']:9.0%}")
     path = save_result("meta-kv", {"files": args.files, "clients": args.clients, "repeats": args.repeats,
+                                   "dir_per_client": args.dir_per_client,
                                    "postgres_version": server.version, **result})
     print(f"saved {path}")
     return 0

@@ -293,4 +293,8 @@ def test_the_contention_gate_runs_retries_alone_in_arrival_order() -> None:
 
         await asyncio.wait_for(nested(), 5)
         assert events[-1] == "nested"
+        gate.conflicted()  # for the next calm_ms every transaction runs alone, first attempts too
+        runs = gate.exclusive_runs
+        await attempt("d", False)
+        assert gate.exclusive_runs == runs + 1
     run(body())

@@ -248,6 +248,8 @@ async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitab
             except FS3Error as exc:
                 if not is_retryable(exc.code, _COMMIT):
                     raise
+                if gate is not None:
+                    gate.conflicted()
                 if attempts.exhausted():
                     raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
                 log.debug("transaction retry %d: %s", attempts.retries + 1, exc)
