@@ -293,8 +293,15 @@ def test_the_contention_gate_runs_retries_alone_in_arrival_order() -> None:
 
         await asyncio.wait_for(nested(), 5)
         assert events[-1] == "nested"
-        gate.conflicted()  # for the next calm_ms every transaction runs alone, first attempts too
+        for conflicted in (True, False, False, False, False):  # one conflict in five: side by side
+            gate.record(conflicted)
         runs = gate.exclusive_runs
         await attempt("d", False)
-        assert gate.exclusive_runs == runs + 1
+        assert gate.exclusive_runs == runs and not gate.contended
+        gate.record(True)  # two in six: frequent; first attempts run alone too
+        await attempt("e", False)
+        assert gate.contended and gate.exclusive_runs == runs + 1
+        for _ in range(64):  # the window forgets
+            gate.record(False)
+        assert not gate.contended
     run(body())

@@ -10,13 +10,12 @@ process runs its transactions one after the other, so they stop conflicting with
 every one finishes; without contention nothing waits. Conflicts with other processes (other meta
 servers) remain, and are retried as before.
 
-After a conflict the gate stays exclusive for every transaction, first attempts too, for
-``calm_ms``: PostgreSQL's predicate locks are page-granular (a read of an absent key locks its
-index page), so transactions of unrelated directories conflict too, and a burst of them running
-side by side costs more retries than running them one by one saves (measured: 16 clients in
-directories of their own made 160 creates/s one at a time against 77/s side by side, 0.77
-conflicts per create; docs/decisions.md). Without conflicts for ``calm_ms`` they run side by side
-again.
+While conflicts are frequent — more than ``conflict_share_max`` of the last ``window`` attempts —
+first attempts run alone too: PostgreSQL's predicate locks are page-granular (a read of an absent
+key locks its index page), so transactions of unrelated directories conflict as well, and a burst
+of them side by side costs more retries than running them one by one saves. Rare conflicts leave
+first attempts side by side (a single conflict must not serialize a workload that gains from
+running in parallel). docs/decisions.md has the measurements.
 
 A transaction run inside another one's function (on the same task) passes through: it would
 otherwise wait for the gate its caller holds.
@@ -38,9 +37,10 @@ _held: contextvars.ContextVar[bool] = contextvars.ContextVar("fs3_kv_gate_held",
 class ContentionGate:
     """Shared for first attempts, exclusive for retries, first come first served."""
 
-    def __init__(self, calm_ms: float = 1_000.0) -> None:
-        self.calm_ms = calm_ms
-        self._calm_after = 0.0  # event-loop time before which every transaction runs alone
+    def __init__(self, window: int = 64, conflict_share_max: float = 0.2) -> None:
+        self.conflict_share_max = conflict_share_max
+        self._outcomes: deque[bool] = deque(maxlen=window)  # the last attempts: True = conflicted
+        self._conflicts = 0  # how many of them conflicted
         self._shared = 0
         self._exclusive = False
         self._queue: deque[tuple[bool, asyncio.Future[None]]] = deque()
@@ -87,17 +87,25 @@ class ContentionGate:
                 self._wake()
             raise
 
-    def conflicted(self) -> None:
-        """A transaction conflicted: run every transaction alone for the next ``calm_ms``."""
-        self._calm_after = asyncio.get_running_loop().time() + self.calm_ms / 1000
+    def record(self, conflicted: bool) -> None:
+        """The outcome of one attempt (a commit, or a conflict or unknown outcome to retry)."""
+        if len(self._outcomes) == self._outcomes.maxlen and self._outcomes[0]:
+            self._conflicts -= 1
+        self._outcomes.append(conflicted)
+        self._conflicts += conflicted
+
+    @property
+    def contended(self) -> bool:
+        """Whether conflicts are frequent enough that every transaction runs alone."""
+        return bool(self._outcomes) and self._conflicts > self.conflict_share_max * len(self._outcomes)
 
     @contextlib.asynccontextmanager
     async def hold(self, exclusive: bool) -> AsyncIterator[None]:
-        """Hold the gate (exclusively for a retry, or in a calm period) for one attempt of a transaction."""
+        """Hold the gate (exclusively for a retry, or while contended) for one attempt of a transaction."""
         if _held.get():
             yield
             return
-        exclusive = exclusive or asyncio.get_running_loop().time() < self._calm_after
+        exclusive = exclusive or self.contended
         await self._acquire(exclusive)
         token = _held.set(True)
         try:

@@ -244,12 +244,15 @@ async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitab
     while True:
         async with gate.hold(exclusive=attempts.retries > 0) if gate is not None else contextlib.nullcontext():
             try:
-                return await _attempt(engine, fn)
+                result = await _attempt(engine, fn)
+                if gate is not None:
+                    gate.record(conflicted=False)
+                return result
             except FS3Error as exc:
                 if not is_retryable(exc.code, _COMMIT):
                     raise
                 if gate is not None:
-                    gate.conflicted()
+                    gate.record(conflicted=True)
                 if attempts.exhausted():
                     raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
                 log.debug("transaction retry %d: %s", attempts.retries + 1, exc)
