@@ -16,7 +16,7 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mgpb
@@ -28,7 +28,6 @@ from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
 from fs3.common.secret_files import TokenSource, make_private_dir
 from fs3.kv.api import TxnEngine
-from fs3.kv.postgres import PostgresConfig, PostgresTxnEngine
 from fs3.kv.store import open_kv
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta.identity import MetaGate
@@ -38,6 +37,9 @@ from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 from fs3.rpc.tls import Tls, TlsConfig
+
+if TYPE_CHECKING:
+    from fs3.kv.postgres import PostgresConfig
 
 __all__ = ["KV_ENGINES", "MetaConfig", "export_engine_metrics", "heartbeat_loop", "open_engine", "run_meta"]
 
@@ -122,6 +124,8 @@ class MetaConfig:
         service.validate()
 
     def postgres_config(self) -> PostgresConfig:
+        from fs3.kv.postgres import PostgresConfig  # the driver loads only for meta on PostgreSQL
+
         return PostgresConfig(self.pg_url, cluster_id=self.cluster_id, sync=self.sync_commits,
                               pool_size_max=self.pg_pool_size_max, statement_timeout_ms=self.pg_statement_timeout_ms,
                               acquire_timeout_ms=self.rpc_timeout_ms)
@@ -155,6 +159,8 @@ async def open_engine(config: MetaConfig) -> tuple[TxnEngine, Callable[[], Await
     checks the schema first (an unreachable server, a wrong password, a database of another
     cluster or schema version stop the start here, with nothing written)."""
     if config.kv_engine == "postgres":
+        from fs3.kv.postgres import PostgresTxnEngine
+
         pg = await PostgresTxnEngine.open(config.postgres_config())
         return pg, pg.close
     if config.kv_engine == "rocksdb":
