@@ -25,8 +25,8 @@ from tests.harness import ProcessCluster, require_fuse
 # A session that leaves new files in the git checkout fails (tests/clean_tree.py).
 # A failure is printed the moment it happens, and a session past its time budget stops with its
 # summary (tests/ci_report.py). A private PostgreSQL server, and databases of either engine
-# (tests/postgres.py).
-pytest_plugins = ["tests.clean_tree", "tests.ci_report", "tests.postgres"]
+# (tests/postgres.py); either transaction engine (tests/txn_engines.py).
+pytest_plugins = ["tests.clean_tree", "tests.ci_report", "tests.postgres", "tests.txn_engines"]
 
 TRANSPORTS = ("framed", "grpc")
 

@@ -246,8 +246,10 @@ def _free_port() -> int:
         return port
 
 
-def start_postgres(bin_dir: Path, tmp: Path | None = None) -> PostgresServer:
-    """initdb + pg_ctl start in a new ``<tmp>/fs3-pg-*`` directory; the caller must :meth:`stop` it."""
+def start_postgres(bin_dir: Path, tmp: Path | None = None, durable: bool = False) -> PostgresServer:
+    """initdb + pg_ctl start in a new ``<tmp>/fs3-pg-*`` directory; the caller must :meth:`stop` it.
+    ``durable``: keep the server's default fsync, synchronous_commit and full_page_writes (a
+    benchmark comparing engines at the same durability); the tests run without them."""
     tmp = Path(tmp or tempfile.gettempdir())
     run_as = _RunAs.pick()
     sweep_stale(tmp, run_as, bin_dir)
@@ -280,8 +282,9 @@ def start_postgres(bin_dir: Path, tmp: Path | None = None) -> PostgresServer:
     try:
         for _ in range(START_ATTEMPTS):
             server.port = _free_port()
-            options = (f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off "
-                       "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+            unsafe = "" if durable else "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
+            options = (f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 {unsafe}"
+                       "-c max_connections=200")
             started = run_as.run([str(bin_dir / "pg_ctl"), "start", "-D", str(root / "data"), "-l", str(log),
                                   "-w", "-t", str(START_TIMEOUT_S), "-o", options], START_TIMEOUT_S + 10)
             if started.returncode == 0:

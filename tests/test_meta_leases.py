@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,9 @@ class _ActFirst:
     async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
         await self._act()
         return await self.txn.scan(start, end, limit)
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        self.txn.prefetch(keys)
 
     def put(self, key: bytes, value: bytes) -> None:
         self.txn.put(key, value)

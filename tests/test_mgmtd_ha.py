@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,8 +27,9 @@ from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
 from fs3.cluster.services import build_storage_node
 from fs3.common.clock import LoopClock
-from fs3.common.errors import FS3Error, InvalidArgument, NotPrimary, NotSupported, Unavailable
+from fs3.common.errors import FS3Error, InvalidArgument, NotPrimary, Unavailable
 from fs3.common.target_state import PublicState
+from fs3.kv.api import TxnEngine
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.mgmtd import schema
@@ -74,7 +75,7 @@ class Instance:
 
 
 @contextlib.asynccontextmanager
-async def instances(engine: OptimisticTxnEngine, count: int,
+async def instances(engine: TxnEngine, count: int,
                     lease: LeaseConfig = LEASE) -> AsyncIterator[list[Instance]]:
     started: list[Instance] = []
     try:
@@ -124,71 +125,89 @@ def _public_view(servicer: MgmtdServicer) -> tuple[dict[int, tuple[list[int], in
 
 
 @pytest.mark.slow  # serves three mgmtd on sockets for several lease periods
-def test_a_standby_takes_over_from_a_dead_primary_with_the_chains_and_states_unchanged() -> None:
+@pytest.mark.parametrize("database", ["memory", "postgresql"])
+def test_a_standby_takes_over_from_a_dead_primary_with_the_chains_and_states_unchanged(
+        database: str, request: pytest.FixtureRequest) -> None:
+    """On one shared in-memory engine, and on a private PostgreSQL (``fs3 mgmtd --kv-engine postgres``)."""
+    pg_url = request.getfixturevalue("postgres_url") if database == "postgresql" else ""
+
     async def body() -> None:
-        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
-        channels = RealChannelFactory(token=TOKEN)
-        loop = asyncio.get_running_loop()
-        async with instances(engine, 3) as group:
-            addresses = [i.address for i in group]
-            first = await wait_until(lambda: _primary(group), timeout_s=20, what="a first primary")
-            beats: dict[int, float] = {}
-            workload = [asyncio.create_task(_heartbeats(MgmtdCaller(addresses, channels), n, beats)) for n in NODES]
-            try:
-                async def registered() -> bool:
-                    return len(first.servicer.state.targets) == len(NODES)
-                await wait_until(registered, timeout_s=20, what="every node registered")
-                admin = MgmtdCaller(list(reversed(addresses)), channels)  # starts at a standby: redirected
-                created = await admin.call("CreateChainTable", mpb.CreateChainTableReq(table_id=1, replicas=3))
-                assert isinstance(created, mpb.CreateChainTableRsp) and len(created.chains) == 1
-                chains, states = _public_view(first.servicer)
-                assert set(states.values()) == {PublicState.SERVING}
-                version = first.servicer.state.routing_version
-                old_epoch = routing_epoch(version)
-                assert old_epoch >= 1 and first.servicer.state.epoch == old_epoch
+        close: Callable[[], Awaitable[None]] | None = None
+        if pg_url:
+            engine, close = await open_shared_engine(MgmtdConfig(kv_engine="postgres", pg_url=pg_url))
+        else:
+            engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        try:
+            await _takeover(engine)
+        finally:
+            if close is not None:
+                await close()
 
-                # Standbys: routing reads from what the primary published, state changes redirected.
-                standby = next(i for i in group if i is not first)
-                rsp, _ = await channels.get(standby.address).call(service_spec("Mgmtd").method("GetRoutingInfo"),
-                                                                  mpb.GetRoutingInfoReq())
-                assert isinstance(rsp, mpb.GetRoutingInfoRsp) and rsp.routing.routing_version == version
-                assert [list(c.target_ids) for c in rsp.routing.chains] == [ids for ids, _ in chains.values()]
-                with pytest.raises(NotPrimary) as refused:
-                    await channels.get(standby.address).call(service_spec("Mgmtd").method("Heartbeat"), _heartbeat(9))
-                assert refused.value.primary_address == first.address
-
-                # The primary dies.
-                await first.servicer.stop(hand_back=False)  # dead: it hands nothing back
-                await first.server.stop()
-                died_at = loop.time()
-                rest = [i for i in group if i is not first]
-                second = await wait_until(lambda: _primary(rest), timeout_s=20, what="a standby taking over")
-
-                async def all_beating() -> bool:
-                    return all(beats.get(n, 0) > died_at for n in NODES)
-                await wait_until(all_beating, timeout_s=20, what="heartbeats reaching the new primary")
-                took_ms = (loop.time() - died_at) * 1000
-                # Within a lease and a heartbeat timeout (plus slack for a loaded machine).
-                assert took_ms < LEASE.lease_ms + HEARTBEAT_TIMEOUT_MS + 5_000, took_ms
-
-                # Nothing lost: the same chains at the same versions, the same public states, and
-                # no node expired (each got a heartbeat timeout of grace from the takeover).
-                await asyncio.sleep(HEARTBEAT_TIMEOUT_MS / 1000 / 2)
-                assert _public_view(second.servicer) == (chains, states)
-                assert all(n.alive for n in second.servicer.state.nodes.values())
-                new_version = second.servicer.state.routing_version
-                assert routing_epoch(new_version) > old_epoch and new_version > version
-
-                # Clients follow: a routing cache over every address gets the new primary's view.
-                routing = RoutingCache(addresses, channels)
-                info = await routing.refresh()
-                assert info.routing_version >= new_version and info.epoch == routing_epoch(new_version)
-            finally:
-                for task in workload:
-                    task.cancel()
-                await asyncio.gather(*workload, return_exceptions=True)
-                await channels.close()  # before the servers stop: they wait for open connections
     asyncio.run(body())
+
+
+async def _takeover(engine: TxnEngine) -> None:
+    channels = RealChannelFactory(token=TOKEN)
+    loop = asyncio.get_running_loop()
+    async with instances(engine, 3) as group:
+        addresses = [i.address for i in group]
+        first = await wait_until(lambda: _primary(group), timeout_s=20, what="a first primary")
+        beats: dict[int, float] = {}
+        workload = [asyncio.create_task(_heartbeats(MgmtdCaller(addresses, channels), n, beats)) for n in NODES]
+        try:
+            async def registered() -> bool:
+                return len(first.servicer.state.targets) == len(NODES)
+            await wait_until(registered, timeout_s=20, what="every node registered")
+            admin = MgmtdCaller(list(reversed(addresses)), channels)  # starts at a standby: redirected
+            created = await admin.call("CreateChainTable", mpb.CreateChainTableReq(table_id=1, replicas=3))
+            assert isinstance(created, mpb.CreateChainTableRsp) and len(created.chains) == 1
+            chains, states = _public_view(first.servicer)
+            assert set(states.values()) == {PublicState.SERVING}
+            version = first.servicer.state.routing_version
+            old_epoch = routing_epoch(version)
+            assert old_epoch >= 1 and first.servicer.state.epoch == old_epoch
+
+            # Standbys: routing reads from what the primary published, state changes redirected.
+            standby = next(i for i in group if i is not first)
+            rsp, _ = await channels.get(standby.address).call(service_spec("Mgmtd").method("GetRoutingInfo"),
+                                                              mpb.GetRoutingInfoReq())
+            assert isinstance(rsp, mpb.GetRoutingInfoRsp) and rsp.routing.routing_version == version
+            assert [list(c.target_ids) for c in rsp.routing.chains] == [ids for ids, _ in chains.values()]
+            with pytest.raises(NotPrimary) as refused:
+                await channels.get(standby.address).call(service_spec("Mgmtd").method("Heartbeat"), _heartbeat(9))
+            assert refused.value.primary_address == first.address
+
+            # The primary dies.
+            await first.servicer.stop(hand_back=False)  # dead: it hands nothing back
+            await first.server.stop()
+            died_at = loop.time()
+            rest = [i for i in group if i is not first]
+            second = await wait_until(lambda: _primary(rest), timeout_s=20, what="a standby taking over")
+
+            async def all_beating() -> bool:
+                return all(beats.get(n, 0) > died_at for n in NODES)
+            await wait_until(all_beating, timeout_s=20, what="heartbeats reaching the new primary")
+            took_ms = (loop.time() - died_at) * 1000
+            # Within a lease and a heartbeat timeout (plus slack for a loaded machine).
+            assert took_ms < LEASE.lease_ms + HEARTBEAT_TIMEOUT_MS + 5_000, took_ms
+
+            # Nothing lost: the same chains at the same versions, the same public states, and
+            # no node expired (each got a heartbeat timeout of grace from the takeover).
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_MS / 1000 / 2)
+            assert _public_view(second.servicer) == (chains, states)
+            assert all(n.alive for n in second.servicer.state.nodes.values())
+            new_version = second.servicer.state.routing_version
+            assert routing_epoch(new_version) > old_epoch and new_version > version
+
+            # Clients follow: a routing cache over every address gets the new primary's view.
+            routing = RoutingCache(addresses, channels)
+            info = await routing.refresh()
+            assert info.routing_version >= new_version and info.epoch == routing_epoch(new_version)
+        finally:
+            for task in workload:
+                task.cancel()
+            await asyncio.gather(*workload, return_exceptions=True)
+            await channels.close()  # before the servers stop: they wait for open connections
 
 
 @pytest.mark.slow  # serves two mgmtd on sockets for more than a lease period
@@ -309,7 +328,7 @@ def test_the_mgmtd_caller_follows_redirects_skips_dead_instances_and_gives_up_in
     asyncio.run(body())
 
 
-def test_mgmtd_settings_for_a_shared_engine_are_checked_and_the_postgres_seam_is_explicit() -> None:
+def test_mgmtd_settings_for_a_shared_engine_are_checked() -> None:
     with pytest.raises(InvalidArgument, match="pg_url"):
         MgmtdConfig(kv_engine="postgres").validate()
     with pytest.raises(InvalidArgument, match="renew_interval_ms"):
@@ -320,8 +339,6 @@ def test_mgmtd_settings_for_a_shared_engine_are_checked_and_the_postgres_seam_is
         MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", heartbeat_timeout_ms=5_000).validate()
     config = MgmtdConfig(kv_engine="postgres", pg_url="postgresql://db/fs3", framed_port=0)
     config.validate()
-    with pytest.raises(NotSupported, match="PostgreSQL"):
-        open_shared_engine(config)
     engine = OptimisticTxnEngine(MemKVStore(), sync=False)
     with pytest.raises(InvalidArgument, match="advertise_address"):
         shared_setup(config, engine)

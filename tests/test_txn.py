@@ -1,4 +1,8 @@
-"""Optimistic transactions: isolation, conflicts (phantoms included), injected faults, retries."""
+"""Transactions: isolation, conflicts (phantoms included), injected faults, retries.
+
+The engine-agnostic tests take ``make_engine`` (tests/txn_engines.py) and run on the optimistic
+engine and on PostgreSQL; the durability ones are the embedded engine's own.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ import pytest
 from fs3.common.errors import InvalidArgument, MaybeCommitted, TxnConflict
 from fs3.common.faults import SABOTAGE_ENV
 from fs3.kv.api import Transaction
+from fs3.kv.gate import ContentionGate
 from fs3.kv.store import MemKVStore, RocksKVStore
 from fs3.kv.txn import OptimisticTxnEngine, TxnFaults, run_transaction
+from tests.txn_engines import EngineFactory
 
 T = TypeVar("T")
 
@@ -25,9 +31,9 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def test_reads_see_own_writes_and_scans_merge() -> None:
+def test_reads_see_own_writes_and_scans_merge(make_engine: EngineFactory) -> None:
     async def body() -> None:
-        engine = OptimisticTxnEngine(MemKVStore())
+        engine = await make_engine()
         setup = engine.begin()
         for key in (b"d/a", b"d/b", b"d/c"):
             setup.put(key, key.upper())
@@ -46,9 +52,9 @@ def test_reads_see_own_writes_and_scans_merge() -> None:
     run(body())
 
 
-def test_write_after_concurrent_change_of_a_read_key_conflicts() -> None:
+def test_write_after_concurrent_change_of_a_read_key_conflicts(make_engine: EngineFactory) -> None:
     async def body() -> None:
-        engine = OptimisticTxnEngine(MemKVStore())
+        engine = await make_engine()
         t1, t2 = engine.begin(), engine.begin()
         assert await t1.get(b"counter") is None
         t2.put(b"counter", b"1")
@@ -59,7 +65,26 @@ def test_write_after_concurrent_change_of_a_read_key_conflicts() -> None:
     run(body())
 
 
+def test_phantom_in_a_scanned_range_conflicts_on_both_engines(make_engine: EngineFactory) -> None:
+    """Two transactions each check that a range is empty and insert into it (write skew through
+    a phantom): both committing would be no serial order, so one of them conflicts."""
+    async def body() -> None:
+        engine = await make_engine()
+        t1, t2 = engine.begin(), engine.begin()
+        assert await t1.scan(b"dir1/", b"dir10") == []
+        assert await t2.scan(b"dir1/", b"dir10") == []
+        t2.put(b"dir1/x", b"1")
+        await t2.commit()
+        t1.put(b"dir1/y", b"1")
+        with pytest.raises(TxnConflict):
+            await t1.commit()
+        assert [k for k, _ in await engine.begin().scan(b"dir1/", b"dir10")] == [b"dir1/x"]
+    run(body())
+
+
 def test_phantom_in_a_scanned_range_conflicts_but_disjoint_writes_do_not() -> None:
+    """The optimistic engine is stricter than serializability needs: any write into a range a
+    transaction scanned fails it, even where an order exists (PostgreSQL lets that one commit)."""
     async def body() -> None:
         engine = OptimisticTxnEngine(MemKVStore())
         t1, t2, t3 = engine.begin(), engine.begin(), engine.begin()
@@ -75,9 +100,9 @@ def test_phantom_in_a_scanned_range_conflicts_but_disjoint_writes_do_not() -> No
     run(body())
 
 
-def test_limited_scan_depends_only_on_what_it_returned() -> None:
+def test_limited_scan_depends_only_on_what_it_returned(make_engine: EngineFactory) -> None:
     async def body() -> None:
-        engine = OptimisticTxnEngine(MemKVStore())
+        engine = await make_engine()
         setup = engine.begin()
         for key in (b"k1", b"k2", b"k3"):
             setup.put(key, b"v")
@@ -91,10 +116,10 @@ def test_limited_scan_depends_only_on_what_it_returned() -> None:
     run(body())
 
 
-def test_run_transaction_retries_conflicts_and_maybe_committed() -> None:
+def test_run_transaction_retries_conflicts_and_maybe_committed(make_engine: EngineFactory) -> None:
     async def body() -> None:
         faults = TxnFaults(conflicts=3, maybe_committed=2)
-        engine = OptimisticTxnEngine(MemKVStore(), faults=faults)
+        engine = await make_engine(faults)
         calls = 0
 
         async def create_once(txn: Transaction) -> str:
@@ -115,9 +140,9 @@ def test_run_transaction_retries_conflicts_and_maybe_committed() -> None:
     run(body())
 
 
-def test_retry_budget_is_bounded() -> None:
+def test_retry_budget_is_bounded(make_engine: EngineFactory) -> None:
     async def body() -> None:
-        engine = OptimisticTxnEngine(MemKVStore(), faults=TxnFaults(conflict_probability=1.0))
+        engine = await make_engine(TxnFaults(conflict_probability=1.0))
 
         async def op(txn: Transaction) -> None:
             txn.put(b"k", b"v")
@@ -127,9 +152,9 @@ def test_retry_budget_is_bounded() -> None:
     run(body())
 
 
-def test_concurrent_increments_are_serializable() -> None:
+def test_concurrent_increments_are_serializable(make_engine: EngineFactory) -> None:
     async def body() -> None:
-        engine = OptimisticTxnEngine(MemKVStore())
+        engine = await make_engine()
 
         async def increment(txn: Transaction) -> None:
             value = int((await txn.get(b"n")) or b"0")
@@ -142,9 +167,9 @@ def test_concurrent_increments_are_serializable() -> None:
     run(body())
 
 
-def test_maybe_committed_is_visible_to_callers_that_do_not_retry() -> None:
+def test_maybe_committed_is_visible_to_callers_that_do_not_retry(make_engine: EngineFactory) -> None:
     async def body() -> None:
-        engine = OptimisticTxnEngine(MemKVStore(), faults=TxnFaults(maybe_committed=1))
+        engine = await make_engine(TxnFaults(maybe_committed=1))
         txn = engine.begin()
         txn.put(b"k", b"v")
         with pytest.raises(MaybeCommitted):
@@ -229,4 +254,54 @@ def test_group_commit_shares_wal_syncs_and_acknowledges_only_durable_commits(tmp
         await run_transaction(durable, fn)
         mem.crash()  # everything acknowledged survives a crash
         assert mem.get(b"acked") == b"1"
+    run(body())
+
+
+def test_the_contention_gate_runs_retries_alone_in_arrival_order() -> None:
+    async def body() -> None:
+        gate = ContentionGate()
+        events: list[str] = []
+        release = asyncio.Event()
+
+        async def attempt(name: str, exclusive: bool, wait: bool = False) -> None:
+            async with gate.hold(exclusive):
+                events.append(f"+{name}")
+                if wait:
+                    await release.wait()
+                else:
+                    await asyncio.sleep(0)
+                events.append(f"-{name}")
+
+        first = [asyncio.create_task(attempt(n, False, wait=True)) for n in ("a", "b")]
+        await asyncio.sleep(0)
+        retry = asyncio.create_task(attempt("r", True))
+        await asyncio.sleep(0)
+        late = asyncio.create_task(attempt("c", False))  # queues behind the waiting retry
+        cancelled = asyncio.create_task(attempt("x", True))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.sleep(0.01)
+        assert events == ["+a", "+b"]  # both first attempts inside; the retry and c wait
+        release.set()
+        await asyncio.gather(*first, retry, late)
+        assert events[2:] == ["-a", "-b", "+r", "-r", "+c", "-c"]
+        assert gate.exclusive_runs == 1
+
+        async def nested() -> None:  # a transaction inside another one's function passes through
+            async with gate.hold(True), gate.hold(True):
+                events.append("nested")
+
+        await asyncio.wait_for(nested(), 5)
+        assert events[-1] == "nested"
+        for conflicted in (True, False, False, False, False):  # one conflict in five: side by side
+            gate.record(conflicted)
+        runs = gate.exclusive_runs
+        await attempt("d", False)
+        assert gate.exclusive_runs == runs and not gate.contended
+        gate.record(True)  # two in six: frequent; first attempts run alone too
+        await attempt("e", False)
+        assert gate.contended and gate.exclusive_runs == runs + 1
+        for _ in range(64):  # the window forgets
+            gate.record(False)
+        assert not gate.contended
     run(body())

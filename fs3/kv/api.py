@@ -8,6 +8,7 @@ contracts (``[tool.importlinter]`` in pyproject.toml) check that nothing pure re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 __all__ = ["Transaction", "TxnEngine", "prefix_end"]
@@ -18,6 +19,12 @@ class Transaction(Protocol):
 
     async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
         """Pairs with ``start <= key < end`` in key order, this transaction's own writes included."""
+        ...
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Keys this transaction is about to read. A networked engine fetches them with its next
+        read, in the same round trip, and answers their ``get`` from what it fetched; an embedded
+        engine ignores it. The keys may count as read (a conflict on them fails the commit)."""
         ...
 
     def put(self, key: bytes, value: bytes) -> None: ...

@@ -20,16 +20,18 @@ idempotency path runs in unit tests, the way the real store can fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fs3.common.errors import FS3Error, InvalidArgument, MaybeCommitted, RetryCause, TxnConflict, is_retryable
 from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.kv.api import Transaction, TxnEngine
+from fs3.kv.gate import ContentionGate
 from fs3.kv.group_sync import GroupSync
 from fs3.kv.store import KVStore, WriteBatch
 
@@ -51,6 +53,18 @@ class TxnFaults:
     conflict_probability: float = 0.0
     maybe_committed_probability: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def take(self, kind: str) -> bool:
+        """Whether this commit gets the fault ``kind`` (``conflict`` or ``maybe_committed``)."""
+        if kind == "conflict":
+            if self.conflicts > 0:
+                self.conflicts -= 1
+                return True
+            return self.conflict_probability > 0 and self.rng.random() < self.conflict_probability
+        if self.maybe_committed > 0:
+            self.maybe_committed -= 1
+            return True
+        return self.maybe_committed_probability > 0 and self.rng.random() < self.maybe_committed_probability
 
 
 class _OptimisticTxn:
@@ -102,6 +116,9 @@ class _OptimisticTxn:
             self.read_ranges.append((start, end))
         return [(k, merged[k]) for k in keys]
 
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Nothing to gain here: every read is a local lookup."""
+
     def put(self, key: bytes, value: bytes) -> None:
         self._check_open()
         self.writes[key] = value
@@ -152,18 +169,6 @@ class OptimisticTxnEngine:
                         return True
         return False
 
-    def _inject(self, kind: str) -> bool:
-        faults = self.faults
-        if kind == "conflict":
-            if faults.conflicts > 0:
-                faults.conflicts -= 1
-                return True
-            return faults.conflict_probability > 0 and faults.rng.random() < faults.conflict_probability
-        if faults.maybe_committed > 0:
-            faults.maybe_committed -= 1
-            return True
-        return faults.maybe_committed_probability > 0 and faults.rng.random() < faults.maybe_committed_probability
-
     async def commit(self, txn: _OptimisticTxn) -> None:
         """Validate and apply; with ``sync``, return only once the commit is durable.
 
@@ -176,7 +181,7 @@ class OptimisticTxnEngine:
         it (a saved answer, "already exists") — an answer a power loss must not take back.
         """
         # Validation and apply contain no await: on one event loop they are atomic without a lock.
-        if self._inject("conflict") or self._conflicts(txn):
+        if self.faults.take("conflict") or self._conflicts(txn):
             self.conflicts += 1
             raise TxnConflict("a key this transaction read was changed by another one")
         seq = 0
@@ -197,7 +202,7 @@ class OptimisticTxnEngine:
             await self._log.wait(self._log_ticket)
         elif self.sync:
             await self._log.wait(self._log_ticket)
-        if self._inject("maybe_committed"):
+        if self.faults.take("maybe_committed"):
             raise MaybeCommitted("the commit's outcome is unknown (injected)")
 
     async def wait_durable(self) -> None:
@@ -230,25 +235,41 @@ async def run_transaction(engine: TxnEngine, fn: Callable[[Transaction], Awaitab
     was computed from is durable: an error is an answer too ("already exists" because of a create
     whose sync is still running), and a power loss must not take back what a caller was told.
     """
-    attempts = Attempts(transaction_retry(retry_max, backoff_ms))
+    policy = transaction_retry(retry_max, backoff_ms)
+    tuned = getattr(engine, "conflict_retry", None)  # an engine that knows better (fs3.kv.postgres)
+    if tuned is not None:
+        policy = tuned(retry_max, backoff_ms)
+    attempts = Attempts(policy, random=random.random if policy.jitter else None)
+    gate: ContentionGate | None = getattr(engine, "contention_gate", None)  # fs3.kv.gate
     while True:
-        txn = engine.begin()
-        try:
+        async with gate.hold(exclusive=attempts.retries > 0) if gate is not None else contextlib.nullcontext():
             try:
-                result = await fn(txn)
+                result = await _attempt(engine, fn)
+                if gate is not None:
+                    gate.record(conflicted=False)
+                return result
             except FS3Error as exc:
                 if not is_retryable(exc.code, _COMMIT):
-                    await engine.wait_durable()
-                raise
-            except Exception:
-                await engine.wait_durable()
-                raise
-            await txn.commit()
-            return result
-        except FS3Error as exc:
-            if not is_retryable(exc.code, _COMMIT):
-                raise
-            if attempts.exhausted():
-                raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
-            log.debug("transaction retry %d: %s", attempts.retries + 1, exc)
-            await attempts.backoff()
+                    raise
+                if gate is not None:
+                    gate.record(conflicted=True)
+                if attempts.exhausted():
+                    raise TxnConflict(f"gave up after {retry_max} retries: {exc}") from None
+                log.debug("transaction retry %d: %s", attempts.retries + 1, exc)
+        await attempts.backoff()
+
+
+async def _attempt(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]]) -> T:
+    """One try: run ``fn`` and commit; an answer (error included) only once what it read is durable."""
+    txn = engine.begin()
+    try:
+        result = await fn(txn)
+    except FS3Error as exc:
+        if not is_retryable(exc.code, _COMMIT):
+            await engine.wait_durable()
+        raise
+    except Exception:
+        await engine.wait_durable()
+        raise
+    await txn.commit()
+    return result

@@ -1,7 +1,8 @@
 """The meta process: ``fs3 meta --config meta.toml``.
 
 Wires :class:`~fs3.meta.service.MetaService` to its transaction engine (embedded RocksDB by
-default), to mgmtd (heartbeats as a ``NODE_META`` node, so clients find it in the routing
+default; ``kv_engine = "postgres"`` with ``pg_url``: :mod:`fs3.kv.postgres`, a database several
+meta servers can share), to mgmtd (heartbeats as a ``NODE_META`` node, so clients find it in the routing
 information; routing for the chain tables) and to storage (length queries, chunk removal).
 """
 
@@ -12,10 +13,10 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mgpb
@@ -27,6 +28,7 @@ from fs3.common.ids import validate_chunk_size
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
 from fs3.common.secret_files import TokenSource, make_private_dir
+from fs3.kv.api import TxnEngine
 from fs3.kv.store import open_kv
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta.identity import MetaGate
@@ -37,9 +39,14 @@ from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 from fs3.rpc.tls import Tls, TlsConfig
 
-__all__ = ["MetaConfig", "heartbeat_loop", "run_meta"]
+if TYPE_CHECKING:
+    from fs3.kv.postgres import PostgresConfig
+
+__all__ = ["KV_ENGINES", "MetaConfig", "export_engine_metrics", "heartbeat_loop", "open_engine", "run_meta"]
 
 log = logging.getLogger(__name__)
+
+KV_ENGINES = ("rocksdb", "mem", "postgres")
 
 
 def _service_defaults() -> MetaServiceConfig:
@@ -73,8 +80,15 @@ class MetaConfig:
     trusted_token_file: str = ""
     transport: str = "framed"
     data_dir: str = ".fs3/meta"
+    # rocksdb (embedded, one meta server), mem (tests), or postgres: the namespace in a PostgreSQL
+    # database at pg_url (libpq URL; it holds the password, so it is never printed), shared by
+    # every meta server of the cluster whose cluster_id the database was created with.
     kv_engine: str = "rocksdb"
     sync_commits: bool = True
+    pg_url: str = field(default="", repr=False)
+    cluster_id: str = "fs3"
+    pg_pool_size_max: int = 16
+    pg_statement_timeout_ms: int = 5_000
     heartbeat_interval_ms: int = 1_000
     rpc_timeout_ms: int = 5_000
     service: MetaServiceConfig = field(default_factory=_service_defaults)
@@ -89,6 +103,14 @@ class MetaConfig:
             raise InvalidArgument("set token or token_file, not both")
         if self.transport not in ("framed", "grpc"):
             raise InvalidArgument(f"transport {self.transport!r}: expected framed or grpc")
+        if self.kv_engine not in KV_ENGINES:
+            raise InvalidArgument(f"kv_engine {self.kv_engine!r}: expected one of {', '.join(KV_ENGINES)}")
+        if self.kv_engine == "postgres":
+            if not self.pg_url:
+                raise InvalidArgument("kv_engine postgres needs pg_url (postgresql://user:password@host:port/db)")
+            self.postgres_config().validate()
+        elif self.pg_url:
+            raise InvalidArgument(f"pg_url is set but kv_engine is {self.kv_engine!r}: set kv_engine = \"postgres\"")
         service = self.service
         validate_chunk_size(service.chunk_size_bytes)
         if not 1 <= service.stripe_default <= 256:
@@ -101,6 +123,13 @@ class MetaConfig:
         if not 0 <= service.root_mode <= 0o7777:
             raise InvalidArgument("service.root_mode must be a permission mode (0..0o7777)")
         service.validate()
+
+    def postgres_config(self) -> PostgresConfig:
+        from fs3.kv.postgres import PostgresConfig  # the driver loads only for meta on PostgreSQL
+
+        return PostgresConfig(self.pg_url, cluster_id=self.cluster_id, sync=self.sync_commits,
+                              pool_size_max=self.pg_pool_size_max, statement_timeout_ms=self.pg_statement_timeout_ms,
+                              acquire_timeout_ms=self.rpc_timeout_ms)
 
     def service_config(self) -> MetaServiceConfig:
         """The service's settings with the process's defaults resolved (root owned by the user running meta)."""
@@ -126,15 +155,44 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
         await asyncio.sleep(config.heartbeat_interval_ms / 1000)
 
 
+async def open_engine(config: MetaConfig) -> tuple[TxnEngine, Callable[[], Awaitable[None]]]:
+    """The transaction engine ``config`` names, and how to close it. PostgreSQL: connects and
+    checks the schema first (an unreachable server, a wrong password, a database of another
+    cluster or schema version stop the start here, with nothing written)."""
+    if config.kv_engine == "postgres":
+        from fs3.kv.postgres import PostgresTxnEngine
+
+        pg = await PostgresTxnEngine.open(config.postgres_config())
+        return pg, pg.close
+    if config.kv_engine == "rocksdb":
+        make_private_dir(config.data_dir)
+    kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
+
+    async def close() -> None:
+        kv.close()
+
+    return OptimisticTxnEngine(kv, sync=config.sync_commits), close
+
+
+def export_engine_metrics(engine: TxnEngine, metrics: ServiceMetrics) -> None:
+    """The engine's counters as gauges read at scrape time (``fs3_meta_kv_round_trips`` and so on:
+    database round trips, commits, conflicts, ambiguous commits), for the engines that keep them."""
+    for name, doc in (("round_trips", "Round trips to the database (each flush that waited for the server)"),
+                      ("commits", "Transactions committed"),
+                      ("conflicts", "Transactions that conflicted (to be run again)"),
+                      ("maybe_committed", "Commits whose outcome was unknown (connection lost)")):
+        if hasattr(engine, name):
+            gauge = metrics.gauge(f"fs3_meta_kv_{name}", doc)
+            gauge.set_function(lambda name=name: float(getattr(engine, name)))  # type: ignore[misc]
+
+
 async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     tokens = TokenReloader(TokenSource(config.token, config.token_file, config.trusted_token_file))
     channels = tokens.channel_factory(config.transport, tls)  # type: ignore[arg-type]
-    if config.kv_engine == "rocksdb":
-        make_private_dir(config.data_dir)
-    kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
-    engine = OptimisticTxnEngine(kv, sync=config.sync_commits)
+    engine, close_engine = await open_engine(config)
     metrics = ServiceMetrics("meta")
+    export_engine_metrics(engine, metrics)
     routing = RoutingCache([config.mgmtd_address], channels, config.rpc_timeout_ms)
     storage = StorageClient(routing, channels, os.urandom(16),
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
@@ -158,7 +216,7 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
             await heartbeat
         await service.stop()
         await channels.close()
-        kv.close()
+        await close_engine()
 
     await runtime.run_until_stopped(shutdown)
 

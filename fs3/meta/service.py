@@ -280,6 +280,7 @@ class MetaService(FileLengths, MetaJobs):
         env = self._env(ctx.user)
 
         async def body(txn: Transaction) -> M:
+            txn.prefetch([key, schema.expired_client_key(ctx.client_id)])  # one round trip for both
             raw = await txn.get(key)
             if raw is not None and self._reuse_answers:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)

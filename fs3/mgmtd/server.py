@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from fs3.common.errors import InvalidArgument, NotSupported
+from fs3.common.errors import InvalidArgument
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
 from fs3.common.secret_files import TokenSource, make_private_dir
@@ -24,15 +25,19 @@ __all__ = ["open_shared_engine", "run_mgmtd", "shared_setup"]
 log = logging.getLogger(__name__)
 
 
-def open_shared_engine(config: MgmtdConfig) -> TxnEngine:
-    """The shared database several mgmtd instances run on (``kv_engine = "postgres"``).
+async def open_shared_engine(config: MgmtdConfig) -> tuple[TxnEngine, Callable[[], Awaitable[None]]]:
+    """The shared database several mgmtd instances run on (``kv_engine = "postgres"``), and how to
+    close it: connects and checks the schema first (an unreachable server, a wrong password, a
+    database of another cluster or schema version stop the start here, with nothing written).
 
-    The seam for the PostgreSQL engine of ``fs3.kv``: everything above it (the lease, the fenced
-    state writes, standbys) speaks only :class:`~fs3.kv.api.TxnEngine` and is tested on a shared
-    in-memory engine; opening PostgreSQL at ``config.pg_url`` goes here.
+    Everything above it (the lease, the fenced state writes, standbys) speaks only
+    :class:`~fs3.kv.api.TxnEngine`. mgmtd's keys live under ``mgmtd/``, so it may share the
+    database of the cluster's meta servers (one cluster id for both).
     """
-    raise NotSupported(f"kv_engine {config.kv_engine!r}: this build has no PostgreSQL transaction engine yet; "
-                       "run a single mgmtd (kv_engine rocksdb)")
+    from fs3.kv.postgres import PostgresConfig, PostgresTxnEngine  # the driver loads only for PostgreSQL
+
+    engine = await PostgresTxnEngine.open(PostgresConfig(config.pg_url, cluster_id=config.cluster_id, sync=True))
+    return engine, engine.close
 
 
 def shared_setup(config: MgmtdConfig, engine: TxnEngine) -> SharedEngine:
@@ -48,9 +53,10 @@ async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> Non
     tls = Tls.load(config.tls, server=True)  # before anything opens: bad TLS material stops the start
     tokens = TokenReloader(TokenSource(config.token, config.token_file, config.trusted_token_file))
     metrics = ServiceMetrics("mgmtd")
+    close_engine: Callable[[], Awaitable[None]] | None = None
     if config.kv_engine == "postgres":
-        servicer = MgmtdServicer(None, config, metrics=metrics,
-                                 shared=shared_setup(config, open_shared_engine(config)))
+        engine, close_engine = await open_shared_engine(config)
+        servicer = MgmtdServicer(None, config, metrics=metrics, shared=shared_setup(config, engine))
     else:
         if config.kv_engine == "rocksdb":
             make_private_dir(config.data_dir)
@@ -63,7 +69,13 @@ async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> Non
     bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
     servicer.metrics_address = bound.metrics
     runtime.write_ready_file(ready_file)
-    await runtime.run_until_stopped(servicer.stop)
+
+    async def shutdown() -> None:
+        await servicer.stop()
+        if close_engine is not None:
+            await close_engine()
+
+    await runtime.run_until_stopped(shutdown)
 
 
 def run_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> None:

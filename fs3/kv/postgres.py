@@ -1,0 +1,611 @@
+"""Serializable transactions on PostgreSQL: the :class:`~fs3.kv.api.TxnEngine` for several meta servers.
+
+The namespace lives in one ordered table, ``fs3_kv (k bytea PRIMARY KEY, v bytea)``: a get is a
+primary-key lookup, a scan an index range scan in ``bytea`` order (byte-wise, the order the
+embedded engine keeps). Every transaction runs at ``SERIALIZABLE``: PostgreSQL's serializable
+snapshot isolation detects the conflicts that :class:`~fs3.kv.txn.OptimisticTxnEngine` detects by
+itself, and reports them as SQLSTATE 40001/40P01, which become :class:`TxnConflict`.
+
+Round trips are what a networked engine costs, so each transaction spends as few as it can, and
+the engine counts them (``round_trips``):
+
+* ``BEGIN ISOLATION LEVEL SERIALIZABLE`` travels with the transaction's first read (libpq pipeline
+  mode: several statements, one flush, one wait), so a read costs one round trip, the first too.
+* Writes are buffered here, as the optimistic engine buffers them, and the transaction's own reads
+  see them (scans merge them in key order). ``commit`` sends them all with the ``COMMIT``: one
+  upsert of every put (``unnest`` of two arrays), one delete of every deleted key (``= ANY``), and
+  the ``COMMIT``, pipelined: one round trip. A transaction that only wrote adds its ``BEGIN`` to
+  that same flush.
+* A transaction that read and wrote nothing costs nothing; one that only read commits with one
+  round trip (SERIALIZABLE data is only final once the reader's commit succeeded). A transaction
+  that is dropped without a commit (a read-only meta request) gives its connection back to the
+  pool, where the next user sends the ``ROLLBACK`` in front of its own ``BEGIN``: no round trip.
+
+Failures: a serialization failure or deadlock (and a unique violation, which concurrent upserts
+can raise under SERIALIZABLE) is :class:`TxnConflict`; a connection lost while the ``COMMIT`` was
+in flight is :class:`MaybeCommitted` (the meta operations are idempotent for it, and
+:func:`~fs3.kv.txn.run_transaction` retries both); a connection lost before the commit is a
+conflict too (nothing was written, running the transaction again is the cure); a statement that
+ran past ``statement_timeout_ms`` is :class:`Timeout`. A pooled connection found dead before a
+transaction used it (the server restarted) is replaced without the caller seeing it.
+
+Durability: with ``sync`` the sessions run ``synchronous_commit = on``, so a ``COMMIT`` that
+returned is durable (and replicated, if the server is configured to wait for standbys):
+``wait_durable`` has nothing to wait for. Without ``sync``, ``synchronous_commit = off``.
+
+At start (:meth:`PostgresTxnEngine.open`) the schema is checked in one transaction: an empty
+database gets the tables and the ``fs3_info`` rows (schema version, cluster id); a database of
+another schema version or of another cluster is refused with a clear error and nothing written.
+
+An engine belongs to the event loop that opened it (its connections are that loop's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import select
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from fs3.common.errors import FS3Error, InvalidArgument, MaybeCommitted, Timeout, TxnConflict, Unavailable
+from fs3.common.retry import Backoff, RetryPolicy
+from fs3.kv.gate import ContentionGate
+from fs3.kv.txn import TxnFaults
+
+__all__ = ["SCHEMA_VERSION", "PostgresConfig", "PostgresTxnEngine", "redact_url"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_TABLE = "fs3_kv"
+_INFO = "fs3_info"
+_BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
+_GET = b"SELECT v FROM fs3_kv WHERE k = %s"
+_GET_MANY = b"SELECT k, v FROM fs3_kv WHERE k = ANY(%s::bytea[])"
+_SCAN = {  # (has end, has limit) -> statement
+    (False, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s ORDER BY k",
+    (True, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s AND k < %s ORDER BY k",
+    (False, True): b"SELECT k, v FROM fs3_kv WHERE k >= %s ORDER BY k LIMIT %s",
+    (True, True): b"SELECT k, v FROM fs3_kv WHERE k >= %s AND k < %s ORDER BY k LIMIT %s",
+}
+_UPSERT = (b"INSERT INTO fs3_kv (k, v) SELECT * FROM unnest(%s::bytea[], %s::bytea[]) "
+           b"ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v")
+_DELETE = b"DELETE FROM fs3_kv WHERE k = ANY(%s::bytea[])"
+_SCHEMA_LOCK = 0x66733353434845  # "fs3SCHE": the advisory lock of the schema check
+_CONFLICT_STATES = frozenset({"40001", "40P01", "23505"})
+_DELETED = object()
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    return urlunsplit(parts._replace(netloc=netloc[0].rsplit(":", 1)[0] + ":***@" + netloc[1]))
+
+
+def _conninfo(url: str) -> str:
+    """A libpq URI from ``postgresql://``, ``postgres://`` or a SQLAlchemy ``postgresql+driver://`` URL."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.split("+", 1)[0] not in ("postgresql", "postgres"):
+        raise InvalidArgument(f"pg_url {redact_url(url)!r}: expected postgresql://user:password@host:port/database")
+    return "postgresql://" + rest
+
+
+@dataclass(frozen=True)
+class PostgresConfig:
+    """How the engine talks to the server. ``pool_size_max`` bounds the connections (one per
+    transaction in flight); ``acquire_timeout_ms`` bounds the wait for one when all are busy."""
+
+    url: str
+    cluster_id: str = "fs3"
+    sync: bool = True
+    pool_size_max: int = 16
+    statement_timeout_ms: int = 5_000
+    connect_timeout_ms: int = 10_000
+    acquire_timeout_ms: int = 10_000
+    # A transaction left open (a caller that never committed nor dropped it) is ended by the server.
+    idle_in_transaction_timeout_ms: int = 60_000
+
+    def validate(self) -> None:
+        _conninfo(self.url)
+        if not 1 <= self.pool_size_max <= 1_000:
+            raise InvalidArgument("pool_size_max must be within [1, 1000]")
+        for name in ("statement_timeout_ms", "connect_timeout_ms", "acquire_timeout_ms",
+                     "idle_in_transaction_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be positive")
+        if not self.cluster_id:
+            raise InvalidArgument("cluster_id must not be empty")
+
+
+class _Conn:
+    """A pooled connection; ``dirty``: a transaction may be open on it (ROLLBACK before reuse)."""
+
+    __slots__ = ("dirty", "pg")
+
+    def __init__(self, pg: psycopg.AsyncConnection[Any]) -> None:
+        self.pg = pg
+        self.dirty = False
+
+    def stale(self) -> bool:
+        """Whether the server has closed (or written to) this idle connection: an idle connection
+        with something to read holds an error or end-of-file (a restarted or terminated server)."""
+        if self.pg.closed or self.pg.broken:
+            return True
+        try:
+            readable, _, _ = select.select([self.pg.fileno()], [], [], 0)
+        except (OSError, ValueError, psycopg.Error):
+            return True
+        return bool(readable)
+
+
+class _Pool:
+    """A bounded LIFO pool (the most recently used connection is warm in the server's caches).
+    Futures, not asyncio locks, queue the waiters: nothing here is bound to one event loop."""
+
+    def __init__(self, config: PostgresConfig) -> None:
+        self.config = config
+        self._conninfo = _conninfo(config.url)
+        self._idle: list[_Conn] = []
+        self._open = 0
+        self._waiters: deque[asyncio.Future[_Conn | None]] = deque()
+        self._closed = False
+        self._rolling_back: set[asyncio.Task[None]] = set()
+        self.rollbacks = 0
+
+    async def connect(self) -> psycopg.AsyncConnection[Any]:
+        """A new session. No server-side prepared statements: a pipeline that fails part-way
+        leaves psycopg's cache believing in statements the server never prepared (error 26000
+        on their next use); the statements here are small, their parse is cheap."""
+        cfg = self.config
+        options = (f"-c statement_timeout={cfg.statement_timeout_ms} "
+                   f"-c idle_in_transaction_session_timeout={cfg.idle_in_transaction_timeout_ms} "
+                   f"-c synchronous_commit={'on' if cfg.sync else 'off'}")
+        try:
+            return await psycopg.AsyncConnection.connect(
+                self._conninfo, autocommit=True, connect_timeout=max(1, cfg.connect_timeout_ms // 1000),
+                options=options, application_name="fs3-meta", prepare_threshold=None)
+        except psycopg.OperationalError as exc:
+            raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(cfg.url)}: {_first_line(exc)}") from None
+
+    async def acquire(self) -> _Conn:
+        if self._closed:
+            raise Unavailable("the PostgreSQL engine is closed")
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.stale():
+                return conn
+            self._discard(conn)
+        if self._open < self.config.pool_size_max:
+            self._open += 1
+            try:
+                return _Conn(await self.connect())
+            except BaseException:
+                self._open -= 1
+                self._wake()
+                raise
+        waiter: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            handed = await asyncio.wait_for(waiter, self.config.acquire_timeout_ms / 1000)
+        except TimeoutError:
+            raise Unavailable(f"no PostgreSQL connection free within {self.config.acquire_timeout_ms} ms "
+                              f"(pool_size_max {self.config.pool_size_max})") from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+        return handed if handed is not None else await self.acquire()
+
+    def release(self, conn: _Conn) -> None:
+        """Give a connection back (a broken one is closed; its slot goes to a waiter)."""
+        if self._closed or conn.pg.closed or conn.pg.broken:
+            self._discard(conn)
+            return
+        if not conn.dirty and conn.pg.info.transaction_status != TransactionStatus.IDLE:
+            conn.dirty = True
+        if conn.dirty and conn.pg.info.transaction_status == TransactionStatus.INTRANS:
+            # A transaction left open (dropped uncommitted: meta's reads) would keep its snapshot
+            # and its predicate locks until the connection's next use, and the writers that
+            # overlap it would be aborted as pivots: end it now, off its caller's path.
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                task = loop.create_task(self._roll_back(conn))
+                self._rolling_back.add(task)
+                task.add_done_callback(self._rolling_back.discard)
+                return
+        self._hand_over(conn)
+
+    async def _roll_back(self, conn: _Conn) -> None:
+        try:
+            await conn.pg.execute(b"ROLLBACK")
+        except psycopg.Error:
+            self._discard(conn)
+            return
+        finally:
+            self.rollbacks += 1
+        conn.dirty = False
+        self.release(conn)
+
+    def _hand_over(self, conn: _Conn) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self._idle.append(conn)
+
+    def _discard(self, conn: _Conn) -> None:
+        self._open -= 1
+        with contextlib.suppress(Exception):
+            conn.pg.pgconn.finish()
+        self._wake()
+
+    def _wake(self) -> None:
+        """A slot came free: let one waiter open a connection of its own."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def terminate(self) -> None:
+        """Close every idle connection at once (no event loop needed); busy ones close on release."""
+        self._closed = True
+        for conn in self._idle:
+            with contextlib.suppress(Exception):
+                conn.pg.pgconn.finish()
+        self._open -= len(self._idle)
+        self._idle.clear()
+        self._wake()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _lost(exc: BaseException) -> bool:
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(exc, pg_errors.QueryCanceled) \
+        and getattr(exc, "sqlstate", None) not in _CONFLICT_STATES
+
+
+class _Slot:
+    """The connection a transaction holds: apart from the transaction, so that a transaction
+    dropped without a commit can give it back (a weakref finalizer may not hold the transaction)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self) -> None:
+        self.conn: _Conn | None = None
+
+
+def _reclaim(pool: _Pool, slot: _Slot) -> None:
+    if slot.conn is not None:
+        conn, slot.conn = slot.conn, None
+        conn.dirty = True
+        pool.release(conn)
+
+
+class _PgTxn:
+    def __init__(self, engine: PostgresTxnEngine) -> None:
+        self._engine = engine
+        self._slot = _Slot()
+        self._writes: dict[bytes, object] = {}
+        self._cache: dict[bytes, bytes | None] = {}  # point reads (snapshot values), absent ones too
+        self._prefetch: list[bytes] = []
+        self._done = False
+        weakref.finalize(self, _reclaim, engine._pool, self._slot)
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise InvalidArgument("transaction already committed or abandoned")
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process serving this transaction (None before its first read)."""
+        conn = self._slot.conn
+        return None if conn is None else conn.pg.info.backend_pid
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Keys this transaction is about to read: they ride with its next read (one round trip
+        for all), and their values are kept for when they are asked for."""
+        self._check_open()
+        self._prefetch.extend(k for k in keys if k not in self._writes and k not in self._cache)
+
+    async def get(self, key: bytes) -> bytes | None:
+        self._check_open()
+        if key in self._writes:
+            value = self._writes[key]
+            return None if value is _DELETED else value  # type: ignore[return-value]
+        if key in self._cache:  # one snapshot for the whole transaction: what it read stays true
+            return self._cache[key]
+        self._prefetch.append(key)
+        await self._round_trip([])  # the key goes with the prefetched ones
+        return self._cache[key]
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        self._check_open()
+        if limit is not None and limit <= 0:
+            raise InvalidArgument("scan limit must be positive")
+        in_range = [(key, value) for key, value in self._writes.items()
+                    if key >= start and (end is None or key < end)]
+        fetch = None
+        if limit is not None:  # each own delete in the range can hide one stored pair
+            fetch = limit + sum(1 for _, value in in_range if value is _DELETED)
+        params: list[object] = [start]
+        if end is not None:
+            params.append(end)
+        if fetch is not None:
+            params.append(fetch)
+        (rows,) = await self._round_trip([(_SCAN[(end is not None, fetch is not None)], params)])
+        merged: dict[bytes, bytes] = {bytes(k): bytes(v) for k, v in rows}
+        for key, value in in_range:
+            if value is _DELETED:
+                merged.pop(key, None)
+            else:
+                merged[key] = value  # type: ignore[assignment]
+        keys = sorted(merged)
+        if limit is not None:
+            keys = keys[:limit]
+        return [(k, merged[k]) for k in keys]
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._check_open()
+        self._writes[key] = value
+
+    def delete(self, key: bytes) -> None:
+        self._check_open()
+        self._writes[key] = _DELETED
+
+    async def _round_trip(self, statements: list[tuple[bytes, Sequence[object]]]) -> list[list[tuple[Any, ...]]]:
+        """Run ``statements`` and the pending point reads (``prefetch``) in one flush; the point
+        reads fill the cache, the answer holds the statements' rows."""
+        points = list(dict.fromkeys(k for k in self._prefetch if k not in self._cache and k not in self._writes))
+        self._prefetch.clear()
+        work = list(statements)
+        if len(points) == 1:
+            work.append((_GET, (points[0],)))
+        elif points:
+            work.append((_GET_MANY, (points,)))
+        results = await self._send(work)
+        if len(points) == 1:
+            rows = results.pop()
+            self._cache[points[0]] = bytes(rows[0][0]) if rows else None
+        elif points:
+            found = {bytes(k): bytes(v) for k, v in results.pop()}
+            for key in points:
+                self._cache[key] = found.get(key)
+        return results
+
+    async def _send(self, work: list[tuple[bytes, Sequence[object]]]) -> list[list[tuple[Any, ...]]]:
+        """One round trip. The transaction's first adds BEGIN (and the ROLLBACK its connection's
+        previous user left to it) to the same flush, on a pooled connection; a connection that
+        turns out dead then is replaced once (nothing had happened on it yet)."""
+        engine = self._engine
+        conn = self._slot.conn
+        if conn is not None:
+            try:
+                if len(work) == 1:
+                    cursors = [await conn.pg.execute(work[0][0], work[0][1], binary=True)]
+                else:
+                    async with conn.pg.pipeline():
+                        cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
+                engine._round_trips += 1
+                return [await cur.fetchall() for cur in cursors]
+            except psycopg.Error as exc:
+                raise self._failed(exc, committing=False) from None
+        for attempt in (1, 2):
+            conn = await engine._pool.acquire()
+            self._slot.conn = conn
+            try:
+                async with conn.pg.pipeline():
+                    if conn.dirty:
+                        await conn.pg.execute(b"ROLLBACK")
+                    await conn.pg.execute(_BEGIN)
+                    cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
+                engine._round_trips += 1
+                conn.dirty = False
+                return [await cur.fetchall() for cur in cursors]
+            except psycopg.Error as exc:
+                if attempt == 1 and _lost(exc):
+                    self._slot.conn = None
+                    engine._pool.release(conn)
+                    continue
+                raise self._failed(exc, committing=False) from None
+        raise AssertionError("unreachable")
+
+    async def commit(self) -> None:
+        self._check_open()
+        engine = self._engine
+        faults = engine.faults
+        if faults.take("conflict"):
+            self._finish()
+            engine.conflicts += 1
+            raise TxnConflict("a key this transaction read was changed by another one (injected)")
+        conn = self._slot.conn
+        if conn is None and not self._writes:
+            self._finish()
+            engine.commits += 1
+            return
+        if conn is None:
+            conn = self._slot.conn = await engine._pool.acquire()
+            fresh = True
+        else:
+            fresh = False
+        puts = [(k, v) for k, v in sorted(self._writes.items()) if v is not _DELETED]
+        deletes = sorted(k for k, v in self._writes.items() if v is _DELETED)
+        try:
+            async with conn.pg.pipeline():
+                if fresh:
+                    if conn.dirty:
+                        await conn.pg.execute(b"ROLLBACK")
+                    await conn.pg.execute(_BEGIN)
+                if puts:
+                    await conn.pg.execute(_UPSERT, ([k for k, _ in puts], [v for _, v in puts]))
+                if deletes:
+                    await conn.pg.execute(_DELETE, (deletes,))
+                await conn.pg.execute(b"COMMIT")
+            engine._round_trips += 1
+            conn.dirty = False
+        except psycopg.Error as exc:
+            raise self._failed(exc, committing=True) from None
+        self._finish()
+        engine.commits += 1
+        if faults.take("maybe_committed"):
+            raise MaybeCommitted("the commit's outcome is unknown (injected)")
+
+    def _finish(self) -> None:
+        """End the transaction here and give its connection back (an open transaction on it is
+        rolled back by the connection's next user, in the same flush as its BEGIN)."""
+        self._done = True
+        conn, self._slot.conn = self._slot.conn, None
+        if conn is not None:
+            self._engine._pool.release(conn)
+
+    def _failed(self, exc: psycopg.Error, committing: bool) -> FS3Error:
+        """End the transaction and map the driver's error to fs3's (one place for all of them)."""
+        engine = self._engine
+        engine._round_trips += 1
+        self._done = True
+        conn, self._slot.conn = self._slot.conn, None
+        if conn is not None:
+            conn.dirty = True
+            engine._pool.release(conn)
+        state = getattr(exc, "sqlstate", None)
+        if state in _CONFLICT_STATES:
+            engine.conflicts += 1
+            return TxnConflict(f"serialization failure ({state}): {_first_line(exc)}")
+        if isinstance(exc, pg_errors.QueryCanceled):
+            return Timeout(f"a PostgreSQL statement ran past statement_timeout: {_first_line(exc)}")
+        if _lost(exc):
+            if committing:
+                engine.maybe_committed += 1
+                return MaybeCommitted(f"the PostgreSQL connection was lost during commit: {_first_line(exc)}")
+            engine.conflicts += 1
+            return TxnConflict(f"the PostgreSQL connection was lost before commit (nothing written): "
+                               f"{_first_line(exc)}")
+        return Unavailable(f"PostgreSQL error {state or ''}: {_first_line(exc)}")
+
+
+class PostgresTxnEngine:
+    """Serializable transactions on a PostgreSQL table; open with :meth:`open`.
+
+    Counters (read by the meta metrics and the benchmark): ``round_trips`` (each flush that waited
+    for the server), ``commits``, ``conflicts`` (serialization failures and lost connections before
+    commit), ``maybe_committed``.
+    """
+
+    def __init__(self, config: PostgresConfig, faults: TxnFaults | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.faults = faults or TxnFaults()
+        self._pool = _Pool(config)
+        # Read by run_transaction: retries run alone in this process (fs3.kv.gate explains why).
+        self.contention_gate = ContentionGate()
+        self._round_trips = 0
+        self.commits = 0
+        self.conflicts = 0
+        self.maybe_committed = 0
+
+    @classmethod
+    async def open(cls, config: PostgresConfig, faults: TxnFaults | None = None) -> PostgresTxnEngine:
+        """Connect, check (or, on an empty database, create) the schema; errors are clear and
+        leave the database as it was."""
+        if not psycopg.Pipeline.is_supported():
+            raise Unavailable(f"psycopg's libpq {psycopg.pq.version()} has no pipeline mode (libpq 14 or newer "
+                              f"needed): install psycopg[binary], which brings its own")
+        engine = cls(config, faults)
+        await engine._check_schema()
+        return engine
+
+    @property
+    def round_trips(self) -> int:
+        """Round trips to the server so far: transactions' and the pool's rollbacks of dropped ones."""
+        return self._round_trips + self._pool.rollbacks
+
+    def begin(self) -> _PgTxn:
+        return _PgTxn(self)
+
+    def conflict_retry(self, retry_max: int, backoff_ms: float) -> RetryPolicy:
+        """How :func:`~fs3.kv.txn.run_transaction` retries on this engine: exponential waits, up to
+        64 times ``backoff_ms``, each drawn at random below its cap. Transactions here overlap for
+        several round trips, so those that conflicted together (creates in one directory all
+        stamp its inode) and retry after equal waits conflict together again, until their budget
+        is gone; random waits spread them (measured: bench/meta_kv_bench.py, docs/decisions.md)."""
+        return RetryPolicy(backoff_base_ms=backoff_ms, backoff_max_ms=backoff_ms * 64, backoff=Backoff.EXPONENTIAL,
+                           attempts_max=retry_max + 1, jitter=1.0)
+
+    async def wait_durable(self) -> None:
+        """Nothing to wait for: with ``sync`` a commit returns once durable (``synchronous_commit``),
+        and a read sees only committed data; without it, nothing is waited for either."""
+
+    async def close(self) -> None:
+        self.terminate()
+
+    def terminate(self) -> None:
+        """Close the connections (works without an event loop, e.g. after one has ended)."""
+        self._pool.terminate()
+
+    def stats(self) -> dict[str, int]:
+        return {"round_trips": self.round_trips, "commits": self.commits, "conflicts": self.conflicts,
+                "maybe_committed": self.maybe_committed}
+
+    async def _check_schema(self) -> None:
+        url = redact_url(self.config.url)
+        try:
+            pg = await self._pool.connect()
+        except Unavailable as exc:
+            raise Unavailable(f"{exc} (is the server running, the URL, user and password right?)") from None
+        try:
+            async with pg.transaction():
+                # Meta servers starting together: one creates the schema, the others then check it.
+                await pg.execute(b"SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                cur = await pg.execute(b"SELECT to_regclass('fs3_info') IS NOT NULL, to_regclass('fs3_kv') IS NOT NULL")
+                row = await cur.fetchone()
+                assert row is not None
+                has_info, has_kv = row
+                if not has_info and not has_kv:
+                    await self._create_schema(pg)
+                    log.info("created the fs3 schema (version %d, cluster %r) in %s", SCHEMA_VERSION,
+                             self.config.cluster_id, url)
+                    return
+                if not has_info or not has_kv:
+                    raise InvalidArgument(f"{url}: a partial fs3 schema (fs3_info {'present' if has_info else 'absent'}"
+                                          f", fs3_kv {'present' if has_kv else 'absent'}): not an fs3 database")
+                cur = await pg.execute(b"SELECT name, value FROM fs3_info")
+                info = {str(name): str(value) for name, value in await cur.fetchall()}
+        except psycopg.Error as exc:
+            raise Unavailable(f"checking the fs3 schema in {url}: {_first_line(exc)}") from None
+        finally:
+            await pg.close()
+        version = info.get("schema_version")
+        if version != str(SCHEMA_VERSION):
+            raise InvalidArgument(f"{url} holds fs3 schema version {version}; this fs3 needs version "
+                                  f"{SCHEMA_VERSION} (nothing was changed)")
+        if info.get("cluster_id") != self.config.cluster_id:
+            raise InvalidArgument(f"{url} belongs to cluster {info.get('cluster_id')!r}, not "
+                                  f"{self.config.cluster_id!r} (nothing was changed)")
+
+    async def _create_schema(self, pg: psycopg.AsyncConnection[Any]) -> None:
+        await pg.execute(f"CREATE TABLE {_TABLE} (k bytea PRIMARY KEY, v bytea NOT NULL)".encode())
+        await pg.execute(f"CREATE TABLE {_INFO} (name text PRIMARY KEY, value text NOT NULL)".encode())
+        await pg.execute(f"INSERT INTO {_INFO} (name, value) VALUES ('schema_version', %s), ('cluster_id', %s), "
+                         f"('created_at', %s)".encode(),
+                         (str(SCHEMA_VERSION), self.config.cluster_id, time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                     time.gmtime())))
