@@ -15,8 +15,7 @@ before every cold row:
 
 The cold rows are what a workload larger than memory sees; the warm rows check that a read served
 from the page cache did not get slower. Reported: IOPS per placement (median of the rounds) and
-the ratio nowait / loop per row; on the storage rows also ``nowait_plain_open`` (the chunk file
-opened with ``os.open`` instead of the cache-only ``openat2``) and the per-round ratio of the two.
+the ratio nowait / loop per row.
 
 Usage: ``python bench/cold_read_bench.py [--rounds 3] [--seconds 5] [--skip-fuse]``. Writes
 ``bench/results/coldread-<timestamp>.json`` and prints a table.
@@ -46,7 +45,6 @@ from bench.results_io import save_result  # noqa: E402
 from fs3 import storage_pb2 as spb  # noqa: E402
 from fs3.common.checksum import crc32c  # noqa: E402
 from fs3.common.ids import chunk_id  # noqa: E402
-from fs3.storage import blobs  # noqa: E402
 from fs3.storage.replica import ReplicaConfig, TargetReplica  # noqa: E402
 from fs3.storage.server import StorageConfig, TargetConfig, open_engines  # noqa: E402
 
@@ -58,9 +56,6 @@ PLACEMENTS = {"loop": False, "nowait": True}  # name -> ReplicaConfig.small_read
 # Storage rows only: every small read on the pool, cached or not (what the nowait probe saves a
 # warm read from).
 POOL_ALL = "pool_all"
-# Storage rows only: nowait reads whose chunk file is opened with a plain os.open (the placement
-# before the cache-only open, openat2 RESOLVE_CACHED: a cold dentry or inode stalls the loop).
-NOWAIT_PLAIN_OPEN = "nowait_plain_open"
 NOWAIT_ENV = "FS3_STORAGE_REPLICA_SMALL_READ_NOWAIT"
 
 
@@ -93,10 +88,7 @@ async def _read_row(root: Path, placement: str, chunks: int, seconds: float, inf
     engine = open_engines(_storage_config(root))[TARGET]
     host = Host(io_threads)
     config = ReplicaConfig(offload_read_min_bytes=0) if placement == POOL_ALL \
-        else ReplicaConfig(small_read_nowait=PLACEMENTS.get(placement, True))
-    cached_open = blobs.open_cached
-    if placement == NOWAIT_PLAIN_OPEN:
-        blobs.open_cached = lambda path: os.open(path, os.O_RDONLY)
+        else ReplicaConfig(small_read_nowait=PLACEMENTS[placement])
     replica = TargetReplica(TARGET, engine, host, config)
     ids = [chunk_id(7, index) for index in range(chunks)]
     reads = 0
@@ -113,10 +105,7 @@ async def _read_row(root: Path, placement: str, chunks: int, seconds: float, inf
             await asyncio.sleep(0)  # the next request arrives through the loop, as from a socket
 
     started = time.monotonic()
-    try:
-        await asyncio.gather(*(reader(random.Random(seed * 1000 + i)) for i in range(inflight)))
-    finally:
-        blobs.open_cached = cached_open
+    await asyncio.gather(*(reader(random.Random(seed * 1000 + i)) for i in range(inflight)))
     elapsed = time.monotonic() - started
     await replica.stop()
     host.pool.shutdown(wait=True)
@@ -139,7 +128,7 @@ def storage_rows(args: argparse.Namespace, work: Path) -> dict[str, dict[str, li
     asyncio.run(_fill(root, args.chunks))
     rows: dict[str, dict[str, list[float]]] = {"storage_cold": {}, "storage_warm": {}}
     for round_index in range(args.rounds):
-        names = [*PLACEMENTS, POOL_ALL, NOWAIT_PLAIN_OPEN]
+        names = [*PLACEMENTS, POOL_ALL]
         order = names if round_index % 2 == 0 else list(reversed(names))
         for name in order:
             drop_caches()
@@ -227,18 +216,12 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     medians = {row: {name: statistics.median(values) for name, values in runs.items()} for row, runs in rows.items()}
     ratios = {row: values["nowait"] / max(values["loop"], 1e-6) for row, values in medians.items()}
-    # The cache-only open: per round (the order alternates), then the median.
-    open_ratios = {row: statistics.median(new / max(old, 1e-6) for new, old in
-                                          zip(runs["nowait"], runs[NOWAIT_PLAIN_OPEN], strict=True))
-                   for row, runs in rows.items() if NOWAIT_PLAIN_OPEN in runs}
-    print(f"{'row':14} {'loop':>10} {'nowait':>10} {'pool_all':>10} {'plain open':>10} {'nowait/loop':>12} "
-          f"{'nowait/plain open':>18}")
+    print(f"{'row':14} {'loop':>10} {'nowait':>10} {'pool_all':>10} {'nowait/loop':>12}")
     for row, values in medians.items():
         print(f"{row:14} {values['loop']:10.0f} {values['nowait']:10.0f} {values.get(POOL_ALL, 0):10.0f} "
-              f"{values.get(NOWAIT_PLAIN_OPEN, 0):10.0f} {ratios[row]:12.2f} {open_ratios.get(row, 0):18.2f}")
+              f"{ratios[row]:12.2f}")
     path = save_result("coldread", {"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows,
-                                    "medians": medians, "ratios": ratios,
-                                    "cached_open_vs_plain_open": open_ratios})
+                                    "medians": medians, "ratios": ratios})
     print(f"wrote {path}")
     return 0
 

@@ -361,36 +361,3 @@ def test_small_read_polls_out_of_range_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="small_read_polls"):
         ReplicaConfig(small_read_polls=-1).validate()
     ReplicaConfig(small_read_polls=0).validate()
-
-
-def test_a_small_read_whose_chunk_file_is_not_in_memory_does_not_walk_the_disk(tmp_path: Path) -> None:
-    """Opening a chunk file whose directory entry or inode the kernel dropped reads the disk: a
-    cache-only read answers None without that walk (the pool's blocking read then does it)."""
-    from fs3.storage.blobs import open_cached
-
-    store = FileBlobStore(tmp_path / "chunks", fsync=True)
-    store.write(CID, 1, b"x" * SMALL)
-    store.sync(CID, 1)
-    path = next(p for p in (tmp_path / "chunks").rglob("*") if p.is_file())
-    fd = open_cached(path)
-    assert fd is not None
-    os.close(fd)
-    # A name never looked up is not known to be absent without the disk either: None, and the
-    # blocking read reports the missing file.
-    assert store.read_cached(CID, 2, 0, SMALL) is None
-    with pytest.raises(IoError, match="missing"):
-        store.read(CID, 2, 0, SMALL)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("2\n")  # dentries and inodes (root only)
-    except OSError:
-        pytest.skip("cannot drop the kernel's dentries here (not root)")
-    fd = open_cached(path)
-    if fd is not None:
-        os.close(fd)
-        pytest.skip("this kernel opened a dropped path from memory (no openat2 RESOLVE_CACHED, or kept it)")
-    assert store.read_cached(CID, 1, 0, SMALL) is None
-    assert open_cached(path) is None  # read_cached did not walk the path
-    assert store.read(CID, 1, 0, SMALL) == b"x" * SMALL  # the blocking read does
-    fd = open_cached(path)
-    assert fd is not None
-    os.close(fd)

@@ -16,15 +16,12 @@ directory entry). The simulator's :class:`MemBlobStore` loses what was never syn
 
 :meth:`BlobStore.read_cached` reads only what needs no disk access (``RWF_NOWAIT``): a caller on an
 event loop serves a small read that is in the page cache at once and sends the rest to its I/O pool
-(docs/decisions.md, "Small chunk reads: on the loop only from the page cache"). Opening the file is
-cache-only too (``openat2`` with ``RESOLVE_CACHED``): a chunk file whose directory entry or inode
-is not in memory would otherwise stall the loop on a disk read before ``RWF_NOWAIT`` is even asked.
+(docs/decisions.md, "Small chunk reads: on the loop only from the page cache").
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
@@ -37,64 +34,10 @@ from fs3.common.errors import IoError, NoSpace
 from fs3.common.faults import sabotaged
 from fs3.storage import schema
 
-__all__ = ["BlobStore", "FileBlobStore", "MemBlobStore", "open_cached"]
+__all__ = ["BlobStore", "FileBlobStore", "MemBlobStore"]
 
 # Linux >= 4.14 (0 elsewhere: no cache-only reads, see FileBlobStore.read_cached).
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
-
-
-class _OpenHow(ctypes.Structure):
-    """``struct open_how`` of ``openat2(2)``."""
-
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-class _CachedOpener:
-    """``openat2(path, O_RDONLY, RESOLVE_CACHED)`` (Linux >= 5.12, x86-64 and arm64): an open that
-    fails with EAGAIN where the path walk would have to read the disk, where ``os.open`` would block.
-
-    ``open`` returns a descriptor, or None when the kernel would have to wait; where the call or the
-    flag is unknown it is a plain ``os.open`` from then on (as every open was before).
-    """
-
-    _SYS_OPENAT2 = 437  # the same number on every architecture that has the generic syscall table
-    _RESOLVE_CACHED = 0x20
-    _AT_FDCWD = -100
-
-    def __init__(self) -> None:
-        self._syscall = None
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            self._syscall = libc.syscall
-        except (OSError, AttributeError):
-            pass
-        self._how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, self._RESOLVE_CACHED)
-        self._how_size = ctypes.sizeof(self._how)
-
-    def open(self, path: Path) -> int | None:
-        syscall = self._syscall
-        if syscall is None:
-            return os.open(path, os.O_RDONLY)
-        fd = int(syscall(self._SYS_OPENAT2, self._AT_FDCWD, os.fsencode(path), ctypes.byref(self._how),
-                         self._how_size))
-        if fd >= 0:
-            return fd
-        error = ctypes.get_errno()
-        if error == errno.EAGAIN:
-            return None
-        if error in (errno.ENOSYS, errno.EINVAL, errno.E2BIG, errno.EPERM):  # no openat2 or no RESOLVE_CACHED
-            self._syscall = None
-            return os.open(path, os.O_RDONLY)
-        raise OSError(error, os.strerror(error), str(path))
-
-
-_CACHED_OPENER = _CachedOpener()
-
-
-def open_cached(path: Path) -> int | None:
-    """A read-only descriptor of ``path`` when its path walk needs no disk read, else None (see
-    :class:`_CachedOpener`; a plain ``os.open`` where the kernel cannot tell)."""
-    return _CACHED_OPENER.open(path)
 
 
 class BlobStore(Protocol):
@@ -219,9 +162,7 @@ class FileBlobStore:
         path = self._path(chunk_id, blob)
         buf = bytearray(length)
         try:
-            fd = open_cached(path)
-            if fd is None:  # the path walk would read the disk
-                return None
+            fd = os.open(path, os.O_RDONLY)
             try:
                 count = os.preadv(fd, [buf], offset, _RWF_NOWAIT)
             finally:
