@@ -45,12 +45,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import select
 import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -88,12 +89,21 @@ _DELETED = object()
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    return urlunsplit(parts._replace(netloc=netloc[0].rsplit(":", 1)[0] + ":***@" + netloc[1]))
+    """The URL with its password replaced, for messages and logs: in the user part and in a
+    ``password=`` parameter; a URL that does not parse is not shown at all."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<a URL that does not parse>"
+    if "://" not in url:
+        return "<not a URL>"
+    if password is not None:
+        netloc = parts.netloc.rsplit("@", 1)
+        parts = parts._replace(netloc=netloc[0].rsplit(":", 1)[0] + ":***@" + netloc[1])
+    if parts.query:
+        parts = parts._replace(query=re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query))
+    return urlunsplit(parts)
 
 
 def _conninfo(url: str) -> str:
@@ -109,7 +119,7 @@ class PostgresConfig:
     """How the engine talks to the server. ``pool_size_max`` bounds the connections (one per
     transaction in flight); ``acquire_timeout_ms`` bounds the wait for one when all are busy."""
 
-    url: str
+    url: str = field(repr=False)  # may carry a password
     cluster_id: str = "fs3"
     sync: bool = True
     pool_size_max: int = 16
@@ -200,10 +210,22 @@ class _Pool:
         waiter: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            handed = await asyncio.wait_for(waiter, self.config.acquire_timeout_ms / 1000)
-        except TimeoutError:
-            raise Unavailable(f"no PostgreSQL connection free within {self.config.acquire_timeout_ms} ms "
-                              f"(pool_size_max {self.config.pool_size_max})") from None
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that arrives as
+            # the connection is handed over, and on 3.12 it drops the handed connection.
+            async with asyncio.timeout(self.config.acquire_timeout_ms / 1000):
+                handed = await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                # Handed a connection (or a free slot) just as the wait ended: pass it on.
+                given = waiter.result()
+                if given is not None:
+                    self.release(given)
+                else:
+                    self._wake()
+            if isinstance(exc, TimeoutError):
+                raise Unavailable(f"no PostgreSQL connection free within {self.config.acquire_timeout_ms} ms "
+                                  f"(pool_size_max {self.config.pool_size_max})") from None
+            raise
         finally:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -146,8 +147,11 @@ class ClaimTable:
             lapsed.clear()
             raw = await txn.get(key)
             if raw is None:
-                txn.put(key, ClaimRecord(self.owner, 1).encode())
-                return 1
+                # A fresh claim starts at a random epoch: one that restarted at 1 after a release
+                # would look, to a server that saw (owner, 1) before, unchanged since then — lapsed.
+                epoch = _fresh_epoch()
+                txn.put(key, ClaimRecord(self.owner, epoch).encode())
+                return epoch
             record = ClaimRecord.decode(raw)
             if record.owner != self.owner:
                 if not self._lapsed(name, record, self.clock.now_ms()):
@@ -207,6 +211,8 @@ class ClaimTable:
 
         async def bump(txn: Transaction) -> bool:
             raw = await txn.get(key)
+            if raw is not None and ClaimRecord.decode(raw) == ClaimRecord(self.owner, held.epoch + 1):
+                return True  # an earlier try of this bump landed (its commit was "maybe committed")
             if raw is None or ClaimRecord.decode(raw) != ClaimRecord(self.owner, held.epoch):
                 return False
             txn.put(key, ClaimRecord(self.owner, held.epoch + 1).encode())
@@ -260,8 +266,16 @@ class ClaimTable:
             yield held
         finally:
             renewer.cancel()
-            with contextlib.suppress(BaseException):
+            cancelled_meanwhile = False
+            try:
                 await renewer
+            except asyncio.CancelledError:
+                # The renewer's own cancel, or (while this waited for it) one of this task: that
+                # one must not be lost, or a job being stopped would go on — raised after release.
+                task = asyncio.current_task()
+                cancelled_meanwhile = task is not None and task.cancelling() > 0
+            except Exception:  # a renewal's failure was logged; the claim is released below
+                pass
             try:
                 await self.release(held)
             except (FS3Error, asyncio.CancelledError) as exc:
@@ -269,3 +283,10 @@ class ClaimTable:
                 log.warning("releasing claim %s failed (it lapses instead): %r", held.name.hex(), exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
+            if cancelled_meanwhile:
+                raise asyncio.CancelledError
+
+
+def _fresh_epoch() -> int:
+    """A claim's first epoch: random (48 bits), so an (owner, epoch) pair is never seen twice."""
+    return int.from_bytes(os.urandom(6), "big") + 1
