@@ -336,7 +336,7 @@ def test_hard_links_and_this_mounts_own_renames_keep_opens_working(tmp_path: Pat
         await b.setattr(f.inode_id, ME, mode=0o644)
         fh, _ = await b.open(f.inode_id, O_RDONLY, ALICE)
         await b.release(fh)
-        b.forget([f.inode_id])
+        b.forget([(f.inode_id, 1_000)])  # every lookup the kernel made
         assert b.names.of(f.inode_id) == []
         # Every name of a file held open removed elsewhere: one ESTALE drops them all, so the
         # kernel's one retry (here a reopen through /proc/self/fd, by no name) opens the file.
@@ -417,3 +417,26 @@ def test_a_fuse_request_whose_handler_meets_a_cancelled_task_is_still_answered()
             await task
 
     asyncio.run(cancelled_request())
+
+
+def test_a_forget_takes_back_only_its_own_lookups() -> None:
+    """The kernel revalidating a name that now leads to another inode looks that inode up, finds
+    it is not the one its entry has, and sends FORGET(1) for it — while its fresh lookup of the same
+    inode stands. Dropping every name at any FORGET left the kernel's entry unchecked: the next
+    open went by inode alone and opened an old, replaced file held open elsewhere."""
+    from fs3.vfs.core import KernelNames
+
+    async def main() -> None:
+        names = KernelNames(entry_timeout_s=600)
+        new = mpb.Inode(inode_id=77, type=mpb.FILE)
+        names.saw(ROOT, b"ckpt", new)  # the revalidation's lookup
+        names.saw(ROOT, b"ckpt", new)  # the fresh lookup the kernel keeps
+        names.forget(77, 1)  # the revalidation's lookup taken back
+        assert names.of(77) == [(ROOT, b"ckpt")]
+        names.forget(77, 1)  # the kernel is done with the inode
+        assert names.of(77) == []
+        names.saw(ROOT, b"other", new)
+        names.forget(77, 5)  # more than it was told: gone, as before
+        assert names.of(77) == []
+
+    asyncio.run(main())

@@ -157,7 +157,7 @@ class FS3Operations(pyfuse3.Operations):
         # (attributes, and the names the Vfs checks opens against).
         for inode, _ in inode_list:
             self._told.pop(inode, None)
-        self.vfs.forget([inode for inode, _ in inode_list])
+        self.vfs.forget([(inode, nlookup) for inode, nlookup in inode_list])
 
     @answer_errors
     async def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:

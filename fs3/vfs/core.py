@@ -113,6 +113,11 @@ class KernelNames:
         # (parent, name) -> (inode, loop time it was given to the kernel); oldest first.
         self._by_name: OrderedDict[tuple[int, bytes], tuple[int, float]] = OrderedDict()
         self._by_inode: dict[int, list[tuple[int, bytes]]] = {}
+        # inode -> entries given to the kernel for it (FUSE's lookup count): a FORGET takes back
+        # its count, and the kernel is done with the inode only when none are left. (It sends
+        # FORGET(n) for an inode it looked up but did not keep — a revalidation that found another
+        # inode — while a later lookup of the same inode stands.)
+        self._lookups: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -123,9 +128,11 @@ class KernelNames:
     def saw(self, parent: int, name: bytes, inode: mpb.Inode) -> None:
         """The kernel was told that ``parent``/``name`` is ``inode`` (lookup, create, readdir...)."""
         key = (parent, bytes(name))
+        lookups = self._lookups.get(inode.inode_id, 0)  # (the unlink below may drop the count)
         self._unlink(key)
         if inode.type != mpb.FILE or not inode.inode_id:
             return  # only regular files are opened by inode through a name
+        self._lookups[inode.inode_id] = lookups + 1
         names = self._by_inode.setdefault(inode.inode_id, [])
         names.append(key)
         self._by_name[key] = (inode.inode_id, self._now())
@@ -151,8 +158,13 @@ class KernelNames:
         """The names the kernel may use for ``inode_id``, newest first."""
         return list(reversed(self._by_inode.get(inode_id, ())))
 
-    def forget(self, inode_id: int) -> None:
-        """The kernel forgot the inode, and with it every name it had for it."""
+    def forget(self, inode_id: int, nlookup: int) -> None:
+        """The kernel took back ``nlookup`` of its lookups of the inode; at none left it forgot the
+        inode, and with it every name it had for it."""
+        left = self._lookups.pop(inode_id, 0) - nlookup
+        if left > 0 and inode_id in self._by_inode:
+            self._lookups[inode_id] = left
+            return
         for key in self._by_inode.pop(inode_id, ()):
             self._by_name.pop(key, None)
 
@@ -166,6 +178,7 @@ class KernelNames:
                 names.remove(key)
             if not names:
                 del self._by_inode[found[0]]
+                self._lookups.pop(found[0], None)  # bounded with the names (a count lost is a forget early)
 
     def _evict(self, key: tuple[int, bytes]) -> None:
         found = self._by_name.get(key)
@@ -279,10 +292,11 @@ class Vfs:
         self.names.saw(parent, name, inode)
         return self._with_local_length(inode)
 
-    def forget(self, inode_ids: list[int]) -> None:
-        """The kernel dropped these inodes (and every name it had for them)."""
-        for inode_id in inode_ids:
-            self.names.forget(inode_id)
+    def forget(self, inodes: list[tuple[int, int]]) -> None:
+        """The kernel took back lookups of these inodes (``(inode, nlookup)`` each); one with none
+        left is dropped, with every name it had for it."""
+        for inode_id, nlookup in inodes:
+            self.names.forget(inode_id, nlookup)
 
     async def getattr(self, inode_id: int, user: mpb.User) -> mpb.Inode:
         cached = self._attrs.get(inode_id)
