@@ -7,12 +7,13 @@ import contextlib
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from fs3.cli.local import LocalCluster as ProcessCluster
 
-__all__ = ["ProcessCluster", "free_port", "mounted_cluster", "require_fuse"]
+__all__ = ["ProcessCluster", "free_port", "mounted_cluster", "open_mount", "require_fuse", "test_dir"]
 
 
 def free_port() -> int:
@@ -48,3 +49,27 @@ def mounted_cluster(root: Path, token: str = "t", workers: int = 1) -> Iterator[
         cluster.stop_all()
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+
+
+@contextlib.contextmanager
+def open_mount(root: Path, chunk_size_bytes: int | None = None) -> Iterator[tuple[ProcessCluster, Path]]:
+    """:func:`mounted_cluster` whose top directory every user may write in (tests that run as other
+    users), with ``chunk_size_bytes`` as the root's layout when given (small chunks: many pieces)."""
+    require_fuse()
+    with mounted_cluster(root) as (cluster, mnt):
+        if chunk_size_bytes is not None:
+            subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address,
+                            "--token", cluster.token, "set-layout", "/", "--chunk-size", str(chunk_size_bytes)],
+                           check=True, capture_output=True)
+        os.chmod(mnt, 0o777)
+        yield cluster, mnt
+
+
+def test_dir(mnt: Path, name: str) -> Path:
+    """A fresh directory of one test on a shared mount."""
+    path = mnt / name
+    path.mkdir()
+    return path
+
+
+test_dir.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test for pytest to collect

@@ -24,17 +24,22 @@ def _report(seed: int, ops: int, result: object) -> str:
     return f"{result}\n  replay: python -m fs3.sim --seed {seed} --ops {ops} --mix meta"
 
 
+def _assert_seeds_pass(seeds: range, shape: MetaShape, ops: int = 40) -> None:
+    """Every seed runs a real workload and passes; failures listed with their replay commands."""
+    failures = []
+    for seed in seeds:
+        result = run_seed(seed, clients=3, ops_per_client=ops, mix="meta", meta_shape=shape)
+        assert result.ops > 100
+        if not result.ok:
+            failures.append(_report(seed, ops, result.summary() + "\n" + "\n".join(result.violations[:2])))
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("batch", range(2))
 def test_meta_seeds_under_the_faults_meta_handles(batch: int) -> None:
     """Lost replies and requests, meta restarts, clients cut off past their lease (with retries that
     end within it), storage nodes killed, conflicting and "maybe committed" commits."""
-    failures = []
-    for seed in range(batch * 8 + 1, (batch + 1) * 8 + 1):
-        result = run_seed(seed, clients=3, ops_per_client=40, mix="meta", meta_shape=HANDLED)
-        assert result.ops > 100
-        if not result.ok:
-            failures.append(_report(seed, 40, result.summary() + "\n" + "\n".join(result.violations[:2])))
-    assert not failures, "\n".join(failures)
+    _assert_seeds_pass(range(batch * 8 + 1, (batch + 1) * 8 + 1), HANDLED)
 
 
 def test_a_meta_run_replays_exactly() -> None:
@@ -133,13 +138,7 @@ def test_meta_seeds_with_three_meta_servers_on_one_store(batch: int) -> None:
     """Three meta servers share one engine (the database); clients spread over them. Faults as
     above, but a kill stops one server (its clients go on through the others) and a new one
     starts in its place: the history must still be linearizable, with one store's state."""
-    failures = []
-    for seed in range(batch * 6 + 1, (batch + 1) * 6 + 1):
-        result = run_seed(seed, clients=3, ops_per_client=40, mix="meta", meta_shape=SHARED)
-        assert result.ops > 100
-        if not result.ok:
-            failures.append(_report(seed, 40, result.summary() + "\n" + "\n".join(result.violations[:2])))
-    assert not failures, "\n".join(failures)
+    _assert_seeds_pass(range(batch * 6 + 1, (batch + 1) * 6 + 1), SHARED)
 
 
 def test_three_meta_servers_see_kills_and_serve_every_client() -> None:

@@ -15,24 +15,20 @@ from pathlib import Path
 import pytest
 
 from fs3.usrbio import IoRing, Iov
-from tests.harness import mounted_cluster, require_fuse
+from tests.harness import mounted_cluster, open_mount, require_fuse, test_dir
 
 KIB, MIB = 1024, 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path]]:
-    require_fuse()
-    with mounted_cluster(tmp_path_factory.mktemp("review21")) as (cluster, mnt):
-        os.chmod(mnt, 0o777)
+    with open_mount(tmp_path_factory.mktemp("review21")) as (cluster, mnt):
         yield cluster, mnt
 
 
 @pytest.fixture
 def work(mount: tuple[object, Path], request: pytest.FixtureRequest) -> Path:
-    path = mount[1] / str(request.node.name)
-    path.mkdir()
-    return path
+    return test_dir(mount[1], request.node.name)
 
 
 def _stats(work: Path) -> dict[str, int]:

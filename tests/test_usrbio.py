@@ -28,7 +28,7 @@ from fs3.usrbio import (
     ring_bytes,
     socket_name,
 )
-from tests.harness import mounted_cluster, require_fuse
+from tests.harness import mounted_cluster, open_mount, require_fuse, test_dir
 
 CHUNK = 64 * 1024
 NOBODY = 65534
@@ -95,19 +95,13 @@ def test_an_iov_is_viewed_without_copies() -> None:
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Path]]:
-    require_fuse()
-    with mounted_cluster(tmp_path_factory.mktemp("usrbio")) as (cluster, mnt):
-        subprocess.run([sys.executable, "-m", "fs3.cli.main", "admin", "--mgmtd", cluster.mgmtd_address, "--token",
-                        "t", "set-layout", "/", "--chunk-size", str(CHUNK)], check=True, capture_output=True)
-        os.chmod(mnt, 0o777)
+    with open_mount(tmp_path_factory.mktemp("usrbio"), CHUNK) as (cluster, mnt):
         yield cluster, mnt
 
 
 @pytest.fixture
 def work(mount: tuple[object, Path], request: pytest.FixtureRequest) -> Path:
-    path = mount[1] / str(request.node.name)
-    path.mkdir()
-    return path
+    return test_dir(mount[1], request.node.name)
 
 
 @pytest.fixture(scope="module")
