@@ -96,9 +96,12 @@ bench-quick: install
 bench-chunk: install
 	$(PY) bench/chunk_bench.py
 
-# Metadata ops/s (1 and 16 clients) and 1 GiB file throughput, each next to a local directory.
+# Metadata ops/s (1 and 16 clients) and 1 GiB file throughput, each next to a local directory; then
+# 16 clients on one meta over RocksDB against 1, 2 and 3 meta servers over PostgreSQL (round trips per
+# operation, CPU of meta, database and clients): bench/results/meta-scale-*.json.
 bench-meta: install
 	$(PY) bench/meta_bench.py
+	$(PY) bench/meta_scale_bench.py
 
 bench-file: install
 	$(PY) bench/file_bench.py
