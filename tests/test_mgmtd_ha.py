@@ -34,7 +34,15 @@ from fs3.kv.api import TxnEngine
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.mgmtd import schema
-from fs3.mgmtd.ha import PREFIX, SharedEngine, write_fenced
+from fs3.mgmtd.ha import (
+    PREFIX,
+    SharedEngine,
+    forget_instances,
+    instance_key,
+    read_instances,
+    write_fenced,
+    write_instance,
+)
 from fs3.mgmtd.lease import LeaseConfig, LeaseRecord, primary_history_violations, routing_epoch
 from fs3.mgmtd.presence import PRIMARY, STALE, STANDBY, InstanceRecord, PresenceWatch
 from fs3.mgmtd.server import open_shared_engine, shared_setup
@@ -581,3 +589,19 @@ def test_presence_is_judged_by_the_counter_advancing_on_the_readers_clock() -> N
     with pytest.raises(InvalidArgument):
         InstanceRecord.decode(b'{"name": "", "address": "a", "presence": 1}')
     assert InstanceRecord.decode(b.encode()) == b
+
+
+def test_instance_records_are_written_read_and_forgotten_only_while_unchanged() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        gone, back = InstanceRecord("old", "o:1", 5), InstanceRecord("back", "b:1", 2)
+        for record in (gone, back):
+            await write_instance(engine, record)
+        junk = engine.begin()
+        junk.put(instance_key("junk"), b"not json")  # skipped, not fatal
+        await junk.commit()
+        assert sorted(r.name for r in await read_instances(engine)) == ["back", "old"]
+        await write_instance(engine, replace(back, presence=3))  # it came back meanwhile: kept
+        assert await forget_instances(engine, [gone, back]) == 1
+        assert [r.name for r in await read_instances(engine)] == ["back"]
+    asyncio.run(body())
