@@ -27,7 +27,10 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         token = Path(info["token_file"]).read_text().splitlines()[0]
         assert token not in up.stdout + up.stderr and info["token_file"] in up.stdout  # where it is, not what
         base = ["admin", "--mgmtd", info["mgmtd"], "--token-file", info["token_file"]]
-        nodes = json.loads(fs3(*base, "--json", "nodes").stdout)
+        listed = json.loads(fs3(*base, "--json", "nodes").stdout)
+        assert [(n["node_type"], n["role"], n["lease_epoch"]) for n in listed if n["node_type"] == "mgmtd"] == [
+            ("mgmtd", "primary", 0)]  # a single mgmtd: itself, primary, no lease
+        nodes = [n for n in listed if n["node_type"] != "mgmtd"]
         assert len(nodes) == 4 and all(n["alive"] for n in nodes)
         assert sorted(n["node_type"] for n in nodes) == ["meta"] + ["storage"] * 3
         chains = json.loads(fs3(*base, "--json", "chains").stdout)
@@ -36,7 +39,7 @@ def test_local_cluster_and_admin_commands(tmp_path: Path) -> None:
         assert table.returncode == 0 and "serving" in table.stdout and "up_to_date" in table.stdout
         grpc_nodes = fs3("admin", "--mgmtd", info["processes"]["mgmtd"]["grpc"], "--transport", "grpc",
                          "--token-file", info["token_file"], "--json", "nodes")
-        assert grpc_nodes.returncode == 0 and len(json.loads(grpc_nodes.stdout)) == 4
+        assert grpc_nodes.returncode == 0 and len(json.loads(grpc_nodes.stdout)) == 5  # and mgmtd
         import urllib.request
 
         metrics = urllib.request.urlopen(f"http://{info['processes']['storage-1']['metrics']}/metrics", timeout=5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,8 +34,17 @@ from fs3.kv.api import TxnEngine
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine
 from fs3.mgmtd import schema
-from fs3.mgmtd.ha import PREFIX, SharedEngine, write_fenced
-from fs3.mgmtd.lease import LeaseConfig, primary_history_violations, routing_epoch
+from fs3.mgmtd.ha import (
+    PREFIX,
+    SharedEngine,
+    forget_instances,
+    instance_key,
+    read_instances,
+    write_fenced,
+    write_instance,
+)
+from fs3.mgmtd.lease import LeaseConfig, LeaseRecord, primary_history_violations, routing_epoch
+from fs3.mgmtd.presence import PRIMARY, STALE, STANDBY, InstanceRecord, PresenceWatch
 from fs3.mgmtd.server import open_shared_engine, shared_setup
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.channel import RealChannelFactory
@@ -424,4 +434,174 @@ def test_storage_nodes_follow_the_primary_and_a_chain_carries_on_through_a_takeo
             assert data == b"before after"
             assert _public_view(second.servicer) == (chains, states)
             assert all(n.alive for n in second.servicer.state.nodes.values())
+    asyncio.run(body())
+
+
+# -- every mgmtd with its role: `fs3 admin nodes` --------------------------------------------------
+
+
+async def _listing(channels: RealChannelFactory, address: str) -> mpb.ListNodesRsp:
+    rsp, _ = await channels.get(address).call(service_spec("Mgmtd").method("ListNodes"), cpb.Empty())
+    assert isinstance(rsp, mpb.ListNodesRsp)
+    return rsp
+
+
+def _roles(rsp: mpb.ListNodesRsp) -> dict[str, int]:
+    return {i.name: i.role for i in rsp.mgmtd_instances}
+
+
+@pytest.mark.slow  # serves three mgmtd on sockets for a few lease periods
+@pytest.mark.parametrize("database", ["memory", "postgresql"])
+def test_every_instance_lists_one_primary_and_the_standbys_and_a_dead_primary_turns_stale(
+        database: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) -> None:
+    pg_url = request.getfixturevalue("postgres_url") if database == "postgresql" else ""
+
+    async def body() -> None:
+        close: Callable[[], Awaitable[None]] | None = None
+        if pg_url:
+            engine, close = await open_shared_engine(MgmtdConfig(kv_engine="postgres", pg_url=pg_url))
+        else:
+            engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        channels = RealChannelFactory(token=TOKEN)
+        try:
+            async with instances(engine, 3) as group:
+                first = await wait_until(lambda: _primary(group), timeout_s=20, what="a first primary")
+                await first.servicer.heartbeat(_heartbeat(1), _NO_PAYLOAD)
+                epoch = first.servicer.state.epoch
+                names = {f"m{i}" for i in range(3)}
+                expected = {f"m{i}": mpb.MGMTD_ROLE_STANDBY for i in range(3)} | {
+                    first.servicer.shared.name if first.servicer.shared else "": mpb.MGMTD_ROLE_PRIMARY}
+
+                async def all_agree() -> bool:
+                    listings = [await _listing(channels, i.address) for i in group]
+                    return all(_roles(r) == expected and r.lease_epoch == epoch for r in listings)
+                await wait_until(all_agree, timeout_s=20, what="every instance listing one primary, two standbys")
+                # A standby answers from the database: the nodes the primary published, the
+                # instances with their addresses, and itself as the one that answered.
+                standby = next(i for i in group if i is not first)
+                listed = await _listing(channels, standby.address)
+                assert [n.node_id for n in listed.nodes] == [1] and listed.nodes[0].alive
+                assert {i.name: i.address for i in listed.mgmtd_instances} == {
+                    f"m{n}": group[n].address for n in range(3)}
+                assert listed.answered_by == standby.servicer.shared.name if standby.servicer.shared else False
+                assert set(_roles(listed)) == names
+
+                # The command line's ROLE column, asked of every address (starting at a standby).
+                from fs3.cli.main import build_parser, run_admin
+                addresses = ",".join(i.address for i in reversed(group))
+                base = ["admin", "--mgmtd", addresses, "--token", TOKEN]
+                capsys.readouterr()
+                assert await run_admin(build_parser().parse_args([*base, "nodes"])) == 0
+                text = capsys.readouterr().out
+                header = text.splitlines()[0].split()
+                assert header[:4] == ["node", "type", "role", "status"]
+                rows = {line.split()[0]: line.split() for line in text.splitlines()[2:-1] if line.split()[1] == "mgmtd"}
+                assert {name: row[2] for name, row in rows.items()} == {
+                    name: "primary" if role == mpb.MGMTD_ROLE_PRIMARY else "standby" for name, role in expected.items()}
+                assert f"lease epoch {epoch}" in text
+                assert await run_admin(build_parser().parse_args([*base, "--json", "nodes"])) == 0
+                entries = json.loads(capsys.readouterr().out)
+                mgmtds = {e["name"]: e for e in entries if e["node_type"] == "mgmtd"}
+                assert {n: e["role"] for n, e in mgmtds.items()} == {n: r[2] for n, r in rows.items()}
+                assert all(e["alive"] and e["lease_epoch"] == epoch for e in mgmtds.values())
+                assert [(e["node_id"], e["role"]) for e in entries if e["node_type"] != "mgmtd"] == [(1, "peer")]
+
+                # The primary dies; a survivor lists the new primary and the old one stale.
+                await first.servicer.stop(hand_back=False)
+                await first.server.stop()
+                rest = [i for i in group if i is not first]
+                second = await wait_until(lambda: _primary(rest), timeout_s=20, what="a standby taking over")
+                old_name = first.servicer.shared.name if first.servicer.shared else ""
+                new_name = second.servicer.shared.name if second.servicer.shared else ""
+                survivor = next(i for i in rest if i is not second)
+
+                survivor_name = survivor.servicer.shared.name if survivor.servicer.shared else ""
+                after = {old_name: mpb.MGMTD_ROLE_STALE, new_name: mpb.MGMTD_ROLE_PRIMARY,
+                         survivor_name: mpb.MGMTD_ROLE_STANDBY}
+
+                async def new_roles() -> mpb.ListNodesRsp | None:
+                    rsp = await _listing(channels, survivor.address)
+                    # Until the survivor reads the new lease, it may show no primary: never two.
+                    assert list(_roles(rsp).values()).count(mpb.MGMTD_ROLE_PRIMARY) <= 1, rsp
+                    return rsp if _roles(rsp) == after else None
+                listed = await wait_until(new_roles, timeout_s=20, what="the new primary, the dead one stale")
+                assert listed.lease_epoch == second.servicer.state.epoch > epoch
+        finally:
+            await channels.close()
+            if close is not None:
+                await close()
+
+    asyncio.run(body())
+
+
+def test_a_single_mgmtd_lists_itself_as_primary_with_no_epoch(capsys: pytest.CaptureFixture[str]) -> None:
+    async def body() -> None:
+        dispatcher = Dispatcher(token=TOKEN)
+        server = FramedServer(dispatcher)
+        address = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
+        servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
+        servicer.framed_address = address
+        dispatcher.add_service(service_spec("Mgmtd"), servicer)
+        servicer.start()
+        try:
+            meta = mpb.HeartbeatReq(node_id=1001, node_type=cpb.NODE_META, framed_address="h:9010")
+            await servicer.heartbeat(meta, _NO_PAYLOAD)
+            from fs3.cli.main import build_parser, run_admin
+            capsys.readouterr()
+            assert await run_admin(build_parser().parse_args(["admin", "--mgmtd", address, "--token", TOKEN,
+                                                              "--json", "nodes"])) == 0
+            entries = json.loads(capsys.readouterr().out)
+            assert [(e["node_type"], e["name"], e["framed_address"], e["role"], e["alive"], e["lease_epoch"])
+                    for e in entries] == [("mgmtd", address, address, "primary", True, 0),
+                                          ("meta", "", "h:9010", "peer", True, 0)]
+        finally:
+            await servicer.stop()
+            await server.stop()
+    asyncio.run(body())
+
+
+def test_presence_is_judged_by_the_counter_advancing_on_the_readers_clock() -> None:
+    watch = PresenceWatch("m0", stale_after_ms=1_000)
+    lease = LeaseRecord(epoch=4, holder="m1", address="b:1", renewals=7)
+    a, b, c = InstanceRecord("m0", "a:1", 3), InstanceRecord("m1", "b:1", 9), InstanceRecord("m2", "c:1", 2)
+    watch.observe([a, b, c], now_ms=10_000)
+    assert watch.next_record("a:1") == InstanceRecord("m0", "a:1", 4)  # its own counter, bumped
+    # Just seen: presumed up; the renewing holder is primary.
+    roles = {r.name: role for r, role in watch.roles(lease, 0, False, "a:1", 10_000)}
+    assert roles == {"m0": STANDBY, "m1": PRIMARY, "m2": STANDBY}
+    # m1 keeps bumping, m2 stands still for a lease period of this reader's clock.
+    watch.observe([a, replace(b, presence=10), c], now_ms=10_900)
+    watch.observe([a, replace(b, presence=11), c], now_ms=11_000)
+    roles = {r.name: role for r, role in watch.roles(lease, 100, False, "a:1", 11_000)}
+    assert roles == {"m0": STANDBY, "m1": PRIMARY, "m2": STALE}
+    # The lease stood still for a period: its holder is no longer shown primary, even while its
+    # counter still advances; a handed-back lease names no primary either.
+    assert {r.name: role for r, role in watch.roles(lease, 1_000, False, "a:1", 11_000)}["m1"] == STANDBY
+    released = replace(lease, released=True)
+    assert {r.name: role for r, role in watch.roles(released, 0, False, "a:1", 11_000)}["m1"] == STANDBY
+    # The reader itself: primary exactly when it may act as one, listed before its first record is read.
+    fresh = PresenceWatch("m9", stale_after_ms=1_000)
+    assert [(r.name, r.address, role) for r, role in fresh.roles(None, 0, True, "z:1", 0)] == [("m9", "z:1", PRIMARY)]
+    # A clock that went backwards restarts every wait; records gone from the database are forgotten.
+    watch.observe([a, c], now_ms=5_000)
+    assert watch.fresh("m2", 5_500) and not watch.fresh("m1", 5_500)
+    assert watch.forgettable(6_000, 1_000) == [c]
+    with pytest.raises(InvalidArgument):
+        InstanceRecord.decode(b'{"name": "", "address": "a", "presence": 1}')
+    assert InstanceRecord.decode(b.encode()) == b
+
+
+def test_instance_records_are_written_read_and_forgotten_only_while_unchanged() -> None:
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        gone, back = InstanceRecord("old", "o:1", 5), InstanceRecord("back", "b:1", 2)
+        for record in (gone, back):
+            await write_instance(engine, record)
+        junk = engine.begin()
+        junk.put(instance_key("junk"), b"not json")  # skipped, not fatal
+        await junk.commit()
+        assert sorted(r.name for r in await read_instances(engine)) == ["back", "old"]
+        await write_instance(engine, replace(back, presence=3))  # it came back meanwhile: kept
+        assert await forget_instances(engine, [gone, back]) == 1
+        assert [r.name for r in await read_instances(engine)] == ["back"]
     asyncio.run(body())

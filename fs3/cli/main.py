@@ -47,7 +47,7 @@ from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
 
-__all__ = ["build_parser", "main", "run_admin"]
+__all__ = ["PEER_ROLE", "build_parser", "main", "node_entries", "run_admin"]
 
 
 _metrics_port = number_in(int, -1, 65535, "a port number")  # 0: any free one, -1: none
@@ -69,6 +69,30 @@ def _parse_chain_spec(spec: str) -> tuple[int, list[int]]:
         raise InvalidArgument(f"bad chain spec {spec!r}: expected CHAIN_ID:TARGET,TARGET,...") from None
 
 
+# The role column of meta and storage nodes: each serves on its own, none leads the others.
+PEER_ROLE = "peer"
+
+
+def node_entries(listing: Any) -> list[dict[str, Any]]:
+    """``fs3 admin nodes``' entries: every mgmtd instance (type ``mgmtd``, node id 0, its name,
+    its role ``primary``/``standby``/``stale``, alive unless stale, the lease epoch), then every
+    meta and storage node (role ``peer``); every entry has the same keys, so a reader may filter
+    on ``node_type``."""
+    from fs3 import mgmtd_pb2 as mpb
+
+    entries: list[dict[str, Any]] = []
+    for instance in listing.mgmtd_instances:
+        role = _state_name(mpb.MgmtdRole, instance.role).removeprefix("mgmtd_role_")
+        info = cpb.NodeInfo(node_type=cpb.NODE_MGMTD, framed_address=instance.address,
+                            alive=instance.role != mpb.MGMTD_ROLE_STALE)
+        entries.append({**message_dict(info), "name": instance.name, "role": role, "presence": instance.presence,
+                        "lease_epoch": listing.lease_epoch})
+    for node in listing.nodes:
+        entries.append({**message_dict(node), "name": "", "role": PEER_ROLE, "presence": 0,
+                        "lease_epoch": listing.lease_epoch})
+    return entries
+
+
 async def run_admin(args: argparse.Namespace) -> int:
     """``fs3 admin ...`` on the running event loop: its exit status (public so it can run beside a
     cluster served by the same loop)."""
@@ -87,13 +111,15 @@ async def run_admin(args: argparse.Namespace) -> int:
 async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
     out_json = args.json
     if args.command == "nodes":
-        nodes = await admin.nodes()
+        listing = await admin.node_listing()
+        entries = node_entries(listing)
         if out_json:
-            print_json(nodes)
+            print_json(entries)
         else:
-            print(_table([[str(n.node_id), _state_name(cpb.NodeType, n.node_type).replace("node_", ""),
-                           "up" if n.alive else "DOWN", n.framed_address, n.grpc_address, n.hostname, str(n.pid)]
-                          for n in nodes], ["node", "type", "status", "framed", "grpc", "host", "pid"]))
+            print(_table([[str(e["name"] or e["node_id"]), e["node_type"], e["role"], "up" if e["alive"] else "DOWN",
+                           e["framed_address"], e["grpc_address"] or "-", e["hostname"] or "-", str(e["pid"] or "-")]
+                          for e in entries], ["node", "type", "role", "status", "framed", "grpc", "host", "pid"]))
+            print(f"mgmtd lease epoch {listing.lease_epoch} (0: a single mgmtd); answered by {listing.answered_by}")
         return 0
     if args.command == "metrics-targets":
         text = json.dumps(await admin.metrics_targets(), indent=2) + "\n"

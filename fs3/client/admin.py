@@ -170,6 +170,13 @@ class AdminClient:
         assert isinstance(rsp, mpb.ListNodesRsp)
         return list(rsp.nodes)
 
+    async def node_listing(self) -> mpb.ListNodesRsp:
+        """Every node and every mgmtd instance with its role, as the mgmtd that answered sees them
+        (a standby answers too, from the database: see ``MgmtdServicer.list_nodes``)."""
+        rsp = await self._mgmtd("ListNodes", cpb.Empty())
+        assert isinstance(rsp, mpb.ListNodesRsp)
+        return rsp
+
     async def metrics_targets(self) -> list[dict[str, object]]:
         """Prometheus file_sd target groups of every process mgmtd knows (see :func:`file_sd_groups`)."""
         rsp = await self._mgmtd("ListNodes", cpb.Empty())

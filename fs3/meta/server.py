@@ -23,7 +23,7 @@ from fs3 import mgmtd_pb2 as mgpb
 from fs3.client.mgmtd import MgmtdCaller
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
-from fs3.common.errors import FS3Error, InvalidArgument
+from fs3.common.errors import AlreadyExists, FS3Error, InvalidArgument
 from fs3.common.ids import validate_chunk_size
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
@@ -198,27 +198,43 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
                             StorageClientConfig(rpc_timeout_ms=config.rpc_timeout_ms))
     service = MetaService(engine, routing, storage, config.service_config(), auth=tokens.auth, metrics=metrics,
                           server_id=f"meta-node-{config.node_id}".encode(),
-                          exclusive_store=config.kv_engine in ("rocksdb", "mem"))  # opened by this process alone
+                          exclusive_store=config.kv_engine in ("rocksdb", "mem"),  # opened by this process alone
+                          node_id=config.node_id)  # on a shared database: one live server per node id
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tokens=tokens, tls=tls)
     with contextlib.suppress(FS3Error):
         await routing.refresh()
-    await service.start()
+    try:
+        await service.start()  # a node id another live server holds stops the start here, nothing written
+    except BaseException:
+        await channels.close()
+        await close_engine()
+        raise
     bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port,
                                 config.advertise_host)
     heartbeat = asyncio.create_task(heartbeat_loop(config, channels, (bound.framed, bound.grpc, bound.metrics)))
     runtime.write_ready_file(ready_file)
 
+    async def stop_when_id_lost() -> None:
+        await service.registration_lost.wait()
+        log.error("meta node id %d is held by another meta server now: stopping", config.node_id)
+        runtime.stopping.set()
+
+    id_watch = asyncio.create_task(stop_when_id_lost())
+
     async def shutdown() -> None:
-        heartbeat.cancel()
-        with contextlib.suppress(BaseException):
-            await heartbeat
+        for task in (heartbeat, id_watch):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         await service.stop()
         await channels.close()
         await close_engine()
 
     await runtime.run_until_stopped(shutdown)
+    if service.registration_lost.is_set():
+        raise AlreadyExists(f"meta node id {config.node_id} was taken over by another meta server")
 
 
 def run_meta(config: MetaConfig, ready_file: str | None = None) -> None:

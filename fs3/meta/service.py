@@ -73,6 +73,7 @@ from fs3.meta.ops import (
     TruncatePending,
     TruncateUnclaimed,
 )
+from fs3.meta.registration import NodeRegistration
 from fs3.rpc.auth import Authenticator, Role, current_principal
 
 __all__ = ["MetaService", "MetaServiceConfig"]
@@ -178,7 +179,7 @@ class MetaService(FileLengths, MetaJobs):
                  config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
                  clock: Clock | None = None, auth: Authenticator | None = None,
                  metrics: ServiceMetrics | None = None, server_id: bytes | None = None,
-                 exclusive_store: bool = False) -> None:
+                 exclusive_store: bool = False, node_id: int | None = None) -> None:
         """``wall_ns`` stamps inode times and capability expiries; ``clock`` (monotonic) times
         client leases and claims; ``auth`` (the dispatcher's) gives the keys capabilities are
         signed with (None or an open cluster: no capabilities, as every caller is a service);
@@ -186,7 +187,10 @@ class MetaService(FileLengths, MetaJobs):
         records (None: a random one; a meta process passes its node id, so that once restarted it
         takes back its own claims; live servers on the same store must use different ids);
         ``exclusive_store``: no other server can open ``engine`` (the embedded RocksDB of a meta
-        process), so claims are granted without a transaction (:mod:`fs3.meta.claims`)."""
+        process), so claims are granted without a transaction (:mod:`fs3.meta.claims`); ``node_id``
+        (a shared store only): :meth:`start` first takes this id's registration in the store
+        (:mod:`fs3.meta.registration`), refusing to start while another live server holds it, and
+        sets :attr:`registration_lost` should another take it over later."""
         self.metrics = metrics
         self.auth = auth if auth is not None else Authenticator()
         self.engine = engine
@@ -208,6 +212,10 @@ class MetaService(FileLengths, MetaJobs):
         self.server_id = server_id or os.urandom(16)
         self.claims = ClaimTable(engine, self.server_id, self.clock, self.config.claim_ttl_ms,
                                  exclusive=exclusive_store)
+        # One live server per node id on a shared store; the claims' ttl times it too (see there).
+        self.registration = (NodeRegistration(engine, node_id, self.clock, self.config.claim_ttl_ms)
+                             if node_id is not None and not exclusive_store else None)
+        self.registration_lost = asyncio.Event()
         self._inode_claims: dict[int, Held] = {}
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
@@ -223,6 +231,9 @@ class MetaService(FileLengths, MetaJobs):
     async def start(self, background: bool = True) -> None:
         layout = mpb.Layout(table_id=self.config.chain_table_id, chunk_size=self.config.chunk_size_bytes)
         validate_dir_layout(layout)
+        if self.registration is not None:  # before anything is written: a refused start writes nothing
+            await self.registration.acquire()
+            self._tasks.append(asyncio.create_task(self._keep_registration(), name="meta-registration"))
 
         async def make_root(txn: Transaction) -> mpb.Inode:
             return await Namespace(txn, self._env(mpb.User())).ensure_root(
@@ -240,6 +251,21 @@ class MetaService(FileLengths, MetaJobs):
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        if self.registration is not None and not self.registration_lost.is_set():
+            try:
+                await self.registration.release()
+            except FS3Error as exc:  # it lapses instead: a restart waits one claim ttl
+                log.warning("releasing meta node id %d failed: %s", self.registration.node_id, exc)
+
+    async def _keep_registration(self) -> None:
+        assert self.registration is not None
+        await self.registration.keep()
+        # Another server has this id now, and with it this one's claims: no more background jobs
+        # here, and the owner (serve_meta) stops the server.
+        self.registration_lost.set()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
 
     # -- plumbing --------------------------------------------------------------------------------
 

@@ -12,11 +12,14 @@ key                                         value
 ==========================================  ===============================================
 ``mgmtd/ha/lease``                          :class:`~fs3.mgmtd.lease.LeaseRecord` (JSON)
 ``mgmtd/ha/routing``                        the primary's last published ``RoutingInfo``
+``mgmtd/ha/instance/`` + name               :class:`~fs3.mgmtd.presence.InstanceRecord` (JSON), one per instance
 ``mgmtd/`` + every key of :mod:`~fs3.mgmtd.schema`  the same records a single mgmtd keeps locally
 ==========================================  ===============================================
 
 The published routing information lets standbys answer routing reads without being primary: it
-is written in the same fenced transaction as the records it was built from.
+is written in the same fenced transaction as the records it was built from. The instance records
+let every instance list the others with their roles (``fs3 admin nodes``): each writes its own, with
+a counter it bumps every renewal interval, and reads everyone's (:mod:`fs3.mgmtd.presence`).
 """
 
 from __future__ import annotations
@@ -33,15 +36,23 @@ from fs3.kv.api import Transaction, TxnEngine, prefix_end
 from fs3.kv.txn import run_transaction
 from fs3.mgmtd import schema
 from fs3.mgmtd.lease import LeaseConfig, LeaseCore, LeaseRecord, check_fence
+from fs3.mgmtd.presence import InstanceRecord, PresenceWatch
 
-__all__ = ["LEASE_KEY", "PREFIX", "ROUTING_KEY", "LeaseLoop", "SharedEngine", "read_lease", "read_published_routing",
-           "read_state_records", "release_lease", "write_fenced"]
+__all__ = ["INSTANCE_PREFIX", "LEASE_KEY", "MAX_INSTANCES", "PREFIX", "ROUTING_KEY", "LeaseLoop", "SharedEngine",
+           "forget_instances", "instance_key", "read_instances", "read_lease", "read_published_routing",
+           "read_state_records", "release_lease", "write_fenced", "write_instance"]
 
 log = logging.getLogger(__name__)
 
 PREFIX = b"mgmtd/"
 LEASE_KEY = PREFIX + b"ha/lease"
 ROUTING_KEY = PREFIX + b"ha/routing"
+INSTANCE_PREFIX = PREFIX + b"ha/instance/"
+# Instance records read at most (a cluster runs two or three; records of instances gone for good
+# are deleted by the primary, see FORGET_AFTER_LEASES).
+MAX_INSTANCES = 64
+# The primary deletes an instance record it has seen unchanged for this many lease periods.
+FORGET_AFTER_LEASES = 100
 # Rows per scan of a state table when a new primary loads it (the topology is bounded by the
 # limits in fs3.mgmtd.limits; pages keep each read of the database small).
 _LOAD_PAGE_ROWS = 1_000
@@ -125,6 +136,52 @@ async def read_published_routing(engine: TxnEngine) -> cpb.RoutingInfo | None:
     return cpb.RoutingInfo.FromString(raw) if raw is not None else None
 
 
+def instance_key(name: str) -> bytes:
+    return INSTANCE_PREFIX + name.encode()
+
+
+async def read_instances(engine: TxnEngine) -> list[InstanceRecord]:
+    """Every instance's record (at most :data:`MAX_INSTANCES`), in one read-only transaction.
+    A record that does not decode is skipped with a warning: it names no instance to list."""
+
+    async def read(txn: Transaction) -> list[tuple[bytes, bytes]]:
+        return await txn.scan(INSTANCE_PREFIX, prefix_end(INSTANCE_PREFIX), limit=MAX_INSTANCES)
+
+    records: list[InstanceRecord] = []
+    for key, raw in await run_transaction(engine, read):
+        try:
+            records.append(InstanceRecord.decode(raw))
+        except FS3Error as exc:
+            log.warning("skipping mgmtd instance record %r: %s", key, exc)
+    return records
+
+
+async def write_instance(engine: TxnEngine, record: InstanceRecord) -> None:
+    """Write this instance's own record. Only it writes that key, so the write reads nothing and
+    conflicts with no other instance's transaction."""
+
+    async def write(txn: Transaction) -> None:
+        txn.put(instance_key(record.name), record.encode())
+
+    await run_transaction(engine, write)
+
+
+async def forget_instances(engine: TxnEngine, records: list[InstanceRecord]) -> int:
+    """Delete each of ``records`` that still reads exactly so (an instance that came back since
+    bumped its counter and is kept); returns how many were deleted."""
+
+    async def delete(txn: Transaction) -> int:
+        deleted = 0
+        for record in records:
+            raw = await txn.get(instance_key(record.name))
+            if raw is not None and raw == record.encode():
+                txn.delete(instance_key(record.name))
+                deleted += 1
+        return deleted
+
+    return await run_transaction(engine, delete) if records else 0
+
+
 class LeaseLoop:
     """Reads and writes the lease every ``renew_interval_ms`` and tells the owner after each try.
 
@@ -132,12 +189,17 @@ class LeaseLoop:
     that takes longer than the renewal interval is abandoned (it counts as failed: the core then
     learns at the next read whether it landed). ``on_tick`` runs after every try, so the owner can
     load the state on a takeover or drop it on a step-down.
+
+    Beside it, :meth:`run_presence` records this instance's presence and reads the others'
+    (:meth:`record_presence`) as often, in a task and transactions of their own: a slow or failed
+    presence write never delays or costs a lease renewal.
     """
 
     def __init__(self, setup: SharedEngine, clock: Clock, on_tick: Callable[[], Awaitable[None]]) -> None:
         self.setup = setup
         self.clock = clock
         self.core = LeaseCore(setup.name, setup.address, setup.lease)
+        self.presence = PresenceWatch(setup.name, setup.lease.lease_ms)
         self._on_tick = on_tick
         self.tries = 0
         self.failures = 0
@@ -160,6 +222,19 @@ class LeaseLoop:
         if write.renewals == 0:
             log.warning("mgmtd %s took the primary lease: epoch %d", self.setup.name, write.epoch)
 
+    async def record_presence(self) -> None:
+        """Bump this instance's record and read everyone's (two small transactions: one scan, read
+        only, so that instances writing their own records at once never conflict). The primary
+        also deletes the records of instances gone for good."""
+        engine = self.setup.engine
+        self.presence.observe(await read_instances(engine), self.clock.now_ms())
+        await write_instance(engine, self.presence.next_record(self.setup.address))
+        if self.core.is_primary(self.clock.now_ms()):
+            gone = self.presence.forgettable(self.clock.now_ms(), FORGET_AFTER_LEASES * self.setup.lease.lease_ms)
+            if gone and await forget_instances(engine, gone):
+                log.warning("mgmtd %s forgot instances unseen for %d lease periods: %s", self.setup.name,
+                            FORGET_AFTER_LEASES, ", ".join(r.name for r in gone))
+
     async def run(self) -> None:
         interval_s = self.setup.lease.renew_interval_ms / 1000
         while True:
@@ -173,4 +248,15 @@ class LeaseLoop:
                 self.failures += 1
                 log.info("mgmtd %s: lease try failed: %s", self.setup.name, exc)
             await self._on_tick()
+            await asyncio.sleep(interval_s)
+
+    async def run_presence(self) -> None:
+        """:meth:`record_presence` every renewal interval, forever (cancel to stop)."""
+        interval_s = self.setup.lease.renew_interval_ms / 1000
+        while True:
+            try:
+                async with asyncio.timeout(interval_s):
+                    await self.record_presence()
+            except (FS3Error, TimeoutError) as exc:
+                log.info("mgmtd %s: presence record failed: %s", self.setup.name, exc)
             await asyncio.sleep(interval_s)

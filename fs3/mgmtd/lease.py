@@ -181,6 +181,11 @@ class LeaseCore:
     def seen(self) -> LeaseRecord | None:
         return self._seen
 
+    def seen_unchanged_ms(self, now_ms: int) -> int:
+        """How long, on this instance's clock, the lease has read as :attr:`seen`: a holder that
+        renews changes it every renewal interval, a dead one leaves it standing."""
+        return max(0, now_ms - self._seen_since_ms)
+
     # -- decisions ---------------------------------------------------------------------------
 
     def plan(self, record: LeaseRecord | None, started_ms: int, now_ms: int) -> LeaseRecord | None:

@@ -68,6 +68,7 @@ async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> Non
     servicer.start()
     bound = await runtime.start(config.listen_host, config.framed_port, config.grpc_port, config.metrics_port)
     servicer.metrics_address = bound.metrics
+    servicer.framed_address = bound.framed
     runtime.write_ready_file(ready_file)
 
     async def shutdown() -> None:

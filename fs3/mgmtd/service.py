@@ -36,6 +36,7 @@ from fs3.mgmtd.ha import (
 )
 from fs3.mgmtd.lease import LeaseConfig
 from fs3.mgmtd.metrics import cluster_families
+from fs3.mgmtd.presence import PRIMARY, STALE, STANDBY
 from fs3.mgmtd.state import MgmtdState
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.tls import TlsConfig
@@ -47,6 +48,7 @@ _NO_PAYLOAD = b""
 # How often the cluster gauges are rebuilt (and at once when the routing changes): a scrape every
 # few seconds sees them at most this stale, and a big cluster is not walked on every scan.
 _GAUGES_INTERVAL_MS = 1_000
+_ROLES = {PRIMARY: mpb.MGMTD_ROLE_PRIMARY, STANDBY: mpb.MGMTD_ROLE_STANDBY, STALE: mpb.MGMTD_ROLE_STALE}
 
 
 @dataclass
@@ -134,6 +136,7 @@ class MgmtdServicer:
         self._loaded_epoch = 0  # the epoch the state in memory was loaded for (0: none loaded)
         self._published_version = 0  # the routing version last written to ROUTING_KEY
         self._lease_task: asyncio.Task[None] | None = None
+        self._presence_task: asyncio.Task[None] | None = None
         self._scan_task: asyncio.Task[None] | None = None
         self._state_changed = asyncio.Event()
         self._routing_gauge: Gauge | None
@@ -142,6 +145,8 @@ class MgmtdServicer:
         self._epoch_gauge: Gauge | None
         # Where mgmtd's own /metrics is served (set once bound): ListNodes tells scrape discovery.
         self.metrics_address = ""
+        # The framed address this instance serves (set once bound): a single mgmtd lists itself so.
+        self.framed_address = ""
         self._cluster_gauges: SnapshotCollector | None = None
         self._gauges_at: tuple[int, int] = (-_GAUGES_INTERVAL_MS, 0)  # (time, routing version) last published
         if metrics is not None:
@@ -159,6 +164,7 @@ class MgmtdServicer:
     def start(self) -> None:
         if self.lease is not None:
             self._lease_task = asyncio.create_task(self.lease.run())
+            self._presence_task = asyncio.create_task(self.lease.run_presence())
         else:
             self.state.load(self.clock.now_ms())
         self._scan_task = asyncio.create_task(self._scan_loop())
@@ -166,12 +172,12 @@ class MgmtdServicer:
     async def stop(self, hand_back: bool = True) -> None:
         """Stop; a primary on a shared engine hands its lease back (unless ``hand_back`` is
         False: a test's stand-in for a crash), so a standby takes over at once."""
-        for task in (self._scan_task, self._lease_task):
+        for task in (self._scan_task, self._lease_task, self._presence_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._scan_task = self._lease_task = None
+        self._scan_task = self._lease_task = self._presence_task = None
         if self.lease is not None and self.shared is not None and hand_back:
             async with self._lock:  # no call is acting on the state while the lease goes back
                 released = self.lease.core.release()
@@ -349,14 +355,43 @@ class MgmtdServicer:
         return mpb.GetRoutingInfoRsp(changed=True, routing=routing), _NO_PAYLOAD
 
     async def list_nodes(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.ListNodesRsp, Buffer]:
+        """The nodes (storage, meta) and every mgmtd instance with its role.
+
+        The primary answers from its state; a standby answers too, from the database: the nodes
+        as the primary last published them (a node's death or return changes the routing, so
+        their liveness is as fresh as the routing), the instances from its own watch of their
+        records. So an operator sees the roles even while no primary acts (a takeover under way).
+        """
         rsp = mpb.ListNodesRsp(mgmtd_metrics_address=self.metrics_address)
-        async with self._as_primary() as state:
-            for record in sorted(state.nodes.values(), key=lambda r: r.info.node_id):
-                node = rsp.nodes.add()
-                node.CopyFrom(record.info)
-                node.alive = record.alive
-                node.last_heartbeat_ms = record.last_heartbeat_ms
+        if self.shared is not None and not self.is_primary():
+            routing = await read_published_routing(self.shared.engine)
+            rsp.nodes.extend(routing.nodes if routing is not None else [])
+        else:
+            async with self._as_primary() as state:
+                for record in sorted(state.nodes.values(), key=lambda r: r.info.node_id):
+                    node = rsp.nodes.add()
+                    node.CopyFrom(record.info)
+                    node.alive = record.alive
+                    node.last_heartbeat_ms = record.last_heartbeat_ms
+        self._list_instances(rsp)
         return rsp, _NO_PAYLOAD
+
+    def _list_instances(self, rsp: mpb.ListNodesRsp) -> None:
+        if self.lease is None or self.shared is None:  # a single mgmtd: always the primary, no lease
+            address = self.framed_address or self.config.advertise_address or \
+                f"{self.config.listen_host}:{self.config.framed_port}"
+            name = self.config.instance_name or address
+            rsp.mgmtd_instances.add(name=name, address=address, role=mpb.MGMTD_ROLE_PRIMARY)
+            rsp.answered_by = name
+            return
+        now_ms = self.clock.now_ms()
+        core = self.lease.core
+        for record, role in self.lease.presence.roles(core.seen, core.seen_unchanged_ms(now_ms), self.is_primary(),
+                                                      self.shared.address, now_ms):
+            rsp.mgmtd_instances.add(name=record.name, address=record.address, role=_ROLES[role],
+                                    presence=record.presence)
+        rsp.lease_epoch = core.seen.epoch if core.seen is not None else 0
+        rsp.answered_by = self.shared.name
 
     async def list_targets(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.ListTargetsRsp, Buffer]:
         rsp = mpb.ListTargetsRsp()
