@@ -182,3 +182,24 @@ def test_process_configs_name_every_instance_and_give_each_engine_its_database(t
     assert names == topology.service_names
     with pytest.raises(InvalidArgument, match=r"expected 1\.\.9"):
         Topology(mgmtd_replicas=10)
+
+
+def test_a_local_cluster_remembers_its_engine_counts_ports_and_durability(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    made = LocalCluster(root, storage_nodes=1, targets_per_node=1, fsync=True, meta_engine="postgres",
+                        meta_servers=2, mgmtd_replicas=3)
+    assert list(made.procs) == ["postgres", "mgmtd", "mgmtd-1", "mgmtd-2", "storage-1", "meta", "meta-1"]
+    assert len(set(made.mgmtd_addresses)) == 3
+    # A later construction (fs3 local start/status/down, a later up) finds the same cluster.
+    again = LocalCluster(root)
+    assert again.mgmtd_address == made.mgmtd_address and list(again.procs) == list(made.procs)
+    assert "--fsync" in again.procs["postgres"].args  # as the cluster was made, whatever this caller says
+    assert again.configured_pg_url().endswith(f"/{META_DATABASE}")
+    with pytest.raises(InvalidArgument, match="was made with --meta-engine postgres"):
+        LocalCluster(root, meta_engine="rocksdb")
+    with pytest.raises(InvalidArgument, match="no process 'meta-5'"):
+        again.kill("meta-5")
+    # A RocksDB cluster's layout and configs carry nothing of the engine.
+    plain = LocalCluster(tmp_path / "r", storage_nodes=1, targets_per_node=1)
+    assert "postgres" not in plain.procs and "meta_engine" not in json.loads((plain.root / "layout.json").read_text())
+    assert "kv_engine" not in (plain.root / "meta" / "meta.toml").read_text()

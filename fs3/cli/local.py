@@ -182,6 +182,9 @@ class LocalCluster:
             self.mgmtd_port = self.mgmtd_ports[MGMTD]
         self.cluster_id = str(saved.get("cluster_id") or f"local-{secrets.token_hex(4)}")
         self.pg_port = int(saved.get("pg_port") or 0)
+        # The private server's durability is the cluster's, as first made (its other services keep
+        # theirs in their configs; the server's command line is made afresh at every start).
+        self.pg_fsync = bool(saved.get("pg_fsync", fsync))
         pg_settings = self._postgres_settings(pg_url)
         if tls and saved and not saved.get("tls"):
             raise InvalidArgument(f"the cluster in {self.root} was made without TLS; make a new one for --tls")
@@ -259,6 +262,7 @@ class LocalCluster:
         if not self.pg_port:
             self.pg_port = _free_port()
         return {**common, "pg_port": self.pg_port, "pg_password_file": str(password_file),
+                "pg_fsync": self.pg_fsync,
                 "pg_meta_url": server_url(password, self.pg_port, META_DATABASE),
                 "pg_mgmtd_url": server_url(password, self.pg_port, MGMTD_DATABASE)}
 
@@ -346,7 +350,7 @@ class LocalCluster:
         return {"meta_engine": "postgres", "meta_servers": self.topology.meta_servers,
                 "mgmtd_replicas": self.topology.mgmtd_replicas, "mgmtd_ports": self.mgmtd_ports,
                 "cluster_id": self.cluster_id, "pg_external": self.pg_external,
-                "pg_port": None if self.pg_external else self.pg_port}
+                "pg_port": None if self.pg_external else self.pg_port, "pg_fsync": self.pg_fsync}
 
     def write_cluster_json(self) -> Path:
         """``DIR/cluster.json`` (``0600``): endpoints, process ids, logs and where the token is."""

@@ -179,6 +179,7 @@ class _Server:
         # As the server's own user, the real path works; as root's stand-in, only the open directory does.
         self.data_path = str(data) if self.run_as.user is None else f"/proc/self/fd/{self.data_fd}"
         self.popen: subprocess.Popen[bytes] | None = None
+        self.stopping = False  # a SIGTERM or SIGINT came: start nothing more
 
     def init_once(self) -> None:
         """``initdb`` unless the directory holds a cluster already (its ``PG_VERSION``)."""
@@ -235,10 +236,12 @@ class _Server:
                 if self.accepting():
                     return popen
                 time.sleep(0.1)
-            if popen.poll() is None:
+            if popen.poll() is None or self.stopping:
                 break
             time.sleep(0.5)
         self.stop()
+        if self.stopping:
+            raise Unavailable("stopped while PostgreSQL was starting")
         raise Unavailable(f"PostgreSQL did not accept connections on 127.0.0.1:{self.port} within "
                           f"{START_TIMEOUT_S}s (its output is above)")
 
@@ -280,7 +283,7 @@ def serve(root: Path, port: int, password_file: Path, ready_file: Path | None, f
     stopping = {"now": False}
 
     def _stop(*_: object) -> None:
-        stopping["now"] = True
+        stopping["now"] = server.stopping = True
         if server.popen is not None and server.popen.poll() is None:
             server.popen.send_signal(signal.SIGINT)
 
@@ -288,7 +291,12 @@ def serve(root: Path, port: int, password_file: Path, ready_file: Path | None, f
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a token rotation signals every process of the cluster
     server.init_once()
-    popen = server.start_until_accepting()
+    try:
+        popen = server.start_until_accepting()
+    except Unavailable:
+        if server.stopping:
+            return 0
+        raise
     server.ensure_databases()
     if ready_file is not None:
         url = f"postgresql://{SUPERUSER}:***@127.0.0.1:{port}/"

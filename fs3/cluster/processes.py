@@ -81,6 +81,7 @@ class ProcessSettings:
     # its superuser's password. No password file: the URLs name a server run by someone else.
     pg_port: int = 0
     pg_password_file: str = ""
+    pg_fsync: bool | None = None  # the server syncs (None: as ``fsync``)
 
     def check(self, topology: Topology) -> None:
         """Bad combinations, before anything is written: several mgmtd or meta need PostgreSQL."""
@@ -129,7 +130,8 @@ def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Cal
     configs = []
     if settings.meta_engine == "postgres" and settings.pg_password_file:
         configs.append(ServiceConfig(POSTGRES, "postgres", PostgresServerConfig(
-            str(data_dir(POSTGRES)), settings.pg_port, settings.pg_password_file, fsync=settings.fsync)))
+            str(data_dir(POSTGRES)), settings.pg_port, settings.pg_password_file,
+            fsync=settings.fsync if settings.pg_fsync is None else settings.pg_fsync)))
     configs += [ServiceConfig(name, "mgmtd", _mgmtd_config(name, settings, data_dir(name), tls(name)))
                 for name in topology.mgmtd_names]
     for node_id in topology.node_ids:
