@@ -1,8 +1,9 @@
 """``fs3 local``: a whole cluster on this machine, as child processes with their data under one directory.
 
     fs3 local up [--dir DIR] [--storage-nodes N] [--targets-per-node T] [--replicas R] [--detach] [--tls]
+                 [--meta-engine rocksdb|postgres] [--meta-servers N] [--mgmtd-replicas N] [--pg-url URL]
     fs3 local status|down [--dir DIR]
-    fs3 local kill NAME | start NAME      (fault drills: NAME is mgmtd or storage-N)
+    fs3 local kill NAME | start NAME      (fault drills: NAME is mgmtd, storage-N, meta, meta-N, mgmtd-N, postgres)
     fs3 admin token rotate --dir DIR [--finish]
 
 The first ``up`` writes a config per service and a fresh cluster token under DIR; later runs
@@ -13,6 +14,13 @@ Everything under DIR is for the user running the cluster only: DIR is ``0700``, 
 the configs, cluster.json and the logs are created ``0600``, and each service runs with umask
 ``077`` (its data directories ``0700``, chunk and KV files ``0600``). No token is ever in a
 process's arguments: the services and the mount read the token file.
+
+With ``--meta-engine postgres`` the meta servers and mgmtd instances keep their state in
+PostgreSQL: a private server under ``DIR/postgres`` (the managed process ``postgres``, started
+first and stopped last), or the server ``--pg-url`` names. Its password is in the ``0600``
+configs and ``DIR/postgres/password`` only; layout.json, cluster.json and the output name no URL
+with a password. Every mgmtd's framed port is chosen once and kept, so the addresses storage,
+meta, the mount and the saved profile know stay right across restarts.
 """
 
 from __future__ import annotations
@@ -28,15 +36,26 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from fs3.client import profiles
 from fs3.cluster.certs import CLIENT, init_certs, tls_config
+from fs3.cluster.postgres import (
+    META_DATABASE,
+    MGMTD_DATABASE,
+    PostgresServerConfig,
+    check_reachable,
+    postgres_argv,
+    server_url,
+)
 from fs3.cluster.processes import (
+    META_ENGINES,
     ProcessSettings,
     ServiceProcess,
+    check_engine,
     config_toml,
     pid_alive,
     process_configs,
@@ -45,7 +64,7 @@ from fs3.cluster.processes import (
     signal_group,
     spawn_logged,
 )
-from fs3.cluster.topology import META, MGMTD, Topology
+from fs3.cluster.topology import META, MGMTD, POSTGRES, Topology
 from fs3.common.errors import FS3Error, InvalidArgument, Unauthenticated, Unavailable
 from fs3.common.secret_files import (
     check_config_file,
@@ -55,6 +74,7 @@ from fs3.common.secret_files import (
     write_secret_file,
     write_token_file,
 )
+from fs3.kv.postgres import redact_url
 from fs3.rpc.tls import TlsConfig
 
 __all__ = ["LocalCluster", "cluster_lock"]
@@ -84,26 +104,64 @@ def cluster_lock(root: Path, command: str = "fs3 local") -> Iterator[None]:
         os.close(fd)
 
 
+def _free_port() -> int:
+    """A port of 127.0.0.1 that was free a moment ago (chosen once, then kept by layout.json)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def mgmtd_database_url(meta_url: str) -> str:
+    """The mgmtd database of a cluster whose meta database is ``meta_url``: the same server and
+    user, the database's name with ``_mgmtd`` appended (meta and mgmtd tables share names)."""
+    head, sep, tail = meta_url.rpartition("/")
+    database, qsep, query = tail.partition("?")
+    if not sep or "://" not in head or not database:
+        raise InvalidArgument(f"--pg-url {redact_url(meta_url)!r}: expected postgresql://user:password@host:port/"
+                              "database (the meta database; mgmtd uses DATABASE_mgmtd on the same server)")
+    return f"{head}/{database}_mgmtd{qsep}{query}"
+
+
 class LocalCluster:
-    """mgmtd, N storage nodes (T targets each) and meta under ``root``; each can be killed and restarted."""
+    """mgmtd, N storage nodes (T targets each) and meta under ``root``; each can be killed and restarted.
+    With ``meta_engine="postgres"``: ``mgmtd_replicas`` mgmtd and ``meta_servers`` meta on PostgreSQL."""
 
     def __init__(self, root: Path, storage_nodes: int = 3, targets_per_node: int = 2, token: str | None = None,
                  heartbeat_timeout_ms: int = 3_000, heartbeat_interval_ms: int = 200, fsync: bool = False,
                  meta_data_dir: Path | None = None, meta_sync_commits: bool | None = None,
                  storage_data_dirs: dict[int, Path] | None = None, tls: bool | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", meta_engine: str | None = None, meta_servers: int | None = None,
+                 mgmtd_replicas: int | None = None, pg_url: str | None = None) -> None:
         """``fsync``: storage targets sync their writes and meta its commits (``meta_sync_commits``
         decides for meta alone). ``meta_data_dir`` and ``storage_data_dirs`` (node id -> directory
         of its targets) put data elsewhere than under ``root`` (crash tests: on a disk that loses
         unsynced writes), configs and logs staying under ``root``. All three apply when a service's
         config is first written. ``tls``: certificates under ``root/certs`` and mutual TLS for every
-        service, the mount and this launcher's own calls (None: as the cluster was first made)."""
+        service, the mount and this launcher's own calls (None: as the cluster was first made).
+        ``meta_engine``, ``meta_servers``, ``mgmtd_replicas`` (None: as the cluster was made, else
+        rocksdb and one of each) and ``pg_url`` (the meta database on a server of the user's; None:
+        a private server under ``root/postgres``) are fixed when the cluster is first made, except
+        the counts, which a later start may change."""
         if storage_nodes < 1 or targets_per_node < 1:
             raise InvalidArgument("a local cluster needs at least one storage node with one target")
         self.root = root.resolve()
         self.host = host
-        make_private_dir(self.root)
         saved = self._load_layout()
+        # The engine and the counts first: bad ones are refused before anything is written.
+        self.meta_engine = self._choose_engine(saved, meta_engine, pg_url)
+        self.pg_external = bool(saved.get("pg_external")) if saved.get("meta_engine") else pg_url is not None
+        self.topology = Topology(storage_nodes=int(saved.get("storage_nodes") or storage_nodes),
+                                 targets_per_node=targets_per_node,
+                                 meta_servers=(meta_servers if meta_servers is not None
+                                               else int(saved.get("meta_servers") or 1)),
+                                 mgmtd_replicas=(mgmtd_replicas if mgmtd_replicas is not None
+                                                 else int(saved.get("mgmtd_replicas") or 1)))
+        check_engine(self.topology, self.meta_engine)
+        if pg_url is not None:
+            mgmtd_database_url(pg_url)  # a URL without a database name
+        make_private_dir(self.root)
         self.token_file = self.root / "token"
         if not self.token_file.exists():
             # An earlier release kept the token in layout.json: it moves to the token file.
@@ -114,18 +172,32 @@ class LocalCluster:
         # with other programs. Only mgmtd's framed port is kept (layout.json) once known: storage
         # nodes and clients find the cluster through it after restarts.
         self.mgmtd_port = int(saved.get("mgmtd_port") or 0)
-        self.topology = Topology(storage_nodes=int(saved.get("storage_nodes") or storage_nodes),
-                                 targets_per_node=targets_per_node)
+        # Several mgmtd on PostgreSQL name each other by framed address: each one's port is chosen
+        # before its first start and kept (a rocksdb mgmtd binds port 0 once, as before).
+        self.mgmtd_ports: dict[str, int] = {k: int(v) for k, v in (saved.get("mgmtd_ports") or {}).items()}
+        if self.meta_engine == "postgres":
+            for name in self.topology.mgmtd_names:
+                self.mgmtd_ports.setdefault(name, self.mgmtd_port if name == MGMTD and self.mgmtd_port
+                                            else _free_port())
+            self.mgmtd_port = self.mgmtd_ports[MGMTD]
+        self.cluster_id = str(saved.get("cluster_id") or f"local-{secrets.token_hex(4)}")
+        self.pg_port = int(saved.get("pg_port") or 0)
+        # The private server's durability is the cluster's, as first made (its other services keep
+        # theirs in their configs; the server's command line is made afresh at every start).
+        self.pg_fsync = bool(saved.get("pg_fsync", fsync))
+        pg_settings = self._postgres_settings(pg_url)
         if tls and saved and not saved.get("tls"):
             raise InvalidArgument(f"the cluster in {self.root} was made without TLS; make a new one for --tls")
         self.tls = bool(saved.get("tls")) if saved and tls is None else bool(tls)
         tls_dir = self.root / "certs"
         if self.tls:
-            names = [MGMTD, META, *(self.topology.storage_name(n) for n in self.topology.node_ids)]
+            names = [*self.topology.mgmtd_names, *self.topology.meta_names,
+                     *(self.topology.storage_name(n) for n in self.topology.node_ids)]
             init_certs(tls_dir, {name: ["127.0.0.1", "localhost"] for name in names})
         settings = ProcessSettings("", token_file=str(self.token_file), heartbeat_timeout_ms=heartbeat_timeout_ms,
                                    heartbeat_interval_ms=heartbeat_interval_ms, fsync=fsync,
-                                   meta_sync_commits=meta_sync_commits, tls_dir=str(tls_dir) if self.tls else "")
+                                   meta_sync_commits=meta_sync_commits, tls_dir=str(tls_dir) if self.tls else "",
+                                   **pg_settings)
         data_dirs = {MGMTD: None, META: meta_data_dir}
 
         def data_dir(name: str) -> Path:
@@ -141,6 +213,9 @@ class LocalCluster:
             # cluster finds its data where it left it.
             service_dir = self.root / service.name
             service_dir.mkdir(mode=0o700, exist_ok=True)
+            if isinstance(service.config, PostgresServerConfig):
+                self._add(service.name, service.config.args(), postgres=True)
+                continue
             config = service_dir / f"{service.command}.toml"
             if not config.exists():
                 write_secret_file(config, config_toml(service.config))
@@ -151,6 +226,64 @@ class LocalCluster:
         if self.mountpoint:
             self._add("mount", self._mount_args())
         self._save_layout()
+
+    def _choose_engine(self, saved: dict[str, Any], meta_engine: str | None, pg_url: str | None) -> str:
+        """The engine of this cluster: as it was made, else the one asked for (``pg_url``: postgres)."""
+        made = saved.get("meta_engine") or ("rocksdb" if saved else None)
+        asked = meta_engine or ("postgres" if pg_url is not None else None)
+        if asked is not None and asked not in META_ENGINES:
+            raise InvalidArgument(f"--meta-engine {asked!r}: expected one of {', '.join(META_ENGINES)}")
+        if pg_url is not None and asked != "postgres":
+            raise InvalidArgument("--pg-url is the PostgreSQL engine's: use it with --meta-engine postgres")
+        if made and asked and asked != made:
+            raise InvalidArgument(f"the cluster in {self.root} was made with --meta-engine {made}; "
+                                  f"make a new one (another --dir) for {asked}")
+        return str(made or asked or "rocksdb")
+
+    def _postgres_settings(self, pg_url: str | None) -> dict[str, Any]:
+        """The engine's part of :class:`ProcessSettings`: the database URLs (with the private
+        server's password and port, both made on the first start), none for rocksdb."""
+        if self.meta_engine != "postgres":
+            return {}
+        common: dict[str, Any] = {"meta_engine": "postgres", "cluster_id": self.cluster_id}
+        if self.pg_external:
+            if pg_url is None:
+                pg_url = self.configured_pg_url()
+            elif (self.root / META / "meta.toml").exists() and pg_url != self.configured_pg_url():
+                raise InvalidArgument(f"the cluster in {self.root} was made on another database than "
+                                      f"{redact_url(pg_url)}; leave out --pg-url to use its own")
+            return {**common, "pg_meta_url": pg_url, "pg_mgmtd_url": mgmtd_database_url(pg_url)}
+        pg_dir = self.root / POSTGRES
+        make_private_dir(pg_dir)
+        password_file = pg_dir / "password"
+        if not password_file.exists():
+            write_secret_file(password_file, secrets.token_hex(16) + "\n")
+        password = read_secret_file(password_file).strip()
+        if not self.pg_port:
+            self.pg_port = _free_port()
+        return {**common, "pg_port": self.pg_port, "pg_password_file": str(password_file),
+                "pg_fsync": self.pg_fsync,
+                "pg_meta_url": server_url(password, self.pg_port, META_DATABASE),
+                "pg_mgmtd_url": server_url(password, self.pg_port, MGMTD_DATABASE)}
+
+    def configured_pg_url(self) -> str:
+        """The meta database's URL as the first meta's config holds it (it holds the password)."""
+        config = self.root / META / "meta.toml"
+        try:
+            url = tomllib.loads(read_secret_file(config)).get("pg_url")
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidArgument(f"cannot read the database URL from {config}: {exc}") from None
+        if not isinstance(url, str) or not url:
+            raise InvalidArgument(f"{config} names no pg_url")
+        return url
+
+    def check_database(self) -> None:
+        """A server run by someone else (``--pg-url``) must answer before anything starts: an
+        Unavailable naming the URL (without its password) otherwise."""
+        if self.meta_engine == "postgres" and self.pg_external:
+            url = self.configured_pg_url()
+            check_reachable(url)
+            check_reachable(mgmtd_database_url(url))
 
     @property
     def token(self) -> str:
@@ -185,10 +318,18 @@ class LocalCluster:
         self._save_layout()
 
     @property
-    def mgmtd_address(self) -> str:
+    def mgmtd_addresses(self) -> list[str]:
+        """Every mgmtd's framed address, the first mgmtd's first."""
         if not self.mgmtd_port:
             raise Unavailable("mgmtd has not been started yet")
-        return f"{self.host}:{self.mgmtd_port}"
+        if self.meta_engine != "postgres":
+            return [f"{self.host}:{self.mgmtd_port}"]
+        return [f"{self.host}:{self.mgmtd_ports[name]}" for name in self.topology.mgmtd_names]
+
+    @property
+    def mgmtd_address(self) -> str:
+        """Every mgmtd's framed address, comma-separated (what clients and services are given)."""
+        return ",".join(self.mgmtd_addresses)
 
     # -- layout and status file --------------------------------------------------------------
 
@@ -200,7 +341,16 @@ class LocalCluster:
         write_secret_file(self.root / "layout.json", json.dumps(
             {"mgmtd_port": self.mgmtd_port, "storage_nodes": self._nodes,
              "mountpoint": getattr(self, "mountpoint", None), "mount_workers": getattr(self, "mount_workers", 1),
-             "tls": self.tls}))
+             "tls": self.tls, **self._engine_layout()}))
+
+    def _engine_layout(self) -> dict[str, Any]:
+        """What layout.json keeps of the engine (no URL: it may hold a password)."""
+        if self.meta_engine != "postgres":
+            return {}
+        return {"meta_engine": "postgres", "meta_servers": self.topology.meta_servers,
+                "mgmtd_replicas": self.topology.mgmtd_replicas, "mgmtd_ports": self.mgmtd_ports,
+                "cluster_id": self.cluster_id, "pg_external": self.pg_external,
+                "pg_port": None if self.pg_external else self.pg_port, "pg_fsync": self.pg_fsync}
 
     def write_cluster_json(self) -> Path:
         """``DIR/cluster.json`` (``0600``): endpoints, process ids, logs and where the token is."""
@@ -210,7 +360,9 @@ class LocalCluster:
             "tls": dataclasses.asdict(self.client_tls) if self.client_tls is not None else None,
             "processes": {name: {"pid": p.popen.pid if p.popen else p.info.get("pid"), "framed": p.info.get("framed"),
                                  "grpc": p.info.get("grpc"), "metrics": p.info.get("metrics"),
+                                 **({"address": p.info.get("address")} if name == POSTGRES else {}),
                                  "log": str(p.log_path)} for name, p in self.procs.items()},
+            "meta_engine": self.meta_engine,
         }
         path = self.root / "cluster.json"
         write_secret_file(path, json.dumps(data, indent=2))
@@ -221,27 +373,38 @@ class LocalCluster:
         (``$FS3_CONFIG`` or ``~/.config/fs3/config.toml``): its mgmtd, its token file and its
         client TLS, so ``fs3.connect(profile=name)`` and ``fs3://name@/path`` need nothing else."""
         path = config or profiles.config_path()
-        profiles.save_profile(path, profiles.Profile(name, (self.mgmtd_address,), token_file=str(self.token_file),
+        profiles.save_profile(path, profiles.Profile(name, tuple(self.mgmtd_addresses), token_file=str(self.token_file),
                                                      tls=self.client_tls))
         return path
 
     # -- processes ---------------------------------------------------------------------------
 
-    def _add(self, name: str, args: list[str]) -> None:
-        self.procs[name] = ServiceProcess(name, args, self.root / f"{name}.ready.json", self.root / f"{name}.log",
-                                          pid_file=self.root / f"{name}.pid")
+    def _add(self, name: str, args: list[str], postgres: bool = False) -> None:
+        proc = ServiceProcess(name, args, self.root / f"{name}.ready.json", self.root / f"{name}.log",
+                              pid_file=self.root / f"{name}.pid")
+        if postgres:
+            proc.program = postgres_argv
+        self.procs[name] = proc
 
-    def start(self, name: str, wait: bool = True) -> None:
+    def _known(self, name: str) -> ServiceProcess:
         if name not in self.procs:
             raise InvalidArgument(f"no process {name!r}; known: {', '.join(self.procs)}")
-        proc = self.procs[name]
+        return self.procs[name]
+
+    def start(self, name: str, wait: bool = True) -> None:
+        proc = self._known(name)
+        if name == POSTGRES:
+            proc.spawn(_spawn, self.env)
+            if wait:
+                self.wait_ready(name, timeout_s=90)  # a first start runs initdb
+            return
         args, env = list(proc.args), dict(self.env)
         if self.host != "127.0.0.1":
             for prefix in ("FS3_MGMTD", "FS3_STORAGE", "FS3_META"):
                 env[f"{prefix}_LISTEN_HOST"] = self.host
             env["FS3_STORAGE_ADVERTISE_HOST"] = env["FS3_META_ADVERTISE_HOST"] = self.host
-        if name == MGMTD:
-            args += ["--framed-port", str(self.mgmtd_port)]
+        if name in self.topology.mgmtd_names:
+            args += ["--framed-port", str(self.mgmtd_ports.get(name, self.mgmtd_port))]
         else:
             env["FS3_STORAGE_MGMTD_ADDRESS"] = self.mgmtd_address
             env["FS3_META_MGMTD_ADDRESS"] = self.mgmtd_address
@@ -264,19 +427,34 @@ class LocalCluster:
         return str(self.procs[name].info[transport])
 
     def start_all(self) -> None:
-        """Start every service (the mount is started on its own, once the chains serve)."""
-        self.start("mgmtd")
-        services = [name for name in self.procs if name not in ("mgmtd", "mount")]
+        """Start every service: PostgreSQL (when the cluster runs its own), the mgmtd instances,
+        then storage and meta (the mount is started on its own, once the chains serve)."""
+        if POSTGRES in self.procs:
+            self.start(POSTGRES)
+        mgmtds = self.topology.mgmtd_names
+        for name in mgmtds:
+            self.start(name, wait=False)
+        for name in mgmtds:
+            self.wait_ready(name)
+        services = [name for name in self.procs if name not in (*mgmtds, POSTGRES, "mount")]
         for name in services:
             self.start(name, wait=False)
         for name in services:
             self.wait_ready(name)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        self.procs[name].kill(sig)
+        self._known(name).kill(sig)
 
     def stop_all(self) -> None:
-        mount = self.procs.get("mount")
+        """Stop every process: the mount first, PostgreSQL last (once nothing uses it)."""
+        self._stop([name for name in self.procs if name != POSTGRES])
+        if POSTGRES in self.procs:
+            self._stop([POSTGRES])
+
+    def _stop(self, names: list[str]) -> None:
+        """SIGTERM to each of ``names`` (the mount first, the others in reverse start order), wait
+        up to 10 s, SIGKILL what still runs."""
+        mount = self.procs.get("mount") if "mount" in names else None
         if mount is not None:
             # Unmount first, while meta can still take the last closes.
             pid = mount.pid
@@ -286,13 +464,13 @@ class LocalCluster:
                     if mount.popen is not None and mount.popen.poll() is not None:
                         break
                     time.sleep(0.05)
-        for name in reversed(list(self.procs)):
-            proc = self.procs[name]
+        procs = [self.procs[name] for name in names]
+        for proc in reversed(procs):
             pid = proc.pid
             if pid and pid_alive(pid):
                 signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        for proc in self.procs.values():
+        for proc in procs:
             pid = proc.pid
             while pid and pid_alive(pid) and time.monotonic() < deadline:
                 if proc.popen is not None and proc.popen.poll() is not None:
@@ -377,7 +555,7 @@ class LocalCluster:
 
     def _check_reloadable(self) -> None:
         for name, proc in self.procs.items():
-            if name == "mount":
+            if name in ("mount", POSTGRES):  # PostgreSQL reads no fs3 token
                 continue
             config = Path(proc.args[proc.args.index("--config") + 1])
             check_config_file(config)
@@ -403,6 +581,8 @@ class LocalCluster:
         """SIGHUP to every running process of the cluster: each reads the token file again."""
         signalled = []
         for name, pid in self._running().items():
+            if name == POSTGRES:
+                continue
             if name == "mount" and "--token-file" not in _cmdline(pid):
                 # A mount started without a token file would take SIGHUP as "unmount".
                 print(f"fs3: warning: the mount (pid {pid}) reads no token file; remount it after --finish",
@@ -418,7 +598,7 @@ class LocalCluster:
         deadline = loop.time() + timeout_s
         running = self._running()
         for name, proc in self.procs.items():
-            if name == "mount" or name not in running:
+            if name in ("mount", POSTGRES) or name not in running:
                 continue
             if not proc.info and proc.ready_file.exists():
                 proc.info = json.loads(proc.ready_file.read_text())
@@ -473,6 +653,10 @@ def _print_endpoints(cluster: LocalCluster, profile: str | None = None, profile_
             print(f"  {name:<10} {info.get('mountpoint', '-'):<73}  metrics {info.get('metrics') or '-'}  "
                   f"pid {info.get('pid', '-')}")
             continue
+        if name == POSTGRES:
+            print(f"  {name:<10} {info.get('url', '-'):<73}  pid {info.get('pid', '-')}  "
+                  f"(databases {', '.join(info.get('databases') or [])}; password in {info.get('password_file')})")
+            continue
         print(f"  {name:<10} framed {info.get('framed', '-'):<22} grpc {info.get('grpc', '-'):<22} "
               f"metrics {info.get('metrics', '-')}  pid {info.get('pid', '-')}")
     # Where the token is, never the token: this output ends up in terminals, logs and CI output.
@@ -500,8 +684,17 @@ def _print_endpoints(cluster: LocalCluster, profile: str | None = None, profile_
 def _up(root: Path, args: Any) -> int:
     """``fs3 local up``, the cluster lock held: refused while any process of the cluster runs
     (one left by ``up --detach``), so a second ``up`` never starts services over running ones."""
+    pg_url = getattr(args, "pg_url", None)
+    if pg_url is not None and not (root / "layout.json").exists():
+        # A server of the user's must answer before the cluster's configs name it.
+        check_reachable(pg_url)
+        check_reachable(mgmtd_database_url(pg_url))
     cluster = LocalCluster(root, storage_nodes=args.storage_nodes, targets_per_node=args.targets_per_node,
-                           tls=args.tls)
+                           tls=args.tls, meta_engine=getattr(args, "meta_engine", None),
+                           meta_servers=getattr(args, "meta_servers", None),
+                           mgmtd_replicas=getattr(args, "mgmtd_replicas", None), pg_url=pg_url)
+    if pg_url is None:
+        cluster.check_database()
     running = cluster.running()
     if running:
         pids = ", ".join(f"pid {pid}: {name}" for name, pid in running.items())

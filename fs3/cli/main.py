@@ -403,6 +403,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls", action="store_true", default=None,
                     help="make certificates under DIR/certs and run every service and the mount with mutual TLS "
                          "(first start only; later starts keep what the cluster was made with)")
+    up.add_argument("--meta-engine", choices=("rocksdb", "postgres"),
+                    help="where meta and mgmtd keep their state: rocksdb (embedded; the default) or postgres "
+                         "(a private PostgreSQL under DIR/postgres, or --pg-url); first start only")
+    up.add_argument("--meta-servers", type=int, metavar="N", help="meta servers (postgres engine; default 1)")
+    up.add_argument("--mgmtd-replicas", type=int, metavar="N",
+                    help="mgmtd instances, one of them primary (postgres engine; default 1)")
+    up.add_argument("--pg-url", metavar="URL",
+                    help="the meta database on a PostgreSQL server of yours (mgmtd uses DATABASE_mgmtd there; "
+                         "both must exist): no private server is started. Kept in the 0600 configs only")
     up.add_argument("--profile", metavar="NAME",
                     help="also write client profile NAME for this cluster (mgmtd, token file, TLS) to $FS3_CONFIG or "
                          "~/.config/fs3/config.toml: then fs3.connect(profile=NAME) and fs3://NAME@/path")
@@ -410,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         local_sub.add_parser(action)
     for action in ("kill", "start"):
         drill = local_sub.add_parser(action, help=f"{action} one service (fault drills)")
-        drill.add_argument("name", help="mgmtd, meta or storage-N")
+        drill.add_argument("name", help="mgmtd, meta, storage-N, and with postgres mgmtd-N, meta-N, postgres")
     for parser_ in local_sub.choices.values():
         parser_.add_argument("--dir", default=".fs3", help="cluster directory (default .fs3)")
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from fs3.cluster.certs import tls_config
-from fs3.cluster.topology import META, META_NODE_ID, MGMTD, Topology
+from fs3.cluster.postgres import PostgresServerConfig
+from fs3.cluster.topology import POSTGRES, Topology
 from fs3.common.errors import InvalidArgument, Unavailable
 from fs3.common.secret_files import write_secret_file
 from fs3.meta.server import MetaConfig
@@ -32,13 +33,20 @@ from fs3.rpc.tls import TlsConfig
 from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig
 
-__all__ = ["ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner", "config_toml", "fs3_argv",
-           "pid_alive", "process_configs", "process_start_time", "read_pid_file", "signal_group", "spawn_logged",
-           "stop_group", "write_pid_file"]
+__all__ = ["LOCAL_LEASE", "META_ENGINES", "ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner",
+           "check_engine", "config_toml", "fs3_argv", "pid_alive", "process_configs", "process_start_time",
+           "read_pid_file", "signal_group", "spawn_logged", "stop_group", "write_pid_file"]
 
 #: Starts ``argv`` with ``env``, its output appended to the log file; returns the child, leader of
 #: its own process group (so that a signal reaches whatever it started).
 Spawner = Callable[[list[str], Mapping[str, str], Path], "subprocess.Popen[Any]"]
+
+#: Where meta keeps the namespace: embedded (one meta, one mgmtd) or in PostgreSQL (several of each).
+META_ENGINES = ("rocksdb", "postgres")
+#: The primary lease of mgmtd instances on PostgreSQL in a cluster of processes on one machine
+#: (lease_ms, renew_interval_ms, drift_margin_ms): a standby takes over within about 2 s, and the
+#: heartbeat timeout grows to at least twice a lease and a renewal (what mgmtd requires).
+LOCAL_LEASE = (1_500, 400, 300)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,42 @@ class ProcessSettings:
         return "" if self.token_file else self.token
     # Certificates made by fs3.cluster.certs for every service by name: mutual TLS everywhere ("" = off).
     tls_dir: str = ""
+    # rocksdb: one meta and one mgmtd on embedded stores. postgres: every meta on the database at
+    # pg_meta_url, every mgmtd on the one at pg_mgmtd_url (separate databases: both keep their
+    # data in tables of the same names), all of cluster_id. The URLs hold a password: not in the repr.
+    meta_engine: str = "rocksdb"
+    pg_meta_url: str = field(default="", repr=False)
+    pg_mgmtd_url: str = field(default="", repr=False)
+    cluster_id: str = "fs3"
+    # The cluster's own PostgreSQL server (a service named "postgres"): its port and the file of
+    # its superuser's password. No password file: the URLs name a server run by someone else.
+    pg_port: int = 0
+    pg_password_file: str = ""
+    pg_fsync: bool | None = None  # the server syncs (None: as ``fsync``)
+
+    def check(self, topology: Topology) -> None:
+        """Bad combinations, before anything is written: several mgmtd or meta need PostgreSQL."""
+        check_engine(topology, self.meta_engine)
+        if self.meta_engine != "postgres":
+            return
+        if not self.pg_meta_url or not self.pg_mgmtd_url:
+            raise InvalidArgument("the postgres engine needs the URLs of the meta and mgmtd databases")
+        if self.pg_password_file and not 0 < self.pg_port < 65536:
+            raise InvalidArgument(f"the cluster's PostgreSQL server needs a port, not {self.pg_port}")
+
+
+def check_engine(topology: Topology, meta_engine: str) -> None:
+    """InvalidArgument unless ``meta_engine`` is known and can run ``topology``: several mgmtd
+    instances or meta servers need PostgreSQL, the embedded engine serves one of each."""
+    if meta_engine not in META_ENGINES:
+        raise InvalidArgument(f"meta engine {meta_engine!r}: expected one of {', '.join(META_ENGINES)}")
+    if meta_engine != "postgres":
+        if topology.mgmtd_replicas > 1:
+            raise InvalidArgument(f"--mgmtd-replicas {topology.mgmtd_replicas} needs --meta-engine postgres: several "
+                                  "mgmtd share their state in PostgreSQL (with rocksdb, mgmtd runs alone)")
+        if topology.with_meta and topology.meta_servers > 1:
+            raise InvalidArgument(f"--meta-servers {topology.meta_servers} needs --meta-engine postgres: several "
+                                  "meta servers share the namespace in PostgreSQL (rocksdb is one server's)")
 
 
 @dataclass(frozen=True)
@@ -70,7 +114,7 @@ class ServiceConfig:
 
     name: str
     command: str
-    config: MgmtdConfig | StorageConfig | MetaConfig
+    config: MgmtdConfig | StorageConfig | MetaConfig | PostgresServerConfig
 
 
 def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Callable[[str], Path],
@@ -78,13 +122,18 @@ def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Cal
     """Every server's config, in start order. Services bind port 0 and report what they got in
     their ready files, so ports never race with other programs; ``data_dir(name)`` is where a
     service keeps its data and ``target_dir(node_id, index)`` a storage target's directory."""
+    settings.check(topology)
+
     def tls(name: str) -> TlsConfig:
         return tls_config(Path(settings.tls_dir), name) if settings.tls_dir else TlsConfig()
 
-    configs = [ServiceConfig(MGMTD, "mgmtd", MgmtdConfig(
-        data_dir=str(data_dir(MGMTD)), grpc_port=0, metrics_port=0,
-        heartbeat_timeout_ms=settings.heartbeat_timeout_ms, token=settings.inline_token,
-        token_file=settings.token_file, tls=tls(MGMTD)))]
+    configs = []
+    if settings.meta_engine == "postgres" and settings.pg_password_file:
+        configs.append(ServiceConfig(POSTGRES, "postgres", PostgresServerConfig(
+            str(data_dir(POSTGRES)), settings.pg_port, settings.pg_password_file,
+            fsync=settings.fsync if settings.pg_fsync is None else settings.pg_fsync)))
+    configs += [ServiceConfig(name, "mgmtd", _mgmtd_config(name, settings, data_dir(name), tls(name)))
+                for name in topology.mgmtd_names]
     for node_id in topology.node_ids:
         targets = [TargetConfig(topology.target_id(node_id, index), str(target_dir(node_id, index)))
                    for index in range(1, topology.targets_per_node + 1)]
@@ -94,16 +143,39 @@ def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Cal
             rpc_timeout_ms=settings.rpc_timeout_ms, fsync=settings.fsync, framed_port=0, grpc_port=0,
             metrics_port=0, replica=ReplicaConfig(forward_timeout_ms=settings.forward_timeout_ms),
             targets=targets, tls=tls(topology.storage_name(node_id)))))
-    if topology.with_meta:
-        sync_commits = settings.fsync if settings.meta_sync_commits is None else settings.meta_sync_commits
-        meta = MetaConfig(node_id=META_NODE_ID, data_dir=str(data_dir(META)), token=settings.inline_token,
-                          token_file=settings.token_file, framed_port=0, grpc_port=0, metrics_port=0,
-                          sync_commits=sync_commits,
-                          heartbeat_interval_ms=settings.heartbeat_interval_ms, rpc_timeout_ms=settings.rpc_timeout_ms,
-                          tls=tls(META))
-        meta.service = dataclasses.replace(meta.service, prune_interval_ms=settings.meta_prune_interval_ms)
-        configs.append(ServiceConfig(META, "meta", meta))
+    for index, name in enumerate(topology.meta_names):
+        configs.append(ServiceConfig(name, "meta", _meta_config(topology.meta_node_id(index), settings,
+                                                                data_dir(name), tls(name))))
     return configs
+
+
+def _mgmtd_config(name: str, settings: ProcessSettings, data_dir: Path, tls: TlsConfig) -> MgmtdConfig:
+    """One mgmtd: alone on its RocksDB, or (postgres) one instance named ``name`` of several
+    sharing the mgmtd database; its framed port is the launcher's to give (``--framed-port``)."""
+    config = MgmtdConfig(data_dir=str(data_dir), grpc_port=0, metrics_port=0,
+                         heartbeat_timeout_ms=settings.heartbeat_timeout_ms, token=settings.inline_token,
+                         token_file=settings.token_file, tls=tls)
+    if settings.meta_engine != "postgres":
+        return config
+    lease_ms, renew_ms, drift_ms = LOCAL_LEASE
+    return dataclasses.replace(
+        config, kv_engine="postgres", pg_url=settings.pg_mgmtd_url, cluster_id=settings.cluster_id,
+        instance_name=name, lease_ms=lease_ms, lease_renew_interval_ms=renew_ms, lease_drift_margin_ms=drift_ms,
+        heartbeat_timeout_ms=max(settings.heartbeat_timeout_ms, 2 * (lease_ms + renew_ms)))
+
+
+def _meta_config(node_id: int, settings: ProcessSettings, data_dir: Path, tls: TlsConfig) -> MetaConfig:
+    sync_commits = settings.fsync if settings.meta_sync_commits is None else settings.meta_sync_commits
+    meta = MetaConfig(node_id=node_id, data_dir=str(data_dir), token=settings.inline_token,
+                      token_file=settings.token_file, framed_port=0, grpc_port=0, metrics_port=0,
+                      sync_commits=sync_commits,
+                      heartbeat_interval_ms=settings.heartbeat_interval_ms, rpc_timeout_ms=settings.rpc_timeout_ms,
+                      tls=tls)
+    meta.service = dataclasses.replace(meta.service, prune_interval_ms=settings.meta_prune_interval_ms)
+    if settings.meta_engine == "postgres":
+        meta = dataclasses.replace(meta, kv_engine="postgres", pg_url=settings.pg_meta_url,
+                                   cluster_id=settings.cluster_id)
+    return meta
 
 
 def _toml_value(value: object, where: str) -> str:
