@@ -14,8 +14,8 @@ that they spread over the meta servers by id) split over two worker processes, i
 their own (``/c<N>``) or in one shared directory (``--shared-dir``, as mdtest's default), through the
 phases create (open for writing + close of an empty file), stat, rename (within the directory) and
 unlink. Per phase: operations per second, the ratio to ``rocksdb``, database round trips per
-operation (every meta server's ``fs3_meta_kv_round_trips``, summed), and CPU seconds per 1,000
-operations of the meta servers, of the PostgreSQL server (every process of its group) and of the
+operation (every meta server's ``fs3_meta_kv_round_trips``, summed), and CPU milliseconds per
+operation of the meta servers, of the PostgreSQL server (the postmaster and every backend) and of the
 clients — where the time goes, so that scaling on more cores can be read off.
 
 Usage: ``python bench/meta_scale_bench.py [--files 4000] [--clients 16] [--configs rocksdb,postgres-1,...]
@@ -92,20 +92,27 @@ def _worker(mgmtd: str, token: str, dirs: list[str], files: int, worker: int, ba
     uvloop.run(main())
 
 
-def _group_cpu_s(leader: int) -> float:
-    """User + system CPU seconds of every process in ``leader``'s process group (PostgreSQL's
-    postmaster and backends; a meta server), with their exited children's."""
+def _tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of process ``root`` and every process under it (PostgreSQL's
+    postmaster and backends, which each start a session of their own, so a process group would miss
+    them), with their exited children's."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    stats: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == leader:  # pgrp
-            total += sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+        if entry.name.isdigit():
+            try:
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)  # ppid
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += sum(int(stats[pid][i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+        todo += children.get(pid, [])
     return total / tick
 
 
@@ -152,8 +159,8 @@ def _measure(config: str, root: Path, args: argparse.Namespace) -> dict[str, Any
         phases: dict[str, dict[str, float]] = {}
         for phase in PHASES:
             barrier.wait(timeout=600)
-            trips, meta_cpu = _round_trips(metrics), sum(_group_cpu_s(p) for p in meta_pids)
-            pg_cpu = _group_cpu_s(pg_pid) if pg_pid else 0.0
+            trips, meta_cpu = _round_trips(metrics), sum(_tree_cpu_s(p) for p in meta_pids)
+            pg_cpu = _tree_cpu_s(pg_pid) if pg_pid else 0.0
             start = time.perf_counter()
             barrier.wait(timeout=1800)
             elapsed = time.perf_counter() - start
@@ -161,8 +168,8 @@ def _measure(config: str, root: Path, args: argparse.Namespace) -> dict[str, Any
             phases[phase] = {
                 "ops_per_s": ops / elapsed,
                 "round_trips_per_op": (_round_trips(metrics) - trips) / ops,
-                "meta_cpu_ms_per_op": 1000 * (sum(_group_cpu_s(p) for p in meta_pids) - meta_cpu) / ops,
-                "db_cpu_ms_per_op": 1000 * ((_group_cpu_s(pg_pid) if pg_pid else 0.0) - pg_cpu) / ops,
+                "meta_cpu_ms_per_op": 1000 * (sum(_tree_cpu_s(p) for p in meta_pids) - meta_cpu) / ops,
+                "db_cpu_ms_per_op": 1000 * ((_tree_cpu_s(pg_pid) if pg_pid else 0.0) - pg_cpu) / ops,
             }
         client_cpu: dict[str, float] = {}
         for _ in procs:
