@@ -37,6 +37,10 @@ class Transaction(Protocol):
 
 
 class TxnEngine(Protocol):
+    """An engine whose transactions fetch announced keys with their next read (``prefetch``: a
+    networked one) says so with a class attribute ``prefetches = True``; meta then guesses the
+    keys a request will read (:mod:`fs3.meta.hints`). Without it, meta announces only what it knows."""
+
     def begin(self) -> Transaction: ...
 
     async def wait_durable(self) -> None:

@@ -253,6 +253,12 @@ class _Pool:
                 return
         self._hand_over(conn)
 
+    async def settle(self) -> None:
+        """Wait for the rollbacks in flight (a dropped transaction's finalizer starts one)."""
+        await asyncio.sleep(0)
+        while self._rolling_back:
+            await asyncio.gather(*self._rolling_back, return_exceptions=True)
+
     async def _roll_back(self, conn: _Conn) -> None:
         try:
             await conn.pg.execute(b"ROLLBACK")
@@ -533,6 +539,9 @@ class PostgresTxnEngine:
     commit), ``maybe_committed``.
     """
 
+    # Transactions fetch announced keys with their next read (``prefetch``): meta guesses them.
+    prefetches = True
+
     def __init__(self, config: PostgresConfig, faults: TxnFaults | None = None) -> None:
         config.validate()
         self.config = config
@@ -560,6 +569,16 @@ class PostgresTxnEngine:
     def round_trips(self) -> int:
         """Round trips to the server so far: transactions' and the pool's rollbacks of dropped ones."""
         return self._round_trips + self._pool.rollbacks
+
+    @property
+    def rollbacks(self) -> int:
+        """The pool's rollbacks of dropped transactions (part of ``round_trips``, off their callers' paths)."""
+        return self._pool.rollbacks
+
+    async def settle(self) -> None:
+        """Wait for the rollbacks of dropped transactions now in flight (tests and benchmarks count
+        round trips after it; a transaction dropped by an earlier statement is collected first)."""
+        await self._pool.settle()
 
     def begin(self) -> _PgTxn:
         return _PgTxn(self)
