@@ -25,6 +25,7 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ async def _depth(service: MetaService, engine: PostgresTxnEngine, depth: int) ->
         for op in OPS:
             if mode == "cold":
                 _forget(service)
-            on_path, after = await _count(engine, lambda op=op: steps[op](name))
+            on_path, after = await _count(engine, partial(steps[op], name))
             out[op][mode] = f"{on_path}" + (f" (+{after})" if after else "")
     return out
 

@@ -67,40 +67,41 @@ class PathHints:
         while len(entries) > self.entries_max:
             entries.popitem(last=False)
 
-    def keys(self, ref: mpb.PathRef, out: list[bytes]) -> int:
+    def keys(self, ref: mpb.PathRef, out: list[bytes]) -> tuple[int, int]:
         """Append to ``out`` the keys resolving ``ref`` will read if the hints are right: the start
         inode, then per component its entry and (when hinted) the inode it leads to, until a
         component is not hinted, is not a directory, or is ``..``. The final component's entry is
         included whether or not it exists (a create reads it too), and its hinted inode.
 
-        Returns the inode id the whole path is hinted to lead to (0: not known), for the keys an
-        operation reads about its target (an open: the file's truncate and size generation)."""
+        Returns the ``(inode id, type)`` the whole path is hinted to lead to (``(0, 0)``: not
+        known, or the type not), for what an operation reads about its target (an open: the
+        file's truncate and size generation; a remove: its sessions and attributes)."""
         if ref.inode_id:
             out.append(schema.inode_key(ref.inode_id))
             if not ref.path:
-                return ref.inode_id
+                return ref.inode_id, 0
         try:
             absolute, parts = split_path(bytes(ref.path))
         except FS3Error:
-            return 0  # the operation itself refuses the path
+            return 0, 0  # the operation itself refuses the path
         current = schema.ROOT_INODE if absolute or ref.parent == 0 else ref.parent
         out.append(schema.inode_key(current))
         entries = self._entries
         last = len(parts) - 1
         for at, name in enumerate(parts):
             if name == b"..":
-                return 0
+                return 0, 0
             out.append(schema.dentry_key(current, name))
             hint = entries.get((current, name))
             if hint is None:
-                return 0
+                return 0, 0
             entries.move_to_end((current, name))
             self.hits += 1
             child, kind = hint
             out.append(schema.inode_key(child))
             if at == last:
-                return child
+                return hint
             if kind != mpb.DIRECTORY:
-                return 0
+                return 0, 0
             current = child
-        return current
+        return current, mpb.DIRECTORY

@@ -69,7 +69,7 @@ class MetaHost(abc.ABC):
     @abc.abstractmethod
     async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]],
                       ancestry: Ancestry | None = None, refs: Sequence[mpb.PathRef] = (),
-                      keys: Sequence[bytes] = (), target_keys: bool = False) -> M:
+                      keys: Sequence[bytes] = (), target_keys: bool = False, removing: bool = False) -> M:
         """Run ``fn`` as the request's one idempotent transaction (``refs``, ``keys``: what it
         will read, fetched with its first read on a networked engine)."""
 

@@ -82,6 +82,7 @@ __all__ = [
     "OpEnv",
     "TruncatePending",
     "TruncateUnclaimed",
+    "removal_scans",
 ]
 
 _RELATIME_NS = 24 * 3600 * 1_000_000_000
@@ -207,6 +208,15 @@ class TruncateUnclaimed(Exception):
     def __init__(self, inode_id: int) -> None:
         super().__init__(f"a truncate of inode {inode_id} must be claimed")
         self.inode_id = inode_id
+
+
+def removal_scans(inode_id: int, kind: int) -> list[tuple[bytes, bytes | None, int]]:
+    """The scans (start, end, limit) that removing the last name of an inode makes: whether a
+    directory is empty or a file still open, then its first page of attributes. Announced before
+    they run (``Transaction.prefetch_scan``), they ride together with an earlier read."""
+    first = schema.dentry_prefix(inode_id) if kind == DIRECTORY else schema.session_prefix(inode_id)
+    xattrs = schema.xattr_prefix(inode_id)
+    return [(first, prefix_end(first), 1), (xattrs, prefix_end(xattrs), XATTR_DELETE_PAGE)]
 
 
 class Namespace:
@@ -381,6 +391,12 @@ class Namespace:
     def _check_sticky(self, parent: mpb.Inode, child: mpb.Inode) -> None:
         if parent.mode & S_ISVTX and self.caller.uid not in (0, parent.uid, child.uid):
             raise NotPermitted(f"sticky directory {parent.inode_id}: only the owner may remove or rename")
+
+    def _announce_removal(self, inode: mpb.Inode) -> None:
+        """Announce the scans that removing this name of ``inode`` will make (its last name)."""
+        if inode.type == DIRECTORY or inode.nlink == 1:
+            for start, end, limit in removal_scans(inode.inode_id, inode.type):
+                self.txn.prefetch_scan(start, end, limit)
 
     async def _has_sessions(self, inode_id: int) -> bool:
         prefix = schema.session_prefix(inode_id)
@@ -641,6 +657,7 @@ class Namespace:
         if entry is None:
             raise NotFound(f"{name.decode(errors='replace')!r} does not exist")
         inode = await self.inode(entry.inode_id)
+        self._announce_removal(inode)
         if directory:
             if inode.type != DIRECTORY:
                 raise NotADirectory(f"{name.decode(errors='replace')!r} is not a directory")
@@ -729,6 +746,7 @@ class Namespace:
             self._stamp(target)
         else:
             if target is not None:
+                self._announce_removal(target)
                 if inode.type == DIRECTORY:
                     if target.type != DIRECTORY:
                         raise NotADirectory(f"{dst_name.decode(errors='replace')!r} is not a directory")

@@ -73,6 +73,7 @@ from fs3.meta.ops import (
     OpEnv,
     TruncatePending,
     TruncateUnclaimed,
+    removal_scans,
 )
 from fs3.rpc.auth import Authenticator, Role, current_principal
 
@@ -268,22 +269,29 @@ class MetaService(FileLengths, MetaJobs):
         return OpEnv(now_ns=self.wall_ns(), caller=Caller.from_pb(user), chain_tables=self._chain_tables(),
                      stripe_default=self.config.stripe_default)
 
-    def _predict(self, refs: Sequence[mpb.PathRef], keys: Sequence[bytes], target_keys: bool = False) -> list[bytes]:
-        """The keys an operation on ``refs`` will read if the path hints are right, and ``keys``
-        (known from the request). ``target_keys``: also the truncate and size-generation keys of
-        the first path's hinted target (an open reads them). Empty on an engine that ignores
-        ``prefetch`` (the embedded one): nothing is computed there."""
+    def _announce(self, txn: Transaction, refs: Sequence[mpb.PathRef], keys: Sequence[bytes],
+                  target_keys: bool = False, removing: bool = False) -> None:
+        """Announce to ``txn`` what an operation on ``refs`` will read if the path hints are right,
+        and ``keys`` (known from the request): they ride with its first read. About the first
+        path's hinted target: ``target_keys``, its truncate and size generation (an open reads
+        them); ``removing``, the scans removing its last name makes. Nothing is computed on an
+        engine that ignores ``prefetch`` (the embedded one)."""
         if not self._prefetches:
-            return []
+            return
         out = list(keys)
         hints = self.path_hints
-        if hints is None:
-            return out
-        for at, ref in enumerate(refs):
-            target = hints.keys(ref, out)
-            if target_keys and at == 0 and target:
-                out += (schema.truncate_key(target), schema.size_gen_key(target))
-        return out
+        if hints is not None:
+            for at, ref in enumerate(refs):
+                target, kind = hints.keys(ref, out)
+                if at or not target:
+                    continue
+                if target_keys:
+                    out += (schema.truncate_key(target), schema.size_gen_key(target))
+                if removing and kind:
+                    for start, end, limit in removal_scans(target, kind):
+                        txn.prefetch_scan(start, end, limit)
+        if out:
+            txn.prefetch(out)
 
     def _learn(self, ns: Namespace) -> None:
         """Remember what the operation found on its way (whether it succeeded or not)."""
@@ -297,12 +305,10 @@ class MetaService(FileLengths, MetaJobs):
         It answers only once what it read is durable, so no client ever sees a change that a
         crash could still take back (commits become visible before their group fsync ends) —
         errors included: "no such file" may come from a remove whose sync is still running.
-        ``refs`` and ``keys``: what it will read (:meth:`_predict`), fetched with its first read.
+        ``refs`` and ``keys``: what it will read (:meth:`_announce`), fetched with its first read.
         """
         txn = self.engine.begin()
-        predicted = self._predict(refs, keys)
-        if predicted:
-            txn.prefetch(predicted)
+        self._announce(txn, refs, keys)
         ns = Namespace(txn, self._env(ctx.user))
         try:
             result = await fn(ns)
@@ -316,11 +322,11 @@ class MetaService(FileLengths, MetaJobs):
 
     async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]],
                       ancestry: Ancestry | None = None, refs: Sequence[mpb.PathRef] = (),
-                      keys: Sequence[bytes] = (), target_keys: bool = False) -> M:
+                      keys: Sequence[bytes] = (), target_keys: bool = False, removing: bool = False) -> M:
         """One idempotent transaction: the answer is committed with the change, keyed by the request.
 
         Its first read fetches the saved answer, the client's expiry, and what the operation will
-        read on ``refs`` and ``keys`` if the path hints are right (:meth:`_predict`): one round
+        read on ``refs`` and ``keys`` if the path hints are right (:meth:`_announce`): one round
         trip, then the commit, when they are."""
         if ctx.request_id == 0:
             raise InvalidArgument("a mutating request needs a request id")
@@ -328,7 +334,8 @@ class MetaService(FileLengths, MetaJobs):
         env = self._env(ctx.user)
 
         async def body(txn: Transaction) -> M:
-            txn.prefetch([key, schema.expired_client_key(ctx.client_id), *self._predict(refs, keys, target_keys)])
+            txn.prefetch([key, schema.expired_client_key(ctx.client_id)])  # one round trip for all
+            self._announce(txn, refs, keys, target_keys, removing)
             raw = await txn.get(key)
             if raw is not None and self._reuse_answers:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
@@ -606,7 +613,7 @@ class MetaService(FileLengths, MetaJobs):
             inode_id, parent = await ns.remove_entry(req.target, req.directory)
             return mpb.RemoveRsp(inode_id=inode_id, parent=parent)
 
-        rsp = await self._mutate(req.ctx, mpb.RemoveRsp, op, refs=(req.target,))
+        rsp = await self._mutate(req.ctx, mpb.RemoveRsp, op, refs=(req.target,), removing=True)
         self._gc_wakeup.set()
         return rsp, _EMPTY
 
