@@ -211,6 +211,38 @@ def test_warm_path_hints_bring_a_stat_to_one_round_trip_and_a_create_to_two(post
     asyncio.run(main())
 
 
+def test_a_listing_with_attributes_and_a_batch_stat_cost_the_same_round_trips_for_any_count(
+        postgres_url: str) -> None:
+    """The inodes of a listing's entries, and of a batch stat, are fetched together: the round
+    trips do not grow with the number of entries."""
+    async def main() -> None:
+        engine = await PostgresTxnEngine.open(PostgresConfig(postgres_url, sync=False, pool_size_max=4))
+        try:
+            meta = await _meta(engine, 1)
+            counts = []
+            for files in (2, 20):
+                await meta.mkdir(f"/l{files}")
+                ids = [(await meta.create(f"/l{files}/f{n}")).inode.inode_id for n in range(files)]
+                listing: list[mpb.ReadDirRsp] = []
+
+                async def list_dir(files: int = files, listing: list[mpb.ReadDirRsp] = listing) -> None:
+                    listing.append(await meta.call("read_dir", mpb.ReadDirReq(
+                        ctx=meta.ctx(), dir=mpb.PathRef(path=f"/l{files}".encode()), with_attrs=True)))
+
+                async def batch(ids: list[int] = ids) -> None:
+                    rsp = await meta.call("batch_stat", mpb.BatchStatReq(ctx=meta.ctx(), inode_ids=ids))
+                    assert [inode.inode_id for inode in rsp.inodes] == ids
+
+                counts.append((await _trips(engine, list_dir), await _trips(engine, batch)))
+                assert sorted(entry.attrs.inode_id for entry in listing[0].entries) == sorted(ids)
+            # The path with the listing's inode, the scan, the entries' inodes; a batch: one.
+            assert counts[0] == counts[1] == ((3, 1), (1, 1))
+        finally:
+            engine.terminate()
+
+    asyncio.run(main())
+
+
 def test_a_stale_hint_from_another_meta_server_costs_round_trips_never_a_wrong_answer(postgres_url: str) -> None:
     """Server A learned /x/f; server B (its own engine, same database) renames /x away and makes a
     new /x with other files. A, guessing from what it saw, still answers from the database: the

@@ -462,6 +462,7 @@ class Namespace:
         return await self.resolve(ref, follow)
 
     async def batch_stat(self, inode_ids: list[int]) -> list[mpb.Inode]:
+        self.txn.prefetch([schema.inode_key(inode_id) for inode_id in inode_ids])  # one round trip for all
         out = []
         for inode_id in inode_ids:
             found = await self.find_inode(inode_id)
@@ -794,9 +795,10 @@ class Namespace:
         ensure(len(rows) <= limit + 1, f"a scan limited to {limit + 1} rows returned {len(rows)}")
         rsp = mpb.ReadDirRsp(more=len(rows) > limit)
         for _, raw in rows[:limit]:
-            entry = rsp.entries.add()
-            entry.MergeFromString(raw)
-            if with_attrs:
+            rsp.entries.add().MergeFromString(raw)
+        if with_attrs:  # every inode in one round trip on a networked engine, not one each
+            self.txn.prefetch([schema.inode_key(entry.inode_id) for entry in rsp.entries])
+            for entry in rsp.entries:
                 found = await self.find_inode(entry.inode_id)
                 if found is not None:
                     entry.attrs.CopyFrom(found)

@@ -679,13 +679,15 @@ class MetaService(FileLengths, MetaJobs):
                 return stamp, answer
 
     async def read_dir(self, req: mpb.ReadDirReq, payload: memoryview) -> tuple[mpb.ReadDirRsp, Buffer]:
-        rsp = await self._read(req.ctx, lambda ns: ns.readdir(req.dir, req.start_after, req.limit, req.with_attrs))
+        rsp = await self._read(req.ctx, lambda ns: ns.readdir(req.dir, req.start_after, req.limit, req.with_attrs),
+                               (req.dir,))
         return rsp, _EMPTY
 
     async def set_attr(self, req: mpb.SetAttrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         _check_session_owner(req.ctx, req.session_id)
         if not req.mask & mpb.SET_SIZE:
-            return await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req))), _EMPTY
+            return await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req)),
+                                      refs=(req.target,)), _EMPTY
         rsp = await self._mutate_truncating(req.ctx, mpb.InodeRsp,
                                             lambda ns, truncating: _inode_rsp(ns.setattr(req, truncating)))
         await self._finish_truncate(rsp.inode.inode_id)  # a retry answered from the saved answer
@@ -697,7 +699,7 @@ class MetaService(FileLengths, MetaJobs):
 
     async def set_xattr(self, req: mpb.SetXattrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(
-            ns.set_xattr(req.target, req.follow, req.name, req.value, req.flags)))
+            ns.set_xattr(req.target, req.follow, req.name, req.value, req.flags)), refs=(req.target,))
         return rsp, _EMPTY
 
     async def list_xattr(self, req: mpb.ListXattrReq, payload: memoryview) -> tuple[mpb.ListXattrRsp, Buffer]:
@@ -706,7 +708,7 @@ class MetaService(FileLengths, MetaJobs):
 
     async def remove_xattr(self, req: mpb.RemoveXattrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(
-            ns.remove_xattr(req.target, req.follow, req.name)))
+            ns.remove_xattr(req.target, req.follow, req.name)), refs=(req.target,))
         return rsp, _EMPTY
 
     async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
@@ -754,7 +756,8 @@ class MetaService(FileLengths, MetaJobs):
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         await self._ensure_tables()
-        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.set_layout(req.dir, req.layout)))
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.set_layout(req.dir, req.layout)),
+                                 refs=(req.dir,))
         return rsp, _EMPTY
 
     async def renew_client(self, req: mpb.RenewClientReq, payload: memoryview) -> tuple[mpb.RenewClientRsp, Buffer]:
