@@ -16,6 +16,9 @@ the engine counts them (``round_trips``):
   upsert of every put (``unnest`` of two arrays), one delete of every deleted key (``= ANY``), and
   the ``COMMIT``, pipelined: one round trip. A transaction that only wrote adds its ``BEGIN`` to
   that same flush.
+* Keys and ranges announced before they are read (``prefetch``, ``prefetch_scan``: meta's path
+  hints guess a whole path walk) ride with the next read, and a key is fetched once per
+  transaction (a read cache: one snapshot, the answer cannot change).
 * A transaction that read and wrote nothing costs nothing; one that only read commits with one
   round trip (SERIALIZABLE data is only final once the reader's commit succeeded). A transaction
   that is dropped without a commit (a read-only meta request) gives its connection back to the
