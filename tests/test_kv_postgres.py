@@ -84,6 +84,38 @@ def test_round_trips_per_transaction_shape(postgres_url: str) -> None:
     run(body())
 
 
+def test_an_announced_scan_rides_with_the_next_read_and_own_writes_still_count(postgres_url: str) -> None:
+    """prefetch_scan: the scan travels with the next get (one round trip for both) and answers
+    the scan from its rows, merged with the transaction's writes made since; a scan whose own
+    deletes changed how many rows it needs is run afresh, right."""
+    async def body() -> None:
+        engine = await _open(postgres_url)
+        try:
+            seed = engine.begin()
+            for key in (b"s1", b"s2", b"s3", b"x"):
+                seed.put(key, key)
+            await seed.commit()
+            txn = engine.begin()
+            start = engine.round_trips
+            txn.prefetch_scan(b"s", b"t", limit=2)
+            txn.prefetch_scan(b"s", b"t")
+            assert await txn.get(b"x") == b"x"
+            txn.put(b"s0", b"new")
+            assert await txn.scan(b"s", b"t", limit=2) == [(b"s0", b"new"), (b"s1", b"s1")]
+            assert await txn.scan(b"s", b"t") == [(b"s0", b"new"), (b"s1", b"s1"), (b"s2", b"s2"), (b"s3", b"s3")]
+            assert engine.round_trips - start == 1
+            txn.prefetch_scan(b"s", b"t", limit=1)
+            txn.delete(b"s0")
+            txn.delete(b"s1")  # the announced shape no longer fits: scanned again
+            assert await txn.scan(b"s", b"t", limit=1) == [(b"s2", b"s2")]
+            assert engine.round_trips - start == 2
+            await txn.commit()
+        finally:
+            engine.terminate()
+
+    asyncio.run(body())
+
+
 def test_write_skew_between_two_transactions_is_a_conflict(postgres_url: str) -> None:
     """Two on-call doctors each see the other on call and go off: PostgreSQL's SSI must refuse one."""
     async def body() -> None:

@@ -123,6 +123,9 @@ class _ActFirst:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         self.txn.prefetch(keys)
 
+    def prefetch_scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> None:
+        self.txn.prefetch_scan(start, end, limit)
+
     def put(self, key: bytes, value: bytes) -> None:
         self.txn.put(key, value)
 

@@ -27,6 +27,11 @@ class Transaction(Protocol):
         engine ignores it. The keys may count as read (a conflict on them fails the commit)."""
         ...
 
+    def prefetch_scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> None:
+        """A :meth:`scan` this transaction is about to make, with these arguments: as
+        :meth:`prefetch`, for a range (a networked engine runs it with its next read)."""
+        ...
+
     def put(self, key: bytes, value: bytes) -> None: ...
 
     def delete(self, key: bytes) -> None: ...
@@ -37,6 +42,10 @@ class Transaction(Protocol):
 
 
 class TxnEngine(Protocol):
+    """An engine whose transactions fetch announced keys with their next read (``prefetch``: a
+    networked one) says so with a class attribute ``prefetches = True``; meta then guesses the
+    keys a request will read (:mod:`fs3.meta.hints`). Without it, meta announces only what it knows."""
+
     def begin(self) -> Transaction: ...
 
     async def wait_durable(self) -> None:

@@ -16,6 +16,9 @@ the engine counts them (``round_trips``):
   upsert of every put (``unnest`` of two arrays), one delete of every deleted key (``= ANY``), and
   the ``COMMIT``, pipelined: one round trip. A transaction that only wrote adds its ``BEGIN`` to
   that same flush.
+* Keys and ranges announced before they are read (``prefetch``, ``prefetch_scan``: meta's path
+  hints guess a whole path walk) ride with the next read, and a key is fetched once per
+  transaction (a read cache: one snapshot, the answer cannot change).
 * A transaction that read and wrote nothing costs nothing; one that only read commits with one
   round trip (SERIALIZABLE data is only final once the reader's commit succeeded). A transaction
   that is dropped without a commit (a read-only meta request) gives its connection back to the
@@ -253,6 +256,12 @@ class _Pool:
                 return
         self._hand_over(conn)
 
+    async def settle(self) -> None:
+        """Wait for the rollbacks in flight (a dropped transaction's finalizer starts one)."""
+        await asyncio.sleep(0)
+        while self._rolling_back:
+            await asyncio.gather(*self._rolling_back, return_exceptions=True)
+
     async def _roll_back(self, conn: _Conn) -> None:
         try:
             await conn.pg.execute(b"ROLLBACK")
@@ -331,6 +340,9 @@ class _PgTxn:
         self._writes: dict[bytes, object] = {}
         self._cache: dict[bytes, bytes | None] = {}  # point reads (snapshot values), absent ones too
         self._prefetch: list[bytes] = []
+        # Scans announced (prefetch_scan) and their stored rows, by (start, end, rows fetched).
+        self._scan_prefetch: list[tuple[bytes, bytes | None, int | None]] = []
+        self._scans: dict[tuple[bytes, bytes | None, int | None], list[tuple[bytes, bytes]]] = {}
         self._done = False
         weakref.finalize(self, _reclaim, engine._pool, self._slot)
 
@@ -361,22 +373,41 @@ class _PgTxn:
         await self._round_trip([])  # the key goes with the prefetched ones
         return self._cache[key]
 
+    def prefetch_scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> None:
+        """A scan this transaction is about to make: it rides with the next read, and its stored
+        rows answer the scan when it comes with the same arguments (and as many own deletes in
+        the range: they decide how many rows are fetched)."""
+        self._check_open()
+        if limit is not None and limit <= 0:
+            raise InvalidArgument("scan limit must be positive")
+        shape = (start, end, self._fetch(start, end, limit))
+        if shape not in self._scans:
+            self._scan_prefetch.append(shape)
+
+    def _fetch(self, start: bytes, end: bytes | None, limit: int | None) -> int | None:
+        """Stored rows a scan needs: each own delete in the range can hide one."""
+        if limit is None:
+            return None
+        return limit + sum(1 for key, value in self._writes.items()
+                           if value is _DELETED and key >= start and (end is None or key < end))
+
     async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
         self._check_open()
         if limit is not None and limit <= 0:
             raise InvalidArgument("scan limit must be positive")
         in_range = [(key, value) for key, value in self._writes.items()
                     if key >= start and (end is None or key < end)]
-        fetch = None
-        if limit is not None:  # each own delete in the range can hide one stored pair
-            fetch = limit + sum(1 for _, value in in_range if value is _DELETED)
-        params: list[object] = [start]
-        if end is not None:
-            params.append(end)
-        if fetch is not None:
-            params.append(fetch)
-        (rows,) = await self._round_trip([(_SCAN[(end is not None, fetch is not None)], params)])
-        merged: dict[bytes, bytes] = {bytes(k): bytes(v) for k, v in rows}
+        fetch = self._fetch(start, end, limit)
+        rows = self._scans.pop((start, end, fetch), None)  # announced: fetched with an earlier read
+        if rows is None:
+            params: list[object] = [start]
+            if end is not None:
+                params.append(end)
+            if fetch is not None:
+                params.append(fetch)
+            (raw,) = await self._round_trip([(_SCAN[(end is not None, fetch is not None)], params)])
+            rows = [(bytes(k), bytes(v)) for k, v in raw]
+        merged: dict[bytes, bytes] = dict(rows)
         for key, value in in_range:
             if value is _DELETED:
                 merged.pop(key, None)
@@ -396,11 +427,22 @@ class _PgTxn:
         self._writes[key] = _DELETED
 
     async def _round_trip(self, statements: list[tuple[bytes, Sequence[object]]]) -> list[list[tuple[Any, ...]]]:
-        """Run ``statements`` and the pending point reads (``prefetch``) in one flush; the point
-        reads fill the cache, the answer holds the statements' rows."""
+        """Run ``statements``, the pending point reads (``prefetch``) and announced scans
+        (``prefetch_scan``) in one flush; the point reads fill the cache, the scans' rows wait for
+        their scan (one snapshot for the whole transaction: they stay true), the answer holds the
+        statements' rows."""
         points = list(dict.fromkeys(k for k in self._prefetch if k not in self._cache and k not in self._writes))
         self._prefetch.clear()
+        scans = list(dict.fromkeys(s for s in self._scan_prefetch if s not in self._scans))
+        self._scan_prefetch.clear()
         work = list(statements)
+        for start, end, fetch in scans:
+            params: list[object] = [start]
+            if end is not None:
+                params.append(end)
+            if fetch is not None:
+                params.append(fetch)
+            work.append((_SCAN[(end is not None, fetch is not None)], params))
         if len(points) == 1:
             work.append((_GET, (points[0],)))
         elif points:
@@ -413,6 +455,8 @@ class _PgTxn:
             found = {bytes(k): bytes(v) for k, v in results.pop()}
             for key in points:
                 self._cache[key] = found.get(key)
+        for shape in reversed(scans):
+            self._scans[shape] = [(bytes(k), bytes(v)) for k, v in results.pop()]
         return results
 
     async def _send(self, work: list[tuple[bytes, Sequence[object]]]) -> list[list[tuple[Any, ...]]]:
@@ -533,6 +577,9 @@ class PostgresTxnEngine:
     commit), ``maybe_committed``.
     """
 
+    # Transactions fetch announced keys with their next read (``prefetch``): meta guesses them.
+    prefetches = True
+
     def __init__(self, config: PostgresConfig, faults: TxnFaults | None = None) -> None:
         config.validate()
         self.config = config
@@ -560,6 +607,16 @@ class PostgresTxnEngine:
     def round_trips(self) -> int:
         """Round trips to the server so far: transactions' and the pool's rollbacks of dropped ones."""
         return self._round_trips + self._pool.rollbacks
+
+    @property
+    def rollbacks(self) -> int:
+        """The pool's rollbacks of dropped transactions (part of ``round_trips``, off their callers' paths)."""
+        return self._pool.rollbacks
+
+    async def settle(self) -> None:
+        """Wait for the rollbacks of dropped transactions now in flight (tests and benchmarks count
+        round trips after it; a transaction dropped by an earlier statement is collected first)."""
+        await self._pool.settle()
 
     def begin(self) -> _PgTxn:
         return _PgTxn(self)

@@ -119,6 +119,9 @@ class _OptimisticTxn:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Nothing to gain here: every read is a local lookup."""
 
+    def prefetch_scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> None:
+        """Nothing to gain here either."""
+
     def put(self, key: bytes, value: bytes) -> None:
         self._check_open()
         self.writes[key] = value

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from google.protobuf.message import Message
@@ -68,8 +68,10 @@ class MetaHost(abc.ABC):
 
     @abc.abstractmethod
     async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]],
-                      ancestry: Ancestry | None = None) -> M:
-        """Run ``fn`` as the request's one idempotent transaction."""
+                      ancestry: Ancestry | None = None, refs: Sequence[mpb.PathRef] = (),
+                      keys: Sequence[bytes] = (), target_keys: bool = False, removing: bool = False) -> M:
+        """Run ``fn`` as the request's one idempotent transaction (``refs``, ``keys``: what it
+        will read, fetched with its first read on a networked engine)."""
 
     @abc.abstractmethod
     def _inode_lock(self, inode_id: int) -> contextlib.AbstractAsyncContextManager[None]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -55,7 +55,8 @@ class FileLengths(MetaHost):
     """The service's file-length part (see the module's docstring)."""
 
     async def _with_exact_length(self, ctx: mpb.ReqCtx, inode_id: int, length: LengthReport,
-                                 op: Callable[[Namespace, LengthReport], Awaitable[mpb.InodeRsp]]) -> mpb.InodeRsp:
+                                 op: Callable[[Namespace, LengthReport], Awaitable[mpb.InodeRsp]],
+                                 keys: Sequence[bytes] = ()) -> mpb.InodeRsp:
         """Apply a writer's length (``length``, as the writer reports it) in one transaction.
 
         An acknowledged hint from a handle whose file was not truncated since it opened is taken
@@ -67,21 +68,23 @@ class FileLengths(MetaHost):
 
         A stale probe is an exception (:class:`LengthProbeStale`) rather than an answer: it must
         abort the transaction it is found in — a close has already deleted its session there —
-        so that nothing of it commits and the next attempt starts afresh.
+        so that nothing of it commits and the next attempt starts afresh. ``keys``: what ``op``
+        reads, fetched with the transaction's first read on a networked engine.
         """
         for attempt in range(LENGTH_PROBE_ATTEMPTS):
             final = attempt == LENGTH_PROBE_ATTEMPTS - 1
             try:
                 if attempt == 0 and length.acked:
-                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, replace(length, final=False)))
+                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, replace(length, final=False)),
+                                              keys=keys)
                 if not length.wrote:
-                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, length))
+                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, length), keys=keys)
                 async with self._inode_lock(inode_id):
                     await self._run_truncate_locked(inode_id)
                     exact, probed_gen = await self._probe_length_locked(inode_id, length.hint,
                                                                         within_size_is_exact=True)
                     probed = length.probed(exact, probed_gen, final or exact is None)
-                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, probed))
+                    return await self._mutate(ctx, mpb.InodeRsp, _applying(op, probed), keys=keys)
             except LengthProbeStale:
                 continue
         raise AssertionError("unreachable: the last attempt does not raise LengthProbeStale")

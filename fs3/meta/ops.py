@@ -82,6 +82,7 @@ __all__ = [
     "OpEnv",
     "TruncatePending",
     "TruncateUnclaimed",
+    "removal_scans",
 ]
 
 _RELATIME_NS = 24 * 3600 * 1_000_000_000
@@ -209,6 +210,15 @@ class TruncateUnclaimed(Exception):
         self.inode_id = inode_id
 
 
+def removal_scans(inode_id: int, kind: int) -> list[tuple[bytes, bytes | None, int]]:
+    """The scans (start, end, limit) that removing the last name of an inode makes: whether a
+    directory is empty or a file still open, then its first page of attributes. Announced before
+    they run (``Transaction.prefetch_scan``), they ride together with an earlier read."""
+    first = schema.dentry_prefix(inode_id) if kind == DIRECTORY else schema.session_prefix(inode_id)
+    xattrs = schema.xattr_prefix(inode_id)
+    return [(first, prefix_end(first), 1), (xattrs, prefix_end(xattrs), XATTR_DELETE_PAGE)]
+
+
 class Namespace:
     """One transaction's view of the namespace, with an inode cache so aliases stay one object."""
 
@@ -221,6 +231,9 @@ class Namespace:
         self.now = env.now_ns
         self._inodes: dict[int, mpb.Inode | None] = {}
         self._dirty: set[int] = set()
+        # Every directory entry this transaction read, wrote or deleted: ``(parent, name) ->
+        # (inode id, type)``, None when absent. Meta's path hints learn from it (fs3.meta.hints).
+        self.entries_seen: dict[tuple[int, bytes], tuple[int, int] | None] = {}
 
     # -- storage of inodes and entries ---------------------------------------------------------
 
@@ -257,11 +270,21 @@ class Namespace:
 
     async def entry(self, parent: int, name: bytes) -> mpb.DirEntry | None:
         raw = await self.txn.get(schema.dentry_key(parent, name))
-        return None if raw is None else mpb.DirEntry.FromString(raw)
+        if raw is None:
+            self.entries_seen[(parent, name)] = None
+            return None
+        entry = mpb.DirEntry.FromString(raw)
+        self.entries_seen[(parent, name)] = (entry.inode_id, entry.type)
+        return entry
 
     def put_entry(self, parent: int, name: bytes, inode: mpb.Inode) -> None:
         value = mpb.DirEntry(name=name, inode_id=inode.inode_id, type=inode.type)
         self.txn.put(schema.dentry_key(parent, name), value.SerializeToString())
+        self.entries_seen[(parent, name)] = (inode.inode_id, inode.type)
+
+    def delete_entry(self, parent: int, name: bytes) -> None:
+        self.txn.delete(schema.dentry_key(parent, name))
+        self.entries_seen[(parent, name)] = None
 
     def _stamp(self, inode: mpb.Inode, mtime: bool = False) -> None:
         inode.ctime_ns = self.now
@@ -271,12 +294,19 @@ class Namespace:
 
     # -- path resolution -----------------------------------------------------------------------
 
-    async def _start(self, ref: mpb.PathRef, absolute: bool) -> mpb.Inode:
-        if absolute or ref.parent == 0:
-            return await self.inode(schema.ROOT_INODE)
-        return await self.inode(ref.parent)
+    async def _start(self, ref: mpb.PathRef, absolute: bool, first: bytes | None) -> mpb.Inode:
+        """The directory a path starts from; ``first`` (its first component) is announced with it."""
+        start = schema.ROOT_INODE if absolute or ref.parent == 0 else ref.parent
+        if first is not None and first != b"..":
+            self.txn.prefetch([schema.dentry_key(start, first)])
+        return await self.inode(start)
 
-    async def _walk(self, start: mpb.Inode, parts: list[bytes], follow_last: bool) -> mpb.Inode:
+    async def _walk(self, start: mpb.Inode, parts: list[bytes], follow_last: bool,
+                    then: bytes | None = None) -> mpb.Inode:
+        """Follow ``parts`` from ``start``. ``then``: the name the caller looks up in the directory
+        reached (resolve_parent's last component). Each directory's entry for the next name is
+        announced with the directory's inode (``Transaction.prefetch``), so that a networked
+        engine fetches both in one round trip: one per level, not two."""
         current = start
         pending = deque(parts)
         followed = 0
@@ -294,6 +324,10 @@ class Namespace:
             entry = await self.entry(current.inode_id, name)
             if entry is None:
                 raise NotFound(f"{name.decode(errors='replace')!r} does not exist")
+            if entry.type == DIRECTORY:
+                following = pending[0] if pending else then
+                if following is not None and following not in (b".", b".."):
+                    self.txn.prefetch([schema.dentry_key(entry.inode_id, following)])
             child = await self.inode(entry.inode_id)
             if child.type == SYMLINK and (pending or follow_last):
                 followed += 1
@@ -326,7 +360,7 @@ class Namespace:
         if not ref.path:
             raise NotFound("empty path")
         absolute, parts = split_path(ref.path)
-        return await self._walk(await self._start(ref, absolute), parts, follow)
+        return await self._walk(await self._start(ref, absolute, parts[0] if parts else None), parts, follow)
 
     async def resolve_parent(self, ref: mpb.PathRef) -> tuple[mpb.Inode, bytes]:
         """The directory that holds (or would hold) the last component, and that component."""
@@ -339,7 +373,7 @@ class Namespace:
             raise InvalidArgument("the path names the root or '.'")
         name = parts[-1]
         check_new_name(name)
-        parent = await self._walk(await self._start(ref, absolute), parts[:-1], True)
+        parent = await self._walk(await self._start(ref, absolute, parts[0]), parts[:-1], True, then=name)
         if parent.type != DIRECTORY:
             raise NotADirectory(f"inode {parent.inode_id} is not a directory")
         return parent, name
@@ -357,6 +391,12 @@ class Namespace:
     def _check_sticky(self, parent: mpb.Inode, child: mpb.Inode) -> None:
         if parent.mode & S_ISVTX and self.caller.uid not in (0, parent.uid, child.uid):
             raise NotPermitted(f"sticky directory {parent.inode_id}: only the owner may remove or rename")
+
+    def _announce_removal(self, inode: mpb.Inode) -> None:
+        """Announce the scans that removing this name of ``inode`` will make (its last name)."""
+        if inode.type == DIRECTORY or inode.nlink == 1:
+            for start, end, limit in removal_scans(inode.inode_id, inode.type):
+                self.txn.prefetch_scan(start, end, limit)
 
     async def _has_sessions(self, inode_id: int) -> bool:
         prefix = schema.session_prefix(inode_id)
@@ -422,6 +462,7 @@ class Namespace:
         return await self.resolve(ref, follow)
 
     async def batch_stat(self, inode_ids: list[int]) -> list[mpb.Inode]:
+        self.txn.prefetch([schema.inode_key(inode_id) for inode_id in inode_ids])  # one round trip for all
         out = []
         for inode_id in inode_ids:
             found = await self.find_inode(inode_id)
@@ -617,6 +658,7 @@ class Namespace:
         if entry is None:
             raise NotFound(f"{name.decode(errors='replace')!r} does not exist")
         inode = await self.inode(entry.inode_id)
+        self._announce_removal(inode)
         if directory:
             if inode.type != DIRECTORY:
                 raise NotADirectory(f"{name.decode(errors='replace')!r} is not a directory")
@@ -626,7 +668,7 @@ class Namespace:
             raise IsADirectory(f"{name.decode(errors='replace')!r} is a directory")
         self._require(parent, W_OK | X_OK, "remove")
         self._check_sticky(parent, inode)
-        self.txn.delete(schema.dentry_key(parent.inode_id, name))
+        self.delete_entry(parent.inode_id, name)
         self._stamp(parent, mtime=True)
         await self._drop_link(parent, inode)
         self.flush()
@@ -705,6 +747,7 @@ class Namespace:
             self._stamp(target)
         else:
             if target is not None:
+                self._announce_removal(target)
                 if inode.type == DIRECTORY:
                     if target.type != DIRECTORY:
                         raise NotADirectory(f"{dst_name.decode(errors='replace')!r} is not a directory")
@@ -713,7 +756,7 @@ class Namespace:
                 elif target.type == DIRECTORY:
                     raise IsADirectory(f"{dst_name.decode(errors='replace')!r} is a directory")
                 await self._drop_link(dst_parent, target)
-            self.txn.delete(schema.dentry_key(src_parent.inode_id, src_name))
+            self.delete_entry(src_parent.inode_id, src_name)
             self.put_entry(dst_parent.inode_id, dst_name, inode)
             if moving_dirs:
                 self._reparent(inode, src_parent, dst_parent)
@@ -752,9 +795,10 @@ class Namespace:
         ensure(len(rows) <= limit + 1, f"a scan limited to {limit + 1} rows returned {len(rows)}")
         rsp = mpb.ReadDirRsp(more=len(rows) > limit)
         for _, raw in rows[:limit]:
-            entry = rsp.entries.add()
-            entry.MergeFromString(raw)
-            if with_attrs:
+            rsp.entries.add().MergeFromString(raw)
+        if with_attrs:  # every inode in one round trip on a networked engine, not one each
+            self.txn.prefetch([schema.inode_key(entry.inode_id) for entry in rsp.entries])
+            for entry in rsp.entries:
                 found = await self.find_inode(entry.inode_id)
                 if found is not None:
                     entry.attrs.CopyFrom(found)

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -60,6 +60,7 @@ from fs3.kv.txn import run_transaction
 from fs3.meta import schema
 from fs3.meta.claims import ClaimTable, Held, inode_claim
 from fs3.meta.fsck import run_fsck
+from fs3.meta.hints import PATH_HINTS_MAX_DEFAULT, PathHints
 from fs3.meta.jobs import MetaJobs
 from fs3.meta.lengths import FileLengths
 from fs3.meta.limits import ANCESTRY_ATTEMPTS, BATCH_STAT_MAX, CHUNK_PAGE_MAX, CLOSE_SESSIONS_MAX, TRUNCATE_ATTEMPTS
@@ -72,6 +73,7 @@ from fs3.meta.ops import (
     OpEnv,
     TruncatePending,
     TruncateUnclaimed,
+    removal_scans,
 )
 from fs3.meta.registration import NodeRegistration
 from fs3.rpc.auth import Authenticator, Role, current_principal
@@ -111,6 +113,9 @@ class MetaServiceConfig:
     # length probe) or on an expired client's clean-up stands without renewal before this server
     # takes it over (fs3.meta.claims): the time a dead server's unfinished job waits.
     claim_ttl_ms: int = 5_000
+    # Path hints remembered (fs3.meta.hints) on an engine that fetches announced keys together
+    # (PostgreSQL): 0 turns them off. They only choose what a request's first read fetches.
+    path_hints_max: int = PATH_HINTS_MAX_DEFAULT
 
     def validate(self) -> None:
         if self.client_lease_ms < 1:
@@ -125,6 +130,8 @@ class MetaServiceConfig:
             raise InvalidArgument("capability_ttl_ms must be within [100, 86400000]")
         if not 40 <= self.claim_ttl_ms <= 600_000:
             raise InvalidArgument("claim_ttl_ms must be within [40, 600000]")
+        if not 0 <= self.path_hints_max <= 10_000_000:
+            raise InvalidArgument("path_hints_max must be within [0, 10000000]")
 
     @property
     def client_retry_limit_ms(self) -> int:
@@ -220,6 +227,12 @@ class MetaService(FileLengths, MetaJobs):
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
         self.gc_removed_chunks = 0
+        # Only an engine that fetches announced keys with its next read (``prefetches``) gains
+        # from guessing them; on the embedded engine the hints would be bookkeeping for nothing.
+        self._prefetches = bool(getattr(engine, "prefetches", False))
+        self.path_hints: PathHints | None = None
+        if self.config.path_hints_max and self._prefetches:
+            self.path_hints = PathHints(self.config.path_hints_max)
         self._reuse_answers = not sabotaged("idempotency")  # off only to prove crash tests see it
         self._answer_crash = CrashPoint("meta-answer")  # crash tests die here: committed, not answered
 
@@ -282,36 +295,82 @@ class MetaService(FileLengths, MetaJobs):
         return OpEnv(now_ns=self.wall_ns(), caller=Caller.from_pb(user), chain_tables=self._chain_tables(),
                      stripe_default=self.config.stripe_default)
 
-    async def _read(self, ctx: mpb.ReqCtx, fn: Callable[[Namespace], Awaitable[T]]) -> T:
+    def _announce(self, txn: Transaction, refs: Sequence[mpb.PathRef], keys: Sequence[bytes],
+                  target_keys: bool = False, removing: bool = False) -> None:
+        """Announce to ``txn`` what an operation on ``refs`` will read if the path hints are right,
+        and ``keys`` (known from the request): they ride with its first read. About the first
+        path's hinted target: ``target_keys``, its truncate and size generation (an open reads
+        them); ``removing``, the scans removing its last name makes. Nothing is computed on an
+        engine that ignores ``prefetch`` (the embedded one)."""
+        if not self._prefetches:
+            return
+        out = list(keys)
+        hints = self.path_hints
+        if hints is not None:
+            for at, ref in enumerate(refs):
+                target, kind = hints.keys(ref, out)
+                if at or not target:
+                    continue
+                if target_keys:
+                    out += (schema.truncate_key(target), schema.size_gen_key(target))
+                if removing and kind:
+                    for start, end, limit in removal_scans(target, kind):
+                        txn.prefetch_scan(start, end, limit)
+        if out:
+            txn.prefetch(out)
+
+    def _learn(self, ns: Namespace) -> None:
+        """Remember what the operation found on its way (whether it succeeded or not)."""
+        if self.path_hints is not None and ns.entries_seen:
+            self.path_hints.learn(ns.entries_seen.items())
+
+    async def _read(self, ctx: mpb.ReqCtx, fn: Callable[[Namespace], Awaitable[T]],
+                    refs: Sequence[mpb.PathRef] = (), keys: Sequence[bytes] = ()) -> T:
         """A read-only operation: reads the latest committed state, commits nothing.
 
         It answers only once what it read is durable, so no client ever sees a change that a
         crash could still take back (commits become visible before their group fsync ends) —
         errors included: "no such file" may come from a remove whose sync is still running.
+        ``refs`` and ``keys``: what it will read (:meth:`_announce`), fetched with its first read.
         """
+        txn = self.engine.begin()
+        self._announce(txn, refs, keys)
+        ns = Namespace(txn, self._env(ctx.user))
         try:
-            result = await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+            result = await fn(ns)
         except Exception:
+            self._learn(ns)
             await self.engine.wait_durable()
             raise
+        self._learn(ns)
         await self.engine.wait_durable()
         return result
 
     async def _mutate(self, ctx: mpb.ReqCtx, rsp_type: type[M], fn: Callable[[Namespace], Awaitable[M]],
-                      ancestry: Ancestry | None = None) -> M:
-        """One idempotent transaction: the answer is committed with the change, keyed by the request."""
+                      ancestry: Ancestry | None = None, refs: Sequence[mpb.PathRef] = (),
+                      keys: Sequence[bytes] = (), target_keys: bool = False, removing: bool = False) -> M:
+        """One idempotent transaction: the answer is committed with the change, keyed by the request.
+
+        Its first read fetches the saved answer, the client's expiry, and what the operation will
+        read on ``refs`` and ``keys`` if the path hints are right (:meth:`_announce`): one round
+        trip, then the commit, when they are."""
         if ctx.request_id == 0:
             raise InvalidArgument("a mutating request needs a request id")
         key = schema.idem_key(ctx.client_id, ctx.request_id)
         env = self._env(ctx.user)
 
         async def body(txn: Transaction) -> M:
-            txn.prefetch([key, schema.expired_client_key(ctx.client_id)])  # one round trip for both
+            txn.prefetch([key, schema.expired_client_key(ctx.client_id)])  # one round trip for all
+            self._announce(txn, refs, keys, target_keys, removing)
             raw = await txn.get(key)
             if raw is not None and self._reuse_answers:
                 return rsp_type.FromString(schema.IdemRecord.decode(raw).response)
             await _refuse_expired(txn, ctx.client_id)
-            rsp = await fn(Namespace(txn, env, ancestry))
+            ns = Namespace(txn, env, ancestry)
+            try:
+                rsp = await fn(ns)
+            finally:
+                self._learn(ns)
             txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
             return rsp
 
@@ -321,8 +380,11 @@ class MetaService(FileLengths, MetaJobs):
 
     async def _mutate_truncating(self, ctx: mpb.ReqCtx, rsp_type: type[M],
                                  fn: Callable[[Namespace, int], Awaitable[M]],
-                                 on_failed: Callable[[], Awaitable[None]] | None = None) -> M:
-        """A mutation that may change a file's size (``fn(namespace, truncating)``).
+                                 on_failed: Callable[[], Awaitable[None]] | None = None,
+                                 refs: Sequence[mpb.PathRef] = (), keys: Sequence[bytes] = (),
+                                 target_keys: bool = False) -> M:
+        """A mutation that may change a file's size (``fn(namespace, truncating)``); ``refs``,
+        ``keys`` and ``target_keys`` as :meth:`_mutate` takes them.
 
         The first run claims nothing; when it would truncate an inode, it runs again holding that
         inode's lock, and the truncate's storage side (:meth:`_run_truncate_locked`) runs before
@@ -334,10 +396,11 @@ class MetaService(FileLengths, MetaJobs):
         for _ in range(TRUNCATE_ATTEMPTS):
             try:
                 if not truncating:
-                    return await self._mutate(ctx, rsp_type, _claiming(fn, 0))
+                    return await self._mutate(ctx, rsp_type, _claiming(fn, 0), None, refs, keys, target_keys)
                 async with self._inode_lock(truncating):
                     try:
-                        rsp = await self._mutate(ctx, rsp_type, _claiming(fn, truncating))
+                        rsp = await self._mutate(ctx, rsp_type, _claiming(fn, truncating), None, refs, keys,
+                                                 target_keys)
                     except TruncatePending as exc:
                         if exc.inode_id != truncating:
                             raise
@@ -383,7 +446,7 @@ class MetaService(FileLengths, MetaJobs):
         return rsp, _EMPTY
 
     async def lookup(self, req: mpb.LookupReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        inode = await self._read(req.ctx, lambda ns: ns.lookup(req.target, req.follow))
+        inode = await self._read(req.ctx, lambda ns: ns.lookup(req.target, req.follow), (req.target,))
         return mpb.InodeRsp(inode=inode), _EMPTY
 
     async def batch_stat(self, req: mpb.BatchStatReq, payload: memoryview) -> tuple[mpb.BatchStatRsp, Buffer]:
@@ -407,7 +470,9 @@ class MetaService(FileLengths, MetaJobs):
             return _granting(await ns.open(req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id,
                                            now_ms, truncating), req.flags)
 
-        rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, run_open, abandon if req.flags & O_TRUNC else None)
+        created_keys = (schema.inode_key(new_id), schema.size_gen_key(new_id)) if new_id else ()
+        rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, run_open, abandon if req.flags & O_TRUNC else None,
+                                            (req.target,), created_keys, target_keys=True)
         if req.flags & O_TRUNC and rsp.inode.type == mpb.FILE and rsp.session_id and not rsp.created:
             # A retry answered from the saved answer: the attempt that committed it may still be
             # cutting the file, and closes the session if that fails. Both happen under the lock,
@@ -556,15 +621,17 @@ class MetaService(FileLengths, MetaJobs):
             await self._ensure_tables()
         new_id = await self.allocator.next()
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.make_node(
-            req.target, req.type, req.mode, req.rdev, req.symlink_target, new_id)))
+            req.target, req.type, req.mode, req.rdev, req.symlink_target, new_id)),
+            refs=(req.target,), keys=(schema.inode_key(new_id),))
         return rsp, _EMPTY
 
     async def read_link(self, req: mpb.ReadLinkReq, payload: memoryview) -> tuple[mpb.ReadLinkRsp, Buffer]:
-        target = await self._read(req.ctx, lambda ns: ns.readlink(req.target))
+        target = await self._read(req.ctx, lambda ns: ns.readlink(req.target), (req.target,))
         return mpb.ReadLinkRsp(target=target), _EMPTY
 
     async def link(self, req: mpb.LinkReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
-        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.link(req.source, req.link)))
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.link(req.source, req.link)),
+                                 refs=(req.source, req.link))
         return rsp, _EMPTY
 
     async def remove(self, req: mpb.RemoveReq, payload: memoryview) -> tuple[mpb.RemoveRsp, Buffer]:
@@ -572,7 +639,7 @@ class MetaService(FileLengths, MetaJobs):
             inode_id, parent = await ns.remove_entry(req.target, req.directory)
             return mpb.RemoveRsp(inode_id=inode_id, parent=parent)
 
-        rsp = await self._mutate(req.ctx, mpb.RemoveRsp, op)
+        rsp = await self._mutate(req.ctx, mpb.RemoveRsp, op, refs=(req.target,), removing=True)
         self._gc_wakeup.set()
         return rsp, _EMPTY
 
@@ -583,7 +650,7 @@ class MetaService(FileLengths, MetaJobs):
         ancestry: Ancestry | None = None
         for _ in range(ANCESTRY_ATTEMPTS):
             try:
-                rsp = await self._mutate(req.ctx, mpb.RenameRsp, op, ancestry)
+                rsp = await self._mutate(req.ctx, mpb.RenameRsp, op, ancestry, refs=(req.source, req.destination))
                 break
             except AncestryUnknown as deep:
                 found = await self._walk_ancestry(deep.start, deep.ancestor)
@@ -638,34 +705,36 @@ class MetaService(FileLengths, MetaJobs):
                 return stamp, answer
 
     async def read_dir(self, req: mpb.ReadDirReq, payload: memoryview) -> tuple[mpb.ReadDirRsp, Buffer]:
-        rsp = await self._read(req.ctx, lambda ns: ns.readdir(req.dir, req.start_after, req.limit, req.with_attrs))
+        rsp = await self._read(req.ctx, lambda ns: ns.readdir(req.dir, req.start_after, req.limit, req.with_attrs),
+                               (req.dir,))
         return rsp, _EMPTY
 
     async def set_attr(self, req: mpb.SetAttrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         _check_session_owner(req.ctx, req.session_id)
         if not req.mask & mpb.SET_SIZE:
-            return await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req))), _EMPTY
+            return await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.setattr(req)),
+                                      refs=(req.target,)), _EMPTY
         rsp = await self._mutate_truncating(req.ctx, mpb.InodeRsp,
                                             lambda ns, truncating: _inode_rsp(ns.setattr(req, truncating)))
         await self._finish_truncate(rsp.inode.inode_id)  # a retry answered from the saved answer
         return rsp, _EMPTY
 
     async def get_xattr(self, req: mpb.GetXattrReq, payload: memoryview) -> tuple[mpb.GetXattrRsp, Buffer]:
-        value = await self._read(req.ctx, lambda ns: ns.get_xattr(req.target, req.follow, req.name))
+        value = await self._read(req.ctx, lambda ns: ns.get_xattr(req.target, req.follow, req.name), (req.target,))
         return mpb.GetXattrRsp(value=value), _EMPTY
 
     async def set_xattr(self, req: mpb.SetXattrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(
-            ns.set_xattr(req.target, req.follow, req.name, req.value, req.flags)))
+            ns.set_xattr(req.target, req.follow, req.name, req.value, req.flags)), refs=(req.target,))
         return rsp, _EMPTY
 
     async def list_xattr(self, req: mpb.ListXattrReq, payload: memoryview) -> tuple[mpb.ListXattrRsp, Buffer]:
-        names = await self._read(req.ctx, lambda ns: ns.list_xattr(req.target, req.follow))
+        names = await self._read(req.ctx, lambda ns: ns.list_xattr(req.target, req.follow), (req.target,))
         return mpb.ListXattrRsp(names=names), _EMPTY
 
     async def remove_xattr(self, req: mpb.RemoveXattrReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(
-            ns.remove_xattr(req.target, req.follow, req.name)))
+            ns.remove_xattr(req.target, req.follow, req.name)), refs=(req.target,))
         return rsp, _EMPTY
 
     async def close(self, req: mpb.CloseReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
@@ -674,7 +743,9 @@ class MetaService(FileLengths, MetaJobs):
 
         _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
-        rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), op)
+        rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), op,
+                                            (schema.session_key(req.inode_id, req.session_id),
+                                             schema.inode_key(req.inode_id)))
         self._gc_wakeup.set()
         return rsp, _EMPTY
 
@@ -711,7 +782,8 @@ class MetaService(FileLengths, MetaJobs):
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
         await self._ensure_tables()
-        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.set_layout(req.dir, req.layout)))
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(ns.set_layout(req.dir, req.layout)),
+                                 refs=(req.dir,))
         return rsp, _EMPTY
 
     async def renew_client(self, req: mpb.RenewClientReq, payload: memoryview) -> tuple[mpb.RenewClientRsp, Buffer]:
