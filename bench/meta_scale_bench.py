@@ -13,10 +13,10 @@ Each is driven by ``--clients`` clients (16 by default; each its own connection 
 that they spread over the meta servers by id) split over two worker processes, in directories of
 their own (``/c<N>``) or in one shared directory (``--shared-dir``, as mdtest's default), through the
 phases create (open for writing + close of an empty file), stat, rename (within the directory) and
-unlink. Per phase: operations per second, the ratio to ``rocksdb``, database round trips per
-operation (every meta server's ``fs3_meta_kv_round_trips``, summed), and CPU milliseconds per
-operation of the meta servers, of the PostgreSQL server (the postmaster and every backend) and of the
-clients — where the time goes, so that scaling on more cores can be read off.
+unlink. Per phase: operations per second, the ratio to ``rocksdb``, database round trips and
+serialization conflicts per operation (every meta server's ``fs3_meta_kv_round_trips`` and
+``fs3_meta_kv_conflicts``, summed), and CPU milliseconds per operation of the meta servers, of
+the PostgreSQL server (the postmaster and every backend) and of the clients — where the time goes, so that scaling on more cores can be read off.
 
 Usage: ``python bench/meta_scale_bench.py [--files 4000] [--clients 16] [--configs rocksdb,postgres-1,...]
 [--no-fsync] [--shared-dir]``. Writes ``bench/results/meta-scale-<timestamp>.json``.
@@ -116,15 +116,18 @@ def _tree_cpu_s(root: int) -> float:
     return total / tick
 
 
-def _round_trips(metrics_addresses: list[str]) -> float:
-    """``fs3_meta_kv_round_trips`` summed over the meta servers (0 on the embedded engine)."""
-    total = 0.0
+def _kv_counters(metrics_addresses: list[str]) -> tuple[float, float]:
+    """``fs3_meta_kv_round_trips`` and ``fs3_meta_kv_conflicts``, each summed over the meta servers
+    (0 on the embedded engine)."""
+    trips = conflicts = 0.0
     for address in metrics_addresses:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as rsp:
             for line in rsp.read().decode().splitlines():
                 if line.startswith("fs3_meta_kv_round_trips"):
-                    total += float(line.rsplit(" ", 1)[1])
-    return total
+                    trips += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("fs3_meta_kv_conflicts"):
+                    conflicts += float(line.rsplit(" ", 1)[1])
+    return trips, conflicts
 
 
 def _measure(config: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -159,15 +162,17 @@ def _measure(config: str, root: Path, args: argparse.Namespace) -> dict[str, Any
         phases: dict[str, dict[str, float]] = {}
         for phase in PHASES:
             barrier.wait(timeout=600)
-            trips, meta_cpu = _round_trips(metrics), sum(_tree_cpu_s(p) for p in meta_pids)
+            (trips, conflicts), meta_cpu = _kv_counters(metrics), sum(_tree_cpu_s(p) for p in meta_pids)
             pg_cpu = _tree_cpu_s(pg_pid) if pg_pid else 0.0
             start = time.perf_counter()
             barrier.wait(timeout=1800)
             elapsed = time.perf_counter() - start
             ops = files * args.clients
+            trips_after, conflicts_after = _kv_counters(metrics)
             phases[phase] = {
                 "ops_per_s": ops / elapsed,
-                "round_trips_per_op": (_round_trips(metrics) - trips) / ops,
+                "round_trips_per_op": (trips_after - trips) / ops,
+                "conflicts_per_op": (conflicts_after - conflicts) / ops,
                 "meta_cpu_ms_per_op": 1000 * (sum(_tree_cpu_s(p) for p in meta_pids) - meta_cpu) / ops,
                 "db_cpu_ms_per_op": 1000 * ((_tree_cpu_s(pg_pid) if pg_pid else 0.0) - pg_cpu) / ops,
             }
@@ -208,13 +213,14 @@ def main() -> int:
     base = report["configs"].get("rocksdb")
     print(f"metadata ops/s, {args.clients} clients, {args.files} files per phase, fsync={args.fsync}, "
           f"{'one shared directory' if args.shared_dir else 'a directory per client'}")
-    print(f"{'config':<11} {'op':<7} {'ops/s':>8} {'/rocksdb':>8} {'trips/op':>8} {'meta ms':>8} {'db ms':>7} "
-          f"{'client ms':>9}   (CPU per operation)")
+    print(f"{'config':<11} {'op':<7} {'ops/s':>8} {'/rocksdb':>8} {'trips/op':>8} {'confl/op':>8} {'meta ms':>8} "
+          f"{'db ms':>7} {'client ms':>9}   (CPU per operation)")
     for config, phases in report["configs"].items():
         for phase, row in phases.items():
             ratio = row["ops_per_s"] / base[phase]["ops_per_s"] if base else float("nan")
             row["ratio_to_rocksdb"] = ratio
             print(f"{config:<11} {phase:<7} {row['ops_per_s']:>8.0f} {ratio:>8.2f} {row['round_trips_per_op']:>8.2f} "
+                  f"{row['conflicts_per_op']:>8.2f} "
                   f"{row['meta_cpu_ms_per_op']:>8.3f} {row['db_cpu_ms_per_op']:>7.3f} "
                   f"{row['client_cpu_ms_per_op']:>9.3f}")
     print(f"wrote {save_result('meta-scale', report)}")
