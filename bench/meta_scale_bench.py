@@ -16,7 +16,8 @@ phases create (open for writing + close of an empty file), stat, rename (within 
 unlink. Per phase: operations per second, the ratio to ``rocksdb``, database round trips and
 serialization conflicts per operation (every meta server's ``fs3_meta_kv_round_trips`` and
 ``fs3_meta_kv_conflicts``, summed), and CPU milliseconds per operation of the meta servers, of
-the PostgreSQL server (the postmaster and every backend) and of the clients — where the time goes, so that scaling on more cores can be read off.
+the PostgreSQL server (the postmaster and every backend) and of the clients — where the time
+goes, so that scaling on more cores can be read off.
 
 Usage: ``python bench/meta_scale_bench.py [--files 4000] [--clients 16] [--configs rocksdb,postgres-1,...]
 [--no-fsync] [--shared-dir]``. Writes ``bench/results/meta-scale-<timestamp>.json``.
