@@ -209,7 +209,9 @@ class PostgresServer:
             if started.returncode == 0:
                 return
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else started.stderr
-            if "shared memory block is still in use" not in tail or time.monotonic() > deadline:
+            # A killed postmaster's pid stays in use (a zombie) until something reaps it.
+            busy = ("shared memory block is still in use", 'lock file "postmaster.pid" already exists')
+            if not any(b in tail[-600:] for b in busy) or time.monotonic() > deadline:
                 raise PostgresError(f"pg_ctl start failed: {started.stderr.strip()[-500:]}\n{tail}")
             time.sleep(0.2)
 
@@ -219,6 +221,9 @@ class PostgresServer:
         pid_file = self.data_dir / "postmaster.pid"
         pid = int(pid_file.read_text().split("\n", 1)[0])
         os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def stop(self) -> None:
         """Stop the server (fast, then immediate), remove its directory, dismiss the watchdog."""
@@ -234,7 +239,11 @@ class PostgresServer:
 
 
 def _stop(run_as: _RunAs, bin_dir: Path, data_dir: Path) -> None:
-    if not (data_dir / "postmaster.pid").exists():
+    pid_file = data_dir / "postmaster.pid"
+    with contextlib.suppress(OSError, ValueError):
+        if not pid_alive(int(pid_file.read_text().split("\n", 1)[0])):
+            return  # killed (kill()) and not started again: nothing runs
+    if not pid_file.exists():
         return
     for mode in ("fast", "immediate"):
         done = run_as.run([str(bin_dir / "pg_ctl"), "stop", "-D", str(data_dir), "-m", mode, "-w",
