@@ -137,7 +137,7 @@ def _run(scenario: Scenario, cluster: LabCluster, root: Path, report: dict[str, 
         report["lease"] = None
     report["meta_killed"] = cluster.notes.get("meta_killed")
     report["takeover"] = _takeover(cluster)
-    report["meta_probe"] = _meta_probe(cluster)
+    report["meta_probe"] = _meta_probe(cluster, result)
     report["ok"] = (not report["violations"] and not report["lost"] and report["replicas_identical"]
                     and report["fsck_clean"] and (report["lease"] is None or report["lease"]["ok"])
                     and not report.get("namespace_lost") and report.get("continued", True) is not False
@@ -158,10 +158,11 @@ def _takeover(cluster: LabCluster) -> dict[str, Any] | None:
     return {**takeover, "bound_s": bound_s, "ok": after is not None and after <= bound_s + 0.1}
 
 
-def _meta_probe(cluster: LabCluster) -> dict[str, Any] | None:
+def _meta_probe(cluster: LabCluster, result: dict[str, Any]) -> dict[str, Any] | None:
     """A meta server cut from its database: it answered before the cut, answers nothing invoked
     while cut (an answer could only come from what it read before: stale), and answers again after
-    the partition healed."""
+    the partition healed; meanwhile the others serve (metadata operations invoked while it was cut
+    were acknowledged)."""
     notes = cluster.notes.get("meta_probe")
     path = cluster.root / "meta_probe.json"
     if notes is None:
@@ -180,9 +181,11 @@ def _meta_probe(cluster: LabCluster) -> dict[str, Any] | None:
     summary = {"meta": notes["meta"], "answered_before_cut": sum(a["answered"] for a in before),
                "attempts_while_cut": len(during), "answered_while_cut": len(stale),
                "answered_after_heal": sum(a["answered"] for a in after),
-               "outcomes_while_cut": sorted({a["outcome"] for a in during})}
+               "outcomes_while_cut": sorted({a["outcome"] for a in during}),
+               "others_served_while_cut": sum(1 for op in result.get("namespace", {}).get("ops", [])
+                                              if op["ok"] and cut <= op["invoke"] < heal)}
     summary["ok"] = (summary["answered_before_cut"] > 0 and len(during) > 0 and not stale
-                     and summary["answered_after_heal"] > 0)
+                     and summary["answered_after_heal"] > 0 and summary["others_served_while_cut"] > 0)
     return summary
 
 
