@@ -21,6 +21,12 @@ Why it is built this way:
   watchdog that was itself killed is swept by the next session (its owner's pid is gone).
 * It skips, naming the package, only when the binaries are absent; a server that is present and
   does not start is an error, with the end of its log.
+* ``start_postgres(..., netns=NS, listen_host=ADDR, port=N)`` runs the server inside a network
+  namespace (the chaos harness's ``postgres`` host): its programs start through ``ip netns exec``
+  and then drop to the server's account (``setpriv``), it listens on that host's address, and the
+  superuser reaches it by its unix socket (a path, which every namespace shares) with the password,
+  so :meth:`PostgresServer.execute` works from the harness's own namespace.
+  :meth:`PostgresServer.kill` and :meth:`PostgresServer.start` are a crash and a restart.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ import pwd
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +99,9 @@ class _RunAs:
     user: str | None
     uid: int
     gid: int
+    # A command prefix every program runs under (``ip netns exec NS``); it needs this process's
+    # privileges, so the switch to ``user`` then happens after it, by setpriv.
+    prefix: tuple[str, ...] = ()
 
     @classmethod
     def pick(cls) -> _RunAs:
@@ -102,9 +113,17 @@ class _RunAs:
                 return cls(name, entry.pw_uid, entry.pw_gid)
         raise PostgresError("running as root and there is no postgres (or nobody) account to run the server as")
 
+    def within(self, prefix: tuple[str, ...]) -> _RunAs:
+        """The same account, its programs run under ``prefix``."""
+        return _RunAs(self.user, self.uid, self.gid, prefix)
+
     def run(self, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
         extra: dict[str, Any] = {}
-        if self.user is not None:
+        if self.prefix:
+            drop = [] if self.user is None else ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}",
+                                                 "--clear-groups"]
+            argv = [*self.prefix, *drop, *argv]
+        elif self.user is not None:
             extra = {"user": self.uid, "group": self.gid, "extra_groups": []}
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, cwd="/",
                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}, **extra)
@@ -123,6 +142,8 @@ class PostgresServer:
     run_as: _RunAs
     host: str = "127.0.0.1"
     user: str = SUPERUSER
+    netns: str | None = None  # the network namespace it runs in (None: this process's)
+    options: str = ""  # pg_ctl start -o: what start() starts it with
     _watchdog: subprocess.Popen[bytes] | None = None
     _names: Iterator[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -142,7 +163,9 @@ class PostgresServer:
         """One statement as the superuser, outside a transaction (CREATE/DROP DATABASE need that)."""
         import psycopg
 
-        with psycopg.connect(host=self.host, port=self.port, user=self.user, password=self.password,
+        # In another namespace its TCP address is not reachable from here; its socket's path is.
+        host = str(self.socket_dir) if self.netns else self.host
+        with psycopg.connect(host=host, port=self.port, user=self.user, password=self.password,
                              dbname="postgres", autocommit=True, connect_timeout=10) as conn:
             conn.execute(sql.encode())
 
@@ -173,6 +196,35 @@ class PostgresServer:
         if done.returncode != 0:
             raise PostgresError(f"pg_ctl restart failed: {(done.stderr or done.stdout).strip()[-1000:]}")
 
+    def start(self) -> None:
+        """Start the server on its data directory (again, after :meth:`kill`: PostgreSQL then
+        recovers from its WAL). A crashed server's backends may hold its shared memory for a moment
+        after the postmaster died: a start refused for that is tried again."""
+        log = self.root / "server.log"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            started = self.run_as.run([str(self.bin_dir / "pg_ctl"), "start", "-D", str(self.data_dir), "-l",
+                                       str(log), "-w", "-t", str(START_TIMEOUT_S), "-o", self.options],
+                                      START_TIMEOUT_S + 10)
+            if started.returncode == 0:
+                return
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else started.stderr
+            # A killed postmaster's pid stays in use (a zombie) until something reaps it.
+            busy = ("shared memory block is still in use", 'lock file "postmaster.pid" already exists')
+            if not any(b in tail[-600:] for b in busy) or time.monotonic() > deadline:
+                raise PostgresError(f"pg_ctl start failed: {started.stderr.strip()[-500:]}\n{tail}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster, as a crash of its machine would end it (its backends notice and
+        exit; nothing is flushed or shut down cleanly)."""
+        pid_file = self.data_dir / "postmaster.pid"
+        pid = int(pid_file.read_text().split("\n", 1)[0])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def stop(self) -> None:
         """Stop the server (fast, then immediate), remove its directory, dismiss the watchdog."""
         try:
@@ -187,7 +239,11 @@ class PostgresServer:
 
 
 def _stop(run_as: _RunAs, bin_dir: Path, data_dir: Path) -> None:
-    if not (data_dir / "postmaster.pid").exists():
+    pid_file = data_dir / "postmaster.pid"
+    with contextlib.suppress(OSError, ValueError):
+        if not pid_alive(int(pid_file.read_text().split("\n", 1)[0])):
+            return  # killed (kill()) and not started again: nothing runs
+    if not pid_file.exists():
         return
     for mode in ("fast", "immediate"):
         done = run_as.run([str(bin_dir / "pg_ctl"), "stop", "-D", str(data_dir), "-m", mode, "-w",
@@ -239,19 +295,26 @@ def sweep_stale(tmp: Path, run_as: _RunAs, bin_dir: Path) -> list[Path]:
     return swept
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def start_postgres(bin_dir: Path, tmp: Path | None = None, durable: bool = False) -> PostgresServer:
+def start_postgres(bin_dir: Path, tmp: Path | None = None, durable: bool = False, *, listen_host: str = "127.0.0.1",
+                   port: int | None = None, netns: str | None = None) -> PostgresServer:
     """initdb + pg_ctl start in a new ``<tmp>/fs3-pg-*`` directory; the caller must :meth:`stop` it.
     ``durable``: keep the server's default fsync, synchronous_commit and full_page_writes (a
-    benchmark comparing engines at the same durability); the tests run without them."""
+    benchmark comparing engines at the same durability); the tests run without them.
+    ``listen_host``/``port``: where it listens (``port`` None: a free one). ``netns``: run it in
+    that network namespace (``listen_host`` one of its addresses, ``port`` given)."""
+    if netns is not None and port is None:
+        raise ValueError("a server in a network namespace needs its port (no free port can be chosen from here)")
     tmp = Path(tmp or tempfile.gettempdir())
     run_as = _RunAs.pick()
+    if netns is not None:
+        run_as = run_as.within(("ip", "netns", "exec", netns))
     sweep_stale(tmp, run_as, bin_dir)
     root = Path(tempfile.mkdtemp(prefix=PREFIX, dir=tmp))
     try:
@@ -264,12 +327,20 @@ def start_postgres(bin_dir: Path, tmp: Path | None = None, durable: bool = False
         os.chown(pwfile, run_as.uid, run_as.gid)
         os.chmod(pwfile, 0o600)
         initdb = run_as.run([str(bin_dir / "initdb"), "-D", str(root / "data"), "-U", SUPERUSER, "--pwfile",
-                             str(pwfile), "--auth-host=scram-sha-256", "--auth-local=peer", "-E", "UTF8",
+                             str(pwfile), "--auth-host=scram-sha-256",
+                             # peer: as the server's account only; from a namespace the harness
+                             # connects by the socket as the superuser, with the password.
+                             "--auth-local=scram-sha-256" if netns else "--auth-local=peer", "-E", "UTF8",
                              "--locale=C", "--no-sync", "--no-instructions"], START_TIMEOUT_S)
         pwfile.unlink()
         if initdb.returncode != 0:
             raise PostgresError(f"initdb failed: {(initdb.stderr or initdb.stdout).strip()[-2000:]}")
         version = (root / "data" / "PG_VERSION").read_text().strip()
+        if netns is not None:
+            # Clients on other hosts, with the password (initdb allows only loopback), as the
+            # official image's pg_hba.conf does.
+            with (root / "data" / "pg_hba.conf").open("a") as hba:
+                hba.write("host all all 0.0.0.0/0 scram-sha-256\n")
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -277,21 +348,20 @@ def start_postgres(bin_dir: Path, tmp: Path | None = None, durable: bool = False
         [sys.executable, "-c", _WATCHDOG, str(bin_dir / "pg_ctl"), str(root / "data"), str(root),
          "-" if run_as.user is None else str(run_as.uid), str(run_as.gid)],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    server = PostgresServer(root, bin_dir, 0, password, version, run_as, _watchdog=watchdog)
-    log = root / "server.log"
+    server = PostgresServer(root, bin_dir, 0, password, version, run_as, host=listen_host, netns=netns,
+                            _watchdog=watchdog)
     try:
-        for _ in range(START_ATTEMPTS):
-            server.port = _free_port()
+        for _ in range(START_ATTEMPTS if port is None else 1):
+            server.port = _free_port(listen_host) if port is None else port
             unsafe = "" if durable else "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
-            options = (f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 {unsafe}"
-                       "-c max_connections=200")
-            started = run_as.run([str(bin_dir / "pg_ctl"), "start", "-D", str(root / "data"), "-l", str(log),
-                                  "-w", "-t", str(START_TIMEOUT_S), "-o", options], START_TIMEOUT_S + 10)
-            if started.returncode == 0:
+            server.options = (f"-p {server.port} -k {root} -c listen_addresses={listen_host} {unsafe}"
+                              "-c max_connections=200")
+            try:
+                server.start()
                 return server
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else started.stderr
-            if "already in use" not in tail:
-                raise PostgresError(f"pg_ctl start failed: {started.stderr.strip()[-500:]}\n{tail}")
+            except PostgresError as exc:
+                if port is not None or "already in use" not in str(exc):
+                    raise
         raise PostgresError(f"pg_ctl start: no free port after {START_ATTEMPTS} tries")
     except BaseException:
         server.stop()

@@ -76,3 +76,24 @@ def test_runner_exits_zero_when_every_scenario_passes(tmp_path: Path, monkeypatc
     monkeypatch.setattr(sys, "argv", ["run", "--out", str(tmp_path)])
     assert chaos_run.main() == 0
     assert "1 of 1 scenarios passed." in next(tmp_path.glob("chaos-*.md")).read_text()
+
+
+def _ns_op(kind: str, name: str, ok: bool) -> dict[str, Any]:
+    return {"kind": kind, "name": name, "ok": ok, "invoke": 1.0, "complete": 2.0 if ok else None}
+
+
+def test_the_metadata_ledger_catches_lost_and_phantom_operations() -> None:
+    """check_namespace: an acknowledged create must be there (with its own contents), an
+    acknowledged remove must be gone, a name nobody created must not appear; unacknowledged
+    operations may have happened or not."""
+    from tests.chaos.cluster import check_namespace
+
+    ops = [_ns_op("create", "w0-1", True), _ns_op("create", "w0-2", True), _ns_op("remove", "w0-1", True),
+           _ns_op("create", "w0-4", False), _ns_op("create", "w1-1", True), _ns_op("remove", "w1-1", False)]
+    clean = check_namespace({"namespace": {"ops": ops, "final": {"w0-2": "w0-2", "w0-4": "w0-4"}}})
+    assert clean["namespace_lost"] == [] and clean["namespace_acknowledged"] == 4 and clean["namespace_failed"] == 2
+    lost = check_namespace({"namespace": {"ops": ops, "final": {"w0-1": "w0-1", "w0-2": "", "w9-9": "w9-9"}}})
+    assert lost["namespace_lost"] == ["w0-1: its remove was acknowledged, it is still there",
+                                      "w0-2: holds '', not its name", "w9-9: there, never created"]
+    gone = check_namespace({"namespace": {"ops": ops, "final": {}}})
+    assert gone["namespace_lost"] == ["w0-2: its create was acknowledged, it is gone"]

@@ -2,7 +2,9 @@
 
 `make chaos` runs every scenario and writes the report; here four short ones (one of them a disk
 the kernel turns read-only) run with the same checks: no linearizability violation, no
-acknowledged write lost, replicas identical, fsck clean.
+acknowledged write lost, replicas identical, fsck clean. Two more run the compose file's `ha`
+profile (PostgreSQL, three mgmtd, three meta): the primary mgmtd SIGKILLed, and PostgreSQL
+SIGKILLed and started again, each under file I/O and metadata operations.
 """
 
 from __future__ import annotations
@@ -46,8 +48,40 @@ def test_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
     assert report["acknowledged"] > 1000
     if name == "partition-from-mgmtd":  # no split brain: the cut-off node stops serving within its lease
         assert report["lease"] is not None and report["lease"]["ok"], report["lease"]
+    _no_namespaces_left(report["run_id"])
+
+
+@pytest.mark.parametrize("name", ["ha-mgmtd-primary-kill", "ha-postgres-restart"])
+def test_ha_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
+    """The `ha` profile: no acknowledged write or metadata operation lost, linearizable, fsck clean,
+    clients served after the fault; a killed primary mgmtd replaced within lease + heartbeat timeout."""
+    if not _netns_usable():
+        pytest.skip("this machine does not allow creating network namespaces")
+    pytest.importorskip("yaml")
+    from tests.postgres import SKIP_REASON, find_bin_dir
+
+    if find_bin_dir() is None or not shutil.which("setpriv"):
+        pytest.skip(SKIP_REASON)
+    from tests.chaos.run import run_scenario
+    from tests.chaos.scenarios import SCENARIOS
+
+    report = run_scenario(SCENARIOS[name], tmp_path)
+    assert report["violations"] == [], report["violations"][:5]
+    assert report["lost"] == [], report["lost"][:5]
+    assert report["namespace_lost"] == [], report["namespace_lost"][:5]
+    assert report["replicas_identical"], report["verify"]
+    assert report["fsck_clean"], report["fsck"]
+    assert report["continued"], "clients acknowledged nothing after the fault"
+    assert report["acknowledged"] > 500 and report["namespace_acknowledged"] > 50
+    if name == "ha-mgmtd-primary-kill":
+        takeover = report["takeover"]
+        assert takeover is not None and takeover["ok"], takeover
+        assert takeover["new_primary"] != takeover["killed"] and takeover["new_epoch"] > takeover["epoch"]
+    _no_namespaces_left(report["run_id"])
+
+
+def _no_namespaces_left(run_id: str) -> None:
     # Only this run's namespaces: another session on the machine may hold (or make) its own.
-    run_id = report["run_id"]
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     left = [line.split()[0] for line in listing.splitlines()
             if line.startswith((f"fs3-{run_id}-", f"fs3sw-{run_id}"))]

@@ -33,6 +33,8 @@ from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
 from fs3.rpc.tls import TlsConfig  # noqa: E402
 from fs3.storage.server import StorageConfig  # noqa: E402
 from tests.chaos.topology import (  # noqa: E402
+    HA_SERVER_SERVICES,
+    PROFILES,
     ROOT,
     SERVER_SERVICES,
     load_compose,
@@ -43,6 +45,11 @@ from tests.chaos.topology import (  # noqa: E402
 # What an operator exports before `docker compose up` (the file has no default token); the HAI
 # Platform's services (profile "hai") also take theirs from the environment.
 COMPOSE_ENV = {"FS3_TOKEN": "6f1c0d2e9a8b7c6d5e4f3a2b1c0d9e8f"}
+# The `ha` profile's database password (required by the postgres service; hex, as the file says).
+HA_ENV = {**COMPOSE_ENV, "FS3_PG_PASSWORD": "0a1b2c3d4e5f60718293a4b5c6d7e8f9"}
+HA_FS3 = [name for name in HA_SERVER_SERVICES if name != "postgres"]
+HA_MGMTD = [name for name in HA_FS3 if name.startswith("ha-mgmtd")]
+HA_META = [name for name in HA_FS3 if name.startswith("ha-meta")]
 HAI_ENV = {"HAI_ADMIN_TOKEN": "a3" * 32, "HAI_AGENT_TOKEN": "b4" * 32,
            "HAI_ADMIN_FS3_TOKEN": "fs3u.0123456789abcdef." + "c5" * 16}  # an fs3 user token
 HAI_AGENTS = ["hai-agent-1", "hai-agent-2"]
@@ -57,8 +64,12 @@ def test_compose_file_structure() -> None:
     compose = load_compose(COMPOSE_ENV)
     services = compose["services"]
     assert set(services) == {"certs", "mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client",
-                             "hai-server", *HAI_AGENTS}
-    assert (ROOT / "Dockerfile").exists() and all(s.get("build") == "." for s in services.values())
+                             "hai-server", *HAI_AGENTS, *HA_SERVER_SERVICES, "ha-setup", "ha-client"}
+    # What a plain `docker compose up` starts: the services of no profile, as before the profiles.
+    assert {name for name, s in services.items() if not s.get("profiles")} == {
+        "certs", "mgmtd", "meta", "storage1", "storage2", "storage3", "setup", "client"}
+    assert (ROOT / "Dockerfile").exists() and all(s.get("build") == "." for n, s in services.items()
+                                                  if n != "postgres")
     for name in [*SERVER_SERVICES, "client"]:
         assert "test" in services[name]["healthcheck"], name
     for name in SERVER_SERVICES:
@@ -136,8 +147,10 @@ def test_every_service_advertises_the_public_host_on_ports_published_one_to_one(
     assert command[command.index("--san") + 1] == "fs3.example.net"
     command = default["certs"]["command"]
     assert command[command.index("--san") + 1] == ""
-    # FS3_PUBLIC_HOST=host.docker.internal resolves in every container, Linux included.
+    # FS3_PUBLIC_HOST=host.docker.internal resolves in every fs3 container, Linux included.
     for name, service in default.items():
+        if service["image"] != default["mgmtd"]["image"]:
+            continue  # postgres: the official image, dialled by no client
         assert "host.docker.internal:host-gateway" in service.get("extra_hosts", []), name
 
 
@@ -486,3 +499,154 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
                     os.killpg(proc.pid, signal.SIGKILL)
         if os.path.ismount(mnt):
             subprocess.run([shutil.which("fusermount3") or "fusermount3", "-uz", str(mnt)], check=False)
+
+
+# -- the `ha` profile -----------------------------------------------------------------------------
+
+
+def test_the_ha_profile_s_structure() -> None:
+    """A second cluster in the `ha` profile: PostgreSQL (the official image, its data in a volume,
+    healthy only once it serves TCP), three mgmtd on it, three meta on it, three storage nodes,
+    setup and a client, each started after what it needs; none of it in the default profile."""
+    compose = load_compose(HA_ENV)
+    services = compose["services"]
+    profile = PROFILES["ha"]
+    ha = [*profile.servers, profile.setup, profile.client]
+    for name in ha:
+        assert services[name]["profiles"] == ["ha"], name
+    postgres = services["postgres"]
+    assert postgres["image"] == "postgres:16" and "build" not in postgres
+    volume = postgres["volumes"][0]
+    assert volume.split(":") == ["postgres-data", "/var/lib/postgresql/data"] and "postgres-data" in compose["volumes"]
+    health = postgres["healthcheck"]["test"]
+    assert health[:2] == ["CMD", "pg_isready"] and health[health.index("-h") + 1] == "127.0.0.1"
+    assert health[health.index("-d") + 1] == "fs3_mgmtd", "healthy once the init script made the second database"
+    for name in HA_MGMTD:
+        assert services[name]["depends_on"] == {"certs": {"condition": "service_completed_successfully"},
+                                                "postgres": {"condition": "service_healthy"}}, name
+    for name in [*HA_META, *[n for n in HA_FS3 if "storage" in n]]:
+        assert services[name]["depends_on"] == {m: {"condition": "service_healthy"} for m in HA_MGMTD}, name
+        assert "test" in services[name]["healthcheck"], name
+    for n in (1, 2, 3):
+        assert services["ha-setup"]["depends_on"][f"ha-storage{n}"]["condition"] == "service_healthy"
+    client = services["ha-client"]
+    assert client["depends_on"]["ha-setup"]["condition"] == "service_completed_successfully"
+    assert all(client["depends_on"][m]["condition"] == "service_healthy" for m in HA_META)
+    assert client["command"][0] == "mount" and "/dev/fuse:/dev/fuse" in client["devices"]
+    for name in HA_FS3:
+        assert "certs:/certs:ro" in services[name]["volumes"], name
+        assert services[name]["image"] == services["mgmtd"]["image"], name
+    for name in [n for n in HA_FS3 if "storage" in n]:
+        assert services[name]["volumes"][0].split(":")[0] in compose["volumes"], f"{name} keeps its chunks"
+
+
+def test_the_ha_profile_keeps_mgmtd_and_meta_in_separate_databases() -> None:
+    """Both engines name their tables fs3_kv and fs3_info: mgmtd's state and the namespace must
+    live in two databases of the one server. POSTGRES_DB is meta's; the init script, run by the
+    image when it initialises the volume, makes mgmtd's."""
+    services = load_compose(HA_ENV)["services"]
+    env = services["postgres"]["environment"]
+    user, password = env["POSTGRES_USER"], env["POSTGRES_PASSWORD"]
+    assert password == HA_ENV["FS3_PG_PASSWORD"]
+    databases: dict[str, set[str]] = {}
+    for name in HA_FS3[:6]:
+        kind = services[name]["command"][0]
+        url = services[name]["environment"][f"FS3_{kind.upper()}_PG_URL"]
+        assert services[name]["environment"][f"FS3_{kind.upper()}_KV_ENGINE"] == "postgres", name
+        assert url.startswith(f"postgresql://{user}:{password}@{service_address(load_compose(HA_ENV), 'postgres')}/")
+        databases.setdefault(kind, set()).add(url.rsplit("/", 1)[1])
+    assert databases == {"mgmtd": {"fs3_mgmtd"}, "meta": {env["POSTGRES_DB"]}}
+    assert env["POSTGRES_DB"] != "fs3_mgmtd"
+    init = [v for v in services["postgres"]["volumes"] if "/docker-entrypoint-initdb.d/" in v]
+    assert len(init) == 1 and init[0].endswith(":ro")
+    sql = (ROOT / init[0].split(":")[0]).read_text()
+    assert "CREATE DATABASE fs3_mgmtd;" in sql
+
+
+def test_the_ha_profile_needs_the_database_password_and_writes_it_nowhere() -> None:
+    """No default password: unset, the URLs carry none and the image refuses to initialise (compose
+    interpolates every profile, so `:?` would stop the default profile too). The password is in no
+    file and on no command line."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert HA_ENV["FS3_PG_PASSWORD"] not in text and "POSTGRES_HOST_AUTH_METHOD" not in text
+    unset = load_compose(COMPOSE_ENV)["services"]
+    assert unset["postgres"]["environment"]["POSTGRES_PASSWORD"] == ""
+    assert unset["ha-meta1"]["environment"]["FS3_META_PG_URL"].startswith("postgresql://fs3:@")
+    for name, service in load_compose(HA_ENV)["services"].items():
+        command = service.get("command", [])
+        words = [command] if isinstance(command, str) else list(command)
+        assert not any(HA_ENV["FS3_PG_PASSWORD"] in w for w in words), name
+
+
+@pytest.mark.parametrize("name", HA_FS3)
+def test_every_ha_setting_is_one_the_service_reads(name: str) -> None:
+    """Each ha server's environment, loaded and validated by its own config loader: mgmtd on
+    PostgreSQL with a unique instance name that redirects to its own framed port, meta on
+    PostgreSQL with a unique node id, and storage, meta (and setup, the client) given all three
+    mgmtd."""
+    compose = load_compose(HA_ENV)
+    services = compose["services"]
+    kind = services[name]["command"][0]
+    cls, prefix = CONFIGS[kind]
+    env = services[name]["environment"]
+    unknown = [k for k in env if k.startswith(prefix + "_") and k[len(prefix) + 1:] not in
+               {f.name.upper() for f in dataclasses.fields(cls)}]
+    assert unknown == [], f"{name}: settings no service reads: {unknown}"
+    config: ServiceConfig = load_config(cls, None, env_prefix=prefix, environ=env)  # validates
+    assert config.token == HA_ENV["FS3_TOKEN"] and config.listen_host == "0.0.0.0"
+    assert (config.tls.cert_file, config.tls.key_file) == (f"/certs/{name}.pem", f"/certs/{name}.key")
+    mgmtd = {service_address(compose, m) for m in HA_MGMTD}
+    if isinstance(config, MgmtdConfig):
+        assert config.kv_engine == "postgres" and config.instance_name == name
+        assert config.advertise_address == f"{name}:{config.framed_port}"
+        assert config.heartbeat_timeout_ms >= 2 * (config.lease_ms + config.lease_renew_interval_ms)
+    elif isinstance(config, MetaConfig):
+        assert config.kv_engine == "postgres" and set(config.mgmtd_address.split(",")) == mgmtd
+        assert len({services[m]["environment"]["FS3_META_NODE_ID"] for m in HA_META}) == len(HA_META)
+    else:
+        assert set(config.mgmtd_address.split(",")) == mgmtd
+        assert len(config.targets) == 2 and all(t.path.startswith("/data/") for t in config.targets)
+    # The client and setup dial every mgmtd too (a client follows the primary).
+    assert set(services["ha-client"]["command"][1].split(",")) == mgmtd
+    setup = services["ha-setup"]["command"][0].split()
+    assert [set(setup[i + 1].split(",")) for i, word in enumerate(setup) if word == "--mgmtd"] == [mgmtd, mgmtd]
+
+
+def test_the_ha_profile_s_ports_and_certificates() -> None:
+    """Every port of both clusters its own, published 1:1 (both can run side by side); the
+    services advertise FS3_PUBLIC_HOST or their own names; the certs service makes a certificate
+    naming each ha service."""
+    compose = load_compose(HA_ENV)
+    seen: dict[str, str] = {}
+    for name in [*SERVER_SERVICES, *HA_FS3]:
+        env = compose["services"][name]["environment"]
+        for suffix in ("_FRAMED_PORT", "_GRPC_PORT", "_METRICS_PORT"):
+            port = _port(env, suffix)
+            assert port not in seen, f"{name} and {seen.get(port)} share port {port}"
+            seen[port] = name
+            assert published_port(compose, name, port) == port, f"{name} publishes {suffix[1:]} {port} as {port}"
+    assert published_port(compose, "postgres", "5432") is None, "the database is for the cluster's network only"
+    public = load_compose({**HA_ENV, "FS3_PUBLIC_HOST": "fs3.example.net"})["services"]
+    for name in HA_FS3:
+        env = compose["services"][name]["environment"]
+        key = next((k for k in env if k.endswith("_ADVERTISE_HOST")), None)
+        if key is None:  # mgmtd: the address its redirects name
+            key = "FS3_MGMTD_ADVERTISE_ADDRESS"
+            assert public[name]["environment"][key] == f"fs3.example.net:{env['FS3_MGMTD_FRAMED_PORT']}"
+        else:
+            assert env[key] == name and public[name]["environment"][key] == "fs3.example.net"
+    command = compose["services"]["certs"]["command"]
+    hosts = command[command.index("--hosts") + 1].split(",")
+    assert set(HA_FS3) <= set(hosts) and set(SERVER_SERVICES) <= set(hosts)
+
+
+def test_the_ha_profile_s_certificates_are_made(tmp_path: Path) -> None:
+    from fs3.cli.main import main as fs3_main
+    from fs3.rpc.tls import Tls
+
+    services = load_compose(HA_ENV)["services"]
+    assert fs3_main([arg.replace("/certs", str(tmp_path)) for arg in services["certs"]["command"]]) == 0
+    for name in HA_FS3:
+        cls, prefix = CONFIGS[services[name]["command"][0]]
+        env = {k: v.replace("/certs", str(tmp_path)) for k, v in services[name]["environment"].items()}
+        assert Tls.load(load_config(cls, None, env_prefix=prefix, environ=env).tls, server=True) is not None, name

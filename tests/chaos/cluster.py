@@ -3,6 +3,11 @@
 Each compose service is a host (its own namespace and address); services get the environment the
 compose file gives them, with service names replaced by host addresses and data directories by
 ones under the run's root. Admin commands and client workloads run on the ``client`` host.
+
+``profile="ha"`` runs the compose file's `ha` profile instead: its ``postgres`` host runs a real
+PostgreSQL (Debian's binaries, tests/postgres.py, durable: a SIGKILL must not lose a commit),
+prepared as the official image prepares its volume (the compose user, password and database, then
+deploy/postgres/init.sql), and three mgmtd and three meta servers on it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -23,18 +29,27 @@ from fs3.cluster.processes import ServiceProcess
 from fs3.common.errors import Unavailable
 from fs3.sim.history import History, Op
 from tests.chaos.netns import NetnsLab
-from tests.chaos.topology import ROOT, SERVER_SERVICES, load_compose, service_address
+from tests.chaos.topology import PROFILES, ROOT, load_compose, service_address
+from tests.postgres import PostgresServer, find_bin_dir, start_postgres
 
-__all__ = ["LabCluster", "check_history"]
+POSTGRES = "postgres"
+
+__all__ = ["LabCluster", "check_history", "check_namespace"]
 
 
 class LabCluster:
     def __init__(self, lab: NetnsLab, root: Path, overrides: dict[str, str] | None = None,
                  small_disks: dict[str, int] | None = None, ext4_disks: dict[str, int] | None = None,
-                 extra_hosts: list[str] | None = None) -> None:
+                 extra_hosts: list[str] | None = None, profile: str = "default") -> None:
         """``extra_hosts``: more client hosts (training nodes, say), each its own namespace on the same
-        switch, whose programs run with the client's settings (:meth:`spawn_client`)."""
+        switch, whose programs run with the client's settings (:meth:`spawn_client`). ``profile``:
+        the compose topology (``default`` or ``ha``); the client's host is ``client`` in both."""
         self.lab = lab
+        self.profile = PROFILES[profile]
+        self.servers = self.profile.servers
+        self.postgres: PostgresServer | None = None
+        # What fault steps measured (a takeover's time, a probe's window), for the report.
+        self.notes: dict[str, Any] = {}
         # service -> bytes per target: its targets live on tmpfs mounts of this size (disk-full
         # drills) or on ext4 loop images (disks that turn read-only).
         self.small_disks = small_disks or {}
@@ -43,18 +58,24 @@ class LabCluster:
         self.mounts: list[Path] = []
         self.root = root
         # compose requires a token and has no default: every run makes its own.
-        self.compose = load_compose({"FS3_TOKEN": secrets.token_hex(16)})
-        self.token = self.compose["services"]["mgmtd"]["environment"]["FS3_MGMTD_TOKEN"]
+        self.token = secrets.token_hex(16)
+        self.compose = load_compose({"FS3_TOKEN": self.token, "FS3_PG_PASSWORD": secrets.token_hex(16)})
         self.overrides = overrides or {}
-        addresses = lab.create([*SERVER_SERVICES, "client", *(extra_hosts or [])])
+        addresses = lab.create([*self.servers, "client", *(extra_hosts or [])])
         self.addresses: dict[str, str] = {}
-        for name in SERVER_SERVICES:
+        for name in self.servers:
             compose_address = service_address(self.compose, name)
             self.addresses[compose_address] = f"{addresses[name]}:{compose_address.split(':')[1]}"
-        self.mgmtd = self.addresses[service_address(self.compose, "mgmtd")]
+        # Every mgmtd, comma-separated (clients and admin commands follow the primary).
+        self.mgmtd = ",".join(self.addresses[service_address(self.compose, name)] for name in self.servers
+                              if self.kind(name) == "mgmtd")
         self.procs: dict[str, ServiceProcess] = {}
         self.base_env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:"
                          f"{os.environ['PATH']}"}
+
+    def kind(self, name: str) -> str:
+        """What a server is: ``postgres``, or the fs3 command it runs (mgmtd, meta, storage)."""
+        return POSTGRES if name == POSTGRES else str(self.compose["services"][name]["command"][0])
 
     def _localize(self, name: str, value: str) -> str:
         for address, local in self.addresses.items():
@@ -65,14 +86,15 @@ class LabCluster:
         """What the compose file's certs service does, by the same command, each node's certificate
         also naming its host's address (hosts here dial each other by address, not by name)."""
         command = [self._localize("certs", arg) for arg in self.compose["services"]["certs"]["command"]]
-        command += [arg for name in SERVER_SERVICES for arg in ("--node", f"{name}={self.lab.address(name)}")]
+        command += [arg for name in self.servers if name != POSTGRES
+                    for arg in ("--node", f"{name}={self.lab.address(name)}")]
         if fs3_main(command) != 0:
             raise RuntimeError(f"making the certificates failed: fs3 {' '.join(command)}")
 
     @property
     def client_env(self) -> dict[str, str]:
         """What a client host's programs get: the token and the compose client's TLS settings."""
-        env = self.compose["services"]["client"]["environment"]
+        env = self.compose["services"][self.profile.client]["environment"]
         return {"FS3_TOKEN": self.token,
                 **{k: self._localize("client", v) for k, v in env.items() if k.startswith("FS3_TLS_")}}
 
@@ -148,6 +170,9 @@ class LabCluster:
         self._mount_disks(name)
 
     def close(self) -> None:
+        if self.postgres is not None:
+            self.postgres.stop()
+            self.postgres = None
         for target in reversed(self.mounts):
             subprocess.run(["umount", "-l", str(target)], check=False)
         self.mounts.clear()
@@ -155,7 +180,36 @@ class LabCluster:
             subprocess.run(["umount", "-l", str(self.root)], check=False)
             self._root_shared = False
 
+    def _start_postgres(self) -> None:
+        """PostgreSQL on its host: a fresh server on first start, prepared as the official image
+        prepares an empty volume; the same data directory on a later start (after a SIGKILL)."""
+        if self.postgres is not None:
+            self.postgres.start()
+            return
+        bin_dir = find_bin_dir()
+        if bin_dir is None:
+            raise RuntimeError("the ha profile needs PostgreSQL's server binaries (Debian's postgresql package)")
+        self.postgres = start_postgres(bin_dir, durable=True, listen_host=self.lab.address(POSTGRES),
+                                       port=int(self.addresses[service_address(self.compose, POSTGRES)]
+                                                .rsplit(":", 1)[1]),
+                                       netns=self.lab.namespace(POSTGRES))
+        env = self.compose["services"][POSTGRES]["environment"]
+        user, database = env["POSTGRES_USER"], env["POSTGRES_DB"]
+        password = env["POSTGRES_PASSWORD"].replace("'", "''")
+        self.postgres.execute(f'CREATE ROLE "{user}" LOGIN SUPERUSER PASSWORD \'{password}\'')
+        self.postgres.execute(f'CREATE DATABASE "{database}" OWNER "{user}"')
+        for volume in self.compose["services"][POSTGRES]["volumes"]:
+            source, _, target = volume.partition(":")
+            if target.startswith("/docker-entrypoint-initdb.d/"):
+                sql = (ROOT / source).read_text()
+                for statement in (s.strip() for s in re.sub(r"--[^\n]*", "", sql).split(";")):
+                    if statement:
+                        self.postgres.execute(statement)
+
     def start(self, name: str, timeout_s: float = 60) -> None:
+        if name == POSTGRES:
+            self._start_postgres()
+            return
         self._mount_disks(name)
         proc = self.procs.setdefault(name, ServiceProcess(name, list(self.compose["services"][name]["command"]),
                                                           self.root / f"{name}.ready", self.root / f"{name}.log"))
@@ -169,15 +223,26 @@ class LabCluster:
     def start_all(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.make_certs()
-        for name in SERVER_SERVICES:
+        for name in self.servers:
             self.start(name)
-        setup = self.compose["services"]["setup"]
-        done = self.client_run(["sh", "-c", self._localize("setup", setup["command"][0])], timeout_s=120)
+        setup = self.compose["services"][self.profile.setup]
+        done = self.client_run(["sh", "-c", self._localize(self.profile.setup, setup["command"][0])],
+                               timeout_s=120)
         if done.returncode != 0:
             raise RuntimeError(f"setup failed: {done.stdout}{done.stderr}")
 
     def signal(self, name: str, sig: int) -> None:
+        if name == POSTGRES:
+            if sig != signal.SIGKILL or self.postgres is None:
+                raise RuntimeError("the postgres host takes SIGKILL only (then start it again)")
+            self.postgres.kill()
+            return
         self.procs[name].send_signal(sig)
+
+    def log(self, name: str) -> str:
+        """What a server wrote so far (its log file)."""
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def client_run(self, args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
         env = {**self.base_env, **self.client_env}
@@ -245,3 +310,31 @@ def check_history(result: dict[str, Any]) -> dict[str, Any]:
     return {"operations": len(result["ops"]), "acknowledged": len(done), "violations": violations,
             "lost": lost, "worst_gap_s": max(gaps, default=0.0), "worst_stall_s": max(stalls, default=0.0),
             "failed": sum(1 for raw in result["ops"] if not raw["ok"])}
+
+
+def check_namespace(result: dict[str, Any]) -> dict[str, Any]:
+    """The metadata ledger (the workload's ``namespace`` operations): a file whose create was
+    acknowledged and that nobody tried to remove is there, holding its name; a file whose remove was
+    acknowledged is gone; nothing is there that no one tried to create. Unacknowledged operations
+    may have happened or not."""
+    ops = result["namespace"]["ops"]
+    final: dict[str, str] = result["namespace"]["final"]
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for op in ops:
+        by_name.setdefault(op["name"], []).append(op)
+    lost: list[str] = []
+    for name, history in by_name.items():
+        created = any(op["kind"] == "create" and op["ok"] for op in history)
+        removals = [op for op in history if op["kind"] == "remove"]
+        if any(op["ok"] for op in removals):
+            if name in final:
+                lost.append(f"{name}: its remove was acknowledged, it is still there")
+        elif created and not removals:
+            if name not in final:
+                lost.append(f"{name}: its create was acknowledged, it is gone")
+            elif final[name] != name:
+                lost.append(f"{name}: holds {final[name][:40]!r}, not its name")
+    lost += [f"{name}: there, never created" for name in final if name not in by_name]
+    return {"namespace_operations": len(ops), "namespace_acknowledged": sum(1 for op in ops if op["ok"]),
+            "namespace_failed": sum(1 for op in ops if not op["ok"]), "namespace_lost": lost,
+            "namespace_worst_stall_s": max((op["complete"] - op["invoke"] for op in ops if op["ok"]), default=0.0)}

@@ -21,13 +21,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tests.chaos.cluster import LabCluster, check_history
+from tests.chaos.cluster import LabCluster, check_history, check_namespace
 from tests.chaos.netns import NetnsLab
 from tests.chaos.scenarios import SCENARIOS, Scenario
 from tests.chaos.topology import ROOT
 
 FAST = {"FS3_MGMTD_HEARTBEAT_TIMEOUT_MS": "3000", "FS3_STORAGE_HEARTBEAT_INTERVAL_MS": "200",
         "FS3_META_HEARTBEAT_INTERVAL_MS": "200"}
+# Several mgmtd: a takeover (a lease and a renewal) must fit in half the heartbeat timeout.
+HA_FAST = {**FAST, "FS3_MGMTD_LEASE_MS": "1000", "FS3_MGMTD_LEASE_RENEW_INTERVAL_MS": "250",
+           "FS3_MGMTD_LEASE_DRIFT_MARGIN_MS": "100"}
 
 
 def run_scenario(scenario: Scenario, root: Path, report: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -40,7 +43,8 @@ def run_scenario(scenario: Scenario, root: Path, report: dict[str, Any] | None =
     report.update({"scenario": scenario.name, "faults": []})
     with NetnsLab() as lab:
         report["run_id"] = lab.run_id  # its namespaces are fs3-<run_id>-<host>, its switch fs3sw-<run_id>
-        cluster = LabCluster(lab, root, FAST, scenario.small_disks, scenario.ext4_disks)
+        cluster = LabCluster(lab, root, HA_FAST if scenario.profile == "ha" else FAST, scenario.small_disks,
+                             scenario.ext4_disks, profile=scenario.profile)
         try:
             return _run(scenario, cluster, root, report)
         finally:
@@ -56,7 +60,7 @@ def run_recorded(scenario: Scenario, root: Path) -> dict[str, Any]:
     except Exception as exc:
         report.update({"scenario": scenario.name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()[-4000:]})
-        for name in ("filler.log", "workload.log"):
+        for name in ("filler.log", "workload.log", "meta_probe.log"):
             log = root / name
             if log.exists() and name.split(".")[0] not in report:
                 report[name.split(".")[0]] = log.read_text(errors="replace")[-1000:]
@@ -79,6 +83,14 @@ def _broken_promises(report: dict[str, Any]) -> list[str]:
         broken.append("fsck found problems")
     if report.get("lease") and not report["lease"].get("ok"):
         broken.append("the node cut from mgmtd kept serving past its lease")
+    if report.get("namespace_lost"):
+        broken.append(f"{len(report['namespace_lost'])} acknowledged metadata operations lost")
+    if report.get("takeover") and not report["takeover"].get("ok"):
+        broken.append("no standby mgmtd took over within lease + heartbeat timeout")
+    if report.get("meta_probe") and not report["meta_probe"].get("ok"):
+        broken.append("the meta server cut from its database answered (or never answered again)")
+    if report.get("continued") is False:
+        broken.append("clients acknowledged nothing after the last fault")
     return broken or ["failed"]
 
 
@@ -88,13 +100,21 @@ def _run(scenario: Scenario, cluster: LabCluster, root: Path, report: dict[str, 
     started = time.monotonic()
     report["started"] = started
     workload = cluster.client_spawn([sys.executable, "-P", "-m", "tests.chaos.workload", cluster.mgmtd,
-                                     cluster.token, str(scenario.seconds), str(out)], root / "workload.log")
+                                     cluster.token, str(scenario.seconds), str(out),
+                                     *(["namespace"] if scenario.namespace else [])], root / "workload.log")
     scenario.run_faults(cluster, started, report["faults"])
     if workload.wait(timeout=scenario.seconds + 300) != 0:
         raise RuntimeError(f"workload failed:\n{(root / 'workload.log').read_text()[-3000:]}")
     result = json.loads(out.read_text())
     report.update(check_history(result))
+    if scenario.namespace:
+        report.update(check_namespace(result))
     report["timeline"] = _timeline(result, started)
+    if report["faults"]:
+        # Clients carry on: operations acknowledged that were invoked after the last fault.
+        last = started + max(float(str(f["at"])) for f in report["faults"])
+        report["continued"] = any(op["ok"] and op["invoke"] > last for op in result["ops"]) and (
+            not scenario.namespace or any(op["ok"] and op["invoke"] > last for op in result["namespace"]["ops"]))
     filler = root / "filler.log"
     if filler.exists():
         report["filler"] = filler.read_text()[-500:]
@@ -115,9 +135,58 @@ def _run(scenario: Scenario, cluster: LabCluster, root: Path, report: dict[str, 
         report["lease"]["ok"] = refused is not None and refused <= lease_s + 0.5
     else:
         report["lease"] = None
+    report["meta_killed"] = cluster.notes.get("meta_killed")
+    report["takeover"] = _takeover(cluster)
+    report["meta_probe"] = _meta_probe(cluster, result)
     report["ok"] = (not report["violations"] and not report["lost"] and report["replicas_identical"]
-                    and report["fsck_clean"] and (report["lease"] is None or report["lease"]["ok"]))
+                    and report["fsck_clean"] and (report["lease"] is None or report["lease"]["ok"])
+                    and not report.get("namespace_lost") and report.get("continued", True) is not False
+                    and (report["takeover"] is None or report["takeover"]["ok"])
+                    and (report["meta_probe"] is None or report["meta_probe"]["ok"]))
     return report
+
+
+def _takeover(cluster: LabCluster) -> dict[str, Any] | None:
+    """A killed primary mgmtd: a standby must take the lease within lease + heartbeat timeout of the
+    kill (the bound storage nodes ride through), plus the log watcher's 50 ms poll."""
+    takeover = cluster.notes.get("takeover")
+    if takeover is None:
+        return None
+    env = cluster.env_for(str(takeover["killed"]))
+    bound_s = (int(env["FS3_MGMTD_LEASE_MS"]) + int(env["FS3_MGMTD_HEARTBEAT_TIMEOUT_MS"])) / 1000
+    after = takeover["after_s"]
+    return {**takeover, "bound_s": bound_s, "ok": after is not None and after <= bound_s + 0.1}
+
+
+def _meta_probe(cluster: LabCluster, result: dict[str, Any]) -> dict[str, Any] | None:
+    """A meta server cut from its database: it answered before the cut, answers nothing invoked
+    while cut (an answer could only come from what it read before: stale), and answers again after
+    the partition healed; meanwhile the others serve (metadata operations invoked while it was cut
+    were acknowledged)."""
+    notes = cluster.notes.get("meta_probe")
+    path = cluster.root / "meta_probe.json"
+    if notes is None:
+        return None
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:  # the probe may still be finishing
+        time.sleep(0.2)
+    if not path.exists():
+        return {**notes, "ok": False, "error": "the probe wrote no result"}
+    attempts = json.loads(path.read_text())["attempts"]
+    cut, heal = notes["cut_at"], notes["heal_at"]
+    before = [a for a in attempts if a["complete"] < cut]
+    during = [a for a in attempts if cut <= a["invoke"] and a["complete"] < heal]
+    after = [a for a in attempts if a["invoke"] > heal]
+    stale = [a for a in during if a["answered"]]
+    summary = {"meta": notes["meta"], "answered_before_cut": sum(a["answered"] for a in before),
+               "attempts_while_cut": len(during), "answered_while_cut": len(stale),
+               "answered_after_heal": sum(a["answered"] for a in after),
+               "outcomes_while_cut": sorted({a["outcome"] for a in during}),
+               "others_served_while_cut": sum(1 for op in result.get("namespace", {}).get("ops", [])
+                                              if op["ok"] and cut <= op["invoke"] < heal)}
+    summary["ok"] = (summary["answered_before_cut"] > 0 and len(during) > 0 and not stale
+                     and summary["answered_after_heal"] > 0 and summary["others_served_while_cut"] > 0)
+    return summary
 
 
 def _settled(cluster: LabCluster, command: str, attempts: int = 10) -> subprocess.CompletedProcess[str]:
@@ -201,6 +270,21 @@ def _markdown(reports: list[dict[str, Any]], stamp: str, png: bool) -> str:
             f"{'—' if r.get('lost') is None else 4096 * len(r['lost'])} | {_cell(r, 'replicas_identical')} | "
             f"{fsck} | {_cell(r, 'worst_stall_s', '{:.2f}')} | {_cell(r, 'worst_gap_s', '{:.2f}')} | "
             f"{'' if not lease else format(lease['refused_after_s'] or -1, '.2f')} |")
+    ha = [r for r in reports if any(r.get(k) is not None for k in ("namespace_operations", "takeover", "meta_probe"))]
+    if ha:
+        lines += ["", "## Metadata and mgmtd (the `ha` profile)", "",
+                  "| scenario | metadata ops (acknowledged) | metadata ops lost | longest metadata op (s) | "
+                  "mgmtd takeover (s, bound) | meta cut from its database: answered before / while cut / after heal |",
+                  "|---|---|---|---|---|---|"]
+        for r in ha:
+            takeover, probe = r.get("takeover"), r.get("meta_probe")
+            lost = r.get("namespace_lost")
+            took = "—" if not takeover else f"{takeover.get('after_s')} ({takeover.get('bound_s')})"
+            cut = "—" if not probe else (f"{probe.get('answered_before_cut')} / {probe.get('answered_while_cut')} / "
+                                         f"{probe.get('answered_after_heal')}")
+            lines.append(f"| {r['scenario']} | {_cell(r, 'namespace_operations')} "
+                         f"({_cell(r, 'namespace_acknowledged')}) | {'—' if lost is None else len(lost)} | "
+                         f"{_cell(r, 'namespace_worst_stall_s', '{:.2f}')} | {took} | {cut} |")
     if failed:
         lines += ["", "## Failures", ""]
         for r in reports:

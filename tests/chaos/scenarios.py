@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ class Scenario:
     steps: list[tuple[float, str, Callable[[LabCluster], None]]] = field(default_factory=list)
     small_disks: dict[str, int] = field(default_factory=dict)  # service -> bytes of tmpfs per target
     ext4_disks: dict[str, int] = field(default_factory=dict)  # service -> bytes of ext4 image per target
+    profile: str = "default"  # the compose topology: default, or ha (PostgreSQL, 3 mgmtd, 3 meta)
+    namespace: bool = False  # the workload also creates and removes files (the meta servers' ledger)
 
     def run_faults(self, cluster: LabCluster, started: float, log: list[dict[str, object]]) -> None:
         for at, what, action in sorted(self.steps, key=lambda s: s[0]):
@@ -65,6 +69,100 @@ def _cut_and_probe(node: str) -> Callable[[LabCluster], None]:
 
 def _heal(a: str, b: str) -> Callable[[LabCluster], None]:
     return lambda c: c.lab.heal(a, b)
+
+
+_TOOK_LEASE = re.compile(r"mgmtd \S+ took the primary lease: epoch (\d+)")
+TAKEOVER_WAIT_S = 60.0
+
+
+def primary_mgmtd(c: LabCluster) -> tuple[str, int]:
+    """The mgmtd that last took the primary lease (the highest epoch in the logs) and that epoch."""
+    epochs = {name: max(map(int, _TOOK_LEASE.findall(c.log(name))), default=0) for name in c.servers
+              if c.kind(name) == "mgmtd"}
+    name = max(epochs, key=lambda n: epochs[n])
+    if epochs[name] == 0:
+        raise RuntimeError("no mgmtd took the primary lease")
+    return name, epochs[name]
+
+
+def _kill_primary_mgmtd(c: LabCluster) -> None:
+    """SIGKILL the primary mgmtd, then time (in the background, from the logs) until another one
+    takes the lease with a newer epoch: ``notes["takeover"]``."""
+    name, epoch = primary_mgmtd(c)
+    c.signal(name, signal.SIGKILL)
+    killed_at = time.monotonic()
+    takeover: dict[str, object] = {"killed": name, "epoch": epoch, "new_primary": None, "after_s": None}
+    c.notes["takeover"] = takeover
+
+    def watch() -> None:
+        while time.monotonic() - killed_at < TAKEOVER_WAIT_S:
+            for other in c.servers:
+                if c.kind(other) == "mgmtd" and other != name:
+                    newer = [int(e) for e in _TOOK_LEASE.findall(c.log(other)) if int(e) > epoch]
+                    if newer:
+                        takeover.update(new_primary=other, new_epoch=max(newer),
+                                        after_s=round(time.monotonic() - killed_at, 3))
+                        return
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, name="takeover-watch", daemon=True).start()
+
+
+_SCRAPE = """
+import sys, urllib.request
+total = 0.0
+for line in urllib.request.urlopen(sys.argv[1], timeout=5).read().decode().splitlines():
+    if line.startswith("fs3_rpc_requests_total{"):
+        total += float(line.rsplit(" ", 1)[1])
+print(total)
+"""
+
+
+def _served(c: LabCluster, name: str) -> float:
+    """Requests a server answered so far (its /metrics, scraped from the client host)."""
+    env = c.env_for(name)
+    port = next(v for k, v in env.items() if k.endswith("_METRICS_PORT"))
+    done = c.client_run([sys.executable, "-c", _SCRAPE, f"http://{c.lab.address(name)}:{port}/metrics"],
+                        timeout_s=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"scraping {name}'s metrics failed: {done.stderr[-500:]}")
+    return float(done.stdout.strip())
+
+
+def _kill_busiest_meta(c: LabCluster) -> None:
+    """SIGKILL the meta server that answered the most requests: the one the workload's clients use."""
+    served = {name: _served(c, name) for name in c.servers if c.kind(name) == "meta"}
+    name = max(served, key=lambda n: served[n])
+    c.signal(name, signal.SIGKILL)
+    c.notes["meta_killed"] = {"meta": name, "requests_served": served}
+
+
+def _probe_meta(meta: str, path: str, seconds: float) -> Callable[[LabCluster], None]:
+    """Look ``path`` up on one meta server, directly, every 100 ms for ``seconds``."""
+
+    def act(c: LabCluster) -> None:
+        address = f"{c.lab.address(meta)}:{c.env_for(meta)['FS3_META_FRAMED_PORT']}"
+        c.notes["meta_probe"] = {"meta": meta}
+        c.client_spawn([sys.executable, "-P", "-m", "tests.chaos.meta_probe", address, c.token, path, str(seconds),
+                        str(c.root / "meta_probe.json")], c.root / "meta_probe.log")
+
+    return act
+
+
+def _cut_noted(a: str, b: str) -> Callable[[LabCluster], None]:
+    def act(c: LabCluster) -> None:
+        c.lab.partition(a, b)
+        c.notes.setdefault("meta_probe", {})["cut_at"] = time.monotonic()
+
+    return act
+
+
+def _heal_noted(a: str, b: str) -> Callable[[LabCluster], None]:
+    def act(c: LabCluster) -> None:
+        c.notes.setdefault("meta_probe", {})["heal_at"] = time.monotonic()
+        c.lab.heal(a, b)
+
+    return act
 
 
 def _each(*actions: Callable[[LabCluster], None]) -> Callable[[LabCluster], None]:
@@ -133,4 +231,16 @@ SCENARIOS = {
          lambda c: c.fail_disks("storage2")),
         (8, "stop storage2, e2fsck and remount its disks, restart it", _replace_disks("storage2"))],
         ext4_disks={"storage2": 96 << 20}),
+    # The `ha` profile: PostgreSQL, three mgmtd (one primary) and three meta servers on it.
+    "ha-mgmtd-primary-kill": Scenario("ha-mgmtd-primary-kill", 12, [
+        (3, "SIGKILL the primary mgmtd", _kill_primary_mgmtd)], profile="ha", namespace=True),
+    "ha-meta-kill": Scenario("ha-meta-kill", 12, [
+        (3, "SIGKILL the busiest meta server", _kill_busiest_meta)], profile="ha", namespace=True),
+    "ha-postgres-restart": Scenario("ha-postgres-restart", 16, [
+        (3, "SIGKILL postgres", _kill("postgres")), (4, "start postgres again", _start("postgres"))],
+        profile="ha", namespace=True),
+    "ha-meta-cut-from-postgres": Scenario("ha-meta-cut-from-postgres", 16, [
+        (1, "probe ha-meta2 directly (lookups of /chaos)", _probe_meta("ha-meta2", "/chaos", 14)),
+        (4, "partition ha-meta2 from postgres", _cut_noted("ha-meta2", "postgres")),
+        (10, "heal ha-meta2 and postgres", _heal_noted("ha-meta2", "postgres"))], profile="ha", namespace=True),
 }

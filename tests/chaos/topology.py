@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_SERVICES = ["mgmtd", "meta", "storage1", "storage2", "storage3"]
+# The `ha` profile's servers, in start order: PostgreSQL, three mgmtd, three meta, three storage.
+HA_SERVER_SERVICES = ["postgres", "ha-mgmtd1", "ha-mgmtd2", "ha-mgmtd3", "ha-meta1", "ha-meta2", "ha-meta3",
+                      "ha-storage1", "ha-storage2", "ha-storage3"]
+POSTGRES_PORT = "5432"  # the official image's
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One compose topology: its servers (start order), the one-shot setup and the client service."""
+
+    servers: list[str]
+    setup: str
+    client: str
+
+
+PROFILES = {"default": Profile(SERVER_SERVICES, "setup", "client"),
+            "ha": Profile(HA_SERVER_SERVICES, "ha-setup", "ha-client")}
 
 # $$ (a literal $), ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}, $VAR.
 _VARIABLE = re.compile(r"\$(?:(\$)|\{(\w+)(?:(:?)([-?])([^}]*))?\}|(\w+))")
@@ -55,8 +73,11 @@ def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def service_address(compose: dict[str, Any], name: str) -> str:
-    """``name:port`` as other services reach it (its framed port)."""
-    env = compose["services"][name]["environment"]
+    """``name:port`` as other services reach it (its framed port; PostgreSQL's own port)."""
+    service = compose["services"][name]
+    if str(service.get("image", "")).startswith("postgres:"):
+        return f"{name}:{POSTGRES_PORT}"
+    env = service["environment"]
     return f"{name}:{next(v for k, v in env.items() if k.endswith('_FRAMED_PORT'))}"
 
 

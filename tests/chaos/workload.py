@@ -5,6 +5,11 @@ write stores a unique id in one 4 KiB slot (the id repeated, so a torn slot show
 observes one slot straight from storage. Each operation is recorded with its invocation and
 completion times (CLOCK_MONOTONIC, shared by every namespace on the machine) for the
 linearizability check; at the end every slot is read back once more for the ledger check.
+
+With a fifth argument ``namespace`` it also runs metadata operations (the meta servers' ledger):
+workers create small files of their own under ``/chaos/ns`` (each holding its own name) and remove
+every third one they created; at the end the directory is listed and every file read back, so
+:func:`tests.chaos.cluster.check_namespace` can tell an acknowledged create or remove that was lost.
 """
 
 from __future__ import annotations
@@ -26,11 +31,15 @@ SLOTS = 32
 FILES = 3
 WRITERS = 2
 READERS = 2
+NAMESPACE_WORKERS = 3
+NS_DIR = "/chaos/ns"
 
 
-async def run(mgmtd: str, token: str, seconds: float, out: str) -> None:
+async def run(mgmtd: str, token: str, seconds: float, out: str, namespace: bool = False) -> None:
     fs = await fs3.aio.connect(mgmtd, token=token, retry_total_ms=120_000, tls=tls_from_env())
     await fs.makedirs("/chaos", exist_ok=True)
+    if namespace:
+        await fs.makedirs(NS_DIR, exist_ok=True)
     await fs.set_layout("/chaos", chunk_size=65536)
     for i in range(FILES):
         await fs.write_bytes(f"/chaos/f{i}", bytes(SLOT * SLOTS))
@@ -75,16 +84,53 @@ async def run(mgmtd: str, token: str, seconds: float, out: str) -> None:
         for handle in handles:
             await handle.close()
 
-    await asyncio.gather(*(writer(w) for w in range(WRITERS)), *(reader(r) for r in range(READERS)))
+    ns_ops: list[dict[str, Any]] = []
+
+    async def namespace_worker(wid: int) -> None:
+        # A client of its own: clients spread over the meta servers by their ids.
+        own = await fs3.aio.connect(mgmtd, token=token, retry_total_ms=120_000, tls=tls_from_env())
+        try:
+            await namespace_ops(own, wid)
+        finally:
+            await own.close()
+
+    async def namespace_ops(fs: fs3.aio.AsyncFileSystem, wid: int) -> None:
+        created: list[str] = []
+        seq = 0
+        while time.monotonic() < stop:
+            seq += 1
+            remove = seq % 3 == 0 and bool(created)
+            name = created.pop(0) if remove else f"w{wid}-{seq}"
+            op = {"kind": "remove" if remove else "create", "name": name, "invoke": time.monotonic(),
+                  "complete": None, "ok": False}
+            ns_ops.append(op)
+            try:
+                if remove:
+                    await fs.remove(f"{NS_DIR}/{name}")
+                else:
+                    await fs.write_bytes(f"{NS_DIR}/{name}", name.encode())
+                    created.append(name)
+                op["complete"], op["ok"] = time.monotonic(), True
+            except OSError as exc:
+                op["error"] = str(exc)
+
+    await asyncio.gather(*(writer(w) for w in range(WRITERS)), *(reader(r) for r in range(READERS)),
+                         *(namespace_worker(n) for n in range(NAMESPACE_WORKERS if namespace else 0)))
     final: dict[str, list[int | None]] = {}
     for i in range(FILES):
         final[str(i)] = decode_slots(await fs.read_bytes(f"/chaos/f{i}"), SLOTS, SLOT)
+    result: dict[str, Any] = {"ops": ops, "final": final, "slots": SLOTS, "files": FILES}
+    if namespace:
+        contents = {name: (await fs.read_bytes(f"{NS_DIR}/{name}")).decode(errors="replace")
+                    for name in await fs.listdir(NS_DIR)}
+        result["namespace"] = {"ops": ns_ops, "final": contents}
     await fs.close()
     with open(out, "w") as f:
-        json.dump({"ops": ops, "final": final, "slots": SLOTS, "files": FILES}, f)
+        json.dump(result, f)
 
 
 if __name__ == "__main__":
     import uvloop
 
-    uvloop.run(run(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]))
+    uvloop.run(run(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4],
+                   namespace=sys.argv[5:6] == ["namespace"]))
