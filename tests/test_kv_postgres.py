@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -336,3 +337,86 @@ def test_retries_under_contention_run_alone_and_all_finish(postgres_url: str) ->
     finally:
         asyncio.set_event_loop(None)
         loop.close()
+
+
+class _Blackhole:
+    """A TCP relay to the server that can stop relaying (both ways, sockets left open): a database
+    cut off by the network, where TCP alone waits for minutes."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.cut = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                while self.cut.is_set():
+                    await asyncio.sleep(0.01)  # held, never delivered while cut
+                dst.write(data)
+                await dst.drain()
+
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+            up_writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def test_a_round_trip_cut_off_by_the_network_ends_at_its_deadline_and_closes_the_connection(
+        postgres_url: str) -> None:
+    """No answer within round_trip_timeout_ms: a read is Unavailable, a commit MaybeCommitted, both
+    at the deadline (not after the driver's own attempts to cancel over the dead path); each closes
+    its connection (never pooled mid-flush), so after the heal every transaction runs on a fresh one."""
+    parts = urlsplit(postgres_url)
+    assert parts.hostname and parts.port
+
+    async def body() -> None:
+        proxy = _Blackhole(parts.hostname, parts.port)
+        port = await proxy.start()
+        url = urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{port}"))
+        engine = await _open(url, statement_timeout_ms=200, round_trip_timeout_ms=600, pool_size_max=2)
+        try:
+            txn = engine.begin()
+            txn.put(b"k", b"1")
+            await txn.commit()
+            reader, writer = engine.begin(), engine.begin()
+            assert await reader.get(b"k") == await writer.get(b"k") == b"1"  # each holds a connection
+            proxy.cut.set()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(Unavailable, match="no answer from PostgreSQL within 600 ms"):
+                await reader.get(b"j")
+            writer.put(b"k", b"2")
+            with pytest.raises(MaybeCommitted, match="within 600 ms"):
+                await writer.commit()
+            assert loop.time() - started < 4  # two deadlines, not the driver's 10 s cancel attempts
+            assert engine.maybe_committed == 1
+            proxy.cut.clear()
+            for _ in range(3):  # the pool's two slots were freed, not held by dead connections
+                txn = engine.begin()
+                assert await txn.get(b"k") in (b"1", b"2", b"3")  # the cut commit may land or not
+                txn.put(b"k", b"3")
+                await txn.commit()
+        finally:
+            await engine.close()
+            await proxy.close()
+
+    run(body())
+
+
+def test_a_round_trip_deadline_below_the_statement_timeout_is_refused(postgres_url: str) -> None:
+    with pytest.raises(InvalidArgument, match="round_trip_timeout_ms must exceed statement_timeout_ms"):
+        PostgresConfig(postgres_url, statement_timeout_ms=5_000, round_trip_timeout_ms=4_000).validate()

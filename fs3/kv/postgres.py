@@ -30,7 +30,11 @@ in flight is :class:`MaybeCommitted` (the meta operations are idempotent for it,
 :func:`~fs3.kv.txn.run_transaction` retries both); a connection lost before the commit is a
 conflict too (nothing was written, running the transaction again is the cure); a statement that
 ran past ``statement_timeout_ms`` is :class:`Timeout`. A pooled connection found dead before a
-transaction used it (the server restarted) is replaced without the caller seeing it.
+transaction used it (the server restarted) is replaced without the caller seeing it. A round trip
+that gets no answer within ``round_trip_timeout_ms`` (a server cut off by the network: TCP alone
+would wait for minutes, holding the pooled connection) closes its connection and is
+:class:`Unavailable`, or :class:`MaybeCommitted` when the ``COMMIT`` was in it; so is a caller's
+cancel, which re-raises after the connection is closed (its protocol state is unknown mid-flush).
 
 Durability: with ``sync`` the sessions run ``synchronous_commit = on``, so a ``COMMIT`` that
 returned is durable (and replicated, if the server is configured to wait for standbys):
@@ -48,12 +52,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import select
+import socket
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -127,6 +133,9 @@ class PostgresConfig:
     sync: bool = True
     pool_size_max: int = 16
     statement_timeout_ms: int = 5_000
+    # The client's own deadline on one flush (0: statement_timeout_ms + 2 s): a statement the
+    # server cancels at statement_timeout answers before it; past it, the server or the path to it is gone.
+    round_trip_timeout_ms: int = 0
     connect_timeout_ms: int = 10_000
     acquire_timeout_ms: int = 10_000
     # A transaction left open (a caller that never committed nor dropped it) is ended by the server.
@@ -142,6 +151,13 @@ class PostgresConfig:
                 raise InvalidArgument(f"{name} must be positive")
         if not self.cluster_id:
             raise InvalidArgument("cluster_id must not be empty")
+        if self.round_trip_timeout_ms and self.round_trip_timeout_ms <= self.statement_timeout_ms:
+            raise InvalidArgument("round_trip_timeout_ms must exceed statement_timeout_ms (the server cancels first)")
+
+    @property
+    def round_trip_deadline_ms(self) -> int:
+        """How long one flush may wait for its answers."""
+        return self.round_trip_timeout_ms or self.statement_timeout_ms + 2_000
 
 
 class _Conn:
@@ -190,7 +206,9 @@ class _Pool:
         try:
             return await psycopg.AsyncConnection.connect(
                 self._conninfo, autocommit=True, connect_timeout=max(1, cfg.connect_timeout_ms // 1000),
-                options=options, application_name="fs3-meta", prepare_threshold=None)
+                options=options, application_name="fs3-meta", prepare_threshold=None,
+                # A dead peer on an idle pooled connection is found by the kernel within a minute.
+                keepalives=1, keepalives_idle=20, keepalives_interval=5, keepalives_count=4)
         except psycopg.OperationalError as exc:
             raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(cfg.url)}: {_first_line(exc)}") from None
 
@@ -304,6 +322,15 @@ class _Pool:
         self._open -= len(self._idle)
         self._idle.clear()
         self._wake()
+
+
+def _shut_down(conn: _Conn) -> None:
+    """End ``conn``'s TCP session in both directions without closing its descriptor (the event loop
+    may still watch it): every wait on it then ends with a lost connection."""
+    with contextlib.suppress(Exception):
+        fd = os.dup(conn.pg.pgconn.socket)
+        with socket.socket(fileno=fd) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -467,27 +494,29 @@ class _PgTxn:
         conn = self._slot.conn
         if conn is not None:
             try:
-                if len(work) == 1:
-                    cursors = [await conn.pg.execute(work[0][0], work[0][1], binary=True)]
-                else:
-                    async with conn.pg.pipeline():
-                        cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
-                engine._round_trips += 1
-                return [await cur.fetchall() for cur in cursors]
+                async with self._on_the_wire(committing=False):
+                    if len(work) == 1:
+                        cursors = [await conn.pg.execute(work[0][0], work[0][1], binary=True)]
+                    else:
+                        async with conn.pg.pipeline():
+                            cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
+                    engine._round_trips += 1
+                    return [await cur.fetchall() for cur in cursors]
             except psycopg.Error as exc:
                 raise self._failed(exc, committing=False) from None
         for attempt in (1, 2):
             conn = await engine._pool.acquire()
             self._slot.conn = conn
             try:
-                async with conn.pg.pipeline():
-                    if conn.dirty:
-                        await conn.pg.execute(b"ROLLBACK")
-                    await conn.pg.execute(_BEGIN)
-                    cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
-                engine._round_trips += 1
-                conn.dirty = False
-                return [await cur.fetchall() for cur in cursors]
+                async with self._on_the_wire(committing=False):
+                    async with conn.pg.pipeline():
+                        if conn.dirty:
+                            await conn.pg.execute(b"ROLLBACK")
+                        await conn.pg.execute(_BEGIN)
+                        cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
+                    engine._round_trips += 1
+                    conn.dirty = False
+                    return [await cur.fetchall() for cur in cursors]
             except psycopg.Error as exc:
                 if attempt == 1 and _lost(exc):
                     self._slot.conn = None
@@ -517,24 +546,69 @@ class _PgTxn:
         puts = [(k, v) for k, v in sorted(self._writes.items()) if v is not _DELETED]
         deletes = sorted(k for k, v in self._writes.items() if v is _DELETED)
         try:
-            async with conn.pg.pipeline():
-                if fresh:
-                    if conn.dirty:
-                        await conn.pg.execute(b"ROLLBACK")
-                    await conn.pg.execute(_BEGIN)
-                if puts:
-                    await conn.pg.execute(_UPSERT, ([k for k, _ in puts], [v for _, v in puts]))
-                if deletes:
-                    await conn.pg.execute(_DELETE, (deletes,))
-                await conn.pg.execute(b"COMMIT")
-            engine._round_trips += 1
-            conn.dirty = False
+            async with self._on_the_wire(committing=True):
+                async with conn.pg.pipeline():
+                    if fresh:
+                        if conn.dirty:
+                            await conn.pg.execute(b"ROLLBACK")
+                        await conn.pg.execute(_BEGIN)
+                    if puts:
+                        await conn.pg.execute(_UPSERT, ([k for k, _ in puts], [v for _, v in puts]))
+                    if deletes:
+                        await conn.pg.execute(_DELETE, (deletes,))
+                    await conn.pg.execute(b"COMMIT")
+                engine._round_trips += 1
+                conn.dirty = False
         except psycopg.Error as exc:
             raise self._failed(exc, committing=True) from None
         self._finish()
         engine.commits += 1
         if faults.take("maybe_committed"):
             raise MaybeCommitted("the commit's outcome is unknown (injected)")
+
+    @contextlib.asynccontextmanager
+    async def _on_the_wire(self, committing: bool) -> AsyncIterator[None]:
+        """One flush and its answers, within ``round_trip_timeout_ms``. At the deadline the
+        connection's socket is shut down, so the driver's wait ends at once with a lost connection
+        (cancelling the wait instead would make the driver try to cancel the query over the same
+        dead path, for up to ten more seconds); the connection is closed, never pooled again, and
+        the transaction ends Unavailable, or MaybeCommitted with the ``COMMIT`` in flight. A
+        caller's cancel closes the connection too (its protocol state is unknown mid-flush)."""
+        timeout_ms = self._engine.config.round_trip_deadline_ms
+        conn = self._slot.conn
+        fired: list[bool] = []
+
+        def deadline() -> None:
+            fired.append(True)
+            if conn is not None:
+                _shut_down(conn)
+
+        cut = asyncio.get_running_loop().call_later(timeout_ms / 1000, deadline)
+        try:
+            yield
+        except psycopg.Error:
+            if not fired:
+                raise
+            self._abandon()
+            if committing:
+                self._engine.maybe_committed += 1
+                raise MaybeCommitted(f"no answer from PostgreSQL to a commit within {timeout_ms} ms "
+                                     f"(the connection was closed)") from None
+            raise Unavailable(f"no answer from PostgreSQL within {timeout_ms} ms (the connection was closed)") from None
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+        finally:
+            cut.cancel()
+
+    def _abandon(self) -> None:
+        """End the transaction and close its connection, which is then never pooled again."""
+        self._done = True
+        conn, self._slot.conn = self._slot.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.pg.pgconn.finish()
+            self._engine._pool.release(conn)  # closed: discarded, its slot goes to a waiter
 
     def _finish(self) -> None:
         """End the transaction here and give its connection back (an open transaction on it is
