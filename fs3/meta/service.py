@@ -262,9 +262,18 @@ class MetaService(FileLengths, MetaJobs):
         It answers only once what it read is durable, so no client ever sees a change that a
         crash could still take back (commits become visible before their group fsync ends) —
         errors included: "no such file" may come from a remove whose sync is still running.
+
+        On an engine whose read-only transactions are serializable only once committed
+        (``reads_commit``: PostgreSQL, where a transaction that rolls back constrains nobody, so a
+        dropped reader can have seen a state no serial order contains) the transaction commits
+        before the answer, and a conflict runs it again: docs/decisions.md, "Meta on PostgreSQL".
         """
+        env = self._env(ctx.user)
+        if getattr(self.engine, "reads_commit", False):
+            return await run_transaction(self.engine, lambda txn: fn(Namespace(txn, env)),
+                                         retry_max=self.config.txn_retry_max)
         try:
-            result = await fn(Namespace(self.engine.begin(), self._env(ctx.user)))
+            result = await fn(Namespace(self.engine.begin(), env))
         except Exception:
             await self.engine.wait_durable()
             raise
