@@ -20,9 +20,10 @@ the engine counts them (``round_trips``):
   hints guess a whole path walk) ride with the next read, and a key is fetched once per
   transaction (a read cache: one snapshot, the answer cannot change).
 * A transaction that read and wrote nothing costs nothing; one that only read commits with one
-  round trip (SERIALIZABLE data is only final once the reader's commit succeeded). A transaction
-  that is dropped without a commit (a read-only meta request) gives its connection back to the
-  pool, where the next user sends the ``ROLLBACK`` in front of its own ``BEGIN``: no round trip.
+  round trip (SERIALIZABLE data is only final once the reader's commit succeeded: a reader that
+  rolls back is forgotten by SSI, and what it saw may fit no serial order; ``reads_commit`` tells
+  meta to commit its read-only requests). A transaction dropped without a commit gives its
+  connection back to the pool, which sends the ``ROLLBACK`` off its caller's path.
 
 Failures: a serialization failure or deadlock (and a unique violation, which concurrent upserts
 can raise under SERIALIZABLE) is :class:`TxnConflict`; a connection lost while the ``COMMIT`` was
@@ -610,6 +611,21 @@ class _PgTxn:
                 conn.pg.pgconn.finish()
             self._engine._pool.release(conn)  # closed: discarded, its slot goes to a waiter
 
+    async def commit_reads(self) -> None:
+        """Drop what this transaction wrote and commit what it read: for an answer computed from
+        its reads that is not a change (an error such as "not found" or "already exists"), which is
+        serializable only once the transaction committed; a conflict is :class:`TxnConflict`."""
+        self._check_open()
+        self._writes.clear()
+        await self.commit()
+
+    def abandon(self) -> None:
+        """End the transaction without committing and give its connection back now (the pool
+        rolls it back off the caller's path); what it wrote is dropped. Called by
+        :func:`~fs3.kv.txn.run_transaction` when its function raised."""
+        if not self._done:
+            self._finish()
+
     def _finish(self) -> None:
         """End the transaction here and give its connection back (an open transaction on it is
         rolled back by the connection's next user, in the same flush as its BEGIN)."""
@@ -653,6 +669,11 @@ class PostgresTxnEngine:
 
     # Transactions fetch announced keys with their next read (``prefetch``): meta guesses them.
     prefetches = True
+
+    #: Read by meta's read-only requests: a transaction here is serializable only once it committed
+    #: (SSI forgets a rolled-back reader, and a writer may then commit a cycle through what it read),
+    #: so they commit before they answer (tests/test_pg_read_only.py shows the anomaly otherwise).
+    reads_commit = True
 
     def __init__(self, config: PostgresConfig, faults: TxnFaults | None = None) -> None:
         config.validate()

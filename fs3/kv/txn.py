@@ -267,12 +267,24 @@ async def _attempt(engine: TxnEngine, fn: Callable[[Transaction], Awaitable[T]])
     txn = engine.begin()
     try:
         result = await fn(txn)
-    except FS3Error as exc:
-        if not is_retryable(exc.code, _COMMIT):
+    except BaseException as exc:
+        answered = isinstance(exc, FS3Error) and not is_retryable(exc.code, _COMMIT)
+        commit_reads = getattr(txn, "commit_reads", None)
+        if answered and commit_reads is not None:
+            # An error that is an answer ("not found") was read from this transaction's snapshot;
+            # where reads are final only once committed (fs3.kv.postgres), they are committed
+            # first (its writes dropped), and a conflict there runs the function again.
+            await commit_reads()
+        else:
+            # Give a networked engine's connection back now (fs3.kv.postgres: ``abandon``): left
+            # to the transaction's finalizer, it would wait for the garbage collector whenever the
+            # error's traceback is part of a reference cycle, and a burst of failing requests
+            # would empty the pool.
+            abandon = getattr(txn, "abandon", None)
+            if abandon is not None:
+                abandon()
+        if isinstance(exc, Exception) and (answered or not isinstance(exc, FS3Error)):
             await engine.wait_durable()
-        raise
-    except Exception:
-        await engine.wait_durable()
         raise
     await txn.commit()
     return result

@@ -326,16 +326,32 @@ class MetaService(FileLengths, MetaJobs):
 
     async def _read(self, ctx: mpb.ReqCtx, fn: Callable[[Namespace], Awaitable[T]],
                     refs: Sequence[mpb.PathRef] = (), keys: Sequence[bytes] = ()) -> T:
-        """A read-only operation: reads the latest committed state, commits nothing.
+        """A read-only operation: reads the latest committed state, writes nothing.
 
         It answers only once what it read is durable, so no client ever sees a change that a
         crash could still take back (commits become visible before their group fsync ends) —
         errors included: "no such file" may come from a remove whose sync is still running.
         ``refs`` and ``keys``: what it will read (:meth:`_announce`), fetched with its first read.
+
+        On an engine whose read-only transactions are serializable only once committed
+        (``reads_commit``: PostgreSQL, where a transaction that rolls back constrains nobody, so a
+        dropped reader can have seen a state no serial order contains) the transaction commits
+        before the answer, and a conflict runs it again: docs/decisions.md, "Meta on PostgreSQL".
         """
+        env = self._env(ctx.user)
+        if getattr(self.engine, "reads_commit", False):
+            async def body(txn: Transaction) -> T:
+                self._announce(txn, refs, keys)
+                ns = Namespace(txn, env)
+                try:
+                    return await fn(ns)
+                finally:
+                    self._learn(ns)
+
+            return await run_transaction(self.engine, body, retry_max=self.config.txn_retry_max)
         txn = self.engine.begin()
         self._announce(txn, refs, keys)
-        ns = Namespace(txn, self._env(ctx.user))
+        ns = Namespace(txn, env)
         try:
             result = await fn(ns)
         except Exception:
