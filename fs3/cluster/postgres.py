@@ -47,7 +47,7 @@ from typing import Any
 
 from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
 from fs3.common.secret_files import make_private_dir, read_secret_file, write_secret_file
-from fs3.kv.postgres import redact_url
+from fs3.kv.postgres import redact_message, redact_url
 
 __all__ = [
     "META_DATABASE",
@@ -109,7 +109,7 @@ def check_reachable(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
             pass
     except psycopg.Error as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(url)}: {reason}") from None
+        raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_message(reason, url)}") from None
 
 
 @dataclass(frozen=True)
