@@ -302,12 +302,16 @@ class _Pool:
             await asyncio.gather(*self._rolling_back, return_exceptions=True)
 
     async def _roll_back(self, conn: _Conn) -> None:
+        # A round trip like any other, with its deadline: a server cut off by the network would
+        # otherwise hold this connection, and its slot, for as long as TCP retransmits (minutes).
+        cut = asyncio.get_running_loop().call_later(self.config.round_trip_deadline_ms / 1000, _shut_down, conn)
         try:
             await conn.pg.execute(b"ROLLBACK")
         except psycopg.Error:
             self._discard(conn)
             return
         finally:
+            cut.cancel()
             self.rollbacks += 1
         conn.dirty = False
         self.release(conn)
