@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 from fs3.common.errors import Unavailable
+from tests.conftest import wait_until
 
 
 def test_a_password_with_a_colon_is_redacted_whole() -> None:
@@ -109,3 +111,71 @@ def test_a_dropped_transactions_rollback_cut_off_by_the_network_ends_at_the_dead
                 relay.server.close()
 
     asyncio.run(body())
+
+
+class _Cuttable:
+    """An engine as one meta server sees it: cut off from the database (every read and commit
+    Unavailable) while ``cut`` is set."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.cut = False
+
+    def begin(self) -> Any:
+        if self.cut:
+            raise Unavailable("cut off from the database (test)")
+        return self.inner.begin()
+
+    async def wait_durable(self) -> None:
+        await self.inner.wait_durable()
+
+
+def test_a_meta_server_whose_node_id_was_taken_over_takes_no_claim_of_the_new_holder() -> None:
+    """A claim's owner is the node id, so a server takes a claim recorded under its own id at once.
+    A server cut off from the database for a ttl has its id taken over by a restarted one (which
+    takes that id's claims); healed, it served again until its next renewal noticed the loss, and
+    in that window took the new holder's live claims as its own: both ran one inode's truncate.
+    Once its registration is no longer trusted (nor after it learned of the loss) it takes none."""
+    from fs3.client.routing import RoutingCache
+    from fs3.kv.store import MemKVStore
+    from fs3.kv.txn import OptimisticTxnEngine
+    from fs3.meta.claims import inode_claim
+    from fs3.meta.service import MetaService, MetaServiceConfig
+
+    ttl_ms = 400
+
+    class NoChannels:
+        def node_address(self, framed: str, grpc: str) -> str:
+            return framed
+
+    def server(engine: Any) -> MetaService:
+        routing = RoutingCache(["mgmtd"], NoChannels())  # type: ignore[arg-type]
+        return MetaService(engine, routing, None, MetaServiceConfig(claim_ttl_ms=ttl_ms),  # type: ignore[arg-type]
+                           server_id=b"meta-node-1001", node_id=1001)
+
+    async def body() -> None:
+        engine = OptimisticTxnEngine(MemKVStore(), sync=False)
+        seen_by_old = _Cuttable(engine)
+        old, new = server(seen_by_old), server(engine)
+        await old.start(background=False)
+        try:
+            seen_by_old.cut = True  # the old one is cut off from the database...
+            await new.start(background=False)  # ...for a ttl: a restarted one takes the id over
+            held = await new.claims.try_claim(inode_claim(5))
+            assert held is not None
+            seen_by_old.cut = False  # healed, before the old one's next renewal
+            assert await old.claims.try_claim(inode_claim(5)) is None, \
+                "a server whose id was taken over took the new holder's live claim"
+
+            async def lost() -> bool:
+                return old.registration_lost.is_set()
+            await wait_until(lost, timeout_s=20, what="the old server learning its id was taken")
+            assert await old.claims.try_claim(inode_claim(5)) is None, \
+                "a server that knows its id was taken over still takes claims under it"
+        finally:
+            seen_by_old.cut = False
+            await old.stop()
+            await new.stop()
+
+    asyncio.run(body())
+
