@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -179,3 +180,18 @@ def test_a_meta_server_whose_node_id_was_taken_over_takes_no_claim_of_the_new_ho
 
     asyncio.run(body())
 
+
+def test_the_metadata_ledger_notices_a_remove_that_ran_twice() -> None:
+    """The ha scenarios promise exactly-once retries across a meta server's death: a client's
+    remove that reached a meta server which died before answering is retried on another, and
+    must get the first run's answer. Were the saved answers lost (the ``idempotency`` sabotage),
+    the retry runs again and fails "no such file": the workload recorded that as unacknowledged,
+    which the ledger ignored (may have happened or not), so the scenario passed. A remove of a
+    file whose create was acknowledged and that nothing else removes cannot fail so honestly."""
+    from tests.chaos.cluster import check_namespace
+
+    ops = [{"kind": "create", "name": "w0-1", "ok": True, "invoke": 1.0, "complete": 2.0},
+           {"kind": "remove", "name": "w0-1", "ok": False, "invoke": 3.0, "complete": None,
+            "error": "[Errno 2] No such file or directory: '/chaos/ns/w0-1'", "errno": errno.ENOENT}]
+    report = check_namespace({"namespace": {"ops": ops, "final": {}}})
+    assert report["namespace_lost"], "a remove that ran twice (its retry saw its own effect) passed the ledger"
