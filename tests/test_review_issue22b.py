@@ -10,6 +10,13 @@ import asyncio
 import contextlib
 import errno
 import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -195,3 +202,48 @@ def test_the_metadata_ledger_notices_a_remove_that_ran_twice() -> None:
             "error": "[Errno 2] No such file or directory: '/chaos/ns/w0-1'", "errno": errno.ENOENT}]
     report = check_namespace({"namespace": {"ops": ops, "final": {}}})
     assert report["namespace_lost"], "a remove that ran twice (its retry saw its own effect) passed the ledger"
+
+
+@pytest.mark.slow
+def test_a_private_postgresql_whose_first_start_was_killed_during_initdb_starts_next_time(tmp_path: Path) -> None:
+    """``initdb`` writes ``PG_VERSION`` first and the catalogs after it; the wrapper took
+    ``PG_VERSION`` for a finished cluster. A first ``fs3 local up`` interrupted then (``fs3 local
+    kill postgres``, a SIGKILL of the group, a machine reset) left a directory no later start
+    could use: every start retried for a minute and failed, until the user removed it by hand."""
+    from fs3.cluster.postgres import find_bin_dir
+    from fs3.common.secret_files import write_secret_file
+
+    if find_bin_dir() is None:
+        pytest.skip("PostgreSQL server binaries not found")
+    root, password, ready = tmp_path / "pg", tmp_path / "password", tmp_path / "ready.json"
+    write_secret_file(password, "s3cret\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [sys.executable, "-P", "-m", "fs3.cluster.postgres", "serve", "--dir", str(root), "--port", str(port),
+            "--password-file", str(password), "--ready-file", str(ready)]
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(root.glob("data*/PG_VERSION")) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.005)
+        assert any(root.glob("data*/PG_VERSION")), "initdb never started"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)  # mid-initdb: it takes a second or more
+        first.wait()
+    second = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while not ready.exists() and second.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        output = b"" if second.poll() is None or second.stdout is None else second.stdout.read()
+        assert ready.exists(), f"the start after an interrupted initdb never accepted connections: {output[-600:]!r}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(second.pid, signal.SIGTERM)
+        try:
+            second.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(second.pid, signal.SIGKILL)
+            second.wait()
