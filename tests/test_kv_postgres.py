@@ -381,10 +381,11 @@ def test_a_round_trip_cut_off_by_the_network_ends_at_its_deadline_and_closes_the
     at the deadline (not after the driver's own attempts to cancel over the dead path); each closes
     its connection (never pooled mid-flush), so after the heal every transaction runs on a fresh one."""
     parts = urlsplit(postgres_url)
-    assert parts.hostname and parts.port
+    host, port_ = parts.hostname, parts.port
+    assert host and port_
 
     async def body() -> None:
-        proxy = _Blackhole(parts.hostname, parts.port)
+        proxy = _Blackhole(host, port_)
         port = await proxy.start()
         url = urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{port}"))
         engine = await _open(url, statement_timeout_ms=200, round_trip_timeout_ms=600, pool_size_max=2)

@@ -89,10 +89,11 @@ def test_a_dropped_transactions_rollback_cut_off_by_the_network_ends_at_the_dead
     from fs3.kv.postgres import PostgresConfig, PostgresTxnEngine
 
     parts = urlsplit(postgres_url)
-    assert parts.hostname and parts.port
+    host, port_ = parts.hostname, parts.port
+    assert host and port_
 
     async def body() -> None:
-        relay = _Relay(parts.hostname, parts.port)
+        relay = _Relay(host, port_)
         port = await relay.start()
         engine = await PostgresTxnEngine.open(PostgresConfig(
             relay.url(postgres_url, port), statement_timeout_ms=200, round_trip_timeout_ms=600, pool_size_max=1,
