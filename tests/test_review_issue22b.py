@@ -248,3 +248,21 @@ def test_a_private_postgresql_whose_first_start_was_killed_during_initdb_starts_
         except subprocess.TimeoutExpired:
             os.killpg(second.pid, signal.SIGKILL)
             second.wait()
+
+
+def test_the_ha_scenarios_notice_a_metadata_client_that_never_failed_over() -> None:
+    """"SIGKILL a meta server: its clients carry on through another". The run counted the
+    scenario as carried on when *any* metadata worker acknowledged an operation after the kill,
+    so a client stuck on the dead server (failover broken) passed as long as another worker,
+    on a live server, made progress. Each worker must."""
+    from tests.chaos.cluster import stalled_after
+
+    def op(name: str, invoke: float, ok: bool) -> dict[str, Any]:
+        return {"kind": "create", "name": name, "invoke": invoke, "complete": invoke + 0.1 if ok else None, "ok": ok}
+
+    ns_ops = [op("w0-1", 1.0, True), op("w0-2", 6.0, True), op("w0-3", 8.0, True),
+              op("w1-1", 1.0, True), op("w1-2", 6.0, False), op("w1-3", 8.0, False)]
+    result: dict[str, Any] = {"ops": [{"ok": True, "invoke": 9.0}], "namespace": {"ops": ns_ops}}
+    assert stalled_after(result, 5.0) == ["metadata worker w1"]
+    ns_ops.append(op("w1-4", 9.0, True))
+    assert stalled_after(result, 5.0) == []

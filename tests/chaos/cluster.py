@@ -313,6 +313,19 @@ def check_history(result: dict[str, Any]) -> dict[str, Any]:
             "failed": sum(1 for raw in result["ops"] if not raw["ok"])}
 
 
+def stalled_after(result: dict[str, Any], last_fault: float) -> list[str]:
+    """What made no progress after the last fault: the data workload (nothing it invoked since was
+    acknowledged), and each metadata worker (``w<id>``) that acknowledged nothing it invoked since.
+    Every worker counts: a client of the meta server a scenario killed must carry on through
+    another, and the other workers' progress says nothing about it."""
+    stalled = [] if any(op["ok"] and op["invoke"] > last_fault for op in result["ops"]) else ["the data workload"]
+    progressed: dict[str, bool] = {}
+    for op in result.get("namespace", {}).get("ops", []):
+        worker = op["name"].split("-", 1)[0]
+        progressed[worker] = progressed.get(worker, False) or (op["ok"] and op["invoke"] > last_fault)
+    return stalled + [f"metadata worker {worker}" for worker, ok in sorted(progressed.items()) if not ok]
+
+
 def check_namespace(result: dict[str, Any]) -> dict[str, Any]:
     """The metadata ledger (the workload's ``namespace`` operations): a file whose create was
     acknowledged and that nobody tried to remove is there, holding its name; a file whose remove was
