@@ -23,7 +23,6 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from fs3.common.errors import Unavailable
-from fs3.kv.txn import run_transaction
 from tests.conftest import wait_until
 
 
@@ -267,55 +266,3 @@ def test_the_ha_scenarios_notice_a_metadata_client_that_never_failed_over() -> N
     assert stalled_after(result, 5.0) == ["metadata worker w1"]
     ns_ops.append(op("w1-4", 9.0, True))
     assert stalled_after(result, 5.0) == []
-
-
-def test_a_callers_cancel_mid_flush_cut_off_by_the_network_takes_effect_at_once(postgres_url: str) -> None:
-    """A caller's cancel (a request's deadline, mgmtd's lease try abandoned after its interval, a
-    stop) while the database is cut off: the driver, cancelled itself, first tried to cancel the
-    query over a second connection on the same dead path, and the cancel took effect five
-    seconds later; mgmtd's lease loop stalled so at each try. It must end at once, closing the
-    connection (never pooled mid-flush), the transaction ended and its slot free."""
-    from fs3.common.errors import InvalidArgument
-    from fs3.kv.postgres import PostgresConfig, PostgresTxnEngine
-
-    parts = urlsplit(postgres_url)
-    host, port_ = parts.hostname, parts.port
-    assert host and port_
-
-    async def body() -> None:
-        relay = _Relay(host, port_)
-        port = await relay.start()
-        engine = await PostgresTxnEngine.open(PostgresConfig(
-            relay.url(postgres_url, port), statement_timeout_ms=20_000, round_trip_timeout_ms=30_000, pool_size_max=1))
-        loop = asyncio.get_running_loop()
-        try:
-            for op in ("read", "commit"):
-                txn = engine.begin()
-                assert await txn.get(b"k") in (None, b"1")
-                relay.cut.set()
-                if op == "read":
-                    task = asyncio.ensure_future(txn.get(b"j"))
-                else:
-                    txn.put(b"k", b"1")
-                    task = asyncio.ensure_future(txn.commit())
-                await asyncio.sleep(0.2)  # in flight, held by the cut
-                task.cancel()
-                started = loop.time()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-                took_s = loop.time() - started
-                assert took_s < 3, f"a cancel of a {op} took {took_s:.1f} s to take effect"
-                with pytest.raises(InvalidArgument, match="already committed or abandoned"):
-                    await txn.get(b"k")
-                relay.cut.clear()
-
-                async def write(t: Any) -> None:
-                    t.put(b"k", b"1")
-                await run_transaction(engine, write)  # the one slot came free: a fresh connection
-        finally:
-            relay.cut.clear()
-            await engine.close()
-            if relay.server is not None:
-                relay.server.close()
-
-    asyncio.run(body())

@@ -59,9 +59,9 @@ import socket
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import psycopg
@@ -76,7 +76,6 @@ from fs3.kv.txn import TxnFaults
 __all__ = ["SCHEMA_VERSION", "PostgresConfig", "PostgresTxnEngine", "redact_message", "redact_url"]
 
 log = logging.getLogger(__name__)
-_R = TypeVar("_R")
 
 SCHEMA_VERSION = 1
 _TABLE = "fs3_kv"
@@ -359,24 +358,6 @@ def _shut_down(conn: _Conn) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-async def _shielded(conn: _Conn, flush: Coroutine[Any, Any, _R]) -> _R:
-    """Run one flush as a task of its own, so that a caller's cancel ends it at once: the socket is
-    shut down (the flush then ends with a lost connection) and the cancel goes on. Cancelled
-    itself, the driver would first try to cancel the query over a second connection, on a path
-    that may be dead, for up to five seconds before the cancel took effect."""
-    task = asyncio.ensure_future(flush)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if not task.done():
-            _shut_down(conn)
-            with contextlib.suppress(BaseException):
-                await task
-        elif not task.cancelled():
-            task.exception()  # retrieved: a result or error the cancel made moot
-        raise
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -537,43 +518,34 @@ class _PgTxn:
         engine = self._engine
         conn = self._slot.conn
         if conn is not None:
-            held = conn
-
-            async def more() -> list[list[tuple[Any, ...]]]:
-                if len(work) == 1:
-                    cursors = [await held.pg.execute(work[0][0], work[0][1], binary=True)]
-                else:
-                    async with held.pg.pipeline():
-                        cursors = [await held.pg.execute(sql, params, binary=True) for sql, params in work]
-                engine._round_trips += 1
-                return [await cur.fetchall() for cur in cursors]
-
             try:
                 async with self._on_the_wire(committing=False):
-                    return await _shielded(held, more())
+                    if len(work) == 1:
+                        cursors = [await conn.pg.execute(work[0][0], work[0][1], binary=True)]
+                    else:
+                        async with conn.pg.pipeline():
+                            cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
+                    engine._round_trips += 1
+                    return [await cur.fetchall() for cur in cursors]
             except psycopg.Error as exc:
                 raise self._failed(exc, committing=False) from None
         for attempt in (1, 2):
-            fresh = await engine._pool.acquire()
-            self._slot.conn = fresh
-
-            async def first(conn: _Conn) -> list[list[tuple[Any, ...]]]:
-                async with conn.pg.pipeline():
-                    if conn.dirty:
-                        await conn.pg.execute(b"ROLLBACK")
-                    await conn.pg.execute(_BEGIN)
-                    cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
-                engine._round_trips += 1
-                conn.dirty = False
-                return [await cur.fetchall() for cur in cursors]
-
+            conn = await engine._pool.acquire()
+            self._slot.conn = conn
             try:
                 async with self._on_the_wire(committing=False):
-                    return await _shielded(fresh, first(fresh))
+                    async with conn.pg.pipeline():
+                        if conn.dirty:
+                            await conn.pg.execute(b"ROLLBACK")
+                        await conn.pg.execute(_BEGIN)
+                        cursors = [await conn.pg.execute(sql, params, binary=True) for sql, params in work]
+                    engine._round_trips += 1
+                    conn.dirty = False
+                    return [await cur.fetchall() for cur in cursors]
             except psycopg.Error as exc:
                 if attempt == 1 and _lost(exc):
                     self._slot.conn = None
-                    engine._pool.release(fresh)
+                    engine._pool.release(conn)
                     continue
                 raise self._failed(exc, committing=False) from None
         raise AssertionError("unreachable")
@@ -598,25 +570,20 @@ class _PgTxn:
             fresh = False
         puts = [(k, v) for k, v in sorted(self._writes.items()) if v is not _DELETED]
         deletes = sorted(k for k, v in self._writes.items() if v is _DELETED)
-        held = conn
-
-        async def flush() -> None:
-            async with held.pg.pipeline():
-                if fresh:
-                    if held.dirty:
-                        await held.pg.execute(b"ROLLBACK")
-                    await held.pg.execute(_BEGIN)
-                if puts:
-                    await held.pg.execute(_UPSERT, ([k for k, _ in puts], [v for _, v in puts]))
-                if deletes:
-                    await held.pg.execute(_DELETE, (deletes,))
-                await held.pg.execute(b"COMMIT")
-            engine._round_trips += 1
-            held.dirty = False
-
         try:
             async with self._on_the_wire(committing=True):
-                await _shielded(held, flush())
+                async with conn.pg.pipeline():
+                    if fresh:
+                        if conn.dirty:
+                            await conn.pg.execute(b"ROLLBACK")
+                        await conn.pg.execute(_BEGIN)
+                    if puts:
+                        await conn.pg.execute(_UPSERT, ([k for k, _ in puts], [v for _, v in puts]))
+                    if deletes:
+                        await conn.pg.execute(_DELETE, (deletes,))
+                    await conn.pg.execute(b"COMMIT")
+                engine._round_trips += 1
+                conn.dirty = False
         except psycopg.Error as exc:
             raise self._failed(exc, committing=True) from None
         self._finish()
