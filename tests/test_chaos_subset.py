@@ -71,7 +71,7 @@ def test_ha_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
     assert report["namespace_lost"] == [], report["namespace_lost"][:5]
     assert report["replicas_identical"], report["verify"]
     assert report["fsck_clean"], report["fsck"]
-    assert report["continued"], "clients acknowledged nothing after the fault"
+    assert report["continued"], f"acknowledged nothing after the fault: {report['stalled']}"
     assert report["acknowledged"] > 500 and report["namespace_acknowledged"] > 50
     if name == "ha-mgmtd-primary-kill":
         takeover = report["takeover"]

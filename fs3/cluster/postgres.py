@@ -36,6 +36,7 @@ import ctypes
 import json
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ from typing import Any
 
 from fs3.common.errors import FS3Error, InvalidArgument, Unavailable
 from fs3.common.secret_files import make_private_dir, read_secret_file, write_secret_file
-from fs3.kv.postgres import redact_url
+from fs3.kv.postgres import redact_message, redact_url
 
 __all__ = [
     "META_DATABASE",
@@ -109,7 +110,7 @@ def check_reachable(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
             pass
     except psycopg.Error as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(url)}: {reason}") from None
+        raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(url)}: {redact_message(reason, url)}") from None
 
 
 @dataclass(frozen=True)
@@ -172,18 +173,26 @@ class _Server:
         self.root, self.port, self.password, self.fsync, self.bin_dir = root, port, password, fsync, bin_dir
         self.run_as = _RunAs.pick()
         data = root / "data"
-        data.mkdir(mode=0o700, exist_ok=True)
-        if self.run_as.user is not None:
-            os.chown(data, self.run_as.uid, self.run_as.gid)
-        self.data_fd = os.open(data, os.O_RDONLY | os.O_DIRECTORY)
+        # initdb writes PG_VERSION first and the catalogs after it: it runs in a directory of its
+        # own, renamed to DIR/data once complete, so that a start killed during it leaves nothing
+        # a later start takes for a cluster (that one starts initdb afresh).
+        self.initialized = (data / "PG_VERSION").exists()
+        where = data if self.initialized else root / "data.initdb"
+        if not self.initialized:
+            for leftover in (where, data):  # an interrupted initdb's, or an empty one's
+                shutil.rmtree(leftover, ignore_errors=True)
+            where.mkdir(mode=0o700)
+            if self.run_as.user is not None:
+                os.chown(where, self.run_as.uid, self.run_as.gid)
+        self.data_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)  # follows the directory's rename
         # As the server's own user, the real path works; as root's stand-in, only the open directory does.
-        self.data_path = str(data) if self.run_as.user is None else f"/proc/self/fd/{self.data_fd}"
+        self.data_path = str(where) if self.run_as.user is None else f"/proc/self/fd/{self.data_fd}"
         self.popen: subprocess.Popen[bytes] | None = None
         self.stopping = False  # a SIGTERM or SIGINT came: start nothing more
 
     def init_once(self) -> None:
         """``initdb`` unless the directory holds a cluster already (its ``PG_VERSION``)."""
-        if (self.root / "data" / "PG_VERSION").exists():
+        if self.initialized:
             return
         print(f"fs3-postgres: initdb in {self.root / 'data'}", flush=True)
         pwfile = self.root / "initdb.pw"
@@ -207,6 +216,17 @@ class _Server:
             os.close(pw_fd)
         if done.returncode != 0:
             raise Unavailable(f"initdb failed: {(done.stderr or done.stdout).strip()[-2000:]}")
+        data = self.root / "data"
+        os.rename(self.root / "data.initdb", data)
+        if self.fsync:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(root_fd)
+            finally:
+                os.close(root_fd)
+        if self.run_as.user is None:
+            self.data_path = str(data)
+        self.initialized = True
 
     def start(self) -> subprocess.Popen[bytes]:
         options = ["-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=", "-c", "max_connections=200"]

@@ -63,7 +63,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -74,7 +74,7 @@ from fs3.common.retry import Backoff, RetryPolicy
 from fs3.kv.gate import ContentionGate
 from fs3.kv.txn import TxnFaults
 
-__all__ = ["SCHEMA_VERSION", "PostgresConfig", "PostgresTxnEngine", "redact_url"]
+__all__ = ["SCHEMA_VERSION", "PostgresConfig", "PostgresTxnEngine", "redact_message", "redact_url"]
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +109,31 @@ def redact_url(url: str) -> str:
     if "://" not in url:
         return "<not a URL>"
     if password is not None:
+        # The user ends at the userinfo's first colon: a password may hold colons of its own.
         netloc = parts.netloc.rsplit("@", 1)
-        parts = parts._replace(netloc=netloc[0].rsplit(":", 1)[0] + ":***@" + netloc[1])
+        parts = parts._replace(netloc=netloc[0].partition(":")[0] + ":***@" + netloc[1])
     if parts.query:
         parts = parts._replace(query=re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query))
     return urlunsplit(parts)
+
+
+def redact_message(message: str, url: str) -> str:
+    """``message`` (a driver's error about ``url``) with the URL's password replaced: libpq quotes
+    the part of a URL it cannot parse (a bad percent escape), the password included."""
+    secrets: set[str] = set()
+    with contextlib.suppress(ValueError):
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else ""
+        if ":" in userinfo:
+            secrets.add(userinfo.partition(":")[2])
+        secrets.update(re.findall(r"(?i)(?:^|&)password=([^&]*)", parts.query))
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        message = message.replace(secret, "***")
+        with contextlib.suppress(ValueError):
+            plain = unquote(secret, errors="strict")
+            if plain:
+                message = message.replace(plain, "***")
+    return message
 
 
 def _conninfo(url: str) -> str:
@@ -211,7 +231,8 @@ class _Pool:
                 # A dead peer on an idle pooled connection is found by the kernel within a minute.
                 keepalives=1, keepalives_idle=20, keepalives_interval=5, keepalives_count=4)
         except psycopg.OperationalError as exc:
-            raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(cfg.url)}: {_first_line(exc)}") from None
+            raise Unavailable(f"cannot connect to PostgreSQL at {redact_url(cfg.url)}: "
+                              f"{redact_message(_first_line(exc), cfg.url)}") from None
 
     async def acquire(self) -> _Conn:
         if self._closed:
@@ -282,12 +303,16 @@ class _Pool:
             await asyncio.gather(*self._rolling_back, return_exceptions=True)
 
     async def _roll_back(self, conn: _Conn) -> None:
+        # A round trip like any other, with its deadline: a server cut off by the network would
+        # otherwise hold this connection, and its slot, for as long as TCP retransmits (minutes).
+        cut = asyncio.get_running_loop().call_later(self.config.round_trip_deadline_ms / 1000, _shut_down, conn)
         try:
             await conn.pg.execute(b"ROLLBACK")
         except psycopg.Error:
             self._discard(conn)
             return
         finally:
+            cut.cancel()
             self.rollbacks += 1
         conn.dirty = False
         self.release(conn)
@@ -765,7 +790,8 @@ class PostgresTxnEngine:
                 cur = await pg.execute(b"SELECT name, value FROM fs3_info")
                 info = {str(name): str(value) for name, value in await cur.fetchall()}
         except psycopg.Error as exc:
-            raise Unavailable(f"checking the fs3 schema in {url}: {_first_line(exc)}") from None
+            raise Unavailable(f"checking the fs3 schema in {url}: {redact_message(_first_line(exc), self.config.url)}"
+                              ) from None
         finally:
             await pg.close()
         version = info.get("schema_version")

@@ -41,7 +41,7 @@ import contextlib
 import logging
 import os
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fs3.common.clock import Clock
@@ -104,7 +104,8 @@ class Held:
     def valid(self) -> bool:
         if self.table.exclusive:
             return not self.lost
-        return not self.lost and self.table.clock.now_ms() - self.trusted_from_ms < self.table.ttl_ms // 2
+        return (not self.lost and self.table.clock.now_ms() - self.trusted_from_ms < self.table.ttl_ms // 2
+                and self.table.owner_is_mine())
 
     def check(self) -> None:
         """Raise before work that another server could be doing too: the claim is no longer
@@ -131,6 +132,15 @@ class ClaimTable:
         self.held: dict[bytes, Held] = {}
         self.taken_over = 0  # claims of other servers this one took over (for tests and logs)
         self.exclusive = exclusive  # no other server can open the store: claims cost nothing
+        # Whether the owner id is surely this process's now (a meta server on a shared store: its
+        # node id's registration, fs3.meta.registration). A claim recorded under the id is taken
+        # at once, so a server that may have lost its id to another process takes no claim,
+        # renews none and trusts none it holds: the other one may hold them too. None: always.
+        self.owner_trusted: Callable[[], bool] | None = None
+
+    def owner_is_mine(self) -> bool:
+        """Whether this table may act under its owner id now (see ``owner_trusted``)."""
+        return self.owner_trusted is None or self.owner_trusted()
 
     async def try_claim(self, name: bytes) -> Held | None:
         """Claim ``name`` if it is free, this server's, or another's that lapsed; None if another
@@ -139,6 +149,8 @@ class ClaimTable:
             held = Held(name, 0, self.clock.now_ms(), self)
             self.held[name] = held
             return held
+        if not self.owner_is_mine():
+            return None  # another process may act under this id: its claims look like this one's
         key = claim_key(name)
         began_ms = self.clock.now_ms()
         lapsed: list[ClaimRecord] = []  # the other server's claim this one takes over
@@ -206,6 +218,8 @@ class ClaimTable:
         """Bump the epoch of a claim this server holds; False (and ``held.lost``) if it was taken."""
         if self.exclusive:
             return not held.lost
+        if not self.owner_is_mine():
+            raise Unavailable(f"not renewing claim {held.name.hex()}: this server's id is not surely its own now")
         key = claim_key(held.name)
         began_ms = self.clock.now_ms()
 

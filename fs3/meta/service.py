@@ -223,6 +223,10 @@ class MetaService(FileLengths, MetaJobs):
         self.registration = (NodeRegistration(engine, node_id, self.clock, self.config.claim_ttl_ms)
                              if node_id is not None and not exclusive_store else None)
         self.registration_lost = asyncio.Event()
+        if self.registration is not None:
+            # Claims are recorded under the node id: none is taken, renewed or trusted while the
+            # registration is not surely this process's (not renewed within half a ttl, or lost).
+            self.claims.owner_trusted = self._registration_trusted
         self._inode_claims: dict[int, Held] = {}
         self._tables: dict[int, list[int]] = {}
         self._tables_version = -1
@@ -269,6 +273,10 @@ class MetaService(FileLengths, MetaJobs):
                 await self.registration.release()
             except FS3Error as exc:  # it lapses instead: a restart waits one claim ttl
                 log.warning("releasing meta node id %d failed: %s", self.registration.node_id, exc)
+
+    def _registration_trusted(self) -> bool:
+        held = self.registration.held if self.registration is not None else None
+        return held is not None and held.valid() and not self.registration_lost.is_set()
 
     async def _keep_registration(self) -> None:
         assert self.registration is not None

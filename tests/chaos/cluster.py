@@ -12,6 +12,7 @@ deploy/postgres/init.sql), and three mgmtd and three meta servers on it.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -312,11 +313,26 @@ def check_history(result: dict[str, Any]) -> dict[str, Any]:
             "failed": sum(1 for raw in result["ops"] if not raw["ok"])}
 
 
+def stalled_after(result: dict[str, Any], last_fault: float) -> list[str]:
+    """What made no progress after the last fault: the data workload (nothing it invoked since was
+    acknowledged), and each metadata worker (``w<id>``) that acknowledged nothing it invoked since.
+    Every worker counts: a client of the meta server a scenario killed must carry on through
+    another, and the other workers' progress says nothing about it."""
+    stalled = [] if any(op["ok"] and op["invoke"] > last_fault for op in result["ops"]) else ["the data workload"]
+    progressed: dict[str, bool] = {}
+    for op in result.get("namespace", {}).get("ops", []):
+        worker = op["name"].split("-", 1)[0]
+        progressed[worker] = progressed.get(worker, False) or (op["ok"] and op["invoke"] > last_fault)
+    return stalled + [f"metadata worker {worker}" for worker, ok in sorted(progressed.items()) if not ok]
+
+
 def check_namespace(result: dict[str, Any]) -> dict[str, Any]:
     """The metadata ledger (the workload's ``namespace`` operations): a file whose create was
     acknowledged and that nobody tried to remove is there, holding its name; a file whose remove was
     acknowledged is gone; nothing is there that no one tried to create. Unacknowledged operations
-    may have happened or not."""
+    may have happened or not, but for one: the only remove of a file whose create was acknowledged
+    failing "no such file" (only its worker removes it) saw its own effect, a retry that ran twice
+    (exactly-once broken across a meta server's death), or a lost create."""
     ops = result["namespace"]["ops"]
     final: dict[str, str] = result["namespace"]["final"]
     by_name: dict[str, list[dict[str, Any]]] = {}
@@ -326,6 +342,8 @@ def check_namespace(result: dict[str, Any]) -> dict[str, Any]:
     for name, history in by_name.items():
         created = any(op["kind"] == "create" and op["ok"] for op in history)
         removals = [op for op in history if op["kind"] == "remove"]
+        if created and len(removals) == 1 and removals[0].get("errno") == errno.ENOENT:
+            lost.append(f"{name}: its only remove failed 'no such file': it ran twice, or the create was lost")
         if any(op["ok"] for op in removals):
             if name in final:
                 lost.append(f"{name}: its remove was acknowledged, it is still there")

@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tests.chaos.cluster import LabCluster, check_history, check_namespace
+from tests.chaos.cluster import LabCluster, check_history, check_namespace, stalled_after
 from tests.chaos.netns import NetnsLab
 from tests.chaos.scenarios import SCENARIOS, Scenario
 from tests.chaos.topology import ROOT
@@ -90,7 +90,7 @@ def _broken_promises(report: dict[str, Any]) -> list[str]:
     if report.get("meta_probe") and not report["meta_probe"].get("ok"):
         broken.append("the meta server cut from its database answered (or never answered again)")
     if report.get("continued") is False:
-        broken.append("clients acknowledged nothing after the last fault")
+        broken.append(f"acknowledged nothing after the last fault: {', '.join(report.get('stalled') or [])}")
     return broken or ["failed"]
 
 
@@ -113,8 +113,8 @@ def _run(scenario: Scenario, cluster: LabCluster, root: Path, report: dict[str, 
     if report["faults"]:
         # Clients carry on: operations acknowledged that were invoked after the last fault.
         last = started + max(float(str(f["at"])) for f in report["faults"])
-        report["continued"] = any(op["ok"] and op["invoke"] > last for op in result["ops"]) and (
-            not scenario.namespace or any(op["ok"] and op["invoke"] > last for op in result["namespace"]["ops"]))
+        report["stalled"] = stalled_after(result, last)
+        report["continued"] = not report["stalled"]
     filler = root / "filler.log"
     if filler.exists():
         report["filler"] = filler.read_text()[-500:]

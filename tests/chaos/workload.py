@@ -62,7 +62,7 @@ async def run(mgmtd: str, token: str, seconds: float, out: str, namespace: bool 
                 await handles[file].flush()
                 op["complete"], op["ok"] = time.monotonic(), True
             except OSError as exc:
-                op["error"] = str(exc)
+                op["error"], op["errno"] = str(exc), exc.errno
         for handle in handles:
             with contextlib.suppress(OSError):
                 await handle.close()
@@ -80,7 +80,7 @@ async def run(mgmtd: str, token: str, seconds: float, out: str, namespace: bool 
                 op["observed"] = decode_slots(data, 1, SLOT)[0]
                 op["complete"], op["ok"] = time.monotonic(), True
             except OSError as exc:
-                op["error"] = str(exc)
+                op["error"], op["errno"] = str(exc), exc.errno
         for handle in handles:
             await handle.close()
 
@@ -112,7 +112,7 @@ async def run(mgmtd: str, token: str, seconds: float, out: str, namespace: bool 
                     created.append(name)
                 op["complete"], op["ok"] = time.monotonic(), True
             except OSError as exc:
-                op["error"] = str(exc)
+                op["error"], op["errno"] = str(exc), exc.errno
 
     await asyncio.gather(*(writer(w) for w in range(WRITERS)), *(reader(r) for r in range(READERS)),
                          *(namespace_worker(n) for n in range(NAMESPACE_WORKERS if namespace else 0)))
