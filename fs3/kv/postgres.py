@@ -75,8 +75,22 @@ SCHEMA_VERSION = 1
 _TABLE = "fs3_kv"
 _INFO = "fs3_info"
 _BEGIN = b"BEGIN ISOLATION LEVEL SERIALIZABLE"
-_GET = b"SELECT v FROM fs3_kv WHERE k = %s"
-_GET_MANY = b"SELECT k, v FROM fs3_kv WHERE k = ANY(%s::bytea[])"
+# Point reads and deletes go through a hash index on ``k || ''`` (an expression the primary key's
+# btree cannot serve, so the planner cannot pick the btree): see "Point reads lock hash buckets" in
+# the module's docstring.
+_POINT_INDEX = "fs3_kv_point"
+_POINT_INDEX_DDL = (b"CREATE INDEX IF NOT EXISTS fs3_kv_point ON fs3_kv USING hash ((k || ''::bytea)) "
+                    b"WITH (fillfactor = 10)")
+# A hash index starts with as many buckets as its table is estimated to hold rows when it is built,
+# and a bucket is what a point read locks: the index is built over this many placeholder rows
+# (keys no fs3 key can equal, deleted in the same transaction, never seen by anyone), so that a
+# new, small namespace starts with thousands of buckets rather than a few dozen.
+_POINT_BUCKETS_ROWS = 100_000
+_PLACEHOLDERS = (b"INSERT INTO fs3_kv (k, v) SELECT '\\xfffe'::bytea || int4send(g), ''::bytea "
+                 b"FROM generate_series(1, %s) AS g")
+_DROP_PLACEHOLDERS = b"DELETE FROM fs3_kv WHERE k >= '\\xfffe'::bytea AND k < '\\xffff'::bytea"
+_GET = b"SELECT v FROM fs3_kv WHERE (k || ''::bytea) = %s"
+_GET_MANY = b"SELECT t.k, t.v FROM unnest(%s::bytea[]) AS u(k) JOIN fs3_kv t ON (t.k || ''::bytea) = u.k"
 _SCAN = {  # (has end, has limit) -> statement
     (False, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s ORDER BY k",
     (True, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s AND k < %s ORDER BY k",
@@ -85,7 +99,7 @@ _SCAN = {  # (has end, has limit) -> statement
 }
 _UPSERT = (b"INSERT INTO fs3_kv (k, v) SELECT * FROM unnest(%s::bytea[], %s::bytea[]) "
            b"ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v")
-_DELETE = b"DELETE FROM fs3_kv WHERE k = ANY(%s::bytea[])"
+_DELETE = b"DELETE FROM fs3_kv USING unnest(%s::bytea[]) AS d(k) WHERE (fs3_kv.k || ''::bytea) = d.k"
 _SCHEMA_LOCK = 0x66733353434845  # "fs3SCHE": the advisory lock of the schema check
 _CONFLICT_STATES = frozenset({"40001", "40P01", "23505"})
 _DELETED = object()
@@ -186,7 +200,11 @@ class _Pool:
         cfg = self.config
         options = (f"-c statement_timeout={cfg.statement_timeout_ms} "
                    f"-c idle_in_transaction_session_timeout={cfg.idle_in_transaction_timeout_ms} "
-                   f"-c synchronous_commit={'on' if cfg.sync else 'off'}")
+                   f"-c synchronous_commit={'on' if cfg.sync else 'off'} "
+                   # A sequential or bitmap scan would lock the whole table or heap pages against
+                   # every writer (the docstring's "Point reads lock hash buckets"); the indexes
+                   # serve every statement here.
+                   f"-c enable_seqscan=off -c enable_bitmapscan=off")
         try:
             return await psycopg.AsyncConnection.connect(
                 self._conninfo, autocommit=True, connect_timeout=max(1, cfg.connect_timeout_ms // 1000),
@@ -304,6 +322,14 @@ class _Pool:
         self._open -= len(self._idle)
         self._idle.clear()
         self._wake()
+
+
+async def _create_point_index(pg: psycopg.AsyncConnection[Any]) -> None:
+    """The point-read index, with its buckets sized for a namespace of ``_POINT_BUCKETS_ROWS``
+    keys (see there), inside the caller's transaction."""
+    await pg.execute(_PLACEHOLDERS, (_POINT_BUCKETS_ROWS,))
+    await pg.execute(_POINT_INDEX_DDL)
+    await pg.execute(_DROP_PLACEHOLDERS)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -669,20 +695,27 @@ class PostgresTxnEngine:
                                           f", fs3_kv {'present' if has_kv else 'absent'}): not an fs3 database")
                 cur = await pg.execute(b"SELECT name, value FROM fs3_info")
                 info = {str(name): str(value) for name, value in await cur.fetchall()}
+                version = info.get("schema_version")
+                if version != str(SCHEMA_VERSION):
+                    raise InvalidArgument(f"{url} holds fs3 schema version {version}; this fs3 needs version "
+                                          f"{SCHEMA_VERSION} (nothing was changed)")
+                if info.get("cluster_id") != self.config.cluster_id:
+                    raise InvalidArgument(f"{url} belongs to cluster {info.get('cluster_id')!r}, not "
+                                          f"{self.config.cluster_id!r} (nothing was changed)")
+                # A database made before the point index existed gets it (same data, same version).
+                cur = await pg.execute(b"SELECT to_regclass(%s) IS NOT NULL", (_POINT_INDEX,))
+                row = await cur.fetchone()
+                if row is None or not row[0]:
+                    await _create_point_index(pg)
+                    log.info("created the point-read index %s in %s", _POINT_INDEX, url)
         except psycopg.Error as exc:
             raise Unavailable(f"checking the fs3 schema in {url}: {_first_line(exc)}") from None
         finally:
             await pg.close()
-        version = info.get("schema_version")
-        if version != str(SCHEMA_VERSION):
-            raise InvalidArgument(f"{url} holds fs3 schema version {version}; this fs3 needs version "
-                                  f"{SCHEMA_VERSION} (nothing was changed)")
-        if info.get("cluster_id") != self.config.cluster_id:
-            raise InvalidArgument(f"{url} belongs to cluster {info.get('cluster_id')!r}, not "
-                                  f"{self.config.cluster_id!r} (nothing was changed)")
 
     async def _create_schema(self, pg: psycopg.AsyncConnection[Any]) -> None:
         await pg.execute(f"CREATE TABLE {_TABLE} (k bytea PRIMARY KEY, v bytea NOT NULL)".encode())
+        await _create_point_index(pg)
         await pg.execute(f"CREATE TABLE {_INFO} (name text PRIMARY KEY, value text NOT NULL)".encode())
         await pg.execute(f"INSERT INTO {_INFO} (name, value) VALUES ('schema_version', %s), ('cluster_id', %s), "
                          f"('created_at', %s)".encode(),
