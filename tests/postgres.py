@@ -284,7 +284,7 @@ def start_postgres(bin_dir: Path, tmp: Path | None = None, durable: bool = False
             server.port = _free_port()
             unsafe = "" if durable else "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
             options = (f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 {unsafe}"
-                       "-c max_connections=200")
+                       "-c max_connections=200 -c max_pred_locks_per_page=64")
             started = run_as.run([str(bin_dir / "pg_ctl"), "start", "-D", str(root / "data"), "-l", str(log),
                                   "-w", "-t", str(START_TIMEOUT_S), "-o", options], START_TIMEOUT_S + 10)
             if started.returncode == 0:
