@@ -24,6 +24,16 @@ the engine counts them (``round_trips``):
   that is dropped without a commit (a read-only meta request) gives its connection back to the
   pool, where the next user sends the ``ROLLBACK`` in front of its own ``BEGIN``: no round trip.
 
+Point reads lock hash buckets: SERIALIZABLE's predicate lock on a btree is its leaf page, whether
+the key read is there or not, and a page holds the neighbours that other clients insert (the next
+inode ids, sessions, saved answers, the entries of adjacent directories), so through the primary
+key concurrent creates in different directories abort one another. Point reads and deletes go
+through a hash index on ``k || ''`` (``fs3_kv_point``; an expression the btree cannot serve, so no
+plan falls back to it), whose lock is one bucket; range scans keep the btree (their lock covers
+the range, as it must). A hash index gets its bucket count from its table's estimated size when it
+is built, so it is built over placeholder rows deleted in the same transaction; sessions plan no
+sequential scans (a lock on the whole table). docs/decisions.md has the measurements.
+
 Failures: a serialization failure or deadlock (and a unique violation, which concurrent upserts
 can raise under SERIALIZABLE) is :class:`TxnConflict`; a connection lost while the ``COMMIT`` was
 in flight is :class:`MaybeCommitted` (the meta operations are idempotent for it, and
@@ -85,12 +95,19 @@ _POINT_INDEX_DDL = (b"CREATE INDEX IF NOT EXISTS fs3_kv_point ON fs3_kv USING ha
 # and a bucket is what a point read locks: the index is built over this many placeholder rows
 # (keys no fs3 key can equal, deleted in the same transaction, never seen by anyone), so that a
 # new, small namespace starts with thousands of buckets rather than a few dozen.
-_POINT_BUCKETS_ROWS = 100_000
-_PLACEHOLDERS = (b"INSERT INTO fs3_kv (k, v) SELECT '\\xfffe'::bytea || int4send(g), ''::bytea "
-                 b"FROM generate_series(1, %s) AS g")
+# The estimate is pages times the rows a page holds by the columns' typical widths, so wide rows
+# (just below the size PostgreSQL compresses or moves out of line) make it cheaply: 4,000 rows of
+# 1,900 bytes (1,000 pages) give 2,048 buckets in about a tenth of a second.
+_POINT_BUCKETS_ROWS = 4_000
+_SCHEMA_TIMEOUT_MS = 120_000
+_PLACEHOLDERS = (b"INSERT INTO fs3_kv (k, v) SELECT '\\xfffe'::bytea || int4send(g), "
+                 b"convert_to(repeat('x', 1900), 'UTF8') FROM generate_series(1, %s) AS g")
 _DROP_PLACEHOLDERS = b"DELETE FROM fs3_kv WHERE k >= '\\xfffe'::bytea AND k < '\\xffff'::bytea"
 _GET = b"SELECT v FROM fs3_kv WHERE (k || ''::bytea) = %s"
-_GET_MANY = b"SELECT t.k, t.v FROM unnest(%s::bytea[]) AS u(k) JOIN fs3_kv t ON (t.k || ''::bytea) = u.k"
+# Several keys: a bitmap scan of the hash index (hash indexes take no arrays in a plain index scan;
+# the bitmap heap scan locks the tuples it returns, as an index scan does). A join with ``unnest``
+# plans nested index scans too, at a third more server CPU per statement (measured).
+_GET_MANY = b"SELECT k, v FROM fs3_kv WHERE (k || ''::bytea) = ANY(%s::bytea[])"
 _SCAN = {  # (has end, has limit) -> statement
     (False, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s ORDER BY k",
     (True, False): b"SELECT k, v FROM fs3_kv WHERE k >= %s AND k < %s ORDER BY k",
@@ -99,7 +116,7 @@ _SCAN = {  # (has end, has limit) -> statement
 }
 _UPSERT = (b"INSERT INTO fs3_kv (k, v) SELECT * FROM unnest(%s::bytea[], %s::bytea[]) "
            b"ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v")
-_DELETE = b"DELETE FROM fs3_kv USING unnest(%s::bytea[]) AS d(k) WHERE (fs3_kv.k || ''::bytea) = d.k"
+_DELETE = b"DELETE FROM fs3_kv WHERE (k || ''::bytea) = ANY(%s::bytea[])"
 _SCHEMA_LOCK = 0x66733353434845  # "fs3SCHE": the advisory lock of the schema check
 _CONFLICT_STATES = frozenset({"40001", "40P01", "23505"})
 _DELETED = object()
@@ -201,10 +218,9 @@ class _Pool:
         options = (f"-c statement_timeout={cfg.statement_timeout_ms} "
                    f"-c idle_in_transaction_session_timeout={cfg.idle_in_transaction_timeout_ms} "
                    f"-c synchronous_commit={'on' if cfg.sync else 'off'} "
-                   # A sequential or bitmap scan would lock the whole table or heap pages against
-                   # every writer (the docstring's "Point reads lock hash buckets"); the indexes
-                   # serve every statement here.
-                   f"-c enable_seqscan=off -c enable_bitmapscan=off")
+                   # A sequential scan would lock the whole table against every writer (the
+                   # docstring's "Point reads lock hash buckets"); the indexes serve every statement.
+                   f"-c enable_seqscan=off")
         try:
             return await psycopg.AsyncConnection.connect(
                 self._conninfo, autocommit=True, connect_timeout=max(1, cfg.connect_timeout_ms // 1000),
@@ -325,8 +341,10 @@ class _Pool:
 
 
 async def _create_point_index(pg: psycopg.AsyncConnection[Any]) -> None:
-    """The point-read index, with its buckets sized for a namespace of ``_POINT_BUCKETS_ROWS``
-    keys (see there), inside the caller's transaction."""
+    """The point-read index, its buckets sized by placeholder rows (``_POINT_BUCKETS_ROWS``, see
+    there), inside the caller's transaction."""
+    # Seconds, not a request's statement timeout: it runs once, at a first start.
+    await pg.execute(b"SET LOCAL statement_timeout = %s" % str(_SCHEMA_TIMEOUT_MS).encode())
     await pg.execute(_PLACEHOLDERS, (_POINT_BUCKETS_ROWS,))
     await pg.execute(_POINT_INDEX_DDL)
     await pg.execute(_DROP_PLACEHOLDERS)
