@@ -355,7 +355,7 @@ def start_postgres(bin_dir: Path, tmp: Path | None = None, durable: bool = False
             server.port = _free_port(listen_host) if port is None else port
             unsafe = "" if durable else "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
             server.options = (f"-p {server.port} -k {root} -c listen_addresses={listen_host} {unsafe}"
-                              "-c max_connections=200")
+                              "-c max_connections=200 -c max_pred_locks_per_page=64")
             try:
                 server.start()
                 return server

@@ -293,6 +293,49 @@ def test_servers_starting_together_create_the_schema_once(postgres_url: str) -> 
     assert _sql(postgres_url, "SELECT count(*) FROM fs3_info WHERE name = 'schema_version'") == [(1,)]
 
 
+def test_neighbouring_keys_of_different_clients_do_not_conflict(postgres_url: str) -> None:
+    """Each transaction reads a key of its own that is absent (a saved answer, a new name) and then
+    writes it, all overlapping: nothing conflicts. With SERIALIZABLE's page-granular locks on the
+    primary key's btree, the reads lock the page the others insert into and most of them would be
+    aborted; point reads lock hash buckets of the point index instead."""
+    async def body() -> None:
+        engine = await _open(postgres_url)
+        try:
+            keys = [b"IDEM" + bytes([i]) * 16 + b"\x00" * 8 for i in range(16)]
+            txns = [engine.begin() for _ in keys]
+            for txn, key in zip(txns, keys, strict=True):
+                assert await txn.get(key) is None
+            for txn, key in zip(txns, keys, strict=True):
+                txn.put(key, b"answer")
+            for txn in txns:
+                await txn.commit()
+            assert engine.conflicts == 0
+            check = engine.begin()
+            check.prefetch(keys)
+            assert [await check.get(key) for key in keys] == [b"answer"] * len(keys)
+        finally:
+            await engine.close()
+    run(body())
+
+
+def test_a_database_made_before_the_point_index_gets_it_at_open(postgres_url: str) -> None:
+    async def body() -> None:
+        engine = await _open(postgres_url)
+        txn = engine.begin()
+        txn.put(b"kept", b"1")
+        await txn.commit()
+        await engine.close()
+        _sql(postgres_url, "DROP INDEX fs3_kv_point")
+        engine = await _open(postgres_url)
+        try:
+            assert await engine.begin().get(b"kept") == b"1"
+        finally:
+            await engine.close()
+    run(body())
+    assert _sql(postgres_url, "SELECT to_regclass('fs3_kv_point') IS NOT NULL") == [(True,)]
+    assert _sql(postgres_url, "SELECT count(*) FROM fs3_kv") == [(1,)]  # no placeholder left
+
+
 def test_the_password_is_redacted() -> None:
     assert redact_url("postgresql://u:secret@h:5432/db") == "postgresql://u:***@h:5432/db"
     assert redact_url("postgresql://h/db") == "postgresql://h/db"

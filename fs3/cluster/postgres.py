@@ -229,7 +229,8 @@ class _Server:
         self.initialized = True
 
     def start(self) -> subprocess.Popen[bytes]:
-        options = ["-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=", "-c", "max_connections=200"]
+        options = ["-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=", "-c", "max_connections=200",
+                   "-c", "max_pred_locks_per_page=64"]
         if not self.fsync:
             options += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         return subprocess.Popen([str(self.bin_dir / "postgres"), "-D", self.data_path, "-p", str(self.port), *options],

@@ -770,7 +770,8 @@ class MetaService(FileLengths, MetaJobs):
         rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), op,
                                             (schema.session_key(req.inode_id, req.session_id),
                                              schema.inode_key(req.inode_id)))
-        self._gc_wakeup.set()
+        if rsp.inode.nlink == 0:  # the last name went before this session: the close may have queued GC
+            self._gc_wakeup.set()
         return rsp, _EMPTY
 
     async def close_sessions(self, req: mpb.CloseSessionsReq,
