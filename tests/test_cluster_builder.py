@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -13,7 +14,14 @@ from typing import Any
 
 import pytest
 
-from fs3.cluster.processes import ProcessSettings, ServiceProcess, config_toml, fs3_argv, process_configs
+from fs3.cluster.processes import (
+    ProcessSettings,
+    ServiceProcess,
+    config_toml,
+    fs3_argv,
+    pick_port,
+    process_configs,
+)
 from fs3.cluster.topology import META, META_NODE_ID, MGMTD, Topology
 from fs3.common.config import load_config
 from fs3.common.errors import InvalidArgument, Unavailable
@@ -148,3 +156,16 @@ def test_stopping_a_local_cluster_signals_only_the_processes_it_started(tmp_path
         for stranger in (leader, member):
             stranger.kill()
             stranger.wait()
+
+
+def test_a_kept_port_is_picked_below_the_ephemeral_range_and_free() -> None:
+    """Ports chosen before their service starts and kept across restarts come from below the range
+    outgoing connections take their local ports from, so no connection can be holding one later."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = pick_port()
+        assert 1024 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free when picked
+    with pytest.raises(Unavailable, match="no free port"):
+        pick_port(attempts=0)

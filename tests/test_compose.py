@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 import fs3  # noqa: E402
+from fs3.cluster.processes import pick_port  # noqa: E402
 from fs3.common.config import load_config  # noqa: E402
 from fs3.meta.server import MetaConfig  # noqa: E402
 from fs3.mgmtd.service import MgmtdConfig  # noqa: E402
@@ -346,12 +346,6 @@ def test_the_certs_service_makes_every_file_the_services_name(tmp_path: Path) ->
     assert Tls.load(client) is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rpc_counts(metrics_address: str) -> dict[str, float]:
     """Requests a process served, by method (fs3_rpc_requests_total), from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -382,7 +376,7 @@ def test_the_compose_topology_runs_as_processes(tmp_path: Path) -> None:
     for name in SERVER_SERVICES:
         for key, value in services[name]["environment"].items():
             if key.endswith(("_FRAMED_PORT", "_GRPC_PORT", "_METRICS_PORT")):
-                ports[value] = str(_free_port())
+                ports[value] = str(pick_port())
     addresses = {f"{name}:{framed}": f"127.0.0.1:{ports[framed]}" for name in SERVER_SERVICES
                  for framed in [_port(services[name]["environment"], "_FRAMED_PORT")]}
 

@@ -57,6 +57,7 @@ from fs3.cluster.processes import (
     ServiceProcess,
     check_engine,
     config_toml,
+    pick_port,
     pid_alive,
     process_configs,
     process_start_time,
@@ -102,15 +103,6 @@ def cluster_lock(root: Path, command: str = "fs3 local") -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def _free_port() -> int:
-    """A port of 127.0.0.1 that was free a moment ago (chosen once, then kept by layout.json)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def mgmtd_database_url(meta_url: str) -> str:
@@ -178,7 +170,7 @@ class LocalCluster:
         if self.meta_engine == "postgres":
             for name in self.topology.mgmtd_names:
                 self.mgmtd_ports.setdefault(name, self.mgmtd_port if name == MGMTD and self.mgmtd_port
-                                            else _free_port())
+                                            else pick_port())
             self.mgmtd_port = self.mgmtd_ports[MGMTD]
         self.cluster_id = str(saved.get("cluster_id") or f"local-{secrets.token_hex(4)}")
         self.pg_port = int(saved.get("pg_port") or 0)
@@ -260,7 +252,7 @@ class LocalCluster:
             write_secret_file(password_file, secrets.token_hex(16) + "\n")
         password = read_secret_file(password_file).strip()
         if not self.pg_port:
-            self.pg_port = _free_port()
+            self.pg_port = pick_port()
         return {**common, "pg_port": self.pg_port, "pg_password_file": str(password_file),
                 "pg_fsync": self.pg_fsync,
                 "pg_meta_url": server_url(password, self.pg_port, META_DATABASE),

@@ -13,7 +13,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,7 +36,8 @@ from fs3.storage.replica import ReplicaConfig
 from fs3.storage.server import StorageConfig, TargetConfig
 
 __all__ = ["LOCAL_LEASE", "META_ENGINES", "ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner",
-           "check_engine", "config_toml", "fs3_argv", "pid_alive", "process_configs", "process_start_time",
+           "check_engine", "config_toml", "fs3_argv", "pick_port", "pid_alive", "process_configs",
+           "process_start_time",
            "read_pid_file", "signal_group", "spawn_logged", "stop_group", "write_pid_file"]
 
 #: Starts ``argv`` with ``env``, its output appended to the log file; returns the child, leader of
@@ -246,6 +249,34 @@ def stop_group(pid: int, timeout_s: float = 10, popen: subprocess.Popen[Any] | N
     if popen is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             popen.wait(timeout=5)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def pick_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A port of ``host`` free now and outside the kernel's ephemeral range, for a service that
+    must listen on a port chosen before it starts and kept across restarts (several mgmtd name each
+    other by address). Port 0's answer comes from the ephemeral range, from which every outgoing
+    connection on the machine also takes its local port: one of those can hold a kept port when
+    its service starts again. Below the range only listeners compete."""
+    low, _ = _ephemeral_range()
+    top = min(low, 65536)
+    bottom = max(1024, top - 12_000)
+    for _ in range(attempts):
+        port = random.randrange(bottom, top)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise Unavailable(f"no free port of {host} in [{bottom}, {top}) after {attempts} tries")
 
 
 def pid_alive(pid: int) -> bool:
