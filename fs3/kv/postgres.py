@@ -683,8 +683,14 @@ class _PgTxn:
     async def commit_reads(self) -> None:
         """Drop what this transaction wrote and commit what it read: for an answer computed from
         its reads that is not a change (an error such as "not found" or "already exists"), which is
-        serializable only once the transaction committed; a conflict is :class:`TxnConflict`."""
-        self._check_open()
+        serializable only once the transaction committed; a conflict is :class:`TxnConflict`.
+
+        A transaction that a failure already ended (a statement timeout, a round trip past its
+        deadline: ``_failed``, ``_abandon``) has nothing to commit, and the error passing through is
+        that failure, not an answer: it stays the caller's (refusing here would turn a retryable
+        Timeout or Unavailable into "already committed or abandoned")."""
+        if self._done:
+            return
         self._writes.clear()
         await self.commit()
 
