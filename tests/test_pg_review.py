@@ -112,3 +112,64 @@ def test_a_point_read_then_a_delete_by_another_is_a_rw_conflict(postgres_url: st
             engine.terminate()
 
     run(body())
+
+
+def test_a_bucket_lock_follows_its_keys_when_the_hash_index_splits_the_bucket(postgres_url: str) -> None:
+    """A point read of an absent key locks its hash bucket's page; when inserts grow the index
+    past its fill factor that bucket splits and the key's entries move to the new bucket. The read
+    must still conflict with a later insert of the key there (PostgreSQL moves the predicate lock
+    with the split): the same write skew as above, with a split between the reads and the writes.
+
+    The key is chosen to move: ``hashtext`` hashes a deterministic text's bytes as the bytea hash
+    opclass hashes ``k || ''``, and the bucket the next split creates is the metapage's
+    ``maxbucket + 1`` (pageinspect, a contrib module of Debian's server package)."""
+    url = libpq(postgres_url)
+
+    async def body() -> None:
+        engine = await PostgresTxnEngine.open(PostgresConfig(postgres_url))
+        admin = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        try:
+            try:
+                await admin.execute("CREATE EXTENSION IF NOT EXISTS pageinspect")
+            except psycopg.Error as exc:
+                pytest.skip(f"pageinspect unavailable: {exc}")
+
+            async def metapage() -> tuple[int, int, int, float]:
+                cur = await admin.execute("SELECT maxbucket, highmask, ffactor, ntuples "
+                                          "FROM hash_metapage_info(get_raw_page('fs3_kv_point', 0))")
+                row = await cur.fetchone()
+                assert row is not None
+                return int(row[0]), int(row[1]), int(row[2]), float(row[3])
+
+            async def key_in_bucket(prefix: str, highmask: int, bucket: int) -> bytes:
+                cur = await admin.execute("SELECT %s || g FROM generate_series(1, 1000000) AS g "
+                                          "WHERE (hashtext(%s || g) & %s) = %s LIMIT 1",
+                                          (prefix, prefix, highmask, bucket))
+                row = await cur.fetchone()
+                assert row is not None
+                return str(row[0]).encode()
+
+            max_bucket, highmask, fill_factor, tuples = await metapage()
+            moving = await key_in_bucket("K", highmask, max_bucket + 1)  # in the bucket that splits next
+            other = await key_in_bucket("Y", highmask, 7)
+            t1, t2 = engine.begin(), engine.begin()
+            assert await t1.get(moving) is None
+            assert await t2.get(other) is None
+            # A statement of its own ends each read's index scan (its pin on the bucket would
+            # otherwise keep the bucket from splitting while the transaction is open).
+            await t1.scan(b"A", b"B")
+            await t2.scan(b"A", b"B")
+            grow = int(fill_factor * (max_bucket + 1) - tuples) + 20_000
+            await admin.execute("INSERT INTO fs3_kv SELECT 'F'::bytea || int4send(g), 'v'::bytea "
+                                "FROM generate_series(1, %s) AS g", (grow,))
+            assert (await metapage())[0] > max_bucket + 1  # the key's bucket split
+            t1.put(other, b"1")
+            t2.put(moving, b"1")
+            await t1.commit()
+            with pytest.raises(TxnConflict):
+                await t2.commit()
+        finally:
+            await admin.close()
+            engine.terminate()
+
+    run(body())
