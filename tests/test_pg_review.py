@@ -173,3 +173,47 @@ def test_a_bucket_lock_follows_its_keys_when_the_hash_index_splits_the_bucket(po
             engine.terminate()
 
     run(body())
+
+
+def test_servers_starting_together_on_an_older_database_wait_for_the_one_building_the_index(
+        postgres_url: str) -> None:
+    """Several meta servers starting at once on a database made before the point index: one takes
+    the schema lock and builds the index (which waits for writers in flight, then reads the whole
+    table), the others wait for that lock. The wait is the schema check's, bounded by its own
+    timeout, not by a request's ``statement_timeout_ms``: the others used to fail to start with a
+    statement timeout whenever the build took longer than that."""
+    url = libpq(postgres_url)
+
+    async def body() -> None:
+        engine = await PostgresTxnEngine.open(PostgresConfig(postgres_url))
+        engine.terminate()
+        admin = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        writer = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        try:
+            await admin.execute("DROP INDEX fs3_kv_point")
+            await writer.execute("BEGIN")
+            await writer.execute("INSERT INTO fs3_kv (k, v) VALUES ('in flight', 'v')")  # the build waits for it
+            config = PostgresConfig(postgres_url, statement_timeout_ms=300)
+            first = asyncio.create_task(PostgresTxnEngine.open(config))
+            for _ in range(500):  # until the first holds the schema lock (bounded: 5 s)
+                cur = await admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+                row = await cur.fetchone()
+                if row is not None and row[0]:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the first server never took the schema lock")
+            second = asyncio.create_task(PostgresTxnEngine.open(config))
+            await asyncio.sleep(1.0)  # past the second's statement timeout, waiting for the lock
+            assert not first.done() and not second.done()
+            await writer.execute("ROLLBACK")
+            for engine in await asyncio.gather(first, second):
+                assert await engine.begin().get(b"in flight") is None
+                engine.terminate()
+            cur = await admin.execute("SELECT to_regclass('fs3_kv_point') IS NOT NULL")
+            assert await cur.fetchone() == (True,)
+        finally:
+            await writer.close()
+            await admin.close()
+
+    run(body())

@@ -395,9 +395,7 @@ def _shut_down(conn: _Conn) -> None:
 
 async def _create_point_index(pg: psycopg.AsyncConnection[Any]) -> None:
     """The point-read index, its buckets sized by placeholder rows (``_POINT_BUCKETS_ROWS``, see
-    there), inside the caller's transaction."""
-    # Seconds, not a request's statement timeout: it runs once, at a first start.
-    await pg.execute(b"SET LOCAL statement_timeout = %s" % str(_SCHEMA_TIMEOUT_MS).encode())
+    there), inside the caller's transaction (whose statement timeout is ``_SCHEMA_TIMEOUT_MS``)."""
     await pg.execute(_PLACEHOLDERS, (_POINT_BUCKETS_ROWS,))
     await pg.execute(_POINT_INDEX_DDL)
     await pg.execute(_DROP_PLACEHOLDERS)
@@ -823,6 +821,9 @@ class PostgresTxnEngine:
             raise Unavailable(f"{exc} (is the server running, the URL, user and password right?)") from None
         try:
             async with pg.transaction():
+                # Seconds, not a request's statement timeout: the index build reads the whole table
+                # (after the writers in flight), and servers starting together wait for it at the lock.
+                await pg.execute(b"SET LOCAL statement_timeout = %s" % str(_SCHEMA_TIMEOUT_MS).encode())
                 # Meta servers starting together: one creates the schema, the others then check it.
                 await pg.execute(b"SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
                 cur = await pg.execute(b"SELECT to_regclass('fs3_info') IS NOT NULL, to_regclass('fs3_kv') IS NOT NULL")
