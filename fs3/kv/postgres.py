@@ -395,9 +395,7 @@ def _shut_down(conn: _Conn) -> None:
 
 async def _create_point_index(pg: psycopg.AsyncConnection[Any]) -> None:
     """The point-read index, its buckets sized by placeholder rows (``_POINT_BUCKETS_ROWS``, see
-    there), inside the caller's transaction."""
-    # Seconds, not a request's statement timeout: it runs once, at a first start.
-    await pg.execute(b"SET LOCAL statement_timeout = %s" % str(_SCHEMA_TIMEOUT_MS).encode())
+    there), inside the caller's transaction (whose statement timeout is ``_SCHEMA_TIMEOUT_MS``)."""
     await pg.execute(_PLACEHOLDERS, (_POINT_BUCKETS_ROWS,))
     await pg.execute(_POINT_INDEX_DDL)
     await pg.execute(_DROP_PLACEHOLDERS)
@@ -683,8 +681,14 @@ class _PgTxn:
     async def commit_reads(self) -> None:
         """Drop what this transaction wrote and commit what it read: for an answer computed from
         its reads that is not a change (an error such as "not found" or "already exists"), which is
-        serializable only once the transaction committed; a conflict is :class:`TxnConflict`."""
-        self._check_open()
+        serializable only once the transaction committed; a conflict is :class:`TxnConflict`.
+
+        A transaction that a failure already ended (a statement timeout, a round trip past its
+        deadline: ``_failed``, ``_abandon``) has nothing to commit, and the error passing through is
+        that failure, not an answer: it stays the caller's (refusing here would turn a retryable
+        Timeout or Unavailable into "already committed or abandoned")."""
+        if self._done:
+            return
         self._writes.clear()
         await self.commit()
 
@@ -817,6 +821,9 @@ class PostgresTxnEngine:
             raise Unavailable(f"{exc} (is the server running, the URL, user and password right?)") from None
         try:
             async with pg.transaction():
+                # Seconds, not a request's statement timeout: the index build reads the whole table
+                # (after the writers in flight), and servers starting together wait for it at the lock.
+                await pg.execute(b"SET LOCAL statement_timeout = %s" % str(_SCHEMA_TIMEOUT_MS).encode())
                 # Meta servers starting together: one creates the schema, the others then check it.
                 await pg.execute(b"SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
                 cur = await pg.execute(b"SELECT to_regclass('fs3_info') IS NOT NULL, to_regclass('fs3_kv') IS NOT NULL")
