@@ -345,6 +345,9 @@ class _Pool:
         except psycopg.Error:
             self._discard(conn)
             return
+        except asyncio.CancelledError:  # the loop is ending: the slot goes back, the connection with it
+            self._discard(conn)
+            raise
         finally:
             cut.cancel()
             self.rollbacks += 1
