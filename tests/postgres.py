@@ -31,6 +31,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -49,6 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -56,6 +58,7 @@ from fs3.cluster.processes import pid_alive, read_pid_file, write_pid_file
 
 __all__ = [
     "DATABASES",
+    "CutRelay",
     "PostgresError",
     "PostgresServer",
     "find_bin_dir",
@@ -419,3 +422,44 @@ def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[C
         if server is not None:
             for url in made:
                 server.drop_database(url)
+
+
+class CutRelay:
+    """A TCP relay in front of a test's PostgreSQL that can stop relaying (both ways, the sockets
+    left open, the bytes held and delivered after the heal, as TCP would): a database cut off by the
+    network, where TCP alone waits for minutes. ``url(postgres_url)`` is the same database through it."""
+
+    def __init__(self, postgres_url: str) -> None:
+        self.parts = urlsplit(postgres_url)
+        assert self.parts.hostname and self.parts.port
+        self.target = (self.parts.hostname, self.parts.port)
+        self.cut = asyncio.Event()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> str:
+        """Listen; the URL of the database through the relay."""
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+        parts = self.parts
+        return urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{self.port}"))
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                while self.cut.is_set():
+                    await asyncio.sleep(0.01)  # held, never delivered while cut
+                dst.write(data)
+                await dst.drain()
+
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        writer.close()
+        up_writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+

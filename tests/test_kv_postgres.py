@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -15,7 +14,7 @@ from fs3.common.errors import InvalidArgument, MaybeCommitted, Timeout, TxnConfl
 from fs3.kv.api import Transaction
 from fs3.kv.postgres import SCHEMA_VERSION, PostgresConfig, PostgresTxnEngine, redact_url
 from fs3.kv.txn import run_transaction
-from tests.postgres import PostgresServer
+from tests.postgres import CutRelay, PostgresServer
 
 T = TypeVar("T")
 
@@ -382,55 +381,14 @@ def test_retries_under_contention_run_alone_and_all_finish(postgres_url: str) ->
         loop.close()
 
 
-class _Blackhole:
-    """A TCP relay to the server that can stop relaying (both ways, sockets left open): a database
-    cut off by the network, where TCP alone waits for minutes."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.cut = asyncio.Event()
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            while data := await src.read(65536):
-                while self.cut.is_set():
-                    await asyncio.sleep(0.01)  # held, never delivered while cut
-                dst.write(data)
-                await dst.drain()
-
-        try:
-            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-            up_writer.close()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-
 def test_a_round_trip_cut_off_by_the_network_ends_at_its_deadline_and_closes_the_connection(
         postgres_url: str) -> None:
     """No answer within round_trip_timeout_ms: a read is Unavailable, a commit MaybeCommitted, both
     at the deadline (not after the driver's own attempts to cancel over the dead path); each closes
     its connection (never pooled mid-flush), so after the heal every transaction runs on a fresh one."""
-    parts = urlsplit(postgres_url)
-    host, port_ = parts.hostname, parts.port
-    assert host and port_
-
     async def body() -> None:
-        proxy = _Blackhole(host, port_)
-        port = await proxy.start()
-        url = urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{port}"))
+        proxy = CutRelay(postgres_url)
+        url = await proxy.start()
         engine = await _open(url, statement_timeout_ms=200, round_trip_timeout_ms=600, pool_size_max=2)
         try:
             txn = engine.begin()

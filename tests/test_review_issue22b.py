@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 from fs3.common.errors import Unavailable
 from tests.conftest import wait_until
+from tests.postgres import CutRelay
 
 
 def test_a_password_with_a_colon_is_redacted_whole() -> None:
@@ -48,39 +48,6 @@ def test_a_url_libpq_cannot_parse_does_not_echo_its_password(url: str) -> None:
     assert "s3c" not in str(err.value), str(err.value)
 
 
-class _Relay:
-    """A TCP relay to the server that can hold everything (both ways, sockets left open): a
-    database cut off by the network."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.cut = asyncio.Event()
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            while data := await src.read(65536):
-                while self.cut.is_set():
-                    await asyncio.sleep(0.01)
-                dst.write(data)
-                await dst.drain()
-
-        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
-            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-        writer.close()
-        up_writer.close()
-
-    def url(self, postgres_url: str, port: int) -> str:
-        parts = urlsplit(postgres_url)
-        return urlunsplit(parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{port}"))
-
-
 def test_a_dropped_transactions_rollback_cut_off_by_the_network_ends_at_the_deadline(postgres_url: str) -> None:
     """A read-only transaction dropped uncommitted (meta's reads) has its ROLLBACK sent by the
     pool; with the database cut off, that round trip had no deadline and held its pooled slot
@@ -88,15 +55,10 @@ def test_a_dropped_transactions_rollback_cut_off_by_the_network_ends_at_the_dead
     trip was bounded. It must end at ``round_trip_timeout_ms`` like any other."""
     from fs3.kv.postgres import PostgresConfig, PostgresTxnEngine
 
-    parts = urlsplit(postgres_url)
-    host, port_ = parts.hostname, parts.port
-    assert host and port_
-
     async def body() -> None:
-        relay = _Relay(host, port_)
-        port = await relay.start()
+        relay = CutRelay(postgres_url)
         engine = await PostgresTxnEngine.open(PostgresConfig(
-            relay.url(postgres_url, port), statement_timeout_ms=200, round_trip_timeout_ms=600, pool_size_max=1,
+            await relay.start(), statement_timeout_ms=200, round_trip_timeout_ms=600, pool_size_max=1,
             acquire_timeout_ms=30_000))
         try:
             reader = engine.begin()
@@ -116,8 +78,7 @@ def test_a_dropped_transactions_rollback_cut_off_by_the_network_ends_at_the_dead
         finally:
             relay.cut.clear()
             await engine.close()
-            if relay.server is not None:
-                relay.server.close()
+            await relay.close()
 
     asyncio.run(body())
 
