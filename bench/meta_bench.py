@@ -36,6 +36,32 @@ OPS = ("create", "stat", "rename", "unlink")
 
 # -- fs3 ---------------------------------------------------------------------------------------
 
+async def create_files(fs: Any, paths: list[str]) -> None:
+    """Open each path for writing and close it: an empty file (fs3.aio's file system)."""
+    for p in paths:
+        f = await fs.open(p, "wb")
+        await f.close()
+
+
+async def stat_files(fs: Any, paths: list[str]) -> None:
+    for p in paths:
+        await fs.stat(p)
+
+
+async def rename_files(fs: Any, paths: list[str]) -> None:
+    for p in paths:
+        await fs.rename(p, p + ".r")
+
+
+async def unlink_files(fs: Any, paths: list[str]) -> None:
+    for p in paths:
+        await fs.remove(p + ".r")
+
+
+#: The phases, in order, each over one client's paths (the scale benchmark runs the same).
+FS3_PHASES = (("create", create_files), ("stat", stat_files), ("rename", rename_files), ("unlink", unlink_files))
+
+
 def _fs3_worker(mgmtd: str, token: str, base: str, clients: int, files: int, worker: int,
                 barrier: Any, out: Any) -> None:
     import uvloop
@@ -53,24 +79,7 @@ def _fs3_worker(mgmtd: str, token: str, base: str, clients: int, files: int, wor
             await asyncio.gather(*(op(conns[c], names[c]) for c in range(clients)))
             timings[name] = time.perf_counter() - start
 
-        async def create(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                f = await fs.open(p, "wb")
-                await f.close()
-
-        async def stat(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                await fs.stat(p)
-
-        async def rename(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                await fs.rename(p, p + ".r")
-
-        async def unlink(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                await fs.remove(p + ".r")
-
-        for name, op in (("create", create), ("stat", stat), ("rename", rename), ("unlink", unlink)):
+        for name, op in FS3_PHASES:
             await phase(name, op)
         out.put((worker, timings))
         for fs in conns:

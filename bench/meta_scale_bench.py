@@ -39,11 +39,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.meta_bench import FS3_PHASES  # noqa: E402
 from bench.results_io import save_result  # noqa: E402
 from fs3.cli.local import LocalCluster  # noqa: E402
 
 PROCESSES = 2
-PHASES = ("create", "stat", "rename", "unlink")
+PHASES = tuple(name for name, _ in FS3_PHASES)
 CONFIGS = ("rocksdb", "postgres-1", "postgres-2", "postgres-3")
 
 
@@ -60,26 +61,9 @@ def _worker(mgmtd: str, token: str, dirs: list[str], files: int, worker: int, ba
         conns = [await fs3.aio.connect(mgmtd, token=token) for _ in dirs]
         names = [[f"{d}/w{worker}c{c}-{i}" for i in range(files)] for c, d in enumerate(dirs)]
 
-        async def create(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                f = await fs.open(p, "wb")
-                await f.close()
-
-        async def stat(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                await fs.stat(p)
-
-        async def rename(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                await fs.rename(p, p + ".r")
-
-        async def unlink(fs: Any, paths: list[str]) -> None:
-            for p in paths:
-                await fs.remove(p + ".r")
-
         cpu: dict[str, float] = {}
         loop = asyncio.get_running_loop()
-        for name, op in (("create", create), ("stat", stat), ("rename", rename), ("unlink", unlink)):
+        for name, op in FS3_PHASES:
             await loop.run_in_executor(None, barrier.wait)
             before = resource.getrusage(resource.RUSAGE_SELF)
             await asyncio.gather(*(op(conns[c], names[c]) for c in range(len(dirs))))
