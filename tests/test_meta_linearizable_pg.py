@@ -47,7 +47,6 @@ from google.protobuf.message import Message
 
 from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
-from fs3 import storage_pb2 as spb
 from fs3.client.routing import RoutingCache
 from fs3.common.errors import FS3Error, StatusCode
 from fs3.common.faults import SABOTAGE_ENV
@@ -57,6 +56,7 @@ from fs3.rpc.methods import service_spec
 from fs3.sim.meta import answer, check_history, request
 from fs3.sim.namespace import tag_mode
 from fs3.sim.wgl import Call
+from tests.test_meta_model import NoChunks, NoChunksMeta
 
 pytestmark = pytest.mark.slow
 
@@ -77,26 +77,6 @@ _UNKNOWN = frozenset({StatusCode.UNAVAILABLE, StatusCode.TIMEOUT, StatusCode.TXN
 _READS = frozenset({"stat", "readdir"})
 
 
-class NoChunks:
-    """Storage that holds no chunk: probes find nothing, removals and trims succeed."""
-
-    async def read(self, chain_id: int, chunk_id: bytes, offset: int, length: int,
-                   *args: Any, **kwargs: Any) -> tuple[bytes, spb.ReadRsp]:
-        return b"", spb.ReadRsp(version=0, chunk_length=0)
-
-    async def remove(self, *args: Any, **kwargs: Any) -> spb.UpdateRsp:
-        return spb.UpdateRsp()
-
-    async def truncate(self, *args: Any, **kwargs: Any) -> spb.UpdateRsp:
-        return spb.UpdateRsp()
-
-
-class NoChunksMeta(MetaService):
-    """Meta over storage that holds no chunk: every listing of a file's chunks is empty."""
-
-    async def _list_inode_chunks(self, chain_id: int, inode_id: int, index: int,
-                                 head_first: bool) -> tuple[list[spb.ChunkMeta], bool]:
-        return [], False
 
 
 class _NoChannels:
