@@ -9,6 +9,7 @@ from typing import Any
 from cluster_model.collectives import Collective
 from cluster_model.config import ConfigError, deep_merge, load_toml, reference_path, require_int, require_number
 from cluster_model.cost import ClusterCost, CostModel
+from cluster_model.fabric import Fabric
 from cluster_model.failures import FailureModel
 from cluster_model.node import Node
 from cluster_model.storage import StorageSystem
@@ -40,8 +41,18 @@ class Cluster:
         return self.compute_nodes * self.node.gpus
 
     @property
+    def fabric(self) -> Fabric:
+        """Where jobs' nodes sit on the two-zone network, for laying allreduce trees onto it."""
+        net = self.config["network"]
+        zones = self.network.zones
+        return Fabric.two_zone(self.network.switch_radix, self.compute_nodes, self.node.compute_nics, zones,
+                               self.network.cross_zone_links if zones > 1 else 0) \
+            if self.node.compute_nics == 1 and net.get("topology", "two-zone") == "two-zone" \
+            else Fabric(nodes_per_leaf=self.compute_nodes, leaves_per_zone=1)
+
+    @property
     def collective(self) -> Collective:
-        return Collective(self.node)
+        return Collective(self.node, self.fabric)
 
     def cost(self, precision: str = "tf32") -> ClusterCost:
         return self.cost_model.cluster(self.name, self.node, self.compute_nodes, self.network, precision)

@@ -19,15 +19,20 @@ back), while the inter-node tree overlaps them; the slowest GPU sets the copy ra
 GPU6 share one root port. With NVLink, bridged pairs first reduce over NVLink, so each GPU copies
 half a buffer each way and the CPU sums four buffers instead of eight.
 
-Pipelines fill once per tree level (reduce up, broadcast down), one chunk at a time.
+Pipelines fill once per tree level (reduce up, broadcast down), one chunk at a time. Given a
+:class:`~cluster_model.fabric.Fabric`, the inter-node tree is laid onto the switches: its depth, the
+switches on its deepest path and the busiest link it shares come from :mod:`fabric` (placement,
+destination routing, cross-zone links); without one, the nodes hang off one non-blocking switch.
+NCCL's tree also runs through a chain of the node's GPUs before it reaches the NIC, so its pipeline
+is ``GPUs - 1`` steps deeper than HFReduce's, in chunks of NCCL's own size.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from cluster_model.config import ConfigError
+from cluster_model.fabric import Fabric, TreeTraffic
 from cluster_model.node import Node
 
 __all__ = ["HOST_MEMORY_OPS_PER_BYTE", "NCCL_TREE_EFFICIENCY", "AllreduceResult", "Collective"]
@@ -37,6 +42,9 @@ HOST_MEMORY_OPS_PER_BYTE = 24  # the paper's count for HFReduce on an 8-GPU PCIe
 #: NCCL_ALGO_TREE in src/graph/tuning.cc): the cost of pipelining chunks up and down two trees.
 NCCL_TREE_EFFICIENCY = 0.92
 _MIB = 1 << 20
+#: NCCL's Simple protocol moves a tree in chunks of about 256 KiB (the chunk its own latency model is
+#: written for: "Tree/Simple is the latency a 256kB chunk" in src/graph/tuning.cc).
+NCCL_TREE_CHUNK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class AllreduceResult:
     message_bytes: int
     time_s: float
     bound: str                      # the resource that sets the steady-state rate
+    traffic: TreeTraffic | None = None   # the inter-node tree on the fabric (None inside one node)
 
     @property
     def algbw_gbs(self) -> float:
@@ -59,8 +68,10 @@ class Collective:
     """Allreduce on ``node``-type servers. ``cross_zone_gbs``: bandwidth between zones (None: one zone)."""
 
     node: Node
-    pipeline_chunk_bytes: int = 1 * _MIB      # assumption: HFReduce and NCCL pipeline granularity
-    hop_latency_s: float = 5e-6               # assumption: one network hop, IB HDR switch + NIC
+    fabric: Fabric | None = None              # where a job's nodes sit (None: one non-blocking switch)
+    pipeline_chunk_bytes: int = 1 * _MIB      # assumption: HFReduce's pipeline granularity
+    hop_latency_s: float = 5e-6               # assumption: one step of a pipeline (NIC, software, handshake)
+    nccl_chunk_bytes: int = NCCL_TREE_CHUNK_BYTES
 
     def _nodes(self, gpus: int) -> int:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0:
@@ -74,9 +85,23 @@ class Collective:
         if message_bytes <= 0:
             raise ConfigError("message_bytes", f"must be positive, not {message_bytes}")
 
-    def _tree_fill_s(self, nodes: int, seconds_per_byte: float) -> float:
-        levels = math.ceil(math.log2(nodes)) if nodes > 1 else 0
-        return 2 * levels * (self.pipeline_chunk_bytes * seconds_per_byte + self.hop_latency_s)
+    def traffic(self, nodes: int, zones: int = 1) -> TreeTraffic:
+        """The inter-node double binary tree of a ``nodes``-node job laid onto the fabric."""
+        fabric = self.fabric or Fabric(nodes_per_leaf=nodes, leaves_per_zone=1)
+        return fabric.tree_traffic(nodes, zones)
+
+    def _tree_fill_s(self, traffic: TreeTraffic, chunk_bytes: int, link_gbs: float) -> float:
+        """Filling and draining the tree: one chunk per level up and down its deepest path, each
+        level one link's transfer of a chunk plus a step's latency, and the switches on the way."""
+        if traffic.nodes <= 1:
+            return 0.0
+        switch_s = self.fabric.switch_latency_s if self.fabric else 0.0
+        per_level = chunk_bytes / (link_gbs * 1e9) + self.hop_latency_s
+        return 2 * (traffic.deepest_path_edges * per_level + traffic.deepest_path_switches * switch_s)
+
+    def _link_gbs(self) -> float:
+        """One switch-to-switch link, GB/s (the fabric's ports run at the NIC's line rate)."""
+        return self.node.nic_gbs
 
     def _cross_zone_s_per_byte(self, cross_zone_gbs: float | None, per_node_bytes: float) -> float:
         if cross_zone_gbs is None:
@@ -102,28 +127,40 @@ class Collective:
         time = message_bytes * per_byte + steps * self.hop_latency_s
         return AllreduceResult("NCCL ring", gpus, message_bytes, time, bound)
 
-    def nccl_tree(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None) -> AllreduceResult:
+    def nccl_tree(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
+                  zones: int = 1) -> AllreduceResult:
         nodes = self._nodes(gpus)
         self._check_message(message_bytes)
         if nodes == 1:
             return self.nccl_ring(gpus, message_bytes)
+        traffic = self.traffic(nodes, zones)
+        nic_path_gbs = self.node.compute_nics * self.node.gpu_nic_gbs * NCCL_TREE_EFFICIENCY
+        link_gbs = self._link_gbs() * NCCL_TREE_EFFICIENCY
+        intra_gbs = self._intra_node_gbs() * NCCL_TREE_EFFICIENCY
+        # Listed first, so that where the two peer-to-peer paths tie the NIC's is named.
         candidates = {
-            # The chain inside a node carries each byte once each way (reduce up, broadcast down).
-            "intra-node": 1 / (self._intra_node_gbs() * NCCL_TREE_EFFICIENCY) / 1e9,
-            "GPU-NIC path": 2 / (self.node.compute_nics * self.node.gpu_nic_gbs * NCCL_TREE_EFFICIENCY) / 1e9,
+            # An interior node's NIC carries 2 bytes per byte, through the GPU<->NIC path.
+            "GPU-NIC path": traffic.nic_load / nic_path_gbs / 1e9,
+            # The chain inside a node carries the whole message up (reduce) and down (broadcast) at
+            # once, so each GPU's link sends 2 bytes per byte: one up the chain, one down it.
+            "intra-node": 2 / intra_gbs / 1e9,
+            "shared switch links": traffic.network_load / link_gbs / 1e9,
             "cross-zone links": self._cross_zone_s_per_byte(cross_zone_gbs, 1.0),
         }
         bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
-        time = message_bytes * per_byte + self._tree_fill_s(nodes, per_byte)
-        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound)
+        chain = self.node.gpus - 1
+        chain_fill = 2 * chain * (self.nccl_chunk_bytes / (intra_gbs * 1e9) + self.hop_latency_s)
+        fill = self._tree_fill_s(traffic, self.nccl_chunk_bytes, min(nic_path_gbs, link_gbs)) + chain_fill
+        time = message_bytes * per_byte + fill
+        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound, traffic)
 
     def nccl(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
-             algorithm: str = "double binary tree") -> AllreduceResult:
+             algorithm: str = "double binary tree", zones: int = 1) -> AllreduceResult:
         """NCCL with the algorithm the cluster runs (Fire-Flyer 2: double binary tree across nodes)."""
         if algorithm == "ring":
             return self.nccl_ring(gpus, message_bytes, cross_zone_gbs)
         if algorithm == "double binary tree":
-            return self.nccl_tree(gpus, message_bytes, cross_zone_gbs)
+            return self.nccl_tree(gpus, message_bytes, cross_zone_gbs, zones)
         raise ConfigError("network.collective_algorithm", f"must be ring or double binary tree, not {algorithm!r}")
 
     def _intra_node_gbs(self) -> float:
@@ -137,8 +174,10 @@ class Collective:
     # -- HFReduce ----------------------------------------------------------------------------------
 
     def hfreduce(self, gpus: int, message_bytes: int, nvlink: bool = False,
-                 cross_zone_gbs: float | None = None, gpus_per_node: int | None = None) -> AllreduceResult:
-        """``gpus_per_node``: how many of each node's GPUs take part (default: all of them)."""
+                 cross_zone_gbs: float | None = None, gpus_per_node: int | None = None,
+                 zones: int = 1) -> AllreduceResult:
+        """``gpus_per_node``: how many of each node's GPUs take part (default: all of them); ``zones``:
+        how many zones the job's nodes are spread over (they need a fabric with that many)."""
         node = self.node
         local_gpus = min(gpus, node.gpus) if gpus_per_node is None else gpus_per_node
         if not 0 < local_gpus <= node.gpus or gpus % local_gpus:
@@ -158,12 +197,19 @@ class Collective:
             "intra-node copy and reduce": (d2h + reduce + h2d) / 1e9,
             "host memory bandwidth": memory_ops / node.memory_bw_gbs / 1e9,
         }
+        traffic = self.traffic(nodes, zones)
+        nic_gbs = node.compute_nics * node.nic_gbs
         if nodes > 1:
-            candidates["NIC"] = 2 / (node.compute_nics * node.nic_gbs) / 1e9
+            candidates["NIC"] = traffic.nic_load / nic_gbs / 1e9
+            candidates["shared switch links"] = traffic.network_load / self._link_gbs() / 1e9
             candidates["cross-zone links"] = self._cross_zone_s_per_byte(cross_zone_gbs, 1.0)
         bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
-        time = message_bytes * per_byte + self._tree_fill_s(nodes, per_byte)
-        return AllreduceResult("HFReduce with NVLink" if nvlink else "HFReduce", gpus, message_bytes, time, bound)
+        # The first chunk is copied in and reduced before the tree starts; the last is copied out after.
+        ends = self.pipeline_chunk_bytes * (d2h + reduce + h2d) / 1e9 if nodes > 1 else 0.0
+        fill = self._tree_fill_s(traffic, self.pipeline_chunk_bytes, min(nic_gbs, self._link_gbs())) + ends
+        time = message_bytes * per_byte + fill
+        return AllreduceResult("HFReduce with NVLink" if nvlink else "HFReduce", gpus, message_bytes, time, bound,
+                               traffic)
 
     def hfreduce_bound_gbs(self) -> float:
         """The paper's host-memory bound: practical memory bandwidth over 24 bytes per byte."""
