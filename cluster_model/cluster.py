@@ -57,14 +57,18 @@ class Cluster:
     def cost(self, precision: str = "tf32") -> ClusterCost:
         return self.cost_model.cluster(self.name, self.node, self.compute_nodes, self.network, precision)
 
-    def dgx_equivalent(self) -> tuple[Topology, ClusterCost]:
-        """The same GPU count built from DGX-A100 nodes on one three-layer fat-tree (every NIC on it)."""
+    def dgx_equivalent(self, access_points: int | None = None) -> tuple[Topology, ClusterCost]:
+        """The same GPU count built from DGX-A100 nodes on one three-layer fat-tree of ``access_points``.
+
+        The default is one access point per compute NIC (eight per DGX node, 10,000 for 10,000 GPUs),
+        as Table III's DGX design is set up; the ninth (storage) NIC and the storage nodes are then
+        on a storage network of their own, outside the comparison.
+        """
         dgx = self.nodes["dgx_a100"]
         nodes = -(-self.gpus // dgx.gpus)
-        net_cfg = self.config["network"]
-        storage_ports = self.storage.storage_nodes * self.storage.nics_per_node
-        endpoints = nodes * (dgx.compute_nics + dgx.storage_nics) + storage_ports
-        topology = three_layer_fat_tree(int(net_cfg["switch_ports"]), float(net_cfg["port_gbps"]), endpoints,
+        if access_points is None:
+            access_points = nodes * dgx.compute_nics
+        topology = three_layer_fat_tree(self.network.switch_radix, self.network.port_gbps, access_points,
                                         name="three-layer fat-tree (DGX)")
         return topology, self.cost_model.cluster("DGX-A100", dgx, nodes, topology)
 

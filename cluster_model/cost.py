@@ -4,7 +4,9 @@ Prices are in the paper's relative unit (Table III does not state one). A server
 paper's servers line over its node count (10,000 GPUs / 8 = 1,250 nodes); a switch's price —
 cables and transceivers included — is the two-zone network's line over the switches that
 network has, so every other network is priced by its switch count. Power is the nodes' measured
-average (Table II) plus the switches' (an assumption, below).
+average (Table II) plus the switches' (an assumption, below); a storage node's power, which the
+paper does not give, is built from its parts (:class:`StorageNodePower`), each part's figure an
+assumption stated with its reason.
 """
 
 from __future__ import annotations
@@ -15,9 +17,58 @@ from cluster_model.config import ConfigError
 from cluster_model.node import Node
 from cluster_model.topology import Topology
 
-__all__ = ["SWITCH_POWER_W", "ClusterCost", "CostModel"]
+__all__ = ["SWITCH_POWER_W", "ClusterCost", "CostModel", "StorageNodePower"]
 
 SWITCH_POWER_W = 300.0  # assumption: a 40-port HDR switch (QM8700) with its optics, typical load
+
+
+@dataclass(frozen=True)
+class StorageNodePower:
+    """A 3FS storage node's draw at the wall, from its parts (W). Every default is an assumption.
+
+    The paper gives the compute node's measured average (Table II) but no storage node figure, so
+    the node is built up: SSDs, CPUs, memory and NICs at their active draw, fans and board, and the
+    power supply's loss on top of the sum.
+    """
+
+    ssds: int
+    nics: int
+    ssd_active_w: float = 20.0       # a PCIe 4.0 15.36 TB U.2 enterprise NVMe reading at full rate:
+    #                                  datasheet active maxima of the class are 18-25 W (U.2's 25 W slot)
+    cpu_sockets: int = 2             # the compute node's two-socket EPYC platform, reused
+    cpu_w: float = 180.0             # per socket, at TDP (32-core EPYC Rome): RDMA completions, CRC
+    #                                  and chunk-engine work keep the cores busy at ~44 GB/s per node
+    dimms: int = 16                  # one DDR4-3200 RDIMM per channel, as the compute node
+    dimm_w: float = 4.0              # a 32 GB DDR4 RDIMM under load
+    nic_w: float = 20.0              # a ConnectX-6 200 Gb/s HDR adapter with its cable, typical
+    fans_w: float = 60.0             # fans moving the heat of 16 drives and two CPUs in a 2U chassis
+    board_w: float = 30.0            # BMC, chipset, drive backplane and PCIe retimers
+    psu_efficiency: float = 0.94     # an 80 PLUS Platinum supply near half load
+
+    def __post_init__(self) -> None:
+        for name in ("ssds", "nics", "cpu_sockets", "dimms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"storage_power.{name}", f"must be a non-negative whole number, not {value!r}")
+        for name in ("ssd_active_w", "cpu_w", "dimm_w", "nic_w", "fans_w", "board_w"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"storage_power.{name}", f"must not be negative, not {getattr(self, name)}")
+        if not 0 < self.psu_efficiency <= 1:
+            raise ConfigError("storage_power.psu_efficiency", f"must be in (0, 1], not {self.psu_efficiency}")
+
+    def parts_w(self) -> dict[str, float]:
+        """Each part's DC draw, and the supply's loss on their sum."""
+        parts = {"SSDs": self.ssds * self.ssd_active_w, "CPUs": self.cpu_sockets * self.cpu_w,
+                 "memory": self.dimms * self.dimm_w, "NICs": self.nics * self.nic_w,
+                 "fans": self.fans_w, "board": self.board_w}
+        dc_w = sum(parts.values())
+        parts["PSU loss"] = dc_w / self.psu_efficiency - dc_w
+        return parts
+
+    @property
+    def power_w(self) -> float:
+        """Draw at the wall."""
+        return sum(self.parts_w().values())
 
 
 @dataclass(frozen=True)

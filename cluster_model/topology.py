@@ -5,8 +5,11 @@ one link to each of ``k/2`` spines; a spine's ``k`` ports reach at most ``k`` le
 serves ``k²/2`` endpoints with ``k + k/2`` switches, non-blocking (Fire-Flyer 2's zone: 40 leaves,
 20 spines, 800 ports with 40-port QM8700 switches). More endpoints need a third layer: pods of
 ``k/2`` leaves and ``k/2`` aggregation switches (``k²/4`` endpoints each) joined by ``k²/4`` core
-switches — ``k³/4`` endpoints and ``5k²/4`` switches when full. Fire-Flyer 2 instead builds two
-two-layer zones and dual-homes its storage nodes (one NIC in each zone), so every compute node
+switches — ``k³/4`` endpoints and ``5k²/4`` switches when full. A partial tree is sized as a
+vendor quotes one for exactly ``n`` access points: ``ceil(n/(k/2))`` leaves, aggregation switches
+per pod to take its leaves' uplinks, and core switches to take theirs — never the whole radix-``k``
+tree. Fire-Flyer 2 instead builds two two-layer zones and dual-homes its storage nodes (one NIC in
+each zone), so every compute node
 reaches storage without a third layer; jobs stay inside one zone except at most one, which
 crosses over the few links between the zones. The next generation stacks ``planes`` independent
 two-layer trees of 128-port 400 Gbps switches, each node putting one NIC in every plane.
@@ -22,7 +25,17 @@ from dataclasses import dataclass, field
 
 from cluster_model.config import ConfigError
 
-__all__ = ["Topology", "multi_plane", "spread_placement", "three_layer_fat_tree", "two_layer_fat_tree", "two_zone"]
+__all__ = [
+    "PodSizing",
+    "ThreeLayerSizing",
+    "Topology",
+    "multi_plane",
+    "spread_placement",
+    "three_layer_fat_tree",
+    "three_layer_sizing",
+    "two_layer_fat_tree",
+    "two_zone",
+]
 
 
 @dataclass(frozen=True)
@@ -114,29 +127,142 @@ def two_layer_fat_tree(radix: int, port_gbps: float, endpoints: int | None = Non
     return Topology(name, radix, port_gbps, 2, 1, 1, leaves, spines, 0, endpoints, capacity, links, 0, over)
 
 
-def three_layer_fat_tree(radix: int, port_gbps: float, endpoints: int | None = None,
-                         name: str = "three-layer fat-tree") -> Topology:
-    """Pods of ``k/2`` leaves and ``k/2`` aggregation switches, joined by core switches.
+@dataclass(frozen=True)
+class PodSizing:
+    """One pod of a three-layer tree: its leaves (endpoints on each) and its aggregation switches.
 
-    Partial trees keep whole pods (a pod is the unit that is cabled) and size the core to the
-    pods' uplinks; leaves are only as many as the endpoints need.
+    Every leaf cables all ``k/2`` uplinks (a leaf is bought and cabled whole, so adding access points
+    later needs no recabling); the pod's aggregation switches take those uplinks on their ``k/2``
+    down ports, with parallel links where the pod has fewer than ``k/2`` leaves, and send as many
+    links up to the core as they take from below.
+    """
+
+    leaf_endpoints: tuple[int, ...]
+    leaf_uplinks: int              # per leaf
+    aggregation: int
+    aggregation_uplinks: int       # the pod's links to the core
+
+    @property
+    def endpoints(self) -> int:
+        return sum(self.leaf_endpoints)
+
+    @property
+    def leaves(self) -> int:
+        return len(self.leaf_endpoints)
+
+
+@dataclass(frozen=True)
+class ThreeLayerSizing:
+    """A three-layer fat-tree sized for exactly ``endpoints`` access points: its pods and its core."""
+
+    radix: int
+    endpoints: int
+    pods: tuple[PodSizing, ...]
+    core: int
+
+    @property
+    def leaves(self) -> int:
+        return sum(pod.leaves for pod in self.pods)
+
+    @property
+    def aggregation(self) -> int:
+        return sum(pod.aggregation for pod in self.pods)
+
+    @property
+    def switches(self) -> int:
+        return self.leaves + self.aggregation + self.core
+
+    @property
+    def leaf_aggregation_links(self) -> int:
+        return sum(pod.leaves * pod.leaf_uplinks for pod in self.pods)
+
+    @property
+    def aggregation_core_links(self) -> int:
+        return sum(pod.aggregation_uplinks for pod in self.pods)
+
+    def ports_used_max(self) -> dict[str, int]:
+        """The busiest switch's used ports in each layer (links spread as evenly as ports allow)."""
+        leaf = max(e + pod.leaf_uplinks for pod in self.pods for e in pod.leaf_endpoints)
+        aggregation = max(-(-pod.leaves * pod.leaf_uplinks // pod.aggregation)
+                          + -(-pod.aggregation_uplinks // pod.aggregation) for pod in self.pods)
+        core = -(-self.aggregation_core_links // self.core) if self.core else 0
+        return {"leaf": leaf, "aggregation": aggregation, "core": core}
+
+    def up_ratio(self) -> float:
+        """The least, over leaves and pods, of links up over endpoints below: at least 1 means every
+        access point can send at its line rate to the core at once (full bisection)."""
+        ratios = [pod.leaf_uplinks / e for pod in self.pods for e in pod.leaf_endpoints if e]
+        ratios += [pod.aggregation_uplinks / pod.endpoints for pod in self.pods if pod.endpoints]
+        return min(ratios)
+
+    def bisection_ports(self) -> float:
+        """Ports' worth of bandwidth across the worst cut of the access points into halves: with every
+        access point able to reach the core at line rate, each of one half's ``n/2`` ports can."""
+        return self.endpoints / 2 * min(1.0, self.up_ratio())
+
+    def violations(self) -> list[str]:
+        """What makes this sizing unbuildable or blocking (empty when it is sound)."""
+        found = [f"{layer} switch uses {used} ports of {self.radix}"
+                 for layer, used in self.ports_used_max().items() if used > self.radix]
+        if self.up_ratio() < 1.0:
+            found.append(f"links up over endpoints below fall to {self.up_ratio():.3f}: not full bisection")
+        if self.core * self.radix < self.aggregation_core_links:
+            found.append(f"{self.core} core switches cannot take {self.aggregation_core_links} uplinks")
+        return found
+
+
+def three_layer_sizing(radix: int, endpoints: int) -> ThreeLayerSizing:
+    """A three-layer tree for exactly ``endpoints`` access points, sized as a vendor quotes one.
+
+    Leaves ``ceil(n / (k/2))``, each ``k/2`` down and ``k/2`` up; pods of up to ``k/2`` leaves, each
+    pod with as many aggregation switches as take its leaves' uplinks (a partial last pod needs
+    fewer; parallel links between a leaf and an aggregation switch are allowed); core switches
+    ``ceil(aggregation uplinks / k)``. Never a full radix-``k`` tree: a pod or a core switch is
+    bought only when ports need it. Full bisection holds, since every layer sends up what it takes
+    from below.
     """
     _check_radix(radix)
-    _check_port(port_gbps)
     half = radix // 2
     capacity = radix * half * half
-    endpoints = capacity if endpoints is None else endpoints
+    if isinstance(endpoints, bool) or not isinstance(endpoints, int):
+        raise ConfigError("endpoints", f"must be a whole number, not {endpoints!r}")
     if endpoints <= 0:
         raise ConfigError("endpoints", f"must be positive, not {endpoints}")
     if endpoints > capacity:
         raise ConfigError("endpoints", f"{endpoints} endpoints exceed a three-layer tree of radix {radix} "
                                        f"({capacity})")
-    leaves = math.ceil(endpoints / half)
-    pods = math.ceil(leaves / half)
-    aggregation = pods * half
-    core = math.ceil(aggregation * half / radix)
-    links = leaves * half + aggregation * half
-    return Topology(name, radix, port_gbps, 3, 1, 1, leaves, aggregation, core, endpoints, capacity, links, 0, 1.0)
+    full_leaves, last_leaf = divmod(endpoints, half)
+    leaf_endpoints = [half] * full_leaves + ([last_leaf] if last_leaf else [])
+    pods: list[PodSizing] = []
+    for first in range(0, len(leaf_endpoints), half):
+        leaves = tuple(leaf_endpoints[first:first + half])
+        uplinks = len(leaves) * half
+        aggregation = -(-uplinks // half)       # each takes k/2 leaf uplinks on its down ports
+        pods.append(PodSizing(leaves, half, aggregation, uplinks))
+    core = -(-sum(pod.aggregation_uplinks for pod in pods) // radix)
+    sizing = ThreeLayerSizing(radix, endpoints, tuple(pods), core)
+    problems = sizing.violations()
+    if problems:  # an invariant of the construction, kept on under python -O
+        raise AssertionError(f"three-layer sizing for {endpoints} endpoints of radix {radix}: {problems}")
+    return sizing
+
+
+def three_layer_fat_tree(radix: int, port_gbps: float, endpoints: int | None = None,
+                         name: str = "three-layer fat-tree") -> Topology:
+    """A non-blocking three-layer tree for ``endpoints`` access points (default: the full ``k³/4``).
+
+    Sized by :func:`three_layer_sizing` (pods, aggregation and core only as ports need them), not
+    as a whole radix-``k`` tree with empty pods.
+    """
+    _check_radix(radix)
+    _check_port(port_gbps)
+    half = radix // 2
+    capacity = radix * half * half
+    sizing = three_layer_sizing(radix, capacity if endpoints is None else endpoints)
+    over = 1.0 / min(1.0, sizing.up_ratio())
+    return Topology(name, radix, port_gbps, 3, 1, 1, sizing.leaves, sizing.aggregation, sizing.core,
+                    sizing.endpoints, capacity, sizing.leaf_aggregation_links + sizing.aggregation_core_links, 0,
+                    over)
 
 
 def two_zone(radix: int, port_gbps: float, compute_nodes: int, compute_nics_per_node: int, storage_nodes: int,
