@@ -57,6 +57,7 @@ class AllreduceResult:
     time_s: float
     bound: str                      # the resource that sets the steady-state rate
     traffic: TreeTraffic | None = None   # the inter-node tree on the fabric (None inside one node)
+    fill_s: float = 0.0                  # of ``time_s``, filling and draining the pipeline
 
     @property
     def algbw_gbs(self) -> float:
@@ -69,6 +70,7 @@ class Collective:
 
     node: Node
     fabric: Fabric | None = None              # where a job's nodes sit (None: one non-blocking switch)
+    placement: str = "packed"                 # how a job's nodes are laid on the leaves (Fabric.place)
     pipeline_chunk_bytes: int = 1 * _MIB      # assumption: HFReduce's pipeline granularity
     hop_latency_s: float = 5e-6               # assumption: one step of a pipeline (NIC, software, handshake)
     nccl_chunk_bytes: int = NCCL_TREE_CHUNK_BYTES
@@ -88,7 +90,7 @@ class Collective:
     def traffic(self, nodes: int, zones: int = 1) -> TreeTraffic:
         """The inter-node double binary tree of a ``nodes``-node job laid onto the fabric."""
         fabric = self.fabric or Fabric(nodes_per_leaf=nodes, leaves_per_zone=1)
-        return fabric.tree_traffic(nodes, zones)
+        return fabric.tree_traffic(nodes, zones, self.placement)
 
     def _tree_fill_s(self, traffic: TreeTraffic, chunk_bytes: int, link_gbs: float) -> float:
         """Filling and draining the tree: one chunk per level up and down its deepest path, each
@@ -152,7 +154,7 @@ class Collective:
         chain_fill = 2 * chain * (self.nccl_chunk_bytes / (intra_gbs * 1e9) + self.hop_latency_s)
         fill = self._tree_fill_s(traffic, self.nccl_chunk_bytes, min(nic_path_gbs, link_gbs)) + chain_fill
         time = message_bytes * per_byte + fill
-        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound, traffic)
+        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound, traffic, fill)
 
     def nccl(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
              algorithm: str = "double binary tree", zones: int = 1) -> AllreduceResult:
@@ -209,7 +211,7 @@ class Collective:
         fill = self._tree_fill_s(traffic, self.pipeline_chunk_bytes, min(nic_gbs, self._link_gbs())) + ends
         time = message_bytes * per_byte + fill
         return AllreduceResult("HFReduce with NVLink" if nvlink else "HFReduce", gpus, message_bytes, time, bound,
-                               traffic)
+                               traffic, fill)
 
     def hfreduce_bound_gbs(self) -> float:
         """The paper's host-memory bound: practical memory bandwidth over 24 bytes per byte."""

@@ -4,10 +4,12 @@
 and how InfiniBand routes between them, which is what changes as a job grows past one leaf switch and
 past one zone:
 
-* **Placement.** The scheduler gives a job whole nodes, packed onto as few leaves as it can: node ``i``
-  of a job sits on port ``i mod k/2`` of the job's ``i div (k/2)``-th leaf (compute leaves hold ``k/2``
-  nodes; the storage nodes' NICs are on leaves of their own). A job spread over two zones puts its
-  first half in one zone and the second half in the other, packed the same way in each.
+* **Placement.** The scheduler gives a job whole nodes, packed onto as few leaves as hold them and
+  dealt evenly over those (compute leaves hold ``k/2`` nodes; the storage nodes' NICs are on leaves of
+  their own): a 32-node job gets two leaves of 16, consecutive ranks side by side. A job spread over
+  two zones keeps that layout and gives each zone a run of whole leaves (a one-leaf job is cut in
+  half). ``scattered`` deals the nodes round-robin over every leaf of the zone instead, as a job gets
+  them from a fragmented cluster.
 * **Routing.** Fat-tree routing (OpenSM's ``ftree``, the default for these fabrics) is by destination:
   every flow to the node on leaf port ``p`` climbs to spine ``p`` and comes down from there. A spine's
   down-link to a leaf therefore carries only flows to one node, but a leaf's up-link to spine ``p``
@@ -159,9 +161,15 @@ class Fabric:
         return cls(per_leaf, math.ceil(per_zone / per_leaf), zones, cross_zone_links)
 
     def place(self, nodes: int, zones: int = 1, placement: str = "packed") -> list[Location]:
-        """A job of ``nodes`` nodes spread evenly over ``zones`` zones and, in each, ``packed`` onto as
-        few leaves as hold them or ``scattered`` round-robin over every leaf of the zone (what a job
-        gets from a fragmented cluster: neighbouring ranks on different leaves)."""
+        """Where each of a job's ``nodes`` nodes sits.
+
+        ``packed``: on as few leaves as hold them, dealt evenly over those; ``scattered``: round-robin
+        over every leaf of the zone (what a job gets from a fragmented cluster: neighbouring ranks on
+        different leaves). A job over several ``zones`` keeps that layout and gives each zone a run of
+        whole leaves (a leaf is the unit a zone hands out); a one-leaf job is cut in halves instead.
+        Because the leaves and ports stay those of the one-zone layout, crossing zones can only add
+        switches and shared links to a job, never take them away.
+        """
         if placement not in ("packed", "scattered"):
             raise ConfigError("placement", f"must be packed or scattered, not {placement!r}")
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes <= 0:
@@ -170,19 +178,27 @@ class Fabric:
             raise ConfigError("zones", f"a job can span 1 to {self.zones} zone(s), not {zones!r}")
         if zones > nodes:
             raise ConfigError("zones", f"{nodes} node(s) cannot span {zones} zones")
-        per_zone = math.ceil(nodes / zones)
         capacity = self.nodes_per_leaf * self.leaves_per_zone
-        if per_zone > capacity:
-            raise ConfigError("nodes", f"{nodes} nodes over {zones} zone(s) need {per_zone} per zone; a zone has "
-                                       f"{capacity}")
+        if nodes > capacity * zones:
+            raise ConfigError("nodes", f"{nodes} nodes do not fit {zones} zone(s) of {capacity}")
+        if placement == "packed":
+            used = math.ceil(nodes / self.nodes_per_leaf)
+            per_leaf = math.ceil(nodes / used)
+            layout = [divmod(index, per_leaf) for index in range(nodes)]
+        else:
+            spread = self.leaves_per_zone * math.ceil(nodes / capacity)
+            used = min(spread, nodes)
+            layout = [(index % spread, index // spread) for index in range(nodes)]
         placed = []
-        for index in range(nodes):
-            zone, within = divmod(index, per_zone)
-            if placement == "packed":
-                leaf, port = divmod(within, self.nodes_per_leaf)
+        for index, (leaf, port) in enumerate(layout):
+            if used >= zones:
+                zone = leaf * zones // used
+                first = -(-zone * used // zones)          # the zone's first leaf: ceil(zone * used / zones)
+                placed.append(Location(zone, leaf - first, port))
             else:
-                port, leaf = divmod(within, self.leaves_per_zone)
-            placed.append(Location(zone, leaf, port))
+                placed.append(Location(index * zones // nodes, leaf, port))
+        if max(p.leaf for p in placed) >= self.leaves_per_zone:
+            raise ConfigError("nodes", f"{nodes} nodes need more than the {self.leaves_per_zone} leaves of a zone")
         return placed
 
     def _route(self, src: Location, dst: Location) -> tuple[list[tuple[object, ...]], int]:

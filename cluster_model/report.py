@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from cluster_model.cluster import Cluster, load_cluster
 from cluster_model.config import ConfigError
 from cluster_model.cost import ClusterCost
 from cluster_model.measured import Measured
+from cluster_model.predict import FIG7A_GPUS, predictions
 from cluster_model.reproduce import FIG7A_MESSAGE_BYTES, Row, calibrated_models, reproduce
 from cluster_model.storage import CHECKPOINT_BYTES_PER_PARAM
 from cluster_model.topology import multi_plane, spread_placement, three_layer_fat_tree
@@ -66,6 +67,42 @@ def _figures_table(rows: list[Row]) -> list[str]:
                   out)
 
 
+def _predictions_section(cluster: Cluster) -> list[str]:
+    """The paper's other figures, predicted from their setups, and how the allreduce ones move with
+    the two things the paper does not state (where a job's nodes sit, how many links join the zones)."""
+    rows = predictions(cluster)
+    lines = ["## Predictions", "",
+             "The paper's figures that the reference file does not give, predicted from their setups alone "
+             "(GPU counts, models, batches, topologies) with the mechanisms below; no value here was fitted. "
+             "Each row names what sets it. Assumptions: `cluster_model/README.md`.", ""]
+    lines += _table(("paper", "setup", "quantity", "prediction", "unit", "mechanism"),
+                    [(r.section, r.setup, r.quantity, r.value, r.unit, r.mechanism) for r in rows])
+    collective = cluster.collective
+    scattered = replace(collective, placement="scattered")
+    size = FIG7A_MESSAGE_BYTES
+    lines += ["", "### How the allreduce predictions move with placement and the links between zones", "",
+              "Packed (the predictions): a job on as few leaves as hold it. Scattered: its nodes dealt "
+              "round-robin over all of a zone's leaves, as a fragmented cluster gives them; destination routing "
+              "then puts several of its flows on one leaf uplink. The two-zone columns spread the job over both "
+              "zones; the double binary tree crosses the cut on few edges, so one job needs little of the links "
+              "between zones unless it is scattered.", ""]
+    table = []
+    fabric = cluster.fabric
+    for gpus in FIG7A_GPUS:
+        row: list[object] = [gpus, collective.hfreduce(gpus, size).algbw_gbs, scattered.hfreduce(gpus, size).algbw_gbs,
+                             collective.nccl(gpus, size).algbw_gbs, scattered.nccl(gpus, size).algbw_gbs]
+        if fabric.zones > 1:
+            for links in (fabric.cross_zone_links, 1):
+                narrow = replace(scattered, fabric=replace(fabric, cross_zone_links=links))
+                row.append(narrow.hfreduce(gpus, size, nvlink=True, zones=2).algbw_gbs)
+        table.append(row)
+    header = ["GPUs", "HFReduce packed", "HFReduce scattered", "NCCL packed", "NCCL scattered"]
+    if fabric.zones > 1:
+        header += [f"HFReduce+NVLink scattered, 2 zones, {fabric.cross_zone_links} links", "... 1 link"]
+    lines += _table(header, table)
+    return [*lines, ""]
+
+
 def summary(cluster: Cluster) -> dict[str, float]:
     """Headline numbers of one design (what ``whatif`` compares)."""
     cost = cluster.cost()
@@ -107,6 +144,7 @@ def render_report(cluster: Cluster, measured: Measured | None = None) -> tuple[s
              "(exact for counts and cost arithmetic, 10% for bandwidths and step times). Relative error is "
              "(model - paper) / paper. Assumptions: `cluster_model/README.md`.", ""]
     lines += ["## Reproduced figures", "", *_figures_table(rows), ""]
+    lines += _predictions_section(cluster)
 
     # -- topologies ------------------------------------------------------------------------
     net = cluster.config["network"]
@@ -116,7 +154,7 @@ def render_report(cluster: Cluster, measured: Measured | None = None) -> tuple[s
                multi_plane(128, 400, 4)]
     lines += ["## Topologies", "",
               "Two-layer zones of 40-port switches against a three-layer tree for the same GPUs on DGX nodes "
-              "(every NIC on the fabric), a full three-layer tree, and the next generation's four planes of "
+              "(one access point per compute NIC), a full three-layer tree, and the next generation's four planes of "
               "128-port 400 Gbps two-layer trees.", ""]
     lines += _table(("design", "switches", "leaf", "spine/aggregation", "core", "endpoints", "capacity",
                      "cables", "oversubscription", "bisection Tbit/s", "within a zone Tbit/s"),
