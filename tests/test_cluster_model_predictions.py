@@ -3,6 +3,7 @@ point the paper's other figures need is predicted once, and bad input is refused
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -51,8 +52,9 @@ def test_the_double_binary_tree_is_two_trees_of_at_most_two_children(count: int)
                 node = parent
     tree_a, tree_b = double_binary_tree(count)
     # What makes it a *double* tree: no rank is interior (two children) in both trees.
-    both = set(k for k, v in _children(tree_a).items() if v == 2) & set(k for k, v in _children(tree_b).items() if v == 2)
-    assert not both
+    interior_a = {rank for rank, children in _children(tree_a).items() if children == 2}
+    interior_b = {rank for rank, children in _children(tree_b).items() if children == 2}
+    assert not interior_a & interior_b
 
 
 def test_a_nodes_nic_carries_at_most_two_bytes_per_byte_and_links_only_what_crosses() -> None:
@@ -110,10 +112,13 @@ def test_nvlink_never_lowers_and_crossing_zones_never_raises_bandwidth(cluster: 
 def test_more_gpus_never_raise_bandwidth_once_the_tree_spans_nodes(cluster: Cluster) -> None:
     collective = cluster.collective
     counts = [32, 64, 128, 256, 512, 1024, 1440, 2048, 4096]
-    for run in (lambda g: collective.hfreduce(g, SIZE), lambda g: collective.nccl(g, SIZE),
-                lambda g: collective.hfreduce(g, SIZE, nvlink=True)):
-        values = [run(g).algbw_gbs for g in counts]
-        assert all(b <= a + 1e-12 for a, b in zip(values, values[1:], strict=False)), values
+    curves = {
+        "HFReduce": [collective.hfreduce(g, SIZE).algbw_gbs for g in counts],
+        "NCCL": [collective.nccl(g, SIZE).algbw_gbs for g in counts],
+        "HFReduce with NVLink": [collective.hfreduce(g, SIZE, nvlink=True).algbw_gbs for g in counts],
+    }
+    for name, values in curves.items():
+        assert all(b <= a + 1e-12 for a, b in itertools.pairwise(values)), (name, values)
     # ... and HFReduce stays ahead of NCCL on this node at every scale: their bounds do not move.
     for gpus in counts:
         assert collective.hfreduce(gpus, SIZE).algbw_gbs > 1.4 * collective.nccl(gpus, SIZE).algbw_gbs
