@@ -80,5 +80,7 @@ def allreduce_predictions(cluster: Cluster) -> list[Prediction]:
 def predictions(cluster: Cluster) -> list[Prediction]:
     """Every predicted point, in the paper's order: Table III, Fig. 7a and 7b, Fig. 8 and 9, power."""
     from cluster_model.designs import power_predictions, table_iii_predictions
+    from cluster_model.scaling import training_predictions
 
-    return [*table_iii_predictions(cluster), *allreduce_predictions(cluster), *power_predictions(cluster)]
+    return [*table_iii_predictions(cluster), *allreduce_predictions(cluster),
+            *training_predictions(cluster, cluster.collective), *power_predictions(cluster)]
