@@ -119,11 +119,12 @@ class _SlowCollective(Collective):
     """A collective that says every allreduce takes one second: the job must use it."""
 
     def hfreduce(self, gpus: int, message_bytes: int, nvlink: bool = False,
-                 cross_zone_gbs: float | None = None, gpus_per_node: int | None = None) -> AllreduceResult:
+                 cross_zone_gbs: float | None = None, gpus_per_node: int | None = None,
+                 zones: int = 1) -> AllreduceResult:
         return AllreduceResult("slow", gpus, message_bytes, 1.0, "test")
 
     def nccl(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
-             algorithm: str = "double binary tree") -> AllreduceResult:
+             algorithm: str = "double binary tree", zones: int = 1) -> AllreduceResult:
         return AllreduceResult("slow", gpus, message_bytes, 2.0, "test")
 
 
