@@ -1,5 +1,6 @@
 """``python -m cluster_model report [--out DIR] [--measured FILE]``, ``python -m cluster_model whatif --config FILE``
-and ``python -m cluster_model measured --from RESULT`` (refreshes the measured input from one benchmark run)."""
+and ``python -m cluster_model measured --from RESULT [--from RESULT ...]`` (writes the measured input from named
+benchmark runs: one fs3 write rate, this machine's HFReduce result, HaiScale DDP results)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from cluster_model.cluster import load_cluster
 from cluster_model.config import ConfigError
-from cluster_model.measured import DEFAULT_MEASURED, load_measured, measured_from_result, write_measured
+from cluster_model.measured import DEFAULT_MEASURED, load_measured, measured_from_results, write_measured
 from cluster_model.report import _fmt, summary, write_report
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -56,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="the model against the paper: Markdown and PNG plots")
     report.add_argument("--out", type=Path, default=Path("cluster_model_report"))
     report.add_argument("--measured", type=Path, default=DEFAULT_MEASURED,
-                        help="fs3's measured write rate (a measured-v1.json input; default: the packaged one)")
+                        help="what was measured here (a measured-v2.json input; default: the packaged one)")
     whatif = sub.add_parser("whatif", help="evaluate another design from a TOML file")
     whatif.add_argument("--config", type=Path, required=True)
     whatif.add_argument("--out", type=Path, default=None)
-    measured = sub.add_parser("measured", help="refresh the measured input from one benchmark result")
-    measured.add_argument("--from", dest="result", type=Path, required=True,
-                          help="a benchmark result (bench/results/<kind>-<time>.json) holding fs3 write rates")
+    measured = sub.add_parser("measured", help="write the measured input from named benchmark results")
+    measured.add_argument("--from", dest="result", type=Path, action="append", required=True,
+                          help="a benchmark result (bench/results/<kind>-<time>.json): one holding fs3 write rates, "
+                               "and optionally bench/results/hfreduce.json and haiscale-ddp-<time>.json (repeat)")
     measured.add_argument("--out", type=Path, default=DEFAULT_MEASURED)
     args = parser.parse_args(argv)
     try:
@@ -70,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             path = write_report(load_cluster(), args.out, load_measured(args.measured))
             print(f"wrote {path}")
         elif args.command == "measured":
-            rate = measured_from_result(args.result, _source_name(args.result))
-            path = write_measured(rate, args.out)
-            print(f"wrote {path}: {rate.write_gbs_per_node:.3f} GB/s ({rate.metric} in {rate.source})")
+            got = measured_from_results(args.result, [_source_name(r) for r in args.result])
+            path = write_measured(got, args.out)
+            print(f"wrote {path}: {got.write_gbs_per_node:.3f} GB/s ({got.metric} in {got.source}); "
+                  f"{len(got.allreduce)} allreduce and {len(got.ddp)} DDP cells")
         else:
             print(_whatif(args.config, args.out), end="")
     except ConfigError as exc:

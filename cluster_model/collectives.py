@@ -46,6 +46,82 @@ _MIB = 1 << 20
 #: written for: "Tree/Simple is the latency a 256kB chunk" in src/graph/tuning.cc).
 NCCL_TREE_CHUNK_BYTES = 256 * 1024
 
+#: The paper's count for the copy back to the GPUs with GDRCopy (H2D 2r), taken as the paper states it.
+_GDRCOPY_H2D_READS = 2.0
+#: Memory bytes per byte a socket moves on one side: copied between the user buffer and the kernel's.
+_SOCKET_SIDE_BYTES = 2.0
+
+
+def host_memory_bytes_per_byte(buffers: float, nodes: int, *, ranks_in_host_memory: bool = False,
+                               nodes_share_memory: bool = False, socket_network: bool = False) -> float:
+    """Host-memory bytes read plus written per byte of an HFReduce allreduce: the paper's 24, generalised.
+
+    Per node whose CPU sums ``buffers`` host buffers:
+
+    * copy-in: a GPU's DMA writes its buffer (1 each). A rank in host memory: the chunk's owner reads
+      its own in place, each other rank reads its tensor and writes the shared buffer (2 each, buffers - 1);
+    * reduce: ``buffers`` read, 1 written;
+    * copy-out: GPUs with GDRCopy, the paper's 2 reads. Ranks in host memory: each reads the result and
+      writes its tensor (2 each);
+    * network (``nodes`` > 1): each tree of the double binary tree carries half the bytes up and half down
+      each of its N - 1 edges; a node reads what its children sent to add it (the paper counts that read,
+      not its own partial's). A NIC's DMA reads a byte sent and writes a byte received once; a socket
+      copies it through the kernel, read and written, on each side (2).
+
+    Separate machines are held to their busiest node — interior in one tree (two children, a parent), a
+    leaf in the other: 2 bytes sent, 2 received, 1 read. Nodes sharing one memory system add up: over the
+    job 2(N - 1) sent, 2(N - 1) received, N - 1 read. The paper's node, eight GPUs across nodes:
+    8 + (8 + 1) + (2 + 2 + 1) + 2 = 24.
+    """
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes <= 0:
+        raise ConfigError("nodes", f"must be a positive whole number, not {nodes!r}")
+    minimum = 1 if ranks_in_host_memory else 0
+    if isinstance(buffers, bool) or not isinstance(buffers, (int, float)) or buffers <= 0 or buffers < minimum:
+        raise ConfigError("buffers", f"must be positive (at least one rank in host memory), not {buffers!r}")
+    if ranks_in_host_memory:
+        local = 2 * (buffers - 1) + (buffers + 1) + 2 * buffers
+    else:
+        local = buffers + (buffers + 1) + _GDRCOPY_H2D_READS
+    per_byte_moved = _SOCKET_SIDE_BYTES if socket_network else 1.0
+    if nodes == 1:
+        return local
+    if nodes_share_memory:
+        edges = nodes - 1
+        return nodes * local + per_byte_moved * (2 * edges + 2 * edges) + edges
+    return local + per_byte_moved * (2 + 2) + 1
+
+
+def host_rank_chain_s_per_byte(node: Node, buffers: float, nodes: int) -> float:
+    """Seconds per byte of one chunk's copy-in, reduce and copy-out back to back when the ranks are
+    processes in host memory (``node.ranks_in_host_memory``): the paper's "intra-node copy and reduce"
+    chain, run by the CPU cores instead of copy engines.
+
+    Each stage runs on as many cores as processes take part in it, at most ``node.cores``; a core moves
+    its even share of the measured all-core bandwidth (copy bandwidth for copies, memory bandwidth for
+    the reduction). Nodes that share the machine run their stages at once on the same cores. When the
+    network is a socket on the same machine, its copies are made by those cores too, so they join the
+    chain instead of overlapping it (run by the node leaders).
+    """
+    cores, copy_gbs = node.cores, node.copy_bw_gbs
+    if cores is None or copy_gbs is None or not node.ranks_in_host_memory:
+        raise ConfigError(f"node.{node.name}", "host-rank chain needs ranks in host memory, cores and copy_bw_gbs")
+    sharing = nodes if node.nodes_share_memory else 1
+
+    def stage(traffic_bytes: float, workers: float, bandwidth_gbs: float) -> float:
+        if traffic_bytes <= 0:
+            return 0.0
+        return traffic_bytes / (bandwidth_gbs * min(workers, cores) / cores)
+
+    seconds_per_gb = (stage(sharing * 2 * (buffers - 1), sharing * (buffers - 1), copy_gbs)
+                      + stage(sharing * (buffers + 1), sharing * buffers, node.memory_bw_gbs)
+                      + stage(sharing * 2 * buffers, sharing * buffers, copy_gbs))
+    if nodes > 1 and node.socket_network and node.nodes_share_memory:
+        total = host_memory_bytes_per_byte(buffers, nodes, ranks_in_host_memory=True, nodes_share_memory=True,
+                                           socket_network=True)
+        local = host_memory_bytes_per_byte(buffers, 1, ranks_in_host_memory=True)
+        seconds_per_gb += stage(total - nodes * local, nodes, copy_gbs)
+    return seconds_per_gb / 1e9
+
 
 @dataclass(frozen=True)
 class AllreduceResult:
@@ -193,10 +269,12 @@ class Collective:
         d2h = share / node.slowest_d2h_gbs
         reduce = (buffers + 1) / node.memory_bw_gbs
         h2d = share / node.slowest_d2h_gbs
-        # Per host buffer: one D2H write and one reduce read; the rest does not depend on them.
-        memory_ops = HOST_MEMORY_OPS_PER_BYTE - (node.gpus - buffers) * 2
+        memory_ops = host_memory_bytes_per_byte(buffers, nodes, ranks_in_host_memory=node.ranks_in_host_memory,
+                                                nodes_share_memory=node.nodes_share_memory,
+                                                socket_network=node.socket_network)
         candidates = {
-            "intra-node copy and reduce": (d2h + reduce + h2d) / 1e9,
+            "intra-node copy and reduce": (host_rank_chain_s_per_byte(node, buffers, nodes)
+                                           if node.ranks_in_host_memory else (d2h + reduce + h2d) / 1e9),
             "host memory bandwidth": memory_ops / node.memory_bw_gbs / 1e9,
         }
         traffic = self.traffic(nodes, zones)

@@ -39,6 +39,17 @@ class Node:
     power_w: float
     tf32_tflops: float
     fp16_tflops: float
+    # A machine whose "GPUs" are ranks resident in host memory (the calibration on this machine):
+    ranks_in_host_memory: bool = False
+    """Each rank's buffer is host memory: its copies read and write host memory and run on the cores."""
+    cores: int | None = None
+    """CPU cores that copy, reduce and move socket bytes (None: not a limit, the paper's node)."""
+    copy_bw_gbs: float | None = None
+    """All-core copy bandwidth, read plus written bytes per second (None: copies are DMA over PCIe)."""
+    nodes_share_memory: bool = False
+    """A job's nodes are network namespaces of one machine: one memory system and one set of cores."""
+    socket_network: bool = False
+    """The "NIC" is a socket: every byte sent is copied into the kernel and out of it through memory."""
 
     @property
     def nic_gbs(self) -> float:
@@ -69,6 +80,35 @@ class Node:
     @property
     def has_nvlink(self) -> bool:
         return self.nvswitch or bool(self.nvlink_pairs)
+
+    @classmethod
+    def host_ranks(cls, name: str, ranks_per_node: int, cores: int, memory_bw_gbs: float,
+                   copy_bw_gbs: float) -> Node:
+        """This machine as a node: ``ranks_per_node`` processes whose buffers are host memory, on ``cores``
+        shared by every namespace node of a job, exchanging bytes over sockets.
+
+        Bandwidths are read-plus-written bytes per second of all cores, as the HFReduce benchmark measures
+        them. Assumptions: one core copies at ``copy_bw_gbs / cores`` (the measured rate shared evenly; no
+        one-core figure is measured), so a rank's "GPU to host" link moves ``copy_bw_gbs / cores / 2``
+        message bytes per second; the socket moves ``copy_bw_gbs / 4`` (each byte sent is read and written
+        into the kernel and out of it).
+        """
+        field = f"node.{name}"
+        for key, value in (("ranks_per_node", ranks_per_node), ("cores", cores)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{field}.{key}", f"must be a positive whole number, not {value!r}")
+        for key, number in (("memory_bw_gbs", memory_bw_gbs), ("copy_bw_gbs", copy_bw_gbs)):
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not number > 0:
+                raise ConfigError(f"{field}.{key}", f"must be a positive number, not {number!r}")
+        core_copy_gbs = copy_bw_gbs / cores / 2
+        return cls(
+            name=name, gpus=ranks_per_node, compute_nics=1, storage_nics=0,
+            nic_gbps=copy_bw_gbs / 4 * 8, memory_bw_gbs=float(memory_bw_gbs),
+            pcie_gpu_to_cpu_gbs=core_copy_gbs, root_port_limit_gbs=core_copy_gbs, shared_root_port_gpus=(),
+            nvlink_pairs=(), nvlink_gbs=0.0, nvswitch=False, gpu_nic_p2p_gbs=None,
+            power_w=0.0, tf32_tflops=0.0, fp16_tflops=0.0,   # not modelled: the compute is measured
+            ranks_in_host_memory=True, cores=cores, copy_bw_gbs=float(copy_bw_gbs), nodes_share_memory=True,
+            socket_network=True)
 
     @classmethod
     def from_table(cls, name: str, table: dict[str, Any], gemm: dict[str, Any] | None = None,

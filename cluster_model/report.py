@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cluster_model.calibration import calibration_section
 from cluster_model.cluster import Cluster, load_cluster
 from cluster_model.config import ConfigError
 from cluster_model.cost import ClusterCost
@@ -279,6 +280,7 @@ def render_report(cluster: Cluster, measured: Measured | None = None) -> tuple[s
         header.append(f"save s at fs3's measured {measured.write_gbs_per_node:.2f} GB/s per node "
                       f"({Path(measured.source).name})")
     lines += [*_table(header, ckpt_rows), ""]
+    lines += calibration_section(cluster, measured)
 
     # -- cost and energy --------------------------------------------------------------------
     ours = cluster.cost()

@@ -197,7 +197,7 @@ def test_report_and_whatif_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     result = tmp_path / "peers-x.json"
     result.write_text(json.dumps({"results": {"fs3": {"seq write (MiB/s)": 2048.0, "seq read (MiB/s)": 9000.0},
                                               "local": {"seq write (MiB/s)": 4096.0}}}))
-    measured = tmp_path / "measured-v1.json"
+    measured = tmp_path / "measured-v2.json"
     assert main(["measured", "--from", str(result), "--out", str(measured)]) == 0
     assert load_measured(measured) == Measured(2048 * (1 << 20) / 1e9, str(result), "results/fs3/seq write (MiB/s)")
     assert main(["report", "--out", str(tmp_path / "out"), "--measured", str(measured)]) == 0
@@ -238,7 +238,9 @@ def test_the_report_reads_one_named_versioned_input() -> None:
     packaged = load_measured()
     assert DEFAULT_MEASURED.name == f"measured-v{SCHEMA_VERSION}.json" and packaged.write_gbs_per_node > 0
     assert (PACKAGE.parent / packaged.source).exists(), packaged.source
-    assert measured_from_result(PACKAGE.parent / packaged.source, packaged.source) == packaged
+    rate = measured_from_result(PACKAGE.parent / packaged.source, packaged.source)
+    assert (rate.write_gbs_per_node, rate.source, rate.metric) == (packaged.write_gbs_per_node, packaged.source,
+                                                                    packaged.metric)
     text, _ = render_report(load_cluster(), packaged)
     assert f"fs3's measured {packaged.write_gbs_per_node:.2f} GB/s per node ({Path(packaged.source).name})" in text
 
@@ -259,7 +261,7 @@ def test_the_report_reads_one_named_versioned_input() -> None:
 ])
 def test_a_missing_or_wrong_measured_input_is_refused(tmp_path: Path, body: object, field: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "measured-v1.json"
+    path = tmp_path / "measured-v2.json"
     if body is not None:
         path.write_text(body if isinstance(body, str) else json.dumps(body))
     with pytest.raises(ConfigError, match=field):
