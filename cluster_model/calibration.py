@@ -163,7 +163,8 @@ def _where_they_differ(measured: Measured, rows: list[CalibrationRow]) -> str:
         spans.append(f"DDP steps {min(ddp):.2f}-{max(ddp):.2f}")
     return ("Where they differ (model / measured: " + ", ".join(spans) + "): the model runs each stage at the "
             "measured all-core bandwidth and knows nothing of more processes than cores taking turns, Python, "
-            "futex wake-ups or TCP's per-segment work, nor of other load on this shared machine, so its bandwidths "
-            "sit above the measurement (and its steps below) as ranks and namespace nodes are added; a 1 MiB message is one chunk, with "
-            "no pipeline to hide those per-operation costs on one node, while on several nodes the tree's fill "
-            "charges every level a whole chunk at the all-nodes rate, which one chunk alone beats.")
+            "futex wake-ups or TCP's per-segment work, nor of other load on this shared machine, so its "
+            "bandwidths sit above the measurement (and its steps below) as ranks and namespace nodes are added; "
+            "a 1 MiB message is one chunk, with no pipeline to hide those per-operation costs on one node, while "
+            "on several nodes the tree's fill charges every level a whole chunk at the all-nodes rate, which one "
+            "chunk alone beats.")
