@@ -153,18 +153,14 @@ def calibration_section(cluster: Cluster, measured: Measured | None) -> list[str
 
 
 def _where_they_differ(measured: Measured, rows: list[CalibrationRow]) -> str:
-    ratios = [row.model_over_measured for row in rows[:len(measured.allreduce)]]
-    piped = [r for r, c in zip(ratios, measured.allreduce, strict=True) if c.size_bytes >= 16 * _MIB]
+    ratios = list(zip((row.model_over_measured for row in rows), measured.allreduce, strict=False))
+    piped = [r for r, cell in ratios if cell.size_bytes >= 16 * _MIB]
+    single = [r for r, cell in ratios if cell.size_bytes < 16 * _MIB]
     ddp = [row.model_over_measured for row in rows[len(measured.allreduce):]]
-    spans = []
-    if piped:
-        spans.append(f"allreduce of 16 MiB and more {min(piped):.2f}-{max(piped):.2f}")
-    if ddp:
-        spans.append(f"DDP steps {min(ddp):.2f}-{max(ddp):.2f}")
+    spans = [f"{name} {min(values):.2f}-{max(values):.2f}" for name, values in
+             (("allreduce of 16 MiB and more", piped), ("1 MiB (one chunk)", single), ("DDP steps", ddp)) if values]
     return ("Where they differ (model / measured: " + ", ".join(spans) + "): the model runs each stage at the "
             "measured all-core bandwidth and knows nothing of more processes than cores taking turns, Python, "
             "futex wake-ups or TCP's per-segment work, nor of other load on this shared machine, so its "
             "bandwidths sit above the measurement (and its steps below) as ranks and namespace nodes are added; "
-            "a 1 MiB message is one chunk, with no pipeline to hide those per-operation costs on one node, while "
-            "on several nodes the tree's fill charges every level a whole chunk at the all-nodes rate, which one "
-            "chunk alone beats.")
+            "a 1 MiB message is one chunk, with no pipeline to spread those per-operation costs over.")

@@ -36,11 +36,12 @@ from hfreduce.tree import double_binary_tree
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 #: Model / measured is held within this factor for pipelined allreduces (16 chunks or more) and DDP steps.
-#: Why 2: the model runs every stage at the all-core bandwidth measured alone and has no cost for more
-#: processes than cores taking turns, Python, futex wake-ups or TCP's per-segment work, and the runs
-#: shared the 2 cores with other work (load averages of 6 to 13 recorded by the DDP runs): costs that
-#: can take as much time as the copies themselves on a machine this small, and no more.
-FACTOR = 2.0
+#: Why 2.5: a factor of 2 for what the model leaves out — more processes than the 2 cores taking turns,
+#: Python, futex wake-ups, TCP's per-segment work, other load on the shared machine (load averages of 6
+#: to 13 recorded by the DDP runs) — which on a machine this small can take as long as the copies
+#: themselves; times 1.25, the spread the measurement itself shows between message sizes of one layout
+#: (3x2: 0.205 GB/s at 64 MiB, 0.257 at 256 MiB) where the pipelined model predicts within a few percent.
+FACTOR = 2.5
 
 
 @pytest.fixture(scope="module")
