@@ -14,7 +14,7 @@ Inputs, and where their defaults come from (the caller reads them; nothing here 
   :class:`cluster_model.FailureModel` into one node's MTBF (``FailureModel.mtbi_s`` for the node's
   GPU count: about 36 days for 8 GPUs). Failures are independent and memoryless, so a job on
   ``N`` nodes fails ``N`` times as often: :func:`job_mtbf_s`.
-* **Write rate.** fs3's measured per-node write rate is ``cluster_model/inputs/measured-v1.json``
+* **Write rate.** fs3's measured per-node write rate is ``cluster_model/inputs/measured-v2.json``
   (:func:`cluster_model.measured.load_measured`); :func:`write_bytes_per_s_per_node_from` reads it
   off that record. Every node writes its share of the state at once, so a job's checkpoint takes
   ``state / (N x per-node rate)`` plus a fixed overhead (open, flush, barrier).
