@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from itertools import pairwise
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
