@@ -19,6 +19,7 @@ from cluster_model import ConfigError, load_cluster
 from cluster_model.cluster import Cluster
 from cluster_model.collectives import Collective
 from cluster_model.fabric import MAX_TREE_NODES, Fabric, double_binary_tree
+from cluster_model.topology import MAX_ACCESS_POINTS, three_layer_fat_tree, three_layer_sizing
 from cluster_model.training import MODELS, TrainingJob
 
 _MIB = 1 << 20
@@ -120,3 +121,10 @@ def test_the_fill_counts_the_first_chunk_once(cluster: Cluster) -> None:
     for algo in (col.hfreduce, col.nccl):
         bandwidths = [algo(128, m).algbw_gbs for m in sizes]
         assert all(b >= a * (1 - 1e-12) for a, b in pairwise(bandwidths))
+
+
+def test_a_three_layer_tree_beyond_a_billion_access_points_is_refused_not_walked() -> None:
+    # A full radix-10,000 tree has 2.5e11 access points: sizing it leaf by leaf would run for minutes.
+    assert _field(lambda: three_layer_fat_tree(10_000, 200)) == "endpoints"
+    assert _field(lambda: three_layer_sizing(10_000, MAX_ACCESS_POINTS + 1)) == "endpoints"
+    assert three_layer_sizing(2_000, MAX_ACCESS_POINTS).violations() == []
