@@ -19,6 +19,7 @@ from cluster_model import ConfigError, load_cluster
 from cluster_model.cluster import Cluster
 from cluster_model.collectives import Collective
 from cluster_model.fabric import MAX_TREE_NODES, Fabric, double_binary_tree
+from cluster_model.predict import allreduce_predictions
 from cluster_model.topology import MAX_ACCESS_POINTS, three_layer_fat_tree, three_layer_sizing
 from cluster_model.training import MODELS, TrainingJob
 
@@ -128,3 +129,13 @@ def test_a_three_layer_tree_beyond_a_billion_access_points_is_refused_not_walked
     assert _field(lambda: three_layer_fat_tree(10_000, 200)) == "endpoints"
     assert _field(lambda: three_layer_sizing(10_000, MAX_ACCESS_POINTS + 1)) == "endpoints"
     assert three_layer_sizing(2_000, MAX_ACCESS_POINTS).violations() == []
+
+
+@pytest.mark.parametrize("whatif", ["cluster_model/examples/dgx_three_layer.toml",
+                                    "cluster_model/examples/four_plane_400g.toml",
+                                    {"network": {"zones": 4, "storage_nics_per_node": 4}}])
+def test_no_point_is_predicted_twice_on_other_fabrics(whatif: str | dict[str, object]) -> None:
+    rows = allreduce_predictions(load_cluster(whatif))
+    keys = [(r.section, r.setup, r.quantity) for r in rows]
+    assert len(keys) == len(set(keys))
+    assert all("spread over" not in r.setup or "2 zones" in r.setup for r in rows)
