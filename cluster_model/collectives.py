@@ -76,6 +76,17 @@ class Collective:
     hop_latency_s: float = 5e-6               # assumption: one step of a pipeline (NIC, software, handshake)
     nccl_chunk_bytes: int = NCCL_TREE_CHUNK_BYTES
 
+    def __post_init__(self) -> None:
+        for name in ("pipeline_chunk_bytes", "nccl_chunk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"collective.{name}", f"must be a positive whole number of bytes, not {value!r}")
+        hop = self.hop_latency_s
+        if isinstance(hop, bool) or not isinstance(hop, (int, float)) or not 0 <= hop < math.inf:
+            raise ConfigError("collective.hop_latency_s", f"must be a finite number >= 0, not {hop!r}")
+        if self.placement not in ("packed", "scattered"):
+            raise ConfigError("placement", f"must be packed or scattered, not {self.placement!r}")
+
     @staticmethod
     def _check_gpus(gpus: int) -> None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0:

@@ -139,3 +139,16 @@ def test_no_point_is_predicted_twice_on_other_fabrics(whatif: str | dict[str, ob
     keys = [(r.section, r.setup, r.quantity) for r in rows]
     assert len(keys) == len(set(keys))
     assert all("spread over" not in r.setup or "2 zones" in r.setup for r in rows)
+
+
+def test_a_collective_with_bad_pipeline_settings_is_refused(cluster: Cluster) -> None:
+    col = cluster.collective
+    bad: list[tuple[Callable[[], object], str]] = [
+        (lambda: replace(col, pipeline_chunk_bytes=0), "collective.pipeline_chunk_bytes"),
+        (lambda: replace(col, nccl_chunk_bytes=-1), "collective.nccl_chunk_bytes"),
+        (lambda: replace(col, hop_latency_s=-1e-6), "collective.hop_latency_s"),  # would make time negative
+        (lambda: replace(col, hop_latency_s=math.nan), "collective.hop_latency_s"),
+        (lambda: replace(col, placement="random"), "placement"),
+    ]
+    for call, field in bad:
+        assert _field(call) == field
