@@ -59,6 +59,7 @@ class AllreduceResult:
     bound: str                      # the resource that sets the steady-state rate
     traffic: TreeTraffic | None = None   # the inter-node tree on the fabric (None inside one node)
     fill_s: float = 0.0                  # of ``time_s``, filling and draining the pipeline
+    bound_gbs: float = 0.0               # the steady-state rate the bound alone allows (0: not given)
 
     @property
     def algbw_gbs(self) -> float:
@@ -153,7 +154,7 @@ class Collective:
         bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
         steps = 2 * (gpus - 1)
         time = message_bytes * per_byte + steps * self.hop_latency_s
-        return AllreduceResult("NCCL ring", gpus, message_bytes, time, bound)
+        return AllreduceResult("NCCL ring", gpus, message_bytes, time, bound, bound_gbs=1 / per_byte / 1e9)
 
     def nccl_tree(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
                   zones: int = 1) -> AllreduceResult:
@@ -182,7 +183,8 @@ class Collective:
         fill = self._tree_fill_s(traffic, chunk, min(nic_path_gbs, link_gbs)) + chain_fill
         # The fill is the first chunk's whole passage; the steady state moves the other chunks.
         time = (message_bytes - chunk) * per_byte + fill
-        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound, traffic, fill)
+        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound, traffic, fill,
+                               1 / per_byte / 1e9)
 
     def nccl(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
              algorithm: str = "double binary tree", zones: int = 1) -> AllreduceResult:
@@ -250,7 +252,7 @@ class Collective:
         fill = self._tree_fill_s(traffic, chunk, min(nic_gbs, self._link_gbs())) + ends
         time = (message_bytes - chunk) * per_byte + fill
         return AllreduceResult("HFReduce with NVLink" if nvlink else "HFReduce", gpus, message_bytes, time, bound,
-                               traffic, fill)
+                               traffic, fill, 1 / per_byte / 1e9)
 
     def hfreduce_bound_gbs(self) -> float:
         """The paper's host-memory bound: practical memory bandwidth over 24 bytes per byte."""

@@ -43,8 +43,7 @@ FIG7B_TWO_ZONE_GPUS = (128, 256, 512, 1024)
 
 def _allreduce_mechanism(result: AllreduceResult) -> str:
     """What set one allreduce's bandwidth: the bound, and where its tree lay on the fabric."""
-    steady_s = result.time_s - result.fill_s
-    text = f"{result.bound} sets {result.message_bytes / steady_s / 1e9:.2f} GB/s"
+    text = f"{result.bound} sets {result.bound_gbs:.2f} GB/s"
     traffic = result.traffic
     if traffic is None:
         return text + "; one node, no network"

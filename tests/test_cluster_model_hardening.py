@@ -152,3 +152,11 @@ def test_a_collective_with_bad_pipeline_settings_is_refused(cluster: Cluster) ->
     ]
     for call, field in bad:
         assert _field(call) == field
+
+
+def test_the_mechanism_names_the_rate_its_bound_sets(cluster: Cluster) -> None:
+    # HFReduce with NVLink at 32 GPUs is held by the NIC: 2 bytes per byte through 25 GB/s is 12.50 GB/s.
+    row = next(r for r in allreduce_predictions(cluster) if r.section == "Fig. 7b" and r.setup.startswith("32 "))
+    nic_gbs = cluster.node.compute_nics * cluster.node.nic_gbs
+    assert row.mechanism.startswith(f"NIC sets {nic_gbs / 2:.2f} GB/s")
+    assert row.value < nic_gbs / 2
