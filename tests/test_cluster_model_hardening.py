@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 
@@ -131,10 +132,12 @@ def test_a_three_layer_tree_beyond_a_billion_access_points_is_refused_not_walked
     assert three_layer_sizing(2_000, MAX_ACCESS_POINTS).violations() == []
 
 
-@pytest.mark.parametrize("whatif", ["cluster_model/examples/dgx_three_layer.toml",
-                                    "cluster_model/examples/four_plane_400g.toml",
+_EXAMPLES = Path(__file__).resolve().parent.parent / "cluster_model" / "examples"
+
+
+@pytest.mark.parametrize("whatif", [_EXAMPLES / "dgx_three_layer.toml", _EXAMPLES / "four_plane_400g.toml",
                                     {"network": {"zones": 4, "storage_nics_per_node": 4}}])
-def test_no_point_is_predicted_twice_on_other_fabrics(whatif: str | dict[str, object]) -> None:
+def test_no_point_is_predicted_twice_on_other_fabrics(whatif: Path | dict[str, object]) -> None:
     rows = allreduce_predictions(load_cluster(whatif))
     keys = [(r.section, r.setup, r.quantity) for r in rows]
     assert len(keys) == len(set(keys))
