@@ -29,6 +29,7 @@ is ``GPUs - 1`` steps deeper than HFReduce's, in chunks of NCCL's own size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster_model.config import ConfigError
@@ -134,6 +135,7 @@ class AllreduceResult:
     bound: str                      # the resource that sets the steady-state rate
     traffic: TreeTraffic | None = None   # the inter-node tree on the fabric (None inside one node)
     fill_s: float = 0.0                  # of ``time_s``, filling and draining the pipeline
+    bound_gbs: float = 0.0               # the steady-state rate the bound alone allows (0: not given)
 
     @property
     def algbw_gbs(self) -> float:
@@ -151,17 +153,41 @@ class Collective:
     hop_latency_s: float = 5e-6               # assumption: one step of a pipeline (NIC, software, handshake)
     nccl_chunk_bytes: int = NCCL_TREE_CHUNK_BYTES
 
-    def _nodes(self, gpus: int) -> int:
+    def __post_init__(self) -> None:
+        for name in ("pipeline_chunk_bytes", "nccl_chunk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"collective.{name}", f"must be a positive whole number of bytes, not {value!r}")
+        hop = self.hop_latency_s
+        if isinstance(hop, bool) or not isinstance(hop, (int, float)) or not 0 <= hop < math.inf:
+            raise ConfigError("collective.hop_latency_s", f"must be a finite number >= 0, not {hop!r}")
+        if self.placement not in ("packed", "scattered"):
+            raise ConfigError("placement", f"must be packed or scattered, not {self.placement!r}")
+
+    @staticmethod
+    def _check_gpus(gpus: int) -> None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0:
             raise ConfigError("gpus", f"must be a positive whole number, not {gpus!r}")
+
+    def _check_fits(self, nodes: int) -> None:
+        """A job bigger than the fabric is refused, whatever the algorithm (the ring consults no tree)."""
+        if self.fabric is not None:
+            capacity = self.fabric.nodes_per_leaf * self.fabric.leaves_per_zone * self.fabric.zones
+            if nodes > capacity:
+                raise ConfigError("gpus", f"{nodes} nodes do not fit the fabric's {capacity}")
+
+    def _nodes(self, gpus: int) -> int:
+        self._check_gpus(gpus)
         if gpus % self.node.gpus and gpus > self.node.gpus:
             raise ConfigError("gpus", f"{gpus} GPUs is not a whole number of {self.node.gpus}-GPU nodes")
-        return max(1, gpus // self.node.gpus)
+        nodes = max(1, gpus // self.node.gpus)
+        self._check_fits(nodes)
+        return nodes
 
     @staticmethod
     def _check_message(message_bytes: int) -> None:
-        if message_bytes <= 0:
-            raise ConfigError("message_bytes", f"must be positive, not {message_bytes}")
+        if isinstance(message_bytes, bool) or not isinstance(message_bytes, int) or message_bytes <= 0:
+            raise ConfigError("message_bytes", f"must be a positive whole number of bytes, not {message_bytes!r}")
 
     def traffic(self, nodes: int, zones: int = 1) -> TreeTraffic:
         """The inter-node double binary tree of a ``nodes``-node job laid onto the fabric."""
@@ -184,8 +210,9 @@ class Collective:
     def _cross_zone_s_per_byte(self, cross_zone_gbs: float | None, per_node_bytes: float) -> float:
         if cross_zone_gbs is None:
             return 0.0
-        if cross_zone_gbs <= 0:
-            raise ConfigError("cross_zone_gbs", f"must be positive, not {cross_zone_gbs}")
+        if isinstance(cross_zone_gbs, bool) or not isinstance(cross_zone_gbs, (int, float)) \
+                or not 0 < cross_zone_gbs < math.inf:
+            raise ConfigError("cross_zone_gbs", f"must be a positive finite number, not {cross_zone_gbs!r}")
         # The cut between zones carries what one node boundary carries, once in each direction.
         return per_node_bytes / (cross_zone_gbs * 1e9)
 
@@ -203,7 +230,7 @@ class Collective:
         bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
         steps = 2 * (gpus - 1)
         time = message_bytes * per_byte + steps * self.hop_latency_s
-        return AllreduceResult("NCCL ring", gpus, message_bytes, time, bound)
+        return AllreduceResult("NCCL ring", gpus, message_bytes, time, bound, bound_gbs=1 / per_byte / 1e9)
 
     def nccl_tree(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
                   zones: int = 1) -> AllreduceResult:
@@ -227,10 +254,13 @@ class Collective:
         }
         bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
         chain = self.node.gpus - 1
-        chain_fill = 2 * chain * (self.nccl_chunk_bytes / (intra_gbs * 1e9) + self.hop_latency_s)
-        fill = self._tree_fill_s(traffic, self.nccl_chunk_bytes, min(nic_path_gbs, link_gbs)) + chain_fill
-        time = message_bytes * per_byte + fill
-        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound, traffic, fill)
+        chunk = min(self.nccl_chunk_bytes, message_bytes)  # a message smaller than a chunk is one chunk
+        chain_fill = 2 * chain * (chunk / (intra_gbs * 1e9) + self.hop_latency_s)
+        fill = self._tree_fill_s(traffic, chunk, min(nic_path_gbs, link_gbs)) + chain_fill
+        # The fill is the first chunk's whole passage; the steady state moves the other chunks.
+        time = (message_bytes - chunk) * per_byte + fill
+        return AllreduceResult("NCCL double binary tree", gpus, message_bytes, time, bound, traffic, fill,
+                               1 / per_byte / 1e9)
 
     def nccl(self, gpus: int, message_bytes: int, cross_zone_gbs: float | None = None,
              algorithm: str = "double binary tree", zones: int = 1) -> AllreduceResult:
@@ -257,15 +287,23 @@ class Collective:
         """``gpus_per_node``: how many of each node's GPUs take part (default: all of them); ``zones``:
         how many zones the job's nodes are spread over (they need a fabric with that many)."""
         node = self.node
+        self._check_gpus(gpus)
         local_gpus = min(gpus, node.gpus) if gpus_per_node is None else gpus_per_node
-        if not 0 < local_gpus <= node.gpus or gpus % local_gpus:
-            raise ConfigError("gpus_per_node", f"{local_gpus} GPUs per node cannot make {gpus} GPUs")
+        if isinstance(local_gpus, bool) or not isinstance(local_gpus, int) or not 0 < local_gpus <= node.gpus \
+                or gpus % local_gpus:
+            raise ConfigError("gpus_per_node", f"{local_gpus!r} GPUs per node cannot make {gpus} GPUs")
         nodes = max(1, gpus // local_gpus)
+        self._check_fits(nodes)
         self._check_message(message_bytes)
         if nvlink and not node.has_nvlink:
             raise ConfigError("nvlink", f"node {node.name} has no NVLink")
-        share = 0.5 if nvlink else 1.0                 # bytes each GPU copies per message byte
-        buffers = local_gpus * share                   # host buffers the CPU sums
+        # With NVLink a bridged pair first reduces over the bridge and each copies half a buffer; a GPU
+        # whose partner is not in the job (an odd count on a node) copies its whole buffer, and the
+        # slowest GPU sets the copy rate.
+        paired = local_gpus - local_gpus % 2 if nvlink else 0
+        unpaired = local_gpus - paired
+        share = 1.0 if unpaired else 0.5               # bytes the busiest GPU copies per message byte
+        buffers = paired * 0.5 + unpaired              # host buffers the CPU sums
         d2h = share / node.slowest_d2h_gbs
         reduce = (buffers + 1) / node.memory_bw_gbs
         h2d = share / node.slowest_d2h_gbs
@@ -285,11 +323,14 @@ class Collective:
             candidates["cross-zone links"] = self._cross_zone_s_per_byte(cross_zone_gbs, 1.0)
         bound, per_byte = max(candidates.items(), key=lambda kv: kv[1])
         # The first chunk is copied in and reduced before the tree starts; the last is copied out after.
-        ends = self.pipeline_chunk_bytes * (d2h + reduce + h2d) / 1e9 if nodes > 1 else 0.0
-        fill = self._tree_fill_s(traffic, self.pipeline_chunk_bytes, min(nic_gbs, self._link_gbs())) + ends
-        time = message_bytes * per_byte + fill
+        # A message smaller than a chunk is one chunk; the fill is the first chunk's whole passage and
+        # the steady state moves the other chunks (counting it in both would count it twice).
+        chunk = min(self.pipeline_chunk_bytes, message_bytes) if nodes > 1 else 0
+        ends = chunk * (d2h + reduce + h2d) / 1e9
+        fill = self._tree_fill_s(traffic, chunk, min(nic_gbs, self._link_gbs())) + ends
+        time = (message_bytes - chunk) * per_byte + fill
         return AllreduceResult("HFReduce with NVLink" if nvlink else "HFReduce", gpus, message_bytes, time, bound,
-                               traffic, fill)
+                               traffic, fill, 1 / per_byte / 1e9)
 
     def hfreduce_bound_gbs(self) -> float:
         """The paper's host-memory bound: practical memory bandwidth over 24 bytes per byte."""

@@ -36,13 +36,24 @@ from dataclasses import dataclass
 
 from cluster_model.config import ConfigError
 
-__all__ = ["SWITCH_LATENCY_S", "Fabric", "Location", "TreeTraffic", "double_binary_tree"]
+__all__ = ["MAX_TREE_NODES", "SWITCH_LATENCY_S", "Fabric", "Location", "TreeTraffic", "double_binary_tree"]
 
 #: A QM8700 (HDR InfiniBand) forwards port to port in about 130 ns (the vendor's figure for the
 #: switch family; an assumption of this model, as the paper gives none).
 SWITCH_LATENCY_S = 130e-9
 
 _BYTES_PER_FLOW = 0.5  # each of the two trees carries half of the bytes, each edge once per direction
+#: The most nodes a tree is laid out for: 65,536 nodes (half a million GPUs) is beyond any cluster of
+#: this class, and keeps the per-edge walk under a second and a few hundred MB; larger is refused.
+MAX_TREE_NODES = 1 << 16
+
+
+def _check_nodes(nodes: object) -> int:
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes <= 0:
+        raise ConfigError("nodes", f"must be a positive whole number, not {nodes!r}")
+    if nodes > MAX_TREE_NODES:
+        raise ConfigError("nodes", f"{nodes} nodes exceed the {MAX_TREE_NODES} a tree is laid out for")
+    return nodes
 
 
 @dataclass(frozen=True, order=True)
@@ -83,8 +94,7 @@ def double_binary_tree(count: int) -> tuple[list[int | None], list[int | None]]:
     Tree A is the in-order binary tree (root 0); tree B is A mirrored when ``count`` is even and A
     shifted by one rank when it is odd, so that a rank interior in one tree is a leaf in the other.
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-        raise ConfigError("nodes", f"must be a positive whole number, not {count!r}")
+    _check_nodes(count)
     tree_a = [_binary_tree(count, rank)[0] for rank in range(count)]
     tree_b: list[int | None] = []
     for rank in range(count):
@@ -147,7 +157,8 @@ class Fabric:
             raise ConfigError("fabric.cross_zone_links", f"must be a whole number >= 0, not {self.cross_zone_links!r}")
         if self.zones > 1 and self.cross_zone_links == 0:
             raise ConfigError("fabric.cross_zone_links", "zones with no links between them cannot share a job")
-        if not self.switch_latency_s >= 0:
+        if isinstance(self.switch_latency_s, bool) or not isinstance(self.switch_latency_s, (int, float)) \
+                or not 0 <= self.switch_latency_s < math.inf:
             raise ConfigError("fabric.switch_latency_s", f"must be >= 0, not {self.switch_latency_s}")
 
     @classmethod
@@ -156,6 +167,12 @@ class Fabric:
         """Fire-Flyer 2's zones: leaves of ``k/2`` compute NICs, as many as a zone's share of nodes needs."""
         if compute_nics_per_node != 1:
             raise ConfigError("node.nics", "the tree placement models one compute NIC per node")
+        if isinstance(radix, bool) or not isinstance(radix, int) or radix < 4 or radix % 2:
+            raise ConfigError("network.switch_ports", f"a fat-tree needs an even switch radix of at least 4, "
+                                                      f"not {radix!r}")
+        for value, name in ((compute_nodes, "network.compute_nodes"), (zones, "network.zones")):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(name, f"must be a positive whole number, not {value!r}")
         per_leaf = radix // 2
         per_zone = math.ceil(compute_nodes / zones)
         return cls(per_leaf, math.ceil(per_zone / per_leaf), zones, cross_zone_links)
@@ -172,8 +189,7 @@ class Fabric:
         """
         if placement not in ("packed", "scattered"):
             raise ConfigError("placement", f"must be packed or scattered, not {placement!r}")
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes <= 0:
-            raise ConfigError("nodes", f"must be a positive whole number, not {nodes!r}")
+        _check_nodes(nodes)
         if isinstance(zones, bool) or not isinstance(zones, int) or not 1 <= zones <= self.zones:
             raise ConfigError("zones", f"a job can span 1 to {self.zones} zone(s), not {zones!r}")
         if zones > nodes:

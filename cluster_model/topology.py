@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from cluster_model.config import ConfigError
 
 __all__ = [
+    "MAX_ACCESS_POINTS",
     "PodSizing",
     "ThreeLayerSizing",
     "Topology",
@@ -211,6 +212,11 @@ class ThreeLayerSizing:
         return found
 
 
+#: The most access points a three-layer tree is sized for, leaf by leaf: a billion (a hundred times any
+#: cluster of the period) keeps the sizing under a few seconds; more is refused, not walked.
+MAX_ACCESS_POINTS = 10**9
+
+
 def three_layer_sizing(radix: int, endpoints: int) -> ThreeLayerSizing:
     """A three-layer tree for exactly ``endpoints`` access points, sized as a vendor quotes one.
 
@@ -231,6 +237,8 @@ def three_layer_sizing(radix: int, endpoints: int) -> ThreeLayerSizing:
     if endpoints > capacity:
         raise ConfigError("endpoints", f"{endpoints} endpoints exceed a three-layer tree of radix {radix} "
                                        f"({capacity})")
+    if endpoints > MAX_ACCESS_POINTS:
+        raise ConfigError("endpoints", f"{endpoints} endpoints exceed the {MAX_ACCESS_POINTS:,} a tree is sized for")
     full_leaves, last_leaf = divmod(endpoints, half)
     leaf_endpoints = [half] * full_leaves + ([last_leaf] if last_leaf else [])
     pods: list[PodSizing] = []

@@ -175,8 +175,13 @@ class TrainingJob:
             raise ConfigError("training.micro_batches", f"must be a positive whole number, not {self.micro_batches!r}")
         if self.global_batch is not None:
             self._check_global_batch(self.global_batch)
-        if self.gpu_memory_bytes <= 0:
-            raise ConfigError("training.gpu_memory_bytes", f"must be positive, not {self.gpu_memory_bytes}")
+        if self.strategy == "pp" and 1 < self.model.layers < self.stages:
+            raise ConfigError("training.stages", f"{self.stages} stages leave some of {self.model.name}'s "
+                                                 f"{self.model.layers} layers' stages empty")
+        for name in ("gpu_memory_bytes", "bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"training.{name}", f"must be a positive whole number of bytes, not {value!r}")
         self.memory()  # refuses a model whose state cannot fit even sharded
 
     def _check_global_batch(self, global_batch: int) -> None:
