@@ -42,13 +42,20 @@ class Cluster:
 
     @property
     def fabric(self) -> Fabric:
-        """Where jobs' nodes sit on the two-zone network, for laying allreduce trees onto it."""
+        """Where jobs' nodes sit on the two-zone network, for laying allreduce trees onto it.
+
+        Zones with no links between them cannot share a job, so such a design is one zone to the
+        fabric (each job stays inside its zone); designs other than two-zone trees of one compute
+        NIC per node hang their nodes off one non-blocking switch.
+        """
         net = self.config["network"]
-        zones = self.network.zones
-        return Fabric.two_zone(self.network.switch_radix, self.compute_nodes, self.node.compute_nics, zones,
-                               self.network.cross_zone_links if zones > 1 else 0) \
-            if self.node.compute_nics == 1 and net.get("topology", "two-zone") == "two-zone" \
-            else Fabric(nodes_per_leaf=self.compute_nodes, leaves_per_zone=1)
+        if self.node.compute_nics != 1 or net.get("topology", "two-zone") != "two-zone":
+            return Fabric(nodes_per_leaf=self.compute_nodes, leaves_per_zone=1)
+        links = self.network.cross_zone_links
+        zones = self.network.zones if links else 1
+        per_zone_nodes = -(-self.compute_nodes // self.network.zones)
+        return Fabric.two_zone(self.network.switch_radix, per_zone_nodes * zones, 1, zones,
+                               links if zones > 1 else 0)
 
     @property
     def collective(self) -> Collective:

@@ -160,3 +160,12 @@ def test_every_point_of_the_issue_is_predicted_once_with_its_mechanism(cluster: 
     assert len(fig7b) == len(FIG7B_ONE_ZONE_GPUS) + len(FIG7B_TWO_ZONE_GPUS)
     sections = {r.section for r in rows}
     assert {"Table III", "Fig. 7a", "Fig. 7b", "Power"} <= sections
+
+
+def test_zones_with_no_links_between_them_keep_every_job_inside_one_zone() -> None:
+    isolated = load_cluster({"network": {"cross_zone_links": 0}})
+    assert isolated.fabric.zones == 1
+    rows = predictions(isolated)
+    assert rows and not [r for r in rows if "zones" in r.setup and r.section == "Fig. 7b"]
+    with pytest.raises(ConfigError, match="zones"):
+        isolated.collective.hfreduce(128, SIZE, zones=2)
