@@ -87,7 +87,8 @@ def generate_protos(proto_root: Path, out_dir: Path) -> list[Path]:
     args = ["grpc_tools.protoc", f"-I{proto_root}", f"-I{well_known}", f"--python_out={out_dir}",
             f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *(str(s) for s in sources)]
     if protoc.main(args) != 0:
-        raise ProtoBuildError(f"grpc_tools.protoc failed on {', '.join(s.name for s in sources)} (its message is above)")
+        names = ", ".join(source.name for source in sources)
+        raise ProtoBuildError(f"grpc_tools.protoc failed on {names} (its message is above)")
     written: list[Path] = []
     for source in sources:
         stem = source.stem
@@ -103,7 +104,7 @@ def generate_protos(proto_root: Path, out_dir: Path) -> list[Path]:
     return written
 
 
-class BuildPyWithProtos(build_py):
+class BuildPyWithProtos(build_py):  # type: ignore[misc]  # setuptools ships no type information
     """`build_py` that also generates the protobuf modules (see the module docstring)."""
 
     def run(self) -> None:

@@ -6,7 +6,6 @@ the packages read at run time and the console scripts, and nothing from tests/, 
 from __future__ import annotations
 
 import configparser
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -147,11 +146,16 @@ def test_the_wheel_imports_outside_the_repository(wheel: Path, tmp_path: Path) -
 
 @pytest.fixture(scope="module")
 def setup_module() -> ModuleType:
-    """setup.py as a module (its `setup()` call runs only as __main__, as the build backend runs it)."""
-    spec = importlib.util.spec_from_file_location("fs3_setup", REPO / "setup.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """setup.py as a module (its `setup()` call runs only as __main__, as the build backend runs it);
+    executed from its text, so no __pycache__ appears in the repository."""
+    path = REPO / "setup.py"
+    module = ModuleType("fs3_setup")
+    module.__file__ = str(path)
+    sys.modules["fs3_setup"] = module  # classes look their module up while being defined
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    finally:
+        del sys.modules["fs3_setup"]
     return module
 
 
@@ -181,7 +185,7 @@ def test_generated_code_newer_than_the_declared_floor_fails_the_build(setup_modu
 
 
 def test_a_broken_or_missing_proto_fails_the_build(setup_module: ModuleType, tmp_path: Path) -> None:
-    with pytest.raises(setup_module.ProtoBuildError, match="no .proto files"):
+    with pytest.raises(setup_module.ProtoBuildError, match=r"no \.proto files"):
         setup_module.generate_protos(tmp_path / "empty", tmp_path / "out")
     broken = tmp_path / "proto" / "fs3"
     broken.mkdir(parents=True)
