@@ -7,17 +7,13 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/fs3
-COPY pyproject.toml README.md Makefile ./
+COPY pyproject.toml setup.py MANIFEST.in README.md Makefile ./
 COPY proto ./proto
 COPY fs3 ./fs3
 COPY hai ./hai
-# Generate the protobuf modules and gRPC stubs (and ship the .proto files in the package, as
-# `make proto` does), then install fs3 with the FUSE extra.
-RUN pip install --no-cache-dir "grpcio-tools>=1.60" \
- && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/fs3/*.proto \
- && mkdir -p fs3/proto/fs3 && cp proto/fs3/*.proto fs3/proto/fs3/ \
- && pip install --no-cache-dir ".[fuse]" \
- && pip uninstall -y grpcio-tools
+# Installs fs3 with the FUSE extra; the build generates the protobuf modules and gRPC stubs and ships the
+# .proto files in the package (setup.py), with grpcio-tools in the build's own environment only.
+RUN pip install --no-cache-dir ".[fuse]"
 
 ENV FS3_LOG_LEVEL=INFO
 ENTRYPOINT ["fs3"]

@@ -21,7 +21,7 @@ LIN_OPS ?= 40
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install
+.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install test-wheel
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -64,6 +64,12 @@ lint: install
 	$(BIN)/ruff check fs3 hfreduce haiscale cluster_model hai tests bench
 	$(BIN)/mypy fs3 hfreduce haiscale cluster_model hai bench tests
 	$(BIN)/lint-imports
+
+# The wheel as a user installs it (a few minutes; reruns reuse pip's cache): sdist and wheel built by
+# `python -m build` from a copy without generated modules, installed into a fresh venv, then from /tmp
+# `fs3 local up`, the client, a FUSE mount and `fs3 local down` (scripts/test_wheel.sh).
+test-wheel:
+	./scripts/test_wheel.sh
 
 # Long deterministic-simulation sweep on every core (JOBS=N to limit): `make sim SEEDS=10000`.
 # Resumes: seeds already in bench/results/sim/<config>.jsonl are skipped; summary-<config>.md is refreshed.
