@@ -21,7 +21,7 @@ from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import schema
-from fs3.meta.backup import backup_once, dump_to_file, list_backups, load_dump
+from fs3.meta.backup import INODE_ID_GAP, backup_once, dump_to_file, list_backups, load_dump
 from fs3.meta.dump import DumpError, DumpReader, dump_snapshot, is_dumped_key
 from tests.txn_engines import EngineFactory
 
@@ -29,7 +29,7 @@ from tests.txn_engines import EngineFactory
 _EXCLUDED = (b"SESS", b"CSES", b"CLNT", b"CEXP", b"IDEM", b"CLAM", b"MREG")
 
 
-def _inode(inode_id: int, rng: random.Random, kind: int | None = None, nlink: int | None = None) -> mpb.Inode:
+def _inode(inode_id: int, rng: random.Random, kind: mpb.InodeType | None = None, nlink: int | None = None) -> mpb.Inode:
     kind = kind if kind is not None else rng.choice([mpb.FILE, mpb.DIRECTORY, mpb.SYMLINK])
     return mpb.Inode(inode_id=inode_id, type=kind, mode=rng.randrange(0o7777), uid=rng.randrange(2000),
                      gid=rng.randrange(2000), nlink=nlink if nlink is not None else rng.randrange(1, 4),
@@ -186,13 +186,23 @@ def test_dump_and_load_larger_than_a_page_stream(tmp_path: Path) -> None:
     the namespace."""
     data = random_store(random.Random(3), 200)
     dumped = {k: v for k, v in data.items() if is_dumped_key(k)}
-    lines, stats = asyncio.run(dump_lines(engine_with(data), page_records=16))
+    _, stats = asyncio.run(dump_lines(engine_with(data), page_records=16))
     assert stats.page_pairs_max == 16 and stats.pages >= len(dumped) // 16
     path = _dump_file(tmp_path, data)
     target = OptimisticTxnEngine(MemKVStore())
-    loaded = asyncio.run(load_dump(target, path, batch_records=25))
+    loaded = asyncio.run(load_dump(target, path, batch_records=25, inode_id_gap=0))
     assert loaded.batches == -(-len(dumped) // 25) and loaded.records == len(dumped)
     assert stored(target) == dumped
+
+
+def test_load_raises_the_next_inode_id(tmp_path: Path) -> None:
+    """Ids the dumped cluster may have handed out after the dump are never handed out again."""
+    data = random_store(random.Random(8), 20)
+    path = _dump_file(tmp_path, data)
+    target = OptimisticTxnEngine(MemKVStore())
+    asyncio.run(load_dump(target, path))
+    dumped_next = schema.decode_u64(data[schema.counter_key("next_inode")])
+    assert schema.decode_u64(stored(target)[schema.counter_key("next_inode")]) == dumped_next + INODE_ID_GAP
 
 
 class FailingEngine:

@@ -30,13 +30,27 @@ from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader, Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
 from fs3.meta.dump import DumpReader, DumpStats, dump_snapshot
+from fs3.meta.schema import counter_key, decode_u64, encode_u64, parse_inode_key
 
-__all__ = ["BACKUP_PREFIX", "LoadStats", "backup_once", "dump_to_file", "dump_to_stream", "list_backups",
-           "load_dump", "store_is_empty"]
+__all__ = [
+    "BACKUP_PREFIX",
+    "INODE_ID_GAP",
+    "LoadStats",
+    "backup_name",
+    "backup_once",
+    "dump_to_file",
+    "dump_to_stream",
+    "list_backups",
+    "load_dump",
+    "store_is_empty",
+]
 
 log = logging.getLogger(__name__)
 
 BACKUP_PREFIX = "fs3-meta-"
+# How far a load raises the next inode id above the dump's (load_dump says why): 2^32 ids,
+# more than a cluster makes between two backups, a sliver of the 64-bit id space.
+INODE_ID_GAP = 1 << 32
 _BACKUP_SUFFIX = ".dump"
 
 
@@ -101,10 +115,15 @@ async def store_is_empty(engine: TxnEngine) -> bool:
             abandon()
 
 
-async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500) -> LoadStats:
+async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
+                    inode_id_gap: int = INODE_ID_GAP) -> LoadStats:
     """Load the dump at ``path`` into ``engine``'s store, which must be empty (see the module
-    docstring: nothing is written when the file or the target is not right)."""
-    if batch_records <= 0:
+    docstring: nothing is written when the file or the target is not right).
+
+    The next inode id is raised by ``inode_id_gap`` above the dumped one: the cluster the dump
+    was taken of may have made files after it, whose chunks (named by their inode ids) are still
+    on storage; a restored meta handing out those ids again would give a new file their bytes."""
+    if batch_records <= 0 or inode_id_gap < 0:
         raise InvalidArgument("batch_records must be positive")
     if not path.is_file():
         raise InvalidArgument(f"{path}: no such dump file (load reads a file twice, so not a pipe)")
@@ -135,13 +154,19 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500) -> 
         batch.clear()
 
     reader = DumpReader()
+    next_key, next_inode, inode_max = counter_key("next_inode"), 0, 0
     try:
-        for _, key, value in reader.records(_lines(path)):
+        for kind, key, value in reader.records(_lines(path)):
+            if kind == "inode":
+                inode_max = max(inode_max, parse_inode_key(key))
+            if key == next_key:
+                next_inode = decode_u64(value)
+                continue  # written last, raised by the gap
             batch.append((key, value))
             if len(batch) >= batch_records:
                 await flush()
-        if batch:
-            await flush()
+        batch.append((next_key, encode_u64(max(next_inode, inode_max + 1) + inode_id_gap)))
+        await flush()
     except BaseException:
         if written:
             try:
@@ -164,6 +189,8 @@ async def _roll_back(engine: TxnEngine, path: Path, written: int, batch_records:
     reader, left = DumpReader(), written
     with contextlib.suppress(InvalidArgument):  # the file may have changed: its first pairs are what was written
         for _, key, _value in reader.records(_lines(path)):
+            if key == counter_key("next_inode"):
+                continue  # written last: a load that failed never wrote it
             keys.append(key)
             left -= 1
             if len(keys) >= batch_records or not left:
