@@ -65,3 +65,19 @@ def test_load_of_a_damaged_dump_fails_clearly(tmp_path: Path, capsys: pytest.Cap
     assert main(["admin", "load", str(bad), "--meta-config", str(_meta_config(tmp_path, "dst"))]) == 1
     assert "cut short" in capsys.readouterr().err
     assert _contents(tmp_path / "dst" / "kv") == {}
+
+
+def test_load_into_a_store_in_use_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _meta_config(tmp_path, "src")
+    RocksKVStore(tmp_path / "src" / "kv").close()
+    dump = tmp_path / "out.dump"
+    assert main(["admin", "dump", "--meta-config", str(src), "--out", str(dump)]) == 0
+    dst = _meta_config(tmp_path, "dst")
+    held = RocksKVStore(tmp_path / "dst" / "kv")  # as a running meta server holds it
+    try:
+        capsys.readouterr()
+        assert main(["admin", "load", str(dump), "--meta-config", str(dst)]) == 1
+        assert "stop it first" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert _contents(tmp_path / "dst" / "kv") == {}

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fs3.common.errors import InvalidArgument
+from fs3.common.errors import InvalidArgument, IoError
 from fs3.kv.api import SnapshotReader
 
 __all__ = ["META_BACKUP_COMMANDS", "add_meta_backup_commands", "run_meta_backup_command"]
@@ -98,7 +98,10 @@ async def run_meta_backup_command(args: argparse.Namespace) -> int:
         from fs3.meta.backup import load_dump
         from fs3.meta.server import open_engine
 
-        engine, close = await open_engine(config)
+        try:
+            engine, close = await open_engine(config)
+        except IoError as exc:
+            raise IoError(f"{exc} (a meta server running on this store holds it: stop it first)") from None
         try:
             stats = await load_dump(engine, Path(args.file), args.batch_records)
         finally:
