@@ -180,8 +180,8 @@ class DumpWriter:
     cluster_id: str
     created_ms: int
     counts: dict[str, int] = field(default_factory=dict)
-    _hash: Any = field(default_factory=hashlib.sha256)
-    _last: tuple[int, bytes] | None = None
+    _hash: Any = field(default_factory=hashlib.sha256, init=False, repr=False)
+    _last: tuple[int, bytes] | None = field(default=None, init=False, repr=False)
 
     def header(self) -> bytes:
         line = _line({"format": DUMP_FORMAT, "version": DUMP_FORMAT_VERSION, "schema": META_SCHEMA_VERSION,
