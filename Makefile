@@ -21,7 +21,7 @@ LIN_OPS ?= 40
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install test-wheel
+.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install test-wheel
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -92,6 +92,12 @@ sim-meta: install
 meta-linearizable: install
 	FS3_META_LINEARIZABLE_SEEDS=$(LIN_SEEDS) FS3_META_LINEARIZABLE_OPS=$(LIN_OPS) $(BIN)/pytest -q -p no:cacheprovider \
 		tests/test_meta_linearizable_pg.py
+
+# Metadata backups under load with real processes: backups beside a running meta (RocksDB),
+# restore into an empty store, every file byte for byte (docs/operations.md).
+meta-backup: install
+	FS3_META_BACKUP_SCENARIO=1 FS3_META_BACKUP_FILES=$${FS3_META_BACKUP_FILES:-200} $(BIN)/pytest -q \
+		tests/test_meta_dump_process.py
 
 # The randomized single-file exerciser, long, on the FUSE mount and the client library:
 # `make fsx FSX_SEEDS=1000 FSX_OPS=150` (FSX_FIRST=N to start elsewhere). A failure prints the seed and

@@ -8,6 +8,8 @@
     fs3 admin   (--mgmtd HOST:PORT [--token-file FILE] | --dir DIR) [--json]
                 nodes|targets|chains|metrics-targets|create-chain-table|mark-offline|verify|fsck|set-layout
                 user add|list|remove|rotate
+    fs3 admin   dump [--out FILE|-] | load FILE | backup --backup-dir D [--keep K] [--every-s S]
+                [--meta-config FILE | --dir DIR]  (straight from meta's store: docs/operations.md)
     fs3 admin   token rotate --dir DIR [--finish]
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
     fs3 local   up|status|down|kill|start [--dir DIR]
@@ -38,6 +40,7 @@ from fs3.cli.cluster import (
     resolve_token,
     warn_token_in_argv,
 )
+from fs3.cli.meta_backup import add_meta_backup_commands
 from fs3.cli.ops import OPERATOR_COMMANDS, add_operator_commands, run_operator
 from fs3.cli.output import human_bytes as _human_bytes
 from fs3.cli.output import message_dict, print_json, progress
@@ -96,9 +99,12 @@ def node_entries(listing: Any) -> list[dict[str, Any]]:
 async def run_admin(args: argparse.Namespace) -> int:
     """``fs3 admin ...`` on the running event loop: its exit status (public so it can run beside a
     cluster served by the same loop)."""
+    from fs3.cli.meta_backup import META_BACKUP_COMMANDS, run_meta_backup_command
     from fs3.client.admin import AdminClient
     from fs3.rpc.channel import RealChannelFactory
 
+    if args.command in META_BACKUP_COMMANDS:  # straight from meta's store, no cluster connection
+        return await run_meta_backup_command(args)
     resolve_cluster(args)
     channels = RealChannelFactory(args.token, args.transport, client_tls(args))
     admin = AdminClient(args.mgmtd, channels, timeout_ms=args.timeout_ms)
@@ -453,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin_sub = admin.add_subparsers(dest="command", required=True)
     add_operator_commands(sub, cluster)
     admin_sub.add_parser("nodes", help="list nodes")
+    add_meta_backup_commands(admin_sub)
     admin_sub.add_parser("targets", help="list storage targets")
     metrics_targets = admin_sub.add_parser(
         "metrics-targets", help="Prometheus file_sd JSON: every process's /metrics endpoint (labels service, node_id)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["Transaction", "TxnEngine", "prefix_end"]
+__all__ = ["SnapshotEngine", "SnapshotReader", "Transaction", "TxnEngine", "prefix_end"]
 
 
 class Transaction(Protocol):
@@ -51,6 +51,26 @@ class TxnEngine(Protocol):
     async def wait_durable(self) -> None:
         """Return once every commit that readers may already have seen is durable."""
         ...
+
+
+class SnapshotReader(Protocol):
+    """Reads of one point-in-time view of the whole store, however long they take: what commits
+    after the view was taken is never seen, and every commit before it is seen whole. A dump of
+    the namespace (:mod:`fs3.meta.dump`) pages through one, so the pages fit together while the
+    cluster keeps writing. :meth:`close` lets the view go (it pins old versions in the engine)."""
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """Pairs with ``start <= key < end`` in key order, as of the view."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class SnapshotEngine(Protocol):
+    """An engine that can take a :class:`SnapshotReader` (both engines can; a test's stand-in
+    engine need not)."""
+
+    async def snapshot(self) -> SnapshotReader: ...
 
 
 def prefix_end(prefix: bytes) -> bytes | None:

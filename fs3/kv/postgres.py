@@ -735,6 +735,45 @@ class _PgTxn:
         return Unavailable(f"PostgreSQL error {state or ''}: {_first_line(exc)}")
 
 
+# A snapshot's reader may wait on its own output between pages (a dump written to a slow pipe):
+# its session stays idle in its transaction for up to this long before the server ends it.
+_SNAPSHOT_IDLE_MS = 600_000
+
+
+class _PgSnapshot:
+    """A :class:`~fs3.kv.api.SnapshotReader`: one ``REPEATABLE READ READ ONLY`` transaction on a
+    session of its own (not the pool's: it lasts as long as the reader pages), so every scan reads
+    the snapshot its first statement took. Read-only, it takes no predicate locks and can neither
+    fail with a serialization error nor make a writer fail."""
+
+    def __init__(self, pg: psycopg.AsyncConnection[Any], url: str) -> None:
+        self._pg: psycopg.AsyncConnection[Any] | None = pg
+        self._url = url
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        if self._pg is None:
+            raise InvalidArgument("snapshot already closed")
+        if limit is not None and limit <= 0:
+            raise InvalidArgument("scan limit must be positive")
+        params: list[object] = [start]
+        if end is not None:
+            params.append(end)
+        if limit is not None:
+            params.append(limit)
+        try:
+            cur = await self._pg.execute(_SCAN[(end is not None, limit is not None)], params)
+            return [(bytes(k), bytes(v)) for k, v in await cur.fetchall()]
+        except psycopg.Error as exc:
+            raise Unavailable(f"snapshot read from {redact_url(self._url)}: "
+                              f"{redact_message(_first_line(exc), self._url)}") from None
+
+    async def close(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            with contextlib.suppress(psycopg.Error):
+                await pg.close()
+
+
 class PostgresTxnEngine:
     """Serializable transactions on a PostgreSQL table; open with :meth:`open`.
 
@@ -791,6 +830,20 @@ class PostgresTxnEngine:
 
     def begin(self) -> _PgTxn:
         return _PgTxn(self)
+
+    async def snapshot(self) -> _PgSnapshot:
+        """A point-in-time view of the whole table (:class:`~fs3.kv.api.SnapshotReader`), taken now."""
+        pg = await self._pool.connect()
+        try:
+            await pg.execute(b"SET idle_in_transaction_session_timeout = %s" % str(_SNAPSHOT_IDLE_MS).encode())
+            await pg.execute(b"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            # The snapshot is taken by the transaction's first statement, not by BEGIN: take it now.
+            await pg.execute(b"SELECT 1")
+        except psycopg.Error as exc:
+            await pg.close()
+            raise Unavailable(f"snapshot of {redact_url(self.config.url)}: "
+                              f"{redact_message(_first_line(exc), self.config.url)}") from None
+        return _PgSnapshot(pg, self.config.url)
 
     def conflict_retry(self, retry_max: int, backoff_ms: float) -> RetryPolicy:
         """How :func:`~fs3.kv.txn.run_transaction` retries on this engine: exponential waits, up to

@@ -112,6 +112,15 @@ class MemKVStore:
             self._durable = dict(self._data)
             self._unsynced = False
 
+    def snapshot(self) -> MemKVStore:
+        """A frozen copy, for reads of one point in time (:meth:`OptimisticTxnEngine.snapshot`).
+        It costs a copy of the store: this engine is for tests and the simulator, whose stores
+        are small. Taken without an await, so no commit is half in it."""
+        view = MemKVStore()
+        view._data = dict(self._data)
+        view._keys = list(self._keys)
+        return view
+
     def crash(self) -> None:
         """Lose every unsynced write."""
         self._data = dict(self._durable)
@@ -258,6 +267,38 @@ class RocksKVStore:
 
     def free_bytes(self) -> int:
         return int(shutil.disk_usage(self._path).free)
+
+    def snapshot(self) -> RocksKVStore:
+        """A read-only view of the store as it is now (:meth:`OptimisticTxnEngine.snapshot`):
+        see :meth:`open_view`."""
+        return self.open_view(self._path)
+
+    @classmethod
+    def open_view(cls, path: str | Path) -> RocksKVStore:
+        """A read-only view of the store at ``path`` as it is now, which may be open in another
+        process (``fs3 admin dump`` beside a running meta): a second, read-only instance on the
+        same files. It replays the write-ahead log into its own memtable when it opens, every
+        write batch whole or not at all (a batch the writer is still appending is left out), and
+        then never changes: a point-in-time view that copies no data. (rocksdict's own
+        ``Snapshot`` iterates the live database in raw mode: tried, it sees later writes.) The
+        writer may delete table files the view has not opened yet (after a compaction): a read of
+        one fails with :class:`IoError`, and a view taken again succeeds."""
+        if not Path(path).is_dir():
+            raise IoError(f"no RocksDB at {path}")
+        view = cls.__new__(cls)
+        view._path = str(path)
+        view.write_buffer_bytes = cls._write_buffer_for(int(shutil.disk_usage(view._path).total))
+        view.headroom_bytes = 0
+        view.space_error = "a read-only view"  # refuses writes
+        view._gate = _Gate()
+        view._deletes_since_flush = 0
+        view._next_flush = 0.0
+        view._syncs = False
+        try:
+            view._db = view._open(read_only=True)
+        except Exception as exc:  # rocksdict raises a bare Exception
+            raise IoError(f"cannot open a read-only view of RocksDB at {path}: {exc}") from None
+        return view
 
     def get(self, key: bytes) -> bytes | None:
         with self._gate.shared():

@@ -35,7 +35,7 @@ from fs3.kv.gate import ContentionGate
 from fs3.kv.group_sync import GroupSync
 from fs3.kv.store import KVStore, WriteBatch
 
-__all__ = ["OptimisticTxnEngine", "TxnFaults", "run_transaction", "transaction_retry"]
+__all__ = ["OptimisticTxnEngine", "StoreSnapshot", "TxnFaults", "run_transaction", "transaction_retry"]
 
 log = logging.getLogger(__name__)
 # What running a transaction again can cure: its commit conflicted, or its outcome is unknown.
@@ -136,6 +136,25 @@ class _OptimisticTxn:
         await self._engine.commit(self)
 
 
+class StoreSnapshot:
+    """A :class:`~fs3.kv.api.SnapshotReader` over a store's frozen view (``KVStore.snapshot``)."""
+
+    def __init__(self, view: KVStore) -> None:
+        self._view: KVStore | None = view
+
+    async def scan(self, start: bytes, end: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        if self._view is None:
+            raise InvalidArgument("snapshot already closed")
+        if limit is not None and limit <= 0:
+            raise InvalidArgument("scan limit must be positive")
+        return list(self._view.scan(start, end, limit))
+
+    async def close(self) -> None:
+        view, self._view = self._view, None
+        if view is not None:
+            view.close()
+
+
 class OptimisticTxnEngine:
     """Serializable optimistic transactions over one embedded store (this process is its only user)."""
 
@@ -157,6 +176,15 @@ class OptimisticTxnEngine:
 
     def begin(self) -> _OptimisticTxn:
         return _OptimisticTxn(self, self._seq)
+
+    async def snapshot(self) -> StoreSnapshot:
+        """A point-in-time view of the store (:class:`~fs3.kv.api.SnapshotReader`), for reads too
+        long for one transaction (a transaction here reads the live store, and its reads are only
+        checked at commit). Taken without an await, between two commits: none is half in it."""
+        take = getattr(self.store, "snapshot", None)
+        if take is None:
+            raise InvalidArgument(f"{type(self.store).__name__} cannot take a snapshot")
+        return StoreSnapshot(take())
 
     def _conflicts(self, txn: _OptimisticTxn) -> bool:
         if self._history and self._history[0][0] > txn.start_seq + 1 and self._seq > txn.start_seq:

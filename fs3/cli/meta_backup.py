@@ -1,0 +1,154 @@
+"""``fs3 admin dump | load | backup``: metadata backups, straight from meta's store.
+
+These read (or, to load, write) the store a meta config names (``--meta-config``; a local
+cluster's ``--dir``: its first meta's), as ``juicefs dump`` reads its metadata engine, not
+through a meta server: a dump needs one snapshot of the whole store, which no request of the
+meta protocol holds, and a load must find the store empty, before any server runs on it.
+
+* RocksDB: a dump opens a read-only view beside the running meta (:meth:`RocksKVStore.open_view`);
+  a load opens the store itself, so it is refused while a meta server holds it.
+* PostgreSQL: one ``REPEATABLE READ`` read-only transaction; a load into an empty database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fs3.common.errors import InvalidArgument, IoError
+from fs3.kv.api import SnapshotReader
+
+__all__ = ["META_BACKUP_COMMANDS", "add_meta_backup_commands", "run_meta_backup_command"]
+
+META_BACKUP_COMMANDS = frozenset({"dump", "load", "backup"})
+log = logging.getLogger(__name__)
+
+
+def add_meta_backup_commands(admin_sub: Any) -> None:
+    """The three subcommands, on ``fs3 admin``'s subparsers."""
+    meta_config = argparse.ArgumentParser(add_help=False)
+    meta_config.add_argument("--meta-config", help="the meta server's config (TOML) naming its store "
+                             "(default with --dir: the local cluster's first meta)")
+    dump = admin_sub.add_parser("dump", parents=[meta_config],
+                                help="write a consistent snapshot of the metadata (docs/operations.md)")
+    dump.add_argument("--out", default="-", help="file to write (atomically), or - for stdout (default)")
+    dump.add_argument("--page-records", type=int, default=1000, help="pairs read per page (memory bound)")
+    load = admin_sub.add_parser("load", parents=[meta_config],
+                                help="load a dump into an EMPTY meta store (before its meta server starts)")
+    load.add_argument("file", help="the dump file")
+    load.add_argument("--batch-records", type=int, default=500, help="pairs written per transaction")
+    backup = admin_sub.add_parser("backup", parents=[meta_config],
+                                  help="dump into a directory, keeping the newest K; --every-s to repeat")
+    backup.add_argument("--backup-dir", required=True, help="directory for the backups (local, or on an fs3 mount)")
+    backup.add_argument("--keep", type=int, default=7, help="backups kept (the oldest are removed after a new one)")
+    backup.add_argument("--every-s", type=float, default=0.0, help="repeat every this many seconds (0: once)")
+    backup.add_argument("--page-records", type=int, default=1000, help="pairs read per page (memory bound)")
+
+
+def _meta_config(args: argparse.Namespace) -> Any:
+    from fs3.cluster.topology import META
+    from fs3.common.config import load_config
+    from fs3.meta.server import MetaConfig
+
+    path = args.meta_config
+    if path is None and getattr(args, "dir", None):
+        path = str(Path(args.dir) / META / "meta.toml")
+    if path is None:
+        raise InvalidArgument(f"fs3 admin {args.command} needs --meta-config (the meta server's TOML) or --dir")
+    if not Path(path).is_file():
+        raise InvalidArgument(f"{path}: no such meta config")
+    return load_config(MetaConfig, path, env_prefix="FS3_META")
+
+
+Take = Callable[[], Awaitable[SnapshotReader]]
+
+
+async def _snapshot_source(config: Any) -> tuple[Take, Callable[[], Awaitable[None]]]:
+    """How to take a snapshot of the store ``config`` names, and how to let the engine go."""
+    if config.kv_engine == "postgres":
+        from fs3.kv.postgres import PostgresTxnEngine
+
+        pg = await PostgresTxnEngine.open(config.postgres_config())
+        return pg.snapshot, pg.close
+    if config.kv_engine != "rocksdb":
+        raise InvalidArgument(f"kv_engine {config.kv_engine!r} keeps nothing to dump")
+    from fs3.kv.store import RocksKVStore
+    from fs3.kv.txn import StoreSnapshot
+
+    path = Path(config.data_dir) / "kv"
+
+    async def take() -> SnapshotReader:
+        return StoreSnapshot(RocksKVStore.open_view(path))
+
+    async def nothing() -> None:
+        return None
+
+    return take, nothing
+
+
+async def run_meta_backup_command(args: argparse.Namespace) -> int:
+    config = _meta_config(args)
+    if args.command == "load":
+        from fs3.meta.backup import load_dump
+        from fs3.meta.server import open_engine
+
+        try:
+            engine, close = await open_engine(config)
+        except IoError as exc:
+            raise IoError(f"{exc} (a meta server running on this store holds it: stop it first)") from None
+        try:
+            stats = await load_dump(engine, Path(args.file), args.batch_records)
+        finally:
+            await close()
+        if stats.cluster_id != config.cluster_id:
+            log.warning("the dump was taken of cluster %r, loaded into cluster %r", stats.cluster_id,
+                        config.cluster_id)
+        print(f"loaded {stats.records} records in {stats.batches} batches: "
+              + ", ".join(f"{n} {kind}" for kind, n in sorted(stats.counts.items())))
+        return 0
+    take, close = await _snapshot_source(config)
+    try:
+        if args.command == "dump":
+            return await _dump(take, args, config.cluster_id)
+        return await _backups(take, args, config.cluster_id)
+    finally:
+        await close()
+
+
+async def _dump(take: Callable[[], Awaitable[SnapshotReader]], args: argparse.Namespace, cluster_id: str) -> int:
+    from fs3.meta.backup import dump_to_file, dump_to_stream
+
+    if args.out == "-":
+        stats = await dump_to_stream(await take(), sys.stdout.buffer, cluster_id, args.page_records)
+        sys.stdout.buffer.flush()
+    else:
+        stats = await dump_to_file(await take(), Path(args.out), cluster_id, args.page_records)
+    print(f"dumped {sum(stats.counts.values())} records in {stats.pages} pages"
+          + (f" ({stats.open_removed} files removed while open, dumped as GC jobs)" if stats.open_removed else ""),
+          file=sys.stderr)
+    return 0
+
+
+async def _backups(take: Callable[[], Awaitable[SnapshotReader]], args: argparse.Namespace, cluster_id: str) -> int:
+    from fs3.meta.backup import backup_once
+
+    if args.every_s < 0:
+        raise InvalidArgument("--every-s must not be negative")
+    while True:
+        started = time.monotonic()
+        try:
+            path, removed = await backup_once(take, Path(args.backup_dir), args.keep, cluster_id, args.page_records)
+            print(f"backup {path} written" + (f"; removed {len(removed)} older" if removed else ""), flush=True)
+        except Exception as exc:
+            if not args.every_s:
+                raise
+            log.error("backup failed (next in %.0f s): %s", args.every_s, exc)  # a loop outlives one failure
+        if not args.every_s:
+            return 0
+        await asyncio.sleep(max(0.0, args.every_s - (time.monotonic() - started)))

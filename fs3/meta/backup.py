@@ -1,0 +1,230 @@
+"""Metadata backups: write a dump (:mod:`fs3.meta.dump`) to a file, load one into an empty meta,
+and keep the newest K of periodic backups in a directory.
+
+* **Dump** reads one :class:`~fs3.kv.api.SnapshotReader` (a RocksDB read-only view, or a
+  PostgreSQL ``REPEATABLE READ`` transaction), so the dump is the namespace at one instant while
+  the cluster keeps writing. A file is written as ``NAME.tmp``, synced, then renamed: a file
+  under its final name is always a whole dump.
+* **Load** reads the file twice. The first pass checks all of it (format and schema version,
+  order, counts, SHA-256) and writes nothing; then the target is checked empty; the second pass
+  writes the records in transactions of ``batch_records`` pairs. The first batch checks, in its
+  own transaction, that the store is still empty (a meta server started meanwhile would have
+  made its root). Should the second pass fail (the file changed between the passes, the store
+  refused a write), every pair it wrote is deleted again before the error is raised.
+* **Backups**: :func:`backup_once` writes ``fs3-meta-<UTC time>.dump`` into a directory (a local
+  one, or one on an fs3 mount) and only then removes the oldest beyond ``keep``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from fs3.common.errors import InvalidArgument
+from fs3.kv.api import SnapshotReader, Transaction, TxnEngine
+from fs3.kv.txn import run_transaction
+from fs3.meta.dump import DumpReader, DumpStats, dump_snapshot
+from fs3.meta.schema import counter_key, decode_u64, encode_u64, parse_inode_key
+
+__all__ = [
+    "BACKUP_PREFIX",
+    "INODE_ID_GAP",
+    "LoadStats",
+    "backup_name",
+    "backup_once",
+    "dump_to_file",
+    "dump_to_stream",
+    "list_backups",
+    "load_dump",
+    "store_is_empty",
+]
+
+log = logging.getLogger(__name__)
+
+BACKUP_PREFIX = "fs3-meta-"
+# How far a load raises the next inode id above the dump's (load_dump says why): 2^32 ids,
+# more than a cluster makes between two backups, a sliver of the 64-bit id space.
+INODE_ID_GAP = 1 << 32
+_BACKUP_SUFFIX = ".dump"
+
+
+async def dump_to_stream(reader: SnapshotReader, out: IO[bytes], cluster_id: str, page_records: int = 1000,
+                         now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000) -> DumpStats:
+    """Dump what ``reader`` sees into ``out`` (closes the reader)."""
+    async def emit(line: bytes) -> None:
+        out.write(line)
+
+    try:
+        return await dump_snapshot(reader, emit, cluster_id, now_ms(), page_records)
+    finally:
+        await reader.close()
+
+
+async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page_records: int = 1000) -> DumpStats:
+    """Dump into ``path`` atomically: a temporary file beside it, synced, renamed over it (mode 0600:
+    the dump holds the user table's secret hashes and every name in the namespace)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+            stats = await dump_to_stream(reader, out, cluster_id, page_records)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename durable too (a directory on fs3 may not sync)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return stats
+
+
+def _lines(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from f
+
+
+@dataclass
+class LoadStats:
+    records: int
+    batches: int
+    counts: dict[str, int]
+    cluster_id: str
+
+
+async def store_is_empty(engine: TxnEngine) -> bool:
+    """Whether meta's store holds no key at all (what a load needs: a fresh data directory or
+    database, before any meta server started on it)."""
+    txn = engine.begin()
+    try:
+        return not await txn.scan(b"", None, limit=1)
+    finally:
+        abandon = getattr(txn, "abandon", None)
+        if abandon is not None:
+            abandon()
+
+
+async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
+                    inode_id_gap: int = INODE_ID_GAP) -> LoadStats:
+    """Load the dump at ``path`` into ``engine``'s store, which must be empty (see the module
+    docstring: nothing is written when the file or the target is not right).
+
+    The next inode id is raised by ``inode_id_gap`` above the dumped one: the cluster the dump
+    was taken of may have made files after it, whose chunks (named by their inode ids) are still
+    on storage; a restored meta handing out those ids again would give a new file their bytes."""
+    if batch_records <= 0 or inode_id_gap < 0:
+        raise InvalidArgument("batch_records must be positive")
+    if not path.is_file():
+        raise InvalidArgument(f"{path}: no such dump file (load reads a file twice, so not a pipe)")
+    check = DumpReader()
+    for _ in check.records(_lines(path)):
+        pass
+    if not await store_is_empty(engine):
+        raise InvalidArgument("the target meta store is not empty: load only into a new data directory "
+                              "(or database) before any meta server has started on it; nothing was written")
+    written = 0
+    batches = 0
+    batch: list[tuple[bytes, bytes]] = []
+
+    async def flush() -> None:
+        nonlocal written, batches
+        pairs, first = list(batch), batches == 0
+
+        async def put(txn: Transaction) -> None:
+            if first and await txn.scan(b"", None, limit=1):
+                raise InvalidArgument("the target meta store stopped being empty (a meta server started on it?); "
+                                      "nothing was written")
+            for key, value in pairs:
+                txn.put(key, value)
+
+        await run_transaction(engine, put)
+        written += len(pairs)
+        batches += 1
+        batch.clear()
+
+    reader = DumpReader()
+    next_key, next_inode, inode_max = counter_key("next_inode"), 0, 0
+    try:
+        for kind, key, value in reader.records(_lines(path)):
+            if kind == "inode":
+                inode_max = max(inode_max, parse_inode_key(key))
+            if key == next_key:
+                next_inode = decode_u64(value)
+                continue  # written last, raised by the gap
+            batch.append((key, value))
+            if len(batch) >= batch_records:
+                await flush()
+        batch.append((next_key, encode_u64(max(next_inode, inode_max + 1) + inode_id_gap)))
+        await flush()
+    except BaseException:
+        if written:
+            try:
+                await _roll_back(engine, path, written, batch_records)
+            except Exception as exc:
+                log.error("a failed load could not delete the %d pairs it wrote (%s): the store holds part of "
+                          "the dump; load into a new data directory (or database)", written, exc)
+        raise
+    return LoadStats(sum(reader.counts.values()), batches, dict(reader.counts), str(reader.header["cluster_id"]))
+
+
+async def _roll_back(engine: TxnEngine, path: Path, written: int, batch_records: int) -> None:
+    """Delete the first ``written`` pairs of the dump (what a failed load wrote), in batches."""
+    keys: list[bytes] = []
+
+    async def delete(txn: Transaction) -> None:
+        for key in keys:
+            txn.delete(key)
+
+    reader, left = DumpReader(), written
+    with contextlib.suppress(InvalidArgument):  # the file may have changed: its first pairs are what was written
+        for _, key, _value in reader.records(_lines(path)):
+            if key == counter_key("next_inode"):
+                continue  # written last: a load that failed never wrote it
+            keys.append(key)
+            left -= 1
+            if len(keys) >= batch_records or not left:
+                await run_transaction(engine, delete)
+                keys.clear()
+            if not left:
+                break
+
+
+def list_backups(directory: Path) -> list[Path]:
+    """The complete backups in ``directory``, oldest first (names sort as their times do)."""
+    return sorted(p for p in directory.iterdir()
+                  if p.name.startswith(BACKUP_PREFIX) and p.name.endswith(_BACKUP_SUFFIX) and p.is_file())
+
+
+def backup_name(now_ns: int) -> str:
+    seconds, rest_ns = divmod(now_ns, 1_000_000_000)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds))
+    return f"{BACKUP_PREFIX}{stamp}.{rest_ns // 1_000_000:03d}Z{_BACKUP_SUFFIX}"
+
+
+async def backup_once(take: Callable[[], Awaitable[SnapshotReader]], directory: Path, keep: int, cluster_id: str,
+                      page_records: int = 1000, now_ns: Callable[[], int] = time.time_ns) -> tuple[Path, list[Path]]:
+    """One backup into ``directory`` from a snapshot ``take`` makes, then the oldest beyond
+    ``keep`` removed: returns the new file and the removed ones. A failed dump removes nothing."""
+    if keep < 1:
+        raise InvalidArgument("keep must be at least 1")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / backup_name(now_ns())
+    if path.exists():
+        raise InvalidArgument(f"{path} exists already (two backups in the same millisecond?)")
+    await dump_to_file(await take(), path, cluster_id, page_records)
+    backups = list_backups(directory)
+    removed = backups[:-keep] if len(backups) > keep else []
+    for old in removed:
+        old.unlink()
+    return path, removed

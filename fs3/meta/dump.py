@@ -1,0 +1,364 @@
+"""The metadata dump format: what ``fs3 admin dump`` writes and ``fs3 admin load`` reads.
+
+A dump is UTF-8 text, one JSON object a line (JSON Lines), so that it streams both ways and tools
+such as ``jq`` and ``grep`` read it:
+
+* a **header**: ``{"format": "fs3-meta-dump", "version": 1, "schema": 1, "cluster_id": ...,
+  "created_ms": ...}``. ``version`` is this file format's, ``schema`` the version of meta's key
+  schema (:mod:`fs3.meta.schema`) the values are in. A reader refuses any other (it cannot know
+  what a newer one means);
+* **records**, one a line, ``{"t": KIND, <the key's fields>, "v": <the stored value, base64>}``,
+  grouped by kind in the order of :data:`KINDS` and, within a kind, in key order (a reader checks
+  both: a duplicate or a reordered line is refused). The key fields are readable (inode ids as
+  numbers, names as base64: a name is any bytes); the value is exactly what meta stores under
+  the key (the table in :mod:`fs3.meta.schema` says what: an ``Inode`` or ``DirEntry`` protobuf,
+  an xattr's bytes, a job record, a counter's 8 bytes), so a load writes back the very bytes that
+  were read, and the inode ids (hence the chunk ids on storage, which are made of them) are kept;
+* a **trailer**: ``{"t": "end", "records": N, "counts": {KIND: n, ...}, "sha256": HEX}``, the
+  SHA-256 of every byte before it (the header line and each record line, newlines included). A
+  file without it was cut short.
+
+What is dumped: inodes (with their layouts, sizes, modes, owners, times, symlink targets),
+directory entries (hard links are several entries naming one inode), xattrs, size generations,
+pending truncate and GC jobs (so that a restored meta finishes them), counters (the next inode id
+above all: without it a restored meta would hand out ids, hence chunk ids, that files already
+use) and the user-token table (secret hashes only, never a secret). What is not, and why: open-
+file sessions, client leases, expired-client records and saved answers of retried requests
+(they belong to clients of the meta that served them; after a restore every client opens its
+files again, and an idempotency record replayed to a new client would answer the wrong request),
+and the claims and registrations of meta servers (state of running servers, rebuilt at start).
+A file that was removed while still open (no names, kept by its sessions) is dumped as a GC job
+for its chunks instead of an inode, as its last close would have made it.
+
+This module does no I/O of its own: it encodes and checks lines, and :func:`dump_snapshot` reads
+through a :class:`~fs3.kv.api.SnapshotReader` a page at a time (bounded memory: one page, plus one
+entry per open-but-removed file) and hands each line to a callback. :mod:`fs3.meta.backup` writes
+files and loads them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fs3 import meta_pb2 as mpb
+from fs3.common.errors import InvalidArgument
+from fs3.kv.api import SnapshotReader, prefix_end
+from fs3.meta import schema
+
+__all__ = [
+    "DUMP_FORMAT",
+    "DUMP_FORMAT_VERSION",
+    "KINDS",
+    "META_SCHEMA_VERSION",
+    "DumpError",
+    "DumpReader",
+    "DumpStats",
+    "DumpWriter",
+    "decode_record",
+    "dump_snapshot",
+    "encode_record",
+    "is_dumped_key",
+]
+
+DUMP_FORMAT = "fs3-meta-dump"
+DUMP_FORMAT_VERSION = 1
+# The version of meta's key schema (fs3/meta/schema.py) the dumped values are in.
+META_SCHEMA_VERSION = 1
+
+# Every kind of record, in the order a dump holds them, with the key prefix it stands for.
+KINDS: dict[str, bytes] = {
+    "inode": schema.inode_prefix(),
+    "dentry": schema.dentry_prefix(),
+    "xattr": b"XATR",
+    "size_gen": schema.size_gen_prefix(),
+    "truncate": schema.truncate_prefix(),
+    "gc": schema.gc_prefix(),
+    "counter": schema.COUNTER,
+    "user": schema.user_prefix(),
+}
+_KIND_ORDER = {kind: index for index, kind in enumerate(KINDS)}
+_ID_KINDS = frozenset({"inode", "size_gen", "truncate", "gc"})  # key: prefix + inode id(8)
+_LINE_BYTES_MAX = 64 << 20  # far above any value meta stores: a longer line is not a dump
+
+
+class DumpError(InvalidArgument):
+    """A dump that cannot be read: not a dump, another version, cut short, or altered."""
+
+
+def is_dumped_key(key: bytes) -> bool:
+    """Whether a key of meta's store belongs in a dump (see the module docstring for why not)."""
+    return any(key.startswith(prefix) for prefix in KINDS.values())
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: object, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise DumpError(f"{what}: expected base64 text, got {type(text).__name__}")
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        raise DumpError(f"{what}: not base64") from None
+
+
+def _u64(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+        raise DumpError(f"{what}: expected an unsigned 64-bit integer, got {value!r}")
+    return value
+
+
+def encode_record(key: bytes, value: bytes) -> dict[str, Any]:
+    """The record for one stored pair (``key`` must be a dumped one: :func:`is_dumped_key`)."""
+    found = next(((k, p) for k, p in KINDS.items() if key.startswith(p)), None)
+    if found is None:
+        raise InvalidArgument(f"key {key[:12]!r} is not part of a dump")
+    kind, prefix = found
+    rest = key[len(prefix):]
+    record: dict[str, Any] = {"t": kind}
+    if kind in _ID_KINDS:
+        record["id"] = int.from_bytes(rest, "big")
+    elif kind == "dentry":
+        record["parent"], record["name"] = int.from_bytes(rest[:8], "big"), _b64(rest[8:])
+    elif kind == "xattr":
+        record["id"], record["name"] = int.from_bytes(rest[:8], "big"), _b64(rest[8:])
+    elif kind == "counter":
+        record["name"] = rest.decode("utf-8", errors="surrogateescape")
+    else:  # user
+        record["id"] = rest.hex()
+    record["v"] = _b64(value)
+    return record
+
+
+def decode_record(record: dict[str, Any]) -> tuple[str, bytes, bytes]:
+    """``(kind, key, value)`` of a record; a malformed one raises :class:`DumpError`."""
+    kind = record.get("t")
+    if kind not in KINDS:
+        raise DumpError(f"unknown record kind {kind!r}")
+    prefix = KINDS[kind]
+    if kind in _ID_KINDS:
+        key = prefix + _u64(record.get("id"), f"{kind} id").to_bytes(8, "big")
+    elif kind == "dentry":
+        key = prefix + _u64(record.get("parent"), "dentry parent").to_bytes(8, "big") + \
+            _unb64(record.get("name"), "dentry name")
+    elif kind == "xattr":
+        key = prefix + _u64(record.get("id"), "xattr inode").to_bytes(8, "big") + \
+            _unb64(record.get("name"), "xattr name")
+    elif kind == "counter":
+        name = record.get("name")
+        if not isinstance(name, str) or not name:
+            raise DumpError("counter: expected a name")
+        key = prefix + name.encode("utf-8", errors="surrogateescape")
+    else:
+        user_id = record.get("id")
+        if not isinstance(user_id, str) or len(user_id) != 16:
+            raise DumpError(f"user: expected a 16-hex-digit id, got {user_id!r}")
+        try:
+            key = prefix + bytes.fromhex(user_id)
+        except ValueError:
+            raise DumpError(f"user: expected a 16-hex-digit id, got {user_id!r}") from None
+    return kind, key, _unb64(record.get("v"), f"{kind} value")
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+@dataclass
+class DumpWriter:
+    """Makes a dump's lines: :meth:`header`, then :meth:`record` for each pair in dump order, then
+    :meth:`trailer`. Checks the order as it goes (a bug here must not make a dump no load takes)."""
+
+    cluster_id: str
+    created_ms: int
+    counts: dict[str, int] = field(default_factory=dict)
+    _hash: Any = field(default_factory=hashlib.sha256, init=False, repr=False)
+    _last: tuple[int, bytes] | None = field(default=None, init=False, repr=False)
+
+    def header(self) -> bytes:
+        line = _line({"format": DUMP_FORMAT, "version": DUMP_FORMAT_VERSION, "schema": META_SCHEMA_VERSION,
+                      "cluster_id": self.cluster_id, "created_ms": self.created_ms})
+        self._hash.update(line)
+        return line
+
+    def record(self, key: bytes, value: bytes) -> bytes:
+        record = encode_record(key, value)
+        position = (_KIND_ORDER[record["t"]], key)
+        if self._last is not None and position <= self._last:
+            raise InvalidArgument(f"dump records out of order at {key[:12]!r}")
+        self._last = position
+        self.counts[record["t"]] = self.counts.get(record["t"], 0) + 1
+        line = _line(record)
+        self._hash.update(line)
+        return line
+
+    @property
+    def records(self) -> int:
+        return sum(self.counts.values())
+
+    def trailer(self) -> bytes:
+        return _line({"t": "end", "records": self.records, "counts": dict(sorted(self.counts.items())),
+                      "sha256": self._hash.hexdigest()})
+
+
+@dataclass
+class DumpReader:
+    """Checks a dump line by line: :meth:`records` yields ``(kind, key, value)`` and raises
+    :class:`DumpError` at the first problem — the last once every record was yielded (a missing
+    trailer, a count or checksum that does not match). So a caller acts on the records only once
+    the whole stream was read without error (:mod:`fs3.meta.backup` reads a file twice)."""
+
+    header: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def records(self, lines: Iterable[bytes]) -> Iterator[tuple[str, bytes, bytes]]:
+        digest = hashlib.sha256()
+        it = iter(lines)
+        first = next(it, None)
+        if first is None:
+            raise DumpError("empty file: not an fs3 metadata dump")
+        self.header = self._header(first)
+        digest.update(first)
+        last: tuple[int, bytes] | None = None
+        number = 1
+        for line in it:
+            number += 1
+            obj = self._parse(line, number)
+            if obj.get("t") == "end":
+                self._trailer(obj, digest.hexdigest(), number)
+                if next(it, None) is not None:
+                    raise DumpError(f"line {number + 1}: data after the trailer")
+                return
+            try:
+                kind, key, value = decode_record(obj)
+            except DumpError as exc:
+                raise DumpError(f"line {number}: {exc}") from None
+            position = (_KIND_ORDER[kind], key)
+            if last is not None and position <= last:
+                raise DumpError(f"line {number}: record out of order or repeated ({kind})")
+            last = position
+            digest.update(line)
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            yield kind, key, value
+        raise DumpError(f"no trailer after line {number}: the dump was cut short")
+
+    @staticmethod
+    def _parse(line: bytes, number: int) -> dict[str, Any]:
+        if len(line) > _LINE_BYTES_MAX:
+            raise DumpError(f"line {number}: longer than {_LINE_BYTES_MAX} bytes")
+        if not line.endswith(b"\n"):
+            raise DumpError(f"line {number}: incomplete (no newline): the dump was cut short")
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            raise DumpError(f"line {number}: not JSON (the dump is damaged or cut short)") from None
+        if not isinstance(obj, dict):
+            raise DumpError(f"line {number}: expected a JSON object")
+        return obj
+
+    def _header(self, line: bytes) -> dict[str, Any]:
+        try:
+            header = self._parse(line, 1)
+        except DumpError:
+            raise DumpError("line 1: not an fs3 metadata dump header") from None
+        if header.get("format") != DUMP_FORMAT:
+            raise DumpError(f"not an fs3 metadata dump (format {header.get('format')!r})")
+        if header.get("version") != DUMP_FORMAT_VERSION:
+            raise DumpError(f"dump format version {header.get('version')!r}: this fs3 reads version "
+                            f"{DUMP_FORMAT_VERSION} only")
+        if header.get("schema") != META_SCHEMA_VERSION:
+            raise DumpError(f"dump of meta schema version {header.get('schema')!r}: this fs3 loads schema version "
+                            f"{META_SCHEMA_VERSION} only")
+        if not isinstance(header.get("cluster_id"), str):
+            raise DumpError("dump header without a cluster id")
+        return header
+
+    def _trailer(self, obj: dict[str, Any], digest: str, number: int) -> None:
+        if obj.get("sha256") != digest:
+            raise DumpError(f"line {number}: checksum mismatch (SHA-256 {digest}, the trailer says "
+                            f"{obj.get('sha256')!r}): the dump was altered or damaged")
+        if obj.get("records") != sum(self.counts.values()) or obj.get("counts") != dict(sorted(self.counts.items())):
+            raise DumpError(f"line {number}: the trailer's counts {obj.get('counts')!r} do not match the records "
+                            f"{dict(sorted(self.counts.items()))!r}")
+
+
+@dataclass
+class DumpStats:
+    """What :func:`dump_snapshot` did: records by kind, and the pages it read (each at most
+    ``page_records`` pairs: the memory it held)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    pages: int = 0
+    page_pairs_max: int = 0
+    open_removed: int = 0   # files removed while open, dumped as GC jobs
+
+
+async def _pages(reader: SnapshotReader, prefix: bytes, page_records: int,
+                 stats: DumpStats) -> AsyncIterator[list[tuple[bytes, bytes]]]:
+    """The pairs under ``prefix``, ``page_records`` at a time, each page resuming after the last key."""
+    start, end = prefix, prefix_end(prefix)
+    while True:
+        page = await reader.scan(start, end, limit=page_records)
+        stats.pages += 1
+        stats.page_pairs_max = max(stats.page_pairs_max, len(page))
+        if page:
+            yield page
+        if len(page) < page_records:
+            return
+        start = page[-1][0] + b"\x00"
+
+
+def _removed_while_open(value: bytes) -> mpb.Inode | None:
+    """The inode if it has no names left (kept only by open handles, which are not dumped)."""
+    inode = mpb.Inode.FromString(value)
+    return inode if inode.type != mpb.DIRECTORY and inode.nlink == 0 else None
+
+
+def _removal_job(inode: mpb.Inode) -> bytes | None:
+    """What removing the inode's last handle queues (as ``Namespace._delete_inode`` does): a GC
+    job for a file's chunks, nothing for any other inode."""
+    return schema.GcJob(inode.layout, 0, inode.size).encode() if inode.type == mpb.FILE else None
+
+
+async def dump_snapshot(reader: SnapshotReader, emit: Callable[[bytes], Awaitable[None]], cluster_id: str,
+                        created_ms: int, page_records: int = 1000) -> DumpStats:
+    """Write the dump of what ``reader`` sees, line by line through ``emit``, reading
+    ``page_records`` pairs at a time."""
+    if page_records <= 0:
+        raise InvalidArgument("page_records must be positive")
+    writer = DumpWriter(cluster_id, created_ms)
+    stats = DumpStats(counts=writer.counts)
+    await emit(writer.header())
+    # Files removed while open: their inode becomes a GC job, and what hangs off it is left out.
+    removed: dict[int, bytes | None] = {}
+    for kind, prefix in KINDS.items():
+        pending = deque(sorted((i, job) for i, job in removed.items() if job is not None)) if kind == "gc" else deque()
+        async for page in _pages(reader, prefix, page_records, stats):
+            for key, value in page:
+                if kind == "inode":
+                    inode = _removed_while_open(value)
+                    if inode is not None:
+                        removed[schema.parse_inode_key(key)] = _removal_job(inode)
+                        stats.open_removed += 1
+                        continue
+                elif kind in ("xattr", "size_gen", "truncate") and int.from_bytes(key[4:12], "big") in removed:
+                    continue
+                elif kind == "gc":
+                    inode_id = int.from_bytes(key[4:12], "big")
+                    while pending and pending[0][0] <= inode_id:
+                        gc_id, job_raw = pending.popleft()
+                        if gc_id < inode_id:  # (equal: a job already queued wins)
+                            await emit(writer.record(schema.gc_key(gc_id), job_raw))
+                await emit(writer.record(key, value))
+        for gc_id, job_raw in pending:
+            await emit(writer.record(schema.gc_key(gc_id), job_raw))
+    await emit(writer.trailer())
+    return stats
