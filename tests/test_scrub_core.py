@@ -276,7 +276,8 @@ def test_random_corruptions_writes_and_scans_against_a_model(seed: int) -> None:
                     if not nxt:
                         progress[r].pass_done(now_ms)
                         break
-                    _scrub_one(model, r, nxt[0], race=not quiet and rng.random() < 0.1, seen_unrecoverable=unrecoverable)
+                    race = not quiet and rng.random() < 0.1
+                    _scrub_one(model, r, nxt[0], race=race, seen_unrecoverable=unrecoverable)
                     progress[r].scanned(ids[nxt[0]], 8, now_ms)
                     scanned += 1
                 assert scanned <= max(1, chunks_per_s * tick_ms // 1000)

@@ -138,8 +138,7 @@ class StorageNode:
                 "fs3_storage_resync_sent_chunks", "Chunks resyncs copied to (or removed from) a successor")
         config.scrub.validate()
         scrub_metrics = ScrubMetrics(metrics) if metrics is not None else None
-        self.scrubbers = {tid: TargetScrubber(self, replica, config.scrub, metrics=scrub_metrics)
-                          for tid, replica in self.replicas.items()}
+        self.scrubbers = {tid: TargetScrubber(self, tid, config.scrub, metrics=scrub_metrics) for tid in engines}
 
     # -- lifecycle ---------------------------------------------------------------------------
 

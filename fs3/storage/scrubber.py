@@ -63,7 +63,7 @@ from fs3.storage.scrub import (
 
 if TYPE_CHECKING:
     from fs3.storage.chain_view import ChainMember, ChainView
-    from fs3.storage.chunk_engine import ChunkState
+    from fs3.storage.chunk_engine import ChunkEngine, ChunkState
     from fs3.storage.replica import TargetReplica
 
 __all__ = ["ScrubHost", "ScrubMetrics", "TargetScrubber", "wall_ms"]
@@ -79,6 +79,7 @@ class ScrubHost(Protocol):
 
     channels: ChannelFactory
     clock: Clock
+    replicas: dict[int, TargetReplica]  # looked up each time: a replaced disk gets a new replica
 
     def view(self, chain_id: int, target_id: int) -> ChainView | None: ...
 
@@ -129,13 +130,11 @@ class TargetScrubber:
     """Scrubs one target: :meth:`run` is its background loop; :meth:`step` and :meth:`check` are what
     it does each tick and for each chunk (tests drive them directly)."""
 
-    def __init__(self, host: ScrubHost, replica: TargetReplica, config: ScrubConfig,
+    def __init__(self, host: ScrubHost, target_id: int, config: ScrubConfig,
                  wall_ms: Callable[[], int] = wall_ms, metrics: ScrubMetrics | None = None) -> None:
         config.validate()
         self.host = host
-        self.replica = replica
-        self.engine = replica.engine
-        self.target_id = replica.target_id
+        self.target_id = target_id
         self.config = config
         self.wall_ms = wall_ms
         self.metrics = metrics
@@ -151,6 +150,14 @@ class TargetScrubber:
             metrics.pass_chunks.labels(label))
         if self._m is not None and self.progress.last_pass_end_ms:
             self._m[5].set(self.progress.last_pass_end_ms / 1000)
+
+    @property
+    def replica(self) -> TargetReplica:
+        return self.host.replicas[self.target_id]
+
+    @property
+    def engine(self) -> ChunkEngine:
+        return self.replica.engine
 
     # -- the loop ----------------------------------------------------------------------------
 
