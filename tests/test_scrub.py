@@ -232,3 +232,72 @@ def test_a_negative_rate_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="scrub chunks_per_s"):
         TargetScrubber(None, 1, ScrubConfig(chunks_per_s=-3))  # type: ignore[arg-type]
 
+
+
+# -- the long scenario: ``make scrub-demo`` -----------------------------------------------------------
+
+DEMO_CHUNKS = int(os.environ.get("FS3_SCRUB_DEMO_CHUNKS", "0"))
+
+
+@pytest.mark.skipif(DEMO_CHUNKS <= 0, reason="the long scenario: make scrub-demo (FS3_SCRUB_DEMO_CHUNKS)")
+def test_scrub_demo_rot_under_load(tmp_path: Path) -> None:
+    """Many chunks, a writer rewriting some of them all along, and bytes flipped on random replicas of
+    the others (never every replica of one chunk) while the background scrubbers run at their rate:
+    every corruption is repaired, every replica ends byte-identical, every write reads back."""
+    import random
+
+    async def body() -> None:
+        seed = int(os.environ.get("FS3_SCRUB_DEMO_SEED", "1"))
+        rng = random.Random(seed)
+        print(f"scrub demo: seed {seed} (FS3_SCRUB_DEMO_SEED replays the same corruptions), {DEMO_CHUNKS} chunks")
+        config = ScrubConfig(chunks_per_s=400, bytes_per_s=32 << 20, tick_ms=50, pass_pause_ms=200)
+        async with InProcessCluster(tmp_path, scrub_config=config, io_threads=2) as cluster:
+            cold = {chunk_id(20, i): os.urandom(rng.choice((SMALL, BIG))) for i in range(DEMO_CHUNKS)}
+            hot = {chunk_id(21, i): os.urandom(BIG if i % 2 else SMALL) for i in range(8)}  # each keeps its size
+            await _write(cluster, {**cold, **hot})
+            stop = asyncio.Event()
+            writes = 0
+
+            async def writer() -> None:
+                nonlocal writes
+                client = cluster.client(b"demo-writer")
+                while not stop.is_set():
+                    cid = rng.choice(list(hot))
+                    hot[cid] = os.urandom(len(hot[cid]))
+                    await client.write(cluster.chain_ids[0], cid, 0, hot[cid], CHUNK_SIZE)
+                    writes += 1
+                    await asyncio.sleep(0.01)
+
+            task = asyncio.create_task(writer())
+            flipped: dict[bytes, set[int]] = {}
+            try:
+                for _ in range(max(4, DEMO_CHUNKS // 5)):
+                    cid = rng.choice(list(cold))
+                    bad = flipped.setdefault(cid, set())
+                    choices = [t for t in TARGETS if t not in bad]
+                    if len(choices) <= 1:
+                        continue  # keep one good copy of every chunk
+                    tid = rng.choice(choices)
+                    corrupt_chunk(cluster, tid, cid, offset=rng.randrange(len(cold[cid])))
+                    bad.add(tid)
+                    await asyncio.sleep(rng.random() * 0.05)
+                expected = sum(len(t) for t in flipped.values())
+
+                async def all_repaired() -> bool:
+                    return sum(n.scrubbers[t].progress.repaired for n in cluster.nodes.values()
+                               for t in n.scrubbers) >= expected
+
+                await wait_until(all_repaired, timeout_s=600, interval_s=0.5, what="every corruption repaired")
+            finally:
+                stop.set()
+                await task
+            for cid, content in {**cold, **hot}.items():
+                assert set(raw_copies(cluster, cid).values()) == {content}, cid.hex()
+            report = await cluster.admin().verify()
+            assert report.ok and not report.busy, report.as_dict()
+            rows, _ = await cluster.admin().scrub_status()
+            print(f"scrub demo: {expected} corrupt copies repaired under {writes} writes; "
+                  + ", ".join(f"t{r.target_id}: {r.passes_completed} passes {r.chunks_scanned} chunks "
+                              f"{r.repaired} repaired" for r in rows))
+            assert sum(r.unrecoverable for r in rows) == 0
+    run(body())

@@ -87,6 +87,8 @@ class ScrubHost(Protocol):
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T: ...
 
+    def fail_target(self, target_id: int, exc: FS3Error) -> None: ...
+
 
 class ScrubMetrics:
     """The scrubber's Prometheus series, labelled by target."""
@@ -176,6 +178,9 @@ class TargetScrubber:
                     await self.step()
                 except FS3Error as exc:
                     log.warning("target %d: scrub step failed: %s", self.target_id, exc)
+                except Exception:  # a scrubber's bug must not end scrubbing for good, nor flood the log
+                    log.exception("target %d: scrub step failed", self.target_id)
+                    await asyncio.sleep(max(self.config.pass_pause_ms, 1_000) / 1000)
         finally:
             self.save()
 
@@ -335,20 +340,28 @@ class TargetScrubber:
                 written = self.engine.new_blob()
                 try:
                     await self.host.run_blocking(self.engine.write_blob, chunk_id, written, content)
-                except BaseException:
+                except BaseException as exc:
                     self._drop_blob(chunk_id, written)
+                    if isinstance(exc, IoError):
+                        self.host.fail_target(self.target_id, exc)
                     raise
                 if self.engine.get(chunk_id) is not current:  # cannot happen under the lock; stay safe
                     self._drop_blob(chunk_id, written)
                     return self._finding(chunk_id, bad, FindingKind.SUPERSEDED, "changed during the repair")
-            self.engine.install(chunk_id, bad.commit_version, current.chain_version, content, bad.checksum,
-                                written_blob=written)
+            try:
+                self.engine.install(chunk_id, bad.commit_version, current.chain_version, content, bad.checksum,
+                                    written_blob=written)
+            except IoError as exc:  # the disk failed a write: the target fails, as for any update
+                if written:
+                    self._drop_blob(chunk_id, written)
+                self.host.fail_target(self.target_id, exc)
+                raise
         log.warning("target %d: chunk %s v%d repaired from target %d", self.target_id, chunk_id.hex(),
                     bad.commit_version, source_id)
         return self._finding(chunk_id, bad, FindingKind.REPAIRED, f"copied from target {source_id}", source_id)
 
     def _drop_blob(self, chunk_id: bytes, blob: int) -> None:
-        with contextlib.suppress(OSError):  # else the next open deletes blobs no metadata names
+        with contextlib.suppress(OSError, FS3Error):  # else the next open deletes blobs no metadata names
             self.engine.files.delete(chunk_id, blob)
 
     # -- status ------------------------------------------------------------------------------
