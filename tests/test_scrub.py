@@ -205,6 +205,50 @@ def test_a_write_racing_the_repair_is_never_lost(tmp_path: Path) -> None:
     run(body())
 
 
+def test_a_repair_cancelled_mid_write_leaves_the_old_copy_whole_and_no_stray_blob(tmp_path: Path) -> None:
+    """Shutdown cancels a scrubber while its repair copy is being written on the I/O pool: the write
+    finishes, the new blob is deleted, the committed copy is untouched; the next scrub repairs it."""
+    import threading
+    import time
+
+    async def body() -> None:
+        async with InProcessCluster(tmp_path, io_threads=2) as cluster:
+            cid = chunk_id(12, 0)
+            data = os.urandom(BIG)
+            await _write(cluster, {cid: data})
+            corrupt_chunk(cluster, 201, cid)
+            engine = _node_of(cluster, 201).engines[201]
+            state = engine.get(cid)
+            corrupt = raw_copies(cluster, cid)[201]
+            writing = threading.Event()
+            written_blobs: list[int] = []
+            original_write = engine.write_blob
+
+            def slow_write(chunk: bytes, blob: int, content: bytes | memoryview) -> None:
+                writing.set()
+                time.sleep(0.3)  # on an I/O thread: the cancellation arrives meanwhile
+                original_write(chunk, blob, content)
+                written_blobs.append(blob)
+
+            engine.write_blob = slow_write  # type: ignore[method-assign]
+            s = scrubber(cluster, 201)
+            task = asyncio.create_task(s.check(cid))
+            while not writing.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert written_blobs, "the blob write ran to its end before the cancellation took effect"
+            assert engine.get(cid) is state  # nothing installed
+            assert raw_copies(cluster, cid)[201] == corrupt
+            blob_dir = tmp_path / "n2" / "t1" / "chunks" / cid.hex()[-2:]
+            assert not (blob_dir / f"{cid.hex()}.{written_blobs[0]}").exists()  # the stray copy is gone
+            engine.write_blob = original_write  # type: ignore[method-assign]
+            assert await scrubber(cluster, 201).check(cid) is LocalVerdict.CORRUPT
+            assert set(raw_copies(cluster, cid).values()) == {data}
+    run(body())
+
+
 def test_progress_survives_a_restart_and_the_rate_bounds_each_step(tmp_path: Path) -> None:
     async def body() -> None:
         async with InProcessCluster(tmp_path, storage_nodes=1, replicas=1) as cluster:
