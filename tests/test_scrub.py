@@ -230,7 +230,7 @@ def test_a_repair_cancelled_mid_write_leaves_the_old_copy_whole_and_no_stray_blo
                 original_write(chunk, blob, content)
                 written_blobs.append(blob)
 
-            engine.write_blob = slow_write  # type: ignore[method-assign]
+            engine.write_blob = slow_write  # type: ignore[method-assign, assignment]
             s = scrubber(cluster, 201)
             task = asyncio.create_task(s.check(cid))
             while not writing.is_set():
