@@ -7,7 +7,7 @@
     fs3 umount  MOUNTPOINT
     fs3 admin   (--mgmtd HOST:PORT [--token-file FILE] | --dir DIR) [--json]
                 nodes|targets|chains|metrics-targets|create-chain-table|mark-offline|verify|fsck|set-layout
-                user add|list|remove|rotate
+                user add|list|remove|rotate;  scrub status
     fs3 admin   token rotate --dir DIR [--finish]
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
     fs3 local   up|status|down|kill|start [--dir DIR]

@@ -226,7 +226,7 @@ class TargetScrubber:
         batch.put(schema.SCRUB_PROGRESS, self.progress.encode())
         try:
             self.engine.kv.write(batch, sync=False)
-        except (OSError, FS3Error) as exc:
+        except Exception as exc:  # best effort (a store closed at shutdown, a full disk): rescanning is safe
             log.warning("target %d: scrub progress not saved: %s", self.target_id, exc)
         self._unsaved = 0
 
