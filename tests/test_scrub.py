@@ -24,7 +24,7 @@ from fs3.storage.scrubber import TargetScrubber
 from fs3.storage.server import StorageConfig
 from tests.conftest import wait_until
 from tests.inproc import InProcessCluster
-from tests.test_verify import corrupt_chunk
+from tests.test_verify import corrupt_chunk, lose_chunk_file
 
 pytestmark = pytest.mark.slow  # in-process clusters
 
@@ -135,18 +135,21 @@ def test_a_flipped_byte_is_found_and_repaired_in_the_background_without_a_client
 def test_corruption_of_different_chunks_on_two_replicas_is_all_repaired(tmp_path: Path) -> None:
     async def body() -> None:
         async with InProcessCluster(tmp_path) as cluster:
-            a, b, clean = chunk_id(8, 0), chunk_id(8, 1), chunk_id(8, 2)
-            data = {a: os.urandom(BIG), b: os.urandom(SMALL), clean: os.urandom(BIG)}
+            a, b, clean, lost = chunk_id(8, 0), chunk_id(8, 1), chunk_id(8, 2), chunk_id(8, 3)
+            data = {a: os.urandom(BIG), b: os.urandom(SMALL), clean: os.urandom(BIG), lost: os.urandom(BIG)}
             await _write(cluster, data)
             assert corrupt_chunk(cluster, 101, a) == "file"  # the head's copy of a
             assert corrupt_chunk(cluster, 301, b, offset=9) == "kv"  # the tail's copy of b
+            lose_chunk_file(cluster, 201, lost)  # a file gone is repaired too
             for tid in TARGETS:
                 await full_pass(scrubber(cluster, tid))
             for cid, content in data.items():
                 assert set(raw_copies(cluster, cid).values()) == {content}, cid.hex()
-            clean_pass = scrubber(cluster, 201)
+            clean_pass = scrubber(cluster, 201)  # counters persist: the first pass found the lost file
+            assert (clean_pass.progress.corruptions, clean_pass.progress.repaired) == (1, 1)
             await full_pass(clean_pass)
-            assert clean_pass.progress.corruptions == 0
+            assert (clean_pass.progress.corruptions, clean_pass.progress.passes_completed) == (1, 2)
+            assert not _node_of(cluster, 201).failed_targets  # a lost file is repaired, not a failed disk
     run(body())
 
 
