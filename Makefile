@@ -166,14 +166,14 @@ train-demo: install
 hai-demo: install
 	$(PY) scripts/hai_demo.py
 
-# HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out,
-# FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.
 # Scrubbing under load: bytes flipped on random replicas of many chunks while a writer runs; every
 # copy repaired by the background scrubbers (docs/operations.md, "Scrubbing").
 SCRUB_DEMO_CHUNKS ?= 300
 scrub-demo: install
 	FS3_SCRUB_DEMO_CHUNKS=$(SCRUB_DEMO_CHUNKS) $(BIN)/pytest -q -s -p no:cacheprovider tests/test_scrub.py -k demo
 
+# HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out,
+# FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.
 test-haiscale-long: install
 	HAISCALE_LONG=1 $(BIN)/pytest -q tests/test_haiscale_pipeline.py tests/test_haiscale_fsdp.py
 
