@@ -21,7 +21,7 @@ LIN_OPS ?= 40
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo test-haiscale-long chaos model-report clean install test-wheel
+.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo test-haiscale-long chaos model-report clean install test-wheel
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -177,6 +177,12 @@ train-demo: install
 # ending bit-identical to the uninterrupted run (scripts/hai_demo.py; a few minutes).
 hai-demo: install
 	$(PY) scripts/hai_demo.py
+
+# Scrubbing under load: bytes flipped on random replicas of many chunks while a writer runs; every
+# copy repaired by the background scrubbers (docs/operations.md, "Scrubbing").
+SCRUB_DEMO_CHUNKS ?= 300
+scrub-demo: install
+	FS3_SCRUB_DEMO_CHUNKS=$(SCRUB_DEMO_CHUNKS) $(BIN)/pytest -q -s -p no:cacheprovider tests/test_scrub.py -k demo
 
 # HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out,
 # FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.

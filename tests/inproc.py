@@ -32,6 +32,7 @@ from fs3.rpc.server import ServiceRuntime
 from fs3.rpc.tls import Tls
 from fs3.storage.node import StorageNode, StorageNodeConfig
 from fs3.storage.replica import ReplicaConfig
+from fs3.storage.scrub import ScrubConfig
 from fs3.storage.server import StorageConfig, TargetConfig, open_engines
 from tests.conftest import wait_until
 
@@ -52,6 +53,7 @@ class InProcessCluster:
     channel_expiry_interval_ms: int = 60_000
     replica_config: ReplicaConfig = field(default_factory=lambda: ReplicaConfig(forward_timeout_ms=1_000,
                                                                                 forward_retry_total_ms=5_000))
+    scrub_config: ScrubConfig = field(default_factory=ScrubConfig)  # every storage node's scrubbers
     runtimes: list[ServiceRuntime] = field(default_factory=list)
     nodes: dict[int, StorageNode] = field(default_factory=dict)
     mgmtd: MgmtdServicer | None = None
@@ -116,7 +118,8 @@ class InProcessCluster:
             parts = build_storage_node(
                 StorageNodeConfig(node_id=node_id, mgmtd_address=self.mgmtd_address, heartbeat_interval_ms=100,
                                   rpc_timeout_ms=2_000, replica=self.replica_config, io_threads=self.io_threads,
-                                  channel_expiry_interval_ms=self.channel_expiry_interval_ms),
+                                  channel_expiry_interval_ms=self.channel_expiry_interval_ms,
+                                  scrub=self.scrub_config),
                 engines, node_channels, token=self.token, metrics=metrics)
             node = parts.node
             runtime = ServiceRuntime(topology.storage_name(node_id), parts.dispatcher, metrics, tls=node_tls)

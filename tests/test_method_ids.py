@@ -29,6 +29,7 @@ PINNED: dict[str, int] = {
     "Storage.TargetStats": 0x0206,
     "Storage.SyncChannels": 0x0207,
     "Storage.BatchRead": 0x0208,
+    "Storage.ScrubStatus": 0x0214,
     "Meta.StatFs": 0x0300,
     "Meta.Lookup": 0x0301,
     "Meta.BatchStat": 0x0302,

@@ -7,7 +7,7 @@
     fs3 umount  MOUNTPOINT
     fs3 admin   (--mgmtd HOST:PORT [--token-file FILE] | --dir DIR) [--json]
                 nodes|targets|chains|metrics-targets|create-chain-table|mark-offline|verify|fsck|set-layout
-                user add|list|remove|rotate
+                user add|list|remove|rotate;  scrub status
     fs3 admin   dump [--out FILE|-] | load FILE | backup --backup-dir D [--keep K] [--every-s S]
                 [--meta-config FILE | --dir DIR]  (straight from meta's store: docs/operations.md)
     fs3 admin   token rotate --dir DIR [--finish]
@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,8 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
                 print(f"  busy (being written, not compared): {line}")
             print("all replicas identical" if report.ok else "replicas DIFFER")
         return 0 if report.ok else 2
+    if args.command == "scrub":
+        return await _scrub_status(admin, out_json)
     if args.command in ("fsck", "set-layout"):
         return await _meta_admin(admin, args)
     if args.command == "user":
@@ -480,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--rechecks", type=int, default=3,
                         help="times a differing chunk is looked at again before it counts (chunks being "
                              "written differ for a moment); 0: report at once")
+    scrub = admin_sub.add_parser("scrub", help="the background scrubbers of the storage targets")
+    scrub.add_subparsers(dest="scrub_command", required=True).add_parser(
+        "status", help="per target: the current pass's progress, passes completed, findings (exit 2 on "
+                       "unrecoverable chunks)")
     fsck = admin_sub.add_parser("fsck", help="check the namespace invariants (exit 2 on problems)")
     fsck.add_argument("--no-chunks", dest="chunks", action="store_false",
                       help="skip listing every chunk on storage (orphan check)")
@@ -527,6 +534,31 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--days", type=int, default=825, help="lifetime of the node and client certificates")
     _json_after_every_subcommand(admin_sub)
     return parser
+
+
+async def _scrub_status(admin: Any, out_json: bool) -> int:
+    """``fs3 admin scrub status``: every target's scrubber (``admin``: an AdminClient)."""
+    targets, unreachable = await admin.scrub_status()
+    if out_json:
+        print(json.dumps({"targets": [message_dict(t) for t in targets],
+                          "unreachable": unreachable}, indent=2))
+    else:
+        rows = []
+        for t in targets:
+            progress = f"{t.pass_chunks}/{t.chunk_count}" if t.enabled else "off"
+            last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.last_pass_end_ms / 1000)) \
+                if t.last_pass_end_ms else "-"
+            rows.append([str(t.target_id), str(t.chain_id), str(t.pass_number), progress, str(t.passes_completed),
+                         last, _human_bytes(t.bytes_scanned), str(t.corruptions), str(t.repaired),
+                         str(t.unrecoverable)])
+        print(_table(rows, ["target", "chain", "pass", "progress", "passes", "last pass end", "read", "corrupt",
+                            "repaired", "unrecoverable"]))
+        for t in targets:
+            for f in t.findings:
+                print(f"  target {t.target_id}: chunk {f.chunk_id.hex()} v{f.version}: {f.kind.upper()}: {f.detail}")
+        for line in unreachable:
+            print(f"  UNREACHABLE: {line}")
+    return 2 if any(t.unrecoverable for t in targets) or unreachable else 0
 
 
 def _json_after_every_subcommand(subparsers: Any) -> None:

@@ -18,9 +18,12 @@ from fs3.client.routing import RoutingCache
 from fs3.common.errors import FS3Error
 from fs3.common.metrics import file_sd_groups
 from fs3.rpc.channel import ChannelFactory
+from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import ChunkDump, dump_chunks
 
 __all__ = ["AdminClient", "Observation", "Seen", "VerifyReport"]
+
+_SCRUB_STATUS = service_spec("Storage").method("ScrubStatus")
 
 
 
@@ -220,6 +223,30 @@ class AdminClient:
                                 timeout_ms=self.timeout_ms + wait_ms)
         assert isinstance(rsp, mpb.MarkTargetOfflineRsp)
         return rsp
+
+    async def scrub_status(self) -> tuple[list[spb.ScrubTargetStatus], list[str]]:
+        """Every storage node's scrubbers (one entry per target, by target id), and the nodes that
+        did not answer."""
+        routing = await self.routing()
+        out: list[spb.ScrubTargetStatus] = []
+        unreachable: list[str] = []
+        storage = [n for n in routing.nodes if n.node_type == cpb.NODE_STORAGE]
+
+        async def one(node: cpb.NodeInfo) -> spb.ScrubStatusRsp:
+            channel = self.channels.get(self.channels.node_address(node.framed_address, node.grpc_address))
+            rsp, _ = await channel.call(_SCRUB_STATUS, spb.ScrubStatusReq(), timeout_ms=self.timeout_ms)
+            assert isinstance(rsp, spb.ScrubStatusRsp)
+            return rsp
+
+        answers = await asyncio.gather(*(one(n) for n in storage), return_exceptions=True)
+        for node, answer in zip(storage, answers, strict=True):
+            if isinstance(answer, FS3Error):
+                unreachable.append(f"node {node.node_id}: {answer}")
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                out.extend(answer.targets)
+        return sorted(out, key=lambda t: t.target_id), unreachable
 
     async def verify(self, progress: Callable[[int, int], None] | None = None, *, data: bool = True,
                      rechecks: int = 3, recheck_delay_s: float = 0.2, batch: int = 1000,

@@ -40,6 +40,8 @@ from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.replica import ReplicaConfig, TargetReplica
 from fs3.storage.resync import resync_successor
+from fs3.storage.scrub import ScrubConfig
+from fs3.storage.scrubber import ScrubMetrics, TargetScrubber
 
 __all__ = ["StorageNode", "StorageNodeConfig"]
 
@@ -70,6 +72,8 @@ class StorageNodeConfig:
     # How far past its expiry a client's data-path capability is still accepted: the clocks of
     # meta (which stamps the expiry) and of this node may differ by this much.
     capability_skew_ms: int = 30_000
+    # The background scrubber of every target (off unless a rate is set; docs/operations.md, "Scrubbing").
+    scrub: ScrubConfig = field(default_factory=ScrubConfig)
 
     @property
     def heartbeat_retry(self) -> RetryPolicy:
@@ -132,6 +136,9 @@ class StorageNode:
                 ("chain_id", "target_id"))
             self._resync_sent = metrics.counter(
                 "fs3_storage_resync_sent_chunks", "Chunks resyncs copied to (or removed from) a successor")
+        config.scrub.validate()
+        scrub_metrics = ScrubMetrics(metrics) if metrics is not None else None
+        self.scrubbers = {tid: TargetScrubber(self, tid, config.scrub, metrics=scrub_metrics) for tid in engines}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -139,6 +146,9 @@ class StorageNode:
         self._tasks.append(asyncio.create_task(self._routing_loop(), name=f"routing-{self.config.node_id}"))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.config.node_id}"))
         self._tasks.append(asyncio.create_task(self._expiry_loop(), name=f"channel-expiry-{self.config.node_id}"))
+        if self.config.scrub.enabled:
+            for tid, scrubber in self.scrubbers.items():
+                self._tasks.append(asyncio.create_task(scrubber.run(), name=f"scrub-{tid}"))
         if any(isinstance(engine.kv, RocksKVStore) for engine in self.engines.values()):
             self._tasks.append(asyncio.create_task(self._maintenance_loop(),
                                                    name=f"maintenance-{self.config.node_id}"))
@@ -585,6 +595,12 @@ class StorageNode:
             raise TargetNotServing(f"chain {chain_id} is unknown on node {self.config.node_id} "
                                    f"(routing v{self.routing_version})")
         raise TargetNotServing(f"node {self.config.node_id} has no target in chain {chain_id}")
+
+    def scrub_status(self) -> spb.ScrubStatusRsp:
+        """Every local target's scrubber: its pass, counters and recent findings."""
+        rsp = spb.ScrubStatusRsp()
+        rsp.targets.extend(self.scrubbers[tid].status() for tid in sorted(self.scrubbers))
+        return rsp
 
     def replica_for_target(self, target_id: int, chain_id: int) -> TargetReplica:
         if target_id:

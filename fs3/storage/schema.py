@@ -14,6 +14,8 @@ key                                                           value
 ``v/floor``                                                   u64: every version and blob number ever
                                                               used on this target is at most this
 ``v/format``                                                  u64: the layout's version (:data:`FORMAT_VERSION`)
+``s/scrub``                                                   JSON: the scrubber's progress
+                                                              (:class:`~fs3.storage.scrub.ScrubProgress`)
 ============================================================  =========================================
 
 Blob files (versions larger than the inline limit): ``<root>/<xx>/<chunk-id-hex>.<blob>``, where
@@ -36,6 +38,7 @@ __all__ = [
     "FORMAT_VERSION",
     "INLINE",
     "PATCH",
+    "SCRUB_PROGRESS",
     "U64",
     "blob_dir_name",
     "blob_file_name",
@@ -56,6 +59,7 @@ PATCH = b"p/"  # chunk id -> the pending in-place patch of a file blob: offset, 
 INLINE = b"b/"  # chunk id + blob number -> the bytes of a small version
 FLOOR = b"v/floor"  # every version and blob number ever used on this target is at most this
 FORMAT = b"v/format"
+SCRUB_PROGRESS = b"s/scrub"  # where the scrubber's current pass is (resumed after a restart)
 FORMAT_VERSION = 2
 U64 = struct.Struct(">Q")
 _CHANNEL_ID = struct.Struct(">I")

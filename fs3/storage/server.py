@@ -22,6 +22,7 @@ from fs3.storage.blobs import FileBlobStore
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.node import StorageNode, StorageNodeConfig
 from fs3.storage.replica import ReplicaConfig
+from fs3.storage.scrub import ScrubConfig
 from fs3.storage.service import StorageServicer
 
 __all__ = ["StorageConfig", "TargetConfig", "run_storage"]
@@ -75,6 +76,8 @@ class StorageConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     # How far past its expiry a client's data-path capability is still accepted (clock skew with meta).
     capability_skew_ms: int = 30_000
+    # The background scrubber (the [scrub] table; off unless a rate is set).
+    scrub: ScrubConfig = field(default_factory=ScrubConfig)
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -98,6 +101,7 @@ class StorageConfig:
         if not 0 <= self.capability_skew_ms <= 600_000:
             raise InvalidArgument("capability_skew_ms must be within [0, 600000]")
         self.replica.validate()
+        self.scrub.validate()
 
 
 # Free space beyond RocksDB's headroom for the commits of writes admitted just before the disk
@@ -139,6 +143,7 @@ async def serve_storage(config: StorageConfig, ready_file: str | None = None) ->
         node_id=config.node_id, mgmtd_address=config.mgmtd_address,
         heartbeat_interval_ms=config.heartbeat_interval_ms, rpc_timeout_ms=config.rpc_timeout_ms,
         io_threads=config.io_threads, replica=config.replica, capability_skew_ms=config.capability_skew_ms,
+        scrub=config.scrub,
     )
     node = StorageNode(node_config, engines, channels, metrics=metrics)
     dispatcher.add_service(service_spec("Storage"), StorageServicer(node, dispatcher.auth))

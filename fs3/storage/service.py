@@ -245,6 +245,9 @@ class StorageServicer:
             raise InvalidArgument(f"{len(req.records)} records exceed {SYNC_RECORDS_MAX} per call")
         return spb.SyncChannelsRsp(merged=self.node.sync_channels(req)), _NO_PAYLOAD
 
+    async def scrub_status(self, req: spb.ScrubStatusReq, payload: memoryview) -> tuple[spb.ScrubStatusRsp, Buffer]:
+        return self.node.scrub_status(), _NO_PAYLOAD
+
     async def target_stats(self, req: spb.TargetStatsReq, payload: memoryview) -> tuple[spb.TargetStatsRsp, Buffer]:
         rsp = spb.TargetStatsRsp()
         for tid, engine in sorted(self.node.engines.items()):
