@@ -181,6 +181,12 @@ CASES: dict[str, tuple[Any, Message]] = {
     "grant_capability": (lambda m: m.grant_capability(9, mpb.CAPABILITY_READ, b"s" * 24, b"old", user=ALICE),
                          mpb.GrantCapabilityReq(inode_id=9, access=mpb.CAPABILITY_READ, session_id=b"s" * 24,
                                                 previous=b"old")),
+    "trash_list": (lambda m: m.trash_list(start_after=7, limit=5, user=ALICE),
+                   mpb.TrashListReq(start_after=7, limit=5)),
+    "trash_restore": (lambda m: m.trash_restore(9, path_ref(b"/r"), user=ALICE),
+                      mpb.TrashRestoreReq(id=9, to=mpb.PathRef(path=b"/r"))),
+    "trash_purge": (lambda m: m.trash_purge(all_entries=True, start_after=3, user=ALICE),
+                    mpb.TrashPurgeReq(all=True, start_after=3)),
 }
 # The calls made as the client itself, never for a caller: fsck, and identity and the user table.
 _OWN_CALLS = frozenset({"fsck", "who_am_i", "add_user", "list_users", "remove_user", "rotate_user"})

@@ -57,6 +57,9 @@ PINNED: dict[str, int] = {
     "Meta.RotateUser": 0x0318,
     "Meta.GrantCapability": 0x0319,
     "Meta.CloseSessions": 0x031A,
+    "Meta.TrashList": 0x031B,
+    "Meta.TrashRestore": 0x031C,
+    "Meta.TrashPurge": 0x031D,
 }
 
 

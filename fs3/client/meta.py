@@ -244,6 +244,30 @@ class Meta:
         """Check the namespace (and, with ``check_chunks``, every chunk on storage for orphans)."""
         return await self.client.call("Fsck", mpb.FsckReq(check_chunks=check_chunks), mpb.FsckRsp)
 
+    # -- the trash -------------------------------------------------------------------------------
+
+    async def trash_list(self, *, start_after: int = 0, limit: int = 0,
+                         user: mpb.User | None = None) -> mpb.TrashListRsp:
+        """One page of the caller's trash entries (root: everyone's) with ids above ``start_after``;
+        ``more``: ask again from ``next_after``."""
+        return await self.client.call("TrashList", mpb.TrashListReq(start_after=start_after, limit=limit),
+                                      mpb.TrashListRsp, user)
+
+    async def trash_restore(self, entry_id: int, to: Target | None = None, *,
+                            user: mpb.User | None = None) -> mpb.Inode:
+        """Give a trashed file a name again: its old one, or ``to``; never over an existing name."""
+        req = mpb.TrashRestoreReq(id=entry_id)
+        if to is not None:
+            req.to.CopyFrom(_ref(to))
+        return (await self.client.call("TrashRestore", req, mpb.InodeRsp, user)).inode
+
+    async def trash_purge(self, entry_id: int = 0, *, all_entries: bool = False, expired: bool = False,
+                          start_after: int = 0, user: mpb.User | None = None) -> mpb.TrashPurgeRsp:
+        """Empty one entry (``entry_id``) now, or a page of the caller's entries (``all_entries``,
+        or only the ``expired`` ones) above ``start_after``: their chunks go to GC."""
+        req = mpb.TrashPurgeReq(id=entry_id, all=all_entries, expired=expired, start_after=start_after)
+        return await self.client.call("TrashPurge", req, mpb.TrashPurgeRsp, user)
+
     # -- identity and the user table -------------------------------------------------------------
 
     async def who_am_i(self) -> mpb.WhoAmIRsp:

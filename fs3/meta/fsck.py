@@ -5,7 +5,8 @@ keeps: each entry's parent is a directory and its inode exists with the entry's 
 ``nlink`` equals the entries naming it (0 only while sessions keep it open); a directory is
 named exactly once, knows its parent, and has ``nlink`` = 2 + its subdirectories; every inode
 but the root is reachable from the root (following entries: directories whose names form a
-detached cycle are not); sessions, xattrs, jobs and size generations belong to live inodes; and, when asked, no
+detached cycle are not); sessions, xattrs, jobs and size generations belong to live inodes; a file in the trash
+(:mod:`fs3.meta.trash`) has no name, no GC job and an inode, and its two keys agree; and, when asked, no
 chunk on storage belongs to an inode that is neither live nor queued for GC.
 
 The namespace is read before storage is listed, and the cluster keeps running: a file created
@@ -56,6 +57,37 @@ def _unreachable_directories(directories: Iterable[int], dir_parent: dict[int, i
         for directory in path:
             reachable[directory] = answer
     return {d for d, ok in reachable.items() if not ok}
+
+
+async def _check_trash(txn: Transaction, inodes: dict[int, mpb.Inode], names: Counter[int],
+                       problem: Callable[[str], None]) -> set[int]:
+    """Check the trash's entries against the inodes; returns the ids of the files in it."""
+    trashed: dict[int, mpb.TrashEntry] = {}
+    prefix = schema.trash_prefix()
+    for key, raw in await _scan_all(txn, prefix):
+        entry = mpb.TrashEntry.FromString(raw)
+        entry_id = int.from_bytes(key[len(prefix):], "big")
+        trashed[entry_id] = entry
+        inode = inodes.get(entry_id)
+        if entry.id != entry_id:
+            problem(f"trash key {entry_id} holds entry {entry.id}")
+        if inode is None:
+            problem(f"trash entry {entry_id}: its inode does not exist (dangling)")
+        elif inode.type != mpb.FILE or inode.nlink != 0 or names[entry_id]:
+            problem(f"trash entry {entry_id}: inode has type {inode.type}, nlink {inode.nlink}, "
+                    f"{names[entry_id]} names (a trashed file has none)")
+    expiry = schema.trash_expiry_prefix()
+    indexed: set[int] = set()
+    for key, _ in await _scan_all(txn, expiry):
+        expires_at_ns = int.from_bytes(key[len(expiry):len(expiry) + 8], "big")
+        entry_id = int.from_bytes(key[len(expiry) + 8:], "big")
+        indexed.add(entry_id)
+        found = trashed.get(entry_id)
+        if found is None or found.expires_at_ns != expires_at_ns:
+            problem(f"trash expiry key of entry {entry_id} matches no entry")
+    for entry_id in sorted(set(trashed) - indexed):
+        problem(f"trash entry {entry_id} has no expiry key: it would never expire")
+    return set(trashed)
 
 
 async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
@@ -119,6 +151,7 @@ async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
         if inode_id not in inodes:
             problem(f"session on missing inode {inode_id}")
 
+    trashed = await _check_trash(txn, inodes, names, problem)
     for inode_id, inode in inodes.items():
         if inode.type == mpb.DIRECTORY:
             if inode_id == schema.ROOT_INODE:
@@ -134,7 +167,7 @@ async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
         else:
             if inode.nlink != names[inode_id]:
                 problem(f"inode {inode_id} has nlink {inode.nlink} but {names[inode_id]} names")
-            if names[inode_id] == 0 and not sessions[inode_id]:
+            if names[inode_id] == 0 and not sessions[inode_id] and inode_id not in trashed:
                 problem(f"inode {inode_id} is unreachable and not open")
 
     detached = _unreachable_directories((i for i, n in inodes.items() if n.type == mpb.DIRECTORY), dir_parent)
@@ -151,6 +184,8 @@ async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
             inode_id = schema.parse_inode_key(schema.inode_prefix() + key[len(prefix):])
             if what == "gc" and inode_id in inodes:
                 problem(f"inode {inode_id} is both live and queued for GC")
+            if what == "gc" and inode_id in trashed:
+                problem(f"inode {inode_id} is both in the trash and queued for GC")
             if what != "gc" and inode_id not in inodes:
                 problem(f"{what} of missing inode {inode_id}")
     gc_pending = {schema.parse_inode_key(schema.inode_prefix() + k[len(schema.gc_prefix()):])

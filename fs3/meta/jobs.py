@@ -9,6 +9,9 @@ Every job is driven by durable records, so a crash or an error leaves it to be r
   why the size waits for the removal);
 * deletion: the last unlink (or the last close of an unlinked file) queues the inode's chunks
   for the GC loop, which removes them from storage in the background and survives restarts;
+* the trash (:mod:`fs3.meta.trash`): entries past their expiry are purged a bounded batch per
+  transaction, by one meta server at a time (it holds the trash's claim), and their chunks then
+  go to GC as any removed file's;
 * dead clients: a client that stops renewing its lease has its sessions closed by the pruner.
   Leases are timed on this server's monotonic clock from when it saw a lease's renewal count
   change, never by comparing stored wall times: a clock step expires nobody, and several servers
@@ -46,7 +49,7 @@ from fs3.common.layout import chunk_location
 from fs3.common.tasks import finish_despite_cancel
 from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.txn import run_transaction
-from fs3.meta import schema
+from fs3.meta import schema, trash
 from fs3.meta.claims import client_claim
 from fs3.meta.host import MetaHost
 from fs3.meta.lengths import all_of
@@ -59,7 +62,12 @@ from fs3.meta.limits import (
     REMOVE_PARALLEL,
     XATTR_DELETE_PAGE,
 )
-from fs3.meta.ops import LengthProbeStale, LengthReport, Namespace
+from fs3.meta.ops import LengthProbeStale, LengthReport, Namespace, OpEnv
+
+# The claim under which one meta server at a time expires trash entries.
+_TRASH_CLAIM = b"T"
+# Batches (of trash.TRASH_PURGE_BATCH entries) one maintenance round purges: the rest wait a round.
+TRASH_EXPIRY_BATCHES = 32
 
 __all__ = ["MetaJobs"]
 
@@ -221,6 +229,31 @@ class MetaJobs(MetaHost):
                             await self._run_truncate_locked(inode_id)
                 except FS3Error as exc:
                     log.warning("truncate of inode %d postponed: %s", inode_id, exc)
+
+    async def run_trash_expiry_once(self, batches_max: int = TRASH_EXPIRY_BATCHES) -> int:
+        """Purge trash entries past their expiry, at most ``batches_max`` transactions of
+        :data:`~fs3.meta.trash.TRASH_PURGE_BATCH` each; returns how many. Skipped while another
+        meta server holds the trash's claim (it is doing the same)."""
+        held = await self.claims.try_claim(_TRASH_CLAIM)
+        if held is None:
+            return 0
+        purged = 0
+        try:
+            for _ in range(batches_max):
+                env = self._env(mpb.User())  # as root: expiry purges everyone's entries
+
+                async def step(txn: Transaction, env: OpEnv = env) -> int:
+                    return await trash.expired_page(Namespace(txn, env))
+
+                count = await run_transaction(self.engine, step, retry_max=self.config.txn_retry_max)
+                purged += count
+                if count < trash.TRASH_PURGE_BATCH:
+                    break
+        finally:
+            await self.claims.release(held)
+        if purged:
+            self._gc_wakeup.set()
+        return purged
 
     async def count_queue(self, prefix: bytes, limit: int = BACKLOG_COUNT_MAX) -> int:
         """Jobs under ``prefix``, counting no further than ``limit`` (a bounded scan, page by page)."""
@@ -432,6 +465,7 @@ class MetaJobs(MetaHost):
                     await self.routing.refresh()
                 await self.run_truncates_once()
                 await self.prune_clients_once()
+                await self.run_trash_expiry_once()
                 await self.export_backlog()
             except FS3Error as exc:
                 log.warning("meta maintenance: %s", exc)

@@ -68,7 +68,7 @@ from fs3.common.posix import (
     may,
 )
 from fs3.kv.api import Transaction, prefix_end
-from fs3.meta import schema
+from fs3.meta import schema, trash
 from fs3.meta.limits import ANCESTOR_WALK_MAX, READDIR_LIMIT_MAX, XATTR_DELETE_PAGE, XATTR_LIST_PAGE
 
 __all__ = [
@@ -100,6 +100,8 @@ class OpEnv:
     caller: Caller
     chain_tables: dict[int, list[int]] = field(default_factory=dict)
     stripe_default: int = 16
+    # How long a removed file stays in the trash (fs3.meta.trash); 0: no trash, chunks go to GC.
+    trash_keep_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -606,8 +608,10 @@ class Namespace:
         self.flush()
         return inode
 
-    async def _drop_link(self, parent: mpb.Inode, inode: mpb.Inode) -> bool:
-        """One fewer name for ``inode`` (already unlinked from ``parent``); True when chunks go to GC."""
+    async def _drop_link(self, parent: mpb.Inode, inode: mpb.Inode, name: bytes, path: bytes = b"") -> bool:
+        """One fewer name for ``inode`` (already unlinked from ``parent`` as ``name``, reached by
+        ``path`` when the request gave one from the root); True when chunks go to GC. A file's
+        last name goes to the trash instead when it is on (:mod:`fs3.meta.trash`)."""
         if inode.type == DIRECTORY:
             parent.nlink -= 1
             # A directory counts "." and its entry in its parent, plus one ".." per subdirectory:
@@ -619,7 +623,32 @@ class Namespace:
         ensure(inode.nlink > 0, f"inode {inode.inode_id} unlinked with no links left")
         inode.nlink -= 1
         self._stamp(inode)
+        if inode.nlink == 0 and inode.type == FILE and self.env.trash_keep_ns > 0:
+            trash.put(self.txn, trash.entry_for(inode, parent.inode_id, name, path, self.caller.uid,
+                                                self.now, self.env.trash_keep_ns))
+            return False
         if inode.nlink > 0 or await self._has_sessions(inode.inode_id):
+            return False
+        return await self._delete_inode(inode)
+
+    async def relink(self, parent: mpb.Inode, name: bytes, inode: mpb.Inode) -> mpb.Inode:
+        """Name again a file that has none (one restored from the trash): ``name`` in ``parent``,
+        which the caller has checked is free; the caller needs write and search permission there."""
+        ensure(inode.nlink == 0 and inode.type == FILE, f"inode {inode.inode_id} relinked with names")
+        check_new_name(name)
+        self._require(parent, W_OK | X_OK, "restore")
+        inode.nlink = 1
+        self._stamp(inode)
+        self.put_entry(parent.inode_id, name, inode)
+        self._stamp(parent, mtime=True)
+        self.flush()
+        return inode
+
+    async def release_unlinked(self, inode: mpb.Inode) -> bool:
+        """Delete an inode that lost its last name (nlink 0) unless a handle still holds it, which
+        then deletes it at its last close; True when a GC job is queued for its chunks."""
+        ensure(inode.nlink == 0, f"inode {inode.inode_id} released with {inode.nlink} names")
+        if await self._has_sessions(inode.inode_id):
             return False
         return await self._delete_inode(inode)
 
@@ -670,7 +699,7 @@ class Namespace:
         self._check_sticky(parent, inode)
         self.delete_entry(parent.inode_id, name)
         self._stamp(parent, mtime=True)
-        await self._drop_link(parent, inode)
+        await self._drop_link(parent, inode, name, _path_from_root(ref))
         self.flush()
         return inode.inode_id, parent
 
@@ -755,7 +784,7 @@ class Namespace:
                         raise DirectoryNotEmpty(f"{dst_name.decode(errors='replace')!r} is not empty")
                 elif target.type == DIRECTORY:
                     raise IsADirectory(f"{dst_name.decode(errors='replace')!r} is a directory")
-                await self._drop_link(dst_parent, target)
+                await self._drop_link(dst_parent, target, dst_name, _path_from_root(destination))
             self.delete_entry(src_parent.inode_id, src_name)
             self.put_entry(dst_parent.inode_id, dst_name, inode)
             if moving_dirs:
@@ -1122,7 +1151,8 @@ class Namespace:
         if length.wrote and session.write:
             await self._apply_length(inode, session, length)
         gc = False
-        if inode.nlink == 0 and not await self._has_sessions(inode_id):
+        if inode.nlink == 0 and not await self._has_sessions(inode_id) \
+                and await self.txn.get(schema.trash_key(inode_id)) is None:  # a trashed file stays
             gc = await self._delete_inode(inode)
         self.flush()
         return CloseResult(inode, gc)
@@ -1155,6 +1185,17 @@ class Namespace:
         self._stamp(inode)
         self.flush()
         return inode
+
+
+def _path_from_root(ref: mpb.PathRef) -> bytes:
+    """The path a reference gives from the root, normalised; empty when it is relative to an
+    inode (a mount names a file by its directory's inode and its name)."""
+    if ref.inode_id or (ref.parent and not ref.path.startswith(b"/")):
+        return b""
+    parts = [p for p in bytes(ref.path).split(b"/") if p and p != b"."]
+    if b".." in parts:
+        return b""
+    return b"/" + b"/".join(parts)
 
 
 def _with_size(inode: mpb.Inode, size: int) -> mpb.Inode:

@@ -18,6 +18,9 @@ key                                                    value
 ``IDEM`` + client_id(16) + request_id(8)               :class:`IdemRecord`: a committed answer
 ``CNTR`` + name                                        a counter (8 bytes)
 ``USER`` + token_id(8)                                 :class:`UserRecord`: a per-user token
+``TRSH`` + inode_id(8)                                 :class:`~fs3.meta_pb2.TrashEntry`: a removed
+                                                       file kept in the trash (fs3.meta.trash)
+``TRSX`` + expires_at_ns(8) + inode_id(8)              empty: the trash in order of expiry
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
                                                        parent (8 bytes)
 =====================================================  ==========================================
@@ -70,6 +73,10 @@ __all__ = [
     "sessions_prefix",
     "size_gen_key",
     "size_gen_prefix",
+    "trash_expiry_key",
+    "trash_expiry_prefix",
+    "trash_key",
+    "trash_prefix",
     "truncate_key",
     "truncate_prefix",
     "user_key",
@@ -96,6 +103,8 @@ SIZE_GEN = b"SGEN"
 IDEM = b"IDEM"
 COUNTER = b"CNTR"
 USER = b"USER"
+TRASH = b"TRSH"
+TRASH_EXPIRY = b"TRSX"
 
 
 def _u64(value: int) -> bytes:
@@ -204,6 +213,22 @@ def gc_key(inode_id: int) -> bytes:
 
 def gc_prefix() -> bytes:
     return GC
+
+
+def trash_key(inode_id: int) -> bytes:
+    return TRASH + _u64(inode_id)
+
+
+def trash_prefix() -> bytes:
+    return TRASH
+
+
+def trash_expiry_key(expires_at_ns: int, inode_id: int) -> bytes:
+    return TRASH_EXPIRY + _u64(expires_at_ns) + _u64(inode_id)
+
+
+def trash_expiry_prefix() -> bytes:
+    return TRASH_EXPIRY
 
 
 def truncate_key(inode_id: int) -> bytes:

@@ -57,7 +57,7 @@ from fs3.common.metrics import ServiceMetrics
 from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDWR, O_TRUNC, O_WRONLY, R_OK, W_OK, Caller
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
-from fs3.meta import schema
+from fs3.meta import schema, trash
 from fs3.meta.claims import ClaimTable, Held, inode_claim
 from fs3.meta.fsck import run_fsck
 from fs3.meta.hints import PATH_HINTS_MAX_DEFAULT, PathHints
@@ -116,6 +116,9 @@ class MetaServiceConfig:
     # Path hints remembered (fs3.meta.hints) on an engine that fetches announced keys together
     # (PostgreSQL): 0 turns them off. They only choose what a request's first read fetches.
     path_hints_max: int = PATH_HINTS_MAX_DEFAULT
+    # Days a removed file stays in the trash (fs3.meta.trash), fractions allowed; 0: no trash, a
+    # removed file's chunks go to GC at once. Off by default: space comes back when it always did.
+    trash_days: float = 0.0
 
     def validate(self) -> None:
         if self.client_lease_ms < 1:
@@ -132,6 +135,7 @@ class MetaServiceConfig:
             raise InvalidArgument("claim_ttl_ms must be within [40, 600000]")
         if not 0 <= self.path_hints_max <= 10_000_000:
             raise InvalidArgument("path_hints_max must be within [0, 10000000]")
+        trash.keep_ns(self.trash_days)  # refuses a value out of range
 
     @property
     def client_retry_limit_ms(self) -> int:
@@ -301,7 +305,7 @@ class MetaService(FileLengths, MetaJobs):
 
     def _env(self, user: mpb.User) -> OpEnv:
         return OpEnv(now_ns=self.wall_ns(), caller=Caller.from_pb(user), chain_tables=self._chain_tables(),
-                     stripe_default=self.config.stripe_default)
+                     stripe_default=self.config.stripe_default, trash_keep_ns=trash.keep_ns(self.config.trash_days))
 
     def _announce(self, txn: Transaction, refs: Sequence[mpb.PathRef], keys: Sequence[bytes],
                   target_keys: bool = False, removing: bool = False) -> None:
@@ -853,6 +857,30 @@ class MetaService(FileLengths, MetaJobs):
         if not req.check_chunks:
             return await run_fsck(self.engine.begin()), _EMPTY
         return await run_fsck(self.engine.begin(), self._list_chunks, self.engine.begin, self._chunk_exists), _EMPTY
+
+    # -- the trash (fs3.meta.trash) ---------------------------------------------------------------
+
+    async def trash_list(self, req: mpb.TrashListReq, payload: memoryview) -> tuple[mpb.TrashListRsp, Buffer]:
+        return await self._read(req.ctx, lambda ns: trash.list_page(ns, req.start_after, req.limit)), _EMPTY
+
+    async def trash_restore(self, req: mpb.TrashRestoreReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
+        to = req.to if req.HasField("to") else None
+        rsp = await self._mutate(req.ctx, mpb.InodeRsp, lambda ns: _inode_rsp(trash.restore(ns, req.id, to)))
+        return rsp, _EMPTY
+
+    async def trash_purge(self, req: mpb.TrashPurgeReq, payload: memoryview) -> tuple[mpb.TrashPurgeRsp, Buffer]:
+        if bool(req.id) + req.all + req.expired != 1:
+            raise InvalidArgument("purge one entry (id), all of them, or the expired ones: exactly one")
+
+        async def op(ns: Namespace) -> mpb.TrashPurgeRsp:
+            if req.id:
+                await trash.purge(ns, req.id)
+                return mpb.TrashPurgeRsp(purged=1)
+            return await trash.purge_page(ns, req.start_after, req.expired)
+
+        rsp = await self._mutate(req.ctx, mpb.TrashPurgeRsp, op)
+        self._gc_wakeup.set()
+        return rsp, _EMPTY
 
     # -- storage side effects --------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ CLIENT_METHODS: frozenset[tuple[str, str]] = frozenset(
         "StatFs", "Lookup", "BatchStat", "Open", "MakeNode", "ReadLink", "Link", "Remove", "Rename", "ReadDir",
         "SetAttr", "GetXattr", "SetXattr", "ListXattr", "RemoveXattr", "Close", "Sync", "SetLayout", "RenewClient",
         "WhoAmI",
-        "GrantCapability", "CloseSessions",
+        "GrantCapability", "CloseSessions", "TrashList", "TrashRestore", "TrashPurge",
     )]
 )
 
