@@ -28,7 +28,9 @@ file sessions, client leases, expired-client records and saved answers of retrie
 files again, and an idempotency record replayed to a new client would answer the wrong request),
 and the claims and registrations of meta servers (state of running servers, rebuilt at start).
 A file that was removed while still open (no names, kept by its sessions) is dumped as a GC job
-for its chunks instead of an inode, as its last close would have made it.
+for its chunks instead of an inode, as its last close would have made it. A file in the trash
+(:mod:`fs3.meta.trash`: no names either) is dumped as it is, with its trash entry and expiry key,
+so that a restored meta can still restore it, and expires it when it would have.
 
 This module does no I/O of its own: it encodes and checks lines, and :func:`dump_snapshot` reads
 through a :class:`~fs3.kv.api.SnapshotReader` a page at a time (bounded memory: one page, plus one
@@ -80,11 +82,13 @@ KINDS: dict[str, bytes] = {
     "size_gen": schema.size_gen_prefix(),
     "truncate": schema.truncate_prefix(),
     "gc": schema.gc_prefix(),
+    "trash": schema.trash_prefix(),
+    "trash_expiry": schema.trash_expiry_prefix(),
     "counter": schema.COUNTER,
     "user": schema.user_prefix(),
 }
 _KIND_ORDER = {kind: index for index, kind in enumerate(KINDS)}
-_ID_KINDS = frozenset({"inode", "size_gen", "truncate", "gc"})  # key: prefix + inode id(8)
+_ID_KINDS = frozenset({"inode", "size_gen", "truncate", "gc", "trash"})  # key: prefix + inode id(8)
 _LINE_BYTES_MAX = 64 << 20  # far above any value meta stores: a longer line is not a dump
 
 
@@ -130,6 +134,8 @@ def encode_record(key: bytes, value: bytes) -> dict[str, Any]:
         record["parent"], record["name"] = int.from_bytes(rest[:8], "big"), _b64(rest[8:])
     elif kind == "xattr":
         record["id"], record["name"] = int.from_bytes(rest[:8], "big"), _b64(rest[8:])
+    elif kind == "trash_expiry":
+        record["expires"], record["id"] = int.from_bytes(rest[:8], "big"), int.from_bytes(rest[8:], "big")
     elif kind == "counter":
         record["name"] = rest.decode("utf-8", errors="surrogateescape")
     else:  # user
@@ -152,6 +158,9 @@ def decode_record(record: dict[str, Any]) -> tuple[str, bytes, bytes]:
     elif kind == "xattr":
         key = prefix + _u64(record.get("id"), "xattr inode").to_bytes(8, "big") + \
             _unb64(record.get("name"), "xattr name")
+    elif kind == "trash_expiry":
+        key = prefix + _u64(record.get("expires"), "trash expiry").to_bytes(8, "big") + \
+            _u64(record.get("id"), "trash expiry id").to_bytes(8, "big")
     elif kind == "counter":
         name = record.get("name")
         if not isinstance(name, str) or not name:
@@ -322,6 +331,12 @@ def _removed_while_open(value: bytes) -> mpb.Inode | None:
     return inode if inode.type != mpb.DIRECTORY and inode.nlink == 0 else None
 
 
+async def _in_trash(reader: SnapshotReader, inode_id: int) -> bool:
+    """Whether a file without names is in the trash (kept there, not by open handles)."""
+    key = schema.trash_key(inode_id)
+    return bool(await reader.scan(key, key + b"\x00", limit=1))
+
+
 def _removal_job(inode: mpb.Inode) -> bytes | None:
     """What removing the inode's last handle queues (as ``Namespace._delete_inode`` does): a GC
     job for a file's chunks, nothing for any other inode."""
@@ -345,7 +360,7 @@ async def dump_snapshot(reader: SnapshotReader, emit: Callable[[bytes], Awaitabl
             for key, value in page:
                 if kind == "inode":
                     inode = _removed_while_open(value)
-                    if inode is not None:
+                    if inode is not None and not await _in_trash(reader, schema.parse_inode_key(key)):
                         removed[schema.parse_inode_key(key)] = _removal_job(inode)
                         stats.open_removed += 1
                         continue
