@@ -21,7 +21,7 @@ LIN_OPS ?= 40
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo test-haiscale-long chaos model-report clean install test-wheel
+.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo test-haiscale-long trash-long chaos model-report clean install test-wheel
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -188,6 +188,14 @@ scrub-demo: install
 # FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.
 test-haiscale-long: install
 	HAISCALE_LONG=1 $(BIN)/pytest -q tests/test_haiscale_pipeline.py tests/test_haiscale_fsdp.py
+
+# The trash against its model, long: TRASH_SEEDS seeds of TRASH_STEPS random create/rm/restore/purge/
+# expire steps each (make test runs three short seeds).
+TRASH_SEEDS ?= 40
+TRASH_STEPS ?= 400
+trash-long: install
+	FS3_TRASH_SEEDS=$(TRASH_SEEDS) FS3_TRASH_STEPS=$(TRASH_STEPS) $(BIN)/pytest -q -p no:cacheprovider \
+		tests/test_trash.py -k long
 
 # The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.
 model-report: install

@@ -9,6 +9,7 @@ chunks on a cluster.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import pytest
 
 from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
+from fs3.cli.main import build_parser
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.errors import AlreadyExists, FS3Error, InvalidArgument, NotFound, NotPermitted, TxnConflict
@@ -404,6 +406,17 @@ def test_fsck_reports_a_removed_file_without_an_entry() -> None:
     run(body)
 
 
+def test_the_cli_asks_for_exactly_one_purge_choice() -> None:
+    parser = build_parser()
+    parsed = parser.parse_args(["trash", "purge", "--all", "--dir", "x"])
+    assert (parsed.service, parsed.trash_command, parsed.all, parsed.id, parsed.dir) == ("trash", "purge", True,
+                                                                                          None, "x")
+    assert parser.parse_args(["trash", "restore", "7", "--to", "/a"]).to == "/a"
+    for bad in (["trash", "purge"], ["trash", "purge", "3", "--all"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
 # -- dump and load -------------------------------------------------------------------------------------
 
 
@@ -452,12 +465,27 @@ class Model:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_operations_match_a_model(seed: int) -> None:
+    exercise(seed, 120)
+
+
+@pytest.mark.skipif(not os.environ.get("FS3_TRASH_SEEDS"), reason="a long run: FS3_TRASH_SEEDS=N (make trash-long)")
+def test_random_operations_match_a_model_long() -> None:
+    """``make trash-long``: many seeds, many steps each (a failure names its seed and step)."""
+    steps = int(os.environ.get("FS3_TRASH_STEPS", "400"))
+    for seed in range(100, 100 + int(os.environ["FS3_TRASH_SEEDS"])):
+        exercise(seed, steps)
+
+
+def exercise(seed: int, steps: int) -> None:
+    """Random creates, removals, restores (in place or elsewhere), purges, clock ticks and expiry
+    rounds, checked after every step against :class:`Model`: the listing, the directory, the GC
+    queue, and fsck."""
     rng = random.Random(seed)
 
     async def body(meta: Meta) -> None:
         model = Model({}, {}, set())
         keep_ns = trash.keep_ns(0.001)
-        for step in range(120):
+        for step in range(steps):
             op = rng.choice(["create", "create", "rm", "restore", "restore_to", "purge", "expire", "tick"])
             name = f"/f{rng.randrange(6)}"
             try:
