@@ -197,6 +197,25 @@ def test_restore_when_the_directory_is_gone_needs_to() -> None:
     run(body)
 
 
+def test_a_removal_by_directory_inode_records_the_path_only_when_known() -> None:
+    """A mount removes by directory inode and name: the path is known for the root only; the
+    entry still restores into that directory."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/d")
+        await meta.create("/top")
+        await meta.create("/d/f")
+        lookup = await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/d")))
+        for parent, name in ((schema.ROOT_INODE, b"top"), (lookup.inode.inode_id, b"f")):
+            await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(), target=mpb.PathRef(parent=parent, path=name)))
+        top, inner = await meta.entries()
+        assert (top.path, inner.path) == (b"/top", b"")
+        assert trash.shown_path(inner) == f"<dir {lookup.inode.inode_id}>/f"
+        await meta.restore(inner.id)
+        assert await meta.ls("/d") == [b"f"]
+
+    run(body)
+
+
 def test_rename_over_a_file_puts_the_replaced_file_in_the_trash() -> None:
     async def body(meta: Meta) -> None:
         old = await meta.create("/target")
@@ -388,6 +407,13 @@ def test_fsck_knows_the_trash_and_catches_a_broken_one() -> None:
         assert f"trash entry {kept} has no expiry key" in problems
         assert "trash entry 999: its inode does not exist" in problems
         assert f"inode {kept} is both in the trash and queued for GC" in problems
+        # The broken entries neither break the listing nor stall expiry.
+        assert sorted(e.id for e in await meta.entries()) == [kept, 999]
+        stray = meta.engine.begin()
+        stray.put(schema.trash_expiry_key(2, 998), b"")  # an expiry key without its entry
+        await stray.commit()
+        assert await meta.service.run_trash_expiry_once() == 1  # 999 dropped, 998's key deleted
+        assert await meta.keys(schema.trash_expiry_prefix()) == []
 
     run(body)
 
@@ -474,6 +500,28 @@ def test_random_operations_match_a_model_long() -> None:
     steps = int(os.environ.get("FS3_TRASH_STEPS", "400"))
     for seed in range(100, 100 + int(os.environ["FS3_TRASH_SEEDS"])):
         exercise(seed, steps)
+
+
+def test_the_exerciser_catches_planted_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model check is only as good as the bugs it catches: expiry that never purges, and a
+    trashed file handed to GC, must each fail it."""
+    async def never(ns: Namespace, limit: int = 0) -> int:
+        return 0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trash, "expired_page", never)
+        with pytest.raises(AssertionError):
+            exercise(1, 120)
+    put = trash.put
+
+    def put_and_collect(txn: Any, entry: mpb.TrashEntry) -> None:
+        put(txn, entry)
+        txn.put(schema.gc_key(entry.id), b"")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trash, "put", put_and_collect)
+        with pytest.raises(AssertionError):
+            exercise(1, 120)
 
 
 def exercise(seed: int, steps: int) -> None:

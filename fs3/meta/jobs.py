@@ -77,6 +77,7 @@ T = TypeVar("T")
 
 class MetaJobs(MetaHost):
     _backlog: tuple[Gauge, Gauge, Counter] | None = None
+    _trash_gauge: Gauge | None = None
     _removed_counted = 0
     """The service's background part (see the module's docstring)."""
 
@@ -277,6 +278,10 @@ class MetaJobs(MetaHost):
                 self.metrics.counter("fs3_meta_gc_removed_chunks", "Chunks garbage collection removed"),
             )
         gc, truncate, removed = self._backlog
+        if self._trash_gauge is None:
+            self._trash_gauge = self.metrics.gauge(
+                "fs3_meta_trash_files", "Removed files kept in the trash, chunks and all (at most 10000 counted)")
+        self._trash_gauge.set(await self.count_queue(schema.trash_prefix()))
         gc.set(await self.count_queue(schema.gc_prefix()))
         truncate.set(await self.count_queue(schema.truncate_prefix()))
         removed.inc(self.gc_removed_chunks - self._removed_counted)

@@ -1190,7 +1190,7 @@ class Namespace:
 def _path_from_root(ref: mpb.PathRef) -> bytes:
     """The path a reference gives from the root, normalised; empty when it is relative to an
     inode (a mount names a file by its directory's inode and its name)."""
-    if ref.inode_id or (ref.parent and not ref.path.startswith(b"/")):
+    if ref.inode_id or (ref.parent not in (0, schema.ROOT_INODE) and not ref.path.startswith(b"/")):
         return b""
     parts = [p for p in bytes(ref.path).split(b"/") if p and p != b"."]
     if b".." in parts:

@@ -110,9 +110,7 @@ async def list_page(ns: Namespace, start_after: int, limit: int) -> mpb.TrashLis
         rsp.next_after = entry.id
         if _mine(ns, entry):
             inode = await ns.find_inode(entry.id)
-            ensure(inode is not None, f"trash entry {entry.id} without its inode")
-            assert inode is not None
-            entry.size = inode.size
+            entry.size = inode.size if inode is not None else 0  # none: fsck reports the entry
             rsp.entries.append(entry)
     return rsp
 
@@ -148,7 +146,9 @@ async def purge(ns: Namespace, entry_id: int) -> bool:
 
 async def _purge_entry(ns: Namespace, entry: mpb.TrashEntry) -> bool:
     _drop(ns.txn, entry)
-    inode = await ns.inode(entry.id)
+    inode = await ns.find_inode(entry.id)
+    if inode is None:
+        return False  # an entry without its inode (fsck reports one): nothing left to free
     gc = await ns.release_unlinked(inode)
     ns.flush()
     return gc
@@ -179,8 +179,9 @@ async def expired_page(ns: Namespace, limit: int = TRASH_PURGE_BATCH) -> int:
     for key, _ in await ns.txn.scan(start, end, limit=limit):
         entry_id = int.from_bytes(key[len(start) + 8:len(start) + 16], "big")
         raw = await ns.txn.get(schema.trash_key(entry_id))
-        ensure(raw is not None, f"trash expiry key of missing entry {entry_id}")
-        assert raw is not None
+        if raw is None:  # a stray expiry key (fsck reports one): dropped, or it would stay at the head
+            ns.txn.delete(key)
+            continue
         await _purge_entry(ns, mpb.TrashEntry.FromString(raw))
         purged += 1
     return purged
