@@ -16,7 +16,8 @@ import pytest
 import fs3.aio
 from fs3.cli.trash import trash_command
 from fs3.client.fs import AsyncFileSystem
-from fs3.common.errors import AlreadyExists
+from fs3.client.meta import path_ref
+from fs3.common.errors import AlreadyExists, NotPermitted
 from fs3.common.ids import parse_chunk_id
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.meta.trash import NS_PER_DAY
@@ -101,5 +102,40 @@ def test_trash_keeps_chunks_until_purge_or_expiry(tmp_path: Path, capsys: pytest
         await gc_all(meta)
         assert chunks_of(cluster, other) == set()
         assert list((await fs.metadata.fsck(True)).problems) == []
+
+    asyncio.run(main())
+
+
+def test_user_tokens_see_and_touch_only_their_own_entries(tmp_path: Path) -> None:
+    """Through the identity gate: a user token's requests run as its uid, so bob neither sees nor
+    restores nor purges what alice removed; alice restores it, root (cluster token) sees all."""
+    async def main() -> None:
+        config = MetaServiceConfig(root_mode=0o777, trash_days=1)
+        async with InProcessCluster(tmp_path, targets_per_node=1, with_meta=True, meta_config=config) as cluster:
+            root = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token, uid=0, gid=0, groups=[])
+            try:
+                alice_token = (await root.metadata.add_user("alice", 1000, 1000)).token
+                bob_token = (await root.metadata.add_user("bob", 2000, 2000)).token
+                alice = await fs3.aio.connect(cluster.mgmtd_address, token=alice_token)
+                bob = await fs3.aio.connect(cluster.mgmtd_address, token=bob_token)
+                try:
+                    await alice.write_bytes("/a", b"alice's")
+                    inode_id = (await alice.stat("/a")).st_ino
+                    await alice.remove("/a")
+                    assert [e.id for e in (await alice.metadata.trash_list()).entries] == [inode_id]
+                    assert list((await bob.metadata.trash_list()).entries) == []
+                    with pytest.raises(NotPermitted):
+                        await bob.metadata.trash_restore(inode_id, path_ref(b"/mine"))
+                    with pytest.raises(NotPermitted):
+                        await bob.metadata.trash_purge(inode_id)
+                    assert (await bob.metadata.trash_purge(all_entries=True)).purged == 0
+                    assert [e.uid for e in (await root.metadata.trash_list()).entries] == [1000]
+                    await alice.metadata.trash_restore(inode_id)
+                    assert await alice.read_bytes("/a") == b"alice's"
+                finally:
+                    await alice.close()
+                    await bob.close()
+            finally:
+                await root.close()
 
     asyncio.run(main())
