@@ -139,3 +139,35 @@ def test_user_tokens_see_and_touch_only_their_own_entries(tmp_path: Path) -> Non
                 await root.close()
 
     asyncio.run(main())
+
+
+def test_two_meta_servers_expire_each_entry_once(tmp_path: Path) -> None:
+    """Both servers run the expiry at once on one store: one holds the trash's claim, or their
+    purges conflict and run again; either way every entry is purged once and GC frees it."""
+    wall = [time.time_ns()]
+
+    async def main() -> None:
+        config = MetaServiceConfig(root_mode=0o777, prune_interval_ms=600_000, gc_interval_ms=600_000,
+                                   trash_days=0.01)
+        async with InProcessCluster(tmp_path, targets_per_node=1, with_meta=True, meta_config=config, meta_servers=2,
+                                    meta_wall_ns=lambda: wall[0]) as cluster:
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                ids = []
+                for i in range(40):
+                    await fs.write_bytes(f"/f{i}", b"x" * 100)
+                    ids.append((await fs.stat(f"/f{i}")).st_ino)
+                    await fs.remove(f"/f{i}")
+                wall[0] += NS_PER_DAY
+                first, second = cluster.metas[0], cluster.metas[1]
+                counts = await asyncio.gather(first.run_trash_expiry_once(), second.run_trash_expiry_once())
+                counts += await asyncio.gather(first.run_trash_expiry_once(), second.run_trash_expiry_once())
+                assert sum(counts) == len(ids), counts
+                assert list((await fs.metadata.trash_list()).entries) == []
+                await gc_all(first)
+                assert all(chunks_of(cluster, i) == set() for i in ids)
+                assert list((await fs.metadata.fsck(True)).problems) == []
+            finally:
+                await fs.close()
+
+    asyncio.run(main())
