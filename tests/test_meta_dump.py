@@ -355,6 +355,18 @@ def test_backups_keep_the_newest(tmp_path: Path) -> None:
         assert read_back(path.read_bytes().splitlines(keepends=True))
 
 
+def test_backup_removes_what_a_killed_backup_left(tmp_path: Path) -> None:
+    """A backup killed while writing leaves NAME.dump.tmp (a partial dump, with the user table's hashes):
+    the next backup removes it; its own and later names are left alone."""
+    engine = engine_with(random_store(random.Random(14), 5))
+    stale = tmp_path / "fs3-meta-20000101T000000.000Z.dump.tmp"
+    stale.write_bytes(b"partial")
+    later = tmp_path / "fs3-meta-29990101T000000.000Z.dump.tmp"
+    later.write_bytes(b"another writer's")
+    path, _ = asyncio.run(backup_once(engine.snapshot, tmp_path, keep=2, cluster_id="c"))
+    assert path.is_file() and not stale.exists() and later.exists()
+
+
 def test_failed_backup_removes_nothing(tmp_path: Path) -> None:
     engine = engine_with(random_store(random.Random(7), 10))
 

@@ -242,4 +242,10 @@ async def backup_once(take: Callable[[], Awaitable[SnapshotReader]], directory: 
     removed = backups[:-keep] if len(backups) > keep else []
     for old in removed:
         old.unlink()
+    # What a backup killed while writing left (``NAME.dump.tmp``, older than this one): a partial copy of
+    # the namespace and the user table's hashes, which nothing else would ever remove.
+    for stale in directory.glob(f"{BACKUP_PREFIX}*{_BACKUP_SUFFIX}.tmp"):
+        if stale.name < path.name:
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
     return path, removed
