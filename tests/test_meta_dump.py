@@ -367,6 +367,15 @@ def test_backup_removes_what_a_killed_backup_left(tmp_path: Path) -> None:
     assert path.is_file() and not stale.exists() and later.exists()
 
 
+def test_dump_does_not_follow_a_link_at_its_temporary_name(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (tmp_path / "out.dump.tmp").symlink_to(victim)
+    with pytest.raises(OSError):
+        _dump_file(tmp_path, random_store(random.Random(15), 3), name="out.dump")
+    assert victim.read_bytes() == b"keep me" and not (tmp_path / "out.dump").exists()
+
+
 def test_failed_backup_removes_nothing(tmp_path: Path) -> None:
     engine = engine_with(random_store(random.Random(7), 10))
 

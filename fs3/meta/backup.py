@@ -73,7 +73,8 @@ async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page
     """Dump into ``path`` atomically: a temporary file beside it, synced, renamed over it (mode 0600:
     the dump holds the user table's secret hashes and every name in the namespace)."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_NOFOLLOW: a link planted under the temporary name must not point the dump (or its truncation) elsewhere.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as out:
             stats = await dump_to_stream(reader, out, cluster_id, page_records)
