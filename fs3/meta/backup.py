@@ -9,9 +9,10 @@ and keep the newest K of periodic backups in a directory.
   order, counts, SHA-256, values meta must decode) and writes nothing; then the target is checked
   empty; the second pass writes the records in transactions of ``batch_records`` pairs. The first
   batch checks, in its own transaction, that the store is still empty (a meta server started
-  meanwhile would have made its root), and writes the raised next inode id first: a load killed
-  midway leaves part of the namespace, but never a store from which a meta server would hand out
-  the ids (hence chunks) of the dumped files. Should the second pass fail (the file changed
+  meanwhile would have made its root), and writes the raised next inode id first and a marker
+  (``schema.LOAD_UNFINISHED``) that the last batch deletes: a load killed midway leaves part of
+  the namespace, which a meta server refuses to start on, and never a store from which one would
+  hand out the ids (hence chunks) of the dumped files. Should the second pass fail (the file changed
   between the passes, the store refused a write), every pair it wrote is deleted again before the
   error is raised.
 * **Backups**: :func:`backup_once` writes ``fs3-meta-<UTC time>.dump`` into a directory (a local
@@ -33,7 +34,7 @@ from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader, Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
 from fs3.meta.dump import DumpReader, DumpStats, dump_snapshot, read_lines
-from fs3.meta.schema import counter_key, decode_u64, encode_u64, parse_inode_key
+from fs3.meta.schema import LOAD_UNFINISHED, counter_key, decode_u64, encode_u64, parse_inode_key
 
 __all__ = [
     "BACKUP_PREFIX",
@@ -151,10 +152,10 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
                               "nothing was written")
     written = 0
     batches = 0
-    # The raised next inode id goes first (see the module docstring).
-    batch: list[tuple[bytes, bytes]] = [(next_key, encode_u64(next_raised))]
+    # The marker and the raised next inode id go first (see the module docstring).
+    batch: list[tuple[bytes, bytes]] = [(LOAD_UNFINISHED, b""), (next_key, encode_u64(next_raised))]
 
-    async def flush() -> None:
+    async def flush(last: bool = False) -> None:
         nonlocal written, batches
         pairs, first = list(batch), batches == 0
 
@@ -164,6 +165,8 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
                                       "nothing was written")
             for key, value in pairs:
                 txn.put(key, value)
+            if last:
+                txn.delete(LOAD_UNFINISHED)
 
         await run_transaction(engine, put)
         written += len(pairs)
@@ -178,8 +181,7 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
             batch.append((key, value))
             if len(batch) >= batch_records:
                 await flush()
-        if batch:
-            await flush()
+        await flush(last=True)
     except BaseException:
         if written:
             try:
@@ -192,15 +194,15 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
 
 
 async def _roll_back(engine: TxnEngine, path: Path, written: int, batch_records: int) -> None:
-    """Delete what a failed load wrote: the next inode id and the first ``written`` - 1 pairs of the
-    dump, in batches; the id last, so that a roll-back cut short still leaves it raised."""
+    """Delete what a failed load wrote: the first ``written`` - 2 pairs of the dump, in batches, then
+    the next inode id and the marker, so that a roll-back cut short still leaves both."""
     keys: list[bytes] = []
 
     async def delete(txn: Transaction) -> None:
         for key in keys:
             txn.delete(key)
 
-    reader, left = DumpReader(), written - 1
+    reader, left = DumpReader(), written - 2
     with contextlib.suppress(InvalidArgument):  # the file may have changed: its first pairs are what was written
         for _, key, _value in reader.records(_lines(path)):
             if not left:
@@ -212,7 +214,7 @@ async def _roll_back(engine: TxnEngine, path: Path, written: int, batch_records:
             if len(keys) >= batch_records or not left:
                 await run_transaction(engine, delete)
                 keys.clear()
-    keys.append(counter_key("next_inode"))
+    keys += [counter_key("next_inode"), LOAD_UNFINISHED]
     await run_transaction(engine, delete)
 
 

@@ -20,6 +20,8 @@ key                                                    value
 ``USER`` + token_id(8)                                 :class:`UserRecord`: a per-user token
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
                                                        parent (8 bytes)
+``LOAD``                                               empty: ``fs3 admin load`` has not finished
+                                                       (a meta server refuses to start)
 =====================================================  ==========================================
 
 A session id is the opening request's ``client_id + request_id``: unique and known to the
@@ -37,6 +39,7 @@ from fs3.common.errors import InvalidArgument
 from fs3.common.ids import CLIENT_ID_BYTES
 
 __all__ = [
+    "LOAD_UNFINISHED",
     "ROOT_INODE",
     "SESSION_ID_BYTES",
     "ClientLease",
@@ -96,6 +99,7 @@ SIZE_GEN = b"SGEN"
 IDEM = b"IDEM"
 COUNTER = b"CNTR"
 USER = b"USER"
+LOAD_UNFINISHED = b"LOAD"  # written by a load's first batch, deleted by its last: the store holds part of a dump
 
 
 def _u64(value: int) -> bytes:
