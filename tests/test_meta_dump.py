@@ -388,6 +388,23 @@ def test_dump_does_not_follow_a_link_at_its_temporary_name(tmp_path: Path) -> No
     assert victim.read_bytes() == b"keep me" and not (tmp_path / "out.dump").exists()
 
 
+def test_a_dump_that_cannot_make_its_file_lets_the_snapshot_go(tmp_path: Path) -> None:
+    """A backup loop into a directory it cannot write must not keep a snapshot open per attempt."""
+    closed: list[bool] = []
+
+    class Reader:
+        async def scan(self, start: bytes, end: bytes | None = None,
+                       limit: int | None = None) -> list[tuple[bytes, bytes]]:
+            return []
+
+        async def close(self) -> None:
+            closed.append(True)
+
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(dump_to_file(Reader(), tmp_path / "missing" / "x.dump", "c"))
+    assert closed == [True]
+
+
 def test_failed_backup_removes_nothing(tmp_path: Path) -> None:
     engine = engine_with(random_store(random.Random(7), 10))
 

@@ -72,10 +72,16 @@ async def dump_to_stream(reader: SnapshotReader, out: IO[bytes], cluster_id: str
 
 async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page_records: int = 1000) -> DumpStats:
     """Dump into ``path`` atomically: a temporary file beside it, synced, renamed over it (mode 0600:
-    the dump holds the user table's secret hashes and every name in the namespace)."""
+    the dump holds the user table's secret hashes and every name in the namespace). Closes the
+    reader, also when the file cannot be made (a backup loop must not pile up open snapshots, each
+    pinning the store's old files or a database snapshot)."""
     tmp = path.with_name(path.name + ".tmp")
-    # O_NOFOLLOW: a link planted under the temporary name must not point the dump (or its truncation) elsewhere.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        # O_NOFOLLOW: a link planted under the temporary name must not point the dump (or its truncation) elsewhere.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except BaseException:
+        await reader.close()
+        raise
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as out:
             stats = await dump_to_stream(reader, out, cluster_id, page_records)
