@@ -6,7 +6,8 @@ fs3/proto/fs3/ (the public gRPC contract, for code generators in other languages
 modules are never committed (they are git-ignored and `make proto` makes them for a checkout), so a build from a
 clean tree or from the sdist must make them itself. A regular build writes them into the build directory only;
 an editable install (`pip install -e .`) writes them next to the sources, as `make proto` does, because that is
-where the editable finder looks.
+where the editable finder looks. A regular build takes none of a checkout's own generated files (`make proto`'s,
+perhaps of a .proto since renamed or removed) nor an earlier build's: the wheel holds what this build generated.
 
 Generated code refuses to import under an older runtime than the one it was generated for (protobuf's gencode
 check, grpc's GRPC_GENERATED_VERSION check), so the build also checks that the floors pyproject.toml declares for
@@ -16,10 +17,11 @@ cleanly but fails on `import fs3.meta_pb2` is a build error, not a user's proble
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -30,6 +32,8 @@ PROTO_ROOT = ROOT / "proto"
 
 _GENCODE_RE = re.compile(r"^# Protobuf Python Version: (\d+(?:\.\d+)*)", re.MULTILINE)
 _GRPC_GENERATED_RE = re.compile(r"^GRPC_GENERATED_VERSION = '(\d+(?:\.\d+)*)'", re.MULTILINE)
+# What generate_protos writes, relative to the fs3 package directory.
+GENERATED_GLOBS = ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py", "proto/fs3/*.proto")
 
 
 class ProtoBuildError(RuntimeError):
@@ -104,14 +108,41 @@ def generate_protos(proto_root: Path, out_dir: Path) -> list[Path]:
     return written
 
 
+def is_generated(package: str, relative: str) -> bool:
+    """Whether `relative` (a path inside `package`'s directory) is a file generate_protos writes."""
+    return package == "fs3" and any(PurePosixPath(relative).match(glob) and relative.count("/") == glob.count("/")
+                                    for glob in GENERATED_GLOBS)
+
+
+def remove_generated(out_dir: Path) -> None:
+    """Delete every file generate_protos writes from out_dir/fs3/ (stale ones among them)."""
+    for glob in GENERATED_GLOBS:
+        for path in (out_dir / "fs3").glob(glob):
+            path.unlink()
+
+
 class BuildPyWithProtos(build_py):  # type: ignore[misc]  # setuptools ships no type information
     """`build_py` that also generates the protobuf modules (see the module docstring)."""
 
     def run(self) -> None:
         super().run()
         out_dir = ROOT if self.editable_mode else Path(self.build_lib)
+        if not self.editable_mode:
+            remove_generated(out_dir)  # an earlier build's, perhaps of a .proto removed since
         self._generated = generate_protos(PROTO_ROOT, out_dir)
         check_generated_versions(out_dir, self.distribution.install_requires or [])
+
+    def find_package_modules(self, package: str, package_dir: str) -> list[tuple[str, str, str]]:
+        modules: list[tuple[str, str, str]] = super().find_package_modules(package, package_dir)
+        if self.editable_mode:
+            return modules
+        return [m for m in modules if not is_generated(package, os.path.relpath(m[2], package_dir))]
+
+    def find_data_files(self, package: str, src_dir: str) -> list[str]:
+        files: list[str] = super().find_data_files(package, src_dir)
+        if self.editable_mode:
+            return files
+        return [f for f in files if not is_generated(package, Path(os.path.relpath(f, src_dir)).as_posix())]
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outputs: list[str] = list(super().get_outputs(include_bytecode))

@@ -81,3 +81,17 @@ def test_load_into_a_store_in_use_is_refused(tmp_path: Path, capsys: pytest.Capt
     finally:
         held.close()
     assert _contents(tmp_path / "dst" / "kv") == {}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("flag", ["--keep", "--page-records"])
+def test_backup_loop_refuses_bad_settings_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  flag: str) -> None:
+    """A repeating backup with a setting no backup can use exits at once, not logs it forever."""
+    src = _meta_config(tmp_path, "src")
+    RocksKVStore(tmp_path / "src" / "kv").close()
+    backups = tmp_path / "b"
+    assert main(["admin", "backup", "--meta-config", str(src), "--backup-dir", str(backups), flag, "0",
+                 "--every-s", "0.05"]) == 1
+    assert "at least 1" in capsys.readouterr().err
+    assert not backups.exists() or list_backups(backups) == []

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("fs3", "hfreduce", "haiscale", "hai", "cluster_model")
 PROTOS = sorted((REPO / "proto" / "fs3").glob("*.proto"))
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+STALE = ("fs3/gone_pb2.py", "fs3/gone_pb2.pyi", "fs3/gone_pb2_grpc.py", "fs3/proto/fs3/gone.proto", "fs3/meta_pb2.py")
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed (lists the source files)")
 
@@ -40,7 +41,8 @@ def package_files() -> list[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A wheel built with this interpreter's setuptools and grpcio-tools (no download) from a pb2-free copy."""
+    """A wheel built with this interpreter's setuptools and grpcio-tools (no download) from a pb2-free copy
+    (but for stale generated files a checkout may hold, which the build must leave out)."""
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"
     for name in source_files():
@@ -48,6 +50,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         shutil.copy2(REPO / name, src / name)
     assert not list((src / "fs3").glob("*_pb2*")), "the copy must start without generated modules"
     assert not (src / "fs3" / "proto").exists()
+    # What a checkout may hold from `make proto` of an older tree: the build must take none of it.
+    for stale in STALE:
+        (src / stale).parent.mkdir(parents=True, exist_ok=True)
+        (src / stale).write_text("raise ImportError('a stale generated file')\n")
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q",
                              "-w", str(root / "dist"), str(src)], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -83,6 +89,13 @@ def test_generated_modules_and_shipped_protos(wheel: Path, names: set[str]) -> N
         assert f"fs3/proto/fs3/{proto.name}" in names
         with zipfile.ZipFile(wheel) as archive:
             assert archive.read(f"fs3/proto/fs3/{proto.name}") == proto.read_bytes()
+
+
+def test_no_stale_generated_file_of_the_checkout(wheel: Path, names: set[str]) -> None:
+    """Generated files the source tree held (a .proto since removed, an older make proto) stay out."""
+    assert not [name for name in names if "gone" in name]
+    with zipfile.ZipFile(wheel) as archive:
+        assert b"stale" not in archive.read("fs3/meta_pb2.py")
 
 
 def test_data_files_are_in_the_wheel(names: set[str]) -> None:

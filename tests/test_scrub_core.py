@@ -165,6 +165,11 @@ def test_progress_resumes_from_its_saved_state_and_unreadable_state_restarts_the
         restored.scanned(b"\x02", 1, 8)  # a pass only moves forward
     fresh = ScrubProgress.decode(b"{not json", findings_max=4)
     assert fresh.position == b"" and fresh.pass_number == 1
+    for garbled in (b'{"position": "03", "pass_chunks": "3"}', b'{"position": 3}', b"[]",
+                    b'{"position": "", "repaired": -1}'):
+        fresh = ScrubProgress.decode(garbled, findings_max=4)
+        assert fresh.position == b"" and fresh.pass_chunks == 0 and fresh.repaired == 0, garbled
+        fresh.scanned(b"\x01", 1, 5)  # and it scans on
     progress.pass_done(now_ms=100)
     assert (progress.position, progress.passes_completed, progress.pass_number) == (b"", 1, 2)
     assert not progress.due(150, pass_pause_ms=100) and progress.due(200, pass_pause_ms=100)

@@ -140,6 +140,9 @@ async def _backups(take: Callable[[], Awaitable[SnapshotReader]], args: argparse
 
     if args.every_s < 0:
         raise InvalidArgument("--every-s must not be negative")
+    if args.keep < 1 or args.page_records < 1:  # refused now, not logged at every interval of a loop
+        raise InvalidArgument(f"--keep and --page-records must be at least 1, got {args.keep} and "
+                              f"{args.page_records}")
     while True:
         started = time.monotonic()
         try:

@@ -6,11 +6,15 @@ and keep the newest K of periodic backups in a directory.
   the cluster keeps writing. A file is written as ``NAME.tmp``, synced, then renamed: a file
   under its final name is always a whole dump.
 * **Load** reads the file twice. The first pass checks all of it (format and schema version,
-  order, counts, SHA-256) and writes nothing; then the target is checked empty; the second pass
-  writes the records in transactions of ``batch_records`` pairs. The first batch checks, in its
-  own transaction, that the store is still empty (a meta server started meanwhile would have
-  made its root). Should the second pass fail (the file changed between the passes, the store
-  refused a write), every pair it wrote is deleted again before the error is raised.
+  order, counts, SHA-256, values meta must decode) and writes nothing; then the target is checked
+  empty; the second pass writes the records in transactions of ``batch_records`` pairs. The first
+  batch checks, in its own transaction, that the store is still empty (a meta server started
+  meanwhile would have made its root), and writes the raised next inode id first and a marker
+  (``schema.LOAD_UNFINISHED``) that the last batch deletes: a load killed midway leaves part of
+  the namespace, which a meta server refuses to start on, and never a store from which one would
+  hand out the ids (hence chunks) of the dumped files. Should the second pass fail (the file changed
+  between the passes, the store refused a write), every pair it wrote is deleted again before the
+  error is raised.
 * **Backups**: :func:`backup_once` writes ``fs3-meta-<UTC time>.dump`` into a directory (a local
   one, or one on an fs3 mount) and only then removes the oldest beyond ``keep``.
 """
@@ -29,8 +33,8 @@ from typing import IO
 from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader, Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
-from fs3.meta.dump import DumpReader, DumpStats, dump_snapshot
-from fs3.meta.schema import counter_key, decode_u64, encode_u64, parse_inode_key
+from fs3.meta.dump import DumpReader, DumpStats, dump_snapshot, read_lines
+from fs3.meta.schema import LOAD_UNFINISHED, counter_key, decode_u64, encode_u64, parse_inode_key
 
 __all__ = [
     "BACKUP_PREFIX",
@@ -68,9 +72,16 @@ async def dump_to_stream(reader: SnapshotReader, out: IO[bytes], cluster_id: str
 
 async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page_records: int = 1000) -> DumpStats:
     """Dump into ``path`` atomically: a temporary file beside it, synced, renamed over it (mode 0600:
-    the dump holds the user table's secret hashes and every name in the namespace)."""
+    the dump holds the user table's secret hashes and every name in the namespace). Closes the
+    reader, also when the file cannot be made (a backup loop must not pile up open snapshots, each
+    pinning the store's old files or a database snapshot)."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        # O_NOFOLLOW: a link planted under the temporary name must not point the dump (or its truncation) elsewhere.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except BaseException:
+        await reader.close()
+        raise
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as out:
             stats = await dump_to_stream(reader, out, cluster_id, page_records)
@@ -92,7 +103,7 @@ async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page
 
 def _lines(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
-        yield from f
+        yield from read_lines(f)
 
 
 @dataclass
@@ -123,21 +134,34 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
     The next inode id is raised by ``inode_id_gap`` above the dumped one: the cluster the dump
     was taken of may have made files after it, whose chunks (named by their inode ids) are still
     on storage; a restored meta handing out those ids again would give a new file their bytes."""
-    if batch_records <= 0 or inode_id_gap < 0:
+    if batch_records <= 0:
         raise InvalidArgument("batch_records must be positive")
+    if inode_id_gap < 0:
+        raise InvalidArgument("inode_id_gap must not be negative")
     if not path.is_file():
         raise InvalidArgument(f"{path}: no such dump file (load reads a file twice, so not a pipe)")
+    next_key, next_inode, inode_max = counter_key("next_inode"), 0, 0
     check = DumpReader()
-    for _ in check.records(_lines(path)):
-        pass
+    for kind, key, value in check.records(_lines(path)):
+        if kind == "inode":
+            inode_max = max(inode_max, parse_inode_key(key))
+        elif key == next_key:
+            next_inode = decode_u64(value)
+    next_raised = max(next_inode, inode_max + 1) + inode_id_gap
+    if next_raised >= 1 << 64:
+        raise InvalidArgument(f"the dump's next inode id {max(next_inode, inode_max + 1)} leaves no room for the "
+                              f"gap of {inode_id_gap} ids a load keeps free; nothing was written")
     if not await store_is_empty(engine):
         raise InvalidArgument("the target meta store is not empty: load only into a new data directory "
-                              "(or database) before any meta server has started on it; nothing was written")
+                              "(or database) before any meta server has started on it (a load that was "
+                              "interrupted leaves part of a dump: start again from an empty one); "
+                              "nothing was written")
     written = 0
     batches = 0
-    batch: list[tuple[bytes, bytes]] = []
+    # The marker and the raised next inode id go first (see the module docstring).
+    batch: list[tuple[bytes, bytes]] = [(LOAD_UNFINISHED, b""), (next_key, encode_u64(next_raised))]
 
-    async def flush() -> None:
+    async def flush(last: bool = False) -> None:
         nonlocal written, batches
         pairs, first = list(batch), batches == 0
 
@@ -147,6 +171,8 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
                                       "nothing was written")
             for key, value in pairs:
                 txn.put(key, value)
+            if last:
+                txn.delete(LOAD_UNFINISHED)
 
         await run_transaction(engine, put)
         written += len(pairs)
@@ -154,19 +180,14 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
         batch.clear()
 
     reader = DumpReader()
-    next_key, next_inode, inode_max = counter_key("next_inode"), 0, 0
     try:
-        for kind, key, value in reader.records(_lines(path)):
-            if kind == "inode":
-                inode_max = max(inode_max, parse_inode_key(key))
+        for _kind, key, value in reader.records(_lines(path)):
             if key == next_key:
-                next_inode = decode_u64(value)
-                continue  # written last, raised by the gap
+                continue  # written first, raised by the gap
             batch.append((key, value))
             if len(batch) >= batch_records:
                 await flush()
-        batch.append((next_key, encode_u64(max(next_inode, inode_max + 1) + inode_id_gap)))
-        await flush()
+        await flush(last=True)
     except BaseException:
         if written:
             try:
@@ -179,25 +200,28 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
 
 
 async def _roll_back(engine: TxnEngine, path: Path, written: int, batch_records: int) -> None:
-    """Delete the first ``written`` pairs of the dump (what a failed load wrote), in batches."""
+    """Delete what a failed load wrote: the first ``written`` - 2 pairs of the dump, in batches, then
+    the next inode id and the marker, so that a roll-back cut short still leaves both."""
     keys: list[bytes] = []
 
     async def delete(txn: Transaction) -> None:
         for key in keys:
             txn.delete(key)
 
-    reader, left = DumpReader(), written
+    reader, left = DumpReader(), written - 2
     with contextlib.suppress(InvalidArgument):  # the file may have changed: its first pairs are what was written
         for _, key, _value in reader.records(_lines(path)):
+            if not left:
+                break
             if key == counter_key("next_inode"):
-                continue  # written last: a load that failed never wrote it
+                continue  # written first, deleted last
             keys.append(key)
             left -= 1
             if len(keys) >= batch_records or not left:
                 await run_transaction(engine, delete)
                 keys.clear()
-            if not left:
-                break
+    keys += [counter_key("next_inode"), LOAD_UNFINISHED]
+    await run_transaction(engine, delete)
 
 
 def list_backups(directory: Path) -> list[Path]:
@@ -227,4 +251,10 @@ async def backup_once(take: Callable[[], Awaitable[SnapshotReader]], directory: 
     removed = backups[:-keep] if len(backups) > keep else []
     for old in removed:
         old.unlink()
+    # What a backup killed while writing left (``NAME.dump.tmp``, older than this one): a partial copy of
+    # the namespace and the user table's hashes, which nothing else would ever remove.
+    for stale in directory.glob(f"{BACKUP_PREFIX}*{_BACKUP_SUFFIX}.tmp"):
+        if stale.name < path.name:
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
     return path, removed

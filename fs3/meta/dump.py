@@ -47,7 +47,9 @@ import json
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
+
+from google.protobuf.message import DecodeError
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
@@ -58,6 +60,7 @@ __all__ = [
     "DUMP_FORMAT",
     "DUMP_FORMAT_VERSION",
     "KINDS",
+    "LINE_BYTES_MAX",
     "META_SCHEMA_VERSION",
     "DumpError",
     "DumpReader",
@@ -67,6 +70,7 @@ __all__ = [
     "dump_snapshot",
     "encode_record",
     "is_dumped_key",
+    "read_lines",
 ]
 
 DUMP_FORMAT = "fs3-meta-dump"
@@ -89,7 +93,7 @@ KINDS: dict[str, bytes] = {
 }
 _KIND_ORDER = {kind: index for index, kind in enumerate(KINDS)}
 _ID_KINDS = frozenset({"inode", "size_gen", "truncate", "gc", "trash"})  # key: prefix + inode id(8)
-_LINE_BYTES_MAX = 64 << 20  # far above any value meta stores: a longer line is not a dump
+LINE_BYTES_MAX = 64 << 20  # far above any value meta stores: a longer line is not a dump
 
 
 class DumpError(InvalidArgument):
@@ -99,6 +103,16 @@ class DumpError(InvalidArgument):
 def is_dumped_key(key: bytes) -> bool:
     """Whether a key of meta's store belongs in a dump (see the module docstring for why not)."""
     return any(key.startswith(prefix) for prefix in KINDS.values())
+
+
+def read_lines(f: IO[bytes]) -> Iterator[bytes]:
+    """The lines of a dump file, none longer than :data:`LINE_BYTES_MAX` + 1 bytes: a longer one is
+    yielded cut there (without its newline, so :class:`DumpReader` refuses it) instead of being read
+    whole, so a crafted or damaged file without newlines cannot take all memory."""
+    while line := f.readline(LINE_BYTES_MAX + 1):
+        yield line
+        if len(line) > LINE_BYTES_MAX:
+            return
 
 
 def _b64(raw: bytes) -> str:
@@ -177,6 +191,24 @@ def decode_record(record: dict[str, Any]) -> tuple[str, bytes, bytes]:
     return kind, key, _unb64(record.get("v"), f"{kind} value")
 
 
+def _check_value(kind: str, key: bytes, value: bytes) -> None:
+    """Refuse a value meta could not decode. A load writes values as they are, and the checksum
+    proves only that the file is whole, not that what wrote it wrote sane records: a garbled inode
+    or entry would fail every request that reaches it, a garbled counter the load itself."""
+    try:
+        if kind == "inode":
+            inode_id = mpb.Inode.FromString(value).inode_id
+            if inode_id != int.from_bytes(key[len(KINDS["inode"]):], "big"):
+                raise DumpError(f"inode record of id {int.from_bytes(key[len(KINDS['inode']):], 'big')} "
+                                f"holds inode {inode_id}")
+        elif kind == "dentry":
+            mpb.DirEntry.FromString(value)
+    except DecodeError:
+        raise DumpError(f"{kind} value is not a valid {'Inode' if kind == 'inode' else 'DirEntry'}") from None
+    if kind == "counter" and len(value) != 8:
+        raise DumpError(f"counter value of {len(value)} bytes, expected 8")
+
+
 def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode() + b"\n"
 
@@ -248,6 +280,7 @@ class DumpReader:
                 return
             try:
                 kind, key, value = decode_record(obj)
+                _check_value(kind, key, value)
             except DumpError as exc:
                 raise DumpError(f"line {number}: {exc}") from None
             position = (_KIND_ORDER[kind], key)
@@ -261,8 +294,8 @@ class DumpReader:
 
     @staticmethod
     def _parse(line: bytes, number: int) -> dict[str, Any]:
-        if len(line) > _LINE_BYTES_MAX:
-            raise DumpError(f"line {number}: longer than {_LINE_BYTES_MAX} bytes")
+        if len(line) > LINE_BYTES_MAX:
+            raise DumpError(f"line {number}: longer than {LINE_BYTES_MAX} bytes")
         if not line.endswith(b"\n"):
             raise DumpError(f"line {number}: incomplete (no newline): the dump was cut short")
         try:

@@ -23,6 +23,8 @@ key                                                    value
 ``TRSX`` + expires_at_ns(8) + inode_id(8)              empty: the trash in order of expiry
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
                                                        parent (8 bytes)
+``LOAD``                                               empty: ``fs3 admin load`` has not finished
+                                                       (a meta server refuses to start)
 =====================================================  ==========================================
 
 A session id is the opening request's ``client_id + request_id``: unique and known to the
@@ -40,6 +42,7 @@ from fs3.common.errors import InvalidArgument
 from fs3.common.ids import CLIENT_ID_BYTES
 
 __all__ = [
+    "LOAD_UNFINISHED",
     "ROOT_INODE",
     "SESSION_ID_BYTES",
     "ClientLease",
@@ -105,6 +108,7 @@ COUNTER = b"CNTR"
 USER = b"USER"
 TRASH = b"TRSH"
 TRASH_EXPIRY = b"TRSX"
+LOAD_UNFINISHED = b"LOAD"  # written by a load's first batch, deleted by its last: the store holds part of a dump
 
 
 def _u64(value: int) -> bytes:

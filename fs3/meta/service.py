@@ -257,6 +257,9 @@ class MetaService(FileLengths, MetaJobs):
             self._tasks.append(asyncio.create_task(self._keep_registration(), name="meta-registration"))
 
         async def make_root(txn: Transaction) -> mpb.Inode:
+            if await txn.get(schema.LOAD_UNFINISHED) is not None:
+                raise InvalidArgument("this meta store holds part of a dump: an `fs3 admin load` into it did not "
+                                      "finish; load again into an empty store (docs/operations.md)")
             return await Namespace(txn, self._env(mpb.User())).ensure_root(
                 self.config.root_uid, self.config.root_gid, self.config.root_mode, layout)
 

@@ -341,6 +341,10 @@ class ScrubProgress:
             fields = json.loads(raw)
             fields["position"] = bytes.fromhex(fields["position"])
             fields["findings_max"] = findings_max
+            # A counter of the wrong type would fail every step after the restart, not this one.
+            if any(not isinstance(value, int) or isinstance(value, bool) or value < 0
+                   for key, value in fields.items() if key != "position"):
+                raise ValueError("a counter that is not a non-negative integer")
             return cls(**fields)
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, AttributeError):
             return cls(findings_max=findings_max)
