@@ -36,6 +36,7 @@ from fs3.common.posix import O_CREAT, O_WRONLY, Caller
 from fs3.kv.store import MemKVStore
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import quota, schema
+from fs3.meta.dump import is_dumped_key
 from fs3.meta.fsck import run_fsck
 from fs3.meta.ops import Namespace, OpEnv, TruncateUnclaimed
 from fs3.meta.quota import Usage, parse_size, refusal, tree_usage
@@ -210,6 +211,43 @@ def test_set_get_list_unset_and_usage_of_an_existing_tree() -> None:
         with pytest.raises(NotFound):
             await meta.get("/d")
         assert await meta.problems() == []
+
+    run(body)
+
+
+def test_files_without_a_home_are_adopted_when_a_quota_is_set() -> None:
+    """Files written before files had a home (``parent`` 0) count once a quota's count finds them."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/d")
+        await meta.mkdir("/d/e")
+        await meta.set("/d", inodes_limit=100)  # an outer quota, set before the file lost its home
+        file_id = await meta.create("/d/e/old", 123)
+
+        async def forget_home(txn: Any) -> None:
+            inode = mpb.Inode.FromString(await txn.get(schema.inode_key(file_id)))
+            inode.parent = 0
+            txn.put(schema.inode_key(file_id), inode.SerializeToString())
+            quota.write_usage(txn, await meta.inode_of("/d"), Usage(0, 2))
+
+        await run_transaction(meta.engine, forget_home)
+        assert await meta.problems() == []  # a homeless file counts nowhere: consistent
+        made = await meta.set("/d/e", bytes_limit=1000)
+        assert (made.bytes_used, made.inodes_used) == (123, 1)
+        assert await meta.usage("/d") == (123, 2)  # the outer quota was charged by the adoption
+        await meta.grow("/d/e/old", 200)
+        assert await meta.usage("/d/e") == (200, 1)
+        assert await meta.problems() == []
+
+    run(body)
+
+
+def test_a_dump_keeps_quotas() -> None:
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/d")
+        await meta.create("/d/a", 10)
+        await meta.set("/d", bytes_limit=50)
+        kept = {k for k in await meta.engine.begin().scan(b"Q", b"R")}
+        assert kept and all(is_dumped_key(k) for k, _ in kept)
 
     run(body)
 
@@ -583,7 +621,7 @@ async def exercise(meta: Meta, seed: int, steps: int) -> dict[str, int]:
     return outcomes
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FS3_QUOTA_SEEDS", "4"))))
 def test_random_operations_keep_usage_exact_and_within_limits(seed: int) -> None:
     steps = int(os.environ.get("FS3_QUOTA_STEPS", "120"))
     outcomes: dict[str, int] = {}

@@ -48,6 +48,7 @@ __all__ = [
     "Ledger",
     "TreeCount",
     "Usage",
+    "adopt",
     "charge_of",
     "nearest_quota",
     "parse_size",
@@ -261,6 +262,11 @@ class TreeCount:
     pending: list[tuple[int, bytes]] = field(default_factory=list)  # (directory, resume after name)
     counted_links: set[int] = field(default_factory=set)  # files with several names counted already
     entries_read: int = 0
+    # With ``adopting``: files with one name and no home (written before homes existed) are
+    # counted where they are named, and listed here as (directory, name, inode id) for
+    # :func:`adopt` to give that directory as their home.
+    adopting: bool = False
+    homeless: list[tuple[int, bytes, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.pending:
@@ -281,15 +287,20 @@ class TreeCount:
                 if entry.type == mpb.DIRECTORY:
                     self.pending.append((entry.inode_id, b""))
                 elif entry.type == mpb.FILE:
-                    self.usage = self.usage + await self._file_bytes(directory, entry.inode_id, find_inode)
+                    self.usage = self.usage + await self._file_bytes(directory, entry, find_inode)
             budget -= len(rows)
             self.entries_read += len(rows)
             if len(rows) and budget == 0:
                 self.pending.append((directory, bytes(entries[-1].name)))  # the directory may hold more
         return not self.pending
 
-    async def _file_bytes(self, directory: int, inode_id: int, find_inode: InodeReader) -> Usage:
-        charge = charge_of(await find_inode(inode_id))
+    async def _file_bytes(self, directory: int, entry: mpb.DirEntry, find_inode: InodeReader) -> Usage:
+        inode_id = entry.inode_id
+        inode = await find_inode(inode_id)
+        if self.adopting and inode is not None and inode.nlink == 1 and inode.parent == 0:
+            self.homeless.append((directory, bytes(entry.name), inode_id))
+            return Usage(inode.size, 0)
+        charge = charge_of(inode)
         if charge is None or charge[0] != directory:
             return Usage()
         if inode_id in self.counted_links:
@@ -335,6 +346,23 @@ def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
             for root in quotas_of(charge[0]):
                 usage[root] = usage[root] + Usage(charge[1], 0)
     return usage
+
+
+async def adopt(ns: Namespace, homeless: list[tuple[int, bytes, int]]) -> None:
+    """Give each file of ``homeless`` (directory, name, inode id) that still has that one name and
+    no home the directory as its home; the quotas above it are charged (never refused: the bytes
+    are there already). Part of setting a quota on a tree written before files had homes."""
+    ns.quota.refuse = False
+    for directory, name, inode_id in homeless:
+        entry = await ns.entry(directory, name)
+        inode = await ns.find_inode(inode_id)
+        if entry is None or entry.inode_id != inode_id or inode is None or inode.type != mpb.FILE \
+                or inode.nlink != 1 or inode.parent != 0:
+            continue  # changed since it was counted: a recount (quota check) settles it
+        inode.parent = directory
+        ns.touch(inode)
+    ns.flush()
+    await settle(ns)
 
 
 async def nearest_quota(txn: Transaction, inode_id: int) -> int | None:

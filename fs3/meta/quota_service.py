@@ -6,7 +6,9 @@ Setting a quota on a directory that has none counts its tree first: :data:`QUOTA
 inode read each), so the cost is about ``entries / 1000`` round trips and never one large
 transaction; the quota and the count are then written in one transaction. Changes made in the
 tree while it is counted are not in the count: ``QuotaCheck`` (``fs3 quota check [--repair]``)
-recounts every quota the same way and reports (or writes) the difference.
+recounts every quota the same way and reports (or writes) the difference. Files written before
+files had a home (``Inode.parent``) are given the directory naming them as home by that count, in
+batches of the same size, so they count from then on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fs3 import meta_pb2 as mpb
 from fs3.common.buffers import Buffer
 from fs3.common.errors import InvalidArgument, NotADirectory, NotFound, NotPermitted
 from fs3.kv.api import Transaction
+from fs3.kv.txn import run_transaction
 from fs3.meta import quota, schema
 from fs3.meta.host import MetaHost
 from fs3.meta.ops import Namespace
@@ -66,13 +69,22 @@ class QuotaHandlers(MetaHost):
                     refs: Sequence[mpb.PathRef] = (), keys: Sequence[bytes] = ()) -> T:
         """A read-only operation on the latest committed state (the service's)."""
 
-    async def _count_tree(self, directory: int) -> quota.Usage:
-        """The usage of ``directory``'s tree, counted in read transactions of bounded size."""
-        count = quota.TreeCount(directory)
+    async def _count_tree(self, directory: int, adopting: bool = False) -> quota.Usage:
+        """The usage of ``directory``'s tree, counted in read transactions of bounded size;
+        ``adopting``: files without a home found in it get the directory naming them as home."""
+        count = quota.TreeCount(directory, adopting=adopting)
         while True:
             txn = self.engine.begin()
             if await count.step(txn, _reader(txn), quota.QUOTA_SCAN_BATCH):
-                return count.usage
+                break
+        for first in range(0, len(count.homeless), quota.QUOTA_SCAN_BATCH):
+            batch = count.homeless[first:first + quota.QUOTA_SCAN_BATCH]
+
+            async def adopt(txn: Transaction, batch: list[tuple[int, bytes, int]] = batch) -> None:
+                await quota.adopt(Namespace(txn, self._env(mpb.User())), batch)
+
+            await run_transaction(self.engine, adopt, retry_max=self.config.txn_retry_max)
+        return count.usage
 
     async def quota_set(self, req: mpb.QuotaSetReq, payload: memoryview) -> tuple[mpb.QuotaRsp, Buffer]:
         _require_root(req.ctx, "set")
@@ -80,7 +92,7 @@ class QuotaHandlers(MetaHost):
             raise InvalidArgument("a quota needs a byte or an inode limit (to remove one, unset it)")
         directory = await self._read(req.ctx, lambda ns: _directory(ns, req.target), (req.target,))
         existing = await _quota_of(self.engine.begin(), directory.inode_id)
-        counted = None if existing is not None else await self._count_tree(directory.inode_id)
+        counted = None if existing is not None else await self._count_tree(directory.inode_id, adopting=True)
 
         async def op(ns: Namespace) -> mpb.QuotaRsp:
             found = await _directory(ns, req.target)
