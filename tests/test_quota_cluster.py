@@ -82,3 +82,47 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
         assert json.loads(capsys.readouterr().out) == []
 
     asyncio.run(main())
+
+
+def test_two_clients_racing_for_the_last_bytes_never_pass_the_limit(tmp_path: Path) -> None:
+    """Two client connections append and fsync at once under one quota: what fsync acknowledged
+    adds up to at most the limit, and meta's usage is exactly the files' lengths (a close is
+    charged what its refused fsync left on storage: the documented overshoot)."""
+    limit = 64 * 1024
+
+    async def main() -> None:
+        async with InProcessCluster(tmp_path, targets_per_node=3, with_meta=True,
+                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
+            one = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            two = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                await one.makedirs("/q")
+                await one.metadata.quota_set(path_ref(b"/q"), bytes_limit=limit)
+                acked = await asyncio.gather(writer(one, "/q/one", 3000), writer(two, "/q/two", 1700))
+                assert sum(acked) <= limit
+                assert sum(acked) > limit - 2 * 3000  # both kept going until the quota was full
+                used = (await one.metadata.quota_get(path_ref(b"/q"))).bytes_used
+                sizes = [(await one.stat(p)).st_size for p in ("/q/one", "/q/two")]
+                assert used == sum(sizes)
+                assert list((await one.metadata.fsck(True)).problems) == []
+            finally:
+                await one.close()
+                await two.close()
+
+    async def writer(fs: AsyncFileSystem, path: str, step: int) -> int:
+        f = await fs.open(path, "wb")
+        size = 0
+        try:
+            for _ in range(40):
+                await f.write(b"w" * step)
+                try:
+                    await f.fsync()
+                except OSError as exc:
+                    assert exc.errno == errno.EDQUOT
+                    break
+                size += step
+        finally:
+            await f.close()
+        return size
+
+    asyncio.run(main())

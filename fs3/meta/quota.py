@@ -49,6 +49,7 @@ __all__ = [
     "TreeCount",
     "Usage",
     "adopt",
+    "announce",
     "charge_of",
     "nearest_quota",
     "parse_size",
@@ -144,6 +145,13 @@ class Ledger:
     def empty(self) -> bool:
         return not (any(self.entries.values()) or any(self.bytes.values()) or self.moves
                     or self.dropped_directories)
+
+
+def announce(txn: Transaction) -> None:
+    """Announce :func:`read_quotas`'s scan, so that a networked engine runs it with the
+    transaction's first read: quotas then cost an operation no round trip of its own."""
+    prefix = schema.quota_prefix()
+    txn.prefetch_scan(prefix, prefix_end(prefix), QUOTA_COUNT_MAX + 1)
 
 
 async def read_quotas(txn: Transaction) -> dict[int, mpb.Quota]:

@@ -390,6 +390,7 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
 
         async def body(txn: Transaction) -> M:
             txn.prefetch([key, schema.expired_client_key(ctx.client_id)])  # one round trip for all
+            quota.announce(txn)  # the quotas settle() reads, fetched with the rest
             self._announce(txn, refs, keys, target_keys, removing)
             raw = await txn.get(key)
             if raw is not None and self._reuse_answers:
