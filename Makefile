@@ -198,12 +198,12 @@ trash-long: install
 		tests/test_trash.py -k long
 
 # Quotas at length: the random exerciser against its model on many seeds and longer runs, and
-# the client on an in-process cluster (tests/test_quota_cluster.py).
+# the client on an in-process cluster and a FUSE mount (tests/test_quota_cluster.py, _mount.py).
 QUOTA_SEEDS ?= 40
 QUOTA_STEPS ?= 400
 quota-long: install
 	FS3_QUOTA_SEEDS=$(QUOTA_SEEDS) FS3_QUOTA_STEPS=$(QUOTA_STEPS) $(BIN)/pytest -q -p no:cacheprovider \
-		tests/test_quota.py tests/test_quota_cluster.py
+		tests/test_quota.py tests/test_quota_cluster.py tests/test_quota_mount.py
 
 # The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.
 model-report: install
