@@ -34,7 +34,7 @@ from fs3.common.errors import (
 )
 from fs3.common.posix import O_CREAT, O_WRONLY, Caller
 from fs3.kv.store import MemKVStore
-from fs3.kv.txn import OptimisticTxnEngine, run_transaction
+from fs3.kv.txn import OptimisticTxnEngine, TxnFaults, run_transaction
 from fs3.meta import quota, schema
 from fs3.meta.dump import is_dumped_key
 from fs3.meta.fsck import run_fsck
@@ -54,11 +54,11 @@ def ref(path: str) -> mpb.PathRef:
 class Meta:
     """A metadata service on the in-memory engine, called as the RPC layer calls it."""
 
-    def __init__(self, trash_days: float = 0.0) -> None:
+    def __init__(self, trash_days: float = 0.0, faults: TxnFaults | None = None) -> None:
         channels = RealChannelFactory()
         routing = RoutingCache(["127.0.0.1:1"], channels)
         routing._install(cpb.RoutingInfo(chain_tables=[cpb.ChainTable(table_id=1, chain_ids=[11, 12, 13])]))
-        self.engine = OptimisticTxnEngine(MemKVStore())
+        self.engine = OptimisticTxnEngine(MemKVStore(), faults=faults)
         self.service = MetaService(self.engine, routing, StorageClient(routing, channels, CLIENT),
                                    MetaServiceConfig(root_mode=0o777, trash_days=trash_days))
         self.request_id = 0
@@ -149,9 +149,9 @@ class Meta:
         return int((await self.call("lookup", mpb.LookupReq(ctx=self.ctx(), target=ref(path)))).inode.inode_id)
 
 
-def run(body: Callable[[Meta], Awaitable[None]], trash_days: float = 0.0) -> None:
+def run(body: Callable[[Meta], Awaitable[None]], trash_days: float = 0.0, faults: TxnFaults | None = None) -> None:
     async def main() -> None:
-        meta = Meta(trash_days)
+        meta = Meta(trash_days, faults)
         await meta.service.start(background=False)
         await body(meta)
 
@@ -383,6 +383,29 @@ def test_two_clients_growing_at_once_never_pass_the_limit() -> None:
         assert await meta.problems() == []
 
     run(body)
+
+
+def test_usage_is_exact_under_injected_conflicts_and_ambiguous_commits() -> None:
+    """Every commit may conflict or be "maybe committed" (a crash of the store's reply): each
+    change is counted exactly once, as the answer committed with it is what a retry finds."""
+    faults = TxnFaults(conflict_probability=0.3, maybe_committed_probability=0.3)
+
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/d")
+        await meta.mkdir("/e")
+        await meta.set("/d", bytes_limit=10_000, inodes_limit=100)
+        for i in range(12):
+            await meta.create(f"/d/f{i}", 100 + i)
+        for i in range(0, 12, 3):
+            await meta.mv(f"/d/f{i}", f"/e/f{i}")
+        for i in range(1, 12, 3):
+            await meta.rm(f"/d/f{i}")
+        kept = [i for i in range(12) if i % 3 == 2]
+        assert await meta.usage("/d") == (sum(100 + i for i in kept), len(kept))
+        assert meta.engine.conflicts > 0  # the faults did strike
+        assert await meta.problems() == []
+
+    run(body, faults=faults)
 
 
 def test_fsck_finds_a_planted_mismatch_and_repair_fixes_it() -> None:
