@@ -21,7 +21,7 @@ LIN_OPS ?= 40
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo test-haiscale-long trash-long chaos model-report clean install test-wheel
+.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo test-haiscale-long trash-long quota-long chaos model-report clean install test-wheel
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -196,6 +196,14 @@ TRASH_STEPS ?= 400
 trash-long: install
 	FS3_TRASH_SEEDS=$(TRASH_SEEDS) FS3_TRASH_STEPS=$(TRASH_STEPS) $(BIN)/pytest -q -p no:cacheprovider \
 		tests/test_trash.py -k long
+
+# Quotas at length: the random exerciser against its model on many seeds and longer runs, and
+# the client on an in-process cluster and a FUSE mount (tests/test_quota_cluster.py, _mount.py).
+QUOTA_SEEDS ?= 40
+QUOTA_STEPS ?= 400
+quota-long: install
+	FS3_QUOTA_SEEDS=$(QUOTA_SEEDS) FS3_QUOTA_STEPS=$(QUOTA_STEPS) $(BIN)/pytest -q -p no:cacheprovider \
+		tests/test_quota.py tests/test_quota_cluster.py tests/test_quota_mount.py
 
 # The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.
 model-report: install

@@ -127,7 +127,7 @@ ALICE = mpb.User(uid=1000, gid=1000, groups=[1000, 27])
 
 # One call of every typed method, with arguments, and the request it must send.
 CASES: dict[str, tuple[Any, Message]] = {
-    "statfs": (lambda m: m.statfs(ALICE), mpb.StatFsReq()),
+    "statfs": (lambda m: m.statfs(ALICE, inode_id=3), mpb.StatFsReq(inode_id=3)),
     "lookup": (lambda m: m.lookup(path_ref(b"/a/b"), follow=True, user=ALICE),
                mpb.LookupReq(target=mpb.PathRef(path=b"/a/b"), follow=True)),
     "batch_stat": (lambda m: m.batch_stat([5, 7], ALICE), mpb.BatchStatReq(inode_ids=[5, 7])),
@@ -187,6 +187,13 @@ CASES: dict[str, tuple[Any, Message]] = {
                       mpb.TrashRestoreReq(id=9, to=mpb.PathRef(path=b"/r"))),
     "trash_purge": (lambda m: m.trash_purge(all_entries=True, start_after=3, user=ALICE),
                     mpb.TrashPurgeReq(all=True, start_after=3)),
+    "quota_set": (lambda m: m.quota_set(path_ref(b"/q"), bytes_limit=10, inodes_limit=2, user=ALICE),
+                  mpb.QuotaSetReq(target=mpb.PathRef(path=b"/q"), bytes_limit=10, inodes_limit=2)),
+    "quota_get": (lambda m: m.quota_get(7, user=ALICE), mpb.QuotaReq(target=mpb.PathRef(inode_id=7))),
+    "quota_list": (lambda m: m.quota_list(user=ALICE), mpb.QuotaListReq()),
+    "quota_unset": (lambda m: m.quota_unset(path_ref(b"/q"), user=ALICE),
+                    mpb.QuotaReq(target=mpb.PathRef(path=b"/q"))),
+    "quota_check": (lambda m: m.quota_check(repair=True, user=ALICE), mpb.QuotaCheckReq(repair=True)),
 }
 # The calls made as the client itself, never for a caller: fsck, and identity and the user table.
 _OWN_CALLS = frozenset({"fsck", "who_am_i", "add_user", "list_users", "remove_user", "rotate_user"})

@@ -60,6 +60,11 @@ PINNED: dict[str, int] = {
     "Meta.TrashList": 0x031B,
     "Meta.TrashRestore": 0x031C,
     "Meta.TrashPurge": 0x031D,
+    "Meta.QuotaSet": 0x031E,
+    "Meta.QuotaGet": 0x031F,
+    "Meta.QuotaList": 0x0320,
+    "Meta.QuotaUnset": 0x0321,
+    "Meta.QuotaCheck": 0x0322,
 }
 
 

@@ -14,6 +14,7 @@
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
     fs3 local   up|status|down|kill|start [--dir DIR]
     fs3 trash   list | restore ID [--to PATH] | purge (ID|--all|--expired) [cluster options] [--json]
+    fs3 quota   set PATH [--bytes N[K|M|G|T]] [--inodes N] | get PATH | list | unset PATH | check [--repair]
     fs3 status|df|stats [cluster options] [--json];  fs3 info|warmup|rmr PATH [cluster options] [--json]
     fs3 --version
     fs3 bench   PATH | --native [--dir DIR | --mgmtd HOST:PORT] [--threads N] [--json]
@@ -48,6 +49,7 @@ from fs3.cli.output import human_bytes as _human_bytes
 from fs3.cli.output import message_dict, print_json, progress
 from fs3.cli.output import state_name as _state_name
 from fs3.cli.output import table as _table
+from fs3.cli.quota import add_quota_command, run_quota
 from fs3.cli.trash import add_trash_command, run_trash
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
@@ -464,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin_sub = admin.add_subparsers(dest="command", required=True)
     add_operator_commands(sub, cluster)
     add_trash_command(sub, cluster)
+    add_quota_command(sub, cluster)
     admin_sub.add_parser("nodes", help="list nodes")
     add_meta_backup_commands(admin_sub)
     admin_sub.add_parser("targets", help="list storage targets")
@@ -684,6 +687,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return asyncio.run(run_operator(args))
         if args.service == "trash":
             return asyncio.run(run_trash(args))
+        if args.service == "quota":
+            return asyncio.run(run_quota(args))
         if args.command == "token":
             from fs3.cli.local import rotate_command
 

@@ -368,12 +368,16 @@ class AsyncFileSystem:
             return False
 
     async def statvfs(self, path: PathLike = "/") -> os.statvfs_result:
+        """As ``os.statvfs``; inside a directory with a quota, the quota's size and free space."""
         with os_errors(path):
-            rsp = await self.metadata.statfs()
+            inode_id = (await self._inode(path, follow=True)).inode_id
+            rsp = await self.metadata.statfs(inode_id=inode_id)
         block = 4096
+        files, free_files = 1 << 40, (1 << 40) - rsp.inodes_allocated
+        if rsp.inodes_limit:
+            files, free_files = rsp.inodes_limit, max(0, rsp.inodes_limit - rsp.inodes_used)
         return os.statvfs_result((block, block, rsp.capacity_bytes // block, rsp.free_bytes // block,
-                                  rsp.free_bytes // block, 1 << 40, (1 << 40) - rsp.inodes_allocated,
-                                  (1 << 40) - rsp.inodes_allocated, 0, rsp.name_max))
+                                  rsp.free_bytes // block, files, free_files, free_files, 0, rsp.name_max))
 
     # -- directories -----------------------------------------------------------------------------
 

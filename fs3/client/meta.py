@@ -99,8 +99,9 @@ class Meta:
 
     # -- names and attributes --------------------------------------------------------------------
 
-    async def statfs(self, user: mpb.User | None = None) -> mpb.StatFsRsp:
-        return await self.client.call("StatFs", mpb.StatFsReq(), mpb.StatFsRsp, user)
+    async def statfs(self, user: mpb.User | None = None, inode_id: int = 0) -> mpb.StatFsRsp:
+        """Space and inodes; bounded by the nearest quota at or above ``inode_id`` (0: the root)."""
+        return await self.client.call("StatFs", mpb.StatFsReq(inode_id=inode_id), mpb.StatFsRsp, user)
 
     async def lookup(self, target: Target, *, follow: bool = False, user: mpb.User | None = None) -> mpb.Inode:
         """The inode ``target`` names; ``follow``: through a symlink in the last component (stat, not lstat)."""
@@ -267,6 +268,31 @@ class Meta:
         or only the ``expired`` ones) above ``start_after``: their chunks go to GC."""
         req = mpb.TrashPurgeReq(id=entry_id, all=all_entries, expired=expired, start_after=start_after)
         return await self.client.call("TrashPurge", req, mpb.TrashPurgeRsp, user)
+
+    # -- directory quotas (fs3.meta.quota) ------------------------------------------------------
+
+    async def quota_set(self, target: Target, *, bytes_limit: int = 0, inodes_limit: int = 0,
+                        user: mpb.User | None = None) -> mpb.Quota:
+        """Limit the logical bytes and the entries below directory ``target`` (0: no limit of that
+        kind; root only). A directory without a quota has its tree counted first."""
+        req = mpb.QuotaSetReq(target=_ref(target), bytes_limit=bytes_limit, inodes_limit=inodes_limit)
+        return (await self.client.call("QuotaSet", req, mpb.QuotaRsp, user)).quota
+
+    async def quota_get(self, target: Target, *, user: mpb.User | None = None) -> mpb.Quota:
+        """The quota of directory ``target`` with its usage; ``NotFound`` when it has none."""
+        return (await self.client.call("QuotaGet", mpb.QuotaReq(target=_ref(target)), mpb.QuotaRsp, user)).quota
+
+    async def quota_list(self, *, user: mpb.User | None = None) -> list[mpb.Quota]:
+        """Every quota, by directory inode, with its usage."""
+        return list((await self.client.call("QuotaList", mpb.QuotaListReq(), mpb.QuotaListRsp, user)).quotas)
+
+    async def quota_unset(self, target: Target, *, user: mpb.User | None = None) -> mpb.Quota:
+        """Remove the quota of directory ``target`` (root only); returns what it was."""
+        return (await self.client.call("QuotaUnset", mpb.QuotaReq(target=_ref(target)), mpb.QuotaRsp, user)).quota
+
+    async def quota_check(self, *, repair: bool = False, user: mpb.User | None = None) -> mpb.QuotaCheckRsp:
+        """Recount every quota's tree and report usage meta keeps wrong (``repair``: fix it)."""
+        return await self.client.call("QuotaCheck", mpb.QuotaCheckReq(repair=repair), mpb.QuotaCheckRsp, user)
 
     # -- identity and the user table -------------------------------------------------------------
 

@@ -27,6 +27,7 @@ __all__ = [
     "ChannelSeqStale",
     "ChecksumMismatch",
     "ChunkNotCommitted",
+    "CrossDevice",
     "DirectoryNotEmpty",
     "FS3Error",
     "FileTooLarge",
@@ -49,6 +50,7 @@ __all__ = [
     "NotSupported",
     "PermissionDenied",
     "ProtocolError",
+    "QuotaExceeded",
     "RetryCause",
     "Retryable",
     "StaleClient",
@@ -110,6 +112,8 @@ class StatusCode(enum.IntEnum):
     XATTR_TOO_LARGE = 36
     STALE_CLIENT = 37
     NOT_PRIMARY = 38
+    QUOTA_EXCEEDED = 39
+    CROSS_DEVICE = 40
 
 
 class RetryCause(enum.Enum):
@@ -368,6 +372,19 @@ class NotPrimary(FS3Error):
         return rest.split()[0] if mark and rest.split() else ""
 
 
+class QuotaExceeded(FS3Error):
+    """The change would take a directory's tree past its quota (fs3.meta.quota): ``EDQUOT``."""
+
+    code = StatusCode.QUOTA_EXCEEDED
+
+
+class CrossDevice(FS3Error):
+    """A rename meta cannot account for in one transaction (a large directory moving between
+    quotas): ``EXDEV``, on which ``mv`` copies and removes instead, as between file systems."""
+
+    code = StatusCode.CROSS_DEVICE
+
+
 # What a POSIX caller sees. Codes not listed are EIO: the operation failed inside fs3.
 ERRNO_BY_CODE: dict[StatusCode, int] = {
     StatusCode.INVALID_ARGUMENT: _errno.EINVAL,
@@ -392,6 +409,8 @@ ERRNO_BY_CODE: dict[StatusCode, int] = {
     StatusCode.FILE_TOO_LARGE: _errno.EFBIG,
     StatusCode.XATTR_TOO_LARGE: _errno.E2BIG,
     StatusCode.STALE_CLIENT: _errno.ESTALE,
+    StatusCode.QUOTA_EXCEEDED: _errno.EDQUOT,
+    StatusCode.CROSS_DEVICE: _errno.EXDEV,
 }
 
 

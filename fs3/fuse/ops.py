@@ -203,6 +203,9 @@ class FS3Operations(pyfuse3.Operations):
         data.f_bavail = rsp.free_bytes // block
         data.f_files = 1 << 40
         data.f_ffree = (1 << 40) - rsp.inodes_allocated
+        if rsp.inodes_limit:  # a quota on the mount's root bounds the inodes too
+            data.f_files = rsp.inodes_limit
+            data.f_ffree = max(0, rsp.inodes_limit - rsp.inodes_used)
         data.f_favail = data.f_ffree
         data.f_namemax = rsp.name_max or 255
         return data

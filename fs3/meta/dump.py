@@ -90,9 +90,12 @@ KINDS: dict[str, bytes] = {
     "trash_expiry": schema.trash_expiry_prefix(),
     "counter": schema.COUNTER,
     "user": schema.user_prefix(),
+    "quota": schema.quota_prefix(),
+    "quota_usage": schema.QUOTA_USAGE,
 }
 _KIND_ORDER = {kind: index for index, kind in enumerate(KINDS)}
-_ID_KINDS = frozenset({"inode", "size_gen", "truncate", "gc", "trash"})  # key: prefix + inode id(8)
+# Kinds whose key is the prefix and an inode id(8).
+_ID_KINDS = frozenset({"inode", "size_gen", "truncate", "gc", "trash", "quota", "quota_usage"})
 LINE_BYTES_MAX = 64 << 20  # far above any value meta stores: a longer line is not a dump
 
 

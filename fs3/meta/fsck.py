@@ -6,7 +6,8 @@ keeps: each entry's parent is a directory and its inode exists with the entry's 
 named exactly once, knows its parent, and has ``nlink`` = 2 + its subdirectories; every inode
 but the root is reachable from the root (following entries: directories whose names form a
 detached cycle are not); sessions, xattrs, jobs and size generations belong to live inodes; a file in the trash
-(:mod:`fs3.meta.trash`) has no name, no GC job and an inode, and its two keys agree; and, when asked, no
+(:mod:`fs3.meta.trash`) has no name, no GC job and an inode, and its two keys agree; every
+quota's usage equals a recount of its tree (:mod:`fs3.meta.quota`); and, when asked, no
 chunk on storage belongs to an inode that is neither live nor queued for GC.
 
 The namespace is read before storage is listed, and the cluster keeps running: a file created
@@ -24,7 +25,7 @@ from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
 from fs3.common.ids import parse_chunk_id
 from fs3.kv.api import Transaction, prefix_end
-from fs3.meta import schema
+from fs3.meta import quota, schema
 
 __all__ = ["run_fsck"]
 
@@ -90,6 +91,29 @@ async def _check_trash(txn: Transaction, inodes: dict[int, mpb.Inode], names: Co
     return set(trashed)
 
 
+async def _check_quotas(txn: Transaction, inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
+                        problem: Callable[[str], None]) -> None:
+    """Recount every quota's usage from the tree read (fs3.meta.quota) and compare it with the
+    usage meta keeps; ``fs3 quota check --repair`` writes the recount."""
+    quotas = await quota.read_quotas(txn)
+    counted = quota.tree_usage(inodes, entries, set(quotas))
+    for directory in sorted(quotas):
+        inode = inodes.get(directory)
+        if inode is None or inode.type != mpb.DIRECTORY:
+            problem(f"quota of directory {directory}: no such directory")
+            continue
+        recorded = await quota.read_usage(txn, directory)
+        if recorded != counted[directory]:
+            problem(f"quota of directory {directory}: records {recorded.bytes} bytes, {recorded.inodes} inodes; "
+                    f"its tree holds {counted[directory].bytes} bytes, {counted[directory].inodes} inodes "
+                    f"(fs3 quota check --repair)")
+    usage = schema.QUOTA_USAGE
+    for key, _ in await _scan_all(txn, usage):
+        directory = int.from_bytes(key[len(usage):], "big")
+        if directory not in quotas:
+            problem(f"quota usage of directory {directory} without its quota")
+
+
 async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
                    begin: Callable[[], Transaction] | None = None,
                    chunk_exists: ChunkExists | None = None) -> mpb.FsckRsp:
@@ -119,10 +143,12 @@ async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
     dir_parent: dict[int, int] = {}
     file_parents: dict[int, list[int]] = {}
     dentries = 0
+    entry_pairs: list[tuple[int, int]] = []
     for key, raw in await _scan_all(txn, schema.dentry_prefix()):
         dentries += 1
         parent_id, name = schema.parse_dentry_key(key)
         entry = mpb.DirEntry.FromString(raw)
+        entry_pairs.append((parent_id, entry.inode_id))
         shown = f"{parent_id}/{name.decode(errors='replace')}"
         parent = inodes.get(parent_id)
         if parent is None:
@@ -195,6 +221,8 @@ async def run_fsck(txn: Transaction, list_chunks: ChunkLister | None = None,
         inode_id = schema.parse_inode_key(schema.inode_prefix() + key[4:12])
         if inode_id not in inodes and inode_id not in gc_pending:  # GC deletes what a removal left
             problem(f"xattr of missing inode {inode_id}")
+
+    await _check_quotas(txn, inodes, entry_pairs, problem)
 
     chunk_count = 0
     if list_chunks is not None:

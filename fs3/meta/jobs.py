@@ -49,7 +49,7 @@ from fs3.common.layout import chunk_location
 from fs3.common.tasks import finish_despite_cancel
 from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.txn import run_transaction
-from fs3.meta import schema, trash
+from fs3.meta import quota, schema, trash
 from fs3.meta.claims import client_claim
 from fs3.meta.host import MetaHost
 from fs3.meta.lengths import all_of
@@ -143,7 +143,11 @@ class MetaJobs(MetaHost):
                               f"answers: {exc}") from exc
 
         async def complete(txn: Transaction) -> bool:
-            return await Namespace(txn, self._env(mpb.User())).complete_truncate(inode_id, job.size_gen)
+            ns = Namespace(txn, self._env(mpb.User()))
+            ns.quota.refuse = False  # the growth was charged when the truncate was recorded
+            done = await ns.complete_truncate(inode_id, job.size_gen)
+            await quota.settle(ns)
+            return done
 
         await run_transaction(self.engine, complete)
 
@@ -426,6 +430,7 @@ class MetaJobs(MetaHost):
                     return
                 ns = Namespace(txn, self._env(mpb.User()))
                 await ns.close(inode_id, session_id, LengthReport(wrote=wrote).probed(exact, probed_gen, final))
+                await quota.settle(ns)
 
             try:
                 await run_transaction(self.engine, expire)

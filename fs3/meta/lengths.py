@@ -28,7 +28,7 @@ from fs3.common.retry import Attempts, Backoff, RetryPolicy
 from fs3.common.target_state import PublicState
 from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.txn import run_transaction
-from fs3.meta import schema
+from fs3.meta import quota, schema
 from fs3.meta.host import MetaHost
 from fs3.meta.limits import (
     CHUNK_INDEX_END,
@@ -111,7 +111,11 @@ class FileLengths(MetaHost):
                 return inode  # removed meanwhile: the handle's own calls say so
 
             async def publish(txn: Transaction, exact: int = exact, gen: int = probed_gen) -> mpb.Inode:
-                return await Namespace(txn, self._env(mpb.User())).publish_storage_end(inode_id, exact, gen)
+                ns = Namespace(txn, self._env(mpb.User()))
+                ns.quota.refuse = False  # the bytes are on storage already: charged, not refused
+                published = await ns.publish_storage_end(inode_id, exact, gen)
+                await quota.settle(ns)
+                return published
 
             try:
                 return await run_transaction(self.engine, publish, retry_max=self.config.txn_retry_max)

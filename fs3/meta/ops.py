@@ -68,7 +68,7 @@ from fs3.common.posix import (
     may,
 )
 from fs3.kv.api import Transaction, prefix_end
-from fs3.meta import schema, trash
+from fs3.meta import quota, schema, trash
 from fs3.meta.limits import ANCESTOR_WALK_MAX, READDIR_LIMIT_MAX, XATTR_DELETE_PAGE, XATTR_LIST_PAGE
 
 __all__ = [
@@ -236,6 +236,11 @@ class Namespace:
         # Every directory entry this transaction read, wrote or deleted: ``(parent, name) ->
         # (inode id, type)``, None when absent. Meta's path hints learn from it (fs3.meta.hints).
         self.entries_seen: dict[tuple[int, bytes], tuple[int, int] | None] = {}
+        # What quotas count of this transaction's changes (fs3.meta.quota): the service settles it
+        # before the commit. ``_charged``: each file's charge as last accounted, by inode id.
+        self.quota = quota.Ledger()
+        self._charged: dict[int, tuple[int, int] | None] = {}
+        self._growth_reserved: set[int] = set()
 
     # -- storage of inodes and entries ---------------------------------------------------------
 
@@ -245,6 +250,7 @@ class Namespace:
         raw = await self.txn.get(schema.inode_key(inode_id))
         inode = None if raw is None else mpb.Inode.FromString(raw)
         self._inodes[inode_id] = inode
+        self._charged.setdefault(inode_id, quota.charge_of(inode))
         return inode
 
     async def inode(self, inode_id: int) -> mpb.Inode:
@@ -257,8 +263,14 @@ class Namespace:
         """Mark an inode changed; written once when the operation finishes."""
         self._inodes[inode.inode_id] = inode
         self._dirty.add(inode.inode_id)
+        self._charged.setdefault(inode.inode_id, None)  # a new inode: it charged nothing before
 
     def _drop_inode(self, inode_id: int) -> None:
+        dropped = self._inodes.get(inode_id)
+        if dropped is not None and dropped.type == DIRECTORY:
+            self.quota.dropped_directories.add(inode_id)
+        self.quota.recharge(self._charged.get(inode_id), None)
+        self._charged[inode_id] = None
         self._inodes[inode_id] = None
         self._dirty.discard(inode_id)
         self.txn.delete(schema.inode_key(inode_id))
@@ -268,7 +280,20 @@ class Namespace:
             inode = self._inodes[inode_id]
             if inode is not None:
                 self.txn.put(schema.inode_key(inode_id), inode.SerializeToString())
+                self._account(inode)
         self._dirty.clear()
+
+    def _account(self, inode: mpb.Inode) -> None:
+        """Record in the quota ledger how the file's charge changed since last accounted. Growth
+        a truncate reserved when it was recorded (:meth:`_truncate`) is not charged again."""
+        before, after = self._charged.get(inode.inode_id), quota.charge_of(inode)
+        if inode.inode_id in self._growth_reserved and before is not None and after is not None \
+                and before[0] == after[0] and after[1] > before[1]:
+            after = before
+            self._charged[inode.inode_id] = quota.charge_of(inode)
+        else:
+            self._charged[inode.inode_id] = after
+        self.quota.recharge(before, after)
 
     async def entry(self, parent: int, name: bytes) -> mpb.DirEntry | None:
         raw = await self.txn.get(schema.dentry_key(parent, name))
@@ -281,10 +306,14 @@ class Namespace:
 
     def put_entry(self, parent: int, name: bytes, inode: mpb.Inode) -> None:
         value = mpb.DirEntry(name=name, inode_id=inode.inode_id, type=inode.type)
+        if self.entries_seen.get((parent, name)) is None:  # every caller looked the name up first
+            self.quota.entry(parent, 1)
         self.txn.put(schema.dentry_key(parent, name), value.SerializeToString())
         self.entries_seen[(parent, name)] = (inode.inode_id, inode.type)
 
     def delete_entry(self, parent: int, name: bytes) -> None:
+        if self.entries_seen.get((parent, name)) is not None:
+            self.quota.entry(parent, -1)
         self.txn.delete(schema.dentry_key(parent, name))
         self.entries_seen[(parent, name)] = None
 
@@ -505,6 +534,7 @@ class Namespace:
                 if not may(parent, self.caller, X_OK):
                     raise PermissionDenied(f"no search permission on directory {parent.inode_id}")
                 inode = self._new_inode(parent, new_inode_id, FILE, mode)
+                inode.parent = parent.inode_id  # its home, for quotas (fs3.meta.quota)
                 self._assign_layout(inode, parent)
                 await self._link_new(parent, name, inode)
                 created, created_in = True, parent
@@ -572,6 +602,7 @@ class Namespace:
             inode.symlink_target = symlink_target
             inode.size = len(symlink_target)
         elif kind == FILE:
+            inode.parent = parent.inode_id  # its home, for quotas (fs3.meta.quota)
             self._assign_layout(inode, parent)
         else:
             inode.rdev = rdev
@@ -622,6 +653,8 @@ class Namespace:
         # The caller just removed one of its names, so the inode had that link to lose.
         ensure(inode.nlink > 0, f"inode {inode.inode_id} unlinked with no links left")
         inode.nlink -= 1
+        if inode.nlink > 0 and inode.parent == parent.inode_id:
+            inode.parent = 0  # its home lost a name: the file counts in no quota (fs3.meta.quota)
         self._stamp(inode)
         if inode.nlink == 0 and inode.type == FILE and self.env.trash_keep_ns > 0:
             trash.put(self.txn, trash.entry_for(inode, parent.inode_id, name, path, self.caller.uid,
@@ -638,6 +671,7 @@ class Namespace:
         check_new_name(name)
         self._require(parent, W_OK | X_OK, "restore")
         inode.nlink = 1
+        inode.parent = parent.inode_id  # its new home (fs3.meta.quota)
         self._stamp(inode)
         self.put_entry(parent.inode_id, name, inode)
         self._stamp(parent, mtime=True)
@@ -800,8 +834,11 @@ class Namespace:
         return inode
 
     def _reparent(self, inode: mpb.Inode, old: mpb.Inode, new: mpb.Inode) -> None:
+        if inode.type == FILE and inode.parent == old.inode_id:
+            inode.parent = new.inode_id  # a name in its home moved: so does the home (fs3.meta.quota)
         if inode.type != DIRECTORY:
             return
+        self.quota.moves.append((inode.inode_id, old.inode_id, new.inode_id))
         self._moved_directory = True
         inode.parent = new.inode_id
         old.nlink -= 1
@@ -855,6 +892,10 @@ class Namespace:
             raise TruncateUnclaimed(inode.inode_id)
         await self._check_no_truncate_pending(inode.inode_id)
         old = inode.size
+        charge = quota.charge_of(inode)
+        if size > old and charge is not None:
+            # Growth is charged now, when it can still be refused; complete_truncate applies it.
+            self.quota.recharge(charge, (charge[0], charge[1] + size - old))
         clear_from = size if size < old or await self._has_sessions(inode.inode_id) else old
         size_gen = await self._size_gen(inode.inode_id) + 1
         self.txn.put(schema.size_gen_key(inode.inode_id), schema.encode_u64(size_gen))
@@ -892,6 +933,7 @@ class Namespace:
             # (the layout of a file never changes): a stored size past it is a corrupt job.
             ensure(0 <= job.size <= max_file_size(inode.layout),
                    f"truncate job of inode {inode_id} has size {job.size} outside its layout")
+            self._growth_reserved.add(inode_id)  # charged when the truncate was recorded
             inode.size = job.size
             self.touch(inode)
         self.flush()
@@ -1146,6 +1188,8 @@ class Namespace:
         """End a handle, applying its length (see :meth:`_apply_length`)."""
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
+        # A close's bytes are on storage and its session must end: charged, never refused.
+        self.quota.refuse = False
         self.txn.delete(schema.session_key(inode_id, session_id))
         self.txn.delete(schema.client_session_key(session.client_id, inode_id, session_id))
         if length.wrote and session.write:

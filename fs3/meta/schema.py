@@ -21,6 +21,10 @@ key                                                    value
 ``TRSH`` + inode_id(8)                                 :class:`~fs3.meta_pb2.TrashEntry`: a removed
                                                        file kept in the trash (fs3.meta.trash)
 ``TRSX`` + expires_at_ns(8) + inode_id(8)              empty: the trash in order of expiry
+``QDEF`` + inode_id(8)                                 :class:`~fs3.meta_pb2.Quota`: a directory's
+                                                       limits (fs3.meta.quota)
+``QUSE`` + inode_id(8)                                 :class:`~fs3.meta_pb2.Quota`: what its tree
+                                                       uses (bytes_used, inodes_used)
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
                                                        parent (8 bytes)
 ``LOAD``                                               empty: ``fs3 admin load`` has not finished
@@ -70,6 +74,10 @@ __all__ = [
     "inode_prefix",
     "parse_dentry_key",
     "parse_inode_key",
+    "parse_quota_key",
+    "quota_key",
+    "quota_prefix",
+    "quota_usage_key",
     "session_id_for",
     "session_key",
     "session_prefix",
@@ -109,6 +117,8 @@ USER = b"USER"
 TRASH = b"TRSH"
 TRASH_EXPIRY = b"TRSX"
 LOAD_UNFINISHED = b"LOAD"  # written by a load's first batch, deleted by its last: the store holds part of a dump
+QUOTA = b"QDEF"
+QUOTA_USAGE = b"QUSE"
 
 
 def _u64(value: int) -> bytes:
@@ -258,6 +268,24 @@ def idem_key(client_id: bytes, request_id: int) -> bytes:
 
 def idem_prefix() -> bytes:
     return IDEM
+
+
+def quota_key(inode_id: int) -> bytes:
+    return QUOTA + _u64(inode_id)
+
+
+def quota_prefix() -> bytes:
+    return QUOTA
+
+
+def parse_quota_key(key: bytes) -> int:
+    return int(_U64.unpack_from(key, len(QUOTA))[0])
+
+
+def quota_usage_key(inode_id: int) -> bytes:
+    """Kept apart from :func:`quota_key`: every operation reads the limits (a range read), and
+    only the operations inside a quota's tree write its usage — they conflict with nothing else."""
+    return QUOTA_USAGE + _u64(inode_id)
 
 
 def counter_key(name: str) -> bytes:

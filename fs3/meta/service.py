@@ -57,7 +57,7 @@ from fs3.common.metrics import ServiceMetrics
 from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDWR, O_TRUNC, O_WRONLY, R_OK, W_OK, Caller
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.txn import run_transaction
-from fs3.meta import schema, trash
+from fs3.meta import quota, schema, trash
 from fs3.meta.claims import ClaimTable, Held, inode_claim
 from fs3.meta.fsck import run_fsck
 from fs3.meta.hints import PATH_HINTS_MAX_DEFAULT, PathHints
@@ -75,6 +75,7 @@ from fs3.meta.ops import (
     TruncateUnclaimed,
     removal_scans,
 )
+from fs3.meta.quota_service import QuotaHandlers
 from fs3.meta.registration import NodeRegistration
 from fs3.rpc.auth import Authenticator, Role, current_principal
 
@@ -182,7 +183,7 @@ class InodeAllocator:
         return schema.decode_u64(await txn.get(schema.counter_key("next_inode")))
 
 
-class MetaService(FileLengths, MetaJobs):
+class MetaService(FileLengths, MetaJobs, QuotaHandlers):
     """Handlers for every ``fs3.Meta`` method; the file-length logic (:class:`FileLengths`) and the
     background jobs (:class:`MetaJobs`: truncate jobs, GC, pruning, routing) are its other parts."""
 
@@ -392,6 +393,7 @@ class MetaService(FileLengths, MetaJobs):
 
         async def body(txn: Transaction) -> M:
             txn.prefetch([key, schema.expired_client_key(ctx.client_id)])  # one round trip for all
+            quota.announce(txn)  # the quotas settle() reads, fetched with the rest
             self._announce(txn, refs, keys, target_keys, removing)
             raw = await txn.get(key)
             if raw is not None and self._reuse_answers:
@@ -400,6 +402,7 @@ class MetaService(FileLengths, MetaJobs):
             ns = Namespace(txn, env, ancestry)
             try:
                 rsp = await fn(ns)
+                await quota.settle(ns)
             finally:
                 self._learn(ns)
             txn.put(key, schema.IdemRecord(env.now_ns // 1_000_000, rsp.SerializeToString()).encode())
@@ -474,6 +477,14 @@ class MetaService(FileLengths, MetaJobs):
             rsp.capacity_bytes //= replicas
             rsp.used_bytes //= replicas
             rsp.free_bytes //= replicas
+        bound = await self._quota_bound(req.inode_id)
+        if bound is not None:  # df inside a quota'd tree: the quota is the file system's size
+            if bound.bytes_limit:
+                free = max(0, bound.bytes_limit - bound.bytes_used)
+                rsp.free_bytes = min(rsp.free_bytes, free) if rsp.capacity_bytes else free
+                rsp.capacity_bytes = bound.bytes_limit
+                rsp.used_bytes = bound.bytes_used
+            rsp.inodes_limit, rsp.inodes_used = bound.inodes_limit, bound.inodes_used
         return rsp, _EMPTY
 
     async def lookup(self, req: mpb.LookupReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:

@@ -53,6 +53,8 @@ CLIENT_METHODS: frozenset[tuple[str, str]] = frozenset(
         "SetAttr", "GetXattr", "SetXattr", "ListXattr", "RemoveXattr", "Close", "Sync", "SetLayout", "RenewClient",
         "WhoAmI",
         "GrantCapability", "CloseSessions", "TrashList", "TrashRestore", "TrashPurge",
+        # Set, unset and check are root's: meta refuses them to anyone else (fs3.meta.quota_service).
+        "QuotaSet", "QuotaGet", "QuotaList", "QuotaUnset", "QuotaCheck",
     )]
 )
 

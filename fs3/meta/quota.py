@@ -1,0 +1,396 @@
+"""Directory quotas: limits on the bytes and the entries below a directory, kept exact by meta.
+
+What a quota counts (the tree of directory ``Q``, ``Q`` itself left out):
+
+* **inodes**: every directory entry below ``Q`` — a file with two names in the tree counts
+  twice, as each name is one more thing a user made;
+* **bytes**: the logical length (``st_size``) of every regular file whose *home* is ``Q`` or a
+  directory below it. A file's home is its inode's ``parent``: the directory it was created in,
+  moved with the file's name when that name is renamed to another directory, and cleared (the
+  file no longer counts anywhere) when a name in its home is unlinked while other names keep the
+  file alive. A file in the trash (``nlink`` 0) counts nowhere: its bytes come back when it is
+  restored, and a restore past a quota is refused. Symlinks, directories and xattrs cost no bytes.
+
+Every ancestor's quota applies (nested quotas). The usage lives in the KV (``QUSE`` keys, see
+:mod:`fs3.meta.schema`) and changes in the same transaction as the namespace change it counts,
+so it is exact under concurrent clients (two transactions growing one quota conflict on its
+usage key, and the second runs again against the first's result) and across a crash.
+
+An operation records what it changed in its :class:`Ledger` as it goes (entries made and
+removed per directory, bytes per home directory, directories moved); :func:`settle` then turns
+the ledger into a change per quota before the transaction commits, refusing with ``EDQUOT`` a
+change that grows a usage past its limit. With no quota set it costs one empty range read.
+
+Pure: reads and writes go through the transaction; no clock, randomness or transport.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fs3 import meta_pb2 as mpb
+from fs3.common.errors import CrossDevice, InvalidArgument, NotSupported, QuotaExceeded
+from fs3.common.invariant import ensure
+from fs3.kv.api import Transaction, prefix_end
+from fs3.meta import schema
+from fs3.meta.limits import ANCESTOR_WALK_MAX
+
+if TYPE_CHECKING:
+    from fs3.meta.ops import Namespace
+
+__all__ = [
+    "QUOTA_COUNT_MAX",
+    "QUOTA_MOVE_COUNT_MAX",
+    "QUOTA_SCAN_BATCH",
+    "Ledger",
+    "TreeCount",
+    "Usage",
+    "adopt",
+    "announce",
+    "charge_of",
+    "nearest_quota",
+    "parse_size",
+    "read_quotas",
+    "read_usage",
+    "refusal",
+    "settle",
+    "tree_usage",
+    "write_usage",
+]
+
+# Quotas a cluster may hold: every growing operation reads them all (one range read).
+QUOTA_COUNT_MAX = 1000
+# Directory entries one transaction of a usage count (quota set, quota check) reads.
+QUOTA_SCAN_BATCH = 1000
+# Entries a rename recounts inside its own transaction when it moves a directory from one set of
+# quotas to another; a larger tree is refused with EXDEV (``mv`` then copies it).
+QUOTA_MOVE_COUNT_MAX = 1000
+
+_SIZE = re.compile(r"([0-9]+)([KMGTP]?)(i?B?)?", re.IGNORECASE)
+_UNITS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40, "P": 50}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a tree uses: logical bytes of its files and its directory entries."""
+
+    bytes: int = 0
+    inodes: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.bytes + other.bytes, self.inodes + other.inodes)
+
+    def __neg__(self) -> Usage:
+        return Usage(-self.bytes, -self.inodes)
+
+    def floored(self) -> Usage:
+        """Never below zero: a usage that drifted (fsck reports it) must not wrap around."""
+        return Usage(max(0, self.bytes), max(0, self.inodes))
+
+
+def parse_size(text: str) -> int:
+    """A size as people write it: ``100``, ``10K``, ``1.5``-free ``20G``, ``3TiB`` (powers of 1024)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise InvalidArgument(f"size {text!r} is not a whole number with an optional K, M, G, T or P suffix")
+    return int(match.group(1)) << _UNITS[match.group(2).upper()]
+
+
+def charge_of(inode: mpb.Inode | None) -> tuple[int, int] | None:
+    """``(home directory, bytes)`` a file charges to its home's quotas; None: it charges nothing."""
+    if inode is None or inode.type != mpb.FILE or inode.nlink == 0 or inode.parent == 0:
+        return None
+    return inode.parent, inode.size
+
+
+def refusal(limits: mpb.Quota, before: Usage, after: Usage) -> str | None:
+    """Why going from ``before`` to ``after`` breaks the quota (None: it does not). Only growth
+    is refused: a tree already over a limit set below its usage may always shrink."""
+    if limits.bytes_limit and after.bytes > limits.bytes_limit and after.bytes > before.bytes:
+        return (f"directory {limits.inode_id}'s quota of {limits.bytes_limit} bytes: {before.bytes} used, "
+                f"the change needs {after.bytes - before.bytes} more")
+    if limits.inodes_limit and after.inodes > limits.inodes_limit and after.inodes > before.inodes:
+        return (f"directory {limits.inode_id}'s quota of {limits.inodes_limit} inodes: {before.inodes} used, "
+                f"the change needs {after.inodes - before.inodes} more")
+    return None
+
+
+@dataclass
+class Ledger:
+    """What one transaction changed that a quota may count, gathered as the operation runs."""
+
+    entries: dict[int, int] = field(default_factory=dict)  # directory -> entries made minus removed
+    bytes: dict[int, int] = field(default_factory=dict)  # home directory -> bytes grown minus shrunk
+    moves: list[tuple[int, int, int]] = field(default_factory=list)  # (directory, old parent, new parent)
+    dropped_directories: set[int] = field(default_factory=set)
+    # Whether growth past a limit is refused: a close (its bytes are on storage, its session must
+    # end) and the background jobs charge what they apply without refusing it.
+    refuse: bool = True
+
+    def entry(self, directory: int, delta: int) -> None:
+        self.entries[directory] = self.entries.get(directory, 0) + delta
+
+    def recharge(self, before: tuple[int, int] | None, after: tuple[int, int] | None) -> None:
+        """A file's charge changed from ``before`` to ``after`` (see :func:`charge_of`)."""
+        if before == after:
+            return
+        if before is not None:
+            self.bytes[before[0]] = self.bytes.get(before[0], 0) - before[1]
+        if after is not None:
+            self.bytes[after[0]] = self.bytes.get(after[0], 0) + after[1]
+
+    def empty(self) -> bool:
+        return not (any(self.entries.values()) or any(self.bytes.values()) or self.moves
+                    or self.dropped_directories)
+
+
+def announce(txn: Transaction) -> None:
+    """Announce :func:`read_quotas`'s scan, so that a networked engine runs it with the
+    transaction's first read: quotas then cost an operation no round trip of its own."""
+    prefix = schema.quota_prefix()
+    txn.prefetch_scan(prefix, prefix_end(prefix), QUOTA_COUNT_MAX + 1)
+
+
+async def read_quotas(txn: Transaction) -> dict[int, mpb.Quota]:
+    """Every quota's limits, by directory."""
+    prefix = schema.quota_prefix()
+    rows = await txn.scan(prefix, prefix_end(prefix), limit=QUOTA_COUNT_MAX + 1)
+    ensure(len(rows) <= QUOTA_COUNT_MAX, f"{len(rows)} quotas stored, more than {QUOTA_COUNT_MAX}")
+    return {schema.parse_quota_key(key): mpb.Quota.FromString(raw) for key, raw in rows}
+
+
+async def read_usage(txn: Transaction, directory: int) -> Usage:
+    raw = await txn.get(schema.quota_usage_key(directory))
+    if raw is None:
+        return Usage()
+    stored = mpb.Quota.FromString(raw)
+    return Usage(stored.bytes_used, stored.inodes_used)
+
+
+def write_usage(txn: Transaction, directory: int, usage: Usage) -> None:
+    txn.put(schema.quota_usage_key(directory),
+            mpb.Quota(inode_id=directory, bytes_used=usage.bytes, inodes_used=usage.inodes).SerializeToString())
+
+
+async def _quotas_above(ns: Namespace, directory: int, quotas: dict[int, mpb.Quota],
+                        known: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
+    """The quota'd directories among ``directory`` and its ancestors (none when it is gone)."""
+    if directory in known:
+        return known[directory]
+    found: list[int] = []
+    current = await ns.find_inode(directory)
+    for _ in range(ANCESTOR_WALK_MAX):
+        if current is None or current.type != mpb.DIRECTORY:
+            break
+        if current.inode_id in quotas:
+            found.append(current.inode_id)
+        if current.inode_id == schema.ROOT_INODE:
+            break
+        current = await ns.find_inode(current.parent)
+    else:
+        raise NotSupported(f"directory {directory} is more than {ANCESTOR_WALK_MAX} levels deep: with quotas "
+                           f"set, such a directory cannot change")
+    known[directory] = tuple(found)
+    return known[directory]
+
+
+async def settle(ns: Namespace) -> None:
+    """Apply the transaction's ledger to every quota it touches (see the module's docstring)."""
+    ledger = ns.quota
+    if ledger.empty():
+        return
+    quotas = await read_quotas(ns.txn)
+    if not quotas:
+        return
+    for gone in sorted(ledger.dropped_directories & quotas.keys()):  # a removed directory takes its quota
+        ns.txn.delete(schema.quota_key(gone))
+        ns.txn.delete(schema.quota_usage_key(gone))
+        del quotas[gone]
+    known: dict[int, tuple[int, ...]] = {}
+    deltas: dict[int, Usage] = {}
+
+    def add(directories: tuple[int, ...] | set[int], usage: Usage) -> None:
+        for directory in directories:
+            deltas[directory] = deltas.get(directory, Usage()) + usage
+
+    for directory, count in ledger.entries.items():
+        if count:
+            add(await _quotas_above(ns, directory, quotas, known), Usage(0, count))
+    for directory, size in ledger.bytes.items():
+        if size:
+            add(await _quotas_above(ns, directory, quotas, known), Usage(size, 0))
+    for moved, old, new in ledger.moves:
+        before = set(await _quotas_above(ns, old, quotas, known))
+        after = set(await _quotas_above(ns, new, quotas, known))
+        if before != after:
+            tree = await _moved_tree_usage(ns, moved, quotas)
+            add(before - after, -tree)
+            add(after - before, tree)
+    for directory in sorted(deltas):
+        delta = deltas[directory]
+        if delta == Usage():
+            continue
+        was = await read_usage(ns.txn, directory)
+        now = (was + delta).floored()
+        why = refusal(quotas[directory], was, now) if ledger.refuse else None
+        if why is not None:
+            raise QuotaExceeded(why)
+        write_usage(ns.txn, directory, now)
+
+
+async def _moved_tree_usage(ns: Namespace, directory: int, quotas: dict[int, mpb.Quota]) -> Usage:
+    """What a directory moving between quotas takes along: its own quota's usage when it has
+    one, else a count of its tree here, refused (EXDEV) past :data:`QUOTA_MOVE_COUNT_MAX`."""
+    if directory in quotas:
+        return await read_usage(ns.txn, directory)
+    count = TreeCount(directory)
+    if not await count.step(ns.txn, ns.find_inode, QUOTA_MOVE_COUNT_MAX):
+        raise CrossDevice(f"directory {directory} holds more than {QUOTA_MOVE_COUNT_MAX} entries and moves "
+                          f"between quotas: copy it instead (mv does on EXDEV)")
+    return count.usage
+
+
+InodeReader = Callable[[int], Awaitable[mpb.Inode | None]]
+
+
+@dataclass
+class TreeCount:
+    """The usage of a directory's tree, counted a bounded batch of entries at a time.
+
+    Each :meth:`step` may run in a transaction of its own: the count then sees the tree as it was
+    at each step, so a count of a tree that changes meanwhile can be off by those changes (a
+    quota set on a busy tree; ``fs3 quota check --repair`` recounts it).
+    """
+
+    root: int
+    usage: Usage = Usage()
+    pending: list[tuple[int, bytes]] = field(default_factory=list)  # (directory, resume after name)
+    counted_links: set[int] = field(default_factory=set)  # files with several names counted already
+    entries_read: int = 0
+    # With ``adopting``: files with one name and no home (written before homes existed) are
+    # counted where they are named, and listed here as (directory, name, inode id) for
+    # :func:`adopt` to give that directory as their home.
+    adopting: bool = False
+    homeless: list[tuple[int, bytes, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.pending:
+            self.pending.append((self.root, b""))
+
+    async def step(self, txn: Transaction, find_inode: InodeReader, entries_max: int) -> bool:
+        """Count up to ``entries_max`` more entries; True when the whole tree is counted."""
+        budget = entries_max
+        while self.pending and budget > 0:
+            directory, after = self.pending.pop()
+            prefix = schema.dentry_prefix(directory)
+            start = schema.dentry_key(directory, after + b"\x00") if after else prefix
+            rows = await txn.scan(start, prefix_end(prefix), limit=budget)
+            entries = [mpb.DirEntry.FromString(raw) for _, raw in rows]
+            txn.prefetch([schema.inode_key(entry.inode_id) for entry in entries if entry.type == mpb.FILE])
+            for entry in entries:
+                self.usage = self.usage + Usage(0, 1)
+                if entry.type == mpb.DIRECTORY:
+                    self.pending.append((entry.inode_id, b""))
+                elif entry.type == mpb.FILE:
+                    self.usage = self.usage + await self._file_bytes(directory, entry, find_inode)
+            budget -= len(rows)
+            self.entries_read += len(rows)
+            if len(rows) and budget == 0:
+                self.pending.append((directory, bytes(entries[-1].name)))  # the directory may hold more
+        return not self.pending
+
+    async def _file_bytes(self, directory: int, entry: mpb.DirEntry, find_inode: InodeReader) -> Usage:
+        inode_id = entry.inode_id
+        inode = await find_inode(inode_id)
+        if self.adopting and inode is not None and inode.nlink == 1 and inode.parent == 0:
+            self.homeless.append((directory, bytes(entry.name), inode_id))
+            return Usage(inode.size, 0)
+        charge = charge_of(inode)
+        if charge is None or charge[0] != directory:
+            return Usage()
+        if inode_id in self.counted_links:
+            return Usage()
+        self.counted_links.add(inode_id)
+        return Usage(charge[1], 0)
+
+
+def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
+               roots: set[int]) -> dict[int, Usage]:
+    """The usage of each directory in ``roots``, from a whole namespace read at once (fsck):
+    ``entries`` is every directory entry as ``(directory, inode id)``. Follows the same rules as
+    :class:`TreeCount` and :func:`settle`, which is what lets fsck check them."""
+    above: dict[int, tuple[int, ...]] = {}
+
+    def quotas_of(directory: int) -> tuple[int, ...]:
+        path: list[int] = []
+        current: int | None = directory
+        found: tuple[int, ...] = ()
+        for _ in range(len(inodes) + 1):
+            if current is None or current in above:
+                found = above.get(current, ()) if current is not None else ()
+                break
+            inode = inodes.get(current)
+            if inode is None or inode.type != mpb.DIRECTORY:
+                break
+            path.append(current)
+            if current == schema.ROOT_INODE or inode.parent == current:
+                break
+            current = inode.parent
+        for directory_on_path in reversed(path):
+            found = ((directory_on_path,) if directory_on_path in roots else ()) + found
+            above[directory_on_path] = found
+        return above.get(directory, ())
+
+    usage = {root: Usage() for root in roots}
+    for directory, _ in entries:
+        for root in quotas_of(directory):
+            usage[root] = usage[root] + Usage(0, 1)
+    for inode in inodes.values():
+        charge = charge_of(inode)
+        if charge is not None:
+            for root in quotas_of(charge[0]):
+                usage[root] = usage[root] + Usage(charge[1], 0)
+    return usage
+
+
+async def adopt(ns: Namespace, homeless: list[tuple[int, bytes, int]]) -> None:
+    """Give each file of ``homeless`` (directory, name, inode id) that still has that one name and
+    no home the directory as its home; the quotas above it are charged (never refused: the bytes
+    are there already). Part of setting a quota on a tree written before files had homes."""
+    ns.quota.refuse = False
+    for directory, name, inode_id in homeless:
+        entry = await ns.entry(directory, name)
+        inode = await ns.find_inode(inode_id)
+        if entry is None or entry.inode_id != inode_id or inode is None or inode.type != mpb.FILE \
+                or inode.nlink != 1 or inode.parent != 0:
+            continue  # changed since it was counted: a recount (quota check) settles it
+        inode.parent = directory
+        ns.touch(inode)
+    ns.flush()
+    await settle(ns)
+
+
+async def nearest_quota(txn: Transaction, inode_id: int) -> int | None:
+    """The nearest quota'd directory at or above ``inode_id`` (a file: above its home), or None.
+    What ``df`` inside a directory reports (the tightest bound is usually the nearest)."""
+    quotas = await read_quotas(txn)
+    if not quotas:
+        return None
+    current = inode_id or schema.ROOT_INODE
+    for _ in range(ANCESTOR_WALK_MAX):
+        raw = await txn.get(schema.inode_key(current))
+        if raw is None:
+            return None
+        inode = mpb.Inode.FromString(raw)
+        if inode.type != mpb.DIRECTORY:
+            current = inode.parent or schema.ROOT_INODE
+            continue
+        if current in quotas:
+            return current
+        if current == schema.ROOT_INODE:
+            return None
+        current = inode.parent
+    return None
