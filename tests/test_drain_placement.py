@@ -12,7 +12,9 @@ the end that every drain finished and every chain is back to its replicas on dis
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 
@@ -42,7 +44,7 @@ TICK_MS = 100
 TIMEOUT_MS = 500
 
 
-def _cluster(nodes: int, per_node: int, chains: dict[int, tuple[int, ...]],
+def _cluster(nodes: int, per_node: int, chains: Mapping[int, tuple[int, ...]],
              dead: set[int] | None = None, states: dict[int, PublicState] | None = None) -> Cluster:
     targets = {n * 100 + i: n for n in range(1, nodes + 1) for i in range(1, per_node + 1)}
     chained = {t for ids in chains.values() for t in ids}
@@ -174,7 +176,7 @@ class SimNode:
                     elif local is not LocalState.ONLINE:
                         local = LocalState.ONLINE
             self.local[tid] = local
-            req.targets.add(target_id=tid, local_state=int(local))  # type: ignore[arg-type]
+            req.targets.add(target_id=tid, local_state=cast(cpb.LocalState, int(local)))
         return req
 
     def restart(self) -> None:
@@ -240,13 +242,14 @@ class Exerciser:
 
     def random_op(self) -> None:
         rng, moves = self.rng, self.state.moves
-        op = rng.choice(["tick"] * 6 + ["add", "drain", "undrain", "rebalance"] + (["fail", "recover"] if self.failures else []))
+        ops = ["tick"] * 6 + ["add", "drain", "undrain", "rebalance"] + (["fail", "recover"] if self.failures else [])
+        op = rng.choice(ops)
         live = [n for n, node in self.nodes.items() if node.alive]
         try:
             if op == "add" and len(self.nodes) < 9:
                 self.add_node()
             elif op == "drain":
-                self.call(moves.drain, self.state, [rng.choice(list(self.nodes) + [99])], [], False)
+                self.call(moves.drain, self.state, [rng.choice([*list(self.nodes), 99])], [], False)
             elif op == "undrain":
                 self.call(moves.undrain, self.state, [rng.choice(list(self.nodes))], [])
             elif op == "rebalance":

@@ -24,7 +24,6 @@ from fs3.mgmtd.placement import (
     Cluster,
     Move,
     MoveBook,
-    Phase,
     cancel,
     decode_book,
     encode_book,
