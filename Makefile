@@ -187,7 +187,7 @@ scrub-demo: install
 # Adding and draining storage under foreground I/O: a rebalance onto new nodes at a resync rate, a
 # drain whose receiving node is killed mid-sync; prints foreground throughput / idle for each
 # (docs/operations.md, "Adding, draining and replacing storage"; about a minute).
-DRAIN_DEMO_RATE ?= 4194304
+DRAIN_DEMO_RATE ?= 1048576
 drain-demo: install
 	FS3_DRAIN_DEMO_RATE=$(DRAIN_DEMO_RATE) $(PY) scripts/drain_demo.py
 

@@ -29,7 +29,7 @@ CHUNK = 256 * 1024
 SEED_CHUNKS = int(os.environ.get("FS3_DRAIN_DEMO_CHUNKS", "40"))  # per chain
 WORKERS = 4
 BASELINE_S = 3.0
-RATE = int(os.environ.get("FS3_DRAIN_DEMO_RATE", str(4 * 1024 * 1024)))  # resync bytes/s per node
+RATE = int(os.environ.get("FS3_DRAIN_DEMO_RATE", str(1024 * 1024)))  # resync bytes/s per node
 MOVES_TIMEOUT_S = 120.0
 
 
@@ -112,7 +112,7 @@ async def main() -> None:
             during, (took, fewest) = await asyncio.gather(foreground(cluster, stop, 1.0),
                                                            follow(cluster, stop, "rebalance"))
             ratio = during / idle
-            print(f"rebalance: {len(rsp.moves)} moves in {took:.1f} s at --rate {RATE // 2**20} MiB/s; fewest serving "
+            print(f"rebalance: {len(rsp.moves)} moves in {took:.1f} s at --rate {RATE / 2**20:g} MiB/s; fewest serving "
                   f"replicas seen {fewest}")
             print(f"foreground during rebalance: {during / 2**20:.1f} MiB/s = {ratio:.2f} of idle")
 
@@ -122,8 +122,9 @@ async def main() -> None:
             state = cluster.mgmtd.state
             await add_node(cluster, 6, 4)
             rsp = await admin.drain([1], [])
-            print(f"drain node 1: {len(rsp.moves)} moves")
-            victim_target = rsp.moves[0].to_target_id
+            drains = [m for m in rsp.moves if m.reason == "drain" and m.phase not in ("done", "failed")]
+            print(f"drain node 1: {len(drains)} moves, to targets {[m.to_target_id for m in drains]}")
+            victim_target = drains[0].to_target_id
             victim = Topology.node_of(victim_target)
             for _ in range(400):
                 if state.targets[victim_target].public_state is PublicState.SYNCING:
@@ -136,6 +137,10 @@ async def main() -> None:
                                                                  follow(cluster, stop, "drain"))
             final = await admin.moves()
             retried = [m for m in final.moves if m.reason == "drain" and m.attempts]
+            for m in final.moves:
+                if m.reason == "drain":
+                    print(f"  chain {m.chain_id}: {m.from_target_id} -> {m.to_target_id} {m.phase}, "
+                          f"{m.attempts} failed destination(s)")
             left = [tid for tid, t in state.targets.items() if t.info.node_id == 1 and t.info.chain_id]
             print(f"drain: done in {took:.1f} s; {len(retried)} move(s) retried on another node; node 1 holds "
                   f"{len(left)} replicas; fewest serving replicas seen {fewest}")

@@ -6,6 +6,7 @@ client writing and reading through them, and checks where the replicas end up.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fs3 import mgmtd_pb2 as mpb
+from fs3.cli.moves import run_move_command
 from fs3.cluster.services import build_storage_node
 from fs3.cluster.topology import Topology
 from fs3.common.errors import InvalidArgument, NotFound
@@ -225,7 +227,8 @@ def test_drain_retries_on_another_node_when_the_receiver_dies_mid_sync(tmp_path:
     asyncio.run(body())
 
 
-def test_rebalance_moves_replicas_onto_a_new_node_within_max_moves(tmp_path: Path) -> None:
+def test_rebalance_moves_replicas_onto_a_new_node_within_max_moves(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     async def body() -> None:
         async with InProcessCluster(tmp_path, storage_nodes=3, targets_per_node=4) as cluster:
             await add_node(cluster, 4, 4)
@@ -244,6 +247,13 @@ def test_rebalance_moves_replicas_onto_a_new_node_within_max_moves(tmp_path: Pat
                 await watch.stop()
             assert watch.min_serving >= REPLICAS
             assert len(chains_of_node(cluster, 4)) == 2
+            # The CLI's view of the same moves.
+            args = argparse.Namespace(command="drain", nodes=["status"], json=False)
+            assert await run_move_command(admin, args) == 0
+            shown = capsys.readouterr().out
+            assert shown.count("[rebalance] done") == 2 and "resync rate 10485760 B/s" in shown
+            with pytest.raises(InvalidArgument, match="node ids"):
+                await run_move_command(admin, argparse.Namespace(command="drain", nodes=["x"], target=[], json=False))
             assert all(n.resync_pacer.rate_bytes_per_s == 10 * 1024 * 1024 for n in cluster.nodes.values())
             await watch.check_all_readable()
 
