@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fs3.cluster.topology import Topology  # noqa: E402
-from fs3.common.ids import chunk_id  # noqa: E402
-from fs3.common.target_state import PublicState  # noqa: E402
-from tests.inproc import InProcessCluster  # noqa: E402
-from tests.test_drain import add_node, kill_node  # noqa: E402
+from fs3.cluster.topology import Topology
+from fs3.common.ids import chunk_id
+from fs3.common.target_state import PublicState
+from tests.inproc import InProcessCluster
+from tests.test_drain import add_node, kill_node
 
 CHUNK = 256 * 1024
 SEED_CHUNKS = int(os.environ.get("FS3_DRAIN_DEMO_CHUNKS", "40"))  # per chain
