@@ -12,7 +12,7 @@ the end that every drain finished and every chain is back to its replicas on dis
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -23,6 +23,7 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import InvalidArgument, NotFound
 from fs3.common.target_state import LocalState, PublicState
 from fs3.kv.store import MemKVStore
+from fs3.mgmtd import schema
 from fs3.mgmtd.placement import (
     ActionKind,
     Cluster,
@@ -64,6 +65,14 @@ def test_replacement_is_on_a_node_outside_the_chain_least_loaded_first() -> None
     assert pick_replacement(cluster, 2) == 501
     dead = _cluster(5, 2, {1: (101, 201, 301)}, dead={4, 5})
     assert pick_replacement(dead, 1) is None
+
+
+def test_a_target_its_node_reports_offline_is_never_a_destination() -> None:
+    from dataclasses import replace
+
+    cluster = replace(_cluster(5, 1, {1: (101, 201, 301)}), unready=frozenset({401}))
+    assert pick_replacement(cluster, 1) == 501
+    assert pick_replacement(replace(cluster, unready=frozenset({401, 501})), 1) is None
 
 
 def test_drain_plan_refuses_when_no_node_can_take_a_replica() -> None:
@@ -195,6 +204,7 @@ class Exerciser:
         self.nodes: dict[int, SimNode] = {}
         self.ever_dead: set[int] = set()
         self.refusals = 0
+        self.restarts = 0
         for _ in range(4):
             self.add_node()
         self.tick()
@@ -230,6 +240,11 @@ class Exerciser:
             members = [self.state.targets[t].info.node_id for t in self.state.chains[chain_id].target_ids]
             assert len(members) == len(set(members)), f"chain {chain_id} has two replicas on one node"
 
+    def request(self, fn: Callable[..., object], *args: object) -> None:
+        """An operator request as the service runs it: the driver's method, then a scan (which persists)."""
+        fn(self.state, *args)
+        self.state.scan(self.now_ms)
+
     def _node_failed(self, target_id: int) -> bool:
         return self.state.targets[target_id].info.node_id in self.ever_dead
 
@@ -242,22 +257,29 @@ class Exerciser:
 
     def random_op(self) -> None:
         rng, moves = self.rng, self.state.moves
-        ops = ["tick"] * 6 + ["add", "drain", "undrain", "rebalance"] + (["fail", "recover"] if self.failures else [])
+        ops = ["tick"] * 6 + ["add", "drain", "undrain", "rebalance", "restart-mgmtd"]
+        ops += ["fail", "recover"] if self.failures else []
         op = rng.choice(ops)
         live = [n for n, node in self.nodes.items() if node.alive]
         try:
             if op == "add" and len(self.nodes) < 9:
                 self.add_node()
             elif op == "drain":
-                self.call(moves.drain, self.state, [rng.choice([*list(self.nodes), 99])], [], False)
+                self.call(self.request, moves.drain, [rng.choice([*list(self.nodes), 99])], [], False)
             elif op == "undrain":
-                self.call(moves.undrain, self.state, [rng.choice(list(self.nodes))], [])
+                self.call(self.request, moves.undrain, [rng.choice(list(self.nodes))], [])
             elif op == "rebalance":
-                self.call(moves.rebalance, self.state, rng.randint(0, 3), 0, False)
+                self.call(self.request, moves.rebalance, rng.randint(0, 3), 0, False)
             elif op == "fail" and len(live) > 4 and not any(not n.alive for n in self.nodes.values()):
                 victim = rng.choice(live)
                 self.nodes[victim].alive = False
                 self.ever_dead.add(victim)
+            elif op == "restart-mgmtd":  # a new mgmtd on the same store resumes the moves
+                restarted = MgmtdState(self.state.kv, heartbeat_timeout_ms=TIMEOUT_MS)
+                restarted.load(self.now_ms)
+                assert restarted.moves.book == self.state.moves.book
+                self.state = restarted
+                self.restarts += 1
             elif op == "recover":
                 for node in self.nodes.values():
                     if not node.alive:
@@ -281,7 +303,7 @@ class Exerciser:
 
 @pytest.mark.parametrize("failures", [False, True], ids=["no-failures", "failures"])
 def test_random_moves_keep_replicas_and_finish(failures: bool) -> None:
-    finished = 0
+    finished = restarts = 0
     for seed in range(20):
         ex = Exerciser(seed, failures)
         for _ in range(120):
@@ -297,8 +319,31 @@ def test_random_moves_keep_replicas_and_finish(failures: bool) -> None:
             nodes = {ex.state.targets[t].info.node_id for t in chain.target_ids}
             assert len(chain.target_ids) == REPLICAS == len(nodes), f"seed {seed}: chain {chain}"
         finished += sum(1 for m in book.moves if m.phase is Phase.DONE)
+        restarts += ex.restarts
         # A restarted mgmtd reads the same moves and draining sets back.
         reloaded = MgmtdState(ex.state.kv, heartbeat_timeout_ms=TIMEOUT_MS)
         reloaded.load(ex.now_ms)
         assert reloaded.moves.book == book
-    assert finished > 20  # the sequences did move replicas
+    assert finished > 20 and restarts > 20  # the sequences did move replicas, across restarts
+
+
+def test_a_new_primary_installs_the_moves_from_the_shared_records() -> None:
+    """With several mgmtd the book travels in the records the primary commits (``moves/`` prefix)."""
+    state = MgmtdState(None, heartbeat_timeout_ms=TIMEOUT_MS)
+    for node_id in range(1, 5):
+        req = mpb.HeartbeatReq(node_id=node_id, node_type=cpb.NODE_STORAGE, framed_address=f"n{node_id}")
+        for tid in (node_id * 100 + 1, node_id * 100 + 2):
+            req.targets.add(target_id=tid, local_state=cpb.UP_TO_DATE)
+        state.heartbeat(req, 0)
+    state.create_chain_table(mpb.CreateChainTableReq(table_id=1, replicas=REPLICAS))
+    state.moves.drain(state, [1], [], False)
+    state.scan(0)
+    pending = state.take_pending()
+    assert schema.MOVE_BOOK in pending
+    records: dict[bytes, list[bytes]] = {}
+    for prefix in (schema.NODE, schema.TARGET, schema.CHAIN, schema.TABLE, schema.MOVES):
+        records[prefix] = [v for k, v in sorted(pending.items()) if k.startswith(prefix)]
+    primary = MgmtdState(None, heartbeat_timeout_ms=TIMEOUT_MS)
+    primary.install(records, None, 0, epoch=2)
+    assert primary.moves.book == state.moves.book
+    assert primary.moves.book.draining_nodes == {1} and primary.moves.book.busy_chains()

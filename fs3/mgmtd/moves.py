@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import InvalidArgument, NotFound
-from fs3.common.target_state import PublicState
+from fs3.common.target_state import LocalState, PublicState
 from fs3.mgmtd.limits import CHAIN_REPLICAS_MAX
 from fs3.mgmtd.placement import (
     ActionKind,
@@ -80,6 +80,7 @@ class MoveDriver:
             states={tid: t.public_state for tid, t in state.targets.items() if t.info.chain_id},
             draining_nodes=frozenset(self.book.draining_nodes),
             draining_targets=frozenset(self.book.draining_targets),
+            unready=frozenset(tid for tid, t in state.targets.items() if t.local_state is LocalState.OFFLINE),
         )
 
     # -- operator requests -------------------------------------------------------------------
@@ -169,32 +170,43 @@ class MoveDriver:
         """Take each active move as far as it goes now; returns the chains and targets changed."""
         chains: list[int] = []
         targets: list[int] = []
-        for index, move in enumerate(self.book.moves):
+        cluster: Cluster | None = None  # rebuilt only after an action changed the chains
+        for index, original in enumerate(self.book.moves):
+            move = original
             for _ in range(_STEPS_PER_SCAN):
                 if not move.active:
                     break
-                action = step(self.cluster(state), move)
-                if action.move != move:
-                    self.dirty = True
+                if cluster is None:
+                    cluster = self.cluster(state)
+                action = step(cluster, move)
                 if action.kind is not ActionKind.WAIT and action.kind is not ActionKind.UPDATE:
                     if action.move.phase != move.phase or action.kind is not ActionKind.FENCE:
                         log.info("chain %d: move %d -> %d (%s): %s target %d", move.chain_id, move.source,
                                  move.dest, move.reason, action.kind.value, action.target)
-                    self._apply(state, action.kind, action.target, action.move)
+                    if not self._apply(state, action.kind, action.target, action.move):
+                        note = f"chain {move.chain_id} already has {CHAIN_REPLICAS_MAX} targets"
+                        move = replace(move, note=note)
+                        break
+                    cluster = None
                     chains.append(move.chain_id)
                     targets.append(action.target)
                 move = action.move
                 if action.kind in (ActionKind.WAIT, ActionKind.FENCE):
                     break
-            self.book.moves[index] = move
+            if move != original:
+                # Marked dirty after the actions: their own writes (touch) may have stored the book
+                # as it was before this move advanced.
+                self.book.moves[index] = move
+                self.dirty = True
         return chains, targets
 
-    def _apply(self, state: MgmtdState, kind: ActionKind, target_id: int, move: Move) -> None:
+    def _apply(self, state: MgmtdState, kind: ActionKind, target_id: int, move: Move) -> bool:
+        """Carry one action out on the state; False when it cannot be (a chain at its size limit)."""
         chain = state.chains[move.chain_id]
         target = state.targets[target_id] if target_id else None
         if kind is ActionKind.ADD and target is not None:
             if len(chain.target_ids) >= CHAIN_REPLICAS_MAX:
-                raise InvalidArgument(f"chain {chain.chain_id} already has {CHAIN_REPLICAS_MAX} targets")
+                return False
             chain.target_ids.append(target_id)
             target.info.chain_id = chain.chain_id
             target.info.public_state = cast(cpb.PublicState, int(PublicState.WAITING))
@@ -206,16 +218,17 @@ class MoveDriver:
             target.info.public_state = cast(cpb.PublicState, int(PublicState.OFFLINE))
         elif kind is ActionKind.FENCE and target is not None:
             if target.info.fenced:
-                return
+                return True
             log.warning("target %d (node %d): fenced to leave chain %d", target_id, target.info.node_id,
                         chain.chain_id)
             target.info.fenced = True
             state.touch(targets=[target_id])
-            return
+            return True
         else:
-            return
+            return True
         chain.chain_version += 1
         state.touch(targets=[target_id], chains=[chain.chain_id])
+        return True
 
     # -- status ------------------------------------------------------------------------------
 

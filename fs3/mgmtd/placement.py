@@ -92,6 +92,9 @@ class Cluster:
     states: Mapping[int, PublicState]           # a chained target's public state
     draining_nodes: frozenset[int] = frozenset()
     draining_targets: frozenset[int] = frozenset()
+    # Targets their node reports offline (a failed disk), or has not reported since mgmtd started:
+    # never chosen as a destination.
+    unready: frozenset[int] = frozenset()
 
     def chain_of(self) -> dict[int, int]:
         return {t: c for c, ids in self.chains.items() for t in ids}
@@ -154,7 +157,7 @@ def _free_targets(cluster: Cluster, reserved: Iterable[int] = ()) -> list[int]:
     chained = cluster.chain_of()
     taken = set(reserved)
     return sorted(t for t in cluster.targets if t not in chained and t not in taken and cluster.alive(t)
-                  and not cluster.draining(t))
+                  and not cluster.draining(t) and t not in cluster.unready)
 
 
 def pick_replacement(cluster: Cluster, chain_id: int, avoid_nodes: Iterable[int] = (),
@@ -305,7 +308,8 @@ def step(cluster: Cluster, move: Move) -> Action:
     if move.dest not in chain:
         if move.phase is not Phase.PENDING:  # it was in the chain and was taken out by other means
             return _retry(cluster, move, f"target {move.dest} left the chain while syncing")
-        if not cluster.alive(move.dest) or move.dest in cluster.chain_of() or cluster.draining(move.dest):
+        if not cluster.alive(move.dest) or move.dest in cluster.chain_of() or cluster.draining(move.dest) \
+                or move.dest in cluster.unready:
             return Action(ActionKind.UPDATE, replace(move, dest=0, note=f"target {move.dest} is no longer free"))
         return Action(ActionKind.ADD, replace(move, phase=Phase.SYNCING, note=""), move.dest)
     dest_state = cluster.state(move.dest)
