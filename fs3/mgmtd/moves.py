@@ -179,10 +179,12 @@ class MoveDriver:
                 if cluster is None:
                     cluster = self.cluster(state)
                 action = step(cluster, move)
+                if action.kind is ActionKind.FENCE and state.targets[action.target].info.fenced:
+                    move = action.move  # fenced already: waiting for its node to confirm
+                    break
                 if action.kind is not ActionKind.WAIT and action.kind is not ActionKind.UPDATE:
-                    if action.move.phase != move.phase or action.kind is not ActionKind.FENCE:
-                        log.info("chain %d: move %d -> %d (%s): %s target %d", move.chain_id, move.source,
-                                 move.dest, move.reason, action.kind.value, action.target)
+                    log.info("chain %d: move %d -> %d (%s): %s target %d", move.chain_id, move.source,
+                             move.dest, move.reason, action.kind.value, action.target)
                     if not self._apply(state, action.kind, action.target, action.move):
                         note = f"chain {move.chain_id} already has {CHAIN_REPLICAS_MAX} targets"
                         move = replace(move, note=note)
