@@ -21,7 +21,7 @@ LIN_OPS ?= 40
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo test-haiscale-long trash-long quota-long chaos model-report clean install test-wheel
+.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo drain-demo test-haiscale-long trash-long quota-long chaos model-report clean install test-wheel
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -183,6 +183,13 @@ hai-demo: install
 SCRUB_DEMO_CHUNKS ?= 300
 scrub-demo: install
 	FS3_SCRUB_DEMO_CHUNKS=$(SCRUB_DEMO_CHUNKS) $(BIN)/pytest -q -s -p no:cacheprovider tests/test_scrub.py -k demo
+
+# Adding and draining storage under foreground I/O: a rebalance onto new nodes at a resync rate, a
+# drain whose receiving node is killed mid-sync; prints foreground throughput / idle for each
+# (docs/operations.md, "Adding, draining and replacing storage"; about a minute).
+DRAIN_DEMO_RATE ?= 1048576
+drain-demo: install
+	FS3_DRAIN_DEMO_RATE=$(DRAIN_DEMO_RATE) $(PY) scripts/drain_demo.py
 
 # HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out,
 # FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.

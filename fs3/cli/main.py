@@ -44,6 +44,7 @@ from fs3.cli.cluster import (
     warn_token_in_argv,
 )
 from fs3.cli.meta_backup import add_meta_backup_commands
+from fs3.cli.moves import MOVE_COMMANDS, add_move_commands, run_move_command
 from fs3.cli.ops import OPERATOR_COMMANDS, add_operator_commands, run_operator
 from fs3.cli.output import human_bytes as _human_bytes
 from fs3.cli.output import message_dict, print_json, progress
@@ -121,6 +122,8 @@ async def run_admin(args: argparse.Namespace) -> int:
 
 async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
     out_json = args.json
+    if args.command in MOVE_COMMANDS:
+        return await run_move_command(admin, args)
     if args.command == "nodes":
         listing = await admin.node_listing()
         entries = node_entries(listing)
@@ -469,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quota_command(sub, cluster)
     admin_sub.add_parser("nodes", help="list nodes")
     add_meta_backup_commands(admin_sub)
+    add_move_commands(admin_sub)
     admin_sub.add_parser("targets", help="list storage targets")
     metrics_targets = admin_sub.add_parser(
         "metrics-targets", help="Prometheus file_sd JSON: every process's /metrics endpoint (labels service, node_id)")

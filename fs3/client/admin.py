@@ -224,6 +224,32 @@ class AdminClient:
         assert isinstance(rsp, mpb.MarkTargetOfflineRsp)
         return rsp
 
+    async def drain(self, node_ids: list[int], target_ids: list[int], force: bool = False) -> mpb.MovesRsp:
+        """Start draining nodes or targets (docs/operations.md, "Adding, draining and replacing storage")."""
+        req = mpb.DrainReq(node_ids=node_ids, target_ids=target_ids, force=force)
+        rsp = await self._mgmtd("Drain", req)
+        assert isinstance(rsp, mpb.MovesRsp)
+        return rsp
+
+    async def undrain(self, node_ids: list[int], target_ids: list[int]) -> mpb.MovesRsp:
+        """Cancel the drain of nodes or targets (none named: every drain)."""
+        rsp = await self._mgmtd("Undrain", mpb.DrainReq(node_ids=node_ids, target_ids=target_ids))
+        assert isinstance(rsp, mpb.MovesRsp)
+        return rsp
+
+    async def rebalance(self, max_moves: int = 0, rate_bytes_per_s: int = 0, dry_run: bool = False) -> mpb.MovesRsp:
+        """Move chain replicas onto the least loaded nodes, resyncs copying at ``rate_bytes_per_s``."""
+        req = mpb.RebalanceReq(max_moves=max_moves, rate_bytes_per_s=rate_bytes_per_s, dry_run=dry_run)
+        rsp = await self._mgmtd("Rebalance", req)
+        assert isinstance(rsp, mpb.MovesRsp)
+        return rsp
+
+    async def moves(self) -> mpb.MovesRsp:
+        """The replica moves mgmtd carries out or finished lately, and what is being drained."""
+        rsp = await self._mgmtd("ListMoves", cpb.Empty())
+        assert isinstance(rsp, mpb.MovesRsp)
+        return rsp
+
     async def scrub_status(self) -> tuple[list[spb.ScrubTargetStatus], list[str]]:
         """Every storage node's scrubbers (one entry per target, by target id), and the nodes that
         did not answer."""

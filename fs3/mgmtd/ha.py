@@ -56,7 +56,7 @@ FORGET_AFTER_LEASES = 100
 # Rows per scan of a state table when a new primary loads it (the topology is bounded by the
 # limits in fs3.mgmtd.limits; pages keep each read of the database small).
 _LOAD_PAGE_ROWS = 1_000
-_STATE_PREFIXES = (schema.NODE, schema.TARGET, schema.CHAIN, schema.TABLE)
+_STATE_PREFIXES = (schema.NODE, schema.TARGET, schema.CHAIN, schema.TABLE, schema.MOVES)
 
 
 @dataclass

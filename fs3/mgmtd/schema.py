@@ -10,6 +10,7 @@ key                                         value
 ``chain/`` + chain_id(8 digits)             :class:`~fs3.common_pb2.ChainInfo`
 ``table/`` + table_id(8 digits)             :class:`~fs3.common_pb2.ChainTable`
 ``meta/routing_version``                    the routing version, decimal ASCII
+``moves/book``                              replica moves and draining sets (JSON, :mod:`~fs3.mgmtd.placement`)
 ==========================================  ===============================================
 
 Every record is rewritten whole when it changes; a restart reads every table back in full (the
@@ -22,6 +23,8 @@ from fs3.kv.api import prefix_end
 
 __all__ = [
     "CHAIN",
+    "MOVES",
+    "MOVE_BOOK",
     "NODE",
     "ROUTING_VERSION",
     "TABLE",
@@ -38,6 +41,8 @@ TARGET = b"target/"
 CHAIN = b"chain/"
 TABLE = b"table/"
 ROUTING_VERSION = b"meta/routing_version"
+MOVES = b"moves/"
+MOVE_BOOK = MOVES + b"book"
 
 
 def node_key(node_id: int) -> bytes:

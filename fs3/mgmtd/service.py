@@ -336,7 +336,8 @@ class MgmtdServicer:
             # Built after the heartbeat was applied: a fence cleared by this very heartbeat is not sent.
             rsp = mpb.HeartbeatRsp(routing_version=state.routing_version,
                                    heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
-                                   fenced_target_ids=state.fenced_targets(req.node_id))
+                                   fenced_target_ids=state.fenced_targets(req.node_id),
+                                   resync_rate_bytes_per_s=state.moves.book.resync_rate_bytes_per_s)
         self._notify()
         return rsp, _NO_PAYLOAD
 
@@ -448,3 +449,38 @@ class MgmtdServicer:
         return mpb.MarkTargetOfflineRsp(routing_version=self.state.routing_version,
                                         public_state=target.info.public_state or cpb.OFFLINE,
                                         fenced=fenced), _NO_PAYLOAD
+
+    # -- replica moves (fs3.mgmtd.moves) -----------------------------------------------------
+
+    async def drain(self, req: mpb.DrainReq, payload: memoryview) -> tuple[mpb.MovesRsp, Buffer]:
+        async with self._as_primary() as state:
+            message = state.moves.drain(state, req.node_ids, req.target_ids, req.force)
+            state.scan(self.clock.now_ms())  # persists the book and takes the first steps
+            rsp = state.moves.status(message)
+        self._notify()
+        return rsp, _NO_PAYLOAD
+
+    async def undrain(self, req: mpb.DrainReq, payload: memoryview) -> tuple[mpb.MovesRsp, Buffer]:
+        async with self._as_primary() as state:
+            message = state.moves.undrain(state, req.node_ids, req.target_ids)
+            state.scan(self.clock.now_ms())
+            rsp = state.moves.status(message)
+        self._notify()
+        return rsp, _NO_PAYLOAD
+
+    async def rebalance(self, req: mpb.RebalanceReq, payload: memoryview) -> tuple[mpb.MovesRsp, Buffer]:
+        async with self._as_primary() as state:
+            planned = state.moves.rebalance(state, req.max_moves, req.rate_bytes_per_s, req.dry_run)
+            what = "would move" if req.dry_run else "moving"
+            message = f"{what} {len(planned)} replica(s)"
+            if not req.dry_run:
+                state.scan(self.clock.now_ms())
+                rsp = state.moves.status(message)
+            else:
+                rsp = state.moves.status(message, planned)
+        self._notify()
+        return rsp, _NO_PAYLOAD
+
+    async def list_moves(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.MovesRsp, Buffer]:
+        async with self._as_primary() as state:
+            return state.moves.status(), _NO_PAYLOAD

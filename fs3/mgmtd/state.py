@@ -28,6 +28,7 @@ from fs3.mgmtd import schema
 from fs3.mgmtd.chain_state import update_chain
 from fs3.mgmtd.lease import next_routing_version
 from fs3.mgmtd.limits import CHAIN_REPLICAS_MAX, CHAINS_PER_TABLE_MAX, TARGETS_PER_NODE_MAX
+from fs3.mgmtd.moves import MoveDriver
 
 __all__ = ["MgmtdState", "NodeRecord", "TargetRecord"]
 
@@ -83,6 +84,7 @@ class MgmtdState:
     tables: dict[int, cpb.ChainTable] = field(default_factory=dict)
     routing_version: int = 1
     _routing_cache: cpb.RoutingInfo | None = None
+    moves: MoveDriver = field(default_factory=MoveDriver)  # drains and rebalances (fs3.mgmtd.moves)
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -92,7 +94,7 @@ class MgmtdState:
         assert self.kv is not None
         kv = self.kv
         records = {prefix: [raw for _, raw in kv.scan(*schema.prefix_range(prefix))]
-                   for prefix in (schema.NODE, schema.TARGET, schema.CHAIN, schema.TABLE)}
+                   for prefix in (schema.NODE, schema.TARGET, schema.CHAIN, schema.TABLE, schema.MOVES)}
         self.install(records, kv.get(schema.ROUTING_VERSION), now_ms)
 
     def install(self, records: dict[bytes, list[bytes]], raw_version: bytes | None, now_ms: int,
@@ -117,6 +119,7 @@ class MgmtdState:
         for raw in records.get(schema.TABLE, []):
             table = cpb.ChainTable.FromString(raw)
             self.tables[table.table_id] = table
+        self.moves.install(records.get(schema.MOVES, []))
         # A restart (or a new primary) bumps the version so every cached routing is refreshed once;
         # a new primary's versions carry its epoch, so they sort after every older primary's.
         self.epoch = epoch
@@ -139,6 +142,9 @@ class MgmtdState:
             batch.put(schema.table_key(table_id), self.tables[table_id].SerializeToString())
         if routing:
             batch.put(schema.ROUTING_VERSION, str(self.routing_version).encode())
+        if self.moves.dirty:
+            batch.put(schema.MOVE_BOOK, self.moves.encode())
+            self.moves.dirty = False
         if not len(batch):
             return
         if self.kv is None:
@@ -150,6 +156,11 @@ class MgmtdState:
         """The records written since the last call, for the caller to commit (shared-engine mode)."""
         pending, self.pending = self.pending, {}
         return pending
+
+    def touch(self, targets: Iterable[int] = (), chains: Iterable[int] = ()) -> None:
+        """Publish and persist a change made outside this class (a replica move, :mod:`fs3.mgmtd.moves`)."""
+        self._bump_routing()
+        self._persist(targets=targets, chains=chains, routing=True)
 
     def _bump_routing(self) -> None:
         self.routing_version += 1
@@ -248,13 +259,18 @@ class MgmtdState:
                 self.targets[t].info.public_state = _pb_state(result.states[t])
             changed_chains.append(chain.chain_id)
             changed_targets.extend(ids)
+        # Replica moves act on the chains as just published: a source the fence took off the write
+        # path leaves its chain in this same scan, before its node lifts the fence and resyncs it.
+        moved_chains, moved_targets = self.moves.advance(self)
+        changed_chains.extend(c for c in moved_chains if c not in changed_chains)
+        changed_targets.extend(moved_targets)
         for tid, target in self.targets.items():
             # A fence ends once its target is off the write path: the chain no longer needs it.
             if target.info.fenced and not target.public_state.writable:
                 log.info("target %d is %s: fence cleared", tid, target.public_state.name.lower())
                 target.info.fenced = False
                 changed_targets.append(tid)
-        if changed_chains or changed_targets or expired:
+        if changed_chains or changed_targets or expired or self.moves.dirty:
             self._bump_routing()
             self._persist(targets=set(changed_targets), chains=changed_chains, routing=True)
             return True

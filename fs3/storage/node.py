@@ -39,7 +39,7 @@ from fs3.rpc.storage_calls import dump_chunk_meta
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.replica import ReplicaConfig, TargetReplica
-from fs3.storage.resync import resync_successor
+from fs3.storage.resync import ResyncPacer, resync_successor
 from fs3.storage.scrub import ScrubConfig
 from fs3.storage.scrubber import ScrubMetrics, TargetScrubber
 
@@ -64,6 +64,9 @@ class StorageNodeConfig:
     rpc_timeout_ms: int = 5_000
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     sync_batch_chunks: int = 256
+    # Bytes per second this node's resyncs copy at (0: unlimited); mgmtd's rate (set by
+    # `fs3 admin rebalance --rate`, sent with every heartbeat) overrides it while it is set.
+    resync_rate_bytes_per_s: int = 0
     io_threads: int = 0  # 0: file I/O runs on the event loop (the simulator); services use a pool
     # How often expired exactly-once records are dropped (see ReplicaConfig.channel_record_ttl_ms).
     channel_expiry_interval_ms: int = 60_000
@@ -122,6 +125,7 @@ class StorageNode:
         self._refresh_requested = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._sync_tasks: dict[tuple[int, int, int], asyncio.Task[None]] = {}
+        self.resync_pacer = ResyncPacer(config.resync_rate_bytes_per_s)
         self._views: dict[tuple[int, int], ChainView] = {}
         self._chain_of_target: dict[int, int] = {}
         self._nodes: dict[int, cpb.NodeInfo] = {}
@@ -402,6 +406,7 @@ class StorageNode:
         timeout_ms = min(self.config.rpc_timeout_ms, 2 * self.config.heartbeat_interval_ms)
         rsp = await self.mgmtd.call("Heartbeat", self._heartbeat_req(), timeout_ms=timeout_ms)
         assert isinstance(rsp, mpb.HeartbeatRsp)
+        self.resync_pacer.rate_bytes_per_s = rsp.resync_rate_bytes_per_s or self.config.resync_rate_bytes_per_s
         if rsp.fenced_target_ids and rsp.routing_version >= self.routing_version:
             # An older response may predate the fence's end; the routing we hold then says more.
             self._fence(list(rsp.fenced_target_ids), rsp.routing_version)
@@ -549,7 +554,7 @@ class StorageNode:
             try:
                 await resync_successor(self, self.replicas[target_id], chain_id, successor_id,
                                        self.config.sync_batch_chunks, self.config.rpc_timeout_ms,
-                                       self._resync_progress(chain_id, successor_id))
+                                       self._resync_progress(chain_id, successor_id), self.resync_pacer.spend)
                 return
             except FS3Error as exc:
                 # Routing views converge a moment apart; only unexpected failures deserve a warning.

@@ -23,8 +23,9 @@ locks and records), so it runs against fakes in a unit test as the replica does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from fs3.storage.chain_view import ChainMember, ChainView
     from fs3.storage.chunk_engine import ChannelRecord, ChunkState
 
-__all__ = ["ResyncHost", "ResyncSource", "resync_successor"]
+__all__ = ["ResyncHost", "ResyncPacer", "ResyncSource", "resync_successor"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,27 @@ class ResyncSource(Protocol):
     def channel_page(self, start_after: bytes, limit: int) -> list[tuple[bytes, ChannelRecord]]: ...
 
 
+class ResyncPacer:
+    """The node-wide byte rate resyncs copy at (0: unlimited), so that a rebalance or a drain leaves
+    foreground I/O most of the disks and the network. Every resync of the node shares one pacer;
+    a chunk is sent when the bytes before it fit the rate, with one second's worth as a burst.
+    Time comes from the event loop (the simulator's loop runs on virtual time)."""
+
+    def __init__(self, rate_bytes_per_s: int = 0) -> None:
+        self.rate_bytes_per_s = rate_bytes_per_s
+        self._free_at_s = 0.0
+
+    async def spend(self, nbytes: int) -> None:
+        rate = self.rate_bytes_per_s
+        if rate <= 0 or nbytes <= 0:
+            return
+        now_s = asyncio.get_running_loop().time()
+        self._free_at_s = max(self._free_at_s, now_s - 1.0) + nbytes / rate
+        delay_s = self._free_at_s - now_s
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+
+
 def _current(node: ResyncHost, replica: ResyncSource, chain_id: int,
              successor_id: int) -> tuple[ChainView, ChainMember]:
     view = node.view(chain_id, replica.target_id)
@@ -92,9 +114,11 @@ def _current(node: ResyncHost, replica: ResyncSource, chain_id: int,
 
 
 async def resync_successor(node: ResyncHost, replica: ResyncSource, chain_id: int, successor_id: int,
-                           batch: int, timeout_ms: int, progress: Callable[[int, int], None] | None = None) -> None:
+                           batch: int, timeout_ms: int, progress: Callable[[int, int], None] | None = None,
+                           pace: Callable[[int], Awaitable[None]] | None = None) -> None:
     """``progress(remaining, sent)``: called with the chunks left to compare and the chunks sent so
-    far, once the comparison starts and after each chunk (what the storage node's resync gauges show)."""
+    far, once the comparison starts and after each chunk (what the storage node's resync gauges show).
+    ``pace(nbytes)``: awaited before each chunk is copied, outside its chunk lock (the rate limit)."""
     view, successor = _current(node, replica, chain_id, successor_id)
     log.info("target %d: resyncing successor %d of chain %d (v%d)", replica.target_id, successor_id, chain_id,
              view.chain_version)
@@ -105,6 +129,9 @@ async def resync_successor(node: ResyncHost, replica: ResyncSource, chain_id: in
     for done, chunk_id in enumerate(chunk_ids):
         if progress is not None:
             progress(len(chunk_ids) - done, sent + removed)
+        if pace is not None:
+            known = replica.chunk_state(chunk_id)
+            await pace(known.length if known is not None else 0)
         async with replica.hold_chunk(chunk_id):
             view, successor = _current(node, replica, chain_id, successor_id)
             state = replica.chunk_state(chunk_id)

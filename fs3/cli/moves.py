@@ -1,0 +1,112 @@
+"""``fs3 admin drain | undrain | rebalance | moves``: replica moves carried out by mgmtd.
+
+mgmtd plans and drives every move (``fs3/mgmtd/moves.py``); these commands start, cancel and
+show them, and with ``--wait`` follow them until they finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from fs3 import mgmtd_pb2 as mpb
+from fs3.common.errors import InvalidArgument, Timeout
+
+__all__ = ["MOVE_COMMANDS", "add_move_commands", "run_move_command"]
+
+MOVE_COMMANDS = frozenset({"drain", "undrain", "rebalance", "moves"})
+_POLL_S = 0.5
+_FINISHED = ("done", "failed")
+
+
+def add_move_commands(admin_sub: Any) -> None:
+    """The subcommands, on ``fs3 admin``'s subparsers."""
+    wait = argparse.ArgumentParser(add_help=False)
+    wait.add_argument("--wait", action="store_true", help="follow the moves until they finish")
+    wait.add_argument("--wait-timeout-s", type=float, default=3600.0, help="give up waiting after this long")
+    drain = admin_sub.add_parser("drain", parents=[wait], help="move every replica off nodes or targets, each "
+                                 "leaving only after its replacement has synced ('drain status': progress)")
+    drain.add_argument("nodes", nargs="*", help="storage node ids, or 'status'")
+    drain.add_argument("--target", type=int, action="append", default=[], help="a target id (repeatable)")
+    drain.add_argument("--force", action="store_true", help="drain even where no other node can take the "
+                       "replica: those chains keep one replica fewer")
+    undrain = admin_sub.add_parser("undrain", help="cancel a drain (no node or target: every drain)")
+    undrain.add_argument("nodes", nargs="*", type=int, help="storage node ids")
+    undrain.add_argument("--target", type=int, action="append", default=[], help="a target id (repeatable)")
+    rebalance = admin_sub.add_parser("rebalance", parents=[wait],
+                                     help="move chain replicas onto the least loaded nodes (new storage)")
+    rebalance.add_argument("--max-moves", type=int, default=0, help="at most this many moves (0: all the plan finds)")
+    rebalance.add_argument("--rate", type=int, default=0, metavar="BYTES/S",
+                           help="resync copy rate of every storage node while moves run (0: unlimited)")
+    rebalance.add_argument("--dry-run", action="store_true", help="show the plan, move nothing")
+    admin_sub.add_parser("moves", help="replica moves in progress and lately finished")
+
+
+def _print(rsp: mpb.MovesRsp, out_json: bool) -> None:
+    if out_json:
+        from google.protobuf.json_format import MessageToDict
+        print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True), sort_keys=True))
+        return
+    if rsp.message:
+        print(rsp.message)
+    for m in rsp.moves:
+        to = str(m.to_target_id) if m.to_target_id else "-"
+        tries = f" (try {m.attempts + 1})" if m.attempts else ""
+        note = f": {m.note}" if m.note else ""
+        print(f"  chain {m.chain_id}: {m.from_target_id} -> {to} [{m.reason}] {m.phase}{tries}{note}")
+    if rsp.draining_node_ids or rsp.draining_target_ids:
+        print(f"draining nodes {list(rsp.draining_node_ids)}, targets {list(rsp.draining_target_ids)}")
+    if rsp.resync_rate_bytes_per_s:
+        print(f"resync rate {rsp.resync_rate_bytes_per_s} B/s")
+
+
+async def _follow(admin: Any, chains: set[int], timeout_s: float, out_json: bool) -> int:
+    """Poll until every move of ``chains`` has finished; exit 1 if one failed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = ""
+    while True:
+        rsp = await admin.moves()
+        mine = [m for m in rsp.moves if m.chain_id in chains]
+        summary = ", ".join(f"{p} {sum(1 for m in mine if m.phase == p)}"
+                            for p in ("pending", "syncing", "removing", "done", "failed")
+                            if any(m.phase == p for m in mine))
+        if summary != last and not out_json:
+            print(summary, flush=True)
+            last = summary
+        active = [m for m in mine if m.phase not in _FINISHED]
+        if not active:
+            _print(rsp, out_json)
+            return 1 if any(m.phase == "failed" for m in mine) else 0
+        if loop.time() > deadline:
+            raise Timeout(f"{len(active)} move(s) still running after {timeout_s:.0f} s (they go on; "
+                          f"'fs3 admin drain status' shows them)")
+        await asyncio.sleep(_POLL_S)
+
+
+async def run_move_command(admin: Any, args: argparse.Namespace) -> int:
+    out_json = args.json
+    if args.command == "moves" or (args.command == "drain" and args.nodes == ["status"]):
+        _print(await admin.moves(), out_json)
+        return 0
+    if args.command == "drain":
+        try:
+            nodes = [int(n) for n in args.nodes]
+        except ValueError:
+            raise InvalidArgument(f"drain takes node ids (or 'status'), got {' '.join(args.nodes)}") from None
+        rsp = await admin.drain(nodes, args.target, args.force)
+    elif args.command == "undrain":
+        rsp = await admin.undrain(list(args.nodes), args.target)
+    else:
+        if args.max_moves < 0 or args.rate < 0:
+            raise InvalidArgument("--max-moves and --rate must not be negative")
+        rsp = await admin.rebalance(args.max_moves, args.rate, args.dry_run)
+    if getattr(args, "wait", False) and not getattr(args, "dry_run", False):
+        started = {m.chain_id for m in rsp.moves if m.phase not in _FINISHED}
+        if not out_json:
+            _print(rsp, False)
+        return await _follow(admin, started, args.wait_timeout_s, out_json)
+    _print(rsp, out_json)
+    return 0
