@@ -11,13 +11,16 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fs3.common.config import load_config
 from fs3.common.errors import InvalidArgument
 from fs3.common.secret_files import read_secret_file, read_token_file
+
+if TYPE_CHECKING:
+    from fs3.client.meta import Meta
 from fs3.rpc.tls import TlsConfig
 
 __all__ = ["TOKEN_ARGV_WARNING", "add_tls_arguments", "check_address", "client_tls", "number_in", "resolve_cluster",
@@ -120,3 +123,18 @@ def client_tls(args: argparse.Namespace) -> TlsConfig | None:
         config = dataclasses.replace(config, **flags)
         config.validate()
     return config if config.enabled else None
+
+
+async def run_with_metadata(args: argparse.Namespace,
+                            command: Callable[[Meta, argparse.Namespace], Awaitable[int]]) -> int:
+    """Runs ``command`` with a metadata client of the cluster the cluster options name, closing it
+    after; its exit status (``fs3 trash``, ``fs3 quota``)."""
+    from fs3.client.fs import ClientConfig, connect
+
+    resolve_cluster(args)
+    config = ClientConfig(transport=args.transport, tls=client_tls(args), rpc_timeout_ms=args.timeout_ms)
+    fs = await connect(args.mgmtd, args.token, config)
+    try:
+        return await command(fs.metadata, args)
+    finally:
+        await fs.close()

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from fs3 import meta_pb2 as mpb
-from fs3.cli.cluster import client_tls, resolve_cluster
+from fs3.cli.cluster import run_with_metadata
 from fs3.cli.output import human_bytes, table
 from fs3.client.meta import Meta, path_ref
 from fs3.common.errors import InvalidArgument
@@ -53,15 +53,7 @@ def _when(ns: int) -> str:
 
 async def run_trash(args: argparse.Namespace) -> int:
     """``fs3 trash ...`` against the cluster of the cluster options: its exit status."""
-    from fs3.client.fs import ClientConfig, connect
-
-    resolve_cluster(args)
-    config = ClientConfig(transport=args.transport, tls=client_tls(args), rpc_timeout_ms=args.timeout_ms)
-    fs = await connect(args.mgmtd, args.token, config)
-    try:
-        return await trash_command(fs.metadata, args)
-    finally:
-        await fs.close()
+    return await run_with_metadata(args, trash_command)
 
 
 async def trash_command(meta: Meta, args: argparse.Namespace) -> int:
