@@ -347,3 +347,18 @@ def test_a_new_primary_installs_the_moves_from_the_shared_records() -> None:
     primary.install(records, None, 0, epoch=2)
     assert primary.moves.book == state.moves.book
     assert primary.moves.book.draining_nodes == {1} and primary.moves.book.busy_chains()
+
+
+def test_a_forced_move_never_removes_the_last_serving_replica() -> None:
+    # A forced drain leaves a chain one replica short, never with none that serves: while the
+    # source is the only serving target (the others syncing or offline), it stays.
+    forced = Move(1, 101, 0, 3, "drain", force=True)
+    alone = _cluster(3, 1, {1: (101, 201, 301)}, states={201: S.SYNCING, 301: S.OFFLINE})
+    action = step(alone, forced)
+    assert action.kind is ActionKind.WAIT and "fewer than" in action.move.note
+    single = _cluster(1, 1, {1: (101,)})
+    assert step(single, Move(1, 101, 0, 1, "drain", force=True)).kind is ActionKind.WAIT
+    plan = plan_drain(single, [1], force=True)
+    assert not plan.moves and "only replica" in plan.refusals[0]
+    other_serves = _cluster(3, 1, {1: (101, 201, 301)}, states={301: S.OFFLINE})
+    assert step(other_serves, forced).kind is ActionKind.FENCE

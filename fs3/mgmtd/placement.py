@@ -138,8 +138,9 @@ def chain_serving(cluster: Cluster, chain_id: int, without: int = 0) -> int:
 
 def removal_allowed(cluster: Cluster, move: Move) -> bool:
     """The invariant: the source may stop serving only if the chain keeps ``move.replicas`` serving
-    targets without it (or the move was forced)."""
-    return move.force or chain_serving(cluster, move.chain_id, without=move.source) >= move.replicas
+    targets without it, or, for a forced move, at least one: force gives up a replica, never the
+    last good copy."""
+    return chain_serving(cluster, move.chain_id, without=move.source) >= (1 if move.force else move.replicas)
 
 
 def node_load(cluster: Cluster) -> dict[int, int]:
@@ -207,6 +208,10 @@ def plan_drain(cluster: Cluster, node_ids: Iterable[int] = (), target_ids: Itera
             continue
         replicas = len(cluster.chains[chain_id])
         dest = pick_replacement(cluster, chain_id, reserved=reserved, load=load)
+        if dest is None and force and replicas < 2:
+            refusals.append(f"target {target} holds the only replica of chain {chain_id} and no node can take "
+                            f"it: --force would lose the chain's data (add a storage node)")
+            continue
         if dest is None and not force:
             refusals.append(f"no node can take the replica of chain {chain_id} on target {target}: every live, "
                             f"undrained node with a free target already holds one of its {replicas} replicas "
