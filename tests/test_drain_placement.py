@@ -362,3 +362,32 @@ def test_a_forced_move_never_removes_the_last_serving_replica() -> None:
     assert not plan.moves and "only replica" in plan.refusals[0]
     other_serves = _cluster(3, 1, {1: (101, 201, 301)}, states={301: S.OFFLINE})
     assert step(other_serves, forced).kind is ActionKind.FENCE
+
+
+def test_a_new_resync_rate_applies_at_once_after_one_set_far_too_low() -> None:
+    # An operator's `rebalance --rate 1` by mistake, then a sane rate: the chunk waiting at the old
+    # rate (about 12 days for 1 MiB) goes, and the next is paced by the new rate, not the old debt.
+    import asyncio
+
+    from fs3.sim.loop import VirtualTimeLoop
+    from fs3.storage.resync import ResyncPacer
+
+    loop = VirtualTimeLoop()
+    pacer = ResyncPacer(1)
+
+    async def scenario() -> tuple[float, float]:
+        waiting = asyncio.ensure_future(pacer.spend(1 << 20))
+        await asyncio.sleep(5)
+        pacer.rate_bytes_per_s = 1 << 20
+        await waiting
+        released_s = loop.time()
+        await pacer.spend(4 << 20)
+        return released_s, loop.time()
+
+    try:
+        released_s, done_s = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert released_s <= 6.0
+    assert done_s - released_s <= 4.0  # 4 MiB at 1 MiB/s, less the one-second burst
+    assert done_s - released_s >= 2.0  # and still paced

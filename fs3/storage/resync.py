@@ -81,6 +81,10 @@ class ResyncSource(Protocol):
     def channel_page(self, start_after: bytes, limit: int) -> list[tuple[bytes, ChannelRecord]]: ...
 
 
+# How often a chunk waiting for the resync rate looks whether the rate changed.
+_RATE_CHECK_S = 1.0
+
+
 class ResyncPacer:
     """The node-wide byte rate resyncs copy at (0: unlimited), so that a rebalance or a drain leaves
     foreground I/O most of the disks and the network. Every resync of the node shares one pacer;
@@ -90,16 +94,26 @@ class ResyncPacer:
     def __init__(self, rate_bytes_per_s: int = 0) -> None:
         self.rate_bytes_per_s = rate_bytes_per_s
         self._free_at_s = 0.0
+        self._paced_rate = rate_bytes_per_s  # the rate ``_free_at_s`` was reckoned at
 
     async def spend(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more fit the rate. A new rate (mgmtd's heartbeat sets it) applies
+        at once: what the old one still owed is forgiven and waiting chunks go, so that a rate set
+        far too low by mistake never leaves resyncs stalled for the time it reckoned."""
         rate = self.rate_bytes_per_s
         if rate <= 0 or nbytes <= 0:
             return
-        now_s = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now_s = loop.time()
+        if rate != self._paced_rate:
+            self._paced_rate = rate
+            self._free_at_s = min(self._free_at_s, now_s)
         self._free_at_s = max(self._free_at_s, now_s - 1.0) + nbytes / rate
-        delay_s = self._free_at_s - now_s
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
+        ready_at_s = self._free_at_s
+        while (delay_s := ready_at_s - loop.time()) > 0:
+            await asyncio.sleep(min(delay_s, _RATE_CHECK_S))
+            if self.rate_bytes_per_s != rate:
+                return
 
 
 def _current(node: ResyncHost, replica: ResyncSource, chain_id: int,
