@@ -549,6 +549,58 @@ def test_a_truncate_up_is_charged_when_recorded_and_not_again_when_applied() -> 
     run(body)
 
 
+@pytest.mark.parametrize("trash_days", [0.0, 1.0])
+def test_the_growth_a_pending_truncate_reserved_follows_the_file(trash_days: float) -> None:
+    # A truncate up whose storage side has not run yet (storage down) has its growth charged: a
+    # removal, a rename to another quota, or a restore from the trash meanwhile moves it along.
+    async def body(meta: Meta) -> None:
+        for directory in ("/d", "/e"):
+            await meta.mkdir(directory)
+            await meta.set(directory, bytes_limit=1000)
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+        async def truncate_up(path: str, size: int) -> int:
+            file_id = await meta.create(path, 10)
+
+            async def op(txn: Any) -> None:
+                ns = Namespace(txn, env)
+                req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=size)
+                await ns.setattr(req, truncating=file_id)
+                await quota.settle(ns)
+
+            await run_transaction(meta.engine, op)
+            return file_id
+
+        async def complete(file_id: int) -> None:
+            async def op(txn: Any) -> None:
+                ns = Namespace(txn, env)
+                ns.quota.refuse = False
+                gen = schema.decode_u64(await txn.get(schema.size_gen_key(file_id)))
+                await ns.complete_truncate(file_id, gen)
+                await quota.settle(ns)
+
+            await run_transaction(meta.engine, op)
+
+        removed = await truncate_up("/d/a", 100)
+        assert await meta.usage("/d") == (100, 1)
+        await meta.rm("/d/a")
+        assert await meta.usage("/d") == (0, 0)
+        moved = await truncate_up("/d/b", 200)
+        await meta.mv("/d/b", "/e/b")
+        assert (await meta.usage("/d"), await meta.usage("/e")) == ((0, 0), (200, 1))
+        await complete(moved)
+        assert await meta.usage("/e") == (200, 1)
+        if trash_days:
+            await meta.call("trash_restore", mpb.TrashRestoreReq(ctx=meta.ctx(), id=removed))
+            assert await meta.usage("/d") == (100, 1)
+            await complete(removed)
+            assert await meta.usage("/d") == (100, 1)
+        assert await meta.problems() == []
+        assert not (await meta.check()).problems
+
+    run(body, trash_days=trash_days)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 class Model:

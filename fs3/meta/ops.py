@@ -428,6 +428,8 @@ class Namespace:
         if inode.type == DIRECTORY or inode.nlink == 1:
             for start, end, limit in removal_scans(inode.inode_id, inode.type):
                 self.txn.prefetch_scan(start, end, limit)
+        if inode.type == FILE and inode.parent:
+            self.txn.prefetch([schema.truncate_key(inode.inode_id)])  # a growth to refund (quotas)
 
     async def _has_sessions(self, inode_id: int) -> bool:
         prefix = schema.session_prefix(inode_id)
@@ -655,6 +657,8 @@ class Namespace:
         inode.nlink -= 1
         if inode.nlink > 0 and inode.parent == parent.inode_id:
             inode.parent = 0  # its home lost a name: the file counts in no quota (fs3.meta.quota)
+        if quota.charge_of(inode) is None:
+            await self._refund_reserved_growth(inode)
         self._stamp(inode)
         if inode.nlink == 0 and inode.type == FILE and self.env.trash_keep_ns > 0:
             trash.put(self.txn, trash.entry_for(inode, parent.inode_id, name, path, self.caller.uid,
@@ -672,6 +676,9 @@ class Namespace:
         self._require(parent, W_OK | X_OK, "restore")
         inode.nlink = 1
         inode.parent = parent.inode_id  # its new home (fs3.meta.quota)
+        growth = await self._pending_growth(inode)
+        if growth:  # a truncate up recorded before the removal charges again, as when recorded
+            self.quota.recharge(None, (parent.inode_id, growth))
         self._stamp(inode)
         self.put_entry(parent.inode_id, name, inode)
         self._stamp(parent, mtime=True)
@@ -685,6 +692,32 @@ class Namespace:
         if await self._has_sessions(inode.inode_id):
             return False
         return await self._delete_inode(inode)
+
+    async def _pending_growth(self, inode: mpb.Inode) -> int:
+        """The bytes an unfinished truncate of ``inode`` grows it by (charged to quotas when it was
+        recorded, see :meth:`_truncate`); 0 when none is pending or it does not grow the file."""
+        raw = await self.txn.get(schema.truncate_key(inode.inode_id))
+        if raw is None:
+            return 0
+        job = schema.TruncateJob.decode(raw)
+        return max(0, job.size - inode.size) if job.size is not None else 0
+
+    async def _refund_reserved_growth(self, inode: mpb.Inode) -> None:
+        """The file stops counting in quotas with a truncate up pending: the growth reserved when
+        it was recorded goes back too (the job's completion charges nothing to a file without a home)."""
+        charged = self._charged.get(inode.inode_id)
+        if charged is not None:
+            growth = await self._pending_growth(inode)
+            if growth:
+                self.quota.recharge((charged[0], growth), None)
+
+    async def _move_reserved_growth(self, inode: mpb.Inode) -> None:
+        """A file whose home a rename moved takes along the growth a pending truncate reserved."""
+        charged, now = self._charged.get(inode.inode_id), quota.charge_of(inode)
+        if charged is not None and now is not None and charged[0] != now[0]:
+            growth = await self._pending_growth(inode)
+            if growth:
+                self.quota.recharge((charged[0], growth), (now[0], growth))
 
     async def _delete_inode(self, inode: mpb.Inode) -> bool:
         """Delete the inode; True when a GC job is queued for what this transaction leaves behind.
@@ -807,6 +840,8 @@ class Namespace:
             if moving_dirs:
                 self._reparent(inode, src_parent, dst_parent)
                 self._reparent(target, dst_parent, src_parent)
+                await self._move_reserved_growth(inode)
+                await self._move_reserved_growth(target)
             self._stamp(target)
         else:
             if target is not None:
@@ -823,6 +858,7 @@ class Namespace:
             self.put_entry(dst_parent.inode_id, dst_name, inode)
             if moving_dirs:
                 self._reparent(inode, src_parent, dst_parent)
+                await self._move_reserved_growth(inode)
         if self._moved_directory:
             # Parent links changed: walks spread over several transactions (Ancestry) must notice.
             key = schema.directory_moves_key()
