@@ -391,3 +391,18 @@ def test_a_new_resync_rate_applies_at_once_after_one_set_far_too_low() -> None:
     assert released_s <= 6.0
     assert done_s - released_s <= 4.0  # 4 MiB at 1 MiB/s, less the one-second burst
     assert done_s - released_s >= 2.0  # and still paced
+
+
+def test_a_destination_lost_after_the_fence_is_replaced_once_the_source_serves_again() -> None:
+    # The source was fenced, but another replica failed before it could leave (so it stayed), and
+    # then the destination's node died: the source, resynced and serving again, keeps the chain at
+    # its count, and the move picks another destination instead of waiting for the dead one.
+    cluster = _cluster(5, 1, {1: (101, 201, 301, 401)}, dead={4}, states={401: S.OFFLINE})
+    action = step(cluster, Move(1, 101, 401, 3, phase=Phase.REMOVING))
+    assert (action.kind, action.target) == (ActionKind.DROP_DEST, 401)
+    assert action.move.phase is Phase.PENDING and action.move.avoid_nodes == (4,)
+    # While the source is still off the write path (and may not leave: 301 failed too), the move
+    # waits for either to come back.
+    fenced = _cluster(5, 1, {1: (101, 201, 301, 401)}, dead={4},
+                      states={101: S.OFFLINE, 301: S.OFFLINE, 401: S.OFFLINE})
+    assert step(fenced, Move(1, 101, 401, 3, phase=Phase.REMOVING)).kind is ActionKind.WAIT

@@ -324,6 +324,11 @@ def step(cluster: Cluster, move: Move) -> Action:
         # The destination failed after the source was fenced: the chain waits for either to come back.
         if not cluster.state(move.source).writable and removal_allowed(cluster, move):
             return Action(ActionKind.REMOVE, move, move.source)
+        if cluster.state(move.source).writable \
+                and (dest_state in (PublicState.OFFLINE, PublicState.LASTSRV) or not cluster.alive(move.dest)):
+            # The source serves again (its fence ended before it could leave): the chain has its
+            # count without the destination, so a dead one is replaced rather than waited for.
+            return _retry(cluster, move, f"target {move.dest} failed after the source was fenced")
         return Action(ActionKind.WAIT, replace(move, note=f"target {move.dest} stopped serving"))
     if dest_state in (PublicState.OFFLINE, PublicState.LASTSRV) or not cluster.alive(move.dest):
         return _retry(cluster, move, f"target {move.dest} failed while syncing")
