@@ -132,6 +132,22 @@ def test_the_successor_gets_what_differs_then_the_records_then_sync_done() -> No
     assert (done.chain_id, done.chain_version, done.target_id) == (CHAIN, 3, SUCCESSOR)
 
 
+def test_only_the_chunks_copied_are_paced() -> None:
+    same, stale = make_chunk_id(1, 0), make_chunk_id(1, 1)
+    node, replica, engine = _setup({})
+    v_same = _write(engine, same, b"same-bytes")
+    _write(engine, stale, b"newer")
+    node.remote[same] = spb.ChunkMeta(chunk_id=same, commit_version=v_same, checksum=crc32c(b"same-bytes"),
+                                      length=10)
+    paced: list[int] = []
+
+    async def pace(nbytes: int) -> None:
+        paced.append(nbytes)
+
+    asyncio.run(resync_successor(node, replica, CHAIN, SUCCESSOR, batch=10, timeout_ms=1_000, pace=pace))
+    assert sorted(paced) == [0, 5]  # the chunk the successor has costs nothing
+
+
 def test_a_chain_that_moves_on_stops_the_resync_before_sync_done() -> None:
     node, replica, engine = _setup({})
     for i in range(4):

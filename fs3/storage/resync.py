@@ -127,6 +127,15 @@ def _current(node: ResyncHost, replica: ResyncSource, chain_id: int,
     return view, successor
 
 
+def _in_sync(state: ChunkState, theirs: spb.ChunkMeta | None) -> bool:
+    """Whether the successor holds the source's committed chunk ``state`` as it is (as seen
+    before the chunk's lock: the copy itself decides again under it)."""
+    if not state.commit_version:
+        return theirs is None or (not theirs.commit_version and not theirs.pending_version)
+    return theirs is not None and not theirs.pending_version and theirs.commit_version == state.commit_version \
+        and theirs.checksum == state.checksum and theirs.length == state.length
+
+
 async def resync_successor(node: ResyncHost, replica: ResyncSource, chain_id: int, successor_id: int,
                            batch: int, timeout_ms: int, progress: Callable[[int, int], None] | None = None,
                            pace: Callable[[int], Awaitable[None]] | None = None) -> None:
@@ -144,8 +153,10 @@ async def resync_successor(node: ResyncHost, replica: ResyncSource, chain_id: in
         if progress is not None:
             progress(len(chunk_ids) - done, sent + removed)
         if pace is not None:
+            # Only what is copied is paced: a chunk the successor holds already (a replica back
+            # from a restart has most of them) costs no disk or network and is not waited for.
             known = replica.chunk_state(chunk_id)
-            await pace(known.length if known is not None else 0)
+            await pace(0 if known is None or _in_sync(known, remote.get(chunk_id)) else known.length)
         async with replica.hold_chunk(chunk_id):
             view, successor = _current(node, replica, chain_id, successor_id)
             state = replica.chunk_state(chunk_id)
