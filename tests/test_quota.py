@@ -165,7 +165,8 @@ def test_sizes_parse_with_suffixes_and_bad_ones_are_refused() -> None:
     assert parse_size("10K") == 10 << 10
     assert parse_size("3g") == 3 << 30
     assert parse_size("2TiB") == 2 << 40
-    for bad in ("-1", "1.5G", "ten", "", "10Q", "G"):
+    assert parse_size("16383P") == 16383 << 50
+    for bad in ("-1", "1.5G", "ten", "", "10Q", "G", "16384P", str(1 << 64)):  # a limit is 64 bits
         with pytest.raises(InvalidArgument):
             parse_size(bad)
 

@@ -36,8 +36,8 @@ def _size(text: str) -> int:
 
 
 def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"inode count {text!r} is not a whole number")
+    if not text.isdigit() or int(text) >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"inode count {text!r} is not a whole number below 2**64")
     return int(text)
 
 

@@ -96,7 +96,10 @@ def parse_size(text: str) -> int:
     match = _SIZE.fullmatch(text.strip())
     if match is None:
         raise InvalidArgument(f"size {text!r} is not a whole number with an optional K, M, G, T or P suffix")
-    return int(match.group(1)) << _UNITS[match.group(2).upper()]
+    size = int(match.group(1)) << _UNITS[match.group(2).upper()]
+    if size >= 1 << 64:
+        raise InvalidArgument(f"size {text!r} is past the largest limit, 16 EiB less a byte")
+    return size
 
 
 def charge_of(inode: mpb.Inode | None) -> tuple[int, int] | None:
