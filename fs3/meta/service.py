@@ -332,6 +332,8 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
                 if removing and kind:
                     for start, end, limit in removal_scans(target, kind):
                         txn.prefetch_scan(start, end, limit)
+                    if kind == mpb.FILE:  # a truncate's reserved growth to refund (quotas)
+                        out.append(schema.truncate_key(target))
         if out:
             txn.prefetch(out)
 
