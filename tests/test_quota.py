@@ -19,11 +19,8 @@ from typing import Any
 
 import pytest
 
-from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
 from fs3.cli.main import build_parser
-from fs3.client.routing import RoutingCache
-from fs3.client.storage_client import StorageClient
 from fs3.common.errors import (
     CrossDevice,
     InvalidArgument,
@@ -33,43 +30,26 @@ from fs3.common.errors import (
     QuotaExceeded,
 )
 from fs3.common.posix import O_CREAT, O_WRONLY, Caller
-from fs3.kv.store import MemKVStore
-from fs3.kv.txn import OptimisticTxnEngine, TxnFaults, run_transaction
+from fs3.kv.txn import TxnFaults, run_transaction
 from fs3.meta import quota, schema
 from fs3.meta.dump import is_dumped_key
 from fs3.meta.fsck import run_fsck
 from fs3.meta.ops import Namespace, OpEnv, TruncateUnclaimed
 from fs3.meta.quota import Usage, parse_size, refusal, tree_usage
-from fs3.meta.service import MetaService, MetaServiceConfig
-from fs3.rpc.channel import RealChannelFactory
+from tests.meta_service import InMemoryMeta
 
 CLIENT = b"q" * 16
-EMPTY = memoryview(b"")
 
 
 def ref(path: str) -> mpb.PathRef:
     return mpb.PathRef(path=path.encode())
 
 
-class Meta:
+class Meta(InMemoryMeta):
     """A metadata service on the in-memory engine, called as the RPC layer calls it."""
 
     def __init__(self, trash_days: float = 0.0, faults: TxnFaults | None = None) -> None:
-        channels = RealChannelFactory()
-        routing = RoutingCache(["127.0.0.1:1"], channels)
-        routing._install(cpb.RoutingInfo(chain_tables=[cpb.ChainTable(table_id=1, chain_ids=[11, 12, 13])]))
-        self.engine = OptimisticTxnEngine(MemKVStore(), faults=faults)
-        self.service = MetaService(self.engine, routing, StorageClient(routing, channels, CLIENT),
-                                   MetaServiceConfig(root_mode=0o777, trash_days=trash_days))
-        self.request_id = 0
-
-    def ctx(self, uid: int = 0) -> mpb.ReqCtx:
-        self.request_id += 1
-        return mpb.ReqCtx(user=mpb.User(uid=uid, gid=uid), client_id=CLIENT, request_id=self.request_id)
-
-    async def call(self, name: str, req: Any) -> Any:
-        rsp, _ = await getattr(self.service, name)(req, EMPTY)
-        return rsp
+        super().__init__(CLIENT, trash_days, faults)
 
     async def open(self, path: str) -> mpb.OpenRsp:
         rsp: mpb.OpenRsp = await self.call("open", mpb.OpenReq(ctx=self.ctx(), target=ref(path),

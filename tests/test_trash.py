@@ -17,50 +17,29 @@ from typing import Any
 
 import pytest
 
-from fs3 import common_pb2 as cpb
 from fs3 import meta_pb2 as mpb
 from fs3.cli.main import build_parser
-from fs3.client.routing import RoutingCache
-from fs3.client.storage_client import StorageClient
 from fs3.common.errors import AlreadyExists, FS3Error, InvalidArgument, NotFound, NotPermitted, TxnConflict
 from fs3.common.posix import O_CREAT, O_WRONLY, Caller
 from fs3.kv.api import prefix_end
-from fs3.kv.store import MemKVStore
-from fs3.kv.txn import OptimisticTxnEngine
 from fs3.meta import schema, trash
 from fs3.meta.dump import DumpReader, dump_snapshot
 from fs3.meta.fsck import run_fsck
 from fs3.meta.ops import Namespace, OpEnv
-from fs3.meta.service import MetaService, MetaServiceConfig
-from fs3.rpc.channel import RealChannelFactory
+from fs3.meta.service import MetaServiceConfig
+from tests.meta_service import InMemoryMeta
 
 CLIENT = b"t" * 16
 T0_NS = 1_700_000_000 * 1_000_000_000
 DAY_NS = trash.NS_PER_DAY
-EMPTY = memoryview(b"")
 
 
-class Meta:
+class Meta(InMemoryMeta):
     """A metadata service with a trash of ``trash_days`` and a wall clock set by the test."""
 
     def __init__(self, trash_days: float = 1.0) -> None:
         self.now_ns = T0_NS
-        channels = RealChannelFactory()
-        routing = RoutingCache(["127.0.0.1:1"], channels)
-        routing._install(cpb.RoutingInfo(chain_tables=[cpb.ChainTable(table_id=1, chain_ids=[11, 12, 13])]))
-        self.engine = OptimisticTxnEngine(MemKVStore())
-        self.service = MetaService(self.engine, routing, StorageClient(routing, channels, CLIENT),
-                                   MetaServiceConfig(root_mode=0o777, trash_days=trash_days),
-                                   wall_ns=lambda: self.now_ns)
-        self.request_id = 0
-
-    def ctx(self, uid: int = 0) -> mpb.ReqCtx:
-        self.request_id += 1
-        return mpb.ReqCtx(user=mpb.User(uid=uid, gid=uid), client_id=CLIENT, request_id=self.request_id)
-
-    async def call(self, name: str, req: Any) -> Any:
-        rsp, _ = await getattr(self.service, name)(req, EMPTY)
-        return rsp
+        super().__init__(CLIENT, trash_days, wall_ns=lambda: self.now_ns)
 
     async def open(self, path: str, uid: int = 0) -> mpb.OpenRsp:
         rsp: mpb.OpenRsp = await self.call("open", mpb.OpenReq(ctx=self.ctx(uid), target=ref(path),
