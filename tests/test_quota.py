@@ -31,7 +31,8 @@ from fs3.common.errors import (
 )
 from fs3.common.posix import O_CREAT, O_WRONLY, Caller
 from fs3.kv.txn import TxnFaults, run_transaction
-from fs3.meta import quota, schema
+from fs3.cli import quota as quota_cli
+from fs3.meta import quota, quota_service, schema
 from fs3.meta.dump import is_dumped_key
 from fs3.meta.fsck import run_fsck
 from fs3.meta.ops import Namespace, OpEnv, TruncateUnclaimed
@@ -192,6 +193,27 @@ def test_set_get_list_unset_and_usage_of_an_existing_tree() -> None:
         with pytest.raises(NotFound):
             await meta.get("/d")
         assert await meta.problems() == []
+
+    run(body)
+
+
+def test_a_listing_shows_each_quota_by_its_path_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quota list`` names directories by path (found by walking up, renames followed), and by
+    ``<dir N>`` where the walk cannot find a name within its bounds."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/a")
+        await meta.mkdir("/a/b")
+        await meta.mkdir("/c")
+        await meta.set("/a/b", bytes_limit=10)
+        await meta.set("/c", inodes_limit=10)
+        await meta.mv("/a", "/z")
+        listed = {q.inode_id: bytes(q.path) for q in await meta.quotas()}
+        assert listed == {await meta.inode_of("/z/b"): b"/z/b", await meta.inode_of("/c"): b"/c"}
+        assert {bytes(q.path) for q in (await meta.check()).recomputed} == {b"/z/b", b"/c"}
+        monkeypatch.setattr(quota_service, "QUOTA_PATH_SCAN_MAX", 0)  # no name found: shown by id
+        assert {bytes(q.path) for q in await meta.quotas()} == {b""}
+        rows = [quota_cli.quota_dict(q) for q in await meta.quotas()]
+        assert {row["path"] for row in rows} == {""} and all(row["inode_id"] for row in rows)
 
     run(body)
 

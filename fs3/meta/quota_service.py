@@ -20,16 +20,61 @@ from typing import TypeVar
 from fs3 import meta_pb2 as mpb
 from fs3.common.buffers import Buffer
 from fs3.common.errors import InvalidArgument, NotADirectory, NotFound, NotPermitted
-from fs3.kv.api import Transaction
+from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.txn import run_transaction
 from fs3.meta import quota, schema
+from fs3.meta.limits import ANCESTOR_WALK_MAX
 from fs3.meta.host import MetaHost
 from fs3.meta.ops import Namespace
 
-__all__ = ["QuotaHandlers"]
+__all__ = ["QUOTA_PATH_SCAN_MAX", "QuotaHandlers", "directory_path"]
 
 T = TypeVar("T")
 _EMPTY = b""
+# Entries of one directory a listing reads to find the name of a quota'd directory in it (its
+# parent names it nowhere else): past that, the quota is shown as ``<dir N>``.
+QUOTA_PATH_SCAN_MAX = 10_000
+
+
+async def directory_path(txn: Transaction, directory: int) -> bytes | None:
+    """The path of ``directory`` from the root, found by walking its parent links up and looking
+    for each one's name in its parent (a bounded scan of :data:`QUOTA_PATH_SCAN_MAX` entries a
+    level, at most ``ANCESTOR_WALK_MAX`` levels); None when it cannot be found within those bounds
+    or the links are damaged. For people: ``fs3 quota list`` shows it instead of an inode id."""
+    names: list[bytes] = []
+    current = directory
+    for _ in range(ANCESTOR_WALK_MAX):
+        if current == schema.ROOT_INODE:
+            return b"/" + b"/".join(reversed(names))
+        raw = await txn.get(schema.inode_key(current))
+        if raw is None:
+            return None
+        parent = mpb.Inode.FromString(raw).parent
+        if parent in (0, current):
+            return None
+        name = await _name_in(txn, parent, current)
+        if name is None:
+            return None
+        names.append(name)
+        current = parent
+    return None
+
+
+async def _name_in(txn: Transaction, parent: int, child: int) -> bytes | None:
+    """The name ``child`` has in directory ``parent``, reading at most QUOTA_PATH_SCAN_MAX entries."""
+    prefix = schema.dentry_prefix(parent)
+    start, end, read = prefix, prefix_end(prefix), 0
+    while read < QUOTA_PATH_SCAN_MAX:
+        rows = await txn.scan(start, end, limit=min(quota.QUOTA_SCAN_BATCH, QUOTA_PATH_SCAN_MAX - read))
+        for _, value in rows:
+            entry = mpb.DirEntry.FromString(value)
+            if entry.inode_id == child and entry.type == mpb.DIRECTORY:
+                return bytes(entry.name)
+        read += len(rows)
+        if not rows or len(rows) < quota.QUOTA_SCAN_BATCH:
+            return None
+        start = rows[-1][0] + b"\x00"
+    return None
 
 
 def _reader(txn: Transaction) -> quota.InodeReader:
@@ -131,6 +176,7 @@ class QuotaHandlers(MetaHost):
             for directory in sorted(await quota.read_quotas(ns.txn)):
                 found = await _quota_of(ns.txn, directory)
                 if found is not None:
+                    found.path = await directory_path(ns.txn, directory) or b""
                     rsp.quotas.append(found)
             return rsp
 
@@ -168,6 +214,7 @@ class QuotaHandlers(MetaHost):
                                     f"{counted.inodes} inodes")
                 wrong[directory] = counted
             recorded.bytes_used, recorded.inodes_used = counted.bytes, counted.inodes
+            recorded.path = await directory_path(self.engine.begin(), directory) or b""
             rsp.recomputed.append(recorded)
         if req.repair and wrong:
             async def repair(ns: Namespace) -> mpb.QuotaCheckRsp:
