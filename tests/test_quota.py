@@ -85,6 +85,10 @@ class Meta(InMemoryMeta):
         finally:
             await self.close(opened)
 
+    async def reserve(self, opened: mpb.OpenRsp, end: int) -> mpb.QuotaReserveRsp:
+        return await self.call("quota_reserve", mpb.QuotaReserveReq(  # type: ignore[no-any-return]
+            ctx=self.ctx(), inode_id=opened.inode.inode_id, session_id=opened.session_id, end=end))
+
     async def mkdir(self, path: str, uid: int = 0) -> None:
         await self.call("make_node", mpb.MakeNodeReq(ctx=self.ctx(uid), target=ref(path), type=mpb.DIRECTORY,
                                                      mode=0o777))
@@ -602,6 +606,102 @@ def test_the_growth_a_pending_truncate_reserved_follows_the_file(trash_days: flo
         assert not (await meta.check()).problems
 
     run(body, trash_days=trash_days)
+
+
+def test_byte_credits_keep_two_writers_within_the_limit() -> None:
+    """Two handles writing into one quota'd directory before either publishes a length: each asks
+    for a byte credit first, the credits never add up past the limit, the one that does not fit
+    gets EDQUOT, and after both close the usage is the files' real lengths."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        a, b = await meta.open("/q/a"), await meta.open("/q/b")
+        assert not a.quota_free
+        assert (await meta.reserve(a, 300)).granted_end == 500  # a step ahead: half of what is left
+        assert (await meta.usage("/q"))[0] == 500
+        assert (await meta.reserve(b, 300)).granted_end == 300  # the rest holds just what it needs
+        assert (await meta.reserve(a, 400)).granted_end == 500  # within its credit: nothing changes
+        assert (await meta.reserve(a, 700)).granted_end == 700
+        assert (await meta.usage("/q"))[0] == 1000
+        with pytest.raises(QuotaExceeded):
+            await meta.reserve(b, 301)
+        assert (await meta.usage("/q"))[0] == 1000  # refused: nothing charged
+        assert await meta.problems() == []
+        await meta.sync(a, 200)  # a's published length uses up as much of its credit
+        assert (await meta.usage("/q"))[0] == 1000
+        await meta.close(a, 650)  # the rest of its credit goes back
+        assert (await meta.usage("/q"))[0] == 950
+        await meta.close(b, 300)
+        assert await meta.usage("/q") == (950, 2)
+        assert not (await meta.check()).problems and await meta.problems() == []
+
+    run(body)
+
+
+def test_a_file_outside_every_quota_needs_no_credit_and_leaked_credits_are_repaired() -> None:
+    async def body(meta: Meta) -> None:
+        free = await meta.open("/f")
+        assert free.quota_free  # no quota anywhere: the handle is told so at its open
+        await meta.close(free)
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1 << 40)
+        outside = await meta.open("/g")
+        assert not outside.quota_free and (await meta.reserve(outside, 10)).unlimited
+        await meta.close(outside)
+        inside = await meta.open("/q/h")
+        assert (await meta.reserve(inside, 10)).granted_end == quota.RESERVE_STEP_BYTES
+        assert (await meta.usage("/q"))[0] == quota.RESERVE_STEP_BYTES
+        # The session vanishes without a close (a damaged store): the credit leaked.
+        async def drop_session(txn: Any) -> None:
+            txn.delete(schema.session_key(inside.inode.inode_id, inside.session_id))
+        await run_transaction(meta.engine, drop_session)
+        assert any("outlived its session" in p for p in await meta.problems())
+        found = await meta.check()
+        assert any("outlived its session" in p for p in found.problems) and not found.repaired
+        assert (await meta.check(repair=True)).repaired
+        assert await meta.usage("/q") == (0, 1)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+
+    run(body)
+
+
+def test_an_expired_client_gives_its_credits_back() -> None:
+    """A client that dies holding a credit: meta closes its sessions when its lease lapses, and
+    the close gives the credit back (the existing session clean-up, nothing of its own)."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        opened = await meta.open("/q/a")
+        await meta.reserve(opened, 100)
+        assert (await meta.usage("/q"))[0] == 500
+        async def expire(txn: Any) -> None:
+            ns = Namespace(txn, OpEnv(caller=Caller(0, 0, ()), now_ns=1))
+            await ns.close(opened.inode.inode_id, opened.session_id)
+            await quota.settle(ns)
+        await run_transaction(meta.engine, expire)
+        assert await meta.usage("/q") == (0, 1)
+        assert await meta.problems() == []
+
+    run(body)
+
+
+def test_credits_follow_a_renamed_file_and_go_back_when_it_is_removed() -> None:
+    async def body(meta: Meta) -> None:
+        for directory in ("/q", "/r"):
+            await meta.mkdir(directory)
+            await meta.set(directory, bytes_limit=1000)
+        opened = await meta.open("/q/a")
+        await meta.reserve(opened, 100)
+        await meta.mv("/q/a", "/r/a")
+        assert (await meta.usage("/q"))[0] == 0 and (await meta.usage("/r"))[0] == 500
+        assert await meta.problems() == []
+        await meta.rm("/r/a")
+        assert (await meta.usage("/r"))[0] == 0
+        assert await meta.problems() == []
+        await meta.close(opened, 50)
+        assert await meta.usage("/r") == (0, 0)
+
+    run(body)
 
 
 # -- a seeded random exerciser against a model --------------------------------------------------------

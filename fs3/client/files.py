@@ -79,6 +79,9 @@ class AsyncFile:
         self._pos = 0
         self._length = rsp.inode.size
         self._wrote = False
+        # How far this handle may write before meta must grant it a byte credit for the quotas
+        # above the file (fs3.meta.quota.reserve); None: no quota counts it, it never asks.
+        self._credit_end: int | None = None if rsp.quota_free or not writable else rsp.inode.size
         # A write by anyone but root drops setuid (and group-executable setgid) first, as on Linux.
         mode = rsp.inode.mode
         self._drop_privileges = writable and self.user.uid != 0 and rsp.inode.type == mpb.FILE and bool(
@@ -293,6 +296,8 @@ class AsyncFile:
         total = len(view)
         if pos + total > max_file_size(self.layout):
             raise FileTooLarge(f"writing past {max_file_size(self.layout)} bytes, the largest file this layout allows")
+        if total and self._credit_end is not None and pos + total > self._credit_end:
+            await self._reserve(pos + total)  # before any byte leaves: EDQUOT writes nothing
         if total and self._drop_privileges:
             await self.fs.metadata.set_attr(self.inode.inode_id, mpb.SET_DROP_PRIVILEGES, session_id=self.session_id,
                                             user=self.user)
@@ -327,6 +332,12 @@ class AsyncFile:
             self._length = max(self._length, pos)
             self._maybe_hint()
         return total
+
+    async def _reserve(self, end: int) -> None:
+        """Get a byte credit from meta up to at least ``end`` (``QuotaExceeded``: none)."""
+        rsp = await self._call_meta(lambda: self.fs.metadata.quota_reserve(self.inode.inode_id, self.session_id,
+                                                                            end, user=self.user))
+        self._credit_end = None if rsp.unlimited else rsp.granted_end
 
     async def _send_buffer(self) -> None:
         if not self._buf:

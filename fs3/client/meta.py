@@ -294,6 +294,13 @@ class Meta:
         """Recount every quota's tree and report usage meta keeps wrong (``repair``: fix it)."""
         return await self.client.call("QuotaCheck", mpb.QuotaCheckReq(repair=repair), mpb.QuotaCheckRsp, user)
 
+    async def quota_reserve(self, inode_id: int, session_id: bytes, end: int, *,
+                            user: mpb.User | None = None) -> mpb.QuotaReserveRsp:
+        """A byte credit for writing session ``session_id`` up to byte ``end`` (``EDQUOT`` when the
+        quotas above the file have no room for it; see fs3.meta.quota.reserve)."""
+        req = mpb.QuotaReserveReq(inode_id=inode_id, session_id=session_id, end=end)
+        return await self.client.call("QuotaReserve", req, mpb.QuotaReserveRsp, user)
+
     # -- identity and the user table -------------------------------------------------------------
 
     async def who_am_i(self) -> mpb.WhoAmIRsp:

@@ -91,12 +91,35 @@ async def _check_trash(txn: Transaction, inodes: dict[int, mpb.Inode], names: Co
     return set(trashed)
 
 
+async def _check_reservations(txn: Transaction, problem: Callable[[str], None]) -> list[tuple[int, int]]:
+    """Check writers' byte credits (fs3.meta.quota): each belongs to an open session and is
+    indexed by its home; returns the live ones as ``(home, bytes)``. A credit whose session is
+    gone leaked (``fs3 quota check --repair`` gives it back)."""
+    live: list[tuple[int, int]] = []
+    indexed = {key for key, _ in await _scan_all(txn, schema.quota_reservation_home_prefix())}
+    for key, raw in await _scan_all(txn, schema.quota_reservation_prefix()):
+        inode_id, session_id = schema.parse_quota_reservation_key(key)
+        held = quota.Reservation.decode(raw)
+        home_key = schema.quota_reservation_home_key(held.home, inode_id, session_id)
+        indexed.discard(home_key)
+        if await txn.get(schema.session_key(inode_id, session_id)) is None:
+            problem(f"byte credit of {held.bytes} bytes on inode {inode_id} outlived its session "
+                    f"{session_id.hex()} (fs3 quota check --repair)")
+            continue
+        if await txn.get(home_key) is None:
+            problem(f"byte credit on inode {inode_id} is missing from its home {held.home}'s index")
+        live.append((held.home, held.bytes))
+    for key in sorted(indexed):
+        problem(f"byte credit index key {key.hex()} has no credit")
+    return live
+
+
 async def _check_quotas(txn: Transaction, inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
                         problem: Callable[[str], None]) -> None:
     """Recount every quota's usage from the tree read (fs3.meta.quota) and compare it with the
     usage meta keeps; ``fs3 quota check --repair`` writes the recount."""
     quotas = await quota.read_quotas(txn)
-    counted = quota.tree_usage(inodes, entries, set(quotas))
+    counted = quota.tree_usage(inodes, entries, set(quotas), await _check_reservations(txn, problem))
     for directory in sorted(quotas):
         inode = inodes.get(directory)
         if inode is None or inode.type != mpb.DIRECTORY:

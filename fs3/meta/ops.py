@@ -659,6 +659,7 @@ class Namespace:
             inode.parent = 0  # its home lost a name: the file counts in no quota (fs3.meta.quota)
         if quota.charge_of(inode) is None:
             await self._refund_reserved_growth(inode)
+            await quota.drop_reservations(self, inode.inode_id)
         self._stamp(inode)
         if inode.nlink == 0 and inode.type == FILE and self.env.trash_keep_ns > 0:
             trash.put(self.txn, trash.entry_for(inode, parent.inode_id, name, path, self.caller.uid,
@@ -718,6 +719,7 @@ class Namespace:
             growth = await self._pending_growth(inode)
             if growth:
                 self.quota.recharge((charged[0], growth), (now[0], growth))
+            await quota.move_reservations(self, inode.inode_id, now[0])  # and its writers' credits
 
     async def _delete_inode(self, inode: mpb.Inode) -> bool:
         """Delete the inode; True when a GC job is queued for what this transaction leaves behind.
@@ -1228,8 +1230,11 @@ class Namespace:
         self.quota.refuse = False
         self.txn.delete(schema.session_key(inode_id, session_id))
         self.txn.delete(schema.client_session_key(session.client_id, inode_id, session_id))
+        size_before = inode.size
         if length.wrote and session.write:
             await self._apply_length(inode, session, length)
+        if session.write:  # its byte credit goes back: its bytes are charged as the length (fs3.meta.quota)
+            await quota.settle_reservation(self, inode_id, session_id, inode.size - size_before, closing=True)
         gc = False
         if inode.nlink == 0 and not await self._has_sessions(inode_id) \
                 and await self.txn.get(schema.trash_key(inode_id)) is None:  # a trashed file stays
@@ -1250,7 +1255,10 @@ class Namespace:
         session = await self._session(inode_id, session_id)
         inode = await self.inode(inode_id)
         if length.wrote and session.write:
+            size_before = inode.size
             await self._apply_length(inode, session, length)
+            # The growth is charged as the length; as much of the session's credit goes back.
+            await quota.settle_reservation(self, inode_id, session_id, inode.size - size_before, closing=False)
         self.flush()
         return inode
 

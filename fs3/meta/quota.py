@@ -27,12 +27,13 @@ Pure: reads and writes go through the transaction; no clock, randomness or trans
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+import struct
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fs3 import meta_pb2 as mpb
-from fs3.common.errors import CrossDevice, InvalidArgument, NotSupported, QuotaExceeded
+from fs3.common.errors import BadHandle, CrossDevice, InvalidArgument, NotSupported, QuotaExceeded
 from fs3.common.invariant import ensure
 from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
@@ -45,18 +46,26 @@ __all__ = [
     "QUOTA_COUNT_MAX",
     "QUOTA_MOVE_COUNT_MAX",
     "QUOTA_SCAN_BATCH",
+    "RESERVATIONS_PER_FILE_MAX",
+    "RESERVE_STEP_BYTES",
     "Ledger",
+    "Reservation",
     "TreeCount",
     "Usage",
     "adopt",
     "announce",
     "charge_of",
+    "drop_reservations",
+    "move_reservations",
     "nearest_quota",
     "parse_size",
     "read_quotas",
     "read_usage",
+    "read_reservation",
     "refusal",
+    "reserve",
     "settle",
+    "settle_reservation",
     "tree_usage",
     "write_usage",
 ]
@@ -68,6 +77,12 @@ QUOTA_SCAN_BATCH = 1000
 # Entries a rename recounts inside its own transaction when it moves a directory from one set of
 # quotas to another; a larger tree is refused with EXDEV (``mv`` then copies it).
 QUOTA_MOVE_COUNT_MAX = 1000
+# A writer's byte credit grows at least this much at a time (clipped to what the quotas allow):
+# a writer streaming a large file asks meta once per 64 MiB, a round trip per few dozen chunks.
+RESERVE_STEP_BYTES = 64 << 20
+# Credits of one file that a transaction moving or dropping them reads (one per writing session);
+# more are left where they are, and ``fs3 quota check --repair`` recounts.
+RESERVATIONS_PER_FILE_MAX = 1000
 
 _SIZE = re.compile(r"([0-9]+)([KMGTP]?)(i?B?)?", re.IGNORECASE)
 _UNITS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40, "P": 50}
@@ -89,6 +104,25 @@ class Usage:
     def floored(self) -> Usage:
         """Never below zero: a usage that drifted (fsck reports it) must not wrap around."""
         return Usage(max(0, self.bytes), max(0, self.inodes))
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A writing session's byte credit: ``bytes`` charged to the quotas of directory ``home``
+    beyond the file's length, which the session may write into without asking meta again."""
+
+    home: int
+    bytes: int
+
+    _FMT = struct.Struct(">QQ")
+
+    def encode(self) -> bytes:
+        return self._FMT.pack(self.home, self.bytes)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Reservation:
+        home, size = cls._FMT.unpack(raw)
+        return cls(int(home), int(size))
 
 
 def parse_size(text: str) -> int:
@@ -288,6 +322,8 @@ class TreeCount:
         budget = entries_max
         while self.pending and budget > 0:
             directory, after = self.pending.pop()
+            if not after:  # first visit: the credits of writers whose files' home it is
+                self.usage = self.usage + Usage(await reserved_in(txn, directory), 0)
             prefix = schema.dentry_prefix(directory)
             start = schema.dentry_key(directory, after + b"\x00") if after else prefix
             rows = await txn.scan(start, prefix_end(prefix), limit=budget)
@@ -321,10 +357,11 @@ class TreeCount:
 
 
 def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
-               roots: set[int]) -> dict[int, Usage]:
+               roots: set[int], reservations: Sequence[tuple[int, int]] = ()) -> dict[int, Usage]:
     """The usage of each directory in ``roots``, from a whole namespace read at once (fsck):
-    ``entries`` is every directory entry as ``(directory, inode id)``. Follows the same rules as
-    :class:`TreeCount` and :func:`settle`, which is what lets fsck check them."""
+    ``entries`` is every directory entry as ``(directory, inode id)``, ``reservations`` every
+    writer's credit as ``(home, bytes)``. Follows the same rules as :class:`TreeCount` and
+    :func:`settle`, which is what lets fsck check them."""
     above: dict[int, tuple[int, ...]] = {}
 
     def quotas_of(directory: int) -> tuple[int, ...]:
@@ -356,6 +393,9 @@ def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
         if charge is not None:
             for root in quotas_of(charge[0]):
                 usage[root] = usage[root] + Usage(charge[1], 0)
+    for home, size in reservations:
+        for root in quotas_of(home):
+            usage[root] = usage[root] + Usage(size, 0)
     return usage
 
 
@@ -397,3 +437,118 @@ async def nearest_quota(txn: Transaction, inode_id: int) -> int | None:
             return None
         current = inode.parent
     return None
+
+
+# -- byte credits: what a writer may write before meta hears its length --------------------------
+
+async def read_reservation(txn: Transaction, inode_id: int, session_id: bytes) -> Reservation | None:
+    raw = await txn.get(schema.quota_reservation_key(inode_id, session_id))
+    return None if raw is None else Reservation.decode(raw)
+
+
+def _write_reservation(txn: Transaction, inode_id: int, session_id: bytes, old: Reservation | None,
+                       new: Reservation | None) -> None:
+    if old is not None and (new is None or new.home != old.home):
+        txn.delete(schema.quota_reservation_home_key(old.home, inode_id, session_id))
+    if new is None or new.bytes == 0:
+        txn.delete(schema.quota_reservation_key(inode_id, session_id))
+        if new is not None:
+            txn.delete(schema.quota_reservation_home_key(new.home, inode_id, session_id))
+        return
+    txn.put(schema.quota_reservation_key(inode_id, session_id), new.encode())
+    txn.put(schema.quota_reservation_home_key(new.home, inode_id, session_id), schema.encode_u64(new.bytes))
+
+
+async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> int | None:
+    """Let writing session ``session_id`` write its file up to byte ``end``: the end its credit
+    now covers (at least ``end``), or None when no quota counts the file's bytes (the handle then
+    never asks again). The credit grows to ``end`` and a step beyond: :data:`RESERVE_STEP_BYTES`,
+    or half of what the tightest quota above the file's home has left if less; ``EDQUOT`` when
+    even ``end`` does not fit.
+    Charged in this transaction (the service settles the ledger before the commit)."""
+    raw = await ns.txn.get(schema.session_key(inode_id, session_id))
+    if raw is None:
+        raise BadHandle(f"no open session {session_id.hex()} on inode {inode_id}")
+    if not schema.Session.decode(raw).write:
+        raise BadHandle(f"session {session_id.hex()} on inode {inode_id} is not open for writing")
+    inode = await ns.inode(inode_id)
+    charge = charge_of(inode)
+    held = await read_reservation(ns.txn, inode_id, session_id)
+    quotas = await read_quotas(ns.txn) if charge is not None else {}
+    above = await _quotas_above(ns, charge[0], quotas, {}) if charge is not None else ()
+    if charge is None or not above:
+        if held is not None:  # its home left every quota: the credit is no longer needed
+            ns.quota.recharge((held.home, held.bytes), None)
+            _write_reservation(ns.txn, inode_id, session_id, held, None)
+        return None
+    home = charge[0]
+    if held is not None and held.home != home:  # renamed elsewhere since: the credit starts again
+        ns.quota.recharge((held.home, held.bytes), None)
+        _write_reservation(ns.txn, inode_id, session_id, held, None)
+        held = None
+    have = held.bytes if held is not None else 0
+    need = end - inode.size
+    if need <= have:
+        return inode.size + have
+    room: int | None = None
+    for directory in above:
+        limit = quotas[directory].bytes_limit
+        if limit:
+            free = max(0, limit - (await read_usage(ns.txn, directory)).bytes)
+            room = free if room is None else min(room, free)
+    if room is not None and need - have > room:
+        raise QuotaExceeded(f"writing inode {inode_id} to byte {end} needs {need - have} more bytes than "
+                            f"its quotas have ({room} left)")
+    # A step ahead, but never more than half of what is left: one writer must not take the
+    # whole of a nearly full quota while others write beside it.
+    grant = max(need - have, RESERVE_STEP_BYTES if room is None else min(RESERVE_STEP_BYTES, room // 2))
+    ns.quota.recharge(None, (home, grant))
+    _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, have + grant))
+    return inode.size + have + grant
+
+
+async def settle_reservation(ns: Namespace, inode_id: int, session_id: bytes, grown: int, closing: bool) -> None:
+    """A session published its length, which grew the file by ``grown`` bytes: that growth is
+    charged to the file's home as any growth is (:meth:`Namespace.flush`), so the same bytes of
+    the session's credit are given back here; a close gives back the rest too."""
+    held = await read_reservation(ns.txn, inode_id, session_id)
+    if held is None:
+        return
+    left = 0 if closing else max(0, held.bytes - max(0, grown))
+    ns.quota.recharge((held.home, held.bytes), (held.home, left) if left else None)
+    _write_reservation(ns.txn, inode_id, session_id, held, Reservation(held.home, left))
+
+
+async def _held(ns: Namespace, inode_id: int) -> list[tuple[bytes, Reservation]]:
+    prefix = schema.quota_reservation_prefix(inode_id)
+    rows = await ns.txn.scan(prefix, prefix_end(prefix), limit=RESERVATIONS_PER_FILE_MAX)
+    return [(schema.parse_quota_reservation_key(key)[1], Reservation.decode(raw)) for key, raw in rows]
+
+
+async def drop_reservations(ns: Namespace, inode_id: int) -> None:
+    """The file stopped counting in any quota (its last name went): its writers' credits are given
+    back (their later bytes count nowhere, as the file's do; a restore charges them at close)."""
+    for session_id, held in await _held(ns, inode_id):
+        ns.quota.recharge((held.home, held.bytes), None)
+        _write_reservation(ns.txn, inode_id, session_id, held, None)
+
+
+async def move_reservations(ns: Namespace, inode_id: int, home: int) -> None:
+    """The file's home moved to ``home``: its writers' credits move with its bytes (refused, with
+    the rest of the operation, where the new quotas have no room for them)."""
+    for session_id, held in await _held(ns, inode_id):
+        if held.home != home:
+            ns.quota.recharge((held.home, held.bytes), (home, held.bytes))
+            _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, held.bytes))
+
+
+async def reserved_in(txn: Transaction, directory: int) -> int:
+    """Bytes of the credits whose home is ``directory`` (what a count of its tree adds)."""
+    prefix = schema.quota_reservation_home_prefix(directory)
+    total, start = 0, prefix
+    while True:
+        rows = await txn.scan(start, prefix_end(prefix), limit=QUOTA_SCAN_BATCH)
+        total += sum(schema.decode_u64(raw) for _, raw in rows)
+        if len(rows) < QUOTA_SCAN_BATCH:
+            return total
+        start = rows[-1][0] + b"\x00"

@@ -25,6 +25,9 @@ key                                                    value
                                                        limits (fs3.meta.quota)
 ``QUSE`` + inode_id(8)                                 :class:`~fs3.meta_pb2.Quota`: what its tree
                                                        uses (bytes_used, inodes_used)
+``QRSV`` + inode_id(8) + session_id(24)                home(8) + bytes(8): a writer's byte credit,
+                                                       charged to its home's quotas (fs3.meta.quota)
+``QRSH`` + home(8) + inode_id(8) + session_id(24)      bytes(8): the same credit, by home (counts)
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
                                                        parent (8 bytes)
 ``LOAD``                                               empty: ``fs3 admin load`` has not finished
@@ -77,6 +80,11 @@ __all__ = [
     "parse_quota_key",
     "quota_key",
     "quota_prefix",
+    "quota_reservation_home_key",
+    "quota_reservation_home_prefix",
+    "quota_reservation_key",
+    "quota_reservation_prefix",
+    "parse_quota_reservation_key",
     "quota_usage_key",
     "session_id_for",
     "session_key",
@@ -119,6 +127,8 @@ TRASH_EXPIRY = b"TRSX"
 LOAD_UNFINISHED = b"LOAD"  # written by a load's first batch, deleted by its last: the store holds part of a dump
 QUOTA = b"QDEF"
 QUOTA_USAGE = b"QUSE"
+QUOTA_RESERVATION = b"QRSV"
+QUOTA_RESERVATION_HOME = b"QRSH"
 
 
 def _u64(value: int) -> bytes:
@@ -286,6 +296,33 @@ def quota_usage_key(inode_id: int) -> bytes:
     """Kept apart from :func:`quota_key`: every operation reads the limits (a range read), and
     only the operations inside a quota's tree write its usage — they conflict with nothing else."""
     return QUOTA_USAGE + _u64(inode_id)
+
+
+def quota_reservation_key(inode_id: int, session_id: bytes) -> bytes:
+    """A writing session's byte credit on a file (see :mod:`fs3.meta.quota`); gone with the session."""
+    if len(session_id) != SESSION_ID_BYTES:
+        raise InvalidArgument(f"session id must be {SESSION_ID_BYTES} bytes")
+    return QUOTA_RESERVATION + _u64(inode_id) + session_id
+
+
+def quota_reservation_prefix(inode_id: int | None = None) -> bytes:
+    return QUOTA_RESERVATION if inode_id is None else QUOTA_RESERVATION + _u64(inode_id)
+
+
+def parse_quota_reservation_key(key: bytes) -> tuple[int, bytes]:
+    """``(inode id, session id)`` of a :func:`quota_reservation_key`."""
+    base = len(QUOTA_RESERVATION)
+    return int(_U64.unpack_from(key, base)[0]), key[base + 8:]
+
+
+def quota_reservation_home_key(home: int, inode_id: int, session_id: bytes) -> bytes:
+    """The credit of :func:`quota_reservation_key` found by its home directory: what a count of a
+    tree adds for the credits held in it."""
+    return QUOTA_RESERVATION_HOME + _u64(home) + _u64(inode_id) + session_id
+
+
+def quota_reservation_home_prefix(home: int | None = None) -> bytes:
+    return QUOTA_RESERVATION_HOME if home is None else QUOTA_RESERVATION_HOME + _u64(home)
 
 
 def counter_key(name: str) -> bytes:

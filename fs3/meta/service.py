@@ -511,8 +511,12 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
             await self._abandon_open(req.ctx)
 
         async def run_open(ns: Namespace, truncating: int) -> mpb.OpenRsp:
-            return _granting(await ns.open(req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id,
-                                           now_ms, truncating), req.flags)
+            rsp = _granting(await ns.open(req.target, req.flags, req.mode, new_id, session_id, req.ctx.client_id,
+                                          now_ms, truncating), req.flags)
+            # Read with the transaction's first read (announced): a cluster without quotas tells
+            # the handle here that its writes need no byte credit (fs3.meta.quota.reserve).
+            rsp.quota_free = rsp.inode.type == mpb.FILE and not await quota.read_quotas(ns.txn)
+            return rsp
 
         created_keys = (schema.inode_key(new_id), schema.size_gen_key(new_id)) if new_id else ()
         rsp = await self._mutate_truncating(req.ctx, mpb.OpenRsp, run_open, abandon if req.flags & O_TRUNC else None,
@@ -789,7 +793,8 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), op,
                                             (schema.session_key(req.inode_id, req.session_id),
-                                             schema.inode_key(req.inode_id)))
+                                             schema.inode_key(req.inode_id),
+                                             schema.quota_reservation_key(req.inode_id, req.session_id)))
         if rsp.inode.nlink == 0:  # the last name went before this session: the close may have queued GC
             self._gc_wakeup.set()
         return rsp, _EMPTY

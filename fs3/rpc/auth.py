@@ -55,6 +55,7 @@ CLIENT_METHODS: frozenset[tuple[str, str]] = frozenset(
         "GrantCapability", "CloseSessions", "TrashList", "TrashRestore", "TrashPurge",
         # Set, unset and check are root's: meta refuses them to anyone else (fs3.meta.quota_service).
         "QuotaSet", "QuotaGet", "QuotaList", "QuotaUnset", "QuotaCheck",
+        "QuotaReserve",
     )]
 )
 
