@@ -44,17 +44,18 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
         shown = json.loads(capsys.readouterr().out)
         assert (shown["bytes_used"], shown["inodes_used"]) == (1000, 2)  # the existing tree, counted
 
-        # Bytes: an fsync that would publish past the limit is refused, as is a truncate up.
+        # Bytes: a write past what the quota has room for is refused before it reaches storage
+        # (the handle's byte credit), as is a truncate up.
         f = await fs.open("/q/big", "wb")
         await f.write(b"y" * 3000)
         await f.fsync()
-        await f.write(b"z" * 200)
         with pytest.raises(OSError) as refused:
-            await f.fsync()
+            await f.write(b"z" * 200)
         assert refused.value.errno == errno.EDQUOT
-        await f.close()  # a close is never refused (its bytes are on storage): the tree is over
-        assert (await fs.metadata.quota_get(path_ref(b"/q"))).bytes_used == 4200
-        await fs.truncate("/q/big", 3000)  # shrinking is always allowed
+        await f.close()
+        assert (await fs.metadata.quota_get(path_ref(b"/q"))).bytes_used == 4000
+        assert (await fs.stat("/q/big")).st_size == 3000
+        await fs.truncate("/q/big", 3000)  # shrinking (or staying) is always allowed
         with pytest.raises(OSError) as refused:
             await fs.truncate("/q/old", 2000)
         assert refused.value.errno == errno.EDQUOT
@@ -84,11 +85,12 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
     asyncio.run(main())
 
 
-def test_two_clients_racing_for_the_last_bytes_never_pass_the_limit(tmp_path: Path) -> None:
-    """Two client connections append and fsync at once under one quota: what fsync acknowledged
-    adds up to at most the limit, and meta's usage is exactly the files' lengths (a close is
-    charged what its refused fsync left on storage: the documented overshoot)."""
-    limit = 64 * 1024
+def test_two_clients_writing_at_once_never_pass_the_limit(tmp_path: Path) -> None:
+    """Two clients (two connections, two client ids and leases) write into one quota'd directory
+    at once, without fsync: each write past what meta granted its handle asks for a byte credit
+    first, so what both wrote never adds up past the limit; one of them gets EDQUOT, and after
+    both close the usage is exactly the files' lengths."""
+    limit = 256 * 1024
 
     async def main() -> None:
         async with InProcessCluster(tmp_path, targets_per_node=3, with_meta=True,
@@ -98,31 +100,33 @@ def test_two_clients_racing_for_the_last_bytes_never_pass_the_limit(tmp_path: Pa
             try:
                 await one.makedirs("/q")
                 await one.metadata.quota_set(path_ref(b"/q"), bytes_limit=limit)
-                acked = await asyncio.gather(writer(one, "/q/one", 3000), writer(two, "/q/two", 1700))
-                assert sum(acked) <= limit
-                assert sum(acked) > limit - 2 * 3000  # both kept going until the quota was full
-                used = (await one.metadata.quota_get(path_ref(b"/q"))).bytes_used
+                files = [await one.open("/q/one", "wb"), await two.open("/q/two", "wb")]
+                written = [0, 0]
+                refused = [False, False]
+
+                async def writer(index: int, step: int) -> None:
+                    for _ in range(200):
+                        try:
+                            await files[index].pwrite(written[index], b"w" * step)
+                        except OSError as exc:
+                            assert exc.errno == errno.EDQUOT
+                            refused[index] = True
+                            return
+                        written[index] += step
+                        used = (await one.metadata.quota_get(path_ref(b"/q"))).bytes_used
+                        assert used <= limit and sum(written) <= limit  # accounted and written
+
+                await asyncio.gather(writer(0, 3000), writer(1, 1700))
+                assert any(refused) and sum(written) <= limit
+                assert sum(written) > limit - 2 * 3000  # both kept going until the quota was full
+                for f in files:
+                    await f.close()
                 sizes = [(await one.stat(p)).st_size for p in ("/q/one", "/q/two")]
-                assert used == sum(sizes)
+                assert sizes == written
+                assert (await one.metadata.quota_get(path_ref(b"/q"))).bytes_used == sum(sizes) <= limit
                 assert list((await one.metadata.fsck(True)).problems) == []
             finally:
                 await one.close()
                 await two.close()
-
-    async def writer(fs: AsyncFileSystem, path: str, step: int) -> int:
-        f = await fs.open(path, "wb")
-        size = 0
-        try:
-            for _ in range(40):
-                await f.write(b"w" * step)
-                try:
-                    await f.fsync()
-                except OSError as exc:
-                    assert exc.errno == errno.EDQUOT
-                    break
-                size += step
-        finally:
-            await f.close()
-        return size
 
     asyncio.run(main())
