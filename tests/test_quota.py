@@ -608,6 +608,34 @@ def test_the_growth_a_pending_truncate_reserved_follows_the_file(trash_days: flo
     run(body, trash_days=trash_days)
 
 
+def test_a_hard_link_elsewhere_does_not_take_a_file_out_of_its_quota() -> None:
+    """The name in a file's home goes while a hard link outside the quota keeps the file: its bytes
+    still count at home (and its growth is still refused), a recount finds them, removing the home
+    moves them up to its parent, and only the last name's removal frees them."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.mkdir("/q/d")
+        await meta.mkdir("/o")
+        await meta.set("/q", bytes_limit=1000)
+        await meta.create("/q/d/f", 100)
+        await meta.link("/q/d/f", "/o/g")
+        await meta.rm("/q/d/f")
+        assert await meta.usage("/q") == (100, 1)  # the bytes stay at home, the entry is gone
+        with pytest.raises(QuotaExceeded):
+            await meta.grow("/o/g", 5000)  # growing it through its other name is still refused
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.rm("/q/d", directory=True)  # its home goes: the file is at home in /q now
+        assert await meta.usage("/q") == (100, 0)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.unset("/q")
+        assert (await meta.set("/q", bytes_limit=1000)).bytes_used == 100  # a fresh count finds it
+        await meta.rm("/o/g")
+        assert await meta.usage("/q") == (0, 0)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+
+    run(body)
+
+
 def test_byte_credits_keep_two_writers_within_the_limit() -> None:
     """Two handles writing into one quota'd directory before either publishes a length: each asks
     for a byte credit first, the credits never add up past the limit, the one that does not fit

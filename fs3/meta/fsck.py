@@ -91,6 +91,21 @@ async def _check_trash(txn: Transaction, inodes: dict[int, mpb.Inode], names: Co
     return set(trashed)
 
 
+async def _check_away(txn: Transaction, inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
+                      problem: Callable[[str], None]) -> None:
+    """A file at home in a directory that holds none of its names must be marked there (fs3.meta.quota):
+    a count of the home's tree finds it only so."""
+    named = set(entries)
+    prefix = schema.quota_away_prefix()
+    marked = {(schema.decode_u64(key[len(prefix):len(prefix) + 8]), schema.decode_u64(key[len(prefix) + 8:]))
+              for key, _ in await _scan_all(txn, prefix)}
+    for inode in inodes.values():
+        if quota.charge_of(inode) is not None and (inode.parent, inode.inode_id) not in named \
+                and (inode.parent, inode.inode_id) not in marked:
+            problem(f"file {inode.inode_id} is at home in directory {inode.parent}, which neither names it nor "
+                    f"marks it: quota counts of that tree miss it")
+
+
 async def _check_reservations(txn: Transaction, problem: Callable[[str], None]) -> list[tuple[int, int]]:
     """Check writers' byte credits (fs3.meta.quota): each belongs to an open session and is
     indexed by its home; returns the live ones as ``(home, bytes)``. A credit whose session is
@@ -118,6 +133,7 @@ async def _check_quotas(txn: Transaction, inodes: dict[int, mpb.Inode], entries:
                         problem: Callable[[str], None]) -> None:
     """Recount every quota's usage from the tree read (fs3.meta.quota) and compare it with the
     usage meta keeps; ``fs3 quota check --repair`` writes the recount."""
+    await _check_away(txn, inodes, entries, problem)
     quotas = await quota.read_quotas(txn)
     counted = quota.tree_usage(inodes, entries, set(quotas), await _check_reservations(txn, problem))
     for directory in sorted(quotas):

@@ -283,6 +283,11 @@ class Namespace:
                 self._account(inode)
         self._dirty.clear()
 
+    def recharged(self, inode: mpb.Inode) -> None:
+        """Take the file's charge as it is now as already accounted (a home moved without any
+        quota's usage changing: see :func:`fs3.meta.quota.rehome_away`)."""
+        self._charged[inode.inode_id] = quota.charge_of(inode)
+
     def _account(self, inode: mpb.Inode) -> None:
         """Record in the quota ledger how the file's charge changed since last accounted. Growth
         a truncate reserved when it was recorded (:meth:`_truncate`) is not charged again."""
@@ -650,13 +655,19 @@ class Namespace:
             # A directory counts "." and its entry in its parent, plus one ".." per subdirectory:
             # losing one it had leaves at least the first two.
             ensure(parent.nlink >= 2, f"directory {parent.inode_id} left with {parent.nlink} links")
+            await quota.rehome_away(self, inode.inode_id, parent.inode_id)
             await self._delete_inode(inode)
             return False
         # The caller just removed one of its names, so the inode had that link to lose.
         ensure(inode.nlink > 0, f"inode {inode.inode_id} unlinked with no links left")
         inode.nlink -= 1
-        if inode.nlink > 0 and inode.parent == parent.inode_id:
-            inode.parent = 0  # its home lost a name: the file counts in no quota (fs3.meta.quota)
+        if inode.parent:
+            if inode.nlink > 0 and inode.parent == parent.inode_id:
+                # Its home lost a name; other names keep it, and it keeps counting at home until
+                # the last one goes (fs3.meta.quota): marked, so counts of the home's tree find it.
+                self.txn.put(schema.quota_away_key(parent.inode_id, inode.inode_id), b"")
+            elif inode.nlink == 0:
+                self.txn.delete(schema.quota_away_key(inode.parent, inode.inode_id))
         if quota.charge_of(inode) is None:
             await self._refund_reserved_growth(inode)
             await quota.drop_reservations(self, inode.inode_id)

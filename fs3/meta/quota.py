@@ -6,10 +6,15 @@ What a quota counts (the tree of directory ``Q``, ``Q`` itself left out):
   twice, as each name is one more thing a user made;
 * **bytes**: the logical length (``st_size``) of every regular file whose *home* is ``Q`` or a
   directory below it. A file's home is its inode's ``parent``: the directory it was created in,
-  moved with the file's name when that name is renamed to another directory, and cleared (the
-  file no longer counts anywhere) when a name in its home is unlinked while other names keep the
-  file alive. A file in the trash (``nlink`` 0) counts nowhere: its bytes come back when it is
-  restored, and a restore past a quota is refused. Symlinks, directories and xattrs cost no bytes.
+  moved with the file's name when that name is renamed to another directory. When the name in
+  its home is unlinked while other names keep the file alive, the home stays (the file keeps
+  counting there until its last name goes) and a ``QAWY`` key marks it, so that a count of the
+  home's tree finds it; removing such a home moves the file's home up to the removed
+  directory's parent (which every remaining quota above it also covers). A file in the trash
+  (``nlink`` 0) counts nowhere: its bytes come back when it is restored, and a restore past a
+  quota is refused. Symlinks, directories and xattrs cost no bytes.
+* **byte credits**: what writers may still write (:func:`reserve`), charged like bytes to the
+  quotas above their file's home.
 
 Every ancestor's quota applies (nested quotas). The usage lives in the KV (``QUSE`` keys, see
 :mod:`fs3.meta.schema`) and changes in the same transaction as the namespace change it counts,
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fs3 import meta_pb2 as mpb
-from fs3.common.errors import BadHandle, CrossDevice, InvalidArgument, NotSupported, QuotaExceeded
+from fs3.common.errors import BadHandle, CrossDevice, DirectoryNotEmpty, InvalidArgument, NotSupported, QuotaExceeded
 from fs3.common.invariant import ensure
 from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
     from fs3.meta.ops import Namespace
 
 __all__ = [
+    "AWAY_MOVE_MAX",
     "QUOTA_COUNT_MAX",
     "QUOTA_MOVE_COUNT_MAX",
     "QUOTA_SCAN_BATCH",
@@ -62,6 +68,7 @@ __all__ = [
     "read_quotas",
     "read_usage",
     "read_reservation",
+    "rehome_away",
     "refusal",
     "reserve",
     "settle",
@@ -322,8 +329,9 @@ class TreeCount:
         budget = entries_max
         while self.pending and budget > 0:
             directory, after = self.pending.pop()
-            if not after:  # first visit: the credits of writers whose files' home it is
+            if not after:  # first visit: writers' credits here, and files at home here by no name
                 self.usage = self.usage + Usage(await reserved_in(txn, directory), 0)
+                self.usage = self.usage + await self._away_bytes(txn, directory, find_inode)
             prefix = schema.dentry_prefix(directory)
             start = schema.dentry_key(directory, after + b"\x00") if after else prefix
             rows = await txn.scan(start, prefix_end(prefix), limit=budget)
@@ -340,6 +348,23 @@ class TreeCount:
             if len(rows) and budget == 0:
                 self.pending.append((directory, bytes(entries[-1].name)))  # the directory may hold more
         return not self.pending
+
+    async def _away_bytes(self, txn: Transaction, directory: int, find_inode: InodeReader) -> Usage:
+        """Bytes of the files whose home is ``directory`` though no name of theirs is in it."""
+        prefix = schema.quota_away_prefix(directory)
+        total, start = 0, prefix
+        while True:
+            rows = await txn.scan(start, prefix_end(prefix), limit=QUOTA_SCAN_BATCH)
+            ids = [schema.decode_u64(key[len(prefix):]) for key, _ in rows]
+            txn.prefetch([schema.inode_key(inode_id) for inode_id in ids])
+            for inode_id in ids:
+                charge = charge_of(await find_inode(inode_id))
+                if charge is not None and charge[0] == directory and inode_id not in self.counted_links:
+                    self.counted_links.add(inode_id)
+                    total += charge[1]
+            if len(rows) < QUOTA_SCAN_BATCH:
+                return Usage(total, 0)
+            start = rows[-1][0] + b"\x00"
 
     async def _file_bytes(self, directory: int, entry: mpb.DirEntry, find_inode: InodeReader) -> Usage:
         inode_id = entry.inode_id
@@ -552,3 +577,32 @@ async def reserved_in(txn: Transaction, directory: int) -> int:
         if len(rows) < QUOTA_SCAN_BATCH:
             return total
         start = rows[-1][0] + b"\x00"
+
+
+# Files at home in a directory by no name there that removing the directory moves up; more is
+# refused (ENOTEMPTY: remove some of their other names first).
+AWAY_MOVE_MAX = 1000
+
+
+async def rehome_away(ns: Namespace, directory: int, parent: int) -> None:
+    """Directory ``directory`` (empty) is being removed from ``parent``: the files at home in it
+    by no name there (:func:`fs3.meta.quota` module docstring) take ``parent`` as their home, and
+    their writers' credits go along. Every quota above ``parent`` covered them already and the
+    removed directory's own quota goes with it, so no usage changes."""
+    prefix = schema.quota_away_prefix(directory)
+    rows = await ns.txn.scan(prefix, prefix_end(prefix), limit=AWAY_MOVE_MAX + 1)
+    if len(rows) > AWAY_MOVE_MAX:
+        raise DirectoryNotEmpty(f"directory {directory} is the home of more than {AWAY_MOVE_MAX} files named "
+                                f"elsewhere: remove some of their other names first")
+    for key, _ in rows:
+        ns.txn.delete(key)
+        inode_id = schema.decode_u64(key[len(prefix):])
+        inode = await ns.find_inode(inode_id)
+        if inode is None or inode.type != mpb.FILE or inode.parent != directory or inode.nlink == 0:
+            continue
+        inode.parent = parent
+        ns.touch(inode)
+        ns.recharged(inode)
+        ns.txn.put(schema.quota_away_key(parent, inode_id), b"")
+        for session_id, held in await _held(ns, inode_id):
+            _write_reservation(ns.txn, inode_id, session_id, held, Reservation(parent, held.bytes))

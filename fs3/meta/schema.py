@@ -28,6 +28,8 @@ key                                                    value
 ``QRSV`` + inode_id(8) + session_id(24)                home(8) + bytes(8): a writer's byte credit,
                                                        charged to its home's quotas (fs3.meta.quota)
 ``QRSH`` + home(8) + inode_id(8) + session_id(24)      bytes(8): the same credit, by home (counts)
+``QAWY`` + home(8) + inode_id(8)                       empty: a file whose home lost its name there
+                                                       while other names keep it (fs3.meta.quota)
 ``CNTR`` + ``directory_moves``                         renames that gave a directory a new
                                                        parent (8 bytes)
 ``LOAD``                                               empty: ``fs3 admin load`` has not finished
@@ -80,6 +82,8 @@ __all__ = [
     "parse_quota_key",
     "quota_key",
     "quota_prefix",
+    "quota_away_key",
+    "quota_away_prefix",
     "quota_reservation_home_key",
     "quota_reservation_home_prefix",
     "quota_reservation_key",
@@ -128,6 +132,7 @@ LOAD_UNFINISHED = b"LOAD"  # written by a load's first batch, deleted by its las
 QUOTA = b"QDEF"
 QUOTA_USAGE = b"QUSE"
 QUOTA_RESERVATION = b"QRSV"
+QUOTA_AWAY = b"QAWY"
 QUOTA_RESERVATION_HOME = b"QRSH"
 
 
@@ -296,6 +301,16 @@ def quota_usage_key(inode_id: int) -> bytes:
     """Kept apart from :func:`quota_key`: every operation reads the limits (a range read), and
     only the operations inside a quota's tree write its usage — they conflict with nothing else."""
     return QUOTA_USAGE + _u64(inode_id)
+
+
+def quota_away_key(home: int, inode_id: int) -> bytes:
+    """A file that keeps ``home`` as its home without a name there (its other names keep it): what
+    a count of the home's tree reads to find it, and what removing the home moves up."""
+    return QUOTA_AWAY + _u64(home) + _u64(inode_id)
+
+
+def quota_away_prefix(home: int | None = None) -> bytes:
+    return QUOTA_AWAY if home is None else QUOTA_AWAY + _u64(home)
 
 
 def quota_reservation_key(inode_id: int, session_id: bytes) -> bytes:
