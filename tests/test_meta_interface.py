@@ -194,6 +194,8 @@ CASES: dict[str, tuple[Any, Message]] = {
     "quota_unset": (lambda m: m.quota_unset(path_ref(b"/q"), user=ALICE),
                     mpb.QuotaReq(target=mpb.PathRef(path=b"/q"))),
     "quota_check": (lambda m: m.quota_check(repair=True, user=ALICE), mpb.QuotaCheckReq(repair=True)),
+    "quota_reserve": (lambda m: m.quota_reserve(7, b"s", 100, user=ALICE),
+                      mpb.QuotaReserveReq(inode_id=7, session_id=b"s", end=100)),
 }
 # The calls made as the client itself, never for a caller: fsck, and identity and the user table.
 _OWN_CALLS = frozenset({"fsck", "who_am_i", "add_user", "list_users", "remove_user", "rotate_user"})

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from fs3 import meta_pb2 as mpb
+from fs3.cli import quota as quota_cli
 from fs3.cli.main import build_parser
 from fs3.common.errors import (
     CrossDevice,
@@ -31,7 +32,6 @@ from fs3.common.errors import (
 )
 from fs3.common.posix import O_CREAT, O_WRONLY, Caller
 from fs3.kv.txn import TxnFaults, run_transaction
-from fs3.cli import quota as quota_cli
 from fs3.meta import quota, quota_service, schema
 from fs3.meta.dump import is_dumped_key
 from fs3.meta.fsck import run_fsck
@@ -703,7 +703,7 @@ def test_an_expired_client_gives_its_credits_back() -> None:
         await meta.reserve(opened, 100)
         assert (await meta.usage("/q"))[0] == 500
         async def expire(txn: Any) -> None:
-            ns = Namespace(txn, OpEnv(caller=Caller(0, 0, ()), now_ns=1))
+            ns = Namespace(txn, OpEnv(caller=Caller(uid=0, gid=0), now_ns=1))
             await ns.close(opened.inode.inode_id, opened.session_id)
             await quota.settle(ns)
         await run_transaction(meta.engine, expire)

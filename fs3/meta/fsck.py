@@ -118,12 +118,12 @@ async def _check_reservations(txn: Transaction, problem: Callable[[str], None]) 
         home_key = schema.quota_reservation_home_key(held.home, inode_id, session_id)
         indexed.discard(home_key)
         if await txn.get(schema.session_key(inode_id, session_id)) is None:
-            problem(f"byte credit of {held.bytes} bytes on inode {inode_id} outlived its session "
+            problem(f"byte credit of {held.size_bytes} bytes on inode {inode_id} outlived its session "
                     f"{session_id.hex()} (fs3 quota check --repair)")
             continue
         if await txn.get(home_key) is None:
             problem(f"byte credit on inode {inode_id} is missing from its home {held.home}'s index")
-        live.append((held.home, held.bytes))
+        live.append((held.home, held.size_bytes))
     for key in sorted(indexed):
         problem(f"byte credit index key {key.hex()} has no credit")
     return live

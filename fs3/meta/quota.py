@@ -66,10 +66,10 @@ __all__ = [
     "nearest_quota",
     "parse_size",
     "read_quotas",
-    "read_usage",
     "read_reservation",
-    "rehome_away",
+    "read_usage",
     "refusal",
+    "rehome_away",
     "reserve",
     "settle",
     "settle_reservation",
@@ -115,16 +115,16 @@ class Usage:
 
 @dataclass(frozen=True)
 class Reservation:
-    """A writing session's byte credit: ``bytes`` charged to the quotas of directory ``home``
-    beyond the file's length, which the session may write into without asking meta again."""
+    """A writing session's byte credit: ``size_bytes`` charged to the quotas of directory
+    ``home`` beyond the file's length, which the session may write into without asking meta again."""
 
     home: int
-    bytes: int
+    size_bytes: int
 
     _FMT = struct.Struct(">QQ")
 
     def encode(self) -> bytes:
-        return self._FMT.pack(self.home, self.bytes)
+        return self._FMT.pack(self.home, self.size_bytes)
 
     @classmethod
     def decode(cls, raw: bytes) -> Reservation:
@@ -475,13 +475,13 @@ def _write_reservation(txn: Transaction, inode_id: int, session_id: bytes, old: 
                        new: Reservation | None) -> None:
     if old is not None and (new is None or new.home != old.home):
         txn.delete(schema.quota_reservation_home_key(old.home, inode_id, session_id))
-    if new is None or new.bytes == 0:
+    if new is None or new.size_bytes == 0:
         txn.delete(schema.quota_reservation_key(inode_id, session_id))
         if new is not None:
             txn.delete(schema.quota_reservation_home_key(new.home, inode_id, session_id))
         return
     txn.put(schema.quota_reservation_key(inode_id, session_id), new.encode())
-    txn.put(schema.quota_reservation_home_key(new.home, inode_id, session_id), schema.encode_u64(new.bytes))
+    txn.put(schema.quota_reservation_home_key(new.home, inode_id, session_id), schema.encode_u64(new.size_bytes))
 
 
 async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> int | None:
@@ -503,15 +503,15 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     above = await _quotas_above(ns, charge[0], quotas, {}) if charge is not None else ()
     if charge is None or not above:
         if held is not None:  # its home left every quota: the credit is no longer needed
-            ns.quota.recharge((held.home, held.bytes), None)
+            ns.quota.recharge((held.home, held.size_bytes), None)
             _write_reservation(ns.txn, inode_id, session_id, held, None)
         return None
     home = charge[0]
     if held is not None and held.home != home:  # renamed elsewhere since: the credit starts again
-        ns.quota.recharge((held.home, held.bytes), None)
+        ns.quota.recharge((held.home, held.size_bytes), None)
         _write_reservation(ns.txn, inode_id, session_id, held, None)
         held = None
-    have = held.bytes if held is not None else 0
+    have = held.size_bytes if held is not None else 0
     need = end - inode.size
     if need <= have:
         return inode.size + have
@@ -539,8 +539,8 @@ async def settle_reservation(ns: Namespace, inode_id: int, session_id: bytes, gr
     held = await read_reservation(ns.txn, inode_id, session_id)
     if held is None:
         return
-    left = 0 if closing else max(0, held.bytes - max(0, grown))
-    ns.quota.recharge((held.home, held.bytes), (held.home, left) if left else None)
+    left = 0 if closing else max(0, held.size_bytes - max(0, grown))
+    ns.quota.recharge((held.home, held.size_bytes), (held.home, left) if left else None)
     _write_reservation(ns.txn, inode_id, session_id, held, Reservation(held.home, left))
 
 
@@ -554,7 +554,7 @@ async def drop_reservations(ns: Namespace, inode_id: int) -> None:
     """The file stopped counting in any quota (its last name went): its writers' credits are given
     back (their later bytes count nowhere, as the file's do; a restore charges them at close)."""
     for session_id, held in await _held(ns, inode_id):
-        ns.quota.recharge((held.home, held.bytes), None)
+        ns.quota.recharge((held.home, held.size_bytes), None)
         _write_reservation(ns.txn, inode_id, session_id, held, None)
 
 
@@ -563,8 +563,8 @@ async def move_reservations(ns: Namespace, inode_id: int, home: int) -> None:
     the rest of the operation, where the new quotas have no room for them)."""
     for session_id, held in await _held(ns, inode_id):
         if held.home != home:
-            ns.quota.recharge((held.home, held.bytes), (home, held.bytes))
-            _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, held.bytes))
+            ns.quota.recharge((held.home, held.size_bytes), (home, held.size_bytes))
+            _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, held.size_bytes))
 
 
 async def reserved_in(txn: Transaction, directory: int) -> int:
@@ -605,4 +605,4 @@ async def rehome_away(ns: Namespace, directory: int, parent: int) -> None:
         ns.recharged(inode)
         ns.txn.put(schema.quota_away_key(parent, inode_id), b"")
         for session_id, held in await _held(ns, inode_id):
-            _write_reservation(ns.txn, inode_id, session_id, held, Reservation(parent, held.bytes))
+            _write_reservation(ns.txn, inode_id, session_id, held, Reservation(parent, held.size_bytes))

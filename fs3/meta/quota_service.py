@@ -23,8 +23,8 @@ from fs3.common.errors import BadHandle, InvalidArgument, NotADirectory, NotFoun
 from fs3.kv.api import Transaction, prefix_end
 from fs3.kv.txn import run_transaction
 from fs3.meta import quota, schema
-from fs3.meta.limits import ANCESTOR_WALK_MAX
 from fs3.meta.host import MetaHost
+from fs3.meta.limits import ANCESTOR_WALK_MAX
 from fs3.meta.ops import Namespace
 
 __all__ = ["QUOTA_PATH_SCAN_MAX", "QuotaHandlers", "directory_path"]
@@ -257,7 +257,7 @@ class QuotaHandlers(MetaHost):
                 inode_id, session_id = schema.parse_quota_reservation_key(key)
                 if await txn.get(schema.session_key(inode_id, session_id)) is None:
                     held = quota.Reservation.decode(raw)
-                    rsp.problems.append(f"byte credit of {held.bytes} bytes on inode {inode_id} outlived its "
+                    rsp.problems.append(f"byte credit of {held.size_bytes} bytes on inode {inode_id} outlived its "
                                         f"session {session_id.hex()}")
                     leaked.append((key, held))
             if len(rows) < quota.QUOTA_SCAN_BATCH:
