@@ -734,23 +734,69 @@ def test_credits_follow_a_renamed_file_and_go_back_when_it_is_removed() -> None:
 
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory + "/")
+
+
+def _moved(path: str, source: str, destination: str) -> str:
+    return destination + path[len(source):] if _under(path, source) else path
+
+
 class Model:
-    """The namespace as paths (no hard links), and what each quota should count."""
+    """The namespace as paths, hard links included: each name leads to a file id, each file has a
+    size and a home directory (where it was created or a name of its home last moved to; it stays
+    when that name is removed while others remain, and moves up when its home is removed)."""
 
     def __init__(self) -> None:
         self.dirs: set[str] = {""}
-        self.files: dict[str, int] = {}
+        self.names: dict[str, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.homes: dict[int, str] = {}
         self.limits: dict[str, tuple[int, int]] = {}
+        self.next_id = 0
+
+    def copy(self) -> Model:
+        other = Model()
+        other.dirs, other.names, other.limits = set(self.dirs), dict(self.names), dict(self.limits)
+        other.sizes, other.homes, other.next_id = dict(self.sizes), dict(self.homes), self.next_id
+        return other
 
     def usage(self, quota_dir: str) -> Usage:
         below = quota_dir + "/"
-        entries = sum(1 for p in [*self.dirs, *self.files] if p.startswith(below))
-        return Usage(sum(s for p, s in self.files.items() if p.startswith(below)), entries)
+        entries = sum(1 for p in [*self.dirs, *self.names] if p.startswith(below))
+        return Usage(sum(self.sizes[f] for f, home in self.homes.items() if _under(home, quota_dir)), entries)
+
+    def create(self, path: str) -> None:
+        self.next_id += 1
+        self.names[path] = self.next_id
+        self.sizes[self.next_id] = 0
+        self.homes[self.next_id] = path.rsplit("/", 1)[0]
+
+    def remove(self, path: str) -> None:
+        file_id = self.names.pop(path)
+        if file_id not in self.names.values():  # its last name: it counts nowhere
+            del self.sizes[file_id], self.homes[file_id]
+
+    def rmdir(self, path: str) -> None:
+        self.dirs.remove(path)
+        self.limits.pop(path, None)
+        self.homes = {f: (path.rsplit("/", 1)[0] if home == path else home) for f, home in self.homes.items()}
+
+    def move(self, source: str, destination: str) -> None:
+        if source in self.names:
+            file_id = self.names.pop(source)
+            self.names[destination] = file_id
+            if self.homes[file_id] == source.rsplit("/", 1)[0]:  # a name in its home moved: so does the home
+                self.homes[file_id] = destination.rsplit("/", 1)[0]
+            return
+        self.dirs = {_moved(p, source, destination) for p in self.dirs}
+        self.names = {_moved(p, source, destination): f for p, f in self.names.items()}
+        self.homes = {f: _moved(home, source, destination) for f, home in self.homes.items()}
+        self.limits = {_moved(p, source, destination): v for p, v in self.limits.items()}
 
     def fits(self, change: Callable[[Model], None]) -> bool:
         """Whether applying ``change`` keeps every quota within its limit where it grows."""
-        after = Model()
-        after.dirs, after.files, after.limits = set(self.dirs), dict(self.files), dict(self.limits)
+        after = self.copy()
         change(after)
         for directory, (bytes_limit, inodes_limit) in self.limits.items():
             if directory not in after.dirs:
@@ -760,6 +806,40 @@ class Model:
             if why is not None:
                 return False
         return True
+
+
+async def _write_at_once(meta: Meta, model: Model, rng: random.Random, paths: list[str],
+                         where: str) -> dict[str, int]:
+    """Writers on ``paths`` (names of files) each ask a byte credit for a random growth, in a
+    random order, before any publishes a length; the first one's answer is the model's, every
+    answer keeps each quota within its limit, and each close publishes what its writer wrote."""
+    outcomes = {"ran": 0, "refused": 0}
+    opened = [await meta.open(p) for p in paths]
+    ends = [model.sizes[model.names[p]] + rng.randrange(1, 300) for p in paths]
+    granted = []
+    for index in rng.sample(range(len(paths)), len(paths)):
+        file_id = model.names[paths[index]]
+        expected = model.fits(lambda m, f=file_id, e=ends[index]: m.sizes.__setitem__(f, max(m.sizes[f], e)))
+        try:
+            await meta.reserve(opened[index], ends[index])
+            done = True
+        except QuotaExceeded:
+            done = False
+        if not granted:
+            assert done == expected, f"{where}: credit for {paths[index]} to {ends[index]}: {done}, model {expected}"
+        outcomes["ran" if done else "refused"] += 1
+        if done:
+            granted.append(index)
+        for directory, (bytes_limit, _) in model.limits.items():
+            used = (await meta.usage(directory))[0]
+            assert not bytes_limit or used <= max(bytes_limit, model.usage(directory).bytes), \
+                f"{where}: {directory} uses {used} bytes with credits, past its limit {bytes_limit}"
+    for index, handle in enumerate(opened):
+        await meta.close(handle, ends[index] if index in granted else 0)
+        if index in granted:
+            file_id = model.names[paths[index]]
+            model.sizes[file_id] = max(model.sizes[file_id], ends[index])
+    return outcomes
 
 
 async def exercise(meta: Meta, seed: int, steps: int) -> dict[str, int]:
@@ -772,37 +852,49 @@ async def exercise(meta: Meta, seed: int, steps: int) -> dict[str, int]:
         await meta.set(directory, *limits)
         model.dirs.add(directory)
         model.limits[directory] = limits
+    await meta.mkdir("/o")  # outside every quota: where hard links lead out
+    model.dirs.add("/o")
     names = ["a", "b", "c"]
     for step in range(steps):
+        where = f"seed {seed} step {step}"
         dirs = sorted(model.dirs)
         parent = rng.choice(dirs)
         path = f"{parent}/{rng.choice(names)}"
-        kind = rng.choice(["file", "file", "dir", "grow", "grow", "rm", "mv", "quota"])
-        taken = path in model.dirs or path in model.files
+        kind = rng.choice(["file", "file", "dir", "grow", "grow", "rm", "mv", "quota", "link", "rmdir", "write"])
+        taken = path in model.dirs or path in model.names
+        files = sorted(model.names)
         change: Callable[[Model], None] | None = None
         action: Callable[[], Awaitable[Any]] | None = None
         if kind == "file" and not taken:
-            change, action = (lambda m, p=path: m.files.__setitem__(p, 0)), (lambda p=path: meta.create(p))
+            change, action = (lambda m, p=path: m.create(p)), (lambda p=path: meta.create(p))
         elif kind == "dir" and not taken:
             change, action = (lambda m, p=path: m.dirs.add(p)), (lambda p=path: meta.mkdir(p))
-        elif kind == "grow" and model.files:
-            target = rng.choice(sorted(model.files))
-            size = model.files[target] + rng.randrange(1, 200)
-            change, action = (lambda m, p=target, s=size: m.files.__setitem__(p, s)), \
+        elif kind == "grow" and files:
+            target = rng.choice(files)
+            size = model.sizes[model.names[target]] + rng.randrange(1, 200)
+            change, action = (lambda m, p=target, s=size: m.sizes.__setitem__(m.names[p], s)), \
                 (lambda p=target, s=size: meta.grow(p, s))
-        elif kind == "rm" and model.files:
-            target = rng.choice(sorted(model.files))
-            change, action = (lambda m, p=target: m.files.pop(p)), (lambda p=target: meta.rm(p))
+        elif kind == "rm" and files:
+            target = rng.choice(files)
+            change, action = (lambda m, p=target: m.remove(p)), (lambda p=target: meta.rm(p))
+        elif kind == "link" and files and not taken:
+            target = rng.choice(files)
+            change, action = (lambda m, s=target, d=path: m.names.__setitem__(d, m.names[s])), \
+                (lambda s=target, d=path: meta.link(s, d))
+        elif kind == "rmdir":
+            empty = [d for d in dirs[1:] if d not in model.limits
+                     and not any(p.startswith(d + "/") for p in [*model.dirs, *model.names])]
+            if empty:
+                target = rng.choice(empty)
+                change, action = (lambda m, p=target: m.rmdir(p)), (lambda p=target: meta.rm(p, directory=True))
+        elif kind == "write" and files:
+            outcome = await _write_at_once(meta, model, rng, rng.sample(files, min(len(files), 2)), where)
+            outcomes["ran"] += outcome["ran"]
+            outcomes["refused"] += outcome["refused"]
         elif kind == "mv" and not taken:
-            source = rng.choice(sorted(model.files) + dirs[1:]) if len(model.files) + len(dirs) > 1 else None
+            source = rng.choice(files + dirs[1:]) if len(files) + len(dirs) > 1 else None
             if source is not None and not (path + "/").startswith(source + "/"):
-                def move(m: Model, s: str = source, d: str = path) -> None:
-                    m.files = {(d + p[len(s):] if p == s or p.startswith(s + "/") else p): v
-                               for p, v in m.files.items()}
-                    m.dirs = {(d + p[len(s):] if p == s or p.startswith(s + "/") else p) for p in m.dirs}
-                    m.limits = {(d + p[len(s):] if p == s or p.startswith(s + "/") else p): v
-                                for p, v in m.limits.items()}
-                change, action = move, (lambda s=source, d=path: meta.mv(s, d))
+                change, action = (lambda m, s=source, d=path: m.move(s, d)), (lambda s=source, d=path: meta.mv(s, d))
         elif kind == "quota" and len(dirs) > 1:
             quota_dir = rng.choice(dirs[1:])
             limits = (rng.randrange(1, 600), rng.randrange(1, 8))
@@ -815,15 +907,16 @@ async def exercise(meta: Meta, seed: int, steps: int) -> dict[str, int]:
                 done = True
             except QuotaExceeded:
                 done = False
-            assert done == expected, f"seed {seed} step {step}: {kind} {path}: ran {done}, model says {expected}"
+            assert done == expected, f"{where}: {kind} {path}: ran {done}, model says {expected}"
             outcomes["ran" if done else "refused"] += 1
             if done:
                 change(model)
         for directory in model.limits:
             got = await meta.usage(directory)
             want = model.usage(directory)
-            assert got == (want.bytes, want.inodes), f"seed {seed} step {step}: {directory} uses {got}, model {want}"
+            assert got == (want.bytes, want.inodes), f"{where}: {directory} uses {got}, model {want}"
     assert await meta.problems() == []
+    assert not (await meta.check()).problems
     return outcomes
 
 
@@ -848,6 +941,26 @@ def test_the_exerciser_catches_a_planted_accounting_bug(monkeypatch: pytest.Monk
             real(self, directory, delta)
 
     monkeypatch.setattr(quota.Ledger, "entry", forgetful)
+    caught = 0
+    for seed in range(4):
+        async def body(meta: Meta, s: int = seed) -> None:
+            await exercise(meta, s, 80)
+
+        try:
+            run(body)
+        except AssertionError:
+            caught += 1
+    assert caught > 0
+
+
+def test_the_exerciser_catches_credits_never_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close that keeps its writer's credit: the model check must fail on some seed."""
+    real = quota.settle_reservation
+
+    async def keeping(ns: Namespace, inode_id: int, session_id: bytes, grown: int, closing: bool) -> None:
+        await real(ns, inode_id, session_id, grown, False)
+
+    monkeypatch.setattr(quota, "settle_reservation", keeping)
     caught = 0
     for seed in range(4):
         async def body(meta: Meta, s: int = seed) -> None:
