@@ -816,10 +816,14 @@ async def _write_at_once(meta: Meta, model: Model, rng: random.Random, paths: li
     outcomes = {"ran": 0, "refused": 0}
     opened = [await meta.open(p) for p in paths]
     ends = [model.sizes[model.names[p]] + rng.randrange(1, 300) for p in paths]
-    granted = []
+    granted: list[int] = []
     for index in rng.sample(range(len(paths)), len(paths)):
         file_id = model.names[paths[index]]
-        expected = model.fits(lambda m, f=file_id, e=ends[index]: m.sizes.__setitem__(f, max(m.sizes[f], e)))
+
+        def grow(m: Model, f: int = file_id, e: int = ends[index]) -> None:
+            m.sizes[f] = max(m.sizes[f], e)
+
+        expected = model.fits(grow)
         try:
             await meta.reserve(opened[index], ends[index])
             done = True
