@@ -82,6 +82,22 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
         assert await quota_command(fs.metadata, args("list")) == 0
         assert json.loads(capsys.readouterr().out) == []
 
+        # No quota anywhere: a handle is told so at its open and never asks for a byte credit. A
+        # quota set later then refuses its fsync; its ftruncate still works (its refused length
+        # is left to the close, the truncate clears storage past the new size).
+        await fs.makedirs("/late")
+        f = await fs.open("/late/f", "wb")
+        await fs.metadata.quota_set(path_ref(b"/late"), bytes_limit=1000)
+        await f.write(b"b" * 2000)
+        with pytest.raises(OSError) as refused:
+            await f.fsync()
+        assert refused.value.errno == errno.EDQUOT
+        await f.truncate(500)
+        await f.close()
+        assert (await fs.stat("/late/f")).st_size == 500
+        assert (await fs.metadata.quota_get(path_ref(b"/late"))).bytes_used == 500
+        assert list((await fs.metadata.fsck(True)).problems) == []
+
     asyncio.run(main())
 
 

@@ -300,9 +300,19 @@ class AsyncFileSystem:
 
     async def settle_writers(self, inode_id: int) -> None:
         """Before the file's size changes: every write of this client's handles lands on storage
-        and meta learns how far they reach (see :meth:`AsyncFile.settle`)."""
+        and meta learns how far they reach (see :meth:`AsyncFile.settle`).
+
+        A length the quotas refuse (``EDQUOT``: a handle that wrote without a byte credit, see
+        fs3.meta.quota) is left for the handle's close to publish, and the size change goes on:
+        with the file open, the truncate clears storage from its new size on and charges its own
+        growth, so nothing the refused length covered escapes the quota; refusing it would leave
+        the handle no way to give the bytes up but a close."""
         for afile in self.open_writers(inode_id):
-            await afile.settle()
+            try:
+                await afile.settle()
+            except OSError as exc:
+                if exc.errno != errno.EDQUOT:
+                    raise
 
     def size_changed(self, inode_id: int, size: int) -> None:
         """The file's size was set (truncate, ``O_TRUNC``): every open handle forgets the old end."""
