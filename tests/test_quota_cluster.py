@@ -15,7 +15,8 @@ import pytest
 import fs3.aio
 from fs3.cli.quota import quota_command
 from fs3.client.fs import AsyncFileSystem
-from fs3.client.meta import path_ref
+from fs3.client.meta import Meta, path_ref
+from fs3.common.errors import UnknownMethod
 from fs3.meta.service import MetaServiceConfig
 from tests.inproc import InProcessCluster
 
@@ -97,6 +98,17 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
         assert (await fs.stat("/late/f")).st_size == 500
         assert (await fs.metadata.quota_get(path_ref(b"/late"))).bytes_used == 500
         assert list((await fs.metadata.fsck(True)).problems) == []
+
+        # A meta older than byte credits (a rolling upgrade) does not know QuotaReserve: the client
+        # writes on and the bytes are charged at the close, as before credits.
+        async def unknown(*_: Any, **__: Any) -> None:
+            raise UnknownMethod("no method QuotaReserve")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Meta, "quota_reserve", unknown)
+            async with await fs.open("/late/g", "wb") as g:
+                await g.write(b"c" * 700)
+        assert (await fs.metadata.quota_get(path_ref(b"/late"))).bytes_used == 1200
 
     asyncio.run(main())
 

@@ -35,7 +35,7 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.capability import FileCapability
 from fs3.client.oserrors import os_errors
 from fs3.common.buffers import Buffer
-from fs3.common.errors import BadHandle, FileTooLarge, FS3Error, InvalidArgument, StaleClient
+from fs3.common.errors import BadHandle, FileTooLarge, FS3Error, InvalidArgument, StaleClient, UnknownMethod
 from fs3.common.ids import CLIENT_ID_BYTES
 from fs3.common.layout import chunk_location, max_file_size
 from fs3.common.posix import S_ISGID, S_ISUID, S_IXGRP
@@ -334,9 +334,14 @@ class AsyncFile:
         return total
 
     async def _reserve(self, end: int) -> None:
-        """Get a byte credit from meta up to at least ``end`` (``QuotaExceeded``: none)."""
-        rsp = await self._call_meta(lambda: self.fs.metadata.quota_reserve(self.inode.inode_id, self.session_id,
-                                                                            end, user=self.user))
+        """Get a byte credit from meta up to at least ``end`` (``QuotaExceeded``: none). A meta
+        older than byte credits (a rolling upgrade) counts the bytes at fsync and close only."""
+        try:
+            rsp = await self._call_meta(lambda: self.fs.metadata.quota_reserve(self.inode.inode_id, self.session_id,
+                                                                                end, user=self.user))
+        except UnknownMethod:
+            self._credit_end = None
+            return
         self._credit_end = None if rsp.unlimited else rsp.granted_end
 
     async def _send_buffer(self) -> None:
