@@ -55,6 +55,7 @@ from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader, prefix_end
 from fs3.meta import schema
+from fs3.meta.limits import ANCESTOR_WALK_MAX
 
 __all__ = [
     "DUMP_FORMAT",
@@ -92,6 +93,7 @@ KINDS: dict[str, bytes] = {
     "user": schema.user_prefix(),
     "quota": schema.quota_prefix(),
     "quota_usage": schema.QUOTA_USAGE,
+    "quota_away": schema.quota_away_prefix(),
 }
 _KIND_ORDER = {kind: index for index, kind in enumerate(KINDS)}
 # Kinds whose key is the prefix and an inode id(8).
@@ -153,6 +155,8 @@ def encode_record(key: bytes, value: bytes) -> dict[str, Any]:
         record["id"], record["name"] = int.from_bytes(rest[:8], "big"), _b64(rest[8:])
     elif kind == "trash_expiry":
         record["expires"], record["id"] = int.from_bytes(rest[:8], "big"), int.from_bytes(rest[8:], "big")
+    elif kind == "quota_away":
+        record["home"], record["id"] = int.from_bytes(rest[:8], "big"), int.from_bytes(rest[8:], "big")
     elif kind == "counter":
         record["name"] = rest.decode("utf-8", errors="surrogateescape")
     else:  # user
@@ -178,6 +182,9 @@ def decode_record(record: dict[str, Any]) -> tuple[str, bytes, bytes]:
     elif kind == "trash_expiry":
         key = prefix + _u64(record.get("expires"), "trash expiry").to_bytes(8, "big") + \
             _u64(record.get("id"), "trash expiry id").to_bytes(8, "big")
+    elif kind == "quota_away":
+        key = prefix + _u64(record.get("home"), "quota away home").to_bytes(8, "big") + \
+            _u64(record.get("id"), "quota away id").to_bytes(8, "big")
     elif kind == "counter":
         name = record.get("name")
         if not isinstance(name, str) or not name:
@@ -373,6 +380,43 @@ async def _in_trash(reader: SnapshotReader, inode_id: int) -> bool:
     return bool(await reader.scan(key, key + b"\x00", limit=1))
 
 
+async def _credits_by_quota(reader: SnapshotReader, page_records: int) -> dict[int, int]:
+    """Bytes of writers' byte credits (fs3.meta.quota) each quota's usage holds. Credits belong to
+    open sessions, which a dump leaves out: so is what they added to each usage. Credits are few
+    (one per writing handle in a quota'd tree); each walks up its home's parent links."""
+    quotas: set[int] = set()
+    async for page in _plain_pages(reader, schema.quota_prefix(), page_records):
+        quotas.update(schema.parse_quota_key(key) for key, _ in page)
+    held: dict[int, int] = {}
+    if not quotas:
+        return held
+    prefix = schema.quota_reservation_home_prefix()
+    async for page in _plain_pages(reader, prefix, page_records):
+        for key, raw in page:
+            current, size = int.from_bytes(key[len(prefix):len(prefix) + 8], "big"), schema.decode_u64(raw)
+            for _ in range(ANCESTOR_WALK_MAX):
+                if current in quotas:
+                    held[current] = held.get(current, 0) + size
+                found = await reader.scan(schema.inode_key(current), schema.inode_key(current) + b"\x00", limit=1)
+                parent = mpb.Inode.FromString(found[0][1]).parent if found else current
+                if parent in (0, current):
+                    break
+                current = parent
+    return held
+
+
+async def _plain_pages(reader: SnapshotReader, prefix: bytes,
+                       page_records: int) -> AsyncIterator[list[tuple[bytes, bytes]]]:
+    async for page in _pages(reader, prefix, page_records, DumpStats(counts={})):
+        yield page
+
+
+def _without_credits(raw: bytes, credits: int) -> bytes:
+    usage = mpb.Quota.FromString(raw)
+    usage.bytes_used = max(0, usage.bytes_used - credits)
+    return usage.SerializeToString()
+
+
 def _removal_job(inode: mpb.Inode) -> bytes | None:
     """What removing the inode's last handle queues (as ``Namespace._delete_inode`` does): a GC
     job for a file's chunks, nothing for any other inode."""
@@ -390,6 +434,7 @@ async def dump_snapshot(reader: SnapshotReader, emit: Callable[[bytes], Awaitabl
     await emit(writer.header())
     # Files removed while open: their inode becomes a GC job, and what hangs off it is left out.
     removed: dict[int, bytes | None] = {}
+    credits = await _credits_by_quota(reader, page_records)
     for kind, prefix in KINDS.items():
         pending = deque(sorted((i, job) for i, job in removed.items() if job is not None)) if kind == "gc" else deque()
         async for page in _pages(reader, prefix, page_records, stats):
@@ -400,6 +445,8 @@ async def dump_snapshot(reader: SnapshotReader, emit: Callable[[bytes], Awaitabl
                         removed[schema.parse_inode_key(key)] = _removal_job(inode)
                         stats.open_removed += 1
                         continue
+                elif kind == "quota_usage" and credits.get(int.from_bytes(key[4:12], "big")):
+                    value = _without_credits(value, credits[int.from_bytes(key[4:12], "big")])
                 elif kind in ("xattr", "size_gen", "truncate") and int.from_bytes(key[4:12], "big") in removed:
                     continue
                 elif kind == "gc":
