@@ -99,6 +99,17 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
         assert (await fs.metadata.quota_get(path_ref(b"/late"))).bytes_used == 500
         assert list((await fs.metadata.fsck(True)).problems) == []
 
+        # A credit is bytes past the file's length: after a truncate down, the handle asks again
+        # before writing past the new length, so what it wrote stays accounted.
+        await fs.makedirs("/t")
+        await fs.metadata.quota_set(path_ref(b"/t"), bytes_limit=10_000)
+        async with await fs.open("/t/f", "wb") as t:
+            await t.write(b"d" * 4000)
+            await t.truncate(0)
+            await t.pwrite(0, b"e" * 5000)
+            assert (await fs.metadata.quota_get(path_ref(b"/t"))).bytes_used >= 5000
+        assert (await fs.metadata.quota_get(path_ref(b"/t"))).bytes_used == 5000
+
         # A meta older than byte credits (a rolling upgrade) does not know QuotaReserve: the client
         # writes on and the bytes are charged at the close, as before credits.
         async def unknown(*_: Any, **__: Any) -> None:

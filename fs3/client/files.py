@@ -144,6 +144,8 @@ class AsyncFile:
         """The file was truncated elsewhere (another handle, a path): forget the old end."""
         self._length = size
         self._written_end = min(self._written_end, size)
+        if self._credit_end is not None:  # a credit is bytes past the length: it ends lower now
+            self._credit_end = min(self._credit_end, size)
         self._invalidate_readahead()
 
     def extend_known_length(self, size: int) -> None:
