@@ -574,6 +574,19 @@ def test_a_truncate_up_is_charged_when_recorded_and_not_again_when_applied() -> 
             await run_transaction(meta.engine, lambda txn: Namespace(txn, env).setattr(
                 mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=1)))
 
+        # An open writer holding a credit may still write up to where it reached (it learns of a
+        # truncate by another client only when it asks again): its credit grows by the shrink.
+        opened = await meta.open("/d/a")
+        assert (await meta.reserve(opened, 50)).granted_end == 70  # length 40, and half of the 60 left
+        assert (await meta.usage("/d"))[0] == 70
+        await truncate(0)
+        await complete()
+        assert (await meta.usage("/d"))[0] == 70  # length 0, credit 70: still covers byte 70
+        assert (await meta.reserve(opened, 70)).granted_end == 70
+        assert await meta.problems() == []
+        await meta.close(opened)
+        assert await meta.usage("/d") == (0, 1)
+
     run(body)
 
 

@@ -983,6 +983,8 @@ class Namespace:
             ensure(0 <= job.size <= max_file_size(inode.layout),
                    f"truncate job of inode {inode_id} has size {job.size} outside its layout")
             self._growth_reserved.add(inode_id)  # charged when the truncate was recorded
+            if job.size < inode.size:  # open writers' credits now start lower (fs3.meta.quota)
+                await quota.widen_reservations(self, inode_id, inode.size - job.size)
             inode.size = job.size
             self.touch(inode)
         self.flush()

@@ -74,6 +74,7 @@ __all__ = [
     "settle",
     "settle_reservation",
     "tree_usage",
+    "widen_reservations",
     "write_usage",
 ]
 
@@ -565,6 +566,16 @@ async def move_reservations(ns: Namespace, inode_id: int, home: int) -> None:
         if held.home != home:
             ns.quota.recharge((held.home, held.size_bytes), (home, held.size_bytes))
             _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, held.size_bytes))
+
+
+async def widen_reservations(ns: Namespace, inode_id: int, shrink: int) -> None:
+    """The file shrank by ``shrink`` bytes: each open writer may still write up to where its
+    credit reached (it learns of a truncate by another client only when it asks again), so each
+    credit grows by as much, keeping ``length + credit`` where it was. Charged, never refused
+    (the truncate's own shrink pays for it); a close gives it back."""
+    for session_id, held in await _held(ns, inode_id):
+        ns.quota.recharge((held.home, held.size_bytes), (held.home, held.size_bytes + shrink))
+        _write_reservation(ns.txn, inode_id, session_id, held, Reservation(held.home, held.size_bytes + shrink))
 
 
 async def reserved_in(txn: Transaction, directory: int) -> int:
