@@ -205,11 +205,14 @@ trash-long: install
 		tests/test_trash.py -k long
 
 # Quotas at length: the random exerciser against its model on many seeds and longer runs, and
-# the client on an in-process cluster and a FUSE mount (tests/test_quota_cluster.py, _mount.py).
+# the client on an in-process cluster (QUOTA_RACES rounds of two clients writing into one quota
+# at once) and a FUSE mount (tests/test_quota_cluster.py, _mount.py).
 QUOTA_SEEDS ?= 40
 QUOTA_STEPS ?= 400
+QUOTA_RACES ?= 8
 quota-long: install
-	FS3_QUOTA_SEEDS=$(QUOTA_SEEDS) FS3_QUOTA_STEPS=$(QUOTA_STEPS) $(BIN)/pytest -q -p no:cacheprovider \
+	FS3_QUOTA_SEEDS=$(QUOTA_SEEDS) FS3_QUOTA_STEPS=$(QUOTA_STEPS) FS3_QUOTA_RACES=$(QUOTA_RACES) \
+		$(BIN)/pytest -q -p no:cacheprovider \
 		tests/test_quota.py tests/test_quota_cluster.py tests/test_quota_mount.py
 
 # The Fire-Flyer 2 model against the paper: bench/results/cluster_model/report.md and its plots.

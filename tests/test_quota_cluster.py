@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import errno
 import json
+import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +130,9 @@ def test_two_clients_writing_at_once_never_pass_the_limit(tmp_path: Path) -> Non
     """Two clients (two connections, two client ids and leases) write into one quota'd directory
     at once, without fsync: each write past what meta granted its handle asks for a byte credit
     first, so what both wrote never adds up past the limit; one of them gets EDQUOT, and after
-    both close the usage is exactly the files' lengths."""
-    limit = 256 * 1024
+    both close the usage is exactly the files' lengths. ``FS3_QUOTA_RACES`` rounds (``make
+    quota-long`` runs more), each with its own limit and write sizes."""
+    rounds = int(os.environ.get("FS3_QUOTA_RACES", "1"))
 
     async def main() -> None:
         async with InProcessCluster(tmp_path, targets_per_node=3, with_meta=True,
@@ -137,35 +140,44 @@ def test_two_clients_writing_at_once_never_pass_the_limit(tmp_path: Path) -> Non
             one = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
             two = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
             try:
-                await one.makedirs("/q")
-                await one.metadata.quota_set(path_ref(b"/q"), bytes_limit=limit)
-                files = [await one.open("/q/one", "wb"), await two.open("/q/two", "wb")]
-                written = [0, 0]
-                refused = [False, False]
-
-                async def writer(index: int, step: int) -> None:
-                    for _ in range(200):
-                        try:
-                            await files[index].pwrite(written[index], b"w" * step)
-                        except OSError as exc:
-                            assert exc.errno == errno.EDQUOT
-                            refused[index] = True
-                            return
-                        written[index] += step
-                        used = (await one.metadata.quota_get(path_ref(b"/q"))).bytes_used
-                        assert used <= limit and sum(written) <= limit  # accounted and written
-
-                await asyncio.gather(writer(0, 3000), writer(1, 1700))
-                assert any(refused) and sum(written) <= limit
-                assert sum(written) > limit - 2 * 3000  # both kept going until the quota was full
-                for f in files:
-                    await f.close()
-                sizes = [(await one.stat(p)).st_size for p in ("/q/one", "/q/two")]
-                assert sizes == written
-                assert (await one.metadata.quota_get(path_ref(b"/q"))).bytes_used == sum(sizes) <= limit
+                for index in range(rounds):
+                    rng = random.Random(index)
+                    steps = (3000, 1700) if index == 0 else (rng.randrange(1000, 9000), rng.randrange(1000, 9000))
+                    limit = 256 * 1024 if index == 0 else rng.randrange(16, 512) * 1024
+                    await race(one, two, f"/q{index}", limit, steps)
                 assert list((await one.metadata.fsck(True)).problems) == []
             finally:
                 await one.close()
                 await two.close()
+
+    async def race(one: AsyncFileSystem, two: AsyncFileSystem, directory: str, limit: int,
+                   steps: tuple[int, int]) -> None:
+        await one.makedirs(directory)
+        await one.metadata.quota_set(path_ref(directory.encode()), bytes_limit=limit)
+        paths = [f"{directory}/one", f"{directory}/two"]
+        files = [await one.open(paths[0], "wb"), await two.open(paths[1], "wb")]
+        written = [0, 0]
+        refused = [False, False]
+
+        async def writer(index: int) -> None:
+            for _ in range(1000):
+                try:
+                    await files[index].pwrite(written[index], b"w" * steps[index])
+                except OSError as exc:
+                    assert exc.errno == errno.EDQUOT
+                    refused[index] = True
+                    return
+                written[index] += steps[index]
+                used = (await one.metadata.quota_get(path_ref(directory.encode()))).bytes_used
+                assert used <= limit and sum(written) <= limit  # accounted and written
+
+        await asyncio.gather(writer(0), writer(1))
+        assert any(refused) and sum(written) <= limit
+        assert sum(written) > limit - 2 * max(steps)  # both kept going until the quota was full
+        for f in files:
+            await f.close()
+        sizes = [(await one.stat(p)).st_size for p in paths]
+        assert sizes == written
+        assert (await one.metadata.quota_get(path_ref(directory.encode()))).bytes_used == sum(sizes) <= limit
 
     asyncio.run(main())
