@@ -214,11 +214,14 @@ class TruncateUnclaimed(Exception):
 
 def removal_scans(inode_id: int, kind: int) -> list[tuple[bytes, bytes | None, int]]:
     """The scans (start, end, limit) that removing the last name of an inode makes: whether a
-    directory is empty or a file still open, then its first page of attributes. Announced before
+    directory is empty or a file still open, then its first page of attributes, and what quotas
+    read (:func:`fs3.meta.quota.removal_scans`). Announced before
     they run (``Transaction.prefetch_scan``), they ride together with an earlier read."""
     first = schema.dentry_prefix(inode_id) if kind == DIRECTORY else schema.session_prefix(inode_id)
     xattrs = schema.xattr_prefix(inode_id)
-    return [(first, prefix_end(first), 1), (xattrs, prefix_end(xattrs), XATTR_DELETE_PAGE)]
+    # Then quotas': a file's writers' credits, a directory's files at home by no name there.
+    return [(first, prefix_end(first), 1), (xattrs, prefix_end(xattrs), XATTR_DELETE_PAGE),
+            *quota.removal_scans(inode_id, kind)]
 
 
 class Namespace:

@@ -65,11 +65,13 @@ __all__ = [
     "move_reservations",
     "nearest_quota",
     "parse_size",
+    "quotas_of",
     "read_quotas",
     "read_reservation",
     "read_usage",
     "refusal",
     "rehome_away",
+    "removal_scans",
     "reserve",
     "settle",
     "settle_reservation",
@@ -174,6 +176,8 @@ class Ledger:
     # Whether growth past a limit is refused: a close (its bytes are on storage, its session must
     # end) and the background jobs charge what they apply without refusing it.
     refuse: bool = True
+    # Every quota's limits, once read in this transaction (:func:`quotas_of`): one range read.
+    known_quotas: dict[int, mpb.Quota] | None = None
 
     def entry(self, directory: int, delta: int) -> None:
         self.entries[directory] = self.entries.get(directory, 0) + delta
@@ -205,6 +209,13 @@ async def read_quotas(txn: Transaction) -> dict[int, mpb.Quota]:
     rows = await txn.scan(prefix, prefix_end(prefix), limit=QUOTA_COUNT_MAX + 1)
     ensure(len(rows) <= QUOTA_COUNT_MAX, f"{len(rows)} quotas stored, more than {QUOTA_COUNT_MAX}")
     return {schema.parse_quota_key(key): mpb.Quota.FromString(raw) for key, raw in rows}
+
+
+async def quotas_of(ns: Namespace) -> dict[int, mpb.Quota]:
+    """:func:`read_quotas` read once per operation (the open asks, then its settle does)."""
+    if ns.quota.known_quotas is None:
+        ns.quota.known_quotas = await read_quotas(ns.txn)
+    return dict(ns.quota.known_quotas)
 
 
 async def read_usage(txn: Transaction, directory: int) -> Usage:
@@ -247,7 +258,7 @@ async def settle(ns: Namespace) -> None:
     ledger = ns.quota
     if ledger.empty():
         return
-    quotas = await read_quotas(ns.txn)
+    quotas = await quotas_of(ns)
     if not quotas:
         return
     for gone in sorted(ledger.dropped_directories & quotas.keys()):  # a removed directory takes its quota
@@ -500,7 +511,7 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     inode = await ns.inode(inode_id)
     charge = charge_of(inode)
     held = await read_reservation(ns.txn, inode_id, session_id)
-    quotas = await read_quotas(ns.txn) if charge is not None else {}
+    quotas = await quotas_of(ns) if charge is not None else {}
     above = await _quotas_above(ns, charge[0], quotas, {}) if charge is not None else ()
     if charge is None or not above:
         if held is not None:  # its home left every quota: the credit is no longer needed
@@ -549,6 +560,14 @@ async def _held(ns: Namespace, inode_id: int) -> list[tuple[bytes, Reservation]]
     prefix = schema.quota_reservation_prefix(inode_id)
     rows = await ns.txn.scan(prefix, prefix_end(prefix), limit=RESERVATIONS_PER_FILE_MAX)
     return [(schema.parse_quota_reservation_key(key)[1], Reservation.decode(raw)) for key, raw in rows]
+
+
+def removal_scans(inode_id: int, kind: int) -> list[tuple[bytes, bytes | None, int]]:
+    """The scans (start, end, limit) removing the last name of ``inode_id`` makes here: a file's
+    writers' credits (:func:`drop_reservations`), a directory's files at home by no name
+    (:func:`rehome_away`). Announced before the removal runs, they ride with its first read."""
+    prefix = schema.quota_reservation_prefix(inode_id) if kind == mpb.FILE else schema.quota_away_prefix(inode_id)
+    return [(prefix, prefix_end(prefix), RESERVATIONS_PER_FILE_MAX if kind == mpb.FILE else AWAY_MOVE_MAX + 1)]
 
 
 async def drop_reservations(ns: Namespace, inode_id: int) -> None:

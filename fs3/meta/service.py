@@ -515,7 +515,7 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
                                           now_ms, truncating), req.flags)
             # Read with the transaction's first read (announced): a cluster without quotas tells
             # the handle here that its writes need no byte credit (fs3.meta.quota.reserve).
-            rsp.quota_free = rsp.inode.type == mpb.FILE and not await quota.read_quotas(ns.txn)
+            rsp.quota_free = rsp.inode.type == mpb.FILE and not await quota.quotas_of(ns)
             return rsp
 
         created_keys = (schema.inode_key(new_id), schema.size_gen_key(new_id)) if new_id else ()
@@ -811,6 +811,8 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
 
         async def op(ns: Namespace) -> mpb.CloseSessionsRsp:
             closed = 0
+            # Each close reads its session's byte credit (fs3.meta.quota): all with the next read.
+            ns.txn.prefetch([schema.quota_reservation_key(one.inode_id, one.session_id) for one in req.sessions])
             for one in req.sessions:
                 if await ns.close_if_open(one.inode_id, one.session_id):
                     closed += 1
@@ -827,7 +829,9 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
         _check_session_owner(req.ctx, req.session_id)
         await self._refuse_impossible_length(req.inode_id, req.length_hint)
         rsp = await self._with_exact_length(req.ctx, req.inode_id, _writer_length(req), lambda ns, length: _inode_rsp(
-            ns.sync(req.inode_id, req.session_id, length)))
+            ns.sync(req.inode_id, req.session_id, length)),
+            (schema.session_key(req.inode_id, req.session_id), schema.inode_key(req.inode_id),
+             schema.quota_reservation_key(req.inode_id, req.session_id)))
         return rsp, _EMPTY
 
     async def set_layout(self, req: mpb.SetLayoutReq, payload: memoryview) -> tuple[mpb.InodeRsp, Buffer]:
