@@ -730,6 +730,7 @@ class Namespace:
         """A file whose home a rename moved takes along the growth a pending truncate reserved."""
         charged, now = self._charged.get(inode.inode_id), quota.charge_of(inode)
         if charged is not None and now is not None and charged[0] != now[0]:
+            self.txn.prefetch_scan(*quota.credits_scan(inode.inode_id))  # read with the truncate key
             growth = await self._pending_growth(inode)
             if growth:
                 self.quota.recharge((charged[0], growth), (now[0], growth))

@@ -61,6 +61,7 @@ __all__ = [
     "adopt",
     "announce",
     "charge_of",
+    "credits_scan",
     "drop_reservations",
     "move_reservations",
     "nearest_quota",
@@ -557,8 +558,8 @@ async def settle_reservation(ns: Namespace, inode_id: int, session_id: bytes, gr
 
 
 async def _held(ns: Namespace, inode_id: int) -> list[tuple[bytes, Reservation]]:
-    prefix = schema.quota_reservation_prefix(inode_id)
-    rows = await ns.txn.scan(prefix, prefix_end(prefix), limit=RESERVATIONS_PER_FILE_MAX)
+    start, end, limit = credits_scan(inode_id)
+    rows = await ns.txn.scan(start, end, limit=limit)
     return [(schema.parse_quota_reservation_key(key)[1], Reservation.decode(raw)) for key, raw in rows]
 
 
@@ -566,8 +567,16 @@ def removal_scans(inode_id: int, kind: int) -> list[tuple[bytes, bytes | None, i
     """The scans (start, end, limit) removing the last name of ``inode_id`` makes here: a file's
     writers' credits (:func:`drop_reservations`), a directory's files at home by no name
     (:func:`rehome_away`). Announced before the removal runs, they ride with its first read."""
-    prefix = schema.quota_reservation_prefix(inode_id) if kind == mpb.FILE else schema.quota_away_prefix(inode_id)
-    return [(prefix, prefix_end(prefix), RESERVATIONS_PER_FILE_MAX if kind == mpb.FILE else AWAY_MOVE_MAX + 1)]
+    if kind == mpb.FILE:
+        return [credits_scan(inode_id)]
+    prefix = schema.quota_away_prefix(inode_id)
+    return [(prefix, prefix_end(prefix), AWAY_MOVE_MAX + 1)]
+
+
+def credits_scan(inode_id: int) -> tuple[bytes, bytes | None, int]:
+    """The scan (start, end, limit) that reads a file's writers' credits, to announce it."""
+    prefix = schema.quota_reservation_prefix(inode_id)
+    return prefix, prefix_end(prefix), RESERVATIONS_PER_FILE_MAX
 
 
 async def drop_reservations(ns: Namespace, inode_id: int) -> None:
