@@ -21,6 +21,7 @@ from fs3.client.meta import Meta, path_ref
 from fs3.common.errors import UnknownMethod
 from fs3.meta.service import MetaServiceConfig
 from tests.inproc import InProcessCluster
+from tests.test_meta_leases import Lapsing, with_lapsing
 
 pytestmark = pytest.mark.slow  # an in-process cluster
 
@@ -181,3 +182,30 @@ def test_two_clients_writing_at_once_never_pass_the_limit(tmp_path: Path) -> Non
         assert (await one.metadata.quota_get(path_ref(directory.encode()))).bytes_used == sum(sizes) <= limit
 
     asyncio.run(main())
+
+
+def test_a_dead_writers_credit_comes_back_when_its_lease_lapses(tmp_path: Path) -> None:
+    """A client dies holding a byte credit and unpublished bytes on storage: once its lease
+    lapses, meta closes its session (probing storage for the length), which gives the credit
+    back and charges what it wrote; the other client then has the rest of the quota."""
+    limit = 1 << 20
+
+    async def body(env: Lapsing) -> None:
+        await env.b.makedirs("/t/q")
+        await env.b.metadata.quota_set(path_ref(b"/t/q"), bytes_limit=limit)
+        f = await env.a.open("/t/q/dead", "wb")
+        await f.write(b"a" * 5000)
+        await f.flush()  # on storage, acknowledged; the length not sent
+        held = (await env.b.metadata.quota_get(path_ref(b"/t/q"))).bytes_used
+        assert held >= 5000  # the credit
+        async with await env.b.open("/t/q/live", "wb") as g:  # B gets what is left beside it
+            with pytest.raises(OSError) as refused:
+                await g.write(b"b" * (limit - held + 1))
+            assert refused.value.errno == errno.EDQUOT
+        await env.lapse()
+        assert (await env.b.stat("/t/q/dead")).st_size == 5000
+        assert (await env.b.metadata.quota_get(path_ref(b"/t/q"))).bytes_used == 5000
+        await env.b.write_bytes("/t/q/live", b"b" * (limit - 5000))  # the rest is free again
+        assert list((await env.b.metadata.fsck(True)).problems) == []
+
+    with_lapsing(tmp_path, body)
