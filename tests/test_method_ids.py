@@ -69,6 +69,7 @@ PINNED: dict[str, int] = {
     "Meta.QuotaList": 0x0320,
     "Meta.QuotaUnset": 0x0321,
     "Meta.QuotaCheck": 0x0322,
+    "Meta.QuotaReserve": 0x0323,
 }
 
 
