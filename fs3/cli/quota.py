@@ -2,7 +2,7 @@
 
     fs3 quota set PATH [--bytes N[K|M|G|T|P]] [--inodes N]   set or change (root)
     fs3 quota get PATH                                       limits and usage
-    fs3 quota list [--json]                                  every quota
+    fs3 quota list [--json]                                  every quota, by path
     fs3 quota unset PATH                                     remove (root)
     fs3 quota check [--repair]                               recount every tree (root)
 
