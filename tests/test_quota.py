@@ -24,7 +24,9 @@ from fs3 import meta_pb2 as mpb
 from fs3.cli import quota as quota_cli
 from fs3.cli.main import build_parser
 from fs3.common.errors import (
+    BadHandle,
     CrossDevice,
+    DirectoryNotEmpty,
     InvalidArgument,
     NotADirectory,
     NotFound,
@@ -666,6 +668,50 @@ def test_a_hard_link_elsewhere_does_not_take_a_file_out_of_its_quota() -> None:
         await meta.rm("/o/g")
         assert await meta.usage("/q") == (0, 0)
         assert await meta.problems() == [] and not (await meta.check()).problems
+
+    run(body)
+
+
+def test_a_lost_mark_is_found_and_a_home_of_too_many_files_named_elsewhere_stays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.mkdir("/q/d")
+        await meta.create("/q/d/f", 10)
+        await meta.link("/q/d/f", "/g")
+        await meta.rm("/q/d/f")
+        monkeypatch.setattr(quota, "AWAY_MOVE_MAX", 0)
+        with pytest.raises(DirectoryNotEmpty):
+            await meta.rm("/q/d", directory=True)
+        assert await meta.inode_of("/q/d")  # still there, and so is the file's home
+        home, file_id = await meta.inode_of("/q/d"), await meta.inode_of("/g")
+
+        async def lose_mark(txn: Any) -> None:
+            txn.delete(schema.quota_away_key(home, file_id))
+        await run_transaction(meta.engine, lose_mark)
+        assert any("neither names it nor marks it" in p for p in await meta.problems())
+
+    run(body)
+
+
+def test_a_credit_is_only_for_an_open_writing_session_of_the_caller() -> None:
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=100)
+        await meta.create("/q/f")
+        reading = await meta.call("open", mpb.OpenReq(ctx=meta.ctx(), target=ref("/q/f"), flags=0))
+        with pytest.raises(BadHandle):
+            await meta.reserve(reading, 10)  # not open for writing
+        writing = await meta.open("/q/f")
+        await meta.close(writing)
+        with pytest.raises(BadHandle):
+            await meta.reserve(writing, 10)  # closed
+        other = mpb.OpenRsp()
+        other.CopyFrom(writing)
+        other.session_id = b"x" * len(writing.session_id)
+        with pytest.raises(BadHandle):
+            await meta.reserve(other, 10)  # another client's session id
+        assert await meta.usage("/q") == (0, 1)
 
     run(body)
 
