@@ -416,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mount-workers", type=_workers, default=1, help="the mount's --workers (with --mount)")
     up.add_argument("--detach", action="store_true", help="return once healthy, leave it running")
     up.add_argument("--mount", metavar="MNT", help="also mount the cluster here with FUSE")
+    up.add_argument("--no-scrub", action="store_true", help="no background scrubbing of the storage targets "
+                    "(default: on, gently: 4 MiB/s per target; docs/operations.md, Scrubbing)")
     up.add_argument("--tls", action="store_true", default=None,
                     help="make certificates under DIR/certs and run every service and the mount with mutual TLS "
                          "(first start only; later starts keep what the cluster was made with)")
