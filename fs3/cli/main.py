@@ -44,7 +44,7 @@ from fs3.cli.cluster import (
     warn_token_in_argv,
 )
 from fs3.cli.meta_backup import add_meta_backup_commands
-from fs3.cli.moves import MOVE_COMMANDS, add_move_commands, run_move_command
+from fs3.cli.moves import MOVE_COMMANDS, add_move_commands, chain_move_notes, run_move_command, target_move_notes
 from fs3.cli.ops import OPERATOR_COMMANDS, add_operator_commands, run_operator
 from fs3.cli.output import human_bytes as _human_bytes
 from fs3.cli.output import message_dict, print_json, progress
@@ -150,12 +150,13 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
         if out_json:
             print_json(targets)
         else:
+            moving = target_move_notes(await admin.moves(), targets)  # drains and rebalances under way
             print(_table([[str(t.target_id), str(t.node_id), str(t.chain_id or "-"),
                            _state_name(cpb.PublicState, t.public_state) + (" (fenced)" if t.fenced else ""),
-                           _state_name(cpb.LocalState, t.local_state), str(t.chunk_count),
-                           _human_bytes(t.used_bytes), _human_bytes(t.free_bytes), t.path]
+                           _state_name(cpb.LocalState, t.local_state), moving.get(t.target_id, "-"),
+                           str(t.chunk_count), _human_bytes(t.used_bytes), _human_bytes(t.free_bytes), t.path]
                           for t in targets],
-                         ["target", "node", "chain", "public", "local", "chunks", "used", "free", "path"]))
+                         ["target", "node", "chain", "public", "local", "move", "chunks", "used", "free", "path"]))
         return 0
     if args.command == "chains":
         rsp = await admin.chains()
@@ -163,9 +164,11 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
             print_json(rsp)
         else:
             states = {t.target_id: _state_name(cpb.PublicState, t.public_state) for t in rsp.targets}
+            moving = chain_move_notes(await admin.moves())
             print(_table([[str(c.chain_id), str(c.chain_version), str(c.table_id),
-                           " -> ".join(f"{t}({states.get(t, '?')})" for t in c.target_ids)] for c in rsp.chains],
-                         ["chain", "version", "table", "targets (head first)"]))
+                           " -> ".join(f"{t}({states.get(t, '?')})" for t in c.target_ids),
+                           moving.get(c.chain_id, "-")] for c in rsp.chains],
+                         ["chain", "version", "table", "targets (head first)", "moves"]))
         return 0
     if args.command == "create-chain-table":
         chains = [_parse_chain_spec(s) for s in args.chain or []]
