@@ -129,8 +129,8 @@ def test_backup_and_load_commands_with_an_fs3_url(tmp_path: Path, monkeypatch: p
             assert "bad fs3 URL" in capsys.readouterr().err
             assert await asyncio.to_thread(main, [*cli, "load", f"fs3://{BACKUPS}/missing.dump",
                                                   "--meta-config", str(dst)]) == 1
-            assert not (tmp_path / "dst" / "kv").exists() or not dict(RocksKVStore.open_view(
-                tmp_path / "dst" / "kv").scan(b""))
+            assert "cannot read" in capsys.readouterr().err
+            assert not (tmp_path / "dst" / "kv").exists()  # the store is opened only once the dump is here
             url = f"fs3://{cluster.mgmtd_address}{BACKUPS}/{names[1]}"
             assert await asyncio.to_thread(main, [*cli, "load", url, "--meta-config", str(dst)]) == 0
 

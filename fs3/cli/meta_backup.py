@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fs3.common.errors import InvalidArgument, IoError
+from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.kv.api import SnapshotReader
 
 if TYPE_CHECKING:
@@ -110,15 +110,18 @@ async def run_meta_backup_command(args: argparse.Namespace) -> int:
         from fs3.meta.backup import load_dump
         from fs3.meta.server import open_engine
 
-        try:
-            engine, close = await open_engine(config)
-        except IoError as exc:
-            raise IoError(f"{exc} (a meta server running on this store holds it: stop it first)") from None
-        try:
-            async with _local_copy(args) as path:
+        # The copy out of fs3 comes first: the store is opened only once the whole dump is here, so a
+        # backup that cannot be read (kept in the very cluster whose meta is stopped for this load)
+        # fails before the store is touched, and names why.
+        async with _local_copy(args) as path:
+            try:
+                engine, close = await open_engine(config)
+            except IoError as exc:
+                raise IoError(f"{exc} (a meta server running on this store holds it: stop it first)") from None
+            try:
                 stats = await load_dump(engine, path, args.batch_records)
-        finally:
-            await close()
+            finally:
+                await close()
         if stats.cluster_id != config.cluster_id:
             log.warning("the dump was taken of cluster %r, loaded into cluster %r", stats.cluster_id,
                         config.cluster_id)
@@ -166,9 +169,17 @@ async def _local_copy(args: argparse.Namespace) -> AsyncIterator[Path]:
     if not is_fs3_url(args.file):
         yield Path(args.file)
         return
-    async with _connected(args, args.file) as (fs, where):
-        with tempfile.TemporaryDirectory(prefix="fs3-load-") as scratch:
-            yield await copy_to_local(fs, where.path, Path(scratch))
+    with tempfile.TemporaryDirectory(prefix="fs3-load-") as scratch:
+        try:
+            async with _connected(args, args.file) as (fs, where):
+                local = await copy_to_local(fs, where.path, Path(scratch))
+        except InvalidArgument:
+            raise
+        except (FS3Error, OSError) as exc:
+            raise IoError(f"cannot read {args.file}: {exc} (a load needs the cluster that keeps the backup "
+                          "running; a backup kept in the cluster being restored cannot be read while its "
+                          "meta is stopped: copy it out first, or load a local copy)") from None
+        yield local
 
 
 async def _dump(take: Callable[[], Awaitable[SnapshotReader]], args: argparse.Namespace, cluster_id: str) -> int:
