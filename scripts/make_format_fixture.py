@@ -4,7 +4,7 @@ Starts a small local cluster (``fs3 local``: one mgmtd, one meta on RocksDB, two
 with one target each, two replicas), writes a known namespace — files (one spanning several
 chunks), an empty file, directories, a symlink, a hard link, a directory quota — stops it
 cleanly and archives every service's data directory (mgmtd, the meta RocksDB, the storage
-targets; no configs, logs, tokens or RocksDB ``LOG`` files) as ``cluster.tar.gz``, with
+targets; no configs, service logs, tokens or RocksDB ``LOG`` files) as ``cluster.tar.gz``, with
 ``manifest.json``: the namespace the test expects back (each path's kind, size, sha256, link
 target) and every archived file's size and sha256.
 
@@ -44,8 +44,9 @@ from fs3.client.meta import path_ref
 CHUNK_BYTES = 16 << 10
 #: Data directories archived, relative to the cluster's root (the storage nodes' target dirs below).
 SERVICE_DIRS = ("mgmtd", "meta", "storage-1", "storage-2")
-#: Files that are not data: configs, logs, process files, RocksDB's text logs.
-SKIPPED_SUFFIXES = (".toml", ".log", ".ready", ".pid")
+#: Files that are not data: configs, process files, RocksDB's text logs (LOG, LOG.old.*). A
+#: RocksDB write-ahead log (NNNNNN.log) is data and is kept.
+SKIPPED_SUFFIXES = (".toml", ".ready", ".pid")
 
 
 def namespace() -> dict[str, Any]:
