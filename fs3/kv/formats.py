@@ -18,10 +18,10 @@ Both log each migration's start, its progress every :data:`LOG_EVERY_PAGES` page
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import fs3
 from fs3.common.errors import MaybeCommitted, TxnConflict
 from fs3.common.formats import (
     Action,
@@ -63,8 +63,9 @@ AfterPage = Callable[[Migration, Progress | None], None]
 
 
 def release() -> str:
-    """This code's release, as format records name it."""
-    return str(getattr(fs3, "__version__", "unknown"))
+    """This code's release, as format records name it (``fs3.__version__``; the package is loaded
+    by now, being this module's parent, and is not imported here: it would reach the client)."""
+    return str(getattr(sys.modules.get("fs3"), "__version__", "unknown"))
 
 
 @dataclass(frozen=True)
