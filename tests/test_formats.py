@@ -175,7 +175,7 @@ def test_storage_migration_killed_after_any_page_resumes_to_the_same_store() -> 
         kv = _v2_target(10)
         if k < pages:
             with pytest.raises(Killed):
-                open_target_format(DyingKV(kv, k + 1), "t", page_records=3)  # type: ignore[arg-type]
+                open_target_format(DyingKV(kv, k + 1), "t", page_records=3)
             progress = kv.get(schema.FORMAT_MIGRATION)
             assert (progress is None) == (k == 0), k
         else:
@@ -249,12 +249,14 @@ def test_the_comparison_catches_a_runner_that_applies_a_page_twice_or_skips_one(
     assert expected[b"r/0000"] == b"v0+" and expected[b"zz"] == b"not migrated"
 
     def correct(kv: MemKVStore, fail_at: int) -> None:
-        open_kv_format(DyingKV(kv, fail_at), COUNTED, "t", page_records=3)  # type: ignore[arg-type]
+        open_kv_format(DyingKV(kv, fail_at), COUNTED, "t", page_records=3)
 
     assert _interrupted_results(correct, [1, 2, 3]) == [expected] * 3
     for flaw in ("twice", "skip"):
-        results = _interrupted_results(lambda kv, fail_at, flaw=flaw: broken_run(kv, COUNTED, 3, fail_at, flaw),
-                                       [2, 4])
+        def flawed(kv: MemKVStore, fail_at: int, flaw: str = flaw) -> None:
+            broken_run(kv, COUNTED, 3, fail_at, flaw)
+
+        results = _interrupted_results(flawed, [2, 4])
         assert any(result != expected for result in results), flaw
 
 
