@@ -5,9 +5,12 @@ deliberately broken migration runner that the same comparison catches."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -339,5 +342,61 @@ def test_meta_store_is_stamped_and_upgrade_off_refuses_an_unstamped_one() -> Non
         pairs = await _all_pairs(engine)
         assert json_version(pairs[META_FORMAT.record_key]) == META_FORMAT.current
         assert META_FORMAT.progress_key not in pairs
+
+    asyncio.run(main())
+
+
+# -- dumps ----------------------------------------------------------------------------------------
+
+
+def _meta_service(engine: OptimisticTxnEngine) -> Any:
+    from fs3.client.routing import RoutingCache
+    from fs3.client.storage_client import StorageClient
+    from fs3.meta.service import MetaService, MetaServiceConfig
+    from fs3.rpc.channel import RealChannelFactory
+
+    channels = RealChannelFactory()
+    routing = RoutingCache(["127.0.0.1:1"], channels)
+    return MetaService(engine, routing, StorageClient(routing, channels, bytes(16)), MetaServiceConfig())
+
+
+def _set_meta_format(path: Path, meta_format: int | None) -> None:
+    """The dump's header as another release wrote it (``None``: before format records), its
+    trailer's checksum made right again."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    if meta_format is None:
+        header.pop("meta_format")
+    else:
+        header["meta_format"] = meta_format
+    lines[0] = json.dumps(header).encode() + b"\n"
+    trailer = json.loads(lines[-1])
+    trailer["sha256"] = hashlib.sha256(b"".join(lines[:-1])).hexdigest()
+    lines[-1] = json.dumps(trailer).encode() + b"\n"
+    path.write_bytes(b"".join(lines))
+
+
+def test_a_dump_of_an_older_meta_format_loads_and_migrates_and_a_newer_one_is_refused(tmp_path: Path) -> None:
+    from fs3.meta.backup import dump_to_file, load_dump
+    from fs3.meta.dump import DumpError
+
+    async def main() -> None:
+        source = OptimisticTxnEngine(MemKVStore())
+        await _meta_service(source).start(background=False)  # a root inode, the store stamped
+        path = tmp_path / "meta.dump"
+        await dump_to_file(await source.snapshot(), path, "test-cluster")
+        assert json.loads(path.read_bytes().splitlines()[0])["meta_format"] == META_FORMAT.current
+        _set_meta_format(path, None)  # as the release before format records wrote it
+        restored = OptimisticTxnEngine(MemKVStore())
+        await load_dump(restored, path)
+        assert (await open_meta_format(restored, "restored", check=True)).found == 1
+        await _meta_service(restored).start(background=False)  # migrates after the load
+        pairs = await _all_pairs(restored)
+        assert json_version(pairs[META_FORMAT.record_key]) == META_FORMAT.current
+        _set_meta_format(path, META_FORMAT.current + 1)
+        empty = OptimisticTxnEngine(MemKVStore())
+        with pytest.raises(DumpError, match="written by a newer fs3"):
+            await load_dump(empty, path)
+        assert await _all_pairs(empty) == {}
 
     asyncio.run(main())
