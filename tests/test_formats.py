@@ -328,7 +328,7 @@ def json_version(raw: bytes) -> int:
     return FormatRecord.decode(raw, "t").version
 
 
-def test_meta_store_is_stamped_and_upgrade_off_refuses_an_unstamped_one() -> None:
+def test_meta_store_is_stamped_upgrade_off_refuses_an_unstamped_one_and_a_newer_one_is_refused() -> None:
     async def main() -> None:
         engine = OptimisticTxnEngine(MemKVStore())
         txn = engine.begin()
@@ -342,6 +342,14 @@ def test_meta_store_is_stamped_and_upgrade_off_refuses_an_unstamped_one() -> Non
         pairs = await _all_pairs(engine)
         assert json_version(pairs[META_FORMAT.record_key]) == META_FORMAT.current
         assert META_FORMAT.progress_key not in pairs
+        # A newer meta store: refused by the service's start, with nothing written.
+        txn = engine.begin()
+        txn.put(META_FORMAT.record_key, FormatRecord("meta", META_FORMAT.current + 1, "9.0.0").encode())
+        await txn.commit()
+        before = await _all_pairs(engine)
+        with pytest.raises(FormatRefused, match=r"meta format 3 was written by fs3 9\.0\.0.*install fs3 9\.0\.0"):
+            await _meta_service(engine).start(background=False)
+        assert await _all_pairs(engine) == before
 
     asyncio.run(main())
 

@@ -135,7 +135,7 @@ def test_v1_stores_upgrade_when_opened_by_todays_code(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # a cluster of processes
-def test_todays_cluster_on_the_v1_fixture_serves_every_file(tmp_path: Path) -> None:
+def test_todays_cluster_on_the_v1_fixture_serves_every_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "cluster"
     manifest = extract("v1", root)
     cluster = LocalCluster(root, storage_nodes=2, targets_per_node=1)
@@ -167,5 +167,11 @@ def test_todays_cluster_on_the_v1_fixture_serves_every_file(tmp_path: Path) -> N
         asyncio.run(check())
     finally:
         cluster.stop_all()
-    for config in (root / "mgmtd" / "mgmtd.toml", root / "meta" / "meta.toml", root / "storage-1" / "storage.toml"):
-        assert main(["admin", "upgrade", "--config", str(config), "--check"]) == 0
+    capsys.readouterr()
+    for config in (root / "mgmtd" / "mgmtd.toml", root / "meta" / "meta.toml", root / "storage-1" / "storage.toml",
+                   root / "storage-2" / "storage.toml"):
+        assert main(["admin", "upgrade", "--config", str(config), "--check", "--json"]) == 0
+    reports = [r for chunk in capsys.readouterr().out.split("]\n") if chunk.strip() for r in json.loads(chunk + "]")]
+    assert [(r["kind"], r["format"], r["pending"]) for r in reports] == [
+        ("mgmtd", MGMTD_FORMAT_VERSION, []), ("meta", META_FORMAT_VERSION, []),
+        ("storage-target", schema.FORMAT_VERSION, []), ("storage-target", schema.FORMAT_VERSION, [])]
