@@ -186,3 +186,23 @@ def test_mount_by_cluster_directory(cluster: Path, tmp_path: Path) -> None:
             fs.remove("/via-mount")
     finally:
         assert fs3("umount", str(mnt)).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_local_cluster_scrubs_gently_by_default(cluster: Path) -> None:
+    """`fs3 local up` turns every target's scrubber on: `fs3 admin scrub status` shows it enabled and,
+    once the first pass over the (small) targets ends, a completed pass."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        status = fs3("admin", "--dir", str(cluster), "scrub", "status", "--json")
+        assert status.returncode == 0, status.stderr
+        targets = json.loads(status.stdout)["targets"]
+        assert len(targets) == 2 and all(t.get("enabled") for t in targets), targets
+        if all(int(t.get("passes_completed", 0)) >= 1 for t in targets):
+            break
+        assert time.monotonic() < deadline, targets
+        time.sleep(0.5)
+    table = fs3("admin", "--dir", str(cluster), "scrub", "status").stdout
+    assert " off " not in table and "passes" in table

@@ -322,3 +322,49 @@ def test_moves_rsp_lists_phases() -> None:
     rsp = mpb.MovesRsp()
     rsp.moves.add(chain_id=1, from_target_id=101, to_target_id=401, phase="syncing", reason="drain")
     assert rsp.moves[0].phase == "syncing"
+
+
+def test_targets_and_chains_listings_show_a_drain_under_way(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`fs3 admin targets` marks the drained node's targets (draining, -> T syncing) and their
+    replacements (<- F syncing); `fs3 admin chains` lists the chain's move; both say nothing once done."""
+    from fs3.cli.main import main
+
+    def listing(cluster: InProcessCluster, what: str) -> dict[str, str]:
+        """The rows of a listing by their first column, as the command printed them."""
+        assert main(["admin", "--mgmtd", cluster.mgmtd_address, "--token", cluster.token, what]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return {line.split()[0]: line for line in lines[1:] if line.strip() and not line.startswith("-")}
+
+    async def body() -> None:
+        async with InProcessCluster(tmp_path, storage_nodes=3, targets_per_node=1) as cluster:
+            slow = 96 * 1024  # bytes/s: the resync of 4 chunks takes seconds
+            for node in cluster.nodes.values():
+                node.config.resync_rate_bytes_per_s = slow
+            await add_node(cluster, 4, 1, slow)
+            watch = Watch(cluster)
+            await watch.seed(4)
+            rsp = await cluster.admin().drain([1], [])
+            (move,) = rsp.moves
+            assert cluster.mgmtd is not None
+            state = cluster.mgmtd.state
+
+            async def syncing() -> bool:
+                return state.targets[move.to_target_id].public_state is PublicState.SYNCING
+            await wait_until(syncing, what="the replacement syncing")
+            targets = await asyncio.to_thread(listing, cluster, "targets")
+            source, dest = targets[str(move.from_target_id)], targets[str(move.to_target_id)]
+            assert "draining" in source and f"-> {move.to_target_id} syncing" in source, source
+            assert f"<- {move.from_target_id} syncing" in dest, dest
+            assert all(" draining" not in row and "<-" not in row for t, row in targets.items()
+                       if t not in (str(move.from_target_id), str(move.to_target_id)))
+            chains = await asyncio.to_thread(listing, cluster, "chains")
+            row = chains[str(move.chain_id)]
+            assert f"{move.from_target_id} -> {move.to_target_id} syncing (drain)" in row, row
+            await wait_until(lambda: moves_finished(cluster), what="drain finished", timeout_s=60)
+            chains = await asyncio.to_thread(listing, cluster, "chains")
+            assert "(drain)" not in chains[str(move.chain_id)]
+            targets = await asyncio.to_thread(listing, cluster, "targets")
+            assert "syncing" not in targets[str(move.to_target_id)]
+
+    asyncio.run(body())

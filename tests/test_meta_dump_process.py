@@ -22,7 +22,8 @@ import pytest
 
 import fs3.aio
 from fs3.client.fs import AsyncFileSystem
-from fs3.meta.backup import list_backups
+from fs3.meta.backup import is_backup_name, list_backups
+from fs3.meta.dump import DumpReader
 from tests.harness import ProcessCluster
 
 pytestmark = [pytest.mark.slow,
@@ -56,8 +57,10 @@ async def _churn(fs: AsyncFileSystem, stop: asyncio.Event) -> int:
     return steps
 
 
-def test_backups_under_load_then_restore(process_cluster: ProcessCluster, tmp_path: Path) -> None:
+def test_backups_under_load_then_restore(process_cluster: ProcessCluster, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = process_cluster
+    monkeypatch.setenv("FS3_TOKEN", cluster.token)  # for the backups into the cluster (fs3://HOST:PORT/...)
     root = str(cluster.root)
     backups = tmp_path / "backups"
     rng = random.Random(24)
@@ -78,9 +81,18 @@ def test_backups_under_load_then_restore(process_cluster: ProcessCluster, tmp_pa
                     await asyncio.sleep(0.5)
                     await asyncio.to_thread(_fs3, "admin", "--dir", root, "backup", "--backup-dir", str(backups),
                                             "--keep", "2", "--page-records", "64")
+                    await asyncio.to_thread(_fs3, "admin", "--dir", root, "backup", "--backup-dir",
+                                            f"fs3://{cluster.mgmtd_address}/backups/meta", "--keep", "2",
+                                            "--page-records", "64")
             finally:
                 stop.set()
                 assert await churn > 10
+            # The backups kept in the cluster itself (fs3:///): the newest two, whole, no temporary file.
+            in_fs3 = sorted(await fs.listdir("/backups/meta"))
+            assert len(in_fs3) == 2 and all(is_backup_name(n) for n in in_fs3), in_fs3
+            for name in in_fs3:
+                assert sum(1 for _ in DumpReader().records((await fs.read_bytes(f"/backups/meta/{name}"))
+                                                            .splitlines(keepends=True))) > FILES
         finally:
             await fs.close()
 

@@ -93,6 +93,9 @@ class Meta(InMemoryMeta):
     async def keys(self, prefix: bytes) -> list[bytes]:
         return [k for k, _ in await self.engine.begin().scan(prefix, prefix_end(prefix))]
 
+    async def values(self, prefix: bytes) -> list[bytes]:
+        return [v for _, v in await self.engine.begin().scan(prefix, prefix_end(prefix))]
+
     async def gc_queued(self) -> set[int]:
         prefix = schema.gc_prefix()
         return {int.from_bytes(k[len(prefix):], "big") for k in await self.keys(prefix)}
@@ -176,21 +179,58 @@ def test_restore_when_the_directory_is_gone_needs_to() -> None:
     run(body)
 
 
-def test_a_removal_by_directory_inode_records_the_path_only_when_known() -> None:
-    """A mount removes by directory inode and name: the path is known for the root only; the
-    entry still restores into that directory."""
+def test_a_removal_by_directory_inode_is_listed_under_its_directory_s_path() -> None:
+    """A mount removes by directory inode and name: the entry records no path below the root, and
+    the listing finds the directory's path (as it is now: where a restore puts the file back)."""
     async def body(meta: Meta) -> None:
         await meta.mkdir("/d")
+        await meta.mkdir("/d/e")
+        await meta.mkdir("/d/e/g")
         await meta.create("/top")
         await meta.create("/d/f")
-        lookup = await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/d")))
-        for parent, name in ((schema.ROOT_INODE, b"top"), (lookup.inode.inode_id, b"f")):
-            await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(), target=mpb.PathRef(parent=parent, path=name)))
-        top, inner = await meta.entries()
-        assert (top.path, inner.path) == (b"/top", b"")
-        assert trash.shown_path(inner) == f"<dir {lookup.inode.inode_id}>/f"
-        await meta.restore(inner.id)
-        assert await meta.ls("/d") == [b"f"]
+        await meta.create("/d/e/g/h")
+        await meta.create("/d/e/g/i")
+
+        async def remove(directory: str, name: bytes) -> None:
+            lookup = await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref(directory)))
+            await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(),
+                                                    target=mpb.PathRef(parent=lookup.inode.inode_id, path=name)))
+        await remove("/", b"top")
+        await remove("/d", b"f")
+        await remove("/d/e/g", b"h")
+        await remove("/d/e/g", b"i")
+        assert {bytes(e.name): trash.shown_path(e) for e in await meta.entries()} == {
+            b"top": "/top", b"f": "/d/f", b"h": "/d/e/g/h", b"i": "/d/e/g/i"}
+        stored = [mpb.TrashEntry.FromString(v) for v in await meta.values(schema.trash_prefix())]
+        assert sorted(bytes(e.path) for e in stored) == [b"", b"", b"", b"/top"]  # found when listed
+        await meta.call("rename", mpb.RenameReq(ctx=meta.ctx(), source=ref("/d/e"), destination=ref("/e2")))
+        shown = {bytes(e.name): e for e in await meta.entries()}
+        assert trash.shown_path(shown[b"h"]) == "/e2/g/h"
+        await meta.restore(shown[b"h"].id)
+        assert await meta.ls("/e2/g") == [b"h"]
+        # A directory that is gone shows as its inode; restoring needs --to.
+        g = (await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/e2/g")))).inode.inode_id
+        await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(), target=ref("/e2/g/h")))
+        await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(), target=ref("/e2/g"), directory=True))
+        shown = {bytes(e.name): e for e in await meta.entries()}
+        assert trash.shown_path(shown[b"i"]) == f"<dir {g}>/i"
+        assert trash.shown_path(shown[b"h"]) == "/e2/g/h"  # removed by path: recorded then
+
+    run(body)
+
+
+def test_the_directory_walk_of_a_listing_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its budget of directory entries read, a listing shows ``<dir N>/name``."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/big")
+        for i in range(40):
+            await meta.mkdir(f"/big/s{i:02d}")
+        await meta.create("/big/s39/f")
+        s39 = (await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/big/s39")))).inode.inode_id
+        await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(), target=mpb.PathRef(parent=s39, path=b"f")))
+        assert trash.shown_path((await meta.entries())[0]) == "/big/s39/f"
+        monkeypatch.setattr(trash, "PATH_WALK_ENTRIES_MAX", 20)  # s39 is the 40th entry of /big
+        assert trash.shown_path((await meta.entries())[0]) == f"<dir {s39}>/f"
 
     run(body)
 

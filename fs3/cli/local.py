@@ -77,8 +77,15 @@ from fs3.common.secret_files import (
 )
 from fs3.kv.postgres import redact_url
 from fs3.rpc.tls import TlsConfig
+from fs3.storage.scrub import ScrubConfig
 
-__all__ = ["LocalCluster", "cluster_lock"]
+__all__ = ["LOCAL_SCRUB", "NO_SCRUB_ENV", "LocalCluster", "cluster_lock"]
+
+# The scrubber of a cluster `fs3 local up` makes: on, gently (per target at most 4 MiB and 32
+# chunks a second), so that `fs3 admin scrub status` shows passes from the start; --no-scrub: off.
+LOCAL_SCRUB = ScrubConfig(bytes_per_s=4 << 20, chunks_per_s=32)
+# What --no-scrub sets for a run of a cluster made with the scrubber on (its configs are kept).
+NO_SCRUB_ENV = {"FS3_STORAGE_SCRUB_BYTES_PER_S": "0", "FS3_STORAGE_SCRUB_CHUNKS_PER_S": "0"}
 
 
 @contextlib.contextmanager
@@ -125,7 +132,8 @@ class LocalCluster:
                  meta_data_dir: Path | None = None, meta_sync_commits: bool | None = None,
                  storage_data_dirs: dict[int, Path] | None = None, tls: bool | None = None,
                  host: str = "127.0.0.1", meta_engine: str | None = None, meta_servers: int | None = None,
-                 mgmtd_replicas: int | None = None, pg_url: str | None = None) -> None:
+                 mgmtd_replicas: int | None = None, pg_url: str | None = None,
+                 scrub: ScrubConfig | None = None) -> None:
         """``fsync``: storage targets sync their writes and meta its commits (``meta_sync_commits``
         decides for meta alone). ``meta_data_dir`` and ``storage_data_dirs`` (node id -> directory
         of its targets) put data elsewhere than under ``root`` (crash tests: on a disk that loses
@@ -135,7 +143,9 @@ class LocalCluster:
         ``meta_engine``, ``meta_servers``, ``mgmtd_replicas`` (None: as the cluster was made, else
         rocksdb and one of each) and ``pg_url`` (the meta database on a server of the user's; None:
         a private server under ``root/postgres``) are fixed when the cluster is first made, except
-        the counts, which a later start may change."""
+        the counts, which a later start may change. ``scrub``: every storage target's background
+        scrubber, written into the storage configs when first made (None: off; ``fs3 local up``
+        gives :data:`LOCAL_SCRUB`)."""
         if storage_nodes < 1 or targets_per_node < 1:
             raise InvalidArgument("a local cluster needs at least one storage node with one target")
         self.root = root.resolve()
@@ -189,7 +199,7 @@ class LocalCluster:
         settings = ProcessSettings("", token_file=str(self.token_file), heartbeat_timeout_ms=heartbeat_timeout_ms,
                                    heartbeat_interval_ms=heartbeat_interval_ms, fsync=fsync,
                                    meta_sync_commits=meta_sync_commits, tls_dir=str(tls_dir) if self.tls else "",
-                                   **pg_settings)
+                                   scrub=scrub or ScrubConfig(), **pg_settings)
         data_dirs = {MGMTD: None, META: meta_data_dir}
 
         def data_dir(name: str) -> Path:
@@ -684,7 +694,10 @@ def _up(root: Path, args: Any) -> int:
     cluster = LocalCluster(root, storage_nodes=args.storage_nodes, targets_per_node=args.targets_per_node,
                            tls=args.tls, meta_engine=getattr(args, "meta_engine", None),
                            meta_servers=getattr(args, "meta_servers", None),
-                           mgmtd_replicas=getattr(args, "mgmtd_replicas", None), pg_url=pg_url)
+                           mgmtd_replicas=getattr(args, "mgmtd_replicas", None), pg_url=pg_url,
+                           scrub=None if getattr(args, "no_scrub", False) else LOCAL_SCRUB)
+    if getattr(args, "no_scrub", False):
+        cluster.env.update(NO_SCRUB_ENV)  # also a cluster made with it on: off for this run
     if pg_url is None:
         cluster.check_database()
     running = cluster.running()

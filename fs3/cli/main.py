@@ -12,6 +12,7 @@
                 [--meta-config FILE | --dir DIR]  (straight from meta's store: docs/operations.md)
     fs3 admin   token rotate --dir DIR [--finish]
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
+    fs3 admin   upgrade --config SERVICE.toml [--service mgmtd|storage|meta] [--check]
     fs3 local   up|status|down|kill|start [--dir DIR]
     fs3 trash   list | restore ID [--to PATH] | purge (ID|--all|--expired) [cluster options] [--json]
     fs3 quota   set PATH [--bytes N[K|M|G|T]] [--inodes N] | get PATH | list | unset PATH | check [--repair]
@@ -44,7 +45,7 @@ from fs3.cli.cluster import (
     warn_token_in_argv,
 )
 from fs3.cli.meta_backup import add_meta_backup_commands
-from fs3.cli.moves import MOVE_COMMANDS, add_move_commands, run_move_command
+from fs3.cli.moves import MOVE_COMMANDS, add_move_commands, chain_move_notes, run_move_command, target_move_notes
 from fs3.cli.ops import OPERATOR_COMMANDS, add_operator_commands, run_operator
 from fs3.cli.output import human_bytes as _human_bytes
 from fs3.cli.output import message_dict, print_json, progress
@@ -52,6 +53,7 @@ from fs3.cli.output import state_name as _state_name
 from fs3.cli.output import table as _table
 from fs3.cli.quota import add_quota_command, run_quota
 from fs3.cli.trash import add_trash_command, run_trash
+from fs3.cli.upgrade import add_upgrade_command, upgrade_command
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
@@ -150,12 +152,13 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
         if out_json:
             print_json(targets)
         else:
+            moving = target_move_notes(await admin.moves(), targets)  # drains and rebalances under way
             print(_table([[str(t.target_id), str(t.node_id), str(t.chain_id or "-"),
                            _state_name(cpb.PublicState, t.public_state) + (" (fenced)" if t.fenced else ""),
-                           _state_name(cpb.LocalState, t.local_state), str(t.chunk_count),
-                           _human_bytes(t.used_bytes), _human_bytes(t.free_bytes), t.path]
+                           _state_name(cpb.LocalState, t.local_state), moving.get(t.target_id, "-"),
+                           str(t.chunk_count), _human_bytes(t.used_bytes), _human_bytes(t.free_bytes), t.path]
                           for t in targets],
-                         ["target", "node", "chain", "public", "local", "chunks", "used", "free", "path"]))
+                         ["target", "node", "chain", "public", "local", "move", "chunks", "used", "free", "path"]))
         return 0
     if args.command == "chains":
         rsp = await admin.chains()
@@ -163,9 +166,11 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
             print_json(rsp)
         else:
             states = {t.target_id: _state_name(cpb.PublicState, t.public_state) for t in rsp.targets}
+            moving = chain_move_notes(await admin.moves())
             print(_table([[str(c.chain_id), str(c.chain_version), str(c.table_id),
-                           " -> ".join(f"{t}({states.get(t, '?')})" for t in c.target_ids)] for c in rsp.chains],
-                         ["chain", "version", "table", "targets (head first)"]))
+                           " -> ".join(f"{t}({states.get(t, '?')})" for t in c.target_ids),
+                           moving.get(c.chain_id, "-")] for c in rsp.chains],
+                         ["chain", "version", "table", "targets (head first)", "moves"]))
         return 0
     if args.command == "create-chain-table":
         chains = [_parse_chain_spec(s) for s in args.chain or []]
@@ -416,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mount-workers", type=_workers, default=1, help="the mount's --workers (with --mount)")
     up.add_argument("--detach", action="store_true", help="return once healthy, leave it running")
     up.add_argument("--mount", metavar="MNT", help="also mount the cluster here with FUSE")
+    up.add_argument("--no-scrub", action="store_true", help="no background scrubbing of the storage targets "
+                    "(default: on, gently: 4 MiB/s per target; docs/operations.md, Scrubbing)")
     up.add_argument("--tls", action="store_true", default=None,
                     help="make certificates under DIR/certs and run every service and the mount with mutual TLS "
                          "(first start only; later starts keep what the cluster was made with)")
@@ -542,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "reached by (repeatable; empty entries are skipped); an existing certificate "
                            "lacking one is issued again for the same key")
     init.add_argument("--days", type=int, default=825, help="lifetime of the node and client certificates")
+    add_upgrade_command(admin_sub)
     _json_after_every_subcommand(admin_sub)
     return parser
 
@@ -699,6 +707,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return rotate_command(args)
         if args.command == "certs":
             return certs_command(args)
+        if args.command == "upgrade":
+            return upgrade_command(args)
         return asyncio.run(run_admin(args))
     except BrokenPipeError:
         raise  # not an error of the command's: main() ends quietly

@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Iterable
 from typing import Any
 
+from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import InvalidArgument, Timeout
 
-__all__ = ["MOVE_COMMANDS", "add_move_commands", "run_move_command"]
+__all__ = ["MOVE_COMMANDS", "add_move_commands", "chain_move_notes", "run_move_command", "target_move_notes"]
 
 MOVE_COMMANDS = frozenset({"drain", "undrain", "rebalance", "moves"})
 _POLL_S = 0.5
@@ -42,6 +44,35 @@ def add_move_commands(admin_sub: Any) -> None:
                            help="resync copy rate of every storage node while moves run (0: unlimited)")
     rebalance.add_argument("--dry-run", action="store_true", help="show the plan, move nothing")
     admin_sub.add_parser("moves", help="replica moves in progress and lately finished")
+
+
+def target_move_notes(rsp: mpb.MovesRsp, targets: Iterable[cpb.TargetInfo]) -> dict[int, str]:
+    """What the moves do to each target, for the ``move`` column of ``fs3 admin targets``:
+    ``draining`` (its node or itself is being drained), ``-> T syncing`` (its replica moves to T),
+    ``<- F syncing`` (it takes over F's replica). Finished moves say nothing."""
+    draining_nodes, draining_targets = set(rsp.draining_node_ids), set(rsp.draining_target_ids)
+    notes: dict[int, list[str]] = {}
+    for t in targets:
+        if t.target_id in draining_targets or t.node_id in draining_nodes:
+            notes.setdefault(t.target_id, []).append("draining")
+    for m in rsp.moves:
+        if m.phase in _FINISHED:
+            continue
+        to = str(m.to_target_id) if m.to_target_id else "?"
+        notes.setdefault(m.from_target_id, []).append(f"-> {to} {m.phase}")
+        if m.to_target_id:
+            notes.setdefault(m.to_target_id, []).append(f"<- {m.from_target_id} {m.phase}")
+    return {target: ", ".join(parts) for target, parts in notes.items()}
+
+
+def chain_move_notes(rsp: mpb.MovesRsp) -> dict[int, str]:
+    """The unfinished moves of each chain, for the ``moves`` column of ``fs3 admin chains``."""
+    notes: dict[int, list[str]] = {}
+    for m in rsp.moves:
+        if m.phase not in _FINISHED:
+            to = str(m.to_target_id) if m.to_target_id else "?"
+            notes.setdefault(m.chain_id, []).append(f"{m.from_target_id} -> {to} {m.phase} ({m.reason})")
+    return {chain: ", ".join(parts) for chain, parts in notes.items()}
 
 
 def _print(rsp: mpb.MovesRsp, out_json: bool) -> None:

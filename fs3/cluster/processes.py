@@ -33,6 +33,7 @@ from fs3.meta.server import MetaConfig
 from fs3.mgmtd.service import MgmtdConfig
 from fs3.rpc.tls import TlsConfig
 from fs3.storage.replica import ReplicaConfig
+from fs3.storage.scrub import ScrubConfig
 from fs3.storage.server import StorageConfig, TargetConfig
 
 __all__ = ["LOCAL_LEASE", "META_ENGINES", "ProcessSettings", "ServiceConfig", "ServiceProcess", "Spawner",
@@ -85,6 +86,8 @@ class ProcessSettings:
     pg_port: int = 0
     pg_password_file: str = ""
     pg_fsync: bool | None = None  # the server syncs (None: as ``fsync``)
+    # Every storage target's background scrubber (fs3.storage.scrub; the default is off).
+    scrub: ScrubConfig = field(default_factory=ScrubConfig)
 
     def check(self, topology: Topology) -> None:
         """Bad combinations, before anything is written: several mgmtd or meta need PostgreSQL."""
@@ -145,7 +148,7 @@ def process_configs(topology: Topology, settings: ProcessSettings, data_dir: Cal
             heartbeat_interval_ms=settings.heartbeat_interval_ms,
             rpc_timeout_ms=settings.rpc_timeout_ms, fsync=settings.fsync, framed_port=0, grpc_port=0,
             metrics_port=0, replica=ReplicaConfig(forward_timeout_ms=settings.forward_timeout_ms),
-            targets=targets, tls=tls(topology.storage_name(node_id)))))
+            targets=targets, tls=tls(topology.storage_name(node_id)), scrub=settings.scrub)))
     for index, name in enumerate(topology.meta_names):
         configs.append(ServiceConfig(name, "meta", _meta_config(topology.meta_node_id(index), settings,
                                                                 data_dir(name), tls(name))))

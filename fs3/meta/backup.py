@@ -15,8 +15,12 @@ and keep the newest K of periodic backups in a directory.
   hand out the ids (hence chunks) of the dumped files. Should the second pass fail (the file changed
   between the passes, the store refused a write), every pair it wrote is deleted again before the
   error is raised.
-* **Backups**: :func:`backup_once` writes ``fs3-meta-<UTC time>.dump`` into a directory (a local
-  one, or one on an fs3 mount) and only then removes the oldest beyond ``keep``.
+* **Backups**: :func:`backup_to` writes ``fs3-meta-<UTC time>.dump`` into a :class:`BackupDir` and
+  only then removes the oldest beyond ``keep`` (and the temporary files of a backup killed while
+  writing). A directory is a local one (:class:`LocalBackupDir`, also one on an fs3 mount) or one
+  in an fs3 cluster reached through the client API, no mount needed
+  (:class:`fs3.meta.backup_fs3.Fs3BackupDir`). :func:`backup_once` is :func:`backup_to` of a local
+  directory.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader, Transaction, TxnEngine
@@ -38,12 +42,18 @@ from fs3.meta.schema import LOAD_UNFINISHED, counter_key, decode_u64, encode_u64
 
 __all__ = [
     "BACKUP_PREFIX",
+    "BACKUP_SUFFIX",
     "INODE_ID_GAP",
+    "TMP_SUFFIX",
+    "BackupDir",
     "LoadStats",
+    "LocalBackupDir",
     "backup_name",
     "backup_once",
+    "backup_to",
     "dump_to_file",
     "dump_to_stream",
+    "is_backup_name",
     "list_backups",
     "load_dump",
     "store_is_empty",
@@ -55,7 +65,8 @@ BACKUP_PREFIX = "fs3-meta-"
 # How far a load raises the next inode id above the dump's (load_dump says why): 2^32 ids,
 # more than a cluster makes between two backups, a sliver of the 64-bit id space.
 INODE_ID_GAP = 1 << 32
-_BACKUP_SUFFIX = ".dump"
+BACKUP_SUFFIX = ".dump"
+TMP_SUFFIX = ".tmp"  # what a backup is written as until it is whole (NAME.dump.tmp)
 
 
 async def dump_to_stream(reader: SnapshotReader, out: IO[bytes], cluster_id: str, page_records: int = 1000,
@@ -75,7 +86,7 @@ async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page
     the dump holds the user table's secret hashes and every name in the namespace). Closes the
     reader, also when the file cannot be made (a backup loop must not pile up open snapshots, each
     pinning the store's old files or a database snapshot)."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + TMP_SUFFIX)
     try:
         # O_NOFOLLOW: a link planted under the temporary name must not point the dump (or its truncation) elsewhere.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -227,34 +238,95 @@ async def _roll_back(engine: TxnEngine, path: Path, written: int, batch_records:
 def list_backups(directory: Path) -> list[Path]:
     """The complete backups in ``directory``, oldest first (names sort as their times do)."""
     return sorted(p for p in directory.iterdir()
-                  if p.name.startswith(BACKUP_PREFIX) and p.name.endswith(_BACKUP_SUFFIX) and p.is_file())
+                  if p.name.startswith(BACKUP_PREFIX) and p.name.endswith(BACKUP_SUFFIX) and p.is_file())
 
 
 def backup_name(now_ns: int) -> str:
     seconds, rest_ns = divmod(now_ns, 1_000_000_000)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds))
-    return f"{BACKUP_PREFIX}{stamp}.{rest_ns // 1_000_000:03d}Z{_BACKUP_SUFFIX}"
+    return f"{BACKUP_PREFIX}{stamp}.{rest_ns // 1_000_000:03d}Z{BACKUP_SUFFIX}"
+
+
+class BackupDir(Protocol):
+    """Where periodic backups go: a directory that can list its files, write one atomically (a
+    temporary name, made durable, then renamed) and remove one."""
+
+    def location(self, name: str) -> str:
+        """How to name file ``name`` of this directory to a person (a path, a URL)."""
+        ...
+
+    async def prepare(self) -> None:
+        """Make the directory (and its parents) if it is missing."""
+        ...
+
+    async def names(self) -> list[str]:
+        """The names of the regular files in the directory."""
+        ...
+
+    async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
+        """Dump ``reader`` (closed after, also on failure) into ``name`` + :data:`TMP_SUFFIX`, make
+        it durable, then rename it to ``name``; the temporary file is removed on failure."""
+        ...
+
+    async def remove(self, name: str) -> None:
+        """Remove file ``name``; one already gone is no error."""
+        ...
+
+
+class LocalBackupDir:
+    """A local directory (or one on an fs3 mount): :func:`dump_to_file` into it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def location(self, name: str) -> str:
+        return str(self.directory / name)
+
+    async def prepare(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    async def names(self) -> list[str]:
+        return [p.name for p in self.directory.iterdir() if p.is_file()]
+
+    async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
+        return await dump_to_file(reader, self.directory / name, cluster_id, page_records)
+
+    async def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / name).unlink()
+
+
+def is_backup_name(name: str) -> bool:
+    return name.startswith(BACKUP_PREFIX) and name.endswith(BACKUP_SUFFIX)
+
+
+async def backup_to(take: Callable[[], Awaitable[SnapshotReader]], directory: BackupDir, keep: int, cluster_id: str,
+                    page_records: int = 1000, now_ns: Callable[[], int] = time.time_ns) -> tuple[str, list[str]]:
+    """One backup into ``directory`` from a snapshot ``take`` makes, then the oldest beyond
+    ``keep`` removed: returns the new file's name and the removed ones. A failed dump removes
+    nothing."""
+    if keep < 1:
+        raise InvalidArgument("keep must be at least 1")
+    await directory.prepare()
+    name = backup_name(now_ns())
+    if name in await directory.names():
+        raise InvalidArgument(f"{directory.location(name)} exists already (two backups in the same millisecond?)")
+    await directory.write(name, await take(), cluster_id, page_records)
+    names = sorted(await directory.names())
+    backups = [n for n in names if is_backup_name(n)]  # names sort as their times do
+    removed = backups[:-keep] if len(backups) > keep else []
+    for old in removed:
+        await directory.remove(old)
+    # What a backup killed while writing left (``NAME.dump.tmp``, older than this one): a partial copy of
+    # the namespace and the user table's hashes, which nothing else would ever remove.
+    for stale in names:
+        if stale.startswith(BACKUP_PREFIX) and stale.endswith(BACKUP_SUFFIX + TMP_SUFFIX) and stale < name:
+            await directory.remove(stale)
+    return name, removed
 
 
 async def backup_once(take: Callable[[], Awaitable[SnapshotReader]], directory: Path, keep: int, cluster_id: str,
                       page_records: int = 1000, now_ns: Callable[[], int] = time.time_ns) -> tuple[Path, list[Path]]:
-    """One backup into ``directory`` from a snapshot ``take`` makes, then the oldest beyond
-    ``keep`` removed: returns the new file and the removed ones. A failed dump removes nothing."""
-    if keep < 1:
-        raise InvalidArgument("keep must be at least 1")
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / backup_name(now_ns())
-    if path.exists():
-        raise InvalidArgument(f"{path} exists already (two backups in the same millisecond?)")
-    await dump_to_file(await take(), path, cluster_id, page_records)
-    backups = list_backups(directory)
-    removed = backups[:-keep] if len(backups) > keep else []
-    for old in removed:
-        old.unlink()
-    # What a backup killed while writing left (``NAME.dump.tmp``, older than this one): a partial copy of
-    # the namespace and the user table's hashes, which nothing else would ever remove.
-    for stale in directory.glob(f"{BACKUP_PREFIX}*{_BACKUP_SUFFIX}.tmp"):
-        if stale.name < path.name:
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
-    return path, removed
+    """:func:`backup_to` a local directory: the new file and the removed ones."""
+    name, removed = await backup_to(take, LocalBackupDir(directory), keep, cluster_id, page_records, now_ns)
+    return directory / name, [directory / old for old in removed]

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NS_PER_DAY",
+    "PATH_WALK_DEPTH_MAX",
+    "PATH_WALK_ENTRIES_MAX",
     "TRASH_PAGE_MAX",
     "TRASH_PURGE_BATCH",
     "entry_for",
@@ -46,6 +48,12 @@ __all__ = [
 ]
 
 NS_PER_DAY = 86_400 * 1_000_000_000
+# A listing names the directory of an entry removed by directory inode (a mount's removals) by
+# walking up from it: at most this many levels, and this many directory entries read per page of
+# the listing to find the names (past either, the entry shows as ``<dir N>/name``).
+PATH_WALK_DEPTH_MAX = 64
+PATH_WALK_ENTRIES_MAX = 16_384
+_WALK_PAGE = 256
 # Entries one TrashList or TrashPurge page reads (a larger ``limit`` is clamped): one transaction.
 TRASH_PAGE_MAX = 1000
 # Entries one purge transaction removes: each deletes an inode and a page of its attributes.
@@ -105,14 +113,71 @@ async def list_page(ns: Namespace, start_after: int, limit: int) -> mpb.TrashLis
     prefix = schema.trash_prefix()
     rows = await ns.txn.scan(schema.trash_key(start_after + 1), prefix_end(prefix), limit=limit)
     rsp = mpb.TrashListRsp(more=len(rows) == limit)
+    walk = _PathWalk(ns)
     for _, raw in rows:
         entry = mpb.TrashEntry.FromString(raw)
         rsp.next_after = entry.id
         if _mine(ns, entry):
             inode = await ns.find_inode(entry.id)
             entry.size = inode.size if inode is not None else 0  # none: fsck reports the entry
+            if not entry.path:
+                directory = await walk.path(entry.parent)
+                if directory is not None:  # where a restore puts it: the directory's path now
+                    entry.path = directory.rstrip(b"/") + b"/" + bytes(entry.name)
             rsp.entries.append(entry)
     return rsp
+
+
+class _PathWalk:
+    """The paths of directories from their inode ids, for one listing page: up through each
+    directory's ``parent``, finding its name among its parent's entries, bounded by
+    :data:`PATH_WALK_DEPTH_MAX` and :data:`PATH_WALK_ENTRIES_MAX`; what it found is remembered."""
+
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+        self.known: dict[int, bytes | None] = {schema.ROOT_INODE: b"/"}
+        self.entries_left = PATH_WALK_ENTRIES_MAX
+
+    async def path(self, inode_id: int) -> bytes | None:
+        """The directory's path from the root; None when it is gone or the walk's bounds ran out."""
+        names: list[bytes] = []
+        chain: list[int] = []
+        current = inode_id
+        for _ in range(PATH_WALK_DEPTH_MAX + 1):
+            if current in self.known:
+                found = self.known[current]
+                break
+            chain.append(current)
+            inode = await self.ns.find_inode(current)
+            parent = inode.parent if inode is not None and inode.type == mpb.DIRECTORY else 0
+            name = await self._name_in(parent, current) if parent and parent != current else None
+            if name is None:
+                found = None
+                break
+            names.append(name)
+            current = parent
+        else:
+            found = None
+        # Each directory on the way gets its path (or None) too: its entry of the same page reuses it.
+        for index, directory in enumerate(chain):
+            self.known[directory] = None if found is None else (
+                found.rstrip(b"/") + b"/" + b"/".join(reversed(names[index:])))
+        return self.known.get(inode_id)
+
+    async def _name_in(self, parent: int, child: int) -> bytes | None:
+        """``child``'s name among ``parent``'s entries (a directory has one name), within the budget."""
+        prefix = schema.dentry_prefix(parent)
+        start, end = prefix, prefix_end(prefix)
+        while self.entries_left > 0:
+            rows = await self.ns.txn.scan(start, end, limit=min(_WALK_PAGE, self.entries_left))
+            self.entries_left -= len(rows)
+            for key, raw in rows:
+                if mpb.DirEntry.FromString(raw).inode_id == child:
+                    return schema.parse_dentry_key(key)[1]
+            if len(rows) < _WALK_PAGE:
+                return None
+            start = rows[-1][0] + b"\0"
+        return None
 
 
 async def restore(ns: Namespace, entry_id: int, to: mpb.PathRef | None) -> mpb.Inode:

@@ -1,0 +1,149 @@
+"""Metadata backups kept in an fs3 cluster through the client API (no mount): ``fs3 admin backup
+--backup-dir fs3:///PATH`` keeps the newest K there, written as a temporary file and renamed, and
+``fs3 admin load fs3://...`` loads one into an empty store."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fs3.aio
+from fs3.cli.main import main
+from fs3.client.fs import AsyncFileSystem
+from fs3.common.errors import InvalidArgument, IoError
+from fs3.kv.store import RocksKVStore, WriteBatch
+from fs3.meta import schema
+from fs3.meta.backup import backup_to, is_backup_name
+from fs3.meta.backup_fs3 import Fs3BackupDir, parse_fs3_url
+from fs3.meta.dump import is_dumped_key
+from fs3.meta.service import MetaServiceConfig
+from tests.inproc import InProcessCluster
+from tests.test_meta_dump import engine_with, random_store, read_back
+
+pytestmark = pytest.mark.slow  # an in-process cluster
+
+BACKUPS = "/backups/meta"
+
+
+def _meta_config(tmp_path: Path, name: str) -> Path:
+    config = tmp_path / f"{name}.toml"
+    config.write_text(f'data_dir = "{tmp_path / name}"\nkv_engine = "rocksdb"\ncluster_id = "fs3-url"\n')
+    config.chmod(0o600)
+    return config
+
+
+async def _names(fs: AsyncFileSystem) -> list[str]:
+    return sorted(await fs.listdir(BACKUPS))
+
+
+def test_url_forms() -> None:
+    assert parse_fs3_url("fs3:///backups/meta/").path == "/backups/meta"
+    assert parse_fs3_url("fs3://10.0.0.1:9000/b").mgmtd == "10.0.0.1:9000"
+    assert parse_fs3_url("fs3://prod@/b").profile == "prod"
+    for bad in ("fs3:/backups", "fs3://host/b", "fs3://a@h:1/b", "fs3://host:9000", "fs3:///a/../b", "fs3://:x@/b"):
+        with pytest.raises(InvalidArgument):
+            parse_fs3_url(bad)
+
+
+def test_backups_in_fs3_keep_the_newest_and_prune_leftovers(tmp_path: Path) -> None:
+    engine = engine_with(random_store(random.Random(24), 12))
+    clock = iter(range(2_000_000_000_000_000_000, 3_000_000_000_000_000_000, 1_000_000_000))
+
+    async def body(fs: AsyncFileSystem) -> None:
+        directory = Fs3BackupDir(fs, parse_fs3_url(f"fs3://{BACKUPS}"))
+        # What a killed run left: a partial temporary file older than any new backup, and a newer one.
+        await fs.makedirs(BACKUPS, exist_ok=True)
+        await fs.write_bytes(f"{BACKUPS}/fs3-meta-20000101T000000.000Z.dump.tmp", b"partial")
+        await fs.write_bytes(f"{BACKUPS}/fs3-meta-29990101T000000.000Z.dump.tmp", b"another writer's")
+        made = []
+        for _ in range(3):
+            name, _removed = await backup_to(engine.snapshot, directory, 2, "c", now_ns=lambda: next(clock))
+            made.append(name)
+        assert await _names(fs) == sorted([*made[1:], "fs3-meta-29990101T000000.000Z.dump.tmp"])
+        for name in made[1:]:
+            st = await fs.stat(f"{BACKUPS}/{name}")
+            assert st.st_mode & 0o777 == 0o600
+            assert read_back((await fs.read_bytes(f"{BACKUPS}/{name}")).splitlines(keepends=True))
+
+        # A backup whose dump fails leaves no temporary file and removes no older backup.
+        async def broken() -> Any:
+            snap = await engine.snapshot()
+
+            async def scan(*args: Any, **kwargs: Any) -> Any:
+                raise IoError("read failed (injected)")
+            snap.scan = scan  # type: ignore[method-assign]
+            return snap
+
+        with pytest.raises(IoError):
+            await backup_to(broken, directory, 1, "c", now_ns=lambda: next(clock))
+        assert [n for n in await _names(fs) if is_backup_name(n)] == made[1:]
+        assert sum(n.endswith(".tmp") for n in await _names(fs)) == 1  # only the newer writer's
+
+    async def run() -> None:
+        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
+                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                await body(fs)
+            finally:
+                await fs.close()
+
+    asyncio.run(run())
+
+
+def test_backup_and_load_commands_with_an_fs3_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The cluster's own meta store backed up into the cluster by ``fs3:///``, then loaded from
+    there (a running cluster) into an empty store."""
+    data = random_store(random.Random(25), 30)
+    source = RocksKVStore(tmp_path / "src" / "kv")  # the store backed up, open as under a running meta
+    batch = WriteBatch()
+    for key, value in data.items():
+        batch.put(key, value)
+    source.write(batch)
+    src, dst = _meta_config(tmp_path, "src"), _meta_config(tmp_path, "dst")
+
+    async def run() -> None:
+        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
+                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
+            monkeypatch.setenv("FS3_TOKEN", cluster.token)
+            cli = ["admin", "--mgmtd", cluster.mgmtd_address]
+            for _ in range(3):
+                assert await asyncio.to_thread(main, [*cli, "backup", "--meta-config", str(src), "--backup-dir",
+                                                      f"fs3://{BACKUPS}", "--keep", "2"]) == 0
+                await asyncio.sleep(0.002)  # names are per millisecond
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                names = await _names(fs)
+            finally:
+                await fs.close()
+            assert len(names) == 2 and all(is_backup_name(n) for n in names)
+            assert f"fs3://{BACKUPS}/{names[1]} written" in capsys.readouterr().out
+            # A bad URL and a missing file are clear errors; nothing is written.
+            assert await asyncio.to_thread(main, [*cli, "backup", "--meta-config", str(src),
+                                                  "--backup-dir", "fs3://nohost/b"]) == 1
+            assert "bad fs3 URL" in capsys.readouterr().err
+            assert await asyncio.to_thread(main, [*cli, "load", f"fs3://{BACKUPS}/missing.dump",
+                                                  "--meta-config", str(dst)]) == 1
+            assert "cannot read" in capsys.readouterr().err
+            assert not (tmp_path / "dst" / "kv").exists()  # the store is opened only once the dump is here
+            url = f"fs3://{cluster.mgmtd_address}{BACKUPS}/{names[1]}"
+            assert await asyncio.to_thread(main, [*cli, "load", url, "--meta-config", str(dst)]) == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        source.close()
+    loaded = RocksKVStore.open_view(tmp_path / "dst" / "kv")
+    try:
+        contents = dict(loaded.scan(b""))
+    finally:
+        loaded.close()
+    next_key = schema.counter_key("next_inode")
+    expected = {k: v for k, v in data.items() if is_dumped_key(k) and k != next_key}
+    assert {k: v for k, v in contents.items() if k != next_key} == expected
+
