@@ -95,21 +95,38 @@ def test_fresh_stores_are_stamped_current_and_a_record_of_another_kind_is_refuse
         ChunkEngine(wrong, MemBlobStore())
 
 
-def test_a_corrupt_chunk_record_is_reported_not_misread() -> None:
+def test_a_corrupt_chunk_record_is_refused_at_open_and_nothing_is_deleted() -> None:
+    """A ChunkState record that fails its CRC must not be dropped: the target may be its chain's
+    last serving replica (no resync brings the chunk back, and the chain's other targets would
+    resync the removal from it), and the chunk's bytes are intact in their blob. The open is
+    refused, naming the target, the chunk and what to do, with no byte changed."""
     kv = MemKVStore()
-    ChunkEngine(kv, MemBlobStore())
-    key = schema.chunk_key(b"k" * 12)
-    good = ChunkState(commit_version=4, length=10, checksum=7).encode()
-    assert ChunkState.decode(good).commit_version == 4
+    files = MemBlobStore()
+    engine = ChunkEngine(kv, files)
+    chunk_id = b"k" * 12
+    content = b"the only copy of these bytes"
+    engine.write_blob(chunk_id, 1, content)
+    engine.stage(chunk_id, 5, content, 7, 1, written_blob=1)
+    engine.commit(chunk_id, 5, 1)
+    key = schema.chunk_key(chunk_id)
+    good = kv.get(key)
+    assert good is not None and ChunkState.decode(good).commit_version == 5
     bad = bytearray(good)
-    bad[0] ^= 1  # commit_version 4 -> 5: still a plausible state, caught only by the CRC
+    bad[0] ^= 1  # commit_version 5 -> 4: still a plausible state, caught only by the CRC
     batch = WriteBatch()
     batch.put(key, bytes(bad))
     kv.write(batch)
     with pytest.raises(ChecksumMismatch, match="fails its CRC32C"):
         ChunkState.decode(bytes(bad))
-    reopened = ChunkEngine(kv, MemBlobStore())
-    assert reopened.corrupt_records == 1 and kv.get(key) is None and reopened.get(b"k" * 12) is None
+    before = _contents(kv)
+    blobs_before = list(files.list())
+    assert blobs_before
+    with pytest.raises(ChecksumMismatch) as info:
+        ChunkEngine(kv, files, where="storage target /data/t1")
+    message = str(info.value)
+    for part in ("/data/t1", chunk_id.hex(), "1 chunk metadata record", "nothing was changed", "resync"):
+        assert part in message, (part, message)
+    assert _contents(kv) == before and list(files.list()) == blobs_before
 
 
 # -- interrupted and resumed ----------------------------------------------------------------------
