@@ -53,8 +53,13 @@ def guess_service(data: dict[str, Any], path: str) -> str:
 
 
 def _open_rocks(path: Path, check: bool) -> Any:
+    """The RocksDB store at ``path``, which must exist: an upgrade never creates one (a typo in
+    the config or a disk not mounted would otherwise get an empty store, stamped current)."""
     from fs3.kv.store import RocksKVStore
 
+    if not (path / "CURRENT").is_file():
+        raise InvalidArgument(f"no RocksDB store at {path}: nothing to upgrade there (is the disk mounted, is the "
+                              "config the service's?); nothing was created")
     if check:
         return RocksKVStore.open_view(path)  # read-only: opening changes no file
     try:
