@@ -3,11 +3,19 @@ damaged format and progress records, and migrations cut short."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
 
 from fs3.cli.main import main
+from fs3.common.formats import FormatRefused
+from fs3.kv.store import MemKVStore, WriteBatch
+from fs3.storage import schema
+from fs3.storage.blobs import MemBlobStore
+from fs3.storage.chunk_engine import ChunkEngine, ChunkState
+
+U64 = struct.Struct(">Q")
 
 
 def _storage_config(root: Path, target: Path) -> Path:
@@ -28,3 +36,39 @@ def test_upgrade_of_a_store_that_is_not_there_fails_and_creates_nothing(
     err = capsys.readouterr().err
     assert str(target / "meta") in err and "no RocksDB" in err, err
     assert not (tmp_path / "not-mounted").exists()
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xff\xfe", b"{", b"[]", b'"x"', b"null", b'{"kind": "storage-target"}',
+                                 b'{"kind": "storage-target", "version": 2.9}',
+                                 b'{"kind": "storage-target", "version": true}',
+                                 b'{"kind": "storage-target", "version": "3"}',
+                                 b'{"kind": "storage-target", "version": 0}',
+                                 b'{"kind": ["storage-target"], "version": 3}',
+                                 b"[" * 100_000])
+def test_a_garbage_format_record_is_refused_naming_the_store_and_nothing_changes(raw: bytes) -> None:
+    kv = MemKVStore()
+    batch = WriteBatch()
+    batch.put(schema.FORMAT_RECORD, raw)
+    batch.put(schema.FORMAT, U64.pack(3))
+    kv.write(batch)
+    before = dict(kv.scan(b""))
+    with pytest.raises(FormatRefused, match="/data/t9"):
+        ChunkEngine(kv, MemBlobStore(), where="storage target /data/t9")
+    assert dict(kv.scan(b"")) == before
+
+
+@pytest.mark.parametrize("progress", [
+    b'{"from": 2, "to": 3, "range": 1}', b'{"from": 2, "to": 3, "range": -1}',
+    b'{"from": 2, "to": 3, "range": 0, "cursor": 7}', b'{"from": 2, "to": 3, "range": 0, "pages": -4}',
+    b'{"from": 2.5, "to": 3}', b"\x00garbage"])
+def test_a_garbage_migration_progress_is_refused_naming_the_store_and_nothing_changes(progress: bytes) -> None:
+    kv = MemKVStore()
+    batch = WriteBatch()
+    batch.put(schema.FORMAT, U64.pack(2))
+    batch.put(schema.chunk_key(b"c" * 12), ChunkState(commit_version=3, length=0).encode_v2())
+    batch.put(schema.FORMAT_MIGRATION, progress)
+    kv.write(batch)
+    before = dict(kv.scan(b""))
+    with pytest.raises(FormatRefused, match="/data/t9"):
+        ChunkEngine(kv, MemBlobStore(), where="storage target /data/t9")
+    assert dict(kv.scan(b"")) == before

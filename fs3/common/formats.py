@@ -73,15 +73,37 @@ class FormatRecord:
     @classmethod
     def decode(cls, raw: bytes, where: str) -> FormatRecord:
         try:
-            data = json.loads(raw)
-            record = cls(str(data["kind"]), int(data["version"]), str(data.get("written_by", "")),
-                         str(data.get("cluster_id", "")))
+            data = _json_object(raw)
+            kind, written_by, cluster_id = data["kind"], data.get("written_by", ""), data.get("cluster_id", "")
+            if not all(isinstance(v, str) for v in (kind, written_by, cluster_id)):
+                raise ValueError("kind, written_by and cluster_id must be strings")
+            record = cls(kind, _strict_int(data["version"], "version"), written_by, cluster_id)
         except (ValueError, KeyError, TypeError) as exc:
             raise FormatRefused(f"{where}: its format record is unreadable ({exc}); this is not a store "
                                 "fs3 wrote, or it is damaged") from None
         if record.version < 1:
             raise FormatRefused(f"{where}: format record names version {record.version}")
         return record
+
+
+def _json_object(raw: bytes) -> dict[str, object]:
+    """``raw`` as a JSON object; ValueError for anything else (a damaged record, nested too deep)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _strict_int(value: object, name: str, minimum: int = 0) -> int:
+    """An integer field as written (not a float, string or bool), at least ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} {value!r} is not an integer")
+    if value < minimum:
+        raise ValueError(f"{name} {value} is below {minimum}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -104,11 +126,13 @@ class Progress:
     @classmethod
     def decode(cls, raw: bytes, where: str) -> Progress:
         try:
-            data = json.loads(raw)
+            data = _json_object(raw)
             cursor = data.get("cursor")
-            return cls(int(data["from"]), int(data["to"]), int(data.get("range", 0)),
-                       None if cursor is None else bytes.fromhex(cursor), int(data.get("pages", 0)),
-                       int(data.get("records", 0)))
+            if cursor is not None and not isinstance(cursor, str):
+                raise ValueError(f"cursor {cursor!r} is not a hex string")
+            return cls(_strict_int(data["from"], "from", 1), _strict_int(data["to"], "to", 1),
+                       _strict_int(data.get("range", 0), "range"), None if cursor is None else bytes.fromhex(cursor),
+                       _strict_int(data.get("pages", 0), "pages"), _strict_int(data.get("records", 0), "records"))
         except (ValueError, KeyError, TypeError) as exc:
             raise FormatRefused(f"{where}: its migration progress record is unreadable ({exc})") from None
 

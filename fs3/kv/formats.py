@@ -276,6 +276,10 @@ def _check_progress(progress: Progress, migration: Migration, where: str) -> Non
     if (progress.from_version, progress.to_version) != (migration.from_version, migration.to_version):
         raise FormatRefused(f"{where}: a migration {progress.from_version}->{progress.to_version} is recorded "
                             f"in progress, but the store is at format {migration.from_version}: it is damaged")
+    if progress.range_index >= max(1, len(migration.ranges)):
+        raise FormatRefused(f"{where}: the recorded progress of migration {progress.from_version}->"
+                            f"{progress.to_version} names key range {progress.range_index}, and it has "
+                            f"{len(migration.ranges)}: it is damaged")
 
 
 def _log_start(where: str, fmt: StoreFormat, migration: Migration, progress: Progress) -> None:
