@@ -14,6 +14,7 @@ from fs3.kv.store import MemKVStore, WriteBatch
 from fs3.storage import schema
 from fs3.storage.blobs import MemBlobStore
 from fs3.storage.chunk_engine import ChunkEngine, ChunkState
+from fs3.storage.formats import open_target_format
 
 U64 = struct.Struct(">Q")
 
@@ -72,3 +73,23 @@ def test_a_garbage_migration_progress_is_refused_naming_the_store_and_nothing_ch
     with pytest.raises(FormatRefused, match="/data/t9"):
         ChunkEngine(kv, MemBlobStore(), where="storage target /data/t9")
     assert dict(kv.scan(b"")) == before
+
+
+def test_a_migration_stopped_by_a_damaged_record_names_the_store_the_step_and_the_record() -> None:
+    """Format 2 had no checksum: a truncated record is found by the migration, whose refusal must say
+    which store, which step and which record (a bare record key tells an operator of many targets
+    nothing), and leave every committed page in place to resume from."""
+    kv = MemKVStore()
+    batch = WriteBatch()
+    batch.put(schema.FORMAT, U64.pack(2))
+    for i in range(5):
+        batch.put(schema.chunk_key(bytes([i]) * 12), ChunkState(commit_version=3, length=0).encode_v2())
+    batch.put(schema.chunk_key(b"\x09" * 12), b"\x01\x02")
+    kv.write(batch)
+    with pytest.raises(FormatRefused) as info:
+        open_target_format(kv, "storage target /data/t9", page_records=2)
+    message = str(info.value)
+    for part in ("/data/t9", "format 2 -> 3", (b"\x09" * 12).hex()):
+        assert part in message, (part, message)
+    progress = kv.get(schema.FORMAT_MIGRATION)
+    assert progress is not None and b'"pages": 2' in progress  # the pages before it stay committed

@@ -268,14 +268,20 @@ class Page:
 
 
 def plan_page(fmt: StoreFormat, migration: Migration, progress: Progress, scanned: Sequence[tuple[bytes, bytes]],
-              page_records: int, record: FormatRecord) -> Page:
+              page_records: int, record: FormatRecord, where: str = "store") -> Page:
     """The batch for one page: ``scanned`` is at most ``page_records`` pairs of
     ``ranges[progress.range_index]`` from the cursor on. A short page ends its range; past the
-    last range, the batch stamps ``record`` (the new version) and deletes the progress."""
+    last range, the batch stamps ``record`` (the new version) and deletes the progress. A record
+    the rewrite refuses is reported naming ``where`` (the store) and the step."""
     writes: list[Write] = []
     if migration.rewrite is not None:
         for key, value in scanned:
-            writes.extend(migration.rewrite(key, value))
+            try:
+                writes.extend(migration.rewrite(key, value))
+            except FormatRefused as exc:
+                raise FormatRefused(f"{where}: {fmt.kind} format {migration.from_version} -> {migration.to_version} "
+                                    f"stopped at a record it cannot read, after {progress.pages} committed pages "
+                                    f"({progress.records} records), which stay: {exc.message}") from None
     done_records = progress.records + len(scanned)
     if migration.ranges and len(scanned) >= page_records:
         nxt = Progress(progress.from_version, progress.to_version, progress.range_index,

@@ -148,7 +148,7 @@ def open_kv_format(kv: KVStore, fmt: StoreFormat, where: str, *, upgrade: bool =
             if migration.ranges:
                 start, end = scan_bounds(migration, current)
                 scanned = list(kv.scan(start, end, limit=page_records))
-            page = plan_page(fmt, migration, current, scanned, page_records, new)
+            page = plan_page(fmt, migration, current, scanned, page_records, new, where)
             batch = WriteBatch()
             for key, value in page.writes:
                 batch.put(key, value) if value is not None else batch.delete(key)
@@ -245,7 +245,7 @@ async def _txn_page(engine: TxnEngine, fmt: StoreFormat, where: str, cluster_id:
                 start, end = scan_bounds(migration, progress)
                 scanned = await txn.scan(start, end, limit=page_records)
             new = FormatRecord(fmt.kind, migration.to_version, release(), cluster_id)
-            page = plan_page(fmt, migration, progress, scanned, page_records, new)
+            page = plan_page(fmt, migration, progress, scanned, page_records, new, where)
             for key, value in page.writes:
                 txn.put(key, value) if value is not None else txn.delete(key)
             try:
