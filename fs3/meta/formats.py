@@ -8,8 +8,8 @@
 Every page of a migration is one transaction that re-reads the record and the progress
 (:func:`fs3.kv.formats.open_txn_format`): meta servers sharing one PostgreSQL database that start
 together may all run it; their pages conflict, the losers retry from the winner's progress, and
-whoever finds the store current opens it. A dump records the meta format it was taken at; a load
-writes unstamped records, which the next start migrates (:mod:`fs3.meta.dump`).
+whoever finds the store current opens it. A dump records the meta format of the store it was taken of; a load
+stamps that format on the store it fills, which the next start migrates (:mod:`fs3.meta.dump`).
 """
 
 from __future__ import annotations
