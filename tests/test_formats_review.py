@@ -3,6 +3,7 @@ damaged format and progress records, and migrations cut short."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from pathlib import Path
 
@@ -93,3 +94,36 @@ def test_a_migration_stopped_by_a_damaged_record_names_the_store_the_step_and_th
         assert part in message, (part, message)
     progress = kv.get(schema.FORMAT_MIGRATION)
     assert progress is not None and b'"pages": 2' in progress  # the pages before it stay committed
+
+
+def test_meta_and_mgmtd_sharing_one_fresh_database_each_find_their_store_fresh() -> None:
+    """mgmtd may share the meta servers' PostgreSQL database (its keys under ``mgmtd/``): each must
+    judge its own store by its own keys. Otherwise a new cluster's meta, started after mgmtd, takes
+    mgmtd's keys for an unstamped format-1 namespace and, with upgrade_on_start off, refuses to start."""
+    from fs3.kv.txn import OptimisticTxnEngine
+    from fs3.meta.formats import META_FORMAT_VERSION, MGMTD_SHARED_PREFIX, open_meta_format
+    from fs3.mgmtd.formats import MGMTD_FORMAT_VERSION, open_shared_mgmtd_format
+    from fs3.mgmtd.ha import PREFIX
+
+    async def main() -> None:
+        for first in ("mgmtd", "meta"):
+            engine = OptimisticTxnEngine(MemKVStore())
+            opened = []
+            for service in (first, "meta" if first == "mgmtd" else "mgmtd"):
+                if service == "mgmtd":
+                    opened.append(await open_shared_mgmtd_format(engine, "mgmtd store", upgrade=False))
+                    txn = engine.begin()
+                    txn.put(b"mgmtd/state/chains", b"x")  # what a started mgmtd writes
+                    await txn.commit()
+                else:
+                    opened.append(await open_meta_format(engine, "meta store", upgrade=False))
+                    txn = engine.begin()
+                    txn.put(b"INOD" + (1).to_bytes(8, "big"), b"root")
+                    await txn.commit()
+            assert [r.found for r in opened] == [None, None], (first, opened)
+            assert MGMTD_SHARED_PREFIX == PREFIX
+            for report in (await open_shared_mgmtd_format(engine, "mgmtd store", check=True),
+                           await open_meta_format(engine, "meta store", check=True)):
+                assert report.found in (META_FORMAT_VERSION, MGMTD_FORMAT_VERSION) and not report.pending
+
+    asyncio.run(main())

@@ -174,6 +174,9 @@ class StoreFormat:
     legacy_key: bytes | None = None
     #: Keys that are not the store's data (the record and progress are always excluded).
     ignored_prefixes: tuple[bytes, ...] = field(default=())
+    #: Every key of the store's data starts with it: another service's keys in a shared database
+    #: (meta's beside mgmtd's ``mgmtd/``) never make this store look written.
+    data_prefix: bytes = b""
 
     def __post_init__(self) -> None:
         if not 1 <= self.oldest_upgradable <= self.current:
@@ -187,7 +190,7 @@ class StoreFormat:
         return self.migrations[from_version - self.oldest_upgradable]
 
     def is_data_key(self, key: bytes) -> bool:
-        if key in (self.record_key, self.progress_key, self.legacy_key):
+        if key in (self.record_key, self.progress_key, self.legacy_key) or not key.startswith(self.data_prefix):
             return False
         return not any(key.startswith(p) for p in self.ignored_prefixes)
 

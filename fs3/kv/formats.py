@@ -94,11 +94,12 @@ def _pending(steps: tuple[Migration, ...]) -> tuple[str, ...]:
 
 
 def _kv_has_data(kv: KVStore, fmt: StoreFormat) -> bool:
-    start: bytes | None = b""
+    start: bytes | None = fmt.data_prefix
+    end = prefix_end(fmt.data_prefix)
     for _ in range(_PROBE_KEYS):
         if start is None:
             return False
-        pair = next(iter(kv.scan(start, None, limit=1)), None)
+        pair = next(iter(kv.scan(start, end, limit=1)), None)
         if pair is None:
             return False
         key = pair[0]
@@ -164,11 +165,12 @@ def open_kv_format(kv: KVStore, fmt: StoreFormat, where: str, *, upgrade: bool =
 
 
 async def _txn_has_data(txn: Transaction, fmt: StoreFormat) -> bool:
-    start: bytes | None = b""
+    start: bytes | None = fmt.data_prefix
+    end = prefix_end(fmt.data_prefix)
     for _ in range(_PROBE_KEYS):
         if start is None:
             return False
-        pairs = await txn.scan(start, None, limit=1)
+        pairs = await txn.scan(start, end, limit=1)
         if not pairs:
             return False
         key = pairs[0][0]

@@ -18,15 +18,19 @@ from fs3.common.formats import Migration, StoreFormat
 from fs3.kv.api import TxnEngine
 from fs3.kv.formats import PAGE_RECORDS, AfterPage, FormatReport, open_txn_format
 
-__all__ = ["META_FORMAT", "META_FORMAT_VERSION", "META_KIND", "open_meta_format"]
+__all__ = ["META_FORMAT", "META_FORMAT_VERSION", "META_KIND", "MGMTD_SHARED_PREFIX", "open_meta_format"]
 
 META_KIND = "meta"
 META_FORMAT_VERSION = 2
 RECORD = b"FRMT"
 MIGRATION = b"FMIG"
+#: mgmtd's keys when it shares meta's PostgreSQL database (fs3.mgmtd.ha.PREFIX; meta does not
+#: import mgmtd): not meta's data, so a new cluster's meta started after mgmtd finds its store fresh.
+MGMTD_SHARED_PREFIX = b"mgmtd/"
 
 META_FORMAT = StoreFormat(
     kind=META_KIND, current=META_FORMAT_VERSION, oldest_upgradable=1, record_key=RECORD, progress_key=MIGRATION,
+    ignored_prefixes=(MGMTD_SHARED_PREFIX,),
     migrations=(Migration(1, "format records: the store is stamped, no record changes"),),
 )
 
