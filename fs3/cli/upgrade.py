@@ -7,8 +7,10 @@ the one it describes (``--service`` when that is ambiguous). ``--check`` reports
 format and the migrations it would run, and changes nothing (RocksDB stores are opened
 read-only). Without it every store is migrated as the service would at start (the way to
 upgrade with ``upgrade_on_start = false``). A RocksDB store can be opened by one process only:
-stop the service first. On PostgreSQL the running servers may stay up (each page is one
-transaction; see :mod:`fs3.kv.formats`).
+stop the service first. On PostgreSQL too, stop the servers of the older release first: they
+do not read format records, and would go on writing records of the old format into a store being
+migrated (harmless only for a step that rewrites no record, as meta's and mgmtd's 1 -> 2). Servers
+of this release may run it together (each page is one transaction; see :mod:`fs3.kv.formats`).
 """
 
 from __future__ import annotations
