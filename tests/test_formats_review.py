@@ -127,3 +127,26 @@ def test_meta_and_mgmtd_sharing_one_fresh_database_each_find_their_store_fresh()
                 assert report.found in (META_FORMAT_VERSION, MGMTD_FORMAT_VERSION) and not report.pending
 
     asyncio.run(main())
+
+
+def test_an_offline_upgrade_of_a_half_loaded_meta_store_is_refused_and_writes_nothing() -> None:
+    """A load cut short leaves part of a dump and its marker: meta's start refuses it with nothing
+    written, and so must ``fs3 admin upgrade`` (which stamped it and reported it upgraded)."""
+    from fs3.common.errors import InvalidArgument
+    from fs3.kv.txn import OptimisticTxnEngine
+    from fs3.meta.formats import open_meta_format
+    from fs3.meta.schema import LOAD_UNFINISHED
+
+    async def main() -> None:
+        store = MemKVStore()
+        batch = WriteBatch()
+        batch.put(LOAD_UNFINISHED, b"")
+        batch.put(b"INOD" + (1).to_bytes(8, "big"), b"root")
+        store.write(batch)
+        before = dict(store.scan(b""))
+        for check in (False, True):
+            with pytest.raises(InvalidArgument, match=r"meta store /data/meta/kv: .*fs3 admin load.* did not finish"):
+                await open_meta_format(OptimisticTxnEngine(store), "meta store /data/meta/kv", check=check)
+        assert dict(store.scan(b"")) == before
+
+    asyncio.run(main())

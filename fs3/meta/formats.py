@@ -14,9 +14,11 @@ stamps that format on the store it fills, which the next start migrates (:mod:`f
 
 from __future__ import annotations
 
+from fs3.common.errors import InvalidArgument
 from fs3.common.formats import Migration, StoreFormat
 from fs3.kv.api import TxnEngine
-from fs3.kv.formats import PAGE_RECORDS, AfterPage, FormatReport, open_txn_format
+from fs3.kv.formats import PAGE_RECORDS, AfterPage, FormatReport, end_transaction, open_txn_format
+from fs3.meta.schema import LOAD_UNFINISHED
 
 __all__ = ["META_FORMAT", "META_FORMAT_VERSION", "META_KIND", "MGMTD_SHARED_PREFIX", "open_meta_format"]
 
@@ -38,6 +40,16 @@ META_FORMAT = StoreFormat(
 async def open_meta_format(engine: TxnEngine, where: str, *, upgrade: bool = True, check: bool = False,
                            cluster_id: str = "", page_records: int = PAGE_RECORDS,
                            after_page: AfterPage | None = None) -> FormatReport:
-    """Open meta's store by its format: stamp, migrate or refuse (see the module doc)."""
+    """Open meta's store by its format: stamp, migrate or refuse (see the module doc). A store an
+    unfinished ``fs3 admin load`` left is refused first, with nothing written (``fs3 admin
+    upgrade`` too: a format record written there would hide what it holds)."""
+    look = engine.begin()
+    try:
+        if await look.get(LOAD_UNFINISHED) is not None:
+            raise InvalidArgument(f"{where}: this meta store holds part of a dump: an `fs3 admin load` into it "
+                                  "did not finish; load again into an empty store (docs/operations.md); "
+                                  "nothing was changed")
+    finally:
+        end_transaction(look)
     return await open_txn_format(engine, META_FORMAT, where, upgrade=upgrade, check=check, cluster_id=cluster_id,
                                  page_records=page_records, config_hint="<meta's config>", after_page=after_page)
