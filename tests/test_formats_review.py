@@ -150,3 +150,30 @@ def test_an_offline_upgrade_of_a_half_loaded_meta_store_is_refused_and_writes_no
         assert dict(store.scan(b"")) == before
 
     asyncio.run(main())
+
+
+def test_a_target_migrated_halfway_is_refused_by_the_release_before_format_records() -> None:
+    """An upgrade killed midway, then the operator goes back to the previous release: it checks only
+    ``v/format`` (it opens 2, refuses anything else) and would read the records already rewritten
+    with their CRC as format 2. From the first page on, ``v/format`` names the target format, and the
+    format record, which today's code reads first, the one the store is still at."""
+    kv = MemKVStore()
+    batch = WriteBatch()
+    batch.put(schema.FORMAT, U64.pack(2))
+    for i in range(5):
+        batch.put(schema.chunk_key(bytes([i]) * 12), ChunkState(commit_version=3, length=0).encode_v2())
+    kv.write(batch)
+
+    class Killed(Exception):
+        pass
+
+    def kill(_migration: object, _progress: object) -> None:
+        raise Killed
+
+    with pytest.raises(Killed):
+        open_target_format(kv, "t", page_records=2, after_page=kill)
+    assert kv.get(schema.FORMAT) != U64.pack(2)  # what the previous release opens
+    assert open_target_format(kv, "t", check=True).found == 2
+    assert open_target_format(kv, "t", page_records=2).migrated
+    assert kv.get(schema.FORMAT) == U64.pack(schema.FORMAT_VERSION)
+    assert ChunkEngine(kv, MemBlobStore()).chunk_count == 5

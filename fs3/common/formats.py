@@ -14,8 +14,10 @@ service applies when it opens a store:
 A :class:`Migration` takes a store from version N to N+1 one bounded page of records at a time:
 each page's rewritten records, and the migration's :class:`Progress` (its cursor), are written in
 one atomic batch or transaction, so a run killed at any point resumes at the next start after the
-last page it committed — no page is applied twice, none is skipped. The last page's batch also
-writes the new format record and deletes the progress. A store without a record is fresh (no
+last page it committed — no page is applied twice, none is skipped. Every page's batch also
+writes the new format record, so that a release that reads only the older format refuses a
+half-migrated store; the progress, until the last page deletes it, says the store is still at the
+older one (:func:`read_version`). A store without a record is fresh (no
 keys: stamped current) or ``unstamped_version`` (what was there before records existed).
 
 Everything here is pure (no I/O, clock or randomness): the drivers that read and write stores
@@ -203,12 +205,20 @@ class StoreFormat:
 
 
 def read_version(fmt: StoreFormat, raw_record: bytes | None, raw_legacy: bytes | None, has_data: bool,
-                 where: str) -> FormatRecord | None:
-    """The store's format record from what its keys hold; None: a fresh (empty) store."""
+                 where: str, raw_progress: bytes | None = None) -> FormatRecord | None:
+    """The store's format record from what its keys hold; None: a fresh (empty) store.
+
+    A migration's pages stamp its target version from the first one on, so that a release that
+    reads only the version it migrates from refuses the half-migrated store; while its progress
+    (``raw_progress``) is there, the store is at the version it migrates from."""
     if raw_record is not None:
         record = FormatRecord.decode(raw_record, where)
         if record.kind != fmt.kind:
             raise FormatRefused(f"{where}: this is a {record.kind} store, not a {fmt.kind} store")
+        if raw_progress is not None:
+            progress = Progress.decode(raw_progress, where)
+            if (progress.from_version, progress.to_version) == (record.version - 1, record.version):
+                return FormatRecord(record.kind, progress.from_version, record.written_by, record.cluster_id)
         return record
     if raw_legacy is not None:
         if len(raw_legacy) != _U64.size:
@@ -292,8 +302,8 @@ def plan_page(fmt: StoreFormat, migration: Migration, progress: Progress, scanne
     else:
         nxt = Progress(progress.from_version, progress.to_version, progress.range_index + 1, None,
                        progress.pages + 1, done_records)
+    writes.extend(fmt.record_writes(record))  # from the first page on (see read_version)
     if nxt.range_index >= len(migration.ranges):
-        writes.extend(fmt.record_writes(record))
         writes.append((fmt.progress_key, None))
         return Page(writes, None, len(scanned))
     writes.append((fmt.progress_key, nxt.encode()))
