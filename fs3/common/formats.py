@@ -77,7 +77,7 @@ class FormatRecord:
         try:
             data = _json_object(raw)
             kind, written_by, cluster_id = data["kind"], data.get("written_by", ""), data.get("cluster_id", "")
-            if not all(isinstance(v, str) for v in (kind, written_by, cluster_id)):
+            if not (isinstance(kind, str) and isinstance(written_by, str) and isinstance(cluster_id, str)):
                 raise ValueError("kind, written_by and cluster_id must be strings")
             record = cls(kind, _strict_int(data["version"], "version"), written_by, cluster_id)
         except (ValueError, KeyError, TypeError) as exc:
