@@ -261,11 +261,13 @@ class ChunkEngine:
         # The format record first: a fresh target is stamped, an older one migrated (or refused when
         # upgrading is off), a newer or too old one refused — before any record is decoded.
         open_target_format(kv, self.where, upgrade=self.upgrade)
-        records = self._decode_records()  # refuses a damaged record before anything is written
+        self._refuse_corrupt_records()  # before anything is written
         raw_floor = kv.get(schema.FLOOR)
         floor = schema.U64.unpack(raw_floor)[0] if raw_floor else 0
         batch = WriteBatch()
-        for key, chunk_id, state in records:
+        for key, raw in kv.scan(*schema.prefix_range(schema.CHUNK)):
+            chunk_id = schema.parse_chunk_key(key)
+            state = ChunkState.decode(raw)
             floor = max(floor, state.commit_version, state.pending_version)
             self._next_blob = max(self._next_blob, state.commit_blob + 1, state.pending_blob + 1)
             if state.pending_version:
@@ -295,30 +297,30 @@ class ChunkEngine:
             self._channels[key] = ChannelRecord.decode(raw)  # unstamped: aged from the first expiry pass
         self._unstamped = bool(self._channels)
 
-    def _decode_records(self) -> list[tuple[bytes, bytes, ChunkState]]:
-        """Every ChunkState record as ``(key, chunk id, state)``; refuses (ChecksumMismatch) to open
-        a target any of whose records fails its CRC, before anything is written. Dropping such a
-        record would delete the chunk's intact blob with it (no record would name it), and a
-        restarted target that is its chain's last serving replica is not resynced: it would serve
-        the chunk as absent and its successors would resync that removal, losing every copy. The
-        operator decides instead (docs/operations.md "Upgrading")."""
-        records: list[tuple[bytes, bytes, ChunkState]] = []
+    def _refuse_corrupt_records(self) -> None:
+        """Refuse (ChecksumMismatch) to open a target any of whose ChunkState records fails its CRC,
+        before anything is written: a pass of its own, which keeps only the bad ones' ids, so a
+        target of millions of chunks is not held twice in memory. Dropping such a record would
+        delete the chunk's intact blob with it (no record would name it), and a restarted target
+        that is its chain's last serving replica is not resynced: it would serve the chunk as
+        absent and its successors would resync that removal, losing every copy. The operator
+        decides instead (docs/operations.md "Upgrading")."""
         corrupt: list[bytes] = []
+        count = 0
         for key, raw in self.kv.scan(*schema.prefix_range(schema.CHUNK)):
-            chunk_id = schema.parse_chunk_key(key)
             try:
-                records.append((key, chunk_id, ChunkState.decode(raw)))
+                ChunkState.decode(raw)
             except ChecksumMismatch:
-                corrupt.append(chunk_id)
-        if corrupt:
-            shown = ", ".join(c.hex() for c in corrupt[:_CORRUPT_SHOWN]) + (", ..." if len(corrupt) > _CORRUPT_SHOWN
-                                                                            else "")
+                count += 1
+                if len(corrupt) < _CORRUPT_SHOWN:
+                    corrupt.append(schema.parse_chunk_key(key))
+        if count:
+            shown = ", ".join(c.hex() for c in corrupt) + (", ..." if count > len(corrupt) else "")
             raise ChecksumMismatch(
-                f"{self.where}: {len(corrupt)} chunk metadata record(s) fail their CRC32C (chunks {shown}); "
+                f"{self.where}: {count} chunk metadata record(s) fail their CRC32C (chunks {shown}); "
                 "nothing was changed and the target is not opened. If each of its chains has another serving "
                 "replica, empty this target's directory and restart the node: the target resyncs from its "
                 "chain. Otherwise keep the directory as it is: the chunks' bytes are still in its blobs")
-        return records
 
     def _drop_pending_on_open(self, batch: WriteBatch, chunk_id: bytes, state: ChunkState) -> None:
         if state.pending_patch and not state.commit_inline:
