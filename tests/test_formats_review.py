@@ -177,3 +177,30 @@ def test_a_target_migrated_halfway_is_refused_by_the_release_before_format_recor
     assert open_target_format(kv, "t", page_records=2).migrated
     assert kv.get(schema.FORMAT) == U64.pack(schema.FORMAT_VERSION)
     assert ChunkEngine(kv, MemBlobStore()).chunk_count == 5
+
+
+def test_upgrade_of_a_config_several_services_could_read_asks_which_and_changes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """meta's node_id has a default, so a meta config may hold only ``data_dir``, as a mgmtd's may:
+    guessed as mgmtd, the upgrade opened meta's store as mgmtd's, stamped a mgmtd format record in
+    it and reported it upgraded. A config that more than one service reads needs --service."""
+    from fs3.kv.store import RocksKVStore
+
+    store = RocksKVStore(tmp_path / "meta" / "kv")
+    batch = WriteBatch()
+    batch.put(b"INOD" + (1).to_bytes(8, "big"), b"root")  # meta's, from before format records
+    store.write(batch)
+    store.close()
+    config = tmp_path / "meta.toml"
+    config.write_text(f'data_dir = "{tmp_path / "meta"}"\n')
+    config.chmod(0o600)
+    assert main(["admin", "upgrade", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "--service" in err and "mgmtd" in err and "meta" in err, err
+    view = RocksKVStore.open_view(tmp_path / "meta" / "kv")
+    try:
+        assert dict(view.scan(b"")) == {b"INOD" + (1).to_bytes(8, "big"): b"root"}
+    finally:
+        view.close()
+    assert main(["admin", "upgrade", "--config", str(config), "--service", "meta"]) == 0
+    assert "meta format 1, current 2 (upgraded)" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import tomllib
 from pathlib import Path
@@ -44,14 +45,23 @@ def add_upgrade_command(admin_sub: Any) -> None:
 
 
 def guess_service(data: dict[str, Any], path: str) -> str:
-    """The service a config is for: ``targets`` is storage's, ``node_id`` (without) meta's, else mgmtd."""
-    if "targets" in data:
-        return "storage"
-    if "node_id" in data or "service" in data:
-        return "meta"
-    if "heartbeat_timeout_ms" in data or "instance_name" in data or "data_dir" in data:
-        return "mgmtd"
-    raise InvalidArgument(f"{path}: cannot tell which service this config is for; give --service")
+    """The service a config is for: the one whose config reads every key of it (unknown keys are
+    an error to each service). A config that several could read (meta's ``node_id`` has a
+    default, so ``data_dir`` alone is a meta's or a mgmtd's) needs ``--service``: opening meta's
+    store as mgmtd's would stamp a mgmtd format record in it."""
+    from fs3.meta.server import MetaConfig
+    from fs3.mgmtd.service import MgmtdConfig
+    from fs3.storage.server import StorageConfig
+
+    readable = {"storage": {f.name for f in dataclasses.fields(StorageConfig)},
+                "meta": {f.name for f in dataclasses.fields(MetaConfig)} | set(MetaConfig.MOVED_KEYS),
+                "mgmtd": {f.name for f in dataclasses.fields(MgmtdConfig)}}
+    fits = [service for service in SERVICES if set(data) <= readable[service]]
+    if len(fits) == 1:
+        return fits[0]
+    which = " or ".join(fits) if fits else "none of " + ", ".join(SERVICES)
+    raise InvalidArgument(f"{path}: cannot tell which service this config is for (it reads as {which}); "
+                          "give --service")
 
 
 def _open_rocks(path: Path, check: bool) -> Any:
