@@ -204,3 +204,15 @@ def test_upgrade_of_a_config_several_services_could_read_asks_which_and_changes_
         view.close()
     assert main(["admin", "upgrade", "--config", str(config), "--service", "meta"]) == 0
     assert "meta format 1, current 2 (upgraded)" in capsys.readouterr().out
+
+
+def test_a_newer_target_known_only_by_its_bare_marker_is_refused_saying_what_to_install() -> None:
+    kv = MemKVStore()
+    batch = WriteBatch()
+    batch.put(schema.FORMAT, U64.pack(9))  # a newer release's v/format, its record unreadable or absent
+    batch.put(schema.chunk_key(b"a" * 12), b"from the future")
+    kv.write(batch)
+    with pytest.raises(FormatRefused) as info:
+        ChunkEngine(kv, MemBlobStore(), where="storage target /srv/t1")
+    message = str(info.value)
+    assert "install a newer fs3 that reads storage-target format 9" in message and "newer or newer" not in message

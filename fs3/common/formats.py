@@ -253,9 +253,10 @@ def decide(fmt: StoreFormat, found: FormatRecord | None, where: str, upgrade: bo
         else f"format {fmt.current}"
     if found.version > fmt.current:
         by = f"fs3 {found.written_by}" if found.written_by else "a newer fs3"
+        install = f"fs3 {found.written_by} or newer" if found.written_by else \
+            f"a newer fs3 that reads {fmt.kind} format {found.version}"
         raise FormatRefused(f"{where}: {fmt.kind} format {found.version} was written by {by}; this is fs3 "
-                            f"{release}, which reads {ours}: install fs3 {found.written_by or 'newer'} or newer "
-                            "to open it (nothing was changed)")
+                            f"{release}, which reads {ours}: install {install} to open it (nothing was changed)")
     if found.version == fmt.current:
         return Decision(Action.OPEN, found)
     if found.version < fmt.oldest_upgradable:
