@@ -216,3 +216,36 @@ def test_a_newer_target_known_only_by_its_bare_marker_is_refused_saying_what_to_
         ChunkEngine(kv, MemBlobStore(), where="storage target /srv/t1")
     message = str(info.value)
     assert "install a newer fs3 that reads storage-target format 9" in message and "newer or newer" not in message
+
+
+def test_a_store_stamped_as_another_kind_is_refused_whichever_opener_reads_it() -> None:
+    """A data directory pointed at another service's (meta's data_dir at mgmtd's, or --service
+    wrong): each kind keeps its record under its own key, so the kind check never saw the other's
+    record, and the opener took the store for an unstamped one of its own and stamped it."""
+    from fs3.common.formats import RECORD_KEYS
+    from fs3.kv.txn import OptimisticTxnEngine
+    from fs3.meta.formats import META_FORMAT, open_meta_format
+    from fs3.mgmtd.formats import mgmtd_format, open_mgmtd_format
+
+    assert {"storage-target": schema.FORMAT_RECORD, "mgmtd": mgmtd_format().record_key,
+                           "meta": META_FORMAT.record_key} == RECORD_KEYS
+
+    async def main() -> None:
+        mgmtd_store = MemKVStore()
+        open_mgmtd_format(mgmtd_store, "mgmtd store")
+        batch = WriteBatch()
+        batch.put(b"node/1", b"x")
+        mgmtd_store.write(batch)
+        before = dict(mgmtd_store.scan(b""))
+        with pytest.raises(FormatRefused, match="meta store /m: this is a mgmtd store, not a meta store"):
+            await open_meta_format(OptimisticTxnEngine(mgmtd_store), "meta store /m")
+        with pytest.raises(FormatRefused, match="this is a mgmtd store, not a storage-target store"):
+            open_target_format(mgmtd_store, "storage target /t")
+        assert dict(mgmtd_store.scan(b"")) == before
+
+        meta_store = MemKVStore()
+        await open_meta_format(OptimisticTxnEngine(meta_store), "meta store")
+        with pytest.raises(FormatRefused, match="this is a meta store, not a mgmtd store"):
+            open_mgmtd_format(meta_store, "mgmtd store /g")
+
+    asyncio.run(main())

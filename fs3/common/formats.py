@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from fs3.common.errors import InvalidArgument
 
 __all__ = [
+    "RECORD_KEYS",
     "Action",
     "Decision",
     "FormatRecord",
@@ -53,6 +54,12 @@ __all__ = [
 #: One write of a migration page: ``(key, value)``, ``value`` None for a delete.
 Write = tuple[bytes, bytes | None]
 _U64 = struct.Struct(">Q")
+
+
+#: Where each kind keeps its format record in a store of its own. A store opened as one kind that
+#: holds another's record is that other's (a data directory pointed at another service's): it is
+#: refused, not taken for an unstamped store of the opener's kind and stamped.
+RECORD_KEYS: dict[str, bytes] = {"storage-target": b"v/record", "mgmtd": b"format/record", "meta": b"FRMT"}
 
 
 class FormatRefused(InvalidArgument):
@@ -196,6 +203,13 @@ class StoreFormat:
             return False
         return not any(key.startswith(p) for p in self.ignored_prefixes)
 
+    def foreign_record_keys(self) -> tuple[bytes, ...]:
+        """Other kinds' record keys to look for when this store has none of its own (not in a
+        store shared by prefix: meta's database holds mgmtd's keys by design)."""
+        if self.data_prefix:
+            return ()
+        return tuple(key for kind, key in RECORD_KEYS.items() if kind != self.kind and key != self.record_key)
+
     def record_writes(self, record: FormatRecord) -> list[Write]:
         """The writes that stamp ``record`` (and the legacy key, when the kind has one)."""
         writes: list[Write] = [(self.record_key, record.encode())]
@@ -205,12 +219,16 @@ class StoreFormat:
 
 
 def read_version(fmt: StoreFormat, raw_record: bytes | None, raw_legacy: bytes | None, has_data: bool,
-                 where: str, raw_progress: bytes | None = None) -> FormatRecord | None:
+                 where: str, raw_progress: bytes | None = None,
+                 raw_foreign: bytes | None = None) -> FormatRecord | None:
     """The store's format record from what its keys hold; None: a fresh (empty) store.
 
     A migration's pages stamp its target version from the first one on, so that a release that
     reads only the version it migrates from refuses the half-migrated store; while its progress
-    (``raw_progress``) is there, the store is at the version it migrates from."""
+    (``raw_progress``) is there, the store is at the version it migrates from. ``raw_foreign``:
+    another kind's record found in the store (see :data:`RECORD_KEYS`)."""
+    if raw_record is None and raw_foreign is not None:
+        raw_record = raw_foreign  # refused below as another kind's
     if raw_record is not None:
         record = FormatRecord.decode(raw_record, where)
         if record.kind != fmt.kind:

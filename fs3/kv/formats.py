@@ -113,8 +113,10 @@ def _kv_has_data(kv: KVStore, fmt: StoreFormat) -> bool:
 def _kv_found(kv: KVStore, fmt: StoreFormat, where: str) -> FormatRecord | None:
     legacy = kv.get(fmt.legacy_key) if fmt.legacy_key is not None else None
     raw = kv.get(fmt.record_key)
+    foreign = None if raw is not None else next(
+        (other for other in map(kv.get, fmt.foreign_record_keys()) if other is not None), None)
     return read_version(fmt, raw, legacy, raw is None and legacy is None and _kv_has_data(kv, fmt), where,
-                        kv.get(fmt.progress_key))
+                        kv.get(fmt.progress_key), foreign)
 
 
 def open_kv_format(kv: KVStore, fmt: StoreFormat, where: str, *, upgrade: bool = True, check: bool = False,
@@ -186,7 +188,10 @@ async def _txn_found(txn: Transaction, fmt: StoreFormat, where: str) -> FormatRe
     legacy = await txn.get(fmt.legacy_key) if fmt.legacy_key is not None else None
     raw = await txn.get(fmt.record_key)
     has_data = raw is None and legacy is None and await _txn_has_data(txn, fmt)
-    return read_version(fmt, raw, legacy, has_data, where, await txn.get(fmt.progress_key))
+    foreign = None
+    for key in fmt.foreign_record_keys() if raw is None else ():
+        foreign = foreign or await txn.get(key)
+    return read_version(fmt, raw, legacy, has_data, where, await txn.get(fmt.progress_key), foreign)
 
 
 async def open_txn_format(engine: TxnEngine, fmt: StoreFormat, where: str, *, upgrade: bool = True,
