@@ -95,21 +95,38 @@ def test_fresh_stores_are_stamped_current_and_a_record_of_another_kind_is_refuse
         ChunkEngine(wrong, MemBlobStore())
 
 
-def test_a_corrupt_chunk_record_is_reported_not_misread() -> None:
+def test_a_corrupt_chunk_record_is_refused_at_open_and_nothing_is_deleted() -> None:
+    """A ChunkState record that fails its CRC must not be dropped: the target may be its chain's
+    last serving replica (no resync brings the chunk back, and the chain's other targets would
+    resync the removal from it), and the chunk's bytes are intact in their blob. The open is
+    refused, naming the target, the chunk and what to do, with no byte changed."""
     kv = MemKVStore()
-    ChunkEngine(kv, MemBlobStore())
-    key = schema.chunk_key(b"k" * 12)
-    good = ChunkState(commit_version=4, length=10, checksum=7).encode()
-    assert ChunkState.decode(good).commit_version == 4
+    files = MemBlobStore()
+    engine = ChunkEngine(kv, files)
+    chunk_id = b"k" * 12
+    content = b"the only copy of these bytes"
+    engine.write_blob(chunk_id, 1, content)
+    engine.stage(chunk_id, 5, content, 7, 1, written_blob=1)
+    engine.commit(chunk_id, 5, 1)
+    key = schema.chunk_key(chunk_id)
+    good = kv.get(key)
+    assert good is not None and ChunkState.decode(good).commit_version == 5
     bad = bytearray(good)
-    bad[0] ^= 1  # commit_version 4 -> 5: still a plausible state, caught only by the CRC
+    bad[0] ^= 1  # commit_version 5 -> 4: still a plausible state, caught only by the CRC
     batch = WriteBatch()
     batch.put(key, bytes(bad))
     kv.write(batch)
     with pytest.raises(ChecksumMismatch, match="fails its CRC32C"):
         ChunkState.decode(bytes(bad))
-    reopened = ChunkEngine(kv, MemBlobStore())
-    assert reopened.corrupt_records == 1 and kv.get(key) is None and reopened.get(b"k" * 12) is None
+    before = _contents(kv)
+    blobs_before = list(files.list())
+    assert blobs_before
+    with pytest.raises(ChecksumMismatch) as info:
+        ChunkEngine(kv, files, where="storage target /data/t1")
+    message = str(info.value)
+    for part in ("/data/t1", chunk_id.hex(), "1 chunk metadata record", "nothing was changed", "resync"):
+        assert part in message, (part, message)
+    assert _contents(kv) == before and list(files.list()) == blobs_before
 
 
 # -- interrupted and resumed ----------------------------------------------------------------------
@@ -406,5 +423,38 @@ def test_a_dump_of_an_older_meta_format_loads_and_migrates_and_a_newer_one_is_re
         with pytest.raises(DumpError, match="written by a newer fs3"):
             await load_dump(empty, path)
         assert await _all_pairs(empty) == {}
+
+    asyncio.run(main())
+
+
+def test_a_dump_names_its_stores_format_and_a_load_stamps_it(tmp_path: Path) -> None:
+    """The records a load writes are in the dump's meta format, which is not always format 1: left
+    unstamped, the next start would take them for format 1 and run every migration from there over
+    records already past it (harmless while 1 -> 2 only stamps, corrupting once a step rewrites).
+    And a dump of a store not yet migrated (an offline dump of an old data directory) says the
+    store's format, not this code's."""
+    from fs3.meta.backup import dump_to_file, load_dump
+
+    async def main() -> None:
+        source = OptimisticTxnEngine(MemKVStore())
+        await _meta_service(source).start(background=False)
+        current = tmp_path / "current.dump"
+        await dump_to_file(await source.snapshot(), current, "test-cluster")
+        restored = OptimisticTxnEngine(MemKVStore())
+        await load_dump(restored, current)
+        report = await open_meta_format(restored, "restored", check=True)
+        assert (report.found, report.pending) == (META_FORMAT.current, ())
+        record = FormatRecord.decode((await _all_pairs(restored))[META_FORMAT.record_key], "t")
+        assert (record.kind, record.cluster_id) == ("meta", "test-cluster")
+
+        txn = source.begin()
+        txn.delete(META_FORMAT.record_key)  # the store as the release before format records left it
+        await txn.commit()
+        old = tmp_path / "old.dump"
+        await dump_to_file(await source.snapshot(), old, "test-cluster")
+        assert json.loads(old.read_bytes().splitlines()[0])["meta_format"] == 1
+        restored = OptimisticTxnEngine(MemKVStore())
+        await load_dump(restored, old)
+        assert (await open_meta_format(restored, "restored", check=True)).found == 1
 
     asyncio.run(main())

@@ -20,6 +20,7 @@ from fs3.meta import schema
 from fs3.meta.backup import backup_to, is_backup_name
 from fs3.meta.backup_fs3 import Fs3BackupDir, parse_fs3_url
 from fs3.meta.dump import is_dumped_key
+from fs3.meta.formats import META_FORMAT
 from fs3.meta.service import MetaServiceConfig
 from tests.inproc import InProcessCluster
 from tests.test_meta_dump import engine_with, random_store, read_back
@@ -145,5 +146,6 @@ def test_backup_and_load_commands_with_an_fs3_url(tmp_path: Path, monkeypatch: p
         loaded.close()
     next_key = schema.counter_key("next_inode")
     expected = {k: v for k, v in data.items() if is_dumped_key(k) and k != next_key}
-    assert {k: v for k, v in contents.items() if k != next_key} == expected
+    assert contents[META_FORMAT.record_key]  # the dump's meta format, stamped by the load
+    assert {k: v for k, v in contents.items() if k not in (next_key, META_FORMAT.record_key)} == expected
 

@@ -20,12 +20,14 @@ from fs3 import meta_pb2 as mpb
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient
 from fs3.common.errors import InvalidArgument, IoError
+from fs3.common.formats import FormatRecord
 from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import schema
 from fs3.meta.backup import INODE_ID_GAP, backup_once, dump_to_file, list_backups, load_dump
 from fs3.meta.dump import DumpError, DumpReader, dump_snapshot, is_dumped_key
+from fs3.meta.formats import META_FORMAT
 from fs3.meta.service import MetaService, MetaServiceConfig
 from fs3.rpc.channel import RealChannelFactory
 from tests.txn_engines import EngineFactory
@@ -209,7 +211,9 @@ def test_dump_and_load_larger_than_a_page_stream(tmp_path: Path) -> None:
     loaded = asyncio.run(load_dump(target, path, batch_records=25, inode_id_gap=0))
     # The marker of an unfinished load rides in the first batch; the last one deletes it.
     assert loaded.batches == (len(dumped) + 1) // 25 + 1 and loaded.records == len(dumped)
-    assert stored(target) == dumped
+    pairs = stored(target)
+    assert FormatRecord.decode(pairs.pop(META_FORMAT.record_key), "t").version == 1  # the dump's meta format
+    assert pairs == dumped
 
 
 def test_load_raises_the_next_inode_id(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from fs3.kv.store import RocksKVStore, WriteBatch
 from fs3.meta import schema
 from fs3.meta.backup import list_backups
 from fs3.meta.dump import is_dumped_key
+from fs3.meta.formats import META_FORMAT
 from tests.test_meta_dump import random_store
 
 
@@ -51,7 +52,9 @@ def test_dump_load_and_backup_commands(tmp_path: Path, capsys: pytest.CaptureFix
     loaded = _contents(tmp_path / "dst" / "kv")
     expected = {k: v for k, v in data.items() if is_dumped_key(k)}
     next_key = schema.counter_key("next_inode")
-    assert {k: v for k, v in loaded.items() if k != next_key} == {k: v for k, v in expected.items() if k != next_key}
+    assert loaded[META_FORMAT.record_key]  # the dump's meta format, stamped by the load
+    assert {k: v for k, v in loaded.items() if k not in (next_key, META_FORMAT.record_key)} == \
+        {k: v for k, v in expected.items() if k != next_key}
     capsys.readouterr()
     # A second load into the now non-empty store is refused, and changes nothing.
     assert main(["admin", "load", str(dump), "--meta-config", str(dst)]) == 1

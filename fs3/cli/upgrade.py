@@ -7,14 +7,17 @@ the one it describes (``--service`` when that is ambiguous). ``--check`` reports
 format and the migrations it would run, and changes nothing (RocksDB stores are opened
 read-only). Without it every store is migrated as the service would at start (the way to
 upgrade with ``upgrade_on_start = false``). A RocksDB store can be opened by one process only:
-stop the service first. On PostgreSQL the running servers may stay up (each page is one
-transaction; see :mod:`fs3.kv.formats`).
+stop the service first. On PostgreSQL too, stop the servers of the older release first: they
+do not read format records, and would go on writing records of the old format into a store being
+migrated (harmless only for a step that rewrites no record, as meta's and mgmtd's 1 -> 2). Servers
+of this release may run it together (each page is one transaction; see :mod:`fs3.kv.formats`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import tomllib
 from pathlib import Path
@@ -42,19 +45,33 @@ def add_upgrade_command(admin_sub: Any) -> None:
 
 
 def guess_service(data: dict[str, Any], path: str) -> str:
-    """The service a config is for: ``targets`` is storage's, ``node_id`` (without) meta's, else mgmtd."""
-    if "targets" in data:
-        return "storage"
-    if "node_id" in data or "service" in data:
-        return "meta"
-    if "heartbeat_timeout_ms" in data or "instance_name" in data or "data_dir" in data:
-        return "mgmtd"
-    raise InvalidArgument(f"{path}: cannot tell which service this config is for; give --service")
+    """The service a config is for: the one whose config reads every key of it (unknown keys are
+    an error to each service). A config that several could read (meta's ``node_id`` has a
+    default, so ``data_dir`` alone is a meta's or a mgmtd's) needs ``--service``: opening meta's
+    store as mgmtd's would stamp a mgmtd format record in it."""
+    from fs3.meta.server import MetaConfig
+    from fs3.mgmtd.service import MgmtdConfig
+    from fs3.storage.server import StorageConfig
+
+    readable = {"storage": {f.name for f in dataclasses.fields(StorageConfig)},
+                "meta": {f.name for f in dataclasses.fields(MetaConfig)} | set(MetaConfig.MOVED_KEYS),
+                "mgmtd": {f.name for f in dataclasses.fields(MgmtdConfig)}}
+    fits = [service for service in SERVICES if set(data) <= readable[service]]
+    if len(fits) == 1:
+        return fits[0]
+    which = " or ".join(fits) if fits else "none of " + ", ".join(SERVICES)
+    raise InvalidArgument(f"{path}: cannot tell which service this config is for (it reads as {which}); "
+                          "give --service")
 
 
 def _open_rocks(path: Path, check: bool) -> Any:
+    """The RocksDB store at ``path``, which must exist: an upgrade never creates one (a typo in
+    the config or a disk not mounted would otherwise get an empty store, stamped current)."""
     from fs3.kv.store import RocksKVStore
 
+    if not (path / "CURRENT").is_file():
+        raise InvalidArgument(f"no RocksDB store at {path}: nothing to upgrade there (is the disk mounted, is the "
+                              "config the service's?); nothing was created")
     if check:
         return RocksKVStore.open_view(path)  # read-only: opening changes no file
     try:

@@ -14,8 +14,10 @@ service applies when it opens a store:
 A :class:`Migration` takes a store from version N to N+1 one bounded page of records at a time:
 each page's rewritten records, and the migration's :class:`Progress` (its cursor), are written in
 one atomic batch or transaction, so a run killed at any point resumes at the next start after the
-last page it committed — no page is applied twice, none is skipped. The last page's batch also
-writes the new format record and deletes the progress. A store without a record is fresh (no
+last page it committed — no page is applied twice, none is skipped. Every page's batch also
+writes the new format record, so that a release that reads only the older format refuses a
+half-migrated store; the progress, until the last page deletes it, says the store is still at the
+older one (:func:`read_version`). A store without a record is fresh (no
 keys: stamped current) or ``unstamped_version`` (what was there before records existed).
 
 Everything here is pure (no I/O, clock or randomness): the drivers that read and write stores
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from fs3.common.errors import InvalidArgument
 
 __all__ = [
+    "RECORD_KEYS",
     "Action",
     "Decision",
     "FormatRecord",
@@ -51,6 +54,12 @@ __all__ = [
 #: One write of a migration page: ``(key, value)``, ``value`` None for a delete.
 Write = tuple[bytes, bytes | None]
 _U64 = struct.Struct(">Q")
+
+
+#: Where each kind keeps its format record in a store of its own. A store opened as one kind that
+#: holds another's record is that other's (a data directory pointed at another service's): it is
+#: refused, not taken for an unstamped store of the opener's kind and stamped.
+RECORD_KEYS: dict[str, bytes] = {"storage-target": b"v/record", "mgmtd": b"format/record", "meta": b"FRMT"}
 
 
 class FormatRefused(InvalidArgument):
@@ -73,15 +82,37 @@ class FormatRecord:
     @classmethod
     def decode(cls, raw: bytes, where: str) -> FormatRecord:
         try:
-            data = json.loads(raw)
-            record = cls(str(data["kind"]), int(data["version"]), str(data.get("written_by", "")),
-                         str(data.get("cluster_id", "")))
+            data = _json_object(raw)
+            kind, written_by, cluster_id = data["kind"], data.get("written_by", ""), data.get("cluster_id", "")
+            if not (isinstance(kind, str) and isinstance(written_by, str) and isinstance(cluster_id, str)):
+                raise ValueError("kind, written_by and cluster_id must be strings")
+            record = cls(kind, _strict_int(data["version"], "version"), written_by, cluster_id)
         except (ValueError, KeyError, TypeError) as exc:
             raise FormatRefused(f"{where}: its format record is unreadable ({exc}); this is not a store "
                                 "fs3 wrote, or it is damaged") from None
         if record.version < 1:
             raise FormatRefused(f"{where}: format record names version {record.version}")
         return record
+
+
+def _json_object(raw: bytes) -> dict[str, object]:
+    """``raw`` as a JSON object; ValueError for anything else (a damaged record, nested too deep)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _strict_int(value: object, name: str, minimum: int = 0) -> int:
+    """An integer field as written (not a float, string or bool), at least ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} {value!r} is not an integer")
+    if value < minimum:
+        raise ValueError(f"{name} {value} is below {minimum}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -104,11 +135,13 @@ class Progress:
     @classmethod
     def decode(cls, raw: bytes, where: str) -> Progress:
         try:
-            data = json.loads(raw)
+            data = _json_object(raw)
             cursor = data.get("cursor")
-            return cls(int(data["from"]), int(data["to"]), int(data.get("range", 0)),
-                       None if cursor is None else bytes.fromhex(cursor), int(data.get("pages", 0)),
-                       int(data.get("records", 0)))
+            if cursor is not None and not isinstance(cursor, str):
+                raise ValueError(f"cursor {cursor!r} is not a hex string")
+            return cls(_strict_int(data["from"], "from", 1), _strict_int(data["to"], "to", 1),
+                       _strict_int(data.get("range", 0), "range"), None if cursor is None else bytes.fromhex(cursor),
+                       _strict_int(data.get("pages", 0), "pages"), _strict_int(data.get("records", 0), "records"))
         except (ValueError, KeyError, TypeError) as exc:
             raise FormatRefused(f"{where}: its migration progress record is unreadable ({exc})") from None
 
@@ -150,6 +183,9 @@ class StoreFormat:
     legacy_key: bytes | None = None
     #: Keys that are not the store's data (the record and progress are always excluded).
     ignored_prefixes: tuple[bytes, ...] = field(default=())
+    #: Every key of the store's data starts with it: another service's keys in a shared database
+    #: (meta's beside mgmtd's ``mgmtd/``) never make this store look written.
+    data_prefix: bytes = b""
 
     def __post_init__(self) -> None:
         if not 1 <= self.oldest_upgradable <= self.current:
@@ -163,9 +199,16 @@ class StoreFormat:
         return self.migrations[from_version - self.oldest_upgradable]
 
     def is_data_key(self, key: bytes) -> bool:
-        if key in (self.record_key, self.progress_key, self.legacy_key):
+        if key in (self.record_key, self.progress_key, self.legacy_key) or not key.startswith(self.data_prefix):
             return False
         return not any(key.startswith(p) for p in self.ignored_prefixes)
+
+    def foreign_record_keys(self) -> tuple[bytes, ...]:
+        """Other kinds' record keys to look for when this store has none of its own (not in a
+        store shared by prefix: meta's database holds mgmtd's keys by design)."""
+        if self.data_prefix:
+            return ()
+        return tuple(key for kind, key in RECORD_KEYS.items() if kind != self.kind and key != self.record_key)
 
     def record_writes(self, record: FormatRecord) -> list[Write]:
         """The writes that stamp ``record`` (and the legacy key, when the kind has one)."""
@@ -176,12 +219,24 @@ class StoreFormat:
 
 
 def read_version(fmt: StoreFormat, raw_record: bytes | None, raw_legacy: bytes | None, has_data: bool,
-                 where: str) -> FormatRecord | None:
-    """The store's format record from what its keys hold; None: a fresh (empty) store."""
+                 where: str, raw_progress: bytes | None = None,
+                 raw_foreign: bytes | None = None) -> FormatRecord | None:
+    """The store's format record from what its keys hold; None: a fresh (empty) store.
+
+    A migration's pages stamp its target version from the first one on, so that a release that
+    reads only the version it migrates from refuses the half-migrated store; while its progress
+    (``raw_progress``) is there, the store is at the version it migrates from. ``raw_foreign``:
+    another kind's record found in the store (see :data:`RECORD_KEYS`)."""
+    if raw_record is None and raw_foreign is not None:
+        raw_record = raw_foreign  # refused below as another kind's
     if raw_record is not None:
         record = FormatRecord.decode(raw_record, where)
         if record.kind != fmt.kind:
             raise FormatRefused(f"{where}: this is a {record.kind} store, not a {fmt.kind} store")
+        if raw_progress is not None:
+            progress = Progress.decode(raw_progress, where)
+            if (progress.from_version, progress.to_version) == (record.version - 1, record.version):
+                return FormatRecord(record.kind, progress.from_version, record.written_by, record.cluster_id)
         return record
     if raw_legacy is not None:
         if len(raw_legacy) != _U64.size:
@@ -216,9 +271,10 @@ def decide(fmt: StoreFormat, found: FormatRecord | None, where: str, upgrade: bo
         else f"format {fmt.current}"
     if found.version > fmt.current:
         by = f"fs3 {found.written_by}" if found.written_by else "a newer fs3"
+        install = f"fs3 {found.written_by} or newer" if found.written_by else \
+            f"a newer fs3 that reads {fmt.kind} format {found.version}"
         raise FormatRefused(f"{where}: {fmt.kind} format {found.version} was written by {by}; this is fs3 "
-                            f"{release}, which reads {ours}: install fs3 {found.written_by or 'newer'} or newer "
-                            "to open it (nothing was changed)")
+                            f"{release}, which reads {ours}: install {install} to open it (nothing was changed)")
     if found.version == fmt.current:
         return Decision(Action.OPEN, found)
     if found.version < fmt.oldest_upgradable:
@@ -244,14 +300,20 @@ class Page:
 
 
 def plan_page(fmt: StoreFormat, migration: Migration, progress: Progress, scanned: Sequence[tuple[bytes, bytes]],
-              page_records: int, record: FormatRecord) -> Page:
+              page_records: int, record: FormatRecord, where: str = "store") -> Page:
     """The batch for one page: ``scanned`` is at most ``page_records`` pairs of
     ``ranges[progress.range_index]`` from the cursor on. A short page ends its range; past the
-    last range, the batch stamps ``record`` (the new version) and deletes the progress."""
+    last range, the batch stamps ``record`` (the new version) and deletes the progress. A record
+    the rewrite refuses is reported naming ``where`` (the store) and the step."""
     writes: list[Write] = []
     if migration.rewrite is not None:
         for key, value in scanned:
-            writes.extend(migration.rewrite(key, value))
+            try:
+                writes.extend(migration.rewrite(key, value))
+            except FormatRefused as exc:
+                raise FormatRefused(f"{where}: {fmt.kind} format {migration.from_version} -> {migration.to_version} "
+                                    f"stopped at a record it cannot read, after {progress.pages} committed pages "
+                                    f"({progress.records} records), which stay: {exc.message}") from None
     done_records = progress.records + len(scanned)
     if migration.ranges and len(scanned) >= page_records:
         nxt = Progress(progress.from_version, progress.to_version, progress.range_index,
@@ -259,8 +321,8 @@ def plan_page(fmt: StoreFormat, migration: Migration, progress: Progress, scanne
     else:
         nxt = Progress(progress.from_version, progress.to_version, progress.range_index + 1, None,
                        progress.pages + 1, done_records)
+    writes.extend(fmt.record_writes(record))  # from the first page on (see read_version)
     if nxt.range_index >= len(migration.ranges):
-        writes.extend(fmt.record_writes(record))
         writes.append((fmt.progress_key, None))
         return Page(writes, None, len(scanned))
     writes.append((fmt.progress_key, nxt.encode()))

@@ -94,11 +94,12 @@ def _pending(steps: tuple[Migration, ...]) -> tuple[str, ...]:
 
 
 def _kv_has_data(kv: KVStore, fmt: StoreFormat) -> bool:
-    start: bytes | None = b""
+    start: bytes | None = fmt.data_prefix
+    end = prefix_end(fmt.data_prefix)
     for _ in range(_PROBE_KEYS):
         if start is None:
             return False
-        pair = next(iter(kv.scan(start, None, limit=1)), None)
+        pair = next(iter(kv.scan(start, end, limit=1)), None)
         if pair is None:
             return False
         key = pair[0]
@@ -112,7 +113,10 @@ def _kv_has_data(kv: KVStore, fmt: StoreFormat) -> bool:
 def _kv_found(kv: KVStore, fmt: StoreFormat, where: str) -> FormatRecord | None:
     legacy = kv.get(fmt.legacy_key) if fmt.legacy_key is not None else None
     raw = kv.get(fmt.record_key)
-    return read_version(fmt, raw, legacy, raw is None and legacy is None and _kv_has_data(kv, fmt), where)
+    foreign = None if raw is not None else next(
+        (other for other in map(kv.get, fmt.foreign_record_keys()) if other is not None), None)
+    return read_version(fmt, raw, legacy, raw is None and legacy is None and _kv_has_data(kv, fmt), where,
+                        kv.get(fmt.progress_key), foreign)
 
 
 def open_kv_format(kv: KVStore, fmt: StoreFormat, where: str, *, upgrade: bool = True, check: bool = False,
@@ -148,7 +152,7 @@ def open_kv_format(kv: KVStore, fmt: StoreFormat, where: str, *, upgrade: bool =
             if migration.ranges:
                 start, end = scan_bounds(migration, current)
                 scanned = list(kv.scan(start, end, limit=page_records))
-            page = plan_page(fmt, migration, current, scanned, page_records, new)
+            page = plan_page(fmt, migration, current, scanned, page_records, new, where)
             batch = WriteBatch()
             for key, value in page.writes:
                 batch.put(key, value) if value is not None else batch.delete(key)
@@ -164,11 +168,12 @@ def open_kv_format(kv: KVStore, fmt: StoreFormat, where: str, *, upgrade: bool =
 
 
 async def _txn_has_data(txn: Transaction, fmt: StoreFormat) -> bool:
-    start: bytes | None = b""
+    start: bytes | None = fmt.data_prefix
+    end = prefix_end(fmt.data_prefix)
     for _ in range(_PROBE_KEYS):
         if start is None:
             return False
-        pairs = await txn.scan(start, None, limit=1)
+        pairs = await txn.scan(start, end, limit=1)
         if not pairs:
             return False
         key = pairs[0][0]
@@ -183,7 +188,10 @@ async def _txn_found(txn: Transaction, fmt: StoreFormat, where: str) -> FormatRe
     legacy = await txn.get(fmt.legacy_key) if fmt.legacy_key is not None else None
     raw = await txn.get(fmt.record_key)
     has_data = raw is None and legacy is None and await _txn_has_data(txn, fmt)
-    return read_version(fmt, raw, legacy, has_data, where)
+    foreign = None
+    for key in fmt.foreign_record_keys() if raw is None else ():
+        foreign = foreign or await txn.get(key)
+    return read_version(fmt, raw, legacy, has_data, where, await txn.get(fmt.progress_key), foreign)
 
 
 async def open_txn_format(engine: TxnEngine, fmt: StoreFormat, where: str, *, upgrade: bool = True,
@@ -245,7 +253,7 @@ async def _txn_page(engine: TxnEngine, fmt: StoreFormat, where: str, cluster_id:
                 start, end = scan_bounds(migration, progress)
                 scanned = await txn.scan(start, end, limit=page_records)
             new = FormatRecord(fmt.kind, migration.to_version, release(), cluster_id)
-            page = plan_page(fmt, migration, progress, scanned, page_records, new)
+            page = plan_page(fmt, migration, progress, scanned, page_records, new, where)
             for key, value in page.writes:
                 txn.put(key, value) if value is not None else txn.delete(key)
             try:
@@ -276,6 +284,10 @@ def _check_progress(progress: Progress, migration: Migration, where: str) -> Non
     if (progress.from_version, progress.to_version) != (migration.from_version, migration.to_version):
         raise FormatRefused(f"{where}: a migration {progress.from_version}->{progress.to_version} is recorded "
                             f"in progress, but the store is at format {migration.from_version}: it is damaged")
+    if progress.range_index >= max(1, len(migration.ranges)):
+        raise FormatRefused(f"{where}: the recorded progress of migration {progress.from_version}->"
+                            f"{progress.to_version} names key range {progress.range_index}, and it has "
+                            f"{len(migration.ranges)}: it is damaged")
 
 
 def _log_start(where: str, fmt: StoreFormat, migration: Migration, progress: Progress) -> None:

@@ -35,9 +35,12 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from fs3.common.errors import InvalidArgument
+from fs3.common.formats import FormatRecord
 from fs3.kv.api import SnapshotReader, Transaction, TxnEngine
+from fs3.kv.formats import release
 from fs3.kv.txn import run_transaction
 from fs3.meta.dump import DumpReader, DumpStats, dump_snapshot, read_lines
+from fs3.meta.formats import META_FORMAT, META_KIND
 from fs3.meta.schema import LOAD_UNFINISHED, counter_key, decode_u64, encode_u64, parse_inode_key
 
 __all__ = [
@@ -167,6 +170,8 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
                               "(or database) before any meta server has started on it (a load that was "
                               "interrupted leaves part of a dump: start again from an empty one); "
                               "nothing was written")
+    loaded_format = FormatRecord(META_KIND, int(check.header.get("meta_format", 1)), release(),
+                                 str(check.header["cluster_id"]))
     written = 0
     batches = 0
     # The marker and the raised next inode id go first (see the module docstring).
@@ -184,6 +189,9 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
                 txn.put(key, value)
             if last:
                 txn.delete(LOAD_UNFINISHED)
+                # The records are in the dump's meta format: stamped so, the next start migrates
+                # them from that format (unstamped, it would take them for format 1).
+                txn.put(META_FORMAT.record_key, loaded_format.encode())
 
         await run_transaction(engine, put)
         written += len(pairs)

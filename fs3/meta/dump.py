@@ -5,7 +5,8 @@ such as ``jq`` and ``grep`` read it:
 
 * a **header**: ``{"format": "fs3-meta-dump", "version": 1, "schema": 1, "meta_format": 2,
   "cluster_id": ..., "created_ms": ...}`` (``meta_format``: the store format of the dumped meta,
-  :mod:`fs3.meta.formats`; a dump without it is format 1; a newer one is refused). ``version``
+  :mod:`fs3.meta.formats`; a dump without it is format 1; a newer one is refused; a load stamps
+  it on the store it fills, whose next start migrates from there). ``version``
   is this file format's, ``schema`` the version of meta's key schema (:mod:`fs3.meta.schema`)
   the values are in. A reader refuses any other (it cannot know what a newer one means);
 * **records**, one a line, ``{"t": KIND, <the key's fields>, "v": <the stored value, base64>}``,
@@ -54,9 +55,10 @@ from google.protobuf.message import DecodeError
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
+from fs3.common.formats import FormatRecord
 from fs3.kv.api import SnapshotReader, prefix_end
 from fs3.meta import schema
-from fs3.meta.formats import META_FORMAT_VERSION
+from fs3.meta.formats import META_FORMAT, META_FORMAT_VERSION
 from fs3.meta.limits import ANCESTOR_WALK_MAX
 
 __all__ = [
@@ -233,12 +235,15 @@ class DumpWriter:
     cluster_id: str
     created_ms: int
     counts: dict[str, int] = field(default_factory=dict)
+    #: The dumped store's format (its format record's version; 1 without one): the format the
+    #: records are in, which a load stamps on the store it fills.
+    meta_format: int = META_FORMAT_VERSION
     _hash: Any = field(default_factory=hashlib.sha256, init=False, repr=False)
     _last: tuple[int, bytes] | None = field(default=None, init=False, repr=False)
 
     def header(self) -> bytes:
         line = _line({"format": DUMP_FORMAT, "version": DUMP_FORMAT_VERSION, "schema": META_SCHEMA_VERSION,
-                      "meta_format": META_FORMAT_VERSION, "cluster_id": self.cluster_id,
+                      "meta_format": self.meta_format, "cluster_id": self.cluster_id,
                       "created_ms": self.created_ms})
         self._hash.update(line)
         return line
@@ -439,7 +444,9 @@ async def dump_snapshot(reader: SnapshotReader, emit: Callable[[bytes], Awaitabl
     ``page_records`` pairs at a time."""
     if page_records <= 0:
         raise InvalidArgument("page_records must be positive")
-    writer = DumpWriter(cluster_id, created_ms)
+    stamped = await reader.scan(META_FORMAT.record_key, META_FORMAT.record_key + b"\x00", limit=1)
+    meta_format = FormatRecord.decode(stamped[0][1], "the dumped meta store").version if stamped else 1
+    writer = DumpWriter(cluster_id, created_ms, meta_format=meta_format)
     stats = DumpStats(counts=writer.counts)
     await emit(writer.header())
     # Files removed while open: their inode becomes a GC job, and what hangs off it is left out.

@@ -28,7 +28,7 @@ def mgmtd_format(prefix: bytes = b"") -> StoreFormat:
     return StoreFormat(
         kind=MGMTD_KIND, current=MGMTD_FORMAT_VERSION, oldest_upgradable=1,
         record_key=prefix + RECORD, progress_key=prefix + MIGRATION,
-        ignored_prefixes=(prefix + b"ha/",) if prefix else (),
+        ignored_prefixes=(prefix + b"ha/",) if prefix else (), data_prefix=prefix,
         migrations=(Migration(1, "format records: the store is stamped, no record changes"),),
     )
 

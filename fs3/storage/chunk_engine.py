@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 Channel = tuple[bytes, int, int]
 
 _VERSION_BLOCK = 1024  # versions reserved per synced floor write
+_CORRUPT_SHOWN = 10  # chunk ids a refusal for corrupt records names
 
 _STATE = struct.Struct("<QQQIIQQIIQB")
 _STATE_CRC = struct.Struct("<I")  # format 3: every ChunkState record ends with the CRC32C of the rest
@@ -234,7 +235,6 @@ class ChunkEngine:
         self.sync_commits = sync_commits
         self.upgrade = upgrade
         self.where = where
-        self.corrupt_records = 0  # ChunkState records dropped at open for a failed CRC
         self._states: dict[bytes, ChunkState] = {}
         self._pending: set[bytes] = set()  # chunks with a pending version (kept so no scan is needed)
         self._channels: OrderedDict[bytes, ChannelRecord] = OrderedDict()  # oldest stamp first
@@ -261,21 +261,13 @@ class ChunkEngine:
         # The format record first: a fresh target is stamped, an older one migrated (or refused when
         # upgrading is off), a newer or too old one refused — before any record is decoded.
         open_target_format(kv, self.where, upgrade=self.upgrade)
+        self._refuse_corrupt_records()  # before anything is written
         raw_floor = kv.get(schema.FLOOR)
         floor = schema.U64.unpack(raw_floor)[0] if raw_floor else 0
         batch = WriteBatch()
         for key, raw in kv.scan(*schema.prefix_range(schema.CHUNK)):
             chunk_id = schema.parse_chunk_key(key)
-            try:
-                state = ChunkState.decode(raw)
-            except ChecksumMismatch as exc:
-                # Damaged metadata is never guessed at: the chunk is forgotten here, and the resync
-                # every restarted target goes through brings it back from its chain.
-                log.error("chunk %s: its metadata record is corrupt, dropped at open: %s", chunk_id.hex(), exc)
-                self.corrupt_records += 1
-                batch.delete(key)
-                batch.delete(schema.patch_key(chunk_id))
-                continue
+            state = ChunkState.decode(raw)
             floor = max(floor, state.commit_version, state.pending_version)
             self._next_blob = max(self._next_blob, state.commit_blob + 1, state.pending_blob + 1)
             if state.pending_version:
@@ -304,6 +296,31 @@ class ChunkEngine:
         for key, raw in kv.scan(*schema.prefix_range(schema.CHANNEL)):
             self._channels[key] = ChannelRecord.decode(raw)  # unstamped: aged from the first expiry pass
         self._unstamped = bool(self._channels)
+
+    def _refuse_corrupt_records(self) -> None:
+        """Refuse (ChecksumMismatch) to open a target any of whose ChunkState records fails its CRC,
+        before anything is written: a pass of its own, which keeps only the bad ones' ids, so a
+        target of millions of chunks is not held twice in memory. Dropping such a record would
+        delete the chunk's intact blob with it (no record would name it), and a restarted target
+        that is its chain's last serving replica is not resynced: it would serve the chunk as
+        absent and its successors would resync that removal, losing every copy. The operator
+        decides instead (docs/operations.md "Upgrading")."""
+        corrupt: list[bytes] = []
+        count = 0
+        for key, raw in self.kv.scan(*schema.prefix_range(schema.CHUNK)):
+            try:
+                ChunkState.decode(raw)
+            except ChecksumMismatch:
+                count += 1
+                if len(corrupt) < _CORRUPT_SHOWN:
+                    corrupt.append(schema.parse_chunk_key(key))
+        if count:
+            shown = ", ".join(c.hex() for c in corrupt) + (", ..." if count > len(corrupt) else "")
+            raise ChecksumMismatch(
+                f"{self.where}: {count} chunk metadata record(s) fail their CRC32C (chunks {shown}); "
+                "nothing was changed and the target is not opened. If each of its chains has another serving "
+                "replica, empty this target's directory and restart the node: the target resyncs from its "
+                "chain. Otherwise keep the directory as it is: the chunks' bytes are still in its blobs")
 
     def _drop_pending_on_open(self, batch: WriteBatch, chunk_id: bytes, state: ChunkState) -> None:
         if state.pending_patch and not state.commit_inline:

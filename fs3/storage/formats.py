@@ -14,6 +14,8 @@ process, and its records change together (docs/decisions.md).
 
 from __future__ import annotations
 
+import struct
+
 from fs3.common.errors import FS3Error
 from fs3.common.formats import FormatRefused, Migration, StoreFormat, Write
 from fs3.kv.formats import PAGE_RECORDS, AfterPage, FormatReport, open_kv_format
@@ -31,8 +33,10 @@ def chunk_state_v2_to_v3(key: bytes, value: bytes) -> list[Write]:
 
     try:
         state = ChunkState.decode_v2(value)
-    except (ValueError, IndexError, FS3Error) as exc:  # struct.error is a ValueError
-        raise FormatRefused(f"chunk record {key.hex()} is not a format-2 ChunkState ({exc})") from None
+    except (struct.error, ValueError, IndexError, FS3Error) as exc:  # struct.error is not a ValueError
+        raise FormatRefused(f"chunk record {key.hex()} is not a format-2 ChunkState ({exc}); if each chain of "
+                            "this target has another serving replica, empty the target's directory and it "
+                            "resyncs from its chain") from None
     return [(key, state.encode())]
 
 
