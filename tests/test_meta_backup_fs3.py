@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from fs3.client.fs import AsyncFileSystem
 from fs3.common.errors import InvalidArgument, IoError
 from fs3.kv.store import RocksKVStore, WriteBatch
 from fs3.meta import schema
-from fs3.meta.backup import backup_to, is_backup_name
+from fs3.meta.backup import TMP_STALE_S, backup_to, is_backup_name
 from fs3.meta.backup_fs3 import Fs3BackupDir, parse_fs3_url
 from fs3.meta.dump import is_dumped_key
 from fs3.meta.service import MetaServiceConfig
@@ -55,9 +56,12 @@ def test_backups_in_fs3_keep_the_newest_and_prune_leftovers(tmp_path: Path) -> N
 
     async def body(fs: AsyncFileSystem) -> None:
         directory = Fs3BackupDir(fs, parse_fs3_url(f"fs3://{BACKUPS}"))
-        # What a killed run left: a partial temporary file older than any new backup, and a newer one.
+        # What a killed run left: a partial temporary file untouched for longer than TMP_STALE_S, and a
+        # fresh one (maybe another run's, still writing).
         await fs.makedirs(BACKUPS, exist_ok=True)
         await fs.write_bytes(f"{BACKUPS}/fs3-meta-20000101T000000.000Z.dump.tmp", b"partial")
+        long_ago_s = time.time() - TMP_STALE_S - 60
+        await fs.utime(f"{BACKUPS}/fs3-meta-20000101T000000.000Z.dump.tmp", (long_ago_s, long_ago_s))
         await fs.write_bytes(f"{BACKUPS}/fs3-meta-29990101T000000.000Z.dump.tmp", b"another writer's")
         made = []
         for _ in range(3):
@@ -146,4 +150,54 @@ def test_backup_and_load_commands_with_an_fs3_url(tmp_path: Path, monkeypatch: p
     next_key = schema.counter_key("next_inode")
     expected = {k: v for k, v in data.items() if is_dumped_key(k) and k != next_key}
     assert {k: v for k, v in contents.items() if k != next_key} == expected
+
+
+
+def test_two_runs_of_the_same_name_never_rename_each_others_file(tmp_path: Path) -> None:
+    """Two backup runs that chose the same name (the same millisecond; two hosts): the one that
+    finishes first must not rename the other's temporary file, half written, to the backup's name;
+    both finish, and the file under the name is always a whole dump."""
+    engine = engine_with(random_store(random.Random(26), 12))
+    now = 2_500_000_000_000_000_000
+
+    def gated(opened: asyncio.Event, release: asyncio.Event) -> Any:
+        async def take() -> Any:
+            snap = await engine.snapshot()
+            scan = snap.scan
+
+            async def scan_later(*args: Any, **kwargs: Any) -> Any:
+                opened.set()
+                await release.wait()
+                return await scan(*args, **kwargs)
+            snap.scan = scan_later  # type: ignore[method-assign]
+            return snap
+        return take
+
+    async def body(fs: AsyncFileSystem) -> None:
+        directory = Fs3BackupDir(fs, parse_fs3_url(f"fs3://{BACKUPS}"))
+        opened = [asyncio.Event(), asyncio.Event()]
+        release = [asyncio.Event(), asyncio.Event()]
+        first = asyncio.create_task(backup_to(gated(opened[0], release[0]), directory, 2, "c", now_ns=lambda: now))
+        await opened[0].wait()
+        second = asyncio.create_task(backup_to(gated(opened[1], release[1]), directory, 2, "c", now_ns=lambda: now))
+        await opened[1].wait()
+        release[0].set()
+        name, _ = await first
+        # The second run is still writing: what is under the name is the first run's whole dump.
+        assert read_back((await fs.read_bytes(f"{BACKUPS}/{name}")).splitlines(keepends=True))
+        release[1].set()
+        assert (await second)[0] == name
+        assert read_back((await fs.read_bytes(f"{BACKUPS}/{name}")).splitlines(keepends=True))
+        assert await _names(fs) == [name]
+
+    async def run() -> None:
+        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
+                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                await body(fs)
+            finally:
+                await fs.close()
+
+    asyncio.run(run())
 

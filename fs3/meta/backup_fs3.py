@@ -7,10 +7,13 @@ directory of a cluster by URL, as fsspec does (:mod:`fs3.client.fsspec_impl`):
 * ``fs3://HOST:PORT/PATH``: the cluster whose mgmtd listens there (token from the options or ``$FS3_TOKEN``);
 * ``fs3://NAME@/PATH``: the cluster of profile NAME.
 
-A backup is written as ``NAME.dump.tmp`` (mode 0600: the dump holds the user table's secret
-hashes), synced (``fsync``: its chunks acknowledged by every replica, its length committed in
-meta), closed, then renamed to ``NAME.dump``; so a file under its final name is a whole dump, as
-in a local directory. Older backups are removed only after that (:func:`fs3.meta.backup.backup_to`).
+A backup is written as ``NAME.dump.TOKEN.tmp`` (a name of this writer's alone, made with
+``O_EXCL``; mode 0600: the dump holds the user table's secret hashes), synced (``fsync``: its
+chunks acknowledged by every replica, its length committed in meta) at least every
+:data:`~fs3.meta.backup.TMP_TOUCH_S` (which moves its mtime: another run sees a writer at work)
+and at the end, closed, then renamed to ``NAME.dump``; so a file under its final name is a whole
+dump, as in a local directory. Older backups are removed only after that
+(:func:`fs3.meta.backup.backup_to`).
 
 A backup kept in the cluster it backs up is lost with that cluster's metadata (it is a file of
 the namespace it saves): keep a copy elsewhere too (a local path, another cluster).
@@ -30,7 +33,7 @@ from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem
 from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader
-from fs3.meta.backup import TMP_SUFFIX
+from fs3.meta.backup import TMP_TOUCH_S, temporary_name
 from fs3.meta.dump import DumpStats, dump_snapshot
 
 __all__ = ["FS3_URL_PREFIX", "Fs3BackupDir", "Fs3Location", "copy_to_local", "is_fs3_url", "parse_fs3_url"]
@@ -102,13 +105,17 @@ class Fs3BackupDir:
         return [entry.name for entry in await self.fs.scandir(self.directory)
                 if entry.is_file(follow_symlinks=False)]
 
-    async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
-        tmp, final = self._path(name + TMP_SUFFIX), self._path(name)
+    async def mtime_ns(self, name: str) -> int | None:
         try:
-            # Whatever is under the temporary name (a file a killed run left, a link planted there)
-            # is removed, not written through: the new file is made with O_EXCL.
-            with contextlib.suppress(FileNotFoundError):
-                await self.fs.remove(tmp)
+            return (await self.fs.lstat(self._path(name))).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
+        tmp_name = temporary_name(name)
+        tmp, final = self._path(tmp_name), self._path(name)
+        try:
+            # O_EXCL on a name of this writer's alone: nothing another run writes is removed or renamed.
             out = await self.fs.open(tmp, "xb", perms=0o600)
         except BaseException:
             await reader.close()
@@ -121,8 +128,8 @@ class Fs3BackupDir:
         except BaseException:
             with contextlib.suppress(Exception):
                 await out.close()
-            with contextlib.suppress(OSError):
-                await self.fs.remove(tmp)
+            with contextlib.suppress(Exception):  # the error raised is the one that matters
+                await self.remove(tmp_name)
             raise
         return stats
 
@@ -132,14 +139,20 @@ class Fs3BackupDir:
 
 
 async def _dump_into(reader: SnapshotReader, out: AsyncFile, cluster_id: str, page_records: int) -> DumpStats:
-    """Dump ``reader`` (closed after) into ``out`` in pieces of :data:`_WRITE_PIECE` bytes."""
+    """Dump ``reader`` (closed after) into ``out`` in pieces of :data:`_WRITE_PIECE` bytes, synced
+    at least every :data:`~fs3.meta.backup.TMP_TOUCH_S` (its mtime: a writer at work)."""
     pending = bytearray()
+    synced = time.monotonic()
 
     async def emit(line: bytes) -> None:
+        nonlocal synced
         pending.extend(line)
         if len(pending) >= _WRITE_PIECE:
             await out.write(bytes(pending))
             pending.clear()
+            if time.monotonic() - synced >= TMP_TOUCH_S:
+                await out.fsync()
+                synced = time.monotonic()
 
     try:
         stats = await dump_snapshot(reader, emit, cluster_id, time.time_ns() // 1_000_000, page_records)
