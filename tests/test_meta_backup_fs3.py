@@ -201,3 +201,27 @@ def test_two_runs_of_the_same_name_never_rename_each_others_file(tmp_path: Path)
 
     asyncio.run(run())
 
+
+def test_removed_backups_do_not_stay_in_the_trash(tmp_path: Path) -> None:
+    """With a trash kept, a backup removed as beyond --keep (a copy of the whole namespace and of the
+    user table's hashes) is emptied from it at once: K bounds what the backups keep, and for how long."""
+    engine = engine_with(random_store(random.Random(27), 12))
+    clock = iter(range(2_000_000_000_000_000_000, 3_000_000_000_000_000_000, 1_000_000_000))
+
+    async def body(fs: AsyncFileSystem) -> None:
+        directory = Fs3BackupDir(fs, parse_fs3_url(f"fs3://{BACKUPS}"))
+        made = [(await backup_to(engine.snapshot, directory, 1, "c", now_ns=lambda: next(clock)))[0]
+                for _ in range(3)]
+        assert await _names(fs) == made[-1:]
+        assert not (await fs.metadata.trash_list()).entries
+
+    async def run() -> None:
+        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
+                                    meta_config=MetaServiceConfig(root_mode=0o777, trash_days=1)) as cluster:
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                await body(fs)
+            finally:
+                await fs.close()
+
+    asyncio.run(run())

@@ -13,7 +13,9 @@ chunks acknowledged by every replica, its length committed in meta) at least eve
 :data:`~fs3.meta.backup.TMP_TOUCH_S` (which moves its mtime: another run sees a writer at work)
 and at the end, closed, then renamed to ``NAME.dump``; so a file under its final name is a whole
 dump, as in a local directory. Older backups are removed only after that
-(:func:`fs3.meta.backup.backup_to`).
+(:func:`fs3.meta.backup.backup_to`), and emptied from the trash at once (a cluster with
+``trash_days`` would otherwise keep every removed backup, each a copy of the namespace and of
+the user table's hashes, for days: ``--keep`` would bound nothing).
 
 A backup kept in the cluster it backs up is lost with that cluster's metadata (it is a file of
 the namespace it saves): keep a copy elsewhere too (a local path, another cluster).
@@ -31,7 +33,8 @@ from pathlib import Path
 
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem
-from fs3.common.errors import InvalidArgument
+from fs3.client.meta import path_ref
+from fs3.common.errors import InvalidArgument, NotFound
 from fs3.kv.api import SnapshotReader
 from fs3.meta.backup import TMP_TOUCH_S, temporary_name
 from fs3.meta.dump import DumpStats, dump_snapshot
@@ -134,8 +137,14 @@ class Fs3BackupDir:
         return stats
 
     async def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            await self.fs.remove(self._path(name))
+        """Remove ``name`` and empty its trash entry (when the cluster keeps a trash): a removed
+        backup must not live on, taking space and holding the namespace, for ``trash_days``."""
+        try:
+            inode_id = await self.fs.metadata.remove(path_ref(self._path(name).encode()))
+        except NotFound:
+            return
+        with contextlib.suppress(NotFound):  # no trash, or purged already (another run)
+            await self.fs.metadata.trash_purge(inode_id)
 
 
 async def _dump_into(reader: SnapshotReader, out: AsyncFile, cluster_id: str, page_records: int) -> DumpStats:
