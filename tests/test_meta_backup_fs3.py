@@ -45,7 +45,10 @@ def test_url_forms() -> None:
     assert parse_fs3_url("fs3:///backups/meta/").path == "/backups/meta"
     assert parse_fs3_url("fs3://10.0.0.1:9000/b").mgmtd == "10.0.0.1:9000"
     assert parse_fs3_url("fs3://prod@/b").profile == "prod"
-    for bad in ("fs3:/backups", "fs3://host/b", "fs3://a@h:1/b", "fs3://host:9000", "fs3:///a/../b", "fs3://:x@/b"):
+    assert parse_fs3_url("fs3:///backups//meta").path == "/backups/meta"
+    assert parse_fs3_url("fs3://prod@/a//b/").url() == "fs3://prod@/a/b"
+    for bad in ("fs3:/backups", "fs3://host/b", "fs3://a@h:1/b", "fs3://host:9000", "fs3:///a/../b", "fs3://:x@/b",
+                "fs3://a@b@/x", "fs3://pr od@/x", "fs3://h:0/x", "fs3://h:65536/x"):
         with pytest.raises(InvalidArgument):
             parse_fs3_url(bad)
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem
 from fs3.client.meta import path_ref
+from fs3.client.profiles import check_profile_name
 from fs3.common.errors import InvalidArgument, NotFound
 from fs3.kv.api import SnapshotReader
 from fs3.meta.backup import TMP_TOUCH_S, temporary_name
@@ -74,12 +75,18 @@ def parse_fs3_url(text: str) -> Fs3Location:
     authority, slash, path = text[len(FS3_URL_PREFIX):].partition("/")
     if not slash:
         raise InvalidArgument(f"bad fs3 URL {text!r}: no path; {expected}")
-    path = "/" + path.strip("/")
-    if any(part in (".", "..") for part in path.split("/")):
+    parts = [part for part in path.split("/") if part]  # a//b is a/b, as in a POSIX path
+    if any(part in (".", "..") for part in parts):
         raise InvalidArgument(f"bad fs3 URL {text!r}: '.' and '..' are not allowed in the path")
+    path = "/" + "/".join(parts)
     profile, at, host_port = authority.rpartition("@")
     if at and (host_port or not profile or ":" in profile):
         raise InvalidArgument(f"bad fs3 URL {text!r}: a profile URL is fs3://NAME@/PATH (no host, no password)")
+    if at:
+        try:
+            check_profile_name(profile)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"bad fs3 URL {text!r}: {exc.message}") from None
     if host_port:
         host, colon, port = host_port.rpartition(":")
         if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
