@@ -19,7 +19,7 @@ from fs3.common.errors import InvalidArgument, IoError
 from fs3.kv.store import RocksKVStore, WriteBatch
 from fs3.meta import schema
 from fs3.meta.backup import TMP_STALE_S, backup_to, is_backup_name
-from fs3.meta.backup_fs3 import Fs3BackupDir, parse_fs3_url
+from fs3.meta.backup_fs3 import Fs3BackupDir, backup_dir_location, parse_fs3_url
 from fs3.meta.dump import is_dumped_key
 from fs3.meta.service import MetaServiceConfig
 from tests.inproc import InProcessCluster
@@ -51,6 +51,10 @@ def test_url_forms() -> None:
                 "fs3://a@b@/x", "fs3://pr od@/x", "fs3://h:0/x", "fs3://h:65536/x"):
         with pytest.raises(InvalidArgument):
             parse_fs3_url(bad)
+    for root in ("fs3:///", "fs3://h:1//", "fs3://prod@/"):  # every backup would list the whole root
+        assert parse_fs3_url(root).path == "/"
+        with pytest.raises(InvalidArgument, match="below the root"):
+            backup_dir_location(root)
 
 
 def test_backups_in_fs3_keep_the_newest_and_prune_leftovers(tmp_path: Path) -> None:

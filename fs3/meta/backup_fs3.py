@@ -40,7 +40,8 @@ from fs3.kv.api import SnapshotReader
 from fs3.meta.backup import TMP_TOUCH_S, temporary_name
 from fs3.meta.dump import DumpStats, dump_snapshot
 
-__all__ = ["FS3_URL_PREFIX", "Fs3BackupDir", "Fs3Location", "copy_to_local", "is_fs3_url", "parse_fs3_url"]
+__all__ = ["FS3_URL_PREFIX", "Fs3BackupDir", "Fs3Location", "backup_dir_location", "copy_to_local", "is_fs3_url",
+           "parse_fs3_url"]
 
 FS3_URL_PREFIX = "fs3://"
 # Bytes gathered before one write to the fs3 file (a dump is many short lines).
@@ -94,10 +95,22 @@ def parse_fs3_url(text: str) -> Fs3Location:
     return Fs3Location(mgmtd=host_port, profile=profile, path=path)
 
 
+def backup_dir_location(text: str) -> Fs3Location:
+    """The directory ``--backup-dir`` names by an fs3 URL: not the root, whose every entry each
+    backup would list (a directory of the backups' own keeps that listing short)."""
+    where = parse_fs3_url(text)
+    if where.path == "/":
+        raise InvalidArgument(f"{text}: backups go in a directory of their own below the root, "
+                              f"e.g. {where.url('/backups/meta')}")
+    return where
+
+
 class Fs3BackupDir:
     """A directory of an fs3 cluster, written through ``fs`` (a :class:`~fs3.meta.backup.BackupDir`)."""
 
     def __init__(self, fs: AsyncFileSystem, location: Fs3Location) -> None:
+        if location.path == "/":
+            raise InvalidArgument("backups go in a directory of their own below the root")
         self.fs = fs
         self.where = location
         self.directory = location.path.rstrip("/") or "/"
