@@ -142,6 +142,15 @@ def test_backup_and_load_commands_with_an_fs3_url(tmp_path: Path, monkeypatch: p
                                                   "--meta-config", str(dst)]) == 1
             assert "cannot read" in capsys.readouterr().err
             assert not (tmp_path / "dst" / "kv").exists()  # the store is opened only once the dump is here
+            # A truncated copy in fs3 is refused with why, writing nothing: a later load still finds the store empty.
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                whole = await fs.read_bytes(f"{BACKUPS}/{names[1]}")
+                await fs.write_bytes("/cut.dump", whole[:len(whole) // 2])
+            finally:
+                await fs.close()
+            assert await asyncio.to_thread(main, [*cli, "load", "fs3:///cut.dump", "--meta-config", str(dst)]) == 1
+            assert "dump" in capsys.readouterr().err
             url = f"fs3://{cluster.mgmtd_address}{BACKUPS}/{names[1]}"
             assert await asyncio.to_thread(main, [*cli, "load", url, "--meta-config", str(dst)]) == 0
 
