@@ -366,5 +366,8 @@ def test_targets_and_chains_listings_show_a_drain_under_way(tmp_path: Path,
             assert "(drain)" not in chains[str(move.chain_id)]
             targets = await asyncio.to_thread(listing, cluster, "targets")
             assert "syncing" not in targets[str(move.to_target_id)]
+            # The drained target has left its chain: it says so, not that it is still draining.
+            source = targets[str(move.from_target_id)]
+            assert "drained" in source and "draining" not in source, source
 
     asyncio.run(body())
