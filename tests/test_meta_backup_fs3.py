@@ -241,3 +241,38 @@ def test_removed_backups_do_not_stay_in_the_trash(tmp_path: Path) -> None:
                 await fs.close()
 
     asyncio.run(run())
+
+
+def test_a_long_backup_syncs_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backup written into fs3 syncs every TMP_TOUCH_S (here: every piece), which moves its mtime
+    (another run sees a writer at work), and still ends a whole dump."""
+    from fs3.client.files import AsyncFile
+    from fs3.meta import backup_fs3
+
+    engine = engine_with(random_store(random.Random(28), 12_000))  # a dump of several MiB
+    monkeypatch.setattr(backup_fs3, "TMP_TOUCH_S", 0)
+    fsync = AsyncFile.fsync
+    synced: list[int] = []
+
+    async def counting(self: AsyncFile) -> None:
+        await fsync(self)
+        synced.append((await self.fs.stat(self.name)).st_size)
+    monkeypatch.setattr(AsyncFile, "fsync", counting)
+
+    async def body(fs: AsyncFileSystem) -> None:
+        directory = Fs3BackupDir(fs, parse_fs3_url(f"fs3://{BACKUPS}"))
+        name, _ = await backup_to(engine.snapshot, directory, 1, "c")
+        data = await fs.read_bytes(f"{BACKUPS}/{name}")
+        assert read_back(data.splitlines(keepends=True))
+        assert len(synced) >= 3 and synced == sorted(synced) and synced[0] < len(data) == synced[-1], synced
+
+    async def run() -> None:
+        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
+                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                await body(fs)
+            finally:
+                await fs.close()
+
+    asyncio.run(run())
