@@ -13,9 +13,12 @@ from typing import Any
 import pytest
 
 import fs3.aio
+from fs3 import meta_pb2 as mpb
 from fs3.cli.main import main
 from fs3.client.fs import AsyncFileSystem
-from fs3.common.errors import InvalidArgument, IoError
+from fs3.client.meta import path_ref
+from fs3.common.errors import InvalidArgument, IoError, PermissionDenied
+from fs3.common.posix import O_RDONLY
 from fs3.kv.store import RocksKVStore, WriteBatch
 from fs3.meta import schema
 from fs3.meta.backup import TMP_STALE_S, backup_to, is_backup_name
@@ -75,9 +78,14 @@ def test_backups_in_fs3_keep_the_newest_and_prune_leftovers(tmp_path: Path) -> N
             name, _removed = await backup_to(engine.snapshot, directory, 2, "c", now_ns=lambda: next(clock))
             made.append(name)
         assert await _names(fs) == sorted([*made[1:], "fs3-meta-29990101T000000.000Z.dump.tmp"])
+        # Private: the dump holds every name and the user table's hashes. Another user (as a mount
+        # passes each caller's uid) cannot read a backup.
+        other = mpb.User(uid=4242, gid=4242)
         for name in made[1:]:
             st = await fs.stat(f"{BACKUPS}/{name}")
             assert st.st_mode & 0o777 == 0o600
+            with pytest.raises(PermissionDenied):
+                await fs.metadata.open(path_ref(f"{BACKUPS}/{name}".encode()), O_RDONLY, user=other)
             assert read_back((await fs.read_bytes(f"{BACKUPS}/{name}")).splitlines(keepends=True))
 
         # A backup whose dump fails leaves no temporary file and removes no older backup.
@@ -230,6 +238,11 @@ def test_removed_backups_do_not_stay_in_the_trash(tmp_path: Path) -> None:
                 for _ in range(3)]
         assert await _names(fs) == made[-1:]
         assert not (await fs.metadata.trash_list()).entries
+        # The directories made for the backups are private too: no other user lists them.
+        assert (await fs.stat("/backups")).st_mode & 0o077 == 0
+        with pytest.raises(PermissionDenied):
+            await fs.metadata.read_dir(path_ref(BACKUPS.encode()), limit=10, with_attrs=False,
+                                       user=mpb.User(uid=4242, gid=4242))
 
     async def run() -> None:
         async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
