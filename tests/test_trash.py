@@ -242,6 +242,27 @@ def test_a_listing_names_no_directory_the_user_could_not_list() -> None:
     run(body)
 
 
+def test_the_directory_walk_ends_on_a_cycle_of_parents() -> None:
+    """A damaged store whose directories name each other as parents (which no rename makes, and
+    fsck reports) ends the walk at its depth bound: the entry shows as ``<dir N>/name``."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/a")
+        await meta.mkdir("/a/b")
+        await meta.create("/a/b/f")
+        a = (await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/a")))).inode
+        b = (await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/a/b")))).inode
+        await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(), target=mpb.PathRef(parent=b.inode_id, path=b"f")))
+        txn = meta.engine.begin()
+        a.parent = b.inode_id  # a in b, b in a
+        txn.put(schema.inode_key(a.inode_id), a.SerializeToString())
+        txn.put(schema.dentry_key(b.inode_id, b"a"),
+                mpb.DirEntry(inode_id=a.inode_id, type=mpb.DIRECTORY).SerializeToString())
+        await txn.commit()
+        assert [trash.shown_path(e) for e in await meta.entries()] == [f"<dir {b.inode_id}>/f"]
+
+    run(body)
+
+
 def test_the_directory_walk_of_a_listing_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past its budget of directory entries read, a listing shows ``<dir N>/name``."""
     async def body(meta: Meta) -> None:
