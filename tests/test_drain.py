@@ -366,5 +366,27 @@ def test_targets_and_chains_listings_show_a_drain_under_way(tmp_path: Path,
             assert "(drain)" not in chains[str(move.chain_id)]
             targets = await asyncio.to_thread(listing, cluster, "targets")
             assert "syncing" not in targets[str(move.to_target_id)]
+            # The drained target has left its chain: it says so, not that it is still draining.
+            source = targets[str(move.from_target_id)]
+            assert "drained" in source and "draining" not in source, source
 
     asyncio.run(body())
+
+
+def test_move_notes_with_no_moves_and_with_many() -> None:
+    """The listings' move columns: nothing without moves (or with finished ones only); every
+    unfinished move of a chain, and each target's part in them, with many under way."""
+    from fs3 import common_pb2 as cpb
+    from fs3.cli.moves import chain_move_notes, target_move_notes
+
+    targets = [cpb.TargetInfo(target_id=100 + i, node_id=1 + i // 2, chain_id=1 + i % 3) for i in range(6)]
+    assert target_move_notes(mpb.MovesRsp(), targets) == {} and chain_move_notes(mpb.MovesRsp()) == {}
+    rsp = mpb.MovesRsp(draining_node_ids=[3])
+    rsp.moves.add(chain_id=1, from_target_id=100, to_target_id=200, phase="done", reason="drain")
+    rsp.moves.add(chain_id=1, from_target_id=103, to_target_id=201, phase="syncing", reason="rebalance")
+    rsp.moves.add(chain_id=1, from_target_id=100, to_target_id=0, phase="pending", reason="rebalance")
+    rsp.moves.add(chain_id=2, from_target_id=101, to_target_id=202, phase="failed", reason="drain")
+    assert chain_move_notes(rsp) == {1: "103 -> 201 syncing (rebalance), 100 -> ? pending (rebalance)"}
+    notes = target_move_notes(rsp, targets)
+    assert notes[100] == "-> ? pending" and notes[103] == "-> 201 syncing" and notes[201] == "<- 103 syncing"
+    assert notes[104] == notes[105] == "draining" and 101 not in notes and 202 not in notes

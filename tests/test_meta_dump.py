@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from fs3.kv.api import Transaction, TxnEngine
 from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch
 from fs3.kv.txn import OptimisticTxnEngine, run_transaction
 from fs3.meta import schema
-from fs3.meta.backup import INODE_ID_GAP, backup_once, dump_to_file, list_backups, load_dump
+from fs3.meta.backup import INODE_ID_GAP, TMP_STALE_S, backup_once, dump_to_file, list_backups, load_dump
 from fs3.meta.dump import DumpError, DumpReader, dump_snapshot, is_dumped_key
 from fs3.meta.formats import META_FORMAT
 from fs3.meta.service import MetaService, MetaServiceConfig
@@ -373,10 +375,12 @@ def test_backups_keep_the_newest(tmp_path: Path) -> None:
 
 def test_backup_removes_what_a_killed_backup_left(tmp_path: Path) -> None:
     """A backup killed while writing leaves NAME.dump.tmp (a partial dump, with the user table's hashes):
-    the next backup removes it; its own and later names are left alone."""
+    the next backup removes it once stale (TMP_STALE_S untouched); a fresh one may be another writer's."""
     engine = engine_with(random_store(random.Random(14), 5))
     stale = tmp_path / "fs3-meta-20000101T000000.000Z.dump.tmp"
     stale.write_bytes(b"partial")
+    long_ago_s = time.time() - TMP_STALE_S - 60
+    os.utime(stale, (long_ago_s, long_ago_s))
     later = tmp_path / "fs3-meta-29990101T000000.000Z.dump.tmp"
     later.write_bytes(b"another writer's")
     path, _ = asyncio.run(backup_once(engine.snapshot, tmp_path, keep=2, cluster_id="c"))

@@ -219,6 +219,50 @@ def test_a_removal_by_directory_inode_is_listed_under_its_directory_s_path() -> 
     run(body)
 
 
+def test_a_listing_names_no_directory_the_user_could_not_list() -> None:
+    """The walk up shows a user a directory's path only through directories it may read and
+    search, as ``ls`` would: a directory root moved into a private one shows as ``<dir N>/name``,
+    not with the names inside the private directory."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/pub")
+        await meta.mkdir("/pub/d", uid=1000)
+        await meta.create("/pub/d/f", uid=1000)
+        d = (await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/pub/d")))).inode.inode_id
+        await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(1000), target=mpb.PathRef(parent=d, path=b"f")))
+        assert [trash.shown_path(e) for e in await meta.entries(uid=1000)] == ["/pub/d/f"]
+        await meta.mkdir("/private")
+        await meta.mkdir("/private/payroll-2027")
+        await meta.call("set_attr", mpb.SetAttrReq(ctx=meta.ctx(), target=ref("/private"), mask=mpb.SET_MODE,
+                                                   mode=0o700))
+        await meta.call("rename", mpb.RenameReq(ctx=meta.ctx(), source=ref("/pub/d"),
+                                                destination=ref("/private/payroll-2027/d")))
+        assert [trash.shown_path(e) for e in await meta.entries(uid=1000)] == [f"<dir {d}>/f"]
+        assert [trash.shown_path(e) for e in await meta.entries()] == ["/private/payroll-2027/d/f"]  # root
+
+    run(body)
+
+
+def test_the_directory_walk_ends_on_a_cycle_of_parents() -> None:
+    """A damaged store whose directories name each other as parents (which no rename makes, and
+    fsck reports) ends the walk at its depth bound: the entry shows as ``<dir N>/name``."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/a")
+        await meta.mkdir("/a/b")
+        await meta.create("/a/b/f")
+        a = (await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/a")))).inode
+        b = (await meta.call("lookup", mpb.LookupReq(ctx=meta.ctx(), target=ref("/a/b")))).inode
+        await meta.call("remove", mpb.RemoveReq(ctx=meta.ctx(), target=mpb.PathRef(parent=b.inode_id, path=b"f")))
+        txn = meta.engine.begin()
+        a.parent = b.inode_id  # a in b, b in a
+        txn.put(schema.inode_key(a.inode_id), a.SerializeToString())
+        txn.put(schema.dentry_key(b.inode_id, b"a"),
+                mpb.DirEntry(inode_id=a.inode_id, type=mpb.DIRECTORY).SerializeToString())
+        await txn.commit()
+        assert [trash.shown_path(e) for e in await meta.entries()] == [f"<dir {b.inode_id}>/f"]
+
+    run(body)
+
+
 def test_the_directory_walk_of_a_listing_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past its budget of directory entries read, a listing shows ``<dir N>/name``."""
     async def body(meta: Meta) -> None:

@@ -198,7 +198,7 @@ async def _dump(take: Callable[[], Awaitable[SnapshotReader]], args: argparse.Na
 
 async def _backups(take: Callable[[], Awaitable[SnapshotReader]], args: argparse.Namespace, cluster_id: str) -> int:
     from fs3.meta.backup import BackupDir, LocalBackupDir, backup_to
-    from fs3.meta.backup_fs3 import Fs3BackupDir, is_fs3_url, parse_fs3_url
+    from fs3.meta.backup_fs3 import Fs3BackupDir, backup_dir_location, is_fs3_url
 
     if args.every_s < 0:
         raise InvalidArgument("--every-s must not be negative")
@@ -206,7 +206,7 @@ async def _backups(take: Callable[[], Awaitable[SnapshotReader]], args: argparse
         raise InvalidArgument(f"--keep and --page-records must be at least 1, got {args.keep} and "
                               f"{args.page_records}")
     if is_fs3_url(args.backup_dir):
-        parse_fs3_url(args.backup_dir)  # a bad URL refused now, not logged at every interval of a loop
+        backup_dir_location(args.backup_dir)  # a bad URL refused now, not logged at every interval of a loop
     while True:
         started = time.monotonic()
         try:

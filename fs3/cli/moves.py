@@ -48,13 +48,14 @@ def add_move_commands(admin_sub: Any) -> None:
 
 def target_move_notes(rsp: mpb.MovesRsp, targets: Iterable[cpb.TargetInfo]) -> dict[int, str]:
     """What the moves do to each target, for the ``move`` column of ``fs3 admin targets``:
-    ``draining`` (its node or itself is being drained), ``-> T syncing`` (its replica moves to T),
-    ``<- F syncing`` (it takes over F's replica). Finished moves say nothing."""
+    ``draining`` (its node or itself is being drained and it still holds a replica), ``drained``
+    (it has left its chain: the node stays marked until undrained), ``-> T syncing`` (its replica
+    moves to T), ``<- F syncing`` (it takes over F's replica). Finished moves say nothing."""
     draining_nodes, draining_targets = set(rsp.draining_node_ids), set(rsp.draining_target_ids)
     notes: dict[int, list[str]] = {}
     for t in targets:
         if t.target_id in draining_targets or t.node_id in draining_nodes:
-            notes.setdefault(t.target_id, []).append("draining")
+            notes.setdefault(t.target_id, []).append("draining" if t.chain_id else "drained")
     for m in rsp.moves:
         if m.phase in _FINISHED:
             continue

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ __all__ = [
     "BACKUP_PREFIX",
     "BACKUP_SUFFIX",
     "INODE_ID_GAP",
+    "TMP_STALE_S",
     "TMP_SUFFIX",
+    "TMP_TOUCH_S",
     "BackupDir",
     "LoadStats",
     "LocalBackupDir",
@@ -57,9 +60,11 @@ __all__ = [
     "dump_to_file",
     "dump_to_stream",
     "is_backup_name",
+    "is_temporary_name",
     "list_backups",
     "load_dump",
     "store_is_empty",
+    "temporary_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,7 +74,13 @@ BACKUP_PREFIX = "fs3-meta-"
 # more than a cluster makes between two backups, a sliver of the 64-bit id space.
 INODE_ID_GAP = 1 << 32
 BACKUP_SUFFIX = ".dump"
-TMP_SUFFIX = ".tmp"  # what a backup is written as until it is whole (NAME.dump.tmp)
+TMP_SUFFIX = ".tmp"  # what a backup is written as until it is whole (NAME.dump.TOKEN.tmp)
+# A writer touches its temporary file at least this often (it writes a piece, or syncs) ...
+TMP_TOUCH_S = 60
+# ... so one untouched for this long, measured against the new backup's time of the same clock
+# (the file system's), is what a killed run left: a partial copy of the namespace and the user
+# table's hashes, removed by the next backup. A younger one may be another run's, still writing.
+TMP_STALE_S = 3600
 
 
 async def dump_to_stream(reader: SnapshotReader, out: IO[bytes], cluster_id: str, page_records: int = 1000,
@@ -84,15 +95,21 @@ async def dump_to_stream(reader: SnapshotReader, out: IO[bytes], cluster_id: str
         await reader.close()
 
 
-async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page_records: int = 1000) -> DumpStats:
+async def dump_to_file(reader: SnapshotReader, path: Path, cluster_id: str, page_records: int = 1000,
+                       tmp_name: str | None = None) -> DumpStats:
     """Dump into ``path`` atomically: a temporary file beside it, synced, renamed over it (mode 0600:
     the dump holds the user table's secret hashes and every name in the namespace). Closes the
     reader, also when the file cannot be made (a backup loop must not pile up open snapshots, each
-    pinning the store's old files or a database snapshot)."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
+    pinning the store's old files or a database snapshot).
+
+    ``tmp_name``: a temporary name of this writer's alone (:func:`temporary_name`), made with
+    ``O_EXCL``; None: ``path`` + :data:`TMP_SUFFIX`, truncated if there (what ``fs3 admin dump
+    --out`` run again after a kill finds)."""
+    tmp = path.with_name(path.name + TMP_SUFFIX if tmp_name is None else tmp_name)
     try:
         # O_NOFOLLOW: a link planted under the temporary name must not point the dump (or its truncation) elsewhere.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if tmp_name is None else os.O_EXCL)
+        fd = os.open(tmp, flags, 0o600)
     except BaseException:
         await reader.close()
         raise
@@ -271,9 +288,14 @@ class BackupDir(Protocol):
         """The names of the regular files in the directory."""
         ...
 
+    async def mtime_ns(self, name: str) -> int | None:
+        """When file ``name`` was last modified, by the directory's own clock; None: it is gone."""
+        ...
+
     async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
-        """Dump ``reader`` (closed after, also on failure) into ``name`` + :data:`TMP_SUFFIX`, make
-        it durable, then rename it to ``name``; the temporary file is removed on failure."""
+        """Dump ``reader`` (closed after, also on failure) into a temporary name of this writer's
+        alone (:func:`temporary_name`), touched at least every :data:`TMP_TOUCH_S`, make it
+        durable, then rename it to ``name``; the temporary file is removed on failure."""
         ...
 
     async def remove(self, name: str) -> None:
@@ -296,8 +318,15 @@ class LocalBackupDir:
     async def names(self) -> list[str]:
         return [p.name for p in self.directory.iterdir() if p.is_file()]
 
+    async def mtime_ns(self, name: str) -> int | None:
+        try:
+            return (self.directory / name).lstat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+
     async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
-        return await dump_to_file(reader, self.directory / name, cluster_id, page_records)
+        # A writer's file is written every MiB (the buffer), which touches it (TMP_TOUCH_S).
+        return await dump_to_file(reader, self.directory / name, cluster_id, page_records, temporary_name(name))
 
     async def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -308,11 +337,28 @@ def is_backup_name(name: str) -> bool:
     return name.startswith(BACKUP_PREFIX) and name.endswith(BACKUP_SUFFIX)
 
 
+def temporary_name(name: str) -> str:
+    """The name backup ``name`` is written as until it is whole: ``NAME.TOKEN.tmp``, of this writer
+    alone, so that two runs that chose the same ``name`` (the same millisecond, two hosts) never
+    write, remove or rename each other's file."""
+    return f"{name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+
+
+def is_temporary_name(name: str) -> bool:
+    """A backup's temporary file (``NAME.TOKEN.tmp``, or ``NAME.tmp`` of older versions)."""
+    return name.startswith(BACKUP_PREFIX) and name.endswith(TMP_SUFFIX) and BACKUP_SUFFIX + "." in name
+
+
 async def backup_to(take: Callable[[], Awaitable[SnapshotReader]], directory: BackupDir, keep: int, cluster_id: str,
                     page_records: int = 1000, now_ns: Callable[[], int] = time.time_ns) -> tuple[str, list[str]]:
     """One backup into ``directory`` from a snapshot ``take`` makes, then the oldest beyond
     ``keep`` removed: returns the new file's name and the removed ones. A failed dump removes
-    nothing."""
+    nothing.
+
+    The new backup is always among those kept, whatever sorts after it (names of a clock set
+    back, of another host's clock ahead, files put there by hand): else it would be the oldest,
+    removed as soon as written, and no backup of now would be left. Temporary files are removed
+    only once stale (:data:`TMP_STALE_S`): a younger one may be another run's, still writing."""
     if keep < 1:
         raise InvalidArgument("keep must be at least 1")
     await directory.prepare()
@@ -321,15 +367,21 @@ async def backup_to(take: Callable[[], Awaitable[SnapshotReader]], directory: Ba
         raise InvalidArgument(f"{directory.location(name)} exists already (two backups in the same millisecond?)")
     await directory.write(name, await take(), cluster_id, page_records)
     names = sorted(await directory.names())
-    backups = [n for n in names if is_backup_name(n)]  # names sort as their times do
-    removed = backups[:-keep] if len(backups) > keep else []
+    others = [n for n in names if is_backup_name(n) and n != name]  # names sort as their times do
+    newer = [n for n in others if n > name]
+    if newer:
+        log.warning("%d backups in %s are named after the new one (%s): a clock set back, another host's clock "
+                    "ahead, or files put there; the new one is kept", len(newer), directory.location(""), newer[-1])
+    removed = others[:len(others) - (keep - 1)] if len(others) > keep - 1 else []
     for old in removed:
         await directory.remove(old)
-    # What a backup killed while writing left (``NAME.dump.tmp``, older than this one): a partial copy of
-    # the namespace and the user table's hashes, which nothing else would ever remove.
-    for stale in names:
-        if stale.startswith(BACKUP_PREFIX) and stale.endswith(BACKUP_SUFFIX + TMP_SUFFIX) and stale < name:
-            await directory.remove(stale)
+    written_ns = await directory.mtime_ns(name)
+    for leftover in names:
+        if not is_temporary_name(leftover) or written_ns is None:
+            continue
+        touched_ns = await directory.mtime_ns(leftover)
+        if touched_ns is not None and written_ns - touched_ns > TMP_STALE_S * 1_000_000_000:
+            await directory.remove(leftover)
     return name, removed
 
 

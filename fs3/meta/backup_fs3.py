@@ -7,10 +7,15 @@ directory of a cluster by URL, as fsspec does (:mod:`fs3.client.fsspec_impl`):
 * ``fs3://HOST:PORT/PATH``: the cluster whose mgmtd listens there (token from the options or ``$FS3_TOKEN``);
 * ``fs3://NAME@/PATH``: the cluster of profile NAME.
 
-A backup is written as ``NAME.dump.tmp`` (mode 0600: the dump holds the user table's secret
-hashes), synced (``fsync``: its chunks acknowledged by every replica, its length committed in
-meta), closed, then renamed to ``NAME.dump``; so a file under its final name is a whole dump, as
-in a local directory. Older backups are removed only after that (:func:`fs3.meta.backup.backup_to`).
+A backup is written as ``NAME.dump.TOKEN.tmp`` (a name of this writer's alone, made with
+``O_EXCL``; mode 0600: the dump holds the user table's secret hashes), synced (``fsync``: its
+chunks acknowledged by every replica, its length committed in meta) at least every
+:data:`~fs3.meta.backup.TMP_TOUCH_S` (which moves its mtime: another run sees a writer at work)
+and at the end, closed, then renamed to ``NAME.dump``; so a file under its final name is a whole
+dump, as in a local directory. Older backups are removed only after that
+(:func:`fs3.meta.backup.backup_to`), and emptied from the trash at once (a cluster with
+``trash_days`` would otherwise keep every removed backup, each a copy of the namespace and of
+the user table's hashes, for days: ``--keep`` would bound nothing).
 
 A backup kept in the cluster it backs up is lost with that cluster's metadata (it is a file of
 the namespace it saves): keep a copy elsewhere too (a local path, another cluster).
@@ -28,12 +33,15 @@ from pathlib import Path
 
 from fs3.client.files import AsyncFile
 from fs3.client.fs import AsyncFileSystem
-from fs3.common.errors import InvalidArgument
+from fs3.client.meta import path_ref
+from fs3.client.profiles import check_profile_name
+from fs3.common.errors import InvalidArgument, NotFound
 from fs3.kv.api import SnapshotReader
-from fs3.meta.backup import TMP_SUFFIX
+from fs3.meta.backup import TMP_TOUCH_S, temporary_name
 from fs3.meta.dump import DumpStats, dump_snapshot
 
-__all__ = ["FS3_URL_PREFIX", "Fs3BackupDir", "Fs3Location", "copy_to_local", "is_fs3_url", "parse_fs3_url"]
+__all__ = ["FS3_URL_PREFIX", "Fs3BackupDir", "Fs3Location", "backup_dir_location", "copy_to_local", "is_fs3_url",
+           "parse_fs3_url"]
 
 FS3_URL_PREFIX = "fs3://"
 # Bytes gathered before one write to the fs3 file (a dump is many short lines).
@@ -68,12 +76,18 @@ def parse_fs3_url(text: str) -> Fs3Location:
     authority, slash, path = text[len(FS3_URL_PREFIX):].partition("/")
     if not slash:
         raise InvalidArgument(f"bad fs3 URL {text!r}: no path; {expected}")
-    path = "/" + path.strip("/")
-    if any(part in (".", "..") for part in path.split("/")):
+    parts = [part for part in path.split("/") if part]  # a//b is a/b, as in a POSIX path
+    if any(part in (".", "..") for part in parts):
         raise InvalidArgument(f"bad fs3 URL {text!r}: '.' and '..' are not allowed in the path")
+    path = "/" + "/".join(parts)
     profile, at, host_port = authority.rpartition("@")
     if at and (host_port or not profile or ":" in profile):
         raise InvalidArgument(f"bad fs3 URL {text!r}: a profile URL is fs3://NAME@/PATH (no host, no password)")
+    if at:
+        try:
+            check_profile_name(profile)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"bad fs3 URL {text!r}: {exc.message}") from None
     if host_port:
         host, colon, port = host_port.rpartition(":")
         if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -81,10 +95,22 @@ def parse_fs3_url(text: str) -> Fs3Location:
     return Fs3Location(mgmtd=host_port, profile=profile, path=path)
 
 
+def backup_dir_location(text: str) -> Fs3Location:
+    """The directory ``--backup-dir`` names by an fs3 URL: not the root, whose every entry each
+    backup would list (a directory of the backups' own keeps that listing short)."""
+    where = parse_fs3_url(text)
+    if where.path == "/":
+        raise InvalidArgument(f"{text}: backups go in a directory of their own below the root, "
+                              f"e.g. {where.url('/backups/meta')}")
+    return where
+
+
 class Fs3BackupDir:
     """A directory of an fs3 cluster, written through ``fs`` (a :class:`~fs3.meta.backup.BackupDir`)."""
 
     def __init__(self, fs: AsyncFileSystem, location: Fs3Location) -> None:
+        if location.path == "/":
+            raise InvalidArgument("backups go in a directory of their own below the root")
         self.fs = fs
         self.where = location
         self.directory = location.path.rstrip("/") or "/"
@@ -102,13 +128,17 @@ class Fs3BackupDir:
         return [entry.name for entry in await self.fs.scandir(self.directory)
                 if entry.is_file(follow_symlinks=False)]
 
-    async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
-        tmp, final = self._path(name + TMP_SUFFIX), self._path(name)
+    async def mtime_ns(self, name: str) -> int | None:
         try:
-            # Whatever is under the temporary name (a file a killed run left, a link planted there)
-            # is removed, not written through: the new file is made with O_EXCL.
-            with contextlib.suppress(FileNotFoundError):
-                await self.fs.remove(tmp)
+            return (await self.fs.lstat(self._path(name))).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    async def write(self, name: str, reader: SnapshotReader, cluster_id: str, page_records: int) -> DumpStats:
+        tmp_name = temporary_name(name)
+        tmp, final = self._path(tmp_name), self._path(name)
+        try:
+            # O_EXCL on a name of this writer's alone: nothing another run writes is removed or renamed.
             out = await self.fs.open(tmp, "xb", perms=0o600)
         except BaseException:
             await reader.close()
@@ -121,25 +151,37 @@ class Fs3BackupDir:
         except BaseException:
             with contextlib.suppress(Exception):
                 await out.close()
-            with contextlib.suppress(OSError):
-                await self.fs.remove(tmp)
+            with contextlib.suppress(Exception):  # the error raised is the one that matters
+                await self.remove(tmp_name)
             raise
         return stats
 
     async def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            await self.fs.remove(self._path(name))
+        """Remove ``name`` and empty its trash entry (when the cluster keeps a trash): a removed
+        backup must not live on, taking space and holding the namespace, for ``trash_days``."""
+        try:
+            inode_id = await self.fs.metadata.remove(path_ref(self._path(name).encode()))
+        except NotFound:
+            return
+        with contextlib.suppress(NotFound):  # no trash, or purged already (another run)
+            await self.fs.metadata.trash_purge(inode_id)
 
 
 async def _dump_into(reader: SnapshotReader, out: AsyncFile, cluster_id: str, page_records: int) -> DumpStats:
-    """Dump ``reader`` (closed after) into ``out`` in pieces of :data:`_WRITE_PIECE` bytes."""
+    """Dump ``reader`` (closed after) into ``out`` in pieces of :data:`_WRITE_PIECE` bytes, synced
+    at least every :data:`~fs3.meta.backup.TMP_TOUCH_S` (its mtime: a writer at work)."""
     pending = bytearray()
+    synced = time.monotonic()
 
     async def emit(line: bytes) -> None:
+        nonlocal synced
         pending.extend(line)
         if len(pending) >= _WRITE_PIECE:
             await out.write(bytes(pending))
             pending.clear()
+            if time.monotonic() - synced >= TMP_TOUCH_S:
+                await out.fsync()
+                synced = time.monotonic()
 
     try:
         stats = await dump_snapshot(reader, emit, cluster_id, time.time_ns() // 1_000_000, page_records)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import AlreadyExists, InvalidArgument, NotADirectory, NotFound, NotPermitted
 from fs3.common.invariant import ensure
+from fs3.common.posix import R_OK, X_OK, may
 from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
 
@@ -131,7 +132,8 @@ async def list_page(ns: Namespace, start_after: int, limit: int) -> mpb.TrashLis
 class _PathWalk:
     """The paths of directories from their inode ids, for one listing page: up through each
     directory's ``parent``, finding its name among its parent's entries, bounded by
-    :data:`PATH_WALK_DEPTH_MAX` and :data:`PATH_WALK_ENTRIES_MAX`; what it found is remembered."""
+    :data:`PATH_WALK_DEPTH_MAX` and :data:`PATH_WALK_ENTRIES_MAX`, and only through directories
+    the caller may read and search (root: all); what it found is remembered."""
 
     def __init__(self, ns: Namespace) -> None:
         self.ns = ns
@@ -150,7 +152,8 @@ class _PathWalk:
             chain.append(current)
             inode = await self.ns.find_inode(current)
             parent = inode.parent if inode is not None and inode.type == mpb.DIRECTORY else 0
-            name = await self._name_in(parent, current) if parent and parent != current else None
+            name = await self._name_in(parent, current) if parent and parent != current and \
+                await self._may_list(parent) else None
             if name is None:
                 found = None
                 break
@@ -163,6 +166,13 @@ class _PathWalk:
             self.known[directory] = None if found is None else (
                 found.rstrip(b"/") + b"/" + b"/".join(reversed(names[index:])))
         return self.known.get(inode_id)
+
+    async def _may_list(self, directory: int) -> bool:
+        """Whether the caller may read and search ``directory``: a name in it is shown only to one
+        who could list it (``ls``), on a path it could walk; so the walk of every directory up to
+        the root tells a user no name it could not have read itself."""
+        inode = await self.ns.find_inode(directory)
+        return inode is not None and may(inode, self.ns.caller, R_OK | X_OK)
 
     async def _name_in(self, parent: int, child: int) -> bytes | None:
         """``child``'s name among ``parent``'s entries (a directory has one name), within the budget."""
