@@ -73,7 +73,10 @@ def test_the_checks_catch_a_retry_applied_twice(monkeypatch: pytest.MonkeyPatch)
     from fs3.storage.chunk_engine import ChunkEngine
 
     monkeypatch.setattr(ChunkEngine, "channel", lambda self, client_id, channel_id: None)
-    caught = next((seed for seed in range(19, 80) if not run_seed(seed, clients=3, ops_per_client=60).ok), None)
+    # The simulator is deterministic: seed 45 is the first from 19 that catches it today (19-44 ran
+    # clean, 26 seeds and about 25 s of make test). The scan starts there and keeps going, so a
+    # change to the simulator that moves the catch still finds the next seed that sees it.
+    caught = next((seed for seed in range(45, 120) if not run_seed(seed, clients=3, ops_per_client=60).ok), None)
     assert caught is not None, "no seed noticed retried requests applied twice"
 
 
