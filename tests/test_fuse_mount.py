@@ -571,6 +571,11 @@ def test_files_this_mount_created_skip_lookups_and_still_see_other_mounts(mount:
     written, closed and removed with no lookup of its own. What another mount does to such a name
     is still seen here: an open gets the file the name names now, an unlink removes that file, and
     a file removed there is gone here once the attribute timeout (1 s), not the entry's, has passed."""
+    if mount[0].mount_workers > 1:
+        # About 5 s of make test: the names given to the kernel and the attribute cache are the front
+        # process's, the same with any number of workers; an open through a name replaced on another
+        # mount, read through a worker, is test_a_file_replaced_by_rename_on_another_mount_opens_as_the_new_file.
+        pytest.skip("names and attributes only: the front process keeps them the same way with any number of workers")
     cluster, _ = mount
     address = cluster.procs["mount"].info["metrics"]
     before = _fuse_ops(address)
