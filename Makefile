@@ -174,9 +174,11 @@ train-demo: install
 	$(PY) -m haiscale.examples.demo
 
 # The HAI Platform's long scenario, narrated: time-sharing, a killed node, an ignored suspend, each
-# ending bit-identical to the uninterrupted run (scripts/hai_demo.py; a few minutes).
+# ending bit-identical to the uninterrupted run (scripts/hai_demo.py; a few minutes); then the
+# ignored suspend's end-to-end test with all its checks (tests/test_hai_ignored_suspend.py).
 hai-demo: install
 	$(PY) scripts/hai_demo.py
+	FS3_HAI_LONG=1 $(BIN)/pytest -q -p no:cacheprovider tests/test_hai_ignored_suspend.py
 
 # Scrubbing under load: bytes flipped on random replicas of many chunks while a writer runs; every
 # copy repaired by the background scrubbers (docs/operations.md, "Scrubbing").
@@ -192,9 +194,11 @@ drain-demo: install
 	FS3_DRAIN_DEMO_RATE=$(DRAIN_DEMO_RATE) $(PY) scripts/drain_demo.py
 
 # HaiScale's longer multi-rank tests (the contiguous 4-rank pipeline, a stopped rank's neighbour timing out,
-# FSDP state resharded onto three ranks, a dead FSDP peer) with the rest of HaiScale's tests.
+# FSDP state resharded onto three ranks, a dead FSDP peer, FSDP and the pipeline on two network-namespace
+# nodes) with the rest of HaiScale's tests.
 test-haiscale-long: install
-	HAISCALE_LONG=1 $(BIN)/pytest -q tests/test_haiscale_pipeline.py tests/test_haiscale_fsdp.py
+	HAISCALE_LONG=1 $(BIN)/pytest -q tests/test_haiscale_pipeline.py tests/test_haiscale_fsdp.py \
+		tests/test_haiscale_train.py
 
 # The trash against its model, long: TRASH_SEEDS seeds of TRASH_STEPS random create/rm/restore/purge/
 # expire steps each (make test runs three short seeds).

@@ -87,7 +87,12 @@ async def _failover(cluster: ProcessCluster, transport: str) -> None:
     task = asyncio.create_task(writer())
     await wait_until(lambda: _ge(counts, 20), what="initial writes")
 
-    for role in ("head", "middle", "tail"):
+    # Over gRPC the head alone: the client's transport meets a failover where its writes go, at the
+    # head (a dead connection, a new routing table, a new head). The middle and the tail are reached
+    # by the storage nodes' own forwarding, the same whichever transport the client speaks, and the
+    # framed run kills all three (about 9 s of make test saved by not repeating them).
+    roles = ("head", "middle", "tail") if transport == "framed" else ("head",)
+    for role in roles:
         chains = await admin.chains()
         chain = next(c for c in chains.chains if c.chain_id == chain_ids[0])
         victim_target = {"head": chain.target_ids[0], "middle": chain.target_ids[1], "tail": chain.target_ids[2]}[role]
@@ -106,7 +111,7 @@ async def _failover(cluster: ProcessCluster, transport: str) -> None:
 
     stop.set()
     await task
-    assert counts["acked"] > 80
+    assert counts["acked"] > 20 + 20 * len(roles)
 
     # Each chunk holds exactly what its updates make of it: every acknowledged one applied once, in
     # order; one whose outcome the writer never learned applied or not (a head completes or drops

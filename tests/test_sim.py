@@ -15,7 +15,9 @@ from fs3.sim.sweep import SweepConfig, load_results, sweep
 from fs3.storage import replica as replica_mod
 
 SEEDS_PER_BATCH = 25
-BATCHES = 6  # 150 seeds in make test; `make sim` sweeps thousands
+# 100 seeds in make test (seeds 101-150 were about 22 s of it); `make sim` sweeps thousands, longer
+# histories (60 operations per client) on the same mix: `make sim SEEDS=2000`.
+BATCHES = 4
 
 
 @pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
@@ -42,7 +44,9 @@ def test_a_run_replays_exactly() -> None:
 
 @pytest.mark.slow  # simulator seeds (make check runs 25 of its own)
 def test_faults_are_injected() -> None:
-    results = [run_seed(seed, clients=2, ops_per_client=40) for seed in range(900, 905)]
+    # Three seeds hold 42 faults, storage kills among them (901 and 904, 37 and 19 faults, took two
+    # thirds of the time: the sweeps above run seeds under the same injector).
+    results = [run_seed(seed, clients=2, ops_per_client=40) for seed in (900, 902, 903)]
     assert sum(len(r.faults) for r in results) > 10
     assert any(any("kill storage" in f for f in r.faults) for r in results)
     assert all(r.ok for r in results), [r.violations for r in results]
@@ -73,7 +77,10 @@ def test_the_checks_catch_a_retry_applied_twice(monkeypatch: pytest.MonkeyPatch)
     from fs3.storage.chunk_engine import ChunkEngine
 
     monkeypatch.setattr(ChunkEngine, "channel", lambda self, client_id, channel_id: None)
-    caught = next((seed for seed in range(19, 80) if not run_seed(seed, clients=3, ops_per_client=60).ok), None)
+    # The simulator is deterministic: seed 45 is the first from 19 that catches it today (19-44 ran
+    # clean, 26 seeds and about 25 s of make test). The scan starts there and keeps going, so a
+    # change to the simulator that moves the catch still finds the next seed that sees it.
+    caught = next((seed for seed in range(45, 120) if not run_seed(seed, clients=3, ops_per_client=60).ok), None)
     assert caught is not None, "no seed noticed retried requests applied twice"
 
 
