@@ -1,0 +1,225 @@
+"""Protocol versions (fs3/rpc/versions.py): the compatibility rule, and each place it is applied —
+the framed HELLO, gRPC metadata, mgmtd's registration — refusing a peer it cannot talk to with a
+message naming both versions, while a protocol-1 peer (an older release) is still served."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from fs3 import common_pb2 as cpb
+from fs3 import mgmtd_pb2 as mpb
+from fs3.cli.main import node_entries
+from fs3.common.errors import ProtocolError, StatusCode
+from fs3.kv.store import MemKVStore
+from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer, check_node_protocol
+from fs3.rpc.dispatch import Dispatcher
+from fs3.rpc.framed import FramedChannel, FramedServer
+from fs3.rpc.framing import HEADER, MAGIC, FrameKind, pack_header, unpack_header
+from fs3.rpc.grpc_transport import GrpcChannel, GrpcServer
+from fs3.rpc.methods import service_spec
+from fs3.rpc.versions import (
+    PROTOCOL_VERSION,
+    PROTOCOL_VERSION_MAX_ENV,
+    PROTOCOL_VERSION_MIN,
+    RELEASE,
+    VersionRange,
+    advertised_range,
+    negotiate,
+    range_from_wire,
+)
+
+TOKEN = "versions-token"
+MGMTD = service_spec("Mgmtd")
+
+
+# -- the rule ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("local", "peer", "spoken"), [
+    ((1, 2), (1, 1), 1),   # a new node and an old one: the old protocol
+    ((1, 2), (1, 2), 2),
+    ((1, 2), (1, 3), 2),   # a newer peer that still speaks ours
+    ((2, 3), (1, 2), 2),
+    ((1, 1), (1, 2), 1),   # pinned to 1 during an upgrade
+])
+def test_two_overlapping_ranges_speak_the_highest_version_both_know(local: tuple[int, int],
+                                                                   peer: tuple[int, int], spoken: int) -> None:
+    assert negotiate(VersionRange(*local), VersionRange(*peer), "peer p") == spoken
+
+
+def test_a_peer_too_old_is_refused_naming_both_versions_and_whom_to_upgrade() -> None:
+    with pytest.raises(ProtocolError) as refused:
+        negotiate(VersionRange(2, 3), VersionRange(1, 1), "storage node 7", release="0.0.9")
+    text = refused.value.message
+    assert "storage node 7 speaks protocol 1 (release 0.0.9)" in text and "speaks 2..3" in text
+    assert "storage node 7 is too old" in text and "upgrade it" in text
+
+
+def test_a_peer_too_new_is_refused_telling_this_side_to_upgrade() -> None:
+    with pytest.raises(ProtocolError) as refused:
+        negotiate(VersionRange(1, 2), VersionRange(3, 4), "the server h:1", local_name="this client")
+    text = refused.value.message
+    assert "speaks protocol 3..4" in text and "this client speaks 1..2" in text
+    assert "this client is too old for it; upgrade this client" in text and RELEASE in text
+    assert not refused.value.retryable  # no retry can cure it
+
+
+def test_absent_fields_read_as_protocol_1_and_a_nonsense_range_is_refused() -> None:
+    assert range_from_wire(0) == VersionRange(1, 1)
+    assert range_from_wire(3, 0) == VersionRange(1, 3)
+    with pytest.raises(ProtocolError, match="lowest is above its highest"):
+        range_from_wire(2, 5)
+    with pytest.raises(ValueError, match="need 1 <= low <= high"):
+        VersionRange(0, 1)
+
+
+def test_the_operator_pin_lowers_the_top_and_a_bad_pin_is_refused() -> None:
+    assert advertised_range({}) == VersionRange(PROTOCOL_VERSION_MIN, PROTOCOL_VERSION)
+    assert advertised_range({PROTOCOL_VERSION_MAX_ENV: "1"}) == VersionRange(1, 1)
+    for bad in ("0", str(PROTOCOL_VERSION + 1), "two"):
+        with pytest.raises(ValueError, match=PROTOCOL_VERSION_MAX_ENV):
+            advertised_range({PROTOCOL_VERSION_MAX_ENV: bad})
+
+
+# -- the transports ------------------------------------------------------------------------------
+
+@asynccontextmanager
+async def serving(protocols: VersionRange | None = None) -> AsyncIterator[tuple[str, str, MgmtdServicer]]:
+    servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
+    servicer.start()
+    dispatcher = Dispatcher(token=TOKEN)
+    dispatcher.add_service(MGMTD, servicer)
+    framed, grpc_server = FramedServer(dispatcher, protocols=protocols), GrpcServer(dispatcher, protocols=protocols)
+    framed_port = await framed.start("127.0.0.1", 0)
+    grpc_port = await grpc_server.start("127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{framed_port}", f"127.0.0.1:{grpc_port}", servicer
+    finally:
+        await framed.stop()
+        await grpc_server.stop()
+        await servicer.stop()
+
+
+async def _frames_after(address: str, data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """Send raw bytes; the (kind, method_id, status, message) frames received until the server hangs up."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    frames = []
+    try:
+        while True:
+            raw = await asyncio.wait_for(reader.readexactly(HEADER.size), 5)
+            header = unpack_header(raw, 1 << 20, 1 << 20)
+            body = await reader.readexactly(header.msg_len + header.payload_len)
+            frames.append((int(header.kind), header.method_id, header.status, body[: header.msg_len]))
+            if header.kind == FrameKind.HELLO_ACK and header.status == StatusCode.OK:
+                break
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    writer.close()
+    return frames
+
+
+def test_a_frame_of_a_newer_layout_gets_an_error_frame_the_old_layout_reads() -> None:
+    async def body() -> None:
+        async with serving() as (framed_addr, _, _servicer):
+            newer = struct.pack("<HBBHHQII", MAGIC, 2, FrameKind.HELLO, 0, 0, 0, len(TOKEN), 0) + TOKEN.encode()
+            frames = await _frames_after(framed_addr, newer)
+            # unpack_header above accepted it: the answer is a layout-1 frame.
+            assert [(kind, status) for kind, _, status, _ in frames] == [(FrameKind.RESPONSE,
+                                                                          StatusCode.PROTOCOL_ERROR)]
+            assert b"unsupported frame version 2" in frames[0][3] and b"frame version 1 only" in frames[0][3]
+    asyncio.run(body())
+
+
+def test_a_protocol_1_hello_gets_protocol_1_bytes_and_a_newer_client_its_version() -> None:
+    async def body() -> None:
+        async with serving() as (framed_addr, _, _servicer):
+            old = await _frames_after(framed_addr, pack_header(FrameKind.HELLO, 0, 0, 0, len(TOKEN), 0) + TOKEN.encode())
+            assert old == [(FrameKind.HELLO_ACK, 0, StatusCode.OK, b"")]
+            new = await _frames_after(framed_addr, pack_header(FrameKind.HELLO, 2, 1, 0, len(TOKEN), 0) + TOKEN.encode())
+            assert new == [(FrameKind.HELLO_ACK, 2, StatusCode.OK, b"")]
+            for pinned, spoken in ((VersionRange(1, 1), 1), (None, PROTOCOL_VERSION)):
+                channel = FramedChannel(framed_addr, TOKEN, protocols=pinned)
+                await channel.call(MGMTD.method("ListNodes"), cpb.Empty())
+                assert channel.protocol == spoken
+                await channel.close()
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("transport", ["framed", "grpc"])
+def test_a_server_refuses_a_client_it_cannot_talk_to_and_says_why(transport: str) -> None:
+    async def body() -> None:
+        async with serving(protocols=VersionRange(2, 2)) as (framed_addr, grpc_addr, servicer):
+            def channel(protocols: VersionRange) -> FramedChannel | GrpcChannel:
+                if transport == "framed":
+                    return FramedChannel(framed_addr, TOKEN, protocols=protocols)
+                return GrpcChannel(grpc_addr, TOKEN, protocols=protocols)
+
+            for protocols, expected in ((VersionRange(1, 1), "the client at .* speaks protocol 1, this server "
+                                                             "speaks 2 .* is too old; upgrade it"),
+                                        (VersionRange(3, 3), "speaks protocol 3, this server speaks 2 .* this "
+                                                             "server is too old for it")):
+                client = channel(protocols)
+                with pytest.raises(ProtocolError, match=expected.replace("the client", "the (client|caller)")):
+                    await client.call(MGMTD.method("Heartbeat"), _heartbeat(1))
+                await client.close()
+            assert not servicer.state.nodes
+            good = channel(VersionRange(1, 2))
+            await good.call(MGMTD.method("Heartbeat"), _heartbeat(1))
+            await good.close()
+            assert list(servicer.state.nodes) == [1]
+    asyncio.run(body())
+
+
+def test_a_client_refuses_a_server_too_old_for_it() -> None:
+    async def body() -> None:
+        async with serving(protocols=VersionRange(1, 1)) as (framed_addr, _, _servicer):
+            client = FramedChannel(framed_addr, TOKEN, protocols=VersionRange(2, 2))
+            with pytest.raises(ProtocolError, match="server .* too old"):
+                await client.call(MGMTD.method("ListNodes"), cpb.Empty())
+            await client.close()
+    asyncio.run(body())
+
+
+# -- mgmtd's registration ------------------------------------------------------------------------
+
+def _heartbeat(node_id: int, protocol: int = 0, protocol_min: int = 0, release: str = "") -> mpb.HeartbeatReq:
+    req = mpb.HeartbeatReq(node_id=node_id, node_type=cpb.NODE_STORAGE, framed_address=f"h{node_id}:1",
+                           protocol_version=protocol, protocol_version_min=protocol_min, release=release)
+    req.targets.add(target_id=node_id * 100 + 1, local_state=cpb.UP_TO_DATE)
+    return req
+
+
+def test_mgmtd_refuses_to_register_a_node_of_a_protocol_it_does_not_speak() -> None:
+    async def body() -> None:
+        servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
+        servicer.start()
+        try:
+            servicer.protocols = VersionRange(2, 3)
+            with pytest.raises(ProtocolError) as refused:
+                await servicer.heartbeat(_heartbeat(4), memoryview(b""))
+            assert "storage node 4 (h4:1) speaks protocol 1, mgmtd speaks 2..3" in refused.value.message
+            with pytest.raises(ProtocolError, match="protocol 4..5 .* mgmtd is too old for it"):
+                await servicer.heartbeat(_heartbeat(5, 5, 4, "9.0"), memoryview(b""))
+            assert not servicer.state.nodes and not servicer.state.targets
+            await servicer.heartbeat(_heartbeat(6, 3, 1, "0.2.0"), memoryview(b""))
+            listing, _ = await servicer.list_nodes(cpb.Empty(), memoryview(b""))
+            entries = {e["node_id"]: e for e in node_entries(listing)}
+            assert (entries[6]["release"], entries[6]["protocol_version"]) == ("0.2.0", 3)
+            assert (entries[0]["release"], entries[0]["protocol_version"]) == (RELEASE, 3)  # the range set above
+        finally:
+            await servicer.stop()
+    asyncio.run(body())
+
+
+def test_a_node_of_an_older_release_is_registered_as_protocol_1() -> None:
+    assert check_node_protocol(VersionRange(1, 2), _heartbeat(1)) == 1
+    listing = mpb.ListNodesRsp(nodes=[cpb.NodeInfo(node_id=1, node_type=cpb.NODE_STORAGE)])
+    (entry,) = node_entries(listing)
+    assert (entry["protocol_version"], entry["release"]) == (1, "")
