@@ -14,7 +14,9 @@ import pytest
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
 from fs3.cli.main import node_entries
+from fs3.client.admin import AdminClient
 from fs3.common.errors import ProtocolError, StatusCode
+from fs3.common.ids import chunk_id
 from fs3.kv.store import MemKVStore
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer, check_node_protocol
 from fs3.rpc.dispatch import Dispatcher
@@ -32,6 +34,8 @@ from fs3.rpc.versions import (
     negotiate,
     range_from_wire,
 )
+from tests.conftest import make_client, wait_until
+from tests.harness import ProcessCluster
 
 TOKEN = "versions-token"
 MGMTD = service_spec("Mgmtd")
@@ -140,9 +144,10 @@ def test_a_frame_of_a_newer_layout_gets_an_error_frame_the_old_layout_reads() ->
 def test_a_protocol_1_hello_gets_protocol_1_bytes_and_a_newer_client_its_version() -> None:
     async def body() -> None:
         async with serving() as (framed_addr, _, _servicer):
-            old = await _frames_after(framed_addr, pack_header(FrameKind.HELLO, 0, 0, 0, len(TOKEN), 0) + TOKEN.encode())
+            hello = TOKEN.encode()
+            old = await _frames_after(framed_addr, pack_header(FrameKind.HELLO, 0, 0, 0, len(hello), 0) + hello)
             assert old == [(FrameKind.HELLO_ACK, 0, StatusCode.OK, b"")]
-            new = await _frames_after(framed_addr, pack_header(FrameKind.HELLO, 2, 1, 0, len(TOKEN), 0) + TOKEN.encode())
+            new = await _frames_after(framed_addr, pack_header(FrameKind.HELLO, 2, 1, 0, len(hello), 0) + hello)
             assert new == [(FrameKind.HELLO_ACK, 2, StatusCode.OK, b"")]
             for pinned, spoken in ((VersionRange(1, 1), 1), (None, PROTOCOL_VERSION)):
                 channel = FramedChannel(framed_addr, TOKEN, protocols=pinned)
@@ -181,7 +186,7 @@ def test_a_client_refuses_a_server_too_old_for_it() -> None:
     async def body() -> None:
         async with serving(protocols=VersionRange(1, 1)) as (framed_addr, _, _servicer):
             client = FramedChannel(framed_addr, TOKEN, protocols=VersionRange(2, 2))
-            with pytest.raises(ProtocolError, match="server .* too old"):
+            with pytest.raises(ProtocolError, match=r"server .* too old"):
                 await client.call(MGMTD.method("ListNodes"), cpb.Empty())
             await client.close()
     asyncio.run(body())
@@ -205,7 +210,7 @@ def test_mgmtd_refuses_to_register_a_node_of_a_protocol_it_does_not_speak() -> N
             with pytest.raises(ProtocolError) as refused:
                 await servicer.heartbeat(_heartbeat(4), memoryview(b""))
             assert "storage node 4 (h4:1) speaks protocol 1, mgmtd speaks 2..3" in refused.value.message
-            with pytest.raises(ProtocolError, match="protocol 4..5 .* mgmtd is too old for it"):
+            with pytest.raises(ProtocolError, match=r"protocol 4\.\.5 .* mgmtd is too old for it"):
                 await servicer.heartbeat(_heartbeat(5, 5, 4, "9.0"), memoryview(b""))
             assert not servicer.state.nodes and not servicer.state.targets
             await servicer.heartbeat(_heartbeat(6, 3, 1, "0.2.0"), memoryview(b""))
@@ -223,3 +228,49 @@ def test_a_node_of_an_older_release_is_registered_as_protocol_1() -> None:
     listing = mpb.ListNodesRsp(nodes=[cpb.NodeInfo(node_id=1, node_type=cpb.NODE_STORAGE)])
     (entry,) = node_entries(listing)
     assert (entry["protocol_version"], entry["release"]) == (1, "")
+
+
+# -- a mixed cluster -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_cluster_with_one_node_pinned_to_protocol_1_still_serves(process_cluster: ProcessCluster) -> None:
+    """Mid-upgrade: one storage node speaks protocol 1 only (pinned, as an older release speaks);
+    the others talk to it in protocol 1 (forwarding along its chains, heartbeats), everyone else
+    in protocol 2, and mgmtd's node listing shows which node speaks what."""
+    asyncio.run(_mixed(process_cluster))
+
+
+async def _mixed(cluster: ProcessCluster) -> None:
+    pinned = "storage-2"
+    cluster.kill(pinned)
+    saved = cluster.env
+    cluster.env = {**saved, PROTOCOL_VERSION_MAX_ENV: "1"}
+    try:
+        cluster.start(pinned)
+    finally:
+        cluster.env = saved
+    client, channels = make_client(cluster)
+    admin = AdminClient(cluster.mgmtd_address, channels)
+
+    async def protocols() -> dict[int, int]:
+        return {e["node_id"]: e["protocol_version"] for e in node_entries(await admin.node_listing())
+                if e["node_type"] == "storage" and e["alive"]}
+
+    async def registered() -> bool:
+        return len(await protocols()) == 3 and len(await admin.targets()) == 6
+
+    await wait_until(registered, what="3 storage nodes registered")
+    assert await protocols() == {1: PROTOCOL_VERSION, 2: 1, 3: PROTOCOL_VERSION}
+    table = await admin.create_chain_table(1, replicas=3)
+
+    async def serving() -> bool:
+        return all(t.public_state == cpb.SERVING for t in await admin.targets() if t.chain_id)
+
+    await wait_until(serving, what="every chain serving")
+    for index, chain in enumerate(c.chain_id for c in table.chains):
+        await client.write(chain, chunk_id(24, index), 0, b"mixed %d" % index, 1 << 20)
+        data, _ = await client.read(chain, chunk_id(24, index), 0, 7)
+        assert data == (b"mixed %d" % index)[:7]
+    report = await admin.verify()
+    assert report.ok and report.chunks_checked == len(table.chains), report.as_dict()
+    await channels.close()

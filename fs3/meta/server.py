@@ -38,7 +38,7 @@ from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 from fs3.rpc.tls import Tls, TlsConfig
-from fs3.rpc.versions import advertised_fields
+from fs3.rpc.versions import stamp_heartbeat
 
 if TYPE_CHECKING:
     from fs3.kv.postgres import PostgresConfig
@@ -145,9 +145,9 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
     the same way ``serve_meta`` does.
     """
     mgmtd = MgmtdCaller(config.mgmtd_address, channels, config.rpc_timeout_ms)  # follows the primary
-    req = mgpb.HeartbeatReq(node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0],
-                            grpc_address=addresses[1], metrics_address=addresses[2], hostname=socket.gethostname(),
-                            pid=os.getpid(), **advertised_fields())
+    req = stamp_heartbeat(mgpb.HeartbeatReq(
+        node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0], grpc_address=addresses[1],
+        metrics_address=addresses[2], hostname=socket.gethostname(), pid=os.getpid()))
     while True:
         try:
             await mgmtd.call("Heartbeat", req)

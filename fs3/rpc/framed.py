@@ -338,7 +338,8 @@ class FramedChannel:
             try:
                 # A server that answers no version speaks protocol 1 (and gets a protocol-1 HELLO
                 # next time only if this client's range still includes 1).
-                self.protocol = negotiate(self.protocols, range_from_wire(header.method_id), f"the server {self.address}",
+                self.protocol = negotiate(self.protocols, range_from_wire(header.method_id),
+                                          f"the server {self.address}",
                                           local_name="this client")
             except ProtocolError:
                 writer.close()

@@ -31,7 +31,8 @@ from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
 from fs3.rpc.versions import VersionRange, advertised_range, negotiate, range_from_wire
 
-__all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "PROTOCOL_METADATA_KEY", "PROTOCOL_MIN_METADATA_KEY", "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
+__all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "PROTOCOL_METADATA_KEY", "PROTOCOL_MIN_METADATA_KEY",
+           "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
            "GrpcServer"]
 
 TOKEN_METADATA_KEY = "x-fs3-token"
@@ -245,7 +246,8 @@ class GrpcChannel:
             setattr(request, PAYLOAD_FIELD, bytes(payload))
         metadata = (((TOKEN_METADATA_KEY, self._token),) if self._token else ()) + self._version_metadata
         try:
-            raw = await self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000, metadata=metadata or None)
+            raw = await self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000,
+                                           metadata=metadata or None)
         except grpc.aio.AioRpcError as exc:
             raise _to_fs3_error(exc, self.address, method, self._credentials is not None) from None
         except asyncio.CancelledError:

@@ -26,10 +26,11 @@ from __future__ import annotations
 import os
 
 from fs3 import __version__
+from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "PROTOCOL_VERSION_MAX_ENV", "PROTOCOL_VERSION_MIN", "RELEASE", "VersionRange",
-           "advertised_fields", "advertised_range", "negotiate", "range_from_wire"]
+           "advertised_range", "negotiate", "range_from_wire", "stamp_heartbeat"]
 
 #: The newest protocol this code speaks.
 PROTOCOL_VERSION = 2
@@ -78,10 +79,11 @@ def advertised_range(environ: dict[str, str] | None = None) -> VersionRange:
     return VersionRange(PROTOCOL_VERSION_MIN, int(raw))
 
 
-def advertised_fields(environ: dict[str, str] | None = None) -> dict[str, int | str]:
-    """What a node puts in its heartbeat (and mgmtd in its NodeInfo): its range and release."""
+def stamp_heartbeat(req: mpb.HeartbeatReq, environ: dict[str, str] | None = None) -> mpb.HeartbeatReq:
+    """``req`` with what a node tells mgmtd of itself: its protocol range and release."""
     spoken = advertised_range(environ)
-    return {"protocol_version": spoken.high, "protocol_version_min": spoken.low, "release": RELEASE}
+    req.protocol_version, req.protocol_version_min, req.release = spoken.high, spoken.low, RELEASE
+    return req
 
 
 def range_from_wire(high: int, low: int = 0) -> VersionRange:

@@ -36,7 +36,7 @@ from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import dump_chunk_meta
-from fs3.rpc.versions import advertised_fields
+from fs3.rpc.versions import stamp_heartbeat
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.replica import ReplicaConfig, TargetReplica
@@ -387,8 +387,9 @@ class StorageNode:
         req = mpb.HeartbeatReq(
             node_id=self.config.node_id, node_type=cpb.NODE_STORAGE, framed_address=self.config.framed_address,
             grpc_address=self.config.grpc_address, hostname=socket.gethostname(), pid=os.getpid(),
-            metrics_address=self.config.metrics_address, **advertised_fields(),
+            metrics_address=self.config.metrics_address,
         )
+        stamp_heartbeat(req)
         for tid, engine in self.engines.items():
             local = LocalState.OFFLINE if self._out_of_service(tid) else self.local_states.get(tid, LocalState.ONLINE)
             try:
