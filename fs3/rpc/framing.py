@@ -19,8 +19,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from fs3 import __version__
 from fs3.common.errors import FrameTooLarge, ProtocolError
+from fs3.rpc.versions import RELEASE
 
 __all__ = ["HEADER", "MAGIC", "VERSION", "FrameHeader", "FrameKind", "pack_header", "unpack_header"]
 
@@ -59,7 +59,7 @@ def unpack_header(raw: bytes, msg_max_bytes: int, payload_max_bytes: int) -> Fra
     if version != VERSION:
         # Answered (by a server) with an error frame of layout 1, which every release reads.
         raise ProtocolError(f"unsupported frame version {version}: this peer reads frame version {VERSION} only "
-                            f"(release {__version__}); {'upgrade it' if version > VERSION else 'the sender is broken'}")
+                            f"(release {RELEASE}); {'upgrade it' if version > VERSION else 'the sender is broken'}")
     try:
         frame_kind = FrameKind(kind)
     except ValueError:

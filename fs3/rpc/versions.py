@@ -24,8 +24,8 @@ frame of layout 1, which every release reads.
 from __future__ import annotations
 
 import os
+import sys
 
-from fs3 import __version__
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import ProtocolError
 
@@ -37,7 +37,9 @@ PROTOCOL_VERSION = 2
 #: The oldest protocol this code still speaks: peers of an older one are refused.
 PROTOCOL_VERSION_MIN = 1
 #: This code's release (what ``fs3 admin nodes`` shows next to the protocol).
-RELEASE = __version__
+# Read from the package already imported (importing this module imports ``fs3`` first), not by
+# ``from fs3 import``: the package root re-exports the client API, which the rpc layer may not import.
+RELEASE: str = sys.modules["fs3"].__version__
 #: The operator's pin: speak at most this protocol (during a rolling upgrade, until every node runs
 #: the new release). Unset: :data:`PROTOCOL_VERSION`.
 PROTOCOL_VERSION_MAX_ENV = "FS3_PROTOCOL_VERSION_MAX"
