@@ -11,6 +11,7 @@ import pytest
 
 from fs3.common.checksum import crc32c, crc32c_patch
 from fs3.common.errors import InvariantViolation, IoError, NoSpace
+from fs3.common.formats import FormatRefused
 from fs3.kv.api import prefix_end
 from fs3.kv.store import MemKVStore, RocksKVStore, WriteBatch
 from fs3.storage.blobs import FileBlobStore, MemBlobStore
@@ -425,7 +426,7 @@ def test_an_old_format_target_is_refused_with_a_clear_error() -> None:
     old = WriteBatch()
     old.put(b"c/" + b"chunk", b"\x00" * 49)
     kv.write(old)
-    with pytest.raises(IoError, match="older fs3"):
+    with pytest.raises(FormatRefused, match="format 1 is older than"):
         ChunkEngine(kv, MemBlobStore())
 
 

@@ -12,7 +12,7 @@ def test_storage_keys_are_unchanged() -> None:
     assert storage_schema.patch_key(chunk) == b"p/" + chunk
     assert storage_schema.inline_key(chunk, 7) == b"b/" + chunk + b"\0\0\0\0\0\0\0\x07"
     assert storage_schema.channel_key(b"cli", 258) == b"h/\x03cli\0\0\x01\x02"
-    assert (storage_schema.FLOOR, storage_schema.FORMAT, storage_schema.FORMAT_VERSION) == (b"v/floor", b"v/format", 2)
+    assert (storage_schema.FLOOR, storage_schema.FORMAT, storage_schema.FORMAT_VERSION) == (b"v/floor", b"v/format", 3)
 
 
 def test_storage_keys_parse_back() -> None:

@@ -12,6 +12,7 @@
                 [--meta-config FILE | --dir DIR]  (straight from meta's store: docs/operations.md)
     fs3 admin   token rotate --dir DIR [--finish]
     fs3 admin   certs init --dir DIR (--hosts H1,H2,... | --node NAME=HOST,...)
+    fs3 admin   upgrade --config SERVICE.toml [--service mgmtd|storage|meta] [--check]
     fs3 local   up|status|down|kill|start [--dir DIR]
     fs3 trash   list | restore ID [--to PATH] | purge (ID|--all|--expired) [cluster options] [--json]
     fs3 quota   set PATH [--bytes N[K|M|G|T]] [--inodes N] | get PATH | list | unset PATH | check [--repair]
@@ -52,6 +53,7 @@ from fs3.cli.output import state_name as _state_name
 from fs3.cli.output import table as _table
 from fs3.cli.quota import add_quota_command, run_quota
 from fs3.cli.trash import add_trash_command, run_trash
+from fs3.cli.upgrade import add_upgrade_command, upgrade_command
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
@@ -548,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "reached by (repeatable; empty entries are skipped); an existing certificate "
                            "lacking one is issued again for the same key")
     init.add_argument("--days", type=int, default=825, help="lifetime of the node and client certificates")
+    add_upgrade_command(admin_sub)
     _json_after_every_subcommand(admin_sub)
     return parser
 
@@ -705,6 +708,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return rotate_command(args)
         if args.command == "certs":
             return certs_command(args)
+        if args.command == "upgrade":
+            return upgrade_command(args)
         return asyncio.run(run_admin(args))
     except BrokenPipeError:
         raise  # not an error of the command's: main() ends quietly

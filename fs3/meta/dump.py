@@ -3,8 +3,9 @@
 A dump is UTF-8 text, one JSON object a line (JSON Lines), so that it streams both ways and tools
 such as ``jq`` and ``grep`` read it:
 
-* a **header**: ``{"format": "fs3-meta-dump", "version": 1, "schema": 1, "cluster_id": ...,
-  "created_ms": ...}``. ``version`` is this file format's, ``schema`` the version of meta's key
+* a **header**: ``{"format": "fs3-meta-dump", "version": 1, "schema": 1, "meta_format": 2,
+  "cluster_id": ..., "created_ms": ...}`` (``meta_format``: the store format of the dumped meta,
+  :mod:`fs3.meta.formats`; a dump without it is format 1; a newer one is refused). ``version`` is this file format's, ``schema`` the version of meta's key
   schema (:mod:`fs3.meta.schema`) the values are in. A reader refuses any other (it cannot know
   what a newer one means);
 * **records**, one a line, ``{"t": KIND, <the key's fields>, "v": <the stored value, base64>}``,
@@ -54,6 +55,7 @@ from google.protobuf.message import DecodeError
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader, prefix_end
+from fs3.meta.formats import META_FORMAT_VERSION
 from fs3.meta import schema
 
 __all__ = [
@@ -229,7 +231,8 @@ class DumpWriter:
 
     def header(self) -> bytes:
         line = _line({"format": DUMP_FORMAT, "version": DUMP_FORMAT_VERSION, "schema": META_SCHEMA_VERSION,
-                      "cluster_id": self.cluster_id, "created_ms": self.created_ms})
+                      "meta_format": META_FORMAT_VERSION, "cluster_id": self.cluster_id,
+                      "created_ms": self.created_ms})
         self._hash.update(line)
         return line
 
@@ -322,6 +325,13 @@ class DumpReader:
         if header.get("schema") != META_SCHEMA_VERSION:
             raise DumpError(f"dump of meta schema version {header.get('schema')!r}: this fs3 loads schema version "
                             f"{META_SCHEMA_VERSION} only")
+        # The meta store format of the dumped cluster (absent: taken before format records, 1). Its
+        # records are the same at every format this code upgrades from: a load writes them as they
+        # are and the next meta start migrates the store (fs3.meta.formats). A newer one is refused.
+        meta_format = header.get("meta_format", 1)
+        if not isinstance(meta_format, int) or not 1 <= meta_format <= META_FORMAT_VERSION:
+            raise DumpError(f"dump of meta format {meta_format!r}, written by a newer fs3: this fs3 loads meta "
+                            f"formats 1..{META_FORMAT_VERSION}; load it with that release or newer")
         if not isinstance(header.get("cluster_id"), str):
             raise DumpError("dump header without a cluster id")
         return header

@@ -43,7 +43,8 @@ from fs3.rpc.versions import stamp_heartbeat
 if TYPE_CHECKING:
     from fs3.kv.postgres import PostgresConfig
 
-__all__ = ["KV_ENGINES", "MetaConfig", "export_engine_metrics", "heartbeat_loop", "open_engine", "run_meta"]
+__all__ = ["KV_ENGINES", "MetaConfig", "export_engine_metrics", "heartbeat_loop", "meta_store_name", "open_engine",
+           "run_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,13 @@ async def open_engine(config: MetaConfig) -> tuple[TxnEngine, Callable[[], Await
     return OptimisticTxnEngine(kv, sync=config.sync_commits), close
 
 
+def meta_store_name(config: MetaConfig) -> str:
+    """How refusals and logs name meta's store (never with the database URL: it holds a password)."""
+    if config.kv_engine == "postgres":
+        return f"meta store (PostgreSQL, cluster {config.cluster_id})"
+    return f"meta store {Path(config.data_dir) / 'kv'}"
+
+
 def export_engine_metrics(engine: TxnEngine, metrics: ServiceMetrics) -> None:
     """The engine's counters as gauges read at scrape time (``fs3_meta_kv_round_trips`` and so on:
     database round trips, commits, conflicts, ambiguous commits), for the engines that keep them."""
@@ -202,7 +210,8 @@ async def serve_meta(config: MetaConfig, ready_file: str | None = None) -> None:
     service = MetaService(engine, routing, storage, config.service_config(), auth=tokens.auth, metrics=metrics,
                           server_id=f"meta-node-{config.node_id}".encode(),
                           exclusive_store=config.kv_engine in ("rocksdb", "mem"),  # opened by this process alone
-                          node_id=config.node_id)  # on a shared database: one live server per node id
+                          node_id=config.node_id,  # on a shared database: one live server per node id
+                          store_name=meta_store_name(config), cluster_id=config.cluster_id)
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Meta"), MetaGate(service))
     runtime = ServiceRuntime(f"meta-{config.node_id}", dispatcher, metrics, tokens=tokens, tls=tls)

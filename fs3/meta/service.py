@@ -56,9 +56,11 @@ from fs3.common.layout import DEFAULT_CHUNK_SIZE_BYTES, validate_dir_layout
 from fs3.common.metrics import ServiceMetrics
 from fs3.common.posix import O_ACCMODE, O_APPEND, O_CREAT, O_EXCL, O_RDWR, O_TRUNC, O_WRONLY, R_OK, W_OK, Caller
 from fs3.kv.api import Transaction, TxnEngine
+from fs3.kv.formats import end_transaction
 from fs3.kv.txn import run_transaction
 from fs3.meta import quota, schema, trash
 from fs3.meta.claims import ClaimTable, Held, inode_claim
+from fs3.meta.formats import open_meta_format
 from fs3.meta.fsck import run_fsck
 from fs3.meta.hints import PATH_HINTS_MAX_DEFAULT, PathHints
 from fs3.meta.jobs import MetaJobs
@@ -86,6 +88,9 @@ M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 _EMPTY = b""
 
+
+LOAD_UNFINISHED_MESSAGE = ("this meta store holds part of a dump: an `fs3 admin load` into it did not finish; "
+                           "load again into an empty store (docs/operations.md)")
 
 @dataclass
 class MetaServiceConfig:
@@ -120,6 +125,9 @@ class MetaServiceConfig:
     # Days a removed file stays in the trash (fs3.meta.trash), fractions allowed; 0: no trash, a
     # removed file's chunks go to GC at once. Off by default: space comes back when it always did.
     trash_days: float = 0.0
+    # A store of an older format is migrated when meta starts (fs3.meta.formats); off: the start is
+    # refused, and `fs3 admin upgrade --config` migrates it offline (docs/operations.md "Upgrading").
+    upgrade_on_start: bool = True
 
     def validate(self) -> None:
         if self.client_lease_ms < 1:
@@ -191,7 +199,8 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
                  config: MetaServiceConfig | None = None, wall_ns: Callable[[], int] = time.time_ns,
                  clock: Clock | None = None, auth: Authenticator | None = None,
                  metrics: ServiceMetrics | None = None, server_id: bytes | None = None,
-                 exclusive_store: bool = False, node_id: int | None = None) -> None:
+                 exclusive_store: bool = False, node_id: int | None = None, store_name: str = "meta store",
+                 cluster_id: str = "") -> None:
         """``wall_ns`` stamps inode times and capability expiries; ``clock`` (monotonic) times
         client leases and claims; ``auth`` (the dispatcher's) gives the keys capabilities are
         signed with (None or an open cluster: no capabilities, as every caller is a service);
@@ -244,6 +253,8 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
             self.path_hints = PathHints(self.config.path_hints_max)
         self._reuse_answers = not sabotaged("idempotency")  # off only to prove crash tests see it
         self._answer_crash = CrashPoint("meta-answer")  # crash tests die here: committed, not answered
+        self.store_name = store_name  # how format refusals and migration logs name the store
+        self.cluster_id = cluster_id
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -253,14 +264,25 @@ class MetaService(FileLengths, MetaJobs, QuotaHandlers):
     async def start(self, background: bool = True) -> None:
         layout = mpb.Layout(table_id=self.config.chain_table_id, chunk_size=self.config.chunk_size_bytes)
         validate_dir_layout(layout)
+        # The store's format first: a newer or too old one (or an older one with upgrade_on_start
+        # off) is refused before anything is written; an older one is migrated, page by page.
+        # A half-done load is refused first of all: it holds part of a dump, and nothing (not even
+        # a format record) may be written to it.
+        look = self.engine.begin()
+        try:
+            if await look.get(schema.LOAD_UNFINISHED) is not None:
+                raise InvalidArgument(LOAD_UNFINISHED_MESSAGE)
+        finally:
+            end_transaction(look)
+        await open_meta_format(self.engine, self.store_name, upgrade=self.config.upgrade_on_start,
+                               cluster_id=self.cluster_id)
         if self.registration is not None:  # before anything is written: a refused start writes nothing
             await self.registration.acquire()
             self._tasks.append(asyncio.create_task(self._keep_registration(), name="meta-registration"))
 
         async def make_root(txn: Transaction) -> mpb.Inode:
             if await txn.get(schema.LOAD_UNFINISHED) is not None:
-                raise InvalidArgument("this meta store holds part of a dump: an `fs3 admin load` into it did not "
-                                      "finish; load again into an empty store (docs/operations.md)")
+                raise InvalidArgument(LOAD_UNFINISHED_MESSAGE)
             return await Namespace(txn, self._env(mpb.User())).ensure_root(
                 self.config.root_uid, self.config.root_gid, self.config.root_mode, layout)
 

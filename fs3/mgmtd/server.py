@@ -13,6 +13,7 @@ from fs3.common.metrics import ServiceMetrics
 from fs3.common.secret_files import TokenSource, make_private_dir
 from fs3.kv.api import TxnEngine
 from fs3.kv.store import open_kv
+from fs3.mgmtd.formats import open_mgmtd_format, open_shared_mgmtd_format
 from fs3.mgmtd.ha import SharedEngine
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer
 from fs3.rpc.dispatch import Dispatcher
@@ -56,11 +57,23 @@ async def serve_mgmtd(config: MgmtdConfig, ready_file: str | None = None) -> Non
     close_engine: Callable[[], Awaitable[None]] | None = None
     if config.kv_engine == "postgres":
         engine, close_engine = await open_shared_engine(config)
+        try:
+            await open_shared_mgmtd_format(engine, f"mgmtd store (PostgreSQL, cluster {config.cluster_id})",
+                                           upgrade=config.upgrade_on_start, cluster_id=config.cluster_id)
+        except BaseException:
+            await close_engine()
+            raise
         servicer = MgmtdServicer(None, config, metrics=metrics, shared=shared_setup(config, engine))
     else:
         if config.kv_engine == "rocksdb":
             make_private_dir(config.data_dir)
         kv = open_kv(config.kv_engine, Path(config.data_dir) / "kv" if config.kv_engine == "rocksdb" else None)
+        try:
+            open_mgmtd_format(kv, f"mgmtd store {Path(config.data_dir) / 'kv'}", upgrade=config.upgrade_on_start,
+                              cluster_id=config.cluster_id)
+        except BaseException:
+            kv.close()
+            raise
         servicer = MgmtdServicer(kv, config, metrics=metrics)
     dispatcher = Dispatcher(metrics=metrics, auth=tokens.auth)
     dispatcher.add_service(service_spec("Mgmtd"), servicer)

@@ -84,6 +84,9 @@ class MgmtdConfig:
     trusted_token_file: str = ""
     # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # A store of an older format is migrated when mgmtd starts (fs3.mgmtd.formats); off: the start
+    # is refused, and `fs3 admin upgrade --config` migrates it offline (docs/operations.md "Upgrading").
+    upgrade_on_start: bool = True
     log_level: str = "INFO"
 
     def validate(self) -> None:

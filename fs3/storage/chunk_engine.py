@@ -47,7 +47,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
-from fs3.common.errors import InvalidArgument, IoError, NoSpace
+from fs3.common.checksum import crc32c
+from fs3.common.errors import ChecksumMismatch, InvalidArgument, IoError, NoSpace
 from fs3.common.invariant import ensure
 from fs3.kv.api import prefix_end
 from fs3.kv.store import KVStore, WriteBatch
@@ -65,6 +66,7 @@ Channel = tuple[bytes, int, int]
 _VERSION_BLOCK = 1024  # versions reserved per synced floor write
 
 _STATE = struct.Struct("<QQQIIQQIIQB")
+_STATE_CRC = struct.Struct("<I")  # format 3: every ChunkState record ends with the CRC32C of the rest
 _CHANNEL_TAIL = struct.Struct("<IQ")
 _PATCH_HEAD = struct.Struct("<QI")
 _CHAN = struct.Struct("<QQII")
@@ -130,12 +132,28 @@ class ChunkState:
                           flags=self.flags & FLAG_COMMIT_INLINE)
 
     def encode(self) -> bytes:
+        """Target format 3: the fields, then a CRC32C of them (4 bytes, little-endian)."""
+        body = self.encode_v2()
+        return body + _STATE_CRC.pack(crc32c(body))
+
+    def encode_v2(self) -> bytes:
+        """Target format 2 (no CRC): what :mod:`fs3.storage.formats` migrates from."""
         return _STATE.pack(self.commit_version, self.commit_blob, self.chain_version, self.length, self.checksum,
                            self.pending_version, self.pending_blob, self.pending_length, self.pending_checksum,
                            self.pending_chain_version, self.flags) + _encode_channel(self.pending_channel)
 
     @classmethod
     def decode(cls, raw: bytes) -> ChunkState:
+        """A format-3 record; :class:`~fs3.common.errors.ChecksumMismatch` when its CRC does not match
+        (a damaged record is reported as such, never read as some other state)."""
+        body, tail = raw[:-_STATE_CRC.size], raw[-_STATE_CRC.size:]
+        if len(raw) < _STATE.size + _STATE_CRC.size or _STATE_CRC.unpack(tail)[0] != crc32c(body):
+            raise ChecksumMismatch(f"chunk metadata record of {len(raw)} bytes fails its CRC32C: it is corrupt")
+        return cls.decode_v2(body)
+
+    @classmethod
+    def decode_v2(cls, raw: bytes) -> ChunkState:
+        """A format-2 record (no CRC)."""
         (commit_version, commit_blob, chain_version, length, checksum, pending_version, pending_blob, pending_length,
          pending_checksum, pending_chain_version, flags) = _STATE.unpack_from(raw)
         return cls(commit_version, commit_blob, chain_version, length, checksum, pending_version, pending_blob,
@@ -203,7 +221,9 @@ class ChunkEngine:
     """
 
     def __init__(self, kv: KVStore, files: BlobStore, *, inline_max_bytes: int = 0, reserve_bytes: int = 0,
-                 sync_commits: bool = True) -> None:
+                 sync_commits: bool = True, upgrade: bool = True, where: str = "storage target") -> None:
+        """``upgrade``: migrate a target of an older format at open (else refuse it, naming ``fs3
+        admin upgrade``); ``where``: how refusals and logs name the target (its directory)."""
         if inline_max_bytes < 0 or reserve_bytes < 0:
             raise InvalidArgument("inline_max_bytes and reserve_bytes must not be negative")
         self.kv = kv
@@ -211,6 +231,9 @@ class ChunkEngine:
         self.inline_max_bytes = inline_max_bytes
         self.reserve_bytes = reserve_bytes
         self.sync_commits = sync_commits
+        self.upgrade = upgrade
+        self.where = where
+        self.corrupt_records = 0  # ChunkState records dropped at open for a failed CRC
         self._states: dict[bytes, ChunkState] = {}
         self._pending: set[bytes] = set()  # chunks with a pending version (kept so no scan is needed)
         self._channels: OrderedDict[bytes, ChannelRecord] = OrderedDict()  # oldest stamp first
@@ -234,20 +257,26 @@ class ChunkEngine:
 
     def _open(self) -> None:
         kv = self.kv
-        marker = kv.get(schema.FORMAT)
-        if marker is None:
-            if next(iter(kv.scan(*schema.prefix_range(schema.CHUNK), limit=1)), None) is not None:
-                raise IoError("this target was written by an older fs3 whose chunk metadata cannot be read; "
-                              "empty its directory and let it resync from its chain")
-        elif schema.U64.unpack(marker)[0] != schema.FORMAT_VERSION:
-            raise IoError(f"target metadata format {schema.U64.unpack(marker)[0]} is not {schema.FORMAT_VERSION}")
+        # The format record first: a fresh target is stamped, an older one migrated (or refused when
+        # upgrading is off), a newer or too old one refused — before any record is decoded.
+        from fs3.storage.formats import open_target_format
+
+        open_target_format(kv, self.where, upgrade=self.upgrade)
         raw_floor = kv.get(schema.FLOOR)
         floor = schema.U64.unpack(raw_floor)[0] if raw_floor else 0
         batch = WriteBatch()
-        batch.put(schema.FORMAT, schema.U64.pack(schema.FORMAT_VERSION))
         for key, raw in kv.scan(*schema.prefix_range(schema.CHUNK)):
-            state = ChunkState.decode(raw)
             chunk_id = schema.parse_chunk_key(key)
+            try:
+                state = ChunkState.decode(raw)
+            except ChecksumMismatch as exc:
+                # Damaged metadata is never guessed at: the chunk is forgotten here, and the resync
+                # every restarted target goes through brings it back from its chain.
+                log.error("chunk %s: its metadata record is corrupt, dropped at open: %s", chunk_id.hex(), exc)
+                self.corrupt_records += 1
+                batch.delete(key)
+                batch.delete(schema.patch_key(chunk_id))
+                continue
             floor = max(floor, state.commit_version, state.pending_version)
             self._next_blob = max(self._next_blob, state.commit_blob + 1, state.pending_blob + 1)
             if state.pending_version:

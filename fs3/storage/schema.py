@@ -13,7 +13,11 @@ key                                                           value
 ``b/`` + chunk_id + blob(8)                                   the bytes of a small (inline) version
 ``v/floor``                                                   u64: every version and blob number ever
                                                               used on this target is at most this
-``v/format``                                                  u64: the layout's version (:data:`FORMAT_VERSION`)
+``v/format``                                                  u64: the layout's version (:data:`FORMAT_VERSION`),
+                                                              kept for releases before format records
+``v/record``                                                  JSON: the target's format record
+                                                              (:mod:`fs3.common.formats`)
+``v/migration``                                               JSON: a format migration's progress
 ``s/scrub``                                                   JSON: the scrubber's progress
                                                               (:class:`~fs3.storage.scrub.ScrubProgress`)
 ============================================================  =========================================
@@ -35,6 +39,8 @@ __all__ = [
     "CHUNK",
     "FLOOR",
     "FORMAT",
+    "FORMAT_MIGRATION",
+    "FORMAT_RECORD",
     "FORMAT_VERSION",
     "INLINE",
     "PATCH",
@@ -59,8 +65,10 @@ PATCH = b"p/"  # chunk id -> the pending in-place patch of a file blob: offset, 
 INLINE = b"b/"  # chunk id + blob number -> the bytes of a small version
 FLOOR = b"v/floor"  # every version and blob number ever used on this target is at most this
 FORMAT = b"v/format"
+FORMAT_RECORD = b"v/record"  # the format record (fs3.storage.formats); FORMAT mirrors its version
+FORMAT_MIGRATION = b"v/migration"  # a migration's progress, in the batch of each page it commits
 SCRUB_PROGRESS = b"s/scrub"  # where the scrubber's current pass is (resumed after a restart)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: every ChunkState record ends with its CRC32C
 U64 = struct.Struct(">Q")
 _CHANNEL_ID = struct.Struct(">I")
 

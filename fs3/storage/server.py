@@ -79,6 +79,9 @@ class StorageConfig:
     # The background scrubber (the [scrub] table; off unless a rate is set).
     scrub: ScrubConfig = field(default_factory=ScrubConfig)
     log_level: str = "INFO"
+    # A target of an older format is migrated when the node starts; off: it is refused, and
+    # `fs3 admin upgrade --config` migrates it with the node stopped (docs/operations.md "Upgrading").
+    upgrade_on_start: bool = True
 
     def validate(self) -> None:
         if self.node_id <= 0:
@@ -127,7 +130,8 @@ def open_engines(config: StorageConfig) -> dict[int, ChunkEngine]:
         files = FileBlobStore(root / "chunks", fsync=config.fsync)
         reserve = max(config.reserve_bytes, headroom + COMMIT_SLACK_BYTES) if headroom else config.reserve_bytes
         engines[target.target_id] = ChunkEngine(kv, files, inline_max_bytes=config.inline_max_bytes,
-                                                reserve_bytes=reserve, sync_commits=config.fsync)
+                                                reserve_bytes=reserve, sync_commits=config.fsync,
+                                                upgrade=config.upgrade_on_start, where=f"storage target {root}")
     return engines
 
 
