@@ -8,7 +8,7 @@ from typing import Any
 
 from fs3.rpc.versions import PROTOCOL_VERSION, RELEASE
 from tests.chaos.cluster import check_history
-from tests.chaos.upgrade_check import compare_files, upgrade_verdict, version_problems
+from tests.chaos.upgrade_check import compare_files, format_problems, upgrade_verdict, version_problems
 
 
 def _digest(data: bytes) -> dict[str, Any]:
@@ -78,3 +78,13 @@ def test_a_check_that_never_ran_is_a_failure_not_a_pass() -> None:
         partial = {k: v for k, v in report.items() if k != key}
         assert upgrade_verdict(partial), f"a report without {key} passed"
     assert upgrade_verdict({**report, "failed": 3}) == ["3 client operations failed beyond their retries"]
+
+
+def test_a_store_left_on_an_old_format_fails_the_run() -> None:
+    current = {"found": 3, "current": 3, "pending": []}
+    assert format_problems({"storage1/target-1": current, "mgmtd": {"found": 1, "current": 1, "pending": []}}) == []
+    (problem,) = format_problems({"storage1/target-1": current,
+                                  "storage2/target-1": {"found": 2, "current": 3, "pending": ["2->3: crc"]}})
+    assert problem.startswith("storage2/target-1: format 2, current 3")
+    assert format_problems({"meta": {"found": "unreadable: newer", "current": None, "pending": []}})
+    assert format_problems({}) == ["no store checked"]

@@ -25,6 +25,7 @@ Without the history (a shallow clone, an unpacked archive) it says so and exits 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import signal
@@ -35,11 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fs3.common.errors import FS3Error
 from fs3.rpc.versions import PROTOCOL_VERSION, RELEASE
 from tests.chaos.cluster import LabCluster, check_history, check_namespace
 from tests.chaos.netns import NetnsLab
 from tests.chaos.topology import ROOT
-from tests.chaos.upgrade_check import compare_files, upgrade_verdict, version_problems
+from tests.chaos.upgrade_check import compare_files, format_problems, upgrade_verdict, version_problems
 
 # The release this code upgrades from (docs/operations.md, "Rolling upgrade").
 PREVIOUS_RELEASE = "02e3b42"
@@ -83,6 +85,7 @@ class UpgradeRun:
         self.root = root
         self.code: dict[str, Path] = {}  # server -> the tree it runs
         self.steps: list[dict[str, Any]] = []
+        self.marks: list[tuple[str, float]] = []  # (node, seconds after the workload started) per restart
 
     def use(self, tree: Path) -> None:
         """Programs started from now on (servers, clients, admin commands) run ``tree``'s code."""
@@ -157,6 +160,7 @@ def run(commit: str, seconds: float, out: Path, sabotage: bool) -> int:
                 upgrade.use(old)
                 cluster.start_all()
                 report["versions_before"] = upgrade.versions()
+                report["formats_before"] = {store: f["found"] for store, f in store_formats(cluster).items()}
                 print(f"rolling-upgrade: cluster up on {commit}; versions {report['versions_before']}", flush=True)
                 upgrade.client_script(old, "write", cluster.mgmtd, cluster.token, str(FILES),
                                       str(root / "files.json"))
@@ -165,18 +169,26 @@ def run(commit: str, seconds: float, out: Path, sabotage: bool) -> int:
                                                  cluster.token, str(seconds), str(root / "workload.json"),
                                                  "namespace"], root / "workload.log")
                 time.sleep(3)  # the workload's files exist and it is running before the first restart
+                report["workload_started"] = time.monotonic()
                 for name in UPGRADE_ORDER:
+                    upgrade.marks.append((name, time.monotonic() - report["workload_started"]))
                     if workload.poll() is not None:
                         print(f"rolling-upgrade: the workload ended before {name} was upgraded: give more --seconds")
                         report["workload_covered_upgrade"] = False
                     upgrade.upgrade(name)
                 report.setdefault("workload_covered_upgrade", workload.poll() is None)
                 report["steps"] = upgrade.steps
+                report["restarts_at_s"] = [(name, round(at, 1)) for name, at in upgrade.marks]
                 if workload.wait(timeout=seconds + 300) != 0:
                     raise RuntimeError(f"workload failed:\n{(root / 'workload.log').read_text()[-3000:]}")
                 result = json.loads((root / "workload.json").read_text())
                 report.update(check_history(result))
                 report.update(check_namespace(result))
+                # What failed, and when (seconds since the workload started): the first few of each kind.
+                failed = [op for op in result["ops"] + result["namespace"]["ops"] if not op["ok"]]
+                first = min((op["invoke"] for op in result["ops"]), default=0.0)
+                report["failures"] = [{"kind": op["kind"], "at_s": round(op["invoke"] - first, 2),
+                                       "error": op.get("error"), "errno": op.get("errno")} for op in failed[:10]]
                 upgrade.client_script(ROOT, "read", cluster.mgmtd, cluster.token, str(root / "files.json"),
                                       str(root / "read.json"), *(["--corrupt"] if sabotage else []))
                 expected = json.loads((root / "files.json").read_text())
@@ -197,7 +209,8 @@ def run(commit: str, seconds: float, out: Path, sabotage: bool) -> int:
                 report["versions_after"] = upgrade.versions()
                 report["version_problems"] = version_problems([e for e in nodes if e.get("alive")], PROTOCOL_VERSION,
                                                               RELEASE)
-                report["format_problems"] = format_problems(cluster)
+                report["formats_after"] = store_formats(cluster)
+                report["format_problems"] = format_problems(report["formats_after"])
             finally:
                 cluster.close()
         report["wall_s"] = round(time.monotonic() - began, 1)
@@ -215,10 +228,38 @@ def run(commit: str, seconds: float, out: Path, sabotage: bool) -> int:
     return 0 if report["ok"] else 1
 
 
-def format_problems(cluster: LabCluster) -> list[str]:
-    """The stores' on-disk formats after the upgrade (none when this code has no format versions)."""
-    del cluster
-    return []
+def store_formats(cluster: LabCluster) -> dict[str, dict[str, Any]]:
+    """Every store's format as this code reads it (read-only views, beside the running servers):
+    store -> {"found", "current", "pending"}; ``found`` None for a store without a record and
+    data, "unreadable: ..." for one this code refuses."""
+    from fs3.kv.store import RocksKVStore
+    from fs3.kv.txn import OptimisticTxnEngine
+    from fs3.meta.formats import open_meta_format
+    from fs3.mgmtd.formats import open_mgmtd_format
+    from fs3.storage.formats import open_target_format
+
+    stores: dict[str, Path] = {"mgmtd": Path(cluster.env_for("mgmtd")["FS3_MGMTD_DATA_DIR"]) / "kv",
+                               "meta": Path(cluster.env_for("meta")["FS3_META_DATA_DIR"]) / "kv"}
+    for name in UPGRADE_ORDER:
+        if name.startswith("storage"):
+            for path in cluster._target_paths(name):
+                stores[f"{name}/{path.name}"] = path / "meta"
+    found: dict[str, dict[str, Any]] = {}
+    for store, path in stores.items():
+        view = RocksKVStore.open_view(path)
+        try:
+            if store == "mgmtd":
+                report = open_mgmtd_format(view, store, check=True)
+            elif store == "meta":
+                report = asyncio.run(open_meta_format(OptimisticTxnEngine(view), store, check=True))
+            else:
+                report = open_target_format(view, store, check=True)
+            found[store] = {"found": report.found, "current": report.current, "pending": list(report.pending)}
+        except FS3Error as exc:
+            found[store] = {"found": f"unreadable: {exc.message}", "current": None, "pending": []}
+        finally:
+            view.close()
+    return found
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -229,8 +270,11 @@ def summary(report: dict[str, Any]) -> str:
              f"({report.get('namespace_failed', '?')} failed), worst stall {report.get('worst_stall_s', '?')}s",
              f"  files read back {report.get('files_checked', '?')} ({len(report.get('file_problems') or [])} bad), "
              f"fsck {'clean' if report.get('fsck_clean') else 'NOT clean'}",
-             f"  versions before {report.get('versions_before')}", f"  versions after {report.get('versions_after')}"]
+             f"  versions before {report.get('versions_before')}", f"  versions after {report.get('versions_after')}",
+             f"  store formats before {report.get('formats_before')}",
+             f"  store formats after {({s: f['found'] for s, f in (report.get('formats_after') or {}).items()})}"]
     lines += [f"  PROBLEM: {problem}" for problem in report.get("problems", [])]
+    lines += [f"  failed op: {failure}" for failure in report.get("failures", [])]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ tests/test_rolling_upgrade_check.py, so a checker that cannot fail is caught the
 * :func:`compare_files`: every file whose write was acknowledged before the upgrade reads back
   whole, byte for byte (its SHA-256 and size as recorded at the acknowledgement).
 * :func:`version_problems`: every node and mgmtd reports the new protocol and release.
+* :func:`format_problems`: every store is on this code's format, no migration pending.
 * :func:`upgrade_verdict`: the whole run: the client workload's ledger and linearizability (from
   :func:`tests.chaos.cluster.check_history`), no client operation failed beyond its retries, the
   files, fsck, the versions, the stores' formats.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["compare_files", "upgrade_verdict", "version_problems"]
+__all__ = ["compare_files", "format_problems", "upgrade_verdict", "version_problems"]
 
 
 def compare_files(expected: dict[str, dict[str, Any]], observed: dict[str, dict[str, Any]]) -> list[str]:
@@ -74,3 +75,10 @@ def upgrade_verdict(report: dict[str, Any]) -> list[str]:
     if report.get("format_problems", [None]):
         broken.append(f"stores not on the new formats: {report.get('format_problems')}")
     return broken
+
+
+def format_problems(formats: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per store not on this code's format (migrations pending, or unreadable)."""
+    return [f"{store}: format {f['found']}, current {f['current']}, pending {f['pending']}"
+            for store, f in sorted(formats.items()) if f["found"] != f["current"] or f["pending"]] or \
+        ([] if formats else ["no store checked"])
