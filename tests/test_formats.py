@@ -5,9 +5,12 @@ deliberately broken migration runner that the same comparison catches."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -175,7 +178,7 @@ def test_storage_migration_killed_after_any_page_resumes_to_the_same_store() -> 
         kv = _v2_target(10)
         if k < pages:
             with pytest.raises(Killed):
-                open_target_format(DyingKV(kv, k + 1), "t", page_records=3)  # type: ignore[arg-type]
+                open_target_format(DyingKV(kv, k + 1), "t", page_records=3)
             progress = kv.get(schema.FORMAT_MIGRATION)
             assert (progress is None) == (k == 0), k
         else:
@@ -249,12 +252,14 @@ def test_the_comparison_catches_a_runner_that_applies_a_page_twice_or_skips_one(
     assert expected[b"r/0000"] == b"v0+" and expected[b"zz"] == b"not migrated"
 
     def correct(kv: MemKVStore, fail_at: int) -> None:
-        open_kv_format(DyingKV(kv, fail_at), COUNTED, "t", page_records=3)  # type: ignore[arg-type]
+        open_kv_format(DyingKV(kv, fail_at), COUNTED, "t", page_records=3)
 
     assert _interrupted_results(correct, [1, 2, 3]) == [expected] * 3
     for flaw in ("twice", "skip"):
-        results = _interrupted_results(lambda kv, fail_at, flaw=flaw: broken_run(kv, COUNTED, 3, fail_at, flaw),
-                                       [2, 4])
+        def flawed(kv: MemKVStore, fail_at: int, flaw: str = flaw) -> None:
+            broken_run(kv, COUNTED, 3, fail_at, flaw)
+
+        results = _interrupted_results(flawed, [2, 4])
         assert any(result != expected for result in results), flaw
 
 
@@ -323,7 +328,7 @@ def json_version(raw: bytes) -> int:
     return FormatRecord.decode(raw, "t").version
 
 
-def test_meta_store_is_stamped_and_upgrade_off_refuses_an_unstamped_one() -> None:
+def test_meta_store_is_stamped_upgrade_off_refuses_an_unstamped_one_and_a_newer_one_is_refused() -> None:
     async def main() -> None:
         engine = OptimisticTxnEngine(MemKVStore())
         txn = engine.begin()
@@ -337,5 +342,69 @@ def test_meta_store_is_stamped_and_upgrade_off_refuses_an_unstamped_one() -> Non
         pairs = await _all_pairs(engine)
         assert json_version(pairs[META_FORMAT.record_key]) == META_FORMAT.current
         assert META_FORMAT.progress_key not in pairs
+        # A newer meta store: refused by the service's start, with nothing written.
+        txn = engine.begin()
+        txn.put(META_FORMAT.record_key, FormatRecord("meta", META_FORMAT.current + 1, "9.0.0").encode())
+        await txn.commit()
+        before = await _all_pairs(engine)
+        with pytest.raises(FormatRefused, match=r"meta format 3 was written by fs3 9\.0\.0.*install fs3 9\.0\.0"):
+            await _meta_service(engine).start(background=False)
+        assert await _all_pairs(engine) == before
+
+    asyncio.run(main())
+
+
+# -- dumps ----------------------------------------------------------------------------------------
+
+
+def _meta_service(engine: OptimisticTxnEngine) -> Any:
+    from fs3.client.routing import RoutingCache
+    from fs3.client.storage_client import StorageClient
+    from fs3.meta.service import MetaService, MetaServiceConfig
+    from fs3.rpc.channel import RealChannelFactory
+
+    channels = RealChannelFactory()
+    routing = RoutingCache(["127.0.0.1:1"], channels)
+    return MetaService(engine, routing, StorageClient(routing, channels, bytes(16)), MetaServiceConfig())
+
+
+def _set_meta_format(path: Path, meta_format: int | None) -> None:
+    """The dump's header as another release wrote it (``None``: before format records), its
+    trailer's checksum made right again."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    if meta_format is None:
+        header.pop("meta_format")
+    else:
+        header["meta_format"] = meta_format
+    lines[0] = json.dumps(header).encode() + b"\n"
+    trailer = json.loads(lines[-1])
+    trailer["sha256"] = hashlib.sha256(b"".join(lines[:-1])).hexdigest()
+    lines[-1] = json.dumps(trailer).encode() + b"\n"
+    path.write_bytes(b"".join(lines))
+
+
+def test_a_dump_of_an_older_meta_format_loads_and_migrates_and_a_newer_one_is_refused(tmp_path: Path) -> None:
+    from fs3.meta.backup import dump_to_file, load_dump
+    from fs3.meta.dump import DumpError
+
+    async def main() -> None:
+        source = OptimisticTxnEngine(MemKVStore())
+        await _meta_service(source).start(background=False)  # a root inode, the store stamped
+        path = tmp_path / "meta.dump"
+        await dump_to_file(await source.snapshot(), path, "test-cluster")
+        assert json.loads(path.read_bytes().splitlines()[0])["meta_format"] == META_FORMAT.current
+        _set_meta_format(path, None)  # as the release before format records wrote it
+        restored = OptimisticTxnEngine(MemKVStore())
+        await load_dump(restored, path)
+        assert (await open_meta_format(restored, "restored", check=True)).found == 1
+        await _meta_service(restored).start(background=False)  # migrates after the load
+        pairs = await _all_pairs(restored)
+        assert json_version(pairs[META_FORMAT.record_key]) == META_FORMAT.current
+        _set_meta_format(path, META_FORMAT.current + 1)
+        empty = OptimisticTxnEngine(MemKVStore())
+        with pytest.raises(DumpError, match="written by a newer fs3"):
+            await load_dump(empty, path)
+        assert await _all_pairs(empty) == {}
 
     asyncio.run(main())

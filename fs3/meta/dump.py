@@ -5,9 +5,9 @@ such as ``jq`` and ``grep`` read it:
 
 * a **header**: ``{"format": "fs3-meta-dump", "version": 1, "schema": 1, "meta_format": 2,
   "cluster_id": ..., "created_ms": ...}`` (``meta_format``: the store format of the dumped meta,
-  :mod:`fs3.meta.formats`; a dump without it is format 1; a newer one is refused). ``version`` is this file format's, ``schema`` the version of meta's key
-  schema (:mod:`fs3.meta.schema`) the values are in. A reader refuses any other (it cannot know
-  what a newer one means);
+  :mod:`fs3.meta.formats`; a dump without it is format 1; a newer one is refused). ``version``
+  is this file format's, ``schema`` the version of meta's key schema (:mod:`fs3.meta.schema`)
+  the values are in. A reader refuses any other (it cannot know what a newer one means);
 * **records**, one a line, ``{"t": KIND, <the key's fields>, "v": <the stored value, base64>}``,
   grouped by kind in the order of :data:`KINDS` and, within a kind, in key order (a reader checks
   both: a duplicate or a reordered line is refused). The key fields are readable (inode ids as
@@ -55,8 +55,8 @@ from google.protobuf.message import DecodeError
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import InvalidArgument
 from fs3.kv.api import SnapshotReader, prefix_end
-from fs3.meta.formats import META_FORMAT_VERSION
 from fs3.meta import schema
+from fs3.meta.formats import META_FORMAT_VERSION
 
 __all__ = [
     "DUMP_FORMAT",

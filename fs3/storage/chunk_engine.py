@@ -54,6 +54,7 @@ from fs3.kv.api import prefix_end
 from fs3.kv.store import KVStore, WriteBatch
 from fs3.storage import schema
 from fs3.storage.blobs import BlobStore
+from fs3.storage.formats import open_target_format
 from fs3.storage.limits import CLIENT_ID_MAX_BYTES, VERSION_MAX
 
 __all__ = ["CLIENT_ID_MAX_BYTES", "VERSION_MAX", "Channel", "ChannelRecord", "ChunkEngine", "ChunkState", "Patch"]
@@ -259,8 +260,6 @@ class ChunkEngine:
         kv = self.kv
         # The format record first: a fresh target is stamped, an older one migrated (or refused when
         # upgrading is off), a newer or too old one refused — before any record is decoded.
-        from fs3.storage.formats import open_target_format
-
         open_target_format(kv, self.where, upgrade=self.upgrade)
         raw_floor = kv.get(schema.FLOOR)
         floor = schema.U64.unpack(raw_floor)[0] if raw_floor else 0
