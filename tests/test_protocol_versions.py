@@ -9,6 +9,7 @@ import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import grpc
 import pytest
 
 from fs3 import common_pb2 as cpb
@@ -33,6 +34,7 @@ from fs3.rpc.versions import (
     advertised_range,
     negotiate,
     range_from_wire,
+    stamp_heartbeat,
 )
 from tests.conftest import make_client, wait_until
 from tests.harness import ProcessCluster
@@ -274,3 +276,25 @@ async def _mixed(cluster: ProcessCluster) -> None:
     report = await admin.verify()
     assert report.ok and report.chunks_checked == len(table.chains), report.as_dict()
     await channels.close()
+
+
+def test_the_pin_reaches_every_channel_and_server_a_process_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PROTOCOL_VERSION_MAX_ENV, "1")
+    dispatcher = Dispatcher(token=TOKEN)
+    for endpoint in (FramedChannel("h:1"), GrpcChannel("h:1"), FramedServer(dispatcher), GrpcServer(dispatcher)):
+        assert endpoint.protocols == VersionRange(1, 1), type(endpoint).__name__
+    req = stamp_heartbeat(mpb.HeartbeatReq(node_id=1))
+    assert (req.protocol_version, req.protocol_version_min, req.release) == (1, 1, RELEASE)
+
+
+def test_grpc_metadata_that_is_not_a_version_is_refused() -> None:
+    async def body() -> None:
+        async with serving() as (_, grpc_addr, _servicer):
+            channel = grpc.aio.insecure_channel(grpc_addr)
+            call = channel.unary_unary(MGMTD.method("ListNodes").grpc_path)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(b"", metadata=(("x-fs3-token", TOKEN), ("x-fs3-protocol", "two")), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "bad x-fs3-protocol metadata 'two'" in (refused.value.details() or "")
+            await channel.close()
+    asyncio.run(body())
