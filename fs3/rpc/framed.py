@@ -336,11 +336,9 @@ class FramedChannel:
                     raise Unauthenticated(f"{self.address} refused the cluster token")
                 raise error_for(header.status, f"handshake with {self.address} refused" + (f": {said}" if said else ""))
             try:
-                # A server that answers no version speaks protocol 1 (and gets a protocol-1 HELLO
-                # next time only if this client's range still includes 1).
+                # A HELLO_ACK without a version (method_id 0) comes from a protocol-1 server.
                 self.protocol = negotiate(self.protocols, range_from_wire(header.method_id),
-                                          f"the server {self.address}",
-                                          local_name="this client")
+                                          f"the server {self.address}", local_name="this client")
             except ProtocolError:
                 writer.close()
                 raise
