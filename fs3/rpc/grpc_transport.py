@@ -143,16 +143,22 @@ class GrpcServer:
         async def handle(raw: bytes, context: Any) -> bytes:
             metadata = context.invocation_metadata()
             try:
-                negotiate(self.protocols, _caller_range(metadata), f"the caller at {context.peer()}",
-                          local_name="this server")
+                caller = _caller_range(metadata)
+                chosen = negotiate(self.protocols, caller, f"the caller at {context.peer()}",
+                                   local_name="this server")
             except ProtocolError as exc:
                 context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(exc.code))),))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+            # The protocol chosen goes back in the trailing metadata, except to a protocol-1 caller
+            # (it sent no version): it gets exactly what protocol 1 sends.
+            spoken: tuple[tuple[str, str], ...] = ((PROTOCOL_METADATA_KEY, str(chosen)),) if caller.high >= 2 else ()
             presented = _presented_token(metadata)
             reply = await dispatcher.dispatch(method.method_id, raw, b"", dispatcher.auth.authenticate(presented))
             if reply.status != StatusCode.OK:
-                context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(reply.status))),))
+                context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(reply.status))), *spoken))
                 await context.abort(_grpc_code(reply.status), reply.message.decode("utf-8", "replace"))
+            if spoken:
+                context.set_trailing_metadata(spoken)
             if len(reply.payload) and method.response_has_payload:
                 response = method.response_type.FromString(reply.message)
                 setattr(response, PAYLOAD_FIELD, bytes(reply.payload))
@@ -209,6 +215,9 @@ class GrpcChannel:
                  server_name: str = "", protocols: VersionRange | None = None) -> None:
         self.address = address
         self.protocols = protocols or advertised_range()
+        #: The protocol the server chose (0: no call answered yet); newer features wait for it.
+        self.protocol = 0
+        self._refusal: str | None = None  # why the server is refused (then no call is sent)
         # Pinned to protocol 1, a call carries protocol 1's metadata: the token only.
         self._version_metadata: tuple[tuple[str, str], ...] = (
             ((PROTOCOL_METADATA_KEY, str(self.protocols.high)), (PROTOCOL_MIN_METADATA_KEY, str(self.protocols.low)))
@@ -222,6 +231,22 @@ class GrpcChannel:
     def set_token(self, token: str | None) -> None:
         """Present ``token`` from the next call on (gRPC sends it with every call)."""
         self._token = token
+
+    def _server_protocol(self, trailing: Any) -> int:
+        """The protocol the server chose, from the trailing metadata of this channel's first answer
+        (none: a protocol-1 server). A server too old for this client is refused: the call that
+        found out already ran there (gRPC has no handshake to refuse it before), later ones are
+        not sent (a new channel asks again)."""
+        chosen = 0
+        for key, value in trailing or ():
+            if key == PROTOCOL_METADATA_KEY and str(value).isdigit():
+                chosen = int(value)
+        try:
+            return negotiate(self.protocols, range_from_wire(chosen), f"the server {self.address}",
+                             local_name="this client")
+        except ProtocolError as exc:
+            self._refusal = exc.message
+            raise
 
     def _stub(self, method: MethodSpec) -> Any:
         if self._channel is None:
@@ -244,10 +269,15 @@ class GrpcChannel:
                 raise ValueError(f"{method.name} carries no payload")
             request = type(request).FromString(request.SerializeToString())
             setattr(request, PAYLOAD_FIELD, bytes(payload))
+        if self._refusal is not None:
+            raise ProtocolError(self._refusal)
         metadata = (((TOKEN_METADATA_KEY, self._token),) if self._token else ()) + self._version_metadata
         try:
-            raw = await self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000,
-                                           metadata=metadata or None)
+            call = self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000,
+                                      metadata=metadata or None)
+            raw = await call
+            if not self.protocol:
+                self.protocol = self._server_protocol(await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _to_fs3_error(exc, self.address, method, self._credentials is not None) from None
         except asyncio.CancelledError:
