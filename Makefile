@@ -21,7 +21,7 @@ LIN_OPS ?= 40
 BENCH_HAI_ARGS ?=
 BENCH_USRBIO_ARGS ?=
 
-.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo drain-demo test-haiscale-long trash-long quota-long chaos model-report clean install test-wheel
+.PHONY: run test check proto lint typecheck sim sim-meta meta-linearizable meta-backup fsx bench bench-quick bench-chunk bench-meta bench-file bench-fuse bench-usrbio bench-fuse-workers bench-hfreduce bench-haiscale bench-hai train-demo hai-demo scrub-demo drain-demo test-haiscale-long trash-long quota-long chaos rolling-upgrade model-report clean install test-wheel
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh tests/grpc_node/package-lock.json
 	./scripts/bootstrap.sh
@@ -130,6 +130,10 @@ bench-file: install
 # Fault scenarios on a cluster of network-namespace hosts (root); report in bench/results/chaos-*.{md,json,png}.
 chaos: install
 	$(PY) -m tests.chaos.run
+
+# The previous release's cluster upgraded to this code one node at a time under load (root).
+rolling-upgrade: install
+	$(PY) -m tests.chaos.rolling_upgrade
 
 # fio on the FUSE mount next to a local directory.
 bench-fuse: install

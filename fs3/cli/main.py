@@ -88,7 +88,9 @@ def node_entries(listing: Any) -> list[dict[str, Any]]:
     """``fs3 admin nodes``' entries: every mgmtd instance (type ``mgmtd``, node id 0, its name,
     its role ``primary``/``standby``/``stale``, alive unless stale, the lease epoch), then every
     meta and storage node (role ``peer``); every entry has the same keys, so a reader may filter
-    on ``node_type``."""
+    on ``node_type``. ``protocol_version`` and ``release`` say what each runs (a node that reports
+    no protocol speaks protocol 1, and reports no release either; an mgmtd instance other than the
+    one that answered: 0, unknown), so a mixed cluster shows mid-upgrade."""
     from fs3 import mgmtd_pb2 as mpb
 
     entries: list[dict[str, Any]] = []
@@ -96,11 +98,13 @@ def node_entries(listing: Any) -> list[dict[str, Any]]:
         role = _state_name(mpb.MgmtdRole, instance.role).removeprefix("mgmtd_role_")
         info = cpb.NodeInfo(node_type=cpb.NODE_MGMTD, framed_address=instance.address,
                             alive=instance.role != mpb.MGMTD_ROLE_STALE)
+        if instance.name == listing.answered_by or len(listing.mgmtd_instances) == 1:
+            info.protocol_version, info.release = listing.protocol_version or 1, listing.release
         entries.append({**message_dict(info), "name": instance.name, "role": role, "presence": instance.presence,
                         "lease_epoch": listing.lease_epoch})
     for node in listing.nodes:
         entries.append({**message_dict(node), "name": "", "role": PEER_ROLE, "presence": 0,
-                        "lease_epoch": listing.lease_epoch})
+                        "lease_epoch": listing.lease_epoch, "protocol_version": node.protocol_version or 1})
     return entries
 
 
@@ -133,8 +137,10 @@ async def _admin_command(admin: Any, args: argparse.Namespace) -> int:
             print_json(entries)
         else:
             print(_table([[str(e["name"] or e["node_id"]), e["node_type"], e["role"], "up" if e["alive"] else "DOWN",
-                           e["framed_address"], e["grpc_address"] or "-", e["hostname"] or "-", str(e["pid"] or "-")]
-                          for e in entries], ["node", "type", "role", "status", "framed", "grpc", "host", "pid"]))
+                           e["framed_address"], e["grpc_address"] or "-", e["hostname"] or "-", str(e["pid"] or "-"),
+                           e.get("release") or "-", str(e.get("protocol_version") or "?")]
+                          for e in entries], ["node", "type", "role", "status", "framed", "grpc", "host", "pid",
+                                              "release", "protocol"]))
             print(f"mgmtd lease epoch {listing.lease_epoch} (0: a single mgmtd); answered by {listing.answered_by}")
         return 0
     if args.command == "metrics-targets":

@@ -23,7 +23,7 @@ from fs3 import mgmtd_pb2 as mgpb
 from fs3.client.mgmtd import MgmtdCaller
 from fs3.client.routing import RoutingCache
 from fs3.client.storage_client import StorageClient, StorageClientConfig
-from fs3.common.errors import AlreadyExists, FS3Error, InvalidArgument
+from fs3.common.errors import AlreadyExists, FS3Error, InvalidArgument, ProtocolError
 from fs3.common.ids import validate_chunk_size
 from fs3.common.logging import setup_logging
 from fs3.common.metrics import ServiceMetrics
@@ -38,6 +38,7 @@ from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.methods import service_spec
 from fs3.rpc.server import ServiceRuntime, TokenReloader, install_uvloop
 from fs3.rpc.tls import Tls, TlsConfig
+from fs3.rpc.versions import stamp_heartbeat
 
 if TYPE_CHECKING:
     from fs3.kv.postgres import PostgresConfig
@@ -145,12 +146,14 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
     the same way ``serve_meta`` does.
     """
     mgmtd = MgmtdCaller(config.mgmtd_address, channels, config.rpc_timeout_ms)  # follows the primary
-    req = mgpb.HeartbeatReq(node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0],
-                            grpc_address=addresses[1], metrics_address=addresses[2], hostname=socket.gethostname(),
-                            pid=os.getpid())
+    req = stamp_heartbeat(mgpb.HeartbeatReq(
+        node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0], grpc_address=addresses[1],
+        metrics_address=addresses[2], hostname=socket.gethostname(), pid=os.getpid()))
     while True:
         try:
             await mgmtd.call("Heartbeat", req)
+        except ProtocolError as exc:
+            log.error("mgmtd refuses this meta server: %s", exc.message)
         except FS3Error as exc:
             log.debug("meta heartbeat failed: %s", exc)
         await asyncio.sleep(config.heartbeat_interval_ms / 1000)

@@ -40,8 +40,9 @@ from fs3.mgmtd.presence import PRIMARY, STALE, STANDBY
 from fs3.mgmtd.state import MgmtdState
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.tls import TlsConfig
+from fs3.rpc.versions import RELEASE, VersionRange, advertised_range, negotiate, range_from_wire
 
-__all__ = ["MgmtdConfig", "MgmtdServicer"]
+__all__ = ["MgmtdConfig", "MgmtdServicer", "check_node_protocol"]
 
 log = logging.getLogger(__name__)
 _NO_PAYLOAD = b""
@@ -134,6 +135,8 @@ class MgmtdServicer:
         self.kv = kv
         self.shared = shared
         self.state = MgmtdState(kv, config.heartbeat_timeout_ms, config.cluster_id)
+        # The protocols this mgmtd speaks: a node outside them is refused at its heartbeat.
+        self.protocols = advertised_range()
         self.lease = LeaseLoop(shared, self.clock, self._lease_tick) if shared is not None else None
         self._lock = asyncio.Lock()
         self._loaded_epoch = 0  # the epoch the state in memory was loaded for (0: none loaded)
@@ -334,6 +337,7 @@ class MgmtdServicer:
     # -- RPC handlers ------------------------------------------------------------------------
 
     async def heartbeat(self, req: mpb.HeartbeatReq, payload: memoryview) -> tuple[mpb.HeartbeatRsp, Buffer]:
+        check_node_protocol(self.protocols, req)
         async with self._as_primary() as state:
             state.heartbeat(req, self.clock.now_ms())
             # Built after the heartbeat was applied: a fence cleared by this very heartbeat is not sent.
@@ -366,7 +370,8 @@ class MgmtdServicer:
         their liveness is as fresh as the routing), the instances from its own watch of their
         records. So an operator sees the roles even while no primary acts (a takeover under way).
         """
-        rsp = mpb.ListNodesRsp(mgmtd_metrics_address=self.metrics_address)
+        rsp = mpb.ListNodesRsp(mgmtd_metrics_address=self.metrics_address, protocol_version=self.protocols.high,
+                               release=RELEASE)
         if self.shared is not None and not self.is_primary():
             routing = await read_published_routing(self.shared.engine)
             rsp.nodes.extend(routing.nodes if routing is not None else [])
@@ -487,3 +492,17 @@ class MgmtdServicer:
     async def list_moves(self, req: cpb.Empty, payload: memoryview) -> tuple[mpb.MovesRsp, Buffer]:
         async with self._as_primary() as state:
             return state.moves.status(), _NO_PAYLOAD
+
+
+def check_node_protocol(protocols: VersionRange, req: mpb.HeartbeatReq) -> int:
+    """The protocol mgmtd and the node of ``req`` share; a node it cannot talk to is refused with a
+    :class:`~fs3.common.errors.ProtocolError` naming both ranges and which side to upgrade, and is
+    never registered (its targets never enter a chain)."""
+    kind = {cpb.NODE_META: "meta", cpb.NODE_STORAGE: "storage"}.get(req.node_type, "unknown")
+    try:
+        return negotiate(protocols, range_from_wire(req.protocol_version, req.protocol_version_min),
+                         f"{kind} node {req.node_id} ({req.framed_address or req.hostname})", local_name="mgmtd",
+                         release=req.release)
+    except FS3Error as exc:
+        log.warning("refused a heartbeat: %s", exc.message)
+        raise

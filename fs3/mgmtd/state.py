@@ -182,7 +182,8 @@ class MgmtdState:
         info = cpb.NodeInfo(
             node_id=req.node_id, node_type=req.node_type, framed_address=req.framed_address,
             grpc_address=req.grpc_address, hostname=req.hostname, pid=req.pid, alive=True,
-            metrics_address=req.metrics_address,
+            metrics_address=req.metrics_address, protocol_version=req.protocol_version,
+            protocol_version_min=req.protocol_version_min, release=req.release,
         )
         persisted = record.info if record else None
         if persisted is None or _node_identity(persisted) != _node_identity(info):
@@ -414,5 +415,8 @@ class MgmtdState:
         return self._routing_cache
 
 
-def _node_identity(info: cpb.NodeInfo) -> tuple[int, str, str, str]:
-    return (info.node_type, info.framed_address, info.grpc_address, info.metrics_address)
+def _node_identity(info: cpb.NodeInfo) -> tuple[int, str, str, str, int, int, str]:
+    # The versions are part of it: a node restarted on a new release is published in the routing
+    # (peers and clients gate newer features on it, and operators watch an upgrade progress).
+    return (info.node_type, info.framed_address, info.grpc_address, info.metrics_address, info.protocol_version,
+            info.protocol_version_min, info.release)

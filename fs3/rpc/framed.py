@@ -24,10 +24,11 @@ from fs3.common.errors import (
 )
 from fs3.rpc.auth import Principal
 from fs3.rpc.dispatch import Buffer, Dispatcher
-from fs3.rpc.framing import HEADER, MAGIC, FrameKind, pack_header, unpack_header
+from fs3.rpc.framing import HEADER, MAGIC, FrameHeader, FrameKind, pack_header, unpack_header
 from fs3.rpc.limits import HELLO_MSG_MAX_BYTES, FramedLimits
 from fs3.rpc.methods import MethodSpec
 from fs3.rpc.tls import tls_error
+from fs3.rpc.versions import VersionRange, advertised_range, negotiate, range_from_wire
 
 __all__ = ["FramedChannel", "FramedLimits", "FramedServer"]
 
@@ -68,8 +69,11 @@ class FramedServer:
     """
 
     def __init__(self, dispatcher: Dispatcher, limits: FramedLimits | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, protocols: VersionRange | None = None) -> None:
+        """``protocols``: the protocol versions this server speaks (default: this release's, as pinned
+        by ``$FS3_PROTOCOL_VERSION_MAX``); a client outside them is refused at its HELLO."""
         self.dispatcher = dispatcher
+        self.protocols = protocols or advertised_range()
         self.limits = limits or FramedLimits()
         self._ssl = ssl_context
         self._server: asyncio.Server | None = None
@@ -131,6 +135,7 @@ class FramedServer:
                                                0 if anonymous else limits.payload_max_bytes)
                     except (ProtocolError, FrameTooLarge) as exc:
                         # The stream cannot be re-synchronised after a bad header: answer, then hang up.
+                        log.warning("refused a frame from %s: %s", _peer(writer), exc.message)
                         writer.write(pack_header(FrameKind.RESPONSE, 0, exc.code, 0, len(exc.message), 0))
                         writer.write(exc.message.encode())
                         await writer.drain()
@@ -142,7 +147,12 @@ class FramedServer:
                     principal = auth.authenticate(message)
                     ok = principal is not None
                     status = StatusCode.OK if ok else StatusCode.UNAUTHENTICATED
-                    writer.write(pack_header(FrameKind.HELLO_ACK, 0, status, header.request_id, 0, 0))
+                    chosen, refusal = self._negotiate(header, writer) if ok else (0, b"")
+                    if refusal:
+                        status, ok = StatusCode.PROTOCOL_ERROR, False
+                    # A protocol-1 client (it sent no range) gets the very bytes protocol 1 answers.
+                    writer.write(pack_header(FrameKind.HELLO_ACK, chosen if header.method_id else 0, status,
+                                             header.request_id, len(refusal), 0) + refusal)
                     await writer.drain()
                     if not ok:
                         return
@@ -178,6 +188,15 @@ class FramedServer:
             for task in tasks:
                 task.cancel()
 
+    def _negotiate(self, hello: FrameHeader, writer: asyncio.StreamWriter) -> tuple[int, bytes]:
+        """The protocol to speak with the client of ``hello``, or (0, why not) to refuse it."""
+        try:
+            return negotiate(self.protocols, range_from_wire(hello.method_id, hello.status),
+                             f"the client at {_peer(writer)}", local_name="this server"), b""
+        except ProtocolError as exc:
+            log.warning("refused a client: %s", exc.message)
+            return 0, exc.message.encode("utf-8", "replace")
+
     async def _handle(self, writer: asyncio.StreamWriter, method_id: int, request_id: int, message: bytes,
                       payload: bytes, principal: Principal | None, inflight: asyncio.Semaphore) -> None:
         try:
@@ -193,6 +212,12 @@ class FramedServer:
         finally:
             inflight.release()
 
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    """The remote end of a connection as ``host:port`` (for log lines and refusals)."""
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer or "unknown")
 
 
 def _http2_settings(raw: bytes) -> bool:
@@ -214,9 +239,14 @@ class FramedChannel:
 
     def __init__(self, address: str, token: str | None = None, connect_timeout_ms: int = 3_000,
                  limits: FramedLimits | None = None, ssl_context: ssl.SSLContext | None = None,
-                 server_name: str = "") -> None:
+                 server_name: str = "", protocols: VersionRange | None = None) -> None:
         """``ssl_context``: speak TLS, verifying the server's certificate names ``server_name``
-        (default: the host part of ``address``)."""
+        (default: the host part of ``address``). ``protocols``: the protocol versions this client
+        speaks (default: this release's, as pinned by ``$FS3_PROTOCOL_VERSION_MAX``)."""
+        self.protocols = protocols or advertised_range()
+        #: The protocol the current connection speaks (0: not connected yet); features of a newer
+        #: protocol are used only when this says the server speaks it.
+        self.protocol = 0
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"bad address {address!r}, expected host:port")
@@ -276,7 +306,9 @@ class FramedChannel:
             _tune(writer)
             try:
                 token = (self._token or "").encode()
-                writer.write(pack_header(FrameKind.HELLO, 0, 0, 0, len(token), 0) + token)
+                # Pinned to protocol 1, the HELLO is protocol 1's, byte for byte.
+                high, low = (self.protocols.high, self.protocols.low) if self.protocols.high >= 2 else (0, 0)
+                writer.write(pack_header(FrameKind.HELLO, high, low, 0, len(token), 0) + token)
                 await writer.drain()
                 raw = await asyncio.wait_for(reader.readexactly(HEADER.size), self._connect_timeout_ms / 1000)
                 if _http2_settings(raw):
@@ -284,8 +316,7 @@ class FramedChannel:
                     raise InvalidArgument(f"{self.address} is a gRPC port (it answers in HTTP/2): use "
                                           f"--transport grpc, or the service's framed port")
                 header = unpack_header(raw, self._limits.msg_max_bytes, self._limits.payload_max_bytes)
-                if header.msg_len:
-                    await reader.readexactly(header.msg_len)
+                said = (await reader.readexactly(header.msg_len)).decode("utf-8", "replace") if header.msg_len else ""
             except ssl.SSLError as exc:
                 writer.close()
                 if _tls_eof(exc):
@@ -303,7 +334,14 @@ class FramedChannel:
                 writer.close()
                 if header.status == StatusCode.UNAUTHENTICATED:
                     raise Unauthenticated(f"{self.address} refused the cluster token")
-                raise error_for(header.status, f"handshake with {self.address} refused")
+                raise error_for(header.status, f"handshake with {self.address} refused" + (f": {said}" if said else ""))
+            try:
+                # A HELLO_ACK without a version (method_id 0) comes from a protocol-1 server.
+                self.protocol = negotiate(self.protocols, range_from_wire(header.method_id),
+                                          f"the server {self.address}", local_name="this client")
+            except ProtocolError:
+                writer.close()
+                raise
             self._writer, self._pending = writer, {}
             reader_task = asyncio.create_task(self._read_loop(reader, writer, self._pending))
             self._readers.add(reader_task)

@@ -7,7 +7,10 @@ Every frame starts with a fixed 24-byte little-endian header::
 followed by ``msg_len`` bytes of protobuf (or, for an error response, the UTF-8 error message)
 and ``payload_len`` raw bulk bytes. Many requests may be in flight on one connection; responses
 carry the request id and may come back in any order. The first frame of a connection is a
-HELLO carrying the cluster token; the server answers HELLO_ACK with a status.
+HELLO carrying the cluster token; the server answers HELLO_ACK with a status. From protocol 2 on
+(fs3/rpc/versions.py) a HELLO also carries the client's protocol range in ``method_id`` (highest)
+and ``status`` (lowest), fields protocol 1 leaves zero, and the HELLO_ACK the chosen protocol in
+``method_id``. ``version`` is the frame layout, not the protocol.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import struct
 from dataclasses import dataclass
 
 from fs3.common.errors import FrameTooLarge, ProtocolError
+from fs3.rpc.versions import RELEASE
 
 __all__ = ["HEADER", "MAGIC", "VERSION", "FrameHeader", "FrameKind", "pack_header", "unpack_header"]
 
@@ -53,7 +57,9 @@ def unpack_header(raw: bytes, msg_max_bytes: int, payload_max_bytes: int) -> Fra
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic 0x{magic:04x}")
     if version != VERSION:
-        raise ProtocolError(f"unsupported frame version {version}")
+        # Answered (by a server) with an error frame of layout 1, which every release reads.
+        raise ProtocolError(f"unsupported frame version {version}: this peer reads frame version {VERSION} only "
+                            f"(release {RELEASE}); {'upgrade it' if version > VERSION else 'the sender is broken'}")
     try:
         frame_kind = FrameKind(kind)
     except ValueError:

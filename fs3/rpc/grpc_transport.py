@@ -24,17 +24,22 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fs3.common.errors import FS3Error, StatusCode, Timeout, Unauthenticated, Unavailable, error_for
+from fs3.common.errors import FS3Error, ProtocolError, StatusCode, Timeout, Unauthenticated, Unavailable, error_for
 from fs3.rpc.auth import Authenticator
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
+from fs3.rpc.versions import VersionRange, advertised_range, negotiate, range_from_wire
 
-__all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
+__all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "PROTOCOL_METADATA_KEY", "PROTOCOL_MIN_METADATA_KEY",
+           "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
            "GrpcServer"]
 
 TOKEN_METADATA_KEY = "x-fs3-token"
 CODE_METADATA_KEY = "x-fs3-code"
+# The caller's protocol range (fs3/rpc/versions.py); absent: a protocol-1 caller.
+PROTOCOL_METADATA_KEY = "x-fs3-protocol"
+PROTOCOL_MIN_METADATA_KEY = "x-fs3-protocol-min"
 HEALTH_SERVICE: str = health.SERVICE_NAME
 REFLECTION_SERVICE: str = reflection.SERVICE_NAME
 # The health service's name for the server as a whole.
@@ -63,6 +68,21 @@ def _grpc_code(code: int) -> grpc.StatusCode:
         return _TO_GRPC.get(StatusCode(code), grpc.StatusCode.FAILED_PRECONDITION)
     except ValueError:
         return grpc.StatusCode.INTERNAL
+
+
+def _caller_range(metadata: Any) -> VersionRange:
+    """The protocol range a call's metadata advertises (none: protocol 1)."""
+    high = low = 0
+    for key, value in metadata or ():
+        if key in (PROTOCOL_METADATA_KEY, PROTOCOL_MIN_METADATA_KEY):
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            if not text.isdigit() or int(text) > 0xFFFF:
+                raise ProtocolError(f"bad {key} metadata {text[:20]!r}: expected a protocol number")
+            if key == PROTOCOL_METADATA_KEY:
+                high = int(text)
+            else:
+                low = int(text)
+    return range_from_wire(high, low)
 
 
 def _presented_token(metadata: Any) -> str | bytes | None:
@@ -107,8 +127,11 @@ class GrpcServer:
     service (see the module doc); with ``credentials`` (server credentials that require a client
     certificate) over TLS only."""
 
-    def __init__(self, dispatcher: Dispatcher, credentials: Any = None) -> None:
+    def __init__(self, dispatcher: Dispatcher, credentials: Any = None, protocols: VersionRange | None = None) -> None:
+        """``protocols``: the protocol versions served (default: this release's, as pinned by
+        ``$FS3_PROTOCOL_VERSION_MAX``); a call advertising none of them is refused."""
         self.dispatcher = dispatcher
+        self.protocols = protocols or advertised_range()
         self._credentials = credentials
         self._server: Any = None
         self._health: Any = None
@@ -118,11 +141,24 @@ class GrpcServer:
         dispatcher = self.dispatcher
 
         async def handle(raw: bytes, context: Any) -> bytes:
-            presented = _presented_token(context.invocation_metadata())
+            metadata = context.invocation_metadata()
+            try:
+                caller = _caller_range(metadata)
+                chosen = negotiate(self.protocols, caller, f"the caller at {context.peer()}",
+                                   local_name="this server")
+            except ProtocolError as exc:
+                context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(exc.code))),))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+            # The protocol chosen goes back in the trailing metadata, except to a protocol-1 caller
+            # (it sent no version): it gets exactly what protocol 1 sends.
+            spoken: tuple[tuple[str, str], ...] = ((PROTOCOL_METADATA_KEY, str(chosen)),) if caller.high >= 2 else ()
+            presented = _presented_token(metadata)
             reply = await dispatcher.dispatch(method.method_id, raw, b"", dispatcher.auth.authenticate(presented))
             if reply.status != StatusCode.OK:
-                context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(reply.status))),))
+                context.set_trailing_metadata(((CODE_METADATA_KEY, str(int(reply.status))), *spoken))
                 await context.abort(_grpc_code(reply.status), reply.message.decode("utf-8", "replace"))
+            if spoken:
+                context.set_trailing_metadata(spoken)
             if len(reply.payload) and method.response_has_payload:
                 response = method.response_type.FromString(reply.message)
                 setattr(response, PAYLOAD_FIELD, bytes(reply.payload))
@@ -176,8 +212,16 @@ class GrpcChannel:
     """
 
     def __init__(self, address: str, token: str | None = None, credentials: Any = None,
-                 server_name: str = "") -> None:
+                 server_name: str = "", protocols: VersionRange | None = None) -> None:
         self.address = address
+        self.protocols = protocols or advertised_range()
+        #: The protocol the server chose (0: no call answered yet); newer features wait for it.
+        self.protocol = 0
+        self._refusal: str | None = None  # why the server is refused (then no call is sent)
+        # Pinned to protocol 1, a call carries protocol 1's metadata: the token only.
+        self._version_metadata: tuple[tuple[str, str], ...] = (
+            ((PROTOCOL_METADATA_KEY, str(self.protocols.high)), (PROTOCOL_MIN_METADATA_KEY, str(self.protocols.low)))
+            if self.protocols.high >= 2 else ())
         self._token = token
         self._credentials = credentials
         self._server_name = server_name
@@ -187,6 +231,22 @@ class GrpcChannel:
     def set_token(self, token: str | None) -> None:
         """Present ``token`` from the next call on (gRPC sends it with every call)."""
         self._token = token
+
+    def _server_protocol(self, trailing: Any) -> int:
+        """The protocol the server chose, from the trailing metadata of this channel's first answer
+        (none: a protocol-1 server). A server too old for this client is refused: the call that
+        found out already ran there (gRPC has no handshake to refuse it before), later ones are
+        not sent (a new channel asks again)."""
+        chosen = 0
+        for key, value in trailing or ():
+            if key == PROTOCOL_METADATA_KEY and str(value).isdigit():
+                chosen = int(value)
+        try:
+            return negotiate(self.protocols, range_from_wire(chosen), f"the server {self.address}",
+                             local_name="this client")
+        except ProtocolError as exc:
+            self._refusal = exc.message
+            raise
 
     def _stub(self, method: MethodSpec) -> Any:
         if self._channel is None:
@@ -209,9 +269,15 @@ class GrpcChannel:
                 raise ValueError(f"{method.name} carries no payload")
             request = type(request).FromString(request.SerializeToString())
             setattr(request, PAYLOAD_FIELD, bytes(payload))
-        metadata = ((TOKEN_METADATA_KEY, self._token),) if self._token else None
+        if self._refusal is not None:
+            raise ProtocolError(self._refusal)
+        metadata = (((TOKEN_METADATA_KEY, self._token),) if self._token else ()) + self._version_metadata
         try:
-            raw = await self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000, metadata=metadata)
+            call = self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000,
+                                      metadata=metadata or None)
+            raw = await call
+            if not self.protocol:
+                self.protocol = self._server_protocol(await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _to_fs3_error(exc, self.address, method, self._credentials is not None) from None
         except asyncio.CancelledError:

@@ -36,6 +36,7 @@ from fs3.rpc.channel import ChannelFactory
 from fs3.rpc.dispatch import Buffer
 from fs3.rpc.methods import service_spec
 from fs3.rpc.storage_calls import dump_chunk_meta
+from fs3.rpc.versions import stamp_heartbeat
 from fs3.storage.chain_view import ChainMember, ChainView
 from fs3.storage.chunk_engine import ChunkEngine
 from fs3.storage.replica import ReplicaConfig, TargetReplica
@@ -315,7 +316,8 @@ class StorageNode:
         """Log a failed call to mgmtd; a refused credential (token, certificate) will not heal by
         itself, so the first refusal in a row is a warning and the rest debug. Returns whether
         the calls are being refused."""
-        unauthenticated = exc.code == StatusCode.UNAUTHENTICATED
+        # A protocol refusal (mgmtd cannot talk to this release) will not heal by itself either.
+        unauthenticated = exc.code in (StatusCode.UNAUTHENTICATED, StatusCode.PROTOCOL_ERROR)
         log.log(logging.WARNING if unauthenticated and not refused else logging.DEBUG, "node %d: %s failed: %s",
                 self.config.node_id, what, exc)
         return unauthenticated
@@ -387,6 +389,7 @@ class StorageNode:
             grpc_address=self.config.grpc_address, hostname=socket.gethostname(), pid=os.getpid(),
             metrics_address=self.config.metrics_address,
         )
+        stamp_heartbeat(req)
         for tid, engine in self.engines.items():
             local = LocalState.OFFLINE if self._out_of_service(tid) else self.local_states.get(tid, LocalState.ONLINE)
             try:
