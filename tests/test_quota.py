@@ -812,6 +812,48 @@ def test_credits_follow_a_renamed_file_and_go_back_when_it_is_removed() -> None:
     run(body)
 
 
+def test_a_truncate_keeps_covered_every_writer_whose_credit_was_used_up() -> None:
+    """A writer that published all of its credit (or never needed one: it overwrites a file that
+    was long when it opened) holds no credit row, yet may still write up to where the file
+    reached when it last asked: a truncate by someone else must leave those bytes charged, or
+    another writer takes the room and the first one's close passes the limit."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+        writer = await meta.open("/q/f")
+        assert (await meta.reserve(writer, 500)).granted_end == 500
+        await meta.sync(writer, 500)  # its credit is used up: the handle may write to byte 500
+        overwriter = await meta.open("/q/f")  # opened at length 500: overwrites need no credit
+        file_id = writer.inode.inode_id
+
+        async def truncate_to_zero(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=0)
+            await ns.setattr(req, truncating=file_id)
+            await quota.settle(ns)
+
+        async def complete(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            ns.quota.refuse = False
+            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, truncate_to_zero)
+        await run_transaction(meta.engine, complete)
+        # Each handle may still write bytes 0..500 (meta cannot tell that they overlap).
+        assert (await meta.usage("/q"))[0] == 1000
+        other = await meta.open("/q/g")
+        with pytest.raises(QuotaExceeded):
+            await meta.reserve(other, 1)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        for opened in (writer, overwriter, other):
+            await meta.close(opened)  # (what they wrote is checked against storage: none here)
+        assert await meta.usage("/q") == (0, 2)
+
+    run(body)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 def _under(path: str, directory: str) -> bool:

@@ -599,11 +599,26 @@ async def move_reservations(ns: Namespace, inode_id: int, home: int) -> None:
 async def widen_reservations(ns: Namespace, inode_id: int, shrink: int) -> None:
     """The file shrank by ``shrink`` bytes: each open writer may still write up to where its
     credit reached (it learns of a truncate by another client only when it asks again), so each
-    credit grows by as much, keeping ``length + credit`` where it was. Charged, never refused
-    (the truncate's own shrink pays for it); a close gives it back."""
-    for session_id, held in await _held(ns, inode_id):
-        ns.quota.recharge((held.home, held.size_bytes), (held.home, held.size_bytes + shrink))
-        _write_reservation(ns.txn, inode_id, session_id, held, Reservation(held.home, held.size_bytes + shrink))
+    credit grows by as much, keeping ``length + credit`` where it was. A writer without a credit
+    (it used all of it, or overwrites a file that was this long when it opened) may write up to
+    the old length: it gets a credit of the shrink. Charged, never refused (the truncate's own
+    shrink pays for it); a close gives it back."""
+    held = dict(await _held(ns, inode_id))
+    charge = charge_of(await ns.find_inode(inode_id))
+    if charge is not None and await _quotas_above(ns, charge[0], await quotas_of(ns), {}):
+        for session_id in await _writers(ns, inode_id):
+            held.setdefault(session_id, Reservation(charge[0], 0))
+    for session_id, old in sorted(held.items()):
+        new = Reservation(old.home, old.size_bytes + shrink)
+        ns.quota.recharge((old.home, old.size_bytes) if old.size_bytes else None, (new.home, new.size_bytes))
+        _write_reservation(ns.txn, inode_id, session_id, old if old.size_bytes else None, new)
+
+
+async def _writers(ns: Namespace, inode_id: int) -> list[bytes]:
+    """The sessions open for writing on ``inode_id`` (at most :data:`RESERVATIONS_PER_FILE_MAX`)."""
+    prefix = schema.session_prefix(inode_id)
+    rows = await ns.txn.scan(prefix, prefix_end(prefix), limit=RESERVATIONS_PER_FILE_MAX)
+    return [key[len(prefix):] for key, raw in rows if schema.Session.decode(raw).write]
 
 
 async def reserved_in(txn: Transaction, directory: int) -> int:
