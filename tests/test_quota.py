@@ -854,6 +854,26 @@ def test_a_truncate_keeps_covered_every_writer_whose_credit_was_used_up() -> Non
     run(body)
 
 
+def test_a_credit_past_the_largest_file_is_refused_clearly() -> None:
+    """``end`` comes from the client: one past what the file's layout allows is bad input, not a
+    credit that makes a usage that no longer fits its 64-bit field."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", inodes_limit=100)  # no byte limit: nothing else bounds the credit
+        opened = await meta.open("/q/f")
+        with pytest.raises(InvalidArgument):
+            await meta.reserve(opened, (1 << 64) - 1)
+        second = await meta.open("/q/g")
+        with pytest.raises(InvalidArgument):
+            await meta.reserve(second, (1 << 64) - 1)
+        assert (await meta.usage("/q"))[0] == 0
+        await meta.close(opened)
+        await meta.close(second)
+        assert await meta.problems() == []
+
+    run(body)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 def _under(path: str, directory: str) -> bool:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import BadHandle, CrossDevice, DirectoryNotEmpty, InvalidArgument, NotSupported, QuotaExceeded
 from fs3.common.invariant import ensure
+from fs3.common.layout import max_file_size
 from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
 from fs3.meta.limits import ANCESTOR_WALK_MAX
@@ -510,6 +511,9 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     if not schema.Session.decode(raw).write:
         raise BadHandle(f"session {session_id.hex()} on inode {inode_id} is not open for writing")
     inode = await ns.inode(inode_id)
+    if inode.type == mpb.FILE and end > max_file_size(inode.layout):
+        raise InvalidArgument(f"a credit to byte {end} of inode {inode_id} is past {max_file_size(inode.layout)}, "
+                              f"the largest file its layout allows")
     charge = charge_of(inode)
     held = await read_reservation(ns.txn, inode_id, session_id)
     quotas = await quotas_of(ns) if charge is not None else {}
