@@ -33,6 +33,7 @@ from fs3.common.errors import (
     NotPermitted,
     QuotaExceeded,
 )
+from fs3.common.layout import max_file_size
 from fs3.common.posix import O_CREAT, O_WRONLY, Caller
 from fs3.kv.txn import TxnFaults, run_transaction
 from fs3.meta import quota, quota_service, schema
@@ -869,6 +870,54 @@ def test_a_credit_past_the_largest_file_is_refused_clearly() -> None:
         assert (await meta.usage("/q"))[0] == 0
         await meta.close(opened)
         await meta.close(second)
+        assert await meta.problems() == []
+
+    run(body)
+
+
+def test_usage_past_64_bits_is_refused_not_a_crash() -> None:
+    """Sparse files are charged their length, up to the largest their layout allows: enough of
+    them under a quota without a byte limit would pass what a usage holds (64 bits). The growth
+    that would is EDQUOT, not a usage meta cannot store (every change in the tree failing)."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", inodes_limit=10_000)
+        layout = mpb.Layout(table_id=1, chunk_size=1 << 26, stripe=1)  # files of up to 2^58 bytes: 64 fill a usage
+        await meta.call("set_layout", mpb.SetLayoutReq(ctx=meta.ctx(), dir=ref("/q"), layout=layout))
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+        async def truncate(file_id: int, size: int) -> None:
+            async def op(txn: Any) -> None:
+                ns = Namespace(txn, env)
+                req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=size)
+                await ns.setattr(req, truncating=file_id)
+                await quota.settle(ns)
+
+            async def complete(txn: Any) -> None:
+                ns = Namespace(txn, env)
+                ns.quota.refuse = False
+                assert await ns.complete_truncate(file_id, schema.decode_u64(
+                    await txn.get(schema.size_gen_key(file_id))))
+                await quota.settle(ns)
+
+            await run_transaction(meta.engine, op)
+            await run_transaction(meta.engine, complete)
+
+        opened = await meta.open("/q/f0")
+        await meta.close(opened)
+        big = max_file_size(opened.inode.layout)
+        count = (1 << 64) // big
+        assert count == 64
+        for index in range(count):
+            file_id = await meta.create(f"/q/f{index}") if index else opened.inode.inode_id
+            await truncate(file_id, big - (index == count - 1))
+        with pytest.raises(QuotaExceeded):
+            await truncate(await meta.create("/q/g"), 1)
+        writer = await meta.open("/q/h")
+        with pytest.raises(QuotaExceeded):
+            await meta.reserve(writer, 1)
+        await meta.close(writer)
+        assert await meta.usage("/q") == ((1 << 64) - 1, count + 2)
         assert await meta.problems() == []
 
     run(body)

@@ -55,6 +55,7 @@ __all__ = [
     "QUOTA_SCAN_BATCH",
     "RESERVATIONS_PER_FILE_MAX",
     "RESERVE_STEP_BYTES",
+    "USAGE_MAX",
     "Ledger",
     "Reservation",
     "TreeCount",
@@ -82,6 +83,8 @@ __all__ = [
     "write_usage",
 ]
 
+# The most bytes (and inodes) a usage counts: its fields are 64-bit.
+USAGE_MAX = (1 << 64) - 1
 # Quotas a cluster may hold: every growing operation reads them all (one range read).
 QUOTA_COUNT_MAX = 1000
 # Directory entries one transaction of a usage count (quota set, quota check) reads.
@@ -293,6 +296,14 @@ async def settle(ns: Namespace) -> None:
             continue
         was = await read_usage(ns.txn, directory)
         now = (was + delta).floored()
+        if now.bytes > USAGE_MAX or now.inodes > USAGE_MAX:
+            # Sparse files count their length: under a quota without a byte limit enough of them
+            # pass what a usage holds. Growth that would is refused; one that cannot be (a close)
+            # stops at the most (fsck then reports the usage).
+            if ledger.refuse:
+                raise QuotaExceeded(f"directory {directory}'s usage would pass {USAGE_MAX} bytes or inodes, "
+                                    f"the most a quota counts")
+            now = Usage(min(now.bytes, USAGE_MAX), min(now.inodes, USAGE_MAX))
         why = refusal(quotas[directory], was, now) if ledger.refuse else None
         if why is not None:
             raise QuotaExceeded(why)
