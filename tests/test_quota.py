@@ -923,6 +923,45 @@ def test_usage_past_64_bits_is_refused_not_a_crash() -> None:
     run(body)
 
 
+def test_counts_see_the_growth_of_a_pending_truncate() -> None:
+    """A truncate up is charged when recorded and applied once storage answers: until then the
+    file's length is the old one. fsck, ``quota check`` and a directory moving between quotas
+    count the growth too, or fsck reports a sound usage, a repair takes the growth out for good
+    (the completion charges nothing) and a move leaves it behind."""
+    async def body(meta: Meta) -> None:
+        for directory in ("/q", "/r"):
+            await meta.mkdir(directory)
+            await meta.set(directory, bytes_limit=1000)
+        await meta.mkdir("/q/d")
+        file_id = await meta.create("/q/d/f", 10)
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+        async def truncate(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=300)
+            await ns.setattr(req, truncating=file_id)
+            await quota.settle(ns)
+
+        async def complete(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            ns.quota.refuse = False
+            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, truncate)  # storage has not answered yet
+        assert await meta.usage("/q") == (300, 2)
+        assert await meta.problems() == []
+        assert not (await meta.check(repair=True)).problems
+        assert await meta.usage("/q") == (300, 2)
+        await meta.mv("/q/d", "/r/d")
+        assert (await meta.usage("/q"), await meta.usage("/r")) == ((0, 0), (300, 2))
+        await run_transaction(meta.engine, complete)
+        assert (await meta.usage("/q"), await meta.usage("/r")) == ((0, 0), (300, 2))
+        assert await meta.problems() == [] and not (await meta.check()).problems
+
+    run(body)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 def _under(path: str, directory: str) -> bool:

@@ -711,11 +711,7 @@ class Namespace:
     async def _pending_growth(self, inode: mpb.Inode) -> int:
         """The bytes an unfinished truncate of ``inode`` grows it by (charged to quotas when it was
         recorded, see :meth:`_truncate`); 0 when none is pending or it does not grow the file."""
-        raw = await self.txn.get(schema.truncate_key(inode.inode_id))
-        if raw is None:
-            return 0
-        job = schema.TruncateJob.decode(raw)
-        return max(0, job.size - inode.size) if job.size is not None else 0
+        return await quota.pending_growth(self.txn, inode)
 
     async def _refund_reserved_growth(self, inode: mpb.Inode) -> None:
         """The file stops counting in quotas with a truncate up pending: the growth reserved when

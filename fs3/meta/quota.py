@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +68,7 @@ __all__ = [
     "move_reservations",
     "nearest_quota",
     "parse_size",
+    "pending_growth",
     "quotas_of",
     "read_quotas",
     "read_reservation",
@@ -361,13 +362,15 @@ class TreeCount:
             start = schema.dentry_key(directory, after + b"\x00") if after else prefix
             rows = await txn.scan(start, prefix_end(prefix), limit=budget)
             entries = [mpb.DirEntry.FromString(raw) for _, raw in rows]
-            txn.prefetch([schema.inode_key(entry.inode_id) for entry in entries if entry.type == mpb.FILE])
+            files = [entry.inode_id for entry in entries if entry.type == mpb.FILE]
+            txn.prefetch([key for inode_id in files
+                          for key in (schema.inode_key(inode_id), schema.truncate_key(inode_id))])
             for entry in entries:
                 self.usage = self.usage + Usage(0, 1)
                 if entry.type == mpb.DIRECTORY:
                     self.pending.append((entry.inode_id, b""))
                 elif entry.type == mpb.FILE:
-                    self.usage = self.usage + await self._file_bytes(directory, entry, find_inode)
+                    self.usage = self.usage + await self._file_bytes(txn, directory, entry, find_inode)
             budget -= len(rows)
             self.entries_read += len(rows)
             if len(rows) and budget == 0:
@@ -381,17 +384,21 @@ class TreeCount:
         while True:
             rows = await txn.scan(start, prefix_end(prefix), limit=QUOTA_SCAN_BATCH)
             ids = [schema.decode_u64(key[len(prefix):]) for key, _ in rows]
-            txn.prefetch([schema.inode_key(inode_id) for inode_id in ids])
+            txn.prefetch([key for inode_id in ids
+                          for key in (schema.inode_key(inode_id), schema.truncate_key(inode_id))])
             for inode_id in ids:
-                charge = charge_of(await find_inode(inode_id))
-                if charge is not None and charge[0] == directory and inode_id not in self.counted_links:
+                inode = await find_inode(inode_id)
+                charge = charge_of(inode)
+                if inode is not None and charge is not None and charge[0] == directory \
+                        and inode_id not in self.counted_links:
                     self.counted_links.add(inode_id)
-                    total += charge[1]
+                    total += charge[1] + await pending_growth(txn, inode)
             if len(rows) < QUOTA_SCAN_BATCH:
                 return Usage(total, 0)
             start = rows[-1][0] + b"\x00"
 
-    async def _file_bytes(self, directory: int, entry: mpb.DirEntry, find_inode: InodeReader) -> Usage:
+    async def _file_bytes(self, txn: Transaction, directory: int, entry: mpb.DirEntry,
+                          find_inode: InodeReader) -> Usage:
         inode_id = entry.inode_id
         inode = await find_inode(inode_id)
         if self.adopting and inode is not None and inode.nlink == 1 and inode.parent == 0:
@@ -403,14 +410,27 @@ class TreeCount:
         if inode_id in self.counted_links:
             return Usage()
         self.counted_links.add(inode_id)
-        return Usage(charge[1], 0)
+        assert inode is not None  # it has a charge
+        return Usage(charge[1] + await pending_growth(txn, inode), 0)
+
+
+async def pending_growth(txn: Transaction, inode: mpb.Inode) -> int:
+    """The bytes an unfinished truncate grows ``inode`` by: charged when it was recorded, before
+    the length shows it (fs3.meta.ops), so a count adds them; 0 when none is pending or it shrinks."""
+    raw = await txn.get(schema.truncate_key(inode.inode_id))
+    if raw is None:
+        return 0
+    job = schema.TruncateJob.decode(raw)
+    return max(0, job.size - inode.size) if job.size is not None else 0
 
 
 def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
-               roots: set[int], reservations: Sequence[tuple[int, int]] = ()) -> dict[int, Usage]:
+               roots: set[int], reservations: Sequence[tuple[int, int]] = (),
+               growth: Mapping[int, int] | None = None) -> dict[int, Usage]:
     """The usage of each directory in ``roots``, from a whole namespace read at once (fsck):
     ``entries`` is every directory entry as ``(directory, inode id)``, ``reservations`` every
-    writer's credit as ``(home, bytes)``. Follows the same rules as :class:`TreeCount` and
+    writer's credit as ``(home, bytes)``, ``growth`` what each file's unfinished truncate grows it
+    by (:func:`pending_growth`). Follows the same rules as :class:`TreeCount` and
     :func:`settle`, which is what lets fsck check them."""
     above: dict[int, tuple[int, ...]] = {}
 
@@ -441,8 +461,9 @@ def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
     for inode in inodes.values():
         charge = charge_of(inode)
         if charge is not None:
+            grown = (growth or {}).get(inode.inode_id, 0)
             for root in quotas_of(charge[0]):
-                usage[root] = usage[root] + Usage(charge[1], 0)
+                usage[root] = usage[root] + Usage(charge[1] + grown, 0)
     for home, size in reservations:
         for root in quotas_of(home):
             usage[root] = usage[root] + Usage(size, 0)
