@@ -962,6 +962,27 @@ def test_counts_see_the_growth_of_a_pending_truncate() -> None:
     run(body)
 
 
+def test_a_file_no_quota_counts_is_asked_about_again_after_a_step() -> None:
+    """A file outside every quota may move into one while open (``mv`` of a file being written):
+    the answer that no quota counts it holds only a step ahead, so its writer asks again past
+    that and is refused once the file is under a full quota, instead of writing on unchecked."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        opened = await meta.open("/f")
+        answer = await meta.reserve(opened, 10)
+        assert answer.unlimited and answer.granted_end == 10 + quota.RESERVE_STEP_BYTES
+        await meta.mv("/f", "/q/f")
+        answer = await meta.reserve(opened, 500)
+        assert not answer.unlimited and answer.granted_end == 500
+        with pytest.raises(QuotaExceeded):
+            await meta.reserve(opened, 1001)
+        await meta.close(opened)
+        assert await meta.usage("/q") == (0, 1)
+
+    run(body)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 def _under(path: str, directory: str) -> bool:

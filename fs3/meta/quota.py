@@ -533,9 +533,9 @@ def _write_reservation(txn: Transaction, inode_id: int, session_id: bytes, old: 
 async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> int | None:
     """Let writing session ``session_id`` write its file up to byte ``end``: the end its credit
     now covers (at least ``end``), or None when no quota counts the file's bytes (the handle then
-    never asks again). The credit grows to ``end`` and a step beyond: :data:`RESERVE_STEP_BYTES`,
-    or half of what the tightest quota above the file's home has left if less; ``EDQUOT`` when
-    even ``end`` does not fit.
+    asks again a step further on: a rename may bring the file under a quota). The credit grows
+    to ``end`` and a step beyond: :data:`RESERVE_STEP_BYTES`, or half of what the tightest quota
+    above the file's home has left if less; ``EDQUOT`` when even ``end`` does not fit.
     Charged in this transaction (the service settles the ledger before the commit)."""
     raw = await ns.txn.get(schema.session_key(inode_id, session_id))
     if raw is None:

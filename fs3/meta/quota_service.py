@@ -237,7 +237,9 @@ class QuotaHandlers(MetaHost):
 
         async def op(ns: Namespace) -> mpb.QuotaReserveRsp:
             granted = await quota.reserve(ns, req.inode_id, req.session_id, req.end)
-            return mpb.QuotaReserveRsp(unlimited=True) if granted is None else mpb.QuotaReserveRsp(granted_end=granted)
+            if granted is None:  # good for a step only: the file may move under a quota meanwhile
+                return mpb.QuotaReserveRsp(unlimited=True, granted_end=req.end + quota.RESERVE_STEP_BYTES)
+            return mpb.QuotaReserveRsp(granted_end=granted)
 
         keys = (schema.session_key(req.inode_id, req.session_id), schema.inode_key(req.inode_id),
                 schema.quota_reservation_key(req.inode_id, req.session_id))
