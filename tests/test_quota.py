@@ -34,7 +34,7 @@ from fs3.common.errors import (
     QuotaExceeded,
 )
 from fs3.common.layout import max_file_size
-from fs3.common.posix import O_CREAT, O_WRONLY, Caller
+from fs3.common.posix import O_CREAT, O_TRUNC, O_WRONLY, Caller
 from fs3.kv.txn import TxnFaults, run_transaction
 from fs3.meta import quota, quota_service, schema
 from fs3.meta.dump import decode_record, dump_snapshot, is_dumped_key
@@ -850,6 +850,20 @@ def test_a_truncate_keeps_covered_every_writer_whose_credit_was_used_up() -> Non
         assert await meta.problems() == [] and not (await meta.check()).problems
         for opened in (writer, overwriter, other):
             await meta.close(opened)  # (what they wrote is checked against storage: none here)
+        assert await meta.usage("/q") == (0, 2)
+
+        # An O_TRUNC open is told the new length: its own session needs no credit for the old one.
+        await meta.grow("/q/f", 800)
+        session_id = schema.session_id_for(CLIENT, 1 << 40)
+
+        async def open_truncating(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            opened = await ns.open(ref("/q/f"), O_TRUNC | O_WRONLY, 0, 0, session_id, CLIENT, 1, truncating=file_id)
+            assert opened.inode.size == 0
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, open_truncating)
+        await run_transaction(meta.engine, complete)
         assert await meta.usage("/q") == (0, 2)
 
     run(body)

@@ -984,7 +984,7 @@ class Namespace:
                    f"truncate job of inode {inode_id} has size {job.size} outside its layout")
             self._growth_reserved.add(inode_id)  # charged when the truncate was recorded
             if job.size < inode.size:  # open writers' credits now start lower (fs3.meta.quota)
-                await quota.widen_reservations(self, inode_id, inode.size - job.size)
+                await quota.widen_reservations(self, inode_id, inode.size - job.size, job.size_gen)
             inode.size = job.size
             self.touch(inode)
         self.flush()

@@ -632,17 +632,18 @@ async def move_reservations(ns: Namespace, inode_id: int, home: int) -> None:
             _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, held.size_bytes))
 
 
-async def widen_reservations(ns: Namespace, inode_id: int, shrink: int) -> None:
-    """The file shrank by ``shrink`` bytes: each open writer may still write up to where its
-    credit reached (it learns of a truncate by another client only when it asks again), so each
-    credit grows by as much, keeping ``length + credit`` where it was. A writer without a credit
-    (it used all of it, or overwrites a file that was this long when it opened) may write up to
-    the old length: it gets a credit of the shrink. Charged, never refused (the truncate's own
-    shrink pays for it); a close gives it back."""
+async def widen_reservations(ns: Namespace, inode_id: int, shrink: int, size_gen: int) -> None:
+    """The file shrank by ``shrink`` bytes (truncate generation ``size_gen``): each open writer
+    may still write up to where its credit reached (it learns of a truncate by another client
+    only when it asks again), so each credit grows by as much, keeping ``length + credit`` where
+    it was. A writer without a credit that opened before the truncate (it used its credit up, or
+    overwrites a file that was this long when it opened) may write up to the old length: it gets
+    a credit of the shrink; one opened by the truncate (``O_TRUNC``) was told the new length.
+    Charged, never refused (the truncate's own shrink pays for it); a close gives it back."""
     held = dict(await _held(ns, inode_id))
     charge = charge_of(await ns.find_inode(inode_id))
     if charge is not None and await _quotas_above(ns, charge[0], await quotas_of(ns), {}):
-        for session_id in await _writers(ns, inode_id):
+        for session_id in await _writers_before(ns, inode_id, size_gen):
             held.setdefault(session_id, Reservation(charge[0], 0))
     for session_id, old in sorted(held.items()):
         new = Reservation(old.home, old.size_bytes + shrink)
@@ -650,11 +651,13 @@ async def widen_reservations(ns: Namespace, inode_id: int, shrink: int) -> None:
         _write_reservation(ns.txn, inode_id, session_id, old if old.size_bytes else None, new)
 
 
-async def _writers(ns: Namespace, inode_id: int) -> list[bytes]:
-    """The sessions open for writing on ``inode_id`` (at most :data:`RESERVATIONS_PER_FILE_MAX`)."""
+async def _writers_before(ns: Namespace, inode_id: int, size_gen: int) -> list[bytes]:
+    """The sessions open for writing on ``inode_id`` since before truncate generation ``size_gen``
+    (at most :data:`RESERVATIONS_PER_FILE_MAX` sessions read)."""
     prefix = schema.session_prefix(inode_id)
     rows = await ns.txn.scan(prefix, prefix_end(prefix), limit=RESERVATIONS_PER_FILE_MAX)
-    return [key[len(prefix):] for key, raw in rows if schema.Session.decode(raw).write]
+    sessions = [(key[len(prefix):], schema.Session.decode(raw)) for key, raw in rows]
+    return [session_id for session_id, session in sessions if session.write and session.size_gen < size_gen]
 
 
 async def reserved_in(txn: Transaction, directory: int) -> int:
