@@ -997,6 +997,33 @@ def test_a_file_no_quota_counts_is_asked_about_again_after_a_step() -> None:
     run(body)
 
 
+def test_a_writer_of_a_file_restored_from_the_trash_is_still_covered() -> None:
+    """A writer holds a credit when its file is removed into the trash: the credit stops counting
+    with the file, but the writer may still write as far as it reached. A restore charges it
+    again (refused past the limit, as the file's own bytes are), so the room it had while the file
+    was away cannot be taken twice."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        writer = await meta.open("/q/f")
+        assert (await meta.reserve(writer, 400)).granted_end == 500  # may write to byte 500 unasked
+        await meta.rm("/q/f")
+        assert (await meta.usage("/q"))[0] == 0
+        other = await meta.open("/q/g")
+        assert (await meta.reserve(other, 600)).granted_end == 600
+        with pytest.raises(QuotaExceeded):  # 500 more would not fit beside the 600
+            await meta.call("trash_restore", mpb.TrashRestoreReq(ctx=meta.ctx(), id=writer.inode.inode_id))
+        await meta.close(other)
+        await meta.call("trash_restore", mpb.TrashRestoreReq(ctx=meta.ctx(), id=writer.inode.inode_id))
+        assert await meta.usage("/q") == (500, 2)  # the writer's credit is back
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.close(writer)
+        assert await meta.usage("/q") == (0, 2)
+        assert await meta.problems() == []
+
+    run(body, trash_days=1.0)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 def _under(path: str, directory: str) -> bool:

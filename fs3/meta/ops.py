@@ -694,6 +694,7 @@ class Namespace:
         growth = await self._pending_growth(inode)
         if growth:  # a truncate up recorded before the removal charges again, as when recorded
             self.quota.recharge(None, (parent.inode_id, growth))
+        await quota.move_reservations(self, inode.inode_id, parent.inode_id)  # its writers' credits too
         self._stamp(inode)
         self.put_entry(parent.inode_id, name, inode)
         self._stamp(parent, mtime=True)

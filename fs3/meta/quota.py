@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AWAY_MOVE_MAX",
+    "PARKED_HOME",
     "QUOTA_COUNT_MAX",
     "QUOTA_MOVE_COUNT_MAX",
     "QUOTA_SCAN_BATCH",
@@ -93,6 +94,9 @@ QUOTA_SCAN_BATCH = 1000
 # Entries a rename recounts inside its own transaction when it moves a directory from one set of
 # quotas to another; a larger tree is refused with EXDEV (``mv`` then copies it).
 QUOTA_MOVE_COUNT_MAX = 1000
+# The home of the credits of a file that counts nowhere (no name left: in the trash, or open
+# after its last name went); no directory has this id, so no quota counts them.
+PARKED_HOME = 0
 # A writer's byte credit grows at least this much at a time (clipped to what the quotas allow):
 # a writer streaming a large file asks meta once per 64 MiB, a round trip per few dozen chunks.
 RESERVE_STEP_BYTES = 64 << 20
@@ -548,6 +552,12 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
                               f"the largest file its layout allows")
     charge = charge_of(inode)
     held = await read_reservation(ns.txn, inode_id, session_id)
+    if inode.type == mpb.FILE and inode.nlink == 0:
+        # Removed (in the trash, or open after its last name went): it counts nowhere now, but a
+        # restore counts it again, with how far its writers may write (:func:`drop_reservations`).
+        parked = max(held.size_bytes if held is not None else 0, end + RESERVE_STEP_BYTES - inode.size)
+        _write_reservation(ns.txn, inode_id, session_id, held, Reservation(PARKED_HOME, parked))
+        return inode.size + parked
     quotas = await quotas_of(ns) if charge is not None else {}
     above = await _quotas_above(ns, charge[0], quotas, {}) if charge is not None else ()
     if charge is None or not above:
@@ -617,15 +627,17 @@ def credits_scan(inode_id: int) -> tuple[bytes, bytes | None, int]:
 
 async def drop_reservations(ns: Namespace, inode_id: int) -> None:
     """The file stopped counting in any quota (its last name went): its writers' credits are given
-    back (their later bytes count nowhere, as the file's do; a restore charges them at close)."""
+    back, and kept at :data:`PARKED_HOME`, which counts nowhere: their writers may still write as
+    far as they reached, so a restore from the trash charges them again (:func:`move_reservations`)."""
     for session_id, held in await _held(ns, inode_id):
         ns.quota.recharge((held.home, held.size_bytes), None)
-        _write_reservation(ns.txn, inode_id, session_id, held, None)
+        _write_reservation(ns.txn, inode_id, session_id, held, Reservation(PARKED_HOME, held.size_bytes))
 
 
 async def move_reservations(ns: Namespace, inode_id: int, home: int) -> None:
-    """The file's home moved to ``home``: its writers' credits move with its bytes (refused, with
-    the rest of the operation, where the new quotas have no room for them)."""
+    """The file's home moved to ``home`` (or it came back from the trash, its credits parked):
+    its writers' credits move with its bytes (refused, with the rest of the operation, where the
+    new quotas have no room for them)."""
     for session_id, held in await _held(ns, inode_id):
         if held.home != home:
             ns.quota.recharge((held.home, held.size_bytes), (home, held.size_bytes))
