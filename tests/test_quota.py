@@ -976,23 +976,41 @@ def test_counts_see_the_growth_of_a_pending_truncate() -> None:
     run(body)
 
 
-def test_a_file_no_quota_counts_is_asked_about_again_after_a_step() -> None:
+def test_a_file_no_quota_counts_carries_its_writers_credits_into_a_quota(monkeypatch: pytest.MonkeyPatch) -> None:
     """A file outside every quota may move into one while open (``mv`` of a file being written):
-    the answer that no quota counts it holds only a step ahead, so its writer asks again past
-    that and is refused once the file is under a full quota, instead of writing on unchecked."""
+    its writer's credit, charged nowhere until then, is charged there by the rename (refused when
+    it does not fit, as a credit moving between quotas is), so the writer never writes past what
+    a quota accounted for it, however far it was let write before."""
+    monkeypatch.setattr(quota, "RESERVE_STEP_BYTES", 100)
+
     async def body(meta: Meta) -> None:
         await meta.mkdir("/q")
         await meta.set("/q", bytes_limit=1000)
         opened = await meta.open("/f")
         answer = await meta.reserve(opened, 10)
-        assert answer.unlimited and answer.granted_end == 10 + quota.RESERVE_STEP_BYTES
+        assert answer.unlimited and answer.granted_end == 100
         await meta.mv("/f", "/q/f")
+        assert await meta.usage("/q") == (100, 1)
         answer = await meta.reserve(opened, 500)
         assert not answer.unlimited and answer.granted_end == 500
         with pytest.raises(QuotaExceeded):
             await meta.reserve(opened, 1001)
-        await meta.close(opened)
-        assert await meta.usage("/q") == (0, 1)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.mv("/q/f", "/f")  # its credit leaves with it
+        assert await meta.usage("/q") == (0, 0)
+        sparse = await meta.open("/g")
+        assert (await meta.reserve(sparse, 5000)).unlimited  # a write far past the end, outside quotas
+        with pytest.raises(QuotaExceeded):
+            await meta.mv("/g", "/q/g")
+        await meta.mkdir("/d")
+        await meta.mv("/g", "/d/g")
+        with pytest.raises(QuotaExceeded):  # a directory holding it moves its credit along too
+            await meta.mv("/d", "/q/d")
+        for handle in (opened, sparse):
+            await meta.close(handle)
+        await meta.mv("/d", "/q/d")
+        assert await meta.usage("/q") == (0, 2)
+        assert await meta.problems() == [] and not (await meta.check()).problems
 
     run(body)
 

@@ -114,8 +114,8 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
             assert (await fs.metadata.quota_get(path_ref(b"/t"))).bytes_used >= 5000
         assert (await fs.metadata.quota_get(path_ref(b"/t"))).bytes_used == 5000
 
-        # A file no quota counts, moved under one while open for writing: meta's answer that no
-        # quota counts it held only a step ahead, so the handle asks again and is refused.
+        # A file no quota counts, moved under one while open for writing: its handle's credit,
+        # charged nowhere until then, is charged there; past it the handle asks again, refused.
         await fs.makedirs("/m")
         await fs.metadata.quota_set(path_ref(b"/m"), bytes_limit=8000)
         with pytest.MonkeyPatch.context() as patch:

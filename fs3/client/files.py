@@ -344,8 +344,8 @@ class AsyncFile:
         except UnknownMethod:
             self._credit_end = None
             return
-        # No quota counts the file now: a meta that bounds that answer (a rename may bring the
-        # file under a quota) is asked again past it; an older one's holds for good.
+        # Past granted_end the handle asks again even when no quota counts the file now (a rename
+        # may bring it under one); an older meta's "unlimited" without an end holds for good.
         self._credit_end = None if rsp.unlimited and not rsp.granted_end else rsp.granted_end
 
     async def _send_buffer(self) -> None:

@@ -534,12 +534,14 @@ def _write_reservation(txn: Transaction, inode_id: int, session_id: bytes, old: 
     txn.put(schema.quota_reservation_home_key(new.home, inode_id, session_id), schema.encode_u64(new.size_bytes))
 
 
-async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> int | None:
+async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> tuple[int, bool]:
     """Let writing session ``session_id`` write its file up to byte ``end``: the end its credit
-    now covers (at least ``end``), or None when no quota counts the file's bytes (the handle then
-    asks again a step further on: a rename may bring the file under a quota). The credit grows
-    to ``end`` and a step beyond: :data:`RESERVE_STEP_BYTES`, or half of what the tightest quota
-    above the file's home has left if less; ``EDQUOT`` when even ``end`` does not fit.
+    now covers (at least ``end``), and whether a quota counts it now. The credit grows to ``end``
+    and a step beyond: :data:`RESERVE_STEP_BYTES`, or half of what the tightest quota above the
+    file's home has left if less; ``EDQUOT`` when even ``end`` does not fit. A file no quota counts
+    gets its credit too, charged nowhere: a rename (of it or of a directory above it) under a
+    quota charges it there, refused like any credit moving between quotas, so a writer never
+    writes past what some quota accounted for it.
     Charged in this transaction (the service settles the ledger before the commit)."""
     raw = await ns.txn.get(schema.session_key(inode_id, session_id))
     if raw is None:
@@ -557,14 +559,14 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
         # restore counts it again, with how far its writers may write (:func:`drop_reservations`).
         parked = max(held.size_bytes if held is not None else 0, end + RESERVE_STEP_BYTES - inode.size)
         _write_reservation(ns.txn, inode_id, session_id, held, Reservation(PARKED_HOME, parked))
-        return inode.size + parked
-    quotas = await quotas_of(ns) if charge is not None else {}
-    above = await _quotas_above(ns, charge[0], quotas, {}) if charge is not None else ()
-    if charge is None or not above:
-        if held is not None:  # its home left every quota: the credit is no longer needed
+        return inode.size + parked, False
+    if charge is None:  # no home (written before files had one): a quota set adopts it, and counts it
+        if held is not None:
             ns.quota.recharge((held.home, held.size_bytes), None)
             _write_reservation(ns.txn, inode_id, session_id, held, None)
-        return None
+        return end + RESERVE_STEP_BYTES, False
+    quotas = await quotas_of(ns)
+    above = await _quotas_above(ns, charge[0], quotas, {})
     home = charge[0]
     if held is not None and held.home != home:  # renamed elsewhere since: the credit starts again
         ns.quota.recharge((held.home, held.size_bytes), None)
@@ -573,7 +575,7 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     have = held.size_bytes if held is not None else 0
     need = end - inode.size
     if need <= have:
-        return inode.size + have
+        return inode.size + have, bool(above)
     room: int | None = None
     for directory in above:
         limit = quotas[directory].bytes_limit
@@ -588,7 +590,7 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     grant = max(need - have, RESERVE_STEP_BYTES if room is None else min(RESERVE_STEP_BYTES, room // 2))
     ns.quota.recharge(None, (home, grant))
     _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, have + grant))
-    return inode.size + have + grant
+    return inode.size + have + grant, bool(above)
 
 
 async def settle_reservation(ns: Namespace, inode_id: int, session_id: bytes, grown: int, closing: bool) -> None:
@@ -654,7 +656,7 @@ async def widen_reservations(ns: Namespace, inode_id: int, shrink: int, size_gen
     Charged, never refused (the truncate's own shrink pays for it); a close gives it back."""
     held = dict(await _held(ns, inode_id))
     charge = charge_of(await ns.find_inode(inode_id))
-    if charge is not None and await _quotas_above(ns, charge[0], await quotas_of(ns), {}):
+    if charge is not None and await quotas_of(ns):  # (no quota anywhere: handles never ask)
         for session_id in await _writers_before(ns, inode_id, size_gen):
             held.setdefault(session_id, Reservation(charge[0], 0))
     for session_id, old in sorted(held.items()):
