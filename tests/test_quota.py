@@ -1042,6 +1042,39 @@ def test_a_writer_of_a_file_restored_from_the_trash_is_still_covered() -> None:
     run(body, trash_days=1.0)
 
 
+def test_a_truncate_outside_quotas_keeps_its_writers_covered_for_a_later_rename() -> None:
+    """A writer opened a file of 500 bytes outside every quota (it may overwrite them unasked);
+    the file is truncated, then moved into a quota: the writer's 500 bytes go with it."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        file_id = await meta.create("/f", 500)
+        writer = await meta.open("/f")
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+        async def truncate(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            await ns.setattr(mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=0),
+                             truncating=file_id)
+            await quota.settle(ns)
+
+        async def complete(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            ns.quota.refuse = False
+            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, truncate)
+        await run_transaction(meta.engine, complete)
+        await meta.mv("/f", "/q/f")
+        assert await meta.usage("/q") == (500, 1)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.close(writer)
+        assert await meta.usage("/q") == (0, 1)
+
+    run(body)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 def _under(path: str, directory: str) -> bool:
