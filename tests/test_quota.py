@@ -1075,6 +1075,26 @@ def test_a_truncate_outside_quotas_keeps_its_writers_covered_for_a_later_rename(
     run(body)
 
 
+def test_a_retried_credit_request_is_answered_once() -> None:
+    """A QuotaReserve whose answer was lost is sent again under the same request id: meta gives
+    the saved answer, the credit is charged once."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=10_000)
+        opened = await meta.open("/q/f")
+        req = mpb.QuotaReserveReq(ctx=meta.ctx(), inode_id=opened.inode.inode_id, session_id=opened.session_id,
+                                  end=3000)
+        first = await meta.call("quota_reserve", req)
+        assert (await meta.usage("/q"))[0] == first.granted_end == 5000
+        await meta.sync(opened, 5000)  # the credit is used up: a second run would charge again
+        assert await meta.call("quota_reserve", req) == first
+        assert (await meta.usage("/q"))[0] == 5000
+        await meta.close(opened, 5000)
+        assert await meta.usage("/q") == (5000, 1) and await meta.problems() == []
+
+    run(body)
+
+
 # -- a seeded random exerciser against a model --------------------------------------------------------
 
 def _under(path: str, directory: str) -> bool:
