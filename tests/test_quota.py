@@ -33,7 +33,8 @@ from fs3.common.errors import (
     NotPermitted,
     QuotaExceeded,
 )
-from fs3.common.posix import O_CREAT, O_WRONLY, Caller
+from fs3.common.layout import max_file_size
+from fs3.common.posix import O_CREAT, O_TRUNC, O_WRONLY, Caller
 from fs3.kv.txn import TxnFaults, run_transaction
 from fs3.meta import quota, quota_service, schema
 from fs3.meta.dump import decode_record, dump_snapshot, is_dumped_key
@@ -808,6 +809,288 @@ def test_credits_follow_a_renamed_file_and_go_back_when_it_is_removed() -> None:
         assert await meta.problems() == []
         await meta.close(opened, 50)
         assert await meta.usage("/r") == (0, 0)
+
+    run(body)
+
+
+def test_a_truncate_keeps_covered_every_writer_whose_credit_was_used_up() -> None:
+    """A writer that published all of its credit (or never needed one: it overwrites a file that
+    was long when it opened) holds no credit row, yet may still write up to where the file
+    reached when it last asked: a truncate by someone else must leave those bytes charged, or
+    another writer takes the room and the first one's close passes the limit."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+        writer = await meta.open("/q/f")
+        assert (await meta.reserve(writer, 500)).granted_end == 500
+        await meta.sync(writer, 500)  # its credit is used up: the handle may write to byte 500
+        overwriter = await meta.open("/q/f")  # opened at length 500: overwrites need no credit
+        file_id = writer.inode.inode_id
+
+        async def truncate_to_zero(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=0)
+            await ns.setattr(req, truncating=file_id)
+            await quota.settle(ns)
+
+        async def complete(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            ns.quota.refuse = False
+            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, truncate_to_zero)
+        await run_transaction(meta.engine, complete)
+        # Each handle may still write bytes 0..500 (meta cannot tell that they overlap).
+        assert (await meta.usage("/q"))[0] == 1000
+        other = await meta.open("/q/g")
+        with pytest.raises(QuotaExceeded):
+            await meta.reserve(other, 1)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        for opened in (writer, overwriter, other):
+            await meta.close(opened)  # (what they wrote is checked against storage: none here)
+        assert await meta.usage("/q") == (0, 2)
+
+        # An O_TRUNC open is told the new length: its own session needs no credit for the old one.
+        await meta.grow("/q/f", 800)
+        session_id = schema.session_id_for(CLIENT, 1 << 40)
+
+        async def open_truncating(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            opened = await ns.open(ref("/q/f"), O_TRUNC | O_WRONLY, 0, 0, session_id, CLIENT, 1, truncating=file_id)
+            assert opened.inode.size == 0
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, open_truncating)
+        await run_transaction(meta.engine, complete)
+        assert await meta.usage("/q") == (0, 2)
+
+    run(body)
+
+
+def test_a_credit_past_the_largest_file_is_refused_clearly() -> None:
+    """``end`` comes from the client: one past what the file's layout allows is bad input, not a
+    credit that makes a usage that no longer fits its 64-bit field."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", inodes_limit=100)  # no byte limit: nothing else bounds the credit
+        opened = await meta.open("/q/f")
+        with pytest.raises(InvalidArgument):
+            await meta.reserve(opened, (1 << 64) - 1)
+        second = await meta.open("/q/g")
+        with pytest.raises(InvalidArgument):
+            await meta.reserve(second, (1 << 64) - 1)
+        assert (await meta.usage("/q"))[0] == 0
+        await meta.close(opened)
+        await meta.close(second)
+        assert await meta.problems() == []
+
+    run(body)
+
+
+def test_usage_past_64_bits_is_refused_not_a_crash() -> None:
+    """Sparse files are charged their length, up to the largest their layout allows: enough of
+    them under a quota without a byte limit would pass what a usage holds (64 bits). The growth
+    that would is EDQUOT, not a usage meta cannot store (every change in the tree failing)."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", inodes_limit=10_000)
+        layout = mpb.Layout(table_id=1, chunk_size=1 << 26, stripe=1)  # files of up to 2^58 bytes: 64 fill a usage
+        await meta.call("set_layout", mpb.SetLayoutReq(ctx=meta.ctx(), dir=ref("/q"), layout=layout))
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+        async def truncate(file_id: int, size: int) -> None:
+            async def op(txn: Any) -> None:
+                ns = Namespace(txn, env)
+                req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=size)
+                await ns.setattr(req, truncating=file_id)
+                await quota.settle(ns)
+
+            async def complete(txn: Any) -> None:
+                ns = Namespace(txn, env)
+                ns.quota.refuse = False
+                assert await ns.complete_truncate(file_id, schema.decode_u64(
+                    await txn.get(schema.size_gen_key(file_id))))
+                await quota.settle(ns)
+
+            await run_transaction(meta.engine, op)
+            await run_transaction(meta.engine, complete)
+
+        opened = await meta.open("/q/f0")
+        await meta.close(opened)
+        big = max_file_size(opened.inode.layout)
+        count = (1 << 64) // big
+        assert count == 64
+        for index in range(count):
+            file_id = await meta.create(f"/q/f{index}") if index else opened.inode.inode_id
+            await truncate(file_id, big - (index == count - 1))
+        with pytest.raises(QuotaExceeded):
+            await truncate(await meta.create("/q/g"), 1)
+        writer = await meta.open("/q/h")
+        with pytest.raises(QuotaExceeded):
+            await meta.reserve(writer, 1)
+        await meta.close(writer)
+        assert await meta.usage("/q") == ((1 << 64) - 1, count + 2)
+        assert await meta.problems() == []
+
+    run(body)
+
+
+def test_counts_see_the_growth_of_a_pending_truncate() -> None:
+    """A truncate up is charged when recorded and applied once storage answers: until then the
+    file's length is the old one. fsck, ``quota check`` and a directory moving between quotas
+    count the growth too, or fsck reports a sound usage, a repair takes the growth out for good
+    (the completion charges nothing) and a move leaves it behind."""
+    async def body(meta: Meta) -> None:
+        for directory in ("/q", "/r"):
+            await meta.mkdir(directory)
+            await meta.set(directory, bytes_limit=1000)
+        await meta.mkdir("/q/d")
+        file_id = await meta.create("/q/d/f", 10)
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+        async def truncate(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=300)
+            await ns.setattr(req, truncating=file_id)
+            await quota.settle(ns)
+
+        async def complete(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            ns.quota.refuse = False
+            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, truncate)  # storage has not answered yet
+        assert await meta.usage("/q") == (300, 2)
+        assert await meta.problems() == []
+        assert not (await meta.check(repair=True)).problems
+        assert await meta.usage("/q") == (300, 2)
+        await meta.mv("/q/d", "/r/d")
+        assert (await meta.usage("/q"), await meta.usage("/r")) == ((0, 0), (300, 2))
+        await run_transaction(meta.engine, complete)
+        assert (await meta.usage("/q"), await meta.usage("/r")) == ((0, 0), (300, 2))
+        assert await meta.problems() == [] and not (await meta.check()).problems
+
+    run(body)
+
+
+def test_a_file_no_quota_counts_carries_its_writers_credits_into_a_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file outside every quota may move into one while open (``mv`` of a file being written):
+    its writer's credit, charged nowhere until then, is charged there by the rename (refused when
+    it does not fit, as a credit moving between quotas is), so the writer never writes past what
+    a quota accounted for it, however far it was let write before."""
+    monkeypatch.setattr(quota, "RESERVE_STEP_BYTES", 100)
+
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        opened = await meta.open("/f")
+        answer = await meta.reserve(opened, 10)
+        assert answer.unlimited and answer.granted_end == 100
+        await meta.mv("/f", "/q/f")
+        assert await meta.usage("/q") == (100, 1)
+        answer = await meta.reserve(opened, 500)
+        assert not answer.unlimited and answer.granted_end == 500
+        with pytest.raises(QuotaExceeded):
+            await meta.reserve(opened, 1001)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.mv("/q/f", "/f")  # its credit leaves with it
+        assert await meta.usage("/q") == (0, 0)
+        sparse = await meta.open("/g")
+        assert (await meta.reserve(sparse, 5000)).unlimited  # a write far past the end, outside quotas
+        with pytest.raises(QuotaExceeded):
+            await meta.mv("/g", "/q/g")
+        await meta.mkdir("/d")
+        await meta.mv("/g", "/d/g")
+        with pytest.raises(QuotaExceeded):  # a directory holding it moves its credit along too
+            await meta.mv("/d", "/q/d")
+        for handle in (opened, sparse):
+            await meta.close(handle)
+        await meta.mv("/d", "/q/d")
+        assert await meta.usage("/q") == (0, 2)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+
+    run(body)
+
+
+def test_a_writer_of_a_file_restored_from_the_trash_is_still_covered() -> None:
+    """A writer holds a credit when its file is removed into the trash: the credit stops counting
+    with the file, but the writer may still write as far as it reached. A restore charges it
+    again (refused past the limit, as the file's own bytes are), so the room it had while the file
+    was away cannot be taken twice."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        writer = await meta.open("/q/f")
+        assert (await meta.reserve(writer, 400)).granted_end == 500  # may write to byte 500 unasked
+        await meta.rm("/q/f")
+        assert (await meta.usage("/q"))[0] == 0
+        other = await meta.open("/q/g")
+        assert (await meta.reserve(other, 600)).granted_end == 600
+        with pytest.raises(QuotaExceeded):  # 500 more would not fit beside the 600
+            await meta.call("trash_restore", mpb.TrashRestoreReq(ctx=meta.ctx(), id=writer.inode.inode_id))
+        await meta.close(other)
+        await meta.call("trash_restore", mpb.TrashRestoreReq(ctx=meta.ctx(), id=writer.inode.inode_id))
+        assert await meta.usage("/q") == (500, 2)  # the writer's credit is back
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.close(writer)
+        assert await meta.usage("/q") == (0, 2)
+        assert await meta.problems() == []
+
+    run(body, trash_days=1.0)
+
+
+def test_a_truncate_outside_quotas_keeps_its_writers_covered_for_a_later_rename() -> None:
+    """A writer opened a file of 500 bytes outside every quota (it may overwrite them unasked);
+    the file is truncated, then moved into a quota: the writer's 500 bytes go with it."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=1000)
+        file_id = await meta.create("/f", 500)
+        writer = await meta.open("/f")
+        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+        async def truncate(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            await ns.setattr(mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=0),
+                             truncating=file_id)
+            await quota.settle(ns)
+
+        async def complete(txn: Any) -> None:
+            ns = Namespace(txn, env)
+            ns.quota.refuse = False
+            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
+            await quota.settle(ns)
+
+        await run_transaction(meta.engine, truncate)
+        await run_transaction(meta.engine, complete)
+        await meta.mv("/f", "/q/f")
+        assert await meta.usage("/q") == (500, 1)
+        assert await meta.problems() == [] and not (await meta.check()).problems
+        await meta.close(writer)
+        assert await meta.usage("/q") == (0, 1)
+
+    run(body)
+
+
+def test_a_retried_credit_request_is_answered_once() -> None:
+    """A QuotaReserve whose answer was lost is sent again under the same request id: meta gives
+    the saved answer, the credit is charged once."""
+    async def body(meta: Meta) -> None:
+        await meta.mkdir("/q")
+        await meta.set("/q", bytes_limit=10_000)
+        opened = await meta.open("/q/f")
+        req = mpb.QuotaReserveReq(ctx=meta.ctx(), inode_id=opened.inode.inode_id, session_id=opened.session_id,
+                                  end=3000)
+        first = await meta.call("quota_reserve", req)
+        assert (await meta.usage("/q"))[0] == first.granted_end == 5000
+        await meta.sync(opened, 5000)  # the credit is used up: a second run would charge again
+        assert await meta.call("quota_reserve", req) == first
+        assert (await meta.usage("/q"))[0] == 5000
+        await meta.close(opened, 5000)
+        assert await meta.usage("/q") == (5000, 1) and await meta.problems() == []
 
     run(body)
 

@@ -19,6 +19,7 @@ from fs3.cli.quota import quota_command
 from fs3.client.fs import AsyncFileSystem
 from fs3.client.meta import Meta, path_ref
 from fs3.common.errors import UnknownMethod
+from fs3.meta import quota
 from fs3.meta.service import MetaServiceConfig
 from tests.inproc import InProcessCluster
 from tests.test_meta_leases import Lapsing, with_lapsing
@@ -112,6 +113,21 @@ def test_quotas_through_the_client_and_the_command_line(tmp_path: Path, capsys: 
             await t.pwrite(0, b"e" * 5000)
             assert (await fs.metadata.quota_get(path_ref(b"/t"))).bytes_used >= 5000
         assert (await fs.metadata.quota_get(path_ref(b"/t"))).bytes_used == 5000
+
+        # A file no quota counts, moved under one while open for writing: its handle's credit,
+        # charged nowhere until then, is charged there; past it the handle asks again, refused.
+        await fs.makedirs("/m")
+        await fs.metadata.quota_set(path_ref(b"/m"), bytes_limit=8000)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quota, "RESERVE_STEP_BYTES", 4096)
+            async with await fs.open("/moving", "wb") as moving:
+                await moving.write(b"m" * 100)
+                await fs.rename("/moving", "/m/f")
+                await moving.write(b"m" * 5000)
+                with pytest.raises(OSError) as refused:
+                    await moving.write(b"m" * 4000)
+                assert refused.value.errno == errno.EDQUOT
+        assert (await fs.metadata.quota_get(path_ref(b"/m"))).bytes_used == 5100
 
         # A meta older than byte credits (a rolling upgrade) does not know QuotaReserve: the client
         # writes on and the bytes are charged at the close, as before credits.

@@ -80,7 +80,7 @@ class AsyncFile:
         self._length = rsp.inode.size
         self._wrote = False
         # How far this handle may write before meta must grant it a byte credit for the quotas
-        # above the file (fs3.meta.quota.reserve); None: no quota counts it, it never asks.
+        # above the file (fs3.meta.quota.reserve); None: no quota exists, it never asks.
         self._credit_end: int | None = None if rsp.quota_free or not writable else rsp.inode.size
         # A write by anyone but root drops setuid (and group-executable setgid) first, as on Linux.
         mode = rsp.inode.mode
@@ -344,7 +344,9 @@ class AsyncFile:
         except UnknownMethod:
             self._credit_end = None
             return
-        self._credit_end = None if rsp.unlimited else rsp.granted_end
+        # Past granted_end the handle asks again even when no quota counts the file now (a rename
+        # may bring it under one); an older meta's "unlimited" without an end holds for good.
+        self._credit_end = None if rsp.unlimited and not rsp.granted_end else rsp.granted_end
 
     async def _send_buffer(self) -> None:
         if not self._buf:

@@ -398,7 +398,8 @@ async def _in_trash(reader: SnapshotReader, inode_id: int) -> bool:
 async def _credits_by_quota(reader: SnapshotReader, page_records: int) -> dict[int, int]:
     """Bytes of writers' byte credits (fs3.meta.quota) each quota's usage holds. Credits belong to
     open sessions, which a dump leaves out: so is what they added to each usage. Credits are few
-    (one per writing handle in a quota'd tree); each walks up its home's parent links."""
+    (one per writing handle that asked, in a cluster with quotas); each walks up its home's parent
+    links (a removed file's credit, at home 0, counts nowhere)."""
     quotas: set[int] = set()
     async for page in _plain_pages(reader, schema.quota_prefix(), page_records):
         quotas.update(schema.parse_quota_key(key) for key, _ in page)

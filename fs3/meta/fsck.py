@@ -135,7 +135,13 @@ async def _check_quotas(txn: Transaction, inodes: dict[int, mpb.Inode], entries:
     usage meta keeps; ``fs3 quota check --repair`` writes the recount."""
     await _check_away(txn, inodes, entries, problem)
     quotas = await quota.read_quotas(txn)
-    counted = quota.tree_usage(inodes, entries, set(quotas), await _check_reservations(txn, problem))
+    growth: dict[int, int] = {}
+    for key, raw in await _scan_all(txn, schema.truncate_prefix()):
+        inode = inodes.get(schema.parse_inode_key(schema.inode_prefix() + key[len(schema.truncate_prefix()):]))
+        job = schema.TruncateJob.decode(raw)
+        if inode is not None and job.size is not None and job.size > inode.size:
+            growth[inode.inode_id] = job.size - inode.size  # charged when recorded (fs3.meta.quota)
+    counted = quota.tree_usage(inodes, entries, set(quotas), await _check_reservations(txn, problem), growth)
     for directory in sorted(quotas):
         inode = inodes.get(directory)
         if inode is None or inode.type != mpb.DIRECTORY:

@@ -694,6 +694,7 @@ class Namespace:
         growth = await self._pending_growth(inode)
         if growth:  # a truncate up recorded before the removal charges again, as when recorded
             self.quota.recharge(None, (parent.inode_id, growth))
+        await quota.move_reservations(self, inode.inode_id, parent.inode_id)  # its writers' credits too
         self._stamp(inode)
         self.put_entry(parent.inode_id, name, inode)
         self._stamp(parent, mtime=True)
@@ -711,11 +712,7 @@ class Namespace:
     async def _pending_growth(self, inode: mpb.Inode) -> int:
         """The bytes an unfinished truncate of ``inode`` grows it by (charged to quotas when it was
         recorded, see :meth:`_truncate`); 0 when none is pending or it does not grow the file."""
-        raw = await self.txn.get(schema.truncate_key(inode.inode_id))
-        if raw is None:
-            return 0
-        job = schema.TruncateJob.decode(raw)
-        return max(0, job.size - inode.size) if job.size is not None else 0
+        return await quota.pending_growth(self.txn, inode)
 
     async def _refund_reserved_growth(self, inode: mpb.Inode) -> None:
         """The file stops counting in quotas with a truncate up pending: the growth reserved when
@@ -988,7 +985,7 @@ class Namespace:
                    f"truncate job of inode {inode_id} has size {job.size} outside its layout")
             self._growth_reserved.add(inode_id)  # charged when the truncate was recorded
             if job.size < inode.size:  # open writers' credits now start lower (fs3.meta.quota)
-                await quota.widen_reservations(self, inode_id, inode.size - job.size)
+                await quota.widen_reservations(self, inode_id, inode.size - job.size, job.size_gen)
             inode.size = job.size
             self.touch(inode)
         self.flush()

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fs3 import meta_pb2 as mpb
 from fs3.common.errors import BadHandle, CrossDevice, DirectoryNotEmpty, InvalidArgument, NotSupported, QuotaExceeded
 from fs3.common.invariant import ensure
+from fs3.common.layout import max_file_size
 from fs3.kv.api import Transaction, prefix_end
 from fs3.meta import schema
 from fs3.meta.limits import ANCESTOR_WALK_MAX
@@ -49,11 +50,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AWAY_MOVE_MAX",
+    "PARKED_HOME",
     "QUOTA_COUNT_MAX",
     "QUOTA_MOVE_COUNT_MAX",
     "QUOTA_SCAN_BATCH",
     "RESERVATIONS_PER_FILE_MAX",
     "RESERVE_STEP_BYTES",
+    "USAGE_MAX",
     "Ledger",
     "Reservation",
     "TreeCount",
@@ -66,6 +69,7 @@ __all__ = [
     "move_reservations",
     "nearest_quota",
     "parse_size",
+    "pending_growth",
     "quotas_of",
     "read_quotas",
     "read_reservation",
@@ -81,6 +85,8 @@ __all__ = [
     "write_usage",
 ]
 
+# The most bytes (and inodes) a usage counts: its fields are 64-bit.
+USAGE_MAX = (1 << 64) - 1
 # Quotas a cluster may hold: every growing operation reads them all (one range read).
 QUOTA_COUNT_MAX = 1000
 # Directory entries one transaction of a usage count (quota set, quota check) reads.
@@ -88,6 +94,9 @@ QUOTA_SCAN_BATCH = 1000
 # Entries a rename recounts inside its own transaction when it moves a directory from one set of
 # quotas to another; a larger tree is refused with EXDEV (``mv`` then copies it).
 QUOTA_MOVE_COUNT_MAX = 1000
+# The home of the credits of a file that counts nowhere (no name left: in the trash, or open
+# after its last name went); no directory has this id, so no quota counts them.
+PARKED_HOME = 0
 # A writer's byte credit grows at least this much at a time (clipped to what the quotas allow):
 # a writer streaming a large file asks meta once per 64 MiB, a round trip per few dozen chunks.
 RESERVE_STEP_BYTES = 64 << 20
@@ -292,6 +301,14 @@ async def settle(ns: Namespace) -> None:
             continue
         was = await read_usage(ns.txn, directory)
         now = (was + delta).floored()
+        if now.bytes > USAGE_MAX or now.inodes > USAGE_MAX:
+            # Sparse files count their length: under a quota without a byte limit enough of them
+            # pass what a usage holds. Growth that would is refused; one that cannot be (a close)
+            # stops at the most (fsck then reports the usage).
+            if ledger.refuse:
+                raise QuotaExceeded(f"directory {directory}'s usage would pass {USAGE_MAX} bytes or inodes, "
+                                    f"the most a quota counts")
+            now = Usage(min(now.bytes, USAGE_MAX), min(now.inodes, USAGE_MAX))
         why = refusal(quotas[directory], was, now) if ledger.refuse else None
         if why is not None:
             raise QuotaExceeded(why)
@@ -349,13 +366,15 @@ class TreeCount:
             start = schema.dentry_key(directory, after + b"\x00") if after else prefix
             rows = await txn.scan(start, prefix_end(prefix), limit=budget)
             entries = [mpb.DirEntry.FromString(raw) for _, raw in rows]
-            txn.prefetch([schema.inode_key(entry.inode_id) for entry in entries if entry.type == mpb.FILE])
+            files = [entry.inode_id for entry in entries if entry.type == mpb.FILE]
+            txn.prefetch([key for inode_id in files
+                          for key in (schema.inode_key(inode_id), schema.truncate_key(inode_id))])
             for entry in entries:
                 self.usage = self.usage + Usage(0, 1)
                 if entry.type == mpb.DIRECTORY:
                     self.pending.append((entry.inode_id, b""))
                 elif entry.type == mpb.FILE:
-                    self.usage = self.usage + await self._file_bytes(directory, entry, find_inode)
+                    self.usage = self.usage + await self._file_bytes(txn, directory, entry, find_inode)
             budget -= len(rows)
             self.entries_read += len(rows)
             if len(rows) and budget == 0:
@@ -369,17 +388,21 @@ class TreeCount:
         while True:
             rows = await txn.scan(start, prefix_end(prefix), limit=QUOTA_SCAN_BATCH)
             ids = [schema.decode_u64(key[len(prefix):]) for key, _ in rows]
-            txn.prefetch([schema.inode_key(inode_id) for inode_id in ids])
+            txn.prefetch([key for inode_id in ids
+                          for key in (schema.inode_key(inode_id), schema.truncate_key(inode_id))])
             for inode_id in ids:
-                charge = charge_of(await find_inode(inode_id))
-                if charge is not None and charge[0] == directory and inode_id not in self.counted_links:
+                inode = await find_inode(inode_id)
+                charge = charge_of(inode)
+                if inode is not None and charge is not None and charge[0] == directory \
+                        and inode_id not in self.counted_links:
                     self.counted_links.add(inode_id)
-                    total += charge[1]
+                    total += charge[1] + await pending_growth(txn, inode)
             if len(rows) < QUOTA_SCAN_BATCH:
                 return Usage(total, 0)
             start = rows[-1][0] + b"\x00"
 
-    async def _file_bytes(self, directory: int, entry: mpb.DirEntry, find_inode: InodeReader) -> Usage:
+    async def _file_bytes(self, txn: Transaction, directory: int, entry: mpb.DirEntry,
+                          find_inode: InodeReader) -> Usage:
         inode_id = entry.inode_id
         inode = await find_inode(inode_id)
         if self.adopting and inode is not None and inode.nlink == 1 and inode.parent == 0:
@@ -391,14 +414,27 @@ class TreeCount:
         if inode_id in self.counted_links:
             return Usage()
         self.counted_links.add(inode_id)
-        return Usage(charge[1], 0)
+        assert inode is not None  # it has a charge
+        return Usage(charge[1] + await pending_growth(txn, inode), 0)
+
+
+async def pending_growth(txn: Transaction, inode: mpb.Inode) -> int:
+    """The bytes an unfinished truncate grows ``inode`` by: charged when it was recorded, before
+    the length shows it (fs3.meta.ops), so a count adds them; 0 when none is pending or it shrinks."""
+    raw = await txn.get(schema.truncate_key(inode.inode_id))
+    if raw is None:
+        return 0
+    job = schema.TruncateJob.decode(raw)
+    return max(0, job.size - inode.size) if job.size is not None else 0
 
 
 def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
-               roots: set[int], reservations: Sequence[tuple[int, int]] = ()) -> dict[int, Usage]:
+               roots: set[int], reservations: Sequence[tuple[int, int]] = (),
+               growth: Mapping[int, int] | None = None) -> dict[int, Usage]:
     """The usage of each directory in ``roots``, from a whole namespace read at once (fsck):
     ``entries`` is every directory entry as ``(directory, inode id)``, ``reservations`` every
-    writer's credit as ``(home, bytes)``. Follows the same rules as :class:`TreeCount` and
+    writer's credit as ``(home, bytes)``, ``growth`` what each file's unfinished truncate grows it
+    by (:func:`pending_growth`). Follows the same rules as :class:`TreeCount` and
     :func:`settle`, which is what lets fsck check them."""
     above: dict[int, tuple[int, ...]] = {}
 
@@ -429,8 +465,9 @@ def tree_usage(inodes: dict[int, mpb.Inode], entries: list[tuple[int, int]],
     for inode in inodes.values():
         charge = charge_of(inode)
         if charge is not None:
+            grown = (growth or {}).get(inode.inode_id, 0)
             for root in quotas_of(charge[0]):
-                usage[root] = usage[root] + Usage(charge[1], 0)
+                usage[root] = usage[root] + Usage(charge[1] + grown, 0)
     for home, size in reservations:
         for root in quotas_of(home):
             usage[root] = usage[root] + Usage(size, 0)
@@ -497,12 +534,14 @@ def _write_reservation(txn: Transaction, inode_id: int, session_id: bytes, old: 
     txn.put(schema.quota_reservation_home_key(new.home, inode_id, session_id), schema.encode_u64(new.size_bytes))
 
 
-async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> int | None:
+async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> tuple[int, bool]:
     """Let writing session ``session_id`` write its file up to byte ``end``: the end its credit
-    now covers (at least ``end``), or None when no quota counts the file's bytes (the handle then
-    never asks again). The credit grows to ``end`` and a step beyond: :data:`RESERVE_STEP_BYTES`,
-    or half of what the tightest quota above the file's home has left if less; ``EDQUOT`` when
-    even ``end`` does not fit.
+    now covers (at least ``end``), and whether a quota counts it now. The credit grows to ``end``
+    and a step beyond: :data:`RESERVE_STEP_BYTES`, or half of what the tightest quota above the
+    file's home has left if less; ``EDQUOT`` when even ``end`` does not fit. A file no quota counts
+    gets its credit too, charged nowhere: a rename (of it or of a directory above it) under a
+    quota charges it there, refused like any credit moving between quotas, so a writer never
+    writes past what some quota accounted for it.
     Charged in this transaction (the service settles the ledger before the commit)."""
     raw = await ns.txn.get(schema.session_key(inode_id, session_id))
     if raw is None:
@@ -510,15 +549,24 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     if not schema.Session.decode(raw).write:
         raise BadHandle(f"session {session_id.hex()} on inode {inode_id} is not open for writing")
     inode = await ns.inode(inode_id)
+    if inode.type == mpb.FILE and end > max_file_size(inode.layout):
+        raise InvalidArgument(f"a credit to byte {end} of inode {inode_id} is past {max_file_size(inode.layout)}, "
+                              f"the largest file its layout allows")
     charge = charge_of(inode)
     held = await read_reservation(ns.txn, inode_id, session_id)
-    quotas = await quotas_of(ns) if charge is not None else {}
-    above = await _quotas_above(ns, charge[0], quotas, {}) if charge is not None else ()
-    if charge is None or not above:
-        if held is not None:  # its home left every quota: the credit is no longer needed
+    if inode.type == mpb.FILE and inode.nlink == 0:
+        # Removed (in the trash, or open after its last name went): it counts nowhere now, but a
+        # restore counts it again, with how far its writers may write (:func:`drop_reservations`).
+        parked = max(held.size_bytes if held is not None else 0, end + RESERVE_STEP_BYTES - inode.size)
+        _write_reservation(ns.txn, inode_id, session_id, held, Reservation(PARKED_HOME, parked))
+        return inode.size + parked, False
+    if charge is None:  # no home (written before files had one): a quota set adopts it, and counts it
+        if held is not None:
             ns.quota.recharge((held.home, held.size_bytes), None)
             _write_reservation(ns.txn, inode_id, session_id, held, None)
-        return None
+        return end + RESERVE_STEP_BYTES, False
+    quotas = await quotas_of(ns)
+    above = await _quotas_above(ns, charge[0], quotas, {})
     home = charge[0]
     if held is not None and held.home != home:  # renamed elsewhere since: the credit starts again
         ns.quota.recharge((held.home, held.size_bytes), None)
@@ -527,7 +575,7 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     have = held.size_bytes if held is not None else 0
     need = end - inode.size
     if need <= have:
-        return inode.size + have
+        return inode.size + have, bool(above)
     room: int | None = None
     for directory in above:
         limit = quotas[directory].bytes_limit
@@ -542,7 +590,7 @@ async def reserve(ns: Namespace, inode_id: int, session_id: bytes, end: int) -> 
     grant = max(need - have, RESERVE_STEP_BYTES if room is None else min(RESERVE_STEP_BYTES, room // 2))
     ns.quota.recharge(None, (home, grant))
     _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, have + grant))
-    return inode.size + have + grant
+    return inode.size + have + grant, bool(above)
 
 
 async def settle_reservation(ns: Namespace, inode_id: int, session_id: bytes, grown: int, closing: bool) -> None:
@@ -581,29 +629,49 @@ def credits_scan(inode_id: int) -> tuple[bytes, bytes | None, int]:
 
 async def drop_reservations(ns: Namespace, inode_id: int) -> None:
     """The file stopped counting in any quota (its last name went): its writers' credits are given
-    back (their later bytes count nowhere, as the file's do; a restore charges them at close)."""
+    back, and kept at :data:`PARKED_HOME`, which counts nowhere: their writers may still write as
+    far as they reached, so a restore from the trash charges them again (:func:`move_reservations`)."""
     for session_id, held in await _held(ns, inode_id):
         ns.quota.recharge((held.home, held.size_bytes), None)
-        _write_reservation(ns.txn, inode_id, session_id, held, None)
+        _write_reservation(ns.txn, inode_id, session_id, held, Reservation(PARKED_HOME, held.size_bytes))
 
 
 async def move_reservations(ns: Namespace, inode_id: int, home: int) -> None:
-    """The file's home moved to ``home``: its writers' credits move with its bytes (refused, with
-    the rest of the operation, where the new quotas have no room for them)."""
+    """The file's home moved to ``home`` (or it came back from the trash, its credits parked):
+    its writers' credits move with its bytes (refused, with the rest of the operation, where the
+    new quotas have no room for them)."""
     for session_id, held in await _held(ns, inode_id):
         if held.home != home:
             ns.quota.recharge((held.home, held.size_bytes), (home, held.size_bytes))
             _write_reservation(ns.txn, inode_id, session_id, held, Reservation(home, held.size_bytes))
 
 
-async def widen_reservations(ns: Namespace, inode_id: int, shrink: int) -> None:
-    """The file shrank by ``shrink`` bytes: each open writer may still write up to where its
-    credit reached (it learns of a truncate by another client only when it asks again), so each
-    credit grows by as much, keeping ``length + credit`` where it was. Charged, never refused
-    (the truncate's own shrink pays for it); a close gives it back."""
-    for session_id, held in await _held(ns, inode_id):
-        ns.quota.recharge((held.home, held.size_bytes), (held.home, held.size_bytes + shrink))
-        _write_reservation(ns.txn, inode_id, session_id, held, Reservation(held.home, held.size_bytes + shrink))
+async def widen_reservations(ns: Namespace, inode_id: int, shrink: int, size_gen: int) -> None:
+    """The file shrank by ``shrink`` bytes (truncate generation ``size_gen``): each open writer
+    may still write up to where its credit reached (it learns of a truncate by another client
+    only when it asks again), so each credit grows by as much, keeping ``length + credit`` where
+    it was. A writer without a credit that opened before the truncate (it used its credit up, or
+    overwrites a file that was this long when it opened) may write up to the old length: it gets
+    a credit of the shrink; one opened by the truncate (``O_TRUNC``) was told the new length.
+    Charged, never refused (the truncate's own shrink pays for it); a close gives it back."""
+    held = dict(await _held(ns, inode_id))
+    charge = charge_of(await ns.find_inode(inode_id))
+    if charge is not None and await quotas_of(ns):  # (no quota anywhere: handles never ask)
+        for session_id in await _writers_before(ns, inode_id, size_gen):
+            held.setdefault(session_id, Reservation(charge[0], 0))
+    for session_id, old in sorted(held.items()):
+        new = Reservation(old.home, old.size_bytes + shrink)
+        ns.quota.recharge((old.home, old.size_bytes) if old.size_bytes else None, (new.home, new.size_bytes))
+        _write_reservation(ns.txn, inode_id, session_id, old if old.size_bytes else None, new)
+
+
+async def _writers_before(ns: Namespace, inode_id: int, size_gen: int) -> list[bytes]:
+    """The sessions open for writing on ``inode_id`` since before truncate generation ``size_gen``
+    (at most :data:`RESERVATIONS_PER_FILE_MAX` sessions read)."""
+    prefix = schema.session_prefix(inode_id)
+    rows = await ns.txn.scan(prefix, prefix_end(prefix), limit=RESERVATIONS_PER_FILE_MAX)
+    sessions = [(key[len(prefix):], schema.Session.decode(raw)) for key, raw in rows]
+    return [session_id for session_id, session in sessions if session.write and session.size_gen < size_gen]
 
 
 async def reserved_in(txn: Transaction, directory: int) -> int:

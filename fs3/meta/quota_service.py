@@ -236,8 +236,8 @@ class QuotaHandlers(MetaHost):
             raise BadHandle("the file session belongs to another client id (opened before the client's lease lapsed)")
 
         async def op(ns: Namespace) -> mpb.QuotaReserveRsp:
-            granted = await quota.reserve(ns, req.inode_id, req.session_id, req.end)
-            return mpb.QuotaReserveRsp(unlimited=True) if granted is None else mpb.QuotaReserveRsp(granted_end=granted)
+            granted_end, counted = await quota.reserve(ns, req.inode_id, req.session_id, req.end)
+            return mpb.QuotaReserveRsp(granted_end=granted_end, unlimited=not counted)
 
         keys = (schema.session_key(req.inode_id, req.session_id), schema.inode_key(req.inode_id),
                 schema.quota_reservation_key(req.inode_id, req.session_id))
