@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,21 @@ from tests.test_meta_dump import engine_with, random_store, read_back
 pytestmark = pytest.mark.slow  # an in-process cluster
 
 BACKUPS = "/backups/meta"
+
+
+def _in_a_cluster(tmp_path: Path, body: Callable[[AsyncFileSystem], Awaitable[None]], trash_days: float = 0) -> None:
+    """Runs ``body`` with a client of a fresh in-process cluster with meta (closed after)."""
+
+    async def run() -> None:
+        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
+                                    meta_config=MetaServiceConfig(root_mode=0o777, trash_days=trash_days)) as cluster:
+            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
+            try:
+                await body(fs)
+            finally:
+                await fs.close()
+
+    asyncio.run(run())
 
 
 def _meta_config(tmp_path: Path, name: str) -> Path:
@@ -103,16 +119,7 @@ def test_backups_in_fs3_keep_the_newest_and_prune_leftovers(tmp_path: Path) -> N
         assert [n for n in await _names(fs) if is_backup_name(n)] == made[1:]
         assert sum(n.endswith(".tmp") for n in await _names(fs)) == 1  # only the newer writer's
 
-    async def run() -> None:
-        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
-                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
-            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
-            try:
-                await body(fs)
-            finally:
-                await fs.close()
-
-    asyncio.run(run())
+    _in_a_cluster(tmp_path, body)
 
 
 def test_backup_and_load_commands_with_an_fs3_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -216,16 +223,7 @@ def test_two_runs_of_the_same_name_never_rename_each_others_file(tmp_path: Path)
         assert read_back((await fs.read_bytes(f"{BACKUPS}/{name}")).splitlines(keepends=True))
         assert await _names(fs) == [name]
 
-    async def run() -> None:
-        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
-                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
-            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
-            try:
-                await body(fs)
-            finally:
-                await fs.close()
-
-    asyncio.run(run())
+    _in_a_cluster(tmp_path, body)
 
 
 def test_removed_backups_do_not_stay_in_the_trash(tmp_path: Path) -> None:
@@ -246,16 +244,7 @@ def test_removed_backups_do_not_stay_in_the_trash(tmp_path: Path) -> None:
             await fs.metadata.read_dir(path_ref(BACKUPS.encode()), limit=10, with_attrs=False,
                                        user=mpb.User(uid=4242, gid=4242))
 
-    async def run() -> None:
-        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
-                                    meta_config=MetaServiceConfig(root_mode=0o777, trash_days=1)) as cluster:
-            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
-            try:
-                await body(fs)
-            finally:
-                await fs.close()
-
-    asyncio.run(run())
+    _in_a_cluster(tmp_path, body, trash_days=1)
 
 
 def test_a_long_backup_syncs_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,13 +270,4 @@ def test_a_long_backup_syncs_as_it_goes(tmp_path: Path, monkeypatch: pytest.Monk
         assert read_back(data.splitlines(keepends=True))
         assert len(synced) >= 3 and synced == sorted(synced) and synced[0] < len(data) == synced[-1], synced
 
-    async def run() -> None:
-        async with InProcessCluster(tmp_path / "c", targets_per_node=2, with_meta=True,
-                                    meta_config=MetaServiceConfig(root_mode=0o777)) as cluster:
-            fs = await fs3.aio.connect(cluster.mgmtd_address, token=cluster.token)
-            try:
-                await body(fs)
-            finally:
-                await fs.close()
-
-    asyncio.run(run())
+    _in_a_cluster(tmp_path, body)

@@ -147,6 +147,37 @@ def run(body: Callable[[Meta], Awaitable[None]], trash_days: float = 0.0, faults
     asyncio.run(main())
 
 
+ROOT_ENV = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
+
+
+async def record_truncate(meta: Meta, file_id: int, size: int) -> None:
+    """Records a truncate of ``file_id`` to ``size`` bytes as meta does before storage answers:
+    the growth is charged (EDQUOT if it does not fit), a shrink waits for :func:`complete_truncate`."""
+    async def op(txn: Any) -> None:
+        ns = Namespace(txn, ROOT_ENV)
+        req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=size)
+        await ns.setattr(req, truncating=file_id)
+        await quota.settle(ns)
+
+    await run_transaction(meta.engine, op)
+
+
+async def complete_truncate(meta: Meta, file_id: int) -> bool:
+    """Applies the truncate :func:`record_truncate` recorded, as storage's answer does (never
+    refused); whether it was still the file's latest."""
+    applied = False
+
+    async def op(txn: Any) -> None:
+        nonlocal applied
+        ns = Namespace(txn, ROOT_ENV)
+        ns.quota.refuse = False
+        applied = await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
+        await quota.settle(ns)
+
+    await run_transaction(meta.engine, op)
+    return applied
+
+
 # -- the pure part ---------------------------------------------------------------------------------
 
 def test_sizes_parse_with_suffixes_and_bad_ones_are_refused() -> None:
@@ -545,23 +576,10 @@ def test_a_truncate_up_is_charged_when_recorded_and_not_again_when_applied() -> 
         env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
 
         async def truncate(size: int) -> None:
-            async def op(txn: Any) -> None:
-                ns = Namespace(txn, env)
-                req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=size)
-                await ns.setattr(req, truncating=file_id)
-                await quota.settle(ns)
-
-            await run_transaction(meta.engine, op)
+            await record_truncate(meta, file_id, size)
 
         async def complete() -> None:
-            async def op(txn: Any) -> None:
-                ns = Namespace(txn, env)
-                ns.quota.refuse = False
-                gen = schema.decode_u64(await txn.get(schema.size_gen_key(file_id)))
-                assert await ns.complete_truncate(file_id, gen)
-                await quota.settle(ns)
-
-            await run_transaction(meta.engine, op)
+            assert await complete_truncate(meta, file_id)
 
         with pytest.raises(QuotaExceeded):
             await truncate(101)
@@ -601,29 +619,14 @@ def test_the_growth_a_pending_truncate_reserved_follows_the_file(trash_days: flo
         for directory in ("/d", "/e"):
             await meta.mkdir(directory)
             await meta.set(directory, bytes_limit=1000)
-        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
 
         async def truncate_up(path: str, size: int) -> int:
             file_id = await meta.create(path, 10)
-
-            async def op(txn: Any) -> None:
-                ns = Namespace(txn, env)
-                req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=size)
-                await ns.setattr(req, truncating=file_id)
-                await quota.settle(ns)
-
-            await run_transaction(meta.engine, op)
+            await record_truncate(meta, file_id, size)
             return file_id
 
         async def complete(file_id: int) -> None:
-            async def op(txn: Any) -> None:
-                ns = Namespace(txn, env)
-                ns.quota.refuse = False
-                gen = schema.decode_u64(await txn.get(schema.size_gen_key(file_id)))
-                await ns.complete_truncate(file_id, gen)
-                await quota.settle(ns)
-
-            await run_transaction(meta.engine, op)
+            await complete_truncate(meta, file_id)
 
         removed = await truncate_up("/d/a", 100)
         assert await meta.usage("/d") == (100, 1)
@@ -828,20 +831,8 @@ def test_a_truncate_keeps_covered_every_writer_whose_credit_was_used_up() -> Non
         overwriter = await meta.open("/q/f")  # opened at length 500: overwrites need no credit
         file_id = writer.inode.inode_id
 
-        async def truncate_to_zero(txn: Any) -> None:
-            ns = Namespace(txn, env)
-            req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=0)
-            await ns.setattr(req, truncating=file_id)
-            await quota.settle(ns)
-
-        async def complete(txn: Any) -> None:
-            ns = Namespace(txn, env)
-            ns.quota.refuse = False
-            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
-            await quota.settle(ns)
-
-        await run_transaction(meta.engine, truncate_to_zero)
-        await run_transaction(meta.engine, complete)
+        await record_truncate(meta, file_id, 0)
+        assert await complete_truncate(meta, file_id)
         # Each handle may still write bytes 0..500 (meta cannot tell that they overlap).
         assert (await meta.usage("/q"))[0] == 1000
         other = await meta.open("/q/g")
@@ -863,7 +854,7 @@ def test_a_truncate_keeps_covered_every_writer_whose_credit_was_used_up() -> Non
             await quota.settle(ns)
 
         await run_transaction(meta.engine, open_truncating)
-        await run_transaction(meta.engine, complete)
+        assert await complete_truncate(meta, file_id)
         assert await meta.usage("/q") == (0, 2)
 
     run(body)
@@ -898,24 +889,10 @@ def test_usage_past_64_bits_is_refused_not_a_crash() -> None:
         await meta.set("/q", inodes_limit=10_000)
         layout = mpb.Layout(table_id=1, chunk_size=1 << 26, stripe=1)  # files of up to 2^58 bytes: 64 fill a usage
         await meta.call("set_layout", mpb.SetLayoutReq(ctx=meta.ctx(), dir=ref("/q"), layout=layout))
-        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
 
         async def truncate(file_id: int, size: int) -> None:
-            async def op(txn: Any) -> None:
-                ns = Namespace(txn, env)
-                req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=size)
-                await ns.setattr(req, truncating=file_id)
-                await quota.settle(ns)
-
-            async def complete(txn: Any) -> None:
-                ns = Namespace(txn, env)
-                ns.quota.refuse = False
-                assert await ns.complete_truncate(file_id, schema.decode_u64(
-                    await txn.get(schema.size_gen_key(file_id))))
-                await quota.settle(ns)
-
-            await run_transaction(meta.engine, op)
-            await run_transaction(meta.engine, complete)
+            await record_truncate(meta, file_id, size)
+            assert await complete_truncate(meta, file_id)
 
         opened = await meta.open("/q/f0")
         await meta.close(opened)
@@ -948,28 +925,16 @@ def test_counts_see_the_growth_of_a_pending_truncate() -> None:
             await meta.set(directory, bytes_limit=1000)
         await meta.mkdir("/q/d")
         file_id = await meta.create("/q/d/f", 10)
-        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
 
-        async def truncate(txn: Any) -> None:
-            ns = Namespace(txn, env)
-            req = mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=300)
-            await ns.setattr(req, truncating=file_id)
-            await quota.settle(ns)
 
-        async def complete(txn: Any) -> None:
-            ns = Namespace(txn, env)
-            ns.quota.refuse = False
-            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
-            await quota.settle(ns)
-
-        await run_transaction(meta.engine, truncate)  # storage has not answered yet
+        await record_truncate(meta, file_id, 300)  # storage has not answered yet
         assert await meta.usage("/q") == (300, 2)
         assert await meta.problems() == []
         assert not (await meta.check(repair=True)).problems
         assert await meta.usage("/q") == (300, 2)
         await meta.mv("/q/d", "/r/d")
         assert (await meta.usage("/q"), await meta.usage("/r")) == ((0, 0), (300, 2))
-        await run_transaction(meta.engine, complete)
+        assert await complete_truncate(meta, file_id)
         assert (await meta.usage("/q"), await meta.usage("/r")) == ((0, 0), (300, 2))
         assert await meta.problems() == [] and not (await meta.check()).problems
 
@@ -1050,22 +1015,10 @@ def test_a_truncate_outside_quotas_keeps_its_writers_covered_for_a_later_rename(
         await meta.set("/q", bytes_limit=1000)
         file_id = await meta.create("/f", 500)
         writer = await meta.open("/f")
-        env = OpEnv(now_ns=1, caller=Caller(uid=0, gid=0))
 
-        async def truncate(txn: Any) -> None:
-            ns = Namespace(txn, env)
-            await ns.setattr(mpb.SetAttrReq(target=mpb.PathRef(inode_id=file_id), mask=mpb.SET_SIZE, size=0),
-                             truncating=file_id)
-            await quota.settle(ns)
 
-        async def complete(txn: Any) -> None:
-            ns = Namespace(txn, env)
-            ns.quota.refuse = False
-            assert await ns.complete_truncate(file_id, schema.decode_u64(await txn.get(schema.size_gen_key(file_id))))
-            await quota.settle(ns)
-
-        await run_transaction(meta.engine, truncate)
-        await run_transaction(meta.engine, complete)
+        await record_truncate(meta, file_id, 0)
+        assert await complete_truncate(meta, file_id)
         await meta.mv("/f", "/q/f")
         assert await meta.usage("/q") == (500, 1)
         assert await meta.problems() == [] and not (await meta.check()).problems
