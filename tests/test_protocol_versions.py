@@ -15,9 +15,10 @@ import pytest
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
+from fs3.cli.main import main as cli_main
 from fs3.cli.main import node_entries
 from fs3.client.admin import AdminClient
-from fs3.common.errors import ProtocolError, StatusCode
+from fs3.common.errors import InvalidArgument, ProtocolError, StatusCode
 from fs3.common.ids import chunk_id
 from fs3.kv.store import MemKVStore
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer, check_node_protocol
@@ -87,9 +88,19 @@ def test_absent_fields_read_as_protocol_1_and_a_nonsense_range_is_refused() -> N
 def test_the_operator_pin_lowers_the_top_and_a_bad_pin_is_refused() -> None:
     assert advertised_range({}) == VersionRange(PROTOCOL_VERSION_MIN, PROTOCOL_VERSION)
     assert advertised_range({PROTOCOL_VERSION_MAX_ENV: "1"}) == VersionRange(1, 1)
-    for bad in ("0", str(PROTOCOL_VERSION + 1), "two"):
-        with pytest.raises(ValueError, match=PROTOCOL_VERSION_MAX_ENV):
+    # "²" passes str.isdigit() but not int(): it too must be the pin's own error, not a bare ValueError.
+    for bad in ("0", str(PROTOCOL_VERSION + 1), "two", "\u00b2", "-1", "1.5"):
+        with pytest.raises(InvalidArgument, match=PROTOCOL_VERSION_MAX_ENV):
             advertised_range({PROTOCOL_VERSION_MAX_ENV: bad})
+
+
+def test_a_bad_pin_stops_any_command_at_once_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(PROTOCOL_VERSION_MAX_ENV, "two")
+    # No mgmtd listens there: the pin is refused before any connection is tried.
+    assert cli_main(["admin", "--mgmtd", "127.0.0.1:1", "nodes"]) == 1
+    err = capsys.readouterr().err
+    assert "FS3_PROTOCOL_VERSION_MAX='two'" in err and "Traceback" not in err
 
 
 # -- the transports ------------------------------------------------------------------------------
@@ -298,6 +309,18 @@ def test_grpc_metadata_that_is_not_a_version_is_refused() -> None:
                 await call(b"", metadata=(("x-fs3-token", TOKEN), ("x-fs3-protocol", "two")), timeout=5)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "bad x-fs3-protocol metadata 'two'" in (refused.value.details() or "")
+            # Numbers no protocol field holds: the same clear refusal.
+            for bad in ("99999", "1" * 40):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(b"", metadata=(("x-fs3-token", TOKEN), ("x-fs3-protocol-min", bad)), timeout=5)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, bad
+                assert "bad x-fs3-protocol-min metadata" in (refused.value.details() or ""), bad
+            # A third-party caller with the token only (no fs3 version metadata) is a protocol-1
+            # caller, served, and gets no version back.
+            plain = channel.unary_unary(MGMTD.method("ListNodes").grpc_path)
+            answered = plain(b"", metadata=(("x-fs3-token", TOKEN),), timeout=5)
+            assert mpb.ListNodesRsp.FromString(await answered).protocol_version == PROTOCOL_VERSION
+            assert "x-fs3-protocol" not in dict(await answered.trailing_metadata() or ())
             await channel.close()
     asyncio.run(body())
 

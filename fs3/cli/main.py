@@ -57,6 +57,7 @@ from fs3.cli.upgrade import add_upgrade_command, upgrade_command
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
+from fs3.rpc.versions import advertised_range
 
 __all__ = ["PEER_ROLE", "build_parser", "main", "node_entries", "run_admin"]
 
@@ -639,6 +640,9 @@ def _main(argv: Sequence[str] | None) -> int:
         # it starts must not kill it (the default action), and it reads the file as it starts anyway.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
+        # A bad $FS3_PROTOCOL_VERSION_MAX stops every command here, in one line, rather than at the
+        # first connection (a mount's, a heartbeat's) with a traceback.
+        advertised_range()
         if args.service in ("mgmtd", "storage", "meta"):
             check_config_file(args.config)  # a config holding a token must be private
         if args.service == "mgmtd":

@@ -29,7 +29,7 @@ from fs3.rpc.auth import Authenticator
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
-from fs3.rpc.versions import VersionRange, advertised_range, negotiate, range_from_wire
+from fs3.rpc.versions import VersionRange, advertised_range, negotiate, protocol_number, range_from_wire
 
 __all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "PROTOCOL_METADATA_KEY", "PROTOCOL_MIN_METADATA_KEY",
            "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
@@ -75,13 +75,14 @@ def _caller_range(metadata: Any) -> VersionRange:
     high = low = 0
     for key, value in metadata or ():
         if key in (PROTOCOL_METADATA_KEY, PROTOCOL_MIN_METADATA_KEY):
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            if not text.isdigit() or int(text) > 0xFFFF:
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            number = protocol_number(text)
+            if number is None:
                 raise ProtocolError(f"bad {key} metadata {text[:20]!r}: expected a protocol number")
             if key == PROTOCOL_METADATA_KEY:
-                high = int(text)
+                high = number
             else:
-                low = int(text)
+                low = number
     return range_from_wire(high, low)
 
 
@@ -239,8 +240,8 @@ class GrpcChannel:
         not sent (a new channel asks again)."""
         chosen = 0
         for key, value in trailing or ():
-            if key == PROTOCOL_METADATA_KEY and str(value).isdigit():
-                chosen = int(value)
+            if key == PROTOCOL_METADATA_KEY:
+                chosen = protocol_number(str(value)) or 0
         try:
             return negotiate(self.protocols, range_from_wire(chosen), f"the server {self.address}",
                              local_name="this client")

@@ -27,10 +27,10 @@ import os
 import sys
 
 from fs3 import mgmtd_pb2 as mpb
-from fs3.common.errors import ProtocolError
+from fs3.common.errors import InvalidArgument, ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "PROTOCOL_VERSION_MAX_ENV", "PROTOCOL_VERSION_MIN", "RELEASE", "VersionRange",
-           "advertised_range", "negotiate", "range_from_wire", "stamp_heartbeat"]
+           "advertised_range", "negotiate", "protocol_number", "range_from_wire", "stamp_heartbeat"]
 
 #: The newest protocol this code speaks.
 PROTOCOL_VERSION = 2
@@ -71,12 +71,14 @@ class VersionRange:
 def advertised_range(environ: dict[str, str] | None = None) -> VersionRange:
     """What this process speaks: ``PROTOCOL_VERSION_MIN..PROTOCOL_VERSION``, the top lowered by
     ``$FS3_PROTOCOL_VERSION_MAX`` when set. A pin outside that range is refused (a typo must not
-    silently leave the cluster on a protocol the operator did not choose)."""
+    silently leave the cluster on a protocol the operator did not choose) with
+    :class:`~fs3.common.errors.InvalidArgument`, which every command reports in one line."""
     raw = (os.environ if environ is None else environ).get(PROTOCOL_VERSION_MAX_ENV, "").strip()
     if not raw:
         return VersionRange(PROTOCOL_VERSION_MIN, PROTOCOL_VERSION)
-    if not raw.isdigit() or not PROTOCOL_VERSION_MIN <= int(raw) <= PROTOCOL_VERSION:
-        raise ValueError(f"{PROTOCOL_VERSION_MAX_ENV}={raw!r}: this release speaks protocol "
+    # isascii: str.isdigit() admits digits int() refuses ("²"), which would escape as a bare ValueError.
+    if not (raw.isascii() and raw.isdigit()) or not PROTOCOL_VERSION_MIN <= int(raw) <= PROTOCOL_VERSION:
+        raise InvalidArgument(f"{PROTOCOL_VERSION_MAX_ENV}={raw!r}: this release speaks protocol "
                          f"{PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}; pin one of those")
     return VersionRange(PROTOCOL_VERSION_MIN, int(raw))
 
@@ -86,6 +88,14 @@ def stamp_heartbeat(req: mpb.HeartbeatReq, environ: dict[str, str] | None = None
     spoken = advertised_range(environ)
     req.protocol_version, req.protocol_version_min, req.release = spoken.high, spoken.low, RELEASE
     return req
+
+
+def protocol_number(text: str) -> int | None:
+    """``text`` as a protocol number a peer sent (gRPC metadata), or None when it is not one: only
+    ASCII digits, at most 0xFFFF (str.isdigit() alone admits "²", which int() refuses)."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 5 or int(text) > 0xFFFF:
+        return None
+    return int(text)
 
 
 def range_from_wire(high: int, low: int = 0) -> VersionRange:
