@@ -18,7 +18,7 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.cli.main import main as cli_main
 from fs3.cli.main import node_entries
 from fs3.client.admin import AdminClient
-from fs3.common.errors import InvalidArgument, ProtocolError, StatusCode
+from fs3.common.errors import FS3Error, InvalidArgument, ProtocolError, StatusCode
 from fs3.common.ids import chunk_id
 from fs3.kv.store import MemKVStore
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer, check_node_protocol
@@ -355,4 +355,41 @@ def test_a_grpc_client_learns_the_servers_protocol_and_refuses_one_too_old() -> 
             await newer.close()
         finally:
             await old.stop(None)
+    asyncio.run(body())
+
+
+def test_a_grpc_client_follows_the_server_behind_its_address_across_a_restart() -> None:
+    """gRPC reconnects a channel by itself: after the server behind the address restarts on another
+    release, the channel's protocol is the new server's, not the one it learned first."""
+    async def body() -> None:
+        servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
+        servicer.start()
+        dispatcher = Dispatcher(token=TOKEN)
+        dispatcher.add_service(MGMTD, servicer)
+        pinned = GrpcServer(dispatcher, protocols=VersionRange(1, 1))
+        port = await pinned.start("127.0.0.1", 0)
+        channel = GrpcChannel(f"127.0.0.1:{port}", TOKEN)
+        try:
+            await channel.call(MGMTD.method("ListNodes"), cpb.Empty())
+            assert channel.protocol == 1
+            await pinned.stop()
+            upgraded = GrpcServer(dispatcher)
+            await upgraded.start("127.0.0.1", port)
+            try:
+                async def answered_on_new() -> bool:
+                    try:
+                        await channel.call(MGMTD.method("ListNodes"), cpb.Empty(), timeout_ms=1_000)
+                    except FS3Error:
+                        return False  # still reconnecting
+                    return channel.protocol == PROTOCOL_VERSION
+                for _ in range(50):
+                    if await answered_on_new():
+                        break
+                    await asyncio.sleep(0.1)
+                assert channel.protocol == PROTOCOL_VERSION
+            finally:
+                await upgraded.stop()
+        finally:
+            await channel.close()
+            await servicer.stop()
     asyncio.run(body())

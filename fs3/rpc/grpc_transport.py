@@ -216,7 +216,8 @@ class GrpcChannel:
                  server_name: str = "", protocols: VersionRange | None = None) -> None:
         self.address = address
         self.protocols = protocols or advertised_range()
-        #: The protocol the server chose (0: no call answered yet); newer features wait for it.
+        #: The protocol the server chose in its latest answer (0: no call answered yet); newer
+        #: features wait for it.
         self.protocol = 0
         self._refusal: str | None = None  # why the server is refused (then no call is sent)
         # Pinned to protocol 1, a call carries protocol 1's metadata: the token only.
@@ -234,8 +235,8 @@ class GrpcChannel:
         self._token = token
 
     def _server_protocol(self, trailing: Any) -> int:
-        """The protocol the server chose, from the trailing metadata of this channel's first answer
-        (none: a protocol-1 server). A server too old for this client is refused: the call that
+        """The protocol the server chose, from the trailing metadata of an answer (none: a
+        protocol-1 server). A server too old for this client is refused: the call that
         found out already ran there (gRPC has no handshake to refuse it before), later ones are
         not sent (a new channel asks again)."""
         chosen = 0
@@ -277,8 +278,9 @@ class GrpcChannel:
             call = self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000,
                                       metadata=metadata or None)
             raw = await call
-            if not self.protocol:
-                self.protocol = self._server_protocol(await call.trailing_metadata())
+            # Every answer, not only the first: the channel reconnects under us to whatever release
+            # now serves the address (a server upgraded, or rolled back), and the protocol is that one's.
+            self.protocol = self._server_protocol(await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _to_fs3_error(exc, self.address, method, self._credentials is not None) from None
         except asyncio.CancelledError:
