@@ -33,6 +33,7 @@ from fs3.rpc.versions import (
     PROTOCOL_VERSION_MIN,
     RELEASE,
     VersionRange,
+    accept_choice,
     advertised_range,
     negotiate,
     range_from_wire,
@@ -204,6 +205,34 @@ def test_a_client_refuses_a_server_too_old_for_it() -> None:
                 await client.call(MGMTD.method("ListNodes"), cpb.Empty())
             await client.close()
     asyncio.run(body())
+
+
+def test_a_client_refuses_a_server_that_chose_a_protocol_it_never_offered() -> None:
+    """A HELLO_ACK naming a version above the client's range is a broken or lying server: refused,
+    not read as the client's own highest."""
+    async def lying_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raw = await reader.readexactly(HEADER.size)
+        hello = unpack_header(raw, 1 << 20, 0)
+        await reader.readexactly(hello.msg_len)
+        writer.write(pack_header(FrameKind.HELLO_ACK, 7, 0, hello.request_id, 0, 0))
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+        writer.close()
+
+    async def body() -> None:
+        server = await asyncio.start_server(lying_server, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = FramedChannel(f"127.0.0.1:{port}", TOKEN, protocols=VersionRange(1, 2))
+        try:
+            with pytest.raises(ProtocolError, match=r"chose protocol 7, which this client never offered"):
+                await client.call(MGMTD.method("ListNodes"), cpb.Empty())
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(body())
+    assert accept_choice(VersionRange(1, 2), 0, "s") == 1  # a protocol-1 server says nothing
+    assert accept_choice(VersionRange(1, 2), 2, "s") == 2
 
 
 # -- mgmtd's registration ------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from fs3.rpc.auth import Authenticator
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
-from fs3.rpc.versions import VersionRange, advertised_range, negotiate, protocol_number, range_from_wire
+from fs3.rpc.versions import VersionRange, accept_choice, advertised_range, negotiate, protocol_number, range_from_wire
 
 __all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "PROTOCOL_METADATA_KEY", "PROTOCOL_MIN_METADATA_KEY",
            "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
@@ -244,8 +244,7 @@ class GrpcChannel:
             if key == PROTOCOL_METADATA_KEY:
                 chosen = protocol_number(str(value)) or 0
         try:
-            return negotiate(self.protocols, range_from_wire(chosen), f"the server {self.address}",
-                             local_name="this client")
+            return accept_choice(self.protocols, chosen, f"the server {self.address}")
         except ProtocolError as exc:
             self._refusal = exc.message
             raise

@@ -30,7 +30,7 @@ from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import InvalidArgument, ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "PROTOCOL_VERSION_MAX_ENV", "PROTOCOL_VERSION_MIN", "RELEASE", "VersionRange",
-           "advertised_range", "negotiate", "protocol_number", "range_from_wire", "stamp_heartbeat"]
+           "accept_choice", "advertised_range", "negotiate", "protocol_number", "range_from_wire", "stamp_heartbeat"]
 
 #: The newest protocol this code speaks.
 PROTOCOL_VERSION = 2
@@ -126,6 +126,17 @@ def negotiate(local: VersionRange, peer: VersionRange, peer_name: str, *, local_
             f"{local_name} is too old for it; upgrade {local_name} to a release that speaks "
             f"protocol {peer.low} or later")
     return min(local.high, peer.high)
+
+
+def accept_choice(local: VersionRange, chosen: int, peer_name: str, *, local_name: str = "this client") -> int:
+    """The protocol a server answered it chose (0: a protocol-1 server, which says nothing), as the
+    client ``local`` takes it. A correct server chooses within the range the client offered: one
+    that names a version above it is broken or lying, and is refused rather than read as the
+    client's own highest; one below the client's lowest is too old (:func:`negotiate`)."""
+    if chosen > local.high:
+        raise ProtocolError(f"{peer_name} chose protocol {chosen}, which {local_name} never offered "
+                            f"(it speaks {local}): a broken server, or one that is not fs3")
+    return negotiate(local, range_from_wire(chosen), peer_name, local_name=local_name)
 
 
 def _of(release: str) -> str:
