@@ -8,6 +8,7 @@ import asyncio
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -35,6 +36,7 @@ from fs3.rpc.versions import (
     VersionRange,
     accept_choice,
     advertised_range,
+    apply_config_pin,
     negotiate,
     range_from_wire,
     stamp_heartbeat,
@@ -102,6 +104,33 @@ def test_a_bad_pin_stops_any_command_at_once_in_one_line(monkeypatch: pytest.Mon
     assert cli_main(["admin", "--mgmtd", "127.0.0.1:1", "nodes"]) == 1
     err = capsys.readouterr().err
     assert "FS3_PROTOCOL_VERSION_MAX='two'" in err and "Traceback" not in err
+
+
+def test_the_pin_can_live_in_a_service_config() -> None:
+    environ: dict[str, str] = {}
+    apply_config_pin(0, environ)
+    assert environ == {}  # 0: no pin
+    apply_config_pin(1, environ)
+    assert advertised_range(environ) == VersionRange(1, 1)
+    apply_config_pin(1, environ)  # the same in both places is fine
+    with pytest.raises(InvalidArgument, match="protocol_version_max = 2 in the config, but"):
+        apply_config_pin(2, environ)
+    with pytest.raises(InvalidArgument, match=r"protocol_version_max = 9: this release speaks protocol 1\.\.2"):
+        apply_config_pin(9, {})
+
+
+@pytest.mark.parametrize("service", ["mgmtd", "storage", "meta"])
+def test_every_service_reads_the_pin_from_its_toml(service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything starts when the config's pin and the environment's disagree: the
+    config's key reached the pin."""
+    config = tmp_path / f"{service}.toml"
+    extra = f'node_id = 1\n[[targets]]\ntarget_id = 101\npath = "{tmp_path / "t"}"\n' if service == "storage" else ""
+    config.write_text(f"protocol_version_max = 1\n{extra}")
+    config.chmod(0o600)
+    monkeypatch.setenv(PROTOCOL_VERSION_MAX_ENV, "2")
+    assert cli_main([service, "--config", str(config)]) == 1
+    assert "protocol_version_max = 1 in the config, but FS3_PROTOCOL_VERSION_MAX='2'" in capsys.readouterr().err
 
 
 # -- the transports ------------------------------------------------------------------------------

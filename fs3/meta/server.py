@@ -96,6 +96,9 @@ class MetaConfig:
     service: MetaServiceConfig = field(default_factory=_service_defaults)
     # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # Speak at most this protocol (fs3/rpc/versions.py; 0: this release's newest), as
+    # $FS3_PROTOCOL_VERSION_MAX: the pin of a rolling upgrade (docs/operations.md "Rolling upgrade").
+    protocol_version_max: int = 0
     log_level: str = "INFO"
 
     def validate(self) -> None:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 
 from fs3 import mgmtd_pb2 as mpb
 from fs3.common.errors import InvalidArgument, ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "PROTOCOL_VERSION_MAX_ENV", "PROTOCOL_VERSION_MIN", "RELEASE", "VersionRange",
-           "accept_choice", "advertised_range", "negotiate", "protocol_number", "range_from_wire", "stamp_heartbeat"]
+           "accept_choice", "advertised_range", "apply_config_pin", "negotiate", "protocol_number",
+           "range_from_wire", "stamp_heartbeat"]
 
 #: The newest protocol this code speaks.
 PROTOCOL_VERSION = 2
@@ -81,6 +83,24 @@ def advertised_range(environ: dict[str, str] | None = None) -> VersionRange:
         raise InvalidArgument(f"{PROTOCOL_VERSION_MAX_ENV}={raw!r}: this release speaks protocol "
                          f"{PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}; pin one of those")
     return VersionRange(PROTOCOL_VERSION_MIN, int(raw))
+
+
+def apply_config_pin(protocol_version_max: int, environ: MutableMapping[str, str] | None = None) -> None:
+    """A service config's ``protocol_version_max`` (0: none) made this process's pin: written to
+    ``$FS3_PROTOCOL_VERSION_MAX``, which every channel and server the process (and its children)
+    makes reads. Operators keep settings in the TOML; the environment stays for processes without
+    one (clients, mounts). Both set and different is refused, as is a version this release lacks."""
+    if not protocol_version_max:
+        return
+    env = os.environ if environ is None else environ
+    if not PROTOCOL_VERSION_MIN <= protocol_version_max <= PROTOCOL_VERSION:
+        raise InvalidArgument(f"protocol_version_max = {protocol_version_max}: this release speaks protocol "
+                              f"{PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}; pin one of those (or 0: no pin)")
+    already = env.get(PROTOCOL_VERSION_MAX_ENV, "").strip()
+    if already and already != str(protocol_version_max):
+        raise InvalidArgument(f"protocol_version_max = {protocol_version_max} in the config, but "
+                              f"{PROTOCOL_VERSION_MAX_ENV}={already!r} in the environment: set one of them")
+    env[PROTOCOL_VERSION_MAX_ENV] = str(protocol_version_max)
 
 
 def stamp_heartbeat(req: mpb.HeartbeatReq, environ: dict[str, str] | None = None) -> mpb.HeartbeatReq:
