@@ -6,9 +6,9 @@ tests/test_rolling_upgrade_check.py, so a checker that cannot fail is caught the
 * :func:`version_problems`: every node and mgmtd is listed alive and reports the new protocol and
   release.
 * :func:`format_problems`: every store is on this code's format, no migration pending.
-* :func:`upgrade_verdict`: the whole run: the client workload ran through every restart, its ledger and linearizability (from
-  :func:`tests.chaos.cluster.check_history`), no client operation failed beyond its retries, the
-  files, fsck, the versions, the stores' formats.
+* :func:`upgrade_verdict`: the whole run: the client workload ran through every restart, its
+  ledger and linearizability (from :func:`tests.chaos.cluster.check_history`), no client
+  operation failed beyond its retries, the files, fsck, the versions, the stores' formats.
 """
 
 from __future__ import annotations
