@@ -5,6 +5,8 @@ message naming both versions, while a protocol-1 peer (an older release) is stil
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +24,9 @@ from fs3.client.admin import AdminClient
 from fs3.common.errors import FS3Error, InvalidArgument, ProtocolError, StatusCode
 from fs3.common.ids import chunk_id
 from fs3.kv.store import MemKVStore
+from fs3.meta.server import MetaConfig, heartbeat_loop
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer, check_node_protocol
+from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedChannel, FramedServer
 from fs3.rpc.framing import HEADER, MAGIC, FrameKind, pack_header, unpack_header
@@ -262,6 +266,26 @@ def test_a_client_refuses_a_server_that_chose_a_protocol_it_never_offered() -> N
     asyncio.run(body())
     assert accept_choice(VersionRange(1, 2), 0, "s") == 1  # a protocol-1 server says nothing
     assert accept_choice(VersionRange(1, 2), 2, "s") == 2
+
+
+def test_a_meta_server_refused_by_mgmtd_says_so_once_not_every_heartbeat(caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with serving(protocols=VersionRange(3, 3)) as (framed_addr, _, _servicer):
+            config = MetaConfig(mgmtd_address=framed_addr, heartbeat_interval_ms=10, token=TOKEN)
+            channels = RealChannelFactory(TOKEN, "framed")
+            beating = asyncio.create_task(heartbeat_loop(config, channels, ("h:1", "h:2", "")))
+            async def refused_five_times() -> bool:
+                return sum("mgmtd refuses this meta server" in r.message for r in caplog.records) >= 5
+            await wait_until(refused_five_times, timeout_s=10, what="five refused heartbeats")
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+            await channels.close()
+    with caplog.at_level(logging.DEBUG, logger="fs3.meta.server"):
+        asyncio.run(body())
+    refusals = [r for r in caplog.records if "mgmtd refuses this meta server" in r.message]
+    assert [r.levelno for r in refusals[:2]] == [logging.ERROR, logging.DEBUG]
+    assert "speaks protocol 1..2, this server speaks 3" in refusals[0].message
 
 
 # -- mgmtd's registration ------------------------------------------------------------------------

@@ -152,11 +152,14 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
     req = stamp_heartbeat(mgpb.HeartbeatReq(
         node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0], grpc_address=addresses[1],
         metrics_address=addresses[2], hostname=socket.gethostname(), pid=os.getpid()))
+    refused = False  # the refusal is logged at error once per run of them: it will not heal by itself
     while True:
         try:
             await mgmtd.call("Heartbeat", req)
+            refused = False
         except ProtocolError as exc:
-            log.error("mgmtd refuses this meta server: %s", exc.message)
+            log.log(logging.DEBUG if refused else logging.ERROR, "mgmtd refuses this meta server: %s", exc.message)
+            refused = True
         except FS3Error as exc:
             log.debug("meta heartbeat failed: %s", exc)
         await asyncio.sleep(config.heartbeat_interval_ms / 1000)
