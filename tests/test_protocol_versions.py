@@ -5,9 +5,12 @@ message naming both versions, while a protocol-1 peer (an older release) is stil
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,12 +18,15 @@ import pytest
 
 from fs3 import common_pb2 as cpb
 from fs3 import mgmtd_pb2 as mpb
+from fs3.cli.main import main as cli_main
 from fs3.cli.main import node_entries
 from fs3.client.admin import AdminClient
-from fs3.common.errors import ProtocolError, StatusCode
+from fs3.common.errors import FS3Error, InvalidArgument, ProtocolError, StatusCode
 from fs3.common.ids import chunk_id
 from fs3.kv.store import MemKVStore
+from fs3.meta.server import MetaConfig, heartbeat_loop
 from fs3.mgmtd.service import MgmtdConfig, MgmtdServicer, check_node_protocol
+from fs3.rpc.channel import RealChannelFactory
 from fs3.rpc.dispatch import Dispatcher
 from fs3.rpc.framed import FramedChannel, FramedServer
 from fs3.rpc.framing import HEADER, MAGIC, FrameKind, pack_header, unpack_header
@@ -32,7 +38,9 @@ from fs3.rpc.versions import (
     PROTOCOL_VERSION_MIN,
     RELEASE,
     VersionRange,
+    accept_choice,
     advertised_range,
+    apply_config_pin,
     negotiate,
     range_from_wire,
     stamp_heartbeat,
@@ -87,9 +95,46 @@ def test_absent_fields_read_as_protocol_1_and_a_nonsense_range_is_refused() -> N
 def test_the_operator_pin_lowers_the_top_and_a_bad_pin_is_refused() -> None:
     assert advertised_range({}) == VersionRange(PROTOCOL_VERSION_MIN, PROTOCOL_VERSION)
     assert advertised_range({PROTOCOL_VERSION_MAX_ENV: "1"}) == VersionRange(1, 1)
-    for bad in ("0", str(PROTOCOL_VERSION + 1), "two"):
-        with pytest.raises(ValueError, match=PROTOCOL_VERSION_MAX_ENV):
+    # "²" passes str.isdigit() but not int(): it too must be the pin's own error, not a bare ValueError.
+    for bad in ("0", str(PROTOCOL_VERSION + 1), "two", "\u00b2", "-1", "1.5"):
+        with pytest.raises(InvalidArgument, match=PROTOCOL_VERSION_MAX_ENV):
             advertised_range({PROTOCOL_VERSION_MAX_ENV: bad})
+
+
+def test_a_bad_pin_stops_any_command_at_once_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(PROTOCOL_VERSION_MAX_ENV, "two")
+    # No mgmtd listens there: the pin is refused before any connection is tried.
+    assert cli_main(["admin", "--mgmtd", "127.0.0.1:1", "nodes"]) == 1
+    err = capsys.readouterr().err
+    assert "FS3_PROTOCOL_VERSION_MAX='two'" in err and "Traceback" not in err
+
+
+def test_the_pin_can_live_in_a_service_config() -> None:
+    environ: dict[str, str] = {}
+    apply_config_pin(0, environ)
+    assert environ == {}  # 0: no pin
+    apply_config_pin(1, environ)
+    assert advertised_range(environ) == VersionRange(1, 1)
+    apply_config_pin(1, environ)  # the same in both places is fine
+    with pytest.raises(InvalidArgument, match="protocol_version_max = 2 in the config, but"):
+        apply_config_pin(2, environ)
+    with pytest.raises(InvalidArgument, match=r"protocol_version_max = 9: this release speaks protocol 1\.\.2"):
+        apply_config_pin(9, {})
+
+
+@pytest.mark.parametrize("service", ["mgmtd", "storage", "meta"])
+def test_every_service_reads_the_pin_from_its_toml(service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything starts when the config's pin and the environment's disagree: the
+    config's key reached the pin."""
+    config = tmp_path / f"{service}.toml"
+    extra = f'node_id = 1\n[[targets]]\ntarget_id = 101\npath = "{tmp_path / "t"}"\n' if service == "storage" else ""
+    config.write_text(f"protocol_version_max = 1\n{extra}")
+    config.chmod(0o600)
+    monkeypatch.setenv(PROTOCOL_VERSION_MAX_ENV, "2")
+    assert cli_main([service, "--config", str(config)]) == 1
+    assert "protocol_version_max = 1 in the config, but FS3_PROTOCOL_VERSION_MAX='2'" in capsys.readouterr().err
 
 
 # -- the transports ------------------------------------------------------------------------------
@@ -195,6 +240,54 @@ def test_a_client_refuses_a_server_too_old_for_it() -> None:
     asyncio.run(body())
 
 
+def test_a_client_refuses_a_server_that_chose_a_protocol_it_never_offered() -> None:
+    """A HELLO_ACK naming a version above the client's range is a broken or lying server: refused,
+    not read as the client's own highest."""
+    async def lying_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raw = await reader.readexactly(HEADER.size)
+        hello = unpack_header(raw, 1 << 20, 0)
+        await reader.readexactly(hello.msg_len)
+        writer.write(pack_header(FrameKind.HELLO_ACK, 7, 0, hello.request_id, 0, 0))
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+        writer.close()
+
+    async def body() -> None:
+        server = await asyncio.start_server(lying_server, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = FramedChannel(f"127.0.0.1:{port}", TOKEN, protocols=VersionRange(1, 2))
+        try:
+            with pytest.raises(ProtocolError, match=r"chose protocol 7, which this client never offered"):
+                await client.call(MGMTD.method("ListNodes"), cpb.Empty())
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(body())
+    assert accept_choice(VersionRange(1, 2), 0, "s") == 1  # a protocol-1 server says nothing
+    assert accept_choice(VersionRange(1, 2), 2, "s") == 2
+
+
+def test_a_meta_server_refused_by_mgmtd_says_so_once_not_every_heartbeat(caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with serving(protocols=VersionRange(3, 3)) as (framed_addr, _, _servicer):
+            config = MetaConfig(mgmtd_address=framed_addr, heartbeat_interval_ms=10, token=TOKEN)
+            channels = RealChannelFactory(TOKEN, "framed")
+            beating = asyncio.create_task(heartbeat_loop(config, channels, ("h:1", "h:2", "")))
+            async def refused_five_times() -> bool:
+                return sum("mgmtd refuses this meta server" in r.message for r in caplog.records) >= 5
+            await wait_until(refused_five_times, timeout_s=10, what="five refused heartbeats")
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+            await channels.close()
+    with caplog.at_level(logging.DEBUG, logger="fs3.meta.server"):
+        asyncio.run(body())
+    refusals = [r for r in caplog.records if "mgmtd refuses this meta server" in r.message]
+    assert [r.levelno for r in refusals[:2]] == [logging.ERROR, logging.DEBUG]
+    assert "speaks protocol 1..2, this server speaks 3" in refusals[0].message
+
+
 # -- mgmtd's registration ------------------------------------------------------------------------
 
 def _heartbeat(node_id: int, protocol: int = 0, protocol_min: int = 0, release: str = "") -> mpb.HeartbeatReq:
@@ -298,6 +391,18 @@ def test_grpc_metadata_that_is_not_a_version_is_refused() -> None:
                 await call(b"", metadata=(("x-fs3-token", TOKEN), ("x-fs3-protocol", "two")), timeout=5)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "bad x-fs3-protocol metadata 'two'" in (refused.value.details() or "")
+            # Numbers no protocol field holds: the same clear refusal.
+            for bad in ("99999", "1" * 40):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(b"", metadata=(("x-fs3-token", TOKEN), ("x-fs3-protocol-min", bad)), timeout=5)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, bad
+                assert "bad x-fs3-protocol-min metadata" in (refused.value.details() or ""), bad
+            # A third-party caller with the token only (no fs3 version metadata) is a protocol-1
+            # caller, served, and gets no version back.
+            plain = channel.unary_unary(MGMTD.method("ListNodes").grpc_path)
+            answered = plain(b"", metadata=(("x-fs3-token", TOKEN),), timeout=5)
+            assert mpb.ListNodesRsp.FromString(await answered).protocol_version == PROTOCOL_VERSION
+            assert "x-fs3-protocol" not in dict(await answered.trailing_metadata() or ())
             await channel.close()
     asyncio.run(body())
 
@@ -332,4 +437,41 @@ def test_a_grpc_client_learns_the_servers_protocol_and_refuses_one_too_old() -> 
             await newer.close()
         finally:
             await old.stop(None)
+    asyncio.run(body())
+
+
+def test_a_grpc_client_follows_the_server_behind_its_address_across_a_restart() -> None:
+    """gRPC reconnects a channel by itself: after the server behind the address restarts on another
+    release, the channel's protocol is the new server's, not the one it learned first."""
+    async def body() -> None:
+        servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
+        servicer.start()
+        dispatcher = Dispatcher(token=TOKEN)
+        dispatcher.add_service(MGMTD, servicer)
+        pinned = GrpcServer(dispatcher, protocols=VersionRange(1, 1))
+        port = await pinned.start("127.0.0.1", 0)
+        channel = GrpcChannel(f"127.0.0.1:{port}", TOKEN)
+        try:
+            await channel.call(MGMTD.method("ListNodes"), cpb.Empty())
+            assert channel.protocol == 1
+            await pinned.stop()
+            upgraded = GrpcServer(dispatcher)
+            await upgraded.start("127.0.0.1", port)
+            try:
+                async def answered_on_new() -> bool:
+                    try:
+                        await channel.call(MGMTD.method("ListNodes"), cpb.Empty(), timeout_ms=1_000)
+                    except FS3Error:
+                        return False  # still reconnecting
+                    return channel.protocol == PROTOCOL_VERSION
+                for _ in range(50):
+                    if await answered_on_new():
+                        break
+                    await asyncio.sleep(0.1)
+                assert channel.protocol == PROTOCOL_VERSION
+            finally:
+                await upgraded.stop()
+        finally:
+            await channel.close()
+            await servicer.stop()
     asyncio.run(body())

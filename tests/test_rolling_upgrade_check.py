@@ -22,7 +22,7 @@ EXPECTED = {path: _digest(data) for path, data in FILES.items()}
 def _passing_report() -> dict[str, Any]:
     return {"failed": 0, "lost": [], "violations": [], "namespace_lost": [], "namespace_failed": 0,
             "file_problems": [], "files_checked": len(FILES), "fsck_clean": True, "version_problems": [],
-            "format_problems": []}
+            "format_problems": [], "workload_covered_upgrade": True}
 
 
 def test_every_byte_read_back_passes() -> None:
@@ -74,7 +74,8 @@ def test_a_node_left_on_the_old_protocol_fails_the_run() -> None:
 
 def test_a_check_that_never_ran_is_a_failure_not_a_pass() -> None:
     report = _passing_report()
-    for key in ("failed", "lost", "fsck_clean", "files_checked", "version_problems", "format_problems"):
+    for key in ("failed", "lost", "fsck_clean", "files_checked", "version_problems", "format_problems",
+                "workload_covered_upgrade"):
         partial = {k: v for k, v in report.items() if k != key}
         assert upgrade_verdict(partial), f"a report without {key} passed"
     assert upgrade_verdict({**report, "failed": 3}) == ["3 client operations failed beyond their retries"]
@@ -88,3 +89,21 @@ def test_a_store_left_on_an_old_format_fails_the_run() -> None:
     assert problem.startswith("storage2/target-1: format 2, current 3")
     assert format_problems({"meta": {"found": "unreadable: newer", "current": None, "pending": []}})
     assert format_problems({}) == ["no store checked"]
+
+
+def test_a_workload_that_ended_before_the_restarts_fails_the_run() -> None:
+    """A clean history of a workload that stopped before the first restart proves nothing about
+    serving through the upgrade."""
+    (problem,) = upgrade_verdict({**_passing_report(), "workload_covered_upgrade": False})
+    assert "did not run through every restart" in problem
+
+
+def test_a_node_missing_from_the_listing_after_the_upgrade_fails_the_run() -> None:
+    """Only the living are listed alive: a node that died after its upgrade must not pass by absence."""
+    entry = {"name": "", "node_type": "storage", "node_id": 1, "framed_address": "a:1", "alive": True,
+             "protocol_version": PROTOCOL_VERSION, "release": RELEASE}
+    listed = [{**entry, "host": "storage1"}, {**entry, "node_id": 2, "host": "storage2"}]
+    assert version_problems(listed, PROTOCOL_VERSION, RELEASE, expected_hosts=("storage1", "storage2")) == []
+    (problem,) = version_problems(listed, PROTOCOL_VERSION, RELEASE,
+                                  expected_hosts=("storage1", "storage2", "storage3"))
+    assert problem == "storage3: not listed alive after the upgrade"

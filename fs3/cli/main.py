@@ -57,6 +57,7 @@ from fs3.cli.upgrade import add_upgrade_command, upgrade_command
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
+from fs3.rpc.versions import advertised_range, apply_config_pin
 
 __all__ = ["PEER_ROLE", "build_parser", "main", "node_entries", "run_admin"]
 
@@ -639,6 +640,9 @@ def _main(argv: Sequence[str] | None) -> int:
         # it starts must not kill it (the default action), and it reads the file as it starts anyway.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
+        # A bad $FS3_PROTOCOL_VERSION_MAX stops every command here, in one line, rather than at the
+        # first connection (a mount's, a heartbeat's) with a traceback.
+        advertised_range()
         if args.service in ("mgmtd", "storage", "meta"):
             check_config_file(args.config)  # a config holding a token must be private
         if args.service == "mgmtd":
@@ -651,17 +655,22 @@ def _main(argv: Sequence[str] | None) -> int:
                                                        "token_file", "kv_engine", "pg_url", "instance_name",
                                                        "advertise_address")}
             config = load_config(MgmtdConfig, args.config, env_prefix="FS3_MGMTD", overrides=overrides)
+            apply_config_pin(config.protocol_version_max)
             run_mgmtd(config, args.ready_file)
             return 0
         if args.service == "storage":
             from fs3.storage.server import StorageConfig, run_storage
 
-            run_storage(load_config(StorageConfig, args.config, env_prefix="FS3_STORAGE"), args.ready_file)
+            storage_config = load_config(StorageConfig, args.config, env_prefix="FS3_STORAGE")
+            apply_config_pin(storage_config.protocol_version_max)
+            run_storage(storage_config, args.ready_file)
             return 0
         if args.service == "meta":
             from fs3.meta.server import MetaConfig, run_meta
 
-            run_meta(load_config(MetaConfig, args.config, env_prefix="FS3_META"), args.ready_file)
+            meta_config = load_config(MetaConfig, args.config, env_prefix="FS3_META")
+            apply_config_pin(meta_config.protocol_version_max)
+            run_meta(meta_config, args.ready_file)
             return 0
         if args.service in ("mount", "umount"):
             from fs3.fuse.mount import MountOptions, mount_background, run_foreground, umount

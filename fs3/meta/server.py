@@ -96,6 +96,9 @@ class MetaConfig:
     service: MetaServiceConfig = field(default_factory=_service_defaults)
     # Mutual TLS on both transports, incoming and outgoing (the [tls] table; off when empty).
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # Speak at most this protocol (fs3/rpc/versions.py; 0: this release's newest), as
+    # $FS3_PROTOCOL_VERSION_MAX: the pin of a rolling upgrade (docs/operations.md "Rolling upgrade").
+    protocol_version_max: int = 0
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -149,11 +152,14 @@ async def heartbeat_loop(config: MetaConfig, channels: RealChannelFactory, addre
     req = stamp_heartbeat(mgpb.HeartbeatReq(
         node_id=config.node_id, node_type=cpb.NODE_META, framed_address=addresses[0], grpc_address=addresses[1],
         metrics_address=addresses[2], hostname=socket.gethostname(), pid=os.getpid()))
+    refused = False  # the refusal is logged at error once per run of them: it will not heal by itself
     while True:
         try:
             await mgmtd.call("Heartbeat", req)
+            refused = False
         except ProtocolError as exc:
-            log.error("mgmtd refuses this meta server: %s", exc.message)
+            log.log(logging.DEBUG if refused else logging.ERROR, "mgmtd refuses this meta server: %s", exc.message)
+            refused = True
         except FS3Error as exc:
             log.debug("meta heartbeat failed: %s", exc)
         await asyncio.sleep(config.heartbeat_interval_ms / 1000)

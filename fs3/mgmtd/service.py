@@ -87,6 +87,9 @@ class MgmtdConfig:
     # A store of an older format is migrated when mgmtd starts (fs3.mgmtd.formats); off: the start
     # is refused, and `fs3 admin upgrade --config` migrates it offline (docs/operations.md "Upgrading").
     upgrade_on_start: bool = True
+    # Speak at most this protocol (fs3/rpc/versions.py; 0: this release's newest), as
+    # $FS3_PROTOCOL_VERSION_MAX: the pin of a rolling upgrade (docs/operations.md "Rolling upgrade").
+    protocol_version_max: int = 0
     log_level: str = "INFO"
 
     def validate(self) -> None:

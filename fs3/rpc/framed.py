@@ -28,7 +28,7 @@ from fs3.rpc.framing import HEADER, MAGIC, FrameHeader, FrameKind, pack_header, 
 from fs3.rpc.limits import HELLO_MSG_MAX_BYTES, FramedLimits
 from fs3.rpc.methods import MethodSpec
 from fs3.rpc.tls import tls_error
-from fs3.rpc.versions import VersionRange, advertised_range, negotiate, range_from_wire
+from fs3.rpc.versions import VersionRange, accept_choice, advertised_range, negotiate, range_from_wire
 
 __all__ = ["FramedChannel", "FramedLimits", "FramedServer"]
 
@@ -337,8 +337,7 @@ class FramedChannel:
                 raise error_for(header.status, f"handshake with {self.address} refused" + (f": {said}" if said else ""))
             try:
                 # A HELLO_ACK without a version (method_id 0) comes from a protocol-1 server.
-                self.protocol = negotiate(self.protocols, range_from_wire(header.method_id),
-                                          f"the server {self.address}", local_name="this client")
+                self.protocol = accept_choice(self.protocols, header.method_id, f"the server {self.address}")
             except ProtocolError:
                 writer.close()
                 raise

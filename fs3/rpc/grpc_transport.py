@@ -29,7 +29,7 @@ from fs3.rpc.auth import Authenticator
 from fs3.rpc.dispatch import Buffer, Dispatcher
 from fs3.rpc.limits import GRPC_MESSAGE_MAX_BYTES
 from fs3.rpc.methods import PAYLOAD_FIELD, MethodSpec
-from fs3.rpc.versions import VersionRange, advertised_range, negotiate, range_from_wire
+from fs3.rpc.versions import VersionRange, accept_choice, advertised_range, negotiate, protocol_number, range_from_wire
 
 __all__ = ["CODE_METADATA_KEY", "HEALTH_SERVICE", "PROTOCOL_METADATA_KEY", "PROTOCOL_MIN_METADATA_KEY",
            "REFLECTION_SERVICE", "TOKEN_METADATA_KEY", "GrpcChannel",
@@ -75,13 +75,14 @@ def _caller_range(metadata: Any) -> VersionRange:
     high = low = 0
     for key, value in metadata or ():
         if key in (PROTOCOL_METADATA_KEY, PROTOCOL_MIN_METADATA_KEY):
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            if not text.isdigit() or int(text) > 0xFFFF:
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            number = protocol_number(text)
+            if number is None:
                 raise ProtocolError(f"bad {key} metadata {text[:20]!r}: expected a protocol number")
             if key == PROTOCOL_METADATA_KEY:
-                high = int(text)
+                high = number
             else:
-                low = int(text)
+                low = number
     return range_from_wire(high, low)
 
 
@@ -215,7 +216,8 @@ class GrpcChannel:
                  server_name: str = "", protocols: VersionRange | None = None) -> None:
         self.address = address
         self.protocols = protocols or advertised_range()
-        #: The protocol the server chose (0: no call answered yet); newer features wait for it.
+        #: The protocol the server chose in its latest answer (0: no call answered yet); newer
+        #: features wait for it.
         self.protocol = 0
         self._refusal: str | None = None  # why the server is refused (then no call is sent)
         # Pinned to protocol 1, a call carries protocol 1's metadata: the token only.
@@ -233,17 +235,16 @@ class GrpcChannel:
         self._token = token
 
     def _server_protocol(self, trailing: Any) -> int:
-        """The protocol the server chose, from the trailing metadata of this channel's first answer
-        (none: a protocol-1 server). A server too old for this client is refused: the call that
+        """The protocol the server chose, from the trailing metadata of an answer (none: a
+        protocol-1 server). A server too old for this client is refused: the call that
         found out already ran there (gRPC has no handshake to refuse it before), later ones are
         not sent (a new channel asks again)."""
         chosen = 0
         for key, value in trailing or ():
-            if key == PROTOCOL_METADATA_KEY and str(value).isdigit():
-                chosen = int(value)
+            if key == PROTOCOL_METADATA_KEY:
+                chosen = protocol_number(str(value)) or 0
         try:
-            return negotiate(self.protocols, range_from_wire(chosen), f"the server {self.address}",
-                             local_name="this client")
+            return accept_choice(self.protocols, chosen, f"the server {self.address}")
         except ProtocolError as exc:
             self._refusal = exc.message
             raise
@@ -276,8 +277,9 @@ class GrpcChannel:
             call = self._stub(method)(request.SerializeToString(), timeout=timeout_ms / 1000,
                                       metadata=metadata or None)
             raw = await call
-            if not self.protocol:
-                self.protocol = self._server_protocol(await call.trailing_metadata())
+            # Every answer, not only the first: the channel reconnects under us to whatever release
+            # now serves the address (a server upgraded, or rolled back), and the protocol is that one's.
+            self.protocol = self._server_protocol(await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _to_fs3_error(exc, self.address, method, self._credentials is not None) from None
         except asyncio.CancelledError:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 
 from fs3 import mgmtd_pb2 as mpb
-from fs3.common.errors import ProtocolError
+from fs3.common.errors import InvalidArgument, ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "PROTOCOL_VERSION_MAX_ENV", "PROTOCOL_VERSION_MIN", "RELEASE", "VersionRange",
-           "advertised_range", "negotiate", "range_from_wire", "stamp_heartbeat"]
+           "accept_choice", "advertised_range", "apply_config_pin", "negotiate", "protocol_number",
+           "range_from_wire", "stamp_heartbeat"]
 
 #: The newest protocol this code speaks.
 PROTOCOL_VERSION = 2
@@ -71,14 +73,34 @@ class VersionRange:
 def advertised_range(environ: dict[str, str] | None = None) -> VersionRange:
     """What this process speaks: ``PROTOCOL_VERSION_MIN..PROTOCOL_VERSION``, the top lowered by
     ``$FS3_PROTOCOL_VERSION_MAX`` when set. A pin outside that range is refused (a typo must not
-    silently leave the cluster on a protocol the operator did not choose)."""
+    silently leave the cluster on a protocol the operator did not choose) with
+    :class:`~fs3.common.errors.InvalidArgument`, which every command reports in one line."""
     raw = (os.environ if environ is None else environ).get(PROTOCOL_VERSION_MAX_ENV, "").strip()
     if not raw:
         return VersionRange(PROTOCOL_VERSION_MIN, PROTOCOL_VERSION)
-    if not raw.isdigit() or not PROTOCOL_VERSION_MIN <= int(raw) <= PROTOCOL_VERSION:
-        raise ValueError(f"{PROTOCOL_VERSION_MAX_ENV}={raw!r}: this release speaks protocol "
+    # isascii: str.isdigit() admits digits int() refuses ("²"), which would escape as a bare ValueError.
+    if not (raw.isascii() and raw.isdigit()) or not PROTOCOL_VERSION_MIN <= int(raw) <= PROTOCOL_VERSION:
+        raise InvalidArgument(f"{PROTOCOL_VERSION_MAX_ENV}={raw!r}: this release speaks protocol "
                          f"{PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}; pin one of those")
     return VersionRange(PROTOCOL_VERSION_MIN, int(raw))
+
+
+def apply_config_pin(protocol_version_max: int, environ: MutableMapping[str, str] | None = None) -> None:
+    """A service config's ``protocol_version_max`` (0: none) made this process's pin: written to
+    ``$FS3_PROTOCOL_VERSION_MAX``, which every channel and server the process (and its children)
+    makes reads. Operators keep settings in the TOML; the environment stays for processes without
+    one (clients, mounts). Both set and different is refused, as is a version this release lacks."""
+    if not protocol_version_max:
+        return
+    env = os.environ if environ is None else environ
+    if not PROTOCOL_VERSION_MIN <= protocol_version_max <= PROTOCOL_VERSION:
+        raise InvalidArgument(f"protocol_version_max = {protocol_version_max}: this release speaks protocol "
+                              f"{PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}; pin one of those (or 0: no pin)")
+    already = env.get(PROTOCOL_VERSION_MAX_ENV, "").strip()
+    if already and already != str(protocol_version_max):
+        raise InvalidArgument(f"protocol_version_max = {protocol_version_max} in the config, but "
+                              f"{PROTOCOL_VERSION_MAX_ENV}={already!r} in the environment: set one of them")
+    env[PROTOCOL_VERSION_MAX_ENV] = str(protocol_version_max)
 
 
 def stamp_heartbeat(req: mpb.HeartbeatReq, environ: dict[str, str] | None = None) -> mpb.HeartbeatReq:
@@ -86,6 +108,14 @@ def stamp_heartbeat(req: mpb.HeartbeatReq, environ: dict[str, str] | None = None
     spoken = advertised_range(environ)
     req.protocol_version, req.protocol_version_min, req.release = spoken.high, spoken.low, RELEASE
     return req
+
+
+def protocol_number(text: str) -> int | None:
+    """``text`` as a protocol number a peer sent (gRPC metadata), or None when it is not one: only
+    ASCII digits, at most 0xFFFF (str.isdigit() alone admits "²", which int() refuses)."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 5 or int(text) > 0xFFFF:
+        return None
+    return int(text)
 
 
 def range_from_wire(high: int, low: int = 0) -> VersionRange:
@@ -116,6 +146,17 @@ def negotiate(local: VersionRange, peer: VersionRange, peer_name: str, *, local_
             f"{local_name} is too old for it; upgrade {local_name} to a release that speaks "
             f"protocol {peer.low} or later")
     return min(local.high, peer.high)
+
+
+def accept_choice(local: VersionRange, chosen: int, peer_name: str, *, local_name: str = "this client") -> int:
+    """The protocol a server answered it chose (0: a protocol-1 server, which says nothing), as the
+    client ``local`` takes it. A correct server chooses within the range the client offered: one
+    that names a version above it is broken or lying, and is refused rather than read as the
+    client's own highest; one below the client's lowest is too old (:func:`negotiate`)."""
+    if chosen > local.high:
+        raise ProtocolError(f"{peer_name} chose protocol {chosen}, which {local_name} never offered "
+                            f"(it speaks {local}): a broken server, or one that is not fs3")
+    return negotiate(local, range_from_wire(chosen), peer_name, local_name=local_name)
 
 
 def _of(release: str) -> str:

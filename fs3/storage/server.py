@@ -78,6 +78,9 @@ class StorageConfig:
     capability_skew_ms: int = 30_000
     # The background scrubber (the [scrub] table; off unless a rate is set).
     scrub: ScrubConfig = field(default_factory=ScrubConfig)
+    # Speak at most this protocol (fs3/rpc/versions.py; 0: this release's newest), as
+    # $FS3_PROTOCOL_VERSION_MAX: the pin of a rolling upgrade (docs/operations.md "Rolling upgrade").
+    protocol_version_max: int = 0
     log_level: str = "INFO"
     # A target of an older format is migrated when the node starts; off: it is refused, and
     # `fs3 admin upgrade --config` migrates it with the node stopped (docs/operations.md "Upgrading").

@@ -14,9 +14,10 @@ Usage: ``python -m tests.chaos.rolling_upgrade [--from COMMIT] [--seconds S] [--
    new protocol and every chain is serving again (a storage node's replicas resynced) before the
    next. Order: mgmtd, storage nodes, meta (UPGRADE_ORDER says why). Clients come last: the
    workload's old client talks to new servers throughout.
-4. Checks (tests/chaos/upgrade_check.py): no client operation failed beyond its retries, no
-   acknowledged write lost, every byte of the files reads back (with the new client), fsck clean,
-   every node on the new protocol and release, every store on the new format.
+4. Checks (tests/chaos/upgrade_check.py): the workload ran through every restart, no client
+   operation failed beyond its retries, no acknowledged write lost, every byte of the files reads
+   back (with the new client), fsck clean, every node listed alive on the new protocol and
+   release, every store on the new format.
 
 Without the history (a shallow clone, an unpacked archive) it says so and exits 0, skipped.
 ``--sabotage`` flips one byte of one file before the read-back: the run must then FAIL.
@@ -208,7 +209,7 @@ def run(commit: str, seconds: float, out: Path, sabotage: bool) -> int:
                 nodes = upgrade.nodes()
                 report["versions_after"] = upgrade.versions()
                 report["version_problems"] = version_problems([e for e in nodes if e.get("alive")], PROTOCOL_VERSION,
-                                                              RELEASE)
+                                                              RELEASE, expected_hosts=tuple(UPGRADE_ORDER))
                 report["formats_after"] = store_formats(cluster)
                 report["format_problems"] = format_problems(report["formats_after"])
             finally:

@@ -3,11 +3,12 @@ tests/test_rolling_upgrade_check.py, so a checker that cannot fail is caught the
 
 * :func:`compare_files`: every file whose write was acknowledged before the upgrade reads back
   whole, byte for byte (its SHA-256 and size as recorded at the acknowledgement).
-* :func:`version_problems`: every node and mgmtd reports the new protocol and release.
+* :func:`version_problems`: every node and mgmtd is listed alive and reports the new protocol and
+  release.
 * :func:`format_problems`: every store is on this code's format, no migration pending.
-* :func:`upgrade_verdict`: the whole run: the client workload's ledger and linearizability (from
-  :func:`tests.chaos.cluster.check_history`), no client operation failed beyond its retries, the
-  files, fsck, the versions, the stores' formats.
+* :func:`upgrade_verdict`: the whole run: the client workload ran through every restart, its
+  ledger and linearizability (from :func:`tests.chaos.cluster.check_history`), no client
+  operation failed beyond its retries, the files, fsck, the versions, the stores' formats.
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ def compare_files(expected: dict[str, dict[str, Any]], observed: dict[str, dict[
     return problems
 
 
-def version_problems(entries: list[dict[str, Any]], protocol: int, release: str) -> list[str]:
-    """``entries``: ``fs3 admin --json nodes``; one line per node not on ``protocol``/``release``."""
+def version_problems(entries: list[dict[str, Any]], protocol: int, release: str,
+                     expected_hosts: tuple[str, ...] = ()) -> list[str]:
+    """``entries``: ``fs3 admin --json nodes``; one line per node not on ``protocol``/``release``,
+    and one per host of ``expected_hosts`` (matched against each entry's ``host``) not listed alive:
+    a node that died after its upgrade is left out of a listing of the living, which must not
+    make it pass."""
     problems = []
+    alive = {entry.get("host") for entry in entries if entry.get("alive")}
+    problems += [f"{host}: not listed alive after the upgrade" for host in expected_hosts if host not in alive]
     for entry in entries:
         name = entry.get("name") or f"{entry.get('node_type')} {entry.get('node_id')} {entry.get('framed_address')}"
         seen = (entry.get("protocol_version") or 0, entry.get("release") or "")
@@ -54,6 +61,10 @@ def upgrade_verdict(report: dict[str, Any]) -> list[str]:
     """Why a finished run failed, in words (nothing: it passed). Every check is required: a key
     the run never filled in is a failure, not a pass."""
     broken = []
+    if report.get("workload_covered_upgrade") is not True:
+        # A workload that ended before the first restart (or never ran) proves nothing about
+        # serving through the upgrade, however clean its history.
+        broken.append("the client workload did not run through every restart (give more --seconds)")
     if report.get("failed", 1):
         broken.append(f"{report.get('failed', '?')} client operations failed beyond their retries")
     if report.get("lost", [None]):
