@@ -211,9 +211,14 @@ def test_a_stopped_worker_is_replaced_and_its_files_answer_errors_not_hang(mount
                               "--log", str(tmp_path / "stopping.log")], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
     try:
-        front = next(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
-                     and _cmdline_has(int(entry.name), b"--worker-timeout-s") and _running(int(entry.name))
-                     and not _cmdline_has(int(entry.name), b"fs3.vfs.workers"))
+        # This mount's daemon, found by its mount point (an argument of its own): any other mount on
+        # the machine (another test's, another checkout's) has the same options.
+        mounted_at = os.fsencode(where.resolve()) + b"\0"
+        fronts = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+                  and _cmdline_has(int(entry.name), mounted_at) and _cmdline_has(int(entry.name), b"--foreground\0")
+                  and _running(int(entry.name))]
+        assert len(fronts) == 1, fronts
+        front = fronts[0]
         before = _live_workers(front)
         assert len(before) == 2
         fd = os.open(where / "held", os.O_CREAT | os.O_WRONLY, 0o644)
@@ -239,6 +244,10 @@ def test_a_stopped_worker_is_replaced_and_its_files_answer_errors_not_hang(mount
                 assert exc.errno == errno.EIO and time.monotonic() < deadline, exc
                 time.sleep(0.2)
         assert (where / "after").read_bytes() == b"served"
+        # The write needed one new worker; the other one's replacement may start a moment later.
+        deadline = time.monotonic() + 60
+        while len(_live_workers(front)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert len(_live_workers(front)) == 2
     finally:
         for pid in _live_workers(front) if "front" in locals() else []:

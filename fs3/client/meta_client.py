@@ -68,7 +68,7 @@ class MetaClient:
         self.clock = clock or LoopClock()
         self._next_request = 1
         self._in_flight: set[int] = set()
-        self._preferred = 0
+        self._preferred = ""             # the meta server requests go to next ("": the first listed)
         self._lease_task: asyncio.Task[None] | None = None
         self._renewing: asyncio.Future[None] | None = None
         self.lease_ms = 30_000
@@ -87,8 +87,8 @@ class MetaClient:
         """The meta servers to try, in order: the live ones first, each client starting at its own
         (chosen by its id), so that clients spread over the servers sharing the namespace; the
         ones mgmtd lists as dead last. A request that fails on one goes on to the next
-        (``_preferred``) under the same request id, which any server answers with the first
-        answer (the answers are in the store they share)."""
+        (:meth:`_choose`, :meth:`_failed_on`) under the same request id, which any server answers
+        with the first answer (the answers are in the store they share)."""
         routing = self.routing.routing
         if routing is None:
             return []
@@ -99,6 +99,21 @@ class MetaClient:
             alive = alive[start:] + alive[:start]
         return [self.channels.node_address(n.framed_address, n.grpc_address)
                 for n in alive + [n for n in nodes if not n.alive]]
+
+    def _choose(self, addresses: list[str]) -> str:
+        """The server the next request goes to: the preferred one while it is listed, else the first."""
+        return self._preferred if self._preferred in addresses else addresses[0]
+
+    def _failed_on(self, address: str, addresses: list[str]) -> None:
+        """A request failed on ``address``: later tries go to the server after it in ``addresses``.
+
+        The preference is a server, not a position, and moves only away from the server that
+        failed: several requests that fail on one dead server together move it once (a shared
+        count moved once per failure could bring them all back to the dead one), and a routing
+        refresh that reorders the list (mgmtd now lists the dead one last) cannot turn a move
+        into a step back onto it."""
+        if self._choose(addresses) == address:
+            self._preferred = addresses[(addresses.index(address) + 1) % len(addresses)]
 
     @property
     def retry(self) -> RetryPolicy:
@@ -166,7 +181,7 @@ class MetaClient:
                 addresses = self._meta_addresses()
             error = Unavailable("no meta server in the routing information")
             if addresses:
-                address = addresses[self._preferred % len(addresses)]
+                address = self._choose(addresses)
                 try:
                     rsp, _ = await self.channels.get(address).call(method, req, timeout_ms=self.rpc_timeout_ms)
                     assert isinstance(rsp, rsp_type)
@@ -176,7 +191,7 @@ class MetaClient:
                         raise
                     error = exc
                     outcome_unknown[0] = outcome_unknown[0] or may_have_run(exc.code)
-                    self._preferred += 1
+                    self._failed_on(address, addresses)
             if attempts.exhausted():
                 raise Unavailable(f"meta {name} gave up: {error}")
             log.debug("meta %s retry %d: %s", name, attempts.retries + 1, error)
