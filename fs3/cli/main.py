@@ -557,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "lacking one is issued again for the same key")
     init.add_argument("--days", type=int, default=825, help="lifetime of the node and client certificates")
     add_upgrade_command(admin_sub)
-    _json_after_every_subcommand(admin_sub)
+    _json_after_every_subcommand(admin_sub, cluster)
     return parser
 
 
@@ -586,17 +586,32 @@ async def _scrub_status(admin: Any, out_json: bool) -> int:
     return 2 if any(t.unrecoverable for t in targets) or unreachable else 0
 
 
-def _json_after_every_subcommand(subparsers: Any) -> None:
+def _json_after_every_subcommand(subparsers: Any, cluster: argparse.ArgumentParser | None = None) -> None:
     """``--json`` after every command below ``fs3 admin`` too (``fs3 admin nodes --json``), as well
-    as before it. Its default is SUPPRESS: a subcommand's parser must not reset to False what
-    ``fs3 admin --json nodes`` set."""
-    for parser_ in subparsers.choices.values():
+    as before it; and, with ``cluster``, its cluster options (``fs3 admin nodes --dir .fs3``, as the
+    top-level operator commands take them), where a command does not spell one its own way and is
+    not one that works without a cluster (``upgrade``, ``certs``, ``token``). Their defaults are
+    SUPPRESS: a subcommand's parser must not reset what ``fs3 admin --json --dir D nodes`` set."""
+    import copy
+
+    offline = {"upgrade", "certs", "token"}
+    for name, parser_ in subparsers.choices.items():
         nested = [a for a in parser_._actions if isinstance(a, argparse._SubParsersAction)]
         for n in nested:
-            _json_after_every_subcommand(n)
-        if not nested and "--json" not in parser_._option_string_actions:
+            _json_after_every_subcommand(n, None if name in offline else cluster)
+        if nested:
+            continue
+        if "--json" not in parser_._option_string_actions:
             parser_.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                                  help="machine-readable output")
+        if cluster is None or name in offline:
+            continue
+        for action in cluster._actions:
+            if not action.option_strings or any(o in parser_._option_string_actions for o in action.option_strings):
+                continue  # -h, --json, or an option the command already has (its own meaning)
+            option = copy.copy(action)
+            option.default = argparse.SUPPRESS
+            parser_._add_action(option)
 
 
 def _version() -> str:
