@@ -4,9 +4,15 @@ runs the parser, a command against a stand-in, or a store on a temporary directo
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+from typing import Any
+
 import pytest
 
+from fs3 import mgmtd_pb2 as mpb
 from fs3.cli.main import build_parser
+from fs3.cli.moves import run_move_command
 
 
 @pytest.mark.parametrize("argv", [
@@ -31,3 +37,35 @@ def test_options_a_subcommand_spells_its_own_way_keep_their_meaning() -> None:
     assert args.rotate_dir == "D" and args.dir is None
     with pytest.raises(SystemExit):  # upgrade works on a stopped service's stores: no cluster options
         parser.parse_args(["admin", "upgrade", "--config", "c.toml", "--dir", "D"])
+
+
+class _Admin:
+    """Answers the move commands as mgmtd would, from canned responses."""
+
+    def __init__(self, now: mpb.MovesRsp, later: mpb.MovesRsp) -> None:
+        self.now, self.later = now, later
+
+    async def moves(self) -> mpb.MovesRsp:
+        return self.later
+
+    async def rebalance(self, max_moves: int, rate: int, dry_run: bool) -> mpb.MovesRsp:
+        return self.now
+
+
+def _moves(admin: Any, **options: Any) -> int:
+    defaults = {"json": False, "wait": False, "dry_run": False, "wait_timeout_s": 5.0}
+    return asyncio.run(run_move_command(admin, argparse.Namespace(**{**defaults, **options})))
+
+
+def test_move_listings_say_when_there_is_nothing_and_print_the_rate_once(capsys: pytest.CaptureFixture[str]) -> None:
+    empty = mpb.MovesRsp()
+    assert _moves(_Admin(empty, empty), command="drain", nodes=["status"]) == 0
+    assert capsys.readouterr().out == "no replica moves\n"
+    planned = mpb.MovesRsp(message="moving 0 replica(s)", resync_rate_bytes_per_s=50_000_000)
+    assert _moves(_Admin(planned, planned), command="rebalance", max_moves=4, rate=50_000_000, wait=True) == 0
+    assert capsys.readouterr().out == "moving 0 replica(s)\nresync rate 50000000 B/s\n"
+    drained = mpb.MovesRsp(draining_target_ids=[101, 102], draining_node_ids=[3])
+    drained.moves.add(chain_id=1, from_target_id=101, phase="done", reason="drain")
+    assert _moves(_Admin(drained, drained), command="moves") == 0
+    out = capsys.readouterr().out
+    assert "draining (until undrain): nodes 3; targets 101, 102" in out and "[]" not in out

@@ -41,7 +41,8 @@ def add_move_commands(admin_sub: Any) -> None:
                                      help="move chain replicas onto the least loaded nodes (new storage)")
     rebalance.add_argument("--max-moves", type=int, default=0, help="at most this many moves (0: all the plan finds)")
     rebalance.add_argument("--rate", type=int, default=0, metavar="BYTES/S",
-                           help="resync copy rate of every storage node while moves run (0: unlimited)")
+                           help="resync copy rate of every storage node while moves run (0: each node's own "
+                                "resync_rate_bytes_per_s, default unlimited)")
     rebalance.add_argument("--dry-run", action="store_true", help="show the plan, move nothing")
     admin_sub.add_parser("moves", help="replica moves in progress and lately finished")
 
@@ -76,21 +77,27 @@ def chain_move_notes(rsp: mpb.MovesRsp) -> dict[int, str]:
     return {chain: ", ".join(parts) for chain, parts in notes.items()}
 
 
-def _print(rsp: mpb.MovesRsp, out_json: bool) -> None:
+def _print(rsp: mpb.MovesRsp, out_json: bool, show_rate: bool = True) -> None:
+    """The moves as text (or JSON); ``show_rate`` False where the rate was already printed (the
+    last listing of ``--wait``)."""
     if out_json:
         from google.protobuf.json_format import MessageToDict
         print(json.dumps(MessageToDict(rsp, preserving_proto_field_name=True), sort_keys=True))
         return
     if rsp.message:
         print(rsp.message)
+    elif not rsp.moves:
+        print("no replica moves")
     for m in rsp.moves:
         to = str(m.to_target_id) if m.to_target_id else "-"
         tries = f" (try {m.attempts + 1})" if m.attempts else ""
         note = f": {m.note}" if m.note else ""
         print(f"  chain {m.chain_id}: {m.from_target_id} -> {to} [{m.reason}] {m.phase}{tries}{note}")
-    if rsp.draining_node_ids or rsp.draining_target_ids:
-        print(f"draining nodes {list(rsp.draining_node_ids)}, targets {list(rsp.draining_target_ids)}")
-    if rsp.resync_rate_bytes_per_s:
+    draining = [f"{what} {', '.join(map(str, ids))}" for what, ids in
+                (("nodes", sorted(rsp.draining_node_ids)), ("targets", sorted(rsp.draining_target_ids))) if ids]
+    if draining:
+        print(f"draining (until undrain): {'; '.join(draining)}")
+    if show_rate and rsp.resync_rate_bytes_per_s:
         print(f"resync rate {rsp.resync_rate_bytes_per_s} B/s")
 
 
@@ -110,7 +117,7 @@ async def _follow(admin: Any, chains: set[int], timeout_s: float, out_json: bool
             last = summary
         active = [m for m in mine if m.phase not in _FINISHED]
         if not active:
-            _print(rsp, out_json)
+            _print(rsp, out_json, show_rate=False)
             return 1 if any(m.phase == "failed" for m in mine) else 0
         if loop.time() > deadline:
             raise Timeout(f"{len(active)} move(s) still running after {timeout_s:.0f} s (they go on; "
@@ -137,8 +144,10 @@ async def run_move_command(admin: Any, args: argparse.Namespace) -> int:
         rsp = await admin.rebalance(args.max_moves, args.rate, args.dry_run)
     if getattr(args, "wait", False) and not getattr(args, "dry_run", False):
         started = {m.chain_id for m in rsp.moves if m.phase not in _FINISHED}
-        if not out_json:
-            _print(rsp, False)
+        if not out_json or not started:
+            _print(rsp, out_json)
+        if not started:
+            return 0  # nothing to follow: the listing above is all there is
         return await _follow(admin, started, args.wait_timeout_s, out_json)
     _print(rsp, out_json)
     return 0
