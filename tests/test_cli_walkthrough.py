@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fs3 import mgmtd_pb2 as mpb
-from fs3.cli.main import build_parser
+from fs3.cli.main import build_parser, main
 from fs3.cli.moves import run_move_command
+from fs3.kv.store import RocksKVStore
 
 
 @pytest.mark.parametrize("argv", [
@@ -69,3 +71,20 @@ def test_move_listings_say_when_there_is_nothing_and_print_the_rate_once(capsys:
     assert _moves(_Admin(drained, drained), command="moves") == 0
     out = capsys.readouterr().out
     assert "draining (until undrain): nodes 3; targets 101, 102" in out and "[]" not in out
+
+
+def test_upgrade_of_a_store_a_running_service_holds_is_one_line_saying_stop_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "meta.toml"
+    config.write_text(f'data_dir = "{tmp_path}"\nkv_engine = "rocksdb"\ncluster_id = "walk"\n')
+    config.chmod(0o600)
+    held = RocksKVStore(tmp_path / "kv")  # as the running meta server holds it
+    try:
+        assert main(["admin", "upgrade", "--config", str(config), "--service", "meta"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "stop it first" in err and "--check" in err
+        assert "IO_ERROR: IO_ERROR" not in err
+        # --check reads beside the running service.
+        assert main(["admin", "upgrade", "--config", str(config), "--service", "meta", "--check"]) == 0
+    finally:
+        held.close()

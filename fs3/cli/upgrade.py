@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fs3.common.config import load_config
-from fs3.common.errors import FS3Error, InvalidArgument
+from fs3.common.errors import FS3Error, InvalidArgument, IoError
 from fs3.kv.formats import FormatReport
 
 __all__ = ["SERVICES", "add_upgrade_command", "guess_service", "upgrade_command", "upgrade_service"]
@@ -76,8 +76,9 @@ def _open_rocks(path: Path, check: bool) -> Any:
         return RocksKVStore.open_view(path)  # read-only: opening changes no file
     try:
         return RocksKVStore(path)
-    except FS3Error:
-        raise
+    except FS3Error as exc:  # RocksKVStore's IoError: a lock held by the running service, most often
+        raise IoError(f"{exc.message}; is the service still running? stop it first (or give --check, "
+                      "which reads beside it)") from None
     except Exception as exc:  # rocksdict raises a bare Exception (a held lock among them)
         raise InvalidArgument(f"cannot open the RocksDB store at {path} ({exc}); is the service still "
                               "running? stop it first") from None
