@@ -88,3 +88,30 @@ def test_upgrade_of_a_store_a_running_service_holds_is_one_line_saying_stop_it(
         assert main(["admin", "upgrade", "--config", str(config), "--service", "meta", "--check"]) == 0
     finally:
         held.close()
+
+
+def test_load_of_a_missing_file_is_refused_before_the_store_is_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "meta.toml"
+    config.write_text(f'data_dir = "{tmp_path / "meta"}"\nkv_engine = "rocksdb"\ncluster_id = "walk"\n')
+    config.chmod(0o600)
+    assert main(["admin", "load", str(tmp_path / "nope.dump"), "--meta-config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "no such dump file" in err and err.count("\n") == 1
+    assert not (tmp_path / "meta" / "kv").exists()
+
+
+def test_a_store_held_by_a_running_meta_is_named_once_when_loading(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "meta.toml"
+    config.write_text(f'data_dir = "{tmp_path}"\nkv_engine = "rocksdb"\ncluster_id = "walk"\n')
+    config.chmod(0o600)
+    dump = tmp_path / "x.dump"
+    dump.write_text("{}\n")
+    held = RocksKVStore(tmp_path / "kv")
+    try:
+        assert main(["admin", "load", str(dump), "--meta-config", str(config)]) == 1
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    assert "stop it first" in err and "IO_ERROR: IO_ERROR" not in err and err.count("\n") == 1

@@ -117,7 +117,7 @@ async def run_meta_backup_command(args: argparse.Namespace) -> int:
             try:
                 engine, close = await open_engine(config)
             except IoError as exc:
-                raise IoError(f"{exc} (a meta server running on this store holds it: stop it first)") from None
+                raise IoError(f"{exc.message} (a meta server running on this store holds it: stop it first)") from None
             try:
                 stats = await load_dump(engine, path, args.batch_records)
             finally:
@@ -167,6 +167,9 @@ async def _local_copy(args: argparse.Namespace) -> AsyncIterator[Path]:
     from fs3.meta.backup_fs3 import copy_to_local, is_fs3_url
 
     if not is_fs3_url(args.file):
+        if not Path(args.file).is_file():
+            # Before the store is opened: a mistyped name must not make (or lock) a store first.
+            raise InvalidArgument(f"{args.file}: no such dump file (load reads a file twice, so not a pipe)")
         yield Path(args.file)
         return
     with tempfile.TemporaryDirectory(prefix="fs3-load-") as scratch:
