@@ -205,8 +205,15 @@ async def restore(ns: Namespace, entry_id: int, to: mpb.PathRef | None) -> mpb.I
     if parent.type != mpb.DIRECTORY:
         raise NotADirectory(f"inode {parent.inode_id} is not a directory")
     if await ns.entry(parent.inode_id, name) is not None:
-        raise AlreadyExists(f"trash entry {entry_id}: {name.decode(errors='replace')!r} is taken in directory "
-                            f"{parent.inode_id}; restore it under another name (--to PATH)")
+        # Named as the caller named it (the original path, or --to's), not by directory inode ids.
+        if to is None:
+            taken = shown_path(entry)
+        elif to.path.startswith(b"/") or not to.parent:
+            taken = bytes(to.path).decode(errors="replace")
+        else:
+            taken = f"<dir {parent.inode_id}>/{name.decode(errors='replace')}"
+        raise AlreadyExists(f"trash entry {entry_id}: {taken!r} is taken; restore it under another name "
+                            f"(--to PATH)")
     inode = await ns.inode(entry.id)
     _drop(ns.txn, entry)
     return await ns.relink(parent, name, inode)
