@@ -33,11 +33,11 @@ def add_trash_command(sub: Any, cluster: argparse.ArgumentParser) -> None:
     trash_sub = trash.add_subparsers(dest="trash_command", required=True)
     trash_sub.add_parser("list", parents=[cluster], help="entries: id, original path, size, removed, expires")
     restore = trash_sub.add_parser("restore", parents=[cluster], help="give a trashed file its name back")
-    restore.add_argument("id", type=int)
+    restore.add_argument("id", type=int, help="the entry's id (the first column of fs3 trash list)")
     restore.add_argument("--to", help="restore under this path instead (never over an existing name)")
     purge = trash_sub.add_parser("purge", parents=[cluster], help="free trashed files' space now")
     which = purge.add_mutually_exclusive_group(required=True)
-    which.add_argument("id", type=int, nargs="?")
+    which.add_argument("id", type=int, nargs="?", help="one entry's id (fs3 trash list)")
     which.add_argument("--all", action="store_true", help="every entry of yours (root: everyone's)")
     which.add_argument("--expired", action="store_true", help="the entries past their expiry")
 
