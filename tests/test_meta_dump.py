@@ -188,8 +188,9 @@ def test_bad_dump_refused_with_nothing_written(tmp_path: Path, case: str) -> Non
     change, message = BAD_INPUTS[case]
     _edit(path, change)
     target = OptimisticTxnEngine(MemKVStore())
-    with pytest.raises(DumpError, match=message):
+    with pytest.raises(DumpError, match=message) as refused:
         asyncio.run(load_dump(target, path, batch_records=4))
+    assert refused.value.message.startswith(f"{path}: ")  # the message names the file
     assert stored(target) == {}
 
 

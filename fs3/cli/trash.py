@@ -89,5 +89,6 @@ async def trash_command(meta: Meta, args: argparse.Namespace) -> int:
             rsp = await meta.trash_purge(all_entries=args.all, expired=args.expired, start_after=after)
             purged += rsp.purged
             after, more = rsp.next_after, rsp.more
-    print(json.dumps({"purged": purged}) if out_json else f"purged {purged} trash entries: their space is freed")
+    noun = "entry" if purged == 1 else "entries"
+    print(json.dumps({"purged": purged}) if out_json else f"purged {purged} trash {noun}: their space is freed")
     return 0

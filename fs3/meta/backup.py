@@ -40,7 +40,7 @@ from fs3.common.formats import FormatRecord
 from fs3.kv.api import SnapshotReader, Transaction, TxnEngine
 from fs3.kv.formats import release
 from fs3.kv.txn import run_transaction
-from fs3.meta.dump import DumpReader, DumpStats, dump_snapshot, read_lines
+from fs3.meta.dump import DumpError, DumpReader, DumpStats, dump_snapshot, read_lines
 from fs3.meta.formats import META_FORMAT, META_KIND
 from fs3.meta.schema import LOAD_UNFINISHED, counter_key, decode_u64, encode_u64, parse_inode_key
 
@@ -173,11 +173,14 @@ async def load_dump(engine: TxnEngine, path: Path, batch_records: int = 500,
         raise InvalidArgument(f"{path}: no such dump file (load reads a file twice, so not a pipe)")
     next_key, next_inode, inode_max = counter_key("next_inode"), 0, 0
     check = DumpReader()
-    for kind, key, value in check.records(_lines(path)):
-        if kind == "inode":
-            inode_max = max(inode_max, parse_inode_key(key))
-        elif key == next_key:
-            next_inode = decode_u64(value)
+    try:
+        for kind, key, value in check.records(_lines(path)):
+            if kind == "inode":
+                inode_max = max(inode_max, parse_inode_key(key))
+            elif key == next_key:
+                next_inode = decode_u64(value)
+    except DumpError as exc:  # which file, as the operator named it; nothing was written yet
+        raise DumpError(f"{path}: {exc.message}; nothing was written") from None
     next_raised = max(next_inode, inode_max + 1) + inode_id_gap
     if next_raised >= 1 << 64:
         raise InvalidArgument(f"the dump's next inode id {max(next_inode, inode_max + 1)} leaves no room for the "
