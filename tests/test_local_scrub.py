@@ -1,4 +1,5 @@
-"""The scrubber of a cluster `fs3 local up` makes: on, at a gentle rate, unless --no-scrub."""
+"""The scrubber of a cluster `fs3 local up` makes: on, at a gentle rate, unless --no-scrub; and its
+trash, kept as long as --trash-days says."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fs3.cli.local import LOCAL_SCRUB, NO_SCRUB_ENV, LocalCluster
+from fs3.cli.local import LOCAL_SCRUB, NO_SCRUB_ENV, TRASH_DAYS_ENV, LocalCluster
 from fs3.common.config import load_config
+from fs3.meta.server import MetaConfig
 from fs3.storage.server import StorageConfig
 
 
@@ -41,3 +43,25 @@ def test_up_takes_no_scrub() -> None:
     args = build_parser().parse_args(["local", "up", "--no-scrub"])
     assert args.no_scrub is True
     assert build_parser().parse_args(["local", "up"]).no_scrub is False
+
+
+def _meta_config(root: Path, environ: dict[str, str] | None = None) -> MetaConfig:
+    return load_config(MetaConfig, root / "meta" / "meta.toml", env_prefix="FS3_META", environ=environ or {})
+
+
+def test_trash_days_go_into_a_new_clusters_meta_config_and_override_an_old_ones(tmp_path: Path) -> None:
+    """``fs3 local up --trash-days D``: written into the meta config of a cluster it makes; for a
+    cluster made before, set for that run through the environment. Bad values are refused."""
+    LocalCluster(tmp_path / "kept", storage_nodes=1, targets_per_node=1, trash_days=2.5)
+    assert _meta_config(tmp_path / "kept").service.trash_days == 2.5
+    LocalCluster(tmp_path / "off", storage_nodes=1, targets_per_node=1)
+    assert _meta_config(tmp_path / "off").service.trash_days == 0
+    assert _meta_config(tmp_path / "off", {TRASH_DAYS_ENV: "1.0"}).service.trash_days == 1.0
+    from fs3.cli.main import build_parser, main
+
+    assert build_parser().parse_args(["local", "up", "--trash-days", "7"]).trash_days == 7.0
+    assert build_parser().parse_args(["local", "up"]).trash_days is None
+    for bad in ("-1", "nan", "inf", "3651", "week"):  # refused by the parser: nothing made
+        with pytest.raises(SystemExit):
+            main(["local", "up", "--dir", str(tmp_path / "bad"), "--trash-days", bad])
+    assert not (tmp_path / "bad").exists()

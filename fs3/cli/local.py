@@ -79,13 +79,15 @@ from fs3.kv.postgres import redact_url
 from fs3.rpc.tls import TlsConfig
 from fs3.storage.scrub import ScrubConfig
 
-__all__ = ["LOCAL_SCRUB", "NO_SCRUB_ENV", "LocalCluster", "cluster_lock"]
+__all__ = ["LOCAL_SCRUB", "NO_SCRUB_ENV", "TRASH_DAYS_ENV", "LocalCluster", "cluster_lock"]
 
 # The scrubber of a cluster `fs3 local up` makes: on, gently (per target at most 4 MiB and 32
 # chunks a second), so that `fs3 admin scrub status` shows passes from the start; --no-scrub: off.
 LOCAL_SCRUB = ScrubConfig(bytes_per_s=4 << 20, chunks_per_s=32)
 # What --no-scrub sets for a run of a cluster made with the scrubber on (its configs are kept).
 NO_SCRUB_ENV = {"FS3_STORAGE_SCRUB_BYTES_PER_S": "0", "FS3_STORAGE_SCRUB_CHUNKS_PER_S": "0"}
+# What --trash-days sets for a run (meta's [service] trash_days, read from the environment).
+TRASH_DAYS_ENV = "FS3_META_SERVICE_TRASH_DAYS"
 
 
 @contextlib.contextmanager
@@ -133,7 +135,7 @@ class LocalCluster:
                  storage_data_dirs: dict[int, Path] | None = None, tls: bool | None = None,
                  host: str = "127.0.0.1", meta_engine: str | None = None, meta_servers: int | None = None,
                  mgmtd_replicas: int | None = None, pg_url: str | None = None,
-                 scrub: ScrubConfig | None = None) -> None:
+                 scrub: ScrubConfig | None = None, trash_days: float = 0.0) -> None:
         """``fsync``: storage targets sync their writes and meta its commits (``meta_sync_commits``
         decides for meta alone). ``meta_data_dir`` and ``storage_data_dirs`` (node id -> directory
         of its targets) put data elsewhere than under ``root`` (crash tests: on a disk that loses
@@ -145,7 +147,8 @@ class LocalCluster:
         a private server under ``root/postgres``) are fixed when the cluster is first made, except
         the counts, which a later start may change. ``scrub``: every storage target's background
         scrubber, written into the storage configs when first made (None: off; ``fs3 local up``
-        gives :data:`LOCAL_SCRUB`)."""
+        gives :data:`LOCAL_SCRUB`). ``trash_days``: how long meta keeps removed files in the trash,
+        written into the meta configs when first made (0: no trash)."""
         if storage_nodes < 1 or targets_per_node < 1:
             raise InvalidArgument("a local cluster needs at least one storage node with one target")
         self.root = root.resolve()
@@ -199,7 +202,7 @@ class LocalCluster:
         settings = ProcessSettings("", token_file=str(self.token_file), heartbeat_timeout_ms=heartbeat_timeout_ms,
                                    heartbeat_interval_ms=heartbeat_interval_ms, fsync=fsync,
                                    meta_sync_commits=meta_sync_commits, tls_dir=str(tls_dir) if self.tls else "",
-                                   scrub=scrub or ScrubConfig(), **pg_settings)
+                                   scrub=scrub or ScrubConfig(), meta_trash_days=trash_days, **pg_settings)
         data_dirs = {MGMTD: None, META: meta_data_dir}
 
         def data_dir(name: str) -> Path:
@@ -687,6 +690,7 @@ def _up(root: Path, args: Any) -> int:
     """``fs3 local up``, the cluster lock held: refused while any process of the cluster runs
     (one left by ``up --detach``), so a second ``up`` never starts services over running ones."""
     pg_url = getattr(args, "pg_url", None)
+    trash_days = getattr(args, "trash_days", None)
     if pg_url is not None and not (root / "layout.json").exists():
         # A server of the user's must answer before the cluster's configs name it.
         check_reachable(pg_url)
@@ -695,9 +699,12 @@ def _up(root: Path, args: Any) -> int:
                            tls=args.tls, meta_engine=getattr(args, "meta_engine", None),
                            meta_servers=getattr(args, "meta_servers", None),
                            mgmtd_replicas=getattr(args, "mgmtd_replicas", None), pg_url=pg_url,
-                           scrub=None if getattr(args, "no_scrub", False) else LOCAL_SCRUB)
+                           scrub=None if getattr(args, "no_scrub", False) else LOCAL_SCRUB,
+                           trash_days=trash_days or 0.0)
     if getattr(args, "no_scrub", False):
         cluster.env.update(NO_SCRUB_ENV)  # also a cluster made with it on: off for this run
+    if trash_days is not None:  # also a cluster made before: for this run (its configs are kept)
+        cluster.env[TRASH_DAYS_ENV] = repr(trash_days)
     if pg_url is None:
         cluster.check_database()
     running = cluster.running()

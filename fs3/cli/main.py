@@ -57,6 +57,7 @@ from fs3.cli.upgrade import add_upgrade_command, upgrade_command
 from fs3.common.config import load_config
 from fs3.common.errors import FS3Error, InvalidArgument
 from fs3.common.secret_files import check_config_file, set_private_umask, write_token_file
+from fs3.meta.trash import TRASH_DAYS_MAX
 from fs3.rpc.versions import advertised_range, apply_config_pin
 
 __all__ = ["PEER_ROLE", "build_parser", "main", "node_entries", "run_admin"]
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mount", metavar="MNT", help="also mount the cluster here with FUSE")
     up.add_argument("--no-scrub", action="store_true", help="no background scrubbing of the storage targets "
                     "(default: on, gently: 4 MiB/s per target; docs/operations.md, Scrubbing)")
+    up.add_argument("--trash-days", type=number_in(float, 0.0, TRASH_DAYS_MAX, "a number of days"), metavar="DAYS",
+                    help="keep removed files in the trash this many days before their space is freed (default: "
+                         "as the cluster was made, 0 = no trash; docs/operations.md, Trash)")
     up.add_argument("--tls", action="store_true", default=None,
                     help="make certificates under DIR/certs and run every service and the mount with mutual TLS "
                          "(first start only; later starts keep what the cluster was made with)")

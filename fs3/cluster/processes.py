@@ -88,6 +88,8 @@ class ProcessSettings:
     pg_fsync: bool | None = None  # the server syncs (None: as ``fsync``)
     # Every storage target's background scrubber (fs3.storage.scrub; the default is off).
     scrub: ScrubConfig = field(default_factory=ScrubConfig)
+    # Days meta keeps a removed file in the trash before its space is freed (0: no trash).
+    meta_trash_days: float = 0.0
 
     def check(self, topology: Topology) -> None:
         """Bad combinations, before anything is written: several mgmtd or meta need PostgreSQL."""
@@ -177,7 +179,8 @@ def _meta_config(node_id: int, settings: ProcessSettings, data_dir: Path, tls: T
                       sync_commits=sync_commits,
                       heartbeat_interval_ms=settings.heartbeat_interval_ms, rpc_timeout_ms=settings.rpc_timeout_ms,
                       tls=tls)
-    meta.service = dataclasses.replace(meta.service, prune_interval_ms=settings.meta_prune_interval_ms)
+    meta.service = dataclasses.replace(meta.service, prune_interval_ms=settings.meta_prune_interval_ms,
+                                       trash_days=settings.meta_trash_days)
     if settings.meta_engine == "postgres":
         meta = dataclasses.replace(meta, kv_engine="postgres", pg_url=settings.pg_meta_url,
                                    cluster_id=settings.cluster_id)

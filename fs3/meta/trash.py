@@ -35,6 +35,7 @@ __all__ = [
     "NS_PER_DAY",
     "PATH_WALK_DEPTH_MAX",
     "PATH_WALK_ENTRIES_MAX",
+    "TRASH_DAYS_MAX",
     "TRASH_PAGE_MAX",
     "TRASH_PURGE_BATCH",
     "entry_for",
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 NS_PER_DAY = 86_400 * 1_000_000_000
+TRASH_DAYS_MAX = 3650  # the longest a trash may keep files (ten years)
 # A listing names the directory of an entry removed by directory inode (a mount's removals) by
 # walking up from it: at most this many levels, and this many directory entries read per page of
 # the listing to find the names (past either, the entry shows as ``<dir N>/name``).
@@ -63,8 +65,8 @@ TRASH_PURGE_BATCH = 32
 
 def keep_ns(trash_days: float) -> int:
     """How long an entry stays, from meta's ``trash_days`` (0: no trash)."""
-    if not 0 <= trash_days <= 3650:
-        raise InvalidArgument(f"trash_days {trash_days} outside [0, 3650]")
+    if not 0 <= trash_days <= TRASH_DAYS_MAX:
+        raise InvalidArgument(f"trash_days {trash_days} outside [0, {TRASH_DAYS_MAX}]")
     return int(trash_days * NS_PER_DAY)
 
 
