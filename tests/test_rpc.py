@@ -78,6 +78,27 @@ def test_same_calls_on_both_transports(transport: str) -> None:
     asyncio.run(body())
 
 
+def test_a_framed_channel_reaches_an_ipv6_address_in_brackets() -> None:
+    """``[::1]:PORT``, as URLs and the CLI write an IPv6 address, connects (the brackets are the
+    address's notation, not part of the host)."""
+    async def body() -> None:
+        servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
+        servicer.start()
+        dispatcher = Dispatcher(token=TOKEN)
+        dispatcher.add_service(MGMTD, servicer)
+        framed = FramedServer(dispatcher)
+        port = await framed.start("::1", 0)
+        channel = FramedChannel(f"[::1]:{port}", TOKEN)
+        try:
+            rsp, _ = await channel.call(MGMTD.method("Heartbeat"), _heartbeat())
+            assert isinstance(rsp, mpb.HeartbeatRsp) and rsp.routing_version > 0
+        finally:
+            await channel.close()
+            await framed.stop()
+            await servicer.stop()
+    asyncio.run(body())
+
+
 USER_TOKEN = "fs3u.0123456789abcdef." + "x" * 43
 
 

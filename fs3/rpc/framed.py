@@ -251,7 +251,8 @@ class FramedChannel:
         if not host or not port.isdigit():
             raise ValueError(f"bad address {address!r}, expected host:port")
         self.address = address
-        self._host, self._port = host, int(port)
+        # An IPv6 address is written ``[v6]:port``; the socket layer wants it without brackets.
+        self._host, self._port = host.removeprefix("[").removesuffix("]"), int(port)
         self._token = token
         self._ssl = ssl_context
         self._server_name = server_name or host.strip("[]")
