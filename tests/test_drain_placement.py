@@ -4,9 +4,10 @@ The exerciser runs mgmtd's real state (:class:`MgmtdState`: heartbeats, scans, t
 machine, fences, the move driver) against simulated storage nodes that behave as the real ones
 do towards mgmtd (a fenced target reports itself offline; a target put into a chain resyncs for a
 few heartbeats, then reports itself up to date), under seeded random sequences of node additions,
-drains, undrains, rebalances, failures and recoveries. After every call it checks, against a
-model kept here, that no chain lost a serving replica to a move below the count it had, and at
-the end that every drain finished and every chain is back to its replicas on distinct nodes.
+drains (some forced), undrains, rebalances, failures and recoveries. After every call it checks,
+against a model kept here, that no chain lost a serving replica to a move below the floor that
+move keeps (one for a forced move), and at the end that every drain finished and, once capacity
+is added and a rebalance run, every chain is back to its replicas on distinct nodes.
 """
 
 from __future__ import annotations
@@ -138,8 +139,46 @@ def test_rebalance_moves_towards_the_new_node_and_respects_max_moves() -> None:
 def test_book_round_trips_and_refuses_an_unknown_format() -> None:
     book = MoveBook([Move(1, 101, 401, 3, phase=Phase.SYNCING, avoid_nodes=(5,), note="x")], {1}, {202}, 1000)
     assert decode_book(encode_book(book)) == book
+    short = MoveBook([Move(2, 0, 401, 2, "regrow")], short_chains={2: 3})
+    assert decode_book(encode_book(short)) == short
+    older = b'{"format": 1, "moves": [], "draining_nodes": [], "draining_targets": [], "resync_rate_bytes_per_s": 0}'
+    assert decode_book(older).short_chains == {}  # a book from before short chains were recorded
     with pytest.raises(ValueError, match="format"):
         decode_book(b'{"format": 99}')
+
+
+def test_rebalance_first_regrows_short_chains_with_add_only_moves() -> None:
+    # Chain 1 lost a replica to a forced drain (count 3); node 4 is new and empty.
+    chains = {1: (101, 201), 2: (102, 202, 302), 3: (103, 203, 303)}
+    cluster = _cluster(4, 3, chains)
+    moves = plan_rebalance(cluster, short_chains={1: 3})
+    assert moves[0] == Move(1, 0, 401, 2, "regrow")  # pick_replacement's node: least loaded, outside the chain
+    assert all(m.source for m in moves[1:]) and 1 not in {m.chain_id for m in moves[1:]}
+    assert plan_rebalance(cluster, max_moves=1, short_chains={1: 3}) == moves[:1]
+    assert plan_rebalance(cluster, busy_chains=[1], short_chains={1: 3})[0].reason == "rebalance"
+    assert plan_rebalance(cluster, short_chains={1: 2, 2: 3})[0].reason == "rebalance"  # none short
+    # No node outside the chain has a free target: no add-only move (a later rebalance, after capacity).
+    full = _cluster(2, 1, {1: (101, 201)})
+    assert plan_rebalance(full, short_chains={1: 3}) == []
+
+
+def test_an_add_only_move_joins_syncs_and_finishes_without_removing_anything() -> None:
+    move = Move(1, 0, 401, 2, "regrow")
+    short = _cluster(4, 1, {1: (101, 201)})
+    action = step(short, move)
+    assert action.kind is ActionKind.ADD and action.target == 401 and action.move.phase is Phase.SYNCING
+    syncing = _cluster(4, 1, {1: (101, 201, 401)}, states={401: S.SYNCING})
+    assert step(syncing, action.move).kind is ActionKind.WAIT
+    serving = _cluster(4, 1, {1: (101, 201, 401)})
+    done = step(serving, action.move)
+    assert done.kind is ActionKind.UPDATE and done.move.phase is Phase.DONE
+    failed = _cluster(4, 1, {1: (101, 201, 401)}, states={401: S.OFFLINE})
+    retry = step(failed, action.move)
+    assert retry.kind is ActionKind.DROP_DEST and retry.target == 401 and retry.move.dest == 0
+    again = step(short, retry.move)  # node 4 avoided; node 3 takes it
+    assert again.kind is ActionKind.UPDATE and again.move.dest == 301
+    regrown = _cluster(4, 1, {1: (101, 201, 301)})  # back to its count by other means
+    assert step(regrown, move).move.phase is Phase.DONE
 
 
 # -- the exerciser ------------------------------------------------------------------------------------
@@ -224,19 +263,26 @@ class Exerciser:
         """Run one mgmtd entry point and check what it did to the chains' serving replicas."""
         before = self.serving()
         members_before = {c: list(chain.target_ids) for c, chain in self.state.chains.items()}
+        moves_before = [m for m in self.state.moves.book.moves if m.active]
         assert callable(fn)
         fn(*args)
         after = self.serving()
+        involved = moves_before + [m for m in self.state.moves.book.moves if m.active]
         for chain_id, was in before.items():
+            mine = [m for m in involved if m.chain_id == chain_id]
+            # The floor a move keeps: its chain's count when planned, one for a forced move; a chain
+            # a forced drain left short has fewer (until a rebalance regrows it).
+            floor = min([1 if m.force else m.replicas for m in mine] + [REPLICAS])
             lost = {t for t in was - after[chain_id] if not self._node_failed(t)}
             if lost:
                 # Only a move takes a live replica off the write path, and only while the chain
-                # keeps its replicas without it; a node that failed after the source was fenced
+                # keeps its floor without it; a node that failed after the source was fenced
                 # (the fence cannot be taken back once its node acted on it) explains the rest.
                 failed = sum(1 for t in members_before[chain_id] if self._node_failed(t))
-                assert len(after[chain_id]) + failed >= REPLICAS, (chain_id, sorted(was), sorted(after[chain_id]))
+                assert len(after[chain_id]) + failed >= floor, (chain_id, sorted(was), sorted(after[chain_id]))
+                assert any(m.source in lost for m in mine), f"chain {chain_id} lost {lost} to no move"
             if not self.failures:
-                assert len(after[chain_id]) >= REPLICAS, (chain_id, sorted(after[chain_id]))
+                assert len(after[chain_id]) >= min(floor, len(was)), (chain_id, sorted(after[chain_id]))
             members = [self.state.targets[t].info.node_id for t in self.state.chains[chain_id].target_ids]
             assert len(members) == len(set(members)), f"chain {chain_id} has two replicas on one node"
 
@@ -257,7 +303,7 @@ class Exerciser:
 
     def random_op(self) -> None:
         rng, moves = self.rng, self.state.moves
-        ops = ["tick"] * 6 + ["add", "drain", "undrain", "rebalance", "restart-mgmtd"]
+        ops = ["tick"] * 6 + ["add", "drain", "force-drain", "undrain", "rebalance", "restart-mgmtd"]
         ops += ["fail", "recover"] if self.failures else []
         op = rng.choice(ops)
         live = [n for n, node in self.nodes.items() if node.alive]
@@ -266,6 +312,8 @@ class Exerciser:
                 self.add_node()
             elif op == "drain":
                 self.call(self.request, moves.drain, [rng.choice([*list(self.nodes), 99])], [], False)
+            elif op == "force-drain":
+                self.call(self.request, moves.drain, [rng.choice(list(self.nodes))], [], True)
             elif op == "undrain":
                 self.call(self.request, moves.undrain, [rng.choice(list(self.nodes))], [])
             elif op == "rebalance":
@@ -300,15 +348,28 @@ class Exerciser:
                 return
         raise AssertionError(f"moves did not finish: {[m for m in self.state.moves.book.moves if m.active]}")
 
+    def regrow(self) -> None:
+        """Add capacity enough for every short chain, rebalance, and let the moves finish."""
+        for _ in range(REPLICAS):
+            self.add_node()
+        self.settle()  # the new nodes register
+        for _ in range(REPLICAS):  # one move per chain at a time: a chain short by two takes two rounds
+            self.call(self.request, self.state.moves.rebalance, 0, 0, False)
+            self.settle()
+
 
 @pytest.mark.parametrize("failures", [False, True], ids=["no-failures", "failures"])
 def test_random_moves_keep_replicas_and_finish(failures: bool) -> None:
-    finished = restarts = 0
+    finished = restarts = regrown = 0
     for seed in range(20):
         ex = Exerciser(seed, failures)
         for _ in range(120):
             ex.random_op()
         ex.settle()
+        short = {c for c, chain in ex.state.chains.items() if len(chain.target_ids) < REPLICAS}
+        regrown += len(short)
+        if short:
+            ex.regrow()
         book = ex.state.moves.book
         assert not any(m.phase is Phase.FAILED for m in book.moves) or failures
         draining = book.draining_nodes
@@ -325,6 +386,7 @@ def test_random_moves_keep_replicas_and_finish(failures: bool) -> None:
         reloaded.load(ex.now_ms)
         assert reloaded.moves.book == book
     assert finished > 20 and restarts > 20  # the sequences did move replicas, across restarts
+    assert regrown > 0  # forced drains left chains short, and rebalances regrew them
 
 
 def test_a_new_primary_installs_the_moves_from_the_shared_records() -> None:
@@ -347,6 +409,28 @@ def test_a_new_primary_installs_the_moves_from_the_shared_records() -> None:
     primary.install(records, None, 0, epoch=2)
     assert primary.moves.book == state.moves.book
     assert primary.moves.book.draining_nodes == {1} and primary.moves.book.busy_chains()
+
+
+def test_rebalance_regrows_chains_a_forced_drain_left_short_once_a_node_is_added() -> None:
+    ex = Exerciser(0, failures=False)  # 4 nodes of 3 targets: every target in one of 4 chains of 3
+    ex.call(ex.request, ex.state.moves.drain, [4], [], True)  # no free target anywhere: forced
+    ex.settle()
+    short = {c for c, chain in ex.state.chains.items() if len(chain.target_ids) < REPLICAS}
+    assert len(short) == 3
+    ex.call(ex.request, ex.state.moves.rebalance, 0, 0, False)
+    assert not ex.state.moves.book.busy_chains()  # no capacity yet: nothing to do, the record stays
+    ex.add_node()
+    ex.settle()
+    plan = ex.state.moves.rebalance(ex.state, 0, 0, True)  # --dry-run
+    assert {m.chain_id for m in plan} == short and all(m.source == 0 and m.dest // 100 == 5 for m in plan)
+    ex.call(ex.request, ex.state.moves.rebalance, 0, 0, False)
+    ex.settle()
+    for chain_id, serving in ex.serving().items():
+        nodes = {ex.state.targets[t].info.node_id for t in ex.state.chains[chain_id].target_ids}
+        assert len(serving) == REPLICAS == len(nodes) and 4 not in nodes, chain_id
+    assert ex.state.moves.book.short_chains == {c: REPLICAS for c in short}  # dropped at the next rebalance
+    ex.call(ex.request, ex.state.moves.rebalance, 0, 0, False)
+    assert ex.state.moves.book.short_chains == {}
 
 
 def test_a_forced_move_never_removes_the_last_serving_replica() -> None:
@@ -406,3 +490,27 @@ def test_a_destination_lost_after_the_fence_is_replaced_once_the_source_serves_a
     fenced = _cluster(5, 1, {1: (101, 201, 301, 401)}, dead={4},
                       states={101: S.OFFLINE, 301: S.OFFLINE, 401: S.OFFLINE})
     assert step(fenced, Move(1, 101, 401, 3, phase=Phase.REMOVING)).kind is ActionKind.WAIT
+
+
+def test_the_listings_show_an_add_only_move(capsys: pytest.CaptureFixture[str]) -> None:
+    """`rebalance --dry-run` says "add a replica of chain C on target T"; `fs3 admin chains` and
+    `targets` show the joining target (an add-only move has no source)."""
+    import argparse
+    import asyncio
+
+    from fs3.cli.moves import chain_move_notes, run_move_command, target_move_notes
+    from fs3.mgmtd.moves import MoveDriver
+
+    rsp = MoveDriver().status("would move 1 replica(s)", [Move(7, 0, 401, 2, "regrow")])
+
+    class Admin:
+        async def rebalance(self, max_moves: int, rate: int, dry_run: bool) -> mpb.MovesRsp:
+            assert dry_run
+            return rsp
+
+    args = argparse.Namespace(command="rebalance", json=False, max_moves=0, rate=0, dry_run=True, wait=False)
+    assert asyncio.run(run_move_command(Admin(), args)) == 0
+    assert "chain 7: add a replica of chain 7 on target 401 [regrow] pending" in capsys.readouterr().out
+    assert chain_move_notes(rsp) == {7: "add 401 pending (regrow)"}
+    targets = [cpb.TargetInfo(target_id=401, node_id=4), cpb.TargetInfo(target_id=101, node_id=1, chain_id=7)]
+    assert target_move_notes(rsp, targets) == {401: "regrow pending"}

@@ -38,7 +38,8 @@ def add_move_commands(admin_sub: Any) -> None:
     undrain.add_argument("nodes", nargs="*", type=int, help="storage node ids")
     undrain.add_argument("--target", type=int, action="append", default=[], help="a target id (repeatable)")
     rebalance = admin_sub.add_parser("rebalance", parents=[wait],
-                                     help="move chain replicas onto the least loaded nodes (new storage)")
+                                     help="regrow chains a forced drain left short, then move chain replicas onto the "
+                                          "least loaded nodes (new storage)")
     rebalance.add_argument("--max-moves", type=int, default=0, help="at most this many moves (0: all the plan finds)")
     rebalance.add_argument("--rate", type=int, default=0, metavar="BYTES/S",
                            help="resync copy rate of every storage node while moves run (0: each node's own "
@@ -61,9 +62,11 @@ def target_move_notes(rsp: mpb.MovesRsp, targets: Iterable[cpb.TargetInfo]) -> d
         if m.phase in _FINISHED:
             continue
         to = str(m.to_target_id) if m.to_target_id else "?"
-        notes.setdefault(m.from_target_id, []).append(f"-> {to} {m.phase}")
+        if m.from_target_id:
+            notes.setdefault(m.from_target_id, []).append(f"-> {to} {m.phase}")
         if m.to_target_id:
-            notes.setdefault(m.to_target_id, []).append(f"<- {m.from_target_id} {m.phase}")
+            came = f"<- {m.from_target_id}" if m.from_target_id else "regrow"
+            notes.setdefault(m.to_target_id, []).append(f"{came} {m.phase}")
     return {target: ", ".join(parts) for target, parts in notes.items()}
 
 
@@ -73,7 +76,8 @@ def chain_move_notes(rsp: mpb.MovesRsp) -> dict[int, str]:
     for m in rsp.moves:
         if m.phase not in _FINISHED:
             to = str(m.to_target_id) if m.to_target_id else "?"
-            notes.setdefault(m.chain_id, []).append(f"{m.from_target_id} -> {to} {m.phase} ({m.reason})")
+            what = f"{m.from_target_id} -> {to}" if m.from_target_id else f"add {to}"
+            notes.setdefault(m.chain_id, []).append(f"{what} {m.phase} ({m.reason})")
     return {chain: ", ".join(parts) for chain, parts in notes.items()}
 
 
@@ -92,7 +96,11 @@ def _print(rsp: mpb.MovesRsp, out_json: bool, show_rate: bool = True) -> None:
         to = str(m.to_target_id) if m.to_target_id else "-"
         tries = f" (try {m.attempts + 1})" if m.attempts else ""
         note = f": {m.note}" if m.note else ""
-        print(f"  chain {m.chain_id}: {m.from_target_id} -> {to} [{m.reason}] {m.phase}{tries}{note}")
+        if m.from_target_id == 0:  # an add-only move: a short chain regrows
+            print(f"  chain {m.chain_id}: add a replica of chain {m.chain_id} on target {to} [{m.reason}] "
+                  f"{m.phase}{tries}{note}")
+        else:
+            print(f"  chain {m.chain_id}: {m.from_target_id} -> {to} [{m.reason}] {m.phase}{tries}{note}")
     draining = [f"{what} {', '.join(map(str, ids))}" for what, ids in
                 (("nodes", sorted(rsp.draining_node_ids)), ("targets", sorted(rsp.draining_target_ids))) if ids]
     if draining:

@@ -105,8 +105,10 @@ class MoveDriver:
         self.book.draining_nodes.update(nodes)
         self.book.draining_targets.update(targets)
         self.book.moves.extend(plan.moves)
-        self.dirty = True
         forced = [m for m in plan.moves if m.dest == 0]
+        for m in forced:  # the count a later rebalance gives the chain back (add-only moves)
+            self.book.short_chains[m.chain_id] = max(m.replicas, self.book.short_chains.get(m.chain_id, 0))
+        self.dirty = True
         log.warning("drain of nodes %s, targets %s: %d replica moves%s", nodes, targets, len(plan.moves),
                     f" ({len(forced)} forced without a replacement)" if forced else "")
         message = f"{len(plan.moves)} replica move(s) planned"
@@ -148,8 +150,16 @@ class MoveDriver:
         return f"{stopped} move(s) cancelled" + (f"; {running} already removing their source finish" if running else "")
 
     def rebalance(self, state: MgmtdState, max_moves: int, rate_bytes_per_s: int, dry_run: bool) -> list[Move]:
-        moves = plan_rebalance(self.cluster(state), max_moves, self.book.busy_chains())
+        """Regrow the chains a forced drain left short (add-only moves), then balance the nodes."""
+        # A record is dropped once its chain is gone or back to its count with no move under way (a
+        # busy chain's target count includes a destination still syncing, or a source leaving).
+        busy = self.book.busy_chains()
+        short = {c: n for c, n in self.book.short_chains.items()
+                 if c in state.chains and (c in busy or len(state.chains[c].target_ids) < n)}
+        moves = plan_rebalance(self.cluster(state), max_moves, busy, short)
         if not dry_run:
+            if short != self.book.short_chains:
+                self.book.short_chains = short  # regrown (or gone) since: forget them
             self._prune()
             self.book.moves.extend(moves)
             self.book.resync_rate_bytes_per_s = rate_bytes_per_s

@@ -7,6 +7,12 @@ fenced and taken out. So a chain never has fewer serving replicas than it had ta
 move was planned (``Move.replicas``) because of a move — unless the operator forced it, or no
 other node can take the replica (then the drain is refused, or waits).
 
+An *add-only* move (``source`` 0, reason ``regrow``) gives a chain back the replica a forced
+drain took away: the destination joins and syncs, and once it serves the move is done — nothing
+is fenced or removed. The count a chain regrows to is the one the forced drain recorded
+(:attr:`MoveBook.short_chains`: ``Move.replicas`` of the forced move), not the chain table's
+(tables may hold explicit chains of different lengths, and store no count of their own).
+
 mgmtd (:mod:`fs3.mgmtd.state`) feeds a :class:`Cluster` snapshot and each move to :func:`step`
 on every scan and carries out the :class:`Action` it returns; the plans (:func:`plan_drain`,
 :func:`plan_rebalance`) and the replacement rule (:func:`pick_replacement`) are functions of the
@@ -67,10 +73,10 @@ class Move:
     """One replica move; persisted by mgmtd as it advances."""
 
     chain_id: int
-    source: int
+    source: int                   # 0: an add-only move (regrow a short chain): nothing leaves
     dest: int = 0                 # 0: none chosen yet
     replicas: int = 0             # the chain's target count when planned: the floor of serving replicas
-    reason: str = "drain"         # drain, rebalance, undrain
+    reason: str = "drain"         # drain, rebalance, undrain, regrow
     phase: Phase = Phase.PENDING
     attempts: int = 0             # destinations tried
     avoid_nodes: tuple[int, ...] = ()  # nodes whose destination failed
@@ -225,11 +231,16 @@ def plan_drain(cluster: Cluster, node_ids: Iterable[int] = (), target_ids: Itera
     return DrainPlan(tuple(moves), tuple(refusals))
 
 
-def plan_rebalance(cluster: Cluster, max_moves: int = 0, busy_chains: Iterable[int] = ()) -> list[Move]:
-    """Moves from the most to the least loaded nodes until their loads differ by at most one.
+def plan_rebalance(cluster: Cluster, max_moves: int = 0, busy_chains: Iterable[int] = (),
+                   short_chains: Mapping[int, int] | None = None) -> list[Move]:
+    """Add-only moves for the chains short of their count, then moves from the most to the least
+    loaded nodes until their loads differ by at most one.
 
-    Only chains whose every target serves are moved (one move per chain); a node is a destination
-    only while it has a free target. At most ``max_moves`` (0: up to :data:`REBALANCE_MOVES_MAX`).
+    ``short_chains`` maps a chain to the target count it should have (what a forced drain left it
+    short of); each such chain with fewer targets, not busy and with a serving target to sync from,
+    gets one add-only move whose destination is :func:`pick_replacement`'s. Only chains whose every
+    target serves are moved (one move per chain); a node is a destination only while it has a free
+    target. At most ``max_moves`` in all (0: up to :data:`REBALANCE_MOVES_MAX`).
     """
     limit = min(max_moves or REBALANCE_MOVES_MAX, REBALANCE_MOVES_MAX)
     chains = {c: list(ids) for c, ids in cluster.chains.items()}
@@ -237,6 +248,19 @@ def plan_rebalance(cluster: Cluster, max_moves: int = 0, busy_chains: Iterable[i
     busy = set(busy_chains)
     reserved: list[int] = []
     moves: list[Move] = []
+    for chain_id, count in sorted((short_chains or {}).items()):
+        ids = chains.get(chain_id)
+        if len(moves) >= limit or ids is None or len(ids) >= count or chain_id in busy \
+                or chain_serving(cluster, chain_id) == 0:
+            continue
+        dest = pick_replacement(cluster, chain_id, reserved=reserved, load=load)
+        if dest is None:
+            continue  # no node can take it yet: a later rebalance, after capacity is added
+        moves.append(Move(chain_id, 0, dest, len(ids), "regrow"))
+        busy.add(chain_id)
+        reserved.append(dest)
+        chains[chain_id].append(dest)
+        load[cluster.targets[dest]] = load.get(cluster.targets[dest], 0) + 1
     while len(moves) < limit:
         view = replace(cluster, chains={c: tuple(ids) for c, ids in chains.items()})
         free = _free_targets(view, reserved)
@@ -295,6 +319,8 @@ def step(cluster: Cluster, move: Move) -> Action:
     chain = cluster.chains.get(move.chain_id)
     if chain is None:
         return Action(ActionKind.UPDATE, replace(move, phase=Phase.FAILED, note=f"chain {move.chain_id} is gone"))
+    if move.source == 0:
+        return _step_add(cluster, move, chain)
     if move.source not in chain:
         if move.dest and move.dest in chain and cluster.state(move.dest) is not PublicState.SERVING:
             # The source left by other means (an operator); the destination still syncs: keep it.
@@ -335,6 +361,33 @@ def step(cluster: Cluster, move: Move) -> Action:
     return Action(ActionKind.WAIT, replace(move, phase=Phase.SYNCING))
 
 
+def _step_add(cluster: Cluster, move: Move, chain: tuple[int, ...]) -> Action:
+    """An add-only move: the destination joins and syncs; serving, it is done (nothing leaves)."""
+    if move.dest and move.dest in chain:
+        dest_state = cluster.state(move.dest)
+        if dest_state is PublicState.SERVING:
+            return Action(ActionKind.UPDATE, replace(move, phase=Phase.DONE, note=""))
+        if dest_state in (PublicState.OFFLINE, PublicState.LASTSRV) or not cluster.alive(move.dest):
+            return _retry(cluster, move, f"target {move.dest} failed while syncing")
+        return Action(ActionKind.WAIT, replace(move, phase=Phase.SYNCING))
+    if move.phase is not Phase.PENDING:  # it was in the chain and was taken out by other means
+        return _retry(cluster, move, f"target {move.dest} left the chain while syncing")
+    if len(chain) > move.replicas:
+        return Action(ActionKind.UPDATE, replace(move, dest=0, phase=Phase.DONE,
+                                                 note=f"chain {move.chain_id} already has {len(chain)} targets"))
+    if move.dest == 0 or not cluster.alive(move.dest) or move.dest in cluster.chain_of() \
+            or cluster.draining(move.dest) or move.dest in cluster.unready:
+        dest = pick_replacement(cluster, move.chain_id, avoid_nodes=move.avoid_nodes)
+        if dest is None:
+            dest = pick_replacement(cluster, move.chain_id)  # an avoided node may be back
+        if dest is None:
+            note = f"no live node without a replica of chain {move.chain_id} has a free target"
+            return Action(ActionKind.WAIT if move.note == note else ActionKind.UPDATE,
+                          replace(move, dest=0, note=note))
+        return Action(ActionKind.UPDATE, replace(move, dest=dest, note=""))
+    return Action(ActionKind.ADD, replace(move, phase=Phase.SYNCING, note=""), move.dest)
+
+
 def _remove_source(cluster: Cluster, move: Move) -> Action:
     if not removal_allowed(cluster, move):
         note = (f"chain {move.chain_id} would keep {chain_serving(cluster, move.chain_id, move.source)} serving "
@@ -371,6 +424,8 @@ class MoveBook:
     draining_nodes: set[int] = field(default_factory=set)
     draining_targets: set[int] = field(default_factory=set)
     resync_rate_bytes_per_s: int = 0
+    # chain id -> the target count a forced drain left it short of: rebalance regrows it.
+    short_chains: dict[int, int] = field(default_factory=dict)
 
     def busy_chains(self) -> set[int]:
         return {m.chain_id for m in self.moves if m.active}
@@ -387,7 +442,9 @@ def encode_book(book: MoveBook) -> bytes:
               "note": m.note} for m in book.moves]
     return json.dumps({"format": BOOK_FORMAT, "moves": moves, "draining_nodes": sorted(book.draining_nodes),
                        "draining_targets": sorted(book.draining_targets),
-                       "resync_rate_bytes_per_s": book.resync_rate_bytes_per_s}, sort_keys=True).encode()
+                       "resync_rate_bytes_per_s": book.resync_rate_bytes_per_s,
+                       "short_chains": {str(c): n for c, n in sorted(book.short_chains.items())}},
+                      sort_keys=True).encode()
 
 
 def decode_book(raw: bytes) -> MoveBook:
@@ -397,5 +454,7 @@ def decode_book(raw: bytes) -> MoveBook:
     moves = [Move(int(m["chain"]), int(m["source"]), int(m["dest"]), int(m["replicas"]), str(m["reason"]),
                   Phase(m["phase"]), int(m["attempts"]), tuple(int(n) for n in m["avoid"]), bool(m["force"]),
                   str(m["note"])) for m in doc["moves"]]
+    # (A book written before short chains were recorded has none.)
+    short = {int(c): int(n) for c, n in doc.get("short_chains", {}).items()}
     return MoveBook(moves, {int(n) for n in doc["draining_nodes"]}, {int(t) for t in doc["draining_targets"]},
-                    int(doc["resync_rate_bytes_per_s"]))
+                    int(doc["resync_rate_bytes_per_s"]), short)
