@@ -482,8 +482,10 @@ class MgmtdServicer:
     async def rebalance(self, req: mpb.RebalanceReq, payload: memoryview) -> tuple[mpb.MovesRsp, Buffer]:
         async with self._as_primary() as state:
             planned = state.moves.rebalance(state, req.max_moves, req.rate_bytes_per_s, req.dry_run)
-            what = "would move" if req.dry_run else "moving"
-            message = f"{what} {len(planned)} replica(s)"
+            added = sum(1 for move in planned if not move.source)  # add-only: regrowing a short chain
+            what = ("would move" if req.dry_run else "moving") + f" {len(planned) - added} replica(s)"
+            message = what + (f" and {'would add' if req.dry_run else 'adding'} {added} to chains left short"
+                              if added else "")
             if not req.dry_run:
                 state.scan(self.clock.now_ms())
                 rsp = state.moves.status(message)
