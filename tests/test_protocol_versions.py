@@ -8,8 +8,6 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +45,8 @@ from fs3.rpc.versions import (
 )
 from tests.conftest import make_client, wait_until
 from tests.harness import ProcessCluster
+from tests.test_rpc import TOKEN, serving
 
-TOKEN = "versions-token"
 MGMTD = service_spec("Mgmtd")
 
 
@@ -138,23 +136,6 @@ def test_every_service_reads_the_pin_from_its_toml(service: str, tmp_path: Path,
 
 
 # -- the transports ------------------------------------------------------------------------------
-
-@asynccontextmanager
-async def serving(protocols: VersionRange | None = None) -> AsyncIterator[tuple[str, str, MgmtdServicer]]:
-    servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
-    servicer.start()
-    dispatcher = Dispatcher(token=TOKEN)
-    dispatcher.add_service(MGMTD, servicer)
-    framed, grpc_server = FramedServer(dispatcher, protocols=protocols), GrpcServer(dispatcher, protocols=protocols)
-    framed_port = await framed.start("127.0.0.1", 0)
-    grpc_port = await grpc_server.start("127.0.0.1", 0)
-    try:
-        yield f"127.0.0.1:{framed_port}", f"127.0.0.1:{grpc_port}", servicer
-    finally:
-        await framed.stop()
-        await grpc_server.stop()
-        await servicer.stop()
-
 
 async def _frames_after(address: str, data: bytes) -> list[tuple[int, int, int, bytes]]:
     """Send raw bytes; the (kind, method_id, status, message) frames received until the server hangs up."""

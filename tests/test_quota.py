@@ -1252,6 +1252,20 @@ def test_random_operations_keep_usage_exact_and_within_limits(seed: int) -> None
     assert outcomes["ran"] > 0 and outcomes["refused"] > 0, outcomes  # both sides of every check ran
 
 
+def _seeds_failing_the_model(seeds: range, steps: int) -> int:
+    """How many of ``seeds`` the exerciser's model check fails on (a planted bug must fail some)."""
+    caught = 0
+    for seed in seeds:
+        async def body(meta: Meta, s: int = seed) -> None:
+            await exercise(meta, s, steps)
+
+        try:
+            run(body)
+        except AssertionError:
+            caught += 1
+    return caught
+
+
 def test_the_exerciser_catches_a_planted_accounting_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     """Entries removed no longer counted: the model check must fail on some seed."""
     real = quota.Ledger.entry
@@ -1261,16 +1275,7 @@ def test_the_exerciser_catches_a_planted_accounting_bug(monkeypatch: pytest.Monk
             real(self, directory, delta)
 
     monkeypatch.setattr(quota.Ledger, "entry", forgetful)
-    caught = 0
-    for seed in range(4):
-        async def body(meta: Meta, s: int = seed) -> None:
-            await exercise(meta, s, 80)
-
-        try:
-            run(body)
-        except AssertionError:
-            caught += 1
-    assert caught > 0
+    assert _seeds_failing_the_model(range(4), steps=80) > 0
 
 
 def test_the_exerciser_catches_credits_never_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1281,16 +1286,7 @@ def test_the_exerciser_catches_credits_never_given_back(monkeypatch: pytest.Monk
         await real(ns, inode_id, session_id, grown, False)
 
     monkeypatch.setattr(quota, "settle_reservation", keeping)
-    caught = 0
-    for seed in range(4):
-        async def body(meta: Meta, s: int = seed) -> None:
-            await exercise(meta, s, 80)
-
-        try:
-            run(body)
-        except AssertionError:
-            caught += 1
-    assert caught > 0
+    assert _seeds_failing_the_model(range(4), steps=80) > 0
 
 
 def test_cli_parses_every_quota_command() -> None:

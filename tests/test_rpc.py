@@ -30,19 +30,22 @@ from fs3.rpc.framed import FramedChannel, FramedLimits, FramedServer
 from fs3.rpc.framing import HEADER, MAGIC, FrameKind, pack_header, unpack_header
 from fs3.rpc.grpc_transport import GrpcChannel, GrpcServer
 from fs3.rpc.methods import MethodSpec, method_by_id, service_spec
+from fs3.rpc.versions import VersionRange
 
 MGMTD = service_spec("Mgmtd")
 TOKEN = "s3cret"
 
 
 @asynccontextmanager
-async def serving(token: str | None = TOKEN, limits: FramedLimits | None = None) -> AsyncIterator[
-        tuple[str, str, MgmtdServicer]]:
+async def serving(token: str | None = TOKEN, limits: FramedLimits | None = None,
+                  protocols: VersionRange | None = None) -> AsyncIterator[tuple[str, str, MgmtdServicer]]:
+    """An mgmtd servicer on both transports (``protocols``: the versions the servers speak)."""
     servicer = MgmtdServicer(MemKVStore(), MgmtdConfig(kv_engine="mem"))
     servicer.start()
     dispatcher = Dispatcher(token=token)
     dispatcher.add_service(MGMTD, servicer)
-    framed, grpc_server = FramedServer(dispatcher, limits), GrpcServer(dispatcher)
+    framed = FramedServer(dispatcher, limits, protocols=protocols)
+    grpc_server = GrpcServer(dispatcher, protocols=protocols)
     framed_port = await framed.start("127.0.0.1", 0)
     grpc_port = await grpc_server.start("127.0.0.1", 0)
     try:
