@@ -28,7 +28,7 @@ from fs3.meta.dump import is_dumped_key
 from fs3.meta.formats import META_FORMAT
 from fs3.meta.service import MetaServiceConfig
 from tests.inproc import InProcessCluster
-from tests.test_meta_dump import engine_with, random_store, read_back
+from tests.test_meta_dump import engine_with, failing_snapshots, random_store, read_back
 
 pytestmark = pytest.mark.slow  # an in-process cluster
 
@@ -106,16 +106,8 @@ def test_backups_in_fs3_keep_the_newest_and_prune_leftovers(tmp_path: Path) -> N
             assert read_back((await fs.read_bytes(f"{BACKUPS}/{name}")).splitlines(keepends=True))
 
         # A backup whose dump fails leaves no temporary file and removes no older backup.
-        async def broken() -> Any:
-            snap = await engine.snapshot()
-
-            async def scan(*args: Any, **kwargs: Any) -> Any:
-                raise IoError("read failed (injected)")
-            snap.scan = scan  # type: ignore[method-assign]
-            return snap
-
         with pytest.raises(IoError):
-            await backup_to(broken, directory, 1, "c", now_ns=lambda: next(clock))
+            await backup_to(failing_snapshots(engine), directory, 1, "c", now_ns=lambda: next(clock))
         assert [n for n in await _names(fs) if is_backup_name(n)] == made[1:]
         assert sum(n.endswith(".tmp") for n in await _names(fs)) == 1  # only the newer writer's
 

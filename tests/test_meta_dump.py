@@ -13,6 +13,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -414,16 +415,22 @@ def test_a_dump_that_cannot_make_its_file_lets_the_snapshot_go(tmp_path: Path) -
     assert closed == [True]
 
 
-def test_failed_backup_removes_nothing(tmp_path: Path) -> None:
-    engine = engine_with(random_store(random.Random(7), 10))
-
+def failing_snapshots(engine: Any) -> Callable[[], Awaitable[Any]]:
+    """A snapshot source of ``engine`` whose snapshots fail every read (a dump that breaks midway)."""
     async def broken() -> Any:
         snap = await engine.snapshot()
 
         async def scan(*args: Any, **kwargs: Any) -> Any:
             raise IoError("read failed (injected)")
-        snap.scan = scan  # type: ignore[method-assign]
+        snap.scan = scan
         return snap
+
+    return broken
+
+
+def test_failed_backup_removes_nothing(tmp_path: Path) -> None:
+    engine = engine_with(random_store(random.Random(7), 10))
+    broken = failing_snapshots(engine)
 
     async def main() -> None:
         await backup_once(engine.snapshot, tmp_path, 1, "c", now_ns=lambda: 10**18)
